@@ -1,0 +1,83 @@
+"""gradgen's Python API: build a backward graph, run a model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import onnx_ir as ir
+
+from gradgen.errors import GradgenError
+from gradgen.executor import Session
+from gradgen.model_io import ModelLike, load_model
+from gradgen.passes import (
+    CleanupPass,
+    GradientPass,
+    GradientSpec,
+    NameNodesPass,
+    Pipeline,
+    ShapeInferencePass,
+    TopologicalSortPass,
+    UpgradeOpsetPass,
+)
+
+
+@dataclasses.dataclass
+class BackwardModel:
+    """A forward + backward model, with the loss and the tensors it differentiates."""
+
+    model: ir.Model
+    loss: str
+    wrt: list[str]
+
+    @property
+    def gradient_names(self) -> list[str]:
+        return [f"{name}_grad" for name in self.wrt]
+
+
+def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
+    """The default pipeline: prepare the forward graph, add the backward graph, clean up."""
+    gradient = GradientPass(spec)
+    pipeline = Pipeline(
+        UpgradeOpsetPass(),
+        NameNodesPass(),
+        TopologicalSortPass(),
+        ShapeInferencePass(),
+        gradient,
+        CleanupPass(),
+        ShapeInferencePass(),
+    )
+    return pipeline, gradient
+
+
+def run_pipeline(pipeline: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
+    """Run passes; a gradgen error raised inside a pass surfaces as itself, not as a PassError."""
+    try:
+        return pipeline(model)
+    except ir.passes.PassError as exc:
+        cause = exc
+        while cause is not None and not isinstance(cause, GradgenError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def build_backward(
+    model: ModelLike,
+    *,
+    loss: str | None = None,
+    wrt: Sequence[str] | None = None,
+    freeze: Sequence[str] = (),
+    wrt_inputs: bool = False,
+) -> BackwardModel:
+    """Return ``model`` with its backward graph appended (the input model is not modified)."""
+    source = load_model(model)
+    forward = ir.from_proto(ir.to_proto(source))  # a copy: passes work in place
+    spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
+    pipeline, gradient = backward_pipeline(spec)
+    result = run_pipeline(pipeline, forward)
+    return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names)
+
+
+__all__ = ["BackwardModel", "Session", "backward_pipeline", "build_backward", "run_pipeline"]

@@ -1,0 +1,250 @@
+"""Session: plan a model once (order, kernel per node, buffer lifetimes), then run it many times."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
+from gradgen.kernels import registry
+from gradgen.model_io import ModelLike, load_model
+
+
+@dataclasses.dataclass
+class Step:
+    """One node of the plan: its kernel, its inputs/outputs by name, and what dies after it."""
+
+    node_name: str
+    domain: str
+    op_type: str
+    kernel: Any
+    inputs: list[str | None]
+    outputs: list[str]
+    attributes: dict[str, Any]
+    free_after: list[str]
+
+
+def attribute_value(attr: ir.Attr) -> Any:
+    """An ir attribute as a plain Python/numpy value (tensors become numpy arrays)."""
+    value = attr.value
+    if attr.type == ir.AttributeType.TENSOR:
+        return value.numpy()
+    if attr.type == ir.AttributeType.TENSORS:
+        return [t.numpy() for t in value]
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def node_label(node: ir.Node) -> str:
+    domain = registry.normalize_domain(node.domain)
+    op = f"{domain}::{node.op_type}" if domain else node.op_type
+    return f"node {node.name or '<unnamed>'!r} ({op})"
+
+
+def resolve_device(device: str) -> str:
+    """Map 'auto' to 'cuda' when a GPU answers, else 'cpu' (saying so); validate the name."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"unknown device {device!r}: choose auto, cpu or cuda")
+    if device == "cpu":
+        return "cpu"
+    from gradgen.executor.cuda_probe import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return "cuda"
+    if device == "cuda":
+        raise UsageError(f"--device cuda: no usable GPU ({reason})")
+    warnings.warn(f"no usable GPU ({reason}); running on the CPU", stacklevel=3)
+    return "cpu"
+
+
+class Session:
+    """Runs an ONNX model (forward or built backward graph) on gradgen's executor.
+
+    >>> sess = Session("model_grad.onnx")
+    >>> outputs = sess.run({"x": x})           # dict name -> numpy array
+    """
+
+    def __init__(self, model: ModelLike, device: str = "cpu"):
+        self.model = load_model(model)
+        self.graph = self.model.graph
+        self.device = resolve_device(device)
+        if self.device == "cuda":
+            raise UsageError("the CUDA executor is not available in this version; use --device cpu")
+        self.opsets = {registry.normalize_domain(d): v for d, v in self.model.opset_imports.items()}
+        self.initializers = {
+            name: value.const_value.numpy()
+            for name, value in self.graph.initializers.items()
+            if value.const_value is not None
+        }
+        self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
+        self.output_names = [v.name for v in self.graph.outputs]
+        self.steps = self._plan()
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.input_values]
+
+    def _plan(self) -> list[Step]:
+        nodes = list(self.graph)
+        missing = []
+        for node in nodes:
+            entry = registry.lookup(node.domain, node.op_type)
+            if entry is None or entry.cpu is None:
+                missing.append((registry.normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+        if missing:
+            raise UnsupportedOpsError("a CPU kernel", missing)
+        steps = []
+        for node in _topological_order(nodes, self.graph):
+            entry = registry.lookup(node.domain, node.op_type)
+            attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+            if entry.wants_num_outputs:
+                attrs["_num_outputs"] = len(node.outputs)
+            if entry.wants_opset:
+                attrs["_opset"] = self.opsets.get(registry.normalize_domain(node.domain), 1)
+            steps.append(Step(
+                node_name=node.name or "<unnamed>",
+                domain=registry.normalize_domain(node.domain),
+                op_type=node.op_type,
+                kernel=entry.cpu,
+                inputs=[v.name if v is not None else None for v in node.inputs],
+                outputs=[v.name for v in node.outputs],
+                attributes=attrs,
+                free_after=[],
+            ))
+        _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
+        return steps
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays."""
+        env: dict[str, np.ndarray] = dict(self.initializers)
+        env.update(validate_feeds(self.input_values, feeds))
+        for step in self.steps:
+            args = [env[name] if name else None for name in step.inputs]
+            try:
+                result = step.kernel(*args, **step.attributes)
+            except KernelError as exc:
+                raise KernelError(f"node {step.node_name!r} ({_qualified(step)}): {exc}") from None
+            except GradgenError:
+                raise
+            except Exception as exc:
+                shapes = ", ".join("None" if a is None else f"{a.dtype}{list(a.shape)}" for a in args)
+                raise RunError(
+                    f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            results = result if isinstance(result, tuple) else (result,)
+            for name, value in zip(step.outputs, results):
+                if name:
+                    env[name] = np.asarray(value)
+            for name in step.free_after:
+                env.pop(name, None)
+        wanted = outputs if outputs is not None else self.output_names
+        unknown = [n for n in wanted if n not in env]
+        if unknown:
+            raise UsageError(f"unknown output name(s): {', '.join(unknown)}")
+        return {name: env[name] for name in wanted}
+
+
+def _qualified(step: Step) -> str:
+    return f"{step.domain}::{step.op_type}" if step.domain else step.op_type
+
+
+def _topological_order(nodes: list[ir.Node], graph: ir.Graph) -> list[ir.Node]:
+    """Kahn's algorithm, stable in graph order; a cycle or a dangling input is a ModelError."""
+    available = {v.name for v in graph.inputs} | set(graph.initializers)
+    producers: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        for out in node.outputs:
+            if out.name:
+                producers[out.name] = index
+    waiting_on: list[set[str]] = []
+    consumers: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        needs = set()
+        for value in node.inputs:
+            if value is None or not value.name or value.name in available:
+                continue
+            if value.name not in producers:
+                raise ModelError(f"{node_label(node)}: input {value.name!r} is produced by no node and is not a graph input or initializer")
+            needs.add(value.name)
+        waiting_on.append(needs)
+        for name in needs:
+            consumers.setdefault(name, []).append(index)
+    ready = [i for i, needs in enumerate(waiting_on) if not needs]
+    order: list[ir.Node] = []
+    heapq.heapify(ready)
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(nodes[index])
+        for out in nodes[index].outputs:
+            for consumer in consumers.get(out.name, []):
+                waiting_on[consumer].discard(out.name)
+                if not waiting_on[consumer]:
+                    heapq.heappush(ready, consumer)
+    if len(order) != len(nodes):
+        stuck = [node_label(nodes[i]) for i, needs in enumerate(waiting_on) if needs][:5]
+        raise ModelError(f"the graph has a cycle; stuck at {', '.join(stuck)}")
+    return order
+
+
+def _assign_lifetimes(steps: list[Step], keep: set[str]) -> None:
+    last_use: dict[str, int] = {}
+    for index, step in enumerate(steps):
+        for name in step.inputs:
+            if name:
+                last_use[name] = index
+        for name in step.outputs:
+            if name:
+                last_use.setdefault(name, index)
+    for name, index in last_use.items():
+        if name not in keep:
+            steps[index].free_after.append(name)
+
+
+def numpy_dtype(dtype: ir.DataType) -> np.dtype:
+    return np.dtype(dtype.numpy())
+
+
+def validate_feeds(input_values: list[ir.Value], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Check every graph input is fed with the declared dtype and a shape that fits; bind symbols."""
+    declared = {v.name: v for v in input_values}
+    unknown = sorted(set(feeds) - set(declared))
+    if unknown:
+        raise RunError(f"unknown input name(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
+    missing = [name for name in declared if name not in feeds]
+    if missing:
+        raise RunError(f"missing input(s) {', '.join(map(repr, missing))}")
+    symbols: dict[str, tuple[int, str]] = {}
+    checked = {}
+    for name, value in declared.items():
+        array = np.asarray(feeds[name])
+        if value.dtype is not None:
+            want = numpy_dtype(value.dtype)
+            if array.dtype != want:
+                raise RunError(f"input {name!r}: dtype {array.dtype}, but the model declares {want}")
+        if value.shape is not None:
+            _check_shape(name, array.shape, value.shape, symbols)
+        checked[name] = array
+    return checked
+
+
+def _check_shape(name: str, got: tuple[int, ...], declared: ir.Shape, symbols: dict[str, tuple[int, str]]) -> None:
+    want = [d if isinstance(d, int) else (d.value or "?") for d in declared]
+    if len(got) != len(want):
+        raise RunError(f"input {name!r}: rank {len(got)} (shape {list(got)}), but the model declares shape {want}")
+    for axis, (size, dim) in enumerate(zip(got, want)):
+        if isinstance(dim, int):
+            if size != dim:
+                raise RunError(f"input {name!r}: dimension {axis} is {size}, but the model declares {dim} (shape {want})")
+        elif dim != "?":
+            if dim in symbols and symbols[dim][0] != size:
+                bound, where = symbols[dim]
+                raise RunError(f"input {name!r}: dimension {axis} ({dim!r}) is {size}, but {where} set {dim!r} to {bound}")
+            symbols.setdefault(dim, (size, f"input {name!r}"))

@@ -1,0 +1,5 @@
+"""Gradient rules: conv."""
+
+from __future__ import annotations
+
+from gradgen.grads.registry import grad_rule

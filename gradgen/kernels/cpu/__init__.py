@@ -1,0 +1,12 @@
+"""numpy CPU kernels, one small function per op, grouped by family; importing registers them."""
+
+from gradgen.kernels.cpu import (  # noqa: F401
+    elementwise,
+    indexing,
+    loss,
+    matmul,
+    microsoft,
+    nn,
+    reduction,
+    shape,
+)

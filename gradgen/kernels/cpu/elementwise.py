@@ -1,0 +1,477 @@
+"""CPU kernels: elementwise math with numpy broadcasting (which is ONNX's multidirectional one).
+
+Every kernel returns the dtype ONNX specifies. Attribute values arrive as Python scalars, which
+numpy 2 treats as "weak", so ``alpha * x`` keeps a float32 ``x`` float32; where a computation has
+to go through another dtype (integer Div, Pow, Erf) the result is cast back explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import cpu_kernel
+
+# ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
+ONNX_TO_NUMPY = {
+    1: np.dtype(np.float32),
+    2: np.dtype(np.uint8),
+    3: np.dtype(np.int8),
+    4: np.dtype(np.uint16),
+    5: np.dtype(np.int16),
+    6: np.dtype(np.int32),
+    7: np.dtype(np.int64),
+    9: np.dtype(np.bool_),
+    10: np.dtype(np.float16),
+    11: np.dtype(np.float64),
+    12: np.dtype(np.uint32),
+    13: np.dtype(np.uint64),
+}
+_UNSUPPORTED_TYPE_NAMES = {
+    0: "UNDEFINED", 8: "STRING", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16",
+    17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "FLOAT8E5M2FNUZ",
+    21: "UINT4", 22: "INT4", 23: "FLOAT4E2M1", 24: "FLOAT8E8M0", 25: "UINT2", 26: "INT2",
+}
+
+
+def onnx_dtype(to: int) -> np.dtype:
+    """The numpy dtype of an ONNX element type code; KernelError for types gradgen lacks."""
+    try:
+        return ONNX_TO_NUMPY[int(to)]
+    except KeyError:
+        name = _UNSUPPORTED_TYPE_NAMES.get(int(to), f"code {int(to)}")
+        raise KernelError(f"element type {name} is not supported by gradgen's CPU kernels") from None
+
+
+def _float_like(x: np.ndarray) -> np.ndarray:
+    """x itself when it is floating point, else x as float64 (for integer inputs of float math)."""
+    return x if x.dtype.kind == "f" else x.astype(np.float64)
+
+
+def _unary(fn):
+    """Wrap a numpy float function so that the result keeps the input dtype."""
+
+    def kernel(x):
+        return fn(x).astype(x.dtype, copy=False)
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic
+
+
+@cpu_kernel("Add")
+def add(a, b):
+    return a + b
+
+
+@cpu_kernel("Sub")
+def sub(a, b):
+    return a - b
+
+
+@cpu_kernel("Mul")
+def mul(a, b):
+    return a * b
+
+
+@cpu_kernel("Div")
+def div(a, b):
+    if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+        if np.any(b == 0):
+            raise KernelError("integer division by zero")
+        # C semantics: the quotient is truncated toward zero (numpy's // floors).
+        q = np.floor_divide(a, b)
+        if a.dtype.kind == "i" or b.dtype.kind == "i":
+            fix = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
+            q = q + fix.astype(q.dtype)
+        return q.astype(np.result_type(a, b), copy=False)
+    return a / b
+
+
+@cpu_kernel("Mod")
+def mod(a, b, *, fmod=0):
+    if a.dtype.kind in "iu" and b.dtype.kind in "iu" and np.any(b == 0):
+        raise KernelError("integer modulo by zero")
+    if fmod:
+        return np.fmod(a, b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        raise KernelError("Mod with fmod=0 is only defined for integer inputs; set fmod=1 for floats")
+    # fmod=0: the result takes the sign of the divisor, like Python's %.
+    return np.mod(a, b)
+
+
+@cpu_kernel("Pow")
+def pow_(x, y):
+    if x.dtype.kind in "iu" and y.dtype.kind in "iu" and not np.any(y < 0):
+        return np.power(x, y.astype(x.dtype, copy=False)).astype(x.dtype, copy=False)
+    if x.dtype.kind == "f" and y.dtype.kind != "f":
+        return np.power(x, y.astype(x.dtype)).astype(x.dtype, copy=False)
+    if x.dtype.kind == "f" and y.dtype.kind == "f" and x.dtype.itemsize >= y.dtype.itemsize:
+        return np.power(x, y.astype(x.dtype, copy=False))
+    # The output has the base's dtype whatever the exponent's.
+    return np.power(x.astype(np.float64), y.astype(np.float64)).astype(x.dtype)
+
+
+@cpu_kernel("Neg")
+def neg(x):
+    return np.negative(x)
+
+
+@cpu_kernel("Abs")
+def abs_(x):
+    return np.abs(x)
+
+
+@cpu_kernel("Reciprocal")
+def reciprocal(x):
+    return np.reciprocal(x)
+
+
+@cpu_kernel("Sign")
+def sign(x):
+    return np.sign(x)
+
+
+@cpu_kernel("Floor")
+def floor(x):
+    return np.floor(x)
+
+
+@cpu_kernel("Ceil")
+def ceil(x):
+    return np.ceil(x)
+
+
+@cpu_kernel("Round")
+def round_(x):
+    return np.round(x)  # round half to even, like the spec
+
+
+def _variadic(fn, name):
+    def kernel(*xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            raise KernelError(f"{name} needs at least one input")
+        out = xs[0]
+        for x in xs[1:]:
+            out = fn(out, x)
+        return np.array(out, copy=True) if len(xs) == 1 else out
+
+    return kernel
+
+
+cpu_kernel("Max")(_variadic(np.maximum, "Max"))
+cpu_kernel("Min")(_variadic(np.minimum, "Min"))
+cpu_kernel("Sum")(_variadic(np.add, "Sum"))
+
+
+@cpu_kernel("Mean")
+def mean(*xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        raise KernelError("Mean needs at least one input")
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return (out / len(xs)).astype(xs[0].dtype, copy=False)
+
+
+@cpu_kernel("Clip")
+def clip(x, lo=None, hi=None, **attrs):
+    # opset < 11: min/max attributes; opset >= 11: optional inputs.
+    lo = attrs.get("min", lo) if lo is None else lo
+    hi = attrs.get("max", hi) if hi is None else hi
+    for bound, name in ((lo, "min"), (hi, "max")):
+        if bound is not None and np.size(bound) != 1:
+            raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(bound))}")
+    out = x
+    if lo is not None:
+        out = np.maximum(out, np.asarray(lo, dtype=x.dtype).reshape(()))
+    if hi is not None:
+        out = np.minimum(out, np.asarray(hi, dtype=x.dtype).reshape(()))
+    return np.array(out, dtype=x.dtype, copy=True) if out is x else out
+
+
+# ---------------------------------------------------------------------------------------------
+# unary float math
+
+
+@cpu_kernel("Sqrt")
+def sqrt(x):
+    return np.sqrt(x)
+
+
+@cpu_kernel("Exp")
+def exp(x):
+    return np.exp(x)
+
+
+@cpu_kernel("Log")
+def log(x):
+    return np.log(x)
+
+
+for _op, _fn in (
+    ("Tanh", np.tanh), ("Sin", np.sin), ("Cos", np.cos), ("Tan", np.tan), ("Asin", np.arcsin),
+    ("Acos", np.arccos), ("Atan", np.arctan), ("Sinh", np.sinh), ("Cosh", np.cosh),
+    ("Asinh", np.arcsinh), ("Acosh", np.arccosh), ("Atanh", np.arctanh),
+):
+    cpu_kernel(_op)(_unary(_fn))
+
+
+@cpu_kernel("Sigmoid")
+def sigmoid(x):
+    # exp of a non-positive number only: no overflow warnings for large |x|.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+
+def erf_array(x: np.ndarray) -> np.ndarray:
+    """erf elementwise, in x's dtype: exact (math.erf) for float64, ~1e-7 relative otherwise."""
+    if x.dtype == np.float64 or x.dtype.kind != "f":
+        return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype, copy=False)
+    z = x.astype(np.float64)
+    a = np.abs(z)
+    # |x| <= 0.5: Maclaurin series (error < 1e-16 with 12 terms).
+    z2 = z * z
+    term = z.copy()
+    series = z.copy()
+    for n in range(1, 12):
+        term = term * (-z2) / n
+        series = series + term / (2 * n + 1)
+    small = _TWO_OVER_SQRT_PI * series
+    # |x| > 0.5: Chebyshev fit of erfc (fractional error < 1.2e-7, Numerical Recipes).
+    t = 1.0 / (1.0 + 0.5 * a)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    erfc = t * np.exp(-a * a + poly)
+    large = np.sign(z) * (1.0 - erfc)
+    return np.where(a <= 0.5, small, large).astype(x.dtype)
+
+
+@cpu_kernel("Erf")
+def erf(x):
+    return erf_array(x)
+
+
+@cpu_kernel("Relu")
+def relu(x):
+    return np.maximum(x, np.zeros((), dtype=x.dtype))
+
+
+@cpu_kernel("LeakyRelu")
+def leaky_relu(x, *, alpha=0.01):
+    return np.where(x < 0, x * alpha, x).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("PRelu")
+def prelu(x, slope):
+    try:
+        np.broadcast_shapes(slope.shape, x.shape)
+    except ValueError:
+        raise KernelError(f"slope shape {list(slope.shape)} does not broadcast to X shape {list(x.shape)}") from None
+    return np.where(x < 0, x * slope, x).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Elu")
+def elu(x, *, alpha=1.0):
+    return np.where(x < 0, alpha * np.expm1(np.minimum(x, 0)), x).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Selu")
+def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    neg_part = alpha * np.expm1(np.minimum(x, 0))
+    return (gamma * np.where(x > 0, x, neg_part)).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Celu")
+def celu(x, *, alpha=1.0):
+    out = np.maximum(x, 0) + np.minimum(0, alpha * np.expm1(np.minimum(x, 0) / alpha))
+    return out.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Softplus")
+def softplus(x):
+    return np.logaddexp(np.zeros((), dtype=x.dtype), x)
+
+
+@cpu_kernel("Softsign")
+def softsign(x):
+    return x / (1 + np.abs(x))
+
+
+@cpu_kernel("HardSigmoid")
+def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
+    return np.clip(alpha * x + beta, 0, 1).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("HardSwish")
+def hard_swish(x):
+    return (x * np.clip(x / 6 + 0.5, 0, 1)).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Mish")
+def mish(x):
+    return (x * np.tanh(np.logaddexp(np.zeros((), dtype=x.dtype), x))).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("ThresholdedRelu")
+def thresholded_relu(x, *, alpha=1.0):
+    return np.where(x > alpha, x, 0).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Gelu")
+def gelu(x, *, approximate="none"):
+    if approximate == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
+        return (0.5 * x * (1 + np.tanh(inner))).astype(x.dtype, copy=False)
+    if approximate != "none":
+        raise KernelError(f"unknown approximate={approximate!r}; expected 'none' or 'tanh'")
+    return (0.5 * x * (1 + erf_array(x / math.sqrt(2)))).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparison and logic (all give bool)
+
+
+@cpu_kernel("Equal")
+def equal(a, b):
+    return np.equal(a, b)
+
+
+@cpu_kernel("Less")
+def less(a, b):
+    return np.less(a, b)
+
+
+@cpu_kernel("LessOrEqual")
+def less_or_equal(a, b):
+    return np.less_equal(a, b)
+
+
+@cpu_kernel("Greater")
+def greater(a, b):
+    return np.greater(a, b)
+
+
+@cpu_kernel("GreaterOrEqual")
+def greater_or_equal(a, b):
+    return np.greater_equal(a, b)
+
+
+@cpu_kernel("Not")
+def not_(x):
+    return np.logical_not(x)
+
+
+@cpu_kernel("And")
+def and_(a, b):
+    return np.logical_and(a, b)
+
+
+@cpu_kernel("Or")
+def or_(a, b):
+    return np.logical_or(a, b)
+
+
+@cpu_kernel("Xor")
+def xor(a, b):
+    return np.logical_xor(a, b)
+
+
+@cpu_kernel("IsNaN")
+def is_nan(x):
+    return np.isnan(x)
+
+
+@cpu_kernel("IsInf")
+def is_inf(x, *, detect_negative=1, detect_positive=1):
+    out = np.zeros(x.shape, dtype=bool)
+    if detect_positive:
+        out |= np.isposinf(x)
+    if detect_negative:
+        out |= np.isneginf(x)
+    return out
+
+
+@cpu_kernel("Where")
+def where(condition, x, y):
+    if condition.dtype != np.bool_:
+        raise KernelError(f"condition must be bool, got {condition.dtype}")
+    return np.where(condition, x, y).astype(np.result_type(x, y), copy=False)
+
+
+@cpu_kernel("BitwiseAnd")
+def bitwise_and(a, b):
+    return np.bitwise_and(a, b)
+
+
+@cpu_kernel("BitwiseOr")
+def bitwise_or(a, b):
+    return np.bitwise_or(a, b)
+
+
+@cpu_kernel("BitwiseXor")
+def bitwise_xor(a, b):
+    return np.bitwise_xor(a, b)
+
+
+@cpu_kernel("BitwiseNot")
+def bitwise_not(x):
+    return np.bitwise_not(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# type and identity
+
+
+def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if x.dtype.kind not in "biuf":
+        raise KernelError(f"cannot cast from {x.dtype}: the type is not supported by gradgen's CPU kernels")
+    if dtype.kind in "iu" and x.dtype.kind == "f":
+        # Out-of-range and NaN casts are undefined in ONNX; keep numpy quiet about them.
+        with np.errstate(invalid="ignore", over="ignore"):
+            return x.astype(dtype)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
+
+
+@cpu_kernel("Cast")
+def cast(x, *, to, saturate=1, round_mode="up"):
+    return _cast(x, onnx_dtype(to))
+
+
+@cpu_kernel("CastLike")
+def cast_like(x, target, *, saturate=1, round_mode="up"):
+    if target.dtype.kind not in "biuf":
+        raise KernelError(f"cannot cast to {target.dtype}: the type is not supported by gradgen's CPU kernels")
+    return _cast(x, target.dtype)
+
+
+@cpu_kernel("Identity")
+def identity(x):
+    return x
+
+
+@cpu_kernel("Dropout")
+def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _num_outputs=1, **attrs):
+    # opset < 12 (and the attribute forms of older opsets) put ratio in an attribute.
+    if ratio is None:
+        ratio = attrs.get("ratio", 0.5)
+    ratio = float(np.asarray(ratio).reshape(-1)[0]) if np.size(ratio) else 0.5
+    training = bool(np.asarray(training_mode).reshape(-1)[0]) if training_mode is not None else False
+    if is_test is not None and not is_test:
+        training = True
+    if training and ratio > 0:
+        raise KernelError("training-mode Dropout is not supported (gradgen runs Dropout in inference mode only)")
+    if _num_outputs >= 2:
+        return data, np.ones(data.shape, dtype=bool)
+    return data

@@ -1,0 +1,203 @@
+"""CPU kernels: indexing (Gather*, Scatter*, OneHot, NonZero, Compress).
+
+Conventions shared by every kernel here:
+
+* Negative indices are normalised first (``i + dim`` for ``i < 0``); an index still outside
+  ``[-dim, dim - 1]`` raises ``KernelError`` naming the index value, the axis and the valid range.
+* Scatter reductions ``add``/``mul``/``max``/``min`` use numpy's unbuffered ``ufunc.at``, so
+  repeated indices accumulate (``x[idx] += y`` would keep only one of them).
+* ``reduction="none"`` with repeated indices is deterministic: the update that comes last in the
+  row-major order of ``indices`` wins (ONNX leaves this undefined).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import cpu_kernel
+
+_REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _axis(axis: int, rank: int, what: str = "axis") -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise KernelError(f"{what} {axis} is out of range for a tensor of rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "index") -> np.ndarray:
+    """Indices as int64 with negatives wrapped; raise KernelError for any outside [-dim, dim-1]."""
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise KernelError(f"{what} tensor must be integer, got {idx.dtype}")
+    idx = idx.astype(np.int64, copy=True)
+    bad = (idx < -dim) | (idx >= dim)
+    if bad.any():
+        value = int(idx[bad].flat[0])
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise KernelError(
+            f"{what} {value} (at position {list(where)} of the indices) is out of range for axis {axis} "
+            f"of size {dim}; valid range is [{-dim}, {dim - 1}]"
+        )
+    idx[idx < 0] += dim
+    return idx
+
+
+def _check_reduction(reduction: str) -> str:
+    if reduction != "none" and reduction not in _REDUCTIONS:
+        raise KernelError(f"unknown reduction {reduction!r}; expected none, add, mul, max or min")
+    return reduction
+
+
+def _last_wins(flat_positions: np.ndarray) -> np.ndarray:
+    """Positions (into the flattened update order) of the last update to each distinct target."""
+    flat = flat_positions.ravel()
+    reversed_positions = flat[::-1]
+    _, first_in_reversed = np.unique(reversed_positions, return_index=True)
+    return np.sort(flat.size - 1 - first_in_reversed)
+
+
+@cpu_kernel("Gather")
+def gather(data, indices, *, axis=0):
+    axis = _axis(axis, data.ndim)
+    idx = _normalize_indices(indices, data.shape[axis], axis)
+    return np.take(data, idx, axis=axis)
+
+
+@cpu_kernel("GatherElements")
+def gather_elements(data, indices, *, axis=0):
+    axis = _axis(axis, data.ndim)
+    if indices.ndim != data.ndim:
+        raise KernelError(f"indices rank {indices.ndim} differs from data rank {data.ndim}")
+    idx = _normalize_indices(indices, data.shape[axis], axis)
+    # take_along_axis broadcasts the other axes; GatherElements only allows indices no larger.
+    for d, (n, m) in enumerate(zip(idx.shape, data.shape)):
+        if d != axis and n > m:
+            raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
+    sliced = data[tuple(slice(0, n) if d != axis else slice(None) for d, n in enumerate(idx.shape))]
+    return np.take_along_axis(sliced, idx, axis=axis)
+
+
+def _nd_tuple(data_shape, idx: np.ndarray, first_axis: int) -> tuple[np.ndarray, ...]:
+    """Split the last dimension of GatherND/ScatterND indices into one normalised array per axis."""
+    k = idx.shape[-1]
+    return tuple(
+        _normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j) for j in range(k)
+    )
+
+
+@cpu_kernel("GatherND")
+def gather_nd(data, indices, *, batch_dims=0):
+    b = int(batch_dims)
+    if indices.ndim < 1:
+        raise KernelError("indices must have rank >= 1")
+    k = indices.shape[-1]
+    if b + k > data.ndim:
+        raise KernelError(f"indices.shape[-1] ({k}) + batch_dims ({b}) exceeds data rank {data.ndim}")
+    if data.shape[:b] != indices.shape[:b]:
+        raise KernelError(f"the first {b} (batch) dimensions of data {list(data.shape)} and indices {list(indices.shape)} differ")
+    batch = int(np.prod(data.shape[:b], dtype=np.int64))
+    d = data.reshape((batch,) + data.shape[b:])
+    i = indices.reshape((batch,) + indices.shape[b:])
+    parts = _nd_tuple(d.shape, i, 1)
+    bidx = np.arange(batch).reshape((batch,) + (1,) * (i.ndim - 2))
+    out = d[(bidx,) + parts]
+    return out.reshape(indices.shape[:-1] + data.shape[b + k:])
+
+
+@cpu_kernel("ScatterElements")
+def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
+    reduction = _check_reduction(reduction)
+    axis = _axis(axis, data.ndim)
+    if indices.shape != updates.shape or indices.ndim != data.ndim:
+        raise KernelError(
+            f"indices {list(indices.shape)} and updates {list(updates.shape)} must have the same shape "
+            f"and data's rank {data.ndim}"
+        )
+    idx = _normalize_indices(indices, data.shape[axis], axis)
+    for d, (n, m) in enumerate(zip(idx.shape, data.shape)):
+        if d != axis and n > m:
+            raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
+    grid = list(np.indices(idx.shape, sparse=True))
+    grid[axis] = idx
+    target = tuple(np.broadcast_arrays(*grid))
+    out = np.array(data, copy=True)
+    upd = updates.astype(data.dtype, copy=False)
+    if reduction == "none":
+        flat = np.ravel_multi_index(target, data.shape)
+        keep = _last_wins(flat)
+        out.reshape(-1)[flat.ravel()[keep]] = upd.ravel()[keep]
+    else:
+        _REDUCTIONS[reduction].at(out, target, upd)
+    return out
+
+
+@cpu_kernel("ScatterND")
+def scatter_nd(data, indices, updates, *, reduction="none"):
+    reduction = _check_reduction(reduction)
+    if indices.ndim < 1:
+        raise KernelError("indices must have rank >= 1")
+    k = indices.shape[-1]
+    if k > data.ndim:
+        raise KernelError(f"indices.shape[-1] ({k}) exceeds data rank {data.ndim}")
+    want = indices.shape[:-1] + data.shape[k:]
+    if updates.shape != want:
+        raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
+    parts = _nd_tuple(data.shape, indices, 0)
+    out = np.array(data, copy=True)
+    upd = updates.astype(data.dtype, copy=False)
+    if reduction == "none":
+        lead = data.shape[:k]
+        flat = np.ravel_multi_index(parts, lead) if k else np.zeros(indices.shape[:-1], np.int64)
+        keep = _last_wins(flat)
+        view = out.reshape((int(np.prod(lead, dtype=np.int64)),) + data.shape[k:])
+        view[flat.ravel()[keep]] = upd.reshape((-1,) + data.shape[k:])[keep]
+    else:
+        if k == 0:
+            for u in upd.reshape((-1,) + data.shape):
+                out = _REDUCTIONS[reduction](out, u)
+        else:
+            _REDUCTIONS[reduction].at(out, parts, upd)
+    return out
+
+
+@cpu_kernel("OneHot")
+def one_hot(indices, depth, values, *, axis=-1):
+    depth_value = np.asarray(depth).reshape(-1)
+    if depth_value.size != 1:
+        raise KernelError(f"depth must hold one value, got shape {list(np.shape(depth))}")
+    n = int(depth_value[0])
+    if n < 1:
+        raise KernelError(f"depth must be positive, got {n}")
+    values = np.asarray(values).reshape(-1)
+    if values.size != 2:
+        raise KernelError(f"values must hold [off_value, on_value], got {values.size} element(s)")
+    rank = np.ndim(indices) + 1
+    axis = _axis(axis, rank)
+    idx = np.asarray(indices).astype(np.int64)
+    # Per the spec, indices outside [-depth, depth-1] give an all-off row (not an error).
+    idx = np.where(idx < 0, idx + n, idx)
+    hot = np.expand_dims(idx, axis) == np.arange(n).reshape((n,) + (1,) * (rank - 1 - axis))
+    return np.where(hot, values[1], values[0]).astype(values.dtype, copy=False)
+
+
+@cpu_kernel("NonZero")
+def non_zero(x):
+    if x.ndim == 0:
+        return np.zeros((0, int(np.count_nonzero(x))), dtype=np.int64)
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
+@cpu_kernel("Compress")
+def compress(data, condition, *, axis=None):
+    cond = np.asarray(condition).reshape(-1).astype(bool)
+    if axis is None:
+        flat = data.reshape(-1)
+        if cond.size > flat.size:
+            raise KernelError(f"condition has {cond.size} entries but the flattened input only {flat.size}")
+        return flat[: cond.size][cond]
+    axis = _axis(axis, data.ndim)
+    if cond.size > data.shape[axis]:
+        raise KernelError(f"condition has {cond.size} entries but axis {axis} has size {data.shape[axis]}")
+    return np.compress(cond, data, axis=axis)

@@ -1,0 +1,74 @@
+"""CPU kernels: MatMul, Gemm and Einsum.
+
+Shapes are checked up front so that a mismatch names both operands' shapes rather than
+surfacing as numpy's generic error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import cpu_kernel
+
+
+@cpu_kernel("MatMul")
+def matmul(a, b):
+    if a.ndim == 0 or b.ndim == 0:
+        raise KernelError(f"MatMul inputs must have rank >= 1, got shapes {list(a.shape)} and {list(b.shape)}")
+    k_a = a.shape[-1]
+    k_b = b.shape[0] if b.ndim == 1 else b.shape[-2]
+    if k_a != k_b:
+        raise KernelError(
+            f"inner dimensions differ: A {list(a.shape)} has {k_a} columns, B {list(b.shape)} has {k_b} rows"
+        )
+    try:
+        np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise KernelError(
+            f"batch dimensions of A {list(a.shape)} and B {list(b.shape)} are not broadcastable"
+        ) from None
+    return np.matmul(a, b).astype(np.result_type(a, b), copy=False)
+
+
+@cpu_kernel("Gemm")
+def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
+    if a.ndim != 2 or b.ndim != 2:
+        raise KernelError(f"Gemm needs 2-D A and B, got shapes {list(a.shape)} and {list(b.shape)}")
+    a2 = a.T if transA else a
+    b2 = b.T if transB else b
+    if a2.shape[1] != b2.shape[0]:
+        raise KernelError(
+            f"inner dimensions differ: op(A) is {list(a2.shape)}, op(B) is {list(b2.shape)} "
+            f"(transA={transA}, transB={transB})"
+        )
+    dtype = a.dtype
+    out = a2 @ b2
+    if alpha != 1.0:
+        out = alpha * out
+    if c is not None and beta != 0:
+        m, n = out.shape
+        try:
+            cb = np.broadcast_to(c, (m, n))
+        except ValueError:
+            raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape [{m}, {n}]") from None
+        out = out + (beta * cb if beta != 1.0 else cb)
+    return np.asarray(out).astype(dtype, copy=False)
+
+
+@cpu_kernel("Einsum")
+def einsum(*inputs, equation):
+    equation = equation.replace(" ", "")
+    lhs = equation.split("->")[0]
+    terms = lhs.split(",")
+    if len(terms) != len(inputs):
+        raise KernelError(f"equation {equation!r} has {len(terms)} operand(s), the node has {len(inputs)} input(s)")
+    for i, (term, x) in enumerate(zip(terms, inputs)):
+        letters = len(term.replace("...", ""))
+        if ("..." in term and letters > x.ndim) or ("..." not in term and letters != x.ndim):
+            raise KernelError(f"operand {i} of equation {equation!r} ({term!r}) does not fit its shape {list(x.shape)}")
+    try:
+        out = np.einsum(equation, *inputs)
+    except ValueError as exc:
+        raise KernelError(f"equation {equation!r} with shapes {[list(x.shape) for x in inputs]}: {exc}") from None
+    return np.asarray(out).astype(np.result_type(*inputs), copy=False)

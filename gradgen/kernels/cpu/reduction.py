@@ -1,0 +1,203 @@
+"""CPU kernels: reductions, arg-reductions, CumSum, Softmax/LogSoftmax/Hardmax and TopK.
+
+The Reduce* ops take ``axes`` as an attribute in older opsets (ReduceSum < 13, the others < 18)
+and as an optional second input later; both forms bind to the kernel's ``axes`` parameter.
+Every reduction keeps the input's dtype, as the spec says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import cpu_kernel
+
+
+def _axis(axis: int, rank: int, what: str = "axis") -> int:
+    axis = int(axis)
+    if not -rank <= axis < max(rank, 1):
+        raise KernelError(f"{what} {axis} is out of range for a tensor of rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def _reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
+    """The normalised axes to reduce; () reduces nothing (noop_with_empty_axes)."""
+    if axes is None or np.size(axes) == 0:
+        return () if noop_with_empty_axes else tuple(range(data.ndim))
+    values = [int(a) for a in np.asarray(axes).reshape(-1)]
+    normalised = tuple(_axis(a, data.ndim, "reduction axis") for a in values)
+    if len(set(normalised)) != len(normalised):
+        raise KernelError(f"repeated reduction axes {values}")
+    return tuple(sorted(normalised))
+
+
+def _reducer(name: str, fn, pre=None, post=None):
+    """A Reduce* kernel: out = post(fn(pre(data), axes)), cast back to data's dtype."""
+
+    def kernel(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+        # No axes with noop_with_empty_axes=1 reduces nothing: the elementwise part (square,
+        # abs, log...) still applies, as in the ONNX reference implementation.
+        reduce_over = _reduce_axes(data, axes, noop_with_empty_axes)
+        x = pre(data) if pre is not None else data
+        out = fn(x, reduce_over, bool(keepdims))
+        if post is not None:
+            out = post(out)
+        return np.asarray(out).astype(data.dtype, copy=False)
+
+    kernel.__name__ = name
+    return kernel
+
+
+def _identity_for(dtype: np.dtype, largest: bool):
+    if dtype.kind == "f":
+        return -np.inf if largest else np.inf
+    if dtype.kind == "b":
+        return False if largest else True
+    info = np.iinfo(dtype)
+    return info.min if largest else info.max
+
+
+def _max(x, axes, keepdims):
+    return np.max(x, axis=axes, keepdims=keepdims, initial=_identity_for(x.dtype, True))
+
+
+def _min(x, axes, keepdims):
+    return np.min(x, axis=axes, keepdims=keepdims, initial=_identity_for(x.dtype, False))
+
+
+def _sum(x, axes, keepdims):
+    return np.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+
+
+def _mean(x, axes, keepdims):
+    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    if count == 0:
+        return np.full(np.sum(x, axis=axes, keepdims=keepdims).shape, np.nan)
+    if x.dtype.kind in "iu":
+        return np.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64) // count
+    return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+
+
+def _prod(x, axes, keepdims):
+    return np.prod(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+
+
+def _log_sum_exp(x, axes, keepdims):
+    m = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0)
+    out = np.log(np.sum(np.exp(x - m), axis=axes, keepdims=True)) + m
+    return out if keepdims else np.squeeze(out, axis=axes)
+
+
+def _square(x):
+    return x * x
+
+
+cpu_kernel("ReduceSum")(_reducer("reduce_sum", _sum))
+cpu_kernel("ReduceMean")(_reducer("reduce_mean", _mean))
+cpu_kernel("ReduceMax")(_reducer("reduce_max", _max))
+cpu_kernel("ReduceMin")(_reducer("reduce_min", _min))
+cpu_kernel("ReduceProd")(_reducer("reduce_prod", _prod))
+cpu_kernel("ReduceL1")(_reducer("reduce_l1", _sum, pre=np.abs))
+cpu_kernel("ReduceL2")(_reducer("reduce_l2", _sum, pre=_square, post=np.sqrt))
+cpu_kernel("ReduceSumSquare")(_reducer("reduce_sum_square", _sum, pre=_square))
+cpu_kernel("ReduceLogSum")(_reducer("reduce_log_sum", _sum, post=np.log))
+cpu_kernel("ReduceLogSumExp")(_reducer("reduce_log_sum_exp", _log_sum_exp))
+
+
+def _arg(fn, data, axis, keepdims, select_last_index):
+    axis = _axis(axis, data.ndim)
+    if data.shape[axis] == 0:
+        raise KernelError(f"cannot take the arg-reduction of an empty axis {axis}")
+    if select_last_index:
+        flipped = np.flip(data, axis=axis)
+        out = data.shape[axis] - 1 - fn(flipped, axis=axis)
+    else:
+        out = fn(data, axis=axis)
+    out = out.astype(np.int64)
+    return np.expand_dims(out, axis) if keepdims else out
+
+
+@cpu_kernel("ArgMax")
+def arg_max(data, *, axis=0, keepdims=1, select_last_index=0):
+    return _arg(np.argmax, data, axis, keepdims, select_last_index)
+
+
+@cpu_kernel("ArgMin")
+def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
+    return _arg(np.argmin, data, axis, keepdims, select_last_index)
+
+
+@cpu_kernel("CumSum")
+def cum_sum(x, axis, *, exclusive=0, reverse=0):
+    if np.size(axis) != 1:
+        raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
+    ax = _axis(int(np.asarray(axis).reshape(-1)[0]), x.ndim)
+    data = np.flip(x, axis=ax) if reverse else x
+    out = np.cumsum(data, axis=ax, dtype=x.dtype)
+    if exclusive:
+        zero = np.zeros_like(np.take(out, [0], axis=ax))
+        out = np.concatenate([zero, np.take(out, np.arange(out.shape[ax] - 1), axis=ax)], axis=ax)
+    return np.flip(out, axis=ax) if reverse else out
+
+
+def _softmax_frame(x: np.ndarray, axis, opset: int):
+    """(array to normalise over its last axis, function to restore x's layout)."""
+    if opset >= 13:
+        ax = _axis(-1 if axis is None else axis, x.ndim)
+        moved = np.moveaxis(x, ax, -1)
+        return moved, lambda y: np.moveaxis(y, -1, ax)
+    # opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])].
+    ax = _axis(1 if axis is None else axis, x.ndim) if x.ndim else 0
+    rows = int(np.prod(x.shape[:ax], dtype=np.int64))
+    flat = x.reshape(rows, -1) if x.size else x.reshape(rows, int(np.prod(x.shape[ax:], dtype=np.int64)))
+    return flat, lambda y: y.reshape(x.shape)
+
+
+@cpu_kernel("Softmax")
+def softmax(x, *, axis=None, _opset=13):
+    z, restore = _softmax_frame(x, axis, _opset)
+    e = np.exp(z - np.max(z, axis=-1, keepdims=True))
+    return restore(e / np.sum(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("LogSoftmax")
+def log_softmax(x, *, axis=None, _opset=13):
+    z, restore = _softmax_frame(x, axis, _opset)
+    shifted = z - np.max(z, axis=-1, keepdims=True)
+    out = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    return restore(out).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("Hardmax")
+def hardmax(x, *, axis=None, _opset=13):
+    z, restore = _softmax_frame(x, axis, _opset)
+    out = np.zeros_like(z)
+    if z.shape[-1]:
+        np.put_along_axis(out, np.argmax(z, axis=-1)[..., None], 1, axis=-1)
+    return restore(out)
+
+
+@cpu_kernel("TopK")
+def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
+    if k is None:
+        k = attrs.get("k")  # opset 1: k is an attribute
+        if k is None:
+            raise KernelError("TopK needs K (an input since opset 10)")
+    if np.size(k) != 1:
+        raise KernelError(f"K must hold one value, got shape {list(np.shape(k))}")
+    k = int(np.asarray(k).reshape(-1)[0])
+    ax = _axis(axis, x.ndim)
+    n = x.shape[ax]
+    if not 0 <= k <= n:
+        raise KernelError(f"K={k} is out of range for axis {ax} of size {n}")
+    if largest:
+        # Descending order, ties keep the lower index first: stable-sort the reversed axis
+        # ascending, then read it backwards.
+        order = np.argsort(np.flip(x, axis=ax), axis=ax, kind="stable")
+        order = n - 1 - np.flip(order, axis=ax)
+    else:
+        order = np.argsort(x, axis=ax, kind="stable")
+    indices = np.take(order, np.arange(k), axis=ax).astype(np.int64)
+    values = np.take_along_axis(x, indices, axis=ax)
+    return values, indices

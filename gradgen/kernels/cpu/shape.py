@@ -1,0 +1,361 @@
+"""CPU kernels: shape manipulation, constants and index-free data movement.
+
+Ops whose axes/pads/starts moved from attributes to inputs across opsets (Squeeze, Unsqueeze,
+Split, Slice, Pad) accept both: the attribute arrives as a keyword argument bound to the same
+parameter the input would use. numpy accepts several things ONNX forbids (reshaping with two -1,
+broadcasting both ways in Expand...); those are checked here and raise ``KernelError``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.cpu.elementwise import onnx_dtype
+from gradgen.kernels.registry import cpu_kernel
+
+
+def _axis(axis: int, rank: int, what: str = "axis") -> int:
+    axis = int(axis)
+    if not -rank <= axis < max(rank, 1):
+        raise KernelError(f"{what} {axis} is out of range for a tensor of rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def _ints(values, what: str) -> list[int]:
+    """A 1-D integer input or attribute as a list of Python ints."""
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise KernelError(f"{what} must be integers, got {array.dtype}")
+    if array.ndim > 1:
+        raise KernelError(f"{what} must be 1-D, got shape {list(array.shape)}")
+    return [int(v) for v in array.reshape(-1)]
+
+
+def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
+    normalised = [_axis(a, rank, what[:-1] if what.endswith("s") else what) for a in axes]
+    if len(set(normalised)) != len(normalised):
+        raise KernelError(f"repeated {what} {axes}")
+    return normalised
+
+
+@cpu_kernel("Shape")
+def shape(data, *, start=0, end=None):
+    dims = np.array(data.shape, dtype=np.int64)
+    rank = data.ndim
+    start = min(max(start + rank if start < 0 else start, 0), rank)
+    end = rank if end is None else end
+    end = min(max(end + rank if end < 0 else end, 0), rank)
+    return dims[start:end]
+
+
+@cpu_kernel("Size")
+def size(data):
+    return np.array(data.size, dtype=np.int64)
+
+
+@cpu_kernel("Reshape")
+def reshape(data, shape=None, *, allowzero=0):
+    if shape is None:
+        raise KernelError("Reshape needs the shape input")
+    dims = _ints(shape, "shape")
+    if allowzero and 0 in dims and -1 in dims:
+        raise KernelError(f"shape {dims}: with allowzero=1 it may not contain both 0 and -1")
+    out = []
+    for i, d in enumerate(dims):
+        if d == 0 and not allowzero:
+            if i >= data.ndim:
+                raise KernelError(f"shape {dims}: 0 at position {i} copies a dimension the input (rank {data.ndim}) lacks")
+            out.append(data.shape[i])
+        elif d < -1:
+            raise KernelError(f"shape {dims}: invalid dimension {d}")
+        else:
+            out.append(d)
+    if out.count(-1) > 1:
+        raise KernelError(f"shape {dims}: at most one dimension may be -1")
+    if -1 in out:
+        known = int(np.prod([d for d in out if d != -1], dtype=np.int64))
+        if known == 0 or data.size % known:
+            raise KernelError(
+                f"cannot reshape input of shape {list(data.shape)} ({data.size} elements) to {dims}"
+            )
+        out[out.index(-1)] = data.size // known
+    if int(np.prod(out, dtype=np.int64)) != data.size:
+        raise KernelError(f"cannot reshape input of shape {list(data.shape)} ({data.size} elements) to {dims}")
+    return data.reshape(out)
+
+
+@cpu_kernel("Flatten")
+def flatten(x, *, axis=1):
+    rank = x.ndim
+    if not -rank <= axis <= rank:
+        raise KernelError(f"axis {axis} is out of range [{-rank}, {rank}]")
+    axis = axis + rank if axis < 0 else axis
+    rows = int(np.prod(x.shape[:axis], dtype=np.int64))
+    cols = int(np.prod(x.shape[axis:], dtype=np.int64))
+    return x.reshape(rows, cols)
+
+
+@cpu_kernel("Transpose")
+def transpose(data, *, perm=None):
+    if perm is None:
+        return np.transpose(data)
+    perm = [int(p) for p in perm]
+    if sorted(perm) != list(range(data.ndim)):
+        raise KernelError(f"perm {perm} is not a permutation of the {data.ndim} axes")
+    return np.transpose(data, perm)
+
+
+@cpu_kernel("Squeeze")
+def squeeze(data, axes=None):
+    if axes is None:
+        return np.squeeze(data)
+    normalised = _unique_axes(_ints(axes, "axes"), data.ndim)
+    for a in normalised:
+        if data.shape[a] != 1:
+            raise KernelError(f"cannot squeeze axis {a} of size {data.shape[a]} (shape {list(data.shape)})")
+    return np.squeeze(data, axis=tuple(normalised))
+
+
+@cpu_kernel("Unsqueeze")
+def unsqueeze(data, axes=None):
+    if axes is None:
+        raise KernelError("Unsqueeze needs axes")
+    axes = _ints(axes, "axes")
+    rank = data.ndim + len(axes)
+    normalised = _unique_axes(axes, rank)
+    return np.expand_dims(data, tuple(normalised)) if normalised else data
+
+
+@cpu_kernel("Concat")
+def concat(*inputs, axis):
+    arrays = [x for x in inputs if x is not None]
+    if not arrays:
+        raise KernelError("Concat needs at least one input")
+    rank = arrays[0].ndim
+    ax = _axis(axis, rank)
+    for i, x in enumerate(arrays[1:], 1):
+        if x.ndim != rank:
+            raise KernelError(f"input {i} has rank {x.ndim}, input 0 has rank {rank}")
+        for d in range(rank):
+            if d != ax and x.shape[d] != arrays[0].shape[d]:
+                raise KernelError(
+                    f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
+                    f"they must agree on every axis but {ax}"
+                )
+    dtype = arrays[0].dtype
+    return np.concatenate([x.astype(dtype, copy=False) for x in arrays], axis=ax)
+
+
+@cpu_kernel("Split")
+def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
+    ax = _axis(axis, x.ndim)
+    n = x.shape[ax]
+    if split is not None and np.size(split):
+        sizes = _ints(split, "split")
+        if any(s < 0 for s in sizes):
+            raise KernelError(f"split sizes {sizes} must be non-negative")
+        if sum(sizes) != n:
+            raise KernelError(f"split sizes {sizes} sum to {sum(sizes)}, but axis {ax} has size {n}")
+        if len(sizes) != _num_outputs:
+            raise KernelError(f"split has {len(sizes)} sizes but the node has {_num_outputs} outputs")
+    else:
+        parts = int(num_outputs) if num_outputs is not None else _num_outputs
+        if num_outputs is not None and parts != _num_outputs:
+            raise KernelError(f"num_outputs={parts} but the node has {_num_outputs} outputs")
+        if parts < 1:
+            raise KernelError(f"cannot split into {parts} parts")
+        if num_outputs is None and n % parts:
+            raise KernelError(f"axis {ax} of size {n} does not split evenly into {parts} outputs")
+        chunk = -(-n // parts)  # ceil: the last chunk is smaller when uneven (opset 18)
+        sizes = [min(chunk, max(n - i * chunk, 0)) for i in range(parts)]
+    bounds = np.cumsum(sizes)[:-1]
+    return tuple(np.split(x, bounds, axis=ax))
+
+
+@cpu_kernel("Slice")
+def slice_(data, starts=None, ends=None, axes=None, steps=None):
+    if starts is None or ends is None:
+        raise KernelError("Slice needs starts and ends")
+    starts = _ints(starts, "starts")
+    ends = _ints(ends, "ends")
+    if len(starts) != len(ends):
+        raise KernelError(f"starts ({len(starts)}) and ends ({len(ends)}) differ in length")
+    axes = list(range(len(starts))) if axes is None else _ints(axes, "axes")
+    steps = [1] * len(starts) if steps is None else _ints(steps, "steps")
+    if len(axes) != len(starts) or len(steps) != len(starts):
+        raise KernelError(f"starts, ends, axes and steps must have one entry per sliced axis "
+                          f"(got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})")
+    axes = _unique_axes(axes, data.ndim)
+    index = [slice(None)] * data.ndim
+    for ax, start, end, step in zip(axes, starts, ends, steps):
+        if step == 0:
+            raise KernelError(f"step for axis {ax} is 0")
+        dim = data.shape[ax]
+        # Python slices clamp exactly as the spec does, once negatives are made explicit.
+        if start < 0:
+            start += dim
+        if end < 0:
+            end += dim
+        if step > 0:
+            start = min(max(start, 0), dim)
+            end = min(max(end, 0), dim)
+        elif dim == 0:
+            start, end = 0, 0
+        else:
+            start = min(max(start, 0), dim - 1)
+            end = min(max(end, -1), dim - 1)
+            if end == -1:
+                end = None  # run to the beginning (Python would read -1 as the last element)
+        index[ax] = slice(start, end, step)
+    return data[tuple(index)]
+
+
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:
+    try:
+        return np.broadcast_shapes(a, b)
+    except ValueError:
+        raise KernelError(f"{what}: shapes {list(a)} and {list(b)} are not broadcastable") from None
+
+
+@cpu_kernel("Expand")
+def expand(x, shape):
+    dims = _ints(shape, "shape")
+    target = _broadcast_shape(x.shape, tuple(dims), "Expand")
+    return np.array(np.broadcast_to(x, target))
+
+
+@cpu_kernel("Tile")
+def tile(x, repeats):
+    reps = _ints(repeats, "repeats")
+    if len(reps) != x.ndim:
+        raise KernelError(f"repeats has {len(reps)} entries, the input has rank {x.ndim}")
+    if any(r < 0 for r in reps):
+        raise KernelError(f"repeats {reps} must be non-negative")
+    return np.tile(x, reps)
+
+
+@cpu_kernel("Pad")
+def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", value=0.0, paddings=None):
+    if pads is None:
+        pads = paddings  # opset 1 spelling
+    if pads is None:
+        raise KernelError("Pad needs pads")
+    pads = _ints(pads, "pads")
+    rank = data.ndim
+    axes_list = list(range(rank)) if axes is None else _unique_axes(_ints(axes, "axes"), rank)
+    if len(pads) != 2 * len(axes_list):
+        raise KernelError(f"pads has {len(pads)} entries; expected 2 x {len(axes_list)} (one begin and end per axis)")
+    width = [[0, 0] for _ in range(rank)]
+    for i, ax in enumerate(axes_list):
+        width[ax] = [pads[i], pads[i + len(axes_list)]]
+    # Negative pads crop first.
+    crop = tuple(slice(-min(b, 0), data.shape[d] + min(e, 0)) for d, (b, e) in enumerate(width))
+    x = data[crop]
+    width = [(max(b, 0), max(e, 0)) for b, e in width]
+    if mode == "constant":
+        fill = value if constant_value is None or np.size(constant_value) == 0 else np.asarray(constant_value).reshape(-1)[0]
+        return np.pad(x, width, mode="constant", constant_values=np.asarray(fill).astype(data.dtype))
+    if mode not in ("reflect", "edge", "wrap"):
+        raise KernelError(f"unknown pad mode {mode!r}; expected constant, reflect, edge or wrap")
+    for d, (b, e) in enumerate(width):
+        if (b or e) and x.shape[d] == 0:
+            raise KernelError(f"cannot {mode}-pad axis {d} of size 0")
+    return np.pad(x, width, mode=mode)
+
+
+@cpu_kernel("ConstantOfShape")
+def constant_of_shape(shape, *, value=None):
+    dims = _ints(shape, "shape")
+    if any(d < 0 for d in dims):
+        raise KernelError(f"shape {dims} has a negative dimension")
+    if value is None:
+        return np.zeros(dims, dtype=np.float32)
+    value = np.asarray(value)
+    if value.size != 1:
+        raise KernelError(f"value must hold one element, got {value.size}")
+    return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
+
+
+@cpu_kernel("Constant")
+def constant(*, value=None, value_float=None, value_floats=None, value_int=None, value_ints=None,
+             value_string=None, value_strings=None, sparse_value=None):
+    if value is not None:
+        out = np.asarray(value)
+        if out.dtype.kind not in "biuf":
+            raise KernelError(f"constant tensors of type {out.dtype} are not supported")
+        return out.copy()
+    if value_float is not None:
+        return np.array(value_float, dtype=np.float32)
+    if value_floats is not None:
+        return np.array(value_floats, dtype=np.float32).reshape(-1)
+    if value_int is not None:
+        return np.array(value_int, dtype=np.int64)
+    if value_ints is not None:
+        return np.array(value_ints, dtype=np.int64).reshape(-1)
+    if value_string is not None or value_strings is not None:
+        raise KernelError("string constants are not supported")
+    if sparse_value is not None:
+        raise KernelError("sparse constants are not supported")
+    raise KernelError("Constant has none of the value attributes")
+
+
+@cpu_kernel("Range")
+def range_(start, limit, delta):
+    for v, name in ((start, "start"), (limit, "limit"), (delta, "delta")):
+        if np.size(v) != 1:
+            raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(v))}")
+    dtype = start.dtype
+    s, l, d = (np.asarray(v).reshape(()).item() for v in (start, limit, delta))
+    if d == 0:
+        raise KernelError("delta is 0")
+    n = max(int(np.ceil((l - s) / d)), 0)
+    if dtype.kind == "f":
+        # start + i * delta computed in the input's precision, as the spec's loop does.
+        return (np.asarray(s, dtype) + np.arange(n, dtype=dtype) * np.asarray(d, dtype)).astype(dtype)
+    return (s + np.arange(n, dtype=np.int64) * d).astype(dtype)
+
+
+@cpu_kernel("Trilu")
+def trilu(x, k=None, *, upper=1):
+    if x.ndim < 2:
+        raise KernelError(f"Trilu needs rank >= 2, got {x.ndim}")
+    kk = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
+    return np.triu(x, kk) if upper else np.tril(x, kk)
+
+
+@cpu_kernel("EyeLike")
+def eye_like(x, *, dtype=None, k=0):
+    if x.ndim != 2:
+        raise KernelError(f"EyeLike needs a 2-D input, got rank {x.ndim}")
+    out_dtype = x.dtype if dtype is None else onnx_dtype(dtype)
+    return np.eye(x.shape[0], x.shape[1], k=int(k), dtype=out_dtype)
+
+
+@cpu_kernel("DepthToSpace")
+def depth_to_space(x, *, blocksize, mode="DCR"):
+    if x.ndim != 4:
+        raise KernelError(f"DepthToSpace needs a 4-D NCHW input, got rank {x.ndim}")
+    b, c, h, w = x.shape
+    bs = int(blocksize)
+    if bs < 1 or c % (bs * bs):
+        raise KernelError(f"channels ({c}) must be divisible by blocksize^2 ({bs * bs})")
+    if mode == "DCR":
+        tmp = x.reshape(b, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        tmp = x.reshape(b, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
+    return tmp.reshape(b, c // (bs * bs), h * bs, w * bs)
+
+
+@cpu_kernel("SpaceToDepth")
+def space_to_depth(x, *, blocksize):
+    if x.ndim != 4:
+        raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {x.ndim}")
+    b, c, h, w = x.shape
+    bs = int(blocksize)
+    if bs < 1 or h % bs or w % bs:
+        raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
+    tmp = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+    return tmp.reshape(b, c * bs * bs, h // bs, w // bs)

@@ -1,0 +1,31 @@
+"""Passes over onnx_ir models. Each takes a model and returns an ``ir.passes.PassResult``;
+compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.PassManager``.
+"""
+
+import onnx_ir as ir
+
+from gradgen.passes.gradient import GradientPass, GradientSpec
+from gradgen.passes.standard import (
+    CleanupPass,
+    CommonSubexpressionEliminationPass,
+    NameNodesPass,
+    RemoveUnusedNodesPass,
+    ShapeInferencePass,
+    TopologicalSortPass,
+    UpgradeOpsetPass,
+)
+
+Pipeline = ir.passes.Sequential
+
+__all__ = [
+    "CleanupPass",
+    "CommonSubexpressionEliminationPass",
+    "GradientPass",
+    "GradientSpec",
+    "NameNodesPass",
+    "Pipeline",
+    "RemoveUnusedNodesPass",
+    "ShapeInferencePass",
+    "TopologicalSortPass",
+    "UpgradeOpsetPass",
+]

@@ -1,0 +1,302 @@
+"""GradientPass: append the backward graph of a scalar loss (or a vector-Jacobian product).
+
+The walker visits, in reverse topological order, the nodes that lie between the wrt tensors and
+the loss. For each it sums the gradient contributions of the node's outputs, asks the op's rule
+for the inputs' gradients, undoes broadcasting for broadcasting ops, and records contributions.
+Every wrt tensor ``x`` gets a graph output ``x_grad`` with x's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
+from gradgen.grads.builder import Builder, GradContext, numpy_dtype_of
+from gradgen.grads.registry import GradRule, lookup_rule
+from gradgen.kernels.registry import normalize_domain
+
+FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def is_float(value: ir.Value) -> bool:
+    return value.dtype in FLOAT_TYPES
+
+
+@dataclasses.dataclass
+class GradientSpec:
+    """What to differentiate: the loss output and the tensors to differentiate with respect to."""
+
+    loss: str | None = None
+    wrt: list[str] | None = None
+    freeze: list[str] = dataclasses.field(default_factory=list)
+    wrt_inputs: bool = False
+
+
+def choose_loss(graph: ir.Graph, loss: str | None) -> ir.Value:
+    """The named output, else the only scalar float output; a clear error otherwise."""
+    outputs = {v.name: v for v in graph.outputs}
+    if loss is not None:
+        if loss not in outputs:
+            raise UsageError(f"--loss {loss!r} is not a graph output; outputs are: {', '.join(outputs)}")
+        value = outputs[loss]
+        if not is_float(value):
+            raise ModelError(f"loss {loss!r} has element type {value.dtype}, not a float type")
+        return value
+    scalars = [v for v in graph.outputs if is_float(v) and v.shape is not None and v.shape.rank() == 0]
+    if len(scalars) == 1:
+        return scalars[0]
+    described = ", ".join(f"{v.name} {v.dtype} {list(v.shape) if v.shape is not None else '?'}" for v in graph.outputs)
+    if not scalars:
+        raise ModelError(f"the model has no scalar float output to use as the loss (outputs: {described}); "
+                         "name one with --loss (a non-scalar output gives a vector-Jacobian product)")
+    raise ModelError(f"the model has several scalar float outputs ({', '.join(v.name for v in scalars)}); "
+                     "choose the loss with --loss")
+
+
+def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[ir.Value]:
+    """The tensors to differentiate with respect to, in graph order, per the spec."""
+    initializers = [v for v in graph.initializers.values() if is_float(v)]
+    float_inputs = [v for v in graph.inputs if is_float(v) and v.name not in graph.initializers]
+    by_name = {v.name: v for v in initializers + float_inputs}
+    if spec.wrt:
+        unknown = [n for n in spec.wrt if n not in by_name]
+        if unknown:
+            everything = {v.name: v for v in graph.inputs} | dict(graph.initializers)
+            reasons = [f"{n!r} ({'not a float tensor' if n in everything else 'no such initializer or input'})" for n in unknown]
+            raise UsageError(f"--wrt names nothing differentiable: {', '.join(reasons)}")
+        chosen = [by_name[n] for n in dict.fromkeys(spec.wrt)]
+    else:
+        chosen = [v for v in initializers if v.name in depends]
+    if spec.wrt_inputs:
+        chosen += [v for v in float_inputs if v not in chosen]
+    frozen = set(spec.freeze)
+    unknown_frozen = frozen - set(by_name)
+    if unknown_frozen:
+        raise UsageError(f"--freeze names no float initializer or input: {', '.join(sorted(unknown_frozen))}")
+    chosen = [v for v in chosen if v.name not in frozen]
+    if not chosen:
+        raise UsageError("nothing to differentiate with respect to: no float initializer feeds the loss "
+                         "(use --wrt NAME or --wrt-inputs)")
+    return chosen
+
+
+class GradientPass(ir.passes.InPlacePass):
+    """Appends the backward graph; adds ``<x>_grad`` outputs for the wrt tensors."""
+
+    def __init__(self, spec: GradientSpec | None = None):
+        super().__init__()
+        self.spec = spec or GradientSpec()
+        self.wrt_names: list[str] = []
+        self.loss_name: str | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 17)
+        loss = choose_loss(graph, self.spec.loss)
+        nodes = list(graph)
+        ancestors = _ancestor_values(loss, nodes)
+        wrt = choose_wrt(graph, self.spec, ancestors)
+        self.loss_name, self.wrt_names = loss.name, [v.name for v in wrt]
+
+        requires = _values_requiring_grad(wrt, nodes)
+        active = [n for n in nodes if any(o.name in ancestors and o.name in requires for o in n.outputs)]
+        rules = _rules_for(active)
+
+        builder = Builder(graph, opset)
+        if "com.microsoft" not in model.opset_imports:
+            model.opset_imports["com.microsoft"] = 1
+        grads = _Contributions(builder)
+        grads.add(loss, _seed(builder, graph, loss))
+
+        for node in reversed(active):
+            output_grads = [grads.total(o) if o.name in requires else None for o in node.outputs]
+            if all(g is None for g in output_grads):
+                continue
+            rule = rules[node]
+            wanted = [v is not None and v.name in requires and i not in rule.nondiff_inputs
+                      for i, v in enumerate(node.inputs)]
+            builder.prefix = f"{node.name or node.op_type}_Grad"
+            input_grads = rule.fn(GradContext(builder, node, output_grads, wanted))
+            _record(builder, grads, node, rule, input_grads, wanted)
+
+        for x in wrt:
+            graph.outputs.append(_gradient_output(builder, grads, x))
+        _drop_unused_opset(model, builder)
+        return ir.passes.PassResult(model, modified=True)
+
+
+class _Contributions:
+    """Gradient parts per forward value; summed (and named ``x_grad``) when first read."""
+
+    def __init__(self, builder: Builder):
+        self.b = builder
+        self.parts: dict[str, list[ir.Value]] = {}
+        self.totals: dict[str, ir.Value] = {}
+
+    def add(self, x: ir.Value, grad: ir.Value) -> None:
+        if x.name in self.totals:
+            raise RuntimeError(f"gradient of {x.name!r} received a contribution after it was used")
+        self.parts.setdefault(x.name, []).append(grad)
+
+    def total(self, x: ir.Value) -> ir.Value | None:
+        if x.name in self.totals:
+            return self.totals[x.name]
+        parts = self.parts.get(x.name)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            total = parts[0]
+            if self._is_fresh(total):
+                self.b.rename(total, f"{x.name}_grad")
+        else:
+            for i, part in enumerate(parts):
+                if self._is_fresh(part):
+                    self.b.rename(part, f"{x.name}_grad_{i}")
+            total = self.b.op("Sum", *parts)
+            self.b.rename(total, f"{x.name}_grad")
+        _copy_type(total, x)
+        self.totals[x.name] = total
+        return total
+
+    def _is_fresh(self, value: ir.Value) -> bool:
+        """Emitted by a rule and not yet given a final name (so renaming it is safe)."""
+        producer = value.producer()
+        return (producer is not None and producer in self.b.nodes
+                and value not in self.totals.values() and not value.is_graph_output())
+
+
+def _copy_type(value: ir.Value, like: ir.Value) -> None:
+    if value.type is None:
+        value.type = like.type
+    if value.shape is None and like.shape is not None:
+        value.shape = like.shape
+
+
+def _seed(builder: Builder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
+    """d loss / d loss: 1 for a scalar loss, else a graph input ``<loss>_grad`` (a VJP)."""
+    name = f"{loss.name}_grad"
+    if not builder.name_is_free(name):
+        raise ModelError(f"cannot name the loss seed {name!r}: the model already has a tensor of that name")
+    if loss.shape is not None and loss.shape.rank() == 0:
+        builder._taken.add(name)
+        array = np.ones((), dtype=numpy_dtype_of(loss))
+        seed = ir.Value(name=name, shape=ir.Shape([]), type=loss.type, const_value=ir.tensor(array, name=name))
+        graph.register_initializer(seed)
+        return seed
+    builder._taken.add(name)
+    seed = ir.Value(name=name, shape=loss.shape, type=loss.type)
+    graph.inputs.append(seed)
+    return seed
+
+
+def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
+    if not isinstance(input_grads, (list, tuple)) or len(input_grads) > len(node.inputs):
+        raise RuntimeError(f"gradient rule of {node.op_type} returned {input_grads!r}; "
+                           f"expected a list of at most {len(node.inputs)} entries")
+    differentiable = [i for i, w in enumerate(wanted) if w]
+    for i in differentiable:
+        grad = input_grads[i] if i < len(input_grads) else None
+        if grad is None:
+            continue
+        x = node.inputs[i]
+        if rule.broadcast:
+            partner = None
+            if len(node.inputs) == 2:
+                partner = (node.inputs[1 - i], i)
+            grad = builder.unbroadcast(grad, x, node.outputs[0], partner)
+        grads.add(x, grad)
+
+
+def _gradient_output(builder: Builder, grads: _Contributions, x: ir.Value) -> ir.Value:
+    """The graph output ``x_grad``: the summed gradient, zeros if the loss ignores x."""
+    name = f"{x.name}_grad"
+    builder.prefix = f"{x.name}_Grad"
+    total = grads.total(x)
+    if total is None:
+        total = builder.zeros_like(x)
+    if total.name != name or total.is_graph_output() or total.is_graph_input() or total.is_initializer():
+        if total.name == name:
+            builder.rename(total, f"{name}_part")
+        total = builder.op("Identity", total)
+        builder.rename(total, name)
+    if total.name != name:
+        raise ModelError(f"cannot name the gradient output {name!r}: the model already has a tensor of that name")
+    total.type = x.type
+    total.shape = x.shape
+    return total
+
+
+def _ancestor_values(loss: ir.Value, nodes: list[ir.Node]) -> set[str]:
+    """Names of every value the loss depends on (the loss included)."""
+    seen = {loss.name}
+    stack = [loss]
+    while stack:
+        value = stack.pop()
+        producer = value.producer()
+        if producer is None:
+            continue
+        for inp in producer.inputs:
+            if inp is not None and inp.name not in seen:
+                seen.add(inp.name)
+                stack.append(inp)
+        for sub in _subgraph_inputs(producer):
+            if sub.name not in seen:
+                seen.add(sub.name)
+                stack.append(sub)
+    return seen
+
+
+def _subgraph_inputs(node: ir.Node) -> list[ir.Value]:
+    """Outer values captured by a node's subgraphs (If/Loop/Scan bodies)."""
+    captured = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs = [attr.value]
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs = list(attr.value)
+        else:
+            continue
+        for sub in graphs:
+            inner = {v.name for v in sub.inputs} | set(sub.initializers)
+            for sub_node in ir.traversal.RecursiveGraphIterator(sub):
+                inner.update(o.name for o in sub_node.outputs)
+                captured.extend(v for v in sub_node.inputs if v is not None and v.name not in inner)
+    return captured
+
+
+def _values_requiring_grad(wrt: list[ir.Value], nodes: list[ir.Node]) -> set[str]:
+    """Float values reachable from the wrt tensors through differentiable inputs."""
+    requires = {v.name for v in wrt}
+    for node in nodes:
+        rule = lookup_rule(node.domain, node.op_type)
+        if rule is not None and not rule.differentiable:
+            continue
+        nondiff = rule.nondiff_inputs if rule is not None else frozenset()
+        reached = any(v is not None and v.name in requires and i not in nondiff for i, v in enumerate(node.inputs))
+        reached = reached or any(v.name in requires for v in _subgraph_inputs(node))
+        if reached:
+            requires.update(o.name for o in node.outputs if o.name and (o.dtype is None or is_float(o)))
+    return requires
+
+
+def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
+    """The rule of every active node; every missing one reported at once."""
+    rules, missing = {}, []
+    for node in active:
+        rule = lookup_rule(node.domain, node.op_type)
+        if rule is None or not rule.differentiable:
+            missing.append((normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+        else:
+            rules[node] = rule
+    if missing:
+        raise UnsupportedOpsError("a gradient rule", missing)
+    return rules
+
+
+def _drop_unused_opset(model: ir.Model, builder: Builder) -> None:
+    uses_ms = any(normalize_domain(n.domain) == "com.microsoft" for n in model.graph)
+    if not uses_ms:
+        model.opset_imports.pop("com.microsoft", None)
