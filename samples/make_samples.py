@@ -70,7 +70,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-ort.set_default_logger_severity(3)
+ort.set_default_logger_severity(4)
 LEGACY_OPSET = 17
 LOSS_RTOL = 1e-5
 MAX_MODEL_BYTES = 300_000
@@ -287,7 +287,7 @@ class Slicing(nn.Module):
         d = h.narrow(1, 2, 3)
         e1, e2 = h.chunk(2, dim=1)
         s1, s2, s3 = torch.split(h, [3, 4, 1], dim=1)
-        r = h[:, ::-2, 1:]              # negative step with stride
+        r = h.flip(1)[:, ::2, 1:]       # step -1 then step 2
         loss = (a * a).sum() + (b * self.v[1:3]).sum() + (c * self.v).sum()
         loss = loss + torch.tanh(d).sum() + (e1 * e2).sum()
         loss = loss + s1.mean() + (s2 ** 2).mean() + (s3 * self.v).sum()
@@ -384,7 +384,7 @@ class Broadcast(nn.Module):
         z = z.transpose(1, 2).reshape(-1, 2, 6)             # (N,2,6)
         y = z.unsqueeze(1).reshape(-1, 1, 3, 4)             # (N,1,3,4)
         mm = torch.matmul(y, self.mat)                      # (N,H,3,5)
-        sqz = r2.squeeze(1) * r3.squeeze(-1).unsqueeze(-1)[..., :1]
+        sqz = r2.squeeze(1) * r3.squeeze(-1).unsqueeze(-1)[:, :1]  # (N,H,W)
         loss = mm.pow(2).mean() + (sm * lsm).sum() + sqz.mean()
         return loss + (c2 * c2).sum() / 7.0 + r3.mean(dim=(1, 2), keepdim=True).sum()
 
@@ -671,7 +671,26 @@ def export_dynamo(case: Case, output_names: list[str], optimize: bool = True):
     if optimize:
         return program.model_proto, settings
     settings["post_process"] = "fold_constants_keeping_params"
-    return fold_constants_keeping_params(program.model), settings
+    model = fold_constants_keeping_params(program.model)
+    params = set(named_float_tensors(case.model)) | {
+        n for n, _ in case.model.named_buffers(remove_duplicate=False)}
+    return initializers_to_constants(model, keep=params), settings
+
+
+def initializers_to_constants(model: onnx.ModelProto, keep: set[str]) -> onnx.ModelProto:
+    """Turn initializers that are not torch parameters/buffers (exporter
+    constants such as scalars) into Constant nodes."""
+    graph = model.graph
+    constants = [t for t in graph.initializer if t.name not in keep]
+    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t,
+                                   name=f"constant_{t.name}") for t in constants]
+    kept = [t for t in graph.initializer if t.name in keep]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    old_nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + old_nodes)
+    return model
 
 
 def fold_constants_keeping_params(model) -> onnx.ModelProto:
@@ -826,7 +845,7 @@ def graph_inputs(model: onnx.ModelProto, case: Case) -> dict[str, np.ndarray]:
 
 def ort_session(model: onnx.ModelProto) -> ort.InferenceSession:
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4
     return ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
 

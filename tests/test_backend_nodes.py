@@ -191,8 +191,6 @@ def test_exclusions_are_documented() -> None:
 
 def test_exclusions_name_real_tests() -> None:
     unknown = sorted(set(EXCLUDED) - set(all_cases()))
-    if unknown and onnx.__version__ != "1.23.2":
-        pytest.skip(f"onnx {onnx.__version__} lacks some excluded tests: {unknown[:5]}")
     assert not unknown, f"EXCLUDED names tests ONNX does not have: {unknown}"
 
 

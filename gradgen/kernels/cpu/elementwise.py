@@ -97,10 +97,9 @@ def mod(a, b, *, fmod=0):
     if a.dtype.kind in "iu" and b.dtype.kind in "iu" and np.any(b == 0):
         raise KernelError("integer modulo by zero")
     if fmod:
-        return np.fmod(a, b)
-    if a.dtype.kind == "f" or b.dtype.kind == "f":
-        raise KernelError("Mod with fmod=0 is only defined for integer inputs; set fmod=1 for floats")
-    # fmod=0: the result takes the sign of the divisor, like Python's %.
+        return np.fmod(a, b)  # the result takes the sign of the dividend, like C's fmod
+    # fmod=0: the result takes the sign of the divisor, like Python's % (floats allowed since
+    # opset 26's clarification; earlier opsets only allowed integers).
     return np.mod(a, b)
 
 

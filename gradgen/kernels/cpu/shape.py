@@ -350,12 +350,18 @@ def depth_to_space(x, *, blocksize, mode="DCR"):
 
 
 @cpu_kernel("SpaceToDepth")
-def space_to_depth(x, *, blocksize):
+def space_to_depth(x, *, blocksize, mode="DCR"):
     if x.ndim != 4:
         raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {x.ndim}")
     b, c, h, w = x.shape
     bs = int(blocksize)
     if bs < 1 or h % bs or w % bs:
         raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
-    tmp = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+    tmp = x.reshape(b, c, h // bs, bs, w // bs, bs)
+    if mode == "DCR":
+        tmp = tmp.transpose(0, 3, 5, 1, 2, 4)
+    elif mode == "CRD":  # mode attribute: opset 25
+        tmp = tmp.transpose(0, 1, 3, 5, 2, 4)
+    else:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
     return tmp.reshape(b, c * bs * bs, h // bs, w // bs)

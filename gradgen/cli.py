@@ -1,0 +1,174 @@
+"""The ``gradgen`` command line. Thin: parses, calls the Python API, prints.
+
+Exit codes: 0 success, 2 usage error, 3 model error, 4 run-time error, 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from gradgen.errors import GradgenError
+
+app = typer.Typer(
+    name="gradgen",
+    help="Build backward (gradient) graphs of ONNX models and run them on the CPU or a CUDA GPU.\n\n"
+    "Typical use: gradgen build-backward model.onnx -o model_grad.onnx, then "
+    "gradgen run model_grad.onnx --inputs sample.npz -o grads.npz.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_state = {"debug": False}
+
+
+def _say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show a full traceback on errors.")) -> None:
+    _state["debug"] = debug
+
+
+@app.command("build-backward")
+def build_backward(
+    model: Path = typer.Argument(..., help="Forward ONNX model whose graph computes the loss."),
+    out: Path = typer.Option(..., "-o", "--output", help="Where to write the forward+backward model (never MODEL)."),
+    loss: Optional[str] = typer.Option(
+        None, "--loss", help="Graph output to differentiate. Default: the only scalar float output. "
+        "A non-scalar output gives a vector-Jacobian product: OUT gets a graph input <loss>_grad."),
+    wrt: Optional[List[str]] = typer.Option(
+        None, "--wrt", help="Differentiate with respect to this tensor (repeatable). "
+        "Default: every float initializer the loss depends on."),
+    freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Exclude this tensor (repeatable)."),
+    wrt_inputs: bool = typer.Option(False, "--wrt-inputs", help="Also differentiate with respect to every float graph input."),
+) -> None:
+    """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
+    from gradgen.api import build_backward as build
+    from gradgen.model_io import check_output_path, save_model
+
+    check_output_path(out, model)
+    started = time.perf_counter()
+    _say(f"reading {model}")
+    result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs)
+    save_model(result.model, out)
+    seconds = time.perf_counter() - started
+    nodes = sum(1 for _ in result.model.graph)
+    typer.echo(f"loss: {result.loss}")
+    typer.echo(f"gradients ({len(result.wrt)}): {', '.join(result.gradient_names)}")
+    typer.echo(f"wrote {out} ({nodes} nodes) in {seconds:.2f} s")
+
+
+@app.command("run")
+def run(
+    model: Path = typer.Argument(..., help="ONNX model to run (a forward model or one built by build-backward)."),
+    inputs: Optional[Path] = typer.Option(None, "--inputs", help=".npz file with one array per graph input."),
+    random_inputs: bool = typer.Option(False, "--random-inputs", help="Draw inputs from the declared types and shapes."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --random-inputs."),
+    dim: Optional[List[str]] = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension (repeatable)."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA if a GPU answers, else CPU), cpu or cuda."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Save every graph output to this .npz."),
+) -> None:
+    """Run MODEL on gradgen's executor and print a table of its outputs."""
+    import numpy as np
+
+    from gradgen.executor import Session
+    from gradgen.inputs import load_npz, parse_dims, random_feeds
+    from gradgen.model_io import check_output_path
+
+    if out is not None:
+        check_output_path(out, model, *( [inputs] if inputs else []))
+    dims = parse_dims(dim or [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = Session(model, device=device)
+    for warning in caught:
+        _say(f"note: {warning.message}")
+    feeds = {}
+    if random_inputs:
+        feeds.update(random_feeds(session.model, seed=seed, dims=dims))
+    if inputs is not None:
+        feeds.update(load_npz(inputs))
+    if inputs is None and not random_inputs and session.input_names:
+        from gradgen.errors import UsageError
+
+        raise UsageError(f"the model has inputs ({', '.join(session.input_names)}); pass --inputs FILE.npz or --random-inputs")
+    started = time.perf_counter()
+    results = session.run(feeds)
+    seconds = time.perf_counter() - started
+    typer.echo(_format_table(results))
+    typer.echo(f"ran on {session.device} in {seconds:.3f} s")
+    if out is not None:
+        np.savez(out, **results)
+        typer.echo(f"wrote {len(results)} output(s) to {out}")
+
+
+def _format_table(results) -> str:
+    import numpy as np
+
+    header = ("output", "shape", "dtype", "min", "max", "mean", "L2 norm")
+    rows = []
+    for name, value in results.items():
+        if value.size and value.dtype.kind in "fiub":
+            data = value.astype(np.float64)
+            stats = [f"{data.min():.6g}", f"{data.max():.6g}", f"{data.mean():.6g}", f"{np.sqrt((data * data).sum()):.6g}"]
+        else:
+            stats = ["-"] * 4
+        rows.append((name, str(list(value.shape)), str(value.dtype), *stats))
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@app.command("ops")
+def ops(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of objects.")) -> None:
+    """List every op gradgen knows: gradient rule, CPU kernel, CUDA kernel."""
+    from gradgen.support import supported_ops
+
+    table = supported_ops()
+    if as_json:
+        typer.echo(json.dumps(table, indent=1))
+        return
+    header = ("domain", "op_type", "gradient", "cpu", "cuda")
+    rows = [(r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no",
+             "yes" if r["cuda"] else "no") for r in table]
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    typer.echo(f"{len(rows)} ops")
+
+
+def main() -> None:
+    """Console entry point: gradgen errors become one line on stderr and a documented exit code."""
+    try:
+        app(standalone_mode=False)
+    except GradgenError as exc:
+        if _state["debug"]:
+            raise
+        _say(f"error: {exc}")
+        sys.exit(exc.exit_code)
+    except (typer.Exit, SystemExit) as exc:
+        sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
+    except typer.Abort:
+        _say("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and anything unexpected
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        if _state["debug"]:
+            raise
+        _say(f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback; please report it)")
+        sys.exit(1)
