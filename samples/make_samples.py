@@ -494,16 +494,19 @@ class HfGpt2Loss(nn.Module):
         config._attn_implementation = "eager"
         self.gpt = GPT2LMHeadModel(config)
 
-    def forward(self, input_ids, labels):
-        out = self.gpt(input_ids=input_ids, labels=labels, use_cache=False)
+    def forward(self, input_ids, attention_mask, labels):
+        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask,
+                       labels=labels, use_cache=False)
         return out.loss, out.logits
 
 
 def build_gpt2_hf():
     ids = torch.randint(0, 64, (2, 8))
     ids[1, 2] = ids[1, 6] = ids[0, 1]
-    return Case(HfGpt2Loss(), {"input_ids": ids, "labels": ids.clone()},
-                batch_dim=["input_ids", "labels"], extra_outputs=["logits"],
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "labels": ids.clone()}
+    return Case(HfGpt2Loss(), inputs, extra_outputs=["logits"],
+                batch_dim=["input_ids", "attention_mask", "labels"],
                 notes="transformers GPT2LMHeadModel, random init, eager "
                       "attention, use_cache=False, tied embeddings")
 
@@ -740,6 +743,14 @@ def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def strip_node_metadata(model: onnx.ModelProto) -> None:
+    """Drop per-node doc strings and metadata (the dynamo exporter stores
+    stack traces there, which triples the file size)."""
+    for node in model.graph.node:
+        node.doc_string = ""
+        del node.metadata_props[:]
+
+
 def rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     for node in graph.node:
         node.input[:] = [new if n == old else n for n in node.input]
@@ -929,6 +940,7 @@ def export_checked(case: Case, exporter: str, ref: TorchReference):
     for kwargs in attempts:
         model, settings = EXPORT_FUNCS[exporter](case, output_names, **kwargs)
         model = inline_functions(model)
+        strip_node_metadata(model)
         ensure_loss_first(model)
         try:
             return model, match_initializers(model, ref), settings

@@ -10,8 +10,10 @@ def cuda_unavailable_reason() -> str | None:
     """None when PyCUDA imports and a GPU answers; otherwise a short reason."""
     try:
         import pycuda.driver as driver
-    except Exception as exc:  # ImportError, or a broken install raising something else
-        return f"PyCUDA is not importable: {exc}; install gradgen[cuda]"
+    except ImportError:
+        return "PyCUDA is not installed; pip install 'gradgen[cuda]'"
+    except Exception as exc:  # a broken install can raise anything at import
+        return f"PyCUDA failed to import: {exc}"
     try:
         driver.init()
         if driver.Device.count() == 0:

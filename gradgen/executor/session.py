@@ -216,11 +216,14 @@ def validate_feeds(input_values: list[ir.Value], feeds: Mapping[str, np.ndarray]
     """Check every graph input is fed with the declared dtype and a shape that fits; bind symbols."""
     declared = {v.name: v for v in input_values}
     unknown = sorted(set(feeds) - set(declared))
-    if unknown:
-        raise RunError(f"unknown input name(s) {', '.join(map(repr, unknown))}; the model's inputs are {', '.join(map(repr, declared))}")
     missing = [name for name in declared if name not in feeds]
-    if missing:
-        raise RunError(f"missing input(s) {', '.join(map(repr, missing))}")
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"missing input(s) {', '.join(map(repr, missing))}")
+        if unknown:
+            problems.append(f"unknown input name(s) {', '.join(map(repr, unknown))}")
+        raise RunError(f"{'; '.join(problems)}; the model's inputs are {', '.join(map(repr, declared))}")
     symbols: dict[str, tuple[int, str]] = {}
     checked = {}
     for name, value in declared.items():

@@ -1,8 +1,62 @@
-"""Gradient rules: elementwise ops. Broadcasting ops return output-shaped gradients (broadcast=True)."""
+"""Gradient rules: elementwise ops. Broadcasting ops return output-shaped gradients (broadcast=True).
+
+Conventions:
+- Kinks take the subgradient PyTorch takes: Relu/LeakyRelu/PRelu/Elu/Selu/Celu/ThresholdedRelu use
+  the branch the forward op uses at the kink point; Abs gives 0 at 0 (Sign); Clip passes the
+  gradient at the bounds (min <= x <= max).
+- Max/Min (variadic): the gradient is split evenly among the inputs equal to the output (a tie of
+  k inputs gives each dY / k). This is PyTorch's choice for maximum/minimum, a valid subgradient,
+  and for a tie of two it equals the central difference.
+- Pow differentiates both the base (dY * B * A^(B-1)) and the exponent (dY * Y * ln(A) where A > 0,
+  0 elsewhere: a real power of a non-positive base has no derivative in the exponent).
+- Floor, Ceil, Round, Sign have zero gradient almost everywhere: emitted as zeros.
+"""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
+from gradgen.errors import ModelError
 from gradgen.grads.registry import grad_rule
+
+
+def _mul(g, *factors):
+    out = factors[0]
+    for f in factors[1:]:
+        out = g.op("Mul", out, f)
+    return out
+
+
+def _c(g, like, value):
+    return g.const_like(like, value)
+
+
+def _mask(g, cond, dy, other=None):
+    """Where(cond, dy, other or 0)."""
+    return g.op("Where", cond, dy, other if other is not None else _c(g, dy, 0.0))
+
+
+def _unary(op_type):
+    """Register a one-input rule given as ``fn(g, x, y, dy) -> dx``."""
+
+    def register(fn):
+        @grad_rule(op_type)
+        def rule(g):
+            return [fn(g, g.x(0), g.y(), g.dy())] if g.needs(0) else [None]
+
+        return fn
+
+    return register
+
+
+def _same_type(g, value, like):
+    """value cast to like's element type when the two differ."""
+    return value if value.dtype == like.dtype else g.cast_like(value, like)
+
+
+# -- arithmetic --------------------------------------------------------------------------------
 
 
 @grad_rule("Add", broadcast=True)
@@ -22,12 +76,363 @@ def mul(g):
             g.op("Mul", g.dy(), a) if g.needs(1) else None]
 
 
-@grad_rule("Relu")
-def relu(g):
-    mask = g.op("Greater", g.x(0), g.const_like(g.x(0), 0.0))
-    return [g.op("Where", mask, g.dy(), g.const_like(g.x(0), 0.0))]
+@grad_rule("Div", broadcast=True)
+def div(g):
+    # dA = dY / B; dB = -dY * A / B^2 = -dY * Y / B
+    b, dy = g.x(1), g.dy()
+    da = g.op("Div", dy, b) if g.needs(0) else None
+    db = g.op("Neg", g.op("Div", g.op("Mul", dy, g.y()), b)) if g.needs(1) else None
+    return [da, db]
+
+
+@grad_rule("Pow", broadcast=True)
+def pow_(g):
+    a, b, y, dy = g.x(0), g.x(1), g.y(), g.dy()
+    da = db = None
+    if g.needs(0):
+        # A constant exponent (not trained, not overridable) gets a simpler formula.
+        c = None if g.needs(1) or b.is_graph_input() else g.input_const(1)
+        if c is not None and c.size == 1:
+            c = float(np.asarray(c).reshape(()))
+            if c == 1.0:
+                da = dy
+            elif c == 2.0:
+                da = _mul(g, dy, a, _c(g, a, 2.0))
+            elif c == 0.5:
+                da = g.op("Div", _mul(g, dy, _c(g, a, 0.5)), y)  # 0.5 / sqrt(a)
+            else:
+                da = _mul(g, dy, _c(g, a, c), g.op("Pow", a, _c(g, a, c - 1.0)))
+        else:
+            bf = _same_type(g, b, a)
+            da = _mul(g, dy, bf, g.op("Pow", a, g.op("Sub", bf, _c(g, a, 1.0))))
+    if g.needs(1):
+        positive = g.op("Greater", a, _c(g, a, 0.0))
+        safe_a = g.op("Where", positive, a, _c(g, a, 1.0))
+        db = _mask(g, positive, _mul(g, dy, y, g.op("Log", safe_a)))
+        db = _same_type(g, db, b)
+    return [da, db]
+
+
+@grad_rule("Mod", broadcast=True)
+def mod(g):
+    # Float Mod (fmod=1): Y = A - B * trunc(A / B). Integer Mod never carries a gradient.
+    a, b, dy = g.x(0), g.x(1), g.dy()
+    db = None
+    if g.needs(1):
+        q = g.op("Div", a, b)
+        trunc = g.op("Mul", g.op("Sign", q), g.op("Floor", g.op("Abs", q)))
+        db = g.op("Neg", g.op("Mul", dy, trunc))
+    return [dy if g.needs(0) else None, db]
+
+
+@_unary("Neg")
+def neg(g, x, y, dy):
+    return g.op("Neg", dy)
+
+
+@_unary("Abs")
+def abs_(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Sign", x))
+
+
+@_unary("Sqrt")
+def sqrt(g, x, y, dy):
+    return g.op("Div", g.op("Mul", dy, _c(g, x, 0.5)), y)
+
+
+@_unary("Reciprocal")
+def reciprocal(g, x, y, dy):
+    return g.op("Neg", _mul(g, dy, y, y))
+
+
+@_unary("Exp")
+def exp(g, x, y, dy):
+    return g.op("Mul", dy, y)
+
+
+@_unary("Log")
+def log(g, x, y, dy):
+    return g.op("Div", dy, x)
+
+
+# -- activations ---------------------------------------------------------------------------------
+
+
+@_unary("Tanh")
+def tanh(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Sub", _c(g, x, 1.0), g.op("Mul", y, y)))
+
+
+@_unary("Sigmoid")
+def sigmoid(g, x, y, dy):
+    return _mul(g, dy, y, g.op("Sub", _c(g, x, 1.0), y))
+
+
+@_unary("Relu")
+def relu(g, x, y, dy):
+    return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), dy)
+
+
+@_unary("LeakyRelu")
+def leaky_relu(g, x, y, dy):
+    alpha = g.attr("alpha", 0.01)
+    return _mask(g, g.op("Less", x, _c(g, x, 0.0)), g.op("Mul", dy, _c(g, x, alpha)), dy)
+
+
+@_unary("ThresholdedRelu")
+def thresholded_relu(g, x, y, dy):
+    return _mask(g, g.op("Greater", x, _c(g, x, g.attr("alpha", 1.0))), dy)
+
+
+@_unary("Elu")
+def elu(g, x, y, dy):
+    # x < 0: alpha * (e^x - 1), derivative y + alpha
+    alpha = g.attr("alpha", 1.0)
+    neg_branch = g.op("Mul", dy, g.op("Add", y, _c(g, x, alpha)))
+    return _mask(g, g.op("Less", x, _c(g, x, 0.0)), neg_branch, dy)
+
+
+@_unary("Selu")
+def selu(g, x, y, dy):
+    # x > 0: gamma * x; else gamma * alpha * (e^x - 1), derivative y + gamma * alpha
+    alpha = g.attr("alpha", 1.67326319217681884765625)
+    gamma = g.attr("gamma", 1.05070102214813232421875)
+    neg_branch = g.op("Mul", dy, g.op("Add", y, _c(g, x, gamma * alpha)))
+    return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), g.op("Mul", dy, _c(g, x, gamma)), neg_branch)
+
+
+@_unary("Celu")
+def celu(g, x, y, dy):
+    # x > 0: x; else alpha * (exp(x / alpha) - 1), derivative exp(x / alpha)
+    alpha = g.attr("alpha", 1.0)
+    e = g.op("Exp", g.op("Div", g.op("Min", x, _c(g, x, 0.0)), _c(g, x, alpha)))
+    return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), dy, g.op("Mul", dy, e))
+
+
+@_unary("Softplus")
+def softplus(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Sigmoid", x))
+
+
+@_unary("Softsign")
+def softsign(g, x, y, dy):
+    d = g.op("Add", _c(g, x, 1.0), g.op("Abs", x))
+    return g.op("Div", dy, g.op("Mul", d, d))
+
+
+@_unary("HardSigmoid")
+def hard_sigmoid(g, x, y, dy):
+    alpha, beta = g.attr("alpha", 0.2), g.attr("beta", 0.5)
+    z = g.op("Add", g.op("Mul", x, _c(g, x, alpha)), _c(g, x, beta))
+    inside = g.op("And", g.op("Greater", z, _c(g, x, 0.0)), g.op("Less", z, _c(g, x, 1.0)))
+    return _mask(g, inside, g.op("Mul", dy, _c(g, x, alpha)))
+
+
+@_unary("HardSwish")
+def hard_swish(g, x, y, dy):
+    # y = x * HardSigmoid(x; 1/6, 1/2): dy/dx = 0 (x <= -3), (2x + 3) / 6 (-3 < x < 3), 1 (x >= 3)
+    inside = g.op("And", g.op("Greater", x, _c(g, x, -3.0)), g.op("Less", x, _c(g, x, 3.0)))
+    slope = g.op("Add", g.op("Mul", x, _c(g, x, 1.0 / 3.0)), _c(g, x, 0.5))
+    d = g.op("Where", inside, slope, g.op("Where", g.op("Less", x, _c(g, x, 0.0)), _c(g, x, 0.0), _c(g, x, 1.0)))
+    return g.op("Mul", dy, d)
+
+
+@_unary("Mish")
+def mish(g, x, y, dy):
+    # y = x * tanh(sp(x)): dy/dx = t + x * (1 - t^2) * sigmoid(x)
+    t = g.op("Tanh", g.op("Softplus", x))
+    d = g.op("Add", t, _mul(g, x, g.op("Sub", _c(g, x, 1.0), g.op("Mul", t, t)), g.op("Sigmoid", x)))
+    return g.op("Mul", dy, d)
+
+
+@_unary("Gelu")
+def gelu(g, x, y, dy):
+    if g.attr("approximate", "none") == "tanh":
+        # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2 / pi)
+        k = math.sqrt(2.0 / math.pi)
+        x2 = g.op("Mul", x, x)
+        u = _mul(g, g.op("Add", _c(g, x, 1.0), g.op("Mul", x2, _c(g, x, 0.044715))), x, _c(g, x, k))
+        t = g.op("Tanh", u)
+        du = g.op("Add", _c(g, x, k), g.op("Mul", x2, _c(g, x, 3.0 * 0.044715 * k)))
+        one_minus_t2 = g.op("Sub", _c(g, x, 1.0), g.op("Mul", t, t))
+        d = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, x, 1.0)), _c(g, x, 0.5)),
+                 _mul(g, x, _c(g, x, 0.5), one_minus_t2, du))
+        return g.op("Mul", dy, d)
+    # y = x * Phi(x): dy/dx = Phi(x) + x * phi(x)
+    cdf = g.op("Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, x, 1.0 / math.sqrt(2.0)))), _c(g, x, 1.0)),
+               _c(g, x, 0.5))
+    pdf = g.op("Mul", g.op("Exp", _mul(g, x, x, _c(g, x, -0.5))), _c(g, x, 1.0 / math.sqrt(2.0 * math.pi)))
+    return g.op("Mul", dy, g.op("Add", cdf, g.op("Mul", x, pdf)))
+
+
+@_unary("Erf")
+def erf(g, x, y, dy):
+    e = g.op("Exp", g.op("Neg", g.op("Mul", x, x)))
+    return _mul(g, dy, e, _c(g, x, 2.0 / math.sqrt(math.pi)))
+
+
+@grad_rule("PRelu", broadcast=True)
+def prelu(g):
+    # y = x (x >= 0), slope * x (x < 0); slope broadcasts to x (the walker sums dSlope back).
+    x, slope, dy = g.x(0), g.x(1), g.dy()
+    negative = g.op("Less", x, _c(g, x, 0.0))
+    dx = _mask(g, negative, g.op("Mul", dy, slope), dy) if g.needs(0) else None
+    dslope = _mask(g, negative, g.op("Mul", dy, x)) if g.needs(1) else None
+    return [dx, dslope]
+
+
+# -- trigonometric and hyperbolic ------------------------------------------------------------
+
+
+def _one_minus_x2(g, x):
+    return g.op("Sub", _c(g, x, 1.0), g.op("Mul", x, x))
+
+
+@_unary("Sin")
+def sin(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Cos", x))
+
+
+@_unary("Cos")
+def cos(g, x, y, dy):
+    return g.op("Neg", g.op("Mul", dy, g.op("Sin", x)))
+
+
+@_unary("Tan")
+def tan(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Add", _c(g, x, 1.0), g.op("Mul", y, y)))
+
+
+@_unary("Asin")
+def asin(g, x, y, dy):
+    return g.op("Div", dy, g.op("Sqrt", _one_minus_x2(g, x)))
+
+
+@_unary("Acos")
+def acos(g, x, y, dy):
+    return g.op("Neg", g.op("Div", dy, g.op("Sqrt", _one_minus_x2(g, x))))
+
+
+@_unary("Atan")
+def atan(g, x, y, dy):
+    return g.op("Div", dy, g.op("Add", _c(g, x, 1.0), g.op("Mul", x, x)))
+
+
+@_unary("Sinh")
+def sinh(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Cosh", x))
+
+
+@_unary("Cosh")
+def cosh(g, x, y, dy):
+    return g.op("Mul", dy, g.op("Sinh", x))
+
+
+@_unary("Asinh")
+def asinh(g, x, y, dy):
+    return g.op("Div", dy, g.op("Sqrt", g.op("Add", g.op("Mul", x, x), _c(g, x, 1.0))))
+
+
+@_unary("Acosh")
+def acosh(g, x, y, dy):
+    return g.op("Div", dy, g.op("Sqrt", g.op("Sub", g.op("Mul", x, x), _c(g, x, 1.0))))
+
+
+@_unary("Atanh")
+def atanh(g, x, y, dy):
+    return g.op("Div", dy, _one_minus_x2(g, x))
+
+
+# -- piecewise constant: zero gradient ------------------------------------------------------
+
+
+@grad_rule("Floor", "Ceil", "Round", "Sign")
+def piecewise_constant(g):
+    return [g.zeros_like(g.x(0)) if g.needs(0) else None]
+
+
+# -- selection ---------------------------------------------------------------------------------
+
+
+@grad_rule("Where", broadcast=True, nondiff_inputs=(0,))
+def where(g):
+    cond, dy = g.x(0), g.dy()
+    zero = _c(g, dy, 0.0)
+    return [None,
+            g.op("Where", cond, dy, zero) if g.needs(1) else None,
+            g.op("Where", cond, zero, dy) if g.needs(2) else None]
+
+
+@grad_rule("Max", "Min", broadcast=True)
+def max_min(g):
+    inputs, y, dy = list(g.node.inputs), g.y(), g.dy()
+    if len(inputs) == 1:
+        return [dy]
+    # Ties split the gradient evenly: dX_i = dY * [x_i == y] / #{j: x_j == y}.
+    hits = [g.cast_like(g.op("Equal", x, y), y) for x in inputs]
+    share = g.op("Div", dy, g.sum(hits))
+    return [g.op("Mul", share, hit) if g.needs(i) else None for i, hit in enumerate(hits)]
+
+
+@grad_rule("Clip", nondiff_inputs=(1, 2))
+def clip(g):
+    x, lo, hi, dy = g.x(0), g.x(1), g.x(2), g.dy()
+    conds = []
+    if lo is not None and lo.name:
+        conds.append(g.op("GreaterOrEqual", x, lo))
+    if hi is not None and hi.name:
+        conds.append(g.op("LessOrEqual", x, hi))
+    if not conds:
+        return [dy]
+    inside = conds[0] if len(conds) == 1 else g.op("And", *conds)
+    return [_mask(g, inside, dy)]
+
+
+# -- variadic sums ---------------------------------------------------------------------------
 
 
 @grad_rule("Sum", broadcast=True)
 def sum_(g):
     return [g.dy()] * len(g.node.inputs)
+
+
+@grad_rule("Mean", broadcast=True)
+def mean(g):
+    n = len(g.node.inputs)
+    dy = g.dy() if n == 1 else g.op("Mul", g.dy(), _c(g, g.dy(), 1.0 / n))
+    return [dy] * n
+
+
+# -- identity-like ---------------------------------------------------------------------------
+
+
+@grad_rule("Identity")
+def identity(g):
+    return [g.dy()]
+
+
+@grad_rule("Cast")
+def cast(g):
+    # Only float -> float casts carry a gradient (integer outputs never get one).
+    return [_same_type(g, g.dy(), g.x(0)) if g.needs(0) else None]
+
+
+@grad_rule("CastLike", nondiff_inputs=(1,))
+def cast_like(g):
+    return [_same_type(g, g.dy(), g.x(0)) if g.needs(0) else None, None]
+
+
+@grad_rule("Dropout", nondiff_inputs=(1, 2))
+def dropout(g):
+    """Inference-mode Dropout is the identity; training mode (with ratio > 0) is refused."""
+    training = g.input_const(2) if g.x(2) is not None and g.x(2).name else np.array(False)
+    ratio = g.input_const(1) if g.x(1) is not None and g.x(1).name else np.array(0.5)
+    name = g.node.name or "<unnamed>"
+    if training is None:
+        raise ModelError(f"Dropout node {name!r}: training_mode is not a constant; gradgen differentiates "
+                         "inference-mode Dropout only (export the model in eval mode)")
+    if bool(np.asarray(training).reshape(-1)[0]):
+        if ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0:
+            raise ModelError(f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
+                             "gradgen differentiates inference-mode Dropout only (export the model in eval mode)")
+    return [g.dy(), None, None]

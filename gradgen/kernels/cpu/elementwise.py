@@ -98,8 +98,8 @@ def mod(a, b, *, fmod=0):
         raise KernelError("integer modulo by zero")
     if fmod:
         return np.fmod(a, b)  # the result takes the sign of the dividend, like C's fmod
-    # fmod=0: the result takes the sign of the divisor, like Python's % (floats allowed since
-    # opset 26's clarification; earlier opsets only allowed integers).
+    # fmod=0: the result takes the sign of the divisor, like Python's % (opset 28 spells out the
+    # float special cases, which are numpy's: inf % y and x % 0 give NaN).
     return np.mod(a, b)
 
 

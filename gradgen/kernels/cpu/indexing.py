@@ -26,7 +26,7 @@ def _axis(axis: int, rank: int, what: str = "axis") -> int:
     return axis + rank if axis < 0 else axis
 
 
-def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "index") -> np.ndarray:
+def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "index", suffix: tuple = ()) -> np.ndarray:
     """Indices as int64 with negatives wrapped; raise KernelError for any outside [-dim, dim-1]."""
     idx = np.asarray(indices)
     if idx.dtype.kind not in "iu":
@@ -35,7 +35,7 @@ def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "in
     bad = (idx < -dim) | (idx >= dim)
     if bad.any():
         value = int(idx[bad].flat[0])
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = tuple(int(i) for i in np.argwhere(bad)[0]) + suffix
         raise KernelError(
             f"{what} {value} (at position {list(where)} of the indices) is out of range for axis {axis} "
             f"of size {dim}; valid range is [{-dim}, {dim - 1}]"
@@ -80,10 +80,12 @@ def gather_elements(data, indices, *, axis=0):
 
 
 def _nd_tuple(data_shape, idx: np.ndarray, first_axis: int) -> tuple[np.ndarray, ...]:
-    """Split the last dimension of GatherND/ScatterND indices into one normalised array per axis."""
+    """Split the last dimension of GatherND/ScatterND indices into one normalised array per axis
+    (indices[..., j] indexes data axis first_axis + j)."""
     k = idx.shape[-1]
     return tuple(
-        _normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j) for j in range(k)
+        _normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j, suffix=(j,))
+        for j in range(k)
     )
 
 
@@ -97,11 +99,11 @@ def gather_nd(data, indices, *, batch_dims=0):
         raise KernelError(f"indices.shape[-1] ({k}) + batch_dims ({b}) exceeds data rank {data.ndim}")
     if data.shape[:b] != indices.shape[:b]:
         raise KernelError(f"the first {b} (batch) dimensions of data {list(data.shape)} and indices {list(indices.shape)} differ")
+    parts = _nd_tuple(data.shape, indices, b)
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
     d = data.reshape((batch,) + data.shape[b:])
-    i = indices.reshape((batch,) + indices.shape[b:])
-    parts = _nd_tuple(d.shape, i, 1)
-    bidx = np.arange(batch).reshape((batch,) + (1,) * (i.ndim - 2))
+    parts = tuple(p.reshape((batch,) + p.shape[b:]) for p in parts)
+    bidx = np.arange(batch).reshape((batch,) + (1,) * (indices.ndim - 1 - b))
     out = d[(bidx,) + parts]
     return out.reshape(indices.shape[:-1] + data.shape[b + k:])
 

@@ -301,7 +301,7 @@ def constant(*, value=None, value_float=None, value_floats=None, value_int=None,
 
 
 @cpu_kernel("Range")
-def range_(start, limit, delta):
+def range_(start, limit, delta, *, stash_type=1):
     for v, name in ((start, "start"), (limit, "limit"), (delta, "delta")):
         if np.size(v) != 1:
             raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(v))}")
@@ -311,8 +311,10 @@ def range_(start, limit, delta):
         raise KernelError("delta is 0")
     n = max(int(np.ceil((l - s) / d)), 0)
     if dtype.kind == "f":
-        # start + i * delta computed in the input's precision, as the spec's loop does.
-        return (np.asarray(s, dtype) + np.arange(n, dtype=dtype) * np.asarray(d, dtype)).astype(dtype)
+        # start + i * delta in the input's precision, as the spec's loop does; float16 goes
+        # through float32 when stash_type=1 (opset 27; the default).
+        work = np.dtype(np.float32) if dtype == np.float16 and stash_type == 1 else dtype
+        return (np.asarray(s, work) + np.arange(n, dtype=work) * np.asarray(d, work)).astype(dtype)
     return (s + np.arange(n, dtype=np.int64) * d).astype(dtype)
 
 
