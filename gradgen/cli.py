@@ -77,6 +77,11 @@ def run(
     dim: Optional[List[str]] = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA if a GPU answers, else CPU), cpu or cuda."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Save every graph output to this .npz."),
+    compare: Optional[Path] = typer.Option(
+        None, "--compare", help="Reference .npz (e.g. PyTorch's gradients): compare the outputs it names; "
+        "exit 4 if any differs beyond the tolerance."),
+    rtol: float = typer.Option(1e-4, "--rtol", help="Relative tolerance for --compare."),
+    atol: float = typer.Option(1e-5, "--atol", help="Absolute tolerance for --compare, as a fraction of the reference's largest |value|."),
 ) -> None:
     """Run MODEL on gradgen's executor and print a table of its outputs."""
     import numpy as np
@@ -110,6 +115,41 @@ def run(
     if out is not None:
         np.savez(out, **results)
         typer.echo(f"wrote {len(results)} output(s) to {out}")
+    if compare is not None:
+        _compare(results, load_npz(compare), rtol, atol)
+
+
+def _compare(results, reference, rtol: float, atol: float) -> None:
+    """Print max abs/rel error per output the reference names; raise RunError on any mismatch."""
+    import numpy as np
+
+    from gradgen.errors import RunError
+
+    shared = [name for name in results if name in reference]
+    if not shared:
+        raise RunError("the reference file names none of the model's outputs")
+    typer.echo("")
+    header = ("compared", "max abs err", "max rel err", "verdict")
+    rows, failed = [], []
+    for name in shared:
+        got, want = results[name].astype(np.float64), np.asarray(reference[name], dtype=np.float64)
+        if got.shape != want.shape:
+            rows.append((name, "-", "-", f"FAIL shape {list(got.shape)} vs {list(want.shape)}"))
+            failed.append(name)
+            continue
+        diff = np.abs(got - want)
+        scale = float(np.abs(want).max(initial=0.0))
+        ok = bool(np.all(diff <= atol * scale + rtol * np.abs(want)))
+        rel = float((diff / np.maximum(np.abs(want), 1e-30 + scale * 1e-12)).max(initial=0.0))
+        rows.append((name, f"{diff.max(initial=0.0):.3g}", f"{rel:.3g}", "ok" if ok else "FAIL"))
+        if not ok:
+            failed.append(name)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if failed:
+        raise RunError(f"{len(failed)} output(s) differ from the reference beyond rtol={rtol}, atol={atol}*max|ref|: {', '.join(failed)}")
+    typer.echo(f"all {len(rows)} compared output(s) match the reference (rtol={rtol}, atol={atol}*max|ref|)")
 
 
 def _format_table(results) -> str:

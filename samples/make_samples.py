@@ -372,7 +372,7 @@ class Broadcast(nn.Module):
         two = torch.pow(2.0, torch.tanh(t))                 # scalar base
         sq = torch.sqrt(base) * 3 - torch.log(base) / 2
         w = torch.where(t > 0, pw, sq) + ps * 0.1 + two - t ** 2
-        r1 = w.sum(dim=(2, 3))                              # (N,C)
+        r1 = w.sum(dim=(2, 3)) * 0.05                       # (N,C)
         r2 = w.mean(dim=1, keepdim=True)                    # (N,1,H,W)
         r3 = w.sum(dim=-1, keepdim=True).mean(dim=2)        # (N,C,1)
         sm = torch.softmax(w, dim=-1)
@@ -460,6 +460,11 @@ class HandGpt2(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
+        for mod in self.modules():  # GPT-2 style init
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=0.02)
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                nn.init.zeros_(mod.bias)
 
     def forward(self, ids):
         t = ids.shape[1]
@@ -490,7 +495,8 @@ class HfGpt2Loss(nn.Module):
 
         config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
                             n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, use_cache=False)
+                            attn_pdrop=0.0, use_cache=False,
+                            bos_token_id=0, eos_token_id=0)
         config._attn_implementation = "eager"
         self.gpt = GPT2LMHeadModel(config)
 
@@ -673,11 +679,54 @@ def export_dynamo(case: Case, output_names: list[str], optimize: bool = True):
                                     output_names=output_names, **settings)
     if optimize:
         return program.model_proto, settings
-    settings["post_process"] = "fold_constants_keeping_params"
-    model = fold_constants_keeping_params(program.model)
+    # Exporter constants (e.g. float scalars) come out as initializers: make
+    # them Constant nodes so that only parameters/buffers are initializers.
     params = set(named_float_tensors(case.model)) | {
         n for n, _ in case.model.named_buffers(remove_duplicate=False)}
-    return initializers_to_constants(model, keep=params), settings
+    model = initializers_to_constants(program.model_proto, keep=params)
+    model = initializers_to_constants(fold_constants_keeping_params(model), keep=params)
+    settings["post_process"] = ("initializers_to_constants + "
+                                "fold_constants_keeping_params")
+    return model, settings
+
+
+def fold_constants_keeping_params(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The exporter's optimizer minus what breaks the parameter mapping.
+
+    ``torch.onnx.export(optimize=True)`` runs onnxscript's optimizer, which
+    also applies rewrite rules (e.g. fuses an eval BatchNorm into the Conv or
+    Gemm before it, changing that weight), folds ops on parameters (slices,
+    transposes) and lifts every Constant node to an initializer (float
+    scalars would then look like parameters).  Here only constant folding of
+    nodes that do not read an initializer (Shape/Size excepted), dead-code
+    removal and common-subexpression elimination run.
+    """
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+    from onnxscript.optimizer import _constant_folding
+
+    def should_fold(node):
+        if node.op_type in ("Shape", "Size"):
+            return None
+        if any(v is not None and v.is_initializer() for v in node.inputs):
+            return False
+        return None
+
+    ir_model = ir.serde.deserialize_model(model)
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager(
+            [_constant_folding.FoldConstantsPass(
+                shape_inference=True, input_size_limit=8192,
+                output_size_limit=262144, should_fold=should_fold),
+             common.RemoveUnusedNodesPass()],
+            steps=2, early_stop=True),
+        common.CommonSubexpressionEliminationPass(),
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.RemoveUnusedOpsetsPass(),
+    )(ir_model)
+    return ir.serde.serialize_model(ir_model)
 
 
 def initializers_to_constants(model: onnx.ModelProto, keep: set[str]) -> onnx.ModelProto:
@@ -694,43 +743,6 @@ def initializers_to_constants(model: onnx.ModelProto, keep: set[str]) -> onnx.Mo
     del graph.node[:]
     graph.node.extend(nodes + old_nodes)
     return model
-
-
-def fold_constants_keeping_params(model) -> onnx.ModelProto:
-    """The exporter's optimizer minus what breaks the parameter mapping.
-
-    ``torch.onnx.export(optimize=True)`` runs onnxscript's optimizer, which
-    also applies rewrite rules (e.g. fuses an eval BatchNorm into the Conv or
-    Gemm before it, changing that weight) and lifts every Constant node to an
-    initializer (float scalars would then look like parameters).  Here only
-    constant folding of nodes that do not read an initializer (Shape/Size
-    excepted), dead-code removal and common-subexpression elimination run.
-    """
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-    from onnxscript.optimizer import _constant_folding
-
-    def should_fold(node):
-        if node.op_type in ("Shape", "Size"):
-            return None
-        if any(v is not None and v.is_initializer() for v in node.inputs):
-            return False
-        return None
-
-    ir.passes.Sequential(
-        common.InlinePass(),
-        ir.passes.PassManager(
-            [_constant_folding.FoldConstantsPass(
-                shape_inference=True, input_size_limit=8192,
-                output_size_limit=262144, should_fold=should_fold),
-             common.RemoveUnusedNodesPass()],
-            steps=2, early_stop=True),
-        common.CommonSubexpressionEliminationPass(),
-        common.RemoveUnusedNodesPass(),
-        common.RemoveUnusedFunctionsPass(),
-        common.RemoveUnusedOpsetsPass(),
-    )(model)
-    return ir.serde.serialize_model(model)
 
 
 EXPORT_FUNCS = {"legacy": export_legacy, "dynamo": export_dynamo}

@@ -67,7 +67,7 @@ def case_model(case: GradCase, symbolic: bool = False, seed: int = 0) -> tuple[o
     nodes = [helper.make_node(case.op_type, input_names, outputs, domain=case.domain, name="node", **case.attrs)]
     # loss = sum_k sum(out_k * w_k) for float outputs; the weights are inputs of matching shape.
     probe = Session(_single_node_model(case, nodes, graph_inputs, initializers, outputs)).run(feeds)
-    terms = []
+    terms, loss_dtype = [], None
     for k, out in enumerate(outputs):
         value = probe[out]
         if value.dtype.kind != "f":
@@ -76,10 +76,16 @@ def case_model(case: GradCase, symbolic: bool = False, seed: int = 0) -> tuple[o
         initializers.append(numpy_helper.from_array(w, f"w{k}"))
         nodes += [helper.make_node("Mul", [out, f"w{k}"], [f"t{k}"]),
                   helper.make_node("ReduceSum", [f"t{k}"], [f"s{k}"], keepdims=0)]
-        terms.append(f"s{k}")
+        loss_dtype = loss_dtype or value.dtype
+        if value.dtype != loss_dtype:
+            nodes.append(helper.make_node("Cast", [f"s{k}"], [f"c{k}"], to=helper.np_dtype_to_tensor_dtype(loss_dtype)))
+            terms.append(f"c{k}")
+        else:
+            terms.append(f"s{k}")
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(loss_dtype))
     graph = helper.make_graph(nodes, case.id, graph_inputs,
-                              [helper.make_tensor_value_info("loss", onnx.TensorProto.DOUBLE, [])], initializer=initializers)
+                              [helper.make_tensor_value_info("loss", loss_type, [])], initializer=initializers)
     model = _make_model(case, graph)
     return model, feeds, diff
 

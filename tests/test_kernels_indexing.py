@@ -284,3 +284,11 @@ def test_compress(axis):
     attrs = {} if axis is None else dict(axis=axis)
     (ort_y,) = ort("Compress", [data, cond], attrs, opset=11)
     np.testing.assert_array_equal(got, ort_y)
+
+
+def test_deprecated_scatter_runs_as_scatter_elements():
+    data = np.zeros((3, 3), dtype=np.float32)
+    idx = np.array([[1, 0, 2], [0, 2, 1]], dtype=np.int64)
+    upd = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (got,) = gradgen_run("Scatter", [data, idx, upd], dict(axis=0), opset=10)
+    np.testing.assert_array_equal(got, K.scatter_elements(data, idx, upd, axis=0))

@@ -486,7 +486,7 @@ def test_losses_keep_float32():
     loss, log_prob = L.softmax_cross_entropy_loss(scores, labels, _num_outputs=2)
     assert loss.dtype == log_prob.dtype == np.float32 and loss.shape == ()
     assert L.negative_log_likelihood_loss(log_prob, labels, reduction="none").dtype == np.float32
-    assert L.softmax_cross_entropy_loss(scores, labels) .dtype == np.float32
+    assert L.softmax_cross_entropy_loss(scores, labels).dtype == np.float32
 
 
 @pytest.mark.parametrize("bad", [3, -1, 7])
@@ -546,3 +546,52 @@ def test_executor_bad_label_names_node():
     labels = np.array([0, 5], dtype=np.int64)
     with pytest.raises(KernelError, match=r"node 'the_node' \(NegativeLogLikelihoodLoss\).*target value 5"):
         gradgen_run("NegativeLogLikelihoodLoss", [scores, labels], opset=13)
+
+
+# ---------------------------------------------------------------------------------------------
+# smaller ops: RMSNormalization, MeanVarianceNormalization, LpPool, MaxUnpool
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_rms_norm_matches_torch(axis):
+    x = rand(2, 3, 4)
+    shape = x.shape[axis % 3 :]
+    scale = rand(*shape)
+    y = K.rms_normalization(x, scale, axis=axis, epsilon=1e-4)
+    close(y, F.rms_norm(t(x), shape, t(scale), eps=1e-4))
+    assert K.rms_normalization(x.astype(np.float32), scale.astype(np.float32)).dtype == np.float32
+
+
+def test_mean_variance_normalization():
+    x = rand(2, 3, 4, 5)
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    close(K.mean_variance_normalization(x), (x - mean) / (x.std(axis=(0, 2, 3), keepdims=True) + 1e-9), rtol=1e-8)
+    close(K.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9), rtol=1e-8)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_matches_torch(p):
+    x = rand(2, 3, 7, 8)
+    y = K.lp_pool(x, kernel_shape=[3, 2], strides=[2, 2], p=p)
+    close(y, F.lp_pool2d(t(x).abs(), p, (3, 2), stride=(2, 2)), rtol=1e-8, atol=1e-10)
+
+
+def test_lp_pool_with_pads_matches_onnxruntime():
+    x = rand(1, 2, 5, 6, dtype=np.float32)
+    attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], p=2, strides=[2, 2])
+    (want,) = ort("LpPool", [x], attrs, opset=18)
+    close(K.lp_pool(x, **attrs), want, rtol=1e-5, atol=1e-6)
+
+
+def test_max_unpool_inverts_max_pool_like_torch():
+    x = rand(2, 3, 6, 8)
+    y, idx = K.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
+    got = K.max_unpool(y, idx, kernel_shape=[2, 2], strides=[2, 2])
+    assert got.shape == (2, 3, 6, 8)
+    ty, tidx = F.max_pool2d(t(x), 2, return_indices=True)
+    close(got, F.max_unpool2d(ty, tidx, 2))
+    # output_shape only adds room after the inferred shape; indices keep addressing the inferred
+    # layout (as ONNX's test_maxunpool_export_with_output_shape expects)
+    bigger = K.max_unpool(y, idx, np.array([2, 3, 7, 9]), kernel_shape=[2, 2], strides=[2, 2])
+    close(bigger[:, :, :6, :8], got)
+    assert not bigger[:, :, 6].any() and not bigger[..., 8].any()

@@ -170,7 +170,9 @@ def _random_slice(rng):
     for a in axes:
         d = shape[a]
         step = int(rng.choice([-3, -2, -1, 1, 2, 3]))
-        starts.append(int(rng.integers(-d - 2, d + 3)))
+        # (onnx.reference's Slice leaves a start below -d empty for a negative step, where the spec
+        # clamps it to 0; that corner is covered by test_slice_grad_clamping instead)
+        starts.append(int(rng.integers(-d - 2 if step > 0 else -d, d + 3)))
         r = rng.random()
         ends.append(INT64_MAX if r < 0.15 else INT64_MIN if r < 0.3 else int(rng.integers(-d - 2, d + 3)))
         steps.append(step)
@@ -185,12 +187,28 @@ def test_slice_grad_random_against_torch_and_onnx_reference():
         shape, starts, ends, axes, steps = _random_slice(rng)
         index_map = _onnx_slice_index_map(shape, starts, ends, axes, steps)
         dy = rng.standard_normal(index_map.shape)
-        (want,) = torch_grad(lambda x: x.reshape(-1)[torch.tensor(np.ascontiguousarray(index_map))], [np.zeros(shape)], dy)
+        (want,) = torch_grad(lambda x: x.reshape(-1)[torch.tensor(index_map.reshape(-1).copy()).reshape(index_map.shape)], [np.zeros(shape)], dy)
         got = fn(dy, i64(shape), starts, ends, axes, steps)
         np.testing.assert_array_equal(got, want)
-        if not np.any(np.abs(np.concatenate([starts, ends])) > 2**31 - 1):
+        bounds = np.concatenate([starts, ends])
+        if np.all((bounds >= np.iinfo(np.int32).min) & (bounds <= np.iinfo(np.int32).max)):
             got32 = fn(dy, i64(shape), *(v.astype(np.int32) for v in (starts, ends, axes, steps)))
             np.testing.assert_array_equal(got32, want)
+
+
+@pytest.mark.parametrize("shape,start,end,step,want", [
+    ([5], -9, INT64_MIN, -2, [1, 0, 0, 0, 0]),  # start < -d clamps to 0 for a negative step
+    ([5], 9, INT64_MIN, -2, [3, 0, 2, 0, 1]),  # start >= d clamps to d-1
+    ([5], -9, INT64_MAX, 2, [1, 0, 2, 0, 3]),
+    ([5], 3, -7, -1, [4, 3, 2, 1, 0]),  # end < -d: down to index 0 included
+    ([5], -2, 1, -1, [0, 0, 2, 1, 0]),
+    ([5], 9, -9, 1, [0, 0, 0, 0, 0]),  # empty slice
+])
+def test_slice_grad_clamping(shape, start, end, step, want):
+    count = sum(1 for v in want if v)
+    dy = np.arange(1.0, count + 1)
+    dx = kernel("SliceGrad")(dy, i64(shape), i64([start]), i64([end]), i64([0]), i64([step]))
+    assert dx.tolist() == want
 
 
 @pytest.mark.parametrize("args,match", [
@@ -574,9 +592,12 @@ def test_conv_grad_is_fast():
     x = rng.standard_normal((32, 16, 16, 16)).astype(np.float32)
     w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
     dy = rng.standard_normal((32, 16, 16, 16)).astype(np.float32)
-    start = time.perf_counter()
-    kernel("ConvGrad")(dy, x, w, pads=[1, 1, 1, 1])
-    assert time.perf_counter() - start < 0.5
+    best = math.inf
+    for _ in range(3):  # best of three: a busy machine should not fail this
+        start = time.perf_counter()
+        kernel("ConvGrad")(dy, x, w, pads=[1, 1, 1, 1])
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.5
 
 
 # ====================================================================== schemas
@@ -642,7 +663,9 @@ def _executor_cases():
     dy_conv = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
     x_conv = rng.standard_normal((2, 2, 5, 5)).astype(np.float32)
     w_conv = rng.standard_normal((4, 1, 3, 3)).astype(np.float32)
-    return {
+    conv_inputs = [("dY", dy_conv), ("X", x_conv), ("W", w_conv)]
+    dx, dw, db = kernel("ConvGrad")(dy_conv, x_conv, w_conv, group=2, pads=[1, 1, 1, 1], strides=[2, 2])
+    return {  # op[-variant]: inputs, output names, attributes, expected outputs
         "SliceGrad": (
             [("dY", np.float32([5, 7])), ("shape", i64([2, 4]), True), ("starts", i64([1, 0]), True),
              ("ends", i64([2, 3]), True), ("axes", i64([0, 1]), True), ("steps", i64([1, 2]), True)],
@@ -660,18 +683,14 @@ def _executor_cases():
              ("indices", np.int32([[1, 2, 0], [2, 0, 0]]))],
             ["dX"], {"axis": 0}, {"dX": np.float16([[0, 1, 2], [1, 0, 0], [1, 1, 0]])}),
         "ConvGrad": (
-            [("dY", dy_conv), ("X", x_conv), ("W", w_conv)], ["dX", "dW", "dB"],
+            conv_inputs, ["dX", "dW", "dB"],
             {"group": 2, "kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2], "auto_pad": "NOTSET"},
-            dict(zip(["dX", "dW", "dB"], kernel("ConvGrad")(dy_conv, x_conv, w_conv, group=2, pads=[1, 1, 1, 1], strides=[2, 2])))),
-        "ConvGrad-no-dX": (
-            [("dY", dy_conv), ("X", x_conv), ("W", w_conv)], ["", "dW", "dB"],
-            {"group": 2, "kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]},
-            dict(zip(["dX", "dW", "dB"], kernel("ConvGrad")(dy_conv, x_conv, w_conv, group=2, pads=[1, 1, 1, 1], strides=[2, 2])[1:]))
-            | {}),
+            {"dX": dx, "dW": dw, "dB": db}),
+        "ConvGrad-no-dX": (  # X not trainable: the first output is unnamed; SAME_UPPER gives pads 1 here
+            conv_inputs, ["", "dW", "dB"], {"group": 2, "kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]},
+            {"dW": dw, "dB": db}),
         "ConvGrad-no-bias": (
-            [("dY", dy_conv), ("X", x_conv), ("W", w_conv)], ["dX", "dW"],
-            {"group": 2, "pads": [1, 1, 1, 1], "strides": [2, 2]},
-            dict(zip(["dX", "dW"], kernel("ConvGrad")(dy_conv, x_conv, w_conv, group=2, pads=[1, 1, 1, 1], strides=[2, 2])))),
+            conv_inputs, ["dX", "dW"], {"group": 2, "pads": [1, 1, 1, 1], "strides": [2, 2]}, {"dX": dx, "dW": dw}),
         "BroadcastGradientArgs": (
             [("a_shape", i64([1, 4, 5])), ("b_shape", i64([2, 3, 1, 1]))], ["a_axes", "b_axes"], {},
             {"a_axes": i64([1, 0]), "b_axes": i64([3, 2])}),
@@ -679,9 +698,6 @@ def _executor_cases():
 
 
 EXECUTOR_CASES = _executor_cases()
-EXECUTOR_CASES["ConvGrad-no-dX"][3].clear()
-EXECUTOR_CASES["ConvGrad-no-dX"][3].update(
-    {"dW": EXECUTOR_CASES["ConvGrad"][3]["dW"], "dB": EXECUTOR_CASES["ConvGrad"][3]["dB"]})
 
 
 @pytest.mark.parametrize("name", list(EXECUTOR_CASES))
@@ -708,3 +724,10 @@ def test_executor_names_the_node_on_kernel_errors():
         "GatherGrad", [("shape", i64([3, 3]), True), ("indices", i64([0, 3])), ("dY", np.ones((2, 3), np.float32))], ["dX"])
     with pytest.raises(KernelError, match=r"node 'GatherGrad_0' \(com.microsoft::GatherGrad\): index 3 .*axis 0"):
         Session(model).run(feeds)
+
+
+def test_checker_needs_the_microsoft_opset_import():
+    model, _ = _one_node_model("BroadcastGradientArgs", [("a", i64([2, 3])), ("b", i64([3]))], ["a_axes", "b_axes"])
+    del model.opset_import[1]
+    with pytest.raises(onnx.checker.ValidationError, match="No opset import for domain 'com.microsoft'"):
+        onnx.checker.check_model(model, full_check=True)

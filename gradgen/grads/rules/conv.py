@@ -1,5 +1,206 @@
-"""Gradient rules: conv."""
+"""Gradient rules: convolution and pooling.
+
+Conv emits one com.microsoft ConvGrad(dY, X, W) carrying the forward attributes verbatim, as ONNX
+Runtime training does. ConvTranspose is the input-gradient of a Conv, so its gradients are a Conv
+(dX) and a ConvGrad with the roles of X and dY exchanged (dW). Pools use standard ops plus ConvGrad
+with a ones kernel for the window transpose.
+"""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import ModelError
+from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.grads.registry import grad_rule
+from gradgen.grads.rules.shape import concat_ints, dims_value
+
+CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def _where(g) -> str:
+    return f"{g.node.op_type} node {g.node.name or '<unnamed>'!r}"
+
+
+def _forward_attrs(g, names=None) -> dict:
+    """The forward node's attributes (all, or those in ``names``) as plain python values."""
+    out = {}
+    for name, attr in g.node.attributes.items():
+        if names is None or name in names:
+            value = attr.value
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _rank(g, x) -> int:
+    rank = g.rank(x)
+    if rank is None:
+        raise ModelError(f"{_where(g)}: the rank of {x.name!r} is unknown; its gradient needs it")
+    return rank
+
+
+def _conv_grad(g, dy, x, w, want, likes, **attrs):
+    """ConvGrad(dy, x, w) with outputs [dX, dW, dB] where wanted ("" for unwanted, trailing ones dropped)."""
+    if not any(want):
+        return [None] * len(want)
+    last = max(i for i, flag in enumerate(want) if flag)
+    names = [f"{g.prefix}/{n}" if want[i] else "" for i, n in enumerate(("dX", "dW", "dB")[: last + 1])]
+    outs = g.op_multi("ConvGrad", [dy, x, w], len(names), domain=MICROSOFT, output_names=names, **attrs)
+    return [g.set_type_like(o, like) if want[i] else None for i, (o, like) in enumerate(zip(outs, likes))]
+
+
+@grad_rule("Conv")
+def conv(g):
+    """One ConvGrad(dY, X, W) with the forward attributes; dB only when a bias wants a gradient."""
+    x, w, b = g.x(0), g.x(1), g.x(2)
+    want = [g.needs(0), g.needs(1), b is not None and g.needs(2)]
+    return _conv_grad(g, g.dy(), x, w, want, [x, w, b], **_forward_attrs(g))
+
+
+@grad_rule("ConvTranspose")
+def conv_transpose(g):
+    """Y = ConvTranspose(X, W) is the input-gradient of Conv(., W): dX = Conv(dY, W), and dW comes
+    from ConvGrad of that Conv with X as its output gradient."""
+    x, w, b = g.x(0), g.x(1), g.x(2)
+    attrs = _forward_attrs(g)
+    if "output_shape" in attrs or _str(attrs.get("auto_pad", "NOTSET")) in ("SAME_UPPER", "SAME_LOWER"):
+        attrs = _explicit_transpose_pads(g, attrs)
+    conv_attrs = {k: v for k, v in attrs.items() if k in CONV_ATTRS}
+    dy = g.dy()
+    dx = g.op("Conv", dy, w, **conv_attrs) if g.needs(0) else None
+    dw = _conv_grad(g, x, dy, w, [False, True], [None, w], **conv_attrs)[1] if g.needs(1) else None
+    db = None
+    if b is not None and g.needs(2):
+        db = g.reduce_sum(dy, [0] + list(range(2, _rank(g, x))), keepdims=0)
+    return [dx, dw, db][: len(g.node.inputs)]
+
+
+def _explicit_transpose_pads(g, attrs: dict) -> dict:
+    """ConvTranspose's output_shape / SAME padding turned into explicit pads (needs static spatial dims)."""
+    x, w = g.x(0), g.x(1)
+    xd, wd = dims_of(x), dims_of(w)
+    if xd is None or wd is None or not is_static(xd[2:]) or not is_static(wd[2:]):
+        raise ModelError(f"{_where(g)}: ConvTranspose with output_shape or auto_pad SAME_* needs static spatial "
+                         "dims of X and W for its gradient")
+    nd = len(xd) - 2
+    strides = attrs.get("strides", [1] * nd)
+    dilations = attrs.get("dilations", [1] * nd)
+    out_pad = attrs.get("output_padding", [0] * nd)
+    full = [s * (n - 1) + op + (k - 1) * d + 1 for s, n, op, k, d in zip(strides, xd[2:], out_pad, wd[2:], dilations)]
+    if "output_shape" in attrs:
+        out = list(attrs["output_shape"])[-nd:]
+    else:
+        out = [n * s for n, s in zip(xd[2:], strides)]
+    total = [f - o for f, o in zip(full, out)]
+    upper = _str(attrs.get("auto_pad", "NOTSET")) == "SAME_UPPER"  # the spec: else-branch for NOTSET too
+    begin = [t // 2 if upper else t - t // 2 for t in total]
+    end = [t - b for t, b in zip(total, begin)]
+    if min(begin + end) < 0:
+        raise ModelError(f"{_where(g)}: ConvTranspose output_shape {out} is larger than the full result {full}; "
+                         "this has no gradient rule")
+    attrs = {k: v for k, v in attrs.items() if k not in ("output_shape", "auto_pad")}
+    attrs["pads"] = begin + end
+    return attrs
+
+
+@grad_rule("MaxPool")
+def max_pool(g):
+    """Scatter-add dY at the argmax positions (MaxPool's Indices, flat over N*C*spatial)."""
+    x = g.x(0)
+    if g.opset < 16:
+        raise ModelError(f"{_where(g)}: its gradient needs ScatterElements reduction='add' (opset >= 16); "
+                         f"the model has opset {g.opset}")
+    attrs = _forward_attrs(g)
+    has_indices = len(g.node.outputs) > 1 and g.node.outputs[1].name
+    if has_indices and attrs.get("storage_order", 0) == 0:
+        indices = g.y(1)
+    else:  # recompute, always row-major so the flat index matches Reshape(X, [-1])
+        attrs.pop("storage_order", None)
+        indices = g.op_multi("MaxPool", [x], 2, **attrs)[1]
+    flat = g.op("ScatterElements", g.reshape(g.zeros_like(x), [-1]), g.reshape(indices, [-1]),
+                g.reshape(g.dy(), [-1]), axis=0, reduction="add")
+    return [g.reshape_like(flat, x)]
+
+
+@grad_rule("AveragePool")
+def average_pool(g):
+    """dX = S^T(dY / divisor), S the window sum: ConvGrad with a ones kernel on (N*C, 1, spatial)."""
+    x, y, dy = g.x(0), g.y(), g.dy()
+    attrs = _forward_attrs(g)
+    kernel = attrs["kernel_shape"]
+    nd = len(kernel)
+    auto_pad = _str(attrs.get("auto_pad", "NOTSET"))
+    strides = attrs.get("strides", [1] * nd)
+    dilations = attrs.get("dilations", [1] * nd)
+    pads = list(attrs.get("pads", [0] * (2 * nd)))
+    ceil_mode = int(attrs.get("ceil_mode", 0))
+    include_pad = int(attrs.get("count_include_pad", 0))
+    if ceil_mode and auto_pad in ("NOTSET", "VALID"):
+        if auto_pad == "VALID":
+            pads = [0] * (2 * nd)
+        spatial = (dims_of(x) or [None] * (nd + 2))[2:]
+        if not is_static(spatial):
+            raise ModelError(f"{_where(g)}: AveragePool with ceil_mode=1 needs static spatial dims for its gradient")
+        for i, (n, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations)):
+            span = (k - 1) * d + 1
+            out = -(-(n + pads[i] + pads[nd + i] - span) // s) + 1
+            if (out - 1) * s >= n + pads[i]:
+                out -= 1
+            pads[nd + i] = max(pads[nd + i], (out - 1) * s + span - n - pads[i])
+        auto_pad = "NOTSET"
+    geometry = {"strides": strides, "dilations": dilations}
+    if auto_pad == "NOTSET":
+        geometry["pads"] = pads
+    else:
+        geometry["auto_pad"] = auto_pad
+    dtype = numpy_dtype_of(x)
+    ones_kernel = g.const(np.ones([1, 1, *kernel], dtype=dtype))
+    x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
+    dy1 = g.reshape(dy, concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
+    padded = auto_pad in ("SAME_UPPER", "SAME_LOWER") or (auto_pad == "NOTSET" and any(pads))
+    if not padded or (include_pad and not ceil_mode):
+        scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
+    else:
+        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]),
+                    value=_tensor(np.ones((1,), dtype=dtype)))
+        counts = g.op("Conv", ones, ones_kernel, **geometry)  # taps inside the input, per window
+        if include_pad:
+            # divisor = counts / AveragePool(ones), whatever the divisor convention at the border
+            scale = g.op("Div", g.op("AveragePool", ones, **attrs), counts)
+        else:
+            scale = g.op("Reciprocal", counts)
+        scaled = g.op("Mul", dy1, scale)
+    dx1 = _conv_grad(g, scaled, x1, ones_kernel, [True], [x1], **geometry)[0]
+    return [g.reshape_like(dx1, x)]
+
+
+def _tensor(array):
+    return ir.tensor(array)
+
+
+@grad_rule("GlobalAveragePool")
+def global_average_pool(g):
+    x = g.x(0)
+    dims = dims_of(x)
+    spread = g.expand_like(g.dy(), x)
+    if dims is not None and is_static(dims[2:]):
+        spatial = dims[2:]
+        return [g.op("Mul", spread, g.const_like(x, 1.0 / max(1, math.prod(spatial))))]
+    size = g.cast_like(g.reduce("ReduceProd", dims_value(g, x, 2), None, keepdims=1), x)
+    return [g.op("Div", spread, size)]
+
+
+@grad_rule("GlobalMaxPool")
+def global_max_pool(g):
+    """dY spread evenly over the positions that reach the maximum (ties share it)."""
+    x = g.x(0)
+    mask = g.cast_like(g.op("Equal", x, g.y()), x)
+    count = g.reduce_sum(mask, list(range(2, _rank(g, x))), keepdims=1)
+    return [g.op("Mul", mask, g.op("Div", g.dy(), count))]

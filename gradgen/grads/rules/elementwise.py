@@ -34,8 +34,8 @@ def _c(g, like, value):
 
 
 def _mask(g, cond, dy, other=None):
-    """Where(cond, dy, other or 0)."""
-    return g.op("Where", cond, dy, other if other is not None else _c(g, dy, 0.0))
+    """Where(cond, dy, other or 0); dy has the type of the node's first output."""
+    return g.op("Where", cond, dy, other if other is not None else _c(g, g.y(), 0.0))
 
 
 def _unary(op_type):
@@ -51,9 +51,9 @@ def _unary(op_type):
     return register
 
 
-def _same_type(g, value, like):
-    """value cast to like's element type when the two differ."""
-    return value if value.dtype == like.dtype else g.cast_like(value, like)
+def _same_type(g, value, like, value_type=None):
+    """value cast to like's element type when the two differ (value_type: a value typed like value)."""
+    return value if (value_type or value).dtype == like.dtype else g.cast_like(value, like)
 
 
 # -- arithmetic --------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def pow_(g):
         positive = g.op("Greater", a, _c(g, a, 0.0))
         safe_a = g.op("Where", positive, a, _c(g, a, 1.0))
         db = _mask(g, positive, _mul(g, dy, y, g.op("Log", safe_a)))
-        db = _same_type(g, db, b)
+        db = _same_type(g, db, b, value_type=a)
     return [da, db]
 
 
@@ -357,7 +357,7 @@ def piecewise_constant(g):
 @grad_rule("Where", broadcast=True, nondiff_inputs=(0,))
 def where(g):
     cond, dy = g.x(0), g.dy()
-    zero = _c(g, dy, 0.0)
+    zero = _c(g, g.y(), 0.0)
     return [None,
             g.op("Where", cond, dy, zero) if g.needs(1) else None,
             g.op("Where", cond, zero, dy) if g.needs(2) else None]
@@ -435,4 +435,4 @@ def dropout(g):
         if ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0:
             raise ModelError(f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
                              "gradgen differentiates inference-mode Dropout only (export the model in eval mode)")
-    return [g.dy(), None, None]
+    return [g.dy()] + [None] * (len(g.node.inputs) - 1)

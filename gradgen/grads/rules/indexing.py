@@ -6,9 +6,13 @@ GatherElementsGrad (note their different input orders); the others use standard 
 
 from __future__ import annotations
 
+import numpy as np
+import onnx_ir as ir
+
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT
+from gradgen.grads.builder import MICROSOFT, numpy_dtype_of
 from gradgen.grads.registry import grad_rule
+from gradgen.grads.rules.shape import INT64_MAX, dims_value
 
 
 def _where(g) -> str:
@@ -33,13 +37,26 @@ def gather_elements(g):
 
 @grad_rule("GatherND", nondiff_inputs=(1,))
 def gather_nd(g):
-    """ScatterND(zeros like X, indices, dY, reduction="add")."""
-    if g.attr("batch_dims", 0) != 0:
-        raise ModelError(f"{_where(g)}: GatherND with batch_dims={g.attr('batch_dims')} has no gradient rule "
-                         "(batch_dims 0 only)")
+    """ScatterND(zeros like X, indices, dY, reduction="add"); batch_dims > 0 folds the batch dims into
+    one and prepends the batch coordinate to every index tuple."""
     _need_scatter_reduction(g)
-    x = g.x(0)
-    return [g.op("ScatterND", g.zeros_like(x), g.x(1), g.dy(), reduction="add")]
+    x, indices, dy = g.x(0), g.x(1), g.dy()
+    b = g.attr("batch_dims", 0)
+    if b == 0:
+        return [g.op("ScatterND", g.zeros_like(x), indices, dy, reduction="add")]
+    batch = g.reduce("ReduceProd", dims_value(g, x, 0, b), None, keepdims=0)  # scalar B1*...*Bb
+    k = dims_value(g, indices, -1)
+    tuples = g.reshape(indices,
+                       g.op("Concat", g.reshape(batch, [1]), g.ints([-1]), k, axis=0))
+    coord = g.reshape(g.op("Range", g.const(np.array(0, np.int64)), batch, g.const(np.array(1, np.int64))), [-1, 1, 1])
+    lead = g.op("Slice", g.shape_of(tuples), g.ints([0]), g.ints([2]))
+    coord = g.op("Expand", coord, g.op("Concat", lead, g.ints([1]), axis=0))
+    full = g.op("Concat", coord, tuples, axis=-1)
+    rest = g.op("Slice", g.shape_of(x), g.op("Add", k, g.ints([b])), g.ints([INT64_MAX]))
+    dy2 = g.reshape(dy, g.op("Concat", lead, rest, axis=0))
+    flat_x = g.op("Concat", g.reshape(batch, [1]), dims_value(g, x, b), axis=0)
+    zeros = g.op("ConstantOfShape", flat_x, value=ir.tensor(np.zeros((1,), dtype=numpy_dtype_of(x))))
+    return [g.reshape_like(g.op("ScatterND", zeros, full, dy2, reduction="add"), x)]
 
 
 def _need_scatter_reduction(g) -> None:

@@ -1,5 +1,230 @@
-"""Gradient rules: norm."""
+"""Gradient rules: BatchNormalization, LayerNormalization, InstanceNormalization, GroupNormalization.
+
+The statistics are recomputed from X in X's element type (the optional Mean/InvStdDev outputs of
+LayerNormalization are not relied on, but gradients flowing into them are honoured). For a
+normalisation xhat = (x - mean) * rstd over some axes, with dxhat the gradient reaching xhat:
+
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+
+BatchNormalization in inference mode (training_mode=0, one output) treats input_mean and
+input_var as ordinary inputs, so all five inputs get gradients. In training mode the batch
+statistics are used and Y's gradient reaches X, scale and B; the running statistics outputs carry
+their (linear) gradients back to input_mean/input_var and X.
+"""
 
 from __future__ import annotations
 
+from gradgen.errors import ModelError
+from gradgen.grads.builder import dims_of
 from gradgen.grads.registry import grad_rule
+
+
+def _rank(g, x) -> int:
+    rank = g.rank(x)
+    if rank is None:
+        raise ModelError(f"{g.node.op_type} node {g.node.name!r}: the rank of its input {x.name!r} is unknown; "
+                         "its gradient needs it (run shape inference or give the input a shape)")
+    return rank
+
+
+def _per_channel(g, v, rank):
+    """A (C,) vector as (C, 1, ..., 1), broadcastable along axis 1 of a rank-``rank`` tensor."""
+    return g.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
+
+
+def _stats(g, x, axes, eps, like=None):
+    """(xhat, rstd, centered) of x normalised over ``axes`` (keepdims layout); ``like`` gives the
+    element type when x is an emitted value."""
+    mean = g.reduce("ReduceMean", x, axes, keepdims=1)
+    centered = g.op("Sub", x, mean)
+    var = g.reduce("ReduceMean", g.op("Mul", centered, centered), axes, keepdims=1)
+    rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const_like(like if like is not None else x, eps))))
+    return g.op("Mul", centered, rstd), rstd, centered
+
+
+def _normalize_backward(g, dxhat, xhat, rstd, axes):
+    mean_d = g.reduce("ReduceMean", dxhat, axes, keepdims=1)
+    mean_dx = g.reduce("ReduceMean", g.op("Mul", dxhat, xhat), axes, keepdims=1)
+    inner = g.op("Sub", g.op("Sub", dxhat, mean_d), g.op("Mul", xhat, mean_dx))
+    return g.op("Mul", rstd, inner)
+
+
+@grad_rule("BatchNormalization")
+def batch_normalization(g):
+    x, scale, bias, mean, var = (g.x(i) for i in range(5))
+    rank = _rank(g, x)
+    eps = float(g.attr("epsilon", 1e-5))
+    training = int(g.attr("training_mode", 0)) == 1 or len(g.node.outputs) > 1
+    axes = [0] + list(range(2, rank))
+    dy = g.dy(0)
+    if training:
+        return _batch_norm_training(g, rank, axes, eps)
+    # y = (x - mean) * inv * scale + bias, inv = (var + eps)^-1/2, all per channel.
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const_like(var, eps))))
+    grads = [None] * 5
+    if g.needs(0):
+        grads[0] = g.op("Mul", dy, _per_channel(g, g.op("Mul", scale, inv), rank))
+    if g.needs(2) or g.needs(3):
+        dbias = g.reduce_sum(dy, axes, keepdims=0)
+        if g.needs(2):
+            grads[2] = dbias
+        if g.needs(3):
+            grads[3] = g.op("Neg", g.op("Mul", dbias, g.op("Mul", scale, inv)))
+    if g.needs(1) or g.needs(4):
+        xhat = g.op("Mul", g.op("Sub", x, _per_channel(g, mean, rank)), _per_channel(g, inv, rank))
+        dscale = g.reduce_sum(g.op("Mul", dy, xhat), axes, keepdims=0)
+        if g.needs(1):
+            grads[1] = dscale
+        if g.needs(4):
+            # d y / d var = -1/2 * scale * (x - mean) * inv^3 = -1/2 * scale * xhat * inv^2
+            factor = g.op("Mul", g.op("Mul", scale, g.op("Mul", inv, inv)), g.const_like(var, -0.5))
+            grads[4] = g.op("Mul", dscale, factor)
+    return grads
+
+
+def _batch_norm_training(g, rank, axes, eps):
+    x, scale, mean_in, var_in = g.x(0), g.x(1), g.x(3), g.x(4)
+    momentum = float(g.attr("momentum", 0.9))
+    dy, drm, drv = g.dy(0), g.dy(1), g.dy(2)
+    if len(g.node.outputs) > 3 and any(g.dy(i) is not None for i in (3, 4)):
+        raise ModelError(f"BatchNormalization node {g.node.name!r}: gradients through the saved mean/var "
+                         "outputs are not supported")
+    grads = [None] * 5
+    xhat, rstd, centered = _stats(g, x, axes, eps)
+    parts = []
+    if dy is not None:
+        if g.needs(0):
+            dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
+            parts.append(_normalize_backward(g, dxhat, xhat, rstd, axes))
+        if g.needs(1):
+            grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), axes, keepdims=0)
+        if g.needs(2):
+            grads[2] = g.reduce_sum(dy, axes, keepdims=0)
+    # running_mean = m * input_mean + (1 - m) * batch_mean; running_var likewise with the
+    # biased batch variance.
+    rest = g.const_like(x, 1.0 - momentum)
+    if drm is not None:
+        if g.needs(3):
+            grads[3] = g.op("Mul", drm, g.const_like(mean_in, momentum))
+        if g.needs(0):
+            share = g.op("Mul", _per_channel(g, drm, rank), rest)
+            count = _count_like(g, x, scale)
+            parts.append(g.expand_like(g.op("Div", share, count), x))
+    if drv is not None:
+        if g.needs(4):
+            grads[4] = g.op("Mul", drv, g.const_like(var_in, momentum))
+        if g.needs(0):
+            share = g.op("Mul", _per_channel(g, drv, rank), rest)
+            count = _count_like(g, x, scale)
+            two = g.const_like(x, 2.0)
+            parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
+    if g.needs(0) and parts:
+        grads[0] = g.sum(parts)
+    return grads
+
+
+def _count_like(g, x, reduced):
+    """Number of elements of x per element of ``reduced`` (x's type), as a scalar."""
+    return g.op("Div", g.cast_like(g.op("Size", x), x), g.cast_like(g.op("Size", reduced), x))
+
+
+@grad_rule("LayerNormalization")
+def layer_normalization(g):
+    x, scale, bias = g.x(0), g.x(1), g.x(2)
+    rank = _rank(g, x)
+    axis = int(g.attr("axis", -1)) % rank
+    axes = list(range(axis, rank))
+    eps = float(g.attr("epsilon", 1e-5))
+    dy = g.dy(0)
+    xhat, rstd, centered = _stats(g, x, axes, eps)
+    grads = [None] * len(g.node.inputs)
+    parts = []
+    if dy is not None:
+        if g.needs(0):
+            parts.append(_normalize_backward(g, g.op("Mul", dy, scale), xhat, rstd, axes))
+        if g.needs(1):
+            grads[1] = g.unbroadcast(g.op("Mul", dy, xhat), scale, g.y(0), None)
+        if bias is not None and g.needs(2):
+            grads[2] = g.unbroadcast(dy, bias, g.y(0), None)
+    if g.needs(0):
+        # Mean/InvStdDev may come in the stash type: bring their gradients to x's type.
+        dmean, drstd = (None if g.dy(i) is None else g.cast_like(g.dy(i), x) for i in (1, 2))
+        if dmean is not None or drstd is not None:
+            count = _count_like(g, x, rstd)
+        if dmean is not None:  # Mean = mean(x): each x gets dMean / n
+            parts.append(g.expand_like(g.op("Div", dmean, count), x))
+        if drstd is not None:  # d rstd / d x = -rstd^3 * (x - mean) / n
+            cube = g.op("Mul", g.op("Mul", rstd, rstd), rstd)
+            coef = g.op("Neg", g.op("Div", g.op("Mul", drstd, cube), count))
+            parts.append(g.op("Mul", coef, centered))
+        if parts:
+            grads[0] = g.sum(parts)
+    return grads
+
+
+@grad_rule("InstanceNormalization")
+def instance_normalization(g):
+    x, scale = g.x(0), g.x(1)
+    rank = _rank(g, x)
+    eps = float(g.attr("epsilon", 1e-5))
+    dy = g.dy()
+    xhat, rstd, _ = _stats(g, x, list(range(2, rank)), eps)
+    grads = [None] * 3
+    if g.needs(0):
+        dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
+        grads[0] = _normalize_backward(g, dxhat, xhat, rstd, list(range(2, rank)))
+    channel_axes = [0] + list(range(2, rank))
+    if g.needs(1):
+        grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), channel_axes, keepdims=0)
+    if g.needs(2):
+        grads[2] = g.reduce_sum(dy, channel_axes, keepdims=0)
+    return grads
+
+
+@grad_rule("GroupNormalization")
+def group_normalization(g):
+    """Scale/bias per group (opset 18 form) or per channel (opset 21 form).
+
+    The form is read from the static length of scale when known (as the kernel does), else from
+    the opset (21 and later: per channel).
+    """
+    x, scale = g.x(0), g.x(1)
+    rank = _rank(g, x)
+    groups = int(g.attr("num_groups"))
+    eps = float(g.attr("epsilon", 1e-5))
+    dy = g.dy()
+    per_group = _per_group_form(g, x, scale, groups)
+    grouped_shape = g.ints([0, groups, -1])
+    xg = g.reshape(x, grouped_shape)
+    xhat, rstd, _ = _stats(g, xg, [2], eps, like=x)
+    grads = [None] * 3
+    if per_group:
+        dyg = g.reshape(dy, grouped_shape)
+        if g.needs(0):
+            dxhat = g.op("Mul", dyg, g.unsqueeze(scale, [0, 2]))
+            grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+        if g.needs(1):
+            grads[1] = g.reduce_sum(g.op("Mul", dyg, xhat), [0, 2], keepdims=0)
+        if g.needs(2):
+            grads[2] = g.reduce_sum(dyg, [0, 2], keepdims=0)
+        return grads
+    channel_axes = [0] + list(range(2, rank))
+    if g.needs(0):
+        dxhat = g.reshape(g.op("Mul", dy, _per_channel(g, scale, rank)), grouped_shape)
+        grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+    if g.needs(1):
+        grads[1] = g.reduce_sum(g.op("Mul", dy, g.reshape_like(xhat, x)), channel_axes, keepdims=0)
+    if g.needs(2):
+        grads[2] = g.reduce_sum(dy, channel_axes, keepdims=0)
+    return grads
+
+
+def _per_group_form(g, x, scale, groups) -> bool:
+    x_dims, s_dims = dims_of(x), dims_of(scale)
+    channels = x_dims[1] if x_dims and len(x_dims) > 1 else None
+    length = s_dims[0] if s_dims and len(s_dims) == 1 else None
+    if isinstance(length, int) and isinstance(channels, int):
+        return length == groups and groups != channels
+    if isinstance(length, int) and length != groups:
+        return False
+    return g.opset < 21

@@ -50,6 +50,15 @@ def _float_like(x: np.ndarray) -> np.ndarray:
     return x if x.dtype.kind == "f" else x.astype(np.float64)
 
 
+def _same_type(*xs: np.ndarray) -> None:
+    """ONNX's binary and variadic ops take one type T; numpy would silently promote mixes."""
+    dtypes = {x.dtype for x in xs}
+    if len(dtypes) > 1:
+        raise KernelError(
+            f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
+        )
+
+
 def _unary(fn):
     """Wrap a numpy float function so that the result keeps the input dtype."""
 
@@ -65,21 +74,25 @@ def _unary(fn):
 
 @cpu_kernel("Add")
 def add(a, b):
+    _same_type(a, b)
     return a + b
 
 
 @cpu_kernel("Sub")
 def sub(a, b):
+    _same_type(a, b)
     return a - b
 
 
 @cpu_kernel("Mul")
 def mul(a, b):
+    _same_type(a, b)
     return a * b
 
 
 @cpu_kernel("Div")
 def div(a, b):
+    _same_type(a, b)
     if a.dtype.kind in "iu" and b.dtype.kind in "iu":
         if np.any(b == 0):
             raise KernelError("integer division by zero")
@@ -94,6 +107,7 @@ def div(a, b):
 
 @cpu_kernel("Mod")
 def mod(a, b, *, fmod=0):
+    _same_type(a, b)
     if a.dtype.kind in "iu" and b.dtype.kind in "iu" and np.any(b == 0):
         raise KernelError("integer modulo by zero")
     if fmod:
@@ -155,6 +169,7 @@ def _variadic(fn, name):
         xs = [x for x in xs if x is not None]
         if not xs:
             raise KernelError(f"{name} needs at least one input")
+        _same_type(*xs)
         out = xs[0]
         for x in xs[1:]:
             out = fn(out, x)
@@ -173,6 +188,7 @@ def mean(*xs):
     xs = [x for x in xs if x is not None]
     if not xs:
         raise KernelError("Mean needs at least one input")
+    _same_type(*xs)
     out = xs[0]
     for x in xs[1:]:
         out = out + x
@@ -277,6 +293,7 @@ def prelu(x, slope):
         np.broadcast_shapes(slope.shape, x.shape)
     except ValueError:
         raise KernelError(f"slope shape {list(slope.shape)} does not broadcast to X shape {list(x.shape)}") from None
+    _same_type(x, slope)
     return np.where(x < 0, x * slope, x).astype(x.dtype, copy=False)
 
 
@@ -343,26 +360,31 @@ def gelu(x, *, approximate="none"):
 
 @cpu_kernel("Equal")
 def equal(a, b):
+    _same_type(a, b)
     return np.equal(a, b)
 
 
 @cpu_kernel("Less")
 def less(a, b):
+    _same_type(a, b)
     return np.less(a, b)
 
 
 @cpu_kernel("LessOrEqual")
 def less_or_equal(a, b):
+    _same_type(a, b)
     return np.less_equal(a, b)
 
 
 @cpu_kernel("Greater")
 def greater(a, b):
+    _same_type(a, b)
     return np.greater(a, b)
 
 
 @cpu_kernel("GreaterOrEqual")
 def greater_or_equal(a, b):
+    _same_type(a, b)
     return np.greater_equal(a, b)
 
 
@@ -405,27 +427,49 @@ def is_inf(x, *, detect_negative=1, detect_positive=1):
 def where(condition, x, y):
     if condition.dtype != np.bool_:
         raise KernelError(f"condition must be bool, got {condition.dtype}")
-    return np.where(condition, x, y).astype(np.result_type(x, y), copy=False)
+    _same_type(x, y)
+    return np.where(condition, x, y)
 
 
 @cpu_kernel("BitwiseAnd")
 def bitwise_and(a, b):
+    _same_type(a, b)
     return np.bitwise_and(a, b)
 
 
 @cpu_kernel("BitwiseOr")
 def bitwise_or(a, b):
+    _same_type(a, b)
     return np.bitwise_or(a, b)
 
 
 @cpu_kernel("BitwiseXor")
 def bitwise_xor(a, b):
+    _same_type(a, b)
     return np.bitwise_xor(a, b)
 
 
 @cpu_kernel("BitwiseNot")
 def bitwise_not(x):
     return np.bitwise_not(x)
+
+
+@cpu_kernel("BitShift")
+def bit_shift(x, y, *, direction):
+    _same_type(x, y)
+    if x.dtype.kind not in "iu":
+        raise KernelError(f"BitShift needs integers, got {x.dtype}")
+    if direction not in ("LEFT", "RIGHT"):
+        raise KernelError(f"unknown direction {direction!r}; expected LEFT or RIGHT")
+    # Opset 28: signed types shift arithmetically; a shift that is negative or >= the bit width
+    # leaves only the sign extension (-1 for a right shift of a negative x, else 0).
+    bits = x.dtype.itemsize * 8
+    valid = (y >= 0) & (y < bits)
+    amount = np.where(valid, y, 0).astype(x.dtype)
+    if direction == "LEFT":
+        return np.where(valid, np.left_shift(x, amount), 0).astype(x.dtype)
+    fill = np.where(x < 0, -1, 0) if x.dtype.kind == "i" else 0
+    return np.where(valid, np.right_shift(x, amount), fill).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     return out.reshape(indices.shape[:-1] + data.shape[b + k:])
 
 
-@cpu_kernel("ScatterElements")
+@cpu_kernel("ScatterElements", "Scatter")  # Scatter: the deprecated (opset 9-10) name
 def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
     reduction = _check_reduction(reduction)
     axis = _axis(axis, data.ndim)

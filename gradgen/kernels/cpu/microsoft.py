@@ -259,11 +259,12 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         view = view[(slice(None), slice(None))
                     + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
                     + tuple(slice(None, None, d) for d in dilations)]
-        # im2col: (N, G, Cg, *out, *kernel) -> (G, N*P, Cg*K), one copy.
+        # im2col: (N, G, Cg, *out, *kernel) -> (G, Cg*K, N*P), one copy with the output positions
+        # innermost (they run along X's rows, which keeps the copy fast).
         view = view.reshape(n, g, cg, *view.shape[2:])
-        order = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
-        im2col = view.transpose(order).reshape(g, n * p, cg * k)
-        results.append(np.matmul(dy_g, im2col).reshape(W.shape).astype(W.dtype))
+        order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
+        im2col = view.transpose(order).reshape(g, cg * k, n * p)
+        results.append(np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype))
     if _num_outputs >= 3:
         results.append(dy.sum(axis=(0, *spatial_axes)).astype(dY.dtype))
     return tuple(results)

@@ -471,3 +471,71 @@ def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
     square_sum = cum[:, hi] - cum[:, lo]
     y = x.astype(ct, copy=False) / (ct.type(bias) + ct.type(alpha / size) * square_sum) ** ct.type(beta)
     return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("RMSNormalization")
+def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    rank = x.ndim
+    if not -rank <= axis < rank:
+        raise KernelError(f"axis {axis} is out of range for rank {rank}")
+    axis = axis + rank if axis < 0 else axis
+    st = _stash_dtype(x.dtype, stash_type)
+    xc = x.astype(st, copy=False)
+    mean_square = (xc * xc).mean(axis=tuple(range(axis, rank)), keepdims=True)
+    y = xc / np.sqrt(mean_square + st.type(epsilon)) * scale.astype(st, copy=False)
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("MeanVarianceNormalization")
+def mean_variance_normalization(x, *, axes=(0, 2, 3)):
+    """(X - E[X]) / (sqrt(E[X^2] - E[X]^2) + 1e-9), as ONNX's function body defines it."""
+    ct = _compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    axes = tuple(int(a) for a in axes)
+    mean = xc.mean(axis=axes, keepdims=True)
+    var = (xc * xc).mean(axis=axes, keepdims=True) - mean * mean
+    y = (xc - mean) / (np.sqrt(var) + ct.type(1e-9))
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("LpPool")
+def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
+    """(sum over the window of |x|^p)^(1/p); padding contributes zeros."""
+    if kernel_shape is None:
+        raise KernelError("LpPool needs the kernel_shape attribute")
+    kernel, s, d, begin, end, out = _spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    ns = len(kernel)
+    ct = _compute_dtype(x.dtype)
+    powered = np.abs(x.astype(ct, copy=False)) ** ct.type(p)
+    total = _windows(_pad(powered, begin, end, 0), kernel, s, d, out).sum(axis=tuple(range(2 + ns, 2 + 2 * ns)))
+    return np.ascontiguousarray(total ** ct.type(1.0 / p), dtype=x.dtype)
+
+
+@cpu_kernel("MaxUnpool")
+def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):
+    """Scatter X into zeros at MaxPool's flattened indices. The indices address the inferred
+    shape ((in - 1) * stride - pads + kernel per axis); output_shape, when given, only adds zero
+    room after it (what ONNX's reference and test_maxunpool_export_with_output_shape expect)."""
+    if kernel_shape is None:
+        raise KernelError("MaxUnpool needs the kernel_shape attribute")
+    ns = x.ndim - 2
+    k = _ints(kernel_shape, ns, 1, "kernel_shape")
+    s = _ints(strides, ns, 1, "strides")
+    p = _ints(pads, 2 * ns, 0, "pads")
+    inferred = [(x.shape[2 + i] - 1) * s[i] - (p[i] + p[ns + i]) + k[i] for i in range(ns)]
+    inferred = list(x.shape[:2]) + inferred
+    shape = inferred if output_shape is None else [int(v) for v in np.asarray(output_shape).reshape(-1)]
+    if len(shape) != x.ndim or any(a < b for a, b in zip(shape, inferred)):
+        raise KernelError(f"output_shape {shape} is smaller than the inferred shape {inferred}")
+    if indices.shape != x.shape:
+        raise KernelError(f"indices shape {list(indices.shape)} differs from X's {list(x.shape)}")
+    size = int(np.prod(inferred))
+    idx = indices.astype(np.int64).reshape(-1)
+    bad = (idx < 0) | (idx >= size)
+    if bad.any():
+        raise KernelError(f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; valid range is [0, {size - 1}]")
+    flat = np.zeros(size, dtype=x.dtype)
+    flat[idx] = x.reshape(-1)
+    result = np.zeros(shape, dtype=x.dtype)
+    result[tuple(slice(0, n) for n in inferred)] = flat.reshape(inferred)
+    return result

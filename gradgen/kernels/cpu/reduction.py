@@ -1,4 +1,4 @@
-"""CPU kernels: reductions, arg-reductions, CumSum, Softmax/LogSoftmax/Hardmax and TopK.
+"""CPU kernels: reductions, arg-reductions, CumSum/CumProd, Softmax/LogSoftmax/Hardmax and TopK.
 
 The Reduce* ops take ``axes`` as an attribute in older opsets (ReduceSum < 13, the others < 18)
 and as an optional second input later; both forms bind to the kernel's ``axes`` parameter.
@@ -74,7 +74,8 @@ def _mean(x, axes, keepdims):
     if count == 0:
         return np.full(np.sum(x, axis=axes, keepdims=keepdims).shape, np.nan)
     if x.dtype.kind in "iu":
-        return np.sum(x, axis=axes, keepdims=keepdims, dtype=np.int64) // count
+        # Integer means truncate toward zero (the reference computes in float and casts back).
+        return np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float64)
     return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
 
 
@@ -85,7 +86,8 @@ def _prod(x, axes, keepdims):
 def _log_sum_exp(x, axes, keepdims):
     m = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0)
-    out = np.log(np.sum(np.exp(x - m), axis=axes, keepdims=True)) + m
+    with np.errstate(divide="ignore"):  # an empty or all -inf slice gives -inf
+        out = np.log(np.sum(np.exp(x - m), axis=axes, keepdims=True)) + m
     return out if keepdims else np.squeeze(out, axis=axes)
 
 
@@ -93,16 +95,16 @@ def _square(x):
     return x * x
 
 
-cpu_kernel("ReduceSum")(_reducer("reduce_sum", _sum))
-cpu_kernel("ReduceMean")(_reducer("reduce_mean", _mean))
-cpu_kernel("ReduceMax")(_reducer("reduce_max", _max))
-cpu_kernel("ReduceMin")(_reducer("reduce_min", _min))
-cpu_kernel("ReduceProd")(_reducer("reduce_prod", _prod))
-cpu_kernel("ReduceL1")(_reducer("reduce_l1", _sum, pre=np.abs))
-cpu_kernel("ReduceL2")(_reducer("reduce_l2", _sum, pre=_square, post=np.sqrt))
-cpu_kernel("ReduceSumSquare")(_reducer("reduce_sum_square", _sum, pre=_square))
-cpu_kernel("ReduceLogSum")(_reducer("reduce_log_sum", _sum, post=np.log))
-cpu_kernel("ReduceLogSumExp")(_reducer("reduce_log_sum_exp", _log_sum_exp))
+reduce_sum = cpu_kernel("ReduceSum")(_reducer("reduce_sum", _sum))
+reduce_mean = cpu_kernel("ReduceMean")(_reducer("reduce_mean", _mean))
+reduce_max = cpu_kernel("ReduceMax")(_reducer("reduce_max", _max))
+reduce_min = cpu_kernel("ReduceMin")(_reducer("reduce_min", _min))
+reduce_prod = cpu_kernel("ReduceProd")(_reducer("reduce_prod", _prod))
+reduce_l1 = cpu_kernel("ReduceL1")(_reducer("reduce_l1", _sum, pre=np.abs))
+reduce_l2 = cpu_kernel("ReduceL2")(_reducer("reduce_l2", _sum, pre=_square, post=np.sqrt))
+reduce_sum_square = cpu_kernel("ReduceSumSquare")(_reducer("reduce_sum_square", _sum, pre=_square))
+reduce_log_sum = cpu_kernel("ReduceLogSum")(_reducer("reduce_log_sum", _sum, post=np.log))
+reduce_log_sum_exp = cpu_kernel("ReduceLogSumExp")(_reducer("reduce_log_sum_exp", _log_sum_exp))
 
 
 def _arg(fn, data, axis, keepdims, select_last_index):
@@ -128,17 +130,26 @@ def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg(np.argmin, data, axis, keepdims, select_last_index)
 
 
-@cpu_kernel("CumSum")
-def cum_sum(x, axis, *, exclusive=0, reverse=0):
+def _cumulative(fn, identity, x, axis, exclusive, reverse):
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
     ax = _axis(int(np.asarray(axis).reshape(-1)[0]), x.ndim)
     data = np.flip(x, axis=ax) if reverse else x
-    out = np.cumsum(data, axis=ax, dtype=x.dtype)
-    if exclusive:
-        zero = np.zeros_like(np.take(out, [0], axis=ax))
-        out = np.concatenate([zero, np.take(out, np.arange(out.shape[ax] - 1), axis=ax)], axis=ax)
+    out = fn(data, axis=ax, dtype=x.dtype)
+    if exclusive and out.shape[ax]:
+        first = np.full_like(np.take(out, [0], axis=ax), identity)
+        out = np.concatenate([first, np.take(out, np.arange(out.shape[ax] - 1), axis=ax)], axis=ax)
     return np.flip(out, axis=ax) if reverse else out
+
+
+@cpu_kernel("CumSum")
+def cum_sum(x, axis, *, exclusive=0, reverse=0):
+    return _cumulative(np.cumsum, 0, x, axis, exclusive, reverse)
+
+
+@cpu_kernel("CumProd")
+def cum_prod(x, axis, *, exclusive=0, reverse=0):
+    return _cumulative(np.cumprod, 1, x, axis, exclusive, reverse)
 
 
 def _softmax_frame(x: np.ndarray, axis, opset: int):
@@ -150,21 +161,21 @@ def _softmax_frame(x: np.ndarray, axis, opset: int):
     # opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])].
     ax = _axis(1 if axis is None else axis, x.ndim) if x.ndim else 0
     rows = int(np.prod(x.shape[:ax], dtype=np.int64))
-    flat = x.reshape(rows, -1) if x.size else x.reshape(rows, int(np.prod(x.shape[ax:], dtype=np.int64)))
+    flat = x.reshape(rows, int(np.prod(x.shape[ax:], dtype=np.int64)))
     return flat, lambda y: y.reshape(x.shape)
 
 
 @cpu_kernel("Softmax")
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    e = np.exp(z - np.max(z, axis=-1, keepdims=True))
+    e = np.exp(z - np.max(z, axis=-1, keepdims=True, initial=-np.inf))
     return restore(e / np.sum(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
 
 
 @cpu_kernel("LogSoftmax")
 def log_softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    shifted = z - np.max(z, axis=-1, keepdims=True)
+    shifted = z - np.max(z, axis=-1, keepdims=True, initial=-np.inf)
     out = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
     return restore(out).astype(x.dtype, copy=False)
 

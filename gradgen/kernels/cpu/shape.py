@@ -33,7 +33,7 @@ def _ints(values, what: str) -> list[int]:
 
 
 def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
-    normalised = [_axis(a, rank, what[:-1] if what.endswith("s") else what) for a in axes]
+    normalised = [_axis(a, rank, f"{what} entry") for a in axes]
     if len(set(normalised)) != len(normalised):
         raise KernelError(f"repeated {what} {axes}")
     return normalised
@@ -143,8 +143,9 @@ def concat(*inputs, axis):
                     f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
                     f"they must agree on every axis but {ax}"
                 )
-    dtype = arrays[0].dtype
-    return np.concatenate([x.astype(dtype, copy=False) for x in arrays], axis=ax)
+        if x.dtype != arrays[0].dtype:
+            raise KernelError(f"input {i} has dtype {x.dtype}, input 0 has {arrays[0].dtype}; Concat needs one type")
+    return np.concatenate(arrays, axis=ax)
 
 
 @cpu_kernel("Split")

@@ -1,0 +1,90 @@
+"""Finite-difference cases: convolution and pooling."""
+
+import numpy as np
+
+from tests.gradcheck import GradCase
+
+rng = np.random.default_rng(4)
+
+
+def r(*shape):
+    return rng.uniform(-1.0, 1.0, shape)
+
+
+def distinct(*shape):
+    """Values at least 0.05 apart (MaxPool without ties, finite differences stay on one side)."""
+    n = int(np.prod(shape))
+    return (rng.permutation(n) * 0.05 - 1.0).reshape(shape)
+
+
+def conv(name, x, w, b=None, **attrs):
+    inputs = [x, w] + ([b] if b is not None else [])
+    return GradCase("Conv", inputs, attrs=attrs, name=f"Conv_{name}")
+
+
+CASES = [
+    conv("1d", r(2, 2, 7), r(3, 2, 3), r(3)),
+    conv("1d_stride_dil", r(1, 2, 9), r(2, 2, 2), strides=[2], dilations=[2], pads=[1, 2]),
+    conv("2d", r(1, 2, 4, 5), r(3, 2, 3, 2), r(3), pads=[1, 0, 1, 1]),
+    conv("2d_stride", r(2, 1, 5, 5), r(2, 1, 3, 3), strides=[2, 2], pads=[1, 1, 1, 1]),
+    conv("2d_dilation", r(1, 2, 5, 6), r(2, 2, 2, 2), r(2), dilations=[2, 3]),
+    conv("2d_group", r(1, 4, 4, 4), r(6, 2, 2, 2), r(6), group=2, kernel_shape=[2, 2]),
+    conv("2d_depthwise", r(2, 3, 4, 4), r(3, 1, 3, 3), r(3), group=3, pads=[1, 1, 1, 1]),
+    conv("2d_asym_pads", r(1, 2, 4, 4), r(2, 2, 3, 3), pads=[0, 2, 1, 0], strides=[1, 2]),
+    conv("2d_same_upper", r(1, 2, 5, 4), r(2, 2, 2, 3), r(2), auto_pad="SAME_UPPER", strides=[2, 1]),
+    conv("2d_same_lower", r(1, 2, 5, 4), r(2, 2, 2, 3), auto_pad="SAME_LOWER", strides=[2, 1]),
+    conv("2d_valid", r(1, 2, 5, 4), r(2, 2, 3, 2), r(2), auto_pad="VALID", strides=[2, 1]),
+    conv("3d", r(1, 2, 3, 3, 3), r(2, 2, 2, 2, 2), r(2), pads=[1, 0, 0, 0, 1, 1]),
+    conv("3d_group_stride", r(1, 2, 4, 3, 3), r(2, 1, 2, 2, 1), group=2, strides=[2, 1, 2]),
+    GradCase("Conv", [r(1, 2, 4, 4), r(2, 2, 3, 3), r(2)], const=(0,), name="Conv_x_frozen"),
+    GradCase("Conv", [r(1, 2, 4, 4), r(2, 2, 3, 3), r(2)], const=(1, 2), name="Conv_only_x"),
+    GradCase("Conv", [r(1, 2, 4, 4), r(2, 2, 3, 3), r(2)], const=(0, 1), name="Conv_only_bias"),
+    GradCase("ConvTranspose", [r(1, 2, 3, 3), r(2, 3, 2, 2), r(3)]),
+    GradCase("ConvTranspose", [r(2, 2, 3, 2), r(2, 2, 3, 3)], name="ConvTranspose_stride_pads",
+             attrs={"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 0]}),
+    GradCase("ConvTranspose", [r(1, 4, 3), r(4, 1, 2), r(2)], attrs={"group": 2, "dilations": [2]},
+             name="ConvTranspose_1d_group"),
+    GradCase("ConvTranspose", [r(1, 2, 3, 2), r(2, 1, 3, 3)], attrs={"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+             symbolic=False, name="ConvTranspose_same_upper"),
+    GradCase("ConvTranspose", [r(1, 2, 3, 2), r(2, 1, 3, 2)], attrs={"strides": [2, 2], "auto_pad": "SAME_LOWER"},
+             symbolic=False, name="ConvTranspose_same_lower"),
+    GradCase("ConvTranspose", [r(1, 2, 3, 3), r(2, 2, 3, 3), r(2)], attrs={"strides": [2, 2], "output_shape": [6, 5]},
+             symbolic=False, name="ConvTranspose_output_shape"),
+    GradCase("MaxPool", [distinct(1, 2, 4, 5)], attrs={"kernel_shape": [2, 2]}),
+    GradCase("MaxPool", [distinct(2, 1, 5, 5)], attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+             name="MaxPool_stride_pad"),
+    GradCase("MaxPool", [distinct(1, 2, 5, 4)], attrs={"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
+             name="MaxPool_ceil"),
+    GradCase("MaxPool", [distinct(1, 1, 6, 6)], attrs={"kernel_shape": [2, 2], "dilations": [2, 2]},
+             name="MaxPool_dilation"),
+    GradCase("MaxPool", [distinct(1, 2, 7)], attrs={"kernel_shape": [3], "auto_pad": "SAME_UPPER", "strides": [2]},
+             name="MaxPool_1d_same"),
+    GradCase("MaxPool", [distinct(1, 2, 4, 4)], attrs={"kernel_shape": [2, 2], "storage_order": 1},
+             num_outputs=2, name="MaxPool_indices_col_major"),
+    GradCase("MaxPool", [distinct(2, 2, 4, 3)], attrs={"kernel_shape": [2, 2], "pads": [0, 1, 1, 0]},
+             num_outputs=2, name="MaxPool_indices"),
+    GradCase("AveragePool", [r(1, 2, 4, 5)], attrs={"kernel_shape": [2, 2]}),
+    GradCase("AveragePool", [r(2, 1, 5, 5)], attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+             name="AveragePool_pads_exclude"),
+    GradCase("AveragePool", [r(2, 1, 5, 5)], name="AveragePool_pads_include",
+             attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 0, 2, 1], "count_include_pad": 1}),
+    GradCase("AveragePool", [r(1, 2, 5, 4)], attrs={"kernel_shape": [2, 3], "strides": [2, 2], "ceil_mode": 1},
+             symbolic=False, name="AveragePool_ceil"),
+    GradCase("AveragePool", [r(1, 1, 6, 5)], symbolic=False, name="AveragePool_ceil_pads_include",
+             attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 0], "ceil_mode": 1,
+                    "count_include_pad": 1}),
+    GradCase("AveragePool", [r(1, 1, 6, 5)], symbolic=False, name="AveragePool_ceil_pads_exclude",
+             attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 0], "ceil_mode": 1}),
+    GradCase("AveragePool", [r(1, 2, 7)], attrs={"kernel_shape": [3], "strides": [2], "auto_pad": "SAME_LOWER"},
+             name="AveragePool_1d_same_lower"),
+    GradCase("AveragePool", [r(1, 2, 6)], name="AveragePool_1d_same_upper_include",
+             attrs={"kernel_shape": [4], "strides": [1], "auto_pad": "SAME_UPPER", "count_include_pad": 1}),
+    GradCase("AveragePool", [r(1, 1, 3, 3, 4)], attrs={"kernel_shape": [2, 2, 2], "pads": [0, 1, 0, 1, 0, 1]},
+             name="AveragePool_3d"),
+    GradCase("AveragePool", [r(1, 1, 7, 6)], opset=19, name="AveragePool_dilation",
+             attrs={"kernel_shape": [2, 2], "dilations": [2, 2], "pads": [1, 0, 0, 1]}),
+    GradCase("GlobalAveragePool", [r(2, 3, 2, 3)]),
+    GradCase("GlobalAveragePool", [r(2, 3, 4)], name="GlobalAveragePool_1d"),
+    GradCase("GlobalMaxPool", [distinct(2, 3, 2, 3)]),
+    GradCase("GlobalMaxPool", [distinct(1, 2, 3, 2, 2)], name="GlobalMaxPool_3d"),
+]

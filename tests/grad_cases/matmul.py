@@ -1,0 +1,58 @@
+"""Finite-difference cases: MatMul (1-D, batched, broadcast batch dims), Gemm, Einsum."""
+
+import numpy as np
+
+from tests.gradcheck import GradCase
+
+rng = np.random.default_rng(3)
+
+
+def r(*shape):
+    return rng.uniform(-2.0, 2.0, shape)
+
+
+MATMUL_SHAPES = [
+    ((3, 4), (4, 2)), ((4,), (4, 2)), ((3, 4), (4,)), ((4,), (4,)),
+    ((2, 3, 4), (4, 2)), ((3, 4), (2, 4, 2)), ((2, 3, 4), (2, 4, 2)),
+    ((2, 1, 3, 4), (3, 4, 2)), ((1, 3, 4), (2, 1, 4, 2)), ((4,), (2, 3, 4, 2)), ((2, 2, 3, 4), (4,)),
+    ((1, 1, 2, 3), (1, 3, 2)), ((2, 1, 3, 4), (1, 2, 4, 3)),
+]
+
+CASES = [GradCase("MatMul", [r(*a), r(*b)], name=f"MatMul{a}{b}") for a, b in MATMUL_SHAPES]
+CASES.append(GradCase("MatMul", [r(2, 1, 3, 4), r(3, 4, 2)], opset=18, name="MatMul-op18-broadcast"))
+CASES.append(GradCase("MatMul", [r(3, 4), r(4, 2)], const=(1,), name="MatMul-constB"))
+
+for ta in (0, 1):
+    for tb in (0, 1):
+        for alpha, beta in ((1.0, 1.0), (0.7, -1.3)):
+            for c_shape in (None, (3, 5), (5,), (1, 5), (3, 1), ()):
+                a = r(4, 3) if ta else r(3, 4)
+                b = r(5, 4) if tb else r(4, 5)
+                inputs = [a, b] + ([] if c_shape is None else [r(*c_shape)])
+                attrs = {"transA": ta, "transB": tb}
+                if alpha != 1.0:
+                    attrs.update(alpha=alpha, beta=beta)
+                CASES.append(GradCase("Gemm", inputs, attrs, name=f"Gemm-tA{ta}-tB{tb}-a{alpha}-b{beta}-C{c_shape}"))
+
+EINSUM = [
+    ("ij,jk->ik", [(3, 4), (4, 2)]),
+    ("ij,jk", [(3, 4), (4, 2)]),                 # implicit output
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
+    ("ij,kj->ik", [(3, 4), (2, 4)]),
+    ("i,j->ij", [(3,), (4,)]),                   # outer product
+    ("i,i->", [(4,), (4,)]),                     # dot
+    ("ij,j->i", [(3, 4), (4,)]),
+    ("ijk,k->ij", [(2, 3, 4), (4,)]),
+    ("ij,k->k", [(3, 4), (2,)]),                 # i, j summed within operand 0 alone
+    ("abc,cd->bd", [(2, 3, 4), (4, 2)]),         # a summed within operand 0 alone
+    ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 2, 4)]),
+    ("ij->ji", [(3, 4)]),                        # one operand
+    ("ij->i", [(3, 4)]),
+    ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),  # three operands
+    ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 2)]),
+    ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 2)]),  # broadcast ellipsis
+    ("...ij,jk->...ik", [(2, 2, 3, 4), (4, 2)]),
+    ("... i j , j k -> ... i k", [(2, 3, 4), (4, 2)]),  # spaces
+]
+CASES += [GradCase("Einsum", [r(*s) for s in shapes], {"equation": eq}, name=f"Einsum-{eq.replace(' ', '')}")
+          for eq, shapes in EINSUM]
