@@ -496,8 +496,8 @@ class HfGpt2Loss(nn.Module):
         config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
                             n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, use_cache=False,
-                            bos_token_id=0, eos_token_id=0)
-        config._attn_implementation = "eager"
+                            bos_token_id=0, eos_token_id=0,
+                            attn_implementation="eager")
         self.gpt = GPT2LMHeadModel(config)
 
     def forward(self, input_ids, attention_mask, labels):
@@ -777,11 +777,11 @@ def ensure_loss_first(model: onnx.ModelProto) -> None:
     graph = model.graph
     name = graph.output[0].name
     if name != "loss":
-        assert "loss" not in {v.name for v in graph.value_info} | {
-            o for n in graph.node for o in n.output}, "name clash"
+        used = {v for n in graph.node for v in [*n.input, *n.output]}
+        assert "loss" not in used, "cannot rename the loss output"
         rename_value(graph, name, "loss")
-    assert graph.output[0].type.tensor_type.shape.dim == [] or \
-        len(graph.output[0].type.tensor_type.shape.dim) == 0, "loss not scalar"
+    shape = graph.output[0].type.tensor_type.shape
+    assert len(shape.dim) == 0, "the first output is not a scalar"
 
 
 # --------------------------------------------------------------------------
@@ -996,14 +996,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out-fixtures", type=Path,
                         default=HERE.parent / "tests" / "fixtures" / "models")
     parser.add_argument("--only", action="append",
-                        help="family (or family_exporter) to rebuild; repeatable")
+                        help="family, family_exporter or sample name to rebuild; "
+                             "repeatable")
     parser.add_argument("--exporter", choices=EXPORTERS, action="append")
     parser.add_argument("--summary", type=Path, help="write a JSON summary here")
     args = parser.parse_args(argv)
 
     jobs = [(f, e) for f in FAMILIES for e in args.exporter or EXPORTERS]
     if args.only:
-        jobs = [(f, e) for f, e in jobs if f in args.only or f"{f}_{e}" in args.only]
+        wanted = lambda f, e: {f, f"{f}_{e}", FAMILIES[f].sample} & set(args.only)
+        jobs = [(f, e) for f, e in jobs if wanted(f, e)]
         if not jobs:
             parser.error(f"unknown --only {args.only}; families: {', '.join(FAMILIES)}")
 

@@ -101,7 +101,7 @@ class Builder:
         return self._constants[key]
 
     def const_like(self, x: ir.Value, scalar: float) -> ir.Value:
-        """A rank-0 constant of x's element type."""
+        """A rank-0 constant of x's element type (x must be typed: pass a forward value)."""
         return self.const(np.array(scalar, dtype=numpy_dtype_of(x)))
 
     def ints(self, values: Sequence[int]) -> ir.Value:
@@ -177,8 +177,9 @@ class Builder:
             if not axes:
                 return grad
             reduced = self.reduce_sum(grad, axes, keepdims=1)
-            if len(out_dims) != len(x_dims):
-                reduced = self.reshape(reduced, x_dims if is_static(x_dims) else self.shape_of(x))
+            lead = len(out_dims) - len(x_dims)
+            if lead:  # drop the leading axes x did not have
+                reduced = self.reshape(reduced, x_dims) if is_static(x_dims) else self.squeeze(reduced, range(lead))
             return reduced
         axes_value = self._dynamic_broadcast_axes(x, out, partner)
         reduced = self.reduce_sum(grad, axes_value, keepdims=1, noop_with_empty_axes=1)
