@@ -10,9 +10,14 @@ exported with both PyTorch ONNX exporters:
   do_constant_folding=False, training=TrainingMode.PRESERVE)`` with the model
   in eval mode, so that no parameter is folded, transposed or fused (Conv+BN).
 * ``dynamo``: ``torch.onnx.export(..., dynamo=True)`` with its default opset.
-  Its graph optimizer is tried first; when it rewrites a parameter (e.g. it
-  fuses an eval-mode BatchNorm into the preceding Gemm/Conv) the export is
-  redone with ``optimize=False``.  Model-local functions are inlined.
+  The default (``optimize=True``) export is tried first.  Its optimizer may
+  fuse an eval BatchNorm into the preceding Conv/Gemm, fold slices or
+  transposes of parameters and lift float constants to initializers, so when
+  an initializer does not match a torch tensor the export is redone with
+  ``optimize=False``, exporter constants are turned into Constant nodes and
+  only constant folding that does not touch parameters is applied
+  (``export_settings`` in meta.json says which path was used).
+  Model-local functions are inlined; node doc strings/metadata are dropped.
 
 Each exported model is saved as a directory holding
 
@@ -64,6 +69,7 @@ from typing import Callable
 import numpy as np
 import onnx
 import onnx.inliner
+import onnx.numpy_helper
 import onnxruntime as ort
 import torch
 import torch.nn as nn
@@ -371,7 +377,8 @@ class Broadcast(nn.Module):
         ps = torch.exp(t * 0.3) ** self.p                   # scalar param exp.
         two = torch.pow(2.0, torch.tanh(t))                 # scalar base
         sq = torch.sqrt(base) * 3 - torch.log(base) / 2
-        w = torch.where(t > 0, pw, sq) + ps * 0.1 + two - t ** 2
+        # where() with branches that agree at t == 0 (continuous loss)
+        w = torch.where(t > 0, pw, pw * torch.exp(t)) + sq + ps * 0.1 + two - t ** 2
         r1 = w.sum(dim=(2, 3)) * 0.05                       # (N,C)
         r2 = w.mean(dim=1, keepdim=True)                    # (N,1,H,W)
         r3 = w.sum(dim=-1, keepdim=True).mean(dim=2)        # (N,C,1)

@@ -9,7 +9,6 @@ F.batch_norm, the class weights of F.cross_entropy) the same formula is written 
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

@@ -33,9 +33,12 @@ for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
                 if weighted:
                     inputs.append(rng.uniform(0.3, 1.5, (C,)))
                 outs = (1, 2) if op == "SoftmaxCrossEntropyLoss" and reduction != "sum" else (1,)
+                # opset 13: the weights' gradient goes through GatherGrad (ScatterElements add from 16)
+                opset = 13 if weighted and ignore == 2 else 17
                 for num_outputs in outs:
-                    CASES.append(GradCase(op, inputs, attrs, num_outputs=num_outputs, opset=13 if weighted and ignore == 2 else 17,
-                                          name=f"{op}{scores_shape}-{reduction}-ign{ignore}-w{int(weighted)}-out{num_outputs}"))
+                    tag = f"{reduction}-ign{ignore}-w{int(weighted)}-out{num_outputs}-op{opset}"
+                    CASES.append(GradCase(op, inputs, attrs, num_outputs=num_outputs, opset=opset,
+                                          name=f"{op}{scores_shape}-{tag}"))
 
 CASES += [
     # int32 labels, constant (non-trained) weights.

@@ -55,16 +55,14 @@ for op, make in DATA.items():
             tail, attrs = axes_forms(op, axes, keepdims, opset)
             CASES.append(GradCase(op, [make()] + tail, attrs, opset=opset,
                                   name=f"{op}-op{opset}-axes{axes}-k{keepdims}"))
-    # noop_with_empty_axes: no axes input means "reduce nothing" (elementwise part only).
-    noop_opset = 13 if op == "ReduceSum" else 18
-    CASES.append(GradCase(op, [make()], {"noop_with_empty_axes": 1, "keepdims": 0}, opset=max(noop_opset, 17),
+    # noop_with_empty_axes (axes as an input: ReduceSum from opset 13, the others from 18): no axes
+    # means "reduce nothing" (the elementwise part alone); an empty axes tensor without it, "all".
+    input_opset = 17 if op == "ReduceSum" else 18
+    CASES.append(GradCase(op, [make()], {"noop_with_empty_axes": 1, "keepdims": 0}, opset=input_opset,
                           name=f"{op}-noop"))
     CASES.append(GradCase(op, [make(), np.zeros((0,), np.int64)], {"noop_with_empty_axes": 0, "keepdims": 0},
-                          opset=max(noop_opset, 17) if op == "ReduceSum" else 18, name=f"{op}-emptyaxes-all"))
+                          opset=input_opset, name=f"{op}-emptyaxes-all"))
 
-# ReduceSum at opset 13 with axes as input, and at opset 11 with the attribute, are covered by 17.
-# Ties: the gradient is split evenly among tied maxima/minima.
-tie = np.array([[1.0, 3.0, 3.0, 0.5], [2.0, 2.0, 2.0, -1.0]])
 CASES += [
     # Finite differences at a tie are one-sided; compare the even split on a shifted copy instead
     # (no ties) here, and check the tie split exactly in test_rules_vs_torch.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, dims_of, is_static, same_dim
+from gradgen.grads.builder import MICROSOFT, dims_of, same_dim
 from gradgen.grads.registry import grad_rule
 
 _ABSENT = object()
@@ -35,6 +35,8 @@ def _batch_reduce_axes(mine: list, other: list) -> list[int] | None:
             continue
         elif d == 1:
             axes.append(k)  # harmless if the other turns out to be 1 as well
+        elif isinstance(d, int):
+            continue  # a static size above 1 is the broadcast size itself
         else:
             return None
     return axes

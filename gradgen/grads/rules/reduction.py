@@ -5,7 +5,9 @@ Every Reduce* rule first brings the output gradient (and, where needed, the outp
 The reduction's axes come from the ``axes`` attribute (ReduceSum < 13, the others < 18) or from the
 optional second input; no axes reduce everything, unless ``noop_with_empty_axes`` is set, in
 which case the op is the elementwise part alone (abs, square, log...) and every formula below
-holds with "reduce over nothing" = identity.
+holds with "reduce over nothing" = identity. Axes given by a non-constant input are used as they
+come (Unsqueeze/ReduceSum take them as inputs); such an input must not be empty at run time when
+keepdims=0.
 
 Choices at kinks: ReduceMax/ReduceMin split the gradient evenly among tied extrema (as PyTorch's
 amax/amin do); ReduceProd gives the exact product of the other elements, zeros included;
@@ -157,15 +159,8 @@ def reduce_log_sum_exp(g):
 
 
 def _softmax_axes(g) -> list[int]:
-    """The axes Softmax/LogSoftmax normalise over: one axis from opset 13, the trailing block before."""
-    if g.opset >= 13:
-        return [int(g.attr("axis", -1))]
-    rank = g.rank(g.x(0))
-    axis = int(g.attr("axis", 1))
-    if rank is None:
-        from gradgen.errors import ModelError
-        raise ModelError(f"{g.node.op_type} node {g.node.name!r}: opset {g.opset} needs the input's rank")
-    return list(range(axis % rank if rank else 0, rank))
+    """The axis Softmax/LogSoftmax normalise over (opset 13 form; older models are upgraded)."""
+    return [int(g.attr("axis", -1))]
 
 
 @grad_rule("Softmax")
