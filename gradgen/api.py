@@ -14,6 +14,7 @@ from gradgen.passes import (
     CleanupPass,
     GradientPass,
     GradientSpec,
+    LowerToStandardPass,
     NameNodesPass,
     Pipeline,
     ShapeInferencePass,
@@ -70,13 +71,20 @@ def build_backward(
     wrt: Sequence[str] | None = None,
     freeze: Sequence[str] = (),
     wrt_inputs: bool = False,
+    portable: bool = False,
 ) -> BackwardModel:
-    """Return ``model`` with its backward graph appended (the input model is not modified)."""
+    """Return ``model`` with its backward graph appended (the input model is not modified).
+
+    ``portable=True`` lowers the com.microsoft gradient ops to standard ONNX ops
+    (``passes.LowerToStandardPass``), so that any ONNX runtime can run the result.
+    """
     source = load_model(model)
     forward = ir.from_proto(ir.to_proto(source))  # a copy: passes work in place
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
     pipeline, gradient = backward_pipeline(spec)
     result = run_pipeline(pipeline, forward)
+    if portable:
+        result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)
     return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names)
 
 

@@ -11,6 +11,7 @@ Floats are standard normal. Integer inputs are drawn where they can be valid:
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -39,6 +40,21 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             return {name: data[name] for name in data.files}
     except Exception as exc:
         raise UsageError(f"{path}: not a readable .npz file ({type(exc).__name__}: {exc})") from None
+
+
+def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write ``arrays`` to ``path`` (exactly that name) atomically: a temporary file, then rename."""
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    return path
 
 
 def parse_dims(pairs: list[str]) -> dict[str, int]:

@@ -27,6 +27,28 @@ class Step:
     outputs: list[str]
     attributes: dict[str, Any]
     free_after: list[str]
+    entry: Any = None  # the registry entry (CPU kernel, CUDA launcher)
+
+
+class CpuBackend:
+    """Runs every step with its numpy kernel; values are numpy arrays."""
+
+    name = "cpu"
+
+    def place_constants(self, initializers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(initializers)
+
+    def place_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return feeds
+
+    def run_step(self, step: "Step", args: list):
+        return step.kernel(*args, **step.attributes)
+
+    def wrap(self, value) -> np.ndarray:
+        return np.asarray(value)
+
+    def to_host(self, value) -> np.ndarray:
+        return value
 
 
 def attribute_value(attr: ir.Attr) -> Any:
@@ -76,7 +98,11 @@ class Session:
         self.graph = self.model.graph
         self.device = resolve_device(device)
         if self.device == "cuda":
-            raise UsageError("the CUDA executor is not available in this version; use --device cpu")
+            from gradgen.executor.cuda_backend import CudaBackend
+
+            self.backend = CudaBackend()
+        else:
+            self.backend = CpuBackend()
         self.opsets = {registry.normalize_domain(d): v for d, v in self.model.opset_imports.items()}
         self.initializers = {
             name: value.const_value.numpy()
@@ -86,6 +112,7 @@ class Session:
         self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
         self.output_names = [v.name for v in self.graph.outputs]
         self.steps = self._plan()
+        self.constants = self.backend.place_constants(self.initializers)
 
     @property
     def input_names(self) -> list[str]:
@@ -96,10 +123,11 @@ class Session:
         missing = []
         for node in nodes:
             entry = registry.lookup(node.domain, node.op_type)
-            if entry is None or entry.cpu is None:
+            usable = entry is not None and (entry.cpu is not None or (self.device == "cuda" and entry.cuda is not None))
+            if not usable:
                 missing.append((registry.normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
         if missing:
-            raise UnsupportedOpsError("a CPU kernel", missing)
+            raise UnsupportedOpsError("a CPU kernel" if self.device == "cpu" else "a CPU or CUDA kernel", missing)
         steps = []
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
@@ -113,28 +141,42 @@ class Session:
                 domain=registry.normalize_domain(node.domain),
                 op_type=node.op_type,
                 kernel=entry.cpu,
+                entry=entry,
                 inputs=[v.name if v is not None else None for v in node.inputs],
                 outputs=[v.name for v in node.outputs],
                 attributes=attrs,
                 free_after=[],
             ))
+        steps = self._fold_constant_nodes(steps)
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
         return steps
 
+    def _fold_constant_nodes(self, steps: list[Step]) -> list[Step]:
+        """Evaluate Constant nodes once, at plan time; their outputs join the initializers."""
+        kept = []
+        for step in steps:
+            if step.op_type == "Constant" and not step.domain and not step.inputs:
+                self.initializers[step.outputs[0]] = np.asarray(step.kernel(**step.attributes))
+            else:
+                kept.append(step)
+        return kept
+
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays."""
-        env: dict[str, np.ndarray] = dict(self.initializers)
-        env.update(validate_feeds(self.input_values, feeds))
+        env: dict[str, Any] = dict(self.constants)
+        env.update(self.backend.place_feeds(validate_feeds(self.input_values, feeds)))
         for step in self.steps:
             args = [env[name] if name else None for name in step.inputs]
             try:
-                result = step.kernel(*args, **step.attributes)
+                result = self.backend.run_step(step, args)
             except KernelError as exc:
                 raise KernelError(f"node {step.node_name!r} ({_qualified(step)}): {exc}") from None
             except GradgenError:
                 raise
             except Exception as exc:
                 shapes = ", ".join("None" if a is None else f"{a.dtype}{list(a.shape)}" for a in args)
+                if self.device == "cuda":
+                    shapes += " on cuda"
                 raise RunError(
                     f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): "
                     f"{type(exc).__name__}: {exc}"
@@ -142,14 +184,14 @@ class Session:
             results = result if isinstance(result, tuple) else (result,)
             for name, value in zip(step.outputs, results):
                 if name:
-                    env[name] = np.asarray(value)
+                    env[name] = self.backend.wrap(value)
             for name in step.free_after:
                 env.pop(name, None)
         wanted = outputs if outputs is not None else self.output_names
         unknown = [n for n in wanted if n not in env]
         if unknown:
             raise UsageError(f"unknown output name(s): {', '.join(unknown)}")
-        return {name: env[name] for name in wanted}
+        return {name: self.backend.to_host(env[name]) for name in wanted}
 
 
 def _qualified(step: Step) -> str:

@@ -35,6 +35,8 @@ class KernelEntry:
     cuda: Kernel | None = None
     wants_num_outputs: bool = False
     wants_opset: bool = False
+    # Input positions the CUDA launcher wants as host numpy arrays (shapes, axes, starts, ...).
+    cuda_host_inputs: frozenset[int] = frozenset()
 
 
 _KERNELS: dict[tuple[str, str], KernelEntry] = {}
@@ -64,12 +66,21 @@ def cpu_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
     return register
 
 
-def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
-    """Register a CUDA launcher (same calling convention, device arrays in and out)."""
+def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=()):
+    """Register a CUDA launcher: the CPU kernel's calling convention, GPUArrays in and out.
+
+    Inputs at the positions in ``host_inputs`` arrive as numpy arrays (small shape-like tensors:
+    shapes, axes, starts, ...); the others as ``pycuda.gpuarray.GPUArray``. The launcher may
+    return a numpy array for a shape-like output (Shape, for instance).
+    """
 
     def register(fn: Kernel) -> Kernel:
         for op_type in op_types:
-            _entry(domain, op_type).cuda = fn
+            entry = _entry(domain, op_type)
+            if entry.cuda is not None:
+                raise RuntimeError(f"duplicate CUDA kernel for {domain}::{op_type}")
+            entry.cuda = fn
+            entry.cuda_host_inputs = frozenset(host_inputs)
         return fn
 
     return register
@@ -77,21 +88,42 @@ def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
 
 def lookup(domain: str, op_type: str) -> KernelEntry | None:
     _ensure_loaded()
+    if _CUDA_REQUESTED:
+        _ensure_cuda_loaded()
     return _KERNELS.get((normalize_domain(domain), op_type))
 
 
 def all_kernels() -> dict[tuple[str, str], KernelEntry]:
+    """Every registered kernel, CUDA launchers included (listing them needs no GPU)."""
     _ensure_loaded()
+    load_cuda_kernels()
     return dict(_KERNELS)
 
 
 _LOADED = False
+_CUDA_REQUESTED = False
+_CUDA_LOADED = False
 
 
 def _ensure_loaded() -> None:
-    """Import the kernel modules once; their decorators fill the registry."""
+    """Import the CPU kernel modules once; their decorators fill the registry."""
     global _LOADED
     if _LOADED:
         return
     _LOADED = True
     from gradgen.kernels import cpu  # noqa: F401
+
+
+def load_cuda_kernels() -> None:
+    """Register the CUDA launchers (importing them needs no GPU; running them does)."""
+    global _CUDA_REQUESTED
+    _CUDA_REQUESTED = True
+    _ensure_cuda_loaded()
+
+
+def _ensure_cuda_loaded() -> None:
+    global _CUDA_LOADED
+    if _CUDA_LOADED:
+        return
+    _CUDA_LOADED = True
+    from gradgen.kernels import cuda  # noqa: F401

@@ -5,6 +5,7 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 import onnx_ir as ir
 
 from gradgen.passes.gradient import GradientPass, GradientSpec
+from gradgen.passes.lower import LowerToStandardPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,
@@ -22,6 +23,7 @@ __all__ = [
     "CommonSubexpressionEliminationPass",
     "GradientPass",
     "GradientSpec",
+    "LowerToStandardPass",
     "NameNodesPass",
     "Pipeline",
     "RemoveUnusedNodesPass",

@@ -1,0 +1,308 @@
+"""Gradient checking: compare gradgen's backward graph with finite differences of the forward model.
+
+``check_gradients`` makes a float64 copy of the model (``to_float64``), builds the backward graph of
+that copy, runs it, and compares every gradient ``g`` of a tensor ``x`` with central differences of
+the forward model, also in float64:
+
+- along ``samples`` random unit directions ``v`` (for every tensor):
+  ``(L(x + eps v) - L(x - eps v)) / (2 eps)`` against ``<g, v>``;
+- element by element for tensors of at most ``ELEMENTWISE_LIMIT`` elements.
+
+``L`` is the loss; for a non-scalar loss output (a vector-Jacobian product) it is ``sum(u * y)`` with
+a fixed random cotangent ``u``, the same ``u`` fed to the backward graph as ``<loss>_grad``.
+
+A tensor passes when every error is at most ``atol + rtol * scale``, where ``scale`` is the size of
+what is compared: ``max(|g|_2, max |directional difference|)`` for directions, and the largest
+|finite difference| for elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper, numpy_helper
+
+from gradgen.errors import UsageError
+from gradgen.model_io import ModelLike, load_model
+
+ELEMENTWISE_LIMIT = 64
+_FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+_LOW_FLOAT_TYPES = _FLOAT_TYPES - {TensorProto.DOUBLE}
+
+
+# -- a float64 copy of a model -------------------------------------------------------------------
+
+
+def to_float64(model: ModelLike) -> onnx.ModelProto:
+    """A copy of ``model`` computing in float64: every float tensor, type and cast becomes double.
+
+    Converts initializers, graph input / output / value_info element types, Cast ``to`` and other
+    ``dtype`` attributes naming a float type, and float tensors held in attributes (Constant,
+    ConstantOfShape, ...); Constant's ``value_float(s)`` become double tensors. Subgraphs are
+    converted too. The input model is not modified.
+    """
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    else:
+        proto = ir.to_proto(load_model(model))
+    _graph_to_float64(proto.graph)
+    for function in proto.functions:
+        for node in function.node:
+            _node_to_float64(node)
+        for value in function.value_info:
+            _type_to_float64(value.type)
+    return proto
+
+
+def _tensor_to_float64(tensor: TensorProto) -> None:
+    if tensor.data_type not in _LOW_FLOAT_TYPES:
+        return
+    array = numpy_helper.to_array(tensor).astype(np.float64)
+    converted = numpy_helper.from_array(array, tensor.name)
+    converted.doc_string = tensor.doc_string
+    tensor.CopyFrom(converted)
+
+
+def _type_to_float64(type_proto: onnx.TypeProto) -> None:
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        inner = getattr(type_proto, kind)
+        if inner.elem_type in _LOW_FLOAT_TYPES:
+            inner.elem_type = TensorProto.DOUBLE
+    elif kind == "sequence_type":
+        _type_to_float64(type_proto.sequence_type.elem_type)
+    elif kind == "optional_type":
+        _type_to_float64(type_proto.optional_type.elem_type)
+    elif kind == "map_type":
+        _type_to_float64(type_proto.map_type.value_type)
+
+
+def _graph_to_float64(graph: onnx.GraphProto) -> None:
+    for tensor in graph.initializer:
+        _tensor_to_float64(tensor)
+    for sparse in graph.sparse_initializer:
+        _tensor_to_float64(sparse.values)
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        _type_to_float64(value.type)
+    for node in graph.node:
+        _node_to_float64(node)
+
+
+def _node_to_float64(node: onnx.NodeProto) -> None:
+    attrs = list(node.attribute)
+    for attr in attrs:
+        if attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype") and attr.i in _LOW_FLOAT_TYPES:
+            attr.i = TensorProto.DOUBLE
+        elif attr.type == onnx.AttributeProto.TENSOR:
+            _tensor_to_float64(attr.t)
+        elif attr.type == onnx.AttributeProto.TENSORS:
+            for tensor in attr.tensors:
+                _tensor_to_float64(tensor)
+        elif attr.type == onnx.AttributeProto.GRAPH:
+            _graph_to_float64(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                _graph_to_float64(sub)
+    if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        for attr in attrs:
+            if attr.name in ("value_float", "value_floats"):
+                data = np.asarray(attr.f if attr.name == "value_float" else list(attr.floats), dtype=np.float64)
+                node.attribute.remove(attr)
+                node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(data)))
+
+
+# -- the check ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TensorCheck:
+    """The comparison for one differentiated tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    method: str  # e.g. "3 directions + 12 elements"
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: float
+    passed: bool
+    note: str = ""
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """The result of ``check_gradients``: one ``TensorCheck`` per differentiated tensor."""
+
+    loss: str
+    tensors: list[TensorCheck]
+    samples: int
+    eps: float
+    rtol: float
+    atol: float
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tensors)
+
+    @property
+    def failures(self) -> list[str]:
+        return [t.name for t in self.tensors if not t.passed]
+
+    def format(self) -> str:
+        header = ("tensor", "shape", "compared", "max abs err", "max rel err", "tolerance", "verdict")
+        rows = [(t.name, str(list(t.shape)), t.method, f"{t.max_abs_err:.3g}", f"{t.max_rel_err:.3g}",
+                 f"{t.tolerance:.3g}", ("PASS" if t.passed else "FAIL") + (f" ({t.note})" if t.note else ""))
+                for t in self.tensors]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def check_gradients(
+    model: ModelLike,
+    *,
+    loss: str | None = None,
+    wrt: Sequence[str] | None = None,
+    freeze: Sequence[str] = (),
+    wrt_inputs: bool = False,
+    inputs: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
+    random_inputs: bool = False,
+    seed: int = 0,
+    dims: Mapping[str, int] | None = None,
+    samples: int = 3,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    eps: float = 1e-6,
+    device: str = "cpu",
+) -> CheckReport:
+    """Build the backward graph of ``model`` in float64 and compare it with finite differences.
+
+    ``inputs`` is a mapping or an .npz path (float arrays are converted to float64);
+    ``random_inputs`` draws the inputs not given (as ``gradgen run --random-inputs`` does).
+    Raises the usual ``GradgenError``s for bad models or inputs; a failed comparison is reported in
+    the returned ``CheckReport`` (``report.passed`` is False), not raised.
+    """
+    from gradgen.api import build_backward
+    from gradgen.executor import Session
+    from gradgen.inputs import load_npz, random_feeds
+
+    if samples < 0:
+        raise UsageError(f"--samples {samples}: expected a non-negative number of directions")
+    if not eps > 0:
+        raise UsageError(f"eps {eps}: expected a positive step")
+    proto = to_float64(model)
+    forward = ir.from_proto(proto)
+    graph_inputs = [v.name for v in forward.graph.inputs if v.name not in forward.graph.initializers]
+    if not random_inputs and inputs is None and graph_inputs:
+        raise UsageError(f"the model has inputs ({', '.join(graph_inputs)}); pass --inputs FILE.npz or --random-inputs")
+    built = build_backward(proto, loss=loss, wrt=wrt, freeze=freeze, wrt_inputs=wrt_inputs)
+    loss_name, wrt_names = built.loss, list(built.wrt)
+
+    feeds: dict[str, np.ndarray] = {}
+    if random_inputs:
+        feeds.update(random_feeds(forward, seed=seed, dims=dims))
+    if inputs is not None:
+        given = load_npz(inputs) if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
+        feeds.update({k: _as_float64(np.asarray(v)) for k, v in given.items()})
+
+    # The forward model for finite differences: the differentiated initializers become inputs.
+    initial = {name: numpy_helper.to_array(t) for name, t in ((t.name, t) for t in proto.graph.initializer)
+               if name in wrt_names}
+    fd_proto = _initializers_as_inputs(proto, set(initial))
+    fd_session = Session(fd_proto, device=device)
+    grad_session = Session(built.model, device=device)
+
+    rng = np.random.default_rng(seed + 1)
+    base = {**feeds, **initial}
+    probe = fd_session.run(base, outputs=[loss_name])[loss_name]
+    cotangent = None
+    grad_feeds = dict(feeds)
+    seed_name = f"{loss_name}_grad"
+    if seed_name in grad_session.input_names:  # a vector-Jacobian product: L = sum(u * y)
+        cotangent = rng.uniform(0.5, 1.5, probe.shape) * rng.choice([-1.0, 1.0], probe.shape)
+        grad_feeds[seed_name] = cotangent.astype(probe.dtype)
+    results = grad_session.run(grad_feeds)
+
+    def objective(overrides: dict[str, np.ndarray]) -> float:
+        y = fd_session.run({**base, **overrides}, outputs=[loss_name])[loss_name].astype(np.float64)
+        return float(np.sum(y * cotangent)) if cotangent is not None else float(np.sum(y))
+
+    checks = []
+    for name in wrt_names:
+        x = np.asarray(base[name], dtype=np.float64)
+        got = np.asarray(results[f"{name}_grad"])
+        if got.shape != x.shape:
+            checks.append(TensorCheck(name, x.shape, "-", float("inf"), float("inf"), 0.0, False,
+                                      f"gradient shape {list(got.shape)}"))
+            continue
+        checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol))
+    return CheckReport(loss_name, checks, samples, eps, rtol, atol)
+
+
+def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> TensorCheck:
+    errors, scales, parts = [], [], []
+    abs_err, rel_err, tolerance, passed = 0.0, 0.0, atol, True
+    if x.size and samples:
+        diffs, dots = [], []
+        for _ in range(samples):
+            v = rng.standard_normal(x.shape)
+            v /= np.linalg.norm(v)
+            diffs.append((objective({name: x + eps * v}) - objective({name: x - eps * v})) / (2 * eps))
+            dots.append(float(np.sum(grad * v)))
+        diffs, dots = np.array(diffs), np.array(dots)
+        scale = max(float(np.linalg.norm(grad)), float(np.abs(diffs).max()))
+        errors.append((float(np.abs(diffs - dots).max()), scale))
+        parts.append(f"{samples} direction{'s' if samples != 1 else ''}")
+    if 0 < x.size <= ELEMENTWISE_LIMIT:
+        numeric = np.zeros(x.size)
+        flat = x.reshape(-1)
+        for j in range(x.size):
+            shifted = flat.copy()
+            shifted[j] += eps
+            plus = objective({name: shifted.reshape(x.shape)})
+            shifted[j] -= 2 * eps
+            minus = objective({name: shifted.reshape(x.shape)})
+            numeric[j] = (plus - minus) / (2 * eps)
+        scale = float(np.abs(numeric).max())
+        errors.append((float(np.abs(numeric - grad.reshape(-1)).max()), scale))
+        parts.append(f"{x.size} element{'s' if x.size != 1 else ''}")
+    for err, scale in errors:
+        tol = atol + rtol * scale
+        abs_err = max(abs_err, err)
+        rel_err = max(rel_err, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+        tolerance = max(tolerance, tol)
+        passed = passed and bool(err <= tol)
+        scales.append(scale)
+    if not np.all(np.isfinite(grad)):
+        passed = False
+    return TensorCheck(name, x.shape, " + ".join(parts) or "nothing (empty)", abs_err, rel_err, tolerance, passed,
+                       "" if np.all(np.isfinite(grad)) else "non-finite gradient")
+
+
+def _as_float64(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float64) if array.dtype.kind == "f" else array
+
+
+def _initializers_as_inputs(proto: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+    """A copy of ``proto`` where the named initializers are graph inputs instead."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    graph = copy.graph
+    kept = [t for t in graph.initializer if t.name not in names]
+    moved = [t for t in graph.initializer if t.name in names]
+    declared = {v.name for v in graph.input}
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for tensor in moved:
+        if tensor.name not in declared:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return copy
+
+
+__all__ = ["CheckReport", "TensorCheck", "check_gradients", "to_float64"]

@@ -1,0 +1,1 @@
+"""gradgen's CUDA runtime (imports PyCUDA: only the CUDA path imports this package)."""

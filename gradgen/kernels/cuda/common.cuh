@@ -1,0 +1,36 @@
+// Shared definitions of gradgen's CUDA kernels.
+#pragma once
+#include <cstdint>
+#include <cuda_fp16.h>
+
+#define GG_MAX_RANK 8
+
+// A tensor's shape and element strides, passed by value (mirrors runtime.DESC_DTYPE).
+struct TensorDesc {
+    int64_t rank;
+    int64_t shape[GG_MAX_RANK];
+    int64_t strides[GG_MAX_RANK];
+};
+
+// Offset (in elements) of flat C-order index `i` of `shape` read through `strides`.
+__device__ __forceinline__ int64_t gg_offset(int64_t i, const TensorDesc& shape, const TensorDesc& view) {
+    int64_t offset = 0;
+    for (int d = (int)shape.rank - 1; d >= 0; --d) {
+        int64_t size = shape.shape[d];
+        int64_t coord = i % size;
+        i /= size;
+        offset += coord * view.strides[d];
+    }
+    return offset;
+}
+
+#define GG_GRID_STRIDE(i, n) \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
+
+// Load/store helpers so one template serves float16 (computed in float32), float and double.
+template <typename T> struct Acc { using type = T; };
+template <> struct Acc<__half> { using type = float; };
+template <typename T> __device__ __forceinline__ typename Acc<T>::type gg_load(const T* p) { return *p; }
+template <> __device__ __forceinline__ float gg_load<__half>(const __half* p) { return __half2float(*p); }
+template <typename T> __device__ __forceinline__ void gg_store(T* p, typename Acc<T>::type v) { *p = v; }
+template <> __device__ __forceinline__ void gg_store<__half>(__half* p, float v) { *p = __float2half(v); }

@@ -1,0 +1,5 @@
+"""CUDA launchers: reduce."""
+
+from __future__ import annotations
+
+from gradgen.kernels.registry import cuda_kernel  # noqa: F401

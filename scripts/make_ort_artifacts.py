@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""Make the ONNX Runtime training fixtures: tests/fixtures/ort_artifacts/<sample>/.
+
+For every sample model (samples/<name>/model.onnx, whose first output is the scalar ``loss``) this
+script calls ``onnxruntime.training.artifacts.generate_artifacts`` with ``loss=None`` (the graph
+already ends in its loss: ORT then differentiates the first graph output, ``loss``) and
+``requires_grad`` = every float initializer that has a reference gradient in reference.npz
+(``frozen_params`` = the other float initializers), and keeps only the training model. It then runs
+that training model in ONNX Runtime training itself and records, next to it:
+
+* ``training_model.onnx``  the training model exactly as generate_artifacts wrote it;
+* ``meta.json``            ORT version, the sample's inputs, the parameters (requires_grad and
+                           frozen), the gradient names ORT used, the accumulation buffer inputs, the
+                           graph inputs and outputs, and the op types of the training graph;
+* ``ort_outputs.npz``      what ORT training computed for the sample's inputs: every graph output
+                           (``out/<name>``) and every parameter gradient as the training API
+                           (``Module.train_step``) left it in the gradient buffer (``grad/<param>``);
+* ``ort_nodes.npz``        the inputs and outputs of every non-standard (com.microsoft) node of the
+                           training graph as ORT computed them (``<node>/in<i>``, ``<node>/out<i>``),
+                           for per-kernel unit tests;
+* ``ort_ops.npz`` (top level) extra single-node cases of the same ops with other attributes.
+
+It needs an environment with ONNX Runtime training (whose last wheels, 1.19.2, stop at Python
+3.11)::
+
+    python3.11 -m venv /tmp/ortvenv
+    /tmp/ortvenv/bin/pip install "onnxruntime-training-cpu==1.19.2" "numpy<2" "onnx==1.16.*" torch
+    /tmp/ortvenv/bin/python scripts/make_ort_artifacts.py [--only NAME]... [--out DIR]
+
+It does not import gradgen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+DEFAULT_OUT = ROOT / "tests" / "fixtures" / "ort_artifacts"
+SAMPLE_NAMES = ["mlp", "cnn", "embedding", "slicing", "gather_elements", "broadcast", "transformer"]
+STANDARD_DOMAINS = ("", "ai.onnx")
+
+
+def is_standard(node: onnx.NodeProto) -> bool:
+    """An op of the ONNX standard (ORT also puts MaxPoolGrad and friends in the default domain)."""
+    return node.domain in STANDARD_DOMAINS and onnx.defs.has(node.op_type)
+
+
+def load_npz(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def float_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    return [t for t in model.graph.initializer if t.data_type in floats]
+
+
+def plain_session(model: onnx.ModelProto):
+    """An InferenceSession of the training build with every graph optimization off."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def training_feeds(model: onnx.ModelProto, inputs: dict, params: dict) -> dict[str, np.ndarray]:
+    """Feeds for the training model: sample inputs, parameters, zero gradient buffers, lazy_reset_grad."""
+    feeds = {}
+    for value in model.graph.input:
+        name = value.name
+        if name in inputs:
+            feeds[name] = inputs[name]
+        elif name in params:
+            feeds[name] = params[name]
+        elif name.endswith(".accumulation.buffer"):
+            feeds[name] = np.zeros_like(params[name[: -len("_grad.accumulation.buffer")]])
+        elif name == "lazy_reset_grad":
+            feeds[name] = np.array([True])
+        else:
+            raise RuntimeError(f"do not know how to feed training model input {name!r}")
+    return feeds
+
+
+def record_nodes(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """Every input and output of the non-standard nodes, as ORT computes them (no graph optimization)."""
+    wanted = []
+    for node in model.graph.node:
+        if not is_standard(node):
+            wanted.extend(n for n in list(node.input) + list(node.output) if n)
+    graph_inputs = {v.name for v in model.graph.input}
+    existing = {v.name for v in model.graph.output}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for name in dict.fromkeys(wanted):
+        if name not in existing and name not in graph_inputs and name not in {t.name for t in model.graph.initializer}:
+            copy.graph.output.append(helper.make_empty_tensor_value_info(name))
+    session = plain_session(copy)
+    names = [o.name for o in session.get_outputs()]
+    # The accumulators write into their buffers: feed fresh copies.
+    values = dict(zip(names, session.run(None, {k: np.array(v, copy=True) for k, v in feeds.items()})))
+    values.update({k: v for k, v in feeds.items()})
+    values.update({t.name: numpy_helper.to_array(t) for t in model.graph.initializer})
+    record = {}
+    for index, node in enumerate(model.graph.node):
+        if is_standard(node):
+            continue
+        key = f"{index:03d}_{node.op_type}"
+        for i, name in enumerate(node.input):
+            if name:
+                record[f"{key}/in{i}"] = np.asarray(values[name])
+        for i, name in enumerate(node.output):
+            if name:
+                record[f"{key}/out{i}"] = np.asarray(values[name])
+    return record
+
+
+def train_step_gradients(workdir: Path, inputs: dict, user_inputs: list[str]) -> tuple[dict, list]:
+    """Run one Module.train_step of the training API; return the gradient buffers and the outputs."""
+    from onnxruntime.training import api
+
+    state = api.CheckpointState.load_checkpoint(str(workdir / "checkpoint"))
+    module = api.Module(str(workdir / "training_model.onnx"), state, str(workdir / "eval_model.onnx"), device="cpu")
+    module.train()
+    module.lazy_reset_grad()
+    outputs = module(*[inputs[name] for name in user_inputs])
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    grads = {}
+    for name, parameter in state.parameters:
+        if parameter.requires_grad:
+            grads[name] = np.array(parameter.grad)
+    return grads, [np.asarray(o) for o in outputs]
+
+
+# Optional forward outputs that ORT training's gradient builders read (O(1), O(2)) and PyTorch's
+# exporter leaves out: without them, building the gradient fails with
+# "i < node_->OutputDefs().size() was false".
+OPTIONAL_OUTPUTS = {
+    "SoftmaxCrossEntropyLoss": ["log_prob"],
+    "LayerNormalization": ["Mean", "InvStdDev"],
+}
+
+
+def add_optional_outputs(model: onnx.ModelProto) -> list[str]:
+    """Give the nodes of OPTIONAL_OUTPUTS their missing optional outputs; return the names added.
+
+    The values the graph computes (its loss included) are unchanged.
+    """
+    added = []
+    for index, node in enumerate(model.graph.node):
+        extra = OPTIONAL_OUTPUTS.get(node.op_type) if node.domain in STANDARD_DOMAINS else None
+        if not extra:
+            continue
+        base = node.name or f"{node.op_type}_{index}"
+        for position, suffix in enumerate(extra, start=1):
+            if len(node.output) <= position:
+                node.output.append(f"{base}_{suffix}")
+                added.append(node.output[-1])
+            elif not node.output[position]:
+                node.output[position] = f"{base}_{suffix}"
+                added.append(node.output[position])
+    return added
+
+
+def make_one(name: str, out_root: Path) -> dict:
+    from onnxruntime.training import artifacts
+    import onnxruntime
+
+    sample = SAMPLES / name
+    model = onnx.load(str(sample / "model.onnx"))
+    inputs = load_npz(sample / "inputs.npz")
+    reference = load_npz(sample / "reference.npz")
+    meta = json.loads((sample / "meta.json").read_text())
+    if model.graph.output[0].name != "loss":
+        raise RuntimeError(f"{name}: the first graph output is {model.graph.output[0].name!r}, not 'loss'")
+    prepared = add_optional_outputs(model)
+    params = {t.name: numpy_helper.to_array(t) for t in float_initializers(model)}
+    requires_grad = [p for p in params if f"{p}_grad" in reference]
+    frozen = [p for p in params if p not in requires_grad]
+    user_inputs = [v.name for v in model.graph.input if v.name not in {t.name for t in model.graph.initializer}]
+
+    out = out_root / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    info = {
+        "sample": name,
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+        "generate_artifacts": {"loss": None, "optimizer": None},
+        "forward_opset": meta.get("opset"),
+        "user_inputs": user_inputs,
+        "optional_outputs_added": prepared,
+        "requires_grad": requires_grad,
+        "frozen_params": frozen,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        try:
+            artifacts.generate_artifacts(
+                model, requires_grad=requires_grad, frozen_params=frozen, loss=None, optimizer=None,
+                artifact_directory=workdir)
+        except Exception as exc:
+            info["generate_error"] = first_line(exc)
+            write_meta(out, info)
+            return info
+        training = onnx.load(str(workdir / "training_model.onnx"))
+        shutil.copyfile(workdir / "training_model.onnx", out / "training_model.onnx")
+        op_types = sorted({(n.domain, n.op_type, is_standard(n)) for n in training.graph.node})
+        info.update({
+            "opset_imports": {o.domain or "ai.onnx": o.version for o in training.opset_import},
+            "gradients": {p: f"{p}_grad" for p in requires_grad},
+            "accumulation_buffers": [v.name for v in training.graph.input if v.name.endswith(".accumulation.buffer")],
+            "graph_inputs": [v.name for v in training.graph.input],
+            "graph_outputs": [v.name for v in training.graph.output],
+            "ops": [[d, t] for d, t, _ in op_types],
+            "non_standard_ops": [[d, t] for d, t, standard in op_types if not standard],
+        })
+        try:
+            grads, api_outputs = train_step_gradients(workdir, inputs, user_inputs)
+        except Exception as exc:
+            info["run_error"] = first_line(exc)
+            write_meta(out, info)
+            return info
+
+    feeds = training_feeds(training, inputs, params)
+    session = plain_session(training)
+    output_names = [o.name for o in session.get_outputs()]
+    run = dict(zip(output_names, session.run(None, {k: np.array(v, copy=True) for k, v in feeds.items()})))
+    for api_value, output in zip(api_outputs, output_names):
+        if not np.allclose(api_value, run[output], rtol=1e-5, atol=1e-6):
+            raise RuntimeError(f"{name}: output {output!r} differs between Module.train_step and InferenceSession")
+    record = {f"out/{k}": v for k, v in run.items()}
+    record.update({f"grad/{k}": v for k, v in grads.items()})
+    np.savez_compressed(out / "ort_outputs.npz", **record)
+    np.savez_compressed(out / "ort_nodes.npz", **record_nodes(training, feeds))
+    write_meta(out, info)
+    return info
+
+
+def first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def write_meta(out: Path, info: dict) -> None:
+    (out / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=SAMPLE_NAMES, help="one sample (repeatable)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+    for name in args.only or SAMPLE_NAMES:
+        info = make_one(name, args.out)
+        if "generate_error" in info:
+            print(f"{name}: generate_artifacts failed: {info['generate_error']}")
+            continue
+        ops = ", ".join(f"{d}::{t}" if d else t for d, t in info["non_standard_ops"])
+        status = f"ORT run failed: {info['run_error']}" if "run_error" in info else "ORT outputs recorded"
+        print(f"{name}: {len(info['requires_grad'])} gradients; non-standard ops: {ops or '-'}; {status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
