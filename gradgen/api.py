@@ -46,7 +46,6 @@ def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
         ShapeInferencePass(),
         gradient,
         CleanupPass(),
-        ShapeInferencePass(),
     )
     return pipeline, gradient
 
@@ -78,8 +77,8 @@ def build_backward(
     ``portable=True`` lowers the com.microsoft gradient ops to standard ONNX ops
     (``passes.LowerToStandardPass``), so that any ONNX runtime can run the result.
     """
-    source = load_model(model)
-    forward = ir.from_proto(ir.to_proto(source))  # a copy: passes work in place
+    # Passes work in place: copy a caller's ir.Model; a model loaded here is already our own.
+    forward = ir.from_proto(ir.to_proto(model)) if isinstance(model, ir.Model) else load_model(model)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
     pipeline, gradient = backward_pipeline(spec)
     result = run_pipeline(pipeline, forward)

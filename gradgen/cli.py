@@ -51,6 +51,9 @@ def build_backward(
         "Default: every float initializer the loss depends on."),
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Exclude this tensor (repeatable)."),
     wrt_inputs: bool = typer.Option(False, "--wrt-inputs", help="Also differentiate with respect to every float graph input."),
+    portable: bool = typer.Option(
+        False, "--portable", help="Lower the com.microsoft gradient ops to standard ONNX ops, so that any ONNX "
+        "runtime (e.g. stock onnxruntime) can run OUT."),
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
     from gradgen.api import build_backward as build
@@ -59,7 +62,7 @@ def build_backward(
     check_output_path(out, model)
     started = time.perf_counter()
     _say(f"reading {model}")
-    result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs)
+    result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable)
     save_model(result.model, out)
     seconds = time.perf_counter() - started
     nodes = sum(1 for _ in result.model.graph)

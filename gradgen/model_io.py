@@ -40,6 +40,10 @@ def load_model(model: ModelLike) -> ir.Model:
                          f"({type(exc).__name__}: {exc})") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise ModelError(f"{path}: not an ONNX model (no graph or no ir_version; truncated file?)")
+    bad_opsets = [f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import if o.version < 1]
+    if not proto.opset_import or bad_opsets:
+        found = f"invalid opset import(s) {', '.join(bad_opsets)}" if bad_opsets else "no opset import"
+        raise ModelError(f"{path}: not a valid ONNX model ({found}; truncated file?)")
     _load_external_data(proto, path)
     return _from_proto(proto, str(path))
 
@@ -108,9 +112,23 @@ def save_model(model: ir.Model | onnx.ModelProto, out: str | os.PathLike) -> Pat
                     size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES)
         else:
             ir.save(model, tmp_model, format="protobuf")
-        if (tmp_dir / data_name).exists():
-            os.replace(tmp_dir / data_name, parent / data_name)
-        os.replace(tmp_model, out_path)
+        if not (tmp_dir / data_name).exists():
+            os.replace(tmp_model, out_path)
+            return out_path
+        # Two renames: keep the previous data file until the model is in place, restore it if not.
+        data_path, backup = parent / data_name, tmp_dir / (data_name + ".old")
+        had_data = data_path.exists()
+        if had_data:
+            os.replace(data_path, backup)
+        try:
+            os.replace(tmp_dir / data_name, data_path)
+            os.replace(tmp_model, out_path)
+        except BaseException:
+            if had_data:
+                os.replace(backup, data_path)
+            elif data_path.exists():
+                data_path.unlink()
+            raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_path

@@ -250,8 +250,152 @@ def make_one(name: str, out_root: Path) -> dict:
     return info
 
 
+# ---------------------------------------------------------------- single-node cases
+
+
+def _rng_cases():
+    """(case name, domain, op_type, inputs (None for an omitted one), attributes, output count)."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    ms = "com.microsoft"
+    cases = []
+    x, dy = f32(3, 4, 5), f32(3, 4, 5)
+    for op in ("ReluGrad", "TanhGrad", "SigmoidGrad", "GeluGrad", "FastGeluGrad"):
+        y = x if op in ("ReluGrad", "GeluGrad", "FastGeluGrad") else (np.tanh(x) if op == "TanhGrad" else 1 / (1 + np.exp(-x)))
+        cases.append((op, ms, op, [dy, y.astype(np.float32)], {}, 1))
+    for op in ("BiasGeluGrad_dX", "BiasFastGeluGrad_dX"):
+        cases.append((op, ms, op, [dy, x, f32(5)], {}, 1))
+    cases.append(("Scale_mul", ms, "Scale", [x, np.array(2.5, np.float32)], {}, 1))
+    cases.append(("Scale_down_int", ms, "Scale", [x, np.array(3, np.int64)], {"scale_down": 1}, 1))
+    cases.append(("Scale_down_float", ms, "Scale", [x, np.array([0.7], np.float32)], {"scale_down": 1}, 1))
+    y = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    for axis in (0, 1, -1):
+        ys = np.exp(x) / np.exp(x).sum(axis=axis, keepdims=True)
+        cases.append((f"SoftmaxGrad_13_axis{axis}", ms, "SoftmaxGrad_13", [dy, ys.astype(np.float32)], {"axis": axis}, 1))
+        cases.append((f"LogSoftmaxGrad_13_axis{axis}", ms, "LogSoftmaxGrad_13", [dy, np.log(ys).astype(np.float32)], {"axis": axis}, 1))
+    y2 = np.exp(x) / np.exp(x).reshape(3, -1).sum(axis=1).reshape(3, 1, 1)
+    cases.append(("SoftmaxGrad_axis1", ms, "SoftmaxGrad", [dy, y2.astype(np.float32)], {"axis": 1}, 1))
+    cases.append(("LogSoftmaxGrad_axis1", ms, "LogSoftmaxGrad", [dy, np.log(y2).astype(np.float32)], {"axis": 1}, 1))
+    del y
+    # SoftmaxCrossEntropyLossGrad on (N, C, D) with weights and an ignored label.
+    logits = f32(4, 5, 3)
+    log_prob = (logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))).astype(np.float32)
+    label = rng.integers(0, 5, size=(4, 3)).astype(np.int64)
+    label[1, 2] = -1
+    label[3, 0] = -1
+    weight = rng.uniform(0.5, 2.0, size=5).astype(np.float32)
+    scalar = np.array(0.8, np.float32)
+    sce = "SoftmaxCrossEntropyLossGrad"
+    cases.append(("SCEGrad_mean_weight", ms, sce, [scalar, log_prob, label, weight], {"ignore_index": -1}, 1))
+    cases.append(("SCEGrad_sum", ms, sce, [scalar, log_prob, label], {"ignore_index": -1, "reduction": "sum"}, 1))
+    cases.append(("SCEGrad_none_weight", ms, sce, [f32(4, 3), log_prob, label, weight],
+                  {"ignore_index": -1, "reduction": "none"}, 1))
+    cases.append(("SCEGrad_mean_2d", ms, sce, [scalar, log_prob[:, :, 0], np.where(label[:, 0] < 0, 2, label[:, 0])], {}, 1))
+    # FusedMatMul.
+    fm = "FusedMatMul"
+    cases.append(("FusedMatMul_tAtB_alpha", ms, fm, [f32(2, 5, 3), f32(2, 4, 5)], {"transA": 1, "transB": 1, "alpha": 0.5}, 1))
+    cases.append(("FusedMatMul_tBatchA", ms, fm, [f32(3, 2, 4), f32(2, 4, 5)], {"transBatchA": 1}, 1))
+    cases.append(("FusedMatMul_tBatchB_tB", ms, fm, [f32(2, 3, 4), f32(5, 2, 4)], {"transBatchB": 1, "transB": 1}, 1))
+    cases.append(("FusedMatMul_broadcast_tA", ms, fm, [f32(4, 3), f32(2, 4, 5)], {"transA": 1}, 1))
+    cases.append(("FusedMatMul_vector", ms, fm, [f32(3, 4), f32(4)], {"transA": 0, "alpha": 2.0}, 1))
+    # LayerNormalizationGrad (axis 1 of a 3-D input), mean and inv_std_var as LayerNormalization stores them.
+    xl = f32(2, 3, 4)
+    mean = xl.reshape(2, -1).mean(axis=1).reshape(2, 1, 1).astype(np.float32)
+    inv = (1 / np.sqrt(((xl - mean) ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
+    gamma = f32(3, 4)
+    cases.append(("LayerNormalizationGrad_axis1", ms, "LayerNormalizationGrad", [f32(2, 3, 4), xl, gamma, mean, inv], {"axis": 1}, 3))
+    rms = (1 / np.sqrt((xl ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
+    cases.append(("SimplifiedLayerNormalizationGrad_axis1", ms, "SimplifiedLayerNormalizationGrad",
+                  [f32(2, 3, 4), xl, gamma, rms], {"axis": 1}, 2))
+    # Gradient accumulation.
+    acc = "InPlaceAccumulatorV2"
+    cases.append(("InPlaceAccumulatorV2_add", ms, acc, [f32(3, 4), f32(3, 4), np.array([False])], {}, 2))
+    cases.append(("InPlaceAccumulatorV2_overwrite", ms, acc, [f32(3, 4), f32(3, 4), np.array([True])], {}, 2))
+    cases.append(("InPlaceAccumulatorV2_no_flag", ms, acc, [f32(3, 4), f32(3, 4)], {}, 2))
+    cases.append(("ZeroGradient", ms, "ZeroGradient", [f32(3, 4), f32(2)], {}, 1))
+    return cases
+
+
+def _pool_cases():
+    """MaxPoolGrad / AveragePoolGrad cases whose dY and Indices come from ORT's own MaxPool/AveragePool."""
+    rng = np.random.default_rng(1)
+    configs = [
+        ("2d_pad_stride", [1, 2, 7, 7], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+        ("2d_rect", [2, 1, 6, 8], {"kernel_shape": [2, 3], "strides": [2, 1], "pads": [0, 1, 0, 1]}),
+        ("1d", [2, 3, 9], {"kernel_shape": [3], "strides": [3]}),
+        ("3d", [1, 2, 4, 5, 4], {"kernel_shape": [2, 3, 2], "strides": [2, 2, 2], "pads": [0, 1, 0, 0, 1, 0]}),
+    ]
+    cases = []
+    for name, shape, attrs in configs:
+        x = rng.standard_normal(shape).astype(np.float32)
+        y, indices = run_single("", "MaxPool", [x], attrs, 2)
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        cases.append((f"MaxPoolGrad_{name}", "", "MaxPoolGrad", [dy, indices], attrs, 1))
+        for include in (0, 1):
+            avg_attrs = dict(attrs, count_include_pad=include)
+            (y,) = run_single("", "AveragePool", [x], avg_attrs, 1)
+            dy = rng.standard_normal(y.shape).astype(np.float32)
+            cases.append((f"AveragePoolGrad_{name}_include{include}", "", "AveragePoolGrad", [dy], avg_attrs, 1))
+    return cases
+
+
+def single_node_model(domain, op_type, inputs, attrs, n_outputs, output_shapes=None):
+    names = [f"in{i}" if value is not None else "" for i, value in enumerate(inputs)]
+    graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                    for n, v in zip(names, inputs) if v is not None]
+    outs = [f"out{i}" for i in range(n_outputs)]
+    if output_shapes is not None:
+        graph_outputs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in zip(outs, output_shapes)]
+    else:
+        graph_outputs = [helper.make_empty_tensor_value_info(n) for n in outs]
+    node = helper.make_node(op_type, names, outs, domain=domain or None, **attrs)
+    graph = helper.make_graph([node], op_type, graph_inputs, graph_outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def run_single(domain, op_type, inputs, attrs, n_outputs, output_shapes=None):
+    model = single_node_model(domain, op_type, inputs, attrs, n_outputs, output_shapes)
+    session = plain_session(model)
+    feeds = {f"in{i}": np.array(v, copy=True) for i, v in enumerate(inputs) if v is not None}
+    return session.run(None, feeds)
+
+
+def make_op_cases(out_root: Path) -> list[str]:
+    """Run the single-node cases in ORT; write ort_ops.npz and ort_ops.json; return the case names."""
+    record, index = {}, {}
+    for name, domain, op_type, inputs, attrs, n_outputs in _rng_cases() + _pool_cases():
+        output_shapes = None
+        if op_type in ("MaxPoolGrad", "AveragePoolGrad"):
+            # ORT takes dX's shape from the graph: declare X's shape, as a training graph does.
+            output_shapes = [list(_pool_x_shape(name))]
+        outputs = run_single(domain, op_type, inputs, attrs, n_outputs, output_shapes)
+        for i, value in enumerate(inputs):
+            if value is not None:
+                record[f"{name}/in{i}"] = value
+        for i, value in enumerate(outputs):
+            record[f"{name}/out{i}"] = np.asarray(value)
+        index[name] = {"domain": domain, "op_type": op_type, "attributes": attrs, "num_inputs": len(inputs),
+                       "num_outputs": n_outputs}
+    np.savez_compressed(out_root / "ort_ops.npz", **record)
+    (out_root / "ort_ops.json").write_text(json.dumps(index, indent=1) + "\n")
+    return list(index)
+
+
+def _pool_x_shape(case: str) -> list[int]:
+    shapes = {"2d_pad_stride": [1, 2, 7, 7], "2d_rect": [2, 1, 6, 8], "1d": [2, 3, 9], "3d": [1, 2, 4, 5, 4]}
+    for key, shape in shapes.items():
+        if case.split("Grad_", 1)[1].startswith(key):
+            return shape
+    raise KeyError(case)
+
+
 def first_line(exc: Exception) -> str:
+    """The gist of an ORT error, without the C++ source location and signature."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    for marker in ("Non-zero status code", "The gradient builder", "i < node_->OutputDefs"):
+        if marker in text:
+            text = text[text.index(marker):]
+            break
     return f"{type(exc).__name__}: {text}"
 
 
@@ -268,6 +412,9 @@ def main(argv=None) -> int:
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cases = make_op_cases(args.out)
+    print(f"single-node cases: {len(cases)} recorded")
     for name in args.only or SAMPLE_NAMES:
         info = make_one(name, args.out)
         if "generate_error" in info:

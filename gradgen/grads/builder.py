@@ -47,6 +47,7 @@ class Builder:
         self.graph = graph
         self.opset = opset
         self.nodes: list[ir.Node] = []
+        self.node_set: set[ir.Node] = set()  # the same nodes, for membership tests
         self._taken = _all_names(graph)
         self._constants: dict[tuple, ir.Value] = {}
         self._shapes: dict[int, ir.Value] = {}
@@ -85,6 +86,7 @@ class Builder:
         node = ir.node(op_type, list(inputs), attrs, domain=domain, outputs=outputs, name=node_name)
         self.graph.append(node)
         self.nodes.append(node)
+        self.node_set.add(node)
         return list(node.outputs)
 
     def const(self, array, dtype=None) -> ir.Value:

@@ -135,6 +135,7 @@ class _Contributions:
         self.b = builder
         self.parts: dict[str, list[ir.Value]] = {}
         self.totals: dict[str, ir.Value] = {}
+        self._final: set[ir.Value] = set()  # values already named as some tensor's total gradient
 
     def add(self, x: ir.Value, grad: ir.Value) -> None:
         if x.name in self.totals:
@@ -159,13 +160,14 @@ class _Contributions:
             self.b.rename(total, f"{x.name}_grad")
         _copy_type(total, x)
         self.totals[x.name] = total
+        self._final.add(total)
         return total
 
     def _is_fresh(self, value: ir.Value) -> bool:
         """Emitted by a rule and not yet given a final name (so renaming it is safe)."""
         producer = value.producer()
-        return (producer is not None and producer in self.b.nodes
-                and value not in self.totals.values() and not value.is_graph_output())
+        return (producer is not None and producer in self.b.node_set
+                and value not in self._final and not value.is_graph_output())
 
 
 def _copy_type(value: ir.Value, like: ir.Value) -> None:

@@ -7,6 +7,7 @@ from gradgen.kernels.cpu import (  # noqa: F401
     matmul,
     microsoft,
     nn,
+    ort_training,
     reduction,
     shape,
 )

@@ -1,5 +1,377 @@
-"""CUDA launchers: conv."""
+"""CUDA launchers: Conv and com.microsoft ConvGrad through cuDNN (nvidia-cudnn-frontend).
+
+Geometry comes from the CPU kernel's ``conv_geometry`` (auto_pad SAME_UPPER/SAME_LOWER/VALID
+resolved to explicit pads), so both devices agree. 1-D convolutions run as 2-D ones with a unit
+axis. cuDNN gets symmetric padding only: an asymmetric pad is applied by copying X into a
+zero-padded buffer (and dX is cropped out of the padded gradient). One cuDNN graph is built per
+(operation, dtype, shapes, attributes) and cached with its workspace size; the workspace comes
+from the PyCUDA pool. Graphs are built without TF32 for float32 (GRADGEN_ALLOW_TF32=1 allows
+it) and without engines cuDNN marks non-deterministic (GRADGEN_ALLOW_NONDETERMINISTIC=1 allows
+them); GRADGEN_CUDNN_BENCHMARK=1 times every candidate plan once per graph and keeps the fastest.
+
+Where cuDNN declines a configuration (or is missing), direct convolution kernels (pool.cu) run
+instead, with a one-time warning: one thread per output for the forward pass and dX, one block
+per weight element for dW, all deterministic. dB is a per-channel block reduction of dY.
+"""
 
 from __future__ import annotations
 
-from gradgen.kernels.registry import cuda_kernel  # noqa: F401
+import math
+import os
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+
+FORCE_DIRECT = False  # tests set this to exercise the direct kernels
+_STATE: dict = {}
+_GRAPHS: dict = {}
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") == "1"
+
+
+def _contiguous_strides(dims) -> list[int]:
+    strides, step = [], 1
+    for d in reversed(list(dims)):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return strides[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN graphs
+
+
+def _cudnn():
+    """(module, handle): the cudnn frontend and one handle per process on the default stream."""
+    if "handle" not in _STATE:
+        from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
+        import cudnn
+
+        _STATE["cudnn"] = cudnn
+        _STATE["handle"] = cudnn.create_handle()
+        try:
+            cudnn.set_stream(_STATE["handle"], 0)
+        except Exception:  # noqa: BLE001 - a fresh handle already runs on the default stream
+            pass
+    return _STATE["cudnn"], _STATE["handle"]
+
+
+class _Plan:
+    """A built cuDNN graph: its two input tensors, its output tensor and workspace size."""
+
+    def __init__(self, graph, a, b, out, workspace):
+        self.graph, self.a, self.b, self.out, self.workspace = graph, a, b, out, workspace
+
+    def run(self, out_ptr: int, a_ptr: int, b_ptr: int) -> None:
+        from gradgen.cuda import runtime as rt
+
+        _, handle = _cudnn()
+        ws = rt.empty((self.workspace,), np.uint8) if self.workspace else None
+        self.graph.execute({self.a: int(a_ptr), self.b: int(b_ptr), self.out: int(out_ptr)},
+                           int(ws.gpudata) if ws is not None else None, handle=handle)
+
+
+def _data_types(cudnn, dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return cudnn.data_type.DOUBLE, cudnn.data_type.DOUBLE
+    if dtype == np.float16:
+        return cudnn.data_type.HALF, cudnn.data_type.FLOAT
+    return cudnn.data_type.FLOAT, cudnn.data_type.FLOAT
+
+
+def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench_ptrs=None):
+    cudnn, handle = _cudnn()
+    io, compute = _data_types(cudnn, dtype)
+    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=compute, compute_data_type=compute, handle=handle)
+    a = graph.tensor(name="A", dim=list(a_dims), stride=_contiguous_strides(a_dims), data_type=io)
+    b = graph.tensor(name="B", dim=list(b_dims), stride=_contiguous_strides(b_dims), data_type=io)
+    conv = dict(pre_padding=list(pads), post_padding=list(pads), stride=list(strides), dilation=list(dilations),
+                compute_data_type=compute, name=kind)
+    if kind == "fprop":
+        out = graph.conv_fprop(image=a, weight=b, **conv)
+    elif kind == "dgrad":
+        out = graph.conv_dgrad(loss=a, filter=b, **conv)
+    else:
+        out = graph.conv_wgrad(image=a, loss=b, **conv)
+    out.set_output(True).set_data_type(io).set_dim(list(out_dims)).set_stride(_contiguous_strides(out_dims))
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    notes = []
+    if not nondet:
+        notes.append(cudnn.numerical_note.NONDETERMINISTIC)
+    if np.dtype(dtype) == np.float32 and not tf32:
+        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    if notes:
+        graph.deselect_numeric_notes(notes)
+    graph.check_support()
+    if bench_ptrs is not None:
+        plan = _autotune(graph, a, b, out, bench_ptrs)
+        if plan is not None:
+            return plan
+    graph.build_plans()
+    return _Plan(graph, a, b, out, int(graph.get_workspace_size()))
+
+
+def _autotune(graph, a, b, out, ptrs):
+    """Build every candidate plan, time each on the real buffers, keep the fastest (None: give up)."""
+    from gradgen.cuda import runtime as rt
+
+    cudnn, handle = _cudnn()
+    try:
+        graph.build_plans(cudnn.build_plan_policy.ALL)
+        best = None
+        start, stop = rt.driver.Event(), rt.driver.Event()
+        pack = {a: int(ptrs[1]), b: int(ptrs[2]), out: int(ptrs[0])}
+        for index in range(graph.get_execution_plan_count()):
+            try:
+                size = int(graph.get_workspace_size_plan_at_index(index))
+                ws = rt.empty((size,), np.uint8) if size else None
+                wptr = int(ws.gpudata) if ws is not None else None
+                graph.execute_plan_at_index(pack, wptr, index, handle)
+                start.record()
+                for _ in range(3):
+                    graph.execute_plan_at_index(pack, wptr, index, handle)
+                stop.record()
+                stop.synchronize()
+                ms = stop.time_since(start)
+            except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, index)
+        if best is None:
+            return None
+        graph.select_plan(best[1])
+        graph.build_plans()
+        return _Plan(graph, a, b, out, int(graph.get_workspace_size()))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs):
+    """The cached cuDNN plan for this convolution, or None where cuDNN declines it."""
+    tf32, nondet = _flag("GRADGEN_ALLOW_TF32"), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
+    key = (kind, np.dtype(dtype).str, tuple(a_dims), tuple(b_dims), tuple(out_dims), tuple(pads), tuple(strides),
+           tuple(dilations), tf32, nondet)
+    if key not in _GRAPHS:
+        bench = ptrs if _flag("GRADGEN_CUDNN_BENCHMARK") else None
+        try:
+            _GRAPHS[key] = _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench)
+        except ImportError as exc:
+            _GRAPHS[key] = None
+            _warn("cudnn-import", f"cuDNN is not available ({exc}); convolutions run on gradgen's direct kernels")
+        except Exception as exc:  # noqa: BLE001 - cuDNN declined: the direct kernels serve it
+            _GRAPHS[key] = None
+            _warn(f"cudnn-{kind}-{np.dtype(dtype)}",
+                  f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
+                  f"running gradgen's direct convolution kernel for it")
+    return _GRAPHS[key]
+
+
+def _warn(key, message):
+    from gradgen.kernels.cuda.pool import warn_once
+
+    warn_once(key, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry
+
+
+class _Geometry:
+    """A Conv's resolved geometry: pads (begin/end), strides, dilations, shapes."""
+
+    def __init__(self, x_shape, w_shape, attrs):
+        from gradgen.kernels.cpu.microsoft import conv_geometry
+
+        group = int(attrs.get("group", 1) or 1)
+        self.begin, self.end, self.strides, self.dilations, self.y_shape = conv_geometry(
+            x_shape, w_shape, auto_pad=attrs.get("auto_pad", "NOTSET") or "NOTSET",
+            dilations=attrs.get("dilations"), group=group, kernel_shape=attrs.get("kernel_shape"),
+            pads=attrs.get("pads"), strides=attrs.get("strides"))
+        self.begin, self.end = [int(v) for v in self.begin], [int(v) for v in self.end]
+        self.strides, self.dilations = [int(v) for v in self.strides], [int(v) for v in self.dilations]
+        self.x_shape, self.w_shape, self.group = tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape), group
+        self.y_shape = tuple(int(d) for d in self.y_shape)
+        self.nd = len(self.x_shape) - 2
+        self.symmetric = self.begin == self.end
+
+    def lifted(self, shape):
+        """``shape`` with a unit axis before the spatial axes of a 1-D convolution (cuDNN wants >= 2)."""
+        return tuple(shape[:2]) + (1,) + tuple(shape[2:]) if self.nd == 1 else tuple(shape)
+
+    def lift(self, values, fill):
+        return [fill] + list(values) if self.nd == 1 else list(values)
+
+    def padded_x_shape(self):
+        return self.x_shape[:2] + tuple(s + b + e for s, b, e in zip(self.x_shape[2:], self.begin, self.end))
+
+    def direct_geom(self):
+        from gradgen.kernels.cuda.pool import CONV_GEOM, _pad3
+
+        g = np.zeros((), dtype=CONV_GEOM)
+        g["n"], g["c"] = self.x_shape[0], self.x_shape[1]
+        g["m"], g["g"] = self.w_shape[0], self.group
+        g["inp"] = _pad3(self.x_shape[2:], 1)
+        g["out"] = _pad3(self.y_shape[2:], 1)
+        g["k"] = _pad3(self.w_shape[2:], 1)
+        g["s"] = _pad3(self.strides, 1)
+        g["d"] = _pad3(self.dilations, 1)
+        g["pb"] = _pad3(self.begin, 0)
+        return g[()]
+
+
+def _attrs(auto_pad, dilations, group, kernel_shape, pads, strides):
+    return dict(auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape, pads=pads,
+                strides=strides)
+
+
+def _use_cudnn(geom, dtype) -> bool:
+    return not FORCE_DIRECT and np.dtype(dtype) in _FLOATS and 1 <= geom.nd <= 3
+
+
+def _pad_x(x, geom):
+    """X copied into a zero-padded buffer (for asymmetric padding)."""
+    from gradgen.kernels.cuda.pool import window_copy
+
+    return window_copy(x, geom.padded_x_shape(), shift=[0, 0] + [-b for b in geom.begin])
+
+
+# ---------------------------------------------------------------------------------------------
+# the three convolution passes (each: cuDNN, else the direct kernel)
+
+
+def _fprop(x, w, geom):
+    from gradgen.cuda import runtime as rt
+
+    y = rt.empty(geom.y_shape, x.dtype)
+    if y.size == 0:
+        return y
+    if math.prod(geom.w_shape[1:]) == 0 or x.size == 0:
+        rt.driver.memset_d8(y.gpudata, 0, y.nbytes)
+        return y
+    if _use_cudnn(geom, x.dtype):
+        xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
+        plan = _plan("fprop", x.dtype, geom.lifted(xs.shape), geom.lifted(geom.w_shape), geom.lifted(geom.y_shape),
+                     geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
+                     (y.gpudata, xs.gpudata, w.gpudata))
+        if plan is not None:
+            plan.run(y.gpudata, xs.gpudata, w.gpudata)
+            return y
+    if geom.nd > 3:
+        raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
+    kernel = rt.function("pool", f"conv_fwd_{rt.suffix(x.dtype)}")
+    rt.launch(kernel, y.size, y, x, w, geom.direct_geom(), np.int64(y.size))
+    return y
+
+
+def _dgrad(dy, w, geom):
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.pool import window_copy
+
+    dx = rt.empty(geom.x_shape, dy.dtype)
+    if dx.size == 0:
+        return dx
+    if dy.size == 0 or w.size == 0:
+        rt.driver.memset_d8(dx.gpudata, 0, dx.nbytes)
+        return dx
+    if _use_cudnn(geom, dy.dtype):
+        if geom.symmetric:
+            target, pads = dx, geom.begin
+        else:
+            target, pads = rt.empty(geom.padded_x_shape(), dy.dtype), [0] * geom.nd
+        plan = _plan("dgrad", dy.dtype, geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
+                     geom.lifted(target.shape), geom.lift(pads, 0), geom.lift(geom.strides, 1),
+                     geom.lift(geom.dilations, 1), (target.gpudata, dy.gpudata, w.gpudata))
+        if plan is not None:
+            plan.run(target.gpudata, dy.gpudata, w.gpudata)
+            if target is dx:
+                return dx
+            return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin))
+    kernel = rt.function("pool", f"conv_dgrad_{rt.suffix(dy.dtype)}")
+    rt.launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size))
+    return dx
+
+
+def _wgrad(dy, x, geom):
+    from gradgen.cuda import runtime as rt
+
+    dw = rt.empty(geom.w_shape, dy.dtype)
+    if dw.size == 0:
+        return dw
+    if dy.size == 0 or x.size == 0:
+        rt.driver.memset_d8(dw.gpudata, 0, dw.nbytes)
+        return dw
+    if _use_cudnn(geom, dy.dtype):
+        xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
+        plan = _plan("wgrad", dy.dtype, geom.lifted(xs.shape), geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
+                     geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
+                     (dw.gpudata, xs.gpudata, dy.gpudata))
+        if plan is not None:
+            plan.run(dw.gpudata, xs.gpudata, dy.gpudata)
+            return dw
+    kernel = rt.function("pool", f"conv_wgrad_{rt.suffix(dy.dtype)}")
+    kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1))
+    return dw
+
+
+def _check_ranks(x, w):
+    if x.ndim < 3 or w.ndim != x.ndim:
+        raise KernelError(f"Conv needs X of rank >= 3 and W of the same rank; got X {list(x.shape)}, W {list(w.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+
+@cuda_kernel("Conv")
+def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
+    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cuda.pool import add_channel_bias, contiguous, cpu_fallback
+
+    attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
+    _check_ranks(x, w)
+    if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
+        raise KernelError(f"X, W (and B) must have one dtype; got {x.dtype}, {w.dtype}"
+                          + (f", {b.dtype}" if b is not None else ""))
+    geom = _Geometry(x.shape, w.shape, attrs)
+    if b is not None and tuple(b.shape) != (geom.w_shape[0],):
+        raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
+    if x.dtype not in _FLOATS or geom.nd > 3:
+        return cpu_fallback("Conv", nn.conv, x, w, b, **attrs)
+    y = _fprop(contiguous(x), contiguous(w), geom)
+    if b is not None:
+        add_channel_bias(y, b)
+    return y
+
+
+@cuda_kernel("ConvGrad", domain=MICROSOFT)
+def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
+              _num_outputs=3):
+    """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned."""
+    from gradgen.kernels.cpu import microsoft
+    from gradgen.kernels.cuda.pool import channel_sum, contiguous, cpu_fallback
+
+    attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
+    if not dY.dtype == X.dtype == W.dtype:
+        raise KernelError(f"dY, X and W must have one dtype; got {dY.dtype}, {X.dtype}, {W.dtype}")
+    geom = _Geometry(X.shape, W.shape, attrs)
+    if tuple(dY.shape) != geom.y_shape:
+        raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(geom.y_shape)}")
+    if X.dtype not in _FLOATS or geom.nd > 3:
+        return cpu_fallback("ConvGrad", microsoft.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
+    dY, X, W = contiguous(dY), contiguous(X), contiguous(W)
+    results = []
+    if _num_outputs >= 1:
+        results.append(_dgrad(dY, W, geom))
+    if _num_outputs >= 2:
+        results.append(_wgrad(dY, X, geom))
+    if _num_outputs >= 3:
+        results.append(channel_sum(dY))
+    return tuple(results)

@@ -1,44 +1,353 @@
-// Elementwise kernels: binary ops with ONNX (numpy) broadcasting, unary ops.
-// Entry points: extern "C" <op>_<dtype suffix>, e.g. add_f32.
+// Elementwise kernels: broadcasting binary ops, Where, variadic Sum/Max/Min, unary ops, Cast, Clip.
+// Entry points: extern "C" <op>_<dtype suffix>, e.g. add_f32, equal_f32 (bool out), pow_f32_i64,
+// cast_f32_i64. The launchers (elementwise.py) drop size-1 dims and merge dims that are contiguous
+// for every operand first, so the common same-shape case is rank 1 and needs no index arithmetic.
 #include "common.cuh"
 
-// out[i] = op(a[offset_a(i)], b[offset_b(i)]) over the C-order output index i.
-template <typename T, typename Op>
-__device__ void binary(T* out, const T* a, const T* b, TensorDesc out_shape, TensorDesc a_view,
-                       TensorDesc b_view, int64_t n, Op op) {
-    GG_GRID_STRIDE(i, n) {
-        auto x = gg_load(a + gg_offset(i, out_shape, a_view));
-        auto y = gg_load(b + gg_offset(i, out_shape, b_view));
-        gg_store(out + i, op(x, y));
+// numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.
+template <typename T> __device__ __forceinline__ bool gg_isnan(T x) { return x != x; }
+template <> __device__ __forceinline__ bool gg_isnan<int32_t>(int32_t) { return false; }
+template <> __device__ __forceinline__ bool gg_isnan<int64_t>(int64_t) { return false; }
+template <> __device__ __forceinline__ bool gg_isnan<bool>(bool) { return false; }
+
+// numpy's maximum/minimum: NaN in either operand gives NaN.
+template <typename T> __device__ __forceinline__ T gg_max(T x, T y) {
+    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (x < y ? y : x));
+}
+template <typename T> __device__ __forceinline__ T gg_min(T x, T y) {
+    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (y < x ? y : x));
+}
+
+// Offsets of flat C-order index i of `shape` through several operand views (one division per dim).
+template <typename I, int K>
+__device__ __forceinline__ void gg_offsets(I i, const TensorDesc& shape, const TensorDesc* const* views, int64_t* offs) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) offs[k] = 0;
+    for (int d = (int)shape.rank - 1; d > 0; --d) {
+        I size = (I)shape.shape[d];
+        I q = i / size;
+        int64_t coord = (int64_t)(i - q * size);
+        i = q;
+#pragma unroll
+        for (int k = 0; k < K; ++k) offs[k] += coord * views[k]->strides[d];
+    }
+    if (shape.rank > 0) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) offs[k] += (int64_t)i * views[k]->strides[0];
     }
 }
 
-#define GG_BINARY(name, T, expr)                                                                \
-    extern "C" __global__ void name(T* out, const T* a, const T* b, TensorDesc out_shape,       \
-                                    TensorDesc a_view, TensorDesc b_view, int64_t n) {          \
-        binary(out, a, b, out_shape, a_view, b_view, n,                                         \
-               [] __device__(typename Acc<T>::type x, typename Acc<T>::type y) { return expr; }); \
+// Runs body(i, offs) for every output index with the operands' offsets. Rank <= 1 needs no
+// division; otherwise 32-bit index math when the element count allows.
+template <int K, typename Body>
+__device__ __forceinline__ void gg_for_each(const TensorDesc& shape, const TensorDesc* const* views, int64_t n, Body body) {
+    int64_t offs[K];
+    if (shape.rank <= 1) {
+        GG_GRID_STRIDE(i, n) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) offs[k] = shape.rank ? i * views[k]->strides[0] : 0;
+            body(i, offs);
+        }
+    } else if (n <= 0xFFFFFFFFll) {
+        for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)n; i += blockDim.x * gridDim.x) {
+            gg_offsets<uint32_t, K>(i, shape, views, offs);
+            body((int64_t)i, offs);
+            if (i > 0xFFFFFFFFu - blockDim.x * gridDim.x) break;
+        }
+    } else {
+        GG_GRID_STRIDE(i, n) {
+            gg_offsets<int64_t, K>(i, shape, views, offs);
+            body(i, offs);
+        }
     }
-
-#define GG_BINARY_FLOATS(op, expr) \
-    GG_BINARY(op##_f16, __half, expr) GG_BINARY(op##_f32, float, expr) GG_BINARY(op##_f64, double, expr)
-
-GG_BINARY_FLOATS(add, x + y)
-GG_BINARY_FLOATS(sub, x - y)
-GG_BINARY_FLOATS(mul, x * y)
-GG_BINARY_FLOATS(div, x / y)
-
-template <typename T, typename Op>
-__device__ void unary(T* out, const T* a, int64_t n, Op op) {
-    GG_GRID_STRIDE(i, n) { gg_store(out + i, op(gg_load(a + i))); }
 }
 
-#define GG_UNARY(name, T, expr)                                                               \
-    extern "C" __global__ void name(T* out, const T* a, int64_t n) {                          \
-        unary(out, a, n, [] __device__(typename Acc<T>::type x) { return expr; });             \
+// ---------------------------------------------------------------------------------------------
+// binary: out[i] = op(a[offset_a(i)], b[offset_b(i)]); `flag` (may be null) reports errors.
+
+template <typename TA, typename TB, typename TO, typename Op>
+__device__ __forceinline__ void binary(TO* out, const TA* a, const TB* b, int64_t* flag, const TensorDesc& shape,
+                                       const TensorDesc& av, const TensorDesc& bv, int64_t n, Op op) {
+    const TensorDesc* views[2] = {&av, &bv};
+    gg_for_each<2>(shape, views, n, [&](int64_t i, const int64_t* offs) {
+        gg_store(out + i, op(gg_load(a + offs[0]), gg_load(b + offs[1]), flag));
+    });
+}
+
+#define GG_BIN(name, TA, TB, TO, expr)                                                               \
+    extern "C" __global__ void name(TO* out, const TA* a, const TB* b, int64_t* flag, TensorDesc shape, \
+                                    TensorDesc av, TensorDesc bv, int64_t n) {                       \
+        binary(out, a, b, flag, shape, av, bv, n,                                                    \
+               [] __device__(typename Acc<TA>::type x, typename Acc<TB>::type y,                      \
+                             int64_t* flag) -> typename Acc<TO>::type { return (expr); });            \
     }
 
-#define GG_UNARY_FLOATS(op, expr) \
-    GG_UNARY(op##_f16, __half, expr) GG_UNARY(op##_f32, float, expr) GG_UNARY(op##_f64, double, expr)
+#define GG_BIN_FLOATS(op, expr) \
+    GG_BIN(op##_f16, __half, __half, __half, expr) GG_BIN(op##_f32, float, float, float, expr) GG_BIN(op##_f64, double, double, double, expr)
+#define GG_BIN_INTS(op, expr) GG_BIN(op##_i32, int32_t, int32_t, int32_t, expr) GG_BIN(op##_i64, int64_t, int64_t, int64_t, expr)
+#define GG_CMP(op, expr)                                                                          \
+    GG_BIN(op##_f16, __half, __half, bool, expr) GG_BIN(op##_f32, float, float, bool, expr)        \
+    GG_BIN(op##_f64, double, double, bool, expr) GG_BIN(op##_i32, int32_t, int32_t, bool, expr)    \
+    GG_BIN(op##_i64, int64_t, int64_t, bool, expr) GG_BIN(op##_b8, bool, bool, bool, expr)
 
-GG_UNARY_FLOATS(relu, x > 0 ? x : decltype(x)(0))
+GG_BIN_FLOATS(add, x + y)
+GG_BIN_FLOATS(sub, x - y)
+GG_BIN_FLOATS(mul, x * y)
+GG_BIN_FLOATS(div, x / y)
+GG_BIN_FLOATS(max, gg_max(x, y))
+GG_BIN_FLOATS(min, gg_min(x, y))
+GG_BIN_INTS(add, (decltype(x))((unsigned long long)x + (unsigned long long)y))
+GG_BIN_INTS(sub, (decltype(x))((unsigned long long)x - (unsigned long long)y))
+GG_BIN_INTS(mul, (decltype(x))((unsigned long long)x * (unsigned long long)y))
+GG_BIN_INTS(max, x < y ? y : x)
+GG_BIN_INTS(min, y < x ? y : x)
+// Integer division truncates toward zero (C semantics, like the CPU kernel); y == 0 sets the flag.
+GG_BIN_INTS(div, y == 0 ? (*flag = 1, decltype(x)(0)) : (y == -1 ? (decltype(x))(0ull - (unsigned long long)x) : x / y))
+
+// Mod: fmod=1 takes the dividend's sign (C fmod); fmod=0 the divisor's (numpy/Python %).
+__device__ __forceinline__ float gg_pymod(float x, float y) {
+    float r = fmodf(x, y);
+    if (r != 0.0f) { if ((r < 0.0f) != (y < 0.0f)) r += y; } else r = copysignf(0.0f, y);
+    return r;
+}
+__device__ __forceinline__ double gg_pymod(double x, double y) {
+    double r = fmod(x, y);
+    if (r != 0.0) { if ((r < 0.0) != (y < 0.0)) r += y; } else r = copysign(0.0, y);
+    return r;
+}
+template <typename T> __device__ __forceinline__ T gg_int_pymod(T x, T y, int64_t* flag) {
+    if (y == 0) { *flag = 1; return 0; }
+    if (y == -1) return 0;
+    T r = x % y;
+    if (r != 0 && ((r < 0) != (y < 0))) r += y;
+    return r;
+}
+template <typename T> __device__ __forceinline__ T gg_int_fmod(T x, T y, int64_t* flag) {
+    if (y == 0) { *flag = 1; return 0; }
+    if (y == -1) return 0;
+    return x % y;
+}
+GG_BIN(mod_f16, __half, __half, __half, gg_pymod(x, y))
+GG_BIN(mod_f32, float, float, float, gg_pymod(x, y))
+GG_BIN(mod_f64, double, double, double, gg_pymod(x, y))
+GG_BIN(fmod_f16, __half, __half, __half, fmodf(x, y))
+GG_BIN(fmod_f32, float, float, float, fmodf(x, y))
+GG_BIN(fmod_f64, double, double, double, fmod(x, y))
+GG_BIN_INTS(mod, gg_int_pymod(x, y, flag))
+GG_BIN_INTS(fmod, gg_int_fmod(x, y, flag))
+
+// Pow: the output has the base's type; computed in double when either side is double.
+__device__ __forceinline__ float gg_pow(float x, float y) { return y == 2.0f ? x * x : powf(x, y); }
+__device__ __forceinline__ double gg_pow(double x, double y) { return y == 2.0 ? x * x : pow(x, y); }
+template <typename T> __device__ __forceinline__ T gg_ipow(T x, long long y) {
+    if (y < 0) return (T)pow((double)x, (double)y);
+    unsigned long long result = 1, base = (unsigned long long)x;
+    while (y) { if (y & 1) result *= base; base *= base; y >>= 1; }
+    return (T)result;
+}
+#define GG_POW_F(sa, TA, sb, TB, C) GG_BIN(pow_##sa##_##sb, TA, TB, TA, (decltype(x))gg_pow((C)x, (C)y))
+GG_POW_F(f16, __half, f16, __half, float) GG_POW_F(f16, __half, f32, float, float) GG_POW_F(f16, __half, f64, double, double)
+GG_POW_F(f16, __half, i32, int32_t, float) GG_POW_F(f16, __half, i64, int64_t, float)
+GG_POW_F(f32, float, f16, __half, float) GG_POW_F(f32, float, f32, float, float) GG_POW_F(f32, float, f64, double, double)
+GG_POW_F(f32, float, i32, int32_t, float) GG_POW_F(f32, float, i64, int64_t, float)
+GG_POW_F(f64, double, f16, __half, double) GG_POW_F(f64, double, f32, float, double) GG_POW_F(f64, double, f64, double, double)
+GG_POW_F(f64, double, i32, int32_t, double) GG_POW_F(f64, double, i64, int64_t, double)
+GG_BIN(pow_i32_i32, int32_t, int32_t, int32_t, gg_ipow<int32_t>(x, y))
+GG_BIN(pow_i32_i64, int32_t, int64_t, int32_t, gg_ipow<int32_t>(x, y))
+GG_BIN(pow_i64_i32, int64_t, int32_t, int64_t, gg_ipow<int64_t>(x, y))
+GG_BIN(pow_i64_i64, int64_t, int64_t, int64_t, gg_ipow<int64_t>(x, y))
+
+// Comparisons (bool out) and logic.
+GG_CMP(equal, x == y)
+GG_CMP(less, x < y)
+GG_CMP(less_equal, x <= y)
+GG_CMP(greater, x > y)
+GG_CMP(greater_equal, x >= y)
+GG_BIN(and_b8, bool, bool, bool, x && y)
+GG_BIN(or_b8, bool, bool, bool, x || y)
+GG_BIN(xor_b8, bool, bool, bool, x != y)
+
+// ---------------------------------------------------------------------------------------------
+// Where: out[i] = cond ? x : y with 3-way broadcasting; the value type only matters by its size.
+
+template <typename T>
+__device__ __forceinline__ void where(T* out, const bool* c, const T* x, const T* y, const TensorDesc& shape,
+                                      const TensorDesc& cv, const TensorDesc& xv, const TensorDesc& yv, int64_t n) {
+    const TensorDesc* views[3] = {&cv, &xv, &yv};
+    gg_for_each<3>(shape, views, n, [&](int64_t i, const int64_t* offs) {
+        out[i] = c[offs[0]] ? x[offs[1]] : y[offs[2]];
+    });
+}
+#define GG_WHERE(name, T)                                                                              \
+    extern "C" __global__ void name(T* out, const bool* c, const T* x, const T* y, TensorDesc shape,   \
+                                    TensorDesc cv, TensorDesc xv, TensorDesc yv, int64_t n) {          \
+        where(out, c, x, y, shape, cv, xv, yv, n);                                                     \
+    }
+GG_WHERE(where_1, uint8_t)
+GG_WHERE(where_2, uint16_t)
+GG_WHERE(where_4, uint32_t)
+GG_WHERE(where_8, uint64_t)
+
+// ---------------------------------------------------------------------------------------------
+// Variadic Sum/Max/Min over up to 8 same-shape inputs, folded left to right like the CPU kernel.
+
+#define GG_VARIADIC(name, T, expr)                                                                     \
+    extern "C" __global__ void name(T* out, const T* p0, const T* p1, const T* p2, const T* p3,        \
+                                    const T* p4, const T* p5, const T* p6, const T* p7, int64_t k,     \
+                                    int64_t n) {                                                       \
+        const T* ps[8] = {p0, p1, p2, p3, p4, p5, p6, p7};                                             \
+        GG_GRID_STRIDE(i, n) {                                                                         \
+            typename Acc<T>::type x = gg_load(p0 + i);                                                 \
+            for (int j = 1; j < (int)k; ++j) {                                                         \
+                typename Acc<T>::type y = gg_load(ps[j] + i);                                          \
+                x = (expr);                                                                            \
+            }                                                                                          \
+            gg_store(out + i, x);                                                                      \
+        }                                                                                              \
+    }
+#define GG_VARIADIC_ALL(op, expr)                                                                      \
+    GG_VARIADIC(op##_n_f16, __half, expr) GG_VARIADIC(op##_n_f32, float, expr)                         \
+    GG_VARIADIC(op##_n_f64, double, expr) GG_VARIADIC(op##_n_i32, int32_t, expr)                       \
+    GG_VARIADIC(op##_n_i64, int64_t, expr)
+GG_VARIADIC_ALL(sum, x + y)
+GG_VARIADIC_ALL(max, gg_max(x, y))
+GG_VARIADIC_ALL(min, gg_min(x, y))
+
+// ---------------------------------------------------------------------------------------------
+// unary: out[i] = op(x[i]) with up to two float attributes (alpha, beta).
+
+template <typename TI, typename TO, typename Op>
+__device__ __forceinline__ void unary(TO* out, const TI* in, int64_t n, Op op) {
+    GG_GRID_STRIDE(i, n) { gg_store(out + i, op(gg_load(in + i))); }
+}
+
+#define GG_UN(name, TI, TO, expr)                                                                      \
+    extern "C" __global__ void name(TO* out, const TI* in, double alpha, double beta, int64_t n) {     \
+        unary(out, in, n, [alpha, beta] __device__(typename Acc<TI>::type x) -> typename Acc<TO>::type { \
+            using C = decltype(x);                                                                     \
+            (void)alpha; (void)beta;                                                                   \
+            return (expr);                                                                             \
+        });                                                                                            \
+    }
+#define GG_UN_FLOATS(op, expr) \
+    GG_UN(op##_f16, __half, __half, expr) GG_UN(op##_f32, float, float, expr) GG_UN(op##_f64, double, double, expr)
+#define GG_UN_INTS(op, expr) GG_UN(op##_i32, int32_t, int32_t, expr) GG_UN(op##_i64, int64_t, int64_t, expr)
+
+template <typename C> __device__ __forceinline__ C gg_sigmoid(C x) {
+    C e = exp(-fabs(x));
+    return x >= C(0) ? C(1) / (C(1) + e) : e / (C(1) + e);
+}
+template <typename C> __device__ __forceinline__ C gg_softplus(C x) {
+    // log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), as numpy's logaddexp(0, x).
+    return (x > C(0) ? x : C(0)) + log1p(exp(-fabs(x)));
+}
+template <typename C> __device__ __forceinline__ C gg_sign(C x) {
+    return x > C(0) ? C(1) : (x < C(0) ? C(-1) : x);  // NaN and +-0 pass through
+}
+
+GG_UN_FLOATS(neg, -x)
+GG_UN_FLOATS(abs, fabs(x))
+GG_UN_FLOATS(sqrt, sqrt(x))
+GG_UN_FLOATS(reciprocal, C(1) / x)
+GG_UN_FLOATS(exp, exp(x))
+GG_UN_FLOATS(log, log(x))
+GG_UN_FLOATS(tanh, tanh(x))
+GG_UN_FLOATS(sigmoid, gg_sigmoid(x))
+GG_UN_FLOATS(relu, x < C(0) ? C(0) : x)
+GG_UN_FLOATS(leaky_relu, x < C(0) ? x * C(alpha) : x)
+GG_UN_FLOATS(softplus, gg_softplus(x))
+GG_UN_FLOATS(erf, erf(x))
+GG_UN_FLOATS(gelu, C(0.5) * x * (C(1) + erf(x * C(0.70710678118654752440))))
+GG_UN_FLOATS(gelu_tanh, C(0.5) * x * (C(1) + tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))))
+GG_UN_FLOATS(sign, gg_sign(x))
+GG_UN_FLOATS(floor, floor(x))
+GG_UN_FLOATS(ceil, ceil(x))
+GG_UN_FLOATS(round, rint(x))
+GG_UN_FLOATS(sin, sin(x))
+GG_UN_FLOATS(cos, cos(x))
+GG_UN_FLOATS(tan, tan(x))
+GG_UN_FLOATS(asin, asin(x))
+GG_UN_FLOATS(acos, acos(x))
+GG_UN_FLOATS(atan, atan(x))
+GG_UN_FLOATS(sinh, sinh(x))
+GG_UN_FLOATS(cosh, cosh(x))
+GG_UN_FLOATS(asinh, asinh(x))
+GG_UN_FLOATS(acosh, acosh(x))
+GG_UN_FLOATS(atanh, atanh(x))
+GG_UN_FLOATS(elu, x < C(0) ? C(alpha) * expm1(x) : x)
+GG_UN_FLOATS(selu, C(beta) * (x > C(0) ? x : C(alpha) * expm1(x < C(0) ? x : C(0))))
+GG_UN_FLOATS(celu, (x > C(0) ? x : C(0)) + fmin(C(0), C(alpha) * expm1((x < C(0) ? x : C(0)) / C(alpha))))
+GG_UN_FLOATS(softsign, x / (C(1) + fabs(x)))
+GG_UN_FLOATS(hard_sigmoid, fmin(fmax(C(alpha) * x + C(beta), C(0)), C(1)))
+GG_UN_FLOATS(hard_swish, x * fmin(fmax(x / C(6) + C(0.5), C(0)), C(1)))
+GG_UN_FLOATS(mish, x * tanh(gg_softplus(x)))
+GG_UN_FLOATS(thresholded_relu, x > C(alpha) ? x : C(0))
+GG_UN(isnan_f16, __half, bool, x != x)
+GG_UN(isnan_f32, float, bool, x != x)
+GG_UN(isnan_f64, double, bool, x != x)
+GG_UN_INTS(neg, (C)(0ull - (unsigned long long)x))
+GG_UN_INTS(abs, x < 0 ? (C)(0ull - (unsigned long long)x) : x)
+GG_UN_INTS(sign, x > 0 ? C(1) : (x < 0 ? C(-1) : C(0)))
+GG_UN_INTS(relu, x < 0 ? C(0) : x)
+GG_UN(not_b8, bool, bool, !x)
+
+// Clip with optional device scalars lo/hi (null: no bound); NaN in x stays NaN.
+#define GG_CLIP(name, T)                                                                               \
+    extern "C" __global__ void name(T* out, const T* in, const T* lo, const T* hi, int64_t n) {        \
+        using C = typename Acc<T>::type;                                                               \
+        const bool has_lo = lo != nullptr, has_hi = hi != nullptr;                                     \
+        const C l = has_lo ? gg_load(lo) : C(0), h = has_hi ? gg_load(hi) : C(0);                      \
+        GG_GRID_STRIDE(i, n) {                                                                         \
+            C v = gg_load(in + i);                                                                     \
+            if (has_lo && v < l) v = l;                                                                \
+            if (has_hi && h < v) v = h;                                                                \
+            gg_store(out + i, v);                                                                      \
+        }                                                                                              \
+    }
+GG_CLIP(clip_f16, __half)
+GG_CLIP(clip_f32, float)
+GG_CLIP(clip_f64, double)
+GG_CLIP(clip_i32, int32_t)
+GG_CLIP(clip_i64, int64_t)
+
+// ---------------------------------------------------------------------------------------------
+// Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
+
+template <typename To, typename From> struct Conv {
+    static __device__ __forceinline__ To go(From x) { return static_cast<To>(x); }
+};
+template <typename From> struct Conv<__half, From> {
+    static __device__ __forceinline__ __half go(From x) { return __float2half(static_cast<float>(x)); }
+};
+template <> struct Conv<__half, double> {
+    static __device__ __forceinline__ __half go(double x) { return __double2half(x); }
+};
+template <> struct Conv<__half, __half> {
+    static __device__ __forceinline__ __half go(__half x) { return x; }
+};
+template <typename To> struct Conv<To, __half> {
+    static __device__ __forceinline__ To go(__half x) { return Conv<To, float>::go(__half2float(x)); }
+};
+template <typename From> struct Conv<bool, From> {
+    static __device__ __forceinline__ bool go(From x) { return x != From(0); }
+};
+template <> struct Conv<bool, __half> {
+    static __device__ __forceinline__ bool go(__half x) { return __half2float(x) != 0.0f; }
+};
+
+#define GG_CAST(sa, TA, sb, TB)                                                                        \
+    extern "C" __global__ void cast_##sa##_##sb(TB* out, const TA* in, int64_t n) {                   \
+        GG_GRID_STRIDE(i, n) { out[i] = Conv<TB, TA>::go(in[i]); }                                     \
+    }
+#define GG_CAST_FROM(sa, TA)                                                                           \
+    GG_CAST(sa, TA, f16, __half) GG_CAST(sa, TA, f32, float) GG_CAST(sa, TA, f64, double)              \
+    GG_CAST(sa, TA, i8, int8_t) GG_CAST(sa, TA, u8, uint8_t) GG_CAST(sa, TA, i32, int32_t)             \
+    GG_CAST(sa, TA, i64, int64_t) GG_CAST(sa, TA, b8, bool)
+GG_CAST_FROM(f16, __half)
+GG_CAST_FROM(f32, float)
+GG_CAST_FROM(f64, double)
+GG_CAST_FROM(i8, int8_t)
+GG_CAST_FROM(u8, uint8_t)
+GG_CAST_FROM(i32, int32_t)
+GG_CAST_FROM(i64, int64_t)
+GG_CAST_FROM(b8, bool)

@@ -1,4 +1,12 @@
-"""CUDA launchers: elementwise ops (elementwise.cu)."""
+"""CUDA launchers: elementwise ops (elementwise.cu).
+
+One broadcasting binary kernel body serves every binary op (arithmetic, Pow, Mod, comparisons,
+logic), one ternary body serves Where, one unary body every unary op. Before a launch the shapes
+are simplified: size-1 dims are dropped and adjacent dims that are contiguous for every operand are
+merged, so same-shape operands (and a scalar against a tensor) run as rank-1 loops without index
+arithmetic. dtypes the kernels do not cover (rare: uint16, int8 arithmetic, ...) run through the
+op's CPU kernel, so the result is still right.
+"""
 
 from __future__ import annotations
 
@@ -7,52 +15,427 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.registry import cuda_kernel
 
+FLOATS = ("f16", "f32", "f64")
+NUMBERS = FLOATS + ("i32", "i64")
+CASTABLE = FLOATS + ("i8", "u8", "i32", "i64", "b8")
 
-def _binary(name: str, a, b):
+_SUFFIX = {
+    np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
+    np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
+    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
+}
+
+
+def sfx(dtype) -> str | None:
+    """The kernels' dtype suffix, or None for a dtype they do not cover."""
+    return _SUFFIX.get(np.dtype(dtype))
+
+
+# -- shared helpers (the other launcher modules use them too) ------------------------------------
+
+
+def collapse(out_shape, strides_list):
+    """Drop size-1 dims and merge adjacent dims contiguous for every operand.
+
+    ``strides_list`` holds one element-stride list (over ``out_shape``) per operand. Returns the
+    simplified shape and the operands' strides over it.
+    """
+    shape: list[int] = []
+    strides: list[list[int]] = [[] for _ in strides_list]
+    for d, size in enumerate(out_shape):
+        size = int(size)
+        if size == 1:
+            continue
+        if shape and all(s[-1] == int(src[d]) * size for s, src in zip(strides, strides_list)):
+            shape[-1] *= size
+            for s, src in zip(strides, strides_list):
+                s[-1] = int(src[d])
+            continue
+        shape.append(size)
+        for s, src in zip(strides, strides_list):
+            s.append(int(src[d]))
+    return shape, strides
+
+
+def broadcast_descs(out_shape, *in_shapes):
+    """(shape desc, one strides desc per input) for inputs broadcast to ``out_shape``."""
     from gradgen.cuda import runtime as rt
 
-    if a.dtype != b.dtype:
-        raise KernelError(f"input dtypes differ: {a.dtype} and {b.dtype}")
+    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in in_shapes])
+    return rt.desc(shape), [rt.desc(shape, st) for st in strides]
+
+
+def broadcast_shape(*shapes):
     try:
-        out_shape = np.broadcast_shapes(a.shape, b.shape)
+        return tuple(int(d) for d in np.broadcast_shapes(*[tuple(s) for s in shapes]))
     except ValueError:
-        raise KernelError(f"shapes {list(a.shape)} and {list(b.shape)} do not broadcast") from None
-    out = rt.empty(out_shape, a.dtype)
-    kernel = rt.function("elementwise", f"{name}_{rt.suffix(a.dtype)}")
-    rt.launch(kernel, out.size, out, a, b, rt.desc(out_shape),
-              rt.desc(out_shape, rt.broadcast_strides(a.shape, out_shape)),
-              rt.desc(out_shape, rt.broadcast_strides(b.shape, out_shape)), np.int64(out.size))
-    return out
+        listed = " and ".join(str(list(s)) for s in shapes)
+        raise KernelError(f"shapes {listed} do not broadcast") from None
 
 
-def _unary(name: str, x):
+def same_type(*xs) -> None:
+    dtypes = {np.dtype(x.dtype) for x in xs}
+    if len(dtypes) > 1:
+        raise KernelError(
+            f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
+        )
+
+
+def contiguous(x, what: str = "input"):
+    if not x.flags.c_contiguous:
+        raise KernelError(f"{what} is not C-contiguous; the CUDA kernels need contiguous tensors")
+    return x
+
+
+def copy(x):
+    """A device copy of ``x``."""
     from gradgen.cuda import runtime as rt
 
     out = rt.empty(x.shape, x.dtype)
-    rt.launch(rt.function("elementwise", f"{name}_{rt.suffix(x.dtype)}"), out.size, out, x, np.int64(out.size))
+    if out.nbytes:
+        rt.driver.memcpy_dtod(out.gpudata, x.gpudata, out.nbytes)
     return out
+
+
+def cpu_fallback(op_type: str, *args, **attrs):
+    """Run the op's CPU kernel on host copies and upload the result(s)."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels import registry
+
+    entry = registry.lookup("", op_type)
+    host = [rt.to_host(a) if rt.is_device(a) else a for a in args]
+    result = entry.cpu(*host, **attrs)
+    if isinstance(result, tuple):
+        return tuple(rt.to_device(np.asarray(r)) for r in result)
+    return rt.to_device(np.asarray(result))
+
+
+def _null():
+    return np.intp(0)
+
+
+# -- binary ---------------------------------------------------------------------------------------
+
+
+def binary(entry: str, a, b, out_dtype, error: str | None = None):
+    """Launch elementwise.cu's broadcasting binary kernel ``entry``; ``error``: message if the flag is set."""
+    from gradgen.cuda import runtime as rt
+
+    out_shape = broadcast_shape(a.shape, b.shape)
+    contiguous(a), contiguous(b)
+    out = rt.empty(out_shape, out_dtype)
+    if out.size == 0:
+        return out
+    shape, (av, bv) = broadcast_descs(out_shape, a.shape, b.shape)
+    flag = rt.zeros((1,), np.int64) if error else None
+    rt.launch(rt.function("elementwise", entry), out.size, out, a, b, flag if flag is not None else _null(),
+              shape, av, bv, np.int64(out.size))
+    if flag is not None:
+        rt.check_flag(flag, lambda _v: error)
+    return out
+
+
+def _arith(op: str, op_type: str, a, b, **attrs):
+    same_type(a, b)
+    s = sfx(a.dtype)
+    if s not in NUMBERS:
+        return cpu_fallback(op_type, a, b, **attrs)
+    return binary(f"{op}_{s}", a, b, a.dtype)
 
 
 @cuda_kernel("Add")
 def add(a, b):
-    return _binary("add", a, b)
+    return _arith("add", "Add", a, b)
 
 
 @cuda_kernel("Sub")
 def sub(a, b):
-    return _binary("sub", a, b)
+    return _arith("sub", "Sub", a, b)
 
 
 @cuda_kernel("Mul")
 def mul(a, b):
-    return _binary("mul", a, b)
+    return _arith("mul", "Mul", a, b)
 
 
 @cuda_kernel("Div")
 def div(a, b):
-    return _binary("div", a, b)
+    same_type(a, b)
+    s = sfx(a.dtype)
+    if s not in NUMBERS:
+        return cpu_fallback("Div", a, b)
+    return binary(f"div_{s}", a, b, a.dtype, error="integer division by zero" if s[0] == "i" else None)
 
 
-@cuda_kernel("Relu")
-def relu(x):
-    return _unary("relu", x)
+@cuda_kernel("Mod")
+def mod(a, b, *, fmod=0):
+    same_type(a, b)
+    s = sfx(a.dtype)
+    if s not in NUMBERS:
+        return cpu_fallback("Mod", a, b, fmod=fmod)
+    name = "fmod" if fmod else "mod"
+    return binary(f"{name}_{s}", a, b, a.dtype, error="integer modulo by zero" if s[0] == "i" else None)
+
+
+@cuda_kernel("Pow")
+def pow_(x, y):
+    sx, sy = sfx(x.dtype), sfx(y.dtype)
+    ok = (sx in FLOATS and sy in NUMBERS) or (sx in ("i32", "i64") and sy in ("i32", "i64"))
+    if not ok:
+        return cpu_fallback("Pow", x, y)
+    return binary(f"pow_{sx}_{sy}", x, y, x.dtype)
+
+
+def _compare(op: str, op_type: str, a, b):
+    same_type(a, b)
+    s = sfx(a.dtype)
+    if s not in NUMBERS + ("b8",):
+        return cpu_fallback(op_type, a, b)
+    return binary(f"{op}_{s}", a, b, np.bool_)
+
+
+@cuda_kernel("Equal")
+def equal(a, b):
+    return _compare("equal", "Equal", a, b)
+
+
+@cuda_kernel("Less")
+def less(a, b):
+    return _compare("less", "Less", a, b)
+
+
+@cuda_kernel("LessOrEqual")
+def less_or_equal(a, b):
+    return _compare("less_equal", "LessOrEqual", a, b)
+
+
+@cuda_kernel("Greater")
+def greater(a, b):
+    return _compare("greater", "Greater", a, b)
+
+
+@cuda_kernel("GreaterOrEqual")
+def greater_or_equal(a, b):
+    return _compare("greater_equal", "GreaterOrEqual", a, b)
+
+
+def _logic(op: str, op_type: str, a, b):
+    if a.dtype != np.bool_ or b.dtype != np.bool_:
+        return cpu_fallback(op_type, a, b)
+    return binary(f"{op}_b8", a, b, np.bool_)
+
+
+@cuda_kernel("And")
+def and_(a, b):
+    return _logic("and", "And", a, b)
+
+
+@cuda_kernel("Or")
+def or_(a, b):
+    return _logic("or", "Or", a, b)
+
+
+@cuda_kernel("Xor")
+def xor(a, b):
+    return _logic("xor", "Xor", a, b)
+
+
+# -- Where ----------------------------------------------------------------------------------------
+
+
+@cuda_kernel("Where")
+def where(condition, x, y):
+    from gradgen.cuda import runtime as rt
+
+    if condition.dtype != np.bool_:
+        raise KernelError(f"condition must be bool, got {condition.dtype}")
+    same_type(x, y)
+    out_shape = broadcast_shape(condition.shape, x.shape, y.shape)
+    for t in (condition, x, y):
+        contiguous(t)
+    out = rt.empty(out_shape, x.dtype)
+    if out.size == 0:
+        return out
+    size = np.dtype(x.dtype).itemsize
+    if size not in (1, 2, 4, 8):
+        return cpu_fallback("Where", condition, x, y)
+    shape, (cv, xv, yv) = broadcast_descs(out_shape, condition.shape, x.shape, y.shape)
+    rt.launch(rt.function("elementwise", f"where_{size}"), out.size, out, condition, x, y, shape, cv, xv, yv,
+              np.int64(out.size))
+    return out
+
+
+# -- variadic -------------------------------------------------------------------------------------
+
+
+def _variadic(op: str, binary_op: str, op_type: str, xs):
+    from gradgen.cuda import runtime as rt
+
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        raise KernelError(f"{op_type} needs at least one input")
+    same_type(*xs)
+    s = sfx(xs[0].dtype)
+    if s not in NUMBERS:
+        return cpu_fallback(op_type, *xs)
+    out_shape = broadcast_shape(*[x.shape for x in xs])
+    if len(xs) == 1:
+        return copy(xs[0])
+    if any(tuple(x.shape) != out_shape for x in xs):
+        out = xs[0]
+        for x in xs[1:]:  # left to right, like the CPU kernel
+            out = binary(f"{binary_op}_{s}", out, x, out.dtype)
+        return out
+    for x in xs:
+        contiguous(x)
+    out = rt.empty(out_shape, xs[0].dtype)
+    if out.size == 0:
+        return out
+    kernel = rt.function("elementwise", f"{op}_n_{s}")
+    first, rest = xs[0], xs[1:]
+    while True:
+        chunk, rest = rest[:7], rest[7:]
+        ptrs = [first] + chunk + [_null()] * (7 - len(chunk))
+        rt.launch(kernel, out.size, out, *ptrs, np.int64(1 + len(chunk)), np.int64(out.size))
+        if not rest:
+            return out
+        first = out  # in place: each element reads its own inputs before writing
+
+
+@cuda_kernel("Sum")
+def sum_(*xs):
+    return _variadic("sum", "add", "Sum", xs)
+
+
+@cuda_kernel("Max")
+def max_(*xs):
+    return _variadic("max", "max", "Max", xs)
+
+
+@cuda_kernel("Min")
+def min_(*xs):
+    return _variadic("min", "min", "Min", xs)
+
+
+# -- unary ----------------------------------------------------------------------------------------
+
+
+def unary(entry: str, x, out_dtype=None, alpha: float = 0.0, beta: float = 0.0):
+    from gradgen.cuda import runtime as rt
+
+    contiguous(x)
+    out = rt.empty(x.shape, out_dtype if out_dtype is not None else x.dtype)
+    rt.launch(rt.function("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta),
+              np.int64(out.size))
+    return out
+
+
+def _register_unary(op_type: str, name: str, suffixes=FLOATS, out_dtype=None, attrs=()):
+    """Register ``op_type`` as kernel ``name``; ``attrs``: (attribute, default) pairs -> alpha, beta."""
+
+    def launcher(x, **kwargs):
+        s = sfx(x.dtype)
+        if s not in suffixes:
+            return cpu_fallback(op_type, x, **kwargs)
+        values = [float(kwargs.get(attr, default)) for attr, default in attrs]
+        return unary(f"{name}_{s}", x, out_dtype, *values)
+
+    launcher.__name__ = name
+    launcher.__qualname__ = name
+    cuda_kernel(op_type)(launcher)
+    return launcher
+
+
+for _op, _name in (
+    ("Sqrt", "sqrt"), ("Reciprocal", "reciprocal"), ("Exp", "exp"), ("Log", "log"), ("Tanh", "tanh"),
+    ("Sigmoid", "sigmoid"), ("Softplus", "softplus"), ("Erf", "erf"), ("Floor", "floor"), ("Ceil", "ceil"),
+    ("Round", "round"), ("Sin", "sin"), ("Cos", "cos"), ("Tan", "tan"), ("Asin", "asin"), ("Acos", "acos"),
+    ("Atan", "atan"), ("Sinh", "sinh"), ("Cosh", "cosh"), ("Asinh", "asinh"), ("Acosh", "acosh"),
+    ("Atanh", "atanh"), ("Softsign", "softsign"), ("HardSwish", "hard_swish"), ("Mish", "mish"),
+):
+    _register_unary(_op, _name)
+for _op, _name in (("Neg", "neg"), ("Abs", "abs"), ("Sign", "sign"), ("Relu", "relu")):
+    _register_unary(_op, _name, suffixes=NUMBERS)
+_register_unary("LeakyRelu", "leaky_relu", attrs=(("alpha", 0.01),))
+_register_unary("Elu", "elu", attrs=(("alpha", 1.0),))
+_register_unary("Celu", "celu", attrs=(("alpha", 1.0),))
+_register_unary("Selu", "selu", attrs=(("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875)))
+_register_unary("HardSigmoid", "hard_sigmoid", attrs=(("alpha", 0.2), ("beta", 0.5)))
+_register_unary("ThresholdedRelu", "thresholded_relu", attrs=(("alpha", 1.0),))
+_register_unary("IsNaN", "isnan", out_dtype=np.bool_)
+_register_unary("Not", "not", suffixes=("b8",))
+
+
+@cuda_kernel("Gelu")
+def gelu(x, *, approximate="none"):
+    if approximate not in ("none", "tanh"):
+        raise KernelError(f"unknown approximate={approximate!r}; expected 'none' or 'tanh'")
+    s = sfx(x.dtype)
+    if s not in FLOATS:
+        return cpu_fallback("Gelu", x, approximate=approximate)
+    return unary(f"{'gelu_tanh' if approximate == 'tanh' else 'gelu'}_{s}", x)
+
+
+@cuda_kernel("Identity")
+def identity(x):
+    return copy(x)
+
+
+@cuda_kernel("Clip")
+def clip(x, lo=None, hi=None, **attrs):
+    from gradgen.cuda import runtime as rt
+
+    lo = attrs.get("min", lo) if lo is None else lo
+    hi = attrs.get("max", hi) if hi is None else hi
+    for bound, name in ((lo, "min"), (hi, "max")):
+        if bound is not None and int(np.prod(np.shape(bound), dtype=np.int64)) != 1:
+            raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(bound))}")
+    s = sfx(x.dtype)
+    if s not in NUMBERS:
+        return cpu_fallback("Clip", x, lo, hi)
+
+    def as_device(bound):
+        if bound is None:
+            return _null()
+        if rt.is_device(bound):
+            return bound if bound.dtype == x.dtype else cast_to(bound, x.dtype)
+        return rt.to_device(np.asarray(bound, dtype=x.dtype).reshape(1))
+
+    contiguous(x)
+    out = rt.empty(x.shape, x.dtype)
+    rt.launch(rt.function("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi),
+              np.int64(out.size))
+    return out
+
+
+# -- Cast -----------------------------------------------------------------------------------------
+
+
+def cast_to(x, dtype):
+    """``x`` converted to ``dtype`` on the device (a copy when the dtype is the same)."""
+    from gradgen.cuda import runtime as rt
+
+    dtype = np.dtype(dtype)
+    if np.dtype(x.dtype) == dtype:
+        return copy(x)
+    sa, sb = sfx(x.dtype), sfx(dtype)
+    if sa not in CASTABLE or sb not in CASTABLE:
+        return None
+    contiguous(x)
+    out = rt.empty(x.shape, dtype)
+    rt.launch(rt.function("elementwise", f"cast_{sa}_{sb}"), out.size, out, x, np.int64(out.size))
+    return out
+
+
+@cuda_kernel("Cast")
+def cast(x, *, to, saturate=1, round_mode="up"):
+    from gradgen.kernels.cpu.elementwise import onnx_dtype
+
+    out = cast_to(x, onnx_dtype(to))
+    return out if out is not None else cpu_fallback("Cast", x, to=to, saturate=saturate, round_mode=round_mode)
+
+
+@cuda_kernel("CastLike")
+def cast_like(x, target, *, saturate=1, round_mode="up"):
+    out = cast_to(x, target.dtype)
+    return out if out is not None else cpu_fallback("CastLike", x, target, saturate=saturate, round_mode=round_mode)

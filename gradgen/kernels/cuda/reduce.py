@@ -1,5 +1,205 @@
-"""CUDA launchers: reduce."""
+"""CUDA launchers: reductions (reduce.cu) and Softmax/LogSoftmax.
+
+A reduction is planned once per call on the host: size-1 dims are dropped and adjacent dims that
+are all reduced or all kept are merged. If the innermost group is reduced, each output reduces
+contiguous runs (``rows``: one block per output, 16-byte loads where aligned); if it is kept, 32
+neighbouring outputs share a block and read coalesced rows (``cols``). When there are too few
+outputs to fill the GPU, each output's reduction is split into fixed chunks whose partial states
+a second kernel combines in a fixed order, so results are bit-identical from run to run (no
+atomics). The gradient pass's broadcast undoing, ReduceSum of (N, C, H, W) to (1, C, 1, 1), is
+the ``rows`` case with a strided outer reduced dim.
+"""
 
 from __future__ import annotations
 
-from gradgen.kernels.registry import cuda_kernel  # noqa: F401
+import functools
+import math
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
+from gradgen.kernels.registry import cuda_kernel
+
+_FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")
+_INT_OPS = ("sum", "max", "min", "prod")
+_THREADS = 256
+_STATE_BYTES = 16  # the largest reduction state (a pair of doubles for log-sum-exp)
+
+
+@functools.lru_cache(maxsize=1)
+def sm_count() -> int:
+    from gradgen.cuda import runtime as rt
+
+    device = rt.driver.Context.get_device()
+    return int(device.get_attribute(rt.driver.device_attribute.MULTIPROCESSOR_COUNT))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _merge(shape, reduced):
+    """[(size, is_reduced, stride)] of the merged groups (size-1 dims dropped), C-contiguous input."""
+    groups: list[list] = []
+    for size, red in zip(shape, reduced):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == red:
+            groups[-1][0] *= size
+        else:
+            groups.append([size, red])
+    stride = 1
+    out = []
+    for size, red in reversed(groups):
+        out.append((size, red, stride))
+        stride *= size
+    return out[::-1]
+
+
+def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = ""):
+    """Reduce ``x`` over the normalised ``axes`` (() reduces nothing) with reducer ``op``."""
+    from gradgen.cuda import runtime as rt
+
+    contiguous(x)
+    s = sfx(x.dtype)
+    shape = tuple(int(d) for d in x.shape)
+    reduced = [d in axes for d in range(len(shape))]
+    if keepdims:
+        out_shape = tuple(1 if r else d for d, r in zip(shape, reduced))
+    else:
+        out_shape = tuple(d for d, r in zip(shape, reduced) if not r)
+    out = rt.empty(out_shape, x.dtype)
+    if out.size == 0:
+        return out
+    total = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+    if total == 0:
+        # Reducing an empty axis: every output is the reducer's identity (0, -inf, NaN for mean...).
+        from gradgen.kernels import registry
+
+        host = registry.lookup("", op_type).cpu(np.empty(shape, x.dtype), np.asarray(axes, np.int64),
+                                                 keepdims=int(keepdims))
+        return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
+    if total == 1:
+        rt.launch(rt.function("reduce", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
+        return out
+
+    groups = _merge(shape, reduced)
+    kept = [(size, stride) for size, red, stride in groups if not red]
+    partial = None
+    if groups[-1][1]:  # innermost group reduced: rows
+        L = groups[-1][0]
+        outer_red = [(size, stride) for size, red, stride in groups[:-1] if red]
+        m = out.size
+        v = 16 // np.dtype(x.dtype).itemsize if s in ("f32", "f64", "i32", "i64") else 1
+        if v > 1 and (L % v or int(x.gpudata) % 16):
+            v = 1
+        threads = min(_THREADS, max(32, _next_pow2(math.ceil(total / v / 4))))
+        capacity = sm_count() * (2048 // threads)
+        splits = max(1, min(capacity // m, total // 8192, 65535))
+        chunk = -(-total // splits)
+        chunk = -(-chunk // v) * v
+        splits = -(-total // chunk)
+        if splits > 1:
+            partial = rt.empty((m * splits * _STATE_BYTES,), np.uint8)
+        kernel = rt.function("reduce", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
+        kernel(out, partial if partial is not None else np.intp(0), x,
+               rt.desc([k[0] for k in kept], [k[1] for k in kept]),
+               rt.desc([r[0] for r in outer_red], [r[1] for r in outer_red]),
+               np.int64(L), np.int64(total), np.int64(chunk), block=(threads, 1, 1), grid=(m, splits))
+    else:  # innermost group kept: cols
+        c = groups[-1][0]
+        outer_kept = kept[:-1]
+        red = [(size, stride) for size, r, stride in groups if r]
+        mo = out.size // c
+        tiles = -(-c // 32)
+        by = 8
+        blocks = mo * tiles
+        capacity = sm_count() * (2048 // (32 * by))
+        splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
+        chunk = -(-total // splits)
+        splits = -(-total // chunk)
+        if splits > 1:
+            partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8)
+        kernel = rt.function("reduce", f"cols_{op}_{s}")
+        kernel(out, partial if partial is not None else np.intp(0), x,
+               rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
+               rt.desc([r[0] for r in red], [r[1] for r in red]),
+               np.int64(c), np.int64(tiles), np.int64(total), np.int64(chunk), block=(32, by, 1),
+               grid=(blocks, splits))
+    if partial is not None:
+        rt.launch(rt.function("reduce", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
+                  np.int64(splits), np.int64(total))
+    return out
+
+
+def _register_reduce(op_type: str, op: str):
+    def launcher(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+        from gradgen.kernels.cpu.reduction import _reduce_axes
+
+        s = sfx(data.dtype)
+        if not ((s in ("f16", "f32", "f64") and op in _FLOAT_OPS) or (s in ("i32", "i64") and op in _INT_OPS)):
+            return cpu_fallback(op_type, data, axes, keepdims=keepdims, noop_with_empty_axes=noop_with_empty_axes)
+        axes_tuple = _reduce_axes(np.empty((0,) * len(data.shape)), axes, noop_with_empty_axes)
+        return reduce(op, data, axes_tuple, bool(keepdims), op_type)
+
+    launcher.__name__ = f"reduce_{op}"
+    launcher.__qualname__ = launcher.__name__
+    cuda_kernel(op_type, host_inputs=(1,))(launcher)
+    return launcher
+
+
+for _op_type, _op in (
+    ("ReduceSum", "sum"), ("ReduceMean", "mean"), ("ReduceSumSquare", "sum_square"), ("ReduceL1", "l1"),
+    ("ReduceL2", "l2"), ("ReduceLogSum", "log_sum"), ("ReduceMax", "max"), ("ReduceMin", "min"),
+    ("ReduceProd", "prod"), ("ReduceLogSumExp", "log_sum_exp"),
+):
+    _register_reduce(_op_type, _op)
+
+
+# -- Softmax / LogSoftmax ------------------------------------------------------------------------
+
+
+def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
+    """(Log)softmax of ``x`` viewed as (outer, length, inner) over the middle axis."""
+    from gradgen.cuda import runtime as rt
+
+    contiguous(x)
+    s = sfx(x.dtype)
+    out = rt.empty(x.shape, x.dtype)
+    if out.size == 0:
+        return out
+    name = "log_softmax" if log else "softmax"
+    if inner == 1 and length > 8:
+        threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
+        rt.function("reduce", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
+    else:
+        rt.launch(rt.function("reduce", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
+                  np.int64(length), np.int64(inner))
+    return out
+
+
+def _softmax(op_type: str, x, axis, opset: int, log: bool):
+    from gradgen.kernels.cpu.reduction import _axis
+
+    if sfx(x.dtype) not in ("f16", "f32", "f64"):
+        return cpu_fallback(op_type, x, axis=axis, _opset=opset)
+    shape = [int(d) for d in x.shape]
+    if opset >= 13:
+        ax = _axis(-1 if axis is None else axis, len(shape))
+        outer = int(np.prod(shape[:ax], dtype=np.int64))
+        inner = int(np.prod(shape[ax + 1:], dtype=np.int64))
+        return softmax_3d(x, outer, shape[ax], inner, log)
+    ax = _axis(1 if axis is None else axis, len(shape)) if shape else 0
+    outer = int(np.prod(shape[:ax], dtype=np.int64))
+    return softmax_3d(x, outer, int(np.prod(shape[ax:], dtype=np.int64)), 1, log)
+
+
+@cuda_kernel("Softmax")
+def softmax(x, *, axis=None, _opset=13):
+    return _softmax("Softmax", x, axis, _opset, log=False)
+
+
+@cuda_kernel("LogSoftmax")
+def log_softmax(x, *, axis=None, _opset=13):
+    return _softmax("LogSoftmax", x, axis, _opset, log=True)

@@ -1,0 +1,138 @@
+// Data movement kernels. They move bits, not numbers, so entry points are suffixed by the element
+// WIDTH in bytes (w1, w2, w4, w8, w16) and by the index type (i32 when every offset fits, else i64);
+// the launchers reinterpret float16/32/64 and integer tensors as the unsigned type of their width, and
+// reinterpret runs of contiguous elements as 16-byte (or 8-, 4-byte) words where alignment allows.
+//
+//   strided_copy: dst[dst_off + sum c_k * dst.strides[k]] = src[src_off + sum c_k * src.strides[k]]
+//                 over the coordinates c of src.shape (== dst.shape); strides may be 0 or negative.
+//   lattice:      one pass over an output; element c is src[q] where c lies on the lattice
+//                 c_k = start_k + q_k * step_k (0 <= q_k < count_k, step_k != 0) on every axis, and
+//                 `fill` elsewhere. SliceGrad (fill 0) and constant Pad use it; every output element
+//                 is written exactly once, so no memset comes first. The v-variants handle V
+//                 consecutive elements of the innermost axis per thread and store them as one word.
+//   fill, trilu:  the obvious.
+#include "common.cuh"
+
+template <int W> struct Word;
+template <> struct Word<1> { using type = uint8_t; };
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = unsigned long long; };
+template <> struct Word<16> { using type = uint4; };
+
+template <typename E, typename I>
+__device__ __forceinline__ void strided_copy(E* __restrict__ dst, const E* __restrict__ src, const TensorDesc& s,
+                                             const TensorDesc& d, int64_t src_off, int64_t dst_off, int64_t n) {
+    const int rank = (int)s.rank;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < (I)n; i += (I)blockDim.x * gridDim.x) {
+        I rest = i, so = 0, dof = 0;
+        for (int k = rank - 1; k >= 0; --k) {
+            I size = (I)s.shape[k];
+            I c = rest % size;
+            rest /= size;
+            so += c * (I)s.strides[k];
+            dof += c * (I)d.strides[k];
+        }
+        dst[(int64_t)dst_off + (int64_t)dof] = src[(int64_t)src_off + (int64_t)so];
+    }
+}
+
+// Is coordinate c of an axis on the lattice start + q * step (0 <= q < count)? Sets q.
+template <typename I>
+__device__ __forceinline__ bool on_lattice(I c, I start, I step, I count, I& q) {
+    I t = step > 0 ? c - start : start - c;
+    I a = step > 0 ? step : -step;
+    if (t < 0) return false;
+    q = a == 1 ? t : t / a;
+    return q < count && q * a == t;
+}
+
+// out: shape `out` (strides unused); lat.shape = count per axis, lat.strides = src strides;
+// pos.shape = start per axis, pos.strides = step per axis. V elements of the last axis per item.
+template <typename E, typename I, int V>
+__device__ __forceinline__ void lattice(E* __restrict__ dst, const E* __restrict__ src, const TensorDesc& out,
+                                        const TensorDesc& lat, const TensorDesc& pos, E fill, int64_t n) {
+    struct alignas(sizeof(E) * V) Vec { E v[V]; };
+    const int rank = (int)out.rank;
+    const I inner = (I)out.shape[rank - 1] / V;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < (I)n; i += (I)blockDim.x * gridDim.x) {
+        I rest = i / inner, c_last = (i - rest * inner) * V, so = 0;
+        bool ok = true;
+        for (int k = rank - 2; k >= 0; --k) {
+            I size = (I)out.shape[k];
+            I c = rest % size, q = 0;
+            rest /= size;
+            ok = ok && on_lattice<I>(c, (I)pos.shape[k], (I)pos.strides[k], (I)lat.shape[k], q);
+            so += q * (I)lat.strides[k];
+        }
+        Vec r;
+        const I st = (I)pos.shape[rank - 1], sp = (I)pos.strides[rank - 1], cnt = (I)lat.shape[rank - 1];
+        const I ls = (I)lat.strides[rank - 1];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            I q = 0;
+            r.v[j] = ok && on_lattice<I>(c_last + j, st, sp, cnt, q) ? src[(int64_t)so + (int64_t)(q * ls)] : fill;
+        }
+        reinterpret_cast<Vec*>(dst)[i] = r;
+    }
+}
+
+template <typename E>
+__device__ __forceinline__ void trilu(E* __restrict__ dst, const E* __restrict__ src, int64_t rows, int64_t cols,
+                                      int64_t k, int64_t upper, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        int64_t col = i % cols, row = (i / cols) % rows;
+        bool keep = upper ? (col - row >= k) : (col - row <= k);
+        dst[i] = keep ? src[i] : E(0);
+    }
+}
+
+#define GG_COPY_W(W)                                                                                        \
+    extern "C" __global__ void strided_copy_w##W##_i32(Word<W>::type* dst, const Word<W>::type* src,       \
+                                                       TensorDesc s, TensorDesc d, int64_t so, int64_t dof, \
+                                                       int64_t n) {                                         \
+        strided_copy<Word<W>::type, int32_t>(dst, src, s, d, so, dof, n);                                  \
+    }                                                                                                       \
+    extern "C" __global__ void strided_copy_w##W##_i64(Word<W>::type* dst, const Word<W>::type* src,       \
+                                                       TensorDesc s, TensorDesc d, int64_t so, int64_t dof, \
+                                                       int64_t n) {                                         \
+        strided_copy<Word<W>::type, int64_t>(dst, src, s, d, so, dof, n);                                  \
+    }
+
+GG_COPY_W(1)
+GG_COPY_W(2)
+GG_COPY_W(4)
+GG_COPY_W(8)
+GG_COPY_W(16)
+
+#define GG_LATTICE(W, V, I)                                                                                 \
+    extern "C" __global__ void lattice_w##W##_v##V##_##I(Word<W>::type* dst, const Word<W>::type* src,     \
+                                                         TensorDesc out, TensorDesc lat, TensorDesc pos,    \
+                                                         int64_t fill, int64_t n) {                         \
+        Word<W>::type f;                                                                                    \
+        memcpy(&f, &fill, W);                                                                               \
+        lattice<Word<W>::type, I##_t, V>(dst, src, out, lat, pos, f, n);                                   \
+    }
+
+#define GG_LATTICE_W(W, V) GG_LATTICE(W, 1, int32) GG_LATTICE(W, 1, int64) GG_LATTICE(W, V, int32) GG_LATTICE(W, V, int64)
+GG_LATTICE(1, 1, int32)
+GG_LATTICE(1, 1, int64)
+GG_LATTICE_W(2, 8)
+GG_LATTICE_W(4, 4)
+GG_LATTICE_W(8, 2)
+
+#define GG_FILL_TRILU(W)                                                                                    \
+    extern "C" __global__ void fill_w##W(Word<W>::type* dst, int64_t bits, int64_t n) {                    \
+        Word<W>::type f;                                                                                    \
+        memcpy(&f, &bits, W);                                                                               \
+        GG_GRID_STRIDE(i, n) { dst[i] = f; }                                                                \
+    }                                                                                                       \
+    extern "C" __global__ void trilu_w##W(Word<W>::type* dst, const Word<W>::type* src, int64_t rows,      \
+                                          int64_t cols, int64_t k, int64_t upper, int64_t n) {              \
+        trilu<Word<W>::type>(dst, src, rows, cols, k, upper, n);                                            \
+    }
+
+GG_FILL_TRILU(1)
+GG_FILL_TRILU(2)
+GG_FILL_TRILU(4)
+GG_FILL_TRILU(8)

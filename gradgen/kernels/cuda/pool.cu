@@ -1,0 +1,350 @@
+// Pooling, direct convolution and the small helpers of the matmul/conv launchers.
+// Entry points: extern "C" <op>_<dtype suffix>, e.g. max_pool_f32.
+//
+// Spatial ops work on up to 3 spatial axes; launchers pad lower ranks with unit axes (kernel 1,
+// stride 1, dilation 1, no padding). Every kernel writes each output element from one thread (or
+// one block, for the reductions) in a fixed order: results are deterministic, no float atomics.
+#include "common.cuh"
+
+#define GG_SP 3
+
+// Geometry of a pooling: (N*C) planes of `in` -> planes of `out`.
+struct PoolGeom {
+    int64_t nc;
+    int64_t in[GG_SP], out[GG_SP], k[GG_SP], s[GG_SP], d[GG_SP], pb[GG_SP];
+    int64_t lo[GG_SP], hi[GG_SP];  // AveragePool: taps counted in the divisor lie in [lo, hi)
+    int64_t storage_order;          // MaxPool Indices: 0 row-major, 1 column-major per plane
+};
+
+// Geometry of a convolution (NC* layout, W is (M, C/G, *k)).
+struct ConvGeom {
+    int64_t n, c, m, g;
+    int64_t in[GG_SP], out[GG_SP], k[GG_SP], s[GG_SP], d[GG_SP], pb[GG_SP];
+};
+
+template <typename T> __device__ __forceinline__ typename Acc<T>::type gg_lowest();
+template <> __device__ __forceinline__ float gg_lowest<__half>() { return -INFINITY; }
+template <> __device__ __forceinline__ float gg_lowest<float>() { return -INFINITY; }
+template <> __device__ __forceinline__ double gg_lowest<double>() { return -INFINITY; }
+
+template <typename A> __device__ __forceinline__ bool gg_isnan(A v) { return v != v; }
+
+// ------------------------------------------------------------------------------ MaxPool
+// y[nc, o] = max over the window; idx (when not null) = flat position of the first maximum in X
+// (batch and channel included), taps in the padding counting as -inf at their clipped position.
+template <typename T>
+__device__ void max_pool(T* y, int64_t* idx, const T* x, const PoolGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t nc = i / plane_out;
+        int64_t r = i % plane_out;
+        int64_t o2 = r % g.out[2];
+        int64_t o1 = (r / g.out[2]) % g.out[1];
+        int64_t o0 = r / (g.out[2] * g.out[1]);
+        const T* xp = x + nc * plane_in;
+        A best = 0;
+        int64_t best_pos = 0;
+        bool first = true;
+        for (int64_t a = 0; a < g.k[0]; ++a) {
+            int64_t p0 = o0 * g.s[0] - g.pb[0] + a * g.d[0];
+            bool in0 = p0 >= 0 && p0 < g.in[0];
+            int64_t c0 = p0 < 0 ? 0 : (p0 >= g.in[0] ? g.in[0] - 1 : p0);
+            for (int64_t b = 0; b < g.k[1]; ++b) {
+                int64_t p1 = o1 * g.s[1] - g.pb[1] + b * g.d[1];
+                bool in1 = p1 >= 0 && p1 < g.in[1];
+                int64_t c1 = p1 < 0 ? 0 : (p1 >= g.in[1] ? g.in[1] - 1 : p1);
+                for (int64_t c = 0; c < g.k[2]; ++c) {
+                    int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
+                    bool in2 = p2 >= 0 && p2 < g.in[2];
+                    int64_t c2 = p2 < 0 ? 0 : (p2 >= g.in[2] ? g.in[2] - 1 : p2);
+                    A v = (in0 && in1 && in2) ? gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2) : gg_lowest<T>();
+                    bool take = first || (!gg_isnan(best) && (gg_isnan(v) || v > best));
+                    if (take) {
+                        best = v;
+                        best_pos = g.storage_order ? (c2 * g.in[1] + c1) * g.in[0] + c0 : (c0 * g.in[1] + c1) * g.in[2] + c2;
+                        first = false;
+                    }
+                }
+            }
+        }
+        gg_store(y + i, best);
+        if (idx) idx[i] = nc * plane_in + best_pos;
+    }
+}
+
+// ------------------------------------------------------------------------------ AveragePool
+template <typename T>
+__device__ void avg_pool(T* y, const T* x, const PoolGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t nc = i / plane_out;
+        int64_t r = i % plane_out;
+        int64_t o2 = r % g.out[2];
+        int64_t o1 = (r / g.out[2]) % g.out[1];
+        int64_t o0 = r / (g.out[2] * g.out[1]);
+        const T* xp = x + nc * plane_in;
+        A total = 0;
+        int64_t count = 0;
+        for (int64_t a = 0; a < g.k[0]; ++a) {
+            int64_t p0 = o0 * g.s[0] - g.pb[0] + a * g.d[0];
+            bool in0 = p0 >= 0 && p0 < g.in[0];
+            bool n0 = p0 >= g.lo[0] && p0 < g.hi[0];
+            for (int64_t b = 0; b < g.k[1]; ++b) {
+                int64_t p1 = o1 * g.s[1] - g.pb[1] + b * g.d[1];
+                bool in1 = p1 >= 0 && p1 < g.in[1];
+                bool n1 = p1 >= g.lo[1] && p1 < g.hi[1];
+                for (int64_t c = 0; c < g.k[2]; ++c) {
+                    int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
+                    bool in2 = p2 >= 0 && p2 < g.in[2];
+                    bool n2 = p2 >= g.lo[2] && p2 < g.hi[2];
+                    if (in0 && in1 && in2) total += gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2);
+                    if (n0 && n1 && n2) ++count;
+                }
+            }
+        }
+        gg_store(y + i, total / (A)count);
+    }
+}
+
+// ------------------------------------------------------------------------------ row reductions
+// One block per row of `cols` contiguous elements: mean (mode 0), max (mode 1), sum (mode 2).
+template <typename T>
+__device__ void row_reduce(T* y, const T* x, int64_t rows, int64_t cols, int mode) {
+    using A = typename Acc<T>::type;
+    __shared__ A shared[256];
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xp = x + row * cols;
+        A acc = mode == 1 ? gg_lowest<T>() : (A)0;
+        for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+            A v = gg_load(xp + j);
+            if (mode == 1) acc = (gg_isnan(acc) || v > acc || gg_isnan(v)) ? (gg_isnan(acc) ? acc : v) : acc;
+            else acc += v;
+        }
+        shared[threadIdx.x] = acc;
+        __syncthreads();
+        for (int width = blockDim.x / 2; width > 0; width /= 2) {
+            if (threadIdx.x < width) {
+                A a = shared[threadIdx.x], b = shared[threadIdx.x + width];
+                if (mode == 1) shared[threadIdx.x] = (gg_isnan(a) || gg_isnan(b)) ? (gg_isnan(a) ? a : b) : (b > a ? b : a);
+                else shared[threadIdx.x] = a + b;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) gg_store(y + row, mode == 0 ? shared[0] / (A)cols : shared[0]);
+        __syncthreads();
+    }
+}
+
+// Sum over every axis but 1 of an (outer, c, inner) tensor: one block per channel.
+template <typename T>
+__device__ void channel_sum(T* y, const T* x, int64_t outer, int64_t c, int64_t inner) {
+    using A = typename Acc<T>::type;
+    __shared__ A shared[256];
+    const int64_t total = outer * inner;
+    for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        A acc = 0;
+        for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
+            int64_t o = j / inner, r = j % inner;
+            acc += gg_load(x + (o * c + ch) * inner + r);
+        }
+        shared[threadIdx.x] = acc;
+        __syncthreads();
+        for (int width = blockDim.x / 2; width > 0; width /= 2) {
+            if (threadIdx.x < width) shared[threadIdx.x] += shared[threadIdx.x + width];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) gg_store(y + ch, shared[0]);
+        __syncthreads();
+    }
+}
+
+// y[i] += b[(i / inner) % c] (in place; the conv bias).
+template <typename T>
+__device__ void add_channel_bias(T* y, const T* b, int64_t c, int64_t inner, int64_t n) {
+    GG_GRID_STRIDE(i, n) { gg_store(y + i, gg_load(y + i) + gg_load(b + (i / inner) % c)); }
+}
+
+// out (C-contiguous, shape out_shape) [o] = in[o + shift] read through in_view's strides where every
+// coordinate lies inside in_view's shape, else 0. shift == 0 and zero strides: a broadcast copy.
+template <typename T>
+__device__ void window_copy(T* out, const T* in, const TensorDesc& out_shape, const TensorDesc& in_view,
+                            const TensorDesc& shift, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        int64_t rest = i, offset = 0;
+        bool inside = true;
+        for (int dim = (int)out_shape.rank - 1; dim >= 0; --dim) {
+            int64_t coord = rest % out_shape.shape[dim] + shift.shape[dim];
+            rest /= out_shape.shape[dim];
+            if (coord < 0 || coord >= in_view.shape[dim]) inside = false;
+            offset += coord * in_view.strides[dim];
+        }
+        out[i] = inside ? in[offset] : T(0);
+    }
+}
+
+// ------------------------------------------------------------------------------ direct convolution
+// Used where cuDNN declines a configuration (and for float64 when it does). y: one thread per output.
+template <typename T>
+__device__ void conv_fwd(T* y, const T* x, const T* w, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t r = i % plane_out;
+        int64_t m = (i / plane_out) % g.m;
+        int64_t b = i / (plane_out * g.m);
+        int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+        int64_t group = m / mg;
+        A acc = 0;
+        for (int64_t cc = 0; cc < cg; ++cc) {
+            const T* xp = x + (b * g.c + group * cg + cc) * plane_in;
+            const T* wp = w + (m * cg + cc) * taps;
+            for (int64_t a = 0; a < g.k[0]; ++a) {
+                int64_t p0 = o0 * g.s[0] - g.pb[0] + a * g.d[0];
+                if (p0 < 0 || p0 >= g.in[0]) continue;
+                for (int64_t bb = 0; bb < g.k[1]; ++bb) {
+                    int64_t p1 = o1 * g.s[1] - g.pb[1] + bb * g.d[1];
+                    if (p1 < 0 || p1 >= g.in[1]) continue;
+                    for (int64_t c = 0; c < g.k[2]; ++c) {
+                        int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
+                        if (p2 < 0 || p2 >= g.in[2]) continue;
+                        acc += gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2) *
+                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                    }
+                }
+            }
+        }
+        gg_store(y + i, acc);
+    }
+}
+
+// dx: one thread per input element, gathering every (filter, tap) whose window covers it.
+template <typename T>
+__device__ void conv_dgrad(T* dx, const T* dy, const T* w, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t r = i % plane_in;
+        int64_t ch = (i / plane_in) % g.c;
+        int64_t b = i / (plane_in * g.c);
+        int64_t i2 = r % g.in[2], i1 = (r / g.in[2]) % g.in[1], i0 = r / (g.in[2] * g.in[1]);
+        int64_t group = ch / cg, cc = ch % cg;
+        A acc = 0;
+        for (int64_t mm = 0; mm < mg; ++mm) {
+            int64_t m = group * mg + mm;
+            const T* dyp = dy + (b * g.m + m) * plane_out;
+            const T* wp = w + (m * cg + cc) * taps;
+            for (int64_t a = 0; a < g.k[0]; ++a) {
+                int64_t q0 = i0 + g.pb[0] - a * g.d[0];
+                if (q0 < 0 || q0 % g.s[0]) continue;
+                q0 /= g.s[0];
+                if (q0 >= g.out[0]) continue;
+                for (int64_t bb = 0; bb < g.k[1]; ++bb) {
+                    int64_t q1 = i1 + g.pb[1] - bb * g.d[1];
+                    if (q1 < 0 || q1 % g.s[1]) continue;
+                    q1 /= g.s[1];
+                    if (q1 >= g.out[1]) continue;
+                    for (int64_t c = 0; c < g.k[2]; ++c) {
+                        int64_t q2 = i2 + g.pb[2] - c * g.d[2];
+                        if (q2 < 0 || q2 % g.s[2]) continue;
+                        q2 /= g.s[2];
+                        if (q2 >= g.out[2]) continue;
+                        acc += gg_load(dyp + (q0 * g.out[1] + q1) * g.out[2] + q2) *
+                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                    }
+                }
+            }
+        }
+        gg_store(dx + i, acc);
+    }
+}
+
+// dw: one block per weight element, reducing over batch and output positions in a fixed order.
+template <typename T>
+__device__ void conv_wgrad(T* dw, const T* x, const T* dy, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    __shared__ A shared[256];
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    const int64_t total = g.n * plane_out;
+    for (int64_t e = blockIdx.x; e < n; e += gridDim.x) {
+        int64_t tap = e % taps;
+        int64_t cc = (e / taps) % cg;
+        int64_t m = e / (taps * cg);
+        int64_t group = m / mg;
+        int64_t kc = tap % g.k[2], kb = (tap / g.k[2]) % g.k[1], ka = tap / (g.k[2] * g.k[1]);
+        A acc = 0;
+        for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
+            int64_t b = j / plane_out, r = j % plane_out;
+            int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+            int64_t p0 = o0 * g.s[0] - g.pb[0] + ka * g.d[0];
+            int64_t p1 = o1 * g.s[1] - g.pb[1] + kb * g.d[1];
+            int64_t p2 = o2 * g.s[2] - g.pb[2] + kc * g.d[2];
+            if (p0 < 0 || p0 >= g.in[0] || p1 < 0 || p1 >= g.in[1] || p2 < 0 || p2 >= g.in[2]) continue;
+            acc += gg_load(dy + (b * g.m + m) * plane_out + r) *
+                   gg_load(x + (b * g.c + group * cg + cc) * plane_in + (p0 * g.in[1] + p1) * g.in[2] + p2);
+        }
+        shared[threadIdx.x] = acc;
+        __syncthreads();
+        for (int width = blockDim.x / 2; width > 0; width /= 2) {
+            if (threadIdx.x < width) shared[threadIdx.x] += shared[threadIdx.x + width];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) gg_store(dw + e, shared[0]);
+        __syncthreads();
+    }
+}
+
+// ------------------------------------------------------------------------------ entry points
+#define GG_POOL_ENTRIES(sfx, T)                                                                            \
+    extern "C" __global__ void max_pool_##sfx(T* y, int64_t* idx, const T* x, PoolGeom g, int64_t n) {     \
+        max_pool(y, idx, x, g, n);                                                                         \
+    }                                                                                                      \
+    extern "C" __global__ void avg_pool_##sfx(T* y, const T* x, PoolGeom g, int64_t n) {                   \
+        avg_pool(y, x, g, n);                                                                              \
+    }                                                                                                      \
+    extern "C" __global__ void row_reduce_##sfx(T* y, const T* x, int64_t rows, int64_t cols, int64_t mode) { \
+        row_reduce(y, x, rows, cols, (int)mode);                                                           \
+    }                                                                                                      \
+    extern "C" __global__ void channel_sum_##sfx(T* y, const T* x, int64_t outer, int64_t c, int64_t inner) { \
+        channel_sum(y, x, outer, c, inner);                                                                \
+    }                                                                                                      \
+    extern "C" __global__ void add_channel_bias_##sfx(T* y, const T* b, int64_t c, int64_t inner, int64_t n) { \
+        add_channel_bias(y, b, c, inner, n);                                                               \
+    }                                                                                                      \
+    extern "C" __global__ void conv_fwd_##sfx(T* y, const T* x, const T* w, ConvGeom g, int64_t n) {       \
+        conv_fwd(y, x, w, g, n);                                                                           \
+    }                                                                                                      \
+    extern "C" __global__ void conv_dgrad_##sfx(T* dx, const T* dy, const T* w, ConvGeom g, int64_t n) {   \
+        conv_dgrad(dx, dy, w, g, n);                                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void conv_wgrad_##sfx(T* dw, const T* x, const T* dy, ConvGeom g, int64_t n) {   \
+        conv_wgrad(dw, x, dy, g, n);                                                                       \
+    }
+
+GG_POOL_ENTRIES(f16, __half)
+GG_POOL_ENTRIES(f32, float)
+GG_POOL_ENTRIES(f64, double)
+
+#define GG_COPY_ENTRY(sfx, T)                                                                               \
+    extern "C" __global__ void window_copy_##sfx(T* out, const T* in, TensorDesc out_shape, TensorDesc in_view, \
+                                                  TensorDesc shift, int64_t n) {                            \
+        window_copy(out, in, out_shape, in_view, shift, n);                                                 \
+    }
+
+GG_COPY_ENTRY(f16, __half)
+GG_COPY_ENTRY(f32, float)
+GG_COPY_ENTRY(f64, double)
+GG_COPY_ENTRY(i32, int32_t)
+GG_COPY_ENTRY(i64, int64_t)

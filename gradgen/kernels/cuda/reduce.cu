@@ -1,0 +1,309 @@
+// Reductions (ReduceSum/Mean/Max/Min/Prod/L1/L2/SumSquare/LogSum/LogSumExp) and Softmax/LogSoftmax.
+//
+// The launcher (reduce.py) merges adjacent dims that are all reduced or all kept and drops size-1
+// dims. Then:
+// - rows_*: the innermost group is reduced (contiguous runs of L elements): one block per output
+//   (gridDim.y > 1 splits the reduction into fixed chunks, combined by finalize_* in a fixed order);
+// - cols_*: the innermost group is kept (C contiguous outputs): 32 columns per block, BY threads
+//   down the reduced rows, combined in shared memory in a fixed order (split likewise);
+// - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
+// No float atomics: every result is bit-identical from run to run.
+#include "common.cuh"
+#include <math_constants.h>
+
+template <typename A> struct Lim;
+template <> struct Lim<float> {
+    static __device__ __forceinline__ float lowest() { return -CUDART_INF_F; }
+    static __device__ __forceinline__ float highest() { return CUDART_INF_F; }
+};
+template <> struct Lim<double> {
+    static __device__ __forceinline__ double lowest() { return -CUDART_INF; }
+    static __device__ __forceinline__ double highest() { return CUDART_INF; }
+};
+template <> struct Lim<int32_t> {
+    static __device__ __forceinline__ int32_t lowest() { return INT32_MIN; }
+    static __device__ __forceinline__ int32_t highest() { return INT32_MAX; }
+};
+template <> struct Lim<int64_t> {
+    static __device__ __forceinline__ int64_t lowest() { return INT64_MIN; }
+    static __device__ __forceinline__ int64_t highest() { return INT64_MAX; }
+};
+
+template <typename T> __device__ __forceinline__ bool gg_isnan(T x) { return x != x; }
+template <typename T> __device__ __forceinline__ T gg_max(T x, T y) {
+    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (x < y ? y : x));
+}
+template <typename T> __device__ __forceinline__ T gg_min(T x, T y) {
+    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (y < x ? y : x));
+}
+
+// A running (max, sum of exp(x - max)) pair: log-sum-exp and softmax in one pass.
+template <typename A> struct Lse { A m; A s; };
+template <typename A> __device__ __forceinline__ Lse<A> lse_comb(Lse<A> a, Lse<A> b) {
+    if (a.m == Lim<A>::lowest()) return b;
+    if (b.m == Lim<A>::lowest()) return a;
+    A m = gg_max(a.m, b.m);
+    return Lse<A>{m, a.s * exp(a.m - m) + b.s * exp(b.m - m)};
+}
+
+// Warp shuffles for the reduction states.
+template <typename S> __device__ __forceinline__ S shfl_xor(S v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+template <> __device__ __forceinline__ Lse<float> shfl_xor(Lse<float> v, int mask) {
+    return Lse<float>{__shfl_xor_sync(0xffffffffu, v.m, mask), __shfl_xor_sync(0xffffffffu, v.s, mask)};
+}
+template <> __device__ __forceinline__ Lse<double> shfl_xor(Lse<double> v, int mask) {
+    return Lse<double>{__shfl_xor_sync(0xffffffffu, v.m, mask), __shfl_xor_sync(0xffffffffu, v.s, mask)};
+}
+
+// Reducers: state S; init(); pre(x) -> S; comb(S, S); fin(S, count) -> accumulator type.
+#define GG_REDUCER(Name, StateT, INIT, PRE, COMB, FIN)                                              \
+    template <typename A> struct Name {                                                             \
+        using S = StateT;                                                                           \
+        static __device__ __forceinline__ S init() { return INIT; }                                 \
+        static __device__ __forceinline__ S pre(A x) { return PRE; }                                \
+        static __device__ __forceinline__ S comb(S a, S b) { return COMB; }                         \
+        static __device__ __forceinline__ A fin(S s, int64_t count) { (void)count; return FIN; }    \
+    };
+GG_REDUCER(RSum, A, A(0), x, a + b, s)
+GG_REDUCER(RMean, A, A(0), x, a + b, s / A(count))
+GG_REDUCER(RSumSquare, A, A(0), x * x, a + b, s)
+GG_REDUCER(RL1, A, A(0), fabs(x), a + b, s)
+GG_REDUCER(RL2, A, A(0), x * x, a + b, sqrt(s))
+GG_REDUCER(RLogSum, A, A(0), x, a + b, log(s))
+GG_REDUCER(RMax, A, Lim<A>::lowest(), x, gg_max(a, b), s)
+GG_REDUCER(RMin, A, Lim<A>::highest(), x, gg_min(a, b), s)
+GG_REDUCER(RProd, A, A(1), x, a * b, s)
+GG_REDUCER(RLogSumExp, Lse<A>, (Lse<A>{Lim<A>::lowest(), A(0)}), (Lse<A>{x, A(1)}), lse_comb(a, b),
+           s.m == Lim<A>::lowest() ? s.m : log(s.s) + s.m)
+
+// Block-wide combine (blockDim.x * blockDim.y threads, a multiple of 32, at most 1024); the
+// result is valid in thread 0. Fixed tree: deterministic.
+template <typename R>
+__device__ __forceinline__ typename R::S block_combine(typename R::S v) {
+    __shared__ typename R::S warp_part[32];
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nthreads = blockDim.x * blockDim.y;
+    for (int m = 16; m > 0; m >>= 1) v = R::comb(v, shfl_xor(v, m));
+    if (nthreads <= 32) return v;
+    if ((tid & 31) == 0) warp_part[tid >> 5] = v;
+    __syncthreads();
+    if (tid < 32) {
+        v = tid < (nthreads >> 5) ? warp_part[tid] : R::init();
+        for (int m = 16; m > 0; m >>= 1) v = R::comb(v, shfl_xor(v, m));
+    }
+    return v;
+}
+
+// Offset of flat index i over `d`'s shape read through its strides (rank 1: no division).
+__device__ __forceinline__ int64_t desc_offset(int64_t i, const TensorDesc& d) {
+    if (d.rank == 0) return 0;
+    if (d.rank == 1) return i * d.strides[0];
+    return gg_offset(i, d, d);
+}
+
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+// V consecutive elements (one 16-byte load when V * sizeof(T) == 16; p must be aligned to it).
+template <typename T, int V>
+__device__ __forceinline__ void vload(const T* p, typename Acc<T>::type* v) {
+    Pack<T, V> q = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = gg_load(&q.v[k]);
+}
+
+// Folds x[base + off(r)] for r = start + tid*V, stepping blockDim.x*V, into acc in increasing r
+// (four loads in flight per thread; the fold order is the same as a plain loop's).
+template <typename T, typename R, int V, typename Off>
+__device__ __forceinline__ typename R::S rows_loop(const T* __restrict__ base, int64_t start, int64_t end, Off off,
+                                                   typename R::S acc) {
+    using A = typename Acc<T>::type;
+    const int64_t step = (int64_t)blockDim.x * V;
+    int64_t r = start + (int64_t)threadIdx.x * V;
+    A v[4][V];
+    for (; r + 3 * step < end; r += 4 * step) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) vload<T, V>(base + off(r + u * step), v[u]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k) acc = R::comb(acc, R::pre(v[u][k]));
+    }
+    for (; r < end; r += step) {
+        vload<T, V>(base + off(r), v[0]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc = R::comb(acc, R::pre(v[0][k]));
+    }
+    return acc;
+}
+
+// rows: output o = blockIdx.x reduces x[base(o) + roff(r / L) + r % L] for r in its chunk.
+template <typename T, typename R, int V>
+__device__ void reduce_rows(T* out, typename R::S* partial, const T* __restrict__ x, const TensorDesc& kd,
+                            const TensorDesc& rd, int64_t L, int64_t total, int64_t chunk) {
+    const int64_t o = blockIdx.x;
+    const int64_t split = blockIdx.y;
+    const T* base = x + desc_offset(o, kd);
+    const int64_t start = split * chunk;
+    const int64_t end = min(total, start + chunk);
+    typename R::S acc = R::init();
+    if (rd.rank == 0) {
+        acc = rows_loop<T, R, V>(base, start, end, [](int64_t r) { return r; }, acc);
+    } else if (rd.rank == 1 && total <= 0xFFFFFFFFll) {
+        const uint32_t l32 = (uint32_t)L;
+        const int64_t stride = rd.strides[0];
+        acc = rows_loop<T, R, V>(base, start, end, [=](int64_t r) {
+            uint32_t ro = (uint32_t)r / l32;
+            return (int64_t)ro * stride + (int64_t)((uint32_t)r - ro * l32);
+        }, acc);
+    } else {
+        acc = rows_loop<T, R, V>(base, start, end, [&](int64_t r) {
+            int64_t ro = r / L;
+            return desc_offset(ro, rd) + (r - ro * L);
+        }, acc);
+    }
+    acc = block_combine<R>(acc);
+    if (threadIdx.x == 0) {
+        if (gridDim.y == 1) gg_store(out + o, R::fin(acc, total));
+        else partial[o * gridDim.y + split] = acc;
+    }
+}
+
+// cols: block (32, BY); output column c of outer kept index mo reduces x[base + roff(r)].
+template <typename T, typename R>
+__device__ void reduce_cols(T* out, typename R::S* partial, const T* __restrict__ x, const TensorDesc& kd,
+                            const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk) {
+    __shared__ typename R::S part[32][33];
+    const int64_t mo = blockIdx.x / tiles;
+    const int64_t c = (blockIdx.x - mo * tiles) * 32 + threadIdx.x;
+    const int64_t split = blockIdx.y;
+    const int64_t start = split * chunk;
+    const int64_t end = min(total, start + chunk);
+    typename R::S acc = R::init();
+    if (c < C) {
+        const T* base = x + desc_offset(mo, kd) + c;
+        if (rd.rank == 1) {
+            const int64_t stride = rd.strides[0];
+            for (int64_t r = start + threadIdx.y; r < end; r += blockDim.y) acc = R::comb(acc, R::pre(gg_load(base + r * stride)));
+        } else {
+            for (int64_t r = start + threadIdx.y; r < end; r += blockDim.y) acc = R::comb(acc, R::pre(gg_load(base + gg_offset(r, rd, rd))));
+        }
+    }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        for (int k = 1; k < (int)blockDim.y; ++k) acc = R::comb(acc, part[k][threadIdx.x]);
+        const int64_t o = mo * C + c;
+        if (gridDim.y == 1) gg_store(out + o, R::fin(acc, total));
+        else partial[o * gridDim.y + split] = acc;
+    }
+}
+
+template <typename T, typename R>
+__device__ void reduce_finalize(T* out, const typename R::S* partial, int64_t m, int64_t splits, int64_t total) {
+    GG_GRID_STRIDE(o, m) {
+        typename R::S acc = partial[o * splits];
+        for (int64_t s = 1; s < splits; ++s) acc = R::comb(acc, partial[o * splits + s]);
+        gg_store(out + o, R::fin(acc, total));
+    }
+}
+
+template <typename T, typename R>
+__device__ void reduce_map(T* out, const T* x, int64_t n) {
+    GG_GRID_STRIDE(i, n) { gg_store(out + i, R::fin(R::comb(R::init(), R::pre(gg_load(x + i))), 1)); }
+}
+
+#define GG_REDUCE(op, Red, s, T)                                                                             \
+    extern "C" __global__ void rows_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
+                                               TensorDesc rd, int64_t L, int64_t total, int64_t chunk) {      \
+        reduce_rows<T, Red<Acc<T>::type>, 1>(out, partial, x, kd, rd, L, total, chunk);                       \
+    }                                                                                                        \
+    extern "C" __global__ void cols_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
+                                               TensorDesc rd, int64_t C, int64_t tiles, int64_t total,        \
+                                               int64_t chunk) {                                              \
+        reduce_cols<T, Red<Acc<T>::type>>(out, partial, x, kd, rd, C, tiles, total, chunk);                  \
+    }                                                                                                        \
+    extern "C" __global__ void fin_##op##_##s(T* out, const Red<Acc<T>::type>::S* partial, int64_t m,       \
+                                              int64_t splits, int64_t total) {                               \
+        reduce_finalize<T, Red<Acc<T>::type>>(out, partial, m, splits, total);                               \
+    }                                                                                                        \
+    extern "C" __global__ void map_##op##_##s(T* out, const T* x, int64_t n) {                              \
+        reduce_map<T, Red<Acc<T>::type>>(out, x, n);                                                         \
+    }
+
+#define GG_REDUCE_V(op, Red, s, T)                                                                           \
+    extern "C" __global__ void rowsv_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
+                                                TensorDesc rd, int64_t L, int64_t total, int64_t chunk) {     \
+        reduce_rows<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, L, total, chunk); \
+    }
+
+#define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, f32, float) GG_REDUCE(op, Red, f64, double) \
+    GG_REDUCE_V(op, Red, f32, float) GG_REDUCE_V(op, Red, f64, double)
+#define GG_REDUCE_INTS(op, Red) GG_REDUCE(op, Red, i32, int32_t) GG_REDUCE(op, Red, i64, int64_t) \
+    GG_REDUCE_V(op, Red, i32, int32_t) GG_REDUCE_V(op, Red, i64, int64_t)
+
+GG_REDUCE_FLOATS(sum, RSum)
+GG_REDUCE_FLOATS(mean, RMean)
+GG_REDUCE_FLOATS(sum_square, RSumSquare)
+GG_REDUCE_FLOATS(l1, RL1)
+GG_REDUCE_FLOATS(l2, RL2)
+GG_REDUCE_FLOATS(log_sum, RLogSum)
+GG_REDUCE_FLOATS(max, RMax)
+GG_REDUCE_FLOATS(min, RMin)
+GG_REDUCE_FLOATS(prod, RProd)
+GG_REDUCE_FLOATS(log_sum_exp, RLogSumExp)
+GG_REDUCE_INTS(sum, RSum)
+GG_REDUCE_INTS(max, RMax)
+GG_REDUCE_INTS(min, RMin)
+GG_REDUCE_INTS(prod, RProd)
+
+// ---------------------------------------------------------------------------------------------
+// Softmax / LogSoftmax over an axis of length L: x viewed as (outer, L, inner).
+
+template <bool LOG, typename A> __device__ __forceinline__ A softmax_value(A x, Lse<A> st) {
+    if constexpr (LOG) return x - st.m - log(st.s);
+    else return exp(x - st.m) / st.s;
+}
+
+// inner == 1: one block per row (blockDim.x a multiple of 32).
+template <typename T, bool LOG>
+__device__ void softmax_rows(T* out, const T* __restrict__ x, int64_t L) {
+    using A = typename Acc<T>::type;
+    using R = RLogSumExp<A>;
+    const T* row = x + (int64_t)blockIdx.x * L;
+    T* orow = out + (int64_t)blockIdx.x * L;
+    typename R::S st = R::init();
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) st = R::comb(st, R::pre(gg_load(row + j)));
+    st = block_combine<R>(st);
+    __shared__ Lse<A> shared_state;
+    if (threadIdx.x == 0) shared_state = st;
+    __syncthreads();
+    st = shared_state;
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) gg_store(orow + j, softmax_value<LOG>(gg_load(row + j), st));
+}
+
+// inner > 1: one thread per (outer, inner) column; neighbouring threads read neighbouring columns.
+template <typename T, bool LOG>
+__device__ void softmax_cols(T* out, const T* __restrict__ x, int64_t outer, int64_t L, int64_t inner) {
+    using A = typename Acc<T>::type;
+    using R = RLogSumExp<A>;
+    GG_GRID_STRIDE(col, outer * inner) {
+        const int64_t o = col / inner;
+        const int64_t base = o * L * inner + (col - o * inner);
+        typename R::S st = R::init();
+        for (int64_t j = 0; j < L; ++j) st = R::comb(st, R::pre(gg_load(x + base + j * inner)));
+        for (int64_t j = 0; j < L; ++j) gg_store(out + base + j * inner, softmax_value<LOG>(gg_load(x + base + j * inner), st));
+    }
+}
+
+#define GG_SOFTMAX(s, T)                                                                                    \
+    extern "C" __global__ void softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, false>(out, x, L); } \
+    extern "C" __global__ void log_softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, true>(out, x, L); } \
+    extern "C" __global__ void softmax_cols_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner) { \
+        softmax_cols<T, false>(out, x, outer, L, inner);                                                   \
+    }                                                                                                       \
+    extern "C" __global__ void log_softmax_cols_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner) { \
+        softmax_cols<T, true>(out, x, outer, L, inner);                                                    \
+    }
+GG_SOFTMAX(f16, __half)
+GG_SOFTMAX(f32, float)
+GG_SOFTMAX(f64, double)

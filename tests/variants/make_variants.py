@@ -1,0 +1,719 @@
+#!/usr/bin/env python
+"""Variants of the sample families that gradgen has not seen, checked against PyTorch.
+
+Every variant is a small PyTorch module (other sizes, activations, losses, pools, norms, tensor ops,
+dtypes, output orders and dynamic batch axes than ``samples/make_samples.py``).  For each variant
+and each exporter (legacy ``torch.onnx.export(dynamo=False, opset_version=17)`` and the default
+dynamo exporter) this script
+
+1. exports the model (post-processing and initializer mapping reused from make_samples.py),
+2. computes torch autograd reference gradients for every float initializer the loss depends on
+   and for every float graph input,
+3. builds the backward graph with gradgen, runs it on the CPU executor and compares (rtol 1e-4,
+   atol 1e-5 of the largest element), also with the batch dim made symbolic, and the forward
+   outputs with onnxruntime;
+4. for variants exported with a dynamic batch axis, repeats the gradient check at batch + 1 with a
+   fresh torch reference.
+
+Exports that PyTorch itself cannot do are reported as ``skip``.  ``--save NAME...`` writes the
+named variants as fixture directories ``tests/fixtures/models/<name>_<exporter>/`` in the format
+of make_samples.py, so that tests/test_models.py picks them up.
+
+Usage::
+
+    python tests/variants/make_variants.py [--only NAME]... [--exporter legacy|dynamo]
+                                           [--save NAME]... [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import math
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "samples"))
+sys.path.insert(0, str(ROOT))
+import make_samples as ms  # noqa: E402
+
+import gradgen  # noqa: E402
+from gradgen.executor import Session  # noqa: E402
+from tests.model_dirs import with_symbolic_batch  # noqa: E402
+from tests.test_models import _check_gradients  # noqa: E402
+
+randn = ms.randn
+
+
+@dataclass
+class Variant:
+    build: Callable[[], ms.Case]
+    seed: int
+    outputs: list[str] = field(default_factory=lambda: ["loss"])  # graph output order
+    dynamic: bool = False  # export with a symbolic batch axis
+    notes: str = ""
+
+
+# --------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------
+class ActsSmooth(nn.Module):
+    """Smooth activations, L1 loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 10)
+        self.fc2 = nn.Linear(10, 10)
+        self.fc3 = nn.Linear(10, 3)
+
+    def forward(self, x, target):
+        h = self.fc1(x)
+        h = F.gelu(h) + F.silu(h) * 0.5 + F.mish(h) * 0.3
+        h = self.fc2(h)
+        h = F.elu(h, 0.7) + F.softplus(h, beta=2.0) + F.hardswish(h) + F.selu(h) * 0.2
+        h = h + F.celu(h, 1.3) * 0.1 + F.logsigmoid(h) * 0.2 + F.softsign(h) * 0.3
+        y = self.fc3(h)
+        return F.l1_loss(y, target), y
+
+
+class ActsPiecewise(nn.Module):
+    """Piecewise activations (LeakyReLU, PReLU, Hardtanh, ReLU6, Hardsigmoid), smooth L1 + Huber."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 12)
+        self.prelu = nn.PReLU(12)
+        self.prelu1 = nn.PReLU()
+        self.fc2 = nn.Linear(12, 12)
+        self.fc3 = nn.Linear(12, 4)
+
+    def forward(self, x, target):
+        h = self.prelu(self.fc1(x))
+        h = F.leaky_relu(h, 0.2) + self.prelu1(h) * 0.5
+        h = self.fc2(h)
+        h = F.hardtanh(h, -0.5, 0.8) + F.relu6(h * 4.0) * 0.1 + F.hardsigmoid(h * 2.0)
+        h = h + torch.clamp(h, min=-0.2) * 0.3 + torch.clamp(h, -0.4, 0.3)
+        y = self.fc3(h)
+        loss = F.smooth_l1_loss(y, target, beta=0.5) + F.huber_loss(y, target, delta=0.7)
+        return loss + F.mse_loss(y, target, reduction="sum") * 0.01, y
+
+
+class ClsLosses(nn.Module):
+    """nll_loss(log_softmax), label smoothing, ignore_index labels, kl_div, cosine similarity."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 5)
+
+    def forward(self, x, labels, labels_ign, target_prob):
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        lsm = F.log_softmax(logits, dim=-1)
+        loss = F.nll_loss(lsm, labels)
+        loss = loss + F.cross_entropy(logits, labels, label_smoothing=0.1)
+        loss = loss + F.cross_entropy(logits, labels_ign)           # ignore_index=-100
+        loss = loss + F.kl_div(lsm, target_prob, reduction="batchmean")
+        loss = loss + (1 - F.cosine_similarity(logits, target_prob, dim=-1)).mean()
+        return loss, logits
+
+
+def build_cls_losses():
+    n = 6
+    return ms.Case(ClsLosses(), {
+        "x": randn(n, 8), "labels": torch.tensor([0, 4, 4, 2, 1, 3]),
+        "labels_ign": torch.tensor([1, -100, 4, -100, 0, 0]),
+        "target_prob": torch.softmax(randn(n, 5), -1)},
+        batch_dim=["x", "labels", "labels_ign", "target_prob"], extra_outputs=["logits"])
+
+
+class CnnPools(nn.Module):
+    """MaxPool ceil_mode/padding/dilation, AvgPool count_include_pad=False, GroupNorm,
+    InstanceNorm2d, Dropout (eval), AdaptiveAvgPool2d((2, 2)), cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool1 = nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True)
+        self.gn = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.pool2 = nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False, ceil_mode=True)
+        self.inorm = nn.InstanceNorm2d(8, affine=True)
+        self.drop = nn.Dropout(0.3)
+        self.pool3 = nn.AdaptiveAvgPool2d((2, 2))
+        self.fc = nn.Linear(32, 4)
+
+    def forward(self, x, labels):
+        h = self.pool1(torch.relu(self.conv1(x)))
+        h = self.pool2(F.silu(self.conv2(self.gn(h))))
+        h = self.pool3(self.drop(self.inorm(h)))
+        logits = self.fc(torch.flatten(h, 1))
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_cnn_pools():
+    return ms.Case(CnnPools(), {"x": randn(2, 3, 11, 11), "labels": torch.tensor([3, 1])},
+                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+
+
+class Pools1d3d(nn.Module):
+    """MaxPool2d with dilation, MaxPool1d ceil_mode, AvgPool1d, AvgPool3d, AdaptiveMaxPool."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.w = nn.Parameter(torch.randn(4, 1))
+
+    def forward(self, x):  # (N, 2, 12, 12)
+        h = torch.tanh(self.conv(x))                                   # (N,4,10,10)
+        a = F.max_pool2d(h, 3, stride=2, dilation=2, padding=1)       # (N,4,4,4)
+        b = F.max_pool1d(h.flatten(2), 4, stride=3, ceil_mode=True)    # (N,4,34)
+        c = F.avg_pool1d(h.flatten(2), 5, stride=4, padding=2, count_include_pad=True)
+        d = F.avg_pool3d(h.unsqueeze(1), (2, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1),
+                         count_include_pad=False)
+        e = F.adaptive_max_pool2d(h, 1)
+        loss = (a * a).mean() + (b * self.w).sum() * 0.1 + c.pow(2).sum() + d.mean() + e.sum()
+        return loss
+
+
+class ConvVariants(nn.Module):
+    """Conv1d 'valid' stride 3, depthwise multiplier, dilated 'same', padding modes, ConvTranspose,
+    negative F.pad (cropping), reflect pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(3, 4, 3, stride=3, dilation=2, padding="valid")
+        self.dw = nn.Conv2d(4, 8, 3, groups=4, padding="same", dilation=2, bias=False)
+        self.refl = nn.Conv2d(8, 4, 3, padding=1, padding_mode="reflect")
+        self.repl = nn.Conv2d(4, 4, (1, 3), padding=(0, 2), padding_mode="replicate")
+        self.circ = nn.Conv2d(4, 2, 3, padding=1, padding_mode="circular", bias=False)
+        self.up = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x, y):  # x: (N, 3, 20), y: (N, 4, 7, 7)
+        a = self.c1(x)                                     # (N,4,6)
+        h = torch.relu(self.dw(y + a.unsqueeze(-1)[..., :1, :].mean()))
+        h = self.refl(h)
+        h = torch.tanh(self.repl(h))                       # (N,4,7,9)
+        h = F.pad(h, (-1, 0, 1, -2))                       # crop + pad
+        h = F.pad(h, (2, 1, 1, 1), mode="reflect")
+        h = self.circ(h)
+        u = self.up(h)
+        return (u * u).mean() + (a ** 2).mean()
+
+
+def build_conv_variants():
+    return ms.Case(ConvVariants(), {"x": randn(2, 3, 20), "y": randn(2, 4, 7, 7)},
+                   batch_dim=["x", "y"])
+
+
+class Upsample(nn.Module):
+    """F.interpolate (nearest, bilinear), PixelShuffle, ConvTranspose1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.ct = nn.ConvTranspose1d(2, 2, 4, stride=2)
+
+    def forward(self, x):  # (N, 2, 4, 4)
+        a = F.interpolate(x, scale_factor=2, mode="nearest")
+        b = F.pixel_shuffle(self.conv(x), 2)                 # (N,2,8,8)
+        c = F.interpolate(x, size=(6, 6), mode="bilinear", align_corners=False)
+        d = self.ct(x.flatten(2))
+        return (a * b).mean() + c.pow(2).mean() + torch.tanh(d).sum()
+
+
+class TensorOps(nn.Module):
+    """einsum, bmm, masked_fill, tril/triu, var/std, rsqrt, normalize, norm, cumsum, topk, roll,
+    repeat, logsumexp, amax, min."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6))
+        self.m = nn.Parameter(torch.randn(2, 6, 5))
+        self.s = nn.Parameter(torch.randn(5))
+
+    def forward(self, x, mask):  # x: (N, 4, 6), mask: (N, 4, 4) bool
+        h = x * self.w
+        e = torch.einsum("nij,kjl->nkil", h, self.m)                 # (N,2,4,5)
+        b = torch.bmm(h, h.transpose(1, 2)).masked_fill(mask, -1.5)  # (N,4,4)
+        t = torch.tril(b) + torch.triu(b, 1) * 0.5 + torch.triu(b, -1) * 0.1
+        r = torch.rsqrt(h.var(dim=-1, keepdim=True) + 1.0) + h.std(dim=1).mean()
+        n = F.normalize(h, dim=-1) * torch.norm(h, dim=1, keepdim=True) + torch.norm(self.w)
+        c = torch.cumsum(h, dim=2) + torch.cumsum(h.flip(1), dim=1).flip(1)
+        tk = torch.topk(h, 2, dim=-1).values.sum() + torch.topk(h, 3, dim=1, largest=False).values.mean()
+        ro = torch.roll(h, shifts=1, dims=2) + torch.roll(h, (2, -1), (1, 2))
+        rp = self.s.repeat(2, 3)                                      # (2, 15)
+        lse = torch.logsumexp(e, dim=-1).mean() + e.amax(dim=(1, 3)).sum() + h.min(dim=-1).values.sum()
+        loss = (e * e).mean() + (t * t).sum() * 0.1 + (r * n).sum() + (c * ro).mean()
+        return loss + tk + (rp * rp).sum() + lse + (h.repeat(1, 2, 1)[:, 3:6] ** 3).mean()
+
+
+def build_tensor_ops():
+    return ms.Case(TensorOps(), {"x": randn(2, 4, 6), "mask": torch.rand(2, 4, 4) > 0.6},
+                   batch_dim=["x", "mask"])
+
+
+class Indexing2(nn.Module):
+    """Multi-axis advanced indexing, 2-D index tensors, index_select on dim -1, take_along_dim,
+    index_add / scatter_add with repeated indices, movedim/permute/unflatten/uneven chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 6))
+        self.table = nn.Parameter(torch.randn(7, 3))
+
+    def forward(self, x, i1, i2, idx2d, tidx):  # x: (N, 5, 6)
+        h = torch.tanh(x * self.w)
+        a = h[:, i1, i2]                                   # (N, K) multi-axis
+        b = h[:, :, i2]                                    # negative ids on axis 2
+        c = self.table[idx2d]                              # (2, 3, 3) from a 2-D index
+        d = torch.index_select(h, -1, tidx.clamp(min=0))   # dim -1
+        e = torch.take_along_dim(h, tidx.clamp(min=0).view(1, 1, -1).expand(h.shape[0], 5, -1), dim=2)
+        f = torch.zeros(h.shape[0], 4, 6).index_add(1, torch.tensor([0, 3, 3, 1, 0]), h)
+        g = torch.zeros(h.shape[0], 5, 3).scatter_add(2, tidx.clamp(min=0).remainder(3)
+                                                       .view(1, 1, -1).expand(h.shape[0], 5, -1)[..., :6], h)
+        p = h.movedim(2, 1).unflatten(1, (2, 3)).permute(0, 3, 1, 2)  # (N,5,2,3)
+        q1, q2, q3 = p.flatten(2).chunk(3, dim=-1)
+        loss = (a * a).sum() + b.mean() + (c ** 2).sum() + (d * e).sum() + (f * f).mean()
+        return loss + (g ** 2).sum() + (q1 * q3).sum() + q2.mean()
+
+
+def build_indexing2():
+    return ms.Case(Indexing2(), {
+        "x": randn(3, 5, 6), "i1": torch.tensor([4, -1, 0, 2]), "i2": torch.tensor([-6, 5, 5, -2]),
+        "idx2d": torch.tensor([[0, 6, 6], [2, 0, 1]]), "tidx": torch.tensor([5, 0, 5, 2, 1, 1])},
+        batch_dim=["x"])
+
+
+class BroadcastMore(nn.Module):
+    """Broadcasting of (N,1) with (1,M), (C,1,1) divisors, scalars, maximum/minimum, pow with an
+    input base and parameter exponent, reciprocal/abs/log1p/expm1/erf/sin/cos."""
+
+    def __init__(self):
+        super().__init__()
+        self.row = nn.Parameter(torch.randn(1, 5))
+        self.chan = nn.Parameter(torch.rand(3, 1, 1) + 0.5)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.expo = nn.Parameter(torch.rand(1, 3, 1, 1) + 0.5)
+
+    def forward(self, x, u):  # x: (N, 3, 2, 5), u: (N, 1)
+        a = u * self.row - self.row / (u.abs() + 1.0)                  # (N,5)
+        h = x / self.chan + a[:, None, None, :] * self.scale          # (N,3,2,5)
+        m = torch.maximum(h, self.row) + torch.minimum(h, self.chan * 0.1)
+        p = (h.abs() + 0.5) ** self.expo + torch.reciprocal(self.chan + h.pow(2))
+        s = torch.log1p(h.abs()) + torch.expm1(h * 0.2) + torch.erf(h) + torch.sin(h) * torch.cos(a[:, None, None, :])
+        z = torch.where(h > 0, m, self.scale) + torch.sqrt(p)
+        loss = (z * s).mean() + p.sum(dim=(0, 2)).pow(2).mean() + m.mean(dim=-1, keepdim=True).sum()
+        return loss + torch.atan2(h, self.chan).mean() + (h.square() * self.scale).sum() * 0.01
+
+
+def build_broadcast_more():
+    return ms.Case(BroadcastMore(), {"x": randn(2, 3, 2, 5), "u": randn(2, 1)}, batch_dim=["x", "u"])
+
+
+class EmbPad(nn.Module):
+    """Embedding padding_idx=2, offset positions, LayerNorm without affine, RMSNorm,
+    masked mean pooling, MSE + cross-entropy."""
+
+    def __init__(self, vocab=10, dim=6, seq=5):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim, padding_idx=2)
+        self.pos = nn.Embedding(seq + 1, dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.rms = nn.RMSNorm(dim, eps=1e-5)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, ids, labels):
+        positions = torch.arange(1, ids.shape[1] + 1)
+        h = self.rms(self.norm(self.tok(ids) + self.pos(positions)))
+        keep = (ids != 2).to(h.dtype).unsqueeze(-1)
+        pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        logits = self.head(pooled)
+        return F.cross_entropy(logits, labels) + (h ** 2).mean() * 0.1, logits
+
+
+def build_emb_pad():
+    ids = torch.tensor([[2, 3, 3, 9, 2], [5, 5, 2, 1, 0], [7, 7, 7, 2, 2]])
+    return ms.Case(EmbPad(), {"ids": ids, "labels": torch.tensor([2, 0, 2])},
+                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+
+
+class DynMlp(nn.Module):
+    """MLP with BatchNorm1d (eval) and Dropout (eval), exported with a dynamic batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x, target):
+        h = self.drop(F.silu(self.bn(self.fc1(x))))
+        y = self.fc2(h)
+        return F.binary_cross_entropy_with_logits(y, target) + F.mse_loss(y.mean(0), target.mean(0)), y
+
+
+def build_dyn_mlp():
+    return ms.Case(DynMlp(), {"x": randn(3, 6), "target": (torch.rand(3, 2) > 0.5).float()},
+                   batch_dim=["x", "target"], extra_outputs=["logits"])
+
+
+class DynCnn(nn.Module):
+    """Conv + BatchNorm2d + flatten(1) + Linear with a dynamic batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2)
+        self.bn = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 3 * 3, 4)
+
+    def forward(self, x, labels):
+        h = torch.relu(self.bn(self.conv(x)))
+        logits = self.fc(h.flatten(1))
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_dyn_cnn():
+    return ms.Case(DynCnn(), {"x": randn(3, 2, 7, 7), "labels": torch.tensor([0, 3, 1])},
+                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+
+
+class F64Mlp(nn.Module):
+    """float64 parameters and inputs: Linear, LayerNorm, Conv1d, GELU, softmax, MSE."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, target):  # x: (N, 2, 8)
+        h = F.gelu(self.ln(self.conv(x)))
+        y = torch.softmax(self.fc(h), -1)
+        return F.mse_loss(y.mean(1), target), y
+
+
+def build_f64():
+    m = F64Mlp().double()
+    return ms.Case(m, {"x": randn(2, 2, 8).double(), "target": torch.rand(2, 4).double()},
+                   batch_dim=["x", "target"], extra_outputs=["probs"])
+
+
+class MultiOut(nn.Module):
+    """Several outputs, the loss last."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        feats = torch.relu(self.fc1(x))
+        logits = self.fc2(feats)
+        return logits, feats.sum(-1), F.cross_entropy(logits, labels)
+
+
+def build_multi_out():
+    return ms.Case(MultiOut(), {"x": randn(4, 4), "labels": torch.tensor([2, 0, 1, 2])},
+                   batch_dim=["x", "labels"])
+
+
+class TransformerVar(nn.Module):
+    """TransformerEncoder (2 layers, norm_first, gelu, batch_first=False) with a causal mask."""
+
+    def __init__(self, d=12, classes=3):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, nhead=3, dim_feedforward=20, dropout=0.1,
+                                           activation="gelu", norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, labels):  # x: (T, N, d)
+        t = x.shape[0]
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        h = self.enc(x, mask=mask)
+        logits = self.head(h[-1])
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_transformer_var():
+    return ms.Case(TransformerVar(), {"x": randn(4, 2, 12), "labels": torch.tensor([2, 0])},
+                   batch_dim=[], extra_outputs=["logits"], notes="sequence-first input; no batch axis 0")
+
+
+class HfGpt2Var(nn.Module):
+    """GPT2LMHeadModel, 1 layer, 3 heads, left padding in attention_mask and -100 labels."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=1, n_embd=24, n_head=3, vocab_size=40, n_positions=16,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                            bos_token_id=0, eos_token_id=0, activation_function="gelu",
+                            attn_implementation="eager")
+        self.gpt = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids, attention_mask, labels):
+        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                       use_cache=False)
+        return out.loss, out.logits
+
+
+def build_gpt2_hf_var():
+    ids = torch.randint(0, 40, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ms.Case(HfGpt2Var(), {"input_ids": ids, "attention_mask": mask, "labels": labels},
+                   batch_dim=["input_ids", "attention_mask", "labels"], extra_outputs=["logits"])
+
+
+class ResnetDown(nn.Module):
+    """Downsampling residual block: stride-2 conv, 1x1 projection shortcut with BN,
+    AdaptiveAvgPool2d((2, 2)), AdaptiveMaxPool2d(1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.proj = nn.Conv2d(3, 6, 1, stride=2, bias=False)
+        self.bnp = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6 * 4 + 6, 5)
+
+    def forward(self, x, labels):
+        h = F.relu6(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h)) + self.bnp(self.proj(x))
+        h = F.hardswish(h)
+        a = F.adaptive_avg_pool2d(h, (2, 2)).flatten(1)
+        m = F.adaptive_max_pool2d(h, 1).flatten(1)
+        logits = self.fc(torch.cat([a, m], 1))
+        return F.cross_entropy(logits, labels, label_smoothing=0.05), logits
+
+
+def build_resnet_down():
+    return ms.Case(ResnetDown(), {"x": randn(2, 3, 8, 8), "labels": torch.tensor([4, 0])},
+                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+
+
+def simple(model_cls, inputs, batch_dim, extra=()):
+    return lambda: ms.Case(model_cls(), {k: v() for k, v in inputs.items()}, batch_dim=batch_dim,
+                           extra_outputs=list(extra))
+
+
+VARIANTS: dict[str, Variant] = {
+    "acts_smooth": Variant(simple(ActsSmooth, {"x": lambda: randn(5, 7), "target": lambda: randn(5, 3)},
+                                  ["x", "target"], ["pred"]), 101, ["loss", "pred"]),
+    "acts_piecewise": Variant(simple(ActsPiecewise, {"x": lambda: randn(6, 5), "target": lambda: randn(6, 4)},
+                                     ["x", "target"], ["pred"]), 102, ["loss", "pred"]),
+    "cls_losses": Variant(build_cls_losses, 103, ["loss", "logits"]),
+    "cnn_pools": Variant(build_cnn_pools, 104, ["loss", "logits"]),
+    "pools_1d3d": Variant(simple(Pools1d3d, {"x": lambda: randn(2, 2, 12, 12)}, ["x"]), 105),
+    "conv_variants": Variant(build_conv_variants, 106),
+    "upsample": Variant(simple(Upsample, {"x": lambda: randn(2, 2, 4, 4)}, ["x"]), 107),
+    "tensor_ops": Variant(build_tensor_ops, 108),
+    "indexing2": Variant(build_indexing2, 109),
+    "broadcast_more": Variant(build_broadcast_more, 110),
+    "emb_pad": Variant(build_emb_pad, 111, ["loss", "logits"]),
+    "dyn_mlp": Variant(build_dyn_mlp, 112, ["loss", "logits"], dynamic=True),
+    "dyn_cnn": Variant(build_dyn_cnn, 113, ["loss", "logits"], dynamic=True),
+    "f64_mlp": Variant(build_f64, 114, ["loss", "probs"]),
+    "multi_out": Variant(build_multi_out, 115, ["logits", "feat_sum", "loss"]),
+    "transformer_var": Variant(build_transformer_var, 116, ["loss", "logits"]),
+    "gpt2_hf_var": Variant(build_gpt2_hf_var, 117, ["loss", "logits"]),
+    "resnet_down": Variant(build_resnet_down, 118, ["loss", "logits"]),
+}
+
+
+# --------------------------------------------------------------------------
+# Torch reference (as make_samples.torch_reference, keeping the tensors' dtype and
+# taking the loss from any output position)
+# --------------------------------------------------------------------------
+def torch_reference(model: nn.Module, inputs: dict, loss_index: int) -> ms.TorchReference:
+    with torch.no_grad():
+        plain = model(*inputs.values())
+        plain_loss = (plain[loss_index] if isinstance(plain, tuple) else plain).item()
+    m = ms.differentiable_copy(model)
+    args = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+    out = m(*args.values())
+    loss = out[loss_index] if isinstance(out, tuple) else out
+    assert math.isclose(loss.item(), plain_loss, rel_tol=1e-6, abs_tol=1e-7), (loss.item(), plain_loss)
+    tensors = ms.named_float_tensors(m)
+    canonical = {}
+    for name, t in tensors.items():
+        canonical.setdefault(id(t), name)
+    owner = {name: canonical[id(t)] for name, t in tensors.items()}
+    wrt = [tensors[n] for n in canonical.values()]
+    float_inputs = [k for k, v in args.items() if v.is_floating_point()]
+    wrt += [args[k] for k in float_inputs]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    grads = [np.zeros_like(t.detach().numpy()) if g is None else g.detach().numpy()
+             for t, g in zip(wrt, grads)]
+    n = len(canonical)
+    return ms.TorchReference(loss=loss.item(),
+                             values={k: v.detach().numpy() for k, v in tensors.items()}, owner=owner,
+                             grads=dict(zip(canonical.values(), grads[:n])),
+                             input_grads=dict(zip(float_inputs, grads[n:])))
+
+
+# --------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------
+def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool, optimize: bool = True):
+    args = tuple(case.inputs.values())
+    if exporter == "legacy":
+        settings = dict(dynamo=False, opset_version=ms.LEGACY_OPSET, do_constant_folding=False,
+                        training=torch.onnx.TrainingMode.PRESERVE, export_params=True,
+                        keep_initializers_as_inputs=False)
+        if dynamic:
+            settings["dynamic_axes"] = {k: {0: "batch"} for k in case.batch_dim}
+        buf = io.BytesIO()
+        with ms.quiet():
+            torch.onnx.export(case.model, args, buf, input_names=list(case.inputs),
+                              output_names=output_names, **settings)
+        settings["training"] = "PRESERVE"
+        return onnx.load_from_string(buf.getvalue()), settings
+    settings = dict(dynamo=True, optimize=optimize)
+    kwargs = dict(settings)
+    if dynamic:
+        batch = torch.export.Dim("batch", min=2, max=1024)
+        kwargs["dynamic_shapes"] = tuple({0: batch} if k in case.batch_dim else None for k in case.inputs)
+        settings["dynamic_shapes"] = "batch axis 0 = torch.export.Dim('batch')"
+    with ms.quiet():
+        program = torch.onnx.export(case.model, args, input_names=list(case.inputs),
+                                    output_names=output_names, **kwargs)
+    if optimize:
+        return program.model_proto, settings
+    params = set(ms.named_float_tensors(case.model)) | {
+        n for n, _ in case.model.named_buffers(remove_duplicate=False)}
+    model = ms.initializers_to_constants(program.model_proto, keep=params)
+    model = ms.initializers_to_constants(ms.fold_constants_keeping_params(model), keep=params)
+    settings["post_process"] = "initializers_to_constants + fold_constants_keeping_params"
+    return model, settings
+
+
+def loss_first_view(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose first output is `loss` (for make_samples' initializer matching)."""
+    view = copy.deepcopy(model)
+    outs = list(view.graph.output)
+    outs.sort(key=lambda o: o.name != "loss")
+    del view.graph.output[:]
+    view.graph.output.extend(outs)
+    return view
+
+
+def export_checked(case, exporter, ref, output_names, dynamic):
+    attempts = [{}] if exporter == "legacy" else [{"optimize": True}, {"optimize": False}]
+    error = None
+    for kwargs in attempts:
+        model, settings = export(case, exporter, output_names, dynamic, **kwargs)
+        model = ms.inline_functions(model)
+        ms.strip_node_metadata(model)
+        try:
+            return model, ms.match_initializers(loss_first_view(model), ref), settings
+        except ms.MappingError as exc:
+            error = exc
+    raise error
+
+
+# --------------------------------------------------------------------------
+# gradgen checks
+# --------------------------------------------------------------------------
+def feeds_of(model: onnx.ModelProto, inputs: dict) -> dict[str, np.ndarray]:
+    names = [vi.name for vi in model.graph.input]
+    return {k: inputs[k].numpy() for k in names}
+
+
+def check_forward_ort(model, feeds, where):
+    session = ms.ort_session(model)
+    want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    got = Session(model).run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, float(np.abs(value).max(initial=0))),
+                                   err_msg=f"{where}: output {name}")
+
+
+def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Path | None) -> str:
+    where = f"{name}_{exporter}"
+    loss_index = variant.outputs.index("loss")
+    try:
+        model, mapping, settings = export_checked(case, exporter, ref, variant.outputs, variant.dynamic)
+    except Exception as exc:  # noqa: BLE001
+        return f"skip (export: {type(exc).__name__}: {str(exc).splitlines()[0][:150]})"
+    feeds = feeds_of(model, case.inputs)
+    ms.check_forward(loss_first_view(model), feeds, ref.loss)
+    arrays = ms.reference_arrays(ref, mapping, feeds)
+    batch_dim = [k for k in case.batch_dim if k in feeds]
+    _check_gradients(model, feeds, arrays, where)
+    _check_gradients(with_symbolic_batch(model, batch_dim), feeds, arrays, where + " (symbolic batch)")
+    check_forward_ort(model, feeds, where)
+    extra = ""
+    if variant.dynamic:
+        bigger = {k: torch.cat([v, v[:1]]) if k in batch_dim else v for k, v in case.inputs.items()}
+        ref2 = torch_reference(case.model, bigger, loss_index)
+        feeds2 = feeds_of(model, bigger)
+        _check_gradients(model, feeds2, ms.reference_arrays(ref2, mapping, feeds2), where + " (batch+1)")
+        extra = ", batch+1 ok"
+    if save_dir is not None:
+        meta = {
+            "family": name, "exporter": exporter, "opset": ms.opset_of(model),
+            "inputs": {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()},
+            "outputs": [o.name for o in model.graph.output], "ops": ms.op_list(model),
+            "torch": torch.__version__.split("+")[0], "onnx": onnx.__version__,
+            "batch_dim": batch_dim,
+            "batch_symbolic_ok": ms.check_symbolic_batch(loss_first_view(model), feeds, batch_dim),
+            "export_settings": settings, "initializer_to_torch": mapping,
+            "notes": (variant.notes or (type(case.model).__doc__ or "").strip().replace("\n", " ")),
+        }
+        ms.save_dir(save_dir / where, model, feeds, arrays, meta)
+        extra += ", saved"
+    return f"ok ({len(ms.op_list(model))} ops{extra})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append")
+    parser.add_argument("--exporter", choices=ms.EXPORTERS, action="append")
+    parser.add_argument("--save", action="append", default=[],
+                        help="variant or variant_exporter to save as a fixture directory")
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "models")
+    parser.add_argument("--traceback", action="store_true")
+    args = parser.parse_args(argv)
+    failed = 0
+    for name, variant in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        torch.manual_seed(variant.seed)
+        case = variant.build()
+        case.model.eval()
+        ms.perturb_(case.model)
+        ref = torch_reference(case.model, case.inputs, variant.outputs.index("loss"))
+        for exporter in args.exporter or ms.EXPORTERS:
+            save = args.out if {name, f"{name}_{exporter}"} & set(args.save) else None
+            try:
+                result = run_one(name, variant, exporter, case, ref, save)
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                result = f"FAIL {type(exc).__name__}: {str(exc).strip()[:600]}"
+                if args.traceback:
+                    traceback.print_exc()
+            print(f"{name:16s} {exporter:7s} {result}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
