@@ -30,10 +30,51 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
 
 
 class ShapeInferencePass(ir.passes.InPlacePass):
-    """ONNX shape inference (with data propagation); keeps the types gradgen set on its own ops."""
+    """ONNX shape inference (with data propagation) written back onto the model's values.
+
+    Only types and shapes travel back (by value name): cheaper than rebuilding the whole model
+    from the inferred protobuf, and types already set (e.g. on com.microsoft outputs) are kept
+    where inference knows nothing.
+    """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return ir_common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        proto = ir.to_proto(model)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as exc:
+            raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
+        values = _values_by_name(model.graph)
+        modified = False
+        for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+            value = values.get(info.name)
+            if value is None or not info.type.HasField("tensor_type"):
+                continue
+            shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+            elem_type = info.type.tensor_type.elem_type
+            if value.type is None and elem_type:
+                value.type = ir.TensorType(ir.DataType(elem_type))
+                modified = True
+            if shape is not None and (value.shape is None or _more_specific(shape, value.shape)):
+                value.shape = shape
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values = {v.name: v for v in graph.inputs}
+    for node in graph:
+        for out in node.outputs:
+            if out.name:
+                values[out.name] = out
+    return values
+
+
+def _more_specific(new: ir.Shape, old: ir.Shape) -> bool:
+    """True when ``new`` knows a dimension ``old`` does not (same rank), or ``old`` has a different rank."""
+    if len(new) != len(old):
+        return False
+    return any(isinstance(n, int) and not isinstance(o, int) for n, o in zip(new, old)) or any(
+        not isinstance(n, int) and n.value and not isinstance(o, int) and not o.value for n, o in zip(new, old))
 
 
 class NameNodesPass(ir.passes.InPlacePass):
