@@ -15,17 +15,21 @@ that training model in ONNX Runtime training itself and records, next to it:
 * ``ort_outputs.npz``      what ORT training computed for the sample's inputs: every graph output
                            (``out/<name>``) and every parameter gradient as the training API
                            (``Module.train_step``) left it in the gradient buffer (``grad/<param>``);
-* ``ort_nodes.npz``        the inputs and outputs of every non-standard (com.microsoft) node of the
-                           training graph as ORT computed them (``<node>/in<i>``, ``<node>/out<i>``),
-                           for per-kernel unit tests;
-* ``ort_ops.npz`` (top level) extra single-node cases of the same ops with other attributes.
+* ``ort_nodes.npz``        the inputs and outputs of every node of the training graph whose op is not
+                           in the ONNX standard (com.microsoft ops, and MaxPoolGrad/AveragePoolGrad,
+                           which ORT registers in the default domain) as ORT computed them
+                           (``<index>_<op>/in<i>``, ``<index>_<op>/out<i>``), for per-kernel tests.
 
-It needs an environment with ONNX Runtime training (whose last wheels, 1.19.2, stop at Python
-3.11)::
+A sample ORT cannot build or run gets a meta.json saying why (``generate_error``, ``run_error``).
+At the top level, ``ort_ops.json`` and ``ort_ops.npz`` hold single-node cases of the same ops (and
+a few related ones) with other attributes and optional inputs/outputs, computed by ORT.
 
-    python3.11 -m venv /tmp/ortvenv
-    /tmp/ortvenv/bin/pip install "onnxruntime-training-cpu==1.19.2" "numpy<2" "onnx==1.16.*" torch
-    /tmp/ortvenv/bin/python scripts/make_ort_artifacts.py [--only NAME]... [--out DIR]
+It needs a separate environment with ONNX Runtime training, whose last wheels (1.19.2) stop at
+Python 3.11 (ORT training's import also needs torch); make it outside the repository::
+
+    python3.11 -m venv ../ortvenv
+    ../ortvenv/bin/pip install "onnxruntime-training-cpu==1.19.2" "numpy<2" "onnx==1.16.*" torch
+    ../ortvenv/bin/python scripts/make_ort_artifacts.py [--only NAME]... [--out DIR]
 
 It does not import gradgen.
 """

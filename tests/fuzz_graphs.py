@@ -28,6 +28,10 @@ from onnx import TensorProto, helper, numpy_helper
 from gradgen.executor import Session
 
 MARGIN = 1e-3
+# Graphs whose tensors become empty (a Slice to nothing) hit a known bug of the gradient builder
+# (Reshape to a static shape holding 0 without allowzero=1: see test_fuzz.py's xfail regressions).
+# Until it is fixed they are rejected, so that the fuzzer looks further; set True to include them.
+ALLOW_EMPTY = False
 INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min
 
@@ -70,6 +74,8 @@ class FuzzGraph:
         values.update(self.inputs)
         if not all(np.all(np.isfinite(v)) and np.all(np.abs(v) < 1e6) for v in values.values()):
             return False
+        if not ALLOW_EMPTY and any(v.size == 0 for v in values.values()):
+            return False
         for kink in self.kinks:
             if kink[0] == "zero" and np.any(np.abs(values[kink[1]]) < MARGIN):
                 return False
@@ -103,8 +109,8 @@ class FuzzGraph:
 
 
 class _Builder:
-    def __init__(self, draw, rng: np.random.Generator, opset: int):
-        self.draw, self.rng, self.opset = draw, rng, opset
+    def __init__(self, draw, rng: np.random.Generator, opset: int, symbolic: bool):
+        self.draw, self.rng, self.opset, self.symbolic = draw, rng, opset, symbolic
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: dict[str, np.ndarray] = {}
         self.consts: dict[str, np.ndarray] = {}
@@ -226,6 +232,8 @@ def _transpose(draw, b: _Builder, x, shape):
 
 def _reshape(draw, b: _Builder, x, shape):
     total = int(np.prod(shape))
+    if total == 0:  # 0 in a Reshape target copies a dim (allowzero=0): keep empty tensors away from Reshape
+        return _unary(draw, b, x, shape)
     factors = [p for p in (2, 3, 5, 7) for _ in range(20) if total % p ** (_ + 1) == 0]
     target, rest = [], list(factors)
     for _ in range(draw(st.integers(0, 3))):
@@ -274,7 +282,7 @@ def _slice(draw, b: _Builder, x, shape):
         starts.append(start)
         ends.append(end)
         steps.append(step)
-        out[axis] = len(range(n)[slice(_clamp(start, n, step, True), _clamp(end, n, step, False), step)])
+        out[axis] = slice_length(start, end, step, n)
     use_neg = draw(st.booleans())
     inputs = [x, b.const(np.array(starts, np.int64), "starts"), b.const(np.array(ends, np.int64), "ends"),
               b.const(np.array([a - len(shape) if use_neg else a for a in axes], np.int64), "axes"),
@@ -282,15 +290,14 @@ def _slice(draw, b: _Builder, x, shape):
     return b.op("Slice", inputs, out)
 
 
-def _clamp(value: int, n: int, step: int, is_start: bool):
-    """ONNX Slice's clamping of a start / end, as a Python slice bound (None: open)."""
-    if value < 0:
-        value += n
+def slice_length(start: int, end: int, step: int, n: int) -> int:
+    """The length of ONNX Slice's output along an axis of size n (the spec's clamping rules)."""
+    start, end = start + n if start < 0 else start, end + n if end < 0 else end
     if step > 0:
-        return min(max(value, 0), n)
-    if value < 0:
-        return None if not is_start else -n - 1  # before the first element: open end
-    return min(value, n - 1)
+        start, end = min(max(start, 0), n), min(max(end, 0), n)
+    else:
+        start, end = min(max(start, 0), n - 1), min(max(end, -1), n - 1)
+    return len(range(start, end, step))
 
 
 def _gather(draw, b: _Builder, x, shape):
@@ -338,7 +345,7 @@ def _squeeze(draw, b: _Builder, x, shape):
     ones = [i for i, d in enumerate(shape) if d == 1]
     if not ones:
         return _unsqueeze(draw, b, x, shape)
-    if draw(st.booleans()):
+    if not b.symbolic and draw(st.booleans()):  # without axes and with symbolic dims, the rank is unknown
         return b.op("Squeeze", [x], [d for d in shape if d != 1])
     axis = draw(st.sampled_from(ones))
     return b.op("Squeeze", [x, b.const(np.array([axis - len(shape)], np.int64), "axes")],
@@ -353,7 +360,7 @@ _STEP = {"unary": _unary, "binary": _binary, "reduce": _reduce, "softmax": _soft
 @st.composite
 def graphs(draw, min_steps: int = 2, max_steps: int = 6, steps: list[str] | None = None) -> FuzzGraph:
     opset = draw(st.sampled_from([13, 17, 18]))
-    b = _Builder(draw, np.random.default_rng(draw(st.integers(0, 2**32 - 1))), opset)
+    b = _Builder(draw, np.random.default_rng(draw(st.integers(0, 2**32 - 1))), opset, draw(st.booleans()))
     first = b.new_input(_dims(draw, draw(st.integers(0, 3))))
     b.pool.append((first, tuple(b.inputs[first].shape)))
     for _ in range(draw(st.integers(min_steps, max_steps))):
@@ -369,7 +376,7 @@ def graphs(draw, min_steps: int = 2, max_steps: int = 6, steps: list[str] | None
         prod = b.op("Mul", [name, w], shape)
         terms.append(b.op("ReduceSum", [prod], (), keepdims=0))
     b.nodes.append(helper.make_node("Sum", terms, ["loss"], name="loss_sum"))
-    return FuzzGraph(b.nodes, b.inputs, b.consts, b.intermediates, b.kinks, opset, draw(st.booleans()))
+    return FuzzGraph(b.nodes, b.inputs, b.consts, b.intermediates, b.kinks, opset, b.symbolic)
 
 
 # -- one-node kernel cases, for comparisons with onnxruntime ----------------------------------

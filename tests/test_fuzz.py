@@ -6,6 +6,7 @@ well under a minute) and ``long`` (>= 1000 random graphs; see docs/FUZZ.md).
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -193,9 +194,13 @@ def shape_cases(draw):
     if op == "Slice":
         n = shape[axis]
         bound = st.one_of(st.integers(-n - 2, n + 2), st.sampled_from([fg.INT64_MAX, fg.INT64_MIN]))
-        steps = draw(st.sampled_from([1, 2, -1, -3]))
-        return fg.KernelCase(op, [x, np.array([draw(bound)]), np.array([draw(bound)]), np.array([axis]),
-                                  np.array([steps])], const=(1, 2, 3, 4))
+        step = draw(st.sampled_from([1, 2, -1, -3]))
+        start, end = draw(bound), draw(bound)
+        # onnxruntime reads end = INT64_MAX with a negative step as "to the front", the spec clamps it to
+        # n - 1 (gradgen follows the spec): test_regression_slice_int64_max_end_negative_step pins it
+        assume(not (end == fg.INT64_MAX and step < 0))
+        return fg.KernelCase(op, [x, np.array([start]), np.array([end]), np.array([axis]),
+                                  np.array([step])], const=(1, 2, 3, 4))
     if op == "Squeeze":
         ones = [i for i, d in enumerate(shape) if d == 1]
         if not ones:
@@ -428,4 +433,59 @@ def test_regression_erf_double_has_no_onnxruntime_kernel():
     case = fg.KernelCase("Erf", [np.array(0.125)])
     with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
         ort.InferenceSession(case.model().SerializeToString(), providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(Session(case.model()).run(case.feeds())["out0"], 0.14030894, rtol=1e-6)
+    np.testing.assert_allclose(Session(case.model()).run(case.feeds())["out0"], math.erf(0.125), rtol=1e-12)
+
+
+@pytest.mark.xfail(strict=True, reason="Builder.reshape / reshape_like (gradgen/grads/builder.py) emit Reshape to a "
+                   "shape holding 0 without allowzero=1, so the Unsqueeze/Squeeze/Reshape rule fails on empty tensors")
+def test_regression_unsqueeze_of_an_empty_tensor():
+    """loss = sum(unsqueeze(x, 0) * w) with x: [0, 1] (found as Slice-to-empty -> Unsqueeze)."""
+    nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["u"], name="unsq"),
+             helper.make_node("ReduceSum", ["u"], ["loss"], keepdims=0, name="sum")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [0, 1])],
+                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+                              initializer=[onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    built = gradgen.build_backward(model, wrt=["x"])
+    assert Session(built.model).run({"x": np.zeros((0, 1))})["x_grad"].shape == (0, 1)
+
+
+@pytest.mark.parametrize("start", [0, -1, 2, fg.INT64_MAX, fg.INT64_MIN])
+@pytest.mark.parametrize("step", [-1, -2])
+def test_regression_slice_int64_max_end_negative_step(start, step):
+    """Found by the kernel fuzzer: end = INT64_MAX with a negative step. The spec clamps end to n - 1
+    (an empty or short result); onnxruntime 1.32 slices to the front instead. gradgen follows the spec."""
+    x = np.arange(3, dtype=np.float32)
+    case = fg.KernelCase("Slice", [x, np.array([start]), np.array([fg.INT64_MAX]), np.array([0]), np.array([step])],
+                         const=(1, 2, 3, 4))
+    got = Session(case.model()).run(case.feeds())["out0"]
+    assert got.shape == (fg.slice_length(start, fg.INT64_MAX, step, 3),)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_regression_slice_lengths_follow_the_spec(n):
+    """The graph fuzzer's own shape bookkeeping once disagreed with Slice's clamping (start < -n with a
+    negative step clamps to 0, not to 'before the front'); pin gradgen and the bookkeeping to the spec."""
+    x = np.arange(n, dtype=np.float32)
+    values = list(range(-n - 2, n + 3)) + [fg.INT64_MAX, fg.INT64_MIN]
+    for start in values:
+        for end in values:
+            for step in (1, 2, -1, -2):
+                case = fg.KernelCase("Slice", [x, np.array([start]), np.array([end]), np.array([0]),
+                                               np.array([step])], const=(1, 2, 3, 4))
+                got = Session(case.model()).run(case.feeds())["out0"]
+                assert got.shape == (fg.slice_length(start, end, step, n),), (start, end, step)
+
+
+def test_regression_matmul_after_axisless_squeeze_with_symbolic_dims():
+    """Found by the graph fuzzer: Squeeze without axes on symbolic dims has an unknown rank, and the
+    MatMul rule needs ranks. Not a crash: a model error naming the node (the fuzzer no longer draws it)."""
+    nodes = [helper.make_node("Squeeze", ["x"], ["s"], name="sq"),
+             helper.make_node("MatMul", ["s", "w"], ["y"], name="mm"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["a", "b"]),
+                                           helper.make_tensor_value_info("w", TensorProto.DOUBLE, [2, 1])],
+                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(gradgen.errors.ModelError, match="'mm'.*ranks"):
+        gradgen.build_backward(model, wrt=["x", "w"])

@@ -26,7 +26,7 @@ and outputs (names and types).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -59,7 +59,7 @@ class Lowering:
 
     domain: str
     op_type: str
-    fn: Callable[["Emitter", ir.Node], Sequence[ir.Value | None]]
+    fn: Callable[[Emitter, ir.Node], Sequence[ir.Value | None]]
     min_opset: Callable[[ir.Node], int]
 
 
@@ -148,7 +148,7 @@ def _convert_opset(model: ir.Model, target: int) -> None:
     current = _opset(model)
     try:
         converted = onnx.version_converter.convert_version(ir.to_proto(model), target)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (the converter raises many kinds)
         raise ModelError(f"portable mode needs opset {target} (the model has {current}) and ONNX's version converter "
                          f"could not convert the model: {exc}") from None
     converted.ir_version = max(converted.ir_version, _ir_version_for(target))
@@ -459,11 +459,7 @@ def _slice_pads(e: Emitter, node: ir.Node) -> list[int] | None:
     return begin + end
 
 
-def _slice_grad_opset(node: ir.Node) -> int:
-    return _zeros_opset(0)(node)
-
-
-@register_lowering("SliceGrad", min_opset=_slice_grad_opset)
+@register_lowering("SliceGrad", min_opset=_zeros_opset(0))
 def lower_slice_grad(e: Emitter, node: ir.Node):
     """dX = zeros(shape) with dY written where Slice(starts, ends, axes, steps) reads."""
     dy, shape, starts, ends = (_input(node, i) for i in range(4))
@@ -606,7 +602,7 @@ def _conv_pads(e: Emitter, node: ir.Node, x: ir.Value, kernel, kernel_value, str
 def _pads_vector(e: Emitter, begin, end, lead: int = 2) -> ir.Value:
     """Pad's pads for a tensor with ``lead`` unpadded leading axes."""
     zeros = e.ints([0] * lead)
-    as_value = lambda v: v if isinstance(v, ir.Value) else e.ints(v)  # noqa: E731
+    as_value = lambda v: v if isinstance(v, ir.Value) else e.ints(v)
     return e.cat(zeros, as_value(begin), zeros, as_value(end))
 
 

@@ -367,3 +367,36 @@ def test_backward_model_matches_cpu(name):
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(value).max())),
                                    err_msg=key)
+
+
+@pytest.mark.parametrize("case", [CONV_CASES[4], CONV_CASES[6], CONV_CASES[2]], ids=_conv_ids)
+def test_conv_grad_streams_and_execute_forms_agree(rt, case):
+    """ConvGrad on two side streams and on the default stream, through both cuDNN execute forms:
+    bit-identical results."""
+    from gradgen.kernels.cuda import conv
+
+    x_shape, w_shape, attrs, _ = case
+    rng = np.random.default_rng(12)
+    x, w = rand(rng, x_shape), rand(rng, w_shape)
+    dy = rand(rng, cpu_nn.conv(x, w, **attrs).shape)
+    args = [rt.to_device(a) for a in (dy, x, w)]
+    outs = []
+    combos = ((True, True, True), (False, True, True), (False, True, False), (False, False, False),
+              (True, False, False))
+    try:
+        for concurrent, fast, native in combos:
+            conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = concurrent, fast, native
+            conv._GRAPHS.clear()
+            first = [rt.to_host(o) for o in conv.conv_grad(*args, **attrs)]
+            second = [rt.to_host(o) for o in conv.conv_grad(*args, **attrs)]  # the native call runs from the 2nd on
+            for a, b in zip(first, second):
+                assert np.array_equal(a, b)
+            outs.append(second)
+    finally:
+        conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = True, True, True
+        conv._GRAPHS.clear()
+    want = cpu_ms.conv_grad(dy, x, w, **attrs)
+    for got in outs:
+        for g, wv, first in zip(got, want, outs[0]):
+            check(g, wv, scale=10.0)
+            assert np.array_equal(g, first)

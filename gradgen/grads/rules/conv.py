@@ -14,9 +14,9 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
+from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.grads.registry import grad_rule
-from gradgen.grads.rules.shape import concat_ints, dims_value
+from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
@@ -78,7 +78,8 @@ def conv_transpose(g):
     dw = _conv_grad(g, x, dy, w, [False, True], [None, w], **conv_attrs)[1] if g.needs(1) else None
     db = None
     if b is not None and g.needs(2):
-        db = g.reduce_sum(dy, [0] + list(range(2, _rank(g, x))), keepdims=0)
+        rank = g.rank(x) if g.rank(x) is not None else g.rank(w)  # W is (C, M/group, k1, ...)
+        db = g.reduce_sum(dy, [0] + list(range(2, rank if rank is not None else _rank(g, x))), keepdims=0)
     return [dx, dw, db][: len(g.node.inputs)]
 
 
@@ -204,3 +205,76 @@ def global_max_pool(g):
     mask = g.cast_like(g.op("Equal", x, g.y()), x)
     count = g.reduce_sum(mask, list(range(2, _rank(g, x))), keepdims=1)
     return [g.op("Mul", mask, g.op("Div", g.dy(), count))]
+
+
+@grad_rule("Resize", nondiff_inputs=(1, 2, 3))
+def resize(g):
+    """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,
+    so dX applies M^T axis by axis (a MatMul with M on dY moved to the last axis). The matrices are
+    built at build time, so the resized axes need static sizes and constant scales/sizes."""
+    from gradgen.kernels.cpu.nn import resize_geometry, resize_matrices
+
+    x = g.x(0)
+    if not g.needs(0):
+        return [None]
+    if int(g.attr("antialias", 0)):
+        raise ModelError(f"{_where(g)}: Resize with antialias=1 has no gradient rule")
+    ctm = _str(g.attr("coordinate_transformation_mode", "half_pixel"))
+    if ctm == "tf_crop_and_resize":
+        raise ModelError(f"{_where(g)}: Resize with tf_crop_and_resize has no gradient rule")
+    xd, yd = dims_of(x), dims_of(g.y())
+    if xd is None:
+        raise ModelError(f"{_where(g)}: the rank of {x.name!r} is unknown; its gradient needs it")
+    rank = len(xd)
+    attrs = {k: g.attr(k) for k in ("mode", "coordinate_transformation_mode", "nearest_mode",
+                                    "cubic_coeff_a", "exclude_outside")}
+    if g.opset < 11:
+        scales, sizes = folded_const(g, 1), None
+        attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    else:
+        scales, sizes = folded_const(g, 2), folded_const(g, 3)
+    chosen = list(range(rank)) if g.attr("axes") is None else [int(a) % rank for a in g.attr("axes")]
+    has_sizes = g.opset >= 11 and len(g.node.inputs) > 3 and g.x(3) is not None
+    if sizes is not None and np.asarray(sizes).size:
+        sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+    elif has_sizes and yd is not None:
+        sizes = [yd[a] for a in chosen]  # the inferred output shape (may hold symbols)
+    else:
+        sizes = None
+    if sizes is None and (scales is None or not np.asarray(scales).size):
+        raise ModelError(f"{_where(g)}: Resize needs constant scales or sizes (or a static output shape) "
+                         "for its gradient")
+    policy = _str(g.attr("keep_aspect_ratio_policy", "stretch"))
+    if sizes is not None and policy != "stretch":
+        if not is_static(xd) or not is_static(sizes):
+            raise ModelError(f"{_where(g)}: Resize with keep_aspect_ratio_policy={policy!r} needs static "
+                             "shapes for its gradient")
+        shape_in = list(xd)
+        shape_out, factors = resize_geometry(shape_in, None, sizes, axes=chosen, keep_aspect_ratio_policy=policy)
+    else:
+        scale_list = None if sizes is not None else [float(v) for v in np.asarray(scales, np.float64).reshape(-1)]
+        shape_in, shape_out, factors = [], [], []
+        for a, n_in in enumerate(xd):
+            k = chosen.index(a) if a in chosen else None
+            n_out = n_in if k is None else (sizes[k] if sizes is not None else None)
+            if k is not None and sizes is None:
+                n_out = math.floor(n_in * scale_list[k]) if isinstance(n_in, int) else (
+                    n_in if scale_list[k] == 1.0 else None)
+            identity = n_out is not None and same_dim(n_in, n_out) and (
+                sizes is not None or k is None or scale_list[k] == 1.0)
+            if identity and not isinstance(n_in, int):
+                shape_in.append(1), shape_out.append(1), factors.append(1.0)
+                continue
+            if not isinstance(n_in, int) or not isinstance(n_out, int):
+                print("DBG", xd, yd, sizes, scales, n_in, n_out); raise ModelError(f"{_where(g)}: Resize needs static sizes of axis {a} for its gradient")
+            shape_in.append(n_in), shape_out.append(n_out)
+            factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
+    dtype = numpy_dtype_of(x)
+    dx = g.dy()
+    for axis, m in sorted(resize_matrices(shape_in, shape_out, factors, attrs).items()):
+        perm = list(range(rank))
+        perm[axis], perm[-1] = perm[-1], perm[axis]
+        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
+        moved = g.op("MatMul", moved, g.const(m.astype(dtype)))
+        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+    return [dx]

@@ -165,6 +165,8 @@ def layer_normalization(g):
 @grad_rule("InstanceNormalization")
 def instance_normalization(g):
     x, scale = g.x(0), g.x(1)
+    if g.rank(x) is None:
+        return _instance_normalization_any_rank(g)
     rank = _rank(g, x)
     eps = float(g.attr("epsilon", 1e-5))
     dy = g.dy()
@@ -178,6 +180,25 @@ def instance_normalization(g):
         grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), channel_axes, keepdims=0)
     if g.needs(2):
         grads[2] = g.reduce_sum(dy, channel_axes, keepdims=0)
+    return grads
+
+
+def _instance_normalization_any_rank(g):
+    """InstanceNormalization when shape inference left X's rank unknown (e.g. downstream of an
+    Unsqueeze whose axes come from a Range): X and dY are viewed as (N, C, -1)."""
+    x, scale = g.x(0), g.x(1)
+    eps = float(g.attr("epsilon", 1e-5))
+    flat = g.ints([0, 0, -1])
+    x3, dy3 = g.reshape(x, flat), g.reshape(g.dy(), flat)
+    xhat, rstd, _ = _stats(g, x3, [2], eps, like=x)
+    grads = [None] * 3
+    if g.needs(0):
+        dxhat = g.op("Mul", dy3, g.unsqueeze(scale, [1]))
+        grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+    if g.needs(1):
+        grads[1] = g.reduce_sum(g.op("Mul", dy3, xhat), [0, 2], keepdims=0)
+    if g.needs(2):
+        grads[2] = g.reduce_sum(dy3, [0, 2], keepdims=0)
     return grads
 
 

@@ -539,3 +539,150 @@ def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, s
     result = np.zeros(shape, dtype=x.dtype)
     result[tuple(slice(0, n) for n in inferred)] = flat.reshape(inferred)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# resize
+#
+# Resize (nearest, linear, cubic) is separable: along each axis the output is a fixed matrix
+# M (out x in) times the input, so the kernel applies one matrix per resized axis and the gradient
+# rule applies their transposes (both from ``resize_axis_matrix``).
+
+
+def _text(value, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def resize_geometry(x_shape, scales=None, sizes=None, *, axes=None, keep_aspect_ratio_policy="stretch"):
+    """(output shape, per-axis scale) of a Resize; ``scales``/``sizes`` cover ``axes`` (all by default)."""
+    rank = len(x_shape)
+    axes = list(range(rank)) if axes is None else [int(a) % rank for a in np.asarray(axes).reshape(-1)]
+    out = [int(n) for n in x_shape]
+    factor = [1.0] * rank
+    if sizes is not None and np.asarray(sizes).size:
+        sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+        if len(sizes) != len(axes):
+            raise KernelError(f"sizes has {len(sizes)} value(s) for {len(axes)} axes")
+        policy = _text(keep_aspect_ratio_policy, "stretch")
+        if policy == "stretch":
+            for a, n in zip(axes, sizes):
+                out[a], factor[a] = n, n / x_shape[a]
+        elif policy in ("not_larger", "not_smaller"):
+            ratios = [n / x_shape[a] for a, n in zip(axes, sizes)]
+            s = min(ratios) if policy == "not_larger" else max(ratios)
+            for a in axes:
+                out[a], factor[a] = int(np.floor(s * x_shape[a] + 0.5)), s
+        else:
+            raise KernelError(f"unknown keep_aspect_ratio_policy {policy!r}")
+    elif scales is not None and np.asarray(scales).size:
+        scales = [float(v) for v in np.asarray(scales, dtype=np.float64).reshape(-1)]
+        if len(scales) != len(axes):
+            raise KernelError(f"scales has {len(scales)} value(s) for {len(axes)} axes")
+        for a, s in zip(axes, scales):
+            if s <= 0:
+                raise KernelError(f"scale {s} of axis {a} is not positive")
+            out[a], factor[a] = int(np.floor(x_shape[a] * s)), s
+    else:
+        raise KernelError("Resize needs either scales or sizes")
+    return out, factor
+
+
+def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
+                       coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_floor",
+                       cubic_coeff_a=-0.75, exclude_outside=0) -> np.ndarray:
+    """The (n_out, n_in) float64 matrix of one axis of ONNX Resize (no antialias, no crop)."""
+    mode = _text(mode, "nearest")
+    ctm = _text(coordinate_transformation_mode, "half_pixel")
+    o = np.arange(n_out, dtype=np.float64)
+    if ctm == "half_pixel":
+        xo = (o + 0.5) / scale - 0.5
+    elif ctm == "half_pixel_symmetric":
+        adjustment = n_out / (scale * n_in)
+        xo = (n_in / 2.0) * (1 - adjustment) + (o + 0.5) / scale - 0.5
+    elif ctm == "pytorch_half_pixel":
+        xo = (o + 0.5) / scale - 0.5 if n_out > 1 else np.zeros(n_out)
+    elif ctm == "align_corners":
+        xo = np.zeros(n_out) if n_out == 1 else o * (n_in - 1) / (n_out - 1)
+    elif ctm == "asymmetric":
+        xo = o / scale
+    else:
+        raise KernelError(f"Resize coordinate_transformation_mode {ctm!r} is not supported")
+    m = np.zeros((n_out, n_in), dtype=np.float64)
+    rows = np.arange(n_out)
+    if mode == "nearest":
+        nearest = _text(nearest_mode, "round_prefer_floor")
+        floor = np.floor(xo)
+        tie = (xo - floor) == 0.5
+        if nearest == "round_prefer_floor":
+            idx = np.where(tie, floor, np.round(xo))
+        elif nearest == "round_prefer_ceil":
+            idx = np.where(tie, floor + 1, np.round(xo))
+        elif nearest == "floor":
+            idx = floor
+        elif nearest == "ceil":
+            idx = np.ceil(xo)
+        else:
+            raise KernelError(f"unknown nearest_mode {nearest!r}")
+        m[rows, np.clip(idx, 0, n_in - 1).astype(np.int64)] = 1.0
+    elif mode == "linear":
+        floor = np.floor(xo)
+        w1 = xo - floor
+        i0 = np.clip(floor, 0, n_in - 1).astype(np.int64)
+        i1 = np.clip(floor + 1, 0, n_in - 1).astype(np.int64)
+        np.add.at(m, (rows, i0), 1.0 - w1)
+        np.add.at(m, (rows, i1), w1)
+    elif mode == "cubic":
+        a = float(cubic_coeff_a)
+        floor = np.floor(xo)
+        t = xo - floor
+        weights, index = [], []
+        for k in (-1, 0, 1, 2):
+            d = np.abs(t - k)
+            w = np.where(d < 1, ((a + 2) * d - (a + 3)) * d * d + 1,
+                         np.where(d < 2, ((a * d - 5 * a) * d + 8 * a) * d - 4 * a, 0.0))
+            weights.append(w)
+            index.append(floor + k)
+        weights, index = np.stack(weights, 1), np.stack(index, 1)
+        if int(exclude_outside):
+            inside = (index >= 0) & (index <= n_in - 1)
+            weights = np.where(inside, weights, 0.0)
+            weights = weights / weights.sum(axis=1, keepdims=True)
+        np.add.at(m, (np.repeat(rows, 4), np.clip(index, 0, n_in - 1).astype(np.int64).reshape(-1)),
+                  weights.reshape(-1))
+    else:
+        raise KernelError(f"unknown Resize mode {mode!r}")
+    return m
+
+
+def resize_matrices(x_shape, out_shape, factors, attrs: dict) -> dict[int, np.ndarray]:
+    """Axis -> (out, in) matrix for every axis Resize changes (identity axes are left out)."""
+    keys = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside")
+    kwargs = {k: attrs[k] for k in keys if attrs.get(k) is not None}
+    mats = {}
+    for axis, (n_in, n_out, s) in enumerate(zip(x_shape, out_shape, factors)):
+        m = resize_axis_matrix(int(n_in), int(n_out), s, **kwargs)
+        if not (n_in == n_out and np.array_equal(m, np.eye(n_in))):
+            mats[axis] = m
+    return mats
+
+
+@cpu_kernel("Resize")
+def resize(x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None,
+           coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
+           extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest",
+           nearest_mode="round_prefer_floor", _opset=13):
+    if int(antialias):
+        raise KernelError("Resize with antialias=1 is not supported")
+    if _opset < 11:  # Resize-10: (X, scales), asymmetric coordinates
+        scales, coordinate_transformation_mode, nearest_mode = roi, "asymmetric", "floor"
+    out, factors = resize_geometry(x.shape, scales, sizes, axes=axes,
+                                   keep_aspect_ratio_policy=keep_aspect_ratio_policy)
+    attrs = dict(mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
+                 nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside)
+    ct = _compute_dtype(x.dtype)
+    y = x.astype(ct, copy=False)
+    for axis, m in resize_matrices(x.shape, out, factors, attrs).items():
+        y = np.moveaxis(np.tensordot(m.astype(ct), y, axes=([1], [axis])), 0, axis)
+    return np.ascontiguousarray(y, dtype=x.dtype)

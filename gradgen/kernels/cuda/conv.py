@@ -25,6 +25,9 @@ from gradgen.errors import KernelError
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
 FORCE_DIRECT = False  # tests set this to exercise the direct kernels
+FAST_EXECUTE = True  # execute cuDNN plans through the frontend's ordered (uid tuple) form
+NATIVE_EXECUTE = True  # after the first execute, call the lowered backend graph directly
+CONCURRENT = True  # ConvGrad: dX on one side stream while dW and dB run on another
 _STATE: dict = {}
 _GRAPHS: dict = {}
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -61,19 +64,92 @@ def _cudnn():
     return _STATE["cudnn"], _STATE["handle"]
 
 
-class _Plan:
-    """A built cuDNN graph: its two input tensors, its output tensor and workspace size."""
+def _lane(lane: int):
+    """(stream or None, cudnn handle) of a lane: 0 is the default stream; 1 and 2 are blocking side
+    streams (they wait for earlier default-stream work, and later default-stream work waits for them)."""
+    cudnn, handle = _cudnn()
+    if lane == 0:
+        return None, handle
+    if "lanes" not in _STATE:
+        from gradgen.cuda import runtime as rt
 
-    def __init__(self, graph, a, b, out, workspace):
+        lanes = []
+        for _ in range(2):
+            stream = rt.driver.Stream()
+            side = cudnn.create_handle()
+            cudnn.set_stream(side, int(stream.handle))
+            lanes.append((stream, side))
+        _STATE["lanes"] = lanes
+    return _STATE["lanes"][lane - 1]
+
+
+class _Plan:
+    """A built cuDNN graph: its two input tensors, its output tensor, its workspace (kept per plan)."""
+
+    def __init__(self, graph, a, b, out, workspace, note="", handle=None):
         self.graph, self.a, self.b, self.out, self.workspace = graph, a, b, out, workspace
+        self.handle = handle
+        self.note = note  # how the plan was chosen (heuristics, autotune result)
+        self._ws = None
+        self._native = None  # the direct backend call, set up after the first execute (False: unusable)
+        self.uids = None
+        if FAST_EXECUTE:
+            try:
+                self.uids = (int(a.uid), int(b.uid), int(out.uid))
+            except Exception:  # noqa: BLE001
+                self.uids = None
+
+    def name(self) -> str:
+        try:
+            return str(self.graph.get_plan_name_at_index(self.graph._plan_index))
+        except Exception as exc:  # noqa: BLE001
+            return f"<unknown: {exc}>"
+
+    def _native_executor(self):
+        """Execute the built backend plan straight through the lowered graph (the frontend's own
+        uid-map call, without its per-call Python bookkeeping); None where that is not possible."""
+        g = self.graph
+        if g.selected_engine is not None or getattr(g, "_data_bindings", None):
+            return None
+        lowered = g._lowered_graph
+        cfg = g._materialize_backend_plan(g._plan_index) if g._plans else None
+        index = cfg.cpp_index if cfg is not None else None
+        backend = self.handle.backend_handle if self.handle is not None else _cudnn()[1].backend_handle
+        uids = (int(self.a.uid), int(self.b.uid), int(self.out.uid))
+        if index is None:
+            def call(a_ptr, b_ptr, out_ptr, ws):
+                lowered._execute(dict(zip(uids, (a_ptr, b_ptr, out_ptr))), ws, backend, None, None, None)
+        else:
+            def call(a_ptr, b_ptr, out_ptr, ws):
+                lowered._execute_plan_at_index(dict(zip(uids, (a_ptr, b_ptr, out_ptr))), ws, index, backend,
+                                               None, None, None)
+        return call
 
     def run(self, out_ptr: int, a_ptr: int, b_ptr: int) -> None:
         from gradgen.cuda import runtime as rt
 
-        _, handle = _cudnn()
-        ws = rt.empty((self.workspace,), np.uint8) if self.workspace else None
-        self.graph.execute({self.a: int(a_ptr), self.b: int(b_ptr), self.out: int(out_ptr)},
-                           int(ws.gpudata) if ws is not None else None, handle=handle)
+        handle = self.handle if self.handle is not None else _cudnn()[1]
+        if self.workspace and self._ws is None:
+            self._ws = rt.empty((self.workspace,), np.uint8)
+        ws = int(self._ws.gpudata) if self._ws is not None else None
+        if self._native:
+            try:
+                self._native(int(a_ptr), int(b_ptr), int(out_ptr), ws or 0)
+                return
+            except Exception:  # noqa: BLE001 - fall back on the frontend's public execute
+                self._native = False
+        if self.uids is not None:
+            try:
+                self.graph.execute((int(a_ptr), int(b_ptr), int(out_ptr)), ws, handle=handle, tensor_uids=self.uids)
+            except Exception:  # noqa: BLE001 - this frontend has no ordered path: use the mapping form
+                self.uids = None
+        if self.uids is None:
+            self.graph.execute({self.a: int(a_ptr), self.b: int(b_ptr), self.out: int(out_ptr)}, ws, handle=handle)
+        if self._native is None and NATIVE_EXECUTE:
+            try:
+                self._native = self._native_executor() or False
+            except Exception:  # noqa: BLE001
+                self._native = False
 
 
 def _data_types(cudnn, dtype):
@@ -85,8 +161,9 @@ def _data_types(cudnn, dtype):
     return cudnn.data_type.FLOAT, cudnn.data_type.FLOAT
 
 
-def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench_ptrs=None):
-    cudnn, handle = _cudnn()
+def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench_ptrs=None, lane=0):
+    cudnn, _ = _cudnn()
+    _, handle = _lane(lane)
     io, compute = _data_types(cudnn, dtype)
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=compute, compute_data_type=compute, handle=handle)
     a = graph.tensor(name="A", dim=list(a_dims), stride=_contiguous_strides(a_dims), data_type=io)
@@ -112,18 +189,19 @@ def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32
         graph.deselect_numeric_notes(notes)
     graph.check_support()
     if bench_ptrs is not None:
-        plan = _autotune(graph, a, b, out, bench_ptrs)
+        plan = _autotune(graph, a, b, out, bench_ptrs, handle, _lane(lane)[0])
         if plan is not None:
             return plan
     graph.build_plans()
-    return _Plan(graph, a, b, out, int(graph.get_workspace_size()))
+    return _Plan(graph, a, b, out, int(graph.get_workspace_size()), note="heuristics", handle=handle)
 
 
-def _autotune(graph, a, b, out, ptrs):
+def _autotune(graph, a, b, out, ptrs, handle, stream):
     """Build every candidate plan, time each on the real buffers, keep the fastest (None: give up)."""
     from gradgen.cuda import runtime as rt
 
-    cudnn, handle = _cudnn()
+    cudnn, _ = _cudnn()
+    rt.synchronize()
     try:
         graph.build_plans(cudnn.build_plan_policy.ALL)
         best = None
@@ -135,10 +213,10 @@ def _autotune(graph, a, b, out, ptrs):
                 ws = rt.empty((size,), np.uint8) if size else None
                 wptr = int(ws.gpudata) if ws is not None else None
                 graph.execute_plan_at_index(pack, wptr, index, handle)
-                start.record()
+                start.record(stream)
                 for _ in range(3):
                     graph.execute_plan_at_index(pack, wptr, index, handle)
-                stop.record()
+                stop.record(stream)
                 stop.synchronize()
                 ms = stop.time_since(start)
             except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
@@ -146,23 +224,28 @@ def _autotune(graph, a, b, out, ptrs):
             if best is None or ms < best[0]:
                 best = (ms, index)
         if best is None:
+            _STATE["autotune_error"] = "no plan ran"
             return None
         graph.select_plan(best[1])
         graph.build_plans()
-        return _Plan(graph, a, b, out, int(graph.get_workspace_size()))
-    except Exception:  # noqa: BLE001
+        rt.synchronize()
+        return _Plan(graph, a, b, out, int(graph.get_workspace_size()), handle=handle,
+                     note=f"autotuned: plan {best[1]} of {graph.get_execution_plan_count()}, {best[0] / 3:.3f} ms")
+    except Exception as exc:  # noqa: BLE001
+        _STATE["autotune_error"] = f"{type(exc).__name__}: {exc}"
         return None
 
 
-def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs):
+def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs, lane=0):
     """The cached cuDNN plan for this convolution, or None where cuDNN declines it."""
     tf32, nondet = _flag("GRADGEN_ALLOW_TF32"), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
     key = (kind, np.dtype(dtype).str, tuple(a_dims), tuple(b_dims), tuple(out_dims), tuple(pads), tuple(strides),
-           tuple(dilations), tf32, nondet)
+           tuple(dilations), tf32, nondet, lane)
     if key not in _GRAPHS:
         bench = ptrs if _flag("GRADGEN_CUDNN_BENCHMARK") else None
         try:
-            _GRAPHS[key] = _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench)
+            _GRAPHS[key] = _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench,
+                                  lane)
         except ImportError as exc:
             _GRAPHS[key] = None
             _warn("cudnn-import", f"cuDNN is not available ({exc}); convolutions run on gradgen's direct kernels")
@@ -227,6 +310,23 @@ class _Geometry:
         return g[()]
 
 
+_GEOMETRIES: dict = {}
+
+
+def _geometry(x_shape, w_shape, attrs) -> _Geometry:
+    """_Geometry, cached per shapes and attributes (it is resolved on every call otherwise)."""
+    def frozen(v):
+        return tuple(int(i) for i in v) if isinstance(v, (list, tuple, np.ndarray)) else v
+
+    key = (tuple(x_shape), tuple(w_shape), tuple((k, frozen(v)) for k, v in sorted(attrs.items())))
+    geom = _GEOMETRIES.get(key)
+    if geom is None:
+        geom = _Geometry(x_shape, w_shape, attrs)
+        if len(_GEOMETRIES) < 4096:
+            _GEOMETRIES[key] = geom
+    return geom
+
+
 def _attrs(auto_pad, dilations, group, kernel_shape, pads, strides):
     return dict(auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape, pads=pads,
                 strides=strides)
@@ -236,15 +336,16 @@ def _use_cudnn(geom, dtype) -> bool:
     return not FORCE_DIRECT and np.dtype(dtype) in _FLOATS and 1 <= geom.nd <= 3
 
 
-def _pad_x(x, geom):
+def _pad_x(x, geom, stream=None):
     """X copied into a zero-padded buffer (for asymmetric padding)."""
     from gradgen.kernels.cuda.pool import window_copy
 
-    return window_copy(x, geom.padded_x_shape(), shift=[0, 0] + [-b for b in geom.begin])
+    return window_copy(x, geom.padded_x_shape(), shift=[0, 0] + [-b for b in geom.begin], stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------
-# the three convolution passes (each: cuDNN, else the direct kernel)
+# the three convolution passes (each: cuDNN, else the direct kernel). ``lane`` picks the stream
+# (0: the default one); ``keep`` collects temporaries that must outlive a concurrent section.
 
 
 def _fprop(x, w, geom):
@@ -271,10 +372,11 @@ def _fprop(x, w, geom):
     return y
 
 
-def _dgrad(dy, w, geom):
+def _dgrad(dy, w, geom, lane=0, keep=None):
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.pool import window_copy
+    from gradgen.kernels.cuda.pool import launch, window_copy
 
+    stream = _lane(lane)[0] if lane else None
     dx = rt.empty(geom.x_shape, dy.dtype)
     if dx.size == 0:
         return dx
@@ -288,20 +390,23 @@ def _dgrad(dy, w, geom):
             target, pads = rt.empty(geom.padded_x_shape(), dy.dtype), [0] * geom.nd
         plan = _plan("dgrad", dy.dtype, geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
                      geom.lifted(target.shape), geom.lift(pads, 0), geom.lift(geom.strides, 1),
-                     geom.lift(geom.dilations, 1), (target.gpudata, dy.gpudata, w.gpudata))
+                     geom.lift(geom.dilations, 1), (target.gpudata, dy.gpudata, w.gpudata), lane)
         if plan is not None:
             plan.run(target.gpudata, dy.gpudata, w.gpudata)
             if target is dx:
                 return dx
-            return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin))
+            if keep is not None:
+                keep.append(target)
+            return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin), stream=stream)
     kernel = rt.function("pool", f"conv_dgrad_{rt.suffix(dy.dtype)}")
-    rt.launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size))
+    launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size), stream=stream)
     return dx
 
 
-def _wgrad(dy, x, geom):
+def _wgrad(dy, x, geom, lane=0, keep=None):
     from gradgen.cuda import runtime as rt
 
+    stream = _lane(lane)[0] if lane else None
     dw = rt.empty(geom.w_shape, dy.dtype)
     if dw.size == 0:
         return dw
@@ -309,15 +414,18 @@ def _wgrad(dy, x, geom):
         rt.driver.memset_d8(dw.gpudata, 0, dw.nbytes)
         return dw
     if _use_cudnn(geom, dy.dtype):
-        xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
+        xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom, stream), [0] * geom.nd)
+        if keep is not None and xs is not x:
+            keep.append(xs)
         plan = _plan("wgrad", dy.dtype, geom.lifted(xs.shape), geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
                      geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
-                     (dw.gpudata, xs.gpudata, dy.gpudata))
+                     (dw.gpudata, xs.gpudata, dy.gpudata), lane)
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata)
             return dw
     kernel = rt.function("pool", f"conv_wgrad_{rt.suffix(dy.dtype)}")
-    kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1))
+    kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),
+           stream=stream)
     return dw
 
 
@@ -340,7 +448,7 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
         raise KernelError(f"X, W (and B) must have one dtype; got {x.dtype}, {w.dtype}"
                           + (f", {b.dtype}" if b is not None else ""))
-    geom = _Geometry(x.shape, w.shape, attrs)
+    geom = _geometry(x.shape, w.shape, attrs)
     if b is not None and tuple(b.shape) != (geom.w_shape[0],):
         raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
     if x.dtype not in _FLOATS or geom.nd > 3:
@@ -361,12 +469,25 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
     if not dY.dtype == X.dtype == W.dtype:
         raise KernelError(f"dY, X and W must have one dtype; got {dY.dtype}, {X.dtype}, {W.dtype}")
-    geom = _Geometry(X.shape, W.shape, attrs)
+    geom = _geometry(X.shape, W.shape, attrs)
     if tuple(dY.shape) != geom.y_shape:
         raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(geom.y_shape)}")
     if X.dtype not in _FLOATS or geom.nd > 3:
         return cpu_fallback("ConvGrad", microsoft.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
     dY, X, W = contiguous(dY), contiguous(X), contiguous(W)
+    if CONCURRENT and _num_outputs >= 2 and min(dY.size, X.size, W.size) > 0:
+        # dX on side stream 1 while dW and dB run on side stream 2. Both are blocking streams: they
+        # start after the default stream's earlier work, and the barrier below (a default-stream
+        # launch) waits for both; temporaries stay referenced until then.
+        from gradgen.kernels.cuda.pool import barrier
+
+        keep: list = []
+        dw = _wgrad(dY, X, geom, lane=2, keep=keep)
+        db = channel_sum(dY, stream=_lane(2)[0], keep=keep) if _num_outputs >= 3 else None
+        dx = _dgrad(dY, W, geom, lane=1, keep=keep)
+        barrier()
+        del keep
+        return (dx, dw) if db is None else (dx, dw, db)
     results = []
     if _num_outputs >= 1:
         results.append(_dgrad(dY, W, geom))

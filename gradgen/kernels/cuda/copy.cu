@@ -47,31 +47,69 @@ __device__ __forceinline__ bool on_lattice(I c, I start, I step, I count, I& q) 
     return q < count && q * a == t;
 }
 
+// n / d: by a magic multiplier (fast.shape[k]) and shift (fast.strides[k]) in the 32-bit variant
+// (valid for n < 2^31), by plain division in the 64-bit one.
+template <typename I>
+__device__ __forceinline__ I fast_div(I n, I d, const TensorDesc& fast, int k) {
+    if constexpr (sizeof(I) == 4) {
+        const uint32_t t = __umulhi((uint32_t)n, (uint32_t)fast.shape[k]);
+        return (I)((t + (uint32_t)n) >> (uint32_t)fast.strides[k]);
+    } else {
+        return n / d;
+    }
+}
+
 // out: shape `out` (strides unused); lat.shape = count per axis, lat.strides = src strides;
-// pos.shape = start per axis, pos.strides = step per axis. V elements of the last axis per item.
+// pos.shape = start per axis, pos.strides = step per axis; fast: division magic for out.shape[k]
+// (k < rank-1) and, at rank-1, for the number of V-groups of the last axis. V elements of the last
+// axis per item; only one division decides which of them lie on the last axis' lattice.
 template <typename E, typename I, int V>
 __device__ __forceinline__ void lattice(E* __restrict__ dst, const E* __restrict__ src, const TensorDesc& out,
-                                        const TensorDesc& lat, const TensorDesc& pos, E fill, int64_t n) {
+                                        const TensorDesc& lat, const TensorDesc& pos, const TensorDesc& fast,
+                                        E fill, int64_t n) {
     struct alignas(sizeof(E) * V) Vec { E v[V]; };
     const int rank = (int)out.rank;
     const I inner = (I)out.shape[rank - 1] / V;
+    const I st = (I)pos.shape[rank - 1], sp = (I)pos.strides[rank - 1], cnt = (I)lat.shape[rank - 1];
+    const I ls = (I)lat.strides[rank - 1];
+    const I a = sp > 0 ? sp : -sp;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < (I)n; i += (I)blockDim.x * gridDim.x) {
-        I rest = i / inner, c_last = (i - rest * inner) * V, so = 0;
+        I rest = fast_div<I>(i, inner, fast, rank - 1);
+        const I c_last = (i - rest * inner) * V;
+        I so = 0;
         bool ok = true;
         for (int k = rank - 2; k >= 0; --k) {
-            I size = (I)out.shape[k];
-            I c = rest % size, q = 0;
-            rest /= size;
+            const I size = (I)out.shape[k];
+            const I next = fast_div<I>(rest, size, fast, k);
+            const I c = rest - next * size;
+            rest = next;
+            I q = 0;
             ok = ok && on_lattice<I>(c, (I)pos.shape[k], (I)pos.strides[k], (I)lat.shape[k], q);
             so += q * (I)lat.strides[k];
         }
         Vec r;
-        const I st = (I)pos.shape[rank - 1], sp = (I)pos.strides[rank - 1], cnt = (I)lat.shape[rank - 1];
-        const I ls = (I)lat.strides[rank - 1];
+        if (!ok) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            I q = 0;
-            r.v[j] = ok && on_lattice<I>(c_last + j, st, sp, cnt, q) ? src[(int64_t)so + (int64_t)(q * ls)] : fill;
+            for (int j = 0; j < V; ++j) r.v[j] = fill;
+        } else {
+            const I t0 = sp > 0 ? c_last - st : st - c_last;
+            I q, m;  // t0 = q * a + m with 0 <= m < a (floor division)
+            if (a == 1) {
+                q = t0;
+                m = 0;
+            } else {
+                q = t0 >= 0 ? t0 / a : -((a - 1 - t0) / a);
+                m = t0 - q * a;
+            }
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                r.v[j] = (m == 0 && q >= 0 && q < cnt) ? src[(int64_t)so + (int64_t)(q * ls)] : fill;
+                if (sp > 0) {
+                    if (++m == a) { m = 0; ++q; }
+                } else {
+                    if (--m < 0) { m = a - 1; --q; }
+                }
+            }
         }
         reinterpret_cast<Vec*>(dst)[i] = r;
     }
@@ -108,10 +146,10 @@ GG_COPY_W(16)
 #define GG_LATTICE(W, V, I)                                                                                 \
     extern "C" __global__ void lattice_w##W##_v##V##_##I(Word<W>::type* dst, const Word<W>::type* src,     \
                                                          TensorDesc out, TensorDesc lat, TensorDesc pos,    \
-                                                         int64_t fill, int64_t n) {                         \
+                                                         TensorDesc fast, int64_t fill, int64_t n) {        \
         Word<W>::type f;                                                                                    \
         memcpy(&f, &fill, W);                                                                               \
-        lattice<Word<W>::type, I##_t, V>(dst, src, out, lat, pos, f, n);                                   \
+        lattice<Word<W>::type, I##_t, V>(dst, src, out, lat, pos, fast, f, n);                             \
     }
 
 #define GG_LATTICE_W(W, V) GG_LATTICE(W, 1, int32) GG_LATTICE(W, 1, int64) GG_LATTICE(W, V, int32) GG_LATTICE(W, V, int64)

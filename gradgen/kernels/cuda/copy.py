@@ -10,7 +10,7 @@ contiguous elements are moved as 16-byte words where sizes and alignment allow.
 Reshape, Flatten, Squeeze and Unsqueeze copy nothing: they return a GPUArray that shares the
 input's memory (``GPUArray.reshape`` keeps a reference to its base array in ``.base``, so the
 executor dropping the input's name cannot free memory the view still uses). Identity returns its
-input. Shape and Size answer on the host.
+input (Identity is registered with the elementwise launchers). Shape and Size answer on the host.
 """
 
 from __future__ import annotations
@@ -122,6 +122,13 @@ def fill_bits(value, dtype) -> np.int64:
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
 
+def _magic(d: int) -> tuple[int, int] | None:
+    """(multiplier, shift) with n // d == (umulhi(n, m) + n) >> shift for 0 <= n < 2**31, or None."""
+    shift = max(0, (int(d) - 1).bit_length())
+    m = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return (m, shift) if 0 < m < (1 << 32) else None
+
+
 def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None:
     """One pass over ``out``: element c = src[src_off + q . src_strides] where c_k = starts_k + q_k * steps_k
     (0 <= q_k < counts_k) on every axis, ``fill`` (an int64 of the value's bits) elsewhere."""
@@ -144,11 +151,15 @@ def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None
         counts = [0] * len(shape)
     else:
         src_addr = int(src.gpudata) + int(src_off) * esize
-    small = out.size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT
-    kernel = rt.function("copy", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
     n = out.size // v
+    magic = [_magic(d) for d in shape[:-1] + [shape[-1] // v]]
+    small = out.size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT and None not in magic
+    if not small:
+        magic = [(0, 0)] * len(shape)
+    kernel = rt.function("copy", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
     rt.launch(kernel, n, out, np.uintp(src_addr), rt.desc(shape), rt.desc(counts, src_strides),
-              rt.desc(starts, steps), np.int64(fill), np.int64(n))
+              rt.desc(starts, steps), rt.desc([m for m, _ in magic], [s for _, s in magic]), np.int64(fill),
+              np.int64(n))
 
 
 def fill(out, value) -> None:
@@ -167,11 +178,6 @@ def _view(x, shape):
 
 
 # ---------------------------------------------------------------- no-copy ops
-
-
-@cuda_kernel("Identity")
-def identity(x):
-    return x
 
 
 @cuda_kernel("Shape")

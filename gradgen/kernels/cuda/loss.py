@@ -1,5 +1,117 @@
-"""CUDA launchers: loss."""
+"""CUDA launchers: classification losses (loss.cu).
+
+Same semantics and messages as the CPU kernels (gradgen/kernels/cpu/loss.py): inputs (N, C) or
+(N, C, d1, ..., dk), labels (N) or (N, d1, ..., dk); a label equal to ``ignore_index`` contributes
+0 and is left out of the "mean" denominator; any other label outside [0, C) is found on the GPU (a
+flag written by the kernel) and raised as ``KernelError``. Computed in float32 for float16 input.
+"""
 
 from __future__ import annotations
 
-from gradgen.kernels.registry import cuda_kernel  # noqa: F401
+import math
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
+from gradgen.kernels.registry import cuda_kernel
+
+_ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64),
+                  ("has_ignore", np.int64)])
+
+
+def _check(x, target, weight, reduction, what: str):
+    if len(x.shape) < 2:
+        raise KernelError(f"{what} must have shape (N, C, ...), got {list(x.shape)}")
+    n, c = (int(v) for v in x.shape[:2])
+    expected = (n,) + tuple(int(v) for v in x.shape[2:])
+    if tuple(int(v) for v in target.shape) != expected:
+        raise KernelError(
+            f"target shape {list(target.shape)} does not match input shape {list(x.shape)} "
+            f"(expected {list(expected)})"
+        )
+    if np.dtype(target.dtype).kind not in "iu":
+        raise KernelError(f"target must be an integer tensor, got {target.dtype}")
+    if reduction not in ("none", "sum", "mean"):
+        raise KernelError(f"unknown reduction {reduction!r}; expected none, sum or mean")
+    if weight is not None and tuple(weight.shape) != (c,):
+        raise KernelError(f"weight must have shape [{c}], got {list(weight.shape)}")
+
+
+def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
+    """The loss output (shape of target for "none", else a scalar) of dtype x.dtype."""
+    from gradgen.cuda import runtime as rt
+
+    for t in (x, target, weight):
+        if t is not None:
+            contiguous(t)
+    s, ls = sfx(x.dtype), sfx(target.dtype)
+    n, c = (int(v) for v in x.shape[:2])
+    d = int(np.prod(x.shape[2:], dtype=np.int64))
+    total = n * d
+    ct = np.float64 if s == "f64" else np.float32
+    out = rt.empty(tuple(target.shape) if reduction == "none" else (), x.dtype)
+    lossbuf = rt.empty((max(total, 1),), ct)
+    wbuf = rt.empty((max(total, 1),), ct)
+    flag = rt.zeros((1,), np.int64)
+    args = np.zeros((), _ARGS)
+    args["n"], args["c"], args["d"] = n, c, d
+    args["ignore_index"] = 0 if ignore_index is None else int(ignore_index)
+    args["has_ignore"] = 0 if ignore_index is None else 1
+    args = args[()]
+    none_ptr = out if reduction == "none" else np.intp(0)
+    weight_ptr = weight if weight is not None else np.intp(0)
+    if total:
+        if d == 1 and not log_input:
+            threads = min(1024, max(32, 1 << (max(1, math.ceil(c / 8)) - 1).bit_length()))
+            rt.function("loss", f"sce_rows_{s}_{ls}")(none_ptr, lossbuf, wbuf, flag, x, target, weight_ptr, args,
+                                                      block=(threads, 1, 1), grid=(n, 1))
+        else:
+            rt.launch(rt.function("loss", f"loss_cols_{s}_{ls}"), total, none_ptr, lossbuf, wbuf, flag, x, target,
+                      weight_ptr, args, np.int64(1 if log_input else 0))
+
+        def message(value: int) -> str:
+            pos = total - value
+            labels = rt.to_host(target).reshape(-1)
+            where = [int(i) for i in np.unravel_index(pos, tuple(target.shape))]
+            extra = f" and is not ignore_index ({int(ignore_index)})" if ignore_index is not None else ""
+            return (f"target value {int(labels[pos])} at position {where} is out of range for the class axis "
+                    f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}")
+
+        rt.check_flag(flag, message)
+    if reduction != "none":
+        rt.function("loss", f"loss_reduce_{s}")(out, lossbuf, wbuf, np.int64(total),
+                                                np.int64(1 if reduction == "mean" else 0),
+                                                block=(1024, 1, 1), grid=(1, 1))
+    return out
+
+
+def _supported(x, target, weight) -> bool:
+    return (sfx(x.dtype) in ("f16", "f32", "f64") and sfx(target.dtype) in ("i32", "i64")
+            and (weight is None or weight.dtype == x.dtype))
+
+
+@cuda_kernel("NegativeLogLikelihoodLoss")
+def negative_log_likelihood_loss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
+    _check(input, target, weight, reduction, "input")
+    if not _supported(input, target, weight) or (input.size == 0 and target.size):
+        return cpu_fallback("NegativeLogLikelihoodLoss", input, target, weight, ignore_index=ignore_index,
+                            reduction=reduction)
+    return _loss(input, target, weight, ignore_index, reduction, log_input=True)
+
+
+@cuda_kernel("SoftmaxCrossEntropyLoss")
+def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=None, reduction="mean", _num_outputs=1):
+    """Returns loss, and log_prob (log-softmax of scores over axis 1) when the node asks for it."""
+    _check(scores, labels, weights, reduction, "scores")
+    if not _supported(scores, labels, weights) or (scores.size == 0 and labels.size):
+        return cpu_fallback("SoftmaxCrossEntropyLoss", scores, labels, weights, ignore_index=ignore_index,
+                            reduction=reduction, _num_outputs=_num_outputs)
+    loss = _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
+    if _num_outputs > 1:
+        from gradgen.kernels.cuda.reduce import softmax_3d
+
+        n, c = (int(v) for v in scores.shape[:2])
+        d = int(np.prod(scores.shape[2:], dtype=np.int64))
+        return loss, softmax_3d(scores, n, c, d, log=True)
+    return loss

@@ -7,8 +7,8 @@
 //                  stable block radix sort by key, and for every run of equal keys its place among
 //                  the positions of that key in earlier tiles (tiles take turns in tile order for
 //                  that, so the result does not depend on scheduling); integer atomics only.
-//   csr_scan       one block: rowptr = exclusive scan of the per-key counts, plus the list of long
-//                  rows (more than C positions), which are cut into chunks of C positions.
+//   csr_scan       one block: rowptr = exclusive scan of the per-key counts; long rows (more than C
+//                  positions) are cut into chunks of C positions.
 //   csr_place      sorted_pos[rowptr[key] + rank] = position (a stable counting sort).
 //   csr_rows       one block per (outer, row) and per extra chunk of a long row: sums its positions
 //                  in order (threads split positions, then a fixed tree), writes dX (every element
@@ -139,64 +139,55 @@ extern "C" __global__ void csr_tile_sort_i64(const int64_t* idx, uint32_t* keys,
     csr_tile_sort(idx, keys, pos, rank, counts, flag, sync, kd, count, sentinel, end_bit);
 }
 
-struct Quad {
-    uint32_t len, is_long, extra, slots;
-};
-struct QuadSum {
-    __device__ __forceinline__ Quad operator()(const Quad& a, const Quad& b) const {
-        return {a.len + b.len, a.is_long + b.is_long, a.extra + b.extra, a.slots + b.slots};
-    }
-};
-struct QuadPrefix {
-    Quad running;
-    __device__ Quad operator()(const Quad& aggregate) {
-        Quad old = running;
-        running = QuadSum()(running, aggregate);
+struct ScanPrefix {
+    uint32_t running;
+    __device__ uint32_t operator()(uint32_t aggregate) {
+        const uint32_t old = running;
+        running += aggregate;
         return old;
     }
 };
 
-constexpr int SC_THREADS = 512, SC_ITEMS = 4;
+constexpr int SC_THREADS = 1024, SC_ITEMS = 8;
 
-// rowptr[R+1]; long rows (L > C) listed in row order with xptr (scan of their chunks - 1) and
-// pslot (scan of their chunks); meta = {long rows, extra chunks, partial slots}.
+// rowptr[R+1] = exclusive scan of counts. Long rows (more than C positions) get C-position chunks:
+// chunk 0 is the row's own, the others are listed in chunk_map as (row, chunk) pairs; each long row
+// gets a run of partial-sum slots from row_slot[row] on. meta (zeroed): {extra chunks, slots, long
+// rows}. Where in these lists a long row lands does not change any sum (chunks and their order are
+// fixed by the positions), so plain integer atomics hand them out.
 extern "C" __global__ void __launch_bounds__(SC_THREADS) csr_scan(const uint32_t* counts, uint32_t* rowptr,
-        uint32_t* long_rows, uint32_t* xptr, uint32_t* pslot, uint32_t* meta, int64_t R, int64_t C) {
-    using Scan = cub::BlockScan<Quad, SC_THREADS>;
+        uint32_t* row_slot, uint32_t* chunk_map, uint32_t* long_rows, uint32_t* meta, int64_t R, int64_t C) {
+    using Scan = cub::BlockScan<uint32_t, SC_THREADS>;
     __shared__ typename Scan::TempStorage tmp;
-    QuadPrefix prefix{{0u, 0u, 0u, 0u}};
+    ScanPrefix prefix{0u};
     for (int64_t t0 = 0; t0 < R; t0 += (int64_t)SC_THREADS * SC_ITEMS) {
-        Quad in[SC_ITEMS], out[SC_ITEMS];
+        uint32_t in[SC_ITEMS], out[SC_ITEMS];
 #pragma unroll
         for (int i = 0; i < SC_ITEMS; ++i) {
             const int64_t r = t0 + threadIdx.x * SC_ITEMS + i;
-            const uint32_t len = r < R ? counts[r] : 0u;
-            const bool is_long = len > (uint64_t)C;
-            const uint32_t chunks = is_long ? (uint32_t)((len + C - 1) / C) : 0u;
-            in[i] = {len, is_long ? 1u : 0u, is_long ? chunks - 1 : 0u, chunks};
+            in[i] = r < R ? counts[r] : 0u;
         }
-        Scan(tmp).ExclusiveScan(in, out, QuadSum(), prefix);
+        Scan(tmp).ExclusiveSum(in, out, prefix);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < SC_ITEMS; ++i) {
             const int64_t r = t0 + threadIdx.x * SC_ITEMS + i;
             if (r < R) {
-                rowptr[r] = out[i].len;
-                if (in[i].is_long) {
-                    long_rows[out[i].is_long] = (uint32_t)r;
-                    xptr[out[i].is_long] = out[i].extra;
-                    pslot[out[i].is_long] = out[i].slots;
+                rowptr[r] = out[i];
+                if (in[i] > (uint64_t)C) {
+                    const uint32_t chunks = (uint32_t)((in[i] + C - 1) / C);
+                    row_slot[r] = atomicAdd(&meta[1], chunks);
+                    long_rows[atomicAdd(&meta[2], 1u)] = (uint32_t)r;
+                    const uint32_t e = atomicAdd(&meta[0], chunks - 1);
+                    for (uint32_t c = 1; c < chunks; ++c) {
+                        chunk_map[2 * (e + c - 1)] = (uint32_t)r;
+                        chunk_map[2 * (e + c - 1) + 1] = c;
+                    }
                 }
             }
         }
     }
-    if (threadIdx.x == 0) {
-        rowptr[R] = prefix.running.len;
-        xptr[prefix.running.is_long] = prefix.running.extra;
-        meta[0] = prefix.running.is_long;
-        meta[1] = prefix.running.extra;
-        meta[2] = prefix.running.slots;
-    }
+    if (threadIdx.x == 0) rowptr[R] = prefix.running;
 }
 
 extern "C" __global__ void csr_place(const uint32_t* keys, const uint32_t* pos, const uint32_t* rank,
@@ -207,25 +198,14 @@ extern "C" __global__ void csr_place(const uint32_t* keys, const uint32_t* pos, 
     }
 }
 
-// Index of the long row holding row r (long_rows is sorted), or of the extra chunk e (xptr).
-__device__ __forceinline__ uint32_t upper_index(const uint32_t* a, uint32_t n, uint32_t v) {
-    uint32_t lo = 0, hi = n;  // first i with a[i] > v, minus one
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2;
-        if (a[mid] <= v) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo - 1;
-}
-
 template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
 // mode 0: add (dX = init + sum), 1: none (the last position wins; rows without positions keep init).
 template <typename T, int V>
 __device__ void csr_rows(T* __restrict__ dx, const T* __restrict__ dy, const T* __restrict__ init,
                          const uint32_t* __restrict__ spos, const uint32_t* __restrict__ rowptr,
-                         const uint32_t* __restrict__ long_rows, const uint32_t* __restrict__ xptr,
-                         const uint32_t* __restrict__ pslot, const uint32_t* __restrict__ meta,
+                         const uint32_t* __restrict__ row_slot, const uint32_t* __restrict__ chunk_map,
+                         const uint32_t* __restrict__ meta,
                          typename Acc<T>::type* __restrict__ partial, int64_t outer, int64_t R, int64_t count,
                          int64_t inner_v, int64_t C, int64_t xbound, int64_t maxslots, int64_t col_lanes, int64_t mode) {
     using A = typename Acc<T>::type;
@@ -233,7 +213,7 @@ __device__ void csr_rows(T* __restrict__ dx, const T* __restrict__ dy, const T* 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* red = reinterpret_cast<A*>(smem_raw);
     const int cl = threadIdx.x % col_lanes, pl = threadIdx.x / col_lanes, P = blockDim.x / col_lanes;
-    const uint32_t nlong = meta[0], nextra = meta[1];
+    const uint32_t nextra = meta[0];
     const int64_t per_outer = R + xbound;
     const VT* dyv = reinterpret_cast<const VT*>(dy);
     const VT* initv = reinterpret_cast<const VT*>(init);
@@ -247,16 +227,15 @@ __device__ void csr_rows(T* __restrict__ dx, const T* __restrict__ dy, const T* 
         } else {
             const int64_t e = t - R;
             if (e >= nextra) continue;
-            const uint32_t li = upper_index(xptr, nlong, (uint32_t)e);
-            r = long_rows[li];
-            c = 1 + e - xptr[li];
+            r = chunk_map[2 * e];
+            c = chunk_map[2 * e + 1];
         }
         const int64_t row_a = rowptr[r], row_b = rowptr[r + 1];
         const bool is_long = mode == 0 && row_b - row_a > C;
         const int64_t a = mode == 0 ? row_a + c * C : row_a;
         const int64_t b = mode == 0 ? min(a + C, row_b) : row_b;
         int64_t slot = 0;
-        if (is_long) slot = pslot[upper_index(long_rows, nlong, (uint32_t)r)] + c;
+        if (is_long) slot = row_slot[r] + c;
         for (int64_t col0 = 0; col0 < inner_v; col0 += col_lanes) {
             const int64_t col = col0 + cl;
             const bool active = col < inner_v;
@@ -325,16 +304,16 @@ __device__ void csr_rows(T* __restrict__ dx, const T* __restrict__ dy, const T* 
 template <typename T, int V>
 __device__ void csr_long(T* __restrict__ dx, const T* __restrict__ init, const typename Acc<T>::type* __restrict__ partial,
                          const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ long_rows,
-                         const uint32_t* __restrict__ pslot, const uint32_t* __restrict__ meta, int64_t outer,
+                         const uint32_t* __restrict__ row_slot, const uint32_t* __restrict__ meta, int64_t outer,
                          int64_t R, int64_t inner_v, int64_t C, int64_t maxslots) {
     using A = typename Acc<T>::type;
     using VT = Vec<T, V>;
-    const uint32_t nlong = meta[0];
+    const uint32_t nlong = meta[2];
     for (int64_t w = blockIdx.x; w < outer * (int64_t)nlong; w += gridDim.x) {
         const int64_t o = w / nlong, li = w - o * nlong;
         const int64_t r = long_rows[li];
         const int64_t chunks = (rowptr[r + 1] - rowptr[r] + C - 1) / C;
-        const int64_t s0 = pslot[li];
+        const int64_t s0 = row_slot[r];
         for (int64_t col = threadIdx.x; col < inner_v; col += blockDim.x) {
             const int64_t at = (o * R + r) * inner_v + col;
             A acc[V];
@@ -361,18 +340,18 @@ __device__ void csr_long(T* __restrict__ dx, const T* __restrict__ init, const t
 
 #define GG_CSR(sfx, T, V)                                                                                      \
     extern "C" __global__ void csr_rows_##sfx##_v##V(                                                          \
-        T* dx, const T* dy, const T* init, const uint32_t* spos, const uint32_t* rowptr, const uint32_t* long_rows, \
-        const uint32_t* xptr, const uint32_t* pslot, const uint32_t* meta, Acc<T>::type* partial, int64_t outer, \
+        T* dx, const T* dy, const T* init, const uint32_t* spos, const uint32_t* rowptr, const uint32_t* row_slot, \
+        const uint32_t* chunk_map, const uint32_t* meta, Acc<T>::type* partial, int64_t outer,                 \
         int64_t R, int64_t count, int64_t inner_v, int64_t C, int64_t xbound, int64_t maxslots, int64_t col_lanes, \
         int64_t mode) {                                                                                        \
-        csr_rows<T, V>(dx, dy, init, spos, rowptr, long_rows, xptr, pslot, meta, partial, outer, R, count, inner_v, \
+        csr_rows<T, V>(dx, dy, init, spos, rowptr, row_slot, chunk_map, meta, partial, outer, R, count, inner_v,   \
                        C, xbound, maxslots, col_lanes, mode);                                                  \
     }                                                                                                          \
     extern "C" __global__ void csr_long_##sfx##_v##V(T* dx, const T* init, const Acc<T>::type* partial,        \
                                                      const uint32_t* rowptr, const uint32_t* long_rows,        \
-                                                     const uint32_t* pslot, const uint32_t* meta, int64_t outer, \
+                                                     const uint32_t* row_slot, const uint32_t* meta, int64_t outer, \
                                                      int64_t R, int64_t inner_v, int64_t C, int64_t maxslots) { \
-        csr_long<T, V>(dx, init, partial, rowptr, long_rows, pslot, meta, outer, R, inner_v, C, maxslots);     \
+        csr_long<T, V>(dx, init, partial, rowptr, long_rows, row_slot, meta, outer, R, inner_v, C, maxslots);  \
     }
 
 GG_CSR(f16, __half, 1)
@@ -476,20 +455,24 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
 
 // Atomic GatherElementsGrad: dx (zeroed) += dy at the target of every index. d: indices' shape with
 // dX's strides.
-template <typename T, typename IDX>
+template <typename T, typename IDX, typename I>
 __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict__ idx, long long* flag, TensorDesc d,
                           int64_t axis, int64_t s, int64_t n) {
-    GG_GRID_STRIDE(i, n) {
-        int64_t rest = i, off = 0;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < (I)n; i += (I)blockDim.x * gridDim.x) {
+        I rest = i, off = 0;
         bool ok = true;
         for (int k = (int)d.rank - 1; k >= 0; --k) {
-            int64_t c = rest % d.shape[k];
-            rest /= d.shape[k];
+            const I size = (I)d.shape[k];
+            const I next = rest / size;
+            I c = rest - next * size;
+            rest = next;
             if (k == axis) {
-                ok = gg_norm(idx[i], s, c);
+                int64_t x;
+                ok = gg_norm(idx[i], s, x);
                 if (!ok) gg_set_flag(flag, i);
+                c = (I)x;
             }
-            off += c * d.strides[k];
+            off += c * (I)d.strides[k];
         }
         if (ok) atomicAdd(dx + off, dy[i]);
     }
@@ -505,7 +488,11 @@ __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict
     }                                                                                                            \
     extern "C" __global__ void ge_atomic_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,    \
                                                         TensorDesc d, int64_t axis, int64_t s, int64_t n) {     \
-        ge_atomic<T, IDX>(dx, dy, idx, flag, d, axis, s, n);                                                    \
+        ge_atomic<T, IDX, int64_t>(dx, dy, idx, flag, d, axis, s, n);                                           \
+    }                                                                                                            \
+    extern "C" __global__ void ge_atomic32_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,  \
+                                                          TensorDesc d, int64_t axis, int64_t s, int64_t n) {   \
+        ge_atomic<T, IDX, int32_t>(dx, dy, idx, flag, d, axis, s, n);                                           \
     }
 
 #define GG_LINE_T(sfx, T) GG_LINE(sfx, T, i32, int32_t) GG_LINE(sfx, T, i64, int64_t)

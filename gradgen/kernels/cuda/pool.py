@@ -55,7 +55,21 @@ def is_contiguous(array) -> bool:
     return all(st == c for st, c, d in zip(element_strides(array), rt.contiguous_strides(array.shape), array.shape) if d != 1)
 
 
-def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None):
+def launch(kernel, n: int, *args, stream=None, block: int = 256) -> None:
+    """A grid-stride launch over ``n`` items on ``stream`` (None: the default stream)."""
+    if n <= 0:
+        return
+    kernel(*args, block=(block, 1, 1), grid=(max(1, min(-(-n // block), 65535 * 8)), 1), stream=stream)
+
+
+def barrier() -> None:
+    """An empty launch on the default stream: it waits for every blocking side stream's earlier work."""
+    from gradgen.cuda import runtime as rt
+
+    rt.function("pool", "noop")(np.int64(0), block=(1, 1, 1), grid=(1, 1))
+
+
+def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None, stream=None):
     """A new C-contiguous array of ``out_shape``: out[o] = src[o + shift] inside src, 0 outside.
 
     ``view_strides``/``view_shape`` read ``src`` through other strides (0 for a broadcast axis).
@@ -76,8 +90,8 @@ def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None):
         out_shape_desc = out_shape
     shift = [0] * rank if shift is None else [int(s) for s in shift]
     kernel = rt.function("pool", f"window_copy_{rt.suffix(src.dtype)}")
-    rt.launch(kernel, out.size, out, src, rt.desc(out_shape_desc), rt.desc(view_shape, view_strides),
-              rt.desc(shift), np.int64(out.size))
+    launch(kernel, out.size, out, src, rt.desc(out_shape_desc), rt.desc(view_shape, view_strides),
+           rt.desc(shift), np.int64(out.size), stream=stream)
     return out
 
 
@@ -97,8 +111,9 @@ def broadcast_to(array, shape):
     return window_copy(array, shape, view_strides=strides, view_shape=list(shape))
 
 
-def channel_sum(x, out=None):
-    """Sum of an (N, C, ...) array over every axis but 1 (one block per channel; deterministic)."""
+def channel_sum(x, out=None, stream=None, keep=None):
+    """Sum of an (N, C, ...) array over every axis but 1: per-(channel, row range) block partial sums,
+    then one ordered sum per channel (deterministic; the partition depends on the shape only)."""
     from gradgen.cuda import runtime as rt
 
     x = contiguous(x)
@@ -111,8 +126,17 @@ def channel_sum(x, out=None):
     if outer * inner == 0:
         rt.driver.memset_d8(out.gpudata, 0, out.nbytes)
         return out
-    kernel = rt.function("pool", f"channel_sum_{rt.suffix(x.dtype)}")
-    kernel(out, x, np.int64(outer), np.int64(c), np.int64(inner), block=(256, 1, 1), grid=(min(c, 1 << 20), 1))
+    # Enough blocks to fill the GPU (about 1024 of them), each at least a few thousand elements.
+    splits = max(1, min(outer, -(-1024 // c), max(1, (outer * inner) // 2048)))
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    partial = rt.empty((c * splits,), acc)
+    if keep is not None:
+        keep.append(partial)
+    sfx = rt.suffix(x.dtype)
+    rt.function("pool", f"channel_partial_{sfx}")(partial, x, np.int64(outer), np.int64(c), np.int64(inner),
+                                                  np.int64(splits), block=(256, 1, 1),
+                                                  grid=(min(c * splits, 1 << 20), 1), stream=stream)
+    launch(rt.function("pool", f"channel_finish_{sfx}"), c, out, partial, np.int64(c), np.int64(splits), stream=stream)
     return out
 
 

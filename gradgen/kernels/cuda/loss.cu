@@ -1,0 +1,146 @@
+// Classification losses: SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss.
+// Inputs (N, C, D...) viewed as (N, C, D) with labels (N, D). A first kernel writes, per label
+// position p, the loss (compute precision), its weight (for the "mean" denominator) and, for
+// reduction "none", the loss in the output dtype; a label outside [0, C) that is not ignore_index
+// writes total - p into `flag` with atomicMax (an integer max: the smallest bad position wins, the
+// same every run). A second kernel (one block, fixed order) sums for "sum" and "mean".
+#include "common.cuh"
+#include <math_constants.h>
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -CUDART_INF_F; }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -CUDART_INF; }
+
+template <typename A> struct Lse { A m; A s; };
+template <typename A> __device__ __forceinline__ Lse<A> lse_comb(Lse<A> a, Lse<A> b) {
+    if (a.m == neg_inf<A>()) return b;
+    if (b.m == neg_inf<A>()) return a;
+    if (a.m != a.m) return a;
+    if (b.m != b.m) return b;
+    A m = a.m < b.m ? b.m : a.m;
+    return Lse<A>{m, a.s * exp(a.m - m) + b.s * exp(b.m - m)};
+}
+
+// Block-wide combine; the result is valid in every thread. blockDim.x: a multiple of 32.
+template <typename A>
+__device__ __forceinline__ Lse<A> block_lse(Lse<A> v) {
+    __shared__ Lse<A> part[33];
+    for (int m = 16; m > 0; m >>= 1)
+        v = lse_comb(v, Lse<A>{__shfl_xor_sync(0xffffffffu, v.m, m), __shfl_xor_sync(0xffffffffu, v.s, m)});
+    const int warps = blockDim.x >> 5;
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < warps ? part[threadIdx.x] : Lse<A>{neg_inf<A>(), A(0)};
+        for (int m = 16; m > 0; m >>= 1)
+            v = lse_comb(v, Lse<A>{__shfl_xor_sync(0xffffffffu, v.m, m), __shfl_xor_sync(0xffffffffu, v.s, m)});
+        if (threadIdx.x == 0) part[32] = v;
+    }
+    __syncthreads();
+    return part[32];
+}
+
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    const int warps = blockDim.x >> 5;
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < warps ? scratch[threadIdx.x] : A(0);
+        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (threadIdx.x == 0) scratch[32] = v;
+    }
+    __syncthreads();
+    return scratch[32];
+}
+
+struct LossArgs {
+    int64_t n, c, d;          // scores viewed as (n, c, d); labels (n, d)
+    int64_t ignore_index;
+    int64_t has_ignore;
+};
+
+// The loss at label position p given the row's log-sum-exp (log_input: x already holds log-probs).
+template <typename T, typename LT, typename A>
+__device__ __forceinline__ void write_loss(int64_t p, const T* x_base, LT label_raw, Lse<A> st, bool log_input,
+                                           const T* weight, const LossArgs& a, T* loss_none, A* lossbuf, A* wbuf,
+                                           int64_t* flag) {
+    const int64_t label = (int64_t)label_raw;
+    const bool used = !(a.has_ignore && label == a.ignore_index);
+    A loss = A(0), w = A(0);
+    if (used && (label < 0 || label >= a.c)) {
+        atomicMax(reinterpret_cast<unsigned long long*>(flag), (unsigned long long)(a.n * a.d - p));
+    } else if (used) {
+        const A xl = (A)gg_load(x_base + label * a.d);
+        const A picked = log_input ? xl : (xl - st.m) - log(st.s);
+        w = weight ? (A)gg_load(weight + label) : A(1);
+        loss = -picked * w;
+    }
+    lossbuf[p] = loss;
+    wbuf[p] = w;
+    if (loss_none) gg_store(loss_none + p, (typename Acc<T>::type)loss);
+}
+
+// d == 1, softmax: one block per sample row.
+template <typename T, typename LT, typename A>
+__device__ void sce_rows(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* __restrict__ x,
+                         const LT* __restrict__ labels, const T* weight, LossArgs a) {
+    const int64_t n = blockIdx.x;
+    const T* row = x + n * a.c;
+    Lse<A> st{neg_inf<A>(), A(0)};
+    for (int64_t j = threadIdx.x; j < a.c; j += blockDim.x) st = lse_comb(st, Lse<A>{(A)gg_load(row + j), A(1)});
+    st = block_lse(st);
+    if (threadIdx.x == 0) write_loss<T, LT, A>(n, row, labels[n], st, false, weight, a, loss_none, lossbuf, wbuf, flag);
+}
+
+// any d (and NLL): one thread per label position; neighbouring threads read neighbouring columns.
+template <typename T, typename LT, typename A>
+__device__ void loss_cols(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* __restrict__ x,
+                          const LT* __restrict__ labels, const T* weight, LossArgs a, bool log_input) {
+    GG_GRID_STRIDE(p, a.n * a.d) {
+        const int64_t n = p / a.d;
+        const T* base = x + n * a.c * a.d + (p - n * a.d);
+        Lse<A> st{neg_inf<A>(), A(0)};
+        if (!log_input)
+            for (int64_t j = 0; j < a.c; ++j) st = lse_comb(st, Lse<A>{(A)gg_load(base + j * a.d), A(1)});
+        write_loss<T, LT, A>(p, base, labels[p], st, log_input, weight, a, loss_none, lossbuf, wbuf, flag);
+    }
+}
+
+// sum / mean of the per-position losses: one block, fixed order.
+template <typename T, typename A>
+__device__ void loss_reduce(T* out, const A* lossbuf, const A* wbuf, int64_t count, int64_t mean) {
+    __shared__ A scratch[33];
+    A s = 0, w = 0;
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+        s += lossbuf[i];
+        w += wbuf[i];
+    }
+    s = block_sum(s, scratch);
+    __syncthreads();
+    w = block_sum(w, scratch);
+    if (threadIdx.x == 0) gg_store(out, (typename Acc<T>::type)(mean ? s / w : s));
+}
+
+#define GG_LOSS(s, T, A, ls, LT)                                                                              \
+    extern "C" __global__ void sce_rows_##s##_##ls(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* x, \
+                                                   const LT* labels, const T* weight, LossArgs a) {            \
+        sce_rows<T, LT, A>(loss_none, lossbuf, wbuf, flag, x, labels, weight, a);                              \
+    }                                                                                                          \
+    extern "C" __global__ void loss_cols_##s##_##ls(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* x, \
+                                                    const LT* labels, const T* weight, LossArgs a,             \
+                                                    int64_t log_input) {                                       \
+        loss_cols<T, LT, A>(loss_none, lossbuf, wbuf, flag, x, labels, weight, a, log_input != 0);             \
+    }
+#define GG_LOSS_T(s, T, A)                                                                                    \
+    GG_LOSS(s, T, A, i32, int32_t) GG_LOSS(s, T, A, i64, int64_t)                                             \
+    extern "C" __global__ void loss_reduce_##s(T* out, const A* lossbuf, const A* wbuf, int64_t count,         \
+                                               int64_t mean) {                                                 \
+        loss_reduce<T, A>(out, lossbuf, wbuf, count, mean);                                                    \
+    }
+GG_LOSS_T(f16, __half, float)
+GG_LOSS_T(f32, float, float)
+GG_LOSS_T(f64, double, double)

@@ -1,0 +1,103 @@
+// Normalization: LayerNormalization (+ Mean/InvStdDev), InstanceNormalization and
+// GroupNormalization (one block per normalized row, two-pass mean/variance like the CPU kernel),
+// BatchNormalization in inference form (elementwise with per-channel statistics).
+#include "common.cuh"
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    const int warps = blockDim.x >> 5;
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < warps ? scratch[threadIdx.x] : A(0);
+        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (threadIdx.x == 0) scratch[32] = v;
+    }
+    __syncthreads();
+    v = scratch[32];
+    __syncthreads();  // scratch may be reused right away
+    return v;
+}
+
+// mode 0 (LayerNorm): scale/bias index j; mode 1 (InstanceNorm): channel row % C;
+// mode 2 (GroupNorm, per-channel scale): channel (row % G) * (C / G) + j / spatial;
+// mode 3 (GroupNorm, per-group scale): group row % G.
+template <typename T, typename A>
+__device__ void norm_rows(T* y, A* mean_out, A* inv_out, const T* __restrict__ x, const T* __restrict__ scale,
+                          const T* __restrict__ bias, int64_t L, int64_t mode, int64_t channels, int64_t groups,
+                          int64_t spatial, double eps) {
+    __shared__ A scratch[33];
+    const int64_t row = blockIdx.x;
+    const T* xr = x + row * L;
+    T* yr = y + row * L;
+    A s = 0;
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) s += (A)gg_load(xr + j);
+    const A mean = block_sum(s, scratch) / A(L);
+    A q = 0;
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) {
+        A d = (A)gg_load(xr + j) - mean;
+        q += d * d;
+    }
+    const A var = block_sum(q, scratch) / A(L);
+    const A inv = A(1) / sqrt(var + A(eps));
+    if (threadIdx.x == 0) {
+        if (mean_out) mean_out[row] = mean;
+        if (inv_out) inv_out[row] = inv;
+    }
+    const int64_t per_group = groups > 0 ? channels / groups : 1;
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) {
+        int64_t k;
+        if (mode == 0) k = j;
+        else if (mode == 1) k = row % channels;
+        else if (mode == 2) k = (row % groups) * per_group + j / spatial;
+        else k = row % groups;
+        A v = ((A)gg_load(xr + j) - mean) * inv * (A)gg_load(scale + k);
+        if (bias) v += (A)gg_load(bias + k);
+        gg_store(yr + j, (typename Acc<T>::type)v);
+    }
+}
+
+#define GG_NORM(s, T, A)                                                                                      \
+    extern "C" __global__ void norm_rows_##s(T* y, A* mean_out, A* inv_out, const T* x, const T* scale,       \
+                                             const T* bias, int64_t L, int64_t mode, int64_t channels,         \
+                                             int64_t groups, int64_t spatial, double eps) {                    \
+        norm_rows<T, A>(y, mean_out, inv_out, x, scale, bias, L, mode, channels, groups, spatial, eps);       \
+    }
+GG_NORM(f16, __half, float)
+GG_NORM(f32, float, float)
+GG_NORM(f64, double, double)
+
+// BatchNormalization, inference: y = (x - mean[c]) / sqrt(var[c] + eps) * scale[c] + bias[c].
+template <typename T, typename A>
+__device__ void batch_norm(T* y, const T* __restrict__ x, const T* __restrict__ scale, const T* __restrict__ bias,
+                           const T* __restrict__ mean, const T* __restrict__ var, int64_t channels, int64_t inner,
+                           double eps, int64_t n) {
+    if (n <= 0xFFFFFFFFll && channels * inner <= 0xFFFFFFFFll) {
+        const uint32_t in32 = (uint32_t)inner, ch32 = (uint32_t)channels;
+        for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)n; i += blockDim.x * gridDim.x) {
+            const uint32_t c = (i / in32) % ch32;
+            const A v = ((A)gg_load(x + i) - (A)gg_load(mean + c)) / sqrt((A)gg_load(var + c) + A(eps));
+            gg_store(y + i, (typename Acc<T>::type)(v * (A)gg_load(scale + c) + (A)gg_load(bias + c)));
+            if (i > 0xFFFFFFFFu - blockDim.x * gridDim.x) break;
+        }
+    } else {
+        GG_GRID_STRIDE(i, n) {
+            const int64_t c = (i / inner) % channels;
+            const A v = ((A)gg_load(x + i) - (A)gg_load(mean + c)) / sqrt((A)gg_load(var + c) + A(eps));
+            gg_store(y + i, (typename Acc<T>::type)(v * (A)gg_load(scale + c) + (A)gg_load(bias + c)));
+        }
+    }
+}
+
+#define GG_BN(s, T, A)                                                                                        \
+    extern "C" __global__ void batch_norm_##s(T* y, const T* x, const T* scale, const T* bias, const T* mean,  \
+                                              const T* var, int64_t channels, int64_t inner, double eps,       \
+                                              int64_t n) {                                                     \
+        batch_norm<T, A>(y, x, scale, bias, mean, var, channels, inner, eps, n);                               \
+    }
+GG_BN(f16, __half, float)
+GG_BN(f32, float, float)
+GG_BN(f64, double, double)

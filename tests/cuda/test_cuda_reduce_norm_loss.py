@@ -1,0 +1,348 @@
+"""CUDA reductions, softmax, normalization and loss launchers against their numpy CPU kernels
+(runs only where a GPU answers)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradgen.errors import KernelError
+from gradgen.executor import Session
+from tests.cuda.test_cuda_elementwise import check, dev, host, kernels, poison
+
+pytestmark = pytest.mark.cuda
+
+FLOATS = [np.float16, np.float32, np.float64]
+REDUCE_OPS = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceL1",
+              "ReduceLogSumExp", "ReduceProd", "ReduceLogSum"]
+
+
+def sum_tol(op, dtype, count):
+    """Tolerances for reductions of ``count`` elements of O(1) values."""
+    eps = {np.dtype(np.float16): 1e-3, np.dtype(np.float32): 1.2e-7, np.dtype(np.float64): 2.3e-16}[np.dtype(dtype)]
+    if op in ("ReduceMax", "ReduceMin"):
+        return 0.0, 0.0
+    if op == "ReduceProd":
+        return 8 * eps * max(count, 1), 0.0
+    return 8 * eps * max(1.0, np.sqrt(count)) if dtype != np.float16 else 2e-2, 8 * eps * max(count, 1)
+
+
+def run_reduce(op, x, axes, keepdims=1, noop=0, as_input=True):
+    cpu, cuda = kernels(op)
+    want = cpu(x, axes, keepdims=keepdims, noop_with_empty_axes=noop)
+    poison(np.asarray(want).nbytes)
+    axes_arg = None if axes is None else np.asarray(axes, np.int64)
+    if as_input:
+        got = cuda(dev(x), axes_arg, keepdims=keepdims, noop_with_empty_axes=noop)
+    else:
+        got = cuda(dev(x), axes=axes, keepdims=keepdims, noop_with_empty_axes=noop)
+    return host(got), want
+
+
+AXES_CASES = [
+    ((4, 6, 5, 7), None), ((4, 6, 5, 7), [0]), ((4, 6, 5, 7), [-1]), ((4, 6, 5, 7), [1, 2]),
+    ((4, 6, 5, 7), [0, 2]), ((4, 6, 5, 7), [1, 3]), ((4, 6, 5, 7), [0, 2, 3]), ((4, 6, 5, 7), [-4, -2]),
+    ((4, 1, 5, 1), [1, 3]), ((4, 1, 5, 1), [1]), ((1, 1), [0]), ((3, 1, 4), [0, 1]), ((), None),
+    ((5,), [0]), ((2, 0, 3), [1]), ((2, 0, 3), [0]), ((0, 4), [1]), ((2, 3, 4, 5, 6), [0, 2, 4]),
+]
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+@pytest.mark.parametrize("shape,axes", AXES_CASES, ids=str)
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_against_cpu(op, shape, axes, keepdims):
+    rng = np.random.default_rng(zlib.crc32(repr((op, shape, axes)).encode()))
+    lo, hi = {"ReduceLogSum": (0.5, 2.0), "ReduceProd": (0.8, 1.25)}.get(op, (-2.0, 2.0))
+    x = rng.uniform(lo, hi, size=shape).astype(np.float32)
+    with np.errstate(all="ignore"):
+        got, want = run_reduce(op, x, axes, keepdims)
+    count = int(np.prod([shape[a] for a in (axes if axes is not None else range(len(shape)))], dtype=np.int64))
+    rtol, atol = sum_tol(op, np.float32, count)
+    check(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_reduce_dtypes(op, dtype):
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-1, 1, size=(3, 40, 50)).astype(dtype)
+    for axes in ([1], [0, 2], [2], None):
+        got, want = run_reduce(op, x, axes, 1)
+        count = int(np.prod([x.shape[a] for a in (axes or range(3))]))
+        rtol, atol = sum_tol(op, dtype, count)
+        if dtype == np.float16:
+            want = np.asarray(kernels(op)[0](x.astype(np.float64), axes, keepdims=1)).astype(dtype)
+            rtol, atol = 2e-3, 2e-3 * np.sqrt(count)
+        check(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_reduce_integers(op, dtype):
+    rng = np.random.default_rng(2)
+    x = rng.integers(-3, 4, size=(6, 5, 40)).astype(dtype)
+    for axes in ([1], [0, 2], [2], None, [0]):
+        got, want = run_reduce(op, x, axes, 0)
+        check(got, want)
+
+
+def test_reduce_axes_forms_and_noop():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    got, want = run_reduce("ReduceSum", x, [1, -1], 1, as_input=False)  # opset < 13 attribute
+    check(got, want, rtol=1e-6, atol=1e-6)
+    got, want = run_reduce("ReduceSum", x, [], 1, noop=1)  # nothing reduced: a copy
+    check(got, want)
+    got, want = run_reduce("ReduceSumSquare", x, None, 0, noop=1)  # elementwise part still applies
+    check(got, want, rtol=1e-6)
+    got, want = run_reduce("ReduceMean", x, [], 0, noop=0)  # empty axes, noop=0: everything
+    check(got, want, rtol=1e-5, atol=1e-6)
+    _, cuda = kernels("ReduceSum")
+    with pytest.raises(KernelError, match="out of range"):
+        cuda(dev(x), np.array([3], np.int64))
+    with pytest.raises(KernelError, match="repeated"):
+        cuda(dev(x), np.array([1, -2], np.int64))
+
+
+@pytest.mark.parametrize("shape,axes", [
+    ((3, 100003), [1]),          # rows, split, odd length (no vector loads)
+    ((5, 65536), [1]),           # rows, split, vector loads
+    ((100003, 3), [0]),          # cols, split, 3 columns
+    ((8192, 768), [0]),          # bias gradient
+    ((16, 64, 28, 28), [0, 2, 3]),  # broadcast reduction to (1, C, 1, 1)
+    ((7, 300, 40), [0, 2]),
+    ((2, 40000, 2, 3), [1, 3]),
+], ids=str)
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceLogSumExp"])
+def test_large_reductions_split_and_are_deterministic(shape, axes, op):
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-1, 1, size=shape).astype(np.float32)
+    cpu, cuda = kernels(op)
+    want = cpu(x.astype(np.float64), np.asarray(axes), keepdims=1).astype(np.float32)
+    xd = dev(x)
+    first = host(cuda(xd, np.asarray(axes, np.int64), keepdims=1))
+    second = host(cuda(xd, np.asarray(axes, np.int64), keepdims=1))
+    assert first.tobytes() == second.tobytes()
+    count = int(np.prod([shape[a] for a in axes]))
+    rtol, atol = sum_tol(op, np.float32, count)
+    check(first, want, rtol=rtol, atol=atol)
+
+
+def test_benchmark_shape_reduction():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 256, 56, 56), dtype=np.float32)
+    _, cuda = kernels("ReduceSum")
+    got = host(cuda(dev(x), np.array([0, 2, 3], np.int64), keepdims=1))
+    want = x.sum(axis=(0, 2, 3), keepdims=True, dtype=np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
+
+
+def test_reduce_nan_propagates():
+    x = np.ones((4, 300), np.float32)
+    x[2, 17] = np.nan
+    for op in ("ReduceMax", "ReduceMin", "ReduceSum"):
+        got, want = run_reduce(op, x, [1], 0)
+        check(got, want)
+
+
+# -- Softmax / LogSoftmax -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("shape,axis", [
+    ((2, 3, 4, 5), -1), ((2, 3, 4, 5), 1), ((2, 3, 4, 5), 0), ((12, 5), 1), ((4, 50257), -1), ((3, 1024), 1),
+    ((7,), 0), ((2, 0, 3), 1), ((6, 1), -1), ((2, 2, 8, 8), -1), ((3, 40), -2),
+], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_softmax(op, shape, axis, dtype):
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    if x.size > 4:
+        x.reshape(-1)[3] = -np.inf  # a masked entry
+    cpu, cuda = kernels(op)
+    want = cpu(x, axis=axis, _opset=13)
+    poison(want.nbytes)
+    got = host(cuda(dev(x), axis=axis, _opset=13))
+    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}[np.dtype(dtype)]
+    check(got, want, rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_opset11_coerces_to_2d(op):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    cpu, cuda = kernels(op)
+    for axis in (None, 0, 1, 2, -1):
+        want = cpu(x, axis=axis, _opset=11)
+        got = host(cuda(dev(x), axis=axis, _opset=11))
+        check(got, want, rtol=2e-6, atol=2e-6)
+
+
+# -- normalization --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 5, 16), -1), ((2, 8, 768), -1), ((3, 4, 6), 1), ((4, 3), 0),
+                                        ((5, 3000), 1), ((1, 1, 1), -1)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm(shape, axis, dtype, with_bias):
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    norm_shape = shape[axis:] if axis >= 0 else shape[axis:]
+    scale = rng.standard_normal(norm_shape).astype(dtype)
+    bias = rng.standard_normal(norm_shape).astype(dtype) if with_bias else None
+    cpu, cuda = kernels("LayerNormalization")
+    want = cpu(x, scale, bias, axis=axis, epsilon=1e-5)
+    poison(*[w.nbytes for w in want])
+    got = cuda(dev(x), dev(scale), None if bias is None else dev(bias), axis=axis, epsilon=1e-5)
+    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}[np.dtype(dtype)]
+    for g, w in zip(got, want):
+        check(host(g), w, rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6, 6), (3, 5), (2, 3, 4), (0, 3, 2, 2)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_batch_norm_inference(shape, dtype):
+    rng = np.random.default_rng(9)
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(dtype)
+    params = [rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype),
+              rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)]
+    cpu, cuda = kernels("BatchNormalization")
+    want = cpu(x, *params, epsilon=1e-5)
+    poison(want.nbytes)
+    got = host(cuda(dev(x), *[dev(p) for p in params], epsilon=1e-5))
+    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}[np.dtype(dtype)]
+    check(got, want, rtol=t, atol=t)
+
+
+def test_instance_and_group_norm():
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)
+    for op, args, attrs in [
+        ("InstanceNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {}),
+        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 3}),
+        ("GroupNormalization", (rng.standard_normal(3), rng.standard_normal(3)), {"num_groups": 3}),
+        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 6}),
+    ]:
+        args = tuple(a.astype(np.float32) for a in args)
+        cpu, cuda = kernels(op)
+        want = cpu(x, *args, epsilon=1e-5, **attrs)
+        got = host(cuda(dev(x), *[dev(a) for a in args], epsilon=1e-5, **attrs))
+        check(got, want, rtol=2e-5, atol=2e-5)
+
+
+# -- losses ---------------------------------------------------------------------------------------
+
+
+def _loss_inputs(rng, shape, label_dtype, ignore_index=None, dtype=np.float32):
+    n, c = shape[:2]
+    x = rng.standard_normal(shape).astype(dtype)
+    labels = rng.integers(0, c, size=(n,) + tuple(shape[2:])).astype(label_dtype)
+    if ignore_index is not None and labels.size > 2:
+        labels.reshape(-1)[1] = ignore_index
+    return x, labels
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("shape", [(12, 5), (16, 64), (3, 50257), (2, 3, 4, 5), (4, 7, 9), (1, 1), (0, 4)], ids=str)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ignore_index", [None, -100, 2])
+def test_losses(op, shape, reduction, label_dtype, weighted, ignore_index):
+    rng = np.random.default_rng(11)
+    x, labels = _loss_inputs(rng, shape, label_dtype, ignore_index)
+    weight = rng.uniform(0.5, 2, shape[1]).astype(np.float32) if weighted else None
+    cpu, cuda = kernels(op)
+    attrs = {"reduction": reduction, "ignore_index": ignore_index}
+    with np.errstate(all="ignore"):
+        want = cpu(x, labels, weight, **attrs)
+    poison(np.asarray(want).nbytes)
+    got = host(cuda(dev(x), dev(labels), None if weight is None else dev(weight), **attrs))
+    check(got, np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_softmax_cross_entropy_dtypes_and_log_prob(dtype):
+    rng = np.random.default_rng(12)
+    for shape in [(8, 10), (2, 3, 4, 5)]:
+        x, labels = _loss_inputs(rng, shape, np.int64, -1, dtype)
+        cpu, cuda = kernels("SoftmaxCrossEntropyLoss")
+        want = cpu(x, labels, ignore_index=-1, reduction="mean", _num_outputs=2)
+        got = cuda(dev(x), dev(labels), ignore_index=-1, reduction="mean", _num_outputs=2)
+        t = 4e-3 if dtype == np.float16 else 1e-12
+        for g, w in zip(got, want):
+            check(host(g), np.asarray(w), rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("ignore_index", [None, -100])
+def test_label_out_of_range_matches_cpu_message(op, ignore_index):
+    x = np.zeros((3, 4, 5), np.float32)
+    labels = np.zeros((3, 5), np.int64)
+    labels[1, 2] = 4
+    labels[2, 0] = -1  # a later bad label: the first one is reported
+    cpu, cuda = kernels(op)
+    with pytest.raises(KernelError) as want:
+        cpu(x, labels, ignore_index=ignore_index)
+    with pytest.raises(KernelError) as got:
+        cuda(dev(x), dev(labels), ignore_index=ignore_index)
+    assert str(got.value) == str(want.value)
+    assert "out of range" in str(got.value)
+
+
+def test_all_labels_ignored_gives_nan_mean():
+    x = np.zeros((3, 4), np.float32)
+    labels = np.full((3,), -100, np.int64)
+    _, cuda = kernels("SoftmaxCrossEntropyLoss")
+    assert np.isnan(host(cuda(dev(x), dev(labels), ignore_index=-100, reduction="mean")))
+
+
+def test_loss_shape_errors():
+    _, cuda = kernels("SoftmaxCrossEntropyLoss")
+    with pytest.raises(KernelError, match="does not match input shape"):
+        cuda(dev(np.zeros((3, 4), np.float32)), dev(np.zeros((2,), np.int64)))
+    with pytest.raises(KernelError, match="weight must have shape"):
+        cuda(dev(np.zeros((3, 4), np.float32)), dev(np.zeros((3,), np.int64)), dev(np.ones(3, np.float32)))
+
+
+def test_loss_is_deterministic():
+    rng = np.random.default_rng(13)
+    x, labels = _loss_inputs(rng, (4096, 100), np.int64)
+    _, cuda = kernels("SoftmaxCrossEntropyLoss")
+    xd, ld = dev(x), dev(labels)
+    assert host(cuda(xd, ld)).tobytes() == host(cuda(xd, ld)).tobytes()
+
+
+# -- through the executor -------------------------------------------------------------------------
+
+
+def test_graph_with_reductions_norms_and_loss():
+    rng = np.random.default_rng(14)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "g", "b"], ["h"], axis=-1),
+        helper.make_node("ReduceSum", ["h", "axes"], ["s"], keepdims=1),
+        helper.make_node("Sub", ["h", "s"], ["d"]),
+        helper.make_node("ReduceMean", ["d"], ["m"], axes=[2], keepdims=0),
+        helper.make_node("Softmax", ["m"], ["p"], axis=-1),
+        helper.make_node("Reshape", ["x", "shape2d"], ["x2"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["x2", "labels"], ["loss"], reduction="mean"),
+    ]
+    inits = [numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "g"),
+             numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array([0, -1], np.int64), "axes"),
+             numpy_helper.from_array(np.array([-1, 6], np.int64), "shape2d"),
+             numpy_helper.from_array(rng.integers(0, 6, 12).astype(np.int64), "labels")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 6])],
+                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((3, 4, 6)).astype(np.float32)
+    want = Session(model).run({"x": x})
+    got = Session(model, device="cuda").run({"x": x})
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
