@@ -262,6 +262,11 @@ def resize(g):
                     n_in if scale_list[k] == 1.0 else None)
             identity = n_out is not None and same_dim(n_in, n_out) and (
                 sizes is not None or k is None or scale_list[k] == 1.0)
+            # Exporters write interpolate's sizes as the whole output shape, batch and channels
+            # included, as constants at the export batch size: a symbolic batch/channel axis with a
+            # constant size is taken as kept (the model only runs where it is).
+            identity = identity or (a < 2 and sizes is not None and not isinstance(n_in, int)
+                                    and isinstance(n_out, int))
             if identity and not isinstance(n_in, int):
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)
                 continue
