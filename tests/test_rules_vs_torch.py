@@ -259,7 +259,8 @@ def test_group_norm_opset18_per_group_symbolic():
         var = ((xg - mean) ** 2).mean(dim=2, keepdim=True)
         return (((xg - mean) / torch.sqrt(var + eps)) * s[None, :, None] + b[None, :, None]).reshape(x.shape)
 
-    assert_close({n: res[f"{n}_grad"] for n in inputs}, torch_grads(gn, inputs, [wy]))
+    # Groups of 4 elements: the normalisation is ill-conditioned enough to cost a few more digits.
+    assert_close({n: res[f"{n}_grad"] for n in inputs}, torch_grads(gn, inputs, [wy]), rtol=1e-7, atol=1e-9)
 
 
 def test_group_norm_opset21_vs_torch():

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from gradgen.errors import ModelError
 from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.grads.registry import grad_rule
-from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const
+from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
@@ -237,6 +237,8 @@ def resize(g):
     has_sizes = g.opset >= 11 and len(g.node.inputs) > 3 and g.x(3) is not None
     if sizes is not None and np.asarray(sizes).size:
         sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+    elif has_sizes and folded_dims(g, g.x(3)) is not None:
+        sizes = folded_dims(g, g.x(3))  # e.g. Concat(Slice(Shape(X), 0, 2), [h, w]): may hold symbols
     elif has_sizes and yd is not None:
         sizes = [yd[a] for a in chosen]  # the inferred output shape (may hold symbols)
     else:
@@ -271,7 +273,7 @@ def resize(g):
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)
                 continue
             if not isinstance(n_in, int) or not isinstance(n_out, int):
-                print("DBG", xd, yd, sizes, scales, n_in, n_out); raise ModelError(f"{_where(g)}: Resize needs static sizes of axis {a} for its gradient")
+                raise ModelError(f"{_where(g)}: Resize needs static sizes of axis {a} for its gradient")
             shape_in.append(n_in), shape_out.append(n_out)
             factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
     dtype = numpy_dtype_of(x)

@@ -101,6 +101,50 @@ def _fold_value(g, value, memo: dict, budget: list):
     return memo[key][list(node.outputs).index(value)]
 
 
+def folded_dims(g, value, depth: int = 16) -> list | None:
+    """A 1-D int64 value as a list of dims (ints, or the symbolic dims of some tensor's shape) when
+    it is built from constants and Shape by Slice/Concat/Cast/Identity, e.g. the legacy exporter's
+    Resize sizes Concat(Slice(Shape(X), 0, 2), [h, w]); else None."""
+    if value is None or depth < 0:
+        return None
+    if value.const_value is not None:
+        return [int(v) for v in value.const_value.numpy().reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    op = node.op_type
+    if op == "Constant":
+        attr = node.attributes.get("value")
+        if attr is not None:
+            return [int(v) for v in attr.value.numpy().reshape(-1)]
+        if "value_ints" in node.attributes:
+            return [int(v) for v in node.attributes["value_ints"].value]
+        return None
+    if op == "Shape":
+        dims = dims_of(node.inputs[0])
+        if dims is None:
+            return None
+        start = int(node.attributes["start"].value) if "start" in node.attributes else 0
+        end = int(node.attributes["end"].value) if "end" in node.attributes else None
+        return list(dims)[start:end]
+    if op in ("Cast", "Identity"):
+        return folded_dims(g, node.inputs[0], depth - 1)
+    if op == "Concat":
+        parts = [folded_dims(g, v, depth - 1) for v in node.inputs]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    if op == "Slice" and len(node.inputs) >= 3:
+        data = folded_dims(g, node.inputs[0], depth - 1)
+        bounds = [folded_dims(g, v, depth - 1) if v is not None else None for v in node.inputs[1:5]]
+        if data is None or bounds[0] is None or bounds[1] is None:
+            return None
+        if len(bounds) > 2 and bounds[2] is not None and [int(a) for a in bounds[2]] != [0]:
+            return None
+        step = int(bounds[3][0]) if len(bounds) > 3 and bounds[3] is not None else 1
+        start, end = int(bounds[0][0]), int(bounds[1][0])
+        return data[slice(start, end if end < INT64_MAX // 2 else None, step)]
+    return None
+
+
 def dims_value(g, x, start: int, end: int | None = None):
     """x's dims [start:end] as a 1-D int64 value: a constant when static, else a Slice of Shape(x)."""
     dims = dims_of(x)
