@@ -212,14 +212,13 @@ def check_gradients(
         feeds.update({k: _as_float64(np.asarray(v)) for k, v in given.items()})
 
     # The forward model for finite differences: the differentiated initializers become inputs.
-    initial = {name: numpy_helper.to_array(t) for name, t in ((t.name, t) for t in proto.graph.initializer)
-               if name in wrt_names}
+    initial = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in wrt_names}
     fd_proto = _initializers_as_inputs(proto, set(initial))
     fd_session = Session(fd_proto, device=device)
     grad_session = Session(built.model, device=device)
 
     rng = np.random.default_rng(seed + 1)
-    base = {**feeds, **initial}
+    base = {**initial, **feeds}  # a fed value overrides an initializer that is also a graph input
     probe = fd_session.run(base, outputs=[loss_name])[loss_name]
     cotangent = None
     grad_feeds = dict(feeds)

@@ -393,7 +393,7 @@ def test_conv_grad_streams_and_execute_forms_agree(rt, case):
                 assert np.array_equal(a, b)
             outs.append(second)
     finally:
-        conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = True, True, True
+        conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = False, True, True
         conv._GRAPHS.clear()
     want = cpu_ms.conv_grad(dy, x, w, **attrs)
     for got in outs:

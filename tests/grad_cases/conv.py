@@ -88,3 +88,34 @@ CASES = [
     GradCase("GlobalMaxPool", [distinct(2, 3, 2, 3)]),
     GradCase("GlobalMaxPool", [distinct(1, 2, 3, 2, 2)], name="GlobalMaxPool_3d"),
 ]
+
+
+def resize(name, x, scales=None, sizes=None, opset=13, **attrs):
+    """Resize with constant scales or sizes (the resized axes need static sizes: no symbolic run)."""
+    inputs = [x, None, None if scales is None else np.array(scales, dtype=np.float32)]
+    if sizes is not None:
+        inputs.append(np.array(sizes, dtype=np.int64))
+    return GradCase("Resize", inputs, attrs=attrs, const=(2,), opset=opset, symbolic=False, name=f"Resize_{name}")
+
+
+CASES += [
+    # torch F.interpolate(nearest) as the legacy exporter writes it, and the ONNX default nearest.
+    resize("nearest_asym_floor", r(1, 2, 3, 4), scales=[1, 1, 2, 2],
+           coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+    resize("nearest_default_down", r(1, 1, 5, 7), scales=[1, 1, 0.6, 0.5]),
+    resize("nearest_round_ceil_sizes", r(2, 1, 4, 3), sizes=[2, 1, 7, 5], nearest_mode="round_prefer_ceil"),
+    # bilinear: torch's align_corners=False (pytorch_half_pixel) and True, up and down.
+    resize("linear_pytorch_half_pixel", r(1, 2, 3, 4), sizes=[1, 2, 6, 5], mode="linear",
+           coordinate_transformation_mode="pytorch_half_pixel"),
+    resize("linear_align_corners", r(1, 1, 4, 3), scales=[1, 1, 1.5, 2.0], mode="linear",
+           coordinate_transformation_mode="align_corners"),
+    resize("linear_half_pixel_down", r(1, 1, 6, 5), sizes=[1, 1, 4, 2], mode="linear"),
+    resize("linear_1d_axes", r(2, 3, 5), sizes=[8], mode="linear", axes=[2], opset=18),
+    resize("cubic", r(1, 1, 4, 4), scales=[1, 1, 2, 1.5], mode="cubic"),
+    resize("cubic_exclude_outside", r(1, 1, 5, 3), sizes=[1, 1, 7, 4], mode="cubic", exclude_outside=1,
+           cubic_coeff_a=-0.5),
+    resize("linear_half_pixel_symmetric", r(1, 1, 3, 5), scales=[1, 1, 1.7, 0.6], mode="linear",
+           coordinate_transformation_mode="half_pixel_symmetric", opset=19),
+    resize("nearest_not_larger", r(1, 1, 4, 6), sizes=[3, 5], axes=[2, 3], keep_aspect_ratio_policy="not_larger",
+           opset=18),
+]

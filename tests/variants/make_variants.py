@@ -209,7 +209,11 @@ class ConvVariants(nn.Module):
 
     def forward(self, x, y):  # x: (N, 3, 20), y: (N, 4, 7, 7)
         a = self.c1(x)                                     # (N,4,6)
-        h = torch.relu(self.dw(y + a.unsqueeze(-1)[..., :1, :].mean()))
+        z = y + a.unsqueeze(-1)[..., :1, :].mean()
+        if self.legacy:  # legacy writes dilated 'same' as auto_pad=SAME_UPPER, which onnxruntime refuses
+            h = torch.relu(F.conv2d(z, self.dw.weight, None, padding=2, dilation=2, groups=4))
+        else:
+            h = torch.relu(self.dw(z))
         h = self.refl(h)
         h = torch.tanh(self.repl(h))                       # (N,4,7,9)
         h = F.pad(h, (-1, 0, 1, -2))                       # crop + pad
@@ -282,14 +286,19 @@ class Indexing2(nn.Module):
 
     def forward(self, x, i1, i2, idx2d, tidx):  # x: (N, 5, 6)
         h = torch.tanh(x * self.w)
-        a = h[:, i1, i2]                                   # (N, K) multi-axis
+        if self.legacy:  # legacy flattens multi-axis indices wrongly when they are negative
+            a = h[:, i1.remainder(5), i2.remainder(6)]
+        else:
+            a = h[:, i1, i2]                               # (N, K) multi-axis
         b = h[:, :, i2]                                    # negative ids on axis 2
         c = self.table[idx2d]                              # (2, 3, 3) from a 2-D index
         d = torch.index_select(h, -1, tidx.clamp(min=0))   # dim -1
         eidx = tidx.clamp(min=0).view(1, 1, -1).expand(h.shape[0], 5, -1)
         # the legacy exporter has no aten::take_along_dim
         e = torch.gather(h, 2, eidx) if self.legacy else torch.take_along_dim(h, eidx, dim=2)
-        f = torch.zeros(h.shape[0], 4, 6).index_add(1, torch.tensor([0, 3, 3, 1, 0]), h)
+        # the legacy exporter refuses index_add with repeated indices
+        f_idx = torch.tensor([4, 0, 3, 1, 2] if self.legacy else [0, 3, 3, 1, 0])
+        f = torch.zeros(h.shape[0], 5, 6).index_add(1, f_idx, h)
         g = torch.zeros(h.shape[0], 5, 3).scatter_add(2, tidx.clamp(min=0).remainder(3)
                                                        .view(1, 1, -1).expand(h.shape[0], 5, -1)[..., :6], h)
         p = h.movedim(2, 1).unflatten(1, (2, 3)).permute(0, 3, 1, 2)  # (N,5,2,3)
