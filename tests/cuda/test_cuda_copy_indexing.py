@@ -29,6 +29,12 @@ def poison(rt, nbytes: int, copies: int = 4) -> None:
     del blocks
 
 
+def upload(rt, a):
+    a = np.asarray(a)
+    d = rt.to_device(a)
+    return d.reshape(a.shape) if d.shape != a.shape else d  # keep 0-d tensors 0-d
+
+
 def run(rt, op, inputs, domain="", **attrs):
     """(CUDA results, CPU results) of ``op`` on ``inputs``, each a tuple of numpy arrays."""
     entry = registry.lookup(domain, op)
@@ -37,8 +43,7 @@ def run(rt, op, inputs, domain="", **attrs):
     want = want if isinstance(want, tuple) else (want,)
     for w in want:
         poison(rt, np.asarray(w).nbytes)
-    args = [None if a is None else (a if i in entry.cuda_host_inputs else rt.to_device(np.asarray(a)))
-            for i, a in enumerate(inputs)]
+    args = [None if a is None else (a if i in entry.cuda_host_inputs else upload(rt, a)) for i, a in enumerate(inputs)]
     got = entry.cuda(*args, **attrs)
     got = got if isinstance(got, tuple) else (got,)
     return tuple(rt.to_host(g) for g in got), tuple(np.asarray(w) for w in want)

@@ -36,16 +36,21 @@ def entry(op):
     return e
 
 
+def upload(rt, a):
+    a = np.asarray(a)
+    d = rt.to_device(a)
+    return d.reshape(a.shape) if d.shape != a.shape else d  # keep 0-d tensors 0-d
+
+
 def on_device(rt, e, inputs):
-    return [None if a is None else (a if i in e.cuda_host_inputs else rt.to_device(np.asarray(a)))
-            for i, a in enumerate(inputs)]
+    return [None if a is None else (a if i in e.cuda_host_inputs else upload(rt, a)) for i, a in enumerate(inputs)]
 
 
-def compare(rt, op, inputs, tol=0.0, **attrs):
+def compare(rt, op, inputs, tol=0.0, cuda_attrs=None, **attrs):
     e = entry(op)
     want = np.asarray(e.cpu(*inputs, **attrs))
     poison(rt, want.nbytes)
-    got = e.cuda(*on_device(rt, e, inputs), **attrs).get()
+    got = e.cuda(*on_device(rt, e, inputs), **attrs, **(cuda_attrs or {})).get()
     assert got.shape == want.shape and got.dtype == want.dtype
     assert not np.isnan(got).any()
     if tol:
@@ -157,7 +162,8 @@ def test_gather_elements_grad(rt, deterministic, dtype, itype, shape, axis, isha
     idx = RNG.integers(-size, size, size=ishape).astype(itype)
     dy = RNG.standard_normal(ishape).astype(dtype)
     args = [dy, np.array(shape, np.int64), idx]
-    got = compare(rt, "GatherElementsGrad", args, tol=TOL[dtype], axis=axis, deterministic=deterministic)
+    got = compare(rt, "GatherElementsGrad", args, tol=TOL[dtype], cuda_attrs={"deterministic": deterministic},
+                  axis=axis)
     if deterministic:
         e = entry("GatherElementsGrad")
         again = e.cuda(*on_device(rt, e, args), axis=axis, deterministic=True).get()

@@ -119,3 +119,13 @@ CASES += [
     resize("nearest_not_larger", r(1, 1, 4, 6), sizes=[3, 5], axes=[2, 3], keep_aspect_ratio_policy="not_larger",
            opset=18),
 ]
+
+CASES += [
+    resize("linear_antialias_down", r(1, 1, 6, 7), scales=[1, 1, 0.5, 0.6], mode="linear", antialias=1, opset=18),
+    resize("cubic_antialias_down", r(1, 1, 7, 5), sizes=[1, 1, 3, 4], mode="cubic", antialias=1, opset=18),
+    # tf_crop_and_resize: outputs outside the crop take extrapolation_value (no gradient there).
+    GradCase("Resize", [r(1, 1, 4, 5), np.array([0, 0, -0.2, 0.1, 1, 1, 0.9, 1.3], dtype=np.float32), None,
+                        np.array([1, 1, 5, 4], dtype=np.int64)],
+             attrs=dict(mode="linear", coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=0.5),
+             const=(1,), symbolic=False, name="Resize_tf_crop_and_resize"),
+]

@@ -217,17 +217,16 @@ def resize(g):
     x = g.x(0)
     if not g.needs(0):
         return [None]
-    if int(g.attr("antialias", 0)):
-        raise ModelError(f"{_where(g)}: Resize with antialias=1 has no gradient rule")
     ctm = _str(g.attr("coordinate_transformation_mode", "half_pixel"))
-    if ctm == "tf_crop_and_resize":
-        raise ModelError(f"{_where(g)}: Resize with tf_crop_and_resize has no gradient rule")
+    roi = folded_const(g, 1) if g.opset >= 11 and ctm == "tf_crop_and_resize" else None
+    if ctm == "tf_crop_and_resize" and roi is None:
+        raise ModelError(f"{_where(g)}: Resize with tf_crop_and_resize needs a constant roi for its gradient")
     xd, yd = dims_of(x), dims_of(g.y())
     if xd is None:
         raise ModelError(f"{_where(g)}: the rank of {x.name!r} is unknown; its gradient needs it")
     rank = len(xd)
     attrs = {k: g.attr(k) for k in ("mode", "coordinate_transformation_mode", "nearest_mode",
-                                    "cubic_coeff_a", "exclude_outside")}
+                                    "cubic_coeff_a", "exclude_outside", "antialias")}
     if g.opset < 11:
         scales, sizes = folded_const(g, 1), None
         attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")
@@ -278,7 +277,9 @@ def resize(g):
             factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
     dtype = numpy_dtype_of(x)
     dx = g.dy()
-    for axis, m in sorted(resize_matrices(shape_in, shape_out, factors, attrs).items()):
+    # Outputs set to extrapolation_value (tf_crop_and_resize) have zero rows: no gradient.
+    mats = resize_matrices(shape_in, shape_out, factors, attrs, roi, g.attr("axes"))
+    for axis, (m, _) in sorted(mats.items()):
         perm = list(range(rank))
         perm[axis], perm[-1] = perm[-1], perm[axis]
         moved = dx if axis == rank - 1 else g.transpose(dx, perm)

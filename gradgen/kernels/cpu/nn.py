@@ -589,82 +589,132 @@ def resize_geometry(x_shape, scales=None, sizes=None, *, axes=None, keep_aspect_
     return out, factor
 
 
+def _resize_coeffs(ratios: np.ndarray, scale: float, mode: str, nearest_mode: str, a: float,
+                   antialias: bool) -> np.ndarray:
+    """(n_out, taps) interpolation coefficients for ratios in (0, 1] (1 when the source coordinate is
+    an integer), as ONNX's reference computes them."""
+    r = ratios[:, None]
+    if mode == "nearest":
+        integer = r == 1.0
+        if nearest_mode == "round_prefer_floor":
+            left = r <= 0.5
+        elif nearest_mode == "round_prefer_ceil":
+            left = r < 0.5
+        elif nearest_mode == "floor":
+            left = np.ones_like(r, dtype=bool)
+        elif nearest_mode == "ceil":
+            left = np.zeros_like(r, dtype=bool)
+        else:
+            raise KernelError(f"unknown nearest_mode {nearest_mode!r}")
+        left = left & ~integer
+        return np.concatenate([left, ~left], axis=1).astype(np.float64)
+    if mode == "linear":
+        if not antialias:
+            return np.concatenate([1.0 - r, r], axis=1)
+        s = min(scale, 1.0)
+        start = int(np.floor(-1 / s) + 1)
+        taps = np.arange(start, start + 2 - 2 * start)[None, :]
+        coeffs = np.clip(1 - np.abs((taps - r) * s), 0, 1)
+        return coeffs / coeffs.sum(axis=1, keepdims=True)
+    if mode == "cubic":
+        def kernel(x):
+            x = np.abs(x)
+            return np.where(x <= 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                            np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0))
+        if not antialias:
+            return kernel(np.concatenate([r + 1, r, 1 - r, 2 - r], axis=1))
+        s = min(scale, 1.0)
+        start = int(np.floor(-2 / s) + 1)
+        taps = np.arange(start, 2 - start)[None, :]
+        coeffs = kernel(s * (taps - r))
+        return coeffs / coeffs.sum(axis=1, keepdims=True)
+    raise KernelError(f"unknown Resize mode {mode!r}")
+
+
 def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
                        coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_floor",
-                       cubic_coeff_a=-0.75, exclude_outside=0) -> np.ndarray:
-    """The (n_out, n_in) float64 matrix of one axis of ONNX Resize (no antialias, no crop)."""
+                       cubic_coeff_a=-0.75, exclude_outside=0, antialias=0, roi=None):
+    """One axis of ONNX Resize as ``(M, outside)``: the (n_out, n_in) float64 matrix with
+    y = M x along the axis, and for tf_crop_and_resize the output positions that take
+    extrapolation_value instead (their rows of M are zero; None otherwise). A vectorised port of
+    ONNX's reference implementation (edge padding = clamped indices, ties to the left)."""
     mode = _text(mode, "nearest")
     ctm = _text(coordinate_transformation_mode, "half_pixel")
-    o = np.arange(n_out, dtype=np.float64)
-    if ctm == "half_pixel":
-        xo = (o + 0.5) / scale - 0.5
-    elif ctm == "half_pixel_symmetric":
-        adjustment = n_out / (scale * n_in)
-        xo = (n_in / 2.0) * (1 - adjustment) + (o + 0.5) / scale - 0.5
-    elif ctm == "pytorch_half_pixel":
-        xo = (o + 0.5) / scale - 0.5 if n_out > 1 else np.zeros(n_out)
-    elif ctm == "align_corners":
-        xo = np.zeros(n_out) if n_out == 1 else o * (n_in - 1) / (n_out - 1)
+    nearest_mode = _text(nearest_mode, "round_prefer_floor")
+    width = scale * n_in  # the output width before truncation
+    y = np.arange(n_out, dtype=np.float64)
+    outside = None
+    if ctm == "align_corners":
+        xo = np.zeros(n_out) if width == 1 else y * (n_in - 1) / (width - 1)
     elif ctm == "asymmetric":
-        xo = o / scale
+        xo = y / scale
+    elif ctm == "tf_crop_and_resize":
+        if roi is None:
+            raise KernelError("Resize with tf_crop_and_resize needs roi")
+        lo, hi = float(roi[0]), float(roi[1])
+        xo = (np.full(n_out, (hi - lo) * (n_in - 1) / 2) if width == 1
+              else y * (hi - lo) * (n_in - 1) / (width - 1)) + lo * (n_in - 1)
+        outside = (xo < 0) | (xo > n_in - 1)
+    elif ctm == "pytorch_half_pixel":
+        xo = np.full(n_out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
+    elif ctm == "half_pixel":
+        xo = (y + 0.5) / scale - 0.5
+    elif ctm == "half_pixel_symmetric":
+        xo = (n_in / 2) * (1 - n_out / width) + (y + 0.5) / scale - 0.5
     else:
-        raise KernelError(f"Resize coordinate_transformation_mode {ctm!r} is not supported")
+        raise KernelError(f"unknown coordinate_transformation_mode {ctm!r}")
     m = np.zeros((n_out, n_in), dtype=np.float64)
-    rows = np.arange(n_out)
-    if mode == "nearest":
-        nearest = _text(nearest_mode, "round_prefer_floor")
-        floor = np.floor(xo)
-        tie = (xo - floor) == 0.5
-        if nearest == "round_prefer_floor":
-            idx = np.where(tie, floor, np.round(xo))
-        elif nearest == "round_prefer_ceil":
-            idx = np.where(tie, floor + 1, np.round(xo))
-        elif nearest == "floor":
-            idx = floor
-        elif nearest == "ceil":
-            idx = np.ceil(xo)
-        else:
-            raise KernelError(f"unknown nearest_mode {nearest!r}")
-        m[rows, np.clip(idx, 0, n_in - 1).astype(np.int64)] = 1.0
-    elif mode == "linear":
-        floor = np.floor(xo)
-        w1 = xo - floor
-        i0 = np.clip(floor, 0, n_in - 1).astype(np.int64)
-        i1 = np.clip(floor + 1, 0, n_in - 1).astype(np.int64)
-        np.add.at(m, (rows, i0), 1.0 - w1)
-        np.add.at(m, (rows, i1), w1)
-    elif mode == "cubic":
-        a = float(cubic_coeff_a)
-        floor = np.floor(xo)
-        t = xo - floor
-        weights, index = [], []
-        for k in (-1, 0, 1, 2):
-            d = np.abs(t - k)
-            w = np.where(d < 1, ((a + 2) * d - (a + 3)) * d * d + 1,
-                         np.where(d < 2, ((a * d - 5 * a) * d + 8 * a) * d - 4 * a, 0.0))
-            weights.append(w)
-            index.append(floor + k)
-        weights, index = np.stack(weights, 1), np.stack(index, 1)
-        if int(exclude_outside):
-            inside = (index >= 0) & (index <= n_in - 1)
-            weights = np.where(inside, weights, 0.0)
-            weights = weights / weights.sum(axis=1, keepdims=True)
-        np.add.at(m, (np.repeat(rows, 4), np.clip(index, 0, n_in - 1).astype(np.int64).reshape(-1)),
-                  weights.reshape(-1))
+    if n_out == 0:
+        return m, outside
+    floor = np.floor(xo)
+    ratios = np.where(xo == floor, 1.0, xo - floor)
+    coeffs = _resize_coeffs(ratios, scale, mode, nearest_mode, float(cubic_coeff_a),
+                            bool(int(antialias)) and mode != "nearest")
+    taps = coeffs.shape[1]
+    pad = int(np.ceil(taps / 2))
+    padded = xo + pad
+    p = np.floor(padded)
+    frac = padded - p
+    if taps % 2 == 0:
+        offset = np.where(frac == 0, -(taps // 2), -(taps // 2) + 1)
     else:
-        raise KernelError(f"unknown Resize mode {mode!r}")
-    return m
+        base = -((taps - 1) // 2)
+        offset = np.where(frac <= 0.5, base, base + 1)
+    index = (p + offset)[:, None].astype(np.int64) + np.arange(taps)[None, :] - pad
+    if int(exclude_outside):
+        coeffs = np.where((index < 0) | (index >= n_in), 0.0, coeffs)
+        total = coeffs.sum(axis=1, keepdims=True)
+        coeffs = coeffs / np.where(total == 0, 1.0, total)
+    rows = np.repeat(np.arange(n_out), taps)
+    np.add.at(m, (rows, np.clip(index, 0, n_in - 1).reshape(-1)), coeffs.reshape(-1))
+    if outside is not None:
+        m[outside] = 0.0
+        if not outside.any():
+            outside = None
+    return m, outside
 
 
-def resize_matrices(x_shape, out_shape, factors, attrs: dict) -> dict[int, np.ndarray]:
-    """Axis -> (out, in) matrix for every axis Resize changes (identity axes are left out)."""
-    keys = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside")
+def resize_matrices(x_shape, out_shape, factors, attrs: dict, roi=None, axes=None) -> dict:
+    """Axis -> (M, outside) for every axis Resize changes (identity axes are left out). ``roi``
+    is the Resize roi input (starts then ends, over ``axes`` or all axes)."""
+    keys = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
+            "antialias")
     kwargs = {k: attrs[k] for k in keys if attrs.get(k) is not None}
+    rank = len(x_shape)
+    roi_axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]
+    per_axis = {}
+    if roi is not None and np.asarray(roi).size:
+        roi = np.asarray(roi, dtype=np.float64).reshape(-1)
+        k = len(roi_axes)
+        if roi.size != 2 * k:
+            raise KernelError(f"roi has {roi.size} value(s), expected {2 * k}")
+        per_axis = {a: (roi[i], roi[k + i]) for i, a in enumerate(roi_axes)}
     mats = {}
     for axis, (n_in, n_out, s) in enumerate(zip(x_shape, out_shape, factors)):
-        m = resize_axis_matrix(int(n_in), int(n_out), s, **kwargs)
-        if not (n_in == n_out and np.array_equal(m, np.eye(n_in))):
-            mats[axis] = m
+        m, outside = resize_axis_matrix(int(n_in), int(n_out), s, roi=per_axis.get(axis, (0.0, 1.0)), **kwargs)
+        if outside is None and n_in == n_out and np.array_equal(m, np.eye(n_in)):
+            continue
+        mats[axis] = (m, outside)
     return mats
 
 
@@ -673,16 +723,18 @@ def resize(x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None,
            coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
            extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest",
            nearest_mode="round_prefer_floor", _opset=13):
-    if int(antialias):
-        raise KernelError("Resize with antialias=1 is not supported")
     if _opset < 11:  # Resize-10: (X, scales), asymmetric coordinates
-        scales, coordinate_transformation_mode, nearest_mode = roi, "asymmetric", "floor"
+        scales, roi, coordinate_transformation_mode, nearest_mode = roi, None, "asymmetric", "floor"
     out, factors = resize_geometry(x.shape, scales, sizes, axes=axes,
                                    keep_aspect_ratio_policy=keep_aspect_ratio_policy)
     attrs = dict(mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
-                 nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside)
-    ct = _compute_dtype(x.dtype)
-    y = x.astype(ct, copy=False)
-    for axis, m in resize_matrices(x.shape, out, factors, attrs).items():
-        y = np.moveaxis(np.tensordot(m.astype(ct), y, axes=([1], [axis])), 0, axis)
+                 nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
+                 antialias=antialias)
+    y = x.astype(np.float64)
+    for axis, (m, outside) in resize_matrices(x.shape, out, factors, attrs, roi, axes).items():
+        y = np.moveaxis(np.tensordot(m, y, axes=([1], [axis])), 0, axis)
+        if outside is not None:
+            index = [slice(None)] * y.ndim
+            index[axis] = outside
+            y[tuple(index)] = extrapolation_value
     return np.ascontiguousarray(y, dtype=x.dtype)

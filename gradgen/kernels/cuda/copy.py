@@ -15,6 +15,7 @@ input (Identity is registered with the elementwise launchers). Shape and Size an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -30,6 +31,16 @@ def _rt():
     from gradgen.cuda import runtime as rt
 
     return rt
+
+
+@functools.lru_cache(maxsize=4096)
+def _desc_cached(shape: tuple, strides: tuple | None):
+    return _rt().desc(list(shape), None if strides is None else list(strides))
+
+
+def desc(shape, strides=None):
+    """``runtime.desc``, cached by value (launches with the same shapes reuse the record; never mutated)."""
+    return _desc_cached(tuple(int(d) for d in shape), None if strides is None else tuple(int(v) for v in strides))
 
 
 def elem_strides(x) -> list[int]:
@@ -93,7 +104,7 @@ def strided_copy(dst, dst_strides, dst_off, src, src_strides, src_off, shape) ->
     n = math.prod(shape)
     small = n <= _INT32_LIMIT and _extent(shape, ss) <= _INT32_LIMIT and _extent(shape, ds) <= _INT32_LIMIT
     kernel = rt.function("copy", f"strided_copy_w{width}_{'i32' if small else 'i64'}")
-    rt.launch(kernel, n, np.uintp(dst_addr), np.uintp(src_addr), rt.desc(shape, ss), rt.desc(shape, ds),
+    rt.launch(kernel, n, np.uintp(dst_addr), np.uintp(src_addr), desc(shape, ss), desc(shape, ds),
               np.int64(0), np.int64(0), np.int64(n))
 
 
@@ -157,8 +168,8 @@ def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None
     if not small:
         magic = [(0, 0)] * len(shape)
     kernel = rt.function("copy", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
-    rt.launch(kernel, n, out, np.uintp(src_addr), rt.desc(shape), rt.desc(counts, src_strides),
-              rt.desc(starts, steps), rt.desc([m for m, _ in magic], [s for _, s in magic]), np.int64(fill),
+    rt.launch(kernel, n, out, np.uintp(src_addr), desc(shape), desc(counts, src_strides),
+              desc(starts, steps), desc([m for m, _ in magic], [s for _, s in magic]), np.int64(fill),
               np.int64(n))
 
 

@@ -97,6 +97,17 @@ def copy(x):
     return out
 
 
+def upload(array) -> object:
+    """A device copy of a host array that keeps its shape (rank 0 included)."""
+    from gradgen.cuda import runtime as rt
+
+    array = np.asarray(array)
+    out = rt.empty(array.shape, array.dtype)
+    if out.size:
+        rt.driver.memcpy_htod(out.gpudata, np.ascontiguousarray(array).reshape(-1))
+    return out
+
+
 def cpu_fallback(op_type: str, *args, **attrs):
     """Run the op's CPU kernel on host copies and upload the result(s)."""
     from gradgen.cuda import runtime as rt
@@ -106,8 +117,8 @@ def cpu_fallback(op_type: str, *args, **attrs):
     host = [rt.to_host(a) if rt.is_device(a) else a for a in args]
     result = entry.cpu(*host, **attrs)
     if isinstance(result, tuple):
-        return tuple(rt.to_device(np.asarray(r)) for r in result)
-    return rt.to_device(np.asarray(result))
+        return tuple(upload(r) for r in result)
+    return upload(result)
 
 
 def _null():
@@ -126,10 +137,20 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
     out = rt.empty(out_shape, out_dtype)
     if out.size == 0:
         return out
-    shape, (av, bv) = broadcast_descs(out_shape, a.shape, b.shape)
+    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in (a.shape, b.shape)])
+    n = out.size
+    vec = (
+        shape and shape[-1] % 4 == 0 and all(st[-1] in (0, 1) for st in strides)
+        and all(np.dtype(t).itemsize == 4 for t in (a.dtype, b.dtype, out_dtype))
+        and all(int(t.gpudata) % 16 == 0 for t in (a, b, out))
+    )
+    if vec:  # quads of 4 innermost elements: 16-byte loads and stores
+        shape = shape[:-1] + [shape[-1] // 4]
+        strides = [st[:-1] + [st[-1] * 4] for st in strides]
+        n //= 4
     flag = rt.zeros((1,), np.int64) if error else None
-    rt.launch(rt.function("elementwise", entry), out.size, out, a, b, flag if flag is not None else _null(),
-              shape, av, bv, np.int64(out.size))
+    rt.launch(rt.function("elementwise", entry), n, out, a, b, flag if flag is not None else _null(),
+              rt.desc(shape), *[rt.desc(shape, st) for st in strides], np.int64(n), np.int64(1 if vec else 0))
     if flag is not None:
         rt.check_flag(flag, lambda _v: error)
     return out
@@ -399,7 +420,7 @@ def clip(x, lo=None, hi=None, **attrs):
             return _null()
         if rt.is_device(bound):
             return bound if bound.dtype == x.dtype else cast_to(bound, x.dtype)
-        return rt.to_device(np.asarray(bound, dtype=x.dtype).reshape(1))
+        return upload(np.asarray(bound, dtype=x.dtype).reshape(1))
 
     contiguous(x)
     out = rt.empty(x.shape, x.dtype)

@@ -98,7 +98,7 @@ def gather_elements(data, indices, *, axis=0):
     idx = ms._dev(indices)
     flag = rt.zeros((1,), np.int64)
     kernel = rt.function("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
-    rt.launch(kernel, out.size, out, x, idx, flag, rt.desc(indices.shape, rt.contiguous_strides(data.shape)),
+    rt.launch(kernel, out.size, out, x, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(data.shape)),
               np.int64(axis), np.int64(size), np.int64(out.size))
     _check(flag, indices, size, axis)
     return out
@@ -141,7 +141,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     strides = rt.contiguous_strides(data.shape)
     batch = math.prod(data.shape[:b])
     M = math.prod(indices.shape[b:-1])
-    kd = rt.desc(data.shape[b:b + k], [s // r for s in strides[b:b + k]])
+    kd = cp.desc(data.shape[b:b + k], [s // r for s in strides[b:b + k]])
     batch_stride = (strides[b - 1] if b else x.size) // r
     n = out.size // r
     flag = rt.zeros((1,), np.int64)

@@ -148,7 +148,7 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
         idx = _dev(indices)
         tiles = -(-count // _TILE)
         rt.function("microsoft", f"csr_tile_sort_{_index_suffix(idx)}")(
-            _addr(idx), keys, pos, rank, counts, flag_addr, sync, rt.desc(sizes, multipliers), np.int64(count),
+            _addr(idx), keys, pos, rank, counts, flag_addr, sync, cp.desc(sizes, multipliers), np.int64(count),
             np.int64(sentinel), np.int64(end_bit), block=(256, 1, 1), grid=(tiles, 1))
     rt.function("microsoft", "csr_scan")(counts, rowptr, row_slot, chunk_map, long_rows, meta, np.int64(rows),
                                          np.int64(chunk), block=(_SCAN_THREADS, 1, 1), grid=(1, 1))
@@ -227,8 +227,8 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0)
     s, n = int(out_shape[axis]), int(indices.shape[axis])
     if s >= 2**32 - 1 or n >= 2**32:
         raise KernelError(f"axis {axis} of size {s} exceeds the CUDA kernel's 32-bit limit")
-    lines = rt.desc([out_shape[d] for d in others], [ostrides[d] for d in others])
-    ilines = rt.desc([indices.shape[d] for d in others], [istrides[d] for d in others])
+    lines = cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])
+    ilines = cp.desc([indices.shape[d] for d in others], [istrides[d] for d in others])
     nlines = math.prod(out_shape[d] for d in others)
     shared_line = s * _ACC[name] <= _LINE_SMEM
     idx = _dev(indices) if indices.size else None
@@ -276,7 +276,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
             small = dX.size < 2**31 and dy.size < 2**31
             kernel = rt.function("microsoft", f"ge_atomic{'32' if small else ''}_{rt.suffix(dY.dtype)}_"
                                               f"{_index_suffix(indices)}")
-            rt.launch(kernel, dy.size, dX, dy, idx, flag, rt.desc(indices.shape, rt.contiguous_strides(dims)),
+            rt.launch(kernel, dy.size, dX, dy, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(dims)),
                       np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))
     if indices.size and dX.size and rt.to_host(flag)[0]:
         raise_index_error(indices, dims[axis], axis)

@@ -70,6 +70,64 @@ GG_NORM(f16, __half, float)
 GG_NORM(f32, float, float)
 GG_NORM(f64, double, double)
 
+// LayerNorm rows of L <= 32 * N elements: one warp per row, the row held in registers (one read
+// of x), shuffle reductions only. Deterministic (fixed shuffle tree).
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+template <typename T, typename A, int N>
+__device__ void norm_warp(T* y, A* mean_out, A* inv_out, const T* __restrict__ x, const T* __restrict__ scale,
+                          const T* __restrict__ bias, int64_t rows, int64_t L, double eps) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;  // the whole warp leaves together
+    const T* xr = x + row * L;
+    A v[N];
+    A s = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        v[k] = j < L ? (A)gg_load(xr + j) : A(0);
+        s += v[k];
+    }
+    const A mean = warp_sum(s) / A(L);
+    A q = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        const A d = v[k] - mean;
+        if (j < L) q += d * d;
+    }
+    const A inv = A(1) / sqrt(warp_sum(q) / A(L) + A(eps));
+    if (lane == 0) {
+        mean_out[row] = mean;
+        inv_out[row] = inv;
+    }
+    T* yr = y + row * L;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        if (j < L) {
+            A o = (v[k] - mean) * inv * (A)gg_load(scale + j);
+            if (bias) o += (A)gg_load(bias + j);
+            gg_store(yr + j, (typename Acc<T>::type)o);
+        }
+    }
+}
+
+#define GG_NORM_WARP(n, s, T, A)                                                                              \
+    extern "C" __global__ void norm_warp##n##_##s(T* y, A* mean_out, A* inv_out, const T* x, const T* scale,   \
+                                                  const T* bias, int64_t rows, int64_t L, double eps) {       \
+        norm_warp<T, A, n>(y, mean_out, inv_out, x, scale, bias, rows, L, eps);                              \
+    }
+#define GG_NORM_WARPS(s, T, A) GG_NORM_WARP(1, s, T, A) GG_NORM_WARP(2, s, T, A) GG_NORM_WARP(4, s, T, A) \
+    GG_NORM_WARP(8, s, T, A) GG_NORM_WARP(16, s, T, A) GG_NORM_WARP(32, s, T, A)
+GG_NORM_WARPS(f16, __half, float)
+GG_NORM_WARPS(f32, float, float)
+GG_NORM_WARPS(f64, double, double)
+
 // BatchNormalization, inference: y = (x - mean[c]) / sqrt(var[c] + eps) * scale[c] + bias[c].
 template <typename T, typename A>
 __device__ void batch_norm(T* y, const T* __restrict__ x, const T* __restrict__ scale, const T* __restrict__ bias,

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, same_type, sfx
+from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, same_type, sfx, upload
 from gradgen.kernels.registry import cuda_kernel
 
 _FLOATS = ("f16", "f32", "f64")
@@ -42,7 +42,12 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
     mean = rt.empty((rows,), st)
     inv = rt.empty((rows,), st)
     if rows and length == 0:  # empty rows: mean 0/0 and its inverse deviation are NaN, as on the CPU
-        mean, inv = rt.to_device(np.full((rows,), np.nan, st)), rt.to_device(np.full((rows,), np.nan, st))
+        mean, inv = upload(np.full((rows,), np.nan, st)), upload(np.full((rows,), np.nan, st))
+    elif rows and mode == 0 and length <= 1024:
+        lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
+        kernel = rt.function("norm", f"norm_warp{lanes}_{sfx(x.dtype)}")
+        kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(rows), np.int64(length),
+               np.float64(epsilon), block=(128, 1, 1), grid=(-(-rows // 4), 1))
     elif rows:
         kernel = rt.function("norm", f"norm_rows_{sfx(x.dtype)}")
         kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(length), np.int64(mode),

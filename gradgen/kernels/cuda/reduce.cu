@@ -295,6 +295,53 @@ __device__ void softmax_cols(T* out, const T* __restrict__ x, int64_t outer, int
     }
 }
 
+// inner == 1, L <= 32 * N: one warp per row held in registers (one read of x).
+template <typename T, bool LOG, int N>
+__device__ void softmax_warp(T* out, const T* __restrict__ x, int64_t rows, int64_t L) {
+    using A = typename Acc<T>::type;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const T* xr = x + row * L;
+    A v[N];
+    A m = Lim<A>::lowest();
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        v[k] = j < L ? (A)gg_load(xr + j) : Lim<A>::lowest();
+        m = gg_max(m, v[k]);
+    }
+    for (int s = 16; s > 0; s >>= 1) m = gg_max(m, __shfl_xor_sync(0xffffffffu, m, s));
+    A sum = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+        if (k * 32 + lane < L) sum += exp(v[k] - m);
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    T* orow = out + row * L;
+    const A log_sum = log(sum);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        if (j < L) {
+            if constexpr (LOG) gg_store(orow + j, (v[k] - m) - log_sum);
+            else gg_store(orow + j, exp(v[k] - m) / sum);
+        }
+    }
+}
+
+#define GG_SOFTMAX_WARP(n, s, T)                                                                             \
+    extern "C" __global__ void softmax_warp##n##_##s(T* out, const T* x, int64_t rows, int64_t L) {           \
+        softmax_warp<T, false, n>(out, x, rows, L);                                                          \
+    }                                                                                                        \
+    extern "C" __global__ void log_softmax_warp##n##_##s(T* out, const T* x, int64_t rows, int64_t L) {       \
+        softmax_warp<T, true, n>(out, x, rows, L);                                                           \
+    }
+#define GG_SOFTMAX_WARPS(s, T) GG_SOFTMAX_WARP(1, s, T) GG_SOFTMAX_WARP(2, s, T) GG_SOFTMAX_WARP(4, s, T) \
+    GG_SOFTMAX_WARP(8, s, T) GG_SOFTMAX_WARP(16, s, T) GG_SOFTMAX_WARP(32, s, T)
+GG_SOFTMAX_WARPS(f16, __half)
+GG_SOFTMAX_WARPS(f32, float)
+GG_SOFTMAX_WARPS(f64, double)
+
 #define GG_SOFTMAX(s, T)                                                                                    \
     extern "C" __global__ void softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, false>(out, x, L); } \
     extern "C" __global__ void log_softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, true>(out, x, L); } \

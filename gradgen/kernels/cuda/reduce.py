@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
+from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx, upload
 from gradgen.kernels.registry import cuda_kernel
 
 _FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")
@@ -57,6 +57,62 @@ def _merge(shape, reduced):
     return out[::-1]
 
 
+def blocks_per_sm(kernel, threads: int) -> int:
+    """Resident blocks of ``kernel`` per SM at ``threads`` per block (registers, threads, shared memory)."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(int(kernel.num_regs), 1) * 32 // 256) * 256
+    by_regs = 65536 // (warps * regs_per_warp)
+    by_threads = 2048 // (warps * 32)
+    smem = int(kernel.shared_size_bytes)
+    by_smem = (227 * 1024) // smem if smem else 32
+    return max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bool):
+    """How to run one reduction: (kind, kernel, extra args, block, grid, splits). Cached per call signature."""
+    from gradgen.cuda import runtime as rt
+
+    reduced = [d in axes for d in range(len(shape))]
+    total = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+    out_size = int(np.prod([d for d, r in zip(shape, reduced) if not r], dtype=np.int64))
+    groups = _merge(shape, reduced)
+    kept = [(size, stride) for size, red, stride in groups if not red]
+    if groups[-1][1]:  # innermost group reduced: rows
+        length = groups[-1][0]
+        outer_red = [(size, stride) for size, red, stride in groups[:-1] if red]
+        v = 16 // itemsize if s in ("f32", "f64", "i32", "i64") else 1
+        if v > 1 and (length % v or not aligned):
+            v = 1
+        threads = min(_THREADS, max(32, _next_pow2(math.ceil(total / v / 4))))
+        kernel = rt.function("reduce", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
+        # Fill the GPU in one wave when there are few outputs: split each output's reduction.
+        capacity = sm_count() * blocks_per_sm(kernel, threads)
+        splits = max(1, min(capacity // out_size, total // 8192, 65535))
+        chunk = -(-total // splits)
+        chunk = -(-chunk // v) * v
+        splits = -(-total // chunk)
+        args = (rt.desc([k[0] for k in kept], [k[1] for k in kept]),
+                rt.desc([r[0] for r in outer_red], [r[1] for r in outer_red]),
+                np.int64(length), np.int64(total), np.int64(chunk))
+        return kernel, args, (threads, 1, 1), (out_size, splits), splits, total
+    c = groups[-1][0]  # innermost group kept: cols
+    outer_kept = kept[:-1]
+    red = [(size, stride) for size, r, stride in groups if r]
+    tiles = -(-c // 32)
+    by = 8
+    blocks = (out_size // c) * tiles
+    kernel = rt.function("reduce", f"cols_{op}_{s}")
+    capacity = sm_count() * blocks_per_sm(kernel, 32 * by)
+    splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
+    chunk = -(-total // splits)
+    splits = -(-total // chunk)
+    args = (rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
+            rt.desc([r[0] for r in red], [r[1] for r in red]),
+            np.int64(c), np.int64(tiles), np.int64(total), np.int64(chunk))
+    return kernel, args, (32, by, 1), (blocks, splits), splits, total
+
+
 def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = ""):
     """Reduce ``x`` over the normalised ``axes`` (() reduces nothing) with reducer ``op``."""
     from gradgen.cuda import runtime as rt
@@ -64,11 +120,10 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
     contiguous(x)
     s = sfx(x.dtype)
     shape = tuple(int(d) for d in x.shape)
-    reduced = [d in axes for d in range(len(shape))]
     if keepdims:
-        out_shape = tuple(1 if r else d for d, r in zip(shape, reduced))
+        out_shape = tuple(1 if d in axes else n for d, n in enumerate(shape))
     else:
-        out_shape = tuple(d for d, r in zip(shape, reduced) if not r)
+        out_shape = tuple(n for d, n in enumerate(shape) if d not in axes)
     out = rt.empty(out_shape, x.dtype)
     if out.size == 0:
         return out
@@ -79,54 +134,14 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
 
         host = registry.lookup("", op_type).cpu(np.empty(shape, x.dtype), np.asarray(axes, np.int64),
                                                  keepdims=int(keepdims))
-        return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
+        return upload(np.asarray(host, dtype=x.dtype).reshape(out_shape))
     if total == 1:
         rt.launch(rt.function("reduce", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
         return out
-
-    groups = _merge(shape, reduced)
-    kept = [(size, stride) for size, red, stride in groups if not red]
-    partial = None
-    if groups[-1][1]:  # innermost group reduced: rows
-        L = groups[-1][0]
-        outer_red = [(size, stride) for size, red, stride in groups[:-1] if red]
-        m = out.size
-        v = 16 // np.dtype(x.dtype).itemsize if s in ("f32", "f64", "i32", "i64") else 1
-        if v > 1 and (L % v or int(x.gpudata) % 16):
-            v = 1
-        threads = min(_THREADS, max(32, _next_pow2(math.ceil(total / v / 4))))
-        capacity = sm_count() * (2048 // threads)
-        splits = max(1, min(capacity // m, total // 8192, 65535))
-        chunk = -(-total // splits)
-        chunk = -(-chunk // v) * v
-        splits = -(-total // chunk)
-        if splits > 1:
-            partial = rt.empty((m * splits * _STATE_BYTES,), np.uint8)
-        kernel = rt.function("reduce", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
-        kernel(out, partial if partial is not None else np.intp(0), x,
-               rt.desc([k[0] for k in kept], [k[1] for k in kept]),
-               rt.desc([r[0] for r in outer_red], [r[1] for r in outer_red]),
-               np.int64(L), np.int64(total), np.int64(chunk), block=(threads, 1, 1), grid=(m, splits))
-    else:  # innermost group kept: cols
-        c = groups[-1][0]
-        outer_kept = kept[:-1]
-        red = [(size, stride) for size, r, stride in groups if r]
-        mo = out.size // c
-        tiles = -(-c // 32)
-        by = 8
-        blocks = mo * tiles
-        capacity = sm_count() * (2048 // (32 * by))
-        splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
-        chunk = -(-total // splits)
-        splits = -(-total // chunk)
-        if splits > 1:
-            partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8)
-        kernel = rt.function("reduce", f"cols_{op}_{s}")
-        kernel(out, partial if partial is not None else np.intp(0), x,
-               rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
-               rt.desc([r[0] for r in red], [r[1] for r in red]),
-               np.int64(c), np.int64(tiles), np.int64(total), np.int64(chunk), block=(32, by, 1),
-               grid=(blocks, splits))
+    kernel, args, block, grid, splits, total = _plan(op, s, np.dtype(x.dtype).itemsize, shape, tuple(axes),
+                                                     int(x.gpudata) % 16 == 0)
+    partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8) if splits > 1 else None
+    kernel(out, partial if partial is not None else np.intp(0), x, *args, block=block, grid=grid)
     if partial is not None:
         rt.launch(rt.function("reduce", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
                   np.int64(splits), np.int64(total))
@@ -170,7 +185,11 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
     if out.size == 0:
         return out
     name = "log_softmax" if log else "softmax"
-    if inner == 1 and length > 8:
+    if inner == 1 and 8 < length <= 1024:
+        lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
+        rt.function("reduce", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
+                                                          block=(128, 1, 1), grid=(-(-outer // 4), 1))
+    elif inner == 1 and length > 8:
         threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
         rt.function("reduce", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
     else:
