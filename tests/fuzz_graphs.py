@@ -28,10 +28,9 @@ from onnx import TensorProto, helper, numpy_helper
 from gradgen.executor import Session
 
 MARGIN = 1e-3
-# Graphs whose tensors become empty (a Slice to nothing) hit a known bug of the gradient builder
-# (Reshape to a static shape holding 0 without allowzero=1: see test_fuzz.py's xfail regressions).
-# Until it is fixed they are rejected, so that the fuzzer looks further; set True to include them.
-ALLOW_EMPTY = False
+# Graphs whose tensors become empty (a Slice to nothing) are kept: they once exposed a builder bug
+# (Reshape to a shape holding 0 without allowzero=1), now fixed and pinned by regression tests.
+ALLOW_EMPTY = True
 INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min
 

@@ -413,8 +413,6 @@ def test_loss_kernels(case):
 # -- regressions the fuzzer found ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="MatMul gradient rule (gradgen/grads/rules/matmul.py) reshapes dX of a 1-D "
-                   "empty operand to its static shape [0] without allowzero=1: Reshape reads 0 as 'copy the dim'")
 def test_regression_matmul_of_an_empty_vector():
     """loss = sum(x @ w) with x: [0], w: [0, 2] (found as Slice-to-empty -> MatMul)."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
@@ -436,8 +434,6 @@ def test_regression_erf_double_has_no_onnxruntime_kernel():
     np.testing.assert_allclose(Session(case.model()).run(case.feeds())["out0"], math.erf(0.125), rtol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="Builder.reshape / reshape_like (gradgen/grads/builder.py) emit Reshape to a "
-                   "shape holding 0 without allowzero=1, so the Unsqueeze/Squeeze/Reshape rule fails on empty tensors")
 def test_regression_unsqueeze_of_an_empty_tensor():
     """loss = sum(unsqueeze(x, 0) * w) with x: [0, 1] (found as Slice-to-empty -> Unsqueeze)."""
     nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["u"], name="unsq"),

@@ -142,11 +142,14 @@ class Builder:
     def squeeze(self, x: ir.Value, axes: Sequence[int]) -> ir.Value:
         return self.op("Squeeze", x, self.ints(axes))
 
-    def reshape(self, x: ir.Value, shape: Sequence[int] | ir.Value) -> ir.Value:
-        return self.op("Reshape", x, shape if isinstance(shape, ir.Value) else self.ints(shape))
+    def reshape(self, x: ir.Value, shape: Sequence[int] | ir.Value, exact: bool = False) -> ir.Value:
+        """Reshape; ``exact`` says ``shape`` holds true sizes (no -1, 0 meaning an empty axis,
+        not "copy"): then it is emitted with allowzero=1 where the opset has it (14+)."""
+        allowzero = 1 if exact and self.opset >= 14 else None
+        return self.op("Reshape", x, shape if isinstance(shape, ir.Value) else self.ints(shape), allowzero=allowzero)
 
     def reshape_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
-        return self.reshape(x, self.shape_of(like))
+        return self.reshape(x, self.shape_of(like), exact=True)
 
     def expand_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
         return self.op("Expand", x, self.shape_of(like))
@@ -181,11 +184,11 @@ class Builder:
             reduced = self.reduce_sum(grad, axes, keepdims=1)
             lead = len(out_dims) - len(x_dims)
             if lead:  # drop the leading axes x did not have
-                reduced = self.reshape(reduced, x_dims) if is_static(x_dims) else self.squeeze(reduced, range(lead))
+                reduced = self.reshape(reduced, x_dims, exact=True) if is_static(x_dims) else self.squeeze(reduced, range(lead))
             return reduced
         axes_value = self._dynamic_broadcast_axes(x, out, partner)
         reduced = self.reduce_sum(grad, axes_value, keepdims=1, noop_with_empty_axes=1)
-        return self.reshape(reduced, self.shape_of(x))
+        return self.reshape_like(reduced, x)
 
     def _dynamic_broadcast_axes(self, x: ir.Value, out: ir.Value, partner) -> ir.Value:
         if partner is not None:
