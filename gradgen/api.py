@@ -12,6 +12,7 @@ from gradgen.executor import Session
 from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import (
     CleanupPass,
+    FoldShapeArithmeticPass,
     GradientPass,
     GradientSpec,
     LowerToStandardPass,
@@ -43,6 +44,7 @@ def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
         UpgradeOpsetPass(),
         NameNodesPass(),
         TopologicalSortPass(),
+        FoldShapeArithmeticPass(),
         ShapeInferencePass(),
         gradient,
         CleanupPass(),

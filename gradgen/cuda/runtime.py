@@ -53,7 +53,7 @@ def zeros(shape, dtype) -> GPUArray:
 
 
 def to_device(array: np.ndarray) -> GPUArray:
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes 0-d 1-d
     out = empty(array.shape, array.dtype)
     if array.size:
         driver.memcpy_htod(out.gpudata, array)

@@ -9,6 +9,7 @@ from gradgen.passes.lower import LowerToStandardPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,
+    FoldShapeArithmeticPass,
     NameNodesPass,
     RemoveUnusedNodesPass,
     ShapeInferencePass,
@@ -21,6 +22,7 @@ Pipeline = ir.passes.Sequential
 __all__ = [
     "CleanupPass",
     "CommonSubexpressionEliminationPass",
+    "FoldShapeArithmeticPass",
     "GradientPass",
     "GradientSpec",
     "LowerToStandardPass",

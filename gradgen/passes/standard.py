@@ -8,13 +8,13 @@ from onnx_ir.passes import common as ir_common
 
 from gradgen.errors import ModelError
 
-# The gradient rules emit ops in their opset-13+ forms (axes as inputs, ...).
-MIN_OPSET = 13
+# The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
+MIN_OPSET = 14
 UPGRADE_TO = 17
 
 
 class UpgradeOpsetPass(ir.passes.InPlacePass):
-    """Convert models below opset 13 to opset 17 with ONNX's version converter (in place)."""
+    """Convert models below opset 14 to opset 17 with ONNX's version converter (in place)."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
@@ -92,6 +92,75 @@ class NameNodesPass(ir.passes.InPlacePass):
                 taken.add(name)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+class FoldShapeArithmeticPass(ir.passes.InPlacePass):
+    """Evaluate small integer/bool computations on constants (Range, Shape arithmetic, Cast, ...).
+
+    Exporters build axes, pads and shapes from Constant -> Range/Gather/Concat chains. ONNX shape
+    inference cannot see through most of them, and gradient rules need them as constants. Only
+    nodes whose inputs are all constants and whose outputs are small integer or bool tensors are
+    folded: float data is never touched. Folded values become initializers.
+    """
+
+    MAX_ELEMENTS = 4096
+    SKIP = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from gradgen.executor.session import attribute_value
+        from gradgen.kernels import registry
+
+        graph = model.graph
+        known = {name: v.const_value.numpy() for name, v in graph.initializers.items() if v.const_value is not None}
+        outputs = {v.name for v in graph.outputs}
+        modified = False
+        for node in list(graph):
+            if node.op_type in self.SKIP or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                                                 for a in node.attributes.values()):
+                continue
+            if any(v is not None and v.name not in known for v in node.inputs):
+                continue
+            entry = registry.lookup(node.domain, node.op_type)
+            if entry is None or entry.cpu is None:
+                continue
+            results = _evaluate(entry, node, known, attribute_value)
+            if results is None or any(o.name in outputs for o in node.outputs):
+                continue
+            if not all(r.dtype.kind in "iub" and r.size <= self.MAX_ELEMENTS for r in results):
+                continue
+            for value, result in zip(node.outputs, results):
+                known[value.name] = result
+                _replace_with_initializer(graph, value, result)
+            graph.remove(node, safe=True)
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _evaluate(entry, node: ir.Node, known: dict, attribute_value) -> list | None:
+    attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+    if entry.wants_num_outputs:
+        attrs["_num_outputs"] = len(node.outputs)
+    if entry.wants_opset:
+        return None
+    try:
+        result = entry.cpu(*[None if v is None else known[v.name] for v in node.inputs], **attrs)
+    except Exception:
+        return None  # leave it to run time, where the error names the node
+    results = result if isinstance(result, tuple) else (result,)
+    if len(results) < len([o for o in node.outputs if o.name]):
+        return None
+    import numpy as np
+
+    return [np.asarray(r) for r in results[: len(node.outputs)]]
+
+
+def _replace_with_initializer(graph: ir.Graph, value: ir.Value, array) -> None:
+    constant = ir.Value(name=value.name, shape=ir.Shape(array.shape),
+                        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                        const_value=ir.tensor(array, name=value.name))
+    value.replace_all_uses_with(constant)
+    value.name = None
+    graph.register_initializer(constant)
 
 
 TopologicalSortPass = ir_common.TopologicalSortPass

@@ -99,9 +99,13 @@ def gather_nd(data, indices, *, batch_dims=0):
         raise KernelError(f"indices.shape[-1] ({k}) + batch_dims ({b}) exceeds data rank {data.ndim}")
     if data.shape[:b] != indices.shape[:b]:
         raise KernelError(f"the first {b} (batch) dimensions of data {list(data.shape)} and indices {list(indices.shape)} differ")
-    parts = _nd_tuple(data.shape, indices, b)
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
     d = data.reshape((batch,) + data.shape[b:])
+    if k == 0:  # every (empty) index tuple selects the whole slice
+        slices = d.reshape((batch,) + (1,) * (indices.ndim - 1 - b) + data.shape[b:])
+        out = np.broadcast_to(slices, (batch,) + indices.shape[b:-1] + data.shape[b:]).copy()
+        return out.reshape(indices.shape[:-1] + data.shape[b:])
+    parts = _nd_tuple(data.shape, indices, b)
     parts = tuple(p.reshape((batch,) + p.shape[b:]) for p in parts)
     bidx = np.arange(batch).reshape((batch,) + (1,) * (indices.ndim - 1 - b))
     out = d[(bidx,) + parts]

@@ -271,7 +271,9 @@ def max_pool(
     if _num_outputs < 2:
         return y
     # Indices: position of the (first) maximum in the flattened unpadded input tensor.
-    flat = win.reshape(win.shape[: 2 + ns] + (-1,))
+    if y.size == 0:
+        return y, np.zeros(y.shape, dtype=np.int64)
+    flat = win.reshape(win.shape[: 2 + ns] + (int(np.prod(kernel)),))
     tap = np.argmax(flat, axis=-1)
     taps = np.unravel_index(tap, kernel)
     spatial = x.shape[2:]
