@@ -7,28 +7,28 @@ import time
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------
-# ConvGrad and full training steps (GPU; PyTorch for the reference timings)
+def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event timings (default stream) after ``warmup`` calls."""
+    from pycuda import driver
 
-
-def _cuda_median_ms(fn, warmup: int = 10, iters: int = 50) -> float:
-    """Median over ``iters`` runs of ``fn`` timed with CUDA events on the default stream."""
-    import statistics
-
-    import pycuda.driver as driver
+    from gradgen.cuda import runtime as rt  # noqa: F401  (makes the primary context current)
 
     for _ in range(warmup):
         fn()
     driver.Context.synchronize()
-    start, stop = driver.Event(), driver.Event()
+    start, end = driver.Event(), driver.Event()
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         start.record()
         fn()
-        stop.record()
-        stop.synchronize()
-        times.append(stop.time_since(start))
+        end.record()
+        end.synchronize()
+        times.append(start.time_till(end))
     return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# ConvGrad and full training steps (GPU; PyTorch for the reference timings)
 
 
 def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
@@ -91,8 +91,8 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
             conv.FAST_EXECUTE, conv.CONCURRENT, conv.NATIVE_EXECUTE = fast, concurrent, native
             best = None
             for _ in range(rounds):
-                torch_ms.append(_cuda_median_ms(theirs(), warmup, iters))
-                ms = _cuda_median_ms(ours, warmup, iters)
+                torch_ms.append(_timer(theirs(), reps=iters, warmup=warmup))
+                ms = _timer(ours, reps=iters, warmup=warmup)
                 best = ms if best is None else min(best, ms)
             results[label] = best
             t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
             "  pytorch dB only": theirs((False, False, True)),
         }
         for label, fn in parts.items():
-            results[label] = _cuda_median_ms(fn, warmup, iters)
+            results[label] = _timer(fn, reps=iters, warmup=warmup)
         for _ in range(5):
             ours()
         rt.synchronize()
@@ -134,9 +134,9 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
         torch.cuda.synchronize()
         notes["host"] = f"host time per call (async): gradgen {host:.3f} ms, PyTorch {torch_host:.3f} ms"
         torch.backends.cudnn.allow_tf32 = True
-        results["pytorch (TF32)"] = _cuda_median_ms(theirs(), warmup, iters)
+        results["pytorch (TF32)"] = _timer(theirs(), reps=iters, warmup=warmup)
         set_env({"GRADGEN_ALLOW_TF32": "1"})
-        results["gradgen (TF32)"] = _cuda_median_ms(ours, warmup, iters)
+        results["gradgen (TF32)"] = _timer(ours, reps=iters, warmup=warmup)
     finally:
         torch.backends.cudnn.allow_tf32 = False
         conv.FAST_EXECUTE, conv.CONCURRENT, conv.NATIVE_EXECUTE = True, False, True
@@ -287,8 +287,8 @@ def bench_full_step(name: str = "cnn", batch: int | None = None, warmup: int = 5
         if key in params and params[key].grad is not None and grad_name in got:
             want = params[key].grad.detach().cpu().numpy()
             worst = max(worst, float(np.abs(got[grad_name] - want).max() / (np.abs(want).max() + 1e-12)))
-    ms_ours = _cuda_median_ms(ours, warmup, iters)
-    ms_theirs = _cuda_median_ms(theirs, warmup, iters)
+    ms_ours = _timer(ours, reps=iters, warmup=warmup)
+    ms_theirs = _timer(theirs, reps=iters, warmup=warmup)
     steps = len(session.steps)
     print(f"full step {name} batch {batch}: gradgen {ms_ours:.3f} ms ({steps} steps), PyTorch eager {ms_theirs:.3f} ms, "
           f"speed vs PyTorch {ms_theirs / ms_ours:.2f}x; max relative gradient difference {worst:.2e}")
@@ -305,26 +305,6 @@ def bench_full_step(name: str = "cnn", batch: int | None = None, warmup: int = 5
 # prints ms, GB/s, the floor (bytes moved / copy bandwidth) and the speedup, and returns rows.
 
 COPY_BANDWIDTH_GBS = 2965.0  # measured device-to-device copy bandwidth of the H100 (bytes read + written)
-
-
-def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event timings (default stream) after ``warmup`` calls."""
-    from pycuda import driver
-
-    from gradgen.cuda import runtime as rt  # noqa: F401  (makes the primary context current)
-
-    for _ in range(warmup):
-        fn()
-    driver.Context.synchronize()
-    start, end = driver.Event(), driver.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.time_till(end))
-    return statistics.median(times)
 
 
 def _row(work: str, variant: str, ms: float, nbytes: int, reference_ms: float | None = None) -> dict:
@@ -459,3 +439,44 @@ def bench_broadcast_gradient_args(reps: int = 1000) -> list[dict]:
     row = {"work": "BroadcastGradientArgs", "variant": "gradgen (host)", "ms": ms}
     print(f"{'BroadcastGradientArgs':<20} {'gradgen (host, no device trip)':<34} {ms * 1e3:8.2f} us", flush=True)
     return [row]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every benchmark on the GPU and print one table per group, with the device and date."""
+    import argparse
+    import datetime
+
+    parser = argparse.ArgumentParser(prog="gradgen bench", description=main.__doc__)
+    parser.add_argument("--only", action="append", choices=["slice", "gather", "gather_elements", "bga", "conv", "step"],
+                        help="run only these groups (repeatable); default: all")
+    args = parser.parse_args(argv)
+    from gradgen.executor.cuda_probe import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        print(f"gradgen bench needs a GPU: {reason}")
+        return 2
+    import pycuda.autoprimaryctx  # noqa: F401
+    from pycuda import driver
+
+    print(f"device: {driver.Context.get_device().name()}; date: {datetime.date.today().isoformat()}")
+    groups = args.only or ["slice", "gather", "gather_elements", "bga", "conv", "step"]
+    for group in groups:
+        if group == "slice":
+            bench_slice_grad()
+        elif group == "gather":
+            bench_gather_grad()
+        elif group == "gather_elements":
+            bench_gather_elements_grad()
+        elif group == "bga":
+            bench_broadcast_gradient_args()
+        elif group == "conv":
+            bench_conv_grad()
+        elif group == "step":
+            bench_full_step("cnn", 64)
+            bench_full_step("transformer", 16)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

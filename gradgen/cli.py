@@ -226,6 +226,21 @@ def check(
     typer.echo(f"all {len(report.tensors)} gradient(s) match finite differences ({seconds:.2f} s)")
 
 
+@app.command("bench")
+def bench(
+    only: Optional[List[str]] = typer.Option(
+        None, "--only", help="Run only these groups (repeatable): slice, gather, gather_elements, bga, conv, step."),
+) -> None:
+    """Time gradgen's GPU kernels and full training steps against PyTorch in the same process (needs a GPU)."""
+    from gradgen.bench import main as bench_main
+    from gradgen.errors import UsageError
+
+    argv = [arg for group in (only or []) for arg in ("--only", group)]
+    code = bench_main(argv)
+    if code:
+        raise UsageError("gradgen bench needs a usable GPU and PyTorch with CUDA")
+
+
 def main() -> None:
     """Console entry point: gradgen errors become one line on stderr and a documented exit code."""
     _state["debug"] = False

@@ -136,6 +136,8 @@ class Session:
                 attrs["_num_outputs"] = len(node.outputs)
             if entry.wants_opset:
                 attrs["_opset"] = self.opsets.get(registry.normalize_domain(node.domain), 1)
+            if entry.wants_wanted:
+                attrs["_wanted"] = tuple(bool(v.name) for v in node.outputs)
             steps.append(Step(
                 node_name=node.name or "<unnamed>",
                 domain=registry.normalize_domain(node.domain),

@@ -6,9 +6,10 @@ keyword arguments, with the ONNX defaults written as Python defaults. It returns
 tuple of arrays for several outputs. Kernels raise ``KernelError`` for bad data (e.g. an index out
 of range); the executor adds the node's name and op type to the message.
 
-A kernel that needs to know how many outputs the node wants (Split, optional outputs) declares a
-keyword-only parameter ``_num_outputs``; one that needs the opset of its domain declares
-``_opset``. The registry passes them only to kernels that declare them.
+A kernel that needs to know how many outputs the node has (Split, optional outputs) declares a
+keyword-only parameter ``_num_outputs``; one that can skip outputs the node leaves unnamed
+declares ``_wanted`` (a tuple of bools, one per output); one that needs the opset of its domain
+declares ``_opset``. The registry passes them only to kernels that declare them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class KernelEntry:
     cuda: Kernel | None = None
     wants_num_outputs: bool = False
     wants_opset: bool = False
+    wants_wanted: bool = False
     # Input positions the CUDA launcher wants as host numpy arrays (shapes, axes, starts, ...).
     cuda_host_inputs: frozenset[int] = frozenset()
 
@@ -61,6 +63,7 @@ def cpu_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
             entry.cpu = fn
             entry.wants_num_outputs = "_num_outputs" in params
             entry.wants_opset = "_opset" in params
+            entry.wants_wanted = "_wanted" in params
         return fn
 
     return register

@@ -220,8 +220,12 @@ def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=
 
 @cpu_kernel("ConvGrad", domain=MICROSOFT)
 def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None,
-              strides=None, _num_outputs=3):
-    """(dX, dW, dB) of Conv(X, W[, B]) by im2col and batched matmuls, one per group."""
+              strides=None, _num_outputs=3, _wanted=None):
+    """(dX, dW, dB) of Conv(X, W[, B]) by im2col and batched matmuls, one per group.
+
+    Outputs the node leaves unnamed (``_wanted`` False) are not computed (None in their place).
+    """
+    wanted = _wanted or (True,) * _num_outputs
     dY, X, W = np.asarray(dY), np.asarray(X), np.asarray(W)
     if not dY.dtype == X.dtype == W.dtype:
         raise KernelError(f"dY, X and W must have one dtype; got {dY.dtype}, {X.dtype}, {W.dtype}")
@@ -241,7 +245,9 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     # dY as (G, Mg, N*P): one matrix per group.
     dy_g = dy.reshape(n, g, mg, p).transpose(1, 2, 0, 3).reshape(g, mg, n * p)
     results = []
-    if _num_outputs >= 1:
+    if _num_outputs >= 1 and not wanted[0]:
+        results.append(None)
+    elif _num_outputs >= 1:
         w_t = W.astype(acc, copy=False).reshape(g, mg, cg * k).transpose(0, 2, 1)
         cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P)
         cols = cols.reshape(g, cg, k, n, *out).transpose(2, 3, 0, 1, *range(4, 4 + nd)).reshape(k, n, c, *out)
@@ -252,7 +258,9 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
             dxp[(slice(None), slice(None)) + window] += cols[position]
         crop = tuple(slice(b, b + s) for b, s in zip(begin, X.shape[2:]))
         results.append(dxp[(slice(None), slice(None)) + crop].astype(X.dtype))
-    if _num_outputs >= 2:
+    if _num_outputs >= 2 and not wanted[1]:
+        results.append(None)
+    elif _num_outputs >= 2:
         xp = np.pad(X.astype(acc, copy=False), [(0, 0), (0, 0)] + list(zip(begin, end)))
         span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
         view = sliding_window_view(xp, span, axis=spatial_axes)

@@ -465,8 +465,10 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
 
 @cuda_kernel("ConvGrad", domain=MICROSOFT)
 def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
-              _num_outputs=3):
-    """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned."""
+              _num_outputs=3, _wanted=None):
+    """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned, and outputs
+    the node leaves unnamed (``_wanted`` False) are not computed."""
+    wanted = _wanted or (True,) * _num_outputs
     from gradgen.kernels.cpu import microsoft
     from gradgen.kernels.cuda.pool import channel_sum, contiguous, cpu_fallback
 
@@ -479,7 +481,7 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     if X.dtype not in _FLOATS or geom.nd > 3:
         return cpu_fallback("ConvGrad", microsoft.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
     dY, X, W = contiguous(dY), contiguous(X), contiguous(W)
-    if CONCURRENT and _num_outputs >= 2 and min(dY.size, X.size, W.size) > 0:
+    if CONCURRENT and _num_outputs >= 2 and all(wanted) and min(dY.size, X.size, W.size) > 0:
         # dX on side stream 1 while dW and dB run on side stream 2. Both are blocking streams: they
         # start after the default stream's earlier work, and the barrier below (a default-stream
         # launch) waits for both; temporaries stay referenced until then.
@@ -492,11 +494,5 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         barrier()
         del keep
         return (dx, dw) if db is None else (dx, dw, db)
-    results = []
-    if _num_outputs >= 1:
-        results.append(_dgrad(dY, W, geom))
-    if _num_outputs >= 2:
-        results.append(_wgrad(dY, X, geom))
-    if _num_outputs >= 3:
-        results.append(channel_sum(dY))
-    return tuple(results)
+    computes = (lambda: _dgrad(dY, W, geom), lambda: _wgrad(dY, X, geom), lambda: channel_sum(dY))
+    return tuple(compute() if wanted[i] else None for i, compute in enumerate(computes[:_num_outputs]))
