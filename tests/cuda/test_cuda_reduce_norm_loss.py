@@ -191,7 +191,7 @@ def test_softmax_opset11_coerces_to_2d(op):
 def test_layer_norm(shape, axis, dtype, with_bias):
     rng = np.random.default_rng(8)
     x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
-    norm_shape = shape[axis:] if axis >= 0 else shape[axis:]
+    norm_shape = shape[axis:]
     scale = rng.standard_normal(norm_shape).astype(dtype)
     bias = rng.standard_normal(norm_shape).astype(dtype) if with_bias else None
     cpu, cuda = kernels("LayerNormalization")

@@ -10,6 +10,8 @@ op's CPU kernel, so the result is still right.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from gradgen.errors import KernelError
@@ -128,29 +130,42 @@ def _null():
 # -- binary ---------------------------------------------------------------------------------------
 
 
-def binary(entry: str, a, b, out_dtype, error: str | None = None):
-    """Launch elementwise.cu's broadcasting binary kernel ``entry``; ``error``: message if the flag is set."""
+@functools.lru_cache(maxsize=4096)
+def _binary_plan(a_shape: tuple, b_shape: tuple, four_bytes: bool):
+    """(out shape, (n, descs) plain, (n, descs) in quads or None), cached per shape pair."""
     from gradgen.cuda import runtime as rt
 
-    out_shape = broadcast_shape(a.shape, b.shape)
+    out_shape = broadcast_shape(a_shape, b_shape)
+    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in (a_shape, b_shape)])
+    n = int(np.prod(out_shape, dtype=np.int64))
+    plain = (n, (rt.desc(shape), *[rt.desc(shape, st) for st in strides]))
+    quads = None
+    if four_bytes and shape and shape[-1] % 4 == 0 and all(st[-1] in (0, 1) for st in strides):
+        shape4 = shape[:-1] + [shape[-1] // 4]
+        strides4 = [st[:-1] + [st[-1] * 4] for st in strides]
+        quads = (n // 4, (rt.desc(shape4), *[rt.desc(shape4, st) for st in strides4]))
+    return out_shape, plain, quads
+
+
+def binary(entry: str, a, b, out_dtype, error: str | None = None):
+    """Launch elementwise.cu's broadcasting binary kernel ``entry``; ``error``: message if the flag is set.
+
+    Where the innermost (merged) dim is a multiple of 4 and every operand is contiguous or
+    broadcast along it, 4-byte types run in quads (16-byte loads and stores).
+    """
+    from gradgen.cuda import runtime as rt
+
     contiguous(a), contiguous(b)
+    four = all(np.dtype(t).itemsize == 4 for t in (a.dtype, b.dtype, out_dtype))
+    out_shape, plain, quads = _binary_plan(tuple(int(d) for d in a.shape), tuple(int(d) for d in b.shape), four)
     out = rt.empty(out_shape, out_dtype)
     if out.size == 0:
         return out
-    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in (a.shape, b.shape)])
-    n = out.size
-    vec = (
-        shape and shape[-1] % 4 == 0 and all(st[-1] in (0, 1) for st in strides)
-        and all(np.dtype(t).itemsize == 4 for t in (a.dtype, b.dtype, out_dtype))
-        and all(int(t.gpudata) % 16 == 0 for t in (a, b, out))
-    )
-    if vec:  # quads of 4 innermost elements: 16-byte loads and stores
-        shape = shape[:-1] + [shape[-1] // 4]
-        strides = [st[:-1] + [st[-1] * 4] for st in strides]
-        n //= 4
+    vec = quads is not None and all(int(t.gpudata) % 16 == 0 for t in (a, b, out))
+    n, descs = quads if vec else plain
     flag = rt.zeros((1,), np.int64) if error else None
-    rt.launch(rt.function("elementwise", entry), n, out, a, b, flag if flag is not None else _null(),
-              rt.desc(shape), *[rt.desc(shape, st) for st in strides], np.int64(n), np.int64(1 if vec else 0))
+    rt.launch(rt.function("elementwise", entry), n, out, a, b, flag if flag is not None else _null(), *descs,
+              np.int64(n), np.int64(1 if vec else 0))
     if flag is not None:
         rt.check_flag(flag, lambda _v: error)
     return out

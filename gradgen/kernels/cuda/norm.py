@@ -13,7 +13,13 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, same_type, sfx, upload
+from gradgen.kernels.cuda.elementwise import (
+    contiguous,
+    cpu_fallback,
+    same_type,
+    sfx,
+    upload,
+)
 from gradgen.kernels.registry import cuda_kernel
 
 _FLOATS = ("f16", "f32", "f64")

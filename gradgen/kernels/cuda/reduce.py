@@ -17,7 +17,6 @@ import math
 
 import numpy as np
 
-from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx, upload
 from gradgen.kernels.registry import cuda_kernel
 
