@@ -87,7 +87,6 @@ def run(
     atol: float = typer.Option(1e-5, "--atol", help="Absolute tolerance for --compare, as a fraction of the reference's largest |value|."),
 ) -> None:
     """Run MODEL on gradgen's executor and print a table of its outputs."""
-    import numpy as np
 
     from gradgen.executor import Session
     from gradgen.inputs import load_npz, parse_dims, random_feeds, save_npz

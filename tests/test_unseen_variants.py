@@ -5,7 +5,6 @@ of unknown rank, and constant-derived pads/sizes that only fold through a subgra
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

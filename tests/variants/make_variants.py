@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 import make_samples as ms  # noqa: E402
 
-import gradgen  # noqa: E402
 from gradgen.executor import Session  # noqa: E402
 from tests.model_dirs import with_symbolic_batch  # noqa: E402
 from tests.test_models import _check_gradients  # noqa: E402

@@ -78,7 +78,7 @@ def _reduction(g) -> str:
 def scatter_elements(g):
     """data: dY with the scattered positions zeroed (none) or dY (add); updates: gathered dY."""
     reduction, axis = _reduction(g), g.attr("axis", 0)
-    data, indices, updates = g.x(0), g.x(1), g.x(2)
+    _data, indices, updates = g.x(0), g.x(1), g.x(2)
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else \
@@ -92,7 +92,7 @@ def scatter_elements(g):
 def scatter_nd(g):
     """data: dY with the scattered slices zeroed (none) or dY (add); updates: GatherND of dY."""
     reduction = _reduction(g)
-    data, indices, updates = g.x(0), g.x(1), g.x(2)
+    _data, indices, updates = g.x(0), g.x(1), g.x(2)
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else g.op("ScatterND", g.dy(), indices, g.zeros_like(updates))

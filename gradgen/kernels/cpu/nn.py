@@ -213,7 +213,7 @@ def conv_transpose(
     ct = _compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     wc = w.astype(ct, copy=False)
-    cg, mg = channels // group, m // group
+    cg, _mg = channels // group, m // group
     # cols: (N, M, *kernel, *in) -- every input pixel times every kernel tap
     parts = []
     for g in range(group):

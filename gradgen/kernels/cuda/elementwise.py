@@ -99,17 +99,6 @@ def copy(x):
     return out
 
 
-def upload(array) -> object:
-    """A device copy of a host array that keeps its shape (rank 0 included)."""
-    from gradgen.cuda import runtime as rt
-
-    array = np.asarray(array)
-    out = rt.empty(array.shape, array.dtype)
-    if out.size:
-        rt.driver.memcpy_htod(out.gpudata, np.ascontiguousarray(array).reshape(-1))
-    return out
-
-
 def cpu_fallback(op_type: str, *args, **attrs):
     """Run the op's CPU kernel on host copies and upload the result(s)."""
     from gradgen.cuda import runtime as rt
@@ -119,8 +108,8 @@ def cpu_fallback(op_type: str, *args, **attrs):
     host = [rt.to_host(a) if rt.is_device(a) else a for a in args]
     result = entry.cpu(*host, **attrs)
     if isinstance(result, tuple):
-        return tuple(upload(r) for r in result)
-    return upload(result)
+        return tuple(rt.to_device(np.asarray(r)) for r in result)
+    return rt.to_device(np.asarray(result))
 
 
 def _null():
@@ -435,7 +424,7 @@ def clip(x, lo=None, hi=None, **attrs):
             return _null()
         if rt.is_device(bound):
             return bound if bound.dtype == x.dtype else cast_to(bound, x.dtype)
-        return upload(np.asarray(bound, dtype=x.dtype).reshape(1))
+        return rt.to_device(np.asarray(bound, dtype=x.dtype).reshape(1))
 
     contiguous(x)
     out = rt.empty(x.shape, x.dtype)

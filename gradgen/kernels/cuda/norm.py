@@ -18,7 +18,6 @@ from gradgen.kernels.cuda.elementwise import (
     cpu_fallback,
     same_type,
     sfx,
-    upload,
 )
 from gradgen.kernels.registry import cuda_kernel
 
@@ -48,7 +47,7 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
     mean = rt.empty((rows,), st)
     inv = rt.empty((rows,), st)
     if rows and length == 0:  # empty rows: mean 0/0 and its inverse deviation are NaN, as on the CPU
-        mean, inv = upload(np.full((rows,), np.nan, st)), upload(np.full((rows,), np.nan, st))
+        mean, inv = rt.to_device(np.full((rows,), np.nan, st)), rt.to_device(np.full((rows,), np.nan, st))
     elif rows and mode == 0 and length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
         kernel = rt.function("norm", f"norm_warp{lanes}_{sfx(x.dtype)}")

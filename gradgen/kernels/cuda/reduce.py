@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx, upload
+from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
 from gradgen.kernels.registry import cuda_kernel
 
 _FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")
@@ -133,7 +133,7 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
 
         host = registry.lookup("", op_type).cpu(np.empty(shape, x.dtype), np.asarray(axes, np.int64),
                                                  keepdims=int(keepdims))
-        return upload(np.asarray(host, dtype=x.dtype).reshape(out_shape))
+        return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
     if total == 1:
         rt.launch(rt.function("reduce", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
         return out
