@@ -40,19 +40,65 @@ def memory_pool() -> pycuda.tools.DeviceMemoryPool:
     return pycuda.tools.DeviceMemoryPool()
 
 
+@functools.lru_cache(maxsize=1)
+def stream() -> driver.Stream:
+    """The one stream all of gradgen's GPU work goes to (kernels, cuBLAS, cuDNN, async copies).
+
+    A blocking stream: synchronous copies on the legacy default stream still order with it, and
+    unlike the legacy stream it can be captured into a CUDA graph.
+    """
+    return driver.Stream()
+
+
+class CaptureError(RuntimeError):
+    """An operation that cannot be recorded in a CUDA graph ran while capturing."""
+
+
+class _Capture:
+    """State of a CUDA-graph capture in progress: allocations to keep, flag checks to defer."""
+
+    def __init__(self):
+        self.active = False
+        self.keep: list = []
+        self.deferred: list = []
+
+
+CAPTURE = _Capture()
+
+
+def _allocate(nbytes: int):
+    allocation = memory_pool().allocate(nbytes)
+    if CAPTURE.active:
+        CAPTURE.keep.append(allocation)  # the graph refers to it: it must outlive the capture
+    return allocation
+
+
 def empty(shape, dtype) -> GPUArray:
     """An uninitialised device array from the pool."""
-    return GPUArray(tuple(int(d) for d in shape), np.dtype(dtype), allocator=memory_pool().allocate)
+    return GPUArray(tuple(int(d) for d in shape), np.dtype(dtype), allocator=_allocate)
+
+
+def memset_zero(array: GPUArray) -> GPUArray:
+    """Zero ``array`` on gradgen's stream (asynchronously)."""
+    if array.nbytes:
+        driver.memset_d8_async(array.gpudata, 0, array.nbytes, stream())
+    return array
+
+
+def copy_device(dst: GPUArray, src: GPUArray, nbytes: int | None = None) -> None:
+    """Device-to-device copy on gradgen's stream (asynchronously)."""
+    nbytes = src.nbytes if nbytes is None else nbytes
+    if nbytes:
+        driver.memcpy_dtod_async(dst.gpudata, src.gpudata, nbytes, stream())
 
 
 def zeros(shape, dtype) -> GPUArray:
-    out = empty(shape, dtype)
-    if out.size:
-        driver.memset_d8(out.gpudata, 0, out.nbytes)
-    return out
+    return memset_zero(empty(shape, dtype))
 
 
 def to_device(array: np.ndarray) -> GPUArray:
+    if CAPTURE.active:
+        raise CaptureError("a host-to-device upload cannot be captured")
     array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes 0-d 1-d
     out = empty(array.shape, array.dtype)
     if array.size:
@@ -63,6 +109,8 @@ def to_device(array: np.ndarray) -> GPUArray:
 def to_host(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
+    if CAPTURE.active:
+        raise CaptureError("a device-to-host copy cannot be captured")
     return array.get()
 
 
@@ -84,10 +132,27 @@ def module(name: str) -> SourceModule:
                         options=["-std=c++17", "-O3", "--extended-lambda"], cache_dir=cache_dir)
 
 
+class _Kernel:
+    """A compiled kernel whose calls go to gradgen's stream unless given another."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("stream") is None:
+            kwargs["stream"] = stream()
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
 @functools.lru_cache(maxsize=None)
-def function(name: str, entry: str):
+def function(name: str, entry: str) -> _Kernel:
     """The kernel ``entry`` of module ``name`` (``extern "C"``, dtype suffix included in ``entry``)."""
-    return module(name).get_function(entry)
+    return _Kernel(module(name).get_function(entry))
 
 
 def suffix(dtype) -> str:
@@ -144,12 +209,83 @@ def broadcast_strides(shape, out_shape) -> list[int]:
     return strides
 
 
-def check_flag(flag: GPUArray, message) -> None:
-    """Read an error flag a kernel wrote (0: fine); raise KernelError with ``message(value)`` otherwise."""
-    value = int(flag.get()[0])
+def check_flag(flag: GPUArray, on_error) -> None:
+    """Read an error flag a kernel wrote (0: fine). Otherwise ``on_error(value)`` either raises
+    (e.g. a KernelError naming the bad index) or returns a message, raised as KernelError.
+
+    While a CUDA graph is being captured the check is deferred: it runs after each replay.
+    """
+    if CAPTURE.active:
+        CAPTURE.deferred.append((flag, on_error))
+        return
+    _raise_if_set(flag, on_error)
+
+
+def _raise_if_set(flag: GPUArray, on_error) -> None:
+    value = int(flag.get().reshape(-1)[0])
     if value:
-        raise KernelError(message(value))
+        message = on_error(value)
+        raise KernelError(message)
 
 
 def synchronize() -> None:
     driver.Context.synchronize()
+
+
+class CapturedGraph:
+    """A CUDA graph recorded from one run; replaying it repeats that run's GPU work.
+
+    ``keep`` holds every device allocation the recorded work touches; ``deferred`` the flag checks
+    to repeat after each replay.
+    """
+
+    def __init__(self, exec_handle, keep: list, deferred: list):
+        self.exec_handle = exec_handle
+        self.keep = keep
+        self.deferred = deferred
+
+    def replay(self) -> None:
+        from cuda.bindings import driver as cu
+
+        _check_cu(cu.cuGraphLaunch(self.exec_handle, stream().handle), "cuGraphLaunch")
+        for flag, on_error in self.deferred:
+            _raise_if_set(flag, on_error)
+
+
+def capture(run) -> CapturedGraph:
+    """Record the GPU work ``run()`` queues on gradgen's stream into a CUDA graph.
+
+    Raises CaptureError when ``run`` does something a graph cannot hold (a device-to-host copy,
+    work on the legacy default stream, ...); the caller then keeps running eagerly.
+    """
+    from cuda.bindings import driver as cu
+
+    synchronize()
+    handle = stream().handle
+    _check_cu(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+              "cuStreamBeginCapture")
+    CAPTURE.active, CAPTURE.keep, CAPTURE.deferred = True, [], []
+    failure = None
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - any failure ends the capture; reported below
+        failure = exc
+    finally:
+        CAPTURE.active = False
+        keep, deferred = CAPTURE.keep, CAPTURE.deferred
+        CAPTURE.keep, CAPTURE.deferred = [], []
+        err, graph = cu.cuStreamEndCapture(handle)
+    if failure is not None:  # whatever it was, the eager run that follows reports real errors
+        raise CaptureError(f"{type(failure).__name__}: {failure}") from failure
+    _check_cu(err, "cuStreamEndCapture")
+    err, exec_handle = cu.cuGraphInstantiate(graph, 0)
+    _check_cu(err, "cuGraphInstantiate")
+    return CapturedGraph(exec_handle, keep, deferred)
+
+
+def _check_cu(result, what: str) -> None:
+    from cuda.bindings import driver as cu
+
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CaptureError(f"{what} failed: {err}")

@@ -41,6 +41,9 @@ class CpuBackend:
     def place_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return feeds
 
+    def execute(self, run_steps, feeds: dict[str, np.ndarray]) -> dict:
+        return run_steps(self.place_feeds(feeds))
+
     def run_step(self, step: "Step", args: list):
         return step.kernel(*args, **step.attributes)
 
@@ -165,8 +168,19 @@ class Session:
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays."""
+        wanted = outputs if outputs is not None else self.output_names
+        known = set(self.output_names) | set(self.constants) | set(self.input_names)
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise UsageError(f"unknown output name(s): {', '.join(unknown)}; the model's outputs are "
+                             f"{', '.join(self.output_names)}")
+        values = self.backend.execute(self._execute, validate_feeds(self.input_values, feeds))
+        return {name: self.backend.to_host(values[name]) for name in wanted}
+
+    def _execute(self, placed_feeds: dict) -> dict:
+        """Run every step on feeds already placed by the backend; return the surviving values."""
         env: dict[str, Any] = dict(self.constants)
-        env.update(self.backend.place_feeds(validate_feeds(self.input_values, feeds)))
+        env.update(placed_feeds)
         for step in self.steps:
             args = [env[name] if name else None for name in step.inputs]
             try:
@@ -189,11 +203,7 @@ class Session:
                     env[name] = self.backend.wrap(value)
             for name in step.free_after:
                 env.pop(name, None)
-        wanted = outputs if outputs is not None else self.output_names
-        unknown = [n for n in wanted if n not in env]
-        if unknown:
-            raise UsageError(f"unknown output name(s): {', '.join(unknown)}")
-        return {name: self.backend.to_host(env[name]) for name in wanted}
+        return env
 
 
 def _qualified(step: Step) -> str:

@@ -54,7 +54,7 @@ def _contiguous_strides(dims) -> list[int]:
 
 
 def _cudnn():
-    """(module, handle): the cudnn frontend and one handle per process on the default stream."""
+    """(module, handle): the cudnn frontend and one handle per process, on gradgen's stream."""
     if "handle" not in _STATE:
         from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
         import cudnn
@@ -62,7 +62,7 @@ def _cudnn():
         _STATE["cudnn"] = cudnn
         _STATE["handle"] = cudnn.create_handle()
         try:
-            cudnn.set_stream(_STATE["handle"], 0)
+            cudnn.set_stream(_STATE["handle"], int(rt.stream().handle))
         except Exception:  # noqa: BLE001 - a fresh handle already runs on the default stream
             pass
     return _STATE["cudnn"], _STATE["handle"]
@@ -359,7 +359,7 @@ def _fprop(x, w, geom):
     if y.size == 0:
         return y
     if math.prod(geom.w_shape[1:]) == 0 or x.size == 0:
-        rt.driver.memset_d8(y.gpudata, 0, y.nbytes)
+        rt.memset_zero(y)
         return y
     if _use_cudnn(geom, x.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
@@ -385,7 +385,7 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
     if dx.size == 0:
         return dx
     if dy.size == 0 or w.size == 0:
-        rt.driver.memset_d8(dx.gpudata, 0, dx.nbytes)
+        rt.memset_zero(dx)
         return dx
     if _use_cudnn(geom, dy.dtype):
         if geom.symmetric:
@@ -415,7 +415,7 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
     if dw.size == 0:
         return dw
     if dy.size == 0 or x.size == 0:
-        rt.driver.memset_d8(dw.gpudata, 0, dw.nbytes)
+        rt.memset_zero(dw)
         return dw
     if _use_cudnn(geom, dy.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom, stream), [0] * geom.nd)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import numpy as np
 
@@ -140,37 +141,59 @@ def _magic(d: int) -> tuple[int, int] | None:
     return (m, shift) if 0 < m < (1 << 32) else None
 
 
-def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None:
-    """One pass over ``out``: element c = src[src_off + q . src_strides] where c_k = starts_k + q_k * steps_k
-    (0 <= q_k < counts_k) on every axis, ``fill`` (an int64 of the value's bits) elsewhere."""
+def launch_packed(kernel, grid: int, block: int, args: bytes, shared: int = 0) -> None:
+    """Launch ``kernel`` with an argument buffer packed by the caller (struct, C layout): no per-argument
+    handling in Python. ``grid`` > 0 blocks of ``block`` threads on the default stream."""
+    kernel._launch_kernel((int(grid), 1, 1), (int(block), 1, 1), args, int(shared), None)
+
+
+def grid_for(n: int, block: int = 256, max_blocks: int = 65535 * 8) -> int:
+    """Blocks of a grid-stride launch over ``n`` > 0 items (as runtime.launch sizes them)."""
+    return max(1, min(-(-int(n) // block), max_blocks))
+
+
+_PTRS2 = struct.Struct("=QQ")
+
+
+def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, aligned: bool = True):
+    """What a lattice launch over a C-contiguous output of ``shape`` needs besides the two addresses:
+    (kernel, grid, the packed arguments after (dst, src)). ``aligned``: the output is 16-byte aligned."""
     rt = _rt()
-    if out.size == 0:
-        return
-    shape = list(out.shape) or [1]
-    if not out.shape:
+    shape = [int(d) for d in shape] or [1]
+    if len(shape) != len(starts):
         starts, steps, counts, src_strides = [0], [1], [1], [0]
     if len(shape) > rt.MAX_RANK:
         raise KernelError(f"rank {len(shape)} exceeds the CUDA kernels' maximum of {rt.MAX_RANK}")
-    esize = out.dtype.itemsize
     if esize not in (1, 2, 4, 8):
-        raise KernelError(f"dtype {out.dtype} is not supported by the CUDA copy kernels")
+        raise KernelError(f"elements of {esize} bytes are not supported by the CUDA copy kernels")
     v = _VECTOR.get(esize, 1)
-    if shape[-1] % v or int(out.gpudata) % 16:
+    if shape[-1] % v or not aligned:
         v = 1
     if math.prod(counts) == 0:
-        src_addr = 0
         counts = [0] * len(shape)
-    else:
-        src_addr = int(src.gpudata) + int(src_off) * esize
-    n = out.size // v
+    size = math.prod(shape)
+    n = size // v
     magic = [_magic(d) for d in shape[:-1] + [shape[-1] // v]]
-    small = out.size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT and None not in magic
+    small = size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT and None not in magic
     if not small:
         magic = [(0, 0)] * len(shape)
     kernel = rt.function("copy", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
-    rt.launch(kernel, n, out, np.uintp(src_addr), desc(shape), desc(counts, src_strides),
-              desc(starts, steps), desc([m for m, _ in magic], [s for _, s in magic]), np.int64(fill),
-              np.int64(n))
+    tail = b"".join(bytes(memoryview(d)) for d in (desc(shape), desc(counts, src_strides), desc(starts, steps),
+                                                    desc([m for m, _ in magic], [s for _, s in magic])))
+    tail += struct.pack("=qq", int(fill), n)
+    return kernel, grid_for(n), tail
+
+
+def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None:
+    """One pass over ``out``: element c = src[src_off + q . src_strides] where c_k = starts_k + q_k * steps_k
+    (0 <= q_k < counts_k) on every axis, ``fill`` (an int64 of the value's bits) elsewhere."""
+    if out.size == 0:
+        return
+    esize = out.dtype.itemsize
+    kernel, grid, tail = lattice_plan(out.shape, esize, starts, steps, counts, src_strides, fill,
+                                      int(out.gpudata) % 16 == 0)
+    src_addr = 0 if math.prod(counts) == 0 else int(src.gpudata) + int(src_off) * esize
+    launch_packed(kernel, grid, 256, _PTRS2.pack(int(out.gpudata), src_addr) + tail)
 
 
 def fill(out, value) -> None:

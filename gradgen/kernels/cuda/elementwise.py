@@ -95,7 +95,7 @@ def copy(x):
 
     out = rt.empty(x.shape, x.dtype)
     if out.nbytes:
-        rt.driver.memcpy_dtod(out.gpudata, x.gpudata, out.nbytes)
+        rt.copy_device(out, x)
     return out
 
 

@@ -48,8 +48,8 @@ def _word(esize: int, inner: int, arrays) -> tuple[int, int]:
 
 
 def _check(flag, indices, size, axis, normalise=None):
-    if _rt().to_host(flag)[0]:
-        ms.raise_index_error(indices, size, axis, normalise or (lambda h, s, a: cpu._normalize_indices(h, s, a)))
+    normalise = normalise or (lambda h, s, a: cpu._normalize_indices(h, s, a))
+    _rt().check_flag(flag, lambda _value: ms.raise_index_error(indices, size, axis, normalise))
 
 
 @cuda_kernel("Gather")
@@ -149,8 +149,7 @@ def gather_nd(data, indices, *, batch_dims=0):
               np.int64(M), np.int64(inner // r), np.int64(batch_stride), np.int64(n))
     if batch == 0:
         return out
-    if rt.to_host(flag)[0]:
-        _nd_error(indices, data.shape, b)
+    rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, b))
     return out
 
 
@@ -209,6 +208,6 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     idx = ms._dev(indices) if indices.size else indices
     out, flag = ms.row_scatter(upd, idx, 1, rows, inner, count, list(data.shape[:k]),
                                rt.contiguous_strides(data.shape[:k]), init=x, mode=0 if reduction == "add" else 1)
-    if count and rt.to_host(flag)[0]:
-        _nd_error(indices, data.shape, 0)
+    if count:
+        rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, 0))
     return out.reshape(tuple(data.shape))

@@ -31,13 +31,13 @@ def allow_tf32() -> bool:
 
 
 def _cublas():
-    """(module, handle): one cuBLAS handle per process, created on first use, on the default stream."""
+    """(module, handle): one cuBLAS handle per process, created on first use, on gradgen's stream."""
     if "handle" not in _STATE:
         from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
         from nvmath.bindings import cublas
 
         handle = cublas.create()
-        cublas.set_stream(handle, 0)
+        cublas.set_stream(handle, int(rt.stream().handle))
         cublas.set_pointer_mode(handle, int(cublas.PointerMode.HOST))
         _STATE["cublas"] = cublas
         _STATE["handle"] = handle
@@ -121,7 +121,7 @@ def matmul(a, b):
     if out.size == 0:
         return rt.empty(final, a.dtype)
     if k == 0:
-        rt.driver.memset_d8(out.gpudata, 0, out.nbytes)
+        rt.memset_zero(out)
         return out.reshape(final)
     a2 = contiguous(a).reshape(1, k) if a.ndim == 1 else contiguous(a)
     b2 = contiguous(b).reshape(k, 1) if b.ndim == 1 else contiguous(b)
@@ -174,7 +174,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if out.size == 0:
         return out
     if k == 0 and not use_c:
-        rt.driver.memset_d8(out.gpudata, 0, out.nbytes)
+        rt.memset_zero(out)
         return out
     gemm_rowmajor(out, a if k else out, b if k else out, int(m), int(n), int(k), trans_a=bool(transA), trans_b=bool(transB),
                   a_cols=int(a.shape[1]), b_cols=int(b.shape[1]), alpha=float(alpha), beta=float(beta) if use_c else 0.0,

@@ -19,9 +19,21 @@
 // line lives in shared memory (or, when too long, in dX itself, owned by that block); positions are
 // taken in tiles, stably sorted by target, and each run is folded into the line in position order.
 // ge_atomic is the optional atomicAdd path of GatherElementsGrad.
+//
+// GatherGrad fast path (at most GS_CAP positions; two launches, no memset, the flag written by the
+// first kernel whatever it finds):
+//   gg_sort  one block: marks every row empty, normalises the indices (range errors: the flag holds
+//            the first bad position + 1, else 0), stably radix-sorts (key, position) over the key's
+//            bits, and lists the segments (runs of one key: start, key, row -> segment); segments of
+//            more than CH positions are cut into CH-position chunks with a partial-sum slot each.
+//   gg_rows  one warp per row (and per extra chunk): an empty row gets zeros, a segment its sum in
+//            position order, written once with 16-byte stores; chunks of a long segment write partial
+//            sums and the warp that finishes last adds them in chunk order (integer atomics only).
 #include "common.cuh"
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cub/block/block_reduce.cuh>
+#include <climits>
 
 template <typename IDX>
 __device__ __forceinline__ bool gg_norm(IDX v, int64_t size, int64_t& out) {
@@ -361,6 +373,250 @@ GG_CSR(f32, float, 4)
 GG_CSR(f64, double, 1)
 GG_CSR(f64, double, 2)
 
+
+// ------------------------------------------------------------------ GatherGrad fast path
+
+constexpr int GS_THREADS = 1024, GS_ITEMS = 16, GS_CAP = GS_THREADS * GS_ITEMS;
+constexpr int GS_SMEM = 96 * 1024;  // dynamic shared memory of gg_sort (the launcher opts in to it)
+
+struct MinLL {
+    __device__ __forceinline__ long long operator()(long long a, long long b) const { return a < b ? a : b; }
+};
+
+// meta: {segments, extra chunks, partial slots, -}. done: outer * count completion counters.
+template <typename IDX>
+__device__ void gg_sort(const IDX* __restrict__ idx, int* row_seg, uint32_t* spos, uint32_t* seg_start,
+                        uint32_t* seg_key, uint32_t* seg_pbase, uint32_t* chunk_list, unsigned int* done,
+                        uint32_t* meta, long long* flag, int64_t count, int64_t R, int64_t end_bit, int64_t CH,
+                        int64_t outer) {
+    using Sort = cub::BlockRadixSort<uint32_t, GS_THREADS, GS_ITEMS, uint32_t>;
+    using Scan = cub::BlockScan<int, GS_THREADS>;
+    using Red = cub::BlockReduce<long long, GS_THREADS>;
+    struct Tmp {
+        union {
+            typename Sort::TempStorage sort;
+            uint32_t keys[GS_CAP];
+        } u;
+        typename Scan::TempStorage scan;
+        typename Red::TempStorage red;
+    };
+    static_assert(sizeof(Tmp) <= GS_SMEM, "gg_sort needs more shared memory");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Tmp& tmp = *reinterpret_cast<Tmp*>(smem_raw);
+    __shared__ unsigned int s_extra, s_slots;
+    const int tid = threadIdx.x;
+    for (int64_t r = tid; r < R; r += GS_THREADS) row_seg[r] = -1;
+    if (tid == 0) {
+        s_extra = 0u;
+        s_slots = 0u;
+    }
+    const uint32_t sentinel = (uint32_t)R;
+    uint32_t key[GS_ITEMS], val[GS_ITEMS];
+    long long bad = LLONG_MAX;
+#pragma unroll
+    for (int i = 0; i < GS_ITEMS; ++i) {
+        const int64_t p = (int64_t)tid * GS_ITEMS + i;
+        key[i] = sentinel;
+        val[i] = (uint32_t)p;
+        if (p < count) {
+            int64_t x;
+            if (gg_norm(idx[p], R, x)) key[i] = (uint32_t)x;
+            else if (p < bad) bad = p;
+        }
+    }
+    Sort(tmp.u.sort).Sort(key, val, 0, (int)end_bit);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < GS_ITEMS; ++i) {
+        const int g = tid * GS_ITEMS + i;
+        tmp.u.keys[g] = key[i];
+        if (g < count) spos[g] = val[i];
+    }
+    __syncthreads();
+    int heads = 0;
+#pragma unroll
+    for (int i = 0; i < GS_ITEMS; ++i) {
+        const int g = tid * GS_ITEMS + i;
+        heads += (key[i] != sentinel && (g == 0 || tmp.u.keys[g - 1] != key[i])) ? 1 : 0;
+    }
+    int first, total;
+    Scan(tmp.scan).ExclusiveSum(heads, first, total);
+    int s = first;
+#pragma unroll
+    for (int i = 0; i < GS_ITEMS; ++i) {
+        const int g = tid * GS_ITEMS + i;
+        if (key[i] == sentinel) continue;
+        if (g == 0 || tmp.u.keys[g - 1] != key[i]) {
+            seg_start[s] = (uint32_t)g;
+            seg_key[s] = key[i];
+            row_seg[key[i]] = s;
+            ++s;
+        }
+        if (g + 1 == GS_CAP || tmp.u.keys[g + 1] == sentinel) seg_start[total] = (uint32_t)(g + 1);
+    }
+    if (tid == 0 && total == 0) seg_start[0] = 0u;
+    const long long first_bad = Red(tmp.red).Reduce(bad, MinLL());
+    __syncthreads();  // seg_start is complete (and visible to the block)
+    for (int t = tid; t < total; t += GS_THREADS) {
+        const uint32_t n = seg_start[t + 1] - seg_start[t];
+        if (n > (uint64_t)CH) {
+            const uint32_t chunks = (uint32_t)((n + CH - 1) / CH);
+            seg_pbase[t] = atomicAdd(&s_slots, chunks);
+            const uint32_t e = atomicAdd(&s_extra, chunks - 1);
+            for (uint32_t c = 1; c < chunks; ++c) {
+                chunk_list[2 * (e + c - 1)] = (uint32_t)t;
+                chunk_list[2 * (e + c - 1) + 1] = c;
+            }
+            for (int64_t o = 0; o < outer; ++o) done[o * count + t] = 0u;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        meta[0] = (uint32_t)total;
+        meta[1] = s_extra;
+        meta[2] = s_slots;
+        flag[0] = first_bad == LLONG_MAX ? 0ll : first_bad + 1;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GS_THREADS) gg_sort_i32(
+    const int32_t* idx, int* row_seg, uint32_t* spos, uint32_t* seg_start, uint32_t* seg_key, uint32_t* seg_pbase,
+    uint32_t* chunk_list, unsigned int* done, uint32_t* meta, long long* flag, int64_t count, int64_t R,
+    int64_t end_bit, int64_t CH, int64_t outer) {
+    gg_sort(idx, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, flag, count, R, end_bit, CH,
+            outer);
+}
+extern "C" __global__ void __launch_bounds__(GS_THREADS) gg_sort_i64(
+    const int64_t* idx, int* row_seg, uint32_t* spos, uint32_t* seg_start, uint32_t* seg_key, uint32_t* seg_pbase,
+    uint32_t* chunk_list, unsigned int* done, uint32_t* meta, long long* flag, int64_t count, int64_t R,
+    int64_t end_bit, int64_t CH, int64_t outer) {
+    gg_sort(idx, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, flag, count, R, end_bit, CH,
+            outer);
+}
+
+constexpr int GR_COLS = 8;  // vectors per lane per pass over a row
+
+template <typename T, int V>
+__device__ void gg_rows(T* __restrict__ dx, const T* __restrict__ dy, const int* __restrict__ row_seg,
+                        const uint32_t* __restrict__ spos, const uint32_t* __restrict__ seg_start,
+                        const uint32_t* __restrict__ seg_key, const uint32_t* __restrict__ seg_pbase,
+                        const uint32_t* __restrict__ chunk_list, unsigned int* done, const uint32_t* __restrict__ meta,
+                        typename Acc<T>::type* partial, int64_t outer, int64_t R, int64_t count, int64_t inner_v,
+                        int64_t CH, int64_t xbound, int64_t maxslots) {
+    using A = typename Acc<T>::type;
+    using VT = Vec<T, V>;
+    const int lane = threadIdx.x & 31;
+    const int64_t nwarps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    const int64_t per_outer = R + xbound;
+    const uint32_t nextra = meta[1];
+    const VT* dyv = reinterpret_cast<const VT*>(dy);
+    VT* dxv = reinterpret_cast<VT*>(dx);
+    for (int64_t w = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < outer * per_outer; w += nwarps) {
+        const int64_t o = w / per_outer, t = w - o * per_outer;
+        int64_t seg, c;
+        if (t < R) {
+            seg = row_seg[t];
+            c = 0;
+            if (seg < 0) {
+                VT z;
+#pragma unroll
+                for (int e = 0; e < V; ++e) gg_store(&z.v[e], A(0));
+                for (int64_t col = lane; col < inner_v; col += 32) dxv[(o * R + t) * inner_v + col] = z;
+                continue;
+            }
+        } else {
+            const int64_t e = t - R;
+            if (e >= nextra) continue;
+            seg = chunk_list[2 * e];
+            c = chunk_list[2 * e + 1];
+        }
+        const int64_t a0 = seg_start[seg], b0 = seg_start[seg + 1];
+        const int64_t row = seg_key[seg];
+        const bool is_long = b0 - a0 > CH;
+        const int64_t a = a0 + c * CH, b = is_long ? min(a + CH, b0) : b0;
+        const int64_t slot = is_long ? (int64_t)seg_pbase[seg] + c : 0;
+        for (int64_t cb = 0; cb < inner_v; cb += 32 * GR_COLS) {
+            A acc[GR_COLS][V];
+#pragma unroll
+            for (int k = 0; k < GR_COLS; ++k)
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[k][e] = A(0);
+#pragma unroll 2
+            for (int64_t p = a; p < b; ++p) {
+                const int64_t src = (o * count + spos[p]) * inner_v + cb + lane;
+                VT y[GR_COLS];
+#pragma unroll
+                for (int k = 0; k < GR_COLS; ++k)
+                    if (cb + lane + k * 32 < inner_v) y[k] = dyv[src + k * 32];
+#pragma unroll
+                for (int k = 0; k < GR_COLS; ++k)
+                    if (cb + lane + k * 32 < inner_v) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[k][e] += gg_load(&y[k].v[e]);
+                    }
+            }
+#pragma unroll
+            for (int k = 0; k < GR_COLS; ++k) {
+                const int64_t col = cb + lane + k * 32;
+                if (col >= inner_v) continue;
+                if (is_long) {
+                    A* dst = partial + ((o * maxslots + slot) * inner_v + col) * V;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) dst[e] = acc[k][e];
+                } else {
+                    VT out;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) gg_store(&out.v[e], acc[k][e]);
+                    dxv[(o * R + row) * inner_v + col] = out;
+                }
+            }
+        }
+        if (is_long) {  // the last chunk to finish adds the partial sums in chunk order
+            __threadfence();
+            __syncwarp();
+            unsigned int prev = 0;
+            if (lane == 0) prev = atomicAdd(&done[o * count + seg], 1u);
+            prev = __shfl_sync(0xffffffffu, prev, 0);
+            const int64_t chunks = (b0 - a0 + CH - 1) / CH;
+            if ((int64_t)prev == chunks - 1) {
+                __threadfence();
+                const int64_t s0 = seg_pbase[seg];
+                for (int64_t col = lane; col < inner_v; col += 32) {
+                    A sum[V];
+#pragma unroll
+                    for (int e = 0; e < V; ++e) sum[e] = A(0);
+                    for (int64_t k = 0; k < chunks; ++k) {
+                        const A* src = partial + ((o * maxslots + s0 + k) * inner_v + col) * V;
+#pragma unroll
+                        for (int e = 0; e < V; ++e) sum[e] += __ldcg(src + e);
+                    }
+                    VT out;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) gg_store(&out.v[e], sum[e]);
+                    dxv[(o * R + row) * inner_v + col] = out;
+                }
+            }
+        }
+    }
+}
+
+#define GG_ROWS(sfx, T, V)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) gg_rows_##sfx##_v##V(                                    \
+        T* dx, const T* dy, const int* row_seg, const uint32_t* spos, const uint32_t* seg_start,               \
+        const uint32_t* seg_key, const uint32_t* seg_pbase, const uint32_t* chunk_list, unsigned int* done,    \
+        const uint32_t* meta, Acc<T>::type* partial, int64_t outer, int64_t R, int64_t count, int64_t inner_v, \
+        int64_t CH, int64_t xbound, int64_t maxslots) {                                                        \
+        gg_rows<T, V>(dx, dy, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, partial,   \
+                      outer, R, count, inner_v, CH, xbound, maxslots);                                         \
+    }
+
+GG_ROWS(f16, __half, 1)
+GG_ROWS(f16, __half, 8)
+GG_ROWS(f32, float, 1)
+GG_ROWS(f32, float, 4)
+GG_ROWS(f64, double, 1)
+GG_ROWS(f64, double, 2)
+
 // ------------------------------------------------------------------ line scatter
 
 constexpr int LS_THREADS = 256, LS_ITEMS = 4, LS_TILE = LS_THREADS * LS_ITEMS;
@@ -368,21 +624,25 @@ constexpr int LS_THREADS = 256, LS_ITEMS = 4, LS_TILE = LS_THREADS * LS_ITEMS;
 // lines.shape = dX's shape without the axis, lines.strides = dX's strides without it;
 // ilines.shape/.strides: the same for indices (and dY, which has the indices' shape and layout).
 // mode: 0 add, 1 none (last wins), 2 mul, 3 max, 4 min. shared_line: the line fits in shared memory.
+// vec: the line is contiguous (sx == 1) and 16-byte aligned with s a multiple of 16 / sizeof(T), so
+// the shared line is filled and written back with 16-byte words. The sort carries the values
+// themselves (stable: a target's values stay in position order).
 template <typename T, typename IDX>
 __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx,
                              const T* __restrict__ init, long long* flag, TensorDesc lines, TensorDesc ilines,
                              int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit,
-                             int64_t mode, int64_t shared_line) {
+                             int64_t mode, int64_t shared_line, int64_t vec) {
     using A = typename Acc<T>::type;
-    using Sort = cub::BlockRadixSort<uint32_t, LS_THREADS, LS_ITEMS, uint32_t>;
+    constexpr int V = 16 / sizeof(T);
+    using VT = Vec<T, V>;
+    using Sort = cub::BlockRadixSort<uint32_t, LS_THREADS, LS_ITEMS, A>;
     __shared__ union {
         typename Sort::TempStorage sort;
         struct {
             uint32_t keys[LS_TILE];
-            uint32_t pos[LS_TILE];
+            A vals[LS_TILE];
         } runs;
     } tmp;
-    __shared__ A vals[LS_TILE];
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sline = reinterpret_cast<A*>(smem_raw);
     const int rank = (int)lines.rank;
@@ -396,25 +656,38 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
             ioff += c * ilines.strides[d];
             covered = covered && c < ilines.shape[d];
         }
-        for (int64_t j = threadIdx.x; j < s; j += blockDim.x) {
-            const A v = init ? gg_load(init + xoff + j * sx) : A(0);
-            if (shared_line) sline[j] = v;
-            else gg_store(dx + xoff + j * sx, v);
+        if (shared_line && vec) {
+            for (int64_t j = threadIdx.x; j < s / V; j += blockDim.x) {
+                if (init) {
+                    const VT w = reinterpret_cast<const VT*>(init + xoff)[j];
+#pragma unroll
+                    for (int e = 0; e < V; ++e) sline[j * V + e] = gg_load(&w.v[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < V; ++e) sline[j * V + e] = A(0);
+                }
+            }
+        } else {
+            for (int64_t j = threadIdx.x; j < s; j += blockDim.x) {
+                const A v = init ? gg_load(init + xoff + j * sx) : A(0);
+                if (shared_line) sline[j] = v;
+                else gg_store(dx + xoff + j * sx, v);
+            }
         }
         __syncthreads();
         for (int64_t t0 = 0; covered && t0 < n; t0 += LS_TILE) {
-            uint32_t key[LS_ITEMS], val[LS_ITEMS];
+            uint32_t key[LS_ITEMS];
+            A val[LS_ITEMS];
 #pragma unroll
             for (int i = 0; i < LS_ITEMS; ++i) {
-                const int g = threadIdx.x * LS_ITEMS + i;
-                const int64_t p = t0 + g;
+                const int64_t p = t0 + threadIdx.x * LS_ITEMS + i;
                 key[i] = (uint32_t)s;
-                val[i] = (uint32_t)g;
+                val[i] = A(0);
                 if (p < n) {
                     int64_t x;
                     if (gg_norm(idx[ioff + p * si], s, x)) key[i] = (uint32_t)x;
                     else gg_set_flag(flag, ioff + p * si);
-                    vals[g] = gg_load(dy + ioff + p * si);
+                    val[i] = gg_load(dy + ioff + p * si);
                 }
             }
             Sort(tmp.sort).Sort(key, val, 0, (int)end_bit);
@@ -422,7 +695,7 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
 #pragma unroll
             for (int i = 0; i < LS_ITEMS; ++i) {
                 tmp.runs.keys[threadIdx.x * LS_ITEMS + i] = key[i];
-                tmp.runs.pos[threadIdx.x * LS_ITEMS + i] = val[i];
+                tmp.runs.vals[threadIdx.x * LS_ITEMS + i] = val[i];
             }
             __syncthreads();
 #pragma unroll
@@ -432,7 +705,7 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
                 if (k == (uint32_t)s || (g > 0 && tmp.runs.keys[g - 1] == k)) continue;
                 A acc = shared_line ? sline[k] : gg_load(dx + xoff + (int64_t)k * sx);
                 for (int j = g; j < LS_TILE && tmp.runs.keys[j] == k; ++j) {
-                    const A v = vals[tmp.runs.pos[j]];
+                    const A v = tmp.runs.vals[j];
                     switch (mode) {
                         case 0: acc += v; break;
                         case 1: acc = v; break;
@@ -447,7 +720,16 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
             __syncthreads();
         }
         if (shared_line) {
-            for (int64_t j = threadIdx.x; j < s; j += blockDim.x) gg_store(dx + xoff + j * sx, sline[j]);
+            if (vec) {
+                for (int64_t j = threadIdx.x; j < s / V; j += blockDim.x) {
+                    VT w;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) gg_store(&w.v[e], sline[j * V + e]);
+                    reinterpret_cast<VT*>(dx + xoff)[j] = w;
+                }
+            } else {
+                for (int64_t j = threadIdx.x; j < s; j += blockDim.x) gg_store(dx + xoff + j * sx, sline[j]);
+            }
             __syncthreads();
         }
     }
@@ -482,9 +764,9 @@ __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict
     extern "C" __global__ void __launch_bounds__(LS_THREADS) line_scatter_##sfx##_##isfx(                        \
         T* dx, const T* dy, const IDX* idx, const T* init, long long* flag, TensorDesc lines, TensorDesc ilines, \
         int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit, int64_t mode,           \
-        int64_t shared_line) {                                                                                   \
+        int64_t shared_line, int64_t vec) {                                                                      \
         line_scatter<T, IDX>(dx, dy, idx, init, flag, lines, ilines, s, sx, n, si, nlines, end_bit, mode,       \
-                             shared_line);                                                                       \
+                             shared_line, vec);                                                                  \
     }                                                                                                            \
     extern "C" __global__ void ge_atomic_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,    \
                                                         TensorDesc d, int64_t axis, int64_t s, int64_t n) {     \

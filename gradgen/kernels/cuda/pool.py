@@ -124,7 +124,7 @@ def channel_sum(x, out=None, stream=None, keep=None):
     if c == 0:
         return out
     if outer * inner == 0:
-        rt.driver.memset_d8(out.gpudata, 0, out.nbytes)
+        rt.memset_zero(out)
         return out
     # Enough blocks to fill the GPU (about 1024 of them), each at least a few thousand elements.
     splits = max(1, min(outer, -(-1024 // c), max(1, (outer * inner) // 2048)))
