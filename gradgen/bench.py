@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+
 def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` CUDA-event timings (default stream) after ``warmup`` calls."""
     from pycuda import driver
@@ -25,6 +26,52 @@ def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
         end.synchronize()
         times.append(start.time_till(end))
     return statistics.median(times)
+
+
+def _gpu_ms(fn, *, reps: int = 50, warmup: int = 5) -> float | None:
+    """Median GPU time of ``fn()`` with its host launch overhead hidden: a ~2 ms GPU sleep (PyTorch's)
+    is queued before the start event, so the events time the queued GPU work alone. None without
+    PyTorch. Calls that synchronise inside (flag checks) still show the host time after their sync."""
+    torch = _torch()
+    if torch is None:
+        return None
+    from pycuda import driver
+
+    for _ in range(warmup):
+        fn()
+    driver.Context.synchronize()
+    start, end = driver.Event(), driver.Event()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.time_till(end))
+    return statistics.median(times)
+
+
+def _host_us(fn, *, reps: int = 50) -> float:
+    """Median host time of one call in microseconds (launches are asynchronous; syncs inside count)."""
+    from pycuda import driver
+
+    fn()
+    driver.Context.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        driver.Context.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _detail(label: str, fn) -> None:
+    gpu = _gpu_ms(fn)
+    gpu_text = "n/a" if gpu is None else f"{gpu:.4f} ms"
+    print(f"  [{label}] GPU time with host overhead hidden {gpu_text}; host time per call {_host_us(fn):.1f} us",
+          flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +405,9 @@ def bench_slice_grad(reps: int = 50) -> list[dict]:
         assert np.array_equal(got, torch_fn().cpu().numpy()), "SliceGrad differs from torch"
     rows.append(_row("SliceGrad", "gradgen (one pass)", _timer(lambda: slice_grad(dy, *args), reps=reps), nbytes, ref))
     _print(rows)
+    _detail("gradgen SliceGrad", lambda: slice_grad(dy, *args))
+    if torch is not None:
+        _detail("torch zeros + copy_", torch_fn)
     return rows
 
 
@@ -393,6 +443,12 @@ def bench_gather_grad(reps: int = 50) -> list[dict]:
         rows[-1]["speedup_vs_index_add"] = atomic / ms
         print(f"GatherGrad: gradgen vs index_add_ {atomic / ms:.2f}x, vs embedding_dense_backward {ref / ms:.2f}x")
     _print(rows)
+    _detail("gradgen GatherGrad", lambda: gather_grad(shape, idx, dy))
+    narrow = rt.to_device(dy_host[:, :1].copy())
+    _detail("gradgen GatherGrad, inner 1 (about the sort alone)", lambda: gather_grad(np.array([vocab, 1], np.int64),
+                                                                                      idx, narrow))
+    if torch is not None:
+        _detail("torch index_add_", lambda: torch.zeros(vocab, dim, device="cuda").index_add_(0, tids, tdy))
     return rows
 
 
@@ -422,6 +478,11 @@ def bench_gather_elements_grad(reps: int = 50) -> list[dict]:
         ms = _timer(lambda det=det: gather_elements_grad(dy, shape, idx, axis=1, deterministic=det), reps=reps)
         rows.append(_row("GatherElementsGrad", variant, ms, nbytes, ref))
     _print(rows)
+    _detail("gradgen GatherElementsGrad deterministic",
+            lambda: gather_elements_grad(dy, shape, idx, axis=1, deterministic=True))
+    if torch is not None:
+        _detail("torch zeros + scatter_add_",
+                lambda: torch.zeros(4096, 4096, device="cuda").scatter_add_(1, tids, tdy))
     return rows
 
 
@@ -441,13 +502,91 @@ def bench_broadcast_gradient_args(reps: int = 1000) -> list[dict]:
     return [row]
 
 
+def bench_broadcast_reduction(reps: int = 50) -> list[dict]:
+    """ReduceSum of (64,256,56,56) f32 to (1,256,1,1) against torch.sum (GPU time with the host launch
+    hidden, and the plain event timing), plus a few other launchers against their PyTorch counterparts."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels import registry
+
+    registry.load_cuda_kernels()
+
+    def cuda(op):
+        return registry.lookup("", op).cuda
+
+    torch = _torch()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 256, 56, 56), dtype=np.float32)
+    xd = rt.to_device(x)
+    axes = np.array([0, 2, 3], np.int64)
+    reduce_sum = cuda("ReduceSum")
+    ours = lambda: reduce_sum(xd, axes, keepdims=1)
+    rows, ref = [], None
+    if torch is not None:
+        xt = torch.from_numpy(x).cuda()
+        theirs = lambda: xt.sum(dim=(0, 2, 3), keepdim=True)
+        got, want = ours().get(), theirs().cpu().numpy()
+        print(f"ReduceSum: max |gradgen - torch| = {np.abs(got - want).max():.3e} (sums of 200704 values)")
+        ref = _gpu_ms(theirs, reps=reps)
+        rows.append(_row("ReduceSum", "torch.sum (GPU time)", ref, x.nbytes))
+        rows.append(_row("ReduceSum", "torch.sum (plain events)", _timer(theirs, reps=reps), x.nbytes))
+        rows.append(_row("ReduceSum", "gradgen (GPU time)", _gpu_ms(ours, reps=reps), x.nbytes, ref))
+    rows.append(_row("ReduceSum", "gradgen (plain events)", _timer(ours, reps=reps), x.nbytes,
+                     None if torch is None else rows[1]["ms"]))
+    _print(rows)
+    print(f"  [ReduceSum] host time per call: gradgen {_host_us(ours):.1f} us"
+          + ("" if torch is None else f", torch {_host_us(theirs):.1f} us"))
+    if torch is None:
+        return rows
+    cases = []
+    h = rng.standard_normal((8192, 768), dtype=np.float32)
+    g, b = np.ones(768, np.float32), np.zeros(768, np.float32)
+    hd, gd, bd = rt.to_device(h), rt.to_device(g), rt.to_device(b)
+    ht, gt, bt = torch.from_numpy(h).cuda(), torch.from_numpy(g).cuda(), torch.from_numpy(b).cuda()
+    ln = cuda("LayerNormalization")
+    cases.append(("LayerNormalization (8192,768)", lambda: ln(hd, gd, bd, axis=-1, epsilon=1e-5),
+                  lambda: torch.nn.functional.layer_norm(ht, (768,), gt, bt, 1e-5), 2 * h.nbytes))
+    sm = rng.standard_normal((8192, 1024), dtype=np.float32)
+    smd, smt = rt.to_device(sm), torch.from_numpy(sm).cuda()
+    softmax = cuda("Softmax")
+    cases.append(("Softmax (8192,1024) last axis", lambda: softmax(smd, axis=-1, _opset=13),
+                  lambda: torch.softmax(smt, -1), 2 * sm.nbytes))
+    bgd, bgt = rt.to_device(h), ht
+    ax0 = np.array([0], np.int64)
+    cases.append(("ReduceSum (8192,768) axis 0", lambda: reduce_sum(bgd, ax0, keepdims=0), lambda: bgt.sum(0),
+                  h.nbytes))
+    logits = rng.standard_normal((2048, 50257), dtype=np.float32)
+    labels = rng.integers(0, 50257, 2048).astype(np.int64)
+    ld, lbd = rt.to_device(logits), rt.to_device(labels)
+    lt, lbt = torch.from_numpy(logits).cuda(), torch.from_numpy(labels).cuda()
+    sce = cuda("SoftmaxCrossEntropyLoss")
+    cases.append(("SoftmaxCrossEntropyLoss (2048,50257)", lambda: sce(ld, lbd, reduction="mean"),
+                  lambda: torch.nn.functional.cross_entropy(lt, lbt), logits.nbytes))
+    add = cuda("Add")
+    cb = rng.standard_normal((256, 1, 1), dtype=np.float32)
+    cbd, cbt = rt.to_device(cb), torch.from_numpy(cb).cuda()
+    cases.append(("Add (64,256,56,56)+(256,1,1)", lambda: add(xd, cbd), lambda: xt + cbt, 2 * x.nbytes))
+    x2d, x2t = rt.to_device(x), xt.clone()
+    cases.append(("Add (64,256,56,56)+same", lambda: add(xd, x2d), lambda: xt + x2t, 3 * x.nbytes))
+    for name, ours_fn, torch_fn, nbytes in cases:
+        try:
+            theirs_ms = _gpu_ms(torch_fn, reps=reps)
+            case_rows = [_row(name, "torch (GPU time)", theirs_ms, nbytes),
+                         _row(name, "gradgen (GPU time)", _gpu_ms(ours_fn, reps=reps), nbytes, theirs_ms)]
+            _print(case_rows)
+            print(f"  [{name}] host time per call: gradgen {_host_us(ours_fn):.1f} us, torch {_host_us(torch_fn):.1f} us")
+            rows += case_rows
+        except Exception as exc:  # noqa: BLE001 - one failing launcher should not hide the rest
+            print(f"{name}: failed: {type(exc).__name__}: {exc}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every benchmark on the GPU and print one table per group, with the device and date."""
     import argparse
     import datetime
 
     parser = argparse.ArgumentParser(prog="gradgen bench", description=main.__doc__)
-    parser.add_argument("--only", action="append", choices=["slice", "gather", "gather_elements", "bga", "conv", "step"],
+    parser.add_argument("--only", action="append", choices=["slice", "gather", "gather_elements", "reduce", "bga", "conv", "step"],
                         help="run only these groups (repeatable); default: all")
     args = parser.parse_args(argv)
     from gradgen.executor.cuda_probe import cuda_unavailable_reason
@@ -460,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     from pycuda import driver
 
     print(f"device: {driver.Context.get_device().name()}; date: {datetime.date.today().isoformat()}")
-    groups = args.only or ["slice", "gather", "gather_elements", "bga", "conv", "step"]
+    groups = args.only or ["slice", "gather", "gather_elements", "reduce", "bga", "conv", "step"]
     for group in groups:
         if group == "slice":
             bench_slice_grad()
@@ -468,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_gather_grad()
         elif group == "gather_elements":
             bench_gather_elements_grad()
+        elif group == "reduce":
+            bench_broadcast_reduction()
         elif group == "bga":
             bench_broadcast_gradient_args()
         elif group == "conv":

@@ -82,7 +82,7 @@ class CudaBackend:
 
     def run_step(self, step, args: list):
         entry = step.entry
-        if entry.cuda is not None and not _is_shape_arithmetic(args):
+        if entry.cuda is not None and not _is_shape_arithmetic(step, args):
             call_args = [
                 None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
                 for i, a in enumerate(args)
@@ -90,7 +90,7 @@ class CudaBackend:
             return entry.cuda(*call_args, **step.attributes)
         if entry.cpu is None:
             raise RuntimeError(f"{step.op_type} has no CPU kernel to fall back on")
-        if entry.cuda is None and not _is_shape_arithmetic(args):
+        if entry.cuda is None and not _is_shape_arithmetic(step, args):
             _warn_fallback(step)
         return entry.cpu(*[None if a is None else rt.to_host(a) for a in args], **step.attributes)
 
@@ -141,9 +141,16 @@ def _note_once(key, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def _is_shape_arithmetic(args: list) -> bool:
+def _is_shape_arithmetic(step, args: list) -> bool:
+    """Integer/bool host inputs only, and no float data made from them (ConstantOfShape's zeros
+    are data: they belong on the device)."""
     present = [a for a in args if a is not None]
-    return all(isinstance(a, np.ndarray) and a.dtype.kind in "iub" for a in present)
+    if not all(isinstance(a, np.ndarray) and a.dtype.kind in "iub" for a in present):
+        return False
+    if step.op_type == "ConstantOfShape":
+        value = step.attributes.get("value")
+        return value is not None and np.asarray(value).dtype.kind in "iub"
+    return True
 
 
 def _warn_fallback(step) -> None:

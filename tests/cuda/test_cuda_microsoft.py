@@ -137,6 +137,42 @@ def test_gather_grad_huge_segments_deterministic(rt):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("itype", [np.int64, np.int32])
+@pytest.mark.parametrize("shape,axis,count,hot", [((300, 768), 0, 16384, 20), ((300, 24), 0, 16385, 5),
+                                                  ((3, 200, 16), 1, 4000, 3), ((1000, 3), 0, 2000, 1),
+                                                  ((64, 8), -2, 16384, 64), ((5, 7), 1, 1, 1)])
+def test_gather_grad_segments(rt, dtype, itype, shape, axis, count, hot):
+    # Hot ids give segments longer than a chunk (two-level sums); 16384 is the fast path's capacity,
+    # 16385 takes the general path; inner 3 and 24 (float16) take the scalar variant.
+    size = shape[axis]
+    hot_ids = RNG.integers(-size, size, hot)
+    idx = np.where(RNG.random(count) < 0.5, RNG.choice(hot_ids, count), RNG.integers(-size, size, count)).astype(itype)
+    dims = list(shape)
+    ax = axis % len(dims)
+    dy = RNG.standard_normal(dims[:ax] + [count] + dims[ax + 1:]).astype(dtype)
+    e = entry("GatherGrad")
+    args = [np.array(shape, np.int64), idx, dy]
+    got = compare(rt, "GatherGrad", args, tol=TOL[dtype] * (20 if dtype != np.float64 else 1), axis=axis)
+    for _ in range(2):
+        np.testing.assert_array_equal(e.cuda(*on_device(rt, e, args), axis=axis).get(), got)  # bit-identical
+
+
+@pytest.mark.parametrize("count", [5, 20000])
+def test_gather_grad_out_of_range_both_paths(rt, count):
+    e = entry("GatherGrad")
+    idx = RNG.integers(-4, 4, count).astype(np.int64)
+    idx[count // 2] = 7
+    args = [np.array([4, 3], np.int64), idx, np.ones((count, 3), np.float32)]
+    with pytest.raises(KernelError) as cpu_error:
+        e.cpu(*args)
+    with pytest.raises(KernelError) as gpu_error:
+        e.cuda(*on_device(rt, e, args))
+    assert str(gpu_error.value) == str(cpu_error.value)
+    idx[count // 2] = -4  # the next call with good indices must not see a stale flag
+    compare(rt, "GatherGrad", [np.array([4, 3], np.int64), idx, np.ones((count, 3), np.float32)], tol=1e-4)
+
+
 def test_gather_grad_out_of_range_message(rt):
     e = entry("GatherGrad")
     args = [np.array([4, 2], np.int64), np.array([1, -5, 2], np.int64), np.ones((3, 2), np.float32)]
@@ -168,6 +204,29 @@ def test_gather_elements_grad(rt, deterministic, dtype, itype, shape, axis, isha
         e = entry("GatherElementsGrad")
         again = e.cuda(*on_device(rt, e, args), axis=axis, deterministic=True).get()
         np.testing.assert_array_equal(got, again)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,ishape", [((8, 4096), (8, 1024)), ((2, 3, 64), (2, 3, 200)), ((4, 40), (4, 7))])
+def test_gather_elements_grad_last_axis_vectorised(rt, dtype, shape, ishape):
+    # axis = last with rows a multiple of 16 bytes: the line is filled and stored with 16-byte words.
+    size = shape[-1]
+    idx = RNG.integers(-size, size, size=ishape).astype(np.int64)
+    dy = RNG.standard_normal(ishape).astype(dtype)
+    e = entry("GatherElementsGrad")
+    args = [dy, np.array(shape, np.int64), idx]
+    got = compare(rt, "GatherElementsGrad", args, tol=TOL[dtype], axis=-1)
+    np.testing.assert_array_equal(e.cuda(*on_device(rt, e, args), axis=-1, deterministic=True).get(), got)
+
+
+def test_gather_elements_grad_error_leaves_no_stale_flag(rt):
+    e = entry("GatherElementsGrad")
+    good = [np.ones((2, 2), np.float32), np.array([2, 3], np.int64), np.array([[0, 2], [1, 0]], np.int64)]
+    bad = [good[0], good[1], np.array([[0, 3], [1, 0]], np.int64)]
+    for deterministic in (True, False):
+        with pytest.raises(KernelError):
+            e.cuda(*on_device(rt, e, bad), axis=1, deterministic=deterministic)
+        compare(rt, "GatherElementsGrad", good, tol=1e-6, cuda_attrs={"deterministic": deterministic}, axis=1)
 
 
 def test_gather_elements_grad_few_targets_deterministic(rt):

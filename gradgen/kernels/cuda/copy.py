@@ -141,10 +141,23 @@ def _magic(d: int) -> tuple[int, int] | None:
     return (m, shift) if 0 < m < (1 << 32) else None
 
 
+def stream():
+    """The stream gradgen's GPU work goes to (runtime.stream() where the runtime has one, else None: the
+    default stream)."""
+    get = getattr(_rt(), "stream", None)
+    return get() if get is not None else None
+
+
+def raw(kernel):
+    """The PyCUDA function behind a runtime.function() result (which may wrap it)."""
+    return getattr(kernel, "fn", kernel)
+
+
 def launch_packed(kernel, grid: int, block: int, args: bytes, shared: int = 0) -> None:
-    """Launch ``kernel`` with an argument buffer packed by the caller (struct, C layout): no per-argument
-    handling in Python. ``grid`` > 0 blocks of ``block`` threads on the default stream."""
-    kernel._launch_kernel((int(grid), 1, 1), (int(block), 1, 1), args, int(shared), None)
+    """Launch ``kernel`` with an argument buffer packed by the caller (struct, C layout: pointers first,
+    then descriptors, then 8-byte scalars), on gradgen's stream: no per-argument handling in Python.
+    ``grid`` > 0 blocks of ``block`` threads."""
+    raw(kernel)._launch_kernel((int(grid), 1, 1), (int(block), 1, 1), args, int(shared), stream())
 
 
 def grid_for(n: int, block: int = 256, max_blocks: int = 65535 * 8) -> int:

@@ -3,9 +3,15 @@
 Contracts are ONNX Runtime training's (see the CPU kernels in gradgen/kernels/cpu/microsoft.py):
 GatherGrad is (shape, indices, dY), GatherElementsGrad is (dY, shape, indices); shapes live on the
 host. Results are deterministic (bit-identical across runs): negative indices are normalised first,
-positions are grouped by a stable counting sort (integer atomics only) and every output element is
-summed in position order. GatherElementsGrad also has an atomicAdd path (``deterministic=False``,
-or GRADGEN_DETERMINISTIC=0 for the executor's default). ConvGrad lives in conv.py.
+positions are grouped by a stable sort (integer atomics only) and every output element is summed in
+position order (long segments: in fixed chunks, added in chunk order). GatherElementsGrad also has
+an atomicAdd path (``deterministic=False``, or GRADGEN_DETERMINISTIC=0 for the executor's default).
+ConvGrad lives in conv.py.
+
+Host time counts as much as kernel time at these sizes, so each launcher caches what a shape needs
+(kernels, grids, packed descriptors) and launches with one pre-packed argument buffer; GatherGrad
+(up to 16384 positions) is two launches with no memset, and each op reads its error flag once,
+through pinned memory (deferred to after the replay while a CUDA graph is being captured).
 
 ``row_scatter`` and ``line_scatter`` are shared with ScatterND / ScatterElements (indexing.py).
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 import numpy as np
 
@@ -72,12 +79,82 @@ def raise_index_error(indices, size: int, axis: int, normalise=None) -> None:
     raise KernelError(f"an index is out of range for axis {axis} of size {size} (valid range [{-size}, {size - 1}])")
 
 
+_PINNED: list = []
+
+
+def _read_int64(addr: int) -> int:
+    """The int64 at device address ``addr`` once the work queued before it is done (one sync)."""
+    rt = _rt()
+    if not _PINNED:
+        _PINNED.append(rt.driver.pagelocked_empty((1,), np.int64))
+    buf = _PINNED[0]
+    stream = cp.stream()
+    if stream is None:
+        rt.driver.memcpy_dtoh(buf, addr)
+    else:
+        rt.driver.memcpy_dtoh_async(buf, addr, stream)
+        stream.synchronize()
+    return int(buf[0])
+
+
+def _check_flag(flag_addr: int, view, on_error) -> None:
+    """Raise through ``on_error(value)`` when the int64 flag at ``flag_addr`` is set. While a CUDA graph
+    is captured, the runtime defers the check to each replay (``view()``: the flag as a device array)."""
+    rt = _rt()
+    capture = getattr(rt, "CAPTURE", None)
+    if capture is not None and capture.active:
+        rt.check_flag(view(), on_error)
+        return
+    value = _read_int64(flag_addr)
+    if value:
+        on_error(value)
+
+
+_FLAG: list = []
+
+
+def _sticky_flag():
+    """A device int64 that stays 0 between ops: kernels set it only on an error, and the error path
+    clears it again, so no op needs a memset for its flag."""
+    if not _FLAG:
+        _FLAG.append(_rt().zeros((1,), np.int64))
+        _rt().synchronize()
+    return _FLAG[0]
+
+
+def _clear_sticky(flag) -> None:
+    rt = _rt()
+    rt.synchronize()
+    rt.driver.memset_d8(flag.gpudata, 0, 8)
+    rt.synchronize()
+
+
+def _host_key(a):
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return a.dtype.char, a.shape, a.tobytes()
+
+
+def _plan_cache(cache: dict, key, make):
+    plan = cache.get(key)
+    if plan is None:
+        plan = make()
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = plan
+    return plan
+
+
 # ---------------------------------------------------------------- SliceGrad
 
 
-@cuda_kernel("SliceGrad", domain=MICROSOFT, host_inputs=(1, 2, 3, 4, 5))
-def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
-    rt = _rt()
+_SG_PLANS: dict = {}
+_PTRS2 = struct.Struct("=QQ")
+
+
+def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=True):
+    """(dX dims, lattice kernel or None, grid, packed arguments after (dX, dY)); validates everything."""
     dims = cpu._shape_arg(shape)
     rank = len(dims)
     starts, ends = cpu._ints(starts, "starts"), cpu._ints(ends, "ends")
@@ -102,12 +179,34 @@ def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
         else:
             start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
         lat_start[axis], lat_step[axis], counts[axis] = start, step, len(range(start, end, step))
-    if math.prod(counts) != dY.size:
-        raise KernelError(f"dY has shape {list(dY.shape)}, but the slice of shape {dims} has shape {counts}")
+    if math.prod(counts) != math.prod(dy_shape):
+        raise KernelError(f"dY has shape {list(dy_shape)}, but the slice of shape {dims} has shape {counts}")
+    if math.prod(dims) == 0:
+        return tuple(dims), None, 0, b""
+    kernel, grid, tail = cp.lattice_plan(dims, np.dtype(dtype).itemsize, lat_start, lat_step, counts,
+                                         _rt().contiguous_strides(counts), np.int64(0), aligned)
+    return tuple(dims), cp.raw(kernel), grid, tail
+
+
+@cuda_kernel("SliceGrad", domain=MICROSOFT, host_inputs=(1, 2, 3, 4, 5))
+def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
+    """One pass over dX (the lattice kernel with fill 0): every element written once, no memset."""
+    rt = _rt()
+    key = (dY.shape, dY.dtype, _host_key(shape), _host_key(starts), _host_key(ends), _host_key(axes),
+           _host_key(steps))
+    dims, kernel, grid, tail = _plan_cache(
+        _SG_PLANS, key, lambda: _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps))
     dX = rt.empty(dims, dY.dtype)
-    if dX.size:
-        src = cp.contiguous(dY) if dY.size else None
-        cp.lattice(dX, src, 0, lat_start, lat_step, counts, rt.contiguous_strides(counts), np.int64(0))
+    if kernel is None:
+        return dX
+    src, dy = 0, dY
+    if dY.size:
+        dy = dY if dY.flags.c_contiguous else cp.contiguous(dY)
+        src = int(dy.gpudata)
+    dst = int(dX.gpudata)
+    if dst % 16:  # the plan assumed a 16-byte aligned dX (pool allocations are)
+        _, kernel, grid, tail = _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps, False)
+    cp.launch_packed(kernel, grid, 256, _PTRS2.pack(dst, src) + tail)
     return dX
 
 
@@ -185,58 +284,150 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     return dX, flag
 
 
+GS_CAP = 16384  # most positions of the GatherGrad fast path (GS_CAP in microsoft.cu: one block sorts them)
+GS_SMEM = 96 * 1024  # its dynamic shared memory (GS_SMEM in microsoft.cu)
+GG_CH = 32  # positions per chunk of a long segment in the fast path
+_GG_PLANS: dict = {}
+_GG_CHECKS: dict = {}
+_SMEM_SET: set = set()
+
+
+def _gather_grad_plan(outer, rows, inner, count, dtype, itype, aligned):
+    rt = _rt()
+    name = np.dtype(dtype).name
+    v = _VEC[name] if inner % _VEC[name] == 0 and aligned else 1
+    inner_v = inner // v
+    xbound = count // GG_CH
+    maxslots = 2 * count // GG_CH + 1 if count > GG_CH else 0
+    # workspace: flag (int64), meta (4 x u32), then u32 arrays, then the partial sums (16-byte aligned)
+    sizes = [rows, count, count + 1, count, count, 2 * xbound + 2, outer * count]
+    offsets, at = [], 24
+    for n in sizes:
+        offsets.append(at)
+        at += 4 * n
+    at = -(-at // 16) * 16
+    partial_off = at
+    at += outer * maxslots * inner * _ACC[name]
+    row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done = offsets
+    sort = cp.raw(rt.function("microsoft", f"gg_sort_{itype}"))
+    key = ("gg_sort", itype)
+    if key not in _SMEM_SET:
+        sort.set_attribute(rt.driver.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GS_SMEM)
+        _SMEM_SET.add(key)
+    rows_k = cp.raw(rt.function("microsoft", f"gg_rows_{rt.suffix(dtype)}_v{v}"))
+    # pointer offsets (from the workspace; -1: dX, -2: dY, -3: indices) and the packed scalars
+    sort_ptrs = [-3, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, 8, 0]
+    sort_tail = struct.pack("=5q", count, rows, max(1, int(rows).bit_length()), GG_CH, outer)
+    rows_ptrs = [-1, -2, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, 8, partial_off]
+    rows_tail = struct.pack("=7q", outer, rows, count, inner_v, GG_CH, xbound, maxslots)
+    warps = outer * (rows + xbound)
+    grid = max(1, min(-(-warps // 8), 2**20))
+    return (at, sort, struct.Struct(f"={len(sort_ptrs)}Q"), sort_ptrs, sort_tail, rows_k,
+            struct.Struct(f"={len(rows_ptrs)}Q"), rows_ptrs, rows_tail, grid)
+
+
+def _gather_grad_fast(dy, idx, outer, rows, inner, count, key):
+    """GatherGrad for count <= GS_CAP: gg_sort (one block) then gg_rows. Returns (dX, workspace);
+    the workspace's first 8 bytes are the flag (first bad position + 1, or 0)."""
+    rt = _rt()
+    dX = rt.empty((outer, rows, inner), dy.dtype)
+    aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
+    plan = _plan_cache(_GG_PLANS, key + (aligned,),
+                       lambda: _gather_grad_plan(outer, rows, inner, count, dy.dtype, _index_suffix(idx), aligned))
+    nbytes, sort, sort_st, sort_ptrs, sort_tail, rows_k, rows_st, rows_ptrs, rows_tail, grid = plan
+    ws = rt.empty((nbytes,), np.uint8)
+    base = int(ws.gpudata)
+    named = {-1: int(dX.gpudata), -2: int(dy.gpudata), -3: int(idx.gpudata)}
+    cp.launch_packed(sort, 1, 1024, sort_st.pack(*[named[o] if o < 0 else base + o for o in sort_ptrs]) + sort_tail,
+                     GS_SMEM)
+    cp.launch_packed(rows_k, grid, 256, rows_st.pack(*[named[o] if o < 0 else base + o for o in rows_ptrs]) + rows_tail)
+    return dX, ws
+
+
 @cuda_kernel("GatherGrad", domain=MICROSOFT, host_inputs=(0,))
 def gather_grad(shape, indices, dY, *, axis=0):
     rt = _rt()
+    key = (_host_key(shape), indices.shape, indices.dtype, dY.shape, dY.dtype, axis)
+    dims, axis, outer, inner, count = _plan_cache(_GG_CHECKS, key, lambda: _gather_grad_check(shape, indices, dY, axis))
+    size = dims[axis]
+    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    if outer * size * inner == 0:
+        if count:  # every index must still be in range
+            cpu._normalize_indices(rt.to_host(indices), size, axis)
+        return rt.empty(dims, dY.dtype)
+    if 0 < count <= GS_CAP and size < 2**31 - 1:
+        idx = _dev(indices)
+        dX, ws = _gather_grad_fast(dy, idx, outer, size, inner, count, key)
+        _check_flag(int(ws.gpudata), lambda: ws[:8].view(np.int64),
+                    lambda _value: raise_index_error(indices, size, axis))
+        return dX.reshape(tuple(dims))
+    dX, flag = row_scatter(dy, indices, outer, size, inner, count, [size], [1])
+    if count:
+        _check_flag(int(flag.gpudata), lambda: flag, lambda _value: raise_index_error(indices, size, axis))
+    return dX.reshape(tuple(dims))
+
+
+def _gather_grad_check(shape, indices, dY, axis):
     dims = cpu._shape_arg(shape)
     if not dims:
         raise KernelError("shape is empty: Gather's data must have rank >= 1")
     axis = cpu._axis(axis, len(dims))
-    size = dims[axis]
     _index_suffix(indices)
     _float_dtype(dY)
     want = tuple(dims[:axis]) + tuple(indices.shape) + tuple(dims[axis + 1:])
     if tuple(dY.shape) != want:
         raise KernelError(f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
                           f"{list(indices.shape)} along axis {axis} gives {list(want)}")
-    outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1:]), math.prod(indices.shape)
-    dy = cp.contiguous(dY) if dY.size else dY
-    dX, flag = row_scatter(dy, indices, outer, size, inner, count, [size], [1])
-    if count and rt.to_host(flag)[0]:
-        raise_index_error(indices, size, axis)
-    return dX.reshape(tuple(dims)) if dX.size else rt.empty(dims, dY.dtype)
+    return (tuple(dims), axis, math.prod(dims[:axis]), math.prod(dims[axis + 1:]), math.prod(indices.shape))
 
 
 # ---------------------------------------------------------------- line scatter (GatherElementsGrad, ScatterElements)
 
 
-def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0):
-    """out[..., idx[i], ...] (op)= dy[i] along ``axis``, folded in position order per target; out starts as
-    ``init`` (same shape as out, contiguous) or zeros. Returns (out, flag)."""
+_LS_PLANS: dict = {}
+_PTRS5 = struct.Struct("=5Q")
+
+
+def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok):
     rt = _rt()
-    dtype = np.dtype(dy.dtype)
-    name = _float_dtype(dy)
-    out = rt.empty(out_shape, dtype)
-    flag = rt.zeros((1,), np.int64)
-    if out.size == 0:
-        return out, flag
+    name = _float_dtype(np.empty(0, dtype), "dY")
     rank = len(out_shape)
     ostrides = rt.contiguous_strides(out_shape)
-    istrides = rt.contiguous_strides(indices.shape)
+    istrides = rt.contiguous_strides(ishape)
     others = [d for d in range(rank) if d != axis]
-    s, n = int(out_shape[axis]), int(indices.shape[axis])
+    s, n = int(out_shape[axis]), int(ishape[axis])
     if s >= 2**32 - 1 or n >= 2**32:
         raise KernelError(f"axis {axis} of size {s} exceeds the CUDA kernel's 32-bit limit")
-    lines = cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])
-    ilines = cp.desc([indices.shape[d] for d in others], [istrides[d] for d in others])
     nlines = math.prod(out_shape[d] for d in others)
     shared_line = s * _ACC[name] <= _LINE_SMEM
+    vec = shared_line and vec_ok and axis == rank - 1 and s % _VEC[name] == 0
+    kernel = cp.raw(rt.function("microsoft", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
+    tail = bytes(memoryview(cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
+    tail += bytes(memoryview(cp.desc([ishape[d] for d in others], [istrides[d] for d in others])))
+    tail += struct.pack("=9q", s, ostrides[axis], n, istrides[axis], nlines, max(1, s.bit_length()), mode,
+                        1 if shared_line else 0, 1 if vec else 0)
+    return kernel, max(1, min(nlines, 2**20)), s * _ACC[name] if shared_line else 0, tail
+
+
+def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0, flag=None):
+    """out[..., idx[i], ...] (op)= dy[i] along ``axis``, folded in position order per target; out starts as
+    ``init`` (same shape as out, contiguous) or zeros. Returns (out, flag): ``flag`` (a zeroed device
+    int64, allocated here when not given) is set when an index is out of range."""
+    rt = _rt()
+    out = rt.empty(out_shape, dy.dtype)
+    if flag is None:
+        flag = rt.zeros((1,), np.int64)
+    if out.size == 0:
+        return out, flag
+    out_shape = tuple(int(d) for d in out_shape)
+    vec_ok = int(out.gpudata) % 16 == 0 and (init is None or int(init.gpudata) % 16 == 0)
+    itype = _index_suffix(indices)
+    key = (out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok)
+    kernel, grid, shared, tail = _plan_cache(
+        _LS_PLANS, key, lambda: _line_scatter_plan(out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok))
     idx = _dev(indices) if indices.size else None
-    kernel = rt.function("microsoft", f"line_scatter_{rt.suffix(dtype)}_{_index_suffix(indices)}")
-    kernel(out, _addr(dy), _addr(idx), _addr(init), flag, lines, ilines, np.int64(s), np.int64(ostrides[axis]),
-           np.int64(n), np.int64(istrides[axis]), np.int64(nlines), np.int64(max(1, s.bit_length())), np.int64(mode),
-           np.int64(1 if shared_line else 0), block=(256, 1, 1), grid=(min(nlines, 2**20), 1),
-           shared=s * _ACC[name] if shared_line else 0)
+    cp.launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
+                                                    int(_addr(init)), int(flag.gpudata)) + tail, shared)
     return out, flag
 
 
@@ -252,10 +443,10 @@ def _check_gather_elements_grad(dY, dims, indices, axis):
                               f"(only axis {axis} may be longer)")
 
 
-@cuda_kernel("GatherElementsGrad", domain=MICROSOFT, host_inputs=(1,))
-def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
-    """``deterministic=False`` (or GRADGEN_DETERMINISTIC=0) takes the atomicAdd path."""
-    rt = _rt()
+_GE_CHECKS: dict = {}
+
+
+def _gather_elements_grad_check(dY, shape, indices, axis):
     dims = cpu._shape_arg(shape)
     if not dims:
         raise KernelError("shape is empty: GatherElements' data must have rank >= 1")
@@ -263,14 +454,23 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
     _check_gather_elements_grad(dY, dims, indices, axis)
     _index_suffix(indices)
     _float_dtype(dY)
+    return tuple(dims), axis
+
+
+@cuda_kernel("GatherElementsGrad", domain=MICROSOFT, host_inputs=(1,))
+def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
+    """``deterministic=False`` (or GRADGEN_DETERMINISTIC=0) takes the atomicAdd path."""
+    rt = _rt()
+    key = (dY.shape, dY.dtype, _host_key(shape), indices.shape, indices.dtype, axis)
+    dims, axis = _plan_cache(_GE_CHECKS, key, lambda: _gather_elements_grad_check(dY, shape, indices, axis))
     if deterministic is None:
         deterministic = default_deterministic()
-    dy = cp.contiguous(dY) if dY.size else dY
+    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    flag = _sticky_flag()
     if deterministic:
-        dX, flag = line_scatter(dy, indices, dims, axis)
+        dX, _ = line_scatter(dy, indices, dims, axis, flag=flag)
     else:
         dX = rt.zeros(dims, dY.dtype)
-        flag = rt.zeros((1,), np.int64)
         if dy.size and dX.size:
             idx = _dev(indices)
             small = dX.size < 2**31 and dy.size < 2**31
@@ -278,8 +478,14 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
                                               f"{_index_suffix(indices)}")
             rt.launch(kernel, dy.size, dX, dy, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(dims)),
                       np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))
-    if indices.size and dX.size and rt.to_host(flag)[0]:
-        raise_index_error(indices, dims[axis], axis)
+    if indices.size and dX.size:
+        def on_error(_value):
+            _clear_sticky(flag)
+            raise_index_error(indices, dims[axis], axis)
+
+        _check_flag(int(flag.gpudata), lambda: flag, on_error)
+    elif indices.size and dims[axis] == 0:
+        cpu._normalize_indices(rt.to_host(indices), 0, axis)
     return dX
 
 
