@@ -2,8 +2,8 @@
 
 Random inputs follow the model's declared dtypes and shapes (symbolic dims from ``dims``).
 Floats are standard normal. Integer inputs are drawn where they can be valid:
-- indices of Gather / GatherElements / GatherND / ScatterElements / ScatterND / OneHot-like ops:
-  in [0, size of the indexed axis) when that size is known;
+- indices of Gather / GatherElements / GatherND / ScatterElements / ScatterND: in [0, size of the
+  indexed axis) when that size is known (looking through Cast, Reshape, Unsqueeze and the like);
 - labels of SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss: in [0, number of classes);
 - any other integer input: in [0, 10). Bools are fair coin flips.
 """
@@ -72,7 +72,7 @@ def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None 
     """Random values for every graph input that is not an initializer."""
     rng = np.random.default_rng(seed)
     dims = dict(dims or {})
-    graph = model.graph
+    graph = _with_shapes(model).graph
     feeds = {}
     for value in graph.inputs:
         if value.name in graph.initializers:
@@ -81,6 +81,19 @@ def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None 
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
         feeds[value.name] = _draw(rng, value, shape, dtype, dims)
     return feeds
+
+
+def _with_shapes(model: ir.Model) -> ir.Model:
+    """A copy of the model with inferred shapes (index bounds need the indexed tensors' shapes)."""
+    from gradgen.errors import ModelError
+    from gradgen.passes import FoldShapeArithmeticPass, ShapeInferencePass
+
+    copy = ir.from_proto(ir.to_proto(model))
+    try:
+        ShapeInferencePass()(FoldShapeArithmeticPass()(copy).model)
+    except (ModelError, ir.passes.PassError):
+        pass  # bounds fall back to [0, 10) where shapes stay unknown
+    return copy
 
 
 def _concrete_shape(value: ir.Value, dims: dict[str, int]) -> tuple[int, ...]:
@@ -110,10 +123,24 @@ def _draw(rng, value: ir.Value, shape, dtype: np.dtype, dims) -> np.ndarray:
     raise UsageError(f"input {value.name!r}: cannot draw random values of type {dtype}; pass --inputs FILE.npz")
 
 
+# Ops that pass an integer tensor's values through unchanged (looked through to find its consumers).
+_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"}
+
+
+def _consumers(value: ir.Value, depth: int = 0):
+    """(node, input position) of every op reading the value's numbers, through pass-through ops."""
+    for node, position in value.uses():
+        if node.op_type in _PASS_THROUGH and position == 0 and depth < 8:
+            for out in node.outputs:
+                yield from _consumers(out, depth + 1)
+        else:
+            yield node, position
+
+
 def _index_bound(value: ir.Value, dims) -> int | None:
     """The exclusive upper bound valid for an integer input, from the ops that consume it."""
     bounds = []
-    for node, position in value.uses():
+    for node, position in _consumers(value):
         if node.op_type in _INDEX_CONSUMERS and _INDEX_CONSUMERS[node.op_type][0] == position:
             _, data_position, axis_attr = _INDEX_CONSUMERS[node.op_type]
             data = node.inputs[data_position]

@@ -195,3 +195,17 @@ def test_unsupported_ops_are_all_listed(tmp_path, capsys, monkeypatch):
     assert code == 3
     assert "custom::Foo" in err and "'foo1'" in err and "'foo2'" in err and "custom::Bar" in err
 
+
+
+def test_random_inputs_are_valid_for_every_sample(tmp_path, capsys, monkeypatch):
+    """Integer inputs feeding Gather-like ops and loss labels are drawn within their valid ranges."""
+    from tests.model_dirs import SAMPLE_DIRS
+
+    for path in SAMPLE_DIRS:
+        built = tmp_path / f"{path.name}_grad.onnx"
+        code, _, err = run_cli(capsys, monkeypatch, "build-backward", path / "model.onnx", "-o", built)
+        assert code == 0, err
+        for model in (path / "model.onnx", built):
+            code, stdout, err = run_cli(capsys, monkeypatch, "run", model, "--random-inputs", "--seed", "3",
+                                        "--device", "cpu")
+            assert code == 0, f"{model}: {err}"
