@@ -12,22 +12,28 @@ from gradgen.errors import KernelError
 from gradgen.kernels.registry import cpu_kernel
 
 
-@cpu_kernel("MatMul")
-def matmul(a, b):
-    if a.ndim == 0 or b.ndim == 0:
-        raise KernelError(f"MatMul inputs must have rank >= 1, got shapes {list(a.shape)} and {list(b.shape)}")
-    k_a = a.shape[-1]
-    k_b = b.shape[0] if b.ndim == 1 else b.shape[-2]
+def check_matmul_shapes(a_shape, b_shape) -> None:
+    """MatMul's shape rules (numpy matmul's, 1-D operands included); KernelError when broken."""
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if not a_shape or not b_shape:
+        raise KernelError(f"MatMul inputs must have rank >= 1, got shapes {list(a_shape)} and {list(b_shape)}")
+    k_a = a_shape[-1]
+    k_b = b_shape[0] if len(b_shape) == 1 else b_shape[-2]
     if k_a != k_b:
         raise KernelError(
-            f"inner dimensions differ: A {list(a.shape)} has {k_a} columns, B {list(b.shape)} has {k_b} rows"
+            f"inner dimensions differ: A {list(a_shape)} has {k_a} columns, B {list(b_shape)} has {k_b} rows"
         )
     try:
-        np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
     except ValueError:
         raise KernelError(
-            f"batch dimensions of A {list(a.shape)} and B {list(b.shape)} are not broadcastable"
+            f"batch dimensions of A {list(a_shape)} and B {list(b_shape)} are not broadcastable"
         ) from None
+
+
+@cpu_kernel("MatMul")
+def matmul(a, b):
+    check_matmul_shapes(a.shape, b.shape)
     return np.matmul(a, b).astype(np.result_type(a, b), copy=False)
 
 

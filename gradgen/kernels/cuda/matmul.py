@@ -100,17 +100,9 @@ def matmul(a, b):
     from gradgen.kernels.cpu import matmul as cpu
     from gradgen.kernels.cuda.pool import broadcast_to, contiguous, cpu_fallback
 
-    if a.ndim == 0 or b.ndim == 0:
-        raise KernelError(f"MatMul inputs must have rank >= 1, got shapes {list(a.shape)} and {list(b.shape)}")
+    cpu.check_matmul_shapes(a.shape, b.shape)
     k_a = a.shape[-1]
-    k_b = b.shape[0] if b.ndim == 1 else b.shape[-2]
-    if k_a != k_b:
-        raise KernelError(
-            f"inner dimensions differ: A {list(a.shape)} has {k_a} columns, B {list(b.shape)} has {k_b} rows")
-    try:
-        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    except ValueError:
-        raise KernelError(f"batch dimensions of A {list(a.shape)} and B {list(b.shape)} are not broadcastable") from None
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     if a.dtype != b.dtype or a.dtype not in _FLOATS:
         return cpu_fallback("MatMul", cpu.matmul, a, b)
     m = int(a.shape[-2]) if a.ndim > 1 else 1
