@@ -485,3 +485,29 @@ def test_regression_matmul_after_axisless_squeeze_with_symbolic_dims():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     with pytest.raises(gradgen.errors.ModelError, match="'mm'.*ranks"):
         gradgen.build_backward(model, wrt=["x", "w"])
+
+
+# -- CUDA kernels against the CPU kernels (on a machine with a GPU) -------------------------------
+
+_ALL_KERNEL_CASES = st.one_of(elementwise_cases(), reduction_cases(), shape_cases(), index_cases(),
+                              matmul_cases(), nn_cases(), loss_cases())
+
+
+@pytest.mark.cuda
+@KERNELS
+@given(_ALL_KERNEL_CASES)
+def test_cuda_kernels_match_cpu(case):
+    """Every kernel family's random cases (empty and size-1 dims, extreme indices) on the GPU: the same
+    values as the CPU kernels, or the same refusal."""
+    model, feeds = case.model(), case.feeds()
+    try:
+        want = Session(model).run(feeds)
+    except GradgenError:
+        with pytest.raises(GradgenError):
+            Session(model, device="cuda").run(feeds)
+        return
+    got = Session(model, device="cuda").run(feeds)
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}: {case.describe()}"
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=case.describe())
