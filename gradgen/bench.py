@@ -445,7 +445,7 @@ def bench_gather_grad(reps: int = 50) -> list[dict]:
     _print(rows)
     _detail("gradgen GatherGrad", lambda: gather_grad(shape, idx, dy))
     narrow = rt.to_device(dy_host[:, :1].copy())
-    _detail("gradgen GatherGrad, inner 1 (about the sort alone)", lambda: gather_grad(np.array([vocab, 1], np.int64),
+    _detail("gradgen GatherGrad, inner 1 (about the index scan alone)", lambda: gather_grad(np.array([vocab, 1], np.int64),
                                                                                       idx, narrow))
     if torch is not None:
         _detail("torch index_add_", lambda: torch.zeros(vocab, dim, device="cuda").index_add_(0, tids, tdy))

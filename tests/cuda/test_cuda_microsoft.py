@@ -139,12 +139,14 @@ def test_gather_grad_huge_segments_deterministic(rt):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-@pytest.mark.parametrize("shape,axis,count,hot", [((300, 768), 0, 16384, 20), ((300, 24), 0, 16385, 5),
+@pytest.mark.parametrize("shape,axis,count,hot", [((300, 768), 0, 16384, 20), ((300, 24), 0, 32769, 5),
                                                   ((3, 200, 16), 1, 4000, 3), ((1000, 3), 0, 2000, 1),
-                                                  ((64, 8), -2, 16384, 64), ((5, 7), 1, 1, 1)])
+                                                  ((64, 8), -2, 32768, 64), ((5, 7), 1, 1, 1),
+                                                  ((20000, 8), 0, 9000, 2)])
 def test_gather_grad_segments(rt, dtype, itype, shape, axis, count, hot):
-    # Hot ids give segments longer than a chunk (two-level sums); 16384 is the fast path's capacity,
-    # 16385 takes the general path; inner 3 and 24 (float16) take the scalar variant.
+    # Hot ids give long segments; 32768 positions is the one-launch path's limit (its shared list holds
+    # 4096, so 32768 also folds rows in rounds), 32769 takes the CSR path; inner 3 and 24 (float16)
+    # take the scalar variant; 20000 rows spread over many blocks.
     size = shape[axis]
     hot_ids = RNG.integers(-size, size, hot)
     idx = np.where(RNG.random(count) < 0.5, RNG.choice(hot_ids, count), RNG.integers(-size, size, count)).astype(itype)
@@ -158,7 +160,7 @@ def test_gather_grad_segments(rt, dtype, itype, shape, axis, count, hot):
         np.testing.assert_array_equal(e.cuda(*on_device(rt, e, args), axis=axis).get(), got)  # bit-identical
 
 
-@pytest.mark.parametrize("count", [5, 20000])
+@pytest.mark.parametrize("count", [5, 20000, 40000])
 def test_gather_grad_out_of_range_both_paths(rt, count):
     e = entry("GatherGrad")
     idx = RNG.integers(-4, 4, count).astype(np.int64)

@@ -20,20 +20,12 @@
 // taken in tiles, stably sorted by target, and each run is folded into the line in position order.
 // ge_atomic is the optional atomicAdd path of GatherElementsGrad.
 //
-// GatherGrad fast path (at most GS_CAP positions; two launches, no memset, the flag written by the
-// first kernel whatever it finds):
-//   gg_sort  one block: marks every row empty, normalises the indices (range errors: the flag holds
-//            the first bad position + 1, else 0), stably radix-sorts (key, position) over the key's
-//            bits, and lists the segments (runs of one key: start, key, row -> segment); segments of
-//            more than CH positions are cut into CH-position chunks with a partial-sum slot each.
-//   gg_rows  one warp per row (and per extra chunk): an empty row gets zeros, a segment its sum in
-//            position order, written once with 16-byte stores; chunks of a long segment write partial
-//            sums and the warp that finishes last adds them in chunk order (integer atomics only).
+// GatherGrad (up to GO_MAX positions, see gg_own below): one launch; blocks own row ranges, scan the
+// indices in order and sum each row's positions in position order; the CSR kernels above serve larger
+// position counts and ScatterND.
 #include "common.cuh"
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cub/block/block_reduce.cuh>
-#include <climits>
 
 template <typename IDX>
 __device__ __forceinline__ bool gg_norm(IDX v, int64_t size, int64_t& out) {
@@ -374,248 +366,157 @@ GG_CSR(f64, double, 1)
 GG_CSR(f64, double, 2)
 
 
-// ------------------------------------------------------------------ GatherGrad fast path
+constexpr int GR_COLS = 8;  // vectors per lane per pass over a row (GatherGrad)
 
-constexpr int GS_THREADS = 1024, GS_ITEMS = 16, GS_CAP = GS_THREADS * GS_ITEMS;
-constexpr int GS_SMEM = 96 * 1024;  // dynamic shared memory of gg_sort (the launcher opts in to it)
+// ------------------------------------------------------------------ GatherGrad: rows owned by blocks
 
-struct MinLL {
-    __device__ __forceinline__ long long operator()(long long a, long long b) const { return a < b ? a : b; }
-};
+// One launch, no sort and no workspace: block b owns rows [r0, r0 + RB) of one outer slice. It reads
+// every index (tile by tile, in a fixed order per block), keeps the positions that hit its rows (an ordered compaction into
+// shared memory), then one warp per row sums that row's positions in that order (a ballot scan
+// of the list) and writes the row once with 16-byte stores; rows without positions get zeros. When
+// the list would overflow, the rows are folded in rounds (a row seen in an earlier round is re-read
+// from dX: the same warp wrote it). Block 0 reports range errors into the (zeroed) flag.
+constexpr int GO_THREADS = 256, GO_ITEMS = 8, GO_TILE = GO_THREADS * GO_ITEMS, GO_CAP = 2 * GO_TILE;
+constexpr int GO_MAXRB = 1024;
 
-// meta: {segments, extra chunks, partial slots, -}. done: outer * count completion counters.
-template <typename IDX>
-__device__ void gg_sort(const IDX* __restrict__ idx, int* row_seg, uint32_t* spos, uint32_t* seg_start,
-                        uint32_t* seg_key, uint32_t* seg_pbase, uint32_t* chunk_list, unsigned int* done,
-                        uint32_t* meta, long long* flag, int64_t count, int64_t R, int64_t end_bit, int64_t CH,
-                        int64_t outer) {
-    using Sort = cub::BlockRadixSort<uint32_t, GS_THREADS, GS_ITEMS, uint32_t>;
-    using Scan = cub::BlockScan<int, GS_THREADS>;
-    using Red = cub::BlockReduce<long long, GS_THREADS>;
-    struct Tmp {
-        union {
-            typename Sort::TempStorage sort;
-            uint32_t keys[GS_CAP];
-        } u;
-        typename Scan::TempStorage scan;
-        typename Red::TempStorage red;
-    };
-    static_assert(sizeof(Tmp) <= GS_SMEM, "gg_sort needs more shared memory");
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    Tmp& tmp = *reinterpret_cast<Tmp*>(smem_raw);
-    __shared__ unsigned int s_extra, s_slots;
-    const int tid = threadIdx.x;
-    for (int64_t r = tid; r < R; r += GS_THREADS) row_seg[r] = -1;
-    if (tid == 0) {
-        s_extra = 0u;
-        s_slots = 0u;
-    }
-    const uint32_t sentinel = (uint32_t)R;
-    uint32_t key[GS_ITEMS], val[GS_ITEMS];
-    long long bad = LLONG_MAX;
-#pragma unroll
-    for (int i = 0; i < GS_ITEMS; ++i) {
-        const int64_t p = (int64_t)tid * GS_ITEMS + i;
-        key[i] = sentinel;
-        val[i] = (uint32_t)p;
-        if (p < count) {
-            int64_t x;
-            if (gg_norm(idx[p], R, x)) key[i] = (uint32_t)x;
-            else if (p < bad) bad = p;
-        }
-    }
-    Sort(tmp.u.sort).Sort(key, val, 0, (int)end_bit);
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < GS_ITEMS; ++i) {
-        const int g = tid * GS_ITEMS + i;
-        tmp.u.keys[g] = key[i];
-        if (g < count) spos[g] = val[i];
-    }
-    __syncthreads();
-    int heads = 0;
-#pragma unroll
-    for (int i = 0; i < GS_ITEMS; ++i) {
-        const int g = tid * GS_ITEMS + i;
-        heads += (key[i] != sentinel && (g == 0 || tmp.u.keys[g - 1] != key[i])) ? 1 : 0;
-    }
-    int first, total;
-    Scan(tmp.scan).ExclusiveSum(heads, first, total);
-    int s = first;
-#pragma unroll
-    for (int i = 0; i < GS_ITEMS; ++i) {
-        const int g = tid * GS_ITEMS + i;
-        if (key[i] == sentinel) continue;
-        if (g == 0 || tmp.u.keys[g - 1] != key[i]) {
-            seg_start[s] = (uint32_t)g;
-            seg_key[s] = key[i];
-            row_seg[key[i]] = s;
-            ++s;
-        }
-        if (g + 1 == GS_CAP || tmp.u.keys[g + 1] == sentinel) seg_start[total] = (uint32_t)(g + 1);
-    }
-    if (tid == 0 && total == 0) seg_start[0] = 0u;
-    const long long first_bad = Red(tmp.red).Reduce(bad, MinLL());
-    __syncthreads();  // seg_start is complete (and visible to the block)
-    for (int t = tid; t < total; t += GS_THREADS) {
-        const uint32_t n = seg_start[t + 1] - seg_start[t];
-        if (n > (uint64_t)CH) {
-            const uint32_t chunks = (uint32_t)((n + CH - 1) / CH);
-            seg_pbase[t] = atomicAdd(&s_slots, chunks);
-            const uint32_t e = atomicAdd(&s_extra, chunks - 1);
-            for (uint32_t c = 1; c < chunks; ++c) {
-                chunk_list[2 * (e + c - 1)] = (uint32_t)t;
-                chunk_list[2 * (e + c - 1) + 1] = c;
-            }
-            for (int64_t o = 0; o < outer; ++o) done[o * count + t] = 0u;
-        }
-    }
-    __syncthreads();
-    if (tid == 0) {
-        meta[0] = (uint32_t)total;
-        meta[1] = s_extra;
-        meta[2] = s_slots;
-        flag[0] = first_bad == LLONG_MAX ? 0ll : first_bad + 1;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GS_THREADS) gg_sort_i32(
-    const int32_t* idx, int* row_seg, uint32_t* spos, uint32_t* seg_start, uint32_t* seg_key, uint32_t* seg_pbase,
-    uint32_t* chunk_list, unsigned int* done, uint32_t* meta, long long* flag, int64_t count, int64_t R,
-    int64_t end_bit, int64_t CH, int64_t outer) {
-    gg_sort(idx, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, flag, count, R, end_bit, CH,
-            outer);
-}
-extern "C" __global__ void __launch_bounds__(GS_THREADS) gg_sort_i64(
-    const int64_t* idx, int* row_seg, uint32_t* spos, uint32_t* seg_start, uint32_t* seg_key, uint32_t* seg_pbase,
-    uint32_t* chunk_list, unsigned int* done, uint32_t* meta, long long* flag, int64_t count, int64_t R,
-    int64_t end_bit, int64_t CH, int64_t outer) {
-    gg_sort(idx, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, flag, count, R, end_bit, CH,
-            outer);
-}
-
-constexpr int GR_COLS = 8;  // vectors per lane per pass over a row
-
-template <typename T, int V>
-__device__ void gg_rows(T* __restrict__ dx, const T* __restrict__ dy, const int* __restrict__ row_seg,
-                        const uint32_t* __restrict__ spos, const uint32_t* __restrict__ seg_start,
-                        const uint32_t* __restrict__ seg_key, const uint32_t* __restrict__ seg_pbase,
-                        const uint32_t* __restrict__ chunk_list, unsigned int* done, const uint32_t* __restrict__ meta,
-                        typename Acc<T>::type* partial, int64_t outer, int64_t R, int64_t count, int64_t inner_v,
-                        int64_t CH, int64_t xbound, int64_t maxslots) {
+template <typename T, int V, typename IDX>
+__device__ void gg_own(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx, long long* flag,
+                       int64_t outer, int64_t R, int64_t count, int64_t inner_v, int64_t RB, int64_t rotate) {
     using A = typename Acc<T>::type;
     using VT = Vec<T, V>;
-    const int lane = threadIdx.x & 31;
-    const int64_t nwarps = (int64_t)gridDim.x * (blockDim.x >> 5);
-    const int64_t per_outer = R + xbound;
-    const uint32_t nextra = meta[1];
+    using Scan = cub::BlockScan<int, GO_THREADS>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int lkey[GO_CAP];
+    __shared__ uint32_t lpos[GO_CAP];
+    __shared__ unsigned char touched[GO_MAXRB];
+    __shared__ int s_m;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t nbo = (R + RB - 1) / RB;
+    const int64_t o = blockIdx.x / nbo;
+    const int64_t r0 = (blockIdx.x - o * nbo) * RB;
+    const int64_t nrows = min(RB, R - r0);
+    const bool report = blockIdx.x == 0;
+    for (int k = tid; k < nrows; k += GO_THREADS) touched[k] = 0;
     const VT* dyv = reinterpret_cast<const VT*>(dy);
     VT* dxv = reinterpret_cast<VT*>(dx);
-    for (int64_t w = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < outer * per_outer; w += nwarps) {
-        const int64_t o = w / per_outer, t = w - o * per_outer;
-        int64_t seg, c;
-        if (t < R) {
-            seg = row_seg[t];
-            c = 0;
-            if (seg < 0) {
-                VT z;
+    // Tiles are read from tile `shift` on, wrapping around (rotate: blocks start at different tiles, so
+    // they do not all read the same lines at once); the order is fixed per block, so sums are too.
+    const int64_t ntiles = (count + GO_TILE - 1) / GO_TILE;
+    const int64_t shift = rotate ? (int64_t)blockIdx.x % ntiles : 0;
+    int64_t done = 0;
+    for (;;) {
+        if (tid == 0) s_m = 0;
+        __syncthreads();
+        while (done < ntiles && s_m + GO_TILE <= GO_CAP) {
+            int64_t cursor = done + shift;
+            cursor = (cursor >= ntiles ? cursor - ntiles : cursor) * GO_TILE;
+            int key[GO_ITEMS];
+            int hits = 0;
 #pragma unroll
-                for (int e = 0; e < V; ++e) gg_store(&z.v[e], A(0));
-                for (int64_t col = lane; col < inner_v; col += 32) dxv[(o * R + t) * inner_v + col] = z;
-                continue;
-            }
-        } else {
-            const int64_t e = t - R;
-            if (e >= nextra) continue;
-            seg = chunk_list[2 * e];
-            c = chunk_list[2 * e + 1];
-        }
-        const int64_t a0 = seg_start[seg], b0 = seg_start[seg + 1];
-        const int64_t row = seg_key[seg];
-        const bool is_long = b0 - a0 > CH;
-        const int64_t a = a0 + c * CH, b = is_long ? min(a + CH, b0) : b0;
-        const int64_t slot = is_long ? (int64_t)seg_pbase[seg] + c : 0;
-        for (int64_t cb = 0; cb < inner_v; cb += 32 * GR_COLS) {
-            A acc[GR_COLS][V];
-#pragma unroll
-            for (int k = 0; k < GR_COLS; ++k)
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[k][e] = A(0);
-#pragma unroll 2
-            for (int64_t p = a; p < b; ++p) {
-                const int64_t src = (o * count + spos[p]) * inner_v + cb + lane;
-                VT y[GR_COLS];
-#pragma unroll
-                for (int k = 0; k < GR_COLS; ++k)
-                    if (cb + lane + k * 32 < inner_v) y[k] = dyv[src + k * 32];
-#pragma unroll
-                for (int k = 0; k < GR_COLS; ++k)
-                    if (cb + lane + k * 32 < inner_v) {
-#pragma unroll
-                        for (int e = 0; e < V; ++e) acc[k][e] += gg_load(&y[k].v[e]);
+            for (int i = 0; i < GO_ITEMS; ++i) {
+                const int64_t p = cursor + (int64_t)tid * GO_ITEMS + i;
+                key[i] = -1;
+                if (p < count) {
+                    int64_t x;
+                    if (gg_norm(idx[p], R, x)) {
+                        if (x >= r0 && x < r0 + nrows) {
+                            key[i] = (int)(x - r0);
+                            ++hits;
+                        }
+                    } else if (report) {
+                        gg_set_flag(flag, p);
                     }
-            }
-#pragma unroll
-            for (int k = 0; k < GR_COLS; ++k) {
-                const int64_t col = cb + lane + k * 32;
-                if (col >= inner_v) continue;
-                if (is_long) {
-                    A* dst = partial + ((o * maxslots + slot) * inner_v + col) * V;
-#pragma unroll
-                    for (int e = 0; e < V; ++e) dst[e] = acc[k][e];
-                } else {
-                    VT out;
-#pragma unroll
-                    for (int e = 0; e < V; ++e) gg_store(&out.v[e], acc[k][e]);
-                    dxv[(o * R + row) * inner_v + col] = out;
                 }
             }
-        }
-        if (is_long) {  // the last chunk to finish adds the partial sums in chunk order
-            __threadfence();
-            __syncwarp();
-            unsigned int prev = 0;
-            if (lane == 0) prev = atomicAdd(&done[o * count + seg], 1u);
-            prev = __shfl_sync(0xffffffffu, prev, 0);
-            const int64_t chunks = (b0 - a0 + CH - 1) / CH;
-            if ((int64_t)prev == chunks - 1) {
-                __threadfence();
-                const int64_t s0 = seg_pbase[seg];
-                for (int64_t col = lane; col < inner_v; col += 32) {
-                    A sum[V];
+            int off, total;
+            Scan(scan_tmp).ExclusiveSum(hits, off, total);
+            const int m = s_m;
 #pragma unroll
-                    for (int e = 0; e < V; ++e) sum[e] = A(0);
-                    for (int64_t k = 0; k < chunks; ++k) {
-                        const A* src = partial + ((o * maxslots + s0 + k) * inner_v + col) * V;
-#pragma unroll
-                        for (int e = 0; e < V; ++e) sum[e] += __ldcg(src + e);
-                    }
-                    VT out;
-#pragma unroll
-                    for (int e = 0; e < V; ++e) gg_store(&out.v[e], sum[e]);
-                    dxv[(o * R + row) * inner_v + col] = out;
+            for (int i = 0; i < GO_ITEMS; ++i) {
+                if (key[i] >= 0) {
+                    lkey[m + off] = key[i];
+                    lpos[m + off] = (uint32_t)(cursor + (int64_t)tid * GO_ITEMS + i);
+                    ++off;
                 }
             }
+            __syncthreads();
+            if (tid == 0) s_m = m + total;
+            __syncthreads();
+            ++done;
         }
+        const bool last = done >= ntiles;
+        const int m = s_m;
+        for (int k = warp; k < nrows; k += GO_THREADS / 32) {
+            const int64_t row = (o * R + r0 + k) * inner_v;
+            const bool was = touched[k] != 0;
+            bool any = false;
+            for (int64_t cb = 0; cb < inner_v; cb += 32 * GR_COLS) {
+                A acc[GR_COLS][V];
+#pragma unroll
+                for (int c = 0; c < GR_COLS; ++c) {
+                    const int64_t col = cb + lane + c * 32;
+                    if (was && col < inner_v) {
+                        const VT w = dxv[row + col];
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[c][e] = gg_load(&w.v[e]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[c][e] = A(0);
+                    }
+                }
+                for (int j0 = 0; j0 < m; j0 += 32) {
+                    const int j = j0 + lane;
+                    unsigned int mask = __ballot_sync(0xffffffffu, j < m && lkey[j] == k);
+                    while (mask) {
+                        const int b = __ffs(mask) - 1;
+                        mask &= mask - 1;
+                        any = true;
+                        const int64_t src = (o * count + lpos[j0 + b]) * inner_v + cb + lane;
+                        VT y[GR_COLS];
+#pragma unroll
+                        for (int c = 0; c < GR_COLS; ++c)
+                            if (cb + lane + c * 32 < inner_v) y[c] = dyv[src + c * 32];
+#pragma unroll
+                        for (int c = 0; c < GR_COLS; ++c)
+                            if (cb + lane + c * 32 < inner_v) {
+#pragma unroll
+                                for (int e = 0; e < V; ++e) acc[c][e] += gg_load(&y[c].v[e]);
+                            }
+                    }
+                }
+                if (any || (last && !was)) {
+#pragma unroll
+                    for (int c = 0; c < GR_COLS; ++c) {
+                        const int64_t col = cb + lane + c * 32;
+                        if (col < inner_v) {
+                            VT w;
+#pragma unroll
+                            for (int e = 0; e < V; ++e) gg_store(&w.v[e], acc[c][e]);
+                            dxv[row + col] = w;
+                        }
+                    }
+                }
+            }
+            if (any && lane == 0) touched[k] = 1;
+        }
+        if (last) break;
+        __syncthreads();
     }
 }
 
-#define GG_ROWS(sfx, T, V)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) gg_rows_##sfx##_v##V(                                    \
-        T* dx, const T* dy, const int* row_seg, const uint32_t* spos, const uint32_t* seg_start,               \
-        const uint32_t* seg_key, const uint32_t* seg_pbase, const uint32_t* chunk_list, unsigned int* done,    \
-        const uint32_t* meta, Acc<T>::type* partial, int64_t outer, int64_t R, int64_t count, int64_t inner_v, \
-        int64_t CH, int64_t xbound, int64_t maxslots) {                                                        \
-        gg_rows<T, V>(dx, dy, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, meta, partial,   \
-                      outer, R, count, inner_v, CH, xbound, maxslots);                                         \
+#define GG_OWN(sfx, T, V, isfx, IDX)                                                                           \
+    extern "C" __global__ void __launch_bounds__(GO_THREADS, 3) gg_own_##sfx##_v##V##_##isfx(                     \
+        T* dx, const T* dy, const IDX* idx, long long* flag, int64_t outer, int64_t R, int64_t count,          \
+        int64_t inner_v, int64_t RB, int64_t rotate) {                                                         \
+        gg_own<T, V, IDX>(dx, dy, idx, flag, outer, R, count, inner_v, RB, rotate);                            \
     }
-
-GG_ROWS(f16, __half, 1)
-GG_ROWS(f16, __half, 8)
-GG_ROWS(f32, float, 1)
-GG_ROWS(f32, float, 4)
-GG_ROWS(f64, double, 1)
-GG_ROWS(f64, double, 2)
+#define GG_OWN_I(sfx, T, V) GG_OWN(sfx, T, V, i32, int32_t) GG_OWN(sfx, T, V, i64, int64_t)
+GG_OWN_I(f16, __half, 1)
+GG_OWN_I(f16, __half, 8)
+GG_OWN_I(f32, float, 1)
+GG_OWN_I(f32, float, 4)
+GG_OWN_I(f64, double, 1)
+GG_OWN_I(f64, double, 2)
 
 // ------------------------------------------------------------------ line scatter
 
@@ -631,7 +532,7 @@ template <typename T, typename IDX>
 __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx,
                              const T* __restrict__ init, long long* flag, TensorDesc lines, TensorDesc ilines,
                              int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit,
-                             int64_t mode, int64_t shared_line, int64_t vec) {
+                             int64_t mode, int64_t shared_line, int64_t vec, int64_t pad_key) {
     using A = typename Acc<T>::type;
     constexpr int V = 16 / sizeof(T);
     using VT = Vec<T, V>;
@@ -681,13 +582,16 @@ __device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const
 #pragma unroll
             for (int i = 0; i < LS_ITEMS; ++i) {
                 const int64_t p = t0 + threadIdx.x * LS_ITEMS + i;
-                key[i] = (uint32_t)s;
+                key[i] = pad_key >= 0 ? (uint32_t)pad_key : (uint32_t)s;
                 val[i] = A(0);
                 if (p < n) {
                     int64_t x;
-                    if (gg_norm(idx[ioff + p * si], s, x)) key[i] = (uint32_t)x;
-                    else gg_set_flag(flag, ioff + p * si);
-                    val[i] = gg_load(dy + ioff + p * si);
+                    if (gg_norm(idx[ioff + p * si], s, x)) {
+                        key[i] = (uint32_t)x;
+                        val[i] = gg_load(dy + ioff + p * si);
+                    } else {
+                        gg_set_flag(flag, ioff + p * si);
+                    }
                 }
             }
             Sort(tmp.sort).Sort(key, val, 0, (int)end_bit);
@@ -764,9 +668,9 @@ __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict
     extern "C" __global__ void __launch_bounds__(LS_THREADS) line_scatter_##sfx##_##isfx(                        \
         T* dx, const T* dy, const IDX* idx, const T* init, long long* flag, TensorDesc lines, TensorDesc ilines, \
         int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit, int64_t mode,           \
-        int64_t shared_line, int64_t vec) {                                                                      \
+        int64_t shared_line, int64_t vec, int64_t pad_key) {                                                     \
         line_scatter<T, IDX>(dx, dy, idx, init, flag, lines, ilines, s, sx, n, si, nlines, end_bit, mode,       \
-                             shared_line, vec);                                                                  \
+                             shared_line, vec, pad_key);                                                         \
     }                                                                                                            \
     extern "C" __global__ void ge_atomic_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,    \
                                                         TensorDesc d, int64_t axis, int64_t s, int64_t n) {     \

@@ -117,8 +117,11 @@ def _sticky_flag():
     """A device int64 that stays 0 between ops: kernels set it only on an error, and the error path
     clears it again, so no op needs a memset for its flag."""
     if not _FLAG:
-        _FLAG.append(_rt().zeros((1,), np.int64))
-        _rt().synchronize()
+        rt = _rt()
+        capture = getattr(rt, "CAPTURE", None)
+        if capture is not None and capture.active:
+            return rt.zeros((1,), np.int64)  # the graph zeroes it on each replay: no sync while capturing
+        _FLAG.append(rt.to_device(np.zeros((1,), np.int64)))
     return _FLAG[0]
 
 
@@ -284,64 +287,24 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     return dX, flag
 
 
-GS_CAP = 16384  # most positions of the GatherGrad fast path (GS_CAP in microsoft.cu: one block sorts them)
-GS_SMEM = 96 * 1024  # its dynamic shared memory (GS_SMEM in microsoft.cu)
-GG_CH = 32  # positions per chunk of a long segment in the fast path
-_GG_PLANS: dict = {}
+GO_MAX = 32768  # most positions GatherGrad sums with gg_own (every block reads all of them)
+GO_BLOCKS_PER_SM = 3  # gg_own's grid: about this many row blocks per SM
+GO_ROTATE = 1  # blocks start reading the indices at different tiles
+_GO_PLANS: dict = {}
 _GG_CHECKS: dict = {}
-_SMEM_SET: set = set()
+_PTRS4 = struct.Struct("=4Q")
 
 
-def _gather_grad_plan(outer, rows, inner, count, dtype, itype, aligned):
+def _gather_grad_own_plan(outer, rows, inner, count, dtype, itype, aligned):
     rt = _rt()
     name = np.dtype(dtype).name
     v = _VEC[name] if inner % _VEC[name] == 0 and aligned else 1
-    inner_v = inner // v
-    xbound = count // GG_CH
-    maxslots = 2 * count // GG_CH + 1 if count > GG_CH else 0
-    # workspace: flag (int64), meta (4 x u32), then u32 arrays, then the partial sums (16-byte aligned)
-    sizes = [rows, count, count + 1, count, count, 2 * xbound + 2, outer * count]
-    offsets, at = [], 24
-    for n in sizes:
-        offsets.append(at)
-        at += 4 * n
-    at = -(-at // 16) * 16
-    partial_off = at
-    at += outer * maxslots * inner * _ACC[name]
-    row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done = offsets
-    sort = cp.raw(rt.function("microsoft", f"gg_sort_{itype}"))
-    key = ("gg_sort", itype)
-    if key not in _SMEM_SET:
-        sort.set_attribute(rt.driver.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GS_SMEM)
-        _SMEM_SET.add(key)
-    rows_k = cp.raw(rt.function("microsoft", f"gg_rows_{rt.suffix(dtype)}_v{v}"))
-    # pointer offsets (from the workspace; -1: dX, -2: dY, -3: indices) and the packed scalars
-    sort_ptrs = [-3, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, 8, 0]
-    sort_tail = struct.pack("=5q", count, rows, max(1, int(rows).bit_length()), GG_CH, outer)
-    rows_ptrs = [-1, -2, row_seg, spos, seg_start, seg_key, seg_pbase, chunk_list, done, 8, partial_off]
-    rows_tail = struct.pack("=7q", outer, rows, count, inner_v, GG_CH, xbound, maxslots)
-    warps = outer * (rows + xbound)
-    grid = max(1, min(-(-warps // 8), 2**20))
-    return (at, sort, struct.Struct(f"={len(sort_ptrs)}Q"), sort_ptrs, sort_tail, rows_k,
-            struct.Struct(f"={len(rows_ptrs)}Q"), rows_ptrs, rows_tail, grid)
-
-
-def _gather_grad_fast(dy, idx, outer, rows, inner, count, key):
-    """GatherGrad for count <= GS_CAP: gg_sort (one block) then gg_rows. Returns (dX, workspace);
-    the workspace's first 8 bytes are the flag (first bad position + 1, or 0)."""
-    rt = _rt()
-    dX = rt.empty((outer, rows, inner), dy.dtype)
-    aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
-    plan = _plan_cache(_GG_PLANS, key + (aligned,),
-                       lambda: _gather_grad_plan(outer, rows, inner, count, dy.dtype, _index_suffix(idx), aligned))
-    nbytes, sort, sort_st, sort_ptrs, sort_tail, rows_k, rows_st, rows_ptrs, rows_tail, grid = plan
-    ws = rt.empty((nbytes,), np.uint8)
-    base = int(ws.gpudata)
-    named = {-1: int(dX.gpudata), -2: int(dy.gpudata), -3: int(idx.gpudata)}
-    cp.launch_packed(sort, 1, 1024, sort_st.pack(*[named[o] if o < 0 else base + o for o in sort_ptrs]) + sort_tail,
-                     GS_SMEM)
-    cp.launch_packed(rows_k, grid, 256, rows_st.pack(*[named[o] if o < 0 else base + o for o in rows_ptrs]) + rows_tail)
-    return dX, ws
+    sms = rt.driver.Context.get_device().get_attribute(rt.driver.device_attribute.MULTIPROCESSOR_COUNT)
+    rb = min(1024, max(8, -(-rows // (GO_BLOCKS_PER_SM * sms))))  # at most GO_MAXRB (1024) rows a block
+    rb = -(-rb // 8) * 8
+    grid = outer * -(-rows // rb)
+    kernel = cp.raw(rt.function("microsoft", f"gg_own_{rt.suffix(dtype)}_v{v}_{itype}"))
+    return kernel, grid, struct.pack("=6q", outer, rows, count, inner // v, rb, GO_ROTATE)
 
 
 @cuda_kernel("GatherGrad", domain=MICROSOFT, host_inputs=(0,))
@@ -355,11 +318,21 @@ def gather_grad(shape, indices, dY, *, axis=0):
         if count:  # every index must still be in range
             cpu._normalize_indices(rt.to_host(indices), size, axis)
         return rt.empty(dims, dY.dtype)
-    if 0 < count <= GS_CAP and size < 2**31 - 1:
+    if 0 < count <= GO_MAX and size < 2**31 - 1 and outer * size < 2**31:
         idx = _dev(indices)
-        dX, ws = _gather_grad_fast(dy, idx, outer, size, inner, count, key)
-        _check_flag(int(ws.gpudata), lambda: ws[:8].view(np.int64),
-                    lambda _value: raise_index_error(indices, size, axis))
+        dX = rt.empty((outer, size, inner), dY.dtype)
+        aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
+        kernel, grid, tail = _plan_cache(_GO_PLANS, key + (aligned,), lambda: _gather_grad_own_plan(
+            outer, size, inner, count, dY.dtype, _index_suffix(indices), aligned))
+        flag = _sticky_flag()
+        cp.launch_packed(kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata),
+                                                        int(flag.gpudata)) + tail)
+
+        def on_error(_value):
+            _clear_sticky(flag)
+            raise_index_error(indices, size, axis)
+
+        _check_flag(int(flag.gpudata), lambda: flag, on_error)
         return dX.reshape(tuple(dims))
     dX, flag = row_scatter(dy, indices, outer, size, inner, count, [size], [1])
     if count:
@@ -388,7 +361,7 @@ _LS_PLANS: dict = {}
 _PTRS5 = struct.Struct("=5Q")
 
 
-def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok):
+def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plain):
     rt = _rt()
     name = _float_dtype(np.empty(0, dtype), "dY")
     rank = len(out_shape)
@@ -404,8 +377,10 @@ def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok):
     kernel = cp.raw(rt.function("microsoft", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
     tail = bytes(memoryview(cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
     tail += bytes(memoryview(cp.desc([ishape[d] for d in others], [istrides[d] for d in others])))
-    tail += struct.pack("=9q", s, ostrides[axis], n, istrides[axis], nlines, max(1, s.bit_length()), mode,
-                        1 if shared_line else 0, 1 if vec else 0)
+    pad = mode == 0 and plain  # a sum from zeros: padding may sort as +0 at the last target (no sentinel bit)
+    end_bit = max(1, (s - 1 if pad else s).bit_length())
+    tail += struct.pack("=10q", s, ostrides[axis], n, istrides[axis], nlines, end_bit, mode,
+                        1 if shared_line else 0, 1 if vec else 0, s - 1 if pad else -1)
     return kernel, max(1, min(nlines, 2**20)), s * _ACC[name] if shared_line else 0, tail
 
 
@@ -419,12 +394,14 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
         flag = rt.zeros((1,), np.int64)
     if out.size == 0:
         return out, flag
-    out_shape = tuple(int(d) for d in out_shape)
+    if type(out_shape) is not tuple:
+        out_shape = tuple(int(d) for d in out_shape)
     vec_ok = int(out.gpudata) % 16 == 0 and (init is None or int(init.gpudata) % 16 == 0)
     itype = _index_suffix(indices)
-    key = (out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok)
-    kernel, grid, shared, tail = _plan_cache(
-        _LS_PLANS, key, lambda: _line_scatter_plan(out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok))
+    plain = init is None
+    key = (out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain)
+    kernel, grid, shared, tail = _plan_cache(_LS_PLANS, key, lambda: _line_scatter_plan(
+        out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain))
     idx = _dev(indices) if indices.size else None
     cp.launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
                                                     int(_addr(init)), int(flag.gpudata)) + tail, shared)
