@@ -228,7 +228,7 @@ def check(
 @app.command("bench")
 def bench(
     only: Optional[List[str]] = typer.Option(
-        None, "--only", help="Run only these groups (repeatable): slice, gather, gather_elements, bga, conv, step."),
+        None, "--only", help="Run only these groups (repeatable): slice, gather, gather_elements, bga, reduce, conv, step."),
 ) -> None:
     """Time gradgen's GPU kernels and full training steps against PyTorch in the same process (needs a GPU)."""
     from gradgen.bench import main as bench_main

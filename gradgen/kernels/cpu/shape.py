@@ -148,28 +148,33 @@ def concat(*inputs, axis):
     return np.concatenate(arrays, axis=ax)
 
 
-@cpu_kernel("Split")
-def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
-    ax = _axis(axis, x.ndim)
-    n = x.shape[ax]
+def split_sizes(n: int, ax: int, split, num_outputs, node_outputs: int) -> list[int]:
+    """Split's part sizes along axis ``ax`` of size ``n``: from the ``split`` input, else
+    ``num_outputs`` (opset 18: the last part may be smaller), else equal parts per node output."""
     if split is not None and np.size(split):
         sizes = _ints(split, "split")
         if any(s < 0 for s in sizes):
             raise KernelError(f"split sizes {sizes} must be non-negative")
         if sum(sizes) != n:
             raise KernelError(f"split sizes {sizes} sum to {sum(sizes)}, but axis {ax} has size {n}")
-        if len(sizes) != _num_outputs:
-            raise KernelError(f"split has {len(sizes)} sizes but the node has {_num_outputs} outputs")
-    else:
-        parts = int(num_outputs) if num_outputs is not None else _num_outputs
-        if num_outputs is not None and parts != _num_outputs:
-            raise KernelError(f"num_outputs={parts} but the node has {_num_outputs} outputs")
-        if parts < 1:
-            raise KernelError(f"cannot split into {parts} parts")
-        if num_outputs is None and n % parts:
-            raise KernelError(f"axis {ax} of size {n} does not split evenly into {parts} outputs")
-        chunk = -(-n // parts)  # ceil: the last chunk is smaller when uneven (opset 18)
-        sizes = [min(chunk, max(n - i * chunk, 0)) for i in range(parts)]
+        if len(sizes) != node_outputs:
+            raise KernelError(f"split has {len(sizes)} sizes but the node has {node_outputs} outputs")
+        return sizes
+    parts = int(num_outputs) if num_outputs is not None else node_outputs
+    if num_outputs is not None and parts != node_outputs:
+        raise KernelError(f"num_outputs={parts} but the node has {node_outputs} outputs")
+    if parts < 1:
+        raise KernelError(f"cannot split into {parts} parts")
+    if num_outputs is None and n % parts:
+        raise KernelError(f"axis {ax} of size {n} does not split evenly into {parts} outputs")
+    chunk = -(-n // parts)  # ceil: the last chunk is smaller when uneven (opset 18)
+    return [min(chunk, max(n - i * chunk, 0)) for i in range(parts)]
+
+
+@cpu_kernel("Split")
+def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
+    ax = _axis(axis, x.ndim)
+    sizes = split_sizes(x.shape[ax], ax, split, num_outputs, _num_outputs)
     bounds = np.cumsum(sizes)[:-1]
     return tuple(np.split(x, bounds, axis=ax))
 

@@ -458,24 +458,7 @@ def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
     rt = _rt()
     ax = cpu_shape._axis(axis, len(x.shape))
     n = x.shape[ax]
-    if split is not None and np.size(split):
-        sizes = cpu_shape._ints(split, "split")
-        if any(s < 0 for s in sizes):
-            raise KernelError(f"split sizes {sizes} must be non-negative")
-        if sum(sizes) != n:
-            raise KernelError(f"split sizes {sizes} sum to {sum(sizes)}, but axis {ax} has size {n}")
-        if len(sizes) != _num_outputs:
-            raise KernelError(f"split has {len(sizes)} sizes but the node has {_num_outputs} outputs")
-    else:
-        parts = int(num_outputs) if num_outputs is not None else _num_outputs
-        if num_outputs is not None and parts != _num_outputs:
-            raise KernelError(f"num_outputs={parts} but the node has {_num_outputs} outputs")
-        if parts < 1:
-            raise KernelError(f"cannot split into {parts} parts")
-        if num_outputs is None and n % parts:
-            raise KernelError(f"axis {ax} of size {n} does not split evenly into {parts} outputs")
-        chunk = -(-n // parts)
-        sizes = [min(chunk, max(n - i * chunk, 0)) for i in range(parts)]
+    sizes = cpu_shape.split_sizes(n, ax, split, num_outputs, _num_outputs)
     strides = elem_strides(x)
     outs, offset = [], 0
     for size_ in sizes:
