@@ -16,7 +16,7 @@ NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_cuda_source_compiles_for_sm90(source, tmp_path):
     result = subprocess.run(
-        [NVCC, "-arch=sm_90", "-std=c++17", "--extended-lambda", "-cubin", "-I", str(source.parent),
+        [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-I", str(source.parent),
          "-o", str(tmp_path / "out.cubin"), str(source)],
         capture_output=True, text=True, timeout=300,
     )

@@ -129,7 +129,7 @@ def module(name: str) -> SourceModule:
     source = (CUDA_SOURCES / f"{name}.cu").read_text()
     cache_dir = os.environ.get("GRADGEN_CUDA_CACHE") or None
     return SourceModule(source, no_extern_c=True, arch=_arch(), include_dirs=[str(CUDA_SOURCES)],
-                        options=["-std=c++17", "-O3", "--extended-lambda"], cache_dir=cache_dir)
+                        options=["-std=c++17", "-O3"], cache_dir=cache_dir)
 
 
 class _Kernel:
@@ -171,7 +171,7 @@ def launch(kernel, n: int, *args, block: int = 256, max_blocks: int = 65535 * 8)
 
 
 # -- tensor descriptors ---------------------------------------------------------------------
-# A TensorDesc (see common.cuh) is passed by value: rank, then shape and strides (in elements)
+# A TensorDesc (see common.h) is passed by value: rank, then shape and strides (in elements)
 # padded to MAX_RANK. All int64, so it packs without padding after any 8-byte argument.
 DESC_DTYPE = np.dtype([("rank", np.int64), ("shape", np.int64, MAX_RANK), ("strides", np.int64, MAX_RANK)])
 

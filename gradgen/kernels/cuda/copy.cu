@@ -11,7 +11,7 @@
 //                 is written exactly once, so no memset comes first. The v-variants handle V
 //                 consecutive elements of the innermost axis per thread and store them as one word.
 //   fill, trilu:  the obvious.
-#include "common.cuh"
+#include "common.h"
 
 template <int W> struct Word;
 template <> struct Word<1> { using type = uint8_t; };

@@ -2,7 +2,7 @@
 // Entry points: extern "C" <op>_<dtype suffix>, e.g. add_f32, equal_f32 (bool out), pow_f32_i64,
 // cast_f32_i64. The launchers (elementwise.py) drop size-1 dims and merge dims that are contiguous
 // for every operand first, so the common same-shape case is rank 1 and needs no index arithmetic.
-#include "common.cuh"
+#include "common.h"
 
 // numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.
 template <typename T> __device__ __forceinline__ bool gg_isnan(T x) { return x != x; }
@@ -102,7 +102,7 @@ __device__ __forceinline__ void binary(TO* out, const TA* a, const TB* b, int64_
     extern "C" __global__ void name(TO* out, const TA* a, const TB* b, int64_t* flag, TensorDesc shape, \
                                     TensorDesc av, TensorDesc bv, int64_t n, int64_t vec) {          \
         binary(out, a, b, flag, shape, av, bv, n, vec,                                               \
-               [] __device__(typename Acc<TA>::type x, typename Acc<TB>::type y,                      \
+               [](typename Acc<TA>::type x, typename Acc<TB>::type y,                               \
                              int64_t* flag) -> typename Acc<TO>::type { return (expr); });            \
     }
 
@@ -247,7 +247,7 @@ __device__ __forceinline__ void unary(TO* out, const TI* in, int64_t n, Op op) {
 
 #define GG_UN(name, TI, TO, expr)                                                                      \
     extern "C" __global__ void name(TO* out, const TI* in, double alpha, double beta, int64_t n) {     \
-        unary(out, in, n, [alpha, beta] __device__(typename Acc<TI>::type x) -> typename Acc<TO>::type { \
+        unary(out, in, n, [alpha, beta](typename Acc<TI>::type x) -> typename Acc<TO>::type {            \
             using C = decltype(x);                                                                     \
             (void)alpha; (void)beta;                                                                   \
             return (expr);                                                                             \

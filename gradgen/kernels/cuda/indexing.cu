@@ -3,7 +3,7 @@
 // index type (i32, i64). Negative indices are normalised; an out-of-range index writes nothing and
 // sets *flag to its position + 1 (the launcher then raises the CPU kernel's error).
 // (ScatterElements and ScatterND use the deterministic scatters of microsoft.cu.)
-#include "common.cuh"
+#include "common.h"
 
 template <int W> struct Word;
 template <> struct Word<1> { using type = uint8_t; };

@@ -4,7 +4,7 @@
 // reduction "none", the loss in the output dtype; a label outside [0, C) that is not ignore_index
 // writes total - p into `flag` with atomicMax (an integer max: the smallest bad position wins, the
 // same every run). A second kernel (one block, fixed order) sums for "sum" and "mean".
-#include "common.cuh"
+#include "common.h"
 #include <math_constants.h>
 
 template <typename A> __device__ __forceinline__ A neg_inf();

@@ -23,7 +23,7 @@
 // GatherGrad (up to GO_MAX positions, see gg_own below): one launch; blocks own row ranges, scan the
 // indices in order and sum each row's positions in position order; the CSR kernels above serve larger
 // position counts and ScatterND.
-#include "common.cuh"
+#include "common.h"
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 

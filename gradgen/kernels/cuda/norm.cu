@@ -1,7 +1,7 @@
 // Normalization: LayerNormalization (+ Mean/InvStdDev), InstanceNormalization and
 // GroupNormalization (one block per normalized row, two-pass mean/variance like the CPU kernel),
 // BatchNormalization in inference form (elementwise with per-channel statistics).
-#include "common.cuh"
+#include "common.h"
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
 template <typename A>

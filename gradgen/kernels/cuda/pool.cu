@@ -4,7 +4,7 @@
 // Spatial ops work on up to 3 spatial axes; launchers pad lower ranks with unit axes (kernel 1,
 // stride 1, dilation 1, no padding). Every kernel writes each output element from one thread (or
 // one block, for the reductions) in a fixed order: results are deterministic, no float atomics.
-#include "common.cuh"
+#include "common.h"
 
 #define GG_SP 3
 

@@ -8,7 +8,7 @@
 //   down the reduced rows, combined in shared memory in a fixed order (split likewise);
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
-#include "common.cuh"
+#include "common.h"
 #include <math_constants.h>
 
 template <typename A> struct Lim;
