@@ -78,12 +78,12 @@ class Builder:
     def op_multi(self, op_type: str, inputs: Sequence[ir.Value | None], num_outputs: int,
                  domain: str = "", output_names: Sequence[str] | None = None, **attributes: Any) -> list[ir.Value]:
         """Emit one node with ``num_outputs`` outputs; an output named "" is an omitted optional one."""
-        attrs = {k: v for k, v in attributes.items() if v is not None}
+        attrs = [_attribute(k, v) for k, v in attributes.items() if v is not None]
         node_name = self.unique(f"{self.prefix}/{op_type}")
         if output_names is None:
             output_names = [f"{node_name}_out{i}" if num_outputs > 1 else f"{node_name}_out" for i in range(num_outputs)]
         outputs = [ir.Value(name=self.unique(n) if n else "") for n in output_names]
-        node = ir.node(op_type, list(inputs), attrs, domain=domain, outputs=outputs, name=node_name)
+        node = ir.Node(domain, op_type, list(inputs), attrs, outputs=outputs, name=node_name)
         self.graph.append(node)
         self.nodes.append(node)
         self.node_set.add(node)
@@ -97,7 +97,7 @@ class Builder:
             name = self.unique("gradgen/const")
             value = ir.Value(name=name, shape=ir.Shape(arr.shape),
                              type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
-                             const_value=ir.tensor(arr, name=name))
+                             const_value=ir.Tensor(arr, name=name))
             self.graph.register_initializer(value)
             self._constants[key] = value
         return self._constants[key]
@@ -155,7 +155,7 @@ class Builder:
         return self.op("Expand", x, self.shape_of(like))
 
     def zeros_like(self, x: ir.Value) -> ir.Value:
-        zero = ir.tensor(np.zeros((1,), dtype=numpy_dtype_of(x)))
+        zero = ir.Tensor(np.zeros((1,), dtype=numpy_dtype_of(x)))
         return self.op("ConstantOfShape", self.shape_of(x), value=zero)
 
     def cast_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
@@ -221,6 +221,23 @@ def _static_broadcast_axes(x_dims: list | None, out_dims: list | None) -> list[i
         else:
             return None
     return axes
+
+
+def _attribute(name: str, value: Any) -> ir.Attr:
+    """An ir.Attr for the value types rules use, without onnx-ir's general (slower) type inference."""
+    if isinstance(value, (bool, int, np.integer)):  # ir.DataType is an int too
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, (float, np.floating)):
+        return ir.AttrFloat32(name, float(value))
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, ir.Tensor):
+        return ir.AttrTensor(name, value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, np.integer)) for v in value):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (float, int)) for v in value):
+        return ir.AttrFloat32s(name, [float(v) for v in value])
+    return ir.convenience.convert_attribute(name, value)
 
 
 def numpy_dtype_of(x: ir.Value) -> np.dtype:

@@ -185,7 +185,7 @@ def _seed(builder: Builder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
     if loss.shape is not None and loss.shape.rank() == 0:
         builder._taken.add(name)
         array = np.ones((), dtype=numpy_dtype_of(loss))
-        seed = ir.Value(name=name, shape=ir.Shape([]), type=loss.type, const_value=ir.tensor(array, name=name))
+        seed = ir.Value(name=name, shape=ir.Shape([]), type=loss.type, const_value=ir.Tensor(array, name=name))
         graph.register_initializer(seed)
         return seed
     builder._taken.add(name)

@@ -157,7 +157,7 @@ def _evaluate(entry, node: ir.Node, known: dict, attribute_value) -> list | None
 def _replace_with_initializer(graph: ir.Graph, value: ir.Value, array) -> None:
     constant = ir.Value(name=value.name, shape=ir.Shape(array.shape),
                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                        const_value=ir.tensor(array, name=value.name))
+                        const_value=ir.Tensor(array, name=value.name))
     value.replace_all_uses_with(constant)
     value.name = None
     graph.register_initializer(constant)
