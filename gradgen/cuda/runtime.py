@@ -118,6 +118,14 @@ def is_device(value) -> bool:
     return isinstance(value, GPUArray)
 
 
+def run_on_host(fn, *args, **kwargs):
+    """Run a numpy kernel on host copies of the device arrays in ``args``; upload its result(s)."""
+    result = fn(*[to_host(a) if is_device(a) else a for a in args], **kwargs)
+    if isinstance(result, tuple):
+        return tuple(to_device(np.asarray(r)) for r in result)
+    return to_device(np.asarray(result))
+
+
 def _arch() -> str:
     major, minor = driver.Context.get_device().compute_capability()
     return f"sm_{major}{minor}"

@@ -539,3 +539,43 @@ def constant_of_shape(shape, *, value=None):
     out = rt.empty(dims, value.dtype)
     fill(out, value.reshape(-1)[0])
     return out
+
+
+# ---------------------------------------------------------------- block rearrangements
+
+
+def _block_rearrange(x, blocked_shape, perm, out_shape):
+    """Reshape to ``blocked_shape`` (a view), transpose by ``perm`` (one strided copy), reshape."""
+    return _view(transpose(_view(x, blocked_shape), perm=perm), out_shape)
+
+
+@cuda_kernel("DepthToSpace")
+def depth_to_space(x, *, blocksize, mode="DCR"):
+    if len(x.shape) != 4:
+        raise KernelError(f"DepthToSpace needs a 4-D NCHW input, got rank {len(x.shape)}")
+    b, c, h, w = x.shape
+    bs = int(blocksize)
+    if bs < 1 or c % (bs * bs):
+        raise KernelError(f"channels ({c}) must be divisible by blocksize^2 ({bs * bs})")
+    depth = c // (bs * bs)
+    if mode == "DCR":
+        blocked, perm = (b, bs, bs, depth, h, w), (0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        blocked, perm = (b, depth, bs, bs, h, w), (0, 1, 4, 2, 5, 3)
+    else:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
+    return _block_rearrange(x, blocked, perm, (b, depth, h * bs, w * bs))
+
+
+@cuda_kernel("SpaceToDepth")
+def space_to_depth(x, *, blocksize, mode="DCR"):
+    if len(x.shape) != 4:
+        raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {len(x.shape)}")
+    b, c, h, w = x.shape
+    bs = int(blocksize)
+    if bs < 1 or h % bs or w % bs:
+        raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
+    perms = {"DCR": (0, 3, 5, 1, 2, 4), "CRD": (0, 1, 3, 5, 2, 4)}
+    if mode not in perms:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
+    return _block_rearrange(x, (b, c, h // bs, bs, w // bs, bs), perms[mode], (b, c * bs * bs, h // bs, w // bs))

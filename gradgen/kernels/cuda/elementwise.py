@@ -104,12 +104,7 @@ def cpu_fallback(op_type: str, *args, **attrs):
     from gradgen.cuda import runtime as rt
     from gradgen.kernels import registry
 
-    entry = registry.lookup("", op_type)
-    host = [rt.to_host(a) if rt.is_device(a) else a for a in args]
-    result = entry.cpu(*host, **attrs)
-    if isinstance(result, tuple):
-        return tuple(rt.to_device(np.asarray(r)) for r in result)
-    return rt.to_device(np.asarray(result))
+    return rt.run_on_host(registry.lookup("", op_type).cpu, *args, **attrs)
 
 
 def _null():
@@ -464,3 +459,34 @@ def cast(x, *, to, saturate=1, round_mode="up"):
 def cast_like(x, target, *, saturate=1, round_mode="up"):
     out = cast_to(x, target.dtype)
     return out if out is not None else cpu_fallback("CastLike", x, target, saturate=saturate, round_mode=round_mode)
+
+
+@cuda_kernel("PRelu")
+def prelu(x, slope):
+    """where(x < 0, x * slope, x), slope broadcast to x."""
+    from gradgen.cuda import runtime as rt
+
+    try:
+        np.broadcast_shapes(tuple(slope.shape), tuple(x.shape))
+    except ValueError:
+        raise KernelError(f"slope shape {list(slope.shape)} does not broadcast to X shape {list(x.shape)}") from None
+    if x.dtype != slope.dtype:
+        raise KernelError(f"input dtypes differ: {x.dtype} and {slope.dtype}")
+    negative = less(x, rt.zeros((), x.dtype))
+    return where(negative, mul(x, slope), x)
+
+
+@cuda_kernel("Dropout", host_inputs=(1, 2))
+def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _num_outputs=1, **attrs):
+    """Inference mode: the input itself (and an all-true mask); training mode is refused as on the CPU."""
+    from gradgen.kernels.cpu import elementwise as cpu
+    from gradgen.kernels.cuda.copy import fill
+    from gradgen.cuda import runtime as rt
+
+    # The CPU kernel decides (and refuses training mode) on a stand-in of the same dtype.
+    cpu.dropout(np.zeros((), data.dtype), ratio, training_mode, seed=seed, is_test=is_test, **attrs)
+    if _num_outputs >= 2:
+        mask = rt.empty(data.shape, np.bool_)
+        fill(mask, True)
+        return data, mask
+    return data

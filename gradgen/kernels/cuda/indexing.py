@@ -153,11 +153,6 @@ def gather_nd(data, indices, *, batch_dims=0):
     return out
 
 
-def _cpu_fallback(fn, *args, **kwargs):
-    rt = _rt()
-    return rt.to_device(fn(*[None if a is None else rt.to_host(a) for a in args], **kwargs))
-
-
 @cuda_kernel("ScatterElements", "Scatter")
 def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
     rt = _rt()
@@ -172,7 +167,7 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
     _index_suffix(indices)
     if np.dtype(data.dtype).name not in ("float16", "float32", "float64") or updates.dtype != data.dtype:
-        return _cpu_fallback(cpu.scatter_elements, data, indices, updates, axis=axis, reduction=reduction)
+        return _rt().run_on_host(cpu.scatter_elements, data, indices, updates, axis=axis, reduction=reduction)
     if data.size == 0:
         if indices.size:
             cpu._normalize_indices(rt.to_host(indices), data.shape[axis], axis)
@@ -196,7 +191,7 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
     if (reduction not in ("none", "add") or np.dtype(data.dtype).name not in ("float16", "float32", "float64")
             or updates.dtype != data.dtype):
-        return _cpu_fallback(cpu.scatter_nd, data, indices, updates, reduction=reduction)
+        return _rt().run_on_host(cpu.scatter_nd, data, indices, updates, reduction=reduction)
     if data.size == 0:
         if indices.size and 0 in data.shape[:k]:
             _nd_error(indices, data.shape, 0)

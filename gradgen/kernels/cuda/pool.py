@@ -156,10 +156,7 @@ def cpu_fallback(op: str, fn, *args, **kwargs):
     from gradgen.cuda import runtime as rt
 
     warn_once(op, f"{op}: this configuration has no CUDA kernel; running the numpy kernel")
-    result = fn(*[None if a is None else rt.to_host(a) for a in args], **kwargs)
-    if isinstance(result, tuple):
-        return tuple(rt.to_device(np.asarray(r)) for r in result)
-    return rt.to_device(np.asarray(result))
+    return rt.run_on_host(fn, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

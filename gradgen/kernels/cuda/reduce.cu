@@ -354,3 +354,38 @@ GG_SOFTMAX_WARPS(f64, double)
 GG_SOFTMAX(f16, __half)
 GG_SOFTMAX(f32, float)
 GG_SOFTMAX(f64, double)
+
+// ---------------------------------------------------------------------------------------------
+// CumSum along one axis: one thread per line of the (outer, L, inner) view, summing in order
+// (reverse: from the end; exclusive: each element gets the sum before it). Deterministic.
+
+template <typename T>
+__device__ void cumsum_lines(T* out, const T* x, int64_t outer, int64_t L, int64_t inner, int64_t exclusive,
+                             int64_t reverse) {
+    GG_GRID_STRIDE(line, outer * inner) {
+        const int64_t base = (line / inner) * L * inner + line % inner;
+        typename Acc<T>::type acc = 0;
+        for (int64_t k = 0; k < L; ++k) {
+            const int64_t at = base + (reverse ? L - 1 - k : k) * inner;
+            const typename Acc<T>::type v = gg_load(x + at);
+            if (exclusive) {
+                gg_store(out + at, acc);
+                acc += v;
+            } else {
+                acc += v;
+                gg_store(out + at, acc);
+            }
+        }
+    }
+}
+
+#define GG_CUMSUM(s, T)                                                                                     \
+    extern "C" __global__ void cumsum_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner,     \
+                                          int64_t exclusive, int64_t reverse) {                            \
+        cumsum_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                       \
+    }
+GG_CUMSUM(f16, __half)
+GG_CUMSUM(f32, float)
+GG_CUMSUM(f64, double)
+GG_CUMSUM(i32, int32_t)
+GG_CUMSUM(i64, int64_t)

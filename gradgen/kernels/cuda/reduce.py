@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
 from gradgen.kernels.registry import cuda_kernel
 
@@ -221,3 +222,23 @@ def softmax(x, *, axis=None, _opset=13):
 @cuda_kernel("LogSoftmax")
 def log_softmax(x, *, axis=None, _opset=13):
     return _softmax("LogSoftmax", x, axis, _opset, log=True)
+
+
+@cuda_kernel("CumSum", host_inputs=(1,))
+def cum_sum(x, axis, *, exclusive=0, reverse=0):
+    """Inclusive/exclusive, forward/reverse running sums along one axis (one thread per line)."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu import reduction as cpu
+
+    s = sfx(x.dtype)
+    if s not in ("f16", "f32", "f64", "i32", "i64"):
+        return cpu_fallback("CumSum", x, axis, exclusive=exclusive, reverse=reverse)
+    if np.size(axis) != 1:
+        raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
+    ax = cpu._axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
+    contiguous(x)
+    outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1:])
+    out = rt.empty(x.shape, x.dtype)
+    rt.launch(rt.function("reduce", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
+              np.int64(inner), np.int64(1 if exclusive else 0), np.int64(1 if reverse else 0))
+    return out
