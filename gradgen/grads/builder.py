@@ -70,6 +70,10 @@ class Builder:
     def name_is_free(self, name: str) -> bool:
         return name not in self._taken
 
+    def reserve(self, name: str) -> None:
+        """Mark ``name`` as used (for values created outside ``op``, such as the loss seed)."""
+        self._taken.add(name)
+
     # -- emitting ---------------------------------------------------------------------------
     def op(self, op_type: str, *inputs: ir.Value | None, domain: str = "", **attributes: Any) -> ir.Value:
         """Emit one node with one output and return that output."""

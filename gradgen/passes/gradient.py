@@ -124,7 +124,7 @@ class GradientPass(ir.passes.InPlacePass):
 
         for x in wrt:
             graph.outputs.append(_gradient_output(builder, grads, x))
-        _drop_unused_opset(model, builder)
+        _drop_unused_opset(model)
         return ir.passes.PassResult(model, modified=True)
 
 
@@ -182,13 +182,12 @@ def _seed(builder: Builder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
     name = f"{loss.name}_grad"
     if not builder.name_is_free(name):
         raise ModelError(f"cannot name the loss seed {name!r}: the model already has a tensor of that name")
+    builder.reserve(name)
     if loss.shape is not None and loss.shape.rank() == 0:
-        builder._taken.add(name)
         array = np.ones((), dtype=numpy_dtype_of(loss))
         seed = ir.Value(name=name, shape=ir.Shape([]), type=loss.type, const_value=ir.Tensor(array, name=name))
         graph.register_initializer(seed)
         return seed
-    builder._taken.add(name)
     seed = ir.Value(name=name, shape=loss.shape, type=loss.type)
     graph.inputs.append(seed)
     return seed
@@ -298,7 +297,7 @@ def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
     return rules
 
 
-def _drop_unused_opset(model: ir.Model, builder: Builder) -> None:
+def _drop_unused_opset(model: ir.Model) -> None:
     uses_ms = any(normalize_domain(n.domain) == "com.microsoft" for n in model.graph)
     if not uses_ms:
         model.opset_imports.pop("com.microsoft", None)
