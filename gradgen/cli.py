@@ -61,8 +61,9 @@ def build_backward(
 
     check_output_path(out, model)
     started = time.perf_counter()
-    _say(f"reading {model}")
+    _say(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
     result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable)
+    _say(f"writing {out}")
     save_model(result.model, out)
     seconds = time.perf_counter() - started
     nodes = sum(1 for _ in result.model.graph)
