@@ -1,9 +1,26 @@
-"""gradgen: build backward (gradient) graphs of ONNX models and run them on CPU or CUDA."""
+"""gradgen: build backward (gradient) graphs of ONNX models and run them on CPU or CUDA.
 
-from gradgen.api import BackwardModel, Session, backward_pipeline, build_backward
+The public names below are imported on first use, so that ``gradgen --help`` starts fast.
+"""
+
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 
 __version__ = "0.1.0"
+
+_FROM_API = {"BackwardModel", "Session", "backward_pipeline", "build_backward"}
+
+
+def __getattr__(name: str):
+    if name in _FROM_API:
+        from gradgen import api
+
+        return getattr(api, name)
+    if name in {"api", "passes", "check", "executor", "kernels", "grads", "inputs", "model_io", "support"}:
+        import importlib
+
+        return importlib.import_module(f"gradgen.{name}")
+    raise AttributeError(f"module 'gradgen' has no attribute {name!r}")
+
 
 __all__ = [
     "BackwardModel",

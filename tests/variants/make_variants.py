@@ -60,6 +60,7 @@ class Variant:
     seed: int
     outputs: list[str] = field(default_factory=lambda: ["loss"])  # graph output order
     dynamic: bool = False  # export with a symbolic batch axis
+    seq_dim: dict[str, int] = field(default_factory=dict)  # inputs with a symbolic sequence axis too
     notes: str = ""
 
 
@@ -564,6 +565,350 @@ VARIANTS: dict[str, Variant] = {
 
 
 # --------------------------------------------------------------------------
+# Second pass: attention, decoder blocks with symbolic sequence, convnet blocks, losses, misc ops
+# --------------------------------------------------------------------------
+class Sdpa(nn.Module):
+    """F.scaled_dot_product_attention: is_causal=True, an additive float mask, a bool mask."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(1, heads, 1, 5) * 0.1)
+
+    def forward(self, x, fmask, bmask):  # x: (N, T, d), fmask: (N, 1, T, T) float, bmask: (N, 1, T, T) bool
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=fmask + self.bias)
+        c = F.scaled_dot_product_attention(q, k * 0.5, v, attn_mask=bmask)
+        h = (a + b * 0.5 + c * 0.3).transpose(1, 2).reshape(n, t, d)
+        return (self.out(h) ** 2).mean()
+
+
+def build_sdpa():
+    n, t = 2, 5
+    bmask = torch.rand(n, 1, t, t) > 0.4
+    bmask[..., 0] = True  # every row attends somewhere
+    return ms.Case(Sdpa(), {"x": randn(n, t, 8), "fmask": randn(n, 1, t, t), "bmask": bmask},
+                   batch_dim=["x", "fmask", "bmask"])
+
+
+class Mha(nn.Module):
+    """nn.MultiheadAttention batch_first=True with key_padding_mask, batch_first=False self-attn."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a1 = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.a2 = nn.MultiheadAttention(d, 4, batch_first=False, bias=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x, pad, labels):  # x: (N, T, d), pad: (N, T) bool (True = ignore)
+        h, _ = self.a1(x, x, x, key_padding_mask=pad, need_weights=False)
+        h = h + x
+        s = h.transpose(0, 1)  # (T, N, d)
+        g, _ = self.a2(s, s, s, need_weights=False)
+        logits = self.head(g.mean(0))
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_mha():
+    pad = torch.tensor([[False, False, False, True, True], [False, False, False, False, False],
+                        [False, True, False, False, True]])
+    return ms.Case(Mha(), {"x": randn(3, 5, 8), "pad": pad, "labels": torch.tensor([2, 0, 1])},
+                   batch_dim=["x", "pad", "labels"], extra_outputs=["logits"])
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class LlamaLite(nn.Module):
+    """LLaMA-style decoder: RMSNorm written out, rotary embeddings (sin/cos, rotate_half with
+    slicing/concat/neg), ALiBi bias via arange, causal softmax attention, SwiGLU MLP, tied head,
+    per-token cross-entropy on (N, C, L) logits; batch and sequence dims dynamic."""
+
+    def __init__(self, vocab=20, d=8, heads=2, hidden=12):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.emb = nn.Embedding(vocab, d)
+        self.n1 = nn.Parameter(torch.ones(d))
+        self.n2 = nn.Parameter(torch.ones(d))
+        self.nf = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, d, bias=False)
+        self.slopes = nn.Parameter(torch.tensor([0.5, 0.25]).view(1, heads, 1, 1), requires_grad=False)
+
+    @staticmethod
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def forward(self, ids, labels):  # ids, labels: (N, T)
+        n, t = ids.shape
+        x = self.emb(ids)
+        h = self.rms(x, self.n1)
+        q, k, v = self.qkv(h).view(n, t, 3, self.heads, self.hd).transpose(1, 3).unbind(2)  # (N,H,T,hd)
+        pos = torch.arange(t, dtype=torch.float32)
+        inv = 1.0 / (100.0 ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
+        ang = pos[:, None] * inv[None, :]
+        emb = torch.cat((ang, ang), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rel = (pos[None, :] - pos[:, None]).clamp(max=0.0)  # ALiBi: -distance to the past
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        s = q @ k.transpose(-1, -2) / math.sqrt(self.hd) + self.slopes * rel
+        s = s.masked_fill(~causal, float("-inf"))
+        att = torch.softmax(s, -1) @ v  # (N,H,T,hd)
+        x = x + self.o(att.transpose(1, 2).reshape(n, t, -1))
+        h = self.rms(x, self.n2)
+        x = x + self.w3(F.silu(self.w1(h)) * self.w2(h))
+        logits = self.rms(x, self.nf) @ self.emb.weight.t()  # (N, T, V)
+        return F.cross_entropy(logits.transpose(1, 2), labels), logits
+
+
+def build_llama_lite():
+    ids = torch.randint(0, 20, (2, 6))
+    return ms.Case(LlamaLite(), {"ids": ids, "labels": torch.roll(ids, -1, 1)},
+                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+
+
+class GptDynSeq(nn.Module):
+    """GPT-like decoder (learned positions sliced to the sequence length, pre-LN, SDPA causal,
+    GELU MLP, chunk of the fused qkv along the last dim), batch and sequence dims dynamic."""
+
+    def __init__(self, vocab=16, d=8, heads=2, max_t=12):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(1, max_t, d) * 0.1)
+        self.ln1 = nn.LayerNorm(d)
+        self.ln2 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        n, t = ids.shape
+        x = self.tok(ids) + self.pos[:, :t]
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(n, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(n, t, -1))
+        x = x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)), logits
+
+
+def build_gpt_dynseq():
+    ids = torch.randint(0, 16, (2, 5))
+    return ms.Case(GptDynSeq(), {"ids": ids, "labels": torch.randint(0, 16, (2, 5))},
+                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+
+
+class MobileSE(nn.Module):
+    """MobileNet-style depthwise-separable blocks (ReLU6), YOLO-style Conv+BN+SiLU, squeeze-and-
+    excitation (global pool -> 1x1 convs -> sigmoid -> channel scaling), cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pw = nn.Conv2d(8, 12, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(12)
+        self.se1 = nn.Conv2d(12, 4, 1)
+        self.se2 = nn.Conv2d(4, 12, 1)
+        self.dw2 = nn.Conv2d(12, 12, 3, stride=2, padding=1, groups=12)
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x, labels):
+        h = F.silu(self.bn0(self.stem(x)))
+        h = F.relu6(self.bn1(self.dw(h)))
+        h = F.relu6(self.bn2(self.pw(h)))
+        s = F.adaptive_avg_pool2d(h, 1)
+        s = torch.sigmoid(self.se2(F.relu(self.se1(s))))
+        h = h * s
+        h = F.hardswish(self.dw2(h))
+        logits = self.fc(h.mean((2, 3)))
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_mobile_se():
+    return ms.Case(MobileSE(), {"x": randn(2, 3, 10, 10), "labels": torch.tensor([4, 1])},
+                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+
+
+class UnetLite(nn.Module):
+    """UNet-lite: two conv downsamples, ConvTranspose2d decoder with concatenated skips,
+    nn.Upsample (nearest and bilinear), per-pixel BCE-with-logits + MSE."""
+
+    def __init__(self):
+        super().__init__()
+        self.e1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.e2 = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+        self.e3 = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.up1 = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.d1 = nn.Conv2d(16, 4, 3, padding=1)
+        self.up2 = nn.Upsample(scale_factor=2, mode="nearest")
+        self.up3 = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.d2 = nn.Conv2d(8, 1, 1)
+
+    def forward(self, x, target):  # x: (N, 2, 8, 8), target: (N, 1, 8, 8)
+        s1 = F.relu(self.e1(x))          # 8x8
+        s2 = F.relu(self.e2(s1))         # 4x4
+        b = F.relu(self.e3(s2))          # 2x2
+        u = self.up1(b)                  # 4x4
+        u = F.relu(self.d1(torch.cat([u, s2], 1)))
+        u = self.up2(u) + self.up3(u) * 0.5  # 8x8
+        y = self.d2(torch.cat([u, s1], 1))
+        return F.binary_cross_entropy_with_logits(y, target) + F.mse_loss(torch.sigmoid(y), target), y
+
+
+def build_unet_lite():
+    return ms.Case(UnetLite(), {"x": randn(2, 2, 8, 8), "target": (torch.rand(2, 1, 8, 8) > 0.5).float()},
+                   batch_dim=["x", "target"], extra_outputs=["logits"])
+
+
+class Losses2(nn.Module):
+    """cross_entropy on (N, C, L) logits, binary_cross_entropy on probabilities, mse_loss(sum),
+    cosine_embedding_loss, triplet_margin_loss, log_softmax + gather NLL written by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.emb = nn.Linear(6, 5)
+
+    def forward(self, x, seq_labels, p_target, y_pm, labels):  # x: (N, L, 6)
+        logits = self.fc(x)                                  # (N, L, 4)
+        loss = F.cross_entropy(logits.transpose(1, 2), seq_labels)
+        probs = torch.sigmoid(logits)
+        if self.legacy:  # the legacy exporter has no aten::binary_cross_entropy
+            loss = loss - (p_target * probs.log() + (1 - p_target) * (1 - probs).log()).mean()
+        else:
+            loss = loss + F.binary_cross_entropy(probs, p_target)
+        loss = loss + F.mse_loss(logits.mean(1), p_target.mean(1), reduction="sum") * 0.1
+        e = self.emb(x)                                      # (N, L, 5)
+        a, p, n_ = e[:, 0], e[:, 1], e[:, 2]
+        if self.legacy:  # the legacy exporter has neither aten::cosine_embedding_loss nor triplet_margin_loss
+            cos = F.cosine_similarity(a, p, dim=-1)
+            loss = loss + torch.where(y_pm > 0, 1 - cos, (cos - 0.1).clamp(min=0)).mean()
+            d_ap = F.pairwise_distance(a, p, eps=1e-6)
+            d_an = F.pairwise_distance(a, n_, eps=1e-6)
+            loss = loss + (d_ap - d_an + 1.0).clamp(min=0).mean()
+        else:
+            loss = loss + F.cosine_embedding_loss(a, p, y_pm, margin=0.1)
+            loss = loss + F.triplet_margin_loss(a, p, n_, margin=1.0)
+        lsm = F.log_softmax(logits[:, -1], dim=-1)
+        loss = loss - lsm.gather(1, labels.unsqueeze(1)).squeeze(1).mean()
+        return loss
+
+
+def build_losses2():
+    n = 4
+    return ms.Case(Losses2(), {
+        "x": randn(n, 3, 6), "seq_labels": torch.randint(0, 4, (n, 3)),
+        "p_target": torch.rand(n, 3, 4), "y_pm": torch.tensor([1.0, -1.0, 1.0, -1.0]),
+        "labels": torch.tensor([3, 0, 0, 2])},
+        batch_dim=["x", "seq_labels", "p_target", "y_pm", "labels"])
+
+
+class MiscOps(nn.Module):
+    """one_hot(int) feeding a matmul, argmax used to index, clamp_min, maximum with a parameter,
+    where with scalar branches, sum(dim=(1,2)), mean(-1, keepdim) chains, view(-1, ...), expand_as,
+    stack, unbind, chunk along the batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 4))
+        self.floor = nn.Parameter(torch.randn(4) * 0.3)
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, cls):  # x: (N, 3, 4), cls: (N,) int64
+        oh = F.one_hot(cls, 5).to(x.dtype)                  # (N, 5)
+        e = oh @ self.table                                  # (N, 4)
+        h = x @ self.w + e.unsqueeze(1)                      # (N, 3, 4)
+        best = h.sum(-1).argmax(dim=1)                       # (N,) non-differentiable path
+        picked = h[torch.arange(h.shape[0]), best]           # (N, 4)
+        m = torch.maximum(h, self.floor) + h.clamp_min(0.1) * 0.5
+        w = torch.where(h > 0, 1.0, -0.5) * h + torch.where(h < 0.3, h, 0.0)
+        s = m.sum(dim=(1, 2))                                # (N,)
+        c = (h - h.mean(-1, keepdim=True)).mean(-1, keepdim=True).mean(-2, keepdim=True) + h.mean(-1, keepdim=True)
+        v = h.reshape(-1, 4)                                 # (N*3, 4)
+        ex = self.floor.expand_as(h) * h
+        st = torch.stack([h, w, ex], dim=1)                  # (N, 3, 3, 4)
+        u0, u1, u2 = h.unbind(1)
+        # uneven when the batch is odd; torch.export cannot keep a chunked batch dynamic (it
+        # specializes the batch), so the dynamo export chunks the last (static) dim instead
+        cs = x.chunk(3, dim=-1) if not self.legacy else x.chunk(2, dim=0)
+        loss = (picked ** 2).mean() + s.pow(2).mean() * 0.1 + (c * c).sum() + (v @ self.w).tanh().mean()
+        loss = loss + (st ** 2).mean() + (u0 * u2 - u1).mean() + (cs[0] ** 2).sum() * 0.1 + cs[-1].mean()
+        return loss
+
+
+def build_misc_ops():
+    return ms.Case(MiscOps(), {"x": randn(4, 3, 4), "cls": torch.tensor([0, 4, 4, 2])},
+                   batch_dim=["x", "cls"])
+
+
+class F64Idx32(nn.Module):
+    """float64 model with int32 indices: embedding, index_select, gather, scatter_add."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, ids, sel, x):  # ids: (N, 3) int32, sel: (2,) int32, x: (N, 3, 4) float64
+        h = self.emb(ids) * x                               # (N, 3, 4)
+        a = torch.index_select(h, 1, sel)                   # (N, 2, 4)
+        g = torch.gather(h, 2, ids.remainder(4).unsqueeze(-1).expand(-1, -1, 2).to(torch.int64))
+        y = torch.tanh(self.fc(a)).sum() + (g ** 2).mean()
+        return y + (self.fc(h.mean(1)) ** 2).mean()
+
+
+def build_f64_idx32():
+    m = F64Idx32().double()
+    return ms.Case(m, {"ids": torch.tensor([[1, 6, 6], [0, 3, 2]], dtype=torch.int32),
+                       "sel": torch.tensor([2, 0], dtype=torch.int32), "x": randn(2, 3, 4).double()},
+                   batch_dim=["ids", "x"])
+
+
+class Recurrent(nn.Module):
+    """nn.GRU (unsupported: expect a clear error naming the op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 5, batch_first=True)
+
+    def forward(self, x):
+        h, _ = self.rnn(x)
+        return (h ** 2).mean()
+
+
+VARIANTS.update({
+    "sdpa": Variant(build_sdpa, 201),
+    "mha": Variant(build_mha, 202, ["loss", "logits"]),
+    "llama_lite": Variant(build_llama_lite, 203, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
+    "gpt_dynseq": Variant(build_gpt_dynseq, 204, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
+    "mobile_se": Variant(build_mobile_se, 205, ["loss", "logits"]),
+    "unet_lite": Variant(build_unet_lite, 206, ["loss", "logits"]),
+    "losses2": Variant(build_losses2, 207),
+    "misc_ops": Variant(build_misc_ops, 208, dynamic=True),
+    "f64_idx32": Variant(build_f64_idx32, 209),
+    "gru": Variant(simple(Recurrent, {"x": lambda: randn(2, 3, 4)}, ["x"]), 210),
+})
+
+
+# --------------------------------------------------------------------------
 # Torch reference (as make_samples.torch_reference, keeping the tensors' dtype and
 # taking the loss from any output position)
 # --------------------------------------------------------------------------
@@ -597,7 +942,9 @@ def torch_reference(model: nn.Module, inputs: dict, loss_index: int) -> ms.Torch
 # --------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------
-def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool, optimize: bool = True):
+def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool, optimize: bool = True,
+           seq_dim: dict[str, int] | None = None):
+    seq_dim = seq_dim or {}
     args = tuple(case.inputs.values())
     if exporter == "legacy":
         settings = dict(dynamo=False, opset_version=ms.LEGACY_OPSET, do_constant_folding=False,
@@ -605,6 +952,8 @@ def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool,
                         keep_initializers_as_inputs=False)
         if dynamic:
             settings["dynamic_axes"] = {k: {0: "batch"} for k in case.batch_dim}
+            for k, axis in seq_dim.items():
+                settings["dynamic_axes"].setdefault(k, {})[axis] = "seq"
         buf = io.BytesIO()
         with ms.quiet():
             torch.onnx.export(case.model, args, buf, input_names=list(case.inputs),
@@ -615,8 +964,14 @@ def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool,
     kwargs = dict(settings)
     if dynamic:
         batch = torch.export.Dim("batch", min=2, max=1024)
-        kwargs["dynamic_shapes"] = tuple({0: batch} if k in case.batch_dim else None for k in case.inputs)
+        seq = torch.export.Dim("seq", min=2, max=12)
+        kwargs["dynamic_shapes"] = tuple(
+            ({0: batch} if k in case.batch_dim else {}) | ({seq_dim[k]: seq} if k in seq_dim else {}) or None
+            for k in case.inputs)
         settings["dynamic_shapes"] = "batch axis 0 = torch.export.Dim('batch')"
+        if seq_dim:
+            settings["dynamic_shapes"] += ", " + ", ".join(
+                f"{k} axis {a} = torch.export.Dim('seq')" for k, a in seq_dim.items())
     with ms.quiet():
         program = torch.onnx.export(case.model, args, input_names=list(case.inputs),
                                     output_names=output_names, **kwargs)
@@ -640,11 +995,11 @@ def loss_first_view(model: onnx.ModelProto) -> onnx.ModelProto:
     return view
 
 
-def export_checked(case, exporter, ref, output_names, dynamic):
+def export_checked(case, exporter, ref, output_names, dynamic, seq_dim=None):
     attempts = [{}] if exporter == "legacy" else [{"optimize": True}, {"optimize": False}]
     error = None
     for kwargs in attempts:
-        model, settings = export(case, exporter, output_names, dynamic, **kwargs)
+        model, settings = export(case, exporter, output_names, dynamic, seq_dim=seq_dim, **kwargs)
         model = ms.inline_functions(model)
         ms.strip_node_metadata(model)
         try:
@@ -676,7 +1031,8 @@ def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Pat
     where = f"{name}_{exporter}"
     loss_index = variant.outputs.index("loss")
     try:
-        model, mapping, settings = export_checked(case, exporter, ref, variant.outputs, variant.dynamic)
+        model, mapping, settings = export_checked(case, exporter, ref, variant.outputs, variant.dynamic,
+                                                  variant.seq_dim)
     except Exception as exc:  # noqa: BLE001
         return f"skip (export: {type(exc).__name__}: {str(exc).splitlines()[0][:150]})"
     feeds = feeds_of(model, case.inputs)
@@ -700,6 +1056,13 @@ def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Pat
         feeds2 = feeds_of(model, bigger)
         _check_gradients(model, feeds2, ms.reference_arrays(ref2, mapping, feeds2), where + " (batch+1)")
         extra = ", batch+1 ok"
+    if variant.seq_dim:  # sequence + 1 (the new position repeats the first one)
+        longer = {k: torch.cat([v, v.narrow(a, 0, 1)], a) if (a := variant.seq_dim.get(k)) is not None else v
+                  for k, v in case.inputs.items()}
+        ref3 = torch_reference(case.model, longer, loss_index)
+        feeds3 = feeds_of(model, longer)
+        _check_gradients(model, feeds3, ms.reference_arrays(ref3, mapping, feeds3), where + " (seq+1)")
+        extra += ", seq+1 ok"
     if save_dir is not None:
         meta = {
             "family": name, "exporter": exporter, "opset": ms.opset_of(model),
