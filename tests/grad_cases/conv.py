@@ -129,3 +129,15 @@ CASES += [
              attrs=dict(mode="linear", coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=0.5),
              const=(1,), symbolic=False, name="Resize_tf_crop_and_resize"),
 ]
+
+# Nearest upsampling by integer scales also differentiates with symbolic resized axes (a block
+# sum), as exported nn.Upsample(scale_factor=k) with a dynamic image size needs.
+for _name, _scales, _attrs in [
+    ("nearest_int_asymmetric", [1, 1, 2, 3], dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),
+    ("nearest_int_half_pixel", [1, 1, 2, 2], {}),
+    ("nearest_int_pytorch_half_pixel_ceil", [1, 3, 1, 2],
+     dict(coordinate_transformation_mode="pytorch_half_pixel", nearest_mode="round_prefer_ceil")),
+]:
+    CASES.append(GradCase("Resize", [r(2, 2, 3, 2), None, np.array(_scales, dtype=np.float32)],
+                          attrs=dict(mode="nearest", **_attrs), const=(2,), name=f"Resize_{_name}"))
+

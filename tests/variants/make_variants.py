@@ -61,6 +61,8 @@ class Variant:
     outputs: list[str] = field(default_factory=lambda: ["loss"])  # graph output order
     dynamic: bool = False  # export with a symbolic batch axis
     seq_dim: dict[str, int] = field(default_factory=dict)  # inputs with a symbolic sequence axis too
+    skip: dict[str, str] = field(default_factory=dict)  # exporter -> why the variant is not exported with it
+    expect_error: str = ""  # an op gradgen cannot differentiate: its error must name it and its node
     notes: str = ""
 
 
@@ -904,7 +906,181 @@ VARIANTS.update({
     "losses2": Variant(build_losses2, 207),
     "misc_ops": Variant(build_misc_ops, 208, dynamic=True),
     "f64_idx32": Variant(build_f64_idx32, 209),
-    "gru": Variant(simple(Recurrent, {"x": lambda: randn(2, 3, 4)}, ["x"]), 210),
+    "gru": Variant(simple(Recurrent, {"x": lambda: randn(2, 3, 4)}, ["x"]), 210, expect_error="GRU"),
+})
+
+
+class SdpaDynSeq(nn.Module):
+    """SDPA causal and with a bool key mask, the batch and sequence dims dynamic."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, bmask):  # x: (N, T, 8), bmask: (N, 1, 1, T) bool
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=bmask)
+        return ((a - b) ** 2).mean() + a.mean()
+
+
+def build_sdpa_dynseq():
+    bmask = torch.tensor([[True, True, False, True, False], [True, False, True, True, True]]).view(2, 1, 1, 5)
+    return ms.Case(SdpaDynSeq(), {"x": randn(2, 5, 8), "bmask": bmask}, batch_dim=["x", "bmask"])
+
+
+class AttnMore(nn.Module):
+    """MultiheadAttention with need_weights (averaged weights used in the loss), a float attn_mask,
+    kdim/vdim != embed_dim; grouped-query attention via repeat_interleave; SDPA with scale=."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d, 2, kdim=6, vdim=5, batch_first=True)
+        self.q = nn.Linear(d, 8)
+        self.kv = nn.Linear(d, 8)  # 2 kv heads of 2, shared by 4 query heads of 2
+
+    def forward(self, x, mem_k, mem_v, amask):  # x: (N, T, 8), mem_k: (N, S, 6), mem_v: (N, S, 5), amask: (T, S)
+        h, w = self.mha(x, mem_k, mem_v, attn_mask=amask, need_weights=True, average_attn_weights=True)
+        n, t, _ = x.shape
+        q = self.q(h).view(n, t, 4, 2).transpose(1, 2)                   # (N,4,T,2)
+        k, v = self.kv(x).view(n, t, 2, 2, 2).permute(3, 0, 2, 1, 4)      # (N,2,T,2) each
+        k = k.repeat_interleave(2, dim=1)
+        v = v.repeat_interleave(2, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+        return (a ** 2).mean() + (w * w).sum() + (h * x).mean()
+
+
+def build_attn_more():
+    return ms.Case(AttnMore(), {"x": randn(2, 4, 8), "mem_k": randn(2, 3, 6), "mem_v": randn(2, 3, 5),
+                                "amask": randn(4, 3)}, batch_dim=["x", "mem_k", "mem_v"])
+
+
+class Losses3(nn.Module):
+    """cross_entropy on (N, C, H, W) with class weights and ignore_index, nll_loss weighted sum,
+    weighted BCE, margin ranking, hinge embedding, soft margin, multilabel soft margin,
+    Poisson NLL, Gaussian NLL (written out), kl_div(log_target=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, seg, lab, bits):  # x: (N, 2, 3, 3), seg: (N, 3, 3), lab: (N,), bits: (N, 3) int64
+        t01 = bits.to(x.dtype)  # targets from an int input: torch has no target gradient for several losses
+        ypm = t01 * 2 - 1
+        cw = torch.tensor([1.0, 2.0, 0.5, 1.5])  # class weights: constants (torch has no weight grads)
+        logits = self.conv(x)                                          # (N,4,3,3)
+        loss = F.cross_entropy(logits, seg, weight=cw, ignore_index=1)
+        z = self.fc(logits.mean((2, 3)))                               # (N,3)
+        lsm = F.log_softmax(z, -1)
+        loss = loss + F.nll_loss(lsm, lab, weight=cw[:3], reduction="sum") * 0.1
+        p = torch.sigmoid(z)
+        if self.legacy:  # no aten::binary_cross_entropy, margin_ranking_loss, hinge/soft_margin
+            loss = loss - ((t01 * p.log() + (1 - t01) * (1 - p).log()) * cw[1:]).mean()
+            loss = loss + (-ypm[:, 0] * (z[:, 0] - z[:, 1]) + 0.2).clamp(min=0).mean()
+            loss = loss + torch.where(ypm > 0, z, (1.0 - z).clamp(min=0)).mean()
+            loss = loss + torch.log1p(torch.exp(-ypm * z)).mean()
+        else:
+            loss = loss + F.binary_cross_entropy(p, t01, weight=cw[1:])
+            loss = loss + F.margin_ranking_loss(z[:, 0], z[:, 1], ypm[:, 0], margin=0.2)
+            loss = loss + F.hinge_embedding_loss(z, ypm, margin=1.0)
+            loss = loss + F.soft_margin_loss(z, ypm)
+        loss = loss + F.multilabel_soft_margin_loss(z, t01)
+        if self.legacy:  # no aten::poisson_nll_loss
+            loss = loss + (torch.exp(z) - t01 * 3 * z).mean()
+        else:
+            loss = loss + F.poisson_nll_loss(z, t01 * 3, log_input=True)
+        var = (p + 0.1).clamp(min=1e-6)  # gaussian_nll_loss written out: torch.export cannot trace it
+        loss = loss + 0.5 * (var.log() + (z - t01) ** 2 / var).mean()
+        loss = loss + F.kl_div(lsm, torch.log_softmax(t01, -1), reduction="batchmean", log_target=True)
+        return loss
+
+
+def build_losses3():
+    n = 3
+    seg = torch.randint(0, 4, (n, 3, 3))
+    seg[0, 0, 0] = 1
+    return ms.Case(Losses3(), {
+        "x": randn(n, 2, 3, 3), "seg": seg, "lab": torch.tensor([2, 0, 2]),
+        "bits": torch.tensor([[1, 0, 1], [0, 0, 1], [1, 1, 0]])},
+        batch_dim=["x", "seg", "lab", "bits"])
+
+
+class TensorOps2(nn.Module):
+    """flip, cumsum of logs, sort values, index_put (assignment), scatter (no reduce), sign/round
+    (zero gradient), glu, baddbmm, addmm, outer, diagonal, trace, masked_fill with a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.b = nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x, idx):  # x: (N, 4, 4), idx: (2,) int64
+        h = torch.baddbmm(x, x, self.w.expand(x.shape[0], 4, 4), beta=0.5, alpha=0.7)
+        a = torch.addmm(self.b, h[:, 0], self.w)                    # (N,4)
+        f = h.flip(-1) * h
+        # cumprod / prod: the legacy exporter has no aten::cumprod, the dynamo one no prims.prod
+        cp = torch.exp(torch.cumsum(torch.log(torch.sigmoid(h) + 0.5), dim=-1))
+        pr = torch.exp(torch.log(torch.sigmoid(h) + 0.5).sum(dim=1))
+        so = torch.sort(h, dim=-1, descending=True).values
+        g = F.glu(h, dim=-1)                                          # (N,4,2)
+        o = torch.outer(self.v, self.b)
+        if self.legacy:  # legacy writes diagonal with an If (empty-diagonal check), has no aten::trace
+            eye = torch.eye(4)
+            dg, tr = (h * eye).sum(-1), (self.w * o * eye).sum()
+        else:
+            dg, tr = torch.diagonal(h, dim1=1, dim2=2), torch.trace(self.w * o)  # (N,4), ()
+        ip = h.clone()
+        # index_put over rows; the legacy exporter reshapes unbroadcast values to the indexed shape
+        # (an invalid Reshape that onnxruntime refuses too), so it gets them expanded
+        ip[:, idx] = self.v.expand(ip.shape[0], 2, 4) if self.legacy else self.v
+        sc = h.scatter(2, idx.view(1, 1, 2).expand(h.shape[0], 4, 2), g)
+        sg = torch.sign(h).detach() * h + torch.round(h * 2.0) * self.b
+        loss = (a ** 2).mean() + f.mean() + cp.mean() + pr.mean() + (so * self.v).sum() * 0.1
+        return loss + (g ** 2).sum() + (dg ** 2).mean() + tr + (ip ** 2).mean() + (sc ** 2).mean() + sg.mean()
+
+
+def build_tensor_ops2():
+    return ms.Case(TensorOps2(), {"x": randn(2, 4, 4), "idx": torch.tensor([3, 1])}, batch_dim=["x"])
+
+
+class ConvDynHw(nn.Module):
+    """Conv + BN + SiLU, nearest upsample, depthwise conv, global average pool, with the batch and
+    the image height dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.dw = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels):  # x: (N, 2, H, 5)
+        h = F.silu(self.bn(self.c1(x)))
+        h = self.dw(self.up(h)) + h
+        logits = self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+        return F.cross_entropy(logits, labels), logits
+
+
+def build_conv_dyn_hw():
+    return ms.Case(ConvDynHw(), {"x": randn(2, 2, 6, 5), "labels": torch.tensor([2, 1])},
+                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+
+
+VARIANTS.update({
+    "attn_more": Variant(build_attn_more, 211),
+    "losses3": Variant(build_losses3, 212),
+    "tensor_ops2": Variant(build_tensor_ops2, 213),
+    "mha_dynseq": Variant(build_mha, 215, ["loss", "logits"], dynamic=True, seq_dim={"x": 1, "pad": 1},
+                          notes="nn.MultiheadAttention (batch_first, key_padding_mask; seq-first self-attention) "
+                                "with the batch and sequence dims dynamic",
+                          skip={"legacy": "the legacy exporter bakes the sequence length into "
+                                          "MultiheadAttention's Reshapes; onnxruntime fails at seq+1 too"}),
+    "sdpa_dynseq": Variant(build_sdpa_dynseq, 216, dynamic=True, seq_dim={"x": 1, "bmask": 3}),
+    "conv_dyn_hw": Variant(build_conv_dyn_hw, 214, ["loss", "logits"], dynamic=True, seq_dim={"x": 2}),
 })
 
 
@@ -1036,6 +1212,17 @@ def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Pat
     except Exception as exc:  # noqa: BLE001
         return f"skip (export: {type(exc).__name__}: {str(exc).splitlines()[0][:150]})"
     feeds = feeds_of(model, case.inputs)
+    if variant.expect_error:
+        import gradgen
+
+        try:
+            gradgen.build_backward(model)
+        except gradgen.errors.UnsupportedOpsError as exc:
+            nodes = [n.name for n in model.graph.node if n.op_type == variant.expect_error]
+            message = str(exc)
+            assert variant.expect_error in message and nodes and all(repr(n) in message for n in nodes), message
+            return f"ok (expected error: {' '.join(message.split())[:120]})"
+        raise AssertionError(f"{where}: no error for the unsupported op {variant.expect_error}")
     ort_note = ""
     try:
         ms.check_forward(loss_first_view(model), feeds, ref.loss)
@@ -1100,6 +1287,9 @@ def main(argv=None) -> int:
             case.model.legacy = exporter == "legacy"  # swaps ops the legacy exporter lacks
             ref = torch_reference(case.model, case.inputs, variant.outputs.index("loss"))
             save = args.out if {name, f"{name}_{exporter}"} & set(args.save) else None
+            if exporter in variant.skip:
+                print(f"{name:16s} {exporter:7s} skip ({variant.skip[exporter]})", flush=True)
+                continue
             try:
                 result = run_one(name, variant, exporter, case, ref, save)
             except Exception as exc:  # noqa: BLE001

@@ -211,7 +211,10 @@ def global_max_pool(g):
 def resize(g):
     """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,
     so dX applies M^T axis by axis (a MatMul with M on dY moved to the last axis). The matrices are
-    built at build time, so the resized axes need static sizes and constant scales/sizes."""
+    built at build time, so the resized axes need static sizes and constant scales/sizes, except
+    for a symbolic axis upsampled by an integer factor s in a mode where output o reads input o // s
+    (nearest with asymmetric/half-pixel coordinates, e.g. nn.Upsample(scale_factor=2)): its
+    transpose sums dY over blocks of s (a Reshape to (..., -1, s) and a ReduceSum)."""
     from gradgen.kernels.cpu.nn import resize_geometry, resize_matrices
 
     x = g.x(0)
@@ -246,6 +249,7 @@ def resize(g):
         raise ModelError(f"{_where(g)}: Resize needs constant scales or sizes (or a static output shape) "
                          "for its gradient")
     policy = _str(g.attr("keep_aspect_ratio_policy", "stretch"))
+    blocks = {}  # symbolic axis -> integer factor whose transpose is a block sum
     if sizes is not None and policy != "stretch":
         if not is_static(xd) or not is_static(sizes):
             raise ModelError(f"{_where(g)}: Resize with keep_aspect_ratio_policy={policy!r} needs static "
@@ -271,6 +275,12 @@ def resize(g):
             if identity and not isinstance(n_in, int):
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)
                 continue
+            block = _block_factor(scale_list[k], attrs, roi) if (
+                k is not None and sizes is None and not isinstance(n_in, int)) else None
+            if block is not None:
+                blocks[a] = block
+                shape_in.append(1), shape_out.append(1), factors.append(1.0)
+                continue
             if not isinstance(n_in, int) or not isinstance(n_out, int):
                 raise ModelError(f"{_where(g)}: Resize needs static sizes of axis {a} for its gradient")
             shape_in.append(n_in), shape_out.append(n_out)
@@ -285,4 +295,31 @@ def resize(g):
         moved = dx if axis == rank - 1 else g.transpose(dx, perm)
         moved = g.op("MatMul", moved, g.const(m.astype(dtype)))
         dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+    for axis, s in sorted(blocks.items()):
+        perm = list(range(rank))
+        perm[axis], perm[-1] = perm[-1], perm[axis]
+        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
+        moved = g.reduce_sum(g.reshape(moved, [0] * (rank - 1) + [-1, s]), [rank], keepdims=0)
+        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
     return [dx]
+
+
+def _block_factor(scale: float, attrs: dict, roi) -> int | None:
+    """s when an axis resized by ``scale`` maps output o to input o // s for every input size
+    (an integer factor s > 1, one-hot rows in nearest blocks), else None. Checked on the matrices
+    of a few sizes: for these modes the rows only depend on o mod s and o // s."""
+    from gradgen.kernels.cpu.nn import resize_matrices
+
+    s = int(round(scale))
+    if s < 2 or scale != s or roi is not None:
+        return None
+    for n in (1, 2, 5):
+        mats = resize_matrices([n], [n * s], [float(s)], attrs)
+        m = mats[0][0] if 0 in mats else np.eye(n)
+        if mats.get(0, (None, None))[1] is not None:
+            return None
+        want = np.zeros((n * s, n))
+        want[np.arange(n * s), np.arange(n * s) // s] = 1.0
+        if m.shape != want.shape or not np.array_equal(m, want):
+            return None
+    return s
