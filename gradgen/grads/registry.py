@@ -70,11 +70,18 @@ def all_rules() -> dict[tuple[str, str], GradRule]:
 
 
 _LOADED = False
+_LOAD_ERRORS: list = []  # an import error of the modules that fill the registry
 
 
 def _ensure_loaded() -> None:
     global _LOADED
+    if _LOAD_ERRORS:
+        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
     if _LOADED:
         return
     _LOADED = True
-    from gradgen.grads import rules  # noqa: F401
+    try:
+        from gradgen.grads import rules  # noqa: F401
+    except Exception as exc:  # later calls must not report every op as unsupported
+        _LOAD_ERRORS.append(exc)
+        raise

@@ -104,6 +104,7 @@ def all_kernels() -> dict[tuple[str, str], KernelEntry]:
 
 
 _LOADED = False
+_LOAD_ERRORS: list = []  # an import error of the modules that fill the registry
 _CUDA_REQUESTED = False
 _CUDA_LOADED = False
 
@@ -111,10 +112,16 @@ _CUDA_LOADED = False
 def _ensure_loaded() -> None:
     """Import the CPU kernel modules once; their decorators fill the registry."""
     global _LOADED
+    if _LOAD_ERRORS:
+        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
     if _LOADED:
         return
     _LOADED = True
-    from gradgen.kernels import cpu  # noqa: F401
+    try:
+        from gradgen.kernels import cpu  # noqa: F401
+    except Exception as exc:  # later calls must not report every op as unsupported
+        _LOAD_ERRORS.append(exc)
+        raise
 
 
 def load_cuda_kernels() -> None:
@@ -126,7 +133,13 @@ def load_cuda_kernels() -> None:
 
 def _ensure_cuda_loaded() -> None:
     global _CUDA_LOADED
+    if _LOAD_ERRORS:
+        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
     if _CUDA_LOADED:
         return
     _CUDA_LOADED = True
-    from gradgen.kernels import cuda  # noqa: F401
+    try:
+        from gradgen.kernels import cuda  # noqa: F401
+    except Exception as exc:  # later calls must not report every op as unsupported
+        _LOAD_ERRORS.append(exc)
+        raise
