@@ -13,6 +13,7 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import (
     CleanupPass,
     FoldShapeArithmeticPass,
+    InlineConstantIfPass,
     GradientPass,
     GradientSpec,
     LowerToStandardPass,
@@ -46,6 +47,8 @@ def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
         TopologicalSortPass(),
         FoldShapeArithmeticPass(),
         ShapeInferencePass(),
+        FoldShapeArithmeticPass(),
+        InlineConstantIfPass(),
         gradient,
         CleanupPass(),
     )

@@ -118,12 +118,13 @@ class FoldShapeArithmeticPass(ir.passes.InPlacePass):
             if node.op_type in self.SKIP or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
                                                  for a in node.attributes.values()):
                 continue
-            if any(v is not None and v.name not in known for v in node.inputs):
+            static_shape = _static_shape_result(node)
+            if static_shape is None and any(v is not None and v.name not in known for v in node.inputs):
                 continue
             entry = registry.lookup(node.domain, node.op_type)
             if entry is None or entry.cpu is None:
                 continue
-            results = _evaluate(entry, node, known, attribute_value)
+            results = [static_shape] if static_shape is not None else _evaluate(entry, node, known, attribute_value)
             if results is None or any(o.name in outputs for o in node.outputs):
                 continue
             if not all(r.dtype.kind in "iub" and r.size <= self.MAX_ELEMENTS for r in results):
@@ -134,6 +135,23 @@ class FoldShapeArithmeticPass(ir.passes.InPlacePass):
             graph.remove(node, safe=True)
             modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _static_shape_result(node: ir.Node):
+    """Shape(x) or Size(x) as a numpy array when x's shape is fully static, else None."""
+    import numpy as np
+
+    if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return None
+    x = node.inputs[0]
+    if x is None or x.shape is None or not all(isinstance(d, int) for d in x.shape):
+        return None
+    dims = [int(d) for d in x.shape]
+    if node.op_type == "Size":
+        return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+    start = node.attributes["start"].value if "start" in node.attributes else 0
+    end = node.attributes["end"].value if "end" in node.attributes else None
+    return np.array(dims[slice(start, end)], dtype=np.int64)
 
 
 def _evaluate(entry, node: ir.Node, known: dict, attribute_value) -> list | None:
@@ -161,6 +179,60 @@ def _replace_with_initializer(graph: ir.Graph, value: ir.Value, array) -> None:
     value.replace_all_uses_with(constant)
     value.name = None
     graph.register_initializer(constant)
+
+
+class InlineConstantIfPass(ir.passes.InPlacePass):
+    """Replace an If whose condition is a constant with the nodes of the branch it takes.
+
+    Exporters emit such Ifs for shape-dependent Python logic (PyTorch's legacy exporter does for
+    torch.diagonal, for instance); once shape arithmetic is folded the condition is known, and the
+    branch's nodes can be differentiated like any others. Run it after FoldShapeArithmeticPass.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+                continue
+            condition = node.inputs[0]
+            if condition is None or condition.const_value is None:
+                continue
+            taken = bool(condition.const_value.numpy().reshape(-1)[0])
+            branch = node.attributes["then_branch" if taken else "else_branch"].value
+            _inline_branch(graph, node, branch)
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
+    taken_names = {v.name for v in graph.inputs} | set(graph.initializers) | {
+        o.name for n in graph for o in n.outputs if o.name}
+    for name in list(branch.initializers):
+        value = branch.initializers.pop(name)
+        while value.name in taken_names:
+            value.name = f"{value.name}_{node.name or 'If'}"
+        taken_names.add(value.name)
+        graph.register_initializer(value)
+    inner_nodes = list(branch)
+    branch.remove(inner_nodes)
+    graph.insert_before(node, inner_nodes)
+    renames = []
+    for out, branch_out in zip(node.outputs, list(branch.outputs)):
+        if branch_out.type is None:
+            branch_out.type = out.type
+        if out.is_graph_output():  # keep the graph output's name: route it through an Identity
+            identity = ir.node("Identity", [branch_out])
+            graph.insert_before(node, identity)
+            out.replace_all_uses_with(identity.outputs[0], replace_graph_outputs=True)
+            renames.append((identity.outputs[0], out.name, out))
+        else:
+            out.replace_all_uses_with(branch_out)
+    graph.remove(node, safe=True)
+    for value, name, old in renames:
+        old.name = None
+        value.name = name
+        value.type, value.shape = old.type, old.shape
 
 
 TopologicalSortPass = ir_common.TopologicalSortPass

@@ -1,0 +1,55 @@
+"""The preparation passes: folding shape arithmetic and inlining Ifs whose condition is constant."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.errors import UnsupportedOpsError
+from gradgen.executor import Session
+from tests.gradcheck import numeric_gradient
+
+
+def _if_model(x_dims):
+    """loss = sum(If(shape(x)[0] == 2, then: x * w, else: x + w)): the condition is shape logic."""
+    then_graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["t"])], "then", [],
+                                   [helper.make_tensor_value_info("t", TensorProto.DOUBLE, None)])
+    else_graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["e"])], "else", [],
+                                   [helper.make_tensor_value_info("e", TensorProto.DOUBLE, None)])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Equal", ["n", "two"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph, name="branch"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(2, np.int64), "two"),
+             numpy_helper.from_array(np.linspace(0.5, 2.0, 3), "w")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x_dims)],
+                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_if_with_a_static_condition_is_inlined_and_differentiated(batch):
+    model = _if_model([batch, 3])
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    assert "If" not in {node.op_type for node in built.model.graph}
+    x = np.random.default_rng(batch).standard_normal((batch, 3))
+    session = Session(built.model)  # its forward part is the inlined branch: differences of its loss
+    got = session.run({"x": x})
+    np.testing.assert_allclose(got["x_grad"], numeric_gradient(session, {"x": x}, "x", 1e-6), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(got["w_grad"], x.sum(axis=0) if batch == 2 else np.full(3, batch), rtol=1e-12)
+    onnx.checker.check_model(gradgen.api.ir.to_proto(built.model), full_check=True)
+
+
+def test_if_with_a_runtime_condition_is_reported():
+    with pytest.raises(UnsupportedOpsError, match="If: node.*'branch'"):
+        gradgen.build_backward(_if_model(["batch", 3]), wrt_inputs=True)
+
+
+def test_shape_of_a_static_tensor_folds_to_a_constant():
+    model = _if_model([2, 3])
+    built = gradgen.build_backward(model)
+    assert not any(node.op_type == "Shape" and node.inputs[0].name == "x" for node in built.model.graph)
