@@ -118,13 +118,13 @@ class FoldShapeArithmeticPass(ir.passes.InPlacePass):
             if node.op_type in self.SKIP or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
                                                  for a in node.attributes.values()):
                 continue
-            static_shape = _static_shape_result(node)
-            if static_shape is None and any(v is not None and v.name not in known for v in node.inputs):
+            direct = _result_without_kernel(node)
+            if direct is None and any(v is not None and v.name not in known for v in node.inputs):
                 continue
             entry = registry.lookup(node.domain, node.op_type)
             if entry is None or entry.cpu is None:
                 continue
-            results = [static_shape] if static_shape is not None else _evaluate(entry, node, known, attribute_value)
+            results = [direct] if direct is not None else _evaluate(entry, node, known, attribute_value)
             if results is None or any(o.name in outputs for o in node.outputs):
                 continue
             if not all(r.dtype.kind in "iub" and r.size <= self.MAX_ELEMENTS for r in results):
@@ -137,11 +137,15 @@ class FoldShapeArithmeticPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _static_shape_result(node: ir.Node):
-    """Shape(x) or Size(x) as a numpy array when x's shape is fully static, else None."""
+def _result_without_kernel(node: ir.Node):
+    """Shape(x) or Size(x) when x's shape is fully static, or a Constant's tensor value; else None."""
     import numpy as np
 
-    if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx") or not node.inputs:
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].value.numpy()
+    if node.op_type not in ("Shape", "Size") or not node.inputs:
         return None
     x = node.inputs[0]
     if x is None or x.shape is None or not all(isinstance(d, int) for d in x.shape):
