@@ -14,6 +14,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.shape import slice_geometry, slice_index
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 
@@ -73,29 +74,7 @@ def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
     dY must have as many elements as the slice; like ORT, its shape may differ (it is read in order).
     """
     dims = _shape_arg(shape)
-    rank = len(dims)
-    starts, ends = _ints(starts, "starts"), _ints(ends, "ends")
-    if len(starts) != len(ends):
-        raise KernelError(f"starts has {len(starts)} values but ends has {len(ends)}")
-    axes = list(range(len(starts))) if axes is None else [_axis(a, rank, "axes value") for a in _ints(axes, "axes")]
-    steps = [1] * len(starts) if steps is None else _ints(steps, "steps")
-    if not len(axes) == len(steps) == len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
-                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
-    if len(set(axes)) != len(axes):
-        raise KernelError(f"axes {axes} repeats an axis")
-    slices = [slice(None)] * rank
-    for axis, start, end, step in zip(axes, starts, ends, steps):
-        size = dims[axis]
-        if step == 0:
-            raise KernelError(f"steps value for axis {axis} is 0")
-        start = start + size if start < 0 else start
-        end = end + size if end < 0 else end
-        if step > 0:
-            start, end = min(max(start, 0), size), min(max(end, 0), size)
-        else:
-            start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
-        slices[axis] = slice(start, None if end < 0 else end, step)
+    slices = slice_index(slice_geometry(dims, starts, ends, axes, steps))
     dY = np.asarray(dY)
     dX = np.zeros(dims, dtype=dY.dtype)
     window = dX[tuple(slices)]

@@ -179,42 +179,58 @@ def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
     return tuple(np.split(x, bounds, axis=ax))
 
 
+def slice_geometry(dims, starts, ends, axes=None, steps=None) -> list[tuple[int, int, int]]:
+    """(start, step, count) per axis of a Slice of a tensor of shape ``dims``, clamped as the ONNX
+    spec says (negative starts/ends counted from the end, INT64_MAX/INT64_MIN ends, negative steps).
+
+    The one definition of Slice's semantics: Slice and SliceGrad, CPU and CUDA, all use it.
+    """
+    rank = len(dims)
+    starts, ends = _ints(starts, "starts"), _ints(ends, "ends")
+    if len(starts) != len(ends):
+        raise KernelError(f"starts has {len(starts)} values but ends has {len(ends)}")
+    axes = list(range(len(starts))) if axes is None else _ints(axes, "axes")
+    steps = [1] * len(starts) if steps is None else _ints(steps, "steps")
+    if not len(axes) == len(steps) == len(starts):
+        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
+                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
+    for a in axes:
+        if not -rank <= a < rank:
+            raise KernelError(f"axes value {a} is out of range for rank {rank} (valid range [{-rank}, {rank - 1}])")
+    axes = [a + rank if a < 0 else a for a in axes]
+    if len(set(axes)) != len(axes):
+        raise KernelError(f"axes {axes} repeats an axis")
+    geometry = [(0, 1, int(d)) for d in dims]
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        if step == 0:
+            raise KernelError(f"steps value for axis {axis} is 0")
+        size = int(dims[axis])
+        start = start + size if start < 0 else start
+        end = end + size if end < 0 else end
+        if step > 0:
+            start, end = min(max(start, 0), size), min(max(end, 0), size)
+        elif size == 0:
+            start, end = 0, 0
+        else:
+            start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
+        geometry[axis] = (start, step, len(range(start, end, step)))
+    return geometry
+
+
+def slice_index(geometry) -> tuple[slice, ...]:
+    """numpy indices for a slice_geometry (a stop below 0 means "to the beginning")."""
+    index = []
+    for start, step, count in geometry:
+        stop = start + step * count
+        index.append(slice(start, None if stop < 0 else stop, step))
+    return tuple(index)
+
+
 @cpu_kernel("Slice")
 def slice_(data, starts=None, ends=None, axes=None, steps=None):
     if starts is None or ends is None:
         raise KernelError("Slice needs starts and ends")
-    starts = _ints(starts, "starts")
-    ends = _ints(ends, "ends")
-    if len(starts) != len(ends):
-        raise KernelError(f"starts ({len(starts)}) and ends ({len(ends)}) differ in length")
-    axes = list(range(len(starts))) if axes is None else _ints(axes, "axes")
-    steps = [1] * len(starts) if steps is None else _ints(steps, "steps")
-    if len(axes) != len(starts) or len(steps) != len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one entry per sliced axis "
-                          f"(got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})")
-    axes = _unique_axes(axes, data.ndim)
-    index = [slice(None)] * data.ndim
-    for ax, start, end, step in zip(axes, starts, ends, steps):
-        if step == 0:
-            raise KernelError(f"step for axis {ax} is 0")
-        dim = data.shape[ax]
-        # Python slices clamp exactly as the spec does, once negatives are made explicit.
-        if start < 0:
-            start += dim
-        if end < 0:
-            end += dim
-        if step > 0:
-            start = min(max(start, 0), dim)
-            end = min(max(end, 0), dim)
-        elif dim == 0:
-            start, end = 0, 0
-        else:
-            start = min(max(start, 0), dim - 1)
-            end = min(max(end, -1), dim - 1)
-            if end == -1:
-                end = None  # run to the beginning (Python would read -1 as the last element)
-        index[ax] = slice(start, end, step)
-    return data[tuple(index)]
+    return data[slice_index(slice_geometry(data.shape, starts, ends, axes, steps))]
 
 
 def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:

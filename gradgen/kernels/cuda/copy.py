@@ -327,45 +327,12 @@ def transpose(data, *, perm=None):
     return out
 
 
-def slice_geometry(in_shape, starts, ends, axes, steps, *, rank_check=True):
-    """(start, step, count) per axis of Slice, clamped exactly as the CPU kernel clamps."""
-    starts = cpu_shape._ints(starts, "starts")
-    ends = cpu_shape._ints(ends, "ends")
-    if len(starts) != len(ends):
-        raise KernelError(f"starts ({len(starts)}) and ends ({len(ends)}) differ in length")
-    axes = list(range(len(starts))) if axes is None else cpu_shape._ints(axes, "axes")
-    steps = [1] * len(starts) if steps is None else cpu_shape._ints(steps, "steps")
-    if len(axes) != len(starts) or len(steps) != len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one entry per sliced axis "
-                          f"(got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})")
-    axes = cpu_shape._unique_axes(axes, len(in_shape))
-    geometry = [(0, 1, int(d)) for d in in_shape]
-    for ax, start, end, step in zip(axes, starts, ends, steps):
-        if step == 0:
-            raise KernelError(f"step for axis {ax} is 0")
-        dim = int(in_shape[ax])
-        if start < 0:
-            start += dim
-        if end < 0:
-            end += dim
-        if step > 0:
-            start = min(max(start, 0), dim)
-            end = min(max(end, 0), dim)
-        elif dim == 0:
-            start, end = 0, 0
-        else:
-            start = min(max(start, 0), dim - 1)
-            end = min(max(end, -1), dim - 1)
-        geometry[ax] = (start, step, len(range(start, end, step)))
-    return geometry
-
-
 @cuda_kernel("Slice", host_inputs=(1, 2, 3, 4))
 def slice_(data, starts=None, ends=None, axes=None, steps=None):
     rt = _rt()
     if starts is None or ends is None:
         raise KernelError("Slice needs starts and ends")
-    geometry = slice_geometry(data.shape, starts, ends, axes, steps)
+    geometry = cpu_shape.slice_geometry(data.shape, starts, ends, axes, steps)
     shape = [count for _, _, count in geometry]
     out = rt.empty(shape, data.dtype)
     if out.size:

@@ -26,6 +26,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import microsoft as cpu
+from gradgen.kernels.cpu import shape as cpu_shape
 from gradgen.kernels.cuda import copy as cp
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
@@ -159,29 +160,8 @@ _PTRS2 = struct.Struct("=QQ")
 def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=True):
     """(dX dims, lattice kernel or None, grid, packed arguments after (dX, dY)); validates everything."""
     dims = cpu._shape_arg(shape)
-    rank = len(dims)
-    starts, ends = cpu._ints(starts, "starts"), cpu._ints(ends, "ends")
-    if len(starts) != len(ends):
-        raise KernelError(f"starts has {len(starts)} values but ends has {len(ends)}")
-    axes = list(range(len(starts))) if axes is None else [cpu._axis(a, rank, "axes value") for a in cpu._ints(axes, "axes")]
-    steps = [1] * len(starts) if steps is None else cpu._ints(steps, "steps")
-    if not len(axes) == len(steps) == len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
-                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
-    if len(set(axes)) != len(axes):
-        raise KernelError(f"axes {axes} repeats an axis")
-    lat_start, lat_step, counts = [0] * rank, [1] * rank, list(dims)
-    for axis, start, end, step in zip(axes, starts, ends, steps):
-        size = dims[axis]
-        if step == 0:
-            raise KernelError(f"steps value for axis {axis} is 0")
-        start = start + size if start < 0 else start
-        end = end + size if end < 0 else end
-        if step > 0:
-            start, end = min(max(start, 0), size), min(max(end, 0), size)
-        else:
-            start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
-        lat_start[axis], lat_step[axis], counts[axis] = start, step, len(range(start, end, step))
+    geometry = cpu_shape.slice_geometry(dims, starts, ends, axes, steps)
+    lat_start, lat_step, counts = (list(column) for column in zip(*geometry)) if dims else ([], [], [])
     if math.prod(counts) != math.prod(dy_shape):
         raise KernelError(f"dY has shape {list(dy_shape)}, but the slice of shape {dims} has shape {counts}")
     if math.prod(dims) == 0:
