@@ -241,13 +241,41 @@ def bench(
         raise UsageError("gradgen bench needs a usable GPU and PyTorch with CUDA")
 
 
-def main() -> None:
-    """Console entry point: gradgen errors become one line on stderr and a documented exit code."""
+def _click_exception_type() -> type:
+    """Click's ClickException class, whichever click typer uses.
+
+    typer up to 0.2x re-exported the standalone ``click`` package; newer typer vendors its own copy
+    (``typer._click``) and no longer installs click. ``typer.BadParameter`` exists in both, and
+    ClickException is among its bases, so it is found without importing click by name.
+    """
+    for cls in typer.BadParameter.__mro__:
+        if cls.__name__ == "ClickException":
+            return cls
+    return typer.BadParameter  # pragma: no cover - every known typer has it
+
+
+def _usage_error_line(exc: Exception) -> str:
+    """Click's own one-line message for a usage error, plus where to find help."""
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return f"error: {message}{hint}"
+
+
+def _hoist_debug(args: list[str]) -> list[str]:
+    """``--debug`` is accepted anywhere; click only knows it before the command name."""
+    if "--debug" in args[1:]:
+        return ["--debug", *(a for a in args if a != "--debug")]
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point: every error becomes one line on stderr and a documented exit code."""
     _state["debug"] = False
-    if "--debug" in sys.argv[2:]:  # also accepted after the command name
-        sys.argv = [sys.argv[0], "--debug", *(a for a in sys.argv[1:] if a != "--debug")]
+    args = _hoist_debug(list(sys.argv[1:] if argv is None else argv))
+    click_exception = _click_exception_type()
     try:
-        app(standalone_mode=False)
+        code = app(args=args, prog_name="gradgen", standalone_mode=False)
     except GradgenError as exc:
         if _state["debug"]:
             import traceback
@@ -257,16 +285,20 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except (typer.Exit, SystemExit) as exc:
         sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
-    except typer.Abort:
-        _say("aborted")
+    except (typer.Abort, KeyboardInterrupt):
+        _say("error: interrupted")
         sys.exit(130)
-    except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
+    except click_exception as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `gradgen`: the help, as no_args_is_help asks
+            typer.echo(exc.ctx.get_help())
+            sys.exit(0)
+        _say(_usage_error_line(exc))
+        sys.exit(getattr(exc, "exit_code", 2) or 2)
+    except Exception as exc:  # anything unexpected: a bug
         if _state["debug"]:
             raise
         _say(f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback; please report it)")
         sys.exit(1)
+    if code == 130:  # typer turns Ctrl-C inside a command into Exit(130) and returns it
+        _say("error: interrupted")
+    sys.exit(code if isinstance(code, int) else 0)

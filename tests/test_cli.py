@@ -209,3 +209,45 @@ def test_random_inputs_are_valid_for_every_sample(tmp_path, capsys, monkeypatch)
             code, stdout, err = run_cli(capsys, monkeypatch, "run", model, "--random-inputs", "--seed", "3",
                                         "--device", "cpu")
             assert code == 0, f"{model}: {err}"
+
+
+USAGE_ERRORS = [
+    (["run", "--bogus"], "No such option: --bogus"),
+    (["build-backward", "MODEL"], "Missing option"),
+    (["nosuchcmd"], "No such command"),
+    (["run"], "Missing argument"),
+    (["run", "MODEL", "--seed", "abc"], "--seed"),
+    (["ops", "extra"], "unexpected extra argument"),
+    (["--debug", "run", "--bogus"], "No such option: --bogus"),
+]
+
+
+@pytest.mark.parametrize("args,expected", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_usage_errors_in_a_fresh_process(tiny, args, expected):
+    """As a user meets them: a real process, whatever click typer brings (typer >= 0.29 vendors its own)."""
+    argv = [str(tiny) if a == "MODEL" else a for a in args]
+    result = subprocess.run([sys.executable, "-m", "gradgen", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_bare_gradgen_prints_the_help(capsys, monkeypatch):
+    code, out, err = run_cli(capsys, monkeypatch)
+    assert code == 0
+    assert "build-backward" in out and "Traceback" not in err
+
+
+def test_ctrl_c_exits_130_and_says_so(tiny, capsys, monkeypatch):
+    import gradgen.api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gradgen.api, "build_backward", interrupted)
+    code, _, err = run_cli(capsys, monkeypatch, "build-backward", tiny, "-o", tiny.parent / "out.onnx")
+    assert code == 130
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    assert not (tiny.parent / "out.onnx").exists()
