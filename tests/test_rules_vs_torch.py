@@ -302,3 +302,22 @@ def _own_random_stream(request):
 
     global rng
     rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+# -- Clip with learnable bounds (a silent zero gradient before) -----------------------------------
+
+@pytest.mark.parametrize("bounds", [(-0.5, 0.7), (0.4, -0.2), (None, 0.3), (-0.1, None)])
+def test_clip_bounds_vs_torch_clamp(bounds):
+    x = rng.standard_normal((3, 7))
+    inputs = {"x": x}
+    order = ["x", "", ""]
+    for k, (name, value) in enumerate(zip(("lo", "hi"), bounds)):
+        if value is not None:
+            inputs[name] = np.array(value)
+            order[k + 1] = name
+    got, weights = run_gradgen("Clip", inputs, {}, {}, [x.shape], order=order)
+    want = torch_grads(lambda x, lo=None, hi=None: torch.clamp(x, lo, hi), inputs, weights)
+    assert_close(got, want)
+    for name in ("lo", "hi"):
+        if name in inputs:
+            assert np.any(got[name] != 0) or name == "lo" and bounds[0] > (bounds[1] if bounds[1] is not None else np.inf)

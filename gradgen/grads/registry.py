@@ -24,9 +24,14 @@ class GradRule:
     op_type: str
     fn: Callable | None  # None: non-differentiable
     broadcast: bool = False
-    # Positions of inputs that never get a gradient (indices, shapes, axes, ...). The walker does
-    # not propagate "requires gradient" through them.
+    # Positions of inputs whose gradient is zero by the op's definition: integer or bool data
+    # (indices, shapes, axes, conditions) and float inputs that do not change the output (CastLike's
+    # target). The walker does not propagate "requires gradient" through them.
     nondiff_inputs: frozenset[int] = frozenset()
+    # Positions of float inputs that do change the output but whose gradient gradgen does not
+    # compute (Resize's roi and scales). A differentiated tensor reaching one is an error naming the
+    # node, never a silent zero.
+    unsupported_inputs: frozenset[int] = frozenset()
 
     @property
     def differentiable(self) -> bool:
@@ -36,15 +41,20 @@ class GradRule:
 _RULES: dict[tuple[str, str], GradRule] = {}
 
 
-def grad_rule(*op_types: str, domain: str = "", broadcast: bool = False, nondiff_inputs=()):
-    """Register ``fn`` as the gradient rule of ``op_types``."""
+def grad_rule(*op_types: str, domain: str = "", broadcast: bool = False, nondiff_inputs=(), unsupported_inputs=()):
+    """Register ``fn`` as the gradient rule of ``op_types``.
+
+    A rule returns a gradient for every input the walker asks for (``g.needs(i)``), or raises a
+    ModelError saying why it cannot; returning None for a wanted input is a bug the walker reports.
+    """
 
     def register(fn: Callable) -> Callable:
         for op_type in op_types:
             key = (normalize_domain(domain), op_type)
             if key in _RULES:
                 raise RuntimeError(f"duplicate gradient rule for {key}")
-            _RULES[key] = GradRule(key[0], op_type, fn, broadcast, frozenset(nondiff_inputs))
+            _RULES[key] = GradRule(key[0], op_type, fn, broadcast, frozenset(nondiff_inputs),
+                                   frozenset(unsupported_inputs))
         return fn
 
     return register

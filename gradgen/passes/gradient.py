@@ -98,12 +98,13 @@ class GradientPass(ir.passes.InPlacePass):
         loss = choose_loss(graph, self.spec.loss)
         nodes = list(graph)
         ancestors = _ancestor_values(loss, nodes)
-        wrt = choose_wrt(graph, self.spec, ancestors)
+        wrt = choose_wrt(graph, self.spec, _ancestor_values(loss, nodes, differentiable_only=True))
         self.loss_name, self.wrt_names = loss.name, [v.name for v in wrt]
 
         requires = _values_requiring_grad(wrt, nodes)
         active = [n for n in nodes if any(o.name in ancestors and o.name in requires for o in n.outputs)]
         rules = _rules_for(active)
+        _refuse_unsupported_inputs(nodes, ancestors, requires)
 
         builder = Builder(graph, opset)
         if "com.microsoft" not in model.opset_imports:
@@ -116,7 +117,7 @@ class GradientPass(ir.passes.InPlacePass):
             if all(g is None for g in output_grads):
                 continue
             rule = rules[node]
-            wanted = [v is not None and v.name in requires and i not in rule.nondiff_inputs
+            wanted = [v is not None and v.name in requires and i not in _no_gradient_positions(rule)
                       for i, v in enumerate(node.inputs)]
             builder.prefix = f"{node.name or node.op_type}_Grad"
             input_grads = rule.fn(GradContext(builder, node, output_grads, wanted))
@@ -200,9 +201,11 @@ def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
     differentiable = [i for i, w in enumerate(wanted) if w]
     for i in differentiable:
         grad = input_grads[i] if i < len(input_grads) else None
-        if grad is None:
-            continue
         x = node.inputs[i]
+        if grad is None:  # a zero here would be a silent wrong gradient: the rule must say why instead
+            raise ModelError(f"node {node.name or '<unnamed>'!r} ({node.op_type}): its gradient rule gives no "
+                             f"gradient for input {i} ({x.name!r}), which the loss depends on; "
+                             "this is a gradgen bug, please report it")
         if rule.broadcast:
             partner = None
             if len(node.inputs) == 2:
@@ -230,8 +233,20 @@ def _gradient_output(builder: Builder, grads: _Contributions, x: ir.Value) -> ir
     return total
 
 
-def _ancestor_values(loss: ir.Value, nodes: list[ir.Node]) -> set[str]:
-    """Names of every value the loss depends on (the loss included)."""
+def _no_gradient_positions(rule: GradRule | None) -> frozenset[int]:
+    """Input positions through which no gradient flows back (see GradRule)."""
+    if rule is None:
+        return frozenset()
+    return rule.nondiff_inputs | rule.unsupported_inputs
+
+
+def _ancestor_values(loss: ir.Value, nodes: list[ir.Node], differentiable_only: bool = False) -> set[str]:
+    """Names of every value the loss depends on (the loss included).
+
+    With ``differentiable_only``, only through inputs that carry a gradient: a path through a
+    non-differentiable op or input (shapes, indices, Resize's scales) does not count, so the
+    default ``--wrt`` picks parameters, not configuration tensors.
+    """
     seen = {loss.name}
     stack = [loss]
     while stack:
@@ -239,7 +254,15 @@ def _ancestor_values(loss: ir.Value, nodes: list[ir.Node]) -> set[str]:
         producer = value.producer()
         if producer is None:
             continue
-        for inp in producer.inputs:
+        skipped: frozenset[int] = frozenset()
+        if differentiable_only:
+            rule = lookup_rule(producer.domain, producer.op_type)
+            if rule is not None and not rule.differentiable:
+                continue
+            skipped = _no_gradient_positions(rule)
+        for i, inp in enumerate(producer.inputs):
+            if i in skipped:
+                continue
             if inp is not None and inp.name not in seen:
                 seen.add(inp.name)
                 stack.append(inp)
@@ -275,12 +298,28 @@ def _values_requiring_grad(wrt: list[ir.Value], nodes: list[ir.Node]) -> set[str
         rule = lookup_rule(node.domain, node.op_type)
         if rule is not None and not rule.differentiable:
             continue
-        nondiff = rule.nondiff_inputs if rule is not None else frozenset()
+        nondiff = _no_gradient_positions(rule)
         reached = any(v is not None and v.name in requires and i not in nondiff for i, v in enumerate(node.inputs))
         reached = reached or any(v.name in requires for v in _subgraph_inputs(node))
         if reached:
             requires.update(o.name for o in node.outputs if o.name and (o.dtype is None or is_float(o)))
     return requires
+
+
+def _refuse_unsupported_inputs(nodes: list[ir.Node], ancestors: set[str], requires: set[str]) -> None:
+    """A differentiated tensor that reaches an input gradgen cannot differentiate is an error."""
+    offenders = []
+    for node in nodes:
+        rule = lookup_rule(node.domain, node.op_type)
+        if rule is None or not rule.unsupported_inputs or not any(o.name in ancestors for o in node.outputs):
+            continue
+        for i in sorted(rule.unsupported_inputs):
+            value = node.inputs[i] if i < len(node.inputs) else None
+            if value is not None and value.name in requires:
+                offenders.append(f"input {i} ({value.name!r}) of {node.op_type} node {node.name or '<unnamed>'!r}")
+    if offenders:
+        raise ModelError(f"gradgen has no gradient for {'; '.join(offenders)}, and it depends on a tensor being "
+                         "differentiated; leave that tensor out of --wrt or --freeze it")
 
 
 def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:

@@ -126,6 +126,12 @@ CASES += [
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), np.array(0.0)], const=(1,), name="Clip_min"),
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), None, np.array(0.5)], const=(2,), name="Clip_max"),
     GradCase("Clip", [r(2, 3)], name="Clip_none"),
+    # Learnable bounds (PACT-style): the bounds get the summed gradient of the elements they decide.
+    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9, -1.2]), np.array(-1.0), np.array(1.0)], name="Clip_bounds"),
+    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), np.array(0.0)], name="Clip_min_bound"),
+    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), None, np.array(0.5)], name="Clip_max_bound"),
+    # min > max: every output is max, so only max gets a gradient.
+    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), np.array(0.8), np.array(-0.3)], name="Clip_crossed_bounds"),
     # Sum/Mean: variadic with broadcasting.
     GradCase("Sum", [r(2, 3), r(3), r(1, 1)], name="Sum3_bcast"),
     GradCase("Sum", [r(2, 1, 3), r(4, 1)], name="Sum2_bcast"),

@@ -207,7 +207,7 @@ def global_max_pool(g):
     return [g.op("Mul", mask, g.op("Div", g.dy(), count))]
 
 
-@grad_rule("Resize", nondiff_inputs=(1, 2, 3))
+@grad_rule("Resize", nondiff_inputs=(3,), unsupported_inputs=(1, 2))
 def resize(g):
     """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,
     so dX applies M^T axis by axis (a MatMul with M on dY moved to the last axis). The matrices are

@@ -374,18 +374,39 @@ def max_min(g):
     return [g.op("Mul", share, hit) if g.needs(i) else None for i, hit in enumerate(hits)]
 
 
-@grad_rule("Clip", nondiff_inputs=(1, 2))
+@grad_rule("Clip")
 def clip(g):
-    x, lo, hi, dy = g.x(0), g.x(1), g.x(2), g.dy()
-    conds = []
-    if lo is not None and lo.name:
-        conds.append(g.op("GreaterOrEqual", x, lo))
-    if hi is not None and hi.name:
-        conds.append(g.op("LessOrEqual", x, hi))
-    if not conds:
-        return [dy]
-    inside = conds[0] if len(conds) == 1 else g.op("And", *conds)
-    return [_mask(g, inside, dy)]
+    """Y = min(max(X, lo), hi); ONNX makes every output hi when lo > hi. Each element's gradient goes
+    to exactly one of X (lo <= X <= hi), lo (X < lo <= hi) or hi (X > hi, or lo > hi), so the three
+    sum to dY. The bounds are scalars: their gradients are sums over the elements they decide
+    (learnable clip bounds, as in PACT quantisation; torch.clamp with tensor bounds agrees except
+    at lo == hi, where it gives no one the gradient and this rule gives it to lo)."""
+    x, dy = g.x(0), g.dy()
+    lo = g.x(1) if g.x(1) is not None and g.x(1).name else None
+    hi = g.x(2) if g.x(2) is not None and g.x(2).name else None
+    result = [None, None, None]
+    if g.needs(0):
+        conds = []
+        if lo is not None:
+            conds.append(g.op("GreaterOrEqual", x, lo))
+        if hi is not None:
+            conds.append(g.op("LessOrEqual", x, hi))
+        if not conds:
+            result[0] = dy
+        else:
+            result[0] = _mask(g, conds[0] if len(conds) == 1 else g.op("And", *conds), dy)
+    crossed = g.op("Greater", lo, hi) if lo is not None and hi is not None and (g.needs(1) or g.needs(2)) else None
+    if g.needs(1):
+        lo_decides = g.op("Less", x, lo)
+        if crossed is not None:
+            lo_decides = g.op("And", lo_decides, g.op("Not", crossed))
+        result[1] = g.reshape_like(g.reduce_sum(_mask(g, lo_decides, dy), None, keepdims=0), lo)
+    if g.needs(2):
+        hi_decides = g.op("Greater", x, hi)
+        if crossed is not None:
+            hi_decides = g.op("Or", hi_decides, crossed)
+        result[2] = g.reshape_like(g.reduce_sum(_mask(g, hi_decides, dy), None, keepdims=0), hi)
+    return result[:len(g.node.inputs)]
 
 
 # -- variadic sums ---------------------------------------------------------------------------
