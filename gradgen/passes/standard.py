@@ -38,11 +38,7 @@ class ShapeInferencePass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        proto = ir.to_proto(model)
-        try:
-            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
-        except Exception as exc:
-            raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
+        inferred, corrected = _infer_shapes(ir.to_proto(model))
         values = _values_by_name(model.graph)
         modified = False
         for info in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -54,10 +50,91 @@ class ShapeInferencePass(ir.passes.InPlacePass):
             if value.type is None and elem_type:
                 value.type = ir.TensorType(ir.DataType(elem_type))
                 modified = True
-            if shape is not None and (value.shape is None or _more_specific(shape, value.shape)):
+            if shape is not None and (value.shape is None or info.name in corrected
+                                      or _more_specific(shape, value.shape)):
                 value.shape = shape
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+_POOL_OPS = ("MaxPool", "AveragePool", "LpPool")
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """ONNX shape inference, with pooling outputs set by gradgen's pooled-shape rule.
+
+    Before opset 22, ONNX's inference keeps a ceil_mode window that starts past the input (e.g.
+    kernel 1, stride 2 on 2 elements gives 2 outputs; the kernels, PyTorch and ONNX Runtime give 1).
+    Such outputs are declared with the right shape and inference runs again, so that everything
+    downstream (and the gradients built from these shapes) sees the shape the kernels produce.
+    Returns the inferred model and the names of the corrected values.
+    """
+    corrected: dict[str, onnx.ValueInfoProto] = {}
+    # Each round settles at least the first pool (in graph order) still wrong, so this ends.
+    for _ in range(2 + sum(node.op_type in _POOL_OPS for node in proto.graph.node)):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(_declare(proto, corrected.values()), check_type=False,
+                                                         strict_mode=False, data_prop=True)
+        except Exception as exc:
+            raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
+        fixes = _pool_shape_fixes(inferred)
+        if not fixes:
+            break
+        corrected.update((info.name, info) for info in fixes)
+    return inferred, set(corrected)
+
+
+def _declare(proto: onnx.ModelProto, infos) -> onnx.ModelProto:
+    """A copy of ``proto`` whose graph declares the types ``infos`` (replacing earlier declarations)."""
+    infos = {info.name: info for info in infos}
+    if not infos:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    graph = copy.graph
+    for output in graph.output:
+        if output.name in infos:
+            output.type.CopyFrom(infos[output.name].type)
+    kept = [v for v in graph.value_info if v.name not in infos]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    outputs = {o.name for o in graph.output}
+    graph.value_info.extend(info for name, info in infos.items() if name not in outputs)
+    return copy
+
+
+def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Pool outputs (top-level graph) whose inferred shape differs from the pooled-shape rule's."""
+    from gradgen.errors import KernelError
+    from gradgen.kernels.cpu.nn import pool_output_shape
+
+    graph = inferred.graph
+    types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]
+             if v.type.HasField("tensor_type")}
+    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
+                  for t in graph.initializer})
+    fixes = []
+    for node in graph.node:
+        if node.op_type not in _POOL_OPS or node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        x = types.get(node.input[0])
+        if x is None or not x.HasField("shape") or len(x.shape.dim) < 3 or \
+                not all(d.HasField("dim_value") for d in x.shape.dim):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        try:
+            want = pool_output_shape([d.dim_value for d in x.shape.dim], attrs)
+        except KernelError:  # an invalid geometry: the kernel reports it when the node runs
+            continue
+        for k, name in enumerate(node.output[:2]):
+            have = types.get(name)
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in have.shape.dim] \
+                if have is not None and have.HasField("shape") else None
+            if name and dims != want:
+                elem = onnx.TensorProto.INT64 if k == 1 else (have.elem_type if have is not None and have.elem_type
+                                                              else x.elem_type)
+                fixes.append(onnx.helper.make_tensor_value_info(name, elem, want))
+    return fixes
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:

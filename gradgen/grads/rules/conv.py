@@ -13,7 +13,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.errors import ModelError
+from gradgen.errors import KernelError, ModelError
 from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.grads.registry import grad_rule
 from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
@@ -133,6 +133,8 @@ def max_pool(g):
 @grad_rule("AveragePool")
 def average_pool(g):
     """dX = S^T(dY / divisor), S the window sum: ConvGrad with a ones kernel on (N*C, 1, spatial)."""
+    from gradgen.kernels.cpu.nn import pool_geometry
+
     x, y, dy = g.x(0), g.y(), g.dy()
     attrs = _forward_attrs(g)
     kernel = attrs["kernel_shape"]
@@ -149,12 +151,12 @@ def average_pool(g):
         spatial = (dims_of(x) or [None] * (nd + 2))[2:]
         if not is_static(spatial):
             raise ModelError(f"{_where(g)}: AveragePool with ceil_mode=1 needs static spatial dims for its gradient")
-        for i, (n, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations)):
-            span = (k - 1) * d + 1
-            out = -(-(n + pads[i] + pads[nd + i] - span) // s) + 1
-            if (out - 1) * s >= n + pads[i]:
-                out -= 1
-            pads[nd + i] = max(pads[nd + i], (out - 1) * s + span - n - pads[i])
+        # ceil_mode windows as explicit end padding, from the pooled-shape rule the kernels use
+        try:
+            _, _, _, begin, end, _ = pool_geometry([1, 1, *spatial], {**attrs, "pads": pads})
+        except KernelError as exc:
+            raise ModelError(f"{_where(g)}: {exc}") from None
+        pads = list(begin) + list(end)
         auto_pad = "NOTSET"
     geometry = {"strides": strides, "dilations": dilations}
     if auto_pad == "NOTSET":

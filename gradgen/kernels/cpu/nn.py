@@ -94,6 +94,24 @@ def _spatial_attrs(x_shape, kernel, strides, dilations, pads, auto_pad, ceil_mod
     return kernel, strides, dilations, begin, end, out
 
 
+def pool_geometry(x_shape, attrs):
+    """``_spatial_attrs`` from a pool node's attributes (a mapping of plain values): the one pooled-shape
+    rule that the CPU and CUDA kernels, the pooling gradients and shape inference share.
+
+    With ``ceil_mode=1`` a last window that would start past the input and its begin padding is
+    dropped (as PyTorch and ONNX Runtime do; ONNX's shape inference before opset 22 keeps it).
+    """
+    get = attrs.get
+    return _spatial_attrs(x_shape, get("kernel_shape"), get("strides"), get("dilations"), get("pads"),
+                          get("auto_pad", "NOTSET"), get("ceil_mode", 0))
+
+
+def pool_output_shape(x_shape, attrs) -> list[int]:
+    """The output shape of MaxPool / AveragePool / LpPool on an input of static shape ``x_shape``."""
+    *_, out = pool_geometry(x_shape, attrs)
+    return [int(x_shape[0]), int(x_shape[1]), *out]
+
+
 def _windows(xp, kernel, strides, dilations, out):
     """(N, C, *out, *kernel) view of the windows of an already padded input."""
     n = len(kernel)
