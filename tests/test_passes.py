@@ -53,3 +53,28 @@ def test_shape_of_a_static_tensor_folds_to_a_constant():
     model = _if_model([2, 3])
     built = gradgen.build_backward(model)
     assert not any(node.op_type == "Shape" and node.inputs[0].name == "x" for node in built.model.graph)
+
+
+def test_shape_inference_sees_weights_shapes_without_their_data(monkeypatch):
+    """Large initializers reach ONNX shape inference as typed inputs: no copy of the weights per pass."""
+    import onnx_ir as ir
+
+    from gradgen import passes
+
+    w = numpy_helper.from_array(np.ones((256, 64), np.float32), "w")
+    shape = numpy_helper.from_array(np.array([-1, 32], np.int64), "shape")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                               helper.make_node("Reshape", ["h", "shape"], ["r"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256])],
+                              [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)], initializer=[w, shape])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    seen = []
+    real = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda proto, **kw: seen.append(proto.ByteSize()) or real(proto, **kw))
+    before = [v.name for v in model.graph.initializers.values()], [v.name for v in model.graph.inputs]
+    passes.ShapeInferencePass()(model)
+    assert seen and max(seen) < 4096  # the 64 KB weight did not travel
+    assert ([v.name for v in model.graph.initializers.values()], [v.name for v in model.graph.inputs]) == before
+    assert model.graph.initializers["w"].const_value is not None
+    values = {n.outputs[0].name: n.outputs[0] for n in model.graph}
+    assert list(values["h"].shape)[1] == 64 and list(values["r"].shape)[1] == 32  # data propagation kept

@@ -38,7 +38,7 @@ class ShapeInferencePass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        inferred, corrected = _infer_shapes(ir.to_proto(model))
+        inferred, corrected = _infer_shapes(_proto_without_weights(model))
         values = _values_by_name(model.graph)
         modified = False
         for info in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -58,6 +58,37 @@ class ShapeInferencePass(ir.passes.InPlacePass):
 
 
 _POOL_OPS = ("MaxPool", "AveragePool", "LpPool")
+# Initializers above this size travel to ONNX shape inference as typed graph inputs, without data:
+# it needs only their types and shapes (data propagation reads small integer tensors), and
+# serialising the weights cost seconds and a copy of the model per inference.
+_INFERENCE_DATA_LIMIT = 1024
+
+
+def _proto_without_weights(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a ModelProto in which large initializers are typed inputs without data.
+
+    The model is changed only for the duration of the serialisation and restored exactly
+    (initializer order and graph inputs included).
+    """
+    graph = model.graph
+    initializers, inputs = list(graph.initializers.values()), list(graph.inputs)
+    large = [v for v in initializers if v.const_value is not None and v.const_value.nbytes > _INFERENCE_DATA_LIMIT]
+    try:
+        for value in large:
+            if value.shape is None:
+                value.shape = ir.Shape(value.const_value.shape)
+            if value.type is None:
+                value.type = ir.TensorType(value.const_value.dtype)
+            graph.initializers.pop(value.name)
+            if value not in inputs:
+                graph.inputs.append(value)
+        return ir.to_proto(model)
+    finally:
+        graph.inputs.clear()
+        graph.inputs.extend(inputs)
+        graph.initializers.clear()
+        for value in initializers:
+            graph.initializers.add(value)
 
 
 def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
@@ -188,7 +219,10 @@ class FoldShapeArithmeticPass(ir.passes.InPlacePass):
         from gradgen.kernels import registry
 
         graph = model.graph
-        known = {name: v.const_value.numpy() for name, v in graph.initializers.items() if v.const_value is not None}
+        # Only small constants can feed a fold (weights never do): reading every initializer's
+        # data here cost a pass over the whole model.
+        known = {name: v.const_value.numpy() for name, v in graph.initializers.items()
+                 if v.const_value is not None and v.const_value.size <= self.MAX_ELEMENTS}
         outputs = {v.name for v in graph.outputs}
         modified = False
         for node in list(graph):
