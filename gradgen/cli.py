@@ -226,19 +226,17 @@ def check(
     typer.echo(f"all {len(report.tensors)} gradient(s) match finite differences ({seconds:.2f} s)")
 
 
-@app.command("bench")
-def bench(
-    only: Optional[List[str]] = typer.Option(
-        None, "--only", help="Run only these groups (repeatable): slice, gather, gather_elements, bga, reduce, conv, step."),
-) -> None:
-    """Time gradgen's GPU kernels and full training steps against PyTorch in the same process (needs a GPU)."""
-    from gradgen.bench import main as bench_main
-    from gradgen.errors import UsageError
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                         "help_option_names": []})
+def bench(ctx: typer.Context) -> None:
+    """Time gradgen against PyTorch and ONNX Runtime: GPU kernels, real-size training steps (--only e2e),
+    the CPU path (--only cpu). 'gradgen bench --help' lists the groups and options."""
+    from gradgen.bench import run as bench_run
 
-    argv = [arg for group in (only or []) for arg in ("--only", group)]
-    code = bench_main(argv)
-    if code:
-        raise UsageError("gradgen bench needs a usable GPU and PyTorch with CUDA")
+    argv = list(ctx.args)  # the options are gradgen.bench's own (one home for them)
+    if _state["debug"] and "--debug" not in argv:
+        argv.append("--debug")
+    bench_run(argv)
 
 
 def _click_exception_type() -> type:

@@ -1,4 +1,5 @@
-"""Benchmarks of gradgen kernels and training steps against PyTorch (run on a GPU machine)."""
+"""The GPU kernel groups of ``gradgen bench`` (slice, gather, gather_elements, reduce, bga, conv) and the
+small samples' training step (step): gradgen against PyTorch in the same process."""
 
 from __future__ import annotations
 
@@ -578,46 +579,3 @@ def bench_broadcast_reduction(reps: int = 50) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - one failing launcher should not hide the rest
             print(f"{name}: failed: {type(exc).__name__}: {exc}")
     return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run every benchmark on the GPU and print one table per group, with the device and date."""
-    import argparse
-    import datetime
-
-    parser = argparse.ArgumentParser(prog="gradgen bench", description=main.__doc__)
-    parser.add_argument("--only", action="append", choices=["slice", "gather", "gather_elements", "reduce", "bga", "conv", "step"],
-                        help="run only these groups (repeatable); default: all")
-    args = parser.parse_args(argv)
-    from gradgen.executor.cuda_probe import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        print(f"gradgen bench needs a GPU: {reason}")
-        return 2
-    import pycuda.autoprimaryctx  # noqa: F401
-    from pycuda import driver
-
-    print(f"device: {driver.Context.get_device().name()}; date: {datetime.date.today().isoformat()}")
-    groups = args.only or ["slice", "gather", "gather_elements", "reduce", "bga", "conv", "step"]
-    for group in groups:
-        if group == "slice":
-            bench_slice_grad()
-        elif group == "gather":
-            bench_gather_grad()
-        elif group == "gather_elements":
-            bench_gather_elements_grad()
-        elif group == "reduce":
-            bench_broadcast_reduction()
-        elif group == "bga":
-            bench_broadcast_gradient_args()
-        elif group == "conv":
-            bench_conv_grad()
-        elif group == "step":
-            bench_full_step("cnn", 64)
-            bench_full_step("transformer", 16)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""The CPU group: gradgen's CPU step against ONNX Runtime and PyTorch eager, and build-backward time.
+
+For the bundled samples, a GPT-2-small-layout model (B=1, T=128) and a ResNet-18 (B=4, 224x224):
+one forward + backward step (median after warm-up) of
+
+- ONNX Runtime (CPU provider) on gradgen's ``--portable`` backward graph,
+- gradgen on the same portable graph (the ratio the issue asks for) and on its default graph,
+- PyTorch eager (forward + ``loss.backward()``) on the model itself (a sample's model class comes
+  from ``samples/make_samples.py``),
+
+at one thread and at all cores. Each thread count runs in its own child process whose environment
+sets ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` (numpy's BLAS, PyTorch's
+and ONNX Runtime's OpenMP); inside it ``torch.set_num_threads`` and ONNX Runtime's
+``intra_op_num_threads`` are set, and threadpoolctl limits the BLAS too where it is installed.
+Then the in-process build-backward time of a 48-layer GPT-2 layout (small width: the graph, not
+the weights, is what the builder walks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from gradgen.bench import models
+from gradgen.bench.measure import fmt_ms, fmt_ratio, median, run_child, table
+
+SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+@dataclasses.dataclass
+class CpuOptions:
+    specs: list[models.ModelSpec]
+    samples: list[str] | None = None  # sample directory names; None: every bundled sample
+    threads: list[int] | None = None  # default: 1 and every core
+    warmup: int = 1
+    steps: int = 20  # at most, per measurement ...
+    budget_s: float = 10.0  # ... and stop after this many seconds (at least 3 steps)
+    sample_steps: int = 50
+    build_layers: int = 48
+    on_update: Callable[[dict], None] | None = None  # called with the report as results come in
+    child_timeout_s: float = 3600.0
+    keep_dir: Path | None = None
+    debug: bool = False
+
+
+def all_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_specs() -> list[models.ModelSpec]:
+    return [models.preset("gpt2s", batch=1, size=128), models.preset("resnet18", batch=4)]
+
+
+@functools.lru_cache(maxsize=None)
+def _samples_script(path: str):
+    name = "gradgen_bench_make_samples"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_sample_case(script: str, family: str):
+    """The PyTorch model and inputs of a sample family, built by samples/make_samples.py."""
+    return _samples_script(script).build_case(family)
+
+
+def sample_dirs(names: list[str] | None) -> list[Path]:
+    """Bundled sample directories (those named, or all); an unknown name is a usage error."""
+    from gradgen.errors import UsageError
+
+    if not SAMPLES_DIR.is_dir():
+        if names:
+            raise UsageError(f"no bundled samples at {SAMPLES_DIR} (a source checkout has them)")
+        return []
+    found = {p.name: p for p in sorted(SAMPLES_DIR.iterdir()) if (p / "model.onnx").is_file()}
+    unknown = [n for n in names or [] if n not in found]
+    if unknown:
+        raise UsageError(f"unknown sample(s) {', '.join(unknown)}: choose from {', '.join(found)}")
+    return [found[n] for n in names] if names else list(found.values())
+
+
+def _write_graphs(proto_or_path, workdir: Path, name: str, wrt=None) -> dict:
+    """Build the default and the portable backward graphs and save both."""
+    import gradgen
+    from gradgen.model_io import save_model
+
+    paths = {"default": workdir / f"{name}-grad.onnx", "portable": workdir / f"{name}-grad-portable.onnx"}
+    t0 = time.perf_counter()
+    save_model(gradgen.build_backward(proto_or_path, wrt=wrt).model, paths["default"])
+    build_s = time.perf_counter() - t0
+    save_model(gradgen.build_backward(proto_or_path, wrt=wrt, portable=True).model, paths["portable"])
+    return {k: str(v) for k, v in paths.items()} | {"build_s": build_s}
+
+
+def _prepare_cases(options: CpuOptions, workdir: Path) -> list[dict]:
+    cases = []
+    script = SAMPLES_DIR / "make_samples.py"
+    for directory in sample_dirs(options.samples):
+        family = json.loads((directory / "meta.json").read_text())["family"]
+        case = {"name": f"sample {directory.name}", "inputs": str(directory / "inputs.npz"),
+                "steps": options.sample_steps, "torch": {"kind": "sample", "script": str(script), "family": family}}
+        cases.append(case | _write_graphs(directory / "model.onnx", workdir, directory.name))
+    for spec in options.specs:
+        model = models.build_module(spec)
+        inputs = models.make_inputs(spec)
+        np.savez(workdir / f"{spec.name}-inputs.npz", **inputs)
+        proto = models.export(model, inputs)
+        case = {"name": f"{spec.name} {spec.shape_text}", "inputs": str(workdir / f"{spec.name}-inputs.npz"),
+                "torch": {"kind": "spec", "spec": spec.to_json()}}
+        cases.append(case | _write_graphs(proto, workdir, spec.name, wrt=models.parameter_names(model)))
+    return cases
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({name: str(threads) for name in THREAD_VARIABLES})
+    return env
+
+
+def measure_build(layers: int, *, repeats: int = 3) -> dict:
+    """In-process build-backward time of a ``layers``-deep GPT-2 layout of small width (median of repeats)."""
+    import gradgen
+
+    spec = models.preset("gpt2s", batch=1, size=32, layers=layers, d=64, heads=4)
+    spec = dataclasses.replace(spec, arch={**spec.arch, "vocab": 512, "max_len": 64})
+    model = models.build_module(spec)
+    proto = models.export(model, models.make_inputs(spec))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gradgen.build_backward(proto)
+        times.append(time.perf_counter() - t0)
+    nodes = len(proto.graph.node)
+    return {"layers": layers, "forward_nodes": nodes, "build_s": median(times), "times_s": times,
+            "us_per_forward_node": median(times) / nodes * 1e6, "width": spec.arch["d"]}
+
+
+def run(options: CpuOptions) -> dict:
+    import platform
+
+    import onnxruntime
+    import torch
+
+    threads = options.threads or sorted({1, all_cores()})
+    report = {"group": "cpu", "header": {"date": time.strftime("%Y-%m-%dT%H:%M"), "cpu": _cpu_name(),
+                                         "cores": all_cores(), "python": platform.python_version(),
+                                         "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
+                                         "torch": torch.__version__}, "runs": {}}
+    h = report["header"]
+    print(f"cpu: {h['cpu']}, {h['cores']} cores; numpy {h['numpy']}, onnxruntime {h['onnxruntime']}, torch "
+          f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="gradgen-bench-cpu-", dir=options.keep_dir))
+    try:
+        cases = _prepare_cases(options, workdir)
+        report["build_backward_s"] = {c["name"]: c["build_s"] for c in cases}
+        for n in threads:
+            print(f"-- {n} thread(s)", flush=True)
+            task = {"label": f"cpu-{n}", "threads": n, "cases": cases, "warmup": options.warmup,
+                    "steps": options.steps, "budget_s": options.budget_s, "debug": options.debug}
+            report["runs"][str(n)] = run_child("cpu-threads", task, workdir, timeout_s=options.child_timeout_s,
+                                               env=thread_env(n))
+            _save(options, report)
+    finally:
+        if options.keep_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if options.build_layers:
+        print(f"-- build-backward of a {options.build_layers}-layer GPT-2 layout", flush=True)
+        report["build"] = measure_build(options.build_layers)
+    _save(options, report)
+    print(format_report(report), flush=True)
+    return report
+
+
+def _save(options: CpuOptions, report: dict) -> None:
+    if options.on_update is not None:
+        options.on_update(report)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def format_report(report: dict) -> str:
+    rows, methods, failures = [], [], []
+    for n, run in report["runs"].items():
+        if run.get("error"):
+            failures.append(f"{n} thread(s): the child failed: {run['error']}")
+        method = run.get("thread_method")
+        if method and method not in methods:
+            methods.append(method)
+        for name, r in run.get("cases", {}).items():
+            failures += [f"{name}, {n} thread(s), {k[:-len('_ms_error')]}: {v}" for k, v in r.items()
+                         if k.endswith("_error")]
+            rows.append([name, n, fmt_ms(r.get("torch_ms")), fmt_ms(r.get("ort_ms")), fmt_ms(r.get("gradgen_portable_ms")),
+                         fmt_ratio(r.get("gradgen_portable_ms"), r.get("ort_ms")),
+                         fmt_ratio(r.get("gradgen_portable_ms"), r.get("torch_ms")), fmt_ms(r.get("gradgen_ms"))])
+    lines = ["\nCPU step (ms); gradgen/ORT and gradgen/torch: gradgen on the portable graph ORT runs "
+             "(above 1: gradgen slower)",
+             table(["model", "threads", "torch eager", "ORT", "gradgen", "gradgen/ORT", "gradgen/torch",
+                    "gradgen default graph"], rows)]
+    lines += [f"  threads set by: {m}" for m in methods]
+    lines += [f"  failed: {f}" for f in failures]
+    build = report.get("build")
+    if build:
+        lines.append(f"build-backward, GPT-2 layout {build['layers']} layers (width {build['width']}): "
+                     f"{build['build_s']:.2f} s for {build['forward_nodes']} forward nodes "
+                     f"({build['us_per_forward_node']:.0f} us per node), in-process, median of {len(build['times_s'])}")
+    return "\n".join(lines)

@@ -1,0 +1,364 @@
+"""The child side of the benchmark groups: ``python -m gradgen.bench.worker TASK.json``.
+
+One process measures one framework (so device memory is its own). The task (JSON, written by the
+parent) names the job and its files; the result (JSON) goes to ``task["result"]``. Any exception
+becomes ``{"error": ...}`` in the result, so the parent reports it and goes on.
+
+Jobs:
+- ``torch-step`` / ``gradgen-step``: one forward + backward step on a fixed batch, timed;
+  optionally the gradients are saved for the parent's comparison.
+- ``torch-varlen`` / ``gradgen-varlen``: the variable-length loop (a new sequence length each
+  step, several passes over the lengths).
+- ``cpu-threads``: the CPU group at one thread count (PyTorch eager, ONNX Runtime, gradgen).
+
+A step reads the loss back to the host, so its wall-clock time is the whole step; the batch is
+copied from host memory each step by every framework (gradgen's ``Session.run`` takes numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from gradgen.bench.measure import (DeviceMemory, error_text, is_out_of_memory, median, time_adaptive, time_steps,
+                                   write_json_atomic)
+from gradgen.bench.models import ModelSpec, build_module
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch
+
+
+def _torch_setup(device: str):
+    """Import torch with TF32 off everywhere; on CUDA create the context and return a memory probe."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    if device != "cuda":
+        return torch, None
+    memory = DeviceMemory(torch.cuda.mem_get_info)  # the first call creates the context
+    return torch, memory
+
+
+def _torch_model(task: dict, torch, device: str):
+    spec = ModelSpec.from_json(task["spec"])
+    model = build_module(spec)
+    model.load_state_dict(torch.load(task["state"], weights_only=True))
+    return model.to(device)
+
+
+def _torch_step(torch, model, forward, host_inputs: dict, device: str):
+    """forward + backward on a batch copied from host memory; returns the loss as a float."""
+    params = list(model.parameters())
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in host_inputs.items()}
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = forward(*(t.to(device) for t in tensors.values()))
+        loss.backward()
+        value = loss.item()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return value
+
+    return step
+
+
+def _torch_memory(torch, memory: DeviceMemory | None) -> dict:
+    if memory is None:
+        return {}
+    return {"used_after_bytes": memory.sample(), "max_sampled_bytes": memory.max_seen,
+            "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "torch_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+def _device_info_torch(torch, device: str) -> dict:
+    info = {"torch": torch.__version__}
+    if device == "cuda":
+        info.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return info
+
+
+def job_torch_step(task: dict) -> dict:
+    device = task["device"]
+    torch, memory = _torch_setup(device)
+    model = _torch_model(task, torch, device)
+    forward = torch.compile(model) if task["framework"] == "compile" else model
+    inputs = dict(np.load(task["inputs"]))
+    step = _torch_step(torch, model, forward, inputs, device)
+    t0 = time.perf_counter()
+    loss = step()
+    first_s = time.perf_counter() - t0
+    times = time_steps(step, warmup=max(0, task["warmup"] - 1), steps=task["steps"],
+                       after=None if memory is None else memory.sample)
+    result = {"framework": task["framework"], "loss": loss, "first_step_s": first_s, "step_ms": times,
+              "median_ms": median(times), "memory": _torch_memory(torch, memory),
+              "info": _device_info_torch(torch, device)}
+    if task.get("grads"):
+        np.savez(task["grads"], **{name: p.grad.detach().cpu().numpy() for name, p in model.named_parameters()
+                                   if p.grad is not None})
+    return result
+
+
+def _run_lengths(step_for_length, lengths: list[int], passes: int, memory: DeviceMemory | None) -> dict:
+    """The variable-length loop: ``passes`` passes over ``lengths``, one step each, timed; stops at the
+    first failure (recorded with where it happened and whether it was an out-of-memory)."""
+    done = []
+    for p in range(passes):
+        record = {"pass": p + 1, "step_ms": [], "lengths": [], "max_used_bytes": None}
+        done.append(record)
+        for length in lengths:
+            t0 = time.perf_counter()
+            try:
+                step_for_length(length)
+            except Exception as exc:  # noqa: BLE001 - the failure is the measurement
+                record["failure"] = {"pass": p + 1, "length": length, "step": len(record["step_ms"]) + 1,
+                                     "out_of_memory": is_out_of_memory(exc), "message": error_text(exc)}
+                if memory is not None:
+                    record["max_used_bytes"] = memory.max_seen
+                return {"passes": done, "failure": record["failure"]}
+            record["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            record["lengths"].append(length)
+            if memory is not None:
+                used = memory.sample()
+                record["max_used_bytes"] = max(used, record["max_used_bytes"] or 0)
+    return {"passes": done, "failure": None}
+
+
+def _length_batches(task: dict) -> dict[int, dict[str, np.ndarray]]:
+    master = dict(np.load(task["inputs"]))
+    return {t: {k: np.ascontiguousarray(v[:, :t]) for k, v in master.items()} for t in task["lengths"]}
+
+
+def job_torch_varlen(task: dict) -> dict:
+    device = task["device"]
+    torch, memory = _torch_setup(device)
+    model = _torch_model(task, torch, device)
+    forward = torch.compile(model, dynamic=True) if task["framework"] == "compile" else model
+    steps = {t: _torch_step(torch, model, forward, batch, device) for t, batch in _length_batches(task).items()}
+    result = _run_lengths(lambda t: steps[t](), task["lengths"], task["passes"], memory)
+    result.update(framework=task["framework"], memory=_torch_memory(torch, memory),
+                  info=_device_info_torch(torch, device))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# gradgen
+
+
+def _gradgen_setup(device: str):
+    """On CUDA: create gradgen's context and return a memory probe."""
+    if device != "cuda":
+        return None
+    from pycuda import driver
+
+    from gradgen.cuda import runtime as rt  # noqa: F401  (creates the primary context)
+
+    return DeviceMemory(driver.mem_get_info)
+
+
+def gradgen_memory(session, memory: DeviceMemory | None) -> dict:
+    """Driver-level figures, the CUDA memory pool's, and whatever the session reports of its own
+    (``Session.memory_stats()``, where the executor offers it)."""
+    if memory is None:
+        return {}
+    from gradgen.cuda import runtime as rt
+
+    pool = rt.memory_pool()
+    figures = {"used_after_bytes": memory.sample(), "max_sampled_bytes": memory.max_seen,
+               "pool_held_bytes": int(getattr(pool, "managed_bytes", 0)),
+               "pool_active_bytes": int(getattr(pool, "active_bytes", 0))}
+    stats = getattr(session, "memory_stats", None)
+    if callable(stats):
+        figures["session"] = {k: v for k, v in stats().items() if isinstance(v, (int, float, str))}
+    return figures
+
+
+def _device_info_gradgen(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    from pycuda import driver
+
+    version = driver.get_driver_version()
+    return {"device": driver.Context.get_device().name(), "driver_cuda": f"{version // 1000}.{version % 1000 // 10}"}
+
+
+def job_gradgen_step(task: dict) -> dict:
+    from gradgen.executor import Session
+
+    device = task["device"]
+    memory = _gradgen_setup(device)
+    t0 = time.perf_counter()
+    session = Session(task["model"], device=device)
+    setup_s = time.perf_counter() - t0
+    feeds = dict(np.load(task["inputs"]))
+    loss_name = task["loss"]
+
+    def step():
+        return float(session.run(feeds, outputs=[loss_name])[loss_name])
+
+    firsts = []
+    for _ in range(min(2, task["warmup"])):  # first run: eager (kernel compilation); second: recording
+        t0 = time.perf_counter()
+        loss = step()
+        firsts.append(time.perf_counter() - t0)
+    times = time_steps(step, warmup=max(0, task["warmup"] - 2), steps=task["steps"],
+                       after=None if memory is None else memory.sample)
+    result = {"framework": "gradgen", "loss": loss, "setup_s": setup_s, "first_step_s": firsts[0],
+              "second_step_s": firsts[1] if len(firsts) > 1 else None, "step_ms": times,
+              "median_ms": median(times), "plan_steps": len(session.steps),
+              "memory": gradgen_memory(session, memory), "info": _device_info_gradgen(device)}
+    if task.get("grads"):
+        names = task["wrt"]
+        out = session.run(feeds, outputs=[f"{n}_grad" for n in names])
+        np.savez(task["grads"], **{n: out[f"{n}_grad"] for n in names})
+    return result
+
+
+def job_gradgen_varlen(task: dict) -> dict:
+    from gradgen.executor import Session
+
+    device = task["device"]
+    memory = _gradgen_setup(device)
+    session = Session(task["model"], device=device)
+    batches = _length_batches(task)
+    loss_name = task["loss"]
+    result = _run_lengths(lambda t: session.run(batches[t], outputs=[loss_name]), task["lengths"], task["passes"],
+                          memory)
+    result.update(framework="gradgen", plan_steps=len(session.steps), memory=gradgen_memory(session, memory),
+                  info=_device_info_gradgen(device))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU group at one thread count (the parent set OMP_NUM_THREADS & co. for this process)
+
+
+def _limit_threads(threads: int) -> str:
+    """Limit the BLAS / OpenMP pools of this process; say how."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return "environment variables (OMP/OPENBLAS/MKL_NUM_THREADS) in a child process"
+    threadpool_limits(threads)
+    return "threadpoolctl, and environment variables in a child process"
+
+
+def job_cpu_threads(task: dict) -> dict:
+    threads = task["threads"]
+    method = _limit_threads(threads)
+    results = {"threads": threads, "thread_method": method, "cases": {}}
+    for case in task["cases"]:
+        print(f"  [{threads} thread(s)] {case['name']}", flush=True)
+        results["cases"][case["name"]] = _cpu_case(case, threads, task)
+        write_json_atomic(Path(task["result"]), results)  # partial results survive a timeout
+    return results
+
+
+def _cpu_case(case: dict, threads: int, task: dict) -> dict:
+    from gradgen.executor import Session
+
+    feeds = dict(np.load(case["inputs"]))
+    timing = dict(warmup=task["warmup"], max_steps=case.get("steps", task["steps"]), budget_s=task["budget_s"])
+    row = {}
+
+    def measure(key, make_step):
+        try:
+            row[key] = median(time_adaptive(make_step(), **timing))
+        except Exception as exc:  # noqa: BLE001 - one failing runtime should not hide the rest
+            row[key] = None
+            row[f"{key}_error"] = error_text(exc)
+
+    def ort_step():
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        session = ort.InferenceSession(case["portable"], options, providers=["CPUExecutionProvider"])
+        names = {i.name for i in session.get_inputs()}
+        ort_feeds = {k: v for k, v in feeds.items() if k in names}
+        return lambda: session.run(None, ort_feeds)
+
+    def gradgen_step(path):
+        def make():
+            session = Session(path, device="cpu")
+            return lambda: session.run(feeds)
+        return make
+
+    measure("ort_ms", ort_step)
+    measure("gradgen_portable_ms", gradgen_step(case["portable"]))
+    measure("gradgen_ms", gradgen_step(case["default"]))
+    measure("torch_ms", lambda: _torch_cpu_step(case, threads))
+    return row
+
+
+def _torch_cpu_step(case: dict, threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    if case["torch"]["kind"] == "spec":
+        model = build_module(ModelSpec.from_json(case["torch"]["spec"]))
+        inputs = [torch.from_numpy(v) for v in np.load(case["inputs"]).values()]
+    else:  # a bundled sample: its model class from samples/make_samples.py
+        from gradgen.bench.cpu import load_sample_case
+
+        sample_case = load_sample_case(case["torch"]["script"], case["torch"]["family"])
+        model, inputs = sample_case.model, list(sample_case.inputs.values())
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        out = model(*inputs)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        loss.backward()
+        return loss.item()
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+
+JOBS = {
+    "torch-step": job_torch_step,
+    "torch-varlen": job_torch_varlen,
+    "gradgen-step": job_gradgen_step,
+    "gradgen-varlen": job_gradgen_varlen,
+    "cpu-threads": job_cpu_threads,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    task = json.loads(Path(argv[0]).read_text())
+    result_path = Path(task["result"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = JOBS[task["job"]](task)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which goes on
+            if task.get("debug"):
+                traceback.print_exc()
+            result = {"error": error_text(exc), "out_of_memory": is_out_of_memory(exc)}
+    notes = sorted({str(w.message).splitlines()[0][:300] for w in caught
+                    if w.category is not DeprecationWarning and "gradgen" in (w.filename or "") + str(w.message)})
+    if notes:
+        result["notes"] = notes
+    write_json_atomic(result_path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
