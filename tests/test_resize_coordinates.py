@@ -1,0 +1,178 @@
+"""Resize: coordinate modes against ONNX Runtime and PyTorch, and the gradient of X against finite
+differences for nearest / cubic with pytorch_half_pixel.
+
+What the issue's "pytorch_half_pixel fails gradgen check" was: the failing tensor was the float
+``scales`` initializer, which `check` used to differentiate by default and which got a zero
+gradient. Resize is linear in X (Y = M X along each axis, M fixed by the geometry), so X's gradient
+M^T has no kink; as a function of ``scales`` the output is piecewise constant (nearest) or smooth
+with jumps wherever floor(n * scale) changes the output length, which finite differences see as
+huge slopes. ``scales`` has no gradient: asking for one is now an error naming the node.
+
+Investigating it found a kernel bug: ONNX's reference evaluator (which the kernel followed) uses
+the fractional width ``scale * n`` where the spec's formulas use the output length: with scales
+whose product with the input length is fractional, align_corners and tf_crop_and_resize spaced
+the samples differently from ONNX Runtime and PyTorch, and a single output sampled -0.5 instead of
+0 with pytorch_half_pixel (cubic weights them differently, so even ``sizes`` gave other values).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.check import check_gradients
+from gradgen.errors import ModelError
+from gradgen.executor import Session
+
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+
+def _resize_model(x_shape, attrs, scales=None, sizes=None, roi=None, dtype=TensorProto.FLOAT, opset=19,
+                  loss=False):
+    inits, inputs = [], [helper.make_tensor_value_info("x", dtype, list(x_shape))]
+    names = ["x", "", "", ""]
+    if roi is not None:
+        inits.append(numpy_helper.from_array(np.array(roi, np.float32), "roi"))
+        names[1] = "roi"
+    if scales is not None:
+        names[2] = "scales"
+        inits.append(numpy_helper.from_array(np.array(scales, np.float32), "scales"))
+    if sizes is not None:
+        inits.append(numpy_helper.from_array(np.array(sizes, np.int64), "sizes"))
+        names[3] = "sizes"
+    while names[-1] == "":
+        names.pop()
+    nodes = [helper.make_node("Resize", names, ["y"], name="resize", **attrs)]
+    outputs = [helper.make_tensor_value_info("y", dtype, None)]
+    if loss:
+        nodes += [helper.make_node("Mul", ["y", "y"], ["y2"]), helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+        outputs = [helper.make_tensor_value_info("loss", dtype, [])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def _ort(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("scale", [0.34, 0.5, 0.6])
+def test_regression_single_output_pytorch_half_pixel_samples_coordinate_zero(mode, scale):
+    """Scales that leave one output on an axis: the spec's ``length_resized > 1 ? ... : 0``."""
+    x = np.arange(1, 4, dtype=np.float32).reshape(1, 1, 1, 3) ** 2
+    model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode="pytorch_half_pixel"),
+                          scales=[1, 1, 1, scale])
+    got = Session(model).run({"x": x})["y"]
+    np.testing.assert_array_equal(got, x[..., :1])
+    np.testing.assert_allclose(got, _ort(model, {"x": x}), rtol=1e-6)
+
+
+def test_regression_single_output_cubic_with_sizes():
+    """sizes = 1: the reference evaluator samples -0.5, and cubic gives 0.72 x0 + ... instead of x0."""
+    x = np.arange(1, 6, dtype=np.float32).reshape(1, 1, 1, 5) ** 2
+    model = _resize_model(x.shape, dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
+                          sizes=[1, 1, 1, 1])
+    np.testing.assert_array_equal(Session(model).run({"x": x})["y"], x[..., :1])
+    np.testing.assert_array_equal(_ort(model, {"x": x}), x[..., :1])
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("ctm", ["align_corners", "tf_crop_and_resize"])
+@pytest.mark.parametrize("n,scale", [(3, 1.5), (5, 0.75), (3, 2.5), (5, 1.7), (5, 0.5)])
+def test_regression_fractional_width_uses_the_output_length(mode, ctm, n, scale):
+    """floor(n * scale) outputs spread over the input by (n - 1) / (n_out - 1), as in ONNX Runtime."""
+    x = np.random.default_rng(n).standard_normal((1, 1, 2, n)).astype(np.float32)
+    roi = [0, 0, 0, 0.1, 1, 1, 1, 0.8] if ctm == "tf_crop_and_resize" else None
+    model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode=ctm), scales=[1, 1, 1, scale],
+                          roi=roi)
+    np.testing.assert_allclose(Session(model).run({"x": x})["y"], _ort(model, {"x": x}), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,scale", [(5, 1.5), (4, 0.75), (3, 2.5)])
+def test_align_corners_with_scales_matches_torch(n, scale):
+    """PyTorch's align_corners=True spaces floor(n * scale) outputs by the output length too."""
+    x = np.random.default_rng(0).standard_normal((1, 1, 3, n))
+    model = _resize_model(x.shape, dict(mode="linear", coordinate_transformation_mode="align_corners"),
+                          scales=[1, 1, 1, scale], dtype=TensorProto.DOUBLE)
+    want = torch.nn.functional.interpolate(torch.tensor(x), scale_factor=(1, scale), mode="bilinear",
+                                           align_corners=True)
+    np.testing.assert_allclose(Session(model).run({"x": x})["y"], want.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("size", [(1, 1), (2, 7), (5, 3), (1, 6), (8, 8)])
+def test_cubic_pytorch_half_pixel_matches_torch_bicubic(size):
+    """Resize(cubic, pytorch_half_pixel, a=-0.75) is torch's bicubic with align_corners=False for
+    outputs longer than 1 (for a single output PyTorch samples the centre, the spec coordinate 0)."""
+    x = np.random.default_rng(1).standard_normal((2, 1, 4, 5))
+    attrs = dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel", cubic_coeff_a=-0.75)
+    model = _resize_model(x.shape, attrs, sizes=[2, 1, *size], dtype=TensorProto.DOUBLE, opset=13, loss=True)
+    got = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"x": x})
+    xt = torch.tensor(x, requires_grad=True)
+    # PyTorch samples the centre of an axis resized to length 1; the spec samples coordinate 0, i.e.
+    # PyTorch on the first element alone
+    first = xt[:, :, : 1 if size[0] == 1 else None, : 1 if size[1] == 1 else None]
+    y = torch.nn.functional.interpolate(first, size=size, mode="bicubic", align_corners=False)
+    loss = (y * y).sum()
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-10)
+    np.testing.assert_allclose(got["x_grad"], xt.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _fd_cases():
+    """Small deterministic draws of nearest / cubic with pytorch_half_pixel (the issue's family)."""
+    rng = np.random.default_rng(17)
+    for k in range(24):
+        mode = ["nearest", "cubic"][k % 2]
+        attrs = dict(mode=mode, coordinate_transformation_mode="pytorch_half_pixel")
+        if mode == "nearest":
+            attrs["nearest_mode"] = ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"][k // 2 % 4]
+        elif k % 3 == 0:
+            attrs["exclude_outside"] = 1
+        shape = (1, 2, *(int(v) for v in rng.integers(1, 5, 2)))
+        if k % 4 < 2:
+            yield attrs, shape, dict(scales=[1, 1, *(float(v) for v in np.round(rng.uniform(0.3, 3.0, 2), 2))])
+        else:
+            yield attrs, shape, dict(sizes=[1, 2, *(int(v) for v in rng.integers(1, 7, 2))])
+
+
+@pytest.mark.parametrize("attrs,shape,geometry", list(_fd_cases()))
+def test_pytorch_half_pixel_gradient_of_x_matches_finite_differences(attrs, shape, geometry):
+    model = _resize_model(shape, attrs, **geometry, loss=True, opset=13)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    report = check_gradients(model, inputs={"x": x}, wrt_inputs=True)
+    assert report.passed and report.tensors[0].name == "x", report.format()
+
+
+def test_regression_scales_are_not_differentiated():
+    """The tensor that failed the check: a float scales input. Asking for its gradient is an error
+    naming the node (no silent zero)."""
+    model = _resize_model((1, 1, 3, 4), dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
+                          scales=[1, 1, 1.5, 0.7], loss=True, opset=13)
+    with pytest.raises(ModelError, match="'scales'.*'resize'"):
+        gradgen.build_backward(model, wrt=["x", "scales"])
+    assert gradgen.build_backward(model, wrt_inputs=True).wrt == ["x"]
+
+
+def test_coordinate_modes_match_onnxruntime():
+    """Every mode x coordinate mode x small size x scale (or size) against ONNX Runtime, except
+    tf_crop_and_resize with all scales 1, where ONNX Runtime returns X unchanged (ignoring roi)."""
+    rng = np.random.default_rng(0)
+    modes = ["nearest", "linear", "cubic"]
+    ctms = ["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize",
+            "half_pixel_symmetric"]
+    for mode, ctm, n, scale, use_sizes in itertools.product(modes, ctms, [1, 2, 5], [0.34, 0.6, 1.0, 1.7, 2.5],
+                                                           [False, True]):
+        if ctm == "tf_crop_and_resize" and scale == 1.0:
+            continue
+        x = rng.standard_normal((1, 1, 2, n)).astype(np.float32)
+        roi = [0, 0, 0, 0.1, 1, 1, 1, 0.8] if ctm == "tf_crop_and_resize" else None
+        geometry = dict(sizes=[1, 1, 2, max(1, int(scale * n))]) if use_sizes else dict(scales=[1, 1, 1, scale])
+        model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode=ctm), roi=roi, **geometry)
+        np.testing.assert_allclose(Session(model).run({"x": x})["y"], _ort(model, {"x": x}), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{mode} {ctm} n={n} {geometry}")
