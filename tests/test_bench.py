@@ -1,0 +1,194 @@
+"""gradgen bench's e2e and cpu groups, on tiny sizes on the CPU: the model builders export, gradgen's
+gradients match PyTorch's, the child-process harness reports results and failures. No timings are
+checked (the groups are benchmarks, not timed tests)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+import gradgen  # noqa: E402
+from gradgen.bench import cpu, e2e, main, measure, models, worker  # noqa: E402
+
+
+def _torch_grads(model, feeds: dict) -> tuple[float, dict]:
+    model.zero_grad()
+    loss = model(*(torch.from_numpy(v) for v in feeds.values()))
+    loss.backward()
+    return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name,dynamic,length", [("gpt2-tiny", False, None), ("gpt2-tiny", True, 11),
+                                                  ("resnet18-tiny", False, None)])
+def test_models_export_and_gradgen_gradients_match_torch(name, dynamic, length):
+    spec = models.preset(name)
+    model = models.build_module(spec)
+    inputs = models.make_inputs(spec)
+    proto = models.export(model, inputs, dynamic_seq=dynamic)
+    initializers = {t.name for t in proto.graph.initializer}
+    assert set(models.parameter_names(model)) <= initializers
+    built = gradgen.build_backward(proto, wrt=models.parameter_names(model))
+    feeds = {k: np.ascontiguousarray(v[:, :length]) for k, v in inputs.items()} if length else inputs
+    got = gradgen.Session(built.model).run(feeds)
+    loss, want = _torch_grads(model, feeds)
+    assert got["loss"] == pytest.approx(loss, rel=1e-5)
+    for param, grad in want.items():
+        err = np.abs(got[f"{param}_grad"] - grad).max() / np.abs(grad).max()
+        assert err < 1e-5, (param, err)
+
+
+def test_parameters_are_pairwise_distinct():
+    """The legacy exporter merges equal initializers: no two parameters may hold equal values."""
+    for name in ("gpt2-tiny", "resnet18-tiny"):
+        model = models.build_module(models.preset(name))
+        seen = {}
+        for pname, p in model.state_dict().items():
+            if not p.is_floating_point():
+                continue
+            key = (tuple(p.shape), p.numpy().tobytes())
+            assert key not in seen, (pname, seen.get(key))
+            seen[key] = pname
+
+
+def test_presets_and_overrides():
+    spec = models.preset("gpt2s")
+    assert (spec.arch["layers"], spec.arch["d"], spec.arch["heads"], spec.arch["vocab"], spec.batch, spec.size) == \
+        (12, 768, 12, 50257, 8, 256)
+    medium = models.preset("gpt2m")
+    assert (medium.arch["layers"], medium.arch["d"], medium.arch["heads"], medium.batch, medium.size) == \
+        (24, 1024, 16, 4, 512)
+    small = models.preset("gpt2s", batch=2, size=2048, layers=2)
+    assert small.arch["max_len"] == 2048 and small.arch["layers"] == 2 and "2 x 768" in small.title
+    assert models.ModelSpec.from_json(small.to_json()) == small
+    with pytest.raises(gradgen.errors.UsageError, match="GPT-2"):
+        models.preset("resnet18", layers=3)
+    with pytest.raises(gradgen.errors.UsageError, match="multiple"):
+        models.preset("gpt2s", heads=5)
+
+
+def test_default_lengths_follow_the_issue():
+    assert e2e.default_lengths(256) == (256, 240, 224, 208, 192, 176, 160, 144)
+    assert all(t >= 2 for t in e2e.default_lengths(8))
+
+
+def test_compare_gradients_names_the_worst_tensor(tmp_path):
+    want = {"a": np.array([1.0, -4.0], np.float32), "b": np.array([2.0, 2.0], np.float32),
+            "c": np.ones(3, np.float32), "d": np.zeros(2, np.float32)}
+    got = {"a": np.array([1.0, -4.0], np.float32), "b": np.array([2.0, 2.5], np.float32),
+           "c": np.ones(4, np.float32)}
+    np.savez(tmp_path / "grads-gradgen.npz", **got)
+    np.savez(tmp_path / "grads-eager.npz", **want)
+    result = e2e.compare_gradients(tmp_path / "grads-gradgen.npz", tmp_path / "grads-eager.npz")
+    assert result["missing"] == ["d"]
+    assert result["per_tensor"]["a"] == 0 and result["per_tensor"]["b"] == pytest.approx(0.25)
+    assert result["worst_tensor"] == "c" and result["worst_rel_err"] == float("inf")  # shape mismatch
+    assert "gradgen" in e2e.compare_gradients(tmp_path / "none-gradgen.npz", tmp_path / "grads-eager.npz")["error"]
+
+
+class _FakeCudaOom(Exception):
+    pass
+
+
+_FakeCudaOom.__name__ = "MemoryError"
+_FakeCudaOom.__module__ = "pycuda._driver"
+
+
+def test_variable_length_loop_reports_out_of_memory_and_stops():
+    calls = []
+
+    def step(length):
+        calls.append(length)
+        if len(calls) == 5:
+            raise RuntimeError("node 'mm' failed") from _FakeCudaOom("cuMemAlloc failed: out of memory")
+
+    result = worker._run_lengths(step, [8, 6, 4], passes=2, memory=None)
+    assert calls == [8, 6, 4, 8, 6]
+    failure = result["failure"]
+    assert (failure["pass"], failure["length"], failure["step"], failure["out_of_memory"]) == (2, 6, 2, True)
+    assert [p["lengths"] for p in result["passes"]] == [[8, 6, 4], [8]]
+    other = worker._run_lengths(lambda t: (_ for _ in ()).throw(ValueError("bad")), [4], passes=1, memory=None)
+    assert other["failure"]["out_of_memory"] is False and "ValueError: bad" in other["failure"]["message"]
+
+
+def test_out_of_memory_is_recognised():
+    assert measure.is_out_of_memory(RuntimeError("cuGraphLaunch failed: CUDA_ERROR_OUT_OF_MEMORY"))
+    assert measure.is_out_of_memory(type("OutOfMemoryError", (RuntimeError,), {})("CUDA"))
+    assert not measure.is_out_of_memory(MemoryError("host"))  # the host's MemoryError is not the device's
+    assert not measure.is_out_of_memory(ValueError("shape mismatch"))
+
+
+def test_device_memory_is_relative_to_its_baseline():
+    state = {"free": 100}
+    memory = measure.DeviceMemory(lambda: (state["free"], 1000))
+    state["free"] = 40
+    assert memory.sample() == 60
+    state["free"] = 70
+    assert memory.sample() == 30 and memory.max_seen == 60
+
+
+@pytest.mark.slow
+def test_e2e_group_on_cpu_tiny(tmp_path):
+    """The whole group in child processes (about 10 s): eager and gradgen agree, the loop runs both passes."""
+    spec = models.preset("gpt2-tiny")
+    updates = []
+    report = e2e.run(e2e.E2EOptions(specs=[spec], device="cpu", frameworks=("eager", "gradgen"), steps=2, warmup=2,
+                                    lengths=(16, 12), passes=2, on_update=updates.append))
+    entry = report["models"]["gpt2-tiny"]
+    eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
+    assert "error" not in eager and "error" not in ours, (eager, ours)
+    assert len(eager["step_ms"]) == len(ours["step_ms"]) == 2
+    assert ours["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    grads = entry["gradients"]
+    assert grads["tensors"] == len(list(models.build_module(spec).parameters())) and not grads["missing"]
+    assert grads["worst_rel_err"] < 1e-5
+    for framework in ("eager", "gradgen"):
+        loop = entry["varlen"][framework]
+        assert loop["failure"] is None and [p["lengths"] for p in loop["passes"]] == [[16, 12], [16, 12]]
+    assert updates and updates[-1] is report
+    text = e2e.format_model(entry)
+    assert "gradgen" in text and "variable-length loop" in text and "worst" in text
+
+
+def test_child_failure_is_a_result_not_a_crash(tmp_path):
+    result = measure.run_child("gradgen-step", {"label": "broken", "device": "cpu", "model": str(tmp_path / "no.onnx"),
+                                                "inputs": str(tmp_path / "no.npz"), "loss": "loss", "steps": 1,
+                                                "warmup": 1}, tmp_path, timeout_s=120)
+    assert "no such file" in result["error"]
+
+
+@pytest.mark.slow
+def test_cpu_group_tiny(tmp_path):
+    """The CPU group in a child process (about 5 s): every runtime gives a time."""
+    report = cpu.run(cpu.CpuOptions(specs=[models.preset("gpt2-tiny")], samples=["mlp"], threads=[1], steps=2,
+                                    budget_s=1.0, build_layers=2, keep_dir=None))
+    cases = report["runs"]["1"]["cases"]
+    assert set(cases) == {"sample mlp", "gpt2-tiny B=2, T=16"}
+    for row in cases.values():
+        assert not [k for k in row if k.endswith("_error")], row
+        assert all(row[k] > 0 for k in ("torch_ms", "ort_ms", "gradgen_ms", "gradgen_portable_ms"))
+    assert "environment variables" in report["runs"]["1"]["thread_method"]
+    assert report["build"]["layers"] == 2 and report["build"]["forward_nodes"] > 100
+
+
+def test_bench_usage_errors_are_one_line(capsys):
+    assert main(["--only", "e2e", "--model", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "nosuch" in err
+    assert main(["--only", "cpu", "--sample", "nosuch", "--build-layers", "0"]) == 2
+    assert "unknown sample" in capsys.readouterr().err
+
+
+def test_cli_bench_help_lists_the_groups(capsys, monkeypatch):
+    from gradgen.cli import main as cli_main
+
+    monkeypatch.setattr(sys, "argv", ["gradgen", "bench", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        cli_main()
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "e2e" in out and "cpu" in out and "--json" in out
