@@ -11,6 +11,9 @@ SoftmaxCrossEntropyLoss adds the gradient of its optional log_prob output and go
 LogSoftmax over axis 1. The class weights get a gradient too (they are an ordinary float input):
 for class c, the sum over samples labelled c of -c_i * logp[i, c], with, under "mean", the
 loss value subtracted (the denominator depends on the weights). Labels never get a gradient.
+
+"mean" over a zero denominator (every label ignored, or zero total weight) gives a NaN loss, as
+the spec does, and zero gradients, as PyTorch and ONNX Runtime training do.
 """
 
 from __future__ import annotations
@@ -42,9 +45,16 @@ def _loss_backward(g, logp: ir.Value, like: ir.Value):
         w = g.cast_like(g.op("Not", ignore), like)
     else:
         w = None  # every w_i is 1
+    loss = g.y(0) if reduction == "mean" and weights is not None and g.needs(2) else None
     if reduction == "mean":
         denom = g.op("ReduceSum", w, keepdims=0) if w is not None else g.cast_like(g.op("Size", labels), like)
-        c = g.op("Div", dy, denom)
+        # No sample counts (every label ignored, zero total weight, an empty batch): the loss is
+        # 0 / 0 = NaN, as the spec, ONNX Runtime and PyTorch compute it, but no gradient is NaN:
+        # every one is 0, as in PyTorch and ONNX Runtime training (docs/RELIABILITY.md).
+        empty = g.op("Equal", denom, zero)
+        c = g.op("Where", empty, zero, g.op("Div", dy, g.op("Where", empty, g.const_like(like, 1.0), denom)))
+        if loss is not None:
+            loss = g.op("Where", empty, zero, loss)
     else:
         c = dy  # a scalar (sum) or per sample (none)
     index = g.unsqueeze(safe, [1])
@@ -60,7 +70,7 @@ def _loss_backward(g, logp: ir.Value, like: ir.Value):
         picked = g.squeeze(g.op("GatherElements", logp, index, axis=1), [1])
         per_sample = g.op("Neg", picked)  # loss_i / w_i
         if reduction == "mean":
-            per_sample = g.op("Sub", per_sample, g.y(0))
+            per_sample = g.op("Sub", per_sample, loss)
         contrib = g.op("Mul", per_sample, c)
         if ignore is not None:
             contrib = g.op("Where", ignore, zero, contrib)
