@@ -19,6 +19,7 @@ what is compared: ``max(|g|_2, max |directional difference|)`` for directions, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Mapping, Sequence
 
@@ -27,8 +28,8 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-from gradgen.errors import UsageError
-from gradgen.model_io import ModelLike, load_model
+from gradgen.errors import RunError, UsageError
+from gradgen.model_io import ModelLike, external_tensors_inline, load_model
 
 ELEMENTWISE_LIMIT = 64
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
@@ -44,14 +45,21 @@ def to_float64(model: ModelLike) -> onnx.ModelProto:
     Converts initializers, graph input / output / value_info element types, Cast ``to`` and other
     ``dtype`` attributes naming a float type, and float tensors held in attributes (Constant,
     ConstantOfShape, ...); Constant's ``value_float(s)`` become double tensors. Subgraphs are
-    converted too. The input model is not modified.
+    converted too. Inputs that the ONNX schema keeps float32 and that only parametrise their op
+    (Resize's and Upsample's ``scales``, NonMaxSuppression's thresholds, ...) get a Cast back to
+    float32, so the copy stays a valid model. The input model is not modified.
     """
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
     else:
-        proto = ir.to_proto(load_model(model))
+        loaded = load_model(model)
+        with external_tensors_inline(loaded):  # their data, not a reference to the input's data file
+            proto = ir.to_proto(loaded)
     _graph_to_float64(proto.graph)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is not None:
+        _keep_float32_inputs(proto.graph, opset)
     for function in proto.functions:
         for node in function.node:
             _node_to_float64(node)
@@ -117,6 +125,92 @@ def _node_to_float64(node: onnx.NodeProto) -> None:
                 node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(data)))
 
 
+def _keep_float32_inputs(graph: onnx.GraphProto, opset: int) -> None:
+    """Give float32 back to the inputs whose schema forbids double (see ``_float32_only_inputs``).
+
+    An initializer or Constant used only there is stored as float32 again (it keeps its name, so
+    messages about it still make sense); any other value gets a Cast to float32 in front of the use.
+    """
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                _keep_float32_inputs(sub, opset)
+    uses: dict[str, list[bool]] = {}
+    for node in graph.node:
+        keep = _float32_only_inputs(node.op_type, node.domain, opset)
+        for position, name in enumerate(node.input):
+            uses.setdefault(name, []).append(position in keep)
+    outputs = {v.name for v in graph.output}
+    restored = {name for name, kept in uses.items() if all(kept) and name not in outputs}
+    for tensor in graph.initializer:
+        if tensor.name in restored and tensor.data_type == TensorProto.DOUBLE:
+            _tensor_to_float32(tensor)
+    for value in [*graph.input, *graph.value_info]:
+        if value.name in restored and value.type.tensor_type.elem_type == TensorProto.DOUBLE:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output[0] in restored:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.DOUBLE:
+                    _tensor_to_float32(attr.t)
+    sources = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    taken = {name for node in graph.node for name in (*node.input, *node.output)}
+    taken |= {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    casts: dict[str, str] = {}
+    nodes = []
+    for node in graph.node:
+        for position in _float32_only_inputs(node.op_type, node.domain, opset):
+            source = node.input[position] if position < len(node.input) else ""
+            if not source or (source in restored and source in sources):
+                continue
+            if source not in casts:
+                casts[source] = _fresh(f"{source}_float32", taken)
+                nodes.append(helper.make_node("Cast", [source], [casts[source]], to=TensorProto.FLOAT,
+                                              name=_fresh(f"{source}_to_float32", taken)))
+            node.input[position] = casts[source]
+        nodes.append(node)
+    if casts:
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _tensor_to_float32(tensor: TensorProto) -> None:
+    converted = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
+    converted.doc_string = tensor.doc_string
+    tensor.CopyFrom(converted)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, k = name, 1
+    while candidate in taken:
+        candidate, k = f"{name}_{k}", k + 1
+    taken.add(candidate)
+    return candidate
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_only_inputs(op_type: str, domain: str, opset: int) -> tuple[int, ...]:
+    """Input positions of a standard op that must be float32 (or narrower) and set no output's type."""
+    if domain not in ("", "ai.onnx"):
+        return ()
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return ()
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    output_types = {formal.type_str for formal in schema.outputs}
+    positions = []
+    for position, formal in enumerate(schema.inputs):
+        types = allowed.get(formal.type_str, {formal.type_str})
+        if ("tensor(float)" in types and "tensor(double)" not in types and formal.type_str not in output_types
+                and all(t in _NARROW_FLOAT_TYPE_STRS for t in types)):
+            positions.append(position)
+    return tuple(positions)
+
+
+_NARROW_FLOAT_TYPE_STRS = {"tensor(float)", "tensor(float16)", "tensor(bfloat16)"}
+
+
 # -- the check ----------------------------------------------------------------------------------
 
 
@@ -132,6 +226,7 @@ class TensorCheck:
     tolerance: float
     passed: bool
     note: str = ""
+    kink: bool = False  # a failure where the loss is not differentiable (one-sided differences disagree)
 
 
 @dataclasses.dataclass
@@ -209,7 +304,8 @@ def check_gradients(
         feeds.update(random_feeds(forward, seed=seed, dims=dims))
     if inputs is not None:
         given = load_npz(inputs) if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
-        feeds.update({k: _as_float64(np.asarray(v)) for k, v in given.items()})
+        declared = {v.name: v.dtype for v in forward.graph.inputs if v.dtype is not None}
+        feeds.update({k: _as_declared_float(np.asarray(v), declared.get(k)) for k, v in given.items()})
 
     # The forward model for finite differences: the differentiated initializers become inputs.
     initial = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in wrt_names}
@@ -220,6 +316,10 @@ def check_gradients(
     rng = np.random.default_rng(seed + 1)
     base = {**initial, **feeds}  # a fed value overrides an initializer that is also a graph input
     probe = fd_session.run(base, outputs=[loss_name])[loss_name]
+    if not np.all(np.isfinite(probe)):
+        raise RunError(f"the loss {loss_name!r} is not finite at these inputs ({_summary(probe)}; inputs: "
+                       f"{_describe(feeds) or 'none'}), so its gradient cannot be checked there; "
+                       "choose other inputs (--inputs, or another --seed or --dim)")
     cotangent = None
     grad_feeds = dict(feeds)
     seed_name = f"{loss_name}_grad"
@@ -244,48 +344,97 @@ def check_gradients(
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
 
 
+def _summary(value: np.ndarray) -> str:
+    if value.size == 1:
+        return f"it is {float(value.reshape(-1)[0])}"
+    return f"{int(np.count_nonzero(~np.isfinite(value)))} of its {value.size} elements are not finite"
+
+
+def _describe(feeds: Mapping[str, np.ndarray]) -> str:
+    return ", ".join(f"{name} {value.dtype}{list(value.shape)}" for name, value in feeds.items())
+
+
+@dataclasses.dataclass
+class _Comparison:
+    """One finite-difference comparison (a direction or an element): central and one-sided differences."""
+
+    analytic: float
+    central: float
+    forward: float  # (L(x + eps v) - L(x)) / eps
+    backward: float  # (L(x) - L(x - eps v)) / eps
+
+    def error(self) -> float:
+        return abs(self.central - self.analytic)
+
+    def at_kink(self, tol: float) -> bool:
+        """The loss has a kink within eps: the one-sided differences disagree and the gradient is one side's.
+
+        Smooth functions make the two sides differ by about eps * |L''|; the gradient of a
+        non-smooth op (Relu at 0, Max at a tie) is the derivative from one side.
+        """
+        gap = abs(self.forward - self.backward)
+        nearest = min(abs(self.analytic - self.forward), abs(self.analytic - self.backward))
+        return bool(gap > tol and nearest <= max(tol, 0.01 * gap))
+
+
 def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> TensorCheck:
-    errors, scales, parts = [], [], []
-    abs_err, rel_err, tolerance, passed = 0.0, 0.0, atol, True
+    center = objective({})
+    groups, parts = [], []  # (comparisons, scale) per kind
+
+    def compare(shifted_plus, shifted_minus, analytic) -> _Comparison:
+        plus, minus = objective({name: shifted_plus}), objective({name: shifted_minus})
+        return _Comparison(analytic, (plus - minus) / (2 * eps), (plus - center) / eps, (center - minus) / eps)
+
     if x.size and samples:
-        diffs, dots = [], []
+        directions = []
         for _ in range(samples):
             v = rng.standard_normal(x.shape)
             v /= np.linalg.norm(v)
-            diffs.append((objective({name: x + eps * v}) - objective({name: x - eps * v})) / (2 * eps))
-            dots.append(float(np.sum(grad * v)))
-        diffs, dots = np.array(diffs), np.array(dots)
-        scale = max(float(np.linalg.norm(grad)), float(np.abs(diffs).max()))
-        errors.append((float(np.abs(diffs - dots).max()), scale))
+            directions.append(compare(x + eps * v, x - eps * v, float(np.sum(grad * v))))
+        scale = max(float(np.linalg.norm(grad)), max(abs(c.central) for c in directions))
+        groups.append((directions, scale))
         parts.append(f"{samples} direction{'s' if samples != 1 else ''}")
     if 0 < x.size <= ELEMENTWISE_LIMIT:
-        numeric = np.zeros(x.size)
-        flat = x.reshape(-1)
+        elements = []
+        flat, analytic = x.reshape(-1), grad.reshape(-1)
         for j in range(x.size):
-            shifted = flat.copy()
-            shifted[j] += eps
-            plus = objective({name: shifted.reshape(x.shape)})
-            shifted[j] -= 2 * eps
-            minus = objective({name: shifted.reshape(x.shape)})
-            numeric[j] = (plus - minus) / (2 * eps)
-        scale = float(np.abs(numeric).max())
-        errors.append((float(np.abs(numeric - grad.reshape(-1)).max()), scale))
+            plus, minus = flat.copy(), flat.copy()
+            plus[j] += eps
+            minus[j] -= eps
+            elements.append(compare(plus.reshape(x.shape), minus.reshape(x.shape), float(analytic[j])))
+        groups.append((elements, max(abs(c.central) for c in elements)))
         parts.append(f"{x.size} element{'s' if x.size != 1 else ''}")
-    for err, scale in errors:
+    abs_err, rel_err, tolerance, passed, kinks, non_finite = 0.0, 0.0, atol, True, 0, False
+    for comparisons, scale in groups:
         tol = atol + rtol * scale
-        abs_err = max(abs_err, err)
-        rel_err = max(rel_err, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+        for c in comparisons:
+            err = c.error()
+            non_finite = non_finite or not np.isfinite(err)
+            abs_err = max(abs_err, err)
+            rel_err = max(rel_err, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+            if not err <= tol:
+                passed = False
+                kinks += c.at_kink(tol)
         tolerance = max(tolerance, tol)
-        passed = passed and bool(err <= tol)
-        scales.append(scale)
+    notes = []
     if not np.all(np.isfinite(grad)):
         passed = False
+        notes.append("non-finite gradient")
+    elif non_finite:
+        notes.append("the loss is not finite near these inputs")
+    if kinks:
+        notes.append(f"at a kink: {kinks} failed comparison(s) where the one-sided differences disagree and the "
+                     "gradient matches one side")
     return TensorCheck(name, x.shape, " + ".join(parts) or "nothing (empty)", abs_err, rel_err, tolerance, passed,
-                       "" if np.all(np.isfinite(grad)) else "non-finite gradient")
+                       "; ".join(notes), kink=bool(kinks))
 
 
-def _as_float64(array: np.ndarray) -> np.ndarray:
-    return array.astype(np.float64) if array.dtype.kind == "f" else array
+def _as_declared_float(array: np.ndarray, dtype: ir.DataType | None) -> np.ndarray:
+    """A float input in the float type the float64 copy declares (float64, or float32 for e.g. scales)."""
+    if array.dtype.kind != "f":
+        return array
+    want = np.dtype(dtype.numpy()) if dtype is not None and dtype.is_floating_point() else np.dtype(np.float64)
+    return array.astype(want)
 
 
 def _initializers_as_inputs(proto: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:

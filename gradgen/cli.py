@@ -5,7 +5,10 @@ Exit codes: 0 success, 2 usage error, 3 model error, 4 run-time error, 1 anythin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import signal
 import sys
 import time
 import warnings
@@ -22,20 +25,86 @@ app = typer.Typer(
     "Typical use: gradgen build-backward model.onnx -o model_grad.onnx, then "
     "gradgen run model_grad.onnx --inputs sample.npz -o grads.npz.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_state = {"debug": False}
+_state = {"debug": False, "progress": False}
+_notes_said: set[str] = set()  # one-time notes are said once per process
 
 
 def _say(message: str) -> None:
     typer.echo(message, err=True)
 
 
+def _progress(message: str) -> None:
+    """A progress line on stderr: only on a terminal, or with --progress."""
+    if _state["progress"]:
+        _say(message)
+
+
+def _note(message: str) -> None:
+    """A note on stderr (e.g. the CPU fallback), said once per process."""
+    if message not in _notes_said:
+        _notes_said.add(message)
+        _say(f"note: {message}")
+
+
+@contextlib.contextmanager
+def _warnings_as_notes():
+    """Say the warnings raised inside as one-time notes, before any error that follows them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                _note(str(warning.message))
+
+
+def _set_progress(flag: Optional[bool]) -> None:
+    _state["progress"] = sys.stderr.isatty() if flag is None else flag
+
+
+def _finite_non_negative(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise typer.BadParameter(f"{value} is not a finite number >= 0")
+    return value
+
+
+def _dims(pairs: Optional[List[str]], random_inputs: bool) -> dict[str, int]:
+    """--dim NAME=VALUE pairs; they only mean something with --random-inputs."""
+    from gradgen.errors import UsageError
+    from gradgen.inputs import parse_dims
+
+    dims = parse_dims(pairs or [])
+    if dims and not random_inputs:
+        raise UsageError("--dim sets symbolic dimensions for --random-inputs; pass --random-inputs or drop --dim")
+    return dims
+
+
+def _version(value: bool) -> None:
+    if value:
+        from gradgen import __version__
+
+        typer.echo(f"gradgen {__version__}")
+        raise typer.Exit()
+
+
+_PROGRESS = typer.Option(None, "--progress/--no-progress",
+                         help="Say what is being done on stderr. Default: only when stderr is a terminal.")
+_SEED = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs.")
+_DIM = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension of the model's inputs, "
+                    "with --random-inputs (repeatable).")
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show a full traceback on errors.")) -> None:
+def _main(
+    debug: bool = typer.Option(False, "--debug", help="Show a full traceback on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
     _state["debug"] = debug
 
 
@@ -54,16 +123,19 @@ def build_backward(
     portable: bool = typer.Option(
         False, "--portable", help="Lower the com.microsoft gradient ops to standard ONNX ops, so that any ONNX "
         "runtime (e.g. stock onnxruntime) can run OUT."),
+    progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
     from gradgen.api import build_backward as build
     from gradgen.model_io import check_output_path, save_model
 
+    _set_progress(progress)
     check_output_path(out, model)
     started = time.perf_counter()
-    _say(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
-    result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable)
-    _say(f"writing {out}")
+    _progress(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
+    with _warnings_as_notes():
+        result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable)
+    _progress(f"writing {out}")
     save_model(result.model, out)
     seconds = time.perf_counter() - started
     nodes = sum(1 for _ in result.model.graph)
@@ -77,100 +149,125 @@ def run(
     model: Path = typer.Argument(..., help="ONNX model to run (a forward model or one built by build-backward)."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help=".npz file with one array per graph input."),
     random_inputs: bool = typer.Option(False, "--random-inputs", help="Draw inputs from the declared types and shapes."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --random-inputs."),
-    dim: Optional[List[str]] = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension (repeatable)."),
+    seed: int = _SEED,
+    dim: Optional[List[str]] = _DIM,
     device: str = typer.Option("auto", "--device", help="auto (CUDA if a GPU answers, else CPU), cpu or cuda."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Save every graph output to this .npz."),
     compare: Optional[Path] = typer.Option(
-        None, "--compare", help="Reference .npz (e.g. PyTorch's gradients): compare the outputs it names; "
-        "exit 4 if any differs beyond the tolerance."),
-    rtol: float = typer.Option(1e-4, "--rtol", help="Relative tolerance for --compare."),
-    atol: float = typer.Option(1e-5, "--atol", help="Absolute tolerance for --compare, as a fraction of the reference's largest |value|."),
+        None, "--compare", help="Reference .npz (e.g. PyTorch's gradients): compare the outputs its keys name; "
+        "exit 4 if any differs beyond the tolerance or if a key names no output."),
+    rtol: float = typer.Option(1e-4, "--rtol", callback=_finite_non_negative,
+                               help="--compare: tolerance relative to each reference element."),
+    atol: float = typer.Option(1e-5, "--atol", callback=_finite_non_negative,
+                               help="--compare: tolerance as a fraction of the tensor's scale "
+                               "(max(max|ref|, max|got|, floor * largest |gradient| of the model))."),
+    floor: float = typer.Option(0.1, "--floor", callback=_finite_non_negative,
+                                help="--compare: a tensor's scale is at least this fraction of the largest |value| "
+                                "among the compared gradients, so that a gradient that is zero up to float "
+                                "rounding passes."),
+    torch_names: bool = typer.Option(False, "--torch-names",
+                                     help="--compare: a reference key w that names no output is compared with the "
+                                     "output w_grad (gradients saved under PyTorch's parameter names)."),
+    skip_unmatched: bool = typer.Option(False, "--skip-unmatched",
+                                        help="--compare: reference keys that name no output are listed but not an "
+                                        "error."),
+    progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Run MODEL on gradgen's executor and print a table of its outputs."""
 
+    from gradgen.errors import UsageError
     from gradgen.executor import Session
-    from gradgen.inputs import load_npz, parse_dims, random_feeds, save_npz
+    from gradgen.inputs import load_npz, random_feeds, save_npz
     from gradgen.model_io import check_output_path
 
+    _set_progress(progress)
     if out is not None:
         check_output_path(out, model, *(p for p in (inputs, compare) if p is not None))
-    dims = parse_dims(dim or [])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    dims = _dims(dim, random_inputs)
+    reference = load_npz(compare) if compare is not None else None
+    _progress(f"loading {model}")
+    with _warnings_as_notes():
         session = Session(model, device=device)
-    for warning in caught:
-        _say(f"note: {warning.message}")
     feeds = {}
     if random_inputs:
         feeds.update(random_feeds(session.model, seed=seed, dims=dims))
     if inputs is not None:
         feeds.update(load_npz(inputs))
     if inputs is None and not random_inputs and session.input_names:
-        from gradgen.errors import UsageError
-
         raise UsageError(f"the model has inputs ({', '.join(session.input_names)}); pass --inputs FILE.npz or --random-inputs")
+    _progress(f"running on {session.device}")
     started = time.perf_counter()
-    results = session.run(feeds)
+    with _warnings_as_notes():
+        results = session.run(feeds)
     seconds = time.perf_counter() - started
     typer.echo(_format_table(results))
     typer.echo(f"ran on {session.device} in {seconds:.3f} s")
+    memory = session.memory_stats()
+    if memory:
+        typer.echo(f"device memory: planned arena {memory['planned_bytes'] / 2**20:.1f} MiB (live-set lower bound "
+                   f"{memory['peak_live_bytes'] / 2**20:.1f} MiB), peak held by the run "
+                   f"{memory['peak_held_bytes'] / 2**20:.1f} MiB")
     if out is not None:
+        _progress(f"writing {out}")
         save_npz(out, results)
         typer.echo(f"wrote {len(results)} output(s) to {out}")
-    if compare is not None:
-        _compare(results, load_npz(compare), rtol, atol)
+    if reference is not None:
+        _compare(session, feeds, results, reference, rtol=rtol, atol=atol, floor=floor, torch_names=torch_names,
+                 skip_unmatched=skip_unmatched)
 
 
-def _compare(results, reference, rtol: float, atol: float) -> None:
-    """Print max abs/rel error per output the reference names; raise RunError on any mismatch."""
-    import numpy as np
-
+def _compare(session, feeds, results, reference, *, rtol: float, atol: float, floor: float, torch_names: bool,
+             skip_unmatched: bool) -> None:
+    """Print the comparison with the reference; raise RunError on a mismatch or an unmatched key."""
+    from gradgen.compare import compare_outputs, diagnose_kinks, require_match
     from gradgen.errors import RunError
 
-    shared = [name for name in results if name in reference]
-    if not shared:
-        raise RunError("the reference file names none of the model's outputs")
+    comparison = compare_outputs(results, reference, rtol=rtol, atol=atol, floor=floor, torch_names=torch_names)
+    if not comparison.rows:
+        hint = f"; {comparison.hint}" if comparison.hint else ""
+        raise RunError(f"the reference's keys ({', '.join(comparison.unmatched) or 'none'}) name none of the model's "
+                       f"outputs ({', '.join(results)}){hint}")
     typer.echo("")
-    header = ("compared", "max abs err", "max err / max|ref|", "verdict")
-    rows, failed = [], []
-    for name in shared:
-        got, want = results[name].astype(np.float64), np.asarray(reference[name], dtype=np.float64)
-        if got.shape != want.shape:
-            rows.append((name, "-", "-", f"FAIL shape {list(got.shape)} vs {list(want.shape)}"))
-            failed.append(name)
-            continue
-        diff = np.abs(got - want)
-        scale = float(np.abs(want).max(initial=0.0))
-        ok = bool(np.all(diff <= atol * scale + rtol * np.abs(want)))
-        rel = float(diff.max(initial=0.0)) / scale if scale else float(diff.max(initial=0.0))
-        rows.append((name, f"{diff.max(initial=0.0):.3g}", f"{rel:.3g}", "ok" if ok else "FAIL"))
-        if not ok:
-            failed.append(name)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    if failed:
-        raise RunError(f"{len(failed)} output(s) differ from the reference beyond rtol={rtol}, atol={atol}*max|ref|: {', '.join(failed)}")
-    typer.echo(f"all {len(rows)} compared output(s) match the reference (rtol={rtol}, atol={atol}*max|ref|)")
+    typer.echo(comparison.format())
+    if comparison.unmatched:
+        typer.echo(f"not compared (no output of that name): {', '.join(comparison.unmatched)}")
+    if comparison.failures:
+        _progress("looking for kinks decided by float rounding (a float64 run of the graph)")
+        for note in diagnose_kinks(session.model, feeds, comparison, reference, device=session.device):
+            _say(f"note: {note}")
+    require_match(comparison, skip_unmatched)
+    tolerance = f"rtol={rtol}, atol={atol}*scale, floor={floor}"
+    skipped = f"; {len(comparison.unmatched)} reference key(s) not compared" if comparison.unmatched else ""
+    typer.echo(f"all {len(comparison.rows)} compared output(s) match the reference ({tolerance}){skipped}")
 
 
 def _format_table(results) -> str:
-    import numpy as np
-
     header = ("output", "shape", "dtype", "min", "max", "mean", "L2 norm")
     rows = []
     for name, value in results.items():
-        if value.size and value.dtype.kind in "fiub":
-            data = value.astype(np.float64)
-            stats = [f"{data.min():.6g}", f"{data.max():.6g}", f"{data.mean():.6g}", f"{np.sqrt((data * data).sum()):.6g}"]
-        else:
-            stats = ["-"] * 4
-        rows.append((name, str(list(value.shape)), str(value.dtype), *stats))
+        stats = _stats(value)
+        shown = [f"{x:.6g}" for x in stats] if stats else ["-"] * 4
+        rows.append((name, str(list(value.shape)), str(value.dtype), *shown))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _stats(value, chunk: int = 1 << 20) -> Optional[tuple[float, float, float, float]]:
+    """min, max, mean and L2 norm in float64, a chunk at a time (no float64 copy of a large output)."""
+    import numpy as np
+
+    if not value.size or value.dtype.kind not in "fiub":
+        return None
+    flat = value.reshape(-1)
+    low, high, total, squares = math.inf, -math.inf, 0.0, 0.0
+    for start in range(0, flat.size, chunk):
+        part = flat[start:start + chunk].astype(np.float64)
+        low, high = min(low, float(part.min())), max(high, float(part.max()))
+        total += float(part.sum())
+        squares += float(np.dot(part, part))
+    return low, high, total / flat.size, math.sqrt(squares)
 
 
 @app.command("ops")
@@ -200,29 +297,36 @@ def check(
     wrt_inputs: bool = typer.Option(False, "--wrt-inputs", help="Also check every float graph input."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help=".npz file with one array per graph input."),
     random_inputs: bool = typer.Option(False, "--random-inputs", help="Draw inputs from the declared types and shapes."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --random-inputs and the random directions."),
-    dim: Optional[List[str]] = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension (repeatable)."),
-    samples: int = typer.Option(3, "--samples", help="Random directions per tensor."),
-    rtol: float = typer.Option(1e-5, "--rtol", help="Tolerance relative to the size of the compared gradient."),
-    atol: float = typer.Option(1e-7, "--atol", help="Absolute tolerance."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs and the random directions."),
+    dim: Optional[List[str]] = _DIM,
+    samples: int = typer.Option(3, "--samples", min=1, help="Random directions per tensor."),
+    rtol: float = typer.Option(1e-5, "--rtol", callback=_finite_non_negative,
+                               help="Tolerance relative to the size of the compared gradient."),
+    atol: float = typer.Option(1e-7, "--atol", callback=_finite_non_negative, help="Absolute tolerance."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu or cuda."),
+    progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Compare the backward graph with float64 finite differences of MODEL; exit 4 on a mismatch."""
     from gradgen.check import check_gradients
     from gradgen.errors import RunError
-    from gradgen.inputs import parse_dims
 
-    dims = parse_dims(dim or [])
+    _set_progress(progress)
+    dims = _dims(dim, random_inputs)
     started = time.perf_counter()
-    report = check_gradients(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs,
-                             inputs=inputs, random_inputs=random_inputs, seed=seed, dims=dims,
-                             samples=samples, rtol=rtol, atol=atol, device=device)
+    _progress(f"checking the gradients of {model} against float64 finite differences")
+    with _warnings_as_notes():
+        report = check_gradients(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs,
+                                 inputs=inputs, random_inputs=random_inputs, seed=seed, dims=dims,
+                                 samples=samples, rtol=rtol, atol=atol, device=device)
     typer.echo(f"loss: {report.loss} (float64, central differences, eps={report.eps:g})")
     typer.echo(report.format())
     seconds = time.perf_counter() - started
     if not report.passed:
+        kinked = [t.name for t in report.tensors if not t.passed and t.kink]
+        why = (f"; {', '.join(kinked)} at a kink of the loss (not differentiable at these inputs, so the finite "
+               "differences may be the cause: try another --seed or other inputs)" if kinked else "")
         raise RunError(f"gradient check failed for {len(report.failures)} of {len(report.tensors)} tensor(s): "
-                       f"{', '.join(report.failures)}")
+                       f"{', '.join(report.failures)}{why}")
     typer.echo(f"all {len(report.tensors)} gradient(s) match finite differences ({seconds:.2f} s)")
 
 
@@ -267,13 +371,54 @@ def _hoist_debug(args: list[str]) -> list[str]:
     return args
 
 
+class _Terminated(BaseException):
+    """Raised by the CLI's SIGTERM / SIGHUP handler, so that cleanups (temporary files) run as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    for sig in _TERMINATING_SIGNALS:  # a second signal must not interrupt the cleanup of the first
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Terminated(signum)
+
+
+_TERMINATING_SIGNALS = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s]
+
+
+@contextlib.contextmanager
+def _terminating_signals_raise():
+    """Turn SIGTERM and SIGHUP into an exception for the duration of a command (main thread only)."""
+    previous = {}
+    for sig in _TERMINATING_SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, _raise_terminated)
+        except (ValueError, OSError):  # not the main thread: leave the signals alone
+            break
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Console entry point: every error becomes one line on stderr and a documented exit code."""
     _state["debug"] = False
     args = _hoist_debug(list(sys.argv[1:] if argv is None else argv))
+    with _terminating_signals_raise():
+        _main_with_exit_codes(args)
+
+
+def _main_with_exit_codes(args: list[str]) -> None:
     click_exception = _click_exception_type()
     try:
         code = app(args=args, prog_name="gradgen", standalone_mode=False)
+    except _Terminated as exc:
+        _say(f"error: terminated ({signal.Signals(exc.signum).name})")
+        sys.exit(128 + exc.signum)
     except GradgenError as exc:
         if _state["debug"]:
             import traceback

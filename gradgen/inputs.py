@@ -1,17 +1,25 @@
-"""Model inputs: loading them from .npz and drawing random ones from the declared types.
+"""Model inputs: loading and saving .npz files, and drawing random inputs from the declared types.
 
-Random inputs follow the model's declared dtypes and shapes (symbolic dims from ``dims``).
-Floats are standard normal. Integer inputs are drawn where they can be valid:
-- indices of Gather / GatherElements / GatherND / ScatterElements / ScatterND: in [0, size of the
-  indexed axis) when that size is known (looking through Cast, Reshape, Unsqueeze and the like);
+Random inputs follow the model's declared dtypes and shapes (symbolic dims from ``dims``, which
+must name symbolic dims of the model's inputs). Each is drawn within its consumers' contract:
+- floats: standard normal, drawn in float32 for float32 inputs (narrower floats through float32);
+  uniform in [0.5, 2) for BatchNormalization's variance and the inputs of Sqrt and Log;
+- indices of Gather / GatherElements / GatherND / ScatterElements / ScatterND: within the indexed
+  axis (per index component for GatherND / ScatterND) when its size is known (looking through Cast,
+  Reshape, Unsqueeze and the like); for ScatterElements / ScatterND with reduction='none', distinct
+  (repeated indices are undefined there), or a usage error when they cannot be;
 - labels of SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss: in [0, number of classes);
+- integers that are an op's shape, axes or count (Reshape's shape, Slice's starts, TopK's k, ...):
+  refused with a usage error (random values would be meaningless);
 - any other integer input: in [0, 10). Bools are fair coin flips.
+Inputs whose total size passes the machine's physical memory are refused before anything is drawn.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import tempfile
+import zipfile
 from pathlib import Path
 from typing import Mapping
 
@@ -43,18 +51,50 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def save_npz(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> Path:
-    """Write ``arrays`` to ``path`` (exactly that name) atomically: a temporary file, then rename."""
+    """Write ``arrays`` to ``path`` (exactly that name) atomically, one .npy member per array.
+
+    Unlike ``np.savez(file, **arrays)`` any name works (``file``, ``allow_pickle``, names with ``/``,
+    ``:`` or non-ASCII letters) and reads back under the same key with ``np.load``; the few that
+    cannot (see ``_npz_name_problems``) are refused before anything is written.
+    """
+    from gradgen.model_io import atomic_output
+
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    problems = _npz_name_problems(list(arrays))
+    if problems:
+        raise UsageError(f"{path}: cannot save {'; '.join(problems)} in an .npz file; nothing was written")
+    with atomic_output(path) as tmp:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in arrays.items():
+                with archive.open(name + ".npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
     return path
+
+
+def _npz_name_problems(names: list[str]) -> list[str]:
+    """Why some names would not read back from an .npz under the same key (empty when all do).
+
+    ``np.load`` maps key ``k`` to the member ``k`` if there is one, else ``k.npy``; zip member names
+    stop at a NUL and hold at most 65535 bytes of UTF-8.
+    """
+    members = {name + ".npy" for name in names}
+    problems = []
+    for name in names:
+        if not name:
+            problems.append("an output with an empty name")
+        elif "\0" in name:
+            problems.append(f"output {name!r} (its name holds a NUL character)")
+        elif name in members:
+            problems.append(f"output {name!r} (np.load would read the output {name[:-4]!r} under that key)")
+        else:
+            try:
+                too_long = len((name + ".npy").encode("utf-8")) > 0xFFFF
+            except UnicodeEncodeError:
+                problems.append(f"output {name!r} (its name is not valid Unicode)")
+                continue
+            if too_long:
+                problems.append(f"output {name[:40]!r}... (its name passes 65535 bytes)")
+    return problems
 
 
 def parse_dims(pairs: list[str]) -> dict[str, int]:
@@ -68,19 +108,71 @@ def parse_dims(pairs: list[str]) -> dict[str, int]:
     return dims
 
 
+def model_symbols(model: ir.Model) -> list[str]:
+    """The symbolic dimension names of the model's graph inputs (initializers excluded), in order."""
+    graph = model.graph
+    names = []
+    for value in graph.inputs:
+        if value.name in graph.initializers or value.shape is None:
+            continue
+        names.extend(d.value for d in value.shape if not isinstance(d, int) and d.value)
+    return list(dict.fromkeys(names))
+
+
+def check_dims(model: ir.Model, dims: Mapping[str, int]) -> None:
+    """Refuse a --dim naming no symbolic dimension of the model's inputs (a typo would be ignored)."""
+    symbols = model_symbols(model)
+    unknown = [name for name in dims if name not in symbols]
+    if unknown:
+        known = f"its symbolic dimensions are {', '.join(symbols)}" if symbols else "it has no symbolic dimensions"
+        raise UsageError(f"--dim {', '.join(unknown)}: the model's inputs have no such dimension; {known}")
+
+
 def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Random values for every graph input that is not an initializer."""
+    """Random values for every graph input that is not an initializer (see the module docstring)."""
     rng = np.random.default_rng(seed)
     dims = dict(dims or {})
+    check_dims(model, dims)
     graph = _with_shapes(model).graph
-    feeds = {}
+    wanted = []
     for value in graph.inputs:
         if value.name in graph.initializers:
             continue
-        shape = _concrete_shape(value, dims)
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
-        feeds[value.name] = _draw(rng, value, shape, dtype, dims)
+        wanted.append((value, _concrete_shape(value, dims), dtype))
+    _check_fits_in_memory(wanted)
+    feeds = {}
+    for value, shape, dtype in wanted:
+        try:
+            feeds[value.name] = _draw(rng, value, shape, dtype, dims)
+        except MemoryError:
+            raise UsageError(f"input {value.name!r}: not enough memory for shape {list(shape)}; "
+                             "choose smaller --dim values") from None
     return feeds
+
+
+def _check_fits_in_memory(wanted) -> None:
+    """Refuse inputs whose total size passes the machine's physical memory (e.g. a mistyped --dim)."""
+    sizes = {value.name: math.prod(shape) * dtype.itemsize for value, shape, dtype in wanted}
+    total = sum(sizes.values())
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: let the allocation decide
+        return
+    if total > memory:
+        name = max(sizes, key=sizes.get)
+        shape = next(list(shape) for value, shape, _ in wanted if value.name == name)
+        raise UsageError(f"the random inputs would take {_bytes(total)} (input {name!r}, shape {shape}: "
+                         f"{_bytes(sizes[name])}), more than this machine's {_bytes(memory)} of memory; "
+                         "choose smaller --dim values")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
 
 
 def _with_shapes(model: ir.Model) -> ir.Model:
@@ -88,7 +180,8 @@ def _with_shapes(model: ir.Model) -> ir.Model:
     from gradgen.errors import ModelError
     from gradgen.passes import FoldShapeArithmeticPass, ShapeInferencePass
 
-    copy = ir.from_proto(ir.to_proto(model))
+    # clone() shares the weights; a protobuf round trip would copy them all
+    copy = model.clone() if hasattr(model, "clone") else ir.from_proto(ir.to_proto(model))
     try:
         ShapeInferencePass()(FoldShapeArithmeticPass()(copy).model)
     except (ModelError, ir.passes.PassError):
@@ -114,42 +207,146 @@ def _concrete_shape(value: ir.Value, dims: dict[str, int]) -> tuple[int, ...]:
 
 def _draw(rng, value: ir.Value, shape, dtype: np.dtype, dims) -> np.ndarray:
     if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
+        positive = any(_POSITIVE_INPUTS.get(node.op_type) == position for node, position in _consumers(value))
+        # float32 and float64 are drawn in their own precision; narrower floats through float32
+        draw_dtype = dtype if dtype in (np.float32, np.float64) else np.float32
+        if positive:
+            return rng.uniform(0.5, 2.0, shape).astype(draw_dtype, copy=False).astype(dtype, copy=False)
+        return rng.standard_normal(shape, dtype=draw_dtype).astype(dtype, copy=False)
     if dtype.kind == "b":
         return rng.random(shape) < 0.5
     if dtype.kind in "iu":
-        high = _index_bound(value, dims) or 10
+        _refuse_shape_like(value)
+        distinct = _distinct_index_draw(rng, value, shape, dims)
+        if distinct is not None:
+            return distinct.astype(dtype)
+        high = _index_bound(value, shape, dims)
+        if high is None:
+            high = 10
         return rng.integers(0, high, shape).astype(dtype)
     raise UsageError(f"input {value.name!r}: cannot draw random values of type {dtype}; pass --inputs FILE.npz")
 
 
 # Ops that pass an integer tensor's values through unchanged (looked through to find its consumers).
 _PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"}
+# ... and those of them that keep each element where it is (element positions still mean the same).
+_SAME_LAYOUT = {"Cast", "Identity"}
+
+# Float inputs whose contract or domain wants positive values: BatchNormalization's variance, Sqrt, Log.
+_POSITIVE_INPUTS = {"BatchNormalization": 4, "Sqrt": 0, "Log": 0}
+
+# Integer inputs that are shapes, axes, counts or positions of an op: random values would be meaningless.
+_SHAPE_LIKE_INPUTS = {
+    "Reshape": {1}, "Expand": {1}, "Tile": {1}, "ConstantOfShape": {0}, "Slice": {1, 2, 3, 4}, "Pad": {1, 3},
+    "Range": {0, 1, 2}, "Resize": {3}, "Unsqueeze": {1}, "Squeeze": {1}, "ReduceSum": {1},
+    "ReduceMean": {1}, "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1}, "ReduceL1": {1}, "ReduceL2": {1},
+    "ReduceLogSum": {1}, "ReduceLogSumExp": {1}, "ReduceSumSquare": {1}, "Split": {1}, "TopK": {1},
+    "OneHot": {1}, "CumSum": {1}, "Trilu": {1}, "CenterCropPad": {1, 2},
+}
 
 
-def _consumers(value: ir.Value, depth: int = 0):
+def _consumers(value: ir.Value, depth: int = 0, through=_PASS_THROUGH):
     """(node, input position) of every op reading the value's numbers, through pass-through ops."""
     for node, position in value.uses():
-        if node.op_type in _PASS_THROUGH and position == 0 and depth < 8:
+        if node.op_type in through and position == 0 and depth < 8:
             for out in node.outputs:
-                yield from _consumers(out, depth + 1)
+                yield from _consumers(out, depth + 1, through)
         else:
             yield node, position
 
 
-def _index_bound(value: ir.Value, dims) -> int | None:
-    """The exclusive upper bound valid for an integer input, from the ops that consume it."""
+def _refuse_shape_like(value: ir.Value) -> None:
+    for node, position in _consumers(value):
+        if position in _SHAPE_LIKE_INPUTS.get(node.op_type, ()) and node.domain in ("", "ai.onnx"):
+            raise UsageError(f"input {value.name!r} feeds input {position} of {node.op_type} node "
+                             f"{node.name or '<unnamed>'!r} (a shape, axes or count): random values would be "
+                             "meaningless; pass it with --inputs FILE.npz")
+
+
+def _axis(node: ir.Node, rank: int | None) -> int:
+    attr = node.attributes.get("axis")
+    axis = attr.value if attr is not None else 0
+    return axis + rank if rank is not None and axis < 0 else axis
+
+
+def _reduction_is_none(node: ir.Node) -> bool:
+    attr = node.attributes.get("reduction")
+    return attr is None or attr.value == "none"
+
+
+def _distinct_index_draw(rng, value: ir.Value, shape, dims) -> np.ndarray | None:
+    """Indices of a ScatterElements / ScatterND with reduction='none': no position written twice.
+
+    The spec leaves repeated indices undefined there, so random inputs must not repeat them. Only
+    for a direct use (through Cast / Identity); None when the op or the shapes do not ask for it.
+    """
+    for node, position in _consumers(value, through=_SAME_LAYOUT):
+        if position != 1 or node.op_type not in ("ScatterElements", "ScatterND") or not _reduction_is_none(node):
+            continue
+        data = _static_shape(node.inputs[0], dims)
+        if data is None:
+            return None
+        where = f"input {value.name!r} (indices of {node.op_type} node {node.name or '<unnamed>'!r})"
+        if node.op_type == "ScatterElements":
+            axis = _axis(node, len(data))
+            if len(shape) != len(data) or not 0 <= axis < len(data):
+                return None
+            if shape[axis] > data[axis]:
+                raise UsageError(f"{where}: {shape[axis]} distinct indices along axis {axis} cannot fit in "
+                                 f"{data[axis]} positions (reduction='none' forbids repeats); pass --inputs FILE.npz")
+            keys = rng.random((*shape[:axis], data[axis], *shape[axis + 1:]))
+            return np.argsort(keys, axis=axis).take(range(shape[axis]), axis=axis)
+        if not shape or shape[-1] > len(data):
+            return None
+        rows, depth = math.prod(shape[:-1]), shape[-1]
+        space = math.prod(data[:depth])
+        if rows > space:
+            raise UsageError(f"{where}: {rows} distinct index tuples cannot fit in the {space} positions of the "
+                             f"first {depth} axes (reduction='none' forbids repeats); pass --inputs FILE.npz")
+        flat = rng.choice(space, size=rows, replace=False)
+        return np.stack(np.unravel_index(flat, data[:depth]), axis=-1).reshape(shape)
+    return None
+
+
+def _static_shape(value: ir.Value | None, dims) -> tuple[int, ...] | None:
+    if value is None or value.shape is None:
+        return None
+    sizes = [_dim_size(value, axis, dims) for axis in range(len(value.shape))]
+    return None if any(s is None for s in sizes) else tuple(sizes)
+
+
+def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
+    """The exclusive upper bound valid for an integer input, from the ops that consume it.
+
+    An int, or for the indices of GatherND / ScatterND (whose last axis walks the data's axes) an
+    array of one bound per position along that last axis.
+    """
     bounds = []
     for node, position in _consumers(value):
-        if node.op_type in _INDEX_CONSUMERS and _INDEX_CONSUMERS[node.op_type][0] == position:
+        if node.op_type in ("GatherND", "ScatterND") and position == 1 and shape:
+            per_component = _nd_bounds(node, shape[-1], dims)
+            if per_component is not None:
+                bounds.append(per_component)
+        elif node.op_type in _INDEX_CONSUMERS and _INDEX_CONSUMERS[node.op_type][0] == position:
             _, data_position, axis_attr = _INDEX_CONSUMERS[node.op_type]
             data = node.inputs[data_position]
             axis = node.attributes[axis_attr].value if axis_attr and axis_attr in node.attributes else 0
             bounds.append(_dim_size(data, axis, dims))
         elif _LABEL_CONSUMERS.get(node.op_type) == position:
             bounds.append(_dim_size(node.inputs[0], 1, dims))
-    known = [b for b in bounds if b]
-    return min(known) if known else None
+    known = [b for b in bounds if b is not None and np.all(np.asarray(b) > 0)]
+    if not known:
+        return None
+    return known[0] if len(known) == 1 else np.minimum.reduce(np.broadcast_arrays(*known))
+
+
+def _nd_bounds(node: ir.Node, depth: int, dims) -> np.ndarray | None:
+    """GatherND / ScatterND: index component j addresses the data's axis batch_dims + j."""
+    batch = node.attributes["batch_dims"].value if "batch_dims" in node.attributes else 0
+    sizes = [_dim_size(node.inputs[0], batch + j, dims) for j in range(depth)]
+    if any(s is None for s in sizes):
+        return None
+    return np.array(sizes, dtype=np.int64)
 
 
 def _dim_size(value: ir.Value | None, axis: int, dims) -> int | None:

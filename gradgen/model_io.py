@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Iterator, Union
 
 import onnx
 import onnx_ir as ir
@@ -44,26 +47,61 @@ def load_model(model: ModelLike) -> ir.Model:
     if not proto.opset_import or bad_opsets:
         found = f"invalid opset import(s) {', '.join(bad_opsets)}" if bad_opsets else "no opset import"
         raise ModelError(f"{path}: not a valid ONNX model ({found}; truncated file?)")
-    _load_external_data(proto, path)
-    return _from_proto(proto, str(path))
+    _check_external_data(proto, path)
+    loaded = _from_proto(proto, str(path))
+    # External data stays in its files, memory-mapped when a tensor is first read: a model of
+    # several GB costs no resident memory until its weights are used, and no copy.
+    ir.external_data.set_base_dir(loaded.graph, str(path.resolve().parent))
+    _load_external_attribute_tensors(loaded)
+    return loaded
 
 
-def _load_external_data(proto: onnx.ModelProto, path: Path) -> None:
-    """Read every tensor kept in external data files, relative to the model's directory."""
-    base_dir = str(path.resolve().parent)
+def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
+    """Check every tensor kept in external data files before anything reads them.
+
+    The files are looked up relative to the model's directory. A location that leaves that
+    directory (an absolute path, ``..``, a symlink pointing out) is refused: a model file must not
+    make gradgen read arbitrary files. A missing file or one too short for the tensor is an error
+    naming the tensor and the file.
+    """
+    base = path.resolve().parent
     for tensor in external_data_helper._get_all_tensors(proto):
         if not external_data_helper.uses_external_data(tensor):
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location", "")
         where = f"{path}: tensor {tensor.name!r} keeps its data in {location!r}"
-        if location and not (path.resolve().parent / location).is_file():
+        target = (base / location).resolve()
+        if not location or Path(location).is_absolute() or not target.is_relative_to(base):
+            raise ModelError(f"{where}, which is not inside the model's directory {base}; "
+                             "external data must be a relative path below it")
+        if not target.is_file():
             raise ModelError(f"{where}, which is not a file next to the model "
-                             f"(external data is looked up relative to {base_dir})")
+                             f"(external data is looked up relative to {base})")
         try:
-            external_data_helper.load_external_data_for_tensor(tensor, base_dir)
-        except Exception as exc:
-            raise ModelError(f"{where}, which cannot be read ({type(exc).__name__}: {exc})") from None
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else _tensor_nbytes(tensor)
+        except ValueError:
+            raise ModelError(f"{where}, with a malformed offset or length ({info})") from None
+        size = target.stat().st_size
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ModelError(f"{where}, which cannot be read: bytes {offset} to {offset + length} are wanted "
+                             f"but the file holds {size}")
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    bits = ir.DataType(tensor.data_type).bitwidth
+    return (math.prod(tensor.dims) * bits + 7) // 8
+
+
+def _load_external_attribute_tensors(model: ir.Model) -> None:
+    """Read external tensors held in node attributes (rare, small) into memory, as saving inline needs."""
+    for graph in model.graphs():
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    node.attributes[attr.name] = ir.AttrTensor(attr.name, ir.Tensor(attr.value.numpy(),
+                                                                                  name=attr.value.name))
 
 
 def _from_proto(proto: onnx.ModelProto, where: str) -> ir.Model:
@@ -74,7 +112,7 @@ def _from_proto(proto: onnx.ModelProto, where: str) -> ir.Model:
 
 
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse an output path that is one of the inputs or whose directory does not exist."""
+    """Refuse an output path that is one of the inputs or that cannot be written, before any work."""
     out_path = Path(out)
     for source in inputs:
         source_path = Path(source)
@@ -83,27 +121,85 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Pat
         ):
             raise UsageError(f"{out_path}: the output must not be the input model; choose another path")
     parent = out_path.resolve().parent
-    if not parent.is_dir():
+    if not parent.exists():
         raise UsageError(f"{out_path}: output directory {parent} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{out_path}: {parent} is not a directory")
     if out_path.is_dir():
         raise UsageError(f"{out_path}: is a directory; give a file name for the output")
+    try:  # a read-only directory, /proc, a full disk: say so now, not after the work
+        fd, probe = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise output_error(out_path, exc) from exc
     return out_path
+
+
+def output_error(path: str | os.PathLike, exc: OSError) -> UsageError:
+    """The one-line error for an OS error while writing ``path`` (or a temporary file beside it)."""
+    return UsageError(f"{path}: cannot write the output: {exc.strerror or exc}")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file beside ``path``, renamed to ``path`` when the block succeeds, removed otherwise.
+
+    The file is created with mode 0666 less the umask, as ``open`` would. Any exception, including
+    KeyboardInterrupt and the CLI's SIGTERM / SIGHUP exception, removes it; an OS error becomes a
+    one-line UsageError.
+    """
+    path = Path(path)
+    parent = Path(os.path.abspath(path)).parent  # beside the name given, even if it is a symlink
+    try:
+        while True:
+            tmp = parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+            try:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                break
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise output_error(path, exc) from exc
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove(tmp)
+        raise output_error(path, exc) from exc
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def save_model(model: ir.Model | onnx.ModelProto, out: str | os.PathLike) -> Path:
     """Write a model atomically: into a temporary directory beside ``out``, then rename.
 
-    On failure nothing is left behind (an existing ``out`` is unchanged). Models whose tensors pass
-    ``_EXTERNAL_DATA_THRESHOLD`` bytes in all (too large for one protobuf) get their initializers as
-    external data in ``<out name>.data`` next to ``out``: the data file is renamed into place first,
-    the model last.
+    On failure nothing is left behind (an existing ``out`` is unchanged); an OS error is a one-line
+    UsageError. Models whose tensors pass ``_EXTERNAL_DATA_THRESHOLD`` bytes in all (too large for
+    one protobuf) get their initializers as external data in ``<out name>.data`` next to ``out``: the
+    data file is renamed into place first, the model last.
     """
     out_path = Path(out)
+    try:
+        return _save_model(model, out_path)
+    except OSError as exc:
+        raise output_error(out_path, exc) from exc
+
+
+def _save_model(model: ir.Model | onnx.ModelProto, out_path: Path) -> Path:
     if isinstance(model, onnx.ModelProto):
         model = _from_proto(model, "<in-memory model>")
     data_name = out_path.name + ".data"
     external = _initializer_bytes(model) > _EXTERNAL_DATA_THRESHOLD
     parent = out_path.resolve().parent
+    if external:
+        _refuse_overwriting_sources(model, parent / data_name)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=parent))
     try:
         tmp_model = tmp_dir / out_path.name
@@ -111,7 +207,8 @@ def save_model(model: ir.Model | onnx.ModelProto, out: str | os.PathLike) -> Pat
             ir.save(model, tmp_model, format="protobuf", external_data=data_name,
                     size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES)
         else:
-            ir.save(model, tmp_model, format="protobuf")
+            with external_tensors_inline(model):
+                ir.save(model, tmp_model, format="protobuf")
         if not (tmp_dir / data_name).exists():
             os.replace(tmp_model, out_path)
             return out_path
@@ -132,6 +229,37 @@ def save_model(model: ir.Model | onnx.ModelProto, out: str | os.PathLike) -> Pat
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_path
+
+
+@contextlib.contextmanager
+def external_tensors_inline(model: ir.Model) -> Iterator[None]:
+    """For the duration of the block, initializers read from external data are plain tensors.
+
+    ``ir.save`` without external data keeps an external tensor's reference to its file (here: the
+    input model's data file, by a path relative to the input); a saved model must hold its data.
+    The tensors wrap the memory-mapped arrays, so nothing is copied before serialisation.
+    """
+    swapped = []
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                swapped.append((value, value.const_value))
+                value.const_value = ir.Tensor(value.const_value.numpy(), name=value.name)
+    try:
+        yield
+    finally:
+        for value, tensor in swapped:
+            value.const_value = tensor
+
+
+def _refuse_overwriting_sources(model: ir.Model, data_path: Path) -> None:
+    """The external data file about to be replaced must not be one the model still reads from."""
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and Path(tensor.path).resolve() == data_path.resolve():
+                raise UsageError(f"{data_path}: writing it would overwrite the external data that tensor "
+                                 f"{value.name!r} of the input model is read from; choose another output name")
 
 
 def _initializer_bytes(model: ir.Model) -> int:

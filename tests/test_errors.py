@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gradgen.model_io as model_io
 from gradgen.api import build_backward
-from gradgen.errors import ModelError
+from gradgen.errors import ModelError, UsageError
 from gradgen.executor import Session
 from tests.test_cli import run_cli, tiny_model
 
@@ -279,7 +279,7 @@ def test_failed_save_leaves_nothing_and_keeps_the_old_output(tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(model_io.ir, "save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UsageError, match="out.onnx: cannot write the output: disk full"):
         model_io.save_model(model, out)
     assert out.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "tiny.onnx"]
@@ -351,12 +351,12 @@ def test_failed_external_save_leaves_nothing(tmp_path, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(model_io.os, "replace", failing_replace)
-    with pytest.raises(OSError, match="rename failed"):
+    with pytest.raises(UsageError, match="rename failed"):
         model_io.save_model(model, tmp_path / "g.onnx")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
     # an earlier data file survives a failed write
     (tmp_path / "g.onnx.data").write_bytes(b"earlier")
-    with pytest.raises(OSError, match="rename failed"):
+    with pytest.raises(UsageError, match="rename failed"):
         model_io.save_model(model, tmp_path / "g.onnx")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx.data", "m.onnx"]
     assert (tmp_path / "g.onnx.data").read_bytes() == b"earlier"

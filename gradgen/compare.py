@@ -1,0 +1,270 @@
+"""``gradgen run --compare``: compare a model's outputs with a reference .npz (e.g. PyTorch's gradients).
+
+Matching: a reference key is compared with the output of the same name; with ``torch_names`` a key
+``w`` that names no output is compared with ``w_grad`` (references saved from PyTorch's
+``named_parameters``). A key that matches no output is reported, never silently skipped.
+
+Tolerance: element by element, ``|got - ref| <= atol * scale + rtol * |ref|``, where a tensor's
+``scale`` is ``max(max|ref|, max|got|, floor * G)`` and ``G`` is the largest |value| of all compared
+gradients (outputs named ``*_grad``; all compared outputs when there are none). The floor keeps a
+gradient that is mathematically zero (a conv bias before a training-mode BatchNorm) from failing on
+float32 rounding noise, which scales with the model's gradients, not with the tensor's own noise.
+
+Kinks: when outputs differ, ``kink_flips`` looks for inputs of non-smooth ops (Relu, LeakyRelu,
+PRelu, Abs, Clip, Max, Min and comparisons) whose side of the switching point differs between a
+float32 and a float64 run of the same graph: float rounding decides those elements, so a reference
+computed elsewhere may legitimately take the other side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import GradgenError, RunError
+
+# Non-smooth ops: input positions compared with a switching point (0 for one input; each other for two).
+_KINK_AT_ZERO = {"Relu", "LeakyRelu", "PRelu", "Abs", "ThresholdedRelu"}
+_KINK_BETWEEN = {"Max", "Min", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+
+
+@dataclasses.dataclass
+class TensorComparison:
+    """One compared output."""
+
+    output: str
+    key: str  # the reference key it was compared with
+    max_abs_err: float
+    scale: float
+    passed: bool
+    note: str = ""
+
+    @property
+    def rel_err(self) -> float:
+        return self.max_abs_err / self.scale if self.scale else (0.0 if self.max_abs_err == 0 else float("inf"))
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The result of ``compare_outputs``."""
+
+    rows: list[TensorComparison]
+    unmatched: list[str]  # reference keys that match no output
+    unreferenced: list[str]  # outputs that the reference does not name
+    rtol: float
+    atol: float
+    floor: float
+    hint: str = ""  # e.g. "--torch-names would match them"
+
+    @property
+    def failures(self) -> list[str]:
+        return [row.output for row in self.rows if not row.passed]
+
+    def format(self) -> str:
+        header = ("output", "reference key", "max abs err", "err / scale", "scale", "verdict")
+        rows = [(r.output, r.key, f"{r.max_abs_err:.3g}", f"{r.rel_err:.3g}", f"{r.scale:.3g}",
+                 ("ok" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")) for r in self.rows]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def match_reference(outputs: Sequence[str], keys: Sequence[str], torch_names: bool = False
+                    ) -> tuple[list[tuple[str, str]], list[str]]:
+    """(output, key) pairs and the keys that match no output."""
+    names = set(outputs)
+    pairs, unmatched = [], []
+    for key in keys:
+        if key in names:
+            pairs.append((key, key))
+        elif torch_names and f"{key}_grad" in names:
+            pairs.append((f"{key}_grad", key))
+        else:
+            unmatched.append(key)
+    return pairs, unmatched
+
+
+def compare_outputs(results: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *,
+                    rtol: float, atol: float, floor: float, torch_names: bool = False) -> Comparison:
+    """Compare every output that a reference key names (see the module docstring for the tolerance)."""
+    pairs, unmatched = match_reference(list(results), list(reference), torch_names)
+    hint = ""
+    if unmatched and not torch_names and any(f"{key}_grad" in results for key in unmatched):
+        hint = "--torch-names compares a key w with the output w_grad"
+    compared = {output for output, _ in pairs}
+    unreferenced = [name for name in results if name not in compared]
+    got = {output: np.asarray(results[output]) for output, _ in pairs}
+    want = {output: np.asarray(reference[key]) for output, key in pairs}
+    grads = [o for o in got if o.endswith("_grad")] or list(got)
+    largest = max((_max_abs(want[o]) for o in grads if want[o].shape == got[o].shape), default=0.0)
+    rows = [_compare_one(output, key, got[output], want[output], rtol, atol, floor * largest) for output, key in pairs]
+    return Comparison(rows, unmatched, unreferenced, rtol, atol, floor, hint)
+
+
+def _max_abs(array: np.ndarray) -> float:
+    finite = np.abs(array[np.isfinite(array)]) if array.dtype.kind in "fc" else np.abs(array)
+    return float(finite.max(initial=0.0))
+
+
+def _compare_one(output: str, key: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float,
+                 floor: float) -> TensorComparison:
+    if got.shape != want.shape:
+        return TensorComparison(output, key, float("inf"), 0.0, False,
+                                f"shape {list(got.shape)}, reference {list(want.shape)}")
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    scale = max(_max_abs(w), _max_abs(g), floor)
+    same_special = (np.isnan(g) & np.isnan(w)) | (np.isinf(g) & (g == w))
+    diff = np.where(same_special, 0.0, np.abs(g - w))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    passed = bool(np.all(diff <= atol * scale + rtol * np.where(np.isfinite(w), np.abs(w), 0.0)))
+    note = ""
+    if not np.all(np.isfinite(g) == np.isfinite(w)) or not np.all(same_special | np.isfinite(g)):
+        note = "non-finite values differ"
+    return TensorComparison(output, key, float(diff.max(initial=0.0)), scale, passed, note)
+
+
+# -- kinks ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KinkFlips:
+    """Elements whose side of a kink differs between float32 and float64 runs of the same graph."""
+
+    by_node: dict[str, int]  # "Relu node 'r1'" -> number of elements
+    float64: dict[str, np.ndarray]  # the float64 run's outputs (for the compared ones)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_node.values())
+
+
+def _kink_operands(graph: ir.Graph) -> list[tuple[str, list[ir.Value]]]:
+    """(label, values) per non-smooth node: one value (kink at 0) or two (kink where they are equal).
+
+    Clip's bounds count when they are inputs (opset 11 and later), not attributes.
+    """
+    found = []
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None:
+            continue
+        label = f"{node.op_type} node {node.name or '<unnamed>'!r}"
+        x = node.inputs[0]
+        if node.op_type in _KINK_AT_ZERO:
+            found.append((label, [x]))
+        elif node.op_type in _KINK_BETWEEN and len(node.inputs) == 2 and node.inputs[1] is not None:
+            found.append((label, [x, node.inputs[1]]))
+        elif node.op_type == "Clip":
+            found.extend((label, [x, bound]) for bound in node.inputs[1:3] if bound is not None)
+    # A backward graph repeats the forward's kinks (Relu's gradient is a Greater of the same input
+    # against 0): count each set of non-constant operands once.
+    constant = {v.name for v in graph.initializers.values()} | {
+        n.outputs[0].name for n in graph if n.op_type == "Constant" and n.outputs}
+    kept, seen = [], set()
+    for label, values in found:
+        if not all(v.dtype is not None and v.dtype.is_floating_point() for v in values):
+            continue
+        key = frozenset(v.name for v in values if v.name not in constant)
+        if key not in seen:
+            seen.add(key)
+            kept.append((label, values))
+    return kept
+
+
+def _side(values: list[np.ndarray]) -> np.ndarray:
+    a = values[0].astype(np.float64)
+    b = values[1].astype(np.float64) if len(values) > 1 else 0.0
+    return np.sign(a - b)
+
+
+def _run_with_values(session, feeds: Mapping[str, np.ndarray], names: Sequence[str], outputs: Sequence[str]) -> dict:
+    """The named outputs plus the named values (graph outputs, inputs, or initializers of ``session``)."""
+    fetch = [n for n in dict.fromkeys([*outputs, *names]) if n not in feeds and n not in session.initializers]
+    values = dict(session.run(feeds, outputs=fetch))
+    for name in names:
+        if name not in values:
+            values[name] = feeds[name] if name in feeds else session.initializers[name]
+    return values
+
+
+def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequence[str],
+               device: str = "cpu") -> KinkFlips | None:
+    """Run ``model`` in its own precision and as a float64 copy; count elements on different sides.
+
+    Returns None when the model has no non-smooth op on floats. Raises GradgenError when the float64
+    copy cannot run.
+    """
+    from gradgen.check import to_float64
+    from gradgen.executor import Session
+
+    copy = ir.from_proto(ir.to_proto(model))
+    operands = _kink_operands(copy.graph)
+    if not operands:
+        return None
+    present = {v.name for v in copy.graph.outputs}
+    for _, values in operands:
+        for value in values:
+            if value.name not in present and not value.is_graph_input() and not value.is_initializer():
+                copy.graph.outputs.append(value)
+                present.add(value.name)
+    names = list(dict.fromkeys(v.name for _, values in operands for v in values))
+    low = _run_with_values(Session(copy, device=device), feeds, names, outputs)
+    high_feeds = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+    high = _run_with_values(Session(to_float64(copy), device=device), high_feeds, names, outputs)
+    by_node: dict[str, int] = {}
+    for label, values in operands:
+        flipped = int(np.count_nonzero(_side([low[v.name] for v in values]) != _side([high[v.name] for v in values])))
+        if flipped:
+            by_node[label] = by_node.get(label, 0) + flipped
+    return KinkFlips(by_node, {name: high[name] for name in outputs})
+
+
+def diagnose_kinks(model: ir.Model, feeds: Mapping[str, np.ndarray], comparison: Comparison,
+                   reference: Mapping[str, np.ndarray], device: str = "cpu") -> list[str]:
+    """Notes saying whether failed outputs may come from kinks decided by float rounding."""
+    failed = [row for row in comparison.rows if not row.passed and not row.note.startswith("shape")]
+    if not failed:
+        return []
+    try:
+        flips = kink_flips(model, feeds, [row.output for row in failed], device=device)
+    except GradgenError as exc:
+        return [f"could not run a float64 copy of the model to look for kinks ({exc})"]
+    if flips is None:
+        return []
+    if not flips.total:
+        return ["no input of a non-smooth op (Relu, Max, Abs, Clip, ...) changes side between float32 and "
+                "float64 runs: the differences do not come from kinks decided by rounding"]
+    shown = sorted(flips.by_node.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"{label}: {count}" for label, count in shown[:5])
+    more = f" and {len(shown) - 5} more node(s)" if len(shown) > 5 else ""
+    notes = [f"{flips.total} input element(s) of non-smooth ops lie on the other side of their kink in a float64 run "
+             f"of this graph ({listed}{more}): rounding decides them, so the gradients may legitimately differ there"]
+    agree = []
+    for row in failed:
+        rerun = _compare_one(row.output, row.key, flips.float64[row.output], np.asarray(reference[row.key]),
+                             comparison.rtol, comparison.atol, row.scale)
+        if rerun.passed:
+            agree.append(row.output)
+    if agree:
+        notes.append(f"the float64 run of this graph matches the reference for {', '.join(agree)}")
+    return notes
+
+
+def require_match(comparison: Comparison, skip_unmatched: bool) -> None:
+    """Raise RunError naming every failed output and, unless skipped, every unmatched key."""
+    problems = []
+    if comparison.failures:
+        problems.append(f"{len(comparison.failures)} output(s) differ from the reference: {', '.join(comparison.failures)}")
+    if comparison.unmatched and not skip_unmatched:
+        hint = f"; {comparison.hint}" if comparison.hint else ""
+        problems.append(f"{len(comparison.unmatched)} reference key(s) match no output and were not compared: "
+                        f"{', '.join(comparison.unmatched)} (--skip-unmatched accepts that{hint})")
+    if problems:
+        raise RunError("; ".join(problems))
+
+
+__all__ = ["Comparison", "TensorComparison", "compare_outputs", "diagnose_kinks", "kink_flips", "match_reference",
+           "require_match"]

@@ -1,0 +1,185 @@
+"""Command-line options as a user meets them: --version, shell completion, number and --dim checks,
+progress lines and one-time notes, random inputs of impossible sizes."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import gradgen.cli as cli
+from gradgen.inputs import random_feeds
+from gradgen.model_io import load_model
+from tests.test_cli import run_cli, tiny_model
+
+
+def _gradgen(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradgen", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})}, **kwargs)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.onnx"
+    tiny_model(path)
+    return path
+
+
+def test_version(capsys, monkeypatch):
+    code, out, _ = run_cli(capsys, monkeypatch, "--version")
+    assert code == 0 and out.strip() == f"gradgen {importlib.metadata.version('gradgen')}"
+    result = _gradgen("--version")
+    assert result.returncode == 0 and result.stdout.strip() == out.strip()
+
+
+def test_shell_completion():
+    """typer's completion: the script for a shell, and the completions it asks the program for."""
+    script = _gradgen("--show-completion", "bash")
+    assert script.returncode == 0 and "_GRADGEN_COMPLETE=complete_bash" in script.stdout
+    commands = _gradgen(env={"_GRADGEN_COMPLETE": "complete_bash", "COMP_WORDS": "gradgen ru", "COMP_CWORD": "1"})
+    assert commands.returncode == 0 and commands.stdout.split() == ["run"]
+    options = _gradgen(env={"_GRADGEN_COMPLETE": "complete_bash", "COMP_WORDS": "gradgen run --ra", "COMP_CWORD": "2"})
+    assert options.stdout.split() == ["--random-inputs"]
+    zsh = _gradgen(env={"_GRADGEN_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "gradgen build"})
+    assert "build-backward" in zsh.stdout
+
+
+BAD_NUMBERS = [
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--rtol", "-1"], "--rtol"),
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--rtol", "nan"], "--rtol"),
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--atol", "nan"], "--atol"),
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--atol", "inf"], "--atol"),
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--floor", "-0.5"], "--floor"),
+    (["run", "MODEL", "--random-inputs", "--dim", "N=2", "--seed", "-1"], "--seed"),
+    (["check", "MODEL", "--random-inputs", "--dim", "N=2", "--samples", "0"], "--samples"),
+    (["check", "MODEL", "--random-inputs", "--dim", "N=2", "--seed", "-1"], "--seed"),
+    (["check", "MODEL", "--random-inputs", "--dim", "N=2", "--rtol", "nan"], "--rtol"),
+    (["check", "MODEL", "--random-inputs", "--dim", "N=2", "--atol", "-1e-9"], "--atol"),
+]
+
+
+@pytest.mark.parametrize("args,option", BAD_NUMBERS, ids=[" ".join(a[2:]) + f" ({a[0]})" for a, _ in BAD_NUMBERS])
+def test_nonsensical_numbers_are_usage_errors(tiny, capsys, monkeypatch, args, option):
+    code, out, err = run_cli(capsys, monkeypatch, *[tiny if a == "MODEL" else a for a in args])
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: ") and option in line and "Traceback" not in err
+    assert "ran on" not in out  # refused before running
+
+
+def test_nonsensical_number_in_a_fresh_process(tiny):
+    result = _gradgen("run", tiny, "--random-inputs", "--dim", "N=2", "--rtol", "nan")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines()
+                                                  if line.startswith("error: ")]
+    assert "--rtol" in result.stderr and "nan" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_dim_naming_no_symbol_names_the_models_symbols(tiny, capsys, monkeypatch, command):
+    code, _, err = run_cli(capsys, monkeypatch, command, tiny, "--random-inputs", "--dim", "nosuch=3")
+    assert code == 2
+    [line] = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert "nosuch" in line and "its symbolic dimensions are N" in line
+    assert err.strip().splitlines()[-1] == line
+
+
+def test_a_dim_without_random_inputs_is_refused(tiny, tmp_path, capsys, monkeypatch):
+    np.savez(tmp_path / "in.npz", x=np.zeros((2, 3), np.float32))
+    code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--inputs", tmp_path / "in.npz", "--dim", "N=2")
+    assert code == 2 and "--dim" in err and "--random-inputs" in err
+
+
+def test_an_impossible_size_is_a_usage_error(tiny, capsys, monkeypatch):
+    code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=1000000000000",
+                           "--device", "cpu")
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: the random inputs would take") and "'x'" in line and "--dim" in line
+
+
+def test_random_float32_inputs_are_drawn_in_float32(tmp_path):
+    """No float64 copy on the way: the peak allocation stays near the input's own size."""
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096, 4096])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    model = load_model(tmp_path / "m.onnx")
+    tracemalloc.start()
+    try:
+        feeds = random_feeds(model, seed=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert feeds["x"].dtype == np.float32 and feeds["x"].shape == (4096, 4096)
+    assert peak < 1.25 * feeds["x"].nbytes, peak
+    assert 0.9 < feeds["x"].std() < 1.1
+
+
+# -- progress and notes --------------------------------------------------------------------------
+
+
+def test_no_progress_lines_when_stderr_is_not_a_terminal(tiny, tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(capsys, monkeypatch, "build-backward", tiny, "-o", tmp_path / "g.onnx")
+    assert code == 0 and err == ""
+    assert "wrote" in out
+
+
+def test_progress_when_asked(tiny, tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(capsys, monkeypatch, "build-backward", tiny, "-o", tmp_path / "g.onnx", "--progress")
+    assert code == 0
+    assert err.splitlines() == [f"building the backward graph of {tiny}", f"writing {tmp_path / 'g.onnx'}"]
+
+
+def test_the_error_is_the_last_line_even_with_progress(tiny, tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(capsys, monkeypatch, "build-backward", tiny, "-o", tmp_path / "g.onnx", "--progress",
+                           "--wrt", "nothing")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "'nothing'" in lines[-1]
+    assert sum(line.startswith("error: ") for line in lines) == 1
+
+
+def test_progress_on_a_terminal(tiny, tmp_path):
+    """A real terminal on stderr: progress lines by default, none with --no-progress."""
+    pty = pytest.importorskip("pty")
+    for flag, expected in ((None, True), ("--no-progress", False)):
+        leader, follower = pty.openpty()
+        try:
+            args = [sys.executable, "-m", "gradgen", "build-backward", str(tiny), "-o", str(tmp_path / "g.onnx")]
+            result = subprocess.run(args + ([flag] if flag else []), stdout=subprocess.PIPE, stderr=follower,
+                                    timeout=120)
+            os.close(follower)
+            seen = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        finally:
+            os.close(leader)
+        assert result.returncode == 0
+        assert (b"building the backward graph of" in seen) is expected, seen
+
+
+def test_a_one_time_note_is_said_once_per_process(tiny, capsys, monkeypatch):
+    from gradgen.executor import cuda_probe
+
+    monkeypatch.setattr(cli, "_notes_said", set())
+    monkeypatch.setattr(cuda_probe, "cuda_unavailable_reason", lambda: "no GPU in this test")
+    notes = []
+    for _ in range(2):
+        code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=2")
+        assert code == 0, err
+        notes.append([line for line in err.splitlines() if line.startswith("note: ")])
+    assert notes == [["note: no usable GPU (no GPU in this test); running on the CPU"], []]
