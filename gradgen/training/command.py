@@ -1,0 +1,261 @@
+"""What ``gradgen train`` does, apart from parsing: checks, training, checkpoints, log and plot.
+
+``run_training(TrainOptions(...), say)`` returns the summary lines for stdout; progress and notes
+go through ``say`` (stderr). Every check that can fail (options, the checkpoint directory, the
+data against the model's inputs, a checkpoint to resume) runs before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from gradgen.errors import RunError, UsageError
+from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_loss_curve
+from gradgen.training.checkpoint import FILE_NAME, check_checkpoint, load_checkpoint, save_checkpoint
+from gradgen.training.data import (
+    ShuffledBatches,
+    check_arrays,
+    default_batch_size,
+    load_arrays,
+    sequential_batches,
+)
+from gradgen.training.losses import LossSpec
+from gradgen.training.optimizers import SGD, AdamW
+from gradgen.training.program import TrainingProgram, build_training
+from gradgen.training.schedules import Schedule
+from gradgen.training.trainer import Callback, NonFiniteLossError, Trainer
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    model: Path
+    data: Path
+    lr: float
+    steps: int
+    optimizer: str = "adamw"
+    batch_size: Optional[int] = None
+    accumulate: int = 1
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: Optional[float] = None
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: Optional[float] = None
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    loss: Optional[str] = None
+    add_loss: Optional[str] = None
+    loss_output: Optional[str] = None
+    target: Optional[str] = None
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    class_axis: int = -1
+    freeze: list[str] = dataclasses.field(default_factory=list)
+    eval_data: Optional[Path] = None
+    eval_every: Optional[int] = None
+    checkpoint_dir: Optional[Path] = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    log: Optional[Path] = None
+    plot: Optional[Path] = None
+
+
+def make_optimizer(o: TrainOptions) -> SGD | AdamW:
+    if o.optimizer == "sgd":
+        if (o.beta1, o.beta2, o.eps) != (0.9, 0.999, 1e-8):
+            raise UsageError("--beta1, --beta2 and --eps are AdamW options; --optimizer is sgd")
+        return SGD(momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay or 0.0)
+    if o.optimizer == "adamw":
+        if o.momentum or o.nesterov:
+            raise UsageError("--momentum and --nesterov are SGD options; --optimizer is adamw")
+        return AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.01 if o.weight_decay is None else o.weight_decay)
+    raise UsageError(f"unknown optimizer {o.optimizer!r}: choose sgd or adamw")
+
+
+def make_loss_spec(o: TrainOptions) -> LossSpec | None:
+    if o.add_loss is None:
+        if o.loss_output or o.target:
+            raise UsageError("--loss-output and --target go with --add-loss")
+        return None
+    if o.loss is not None:
+        raise UsageError("--loss names the model's own loss; --add-loss adds one: use one of them")
+    if not o.loss_output:
+        raise UsageError("--add-loss needs --loss-output NAME: the output (logits, predictions) the loss reads")
+    return LossSpec(o.add_loss, o.loss_output, target=o.target, ignore_index=o.ignore_index,
+                    label_smoothing=o.label_smoothing, class_axis=o.class_axis)
+
+
+def prepare_checkpoint_dir(o: TrainOptions) -> Path | None:
+    """The checkpoint file to write (and read with --resume); the directory is created and probed."""
+    from gradgen.model_io import check_output_path
+
+    if o.checkpoint_dir is None:
+        if o.resume:
+            raise UsageError("--resume needs --checkpoint-dir (the directory holding the checkpoint)")
+        return None
+    directory = o.checkpoint_dir
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory}: not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {directory}: cannot create it: {exc.strerror or exc}") from None
+    path = directory / FILE_NAME
+    check_output_path(path, o.model, o.data)  # writable? (a probe file, removed at once)
+    if o.resume and not path.exists():
+        raise UsageError(f"--resume: {directory} holds no {FILE_NAME} to continue from")
+    if not o.resume and path.exists():
+        raise UsageError(f"{path} exists: pass --resume to continue that training, or choose another "
+                         "--checkpoint-dir (it would be overwritten)")
+    return path
+
+
+class PeriodicCheckpoint(Callback):
+    def __init__(self, path: Path, every: int, save: Callable[[], None]):
+        self.path, self.every, self.save = path, every, save
+
+    def on_step_end(self, trainer: Trainer, result) -> None:
+        if result.step % self.every == 0:
+            self.save()
+
+
+def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
+    """Train per ``o``; return the summary lines."""
+    optimizer = make_optimizer(o)
+    add_loss = make_loss_spec(o)
+    schedule = Schedule(o.schedule, lr=o.lr, warmup_steps=o.warmup_steps,
+                        total_steps=o.steps if o.schedule != "constant" else None, min_lr=o.min_lr)
+    checkpoint = prepare_checkpoint_dir(o)
+    directory = o.checkpoint_dir
+    log_path = o.log or (directory / "log.csv" if directory else None)
+    plot_path = o.plot or (directory / "loss.png" if directory else None)
+    _check_writable(o, log_path, plot_path)
+
+    say(f"building the training graphs of {o.model}")
+    program = build_training(o.model, optimizer=optimizer, loss=o.loss, add_loss=add_loss, freeze=o.freeze,
+                             clip_norm=o.clip_norm, accumulation=o.accumulate)
+    arrays = load_arrays(o.data, "--data")
+    batch_size = o.batch_size or default_batch_size(program.data_inputs)
+    if batch_size is None:
+        raise UsageError("pass --batch-size: the model's data inputs have no common fixed batch dimension")
+    check_arrays(arrays, program.data_inputs, batch_size, f"--data {o.data}")
+    eval_batches = _eval_batches(o, program, batch_size, say)
+    data_record = {"seed": o.seed, "batch_size": batch_size, "accumulation": o.accumulate}
+
+    history = History()
+    trainer = Trainer(program, lr=schedule, device=o.device, callbacks=[history])
+    start = 0
+    if o.resume:
+        state, meta = load_checkpoint(checkpoint)
+        check_checkpoint(checkpoint, meta, state, program)
+        _check_same_data_order(checkpoint, meta.get("data", {}), data_record)
+        trainer.load_state(state)
+        start = state.step
+        if start >= o.steps:
+            return [f"nothing to do: the checkpoint is at step {start}, and --steps is {o.steps}"]
+        say(f"resuming from {checkpoint} at step {start}")
+
+    def save() -> None:
+        state = trainer.state
+        extra = {"data": data_record, "rng": _rng_record(o.seed, state.step * o.accumulate),
+                 "schedule": dataclasses.asdict(schedule)}
+        save_checkpoint(checkpoint, program, state, extra)
+
+    csv_log = CsvLog(log_path, start_step=start) if log_path else None
+    trainer.callbacks += [c for c in (csv_log, Progress(o.steps)) if c is not None]
+    if checkpoint is not None:
+        trainer.callbacks.append(PeriodicCheckpoint(checkpoint, o.checkpoint_every, save))
+    batches = ShuffledBatches(arrays, batch_size, o.seed, start=start * o.accumulate)
+    say(f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
+        f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else ""))
+    started = time.perf_counter()
+    try:
+        trainer.fit(batches, o.steps - start, eval_batches=eval_batches, eval_every=o.eval_every)
+    except NonFiniteLossError as exc:
+        if checkpoint is None:
+            raise RunError(f"{exc} (no --checkpoint-dir: nothing saved)") from None
+        save()
+        raise RunError(f"{exc}, saved in {checkpoint}") from None
+    except KeyboardInterrupt:
+        if checkpoint is not None:
+            save()
+            say(f"interrupted after step {trainer.step}; checkpoint saved to {checkpoint}")
+        else:
+            say(f"interrupted after step {trainer.step}; no --checkpoint-dir, nothing saved")
+        raise
+    finally:
+        if csv_log is not None:
+            csv_log.close()
+    seconds = time.perf_counter() - started
+    if checkpoint is not None:
+        save()
+    return _summary(o, history, start, seconds, trainer.runner.device, checkpoint, log_path,
+                    _plot(log_path, plot_path, say))
+
+
+def _check_writable(o: TrainOptions, *paths: Path | None) -> None:
+    from gradgen.model_io import check_output_path
+
+    for path in paths:
+        if path is not None:
+            check_output_path(path, o.model, o.data, *([o.eval_data] if o.eval_data else []))
+
+
+def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, say) -> list | None:
+    if o.eval_data is None:
+        if o.eval_every:
+            raise UsageError("--eval-every needs --eval-data")
+        return None
+    arrays = load_arrays(o.eval_data, "--eval-data")
+    check_arrays(arrays, program.data_inputs, batch_size, f"--eval-data {o.eval_data}")
+    batches = sequential_batches(arrays, batch_size)
+    count = len(next(iter(arrays.values())))
+    if count % batch_size:
+        say(f"note: evaluation uses {len(batches) * batch_size} of the {count} samples of {o.eval_data} "
+            f"(whole batches of {batch_size})")
+    return batches
+
+
+def _check_same_data_order(checkpoint: Path, saved: dict, now: dict) -> None:
+    changed = [f"--{k.replace('_', '-') if k != 'accumulation' else 'accumulate'} {saved.get(k)} -> {now[k]}"
+               for k in now if saved.get(k) != now[k]]
+    if changed:
+        raise UsageError(f"{checkpoint}: resuming with another data order ({', '.join(changed)}); use the "
+                         "checkpoint's settings to continue it")
+
+
+def _rng_record(seed: int, batches_drawn: int) -> dict:
+    """The data order's random state: epoch e is numpy.random.default_rng([seed, e]).permutation(n)."""
+    return {"generator": "numpy.random.default_rng([seed, epoch]).permutation", "seed": seed,
+            "batches_drawn": batches_drawn}
+
+
+def _plot(log_path: Path | None, plot_path: Path | None, say) -> Path | None:
+    if plot_path is None or log_path is None:
+        return None
+    if not plot_available():
+        say("note: no loss curve: matplotlib is not installed (pip install 'gradgen[plot]')")
+        return None
+    return plot_loss_curve(log_path, plot_path)
+
+
+def _summary(o, history: History, start: int, seconds: float, device: str, checkpoint, log_path, plot_path) -> list:
+    steps = history.steps
+    lines = []
+    if steps:
+        lines.append(f"trained steps {start + 1} to {steps[-1].step}: loss {steps[0].loss:.6g} -> {steps[-1].loss:.6g}")
+        lines.append(f"{len(steps)} step(s) in {seconds:.2f} s ({len(steps) / seconds:.1f} step/s) on {device}")
+    if history.evaluations:
+        step, loss = history.evaluations[-1]
+        lines.append(f"evaluation loss at step {step}: {loss:.6g}")
+    for what, path in (("checkpoint", checkpoint), ("log", log_path), ("loss curve", plot_path)):
+        if path is not None:
+            lines.append(f"{what}: {path}")
+    return lines

@@ -1,0 +1,96 @@
+"""Small graph edits the training passes share: parameters as inputs, gradient outputs, pruning."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import ModelError
+from gradgen.grads.builder import Builder
+
+
+def opset_of(model: ir.Model) -> int:
+    return model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
+
+
+class ParamsAsInputsPass(ir.passes.InPlacePass):
+    """Turn the named initializers into graph inputs (same name, type and shape).
+
+    Their values are kept in ``initial_values`` (name -> numpy array): a training graph takes the
+    parameters as inputs and returns the updated ones, and its caller owns their values.
+    """
+
+    def __init__(self, names: list[str]):
+        super().__init__()
+        self.names = list(names)
+        self.initial_values: dict[str, np.ndarray] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        inputs = {v.name for v in graph.inputs}
+        for name in self.names:
+            value = graph.initializers.get(name)
+            if value is None or value.const_value is None:
+                raise ModelError(f"parameter {name!r} is not an initializer with a value")
+            self.initial_values[name] = np.array(value.const_value.numpy())  # an owned copy
+            if value.shape is None:
+                value.shape = ir.Shape(value.const_value.shape)
+            if value.type is None:
+                value.type = ir.TensorType(value.const_value.dtype)
+            graph.initializers.pop(name)
+            value.const_value = None
+            if name not in inputs:
+                graph.inputs.append(value)
+        return ir.passes.PassResult(model, modified=bool(self.names))
+
+
+def gradient_outputs(graph: ir.Graph, params: list[str]) -> dict[str, ir.Value]:
+    """The ``<p>_grad`` outputs GradientPass added, by parameter name."""
+    outputs = {v.name: v for v in graph.outputs}
+    missing = [p for p in params if f"{p}_grad" not in outputs]
+    if missing:
+        raise ModelError(f"the model has no gradient output for {', '.join(map(repr, missing))} "
+                         "(expected <name>_grad outputs, as build-backward writes them)")
+    return {p: outputs[f"{p}_grad"] for p in params}
+
+
+def keep_outputs(graph: ir.Graph, keep: list[ir.Value]) -> None:
+    """Make ``keep`` the graph's outputs, in that order."""
+    graph.outputs.clear()
+    graph.outputs.extend(keep)
+
+
+def new_input(builder: Builder, name: str, like: ir.Value) -> ir.Value:
+    """A new graph input with ``like``'s type and shape, under a free name close to ``name``."""
+    value = ir.Value(name=builder.unique(name), type=like.type, shape=like.shape)
+    builder.graph.inputs.append(value)
+    return value
+
+
+def scalar_input(builder: Builder, name: str, dtype: ir.DataType) -> ir.Value:
+    value = ir.Value(name=builder.unique(name), type=ir.TensorType(dtype), shape=ir.Shape([]))
+    builder.graph.inputs.append(value)
+    return value
+
+
+def as_output(builder: Builder, value: ir.Value, name: str, like: ir.Value | None = None) -> ir.Value:
+    """Name ``value`` (an emitted node output) ``name`` or a free variant, type it, and make it an output.
+
+    A value that is already a graph input or output goes through an Identity, so that every
+    output is a distinct value with its own name.
+    """
+    if value.is_graph_input() or value.is_graph_output() or value.producer() not in builder.node_set:
+        value = builder.op("Identity", value)
+    builder.rename(value, name)
+    if like is not None:
+        value.type, value.shape = like.type, like.shape
+    builder.graph.outputs.append(value)
+    return value
+
+
+def remove_unused_inputs(graph: ir.Graph, keep: set[str] = frozenset()) -> list[str]:
+    """Drop graph inputs nothing reads (a target only the removed loss used, say); return their names."""
+    unused = [v for v in graph.inputs if not v.uses() and not v.is_graph_output() and v.name not in keep]
+    for value in unused:
+        graph.inputs.remove(value)
+    return [v.name for v in unused]

@@ -1,0 +1,188 @@
+"""Loss blocks: append a loss to a model that ends in logits or predictions.
+
+``AddLossPass`` takes a graph output (logits, predictions), adds a graph input for the target and
+a scalar output for the loss, computed with standard ONNX ops, as PyTorch computes it with the
+default ``reduction="mean"``:
+
+- ``cross_entropy``: ``F.cross_entropy(logits, labels, ignore_index=, label_smoothing=)``; int64
+  labels; the classes lie on ``class_axis`` of the logits (default the last axis, the layout of
+  language-model logits ``(batch, time, vocab)``; 1 for ``(batch, classes, ...)``).
+- ``mse``: ``F.mse_loss``; ``l1``: ``F.l1_loss``; ``bce_with_logits``:
+  ``F.binary_cross_entropy_with_logits``; the target has the output's shape and float type.
+
+The pass needs opset 13 or more (run ``UpgradeOpsetPass`` before it, as every gradgen pipeline does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import ModelError, UsageError
+from gradgen.grads.builder import Builder, dims_of
+
+LOSS_KINDS = ("cross_entropy", "mse", "l1", "bce_with_logits")
+_FLOAT = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """Which loss to append, on which output; ``target`` names the new graph input.
+
+    ``target`` defaults to ``labels`` (cross-entropy) or ``target`` (the others), with a numeric
+    suffix if the model already uses that name; a ``target`` given explicitly must be free.
+    ``ignore_index`` and ``label_smoothing`` apply to cross-entropy only (PyTorch's defaults).
+    """
+
+    kind: str
+    output: str
+    target: str | None = None
+    ignore_index: int | None = -100
+    label_smoothing: float = 0.0
+    class_axis: int = -1
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise UsageError(f"unknown loss {self.kind!r}: choose one of {', '.join(LOSS_KINDS)}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise UsageError(f"label smoothing {self.label_smoothing} is not in [0, 1]")
+        if self.kind != "cross_entropy" and self.label_smoothing:
+            raise UsageError("label smoothing applies to the cross_entropy loss only")
+
+    @property
+    def default_target(self) -> str:
+        return "labels" if self.kind == "cross_entropy" else "target"
+
+
+class AddLossPass(ir.passes.InPlacePass):
+    """Append ``spec``'s loss to the model: a new target input and a scalar float output.
+
+    After the pass, ``loss_name`` and ``target_name`` hold the names it used (``loss``, or
+    ``loss_1``... when taken).
+    """
+
+    def __init__(self, spec: LossSpec):
+        super().__init__()
+        self.spec = spec
+        self.loss_name: str | None = None
+        self.target_name: str | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
+        if opset < 13:
+            raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} "
+                             "(run UpgradeOpsetPass first)")
+        output = _chosen_output(graph, self.spec.output)
+        builder = Builder(graph, opset)
+        builder.prefix = f"gradgen_loss/{self.spec.kind}"
+        target = _new_target(builder, graph, self.spec, output)
+        loss = _EMITTERS[self.spec.kind](builder, output, target, self.spec)
+        builder.rename(loss, "loss")
+        loss.type = ir.TensorType(output.dtype)
+        loss.shape = ir.Shape([])
+        graph.outputs.append(loss)
+        self.loss_name, self.target_name = loss.name, target.name
+        return ir.passes.PassResult(model, modified=True)
+
+
+def _chosen_output(graph: ir.Graph, name: str) -> ir.Value:
+    outputs = {v.name: v for v in graph.outputs}
+    if name not in outputs:
+        raise UsageError(f"--output {name!r} is not a graph output; outputs are: {', '.join(outputs)}")
+    value = outputs[name]
+    if value.dtype not in _FLOAT:
+        raise ModelError(f"output {name!r} has element type {value.dtype}; a loss needs float logits or predictions")
+    if value.shape is None:
+        raise ModelError(f"output {name!r} has no declared shape; a loss needs at least its rank")
+    return value
+
+
+def _new_target(builder: Builder, graph: ir.Graph, spec: LossSpec, output: ir.Value) -> ir.Value:
+    """The target graph input: int64 labels without the class axis, or a tensor like the output."""
+    if spec.target is not None:
+        if not builder.name_is_free(spec.target):
+            raise UsageError(f"target name {spec.target!r} is already a tensor of the model; choose another")
+        builder.reserve(spec.target)
+        name = spec.target
+    else:
+        name = builder.unique(spec.default_target)
+    if spec.kind == "cross_entropy":
+        dims = list(output.shape)
+        if len(dims) < 2:
+            raise ModelError(f"cross-entropy needs logits of rank 2 or more (batch, classes, ...); output "
+                             f"{output.name!r} has shape {dims}")
+        del dims[_class_axis(spec, len(dims))]
+        target = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(dims))
+    else:
+        target = ir.Value(name=name, type=output.type, shape=output.shape)
+    graph.inputs.append(target)
+    return target
+
+
+def _class_axis(spec: LossSpec, rank: int) -> int:
+    axis = spec.class_axis + rank if spec.class_axis < 0 else spec.class_axis
+    if not 1 <= axis < rank:
+        raise UsageError(f"class axis {spec.class_axis} does not fit logits of rank {rank} "
+                         "(axis 0 is the batch)")
+    return axis
+
+
+def _mean(b: Builder, x: ir.Value) -> ir.Value:
+    return b.reduce("ReduceMean", x, None, keepdims=0)
+
+
+def _mse(b: Builder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+    diff = b.op("Sub", pred, target)
+    return _mean(b, b.op("Mul", diff, diff))
+
+
+def _l1(b: Builder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+    return _mean(b, b.op("Abs", b.op("Sub", pred, target)))
+
+
+def _bce_with_logits(b: Builder, x: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+    """mean(softplus(x) - x * t), softplus(x) = max(x, 0) + log(1 + exp(-|x|)).
+
+    max(x, 0) and -|x| are written as Where(x >= 0, ...) with the same branch at 0, so that the
+    gradient is exactly sigmoid(x) - t everywhere, x = 0 included (an Abs and a Relu would each
+    give 0 there and sum to the wrong value).
+    """
+    zero = b.const_like(x, 0.0)
+    non_negative = b.op("GreaterOrEqual", x, zero)
+    positive_part = b.op("Where", non_negative, x, zero)
+    minus_abs = b.op("Where", non_negative, b.op("Neg", x), x)
+    log_term = b.op("Log", b.op("Add", b.const_like(x, 1.0), b.op("Exp", minus_abs)))
+    softplus = b.op("Add", positive_part, log_term)
+    return _mean(b, b.op("Sub", softplus, b.op("Mul", x, target)))
+
+
+def _cross_entropy(b: Builder, logits: ir.Value, labels: ir.Value, spec: LossSpec) -> ir.Value:
+    """SoftmaxCrossEntropyLoss over the class axis, or, with label smoothing, PyTorch's mix
+    ``(1 - eps) * nll + eps * mean over kept samples of (-mean over classes of log p)``."""
+    typed = logits  # builder outputs carry no type yet: constants take the logits' type from here
+    rank = len(dims_of(logits))
+    axis = _class_axis(spec, rank)
+    if axis != 1:  # move the classes to axis 1, as the ONNX losses want them
+        perm = [0, axis] + [i for i in range(1, rank) if i != axis]
+        logits = b.transpose(logits, perm)
+    ignore = spec.ignore_index
+    if not spec.label_smoothing:
+        return b.op("SoftmaxCrossEntropyLoss", logits, labels, ignore_index=ignore, reduction="mean")
+    log_prob = b.op("LogSoftmax", logits, axis=1)
+    nll = b.op("NegativeLogLikelihoodLoss", log_prob, labels, ignore_index=ignore, reduction="mean")
+    smooth = b.op("Neg", b.reduce("ReduceMean", log_prob, [1], keepdims=0))  # per sample
+    if ignore is None:
+        smooth_loss = _mean(b, smooth)
+    else:
+        kept = b.cast_like(b.op("Not", b.op("Equal", labels, b.const(np.array(ignore, dtype=np.int64)))), typed)
+        smooth_loss = b.op("Div", b.reduce_sum(b.op("Mul", smooth, kept), None, keepdims=0),
+                           b.reduce_sum(kept, None, keepdims=0))
+    eps = spec.label_smoothing
+    return b.op("Add", b.op("Mul", nll, b.const_like(typed, 1.0 - eps)),
+                b.op("Mul", smooth_loss, b.const_like(typed, eps)))
+
+
+_EMITTERS = {"cross_entropy": _cross_entropy, "mse": _mse, "l1": _l1, "bce_with_logits": _bce_with_logits}

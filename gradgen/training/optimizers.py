@@ -1,0 +1,301 @@
+"""Optimizers as ONNX graphs: ``OptimizerPass`` turns a backward model into a training step.
+
+The pass takes a model built by the gradient pass whose trainable parameters are graph inputs
+(``ParamsAsInputsPass``) and whose gradients are the ``<p>_grad`` outputs, and appends, with
+standard ONNX ops only:
+
+1. optionally, the gradients accumulated over earlier micro-batches (inputs ``<p>.grad_accum``):
+   the step uses their mean, ``(accumulated + this micro-batch's) / k``;
+2. the global gradient norm (output ``grad_norm``, before clipping) and, with ``clip_norm``,
+   PyTorch's ``clip_grad_norm_``: every gradient times ``min(1, clip_norm / (norm + 1e-6))``;
+3. the update of every parameter, as PyTorch's single-tensor ``SGD`` / ``AdamW`` compute it.
+
+The learning rate (``lr``, float32 scalar) and the 1-based step count (``step``, int64 scalar,
+AdamW only) are graph inputs, so that a schedule computed on the host feeds them each step. The
+parameters and optimizer states are inputs; their new values are the outputs ``<p>.next`` and
+``<p>.<state>.next`` (a numeric suffix is added should a name be taken; ``layout`` records the
+names used). Scalar arithmetic (bias corrections, ``1 - lr * weight_decay``) is done in float64
+and rounded once, as PyTorch does it in Python floats.
+
+Relation to ONNX Runtime training's optimizer ops (com.microsoft, opset 1):
+
+- ``AdamWOptimizer(lr: float, step: int64, weights, gradients, momentums_1, momentums_2:
+  seq(tensor), [update_signal: bool]) -> (updated_flag, updated_weights, updated_momentums_1,
+  updated_momentums_2)`` with attributes ``alpha`` (beta1), ``beta`` (beta2), ``epsilon``,
+  ``weight_decay``, ``correct_bias`` and ``adam_mode`` (0: PyTorch's AdamW order, weight decay
+  before the update). ``AdamW`` here computes what ``adam_mode=0`` computes, with the same
+  meaning of ``lr`` and ``step`` (1-based, incremented before the update as PyTorch does);
+  ``exp_avg`` / ``exp_avg_sq`` are its momentums_1 / momentums_2.
+- ``SGDOptimizerV2(lr, weights, gradients: seq(tensor), [update_signal]) -> (update_completed,
+  updated_weights)`` is plain SGD (no momentum, no weight decay): ``SGD()`` with the defaults.
+- Their global-norm clipping is ``InplaceClipGradNorm(max_norm)``, a separate op on the
+  gradient sequence, like step 2 above.
+
+Emitting those ops (they take sequences, so SequenceConstruct / SequenceAt around them) is a later
+step; gradgen's executor has no kernels for them, and the standard-op form runs on any runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import UsageError
+from gradgen.grads.builder import Builder
+from gradgen.training.graph_edit import (
+    as_output,
+    gradient_outputs,
+    keep_outputs,
+    new_input,
+    opset_of,
+    scalar_input,
+)
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """PyTorch's ``torch.optim.SGD`` (dampening 0): L2 weight decay added to the gradient,
+    momentum buffer ``buf = momentum * buf + g`` (0 at the start), Nesterov's variant."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    kind: ClassVar[str] = "sgd"
+
+    def __post_init__(self):
+        _check(0.0 <= self.momentum < 1.0, f"momentum {self.momentum} is not in [0, 1)")
+        _check(self.weight_decay >= 0.0, f"weight decay {self.weight_decay} is negative")
+        _check(not self.nesterov or self.momentum > 0, "Nesterov momentum needs a momentum > 0")
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
+
+    @property
+    def uses_step(self) -> bool:
+        return False
+
+    def update(self, e: "_Emitter", p: ir.Value, g: ir.Value, states: dict[str, ir.Value]):
+        if self.weight_decay:
+            g = e.b.op("Add", g, e.b.op("Mul", p, e.b.const_like(p, self.weight_decay)))
+        new_states = {}
+        if self.momentum:
+            buf = e.b.op("Add", e.b.op("Mul", states["momentum"], e.b.const_like(p, self.momentum)), g)
+            new_states["momentum"] = buf
+            g = e.b.op("Add", g, e.b.op("Mul", buf, e.b.const_like(p, self.momentum))) if self.nesterov else buf
+        return e.b.op("Sub", p, e.b.op("Mul", e.scalar("lr", p), g)), new_states
+
+    def scalars(self, e: "_Emitter") -> dict[str, ir.Value]:
+        return {"lr": e.lr64}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """PyTorch's ``torch.optim.AdamW``: decoupled weight decay ``p *= 1 - lr * weight_decay``,
+    then Adam with bias correction (``bias_correction=False`` drops it)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    bias_correction: bool = True
+    kind: ClassVar[str] = "adamw"
+    state_kinds: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
+
+    @property
+    def uses_step(self) -> bool:
+        return self.bias_correction
+
+    def __post_init__(self):
+        b1, b2 = self.betas
+        _check(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, f"betas {self.betas} are not both in [0, 1)")
+        _check(self.eps >= 0.0, f"eps {self.eps} is negative")
+        _check(self.weight_decay >= 0.0, f"weight decay {self.weight_decay} is negative")
+
+    def scalars(self, e: "_Emitter") -> dict[str, ir.Value]:
+        b = e.b
+        one = b.const(np.array(1.0))
+        scalars = {"decay": b.op("Sub", one, b.op("Mul", e.lr64, b.const(np.array(self.weight_decay))))}
+        if self.bias_correction:
+            t = b.op("Cast", e.step, to=ir.DataType.DOUBLE)
+            bc1 = b.op("Sub", one, b.op("Pow", b.const(np.array(self.betas[0])), t))
+            bc2 = b.op("Sub", one, b.op("Pow", b.const(np.array(self.betas[1])), t))
+            scalars["step_size"] = b.op("Div", e.lr64, bc1)
+            scalars["bc2_sqrt"] = b.op("Sqrt", bc2)
+        else:
+            scalars["step_size"] = e.lr64
+        return scalars
+
+    def update(self, e: "_Emitter", p: ir.Value, g: ir.Value, states: dict[str, ir.Value]):
+        b, like = e.b, p  # ``like``: the typed parameter input, for constants and casts
+        b1, b2 = self.betas
+        if self.weight_decay:
+            p = b.op("Mul", p, e.scalar("decay", like))
+        m, v = states["exp_avg"], states["exp_avg_sq"]
+        m = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.const_like(like, 1.0 - b1)))  # torch's lerp
+        v = b.op("Add", b.op("Mul", v, b.const_like(like, b2)),
+                 b.op("Mul", b.op("Mul", g, g), b.const_like(like, 1.0 - b2)))
+        root = b.op("Sqrt", v)
+        if self.bias_correction:
+            root = b.op("Div", root, e.scalar("bc2_sqrt", like))
+        denom = b.op("Add", root, b.const_like(like, self.eps))
+        p = b.op("Sub", p, b.op("Mul", e.scalar("step_size", like), b.op("Div", m, denom)))
+        return p, {"exp_avg": m, "exp_avg_sq": v}
+
+
+Optimizer = SGD | AdamW
+
+
+@dataclasses.dataclass
+class StateSlot:
+    """One optimizer state tensor: the graph input it is read from and the output of its new value."""
+
+    param: str
+    kind: str
+    input: str
+    output: str
+
+
+@dataclasses.dataclass
+class UpdateLayout:
+    """The names a training step's caller feeds and reads back."""
+
+    lr: str
+    step: str | None
+    grad_norm: str
+    params: dict[str, str]  # parameter input -> output of its updated value
+    states: list[StateSlot]
+    accumulated: dict[str, str]  # parameter -> input of its gradient accumulated over earlier micro-batches
+
+
+class _Emitter:
+    """Shared scalars (float64, cast once per element type) for the per-parameter updates."""
+
+    def __init__(self, builder: Builder, lr: ir.Value, step: ir.Value | None):
+        self.b = builder
+        self.step = step
+        self.lr64 = builder.op("Cast", lr, to=ir.DataType.DOUBLE)
+        self._scalars: dict[str, ir.Value] = {}
+        self._cast: dict[tuple[str, ir.DataType], ir.Value] = {}
+
+    def set_scalars(self, scalars: dict[str, ir.Value]) -> None:
+        self._scalars = scalars
+
+    def scalar(self, name: str, like: ir.Value) -> ir.Value:
+        key = (name, like.dtype)
+        if key not in self._cast:
+            self._cast[key] = self.b.op("Cast", self._scalars[name], to=like.dtype)
+        return self._cast[key]
+
+
+class OptimizerPass(ir.passes.InPlacePass):
+    """Append gradient accumulation, norm, clipping and ``optimizer``'s update for ``params``.
+
+    The model's outputs become: the loss, ``grad_norm``, then each parameter's and state's new
+    value; the gradient outputs and other forward outputs are dropped.
+    """
+
+    def __init__(self, optimizer: Optimizer, params: list[str], loss: str, *, clip_norm: float | None = None,
+                 accumulation: int = 1):
+        super().__init__()
+        _check(clip_norm is None or clip_norm > 0, f"clip norm {clip_norm} is not > 0")
+        _check(accumulation >= 1, f"gradient accumulation over {accumulation} micro-batches: need at least 1")
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.loss = loss
+        self.clip_norm = clip_norm
+        self.accumulation = accumulation
+        self.layout: UpdateLayout | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        b = Builder(graph, opset_of(model))
+        b.prefix = f"gradgen_optimizer/{self.optimizer.kind}"
+        grads = gradient_outputs(graph, self.params)
+        params = {v.name: v for v in graph.inputs if v.name in grads}
+        loss = next(v for v in graph.outputs if v.name == self.loss)
+        keep_outputs(graph, [loss])
+
+        lr = scalar_input(b, "lr", ir.DataType.FLOAT)
+        step = scalar_input(b, "step", ir.DataType.INT64) if self.optimizer.uses_step else None
+        accumulated = {}
+        if self.accumulation > 1:
+            for name in self.params:
+                acc = new_input(b, f"{name}.grad_accum", params[name])
+                accumulated[name] = acc.name
+                grads[name] = b.op("Mul", b.op("Add", acc, grads[name]),
+                                   b.const_like(params[name], 1.0 / self.accumulation))
+        norm = global_norm(b, list(grads.values()), [params[n] for n in grads])
+        grad_norm = as_output(b, norm, "grad_norm")
+        grad_norm.type, grad_norm.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+        if self.clip_norm is not None:
+            coef = b.op("Min", b.op("Div", b.const(np.array(self.clip_norm, np.float32)),
+                                    b.op("Add", norm, b.const(np.array(CLIP_EPS, np.float32)))),
+                        b.const(np.array(1.0, np.float32)))
+            for name, g in grads.items():
+                p = params[name]
+                factor = coef if p.dtype == ir.DataType.FLOAT else b.op("Cast", coef, to=p.dtype)
+                grads[name] = b.op("Mul", g, factor)
+
+        emitter = _Emitter(b, lr, step)
+        emitter.set_scalars(self.optimizer.scalars(emitter))
+        new_params, slots = {}, []
+        for name in self.params:
+            p = params[name]
+            states = {kind: new_input(b, f"{name}.{kind}", p) for kind in self.optimizer.state_kinds}
+            b.prefix = f"gradgen_optimizer/{name}"
+            new_p, new_states = self.optimizer.update(emitter, p, grads[name], states)
+            new_params[name] = as_output(b, new_p, f"{name}.next", like=p).name
+            for kind, value in new_states.items():
+                out = as_output(b, value, f"{name}.{kind}.next", like=p)
+                slots.append(StateSlot(name, kind, states[kind].name, out.name))
+        self.layout = UpdateLayout(lr=lr.name, step=step.name if step is not None else None,
+                                   grad_norm=grad_norm.name, params=new_params, states=slots,
+                                   accumulated=accumulated)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def global_norm(b: Builder, grads: list[ir.Value], likes: list[ir.Value]) -> ir.Value:
+    """sqrt(sum of squares of every gradient), in float32 (a float32 scalar)."""
+    squares = []
+    for g, like in zip(grads, likes):
+        sq = b.reduce("ReduceSumSquare", g, None, keepdims=0)
+        squares.append(sq if like.dtype == ir.DataType.FLOAT else b.op("Cast", sq, to=ir.DataType.FLOAT))
+    return b.op("Sqrt", b.sum(squares))
+
+
+class AccumulateGradientsPass(ir.passes.InPlacePass):
+    """For the micro-batches before the last of a step: add this micro-batch's gradients to the
+    accumulated ones (inputs ``<p>.grad_accum``, outputs ``<p>.grad_accum.next``), no update.
+
+    Outputs: the loss, then the accumulated gradients; ``accumulated`` maps each parameter to
+    its (input, output) names.
+    """
+
+    def __init__(self, params: list[str], loss: str):
+        super().__init__()
+        self.params = list(params)
+        self.loss = loss
+        self.accumulated: dict[str, tuple[str, str]] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        b = Builder(graph, opset_of(model))
+        b.prefix = "gradgen_accumulate"
+        grads = gradient_outputs(graph, self.params)
+        params = {v.name: v for v in graph.inputs if v.name in grads}
+        keep_outputs(graph, [next(v for v in graph.outputs if v.name == self.loss)])
+        for name in self.params:
+            acc = new_input(b, f"{name}.grad_accum", params[name])
+            out = as_output(b, b.op("Add", acc, grads[name]), f"{name}.grad_accum.next", like=params[name])
+            self.accumulated[name] = (acc.name, out.name)
+        return ir.passes.PassResult(model, modified=True)

@@ -1,0 +1,169 @@
+"""A training program: the graphs one optimizer step runs, built from a forward model.
+
+``build_training(model, optimizer=...)`` returns a ``TrainingProgram`` holding
+
+- ``train``: forward + backward + update (``OptimizerPass``), run once per optimizer step;
+- ``accumulate``: forward + backward + gradient accumulation, run for the micro-batches before the
+  last one of a step when ``accumulation`` > 1 (else None);
+- ``evaluate``: forward + loss, for evaluation data;
+- the trainable parameters (graph inputs of all three) and their initial values, the names the
+  update reads and writes (``layout``), and a fingerprint of the forward model.
+
+The trainable parameters are the float initializers the loss depends on through differentiable
+paths, less ``freeze`` and less the running statistics of BatchNormalization nodes (buffers, not
+parameters: an exported eval-mode BatchNorm keeps them fixed while its scale and bias train).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.api import backward_pipeline, run_pipeline
+from gradgen.errors import UsageError
+from gradgen.model_io import ModelLike, load_model
+from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
+from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
+from gradgen.training.losses import AddLossPass, LossSpec
+from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
+
+
+@dataclasses.dataclass
+class TrainingProgram:
+    source: ir.Model
+    train: ir.Model
+    accumulate: ir.Model | None
+    evaluate: ir.Model
+    loss: str
+    added_loss: LossSpec | None
+    params: list[str]
+    frozen: list[str]
+    initial_params: dict[str, np.ndarray]
+    layout: UpdateLayout
+    accumulated: dict[str, tuple[str, str]]  # accumulate graph: parameter -> (input, output)
+    data_inputs: list[ir.Value]
+    optimizer: Optimizer
+    clip_norm: float | None
+    accumulation: int
+    fingerprint: str
+
+    def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
+        """Every optimizer state at the start, zeros, by (parameter, kind)."""
+        return {(slot.param, slot.kind): np.zeros_like(self.initial_params[slot.param]) for slot in self.layout.states}
+
+    @property
+    def data_names(self) -> list[str]:
+        return [v.name for v in self.data_inputs]
+
+    def state_bindings(self) -> dict[str, str]:
+        """Each input of ``train`` that carries state between steps -> the output holding its next value
+        (parameters and optimizer states): what a persistent, in-place device binding pairs up."""
+        bindings = dict(self.layout.params)
+        bindings.update({slot.input: slot.output for slot in self.layout.states})
+        return bindings
+
+
+def build_training(
+    model: ModelLike,
+    *,
+    optimizer: Optimizer,
+    loss: str | None = None,
+    add_loss: LossSpec | None = None,
+    freeze: Sequence[str] = (),
+    clip_norm: float | None = None,
+    accumulation: int = 1,
+) -> TrainingProgram:
+    """Build the training graphs of ``model`` (not modified). ``loss`` names the loss output (default:
+    the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None)."""
+    if add_loss is not None and loss is not None:
+        raise UsageError("name either the model's loss output or a loss to add, not both")
+    source = _copy(model) if isinstance(model, ir.Model) else load_model(model)
+    fingerprint = model_fingerprint(source)
+
+    forward = _copy(source)
+    prepare = [UpgradeOpsetPass()]
+    adder = AddLossPass(add_loss) if add_loss is not None else None
+    if adder is not None:
+        prepare.append(adder)
+    run_pipeline(Pipeline(*prepare), forward)
+    loss = adder.loss_name if adder is not None else loss
+
+    frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
+    backward = _copy(forward)
+    pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen))
+    run_pipeline(pipeline, backward)
+    loss, params = gradient.loss_name, gradient.wrt_names
+
+    as_inputs = ParamsAsInputsPass(params)
+    run_pipeline(as_inputs, backward)
+
+    accumulate, accumulated = None, {}
+    if accumulation > 1:
+        accumulate = _copy(backward)
+        accumulator = AccumulateGradientsPass(params, loss)
+        run_pipeline(Pipeline(accumulator, CleanupPass()), accumulate)
+        remove_unused_inputs(accumulate.graph, keep=set(params))
+        accumulated = accumulator.accumulated
+
+    update = OptimizerPass(optimizer, params, loss, clip_norm=clip_norm, accumulation=accumulation)
+    run_pipeline(Pipeline(update, CleanupPass()), backward)
+    remove_unused_inputs(backward.graph, keep=set(params))
+
+    evaluate = _evaluation_model(forward, params, loss)
+    reserved = set(params) | {update.layout.lr, update.layout.step} | {s.input for s in update.layout.states}
+    reserved |= set(update.layout.accumulated.values())
+    data_inputs = [v for v in backward.graph.inputs if v.name not in reserved]
+    return TrainingProgram(
+        source=source, train=backward, accumulate=accumulate, evaluate=evaluate, loss=loss, added_loss=add_loss,
+        params=params, frozen=frozen, initial_params=as_inputs.initial_values, layout=update.layout,
+        accumulated=accumulated, data_inputs=data_inputs, optimizer=optimizer, clip_norm=clip_norm,
+        accumulation=accumulation, fingerprint=fingerprint)
+
+
+def _evaluation_model(forward: ir.Model, params: list[str], loss: str) -> ir.Model:
+    """The forward model (with its loss) whose parameters are inputs; its only output is the loss."""
+    model = _copy(forward)
+    graph = model.graph
+    keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
+    run_pipeline(Pipeline(ParamsAsInputsPass(params), CleanupPass()), model)
+    remove_unused_inputs(graph, keep=set(params))
+    return model
+
+
+def running_statistics(graph: ir.Graph) -> list[str]:
+    """Initializers that BatchNormalization nodes read as running mean / variance (inputs 3, 4)."""
+    names = []
+    for node in graph:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            for value in node.inputs[3:5]:
+                if value is not None and value.name in graph.initializers:
+                    names.append(value.name)
+    return names
+
+
+def model_fingerprint(model: ir.Model) -> str:
+    """A hash of the model's structure and its initializers' names, types and shapes (not values):
+    it tells whether a checkpoint's parameters belong to this model."""
+    digest = hashlib.sha256()
+    graph = model.graph
+    for value in graph.inputs:
+        digest.update(f"in {value.name} {value.dtype}\n".encode())
+    for name, value in sorted(graph.initializers.items()):
+        tensor = value.const_value
+        shape = tuple(tensor.shape) if tensor is not None else tuple(value.shape or ())
+        digest.update(f"init {name} {value.dtype} {shape}\n".encode())
+    for node in graph:
+        inputs = ",".join(v.name if v is not None else "" for v in node.inputs)
+        outputs = ",".join(v.name or "" for v in node.outputs)
+        digest.update(f"node {node.domain}::{node.op_type} {inputs} -> {outputs}\n".encode())
+    for value in graph.outputs:
+        digest.update(f"out {value.name}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.from_proto(ir.to_proto(model))

@@ -1,0 +1,262 @@
+"""Trainer: runs a TrainingProgram over batches, one training graph per optimizer step.
+
+>>> program = build_training("model.onnx", optimizer=AdamW(), clip_norm=1.0)
+>>> trainer = Trainer(program, lr=Schedule("cosine", lr=1e-3, warmup_steps=10, total_steps=100))
+>>> history = trainer.fit(batches, steps=100)   # any iterable of {input name: numpy array}
+
+A torch ``DataLoader`` whose batches are dicts of tensors works too (they are turned into numpy
+arrays). Where parameters live between steps is the business of a ``StepRunner``: the
+``HostStepRunner`` here keeps them in host memory and feeds them to the executor's ``Session``
+each step (on the CPU that is all there is). A runner that binds them as persistent device state,
+updated in place, plugs in through the same interface: ``TrainingProgram.state_bindings()`` names
+each state input and the output that replaces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from gradgen.errors import RunError
+from gradgen.training.program import TrainingProgram
+from gradgen.training.schedules import Schedule
+
+
+class NonFiniteLossError(RunError):
+    """The loss or the gradient norm of a step is NaN or infinite; the state is the last good one."""
+
+    def __init__(self, step: int, what: str, value: float):
+        self.step = step
+        super().__init__(f"step {step}: the {what} is {value}; training stopped, the parameters are those "
+                         f"after step {step - 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Host copy of everything a step updates: parameters, optimizer states, steps taken."""
+
+    params: Mapping[str, np.ndarray]
+    states: Mapping[tuple[str, str], np.ndarray]  # (parameter, kind) -> value
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    step: int  # the 1-based optimizer step just taken
+    loss: float  # mean over the step's micro-batches
+    lr: float
+    grad_norm: float  # global gradient norm before clipping
+    seconds: float
+
+
+class Callback:
+    """Hooks called by ``Trainer.fit``; override those you need."""
+
+    def on_train_begin(self, trainer: "Trainer") -> None: ...
+
+    def on_step_end(self, trainer: "Trainer", result: StepResult) -> None: ...
+
+    def on_evaluate(self, trainer: "Trainer", step: int, loss: float) -> None: ...
+
+    def on_train_end(self, trainer: "Trainer") -> None: ...
+
+
+class StepRunner(Protocol):
+    """Runs a program's graphs and owns the parameters and optimizer states between steps.
+
+    ``step`` must leave the state unchanged when the loss or gradient norm is not finite (the
+    trainer then stops with the last good state).
+    """
+
+    def load(self, state: TrainState) -> None: ...
+
+    def snapshot(self) -> TrainState: ...
+
+    def step(self, micro_batches: Sequence[Mapping[str, np.ndarray]], lr: float) -> tuple[float, float]: ...
+
+    def evaluate(self, batch: Mapping[str, np.ndarray]) -> float: ...
+
+
+class HostStepRunner:
+    """Parameters and states in host memory, fed to a ``Session`` each step; the updated values
+    the graph returns replace them (one assignment, so an interrupt never leaves half a step)."""
+
+    def __init__(self, program: TrainingProgram, device: str = "cpu"):
+        from gradgen.executor import Session
+
+        self.program = program
+        self.train = Session(program.train, device=device)
+        self.accumulate = Session(program.accumulate, device=device) if program.accumulate is not None else None
+        self.evaluator = Session(program.evaluate, device=device)
+        self.device = self.train.device
+        self._state = TrainState(dict(program.initial_params), program.initial_states(), 0)
+
+    def load(self, state: TrainState) -> None:
+        self._state = TrainState(dict(state.params), dict(state.states), state.step)
+
+    def snapshot(self) -> TrainState:
+        return self._state
+
+    def step(self, micro_batches, lr: float) -> tuple[float, float]:
+        program, layout, state = self.program, self.program.layout, self._state
+        step = state.step + 1
+        losses = []
+        accumulated = {name: np.zeros_like(value) for name, value in state.params.items()} if self.accumulate else {}
+        for batch in micro_batches[:-1]:
+            feeds = {**batch, **state.params}
+            feeds.update({program.accumulated[p][0]: value for p, value in accumulated.items()})
+            out = self.accumulate.run(feeds)
+            losses.append(float(out[program.loss]))
+            accumulated = {p: out[program.accumulated[p][1]] for p in accumulated}
+        feeds = {**micro_batches[-1], **state.params, layout.lr: np.asarray(lr, dtype=np.float32)}
+        if layout.step is not None:
+            feeds[layout.step] = np.asarray(step, dtype=np.int64)
+        feeds.update({slot.input: state.states[(slot.param, slot.kind)] for slot in layout.states})
+        feeds.update({layout.accumulated[p]: value for p, value in accumulated.items()})
+        out = self.train.run(feeds)
+        losses.append(float(out[program.loss]))
+        loss, grad_norm = float(np.mean(losses)), float(out[layout.grad_norm])
+        for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+            if not math.isfinite(value):
+                raise NonFiniteLossError(step, what, value)
+        params = {p: out[name] for p, name in layout.params.items()}
+        states = {(slot.param, slot.kind): out[slot.output] for slot in layout.states}
+        self._state = TrainState(params, states, step)
+        return loss, grad_norm
+
+    def evaluate(self, batch) -> float:
+        return float(self.evaluator.run({**batch, **self._state.params})[self.program.loss])
+
+
+class Trainer:
+    """Trains a ``TrainingProgram``: ``lr`` is a float or a ``Schedule`` of the 1-based step."""
+
+    def __init__(self, program: TrainingProgram, *, lr: float | Schedule, device: str = "cpu",
+                 callbacks: Sequence[Callback] = (), runner: StepRunner | None = None):
+        self.program = program
+        self.schedule = lr if isinstance(lr, Schedule) else Schedule("constant", lr=float(lr))
+        self.callbacks = list(callbacks)
+        self.runner = runner if runner is not None else HostStepRunner(program, device=device)
+        self._data_names = program.data_names
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def state(self) -> TrainState:
+        return self.runner.snapshot()
+
+    @property
+    def step(self) -> int:
+        return self.runner.snapshot().step
+
+    @property
+    def params(self) -> Mapping[str, np.ndarray]:
+        return self.runner.snapshot().params
+
+    def load_state(self, state: TrainState) -> None:
+        """Continue from ``state`` (a checkpoint's); its parameters and states must fit the program."""
+        check_state(self.program, state)
+        self.runner.load(state)
+
+    # -- training ------------------------------------------------------------------------
+    def train_step(self, micro_batches: Sequence[Mapping]) -> StepResult:
+        """One optimizer step over ``accumulation`` micro-batches."""
+        if len(micro_batches) != self.program.accumulation:
+            raise RunError(f"a step takes {self.program.accumulation} micro-batch(es), got {len(micro_batches)}")
+        batches = [self._checked(b) for b in micro_batches]
+        started = time.perf_counter()
+        lr = self.schedule(self.step + 1)
+        loss, grad_norm = self.runner.step(batches, lr)
+        return StepResult(self.step, loss, lr, grad_norm, time.perf_counter() - started)
+
+    def fit(self, batches: Iterable[Mapping], steps: int, *, eval_batches: Sequence[Mapping] | None = None,
+            eval_every: int | None = None) -> list[StepResult]:
+        """Take ``steps`` optimizer steps (fewer if ``batches`` runs out); evaluate on ``eval_batches``
+        every ``eval_every`` steps and at the end. Returns the results of the steps taken."""
+        results = []
+        source = iter(batches)
+        for callback in self.callbacks:
+            callback.on_train_begin(self)
+        for _ in range(steps):
+            micro = _take(source, self.program.accumulation)
+            if micro is None:
+                break
+            result = self.train_step(micro)
+            results.append(result)
+            for callback in self.callbacks:
+                callback.on_step_end(self, result)
+            if eval_batches is not None and eval_every and result.step % eval_every == 0:
+                self._evaluate_and_report(eval_batches)
+        if eval_batches is not None and results and not (eval_every and results[-1].step % eval_every == 0):
+            self._evaluate_and_report(eval_batches)
+        for callback in self.callbacks:
+            callback.on_train_end(self)
+        return results
+
+    def evaluate(self, batches: Iterable[Mapping]) -> float:
+        """Mean loss over ``batches`` with the current parameters."""
+        losses = [self.runner.evaluate(self._checked(b)) for b in batches]
+        if not losses:
+            raise RunError("no evaluation batch")
+        return float(np.mean(losses))
+
+    def _evaluate_and_report(self, batches) -> None:
+        loss = self.evaluate(batches)
+        for callback in self.callbacks:
+            callback.on_evaluate(self, self.step, loss)
+
+    def _checked(self, batch: Mapping) -> dict[str, np.ndarray]:
+        """The batch as numpy arrays; its names must be exactly the program's data inputs."""
+        names = set(batch)
+        wanted = set(self._data_names)
+        if names != wanted:
+            problems = []
+            if wanted - names:
+                problems.append(f"missing {', '.join(repr(n) for n in self._data_names if n not in names)}")
+            if names - wanted:
+                problems.append(f"unknown {', '.join(repr(n) for n in sorted(names - wanted))}")
+            raise RunError(f"batch arrays: {'; '.join(problems)}; the model's data inputs are "
+                           f"{', '.join(map(repr, self._data_names))}")
+        return {name: _as_numpy(value) for name, value in batch.items()}
+
+
+def check_state(program: TrainingProgram, state: TrainState) -> None:
+    """The state holds every parameter and optimizer state of the program, with their shapes and dtypes."""
+    problems = []
+    expected = {name: value for name, value in program.initial_params.items()}
+    for name, initial in expected.items():
+        value = state.params.get(name)
+        if value is None:
+            problems.append(f"no parameter {name!r}")
+        elif value.shape != initial.shape or value.dtype != initial.dtype:
+            problems.append(f"parameter {name!r} is {value.dtype}{list(value.shape)}, the model's is "
+                            f"{initial.dtype}{list(initial.shape)}")
+    extra = sorted(set(state.params) - set(expected))
+    if extra:
+        problems.append(f"parameters the model does not train: {', '.join(map(repr, extra))}")
+    for key, initial in program.initial_states().items():
+        value = state.states.get(key)
+        if value is None or value.shape != initial.shape or value.dtype != initial.dtype:
+            problems.append(f"no {key[1]} state of shape {list(initial.shape)} for {key[0]!r}")
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise RunError(f"the state does not fit this model and optimizer: {shown}")
+
+
+def _take(source: Iterator, n: int) -> list | None:
+    taken = []
+    for _ in range(n):
+        try:
+            taken.append(next(source))
+        except StopIteration:
+            return None
+    return taken
+
+
+def _as_numpy(value) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
