@@ -15,7 +15,7 @@ def __getattr__(name: str):
         from gradgen import api
 
         return getattr(api, name)
-    if name in {"api", "passes", "check", "executor", "kernels", "grads", "inputs", "model_io", "support"}:
+    if name in {"api", "passes", "check", "executor", "kernels", "grads", "inputs", "model_io", "support", "training"}:
         import importlib
 
         return importlib.import_module(f"gradgen.{name}")

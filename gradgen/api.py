@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import onnx_ir as ir
 
@@ -23,6 +23,9 @@ from gradgen.passes import (
     TopologicalSortPass,
     UpgradeOpsetPass,
 )
+
+if TYPE_CHECKING:
+    from gradgen.training.losses import LossSpec
 
 
 @dataclasses.dataclass
@@ -76,20 +79,36 @@ def build_backward(
     freeze: Sequence[str] = (),
     wrt_inputs: bool = False,
     portable: bool = False,
+    add_loss: LossSpec | None = None,
 ) -> BackwardModel:
     """Return ``model`` with its backward graph appended (the input model is not modified).
 
     ``portable=True`` lowers the com.microsoft gradient ops to standard ONNX ops
     (``passes.LowerToStandardPass``), so that any ONNX runtime can run the result.
+    ``add_loss`` (a ``gradgen.training.LossSpec``) first appends a loss to a model that ends in
+    logits or predictions, and differentiates that loss.
     """
     # Passes work in place: copy a caller's ir.Model; a model loaded here is already our own.
     forward = ir.from_proto(ir.to_proto(model)) if isinstance(model, ir.Model) else load_model(model)
+    if add_loss is not None:
+        loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
     pipeline, gradient = backward_pipeline(spec)
     result = run_pipeline(pipeline, forward)
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)
     return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names)
+
+
+def _add_loss(forward: ir.Model, spec, loss: str | None) -> str:
+    from gradgen.errors import UsageError
+    from gradgen.training.losses import AddLossPass
+
+    if loss is not None:
+        raise UsageError("--loss names the model's own loss; --add-loss adds one: use one of them")
+    adder = AddLossPass(spec)
+    run_pipeline(Pipeline(UpgradeOpsetPass(), adder), forward)
+    return adder.loss_name
 
 
 __all__ = ["BackwardModel", "Session", "backward_pipeline", "build_backward", "run_pipeline"]

@@ -123,6 +123,11 @@ def build_backward(
     portable: bool = typer.Option(
         False, "--portable", help="Lower the com.microsoft gradient ops to standard ONNX ops, so that any ONNX "
         "runtime (e.g. stock onnxruntime) can run OUT."),
+    add_loss: Optional[str] = typer.Option(
+        None, "--add-loss", help="Append a loss (cross_entropy, mse, l1, bce_with_logits) to the output named by "
+        "--loss-output and differentiate it; its target becomes a graph input (labels or target)."),
+    loss_output: Optional[str] = typer.Option(None, "--loss-output", help="With --add-loss: the output (logits, "
+                                              "predictions) the loss reads."),
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
@@ -134,7 +139,8 @@ def build_backward(
     started = time.perf_counter()
     _progress(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
     with _warnings_as_notes():
-        result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable)
+        result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable,
+                       add_loss=_loss_spec(add_loss, loss_output))
     _progress(f"writing {out}")
     save_model(result.model, out)
     seconds = time.perf_counter() - started
@@ -142,6 +148,22 @@ def build_backward(
     typer.echo(f"loss: {result.loss}")
     typer.echo(f"gradients ({len(result.wrt)}): {', '.join(result.gradient_names)}")
     typer.echo(f"wrote {out} ({nodes} nodes) in {seconds:.2f} s")
+
+
+def _loss_spec(kind: Optional[str], output: Optional[str]):
+    """build-backward's --add-loss / --loss-output as a LossSpec (None without --add-loss)."""
+    from gradgen.errors import UsageError
+
+    if kind is None:
+        if output is not None:
+            raise UsageError("--loss-output goes with --add-loss")
+        return None
+    if output is None:
+        raise UsageError("--add-loss needs --loss-output NAME: the output (logits, predictions) the loss reads")
+    from gradgen.training.cli import loss_kind
+    from gradgen.training.losses import LossSpec
+
+    return LossSpec(loss_kind(kind), output)
 
 
 @app.command("run")
@@ -341,6 +363,12 @@ def bench(ctx: typer.Context) -> None:
     if _state["debug"] and "--debug" not in argv:
         argv.append("--debug")
     bench_run(argv)
+
+
+from gradgen.training import cli as _training_cli  # noqa: E402  (imports typer only; the rest on use)
+
+app.command("train")(_training_cli.train)
+app.command("export")(_training_cli.export)
 
 
 def _click_exception_type() -> type:
