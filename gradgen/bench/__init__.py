@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lengths", type=_lengths, metavar="T1,T2,...",
                    help="sequence lengths of the loop (default: T, T-16, ..., T-112)")
     g.add_argument("--passes", type=_positive, default=2, help="passes over the lengths (default 2)")
+    g.add_argument("--profile", action="store_true",
+                   help="also print the GPU time of one gradgen step by kernel and by op (torch.profiler)")
     c = p.add_argument_group("cpu only")
     c.add_argument("--threads", action="append", type=_positive, metavar="N",
                    help="thread counts (repeatable; default 1 and all cores)")
@@ -158,7 +160,7 @@ def run(argv: list[str] | None = None) -> None:
             frameworks=tuple(dict.fromkeys(args.framework or e2e.FRAMEWORKS)), steps=args.steps or 30,
             warmup=5 if args.warmup is None else args.warmup, varlen=not args.no_varlen, lengths=args.lengths,
             passes=args.passes, child_timeout_s=args.child_timeout or 1800.0, keep_dir=_keep_dir(args.keep),
-            debug=args.debug, on_update=lambda report: results.update("e2e", report))
+            debug=args.debug, profile=args.profile, on_update=lambda report: results.update("e2e", report))
         e2e.run(options)
     if "cpu" in groups:
         from gradgen.bench import cpu

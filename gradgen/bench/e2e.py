@@ -162,6 +162,12 @@ def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, entry
         result["wall_s"] = time.perf_counter() - t0
         print(f"   {framework}: {_one_line(result)}", flush=True)
         _save(options, report)
+    if options.profile and "gradgen" in options.frameworks and options.device == "cuda":
+        entry["profile"] = run_child("gradgen-profile", {**common, "label": f"{spec.name}-profile",
+                                                         "model": prepared["model"], "loss": prepared["loss"]},
+                                     workdir, timeout_s=options.child_timeout_s)
+        if entry["profile"].get("error"):
+            print(f"   profile: failed: {entry['profile']['error']}", flush=True)
     if "eager" in options.frameworks and "gradgen" in options.frameworks:
         entry["gradients"] = compare_gradients(workdir / "grads-gradgen.npz", workdir / "grads-eager.npz")
     if options.varlen and spec.kind == "gpt2":

@@ -195,8 +195,9 @@ def _module_classes() -> dict:
             self.wpe = nn.Embedding(max_len, d)
             self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
             self.ln_f = nn.LayerNorm(d)
-            self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len),
-                                 persistent=False)
+            # nanoGPT's persistent mask buffer: exported as an initializer. (A non-persistent buffer, as
+            # in Hugging Face's GPT-2, is traced into a Constant of the mask at the export's length.)
+            self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len))
 
         def forward(self, ids, labels):
             t = ids.shape[1]

@@ -9,6 +9,7 @@ Jobs:
   optionally the gradients are saved for the parent's comparison.
 - ``torch-varlen`` / ``gradgen-varlen``: the variable-length loop (a new sequence length each
   step, several passes over the lengths).
+- ``gradgen-profile``: GPU time of one gradgen step by kernel and by op (torch.profiler);
 - ``cpu-threads``: the CPU group at one thread count (PyTorch eager, ONNX Runtime, gradgen).
 
 A step reads the loss back to the host, so its wall-clock time is the whole step; the batch is
@@ -240,6 +241,57 @@ def job_gradgen_varlen(task: dict) -> dict:
     return result
 
 
+def job_gradgen_profile(task: dict) -> dict:
+    """GPU time by kernel and by ONNX op of one gradgen step, through torch.profiler (CUPTI).
+
+    CUDA graphs are off (``GRADGEN_CUDA_GRAPHS=0``), so every kernel is its own activity; kernel
+    durations are those of the replayed step, the host time between them is not. Each node runs
+    inside a ``record_function`` range named after its op, so kernels are attributed to ops where
+    the profiler correlates the launches (the ``by_op`` table is empty where it does not).
+    """
+    os.environ["GRADGEN_CUDA_GRAPHS"] = "0"
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from gradgen.executor import Session
+
+    session = Session(task["model"], device="cuda")
+    feeds = dict(np.load(task["inputs"]))
+    backend_step = session.backend.run_step
+
+    def labelled_step(step, args):
+        with record_function(f"onnx::{step.op_type}"):
+            return backend_step(step, args)
+
+    session.backend.run_step = labelled_step
+    for _ in range(2):
+        session.run(feeds, outputs=[task["loss"]])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        session.run(feeds, outputs=[task["loss"]])
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+
+    def device_us(e, own: bool):
+        name = "self_device_time_total" if own else "device_time_total"
+        return getattr(e, name, getattr(e, name.replace("device", "cuda"), 0))
+
+    kernels = sorted(((e.key, e.count, device_us(e, True) / 1e3) for e in events
+                      if device_us(e, True) > 0 and not e.key.startswith("onnx::")), key=lambda r: -r[2])
+    by_op = sorted(((e.key[len("onnx::"):], e.count, device_us(e, False) / 1e3) for e in events
+                    if e.key.startswith("onnx::")), key=lambda r: -r[2])
+    total = sum(ms for _, _, ms in kernels)
+    print(f"  gradgen profile (one eager step, {len(session.steps)} steps): GPU kernel time {total:.1f} ms, "
+          f"wall {wall_ms:.1f} ms", flush=True)
+    for title, rows in (("by ONNX op (kernels launched inside the node)", by_op), ("by kernel", kernels)):
+        if rows and rows[0][2] > 0:
+            print(f"  {title}:", flush=True)
+            for name, count, ms in rows[:20]:
+                print(f"    {ms:9.2f} ms {100 * ms / total:5.1f}%  x{count:<5d} {name[:90]}", flush=True)
+    return {"framework": "gradgen", "gpu_kernel_ms": total, "wall_ms": wall_ms,
+            "by_kernel": [list(r) for r in kernels[:60]], "by_op": [list(r) for r in by_op]}
+
+
 # ---------------------------------------------------------------------------------------------
 # The CPU group at one thread count (the parent set OMP_NUM_THREADS & co. for this process)
 
@@ -336,6 +388,7 @@ JOBS = {
     "torch-varlen": job_torch_varlen,
     "gradgen-step": job_gradgen_step,
     "gradgen-varlen": job_gradgen_varlen,
+    "gradgen-profile": job_gradgen_profile,
     "cpu-threads": job_cpu_threads,
 }
 
