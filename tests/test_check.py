@@ -140,3 +140,164 @@ def test_to_float64_converts_types_casts_and_constants():
     np.testing.assert_allclose(got, 0.5 * (2.5 + 1 + 1.5) - 1.0 * (7.5 + 2 + 1.5))
     report = check_gradients(model, inputs={"x": np.array([1.0, 3.0], np.float16)}, wrt_inputs=True)
     assert report.passed, report.format()
+
+
+# -- inputs within each op's contract, non-finite losses, float32-only inputs, kinks ---------------
+
+
+def _save(path, nodes, inputs, initializers, opset=17):
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+
+
+def _scatter_model(path, op: str) -> None:
+    """loss = sum(scatter(data, idx, upd)^2) with reduction 'none' and integer indices drawn at random."""
+    rng = np.random.default_rng(0)
+    if op == "ScatterElements":
+        data, idx, upd, attrs = (5, 3), [4, 3], (4, 3), {"axis": 0}
+    else:
+        data, idx, upd, attrs = (3, 4, 2), [6, 2], (6, 2), {}
+    nodes = [helper.make_node(op, ["data", "idx", "upd"], ["s"], name="scatter", **attrs),
+             helper.make_node("Mul", ["s", "s"], ["q"], name="square"),
+             helper.make_node("ReduceSum", ["q"], ["loss"], keepdims=0, name="sum")]
+    _save(path, nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, idx)],
+          [numpy_helper.from_array(rng.standard_normal(data).astype(np.float32), "data"),
+           numpy_helper.from_array(rng.standard_normal(upd).astype(np.float32), "upd")])
+
+
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_random_scatter_indices_are_distinct_for_reduction_none(tmp_path, capsys, monkeypatch, op):
+    """Repeated indices are undefined for reduction='none'; drawing them failed correct models."""
+    path = tmp_path / "m.onnx"
+    _scatter_model(path, op)
+    from gradgen.inputs import random_feeds
+    from gradgen.model_io import load_model
+
+    for seed in range(8):
+        idx = random_feeds(load_model(path), seed=seed)["idx"]
+        if op == "ScatterElements":  # distinct along the axis, per column
+            assert all(len(set(idx[:, j])) == idx.shape[0] for j in range(idx.shape[1]))
+            assert idx.min() >= 0 and idx.max() < 5
+        else:  # distinct index tuples, each component within its axis
+            assert len({tuple(row) for row in idx}) == len(idx)
+            assert (idx[:, 0] < 3).all() and (idx[:, 1] < 4).all() and idx.min() >= 0
+        code, out, err = run_cli(capsys, monkeypatch, "check", path, "--random-inputs", "--seed", str(seed))
+        assert code == 0, out + err
+
+
+def test_too_many_distinct_indices_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("ScatterElements", ["data", "idx", "upd"], ["s"], name="scatter", axis=0),
+             helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0, name="sum")]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, [6, 3])],
+          [numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "data"),
+           numpy_helper.from_array(rng.standard_normal((6, 3)).astype(np.float32), "upd")])
+    code, _, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs")
+    assert code == 2
+    assert "'idx'" in err and "6 distinct indices along axis 0 cannot fit in 5" in err
+
+
+def test_gather_nd_indices_are_drawn_per_component(tmp_path):
+    from gradgen.inputs import random_feeds
+    from gradgen.model_io import load_model
+
+    nodes = [helper.make_node("GatherND", ["data", "idx"], ["g"], name="gnd"),
+             helper.make_node("ReduceSum", ["g"], ["loss"], keepdims=0, name="sum")]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, [50, 2])],
+          [numpy_helper.from_array(np.ones((9, 2), np.float32), "data")])
+    idx = random_feeds(load_model(tmp_path / "m.onnx"))["idx"]
+    assert idx[:, 0].max() < 9 and idx[:, 1].max() < 2 and idx[:, 0].max() >= 2  # not bounded by axis 1 only
+
+
+def test_an_integer_shape_input_is_not_drawn_at_random(tmp_path, capsys, monkeypatch):
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
+             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                       helper.make_tensor_value_info("shape", TensorProto.INT64, [2])], [])
+    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--random-inputs", "--device", "cpu")
+    assert code == 2
+    assert "'shape'" in err and "Reshape node 'reshape'" in err and "--inputs" in err
+
+
+def test_batchnorm_variance_is_drawn_positive(tmp_path, capsys, monkeypatch):
+    names = ["x", "scale", "bias", "mean", "var"]
+    shapes = [[2, 3, 4], [3], [3], [3], [3]]
+    nodes = [helper.make_node("BatchNormalization", names, ["y"], name="bn"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+                                       for n, s in zip(names, shapes)], [])
+    for seed in range(4):
+        code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs",
+                                 "--seed", str(seed))
+        assert code == 0, out + err
+
+
+def test_a_non_finite_loss_is_named(tmp_path, capsys, monkeypatch):
+    """An empty batch through ReduceMean: NaN, said as such instead of a comparison of NaNs."""
+    nodes = [helper.make_node("Mul", ["x", "w"], ["m"], name="mul"),
+             helper.make_node("ReduceMean", ["m"], ["loss"], keepdims=0, name="mean")]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+          [numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--dim", "N=0")
+    assert code == 4
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: the loss 'loss' is not finite at these inputs (it is nan; inputs: x float64[0, 3])")
+    assert "max abs err" not in out
+
+
+def _resize_model(path, opset: int = 19) -> None:
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "", "scales"], ["r"], name="resize", mode="linear"),
+             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
+    _save(path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+          [numpy_helper.from_array(rng.standard_normal((3, 2, 3, 3)).astype(np.float32), "w"),
+           numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")], opset=opset)
+
+
+def test_float32_only_inputs_stay_float32_in_the_float64_copy(tmp_path, capsys, monkeypatch):
+    """Resize's scales must be float32: the copy keeps them so and stays a valid model."""
+    _resize_model(tmp_path / "m.onnx")
+    double = to_float64(str(tmp_path / "m.onnx"))
+    onnx.checker.check_model(double, full_check=True)
+    types = {t.name: t.data_type for t in double.graph.initializer}
+    assert types == {"w": TensorProto.DOUBLE, "scales": TensorProto.FLOAT}
+    code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs")
+    assert code == 0, out + err
+    # a computed scales tensor gets a Cast to float32 instead
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    model.graph.node.insert(0, helper.make_node("Identity", ["scales"], ["scales2"], name="copy"))
+    model.graph.node[2].input[2] = "scales2"
+    double = to_float64(model)
+    onnx.checker.check_model(double, full_check=True)
+    cast = next(n for n in double.graph.node if n.op_type == "Cast")
+    assert list(cast.input) == ["scales2"] and cast.attribute[0].i == TensorProto.FLOAT
+
+
+def test_a_failure_at_a_kink_says_so(tmp_path, capsys, monkeypatch):
+    """relu(x + w) with one element 1e-7 above its kink: central differences straddle it."""
+    nodes = [helper.make_node("Add", ["x", "w"], ["h"], name="add"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+          [numpy_helper.from_array(w, "w")])
+    x = np.array([1.0, 1.0 + 2 ** -23, 3.0], np.float32)  # x + w = [1.5, 1.2e-7, 5]
+    np.savez(tmp_path / "x.npz", x=x)
+    report = check_gradients(tmp_path / "m.onnx", inputs={"x": x})
+    [tensor] = report.tensors
+    assert not tensor.passed and tensor.kink and "at a kink" in tensor.note
+    code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz")
+    assert code == 4
+    assert "w at a kink of the loss" in err.strip().splitlines()[-1]
+    # away from the kink the same model passes, and a wrong rule is not mistaken for a kink
+    away = check_gradients(tmp_path / "m.onnx", inputs={"x": np.array([1.0, 2.0, 3.0], np.float32)})
+    assert away.passed, away.format()
+
+
+def test_a_wrong_gradient_is_not_called_a_kink(tmp_path, broken_mul):
+    path = tmp_path / "m.onnx"
+    _mul_model(path)
+    report = check_gradients(path, random_inputs=True, wrt_inputs=True)
+    assert not report.passed and not any(t.kink for t in report.tensors)

@@ -133,6 +133,20 @@ def _short_external_data(tmp: Path) -> list:
     return ["build-backward", tmp / "m.onnx", "-o", tmp / "out.onnx"]
 
 
+def _external_data_outside(tmp: Path) -> list:
+    (tmp / "m").mkdir()
+    tiny_model(tmp / "m" / "m.onnx")
+    model = onnx.load(str(tmp / "m" / "m.onnx"))
+    onnx.save_model(model, str(tmp / "m" / "m.onnx"), save_as_external_data=True, size_threshold=0, location="m.bin")
+    (tmp / "m" / "m.bin").rename(tmp / "w.bin")
+    proto = onnx.load(str(tmp / "m" / "m.onnx"), load_external_data=False)
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../w.bin"
+    onnx.save(proto, str(tmp / "m" / "m.onnx"))
+    return ["build-backward", tmp / "m" / "m.onnx", "-o", tmp / "out.onnx"]
+
+
 TINY_BYTES = None
 
 
@@ -209,10 +223,24 @@ CASES = [
     Case("run_output_dir_missing", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "no" / "o.npz"], 2,
          ("does not exist",)),
     Case("run_bad_device", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--device", "tpu"], 2, ("'tpu'",)),
+    Case("run_output_parent_is_a_file", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2",
+                                                   "-o", t / "tiny.onnx" / "o.npz"], 2, ("is not a directory",)),
+    Case("output_parent_is_a_file", lambda t: ["build-backward", _tiny(t), "-o", t / "tiny.onnx" / "o.onnx"], 2,
+         ("is not a directory",)),
+    Case("run_dim_unknown", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "M=2"], 2,
+         ("--dim M", "symbolic dimensions are N")),
+    Case("run_dim_too_large", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=1000000000000"], 2,
+         ("'x'", "--dim")),
+    Case("run_rtol_nan", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--rtol", "nan"], 2, ("--rtol",)),
+    Case("run_compare_unmatched", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--device", "cpu",
+                                             "--compare", _npz(t, nothing=np.zeros(1))], 4, ("nothing",)),
+    Case("external_data_outside", _external_data_outside, 3, ("'w'", "../w.bin", "not inside the model's directory")),
     # checking
     Case("check_no_inputs", lambda t: ["check", _tiny(t)], 2, ("--inputs",)),
     Case("check_missing_model", lambda t: ["check", t / "nope.onnx", "--random-inputs"], 2, ("nope.onnx", "no such file")),
     Case("check_bad_samples", lambda t: ["check", _tiny(t), "--random-inputs", "--dim", "N=2", "--samples", "-1"], 2, ("--samples",)),
+    Case("check_nan_loss", lambda t: ["check", _tiny(t), "--inputs", _npz(t, x=np.full((2, 3), np.nan, np.float32))],
+         4, ("not finite", "'loss'")),
 ]
 
 
