@@ -4,7 +4,8 @@ The model given is the forward model that was trained (the one ``gradgen train``
 checkpoint's fingerprint must match it. The loss the training used is removed when it is one of
 the model's outputs (with the nodes and inputs, such as labels, only it needed), unless
 ``keep_loss``; a loss added for training was never part of the model. No backward or optimizer
-node is in the result: it is the original graph, so any ONNX runtime runs it.
+node is in the result: it is the original graph (shape computations on static shapes folded),
+so any ONNX runtime runs it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import onnx_ir as ir
 
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, load_model
-from gradgen.passes import RemoveUnusedNodesPass
+from gradgen.passes import FoldShapeArithmeticPass, Pipeline, RemoveUnusedNodesPass, ShapeInferencePass
 from gradgen.training.checkpoint import checkpoint_path, load_checkpoint
 from gradgen.training.graph_edit import remove_unused_inputs
 from gradgen.training.program import model_fingerprint
@@ -50,7 +51,12 @@ def set_initializers(graph: ir.Graph, params, where) -> None:
 
 
 def remove_output(model: ir.Model, name: str) -> None:
-    """Drop output ``name`` and what only it needed (nodes, initializers, graph inputs)."""
+    """Drop output ``name`` and what only it needed (nodes, initializers, graph inputs).
+
+    Shapes of static tensors are folded first: an exporter may compute another output's shape
+    from the target's (PyTorch's mse_loss broadcasts the prediction to it), which would keep the
+    target as an input of the inference model for its shape alone.
+    """
     graph = model.graph
     outputs = [v for v in graph.outputs if v.name != name]
     if len(outputs) == len(graph.outputs):
@@ -60,5 +66,5 @@ def remove_output(model: ir.Model, name: str) -> None:
                          "(keep it with --keep-loss)")
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    RemoveUnusedNodesPass()(model)
+    Pipeline(ShapeInferencePass(), FoldShapeArithmeticPass(), RemoveUnusedNodesPass())(model)
     remove_unused_inputs(graph)
