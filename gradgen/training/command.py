@@ -156,6 +156,9 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         state, meta = load_checkpoint(checkpoint)
         check_checkpoint(checkpoint, meta, state, program)
         _check_same_data_order(checkpoint, meta.get("data", {}), data_record)
+        if meta.get("schedule") != dataclasses.asdict(schedule):
+            say(f"note: the learning-rate schedule differs from the checkpoint's ({_describe(meta.get('schedule'))} "
+                f"-> {_describe(dataclasses.asdict(schedule))}); the run continues with the new one")
         trainer.load_state(state)
         start = state.step
         if start >= o.steps:
@@ -229,6 +232,12 @@ def _check_same_data_order(checkpoint: Path, saved: dict, now: dict) -> None:
     if changed:
         raise UsageError(f"{checkpoint}: resuming with another data order ({', '.join(changed)}); use the "
                          "checkpoint's settings to continue it")
+
+
+def _describe(schedule: dict | None) -> str:
+    if not schedule:
+        return "none recorded"
+    return ", ".join(f"{k}={v}" for k, v in schedule.items())
 
 
 def _rng_record(seed: int, batches_drawn: int) -> dict:

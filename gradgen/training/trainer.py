@@ -14,8 +14,11 @@ each state input and the output that replaces it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
+import threading
 import time
 from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
@@ -184,10 +187,11 @@ class Trainer:
             micro = _take(source, self.program.accumulation)
             if micro is None:
                 break
-            result = self.train_step(micro)
-            results.append(result)
-            for callback in self.callbacks:
-                callback.on_step_end(self, result)
+            with _interrupt_at_step_end():
+                result = self.train_step(micro)
+                results.append(result)
+                for callback in self.callbacks:
+                    callback.on_step_end(self, result)
             if eval_batches is not None and eval_every and result.step % eval_every == 0:
                 self._evaluate_and_report(eval_batches)
         if eval_batches is not None and results and not (eval_every and results[-1].step % eval_every == 0):
@@ -244,6 +248,33 @@ def check_state(program: TrainingProgram, state: TrainState) -> None:
     if problems:
         shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         raise RunError(f"the state does not fit this model and optimizer: {shown}")
+
+
+@contextlib.contextmanager
+def _interrupt_at_step_end():
+    """Ctrl-C during a step takes effect once the step and its callbacks are done, so that the state,
+    the log and a checkpoint saved on the interrupt agree; a second Ctrl-C interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def defer(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, defer)
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _take(source: Iterator, n: int) -> list | None:
