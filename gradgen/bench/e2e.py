@@ -48,6 +48,7 @@ class E2EOptions:
     child_timeout_s: float = 1800.0
     keep_dir: Path | None = None
     debug: bool = False
+    profile: bool = False  # a GPU-time breakdown of gradgen's step (torch.profiler), after the timings
 
 
 def default_lengths(seq: int) -> tuple[int, ...]:
