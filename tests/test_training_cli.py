@@ -274,3 +274,45 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, mlp_data):
     rows = log_rows(log)
     assert meta["step"] == len(rows) > 20
     assert not [p for p in ckpt.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_added_loss_frozen_scalars_and_export(tmp_path, capsys, monkeypatch):
+    """--add-loss on a model ending in predictions; a single-value initializer is named, --freeze keeps it."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["h"]), helper.make_node("Mul", ["h", "scale"], ["pred"])],
+        "scaled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("pred", TensorProto.FLOAT, ["N", 2])],
+        initializer=[numpy_helper.from_array(rng.standard_normal((3, 2)).astype(np.float32), "W"),
+                     numpy_helper.from_array(np.zeros(2, np.float32), "b"),
+                     numpy_helper.from_array(np.array(0.5, np.float32), "scale")])
+    model = tmp_path / "scaled.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model))
+    x = rng.standard_normal((32, 3)).astype(np.float32)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, y=(x @ rng.standard_normal((3, 2))).astype(np.float32))
+    common = ["--data", data, "--lr", "0.05", "--steps", "60", "--batch-size", "8", "--add-loss", "mse",
+              "--loss-output", "pred", "--target", "y"]
+    code, out, err = run_cli(capsys, monkeypatch, "train", model, *common, "--checkpoint-dir", tmp_path / "a")
+    assert code == 0, err
+    assert "note: training single-value initializer(s) 'scale'" in err
+    code, out, err = run_cli(capsys, monkeypatch, "train", model, *common, "--freeze", "scale",
+                             "--checkpoint-dir", tmp_path / "b")
+    assert code == 0 and "single-value" not in err, err
+    losses = [float(r["loss"]) for r in log_rows(tmp_path / "b" / "log.csv")]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    code, out, err = run_cli(capsys, monkeypatch, "export", model, "--checkpoint", tmp_path / "b",
+                             "-o", tmp_path / "trained.onnx")
+    assert code == 0 and "inputs: x" in out and "outputs: pred" in out, err
+    trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
+    assert trained["scale"] == np.float32(0.5) and not np.allclose(trained["W"], numpy_helper.to_array(graph.initializer[0]))
+    # Missing --loss-output, or --loss with --add-loss: usage errors.
+    code, _, err = run_cli(capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--steps", "2",
+                           "--batch-size", "8", "--add-loss", "mse")
+    assert code == 2 and "--loss-output" in err
+    code, _, err = run_cli(capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--steps", "2",
+                           "--batch-size", "8", "--add-loss", "mse", "--loss-output", "pred", "--loss", "pred")
+    assert code == 2 and "use one of them" in err

@@ -141,6 +141,11 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     say(f"building the training graphs of {o.model}")
     program = build_training(o.model, optimizer=optimizer, loss=o.loss, add_loss=add_loss, freeze=o.freeze,
                              clip_norm=o.clip_norm, accumulation=o.accumulate)
+    scalars = [name for name in program.params if program.initial_params[name].size == 1]
+    if scalars:
+        say(f"note: training single-value initializer(s) {', '.join(map(repr, scalars[:5]))}"
+            f"{' and more' if len(scalars) > 5 else ''}; exporters store constants as initializers too: "
+            "--freeze those that are not parameters")
     arrays = load_arrays(o.data, "--data")
     batch_size = o.batch_size or default_batch_size(program.data_inputs)
     if batch_size is None:
