@@ -165,8 +165,8 @@ def _kink_operands(graph: ir.Graph) -> list[tuple[str, list[ir.Value]]]:
         n.outputs[0].name for n in graph if n.op_type == "Constant" and n.outputs}
     kept, seen = [], set()
     for label, values in found:
-        if not all(v.dtype is not None and v.dtype.is_floating_point() for v in values):
-            continue
+        if any(v.dtype is not None and not v.dtype.is_floating_point() for v in values):
+            continue  # integers are the same in both runs
         key = frozenset(v.name for v in values if v.name not in constant)
         if key not in seen:
             seen.add(key)
@@ -200,7 +200,7 @@ def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequen
     from gradgen.check import to_float64
     from gradgen.executor import Session
 
-    copy = ir.from_proto(ir.to_proto(model))
+    copy = model.clone() if hasattr(model, "clone") else ir.from_proto(ir.to_proto(model))  # shares the weights
     operands = _kink_operands(copy.graph)
     if not operands:
         return None

@@ -211,7 +211,10 @@ def _draw(rng, value: ir.Value, shape, dtype: np.dtype, dims) -> np.ndarray:
         # float32 and float64 are drawn in their own precision; narrower floats through float32
         draw_dtype = dtype if dtype in (np.float32, np.float64) else np.float32
         if positive:
-            return rng.uniform(0.5, 2.0, shape).astype(draw_dtype, copy=False).astype(dtype, copy=False)
+            values = rng.random(shape, dtype=draw_dtype)
+            values *= 1.5
+            values += 0.5
+            return values.astype(dtype, copy=False)
         return rng.standard_normal(shape, dtype=draw_dtype).astype(dtype, copy=False)
     if dtype.kind == "b":
         return rng.random(shape) < 0.5

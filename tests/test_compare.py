@@ -165,3 +165,17 @@ def test_a_mismatch_without_kinks_says_they_are_not_the_cause(tmp_path, capsys, 
                            "--compare", tmp_path / "ref.npz", "--device", "cpu")
     assert code == 4
     assert "do not come from kinks decided by rounding" in err
+
+
+def test_kinks_are_found_in_an_untyped_forward_model_with_external_data(tmp_path, capsys, monkeypatch):
+    """No value_info on the intermediate values, weights in an external file: the same diagnosis."""
+    _kink_model(tmp_path / "m.onnx")
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, size_threshold=0, location="m.bin")
+    np.savez(tmp_path / "in.npz", x=np.array([1e8, 1e8, 1.0], np.float32))
+    np.savez(tmp_path / "ref.npz", loss=np.array(3.0))
+    monkeypatch.chdir(tmp_path.parent)
+    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz",
+                           "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    assert code == 4
+    assert "(Relu node 'relu': 2)" in err and "the float64 run of this graph matches the reference for loss" in err
