@@ -418,11 +418,15 @@ _TERMINATING_SIGNALS = [s for s in (getattr(signal, "SIGTERM", None), getattr(si
 
 @contextlib.contextmanager
 def _terminating_signals_raise():
-    """Turn SIGTERM and SIGHUP into an exception for the duration of a command (main thread only)."""
+    """Turn SIGTERM and SIGHUP into an exception for the duration of a command (main thread only).
+
+    A signal that is ignored (``nohup`` ignores SIGHUP) stays ignored.
+    """
     previous = {}
     for sig in _TERMINATING_SIGNALS:
         try:
-            previous[sig] = signal.signal(sig, _raise_terminated)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _raise_terminated)
         except (ValueError, OSError):  # not the main thread: leave the signals alone
             break
     try:

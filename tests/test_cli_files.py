@@ -178,12 +178,13 @@ _STALLED_WRITER = textwrap.dedent("""
     import numpy as np
     import gradgen.model_io as model_io
 
-    marker = Path(sys.argv[1])
+    marker, seconds = Path(sys.argv[1]), float(sys.argv[2])
     real_write_array, real_save = np.lib.format.write_array, model_io.ir.save
 
     def stall():
-        marker.write_text("writing")
-        time.sleep(60)
+        if not marker.exists():
+            marker.write_text("writing")
+            time.sleep(seconds)
 
     def write_array(handle, array, **kwargs):
         real_write_array(handle, array, **kwargs)
@@ -196,7 +197,7 @@ _STALLED_WRITER = textwrap.dedent("""
     np.lib.format.write_array = write_array
     model_io.ir.save = save
     from gradgen.cli import main
-    main(sys.argv[2:])
+    main(sys.argv[3:])
 """)
 
 
@@ -213,8 +214,8 @@ def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, tiny, signum
         args = ["build-backward", str(tiny), "-o", str(out_dir / "g.onnx")]
     else:
         args = ["run", str(tiny), "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", str(out_dir / "o.npz")]
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(marker), *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(marker), "60", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -231,6 +232,28 @@ def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, tiny, signum
     assert child.returncode == code, err
     assert err.strip().splitlines()[-1] == message
     assert list(out_dir.iterdir()) == []  # no temporary file, no partial output
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path, tiny):
+    """Under nohup (SIGHUP ignored) a hang-up does not stop the write."""
+    marker, out = tmp_path / "marker", tmp_path / "o.npz"
+    args = ["run", str(tiny), "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", str(out)]
+    child = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(marker), "2", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.02)
+        child.send_signal(signal.SIGHUP)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    assert np.load(out)["loss"].shape == ()
 
 
 # -- external data ----------------------------------------------------------------------------------
