@@ -26,6 +26,15 @@ LOSS_RTOL = 1e-4
 PARAM_RTOL = 1e-4  # of the tensor's largest |value|
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: PyTorch's thread pool only contends with the other test workers for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _make_samples():
     """The PyTorch classes the samples were exported from (one definition: samples/make_samples.py)."""
     if "make_samples" not in sys.modules:
