@@ -86,7 +86,9 @@ class FuzzGraph:
                 x, axes = values[kink[1]], kink[2]
                 axes = tuple(range(x.ndim)) if axes is None else tuple(a % x.ndim for a in axes)
                 rest = [a for a in range(x.ndim) if a not in axes]
-                flat = np.transpose(x, rest + list(axes)).reshape(int(np.prod([x.shape[a] for a in rest])), -1)
+                # explicit sizes: reshape(0, -1) of an empty tensor cannot infer the -1
+                kept, reduced = (int(np.prod([x.shape[a] for a in group])) for group in (rest, axes))
+                flat = np.transpose(x, rest + list(axes)).reshape(kept, reduced)
                 if flat.shape[1] > 1:
                     top = np.sort(flat, axis=1)
                     if np.any(top[:, -1] - top[:, -2] < MARGIN) or np.any(top[:, 1] - top[:, 0] < MARGIN):
