@@ -308,7 +308,8 @@ def test_added_loss_frozen_scalars_and_export(tmp_path, capsys, monkeypatch):
                              "-o", tmp_path / "trained.onnx")
     assert code == 0 and "inputs: x" in out and "outputs: pred" in out, err
     trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
-    assert trained["scale"] == np.float32(0.5) and not np.allclose(trained["W"], numpy_helper.to_array(graph.initializer[0]))
+    assert trained["scale"] == np.float32(0.5)
+    assert not np.allclose(trained["W"], numpy_helper.to_array(graph.initializer[0]))
     # Missing --loss-output, or --loss with --add-loss: usage errors.
     code, _, err = run_cli(capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--steps", "2",
                            "--batch-size", "8", "--add-loss", "mse")

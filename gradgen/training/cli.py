@@ -6,15 +6,11 @@ stays fast; the training machinery is imported when a command runs.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-
-from gradgen.errors import UsageError
 
 _LOSS_KINDS = "cross_entropy, mse, l1 or bce_with_logits"
 

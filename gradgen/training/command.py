@@ -75,7 +75,8 @@ def make_optimizer(o: TrainOptions) -> SGD | AdamW:
     if o.optimizer == "adamw":
         if o.momentum or o.nesterov:
             raise UsageError("--momentum and --nesterov are SGD options; --optimizer is adamw")
-        return AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=0.01 if o.weight_decay is None else o.weight_decay)
+        weight_decay = 0.01 if o.weight_decay is None else o.weight_decay
+        return AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=weight_decay)
     raise UsageError(f"unknown optimizer {o.optimizer!r}: choose sgd or adamw")
 
 
@@ -118,8 +119,8 @@ def prepare_checkpoint_dir(o: TrainOptions) -> Path | None:
 
 
 class PeriodicCheckpoint(Callback):
-    def __init__(self, path: Path, every: int, save: Callable[[], None]):
-        self.path, self.every, self.save = path, every, save
+    def __init__(self, every: int, save: Callable[[], None]):
+        self.every, self.save = every, save
 
     def on_step_end(self, trainer: Trainer, result) -> None:
         if result.step % self.every == 0:
@@ -179,7 +180,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     csv_log = CsvLog(log_path, start_step=start) if log_path else None
     trainer.callbacks += [c for c in (csv_log, Progress(o.steps)) if c is not None]
     if checkpoint is not None:
-        trainer.callbacks.append(PeriodicCheckpoint(checkpoint, o.checkpoint_every, save))
+        trainer.callbacks.append(PeriodicCheckpoint(o.checkpoint_every, save))
     batches = ShuffledBatches(arrays, batch_size, o.seed, start=start * o.accumulate)
     say(f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
         f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else ""))

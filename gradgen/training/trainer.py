@@ -230,7 +230,7 @@ class Trainer:
 def check_state(program: TrainingProgram, state: TrainState) -> None:
     """The state holds every parameter and optimizer state of the program, with their shapes and dtypes."""
     problems = []
-    expected = {name: value for name, value in program.initial_params.items()}
+    expected = program.initial_params
     for name, initial in expected.items():
         value = state.params.get(name)
         if value is None:
