@@ -163,10 +163,11 @@ def run(options: CpuOptions) -> dict:
     report = {"group": "cpu", "header": {"date": time.strftime("%Y-%m-%dT%H:%M"), "cpu": _cpu_name(),
                                          "cores": all_cores(), "python": platform.python_version(),
                                          "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
-                                         "torch": torch.__version__}, "runs": {}}
+                                         "torch": torch.__version__, "load_before": _load()}, "runs": {}}
     h = report["header"]
     print(f"cpu: {h['cpu']}, {h['cores']} cores; numpy {h['numpy']}, onnxruntime {h['onnxruntime']}, torch "
-          f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up", flush=True)
+          f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up; load average "
+          f"{h['load_before']} before", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="gradgen-bench-cpu-", dir=options.keep_dir))
     try:
         cases = _prepare_cases(options, workdir)
@@ -181,12 +182,21 @@ def run(options: CpuOptions) -> dict:
     finally:
         if options.keep_dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    report["header"]["load_after_steps"] = _load()
     if options.build_layers:
         print(f"-- build-backward of a {options.build_layers}-layer GPT-2 layout", flush=True)
         report["build"] = measure_build(options.build_layers)
     _save(options, report)
     print(format_report(report), flush=True)
     return report
+
+
+def _load() -> float | None:
+    """The 1-minute load average: other work on the machine shows in it (and in the timings)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _save(options: CpuOptions, report: dict) -> None:
@@ -225,6 +235,9 @@ def format_report(report: dict) -> str:
              table(["model", "threads", "torch eager", "ORT", "gradgen", "gradgen/ORT", "gradgen/torch",
                     "gradgen default graph"], rows)]
     lines += [f"  threads set by: {m}" for m in methods]
+    h = report["header"]
+    lines.append(f"  1-minute load average: {h.get('load_before')} before, {h.get('load_after_steps')} after the steps "
+                 f"({h['cores']} cores; the benchmark itself adds about its thread count)")
     lines += [f"  failed: {f}" for f in failures]
     build = report.get("build")
     if build:
