@@ -326,7 +326,8 @@ def _cpu_case(case: dict, threads: int, task: dict) -> dict:
 
     def measure(key, make_step):
         try:
-            row[key] = median(time_adaptive(make_step(), **timing))
+            times = time_adaptive(make_step(), **timing)
+            row[key], row[f"{key}_all"] = median(times), times  # every step: the minimum is robust to other load
         except Exception as exc:  # noqa: BLE001 - one failing runtime should not hide the rest
             row[key] = None
             row[f"{key}_error"] = error_text(exc)
