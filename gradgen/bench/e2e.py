@@ -83,7 +83,8 @@ def run(options: E2EOptions) -> dict:
     """Run the group; print one table per model; return (and write, with --json) every number."""
     report = {"group": "e2e", "header": header(options.device), "settings": _settings(options), "models": {}}
     h = report["header"]
-    print(f"e2e: {h.get('gpu')} (driver {h.get('driver', '-')}, {h.get('gpu_memory', '-')}); torch {h['torch']}; "
+    gpu = f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
+    print(f"e2e: {gpu}; torch {h['torch']}; "
           f"{h['date']}; fp32, TF32 off; step = batch from host memory, forward + backward, loss to host; "
           f"median of {options.steps} after {options.warmup} warm-up steps", flush=True)
     for spec in options.specs:
@@ -279,8 +280,9 @@ def format_model(entry: dict) -> str:
                      f"memory {fmt_ratio(gradgen['memory'].get('used_after_bytes'), compiled['memory'].get('used_after_bytes'))}")
     if gradgen.get("plan_steps"):
         pool = gradgen.get("memory", {})
-        lines.append(f"  gradgen: {gradgen['plan_steps']} steps in its plan; pool holds {fmt_mib(pool.get('pool_held_bytes'))} "
-                     f"MiB ({fmt_mib(pool.get('pool_active_bytes'))} MiB active)")
+        held = (f"; pool holds {fmt_mib(pool['pool_held_bytes'])} MiB ({fmt_mib(pool.get('pool_active_bytes'))} MiB "
+                "active)") if "pool_held_bytes" in pool else ""
+        lines.append(f"  gradgen: {gradgen['plan_steps']} steps in its plan{held}")
     grads = entry.get("gradients")
     if grads:
         if grads.get("error"):
