@@ -33,8 +33,14 @@ def tiny(tmp_path):
 
 
 def test_version(capsys, monkeypatch):
+    import gradgen
+
     code, out, _ = run_cli(capsys, monkeypatch, "--version")
-    assert code == 0 and out.strip() == f"gradgen {importlib.metadata.version('gradgen')}"
+    assert code == 0 and out.strip() == f"gradgen {gradgen.__version__}"
+    try:  # installed (not just on the path): the package's metadata says the same
+        assert importlib.metadata.version("gradgen") == gradgen.__version__
+    except importlib.metadata.PackageNotFoundError:
+        pass
     result = _gradgen("--version")
     assert result.returncode == 0 and result.stdout.strip() == out.strip()
 
