@@ -71,6 +71,12 @@ def run_pipeline(pipeline: ir.passes.PassBase, model: ir.Model) -> ir.passes.Pas
         raise
 
 
+def _copy_graph(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` sharing its tensors (onnx-ir >= 0.1.11 has ``clone``; older ones round-trip)."""
+    clone = getattr(model, "clone", None)
+    return clone() if clone is not None else ir.from_proto(ir.to_proto(model))
+
+
 def build_backward(
     model: ModelLike,
     *,
@@ -88,8 +94,9 @@ def build_backward(
     ``add_loss`` (a ``gradgen.training.LossSpec``) first appends a loss to a model that ends in
     logits or predictions, and differentiates that loss.
     """
-    # Passes work in place: copy a caller's ir.Model; a model loaded here is already our own.
-    forward = ir.from_proto(ir.to_proto(model)) if isinstance(model, ir.Model) else load_model(model)
+    # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
+    # never change); a model loaded here is already our own.
+    forward = _copy_graph(model) if isinstance(model, ir.Model) else load_model(model)
     if add_loss is not None:
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)

@@ -78,3 +78,18 @@ def test_shape_inference_sees_weights_shapes_without_their_data(monkeypatch):
     assert model.graph.initializers["w"].const_value is not None
     values = {n.outputs[0].name: n.outputs[0] for n in model.graph}
     assert list(values["h"].shape)[1] == 64 and list(values["r"].shape)[1] == 32  # data propagation kept
+
+
+def test_build_backward_leaves_a_callers_ir_model_alone_and_shares_its_weights():
+    import onnx_ir as ir
+
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                               helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=[w])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    before = onnx.printer.to_text(ir.to_proto(model))
+    built = gradgen.build_backward(model)
+    assert onnx.printer.to_text(ir.to_proto(model)) == before
+    assert built.model.graph.initializers["w"].const_value is model.graph.initializers["w"].const_value
