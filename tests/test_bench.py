@@ -175,6 +175,13 @@ def test_cpu_group_tiny(tmp_path):
     assert report["build"]["layers"] == 2 and report["build"]["forward_nodes"] > 100
 
 
+def test_sample_selection():
+    everything = cpu.sample_dirs(None)
+    assert {"mlp", "cnn", "transformer"} <= {p.name for p in everything}
+    assert cpu.sample_dirs([]) == []  # --no-samples
+    assert [p.name for p in cpu.sample_dirs(["mlp"])] == ["mlp"]
+
+
 def test_bench_usage_errors_are_one_line(capsys):
     assert main(["--only", "e2e", "--model", "nosuch"]) == 2
     err = capsys.readouterr().err

@@ -83,7 +83,8 @@ def load_sample_case(script: str, family: str):
 
 
 def sample_dirs(names: list[str] | None) -> list[Path]:
-    """Bundled sample directories (those named, or all); an unknown name is a usage error."""
+    """Bundled sample directories: all for None, those named otherwise (none for []); an unknown name is
+    a usage error."""
     from gradgen.errors import UsageError
 
     if not SAMPLES_DIR.is_dir():
@@ -94,7 +95,7 @@ def sample_dirs(names: list[str] | None) -> list[Path]:
     unknown = [n for n in names or [] if n not in found]
     if unknown:
         raise UsageError(f"unknown sample(s) {', '.join(unknown)}: choose from {', '.join(found)}")
-    return [found[n] for n in names] if names else list(found.values())
+    return list(found.values()) if names is None else [found[n] for n in names]
 
 
 def _write_graphs(proto_or_path, workdir: Path, name: str, wrt=None) -> dict:
