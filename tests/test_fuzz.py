@@ -1,7 +1,10 @@
-"""Fuzzing: random small graphs against finite differences, random one-node cases against onnxruntime.
+"""Fuzzing: random small graphs against finite differences, random one-node cases against onnxruntime,
+and every op with a gradient rule on its own (tests/fuzz_ops.py) against finite differences,
+PyTorch and onnxruntime.
 
 Profiles (environment variable GRADGEN_FUZZ_PROFILE): ``ci`` (default: few examples, derandomized,
-well under a minute) and ``long`` (>= 1000 random graphs; see docs/FUZZ.md).
+well under a minute) and ``long`` (>= 1000 random graphs, and 1000 random op cases per seed with
+``--hypothesis-seed``; see docs/FUZZ.md and docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import gradgen
 from gradgen.errors import GradgenError, RunError
 from gradgen.executor import Session
 from tests import fuzz_graphs as fg
+from tests import fuzz_ops as fo
 from tests.gradcheck import numeric_gradient
 
 ort = pytest.importorskip("onnxruntime")
@@ -410,6 +414,51 @@ def test_loss_kernels(case):
     _compare(case, rtol=1e-4, atol=1e-5)
 
 
+# -- one op at a time: every op with a gradient rule (tests/fuzz_ops.py) --------------------------
+
+# ci: two derandomized cases per op (the simplest draw and one more); long: see test_op_fuzz_long
+OP_CASES = settings(settings.get_profile(PROFILE), max_examples=2 if PROFILE == "ci" else 20)
+OP_FUZZ_LONG = settings(settings.get_profile(PROFILE), max_examples=1000)
+
+
+def test_every_rule_is_fuzzed():
+    """Every op with a gradient rule has a case generator (and a new rule needs one)."""
+    rules = {op for (domain, op), rule in gradgen.grads.all_rules().items() if rule.differentiable and not domain}
+    assert not rules - set(fo.OPS), f"ops with a gradient rule but no fuzz generator: {sorted(rules - set(fo.OPS))}"
+    assert not set(fo.OPS) - rules, f"generators for ops without a rule: {sorted(set(fo.OPS) - rules)}"
+
+
+@pytest.mark.parametrize("op", fo.OPS)
+@OP_CASES
+@given(data=st.data())
+def test_op_gradients(op, data):
+    """One random node of ``op``: forward vs onnxruntime, gradients vs finite differences (float64),
+    vs PyTorch (where it has the op), and the float32 backward graph vs the float64 one."""
+    fo.check_case(data.draw(fo.op_cases(op), label="case"), ort)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROFILE != "long", reason="the long op fuzz runs with GRADGEN_FUZZ_PROFILE=long")
+@OP_FUZZ_LONG
+@given(fo.any_op_case())
+def test_op_fuzz_long(case):
+    """1000 random op cases (any op), one seed per run: ``--hypothesis-seed=N``."""
+    from hypothesis import event
+
+    event(case.op_type)
+    for done in fo.check_case(case, ort):
+        event(done)
+
+
+@pytest.mark.cuda
+@settings(settings.get_profile(PROFILE), max_examples=300 if PROFILE == "ci" else 1000)
+@given(fo.any_op_case())
+def test_op_fuzz_cuda_matches_cpu(case):
+    """The same random op cases on gradgen's CUDA executor: forward and backward graphs give the CPU's
+    outputs (values, dtypes, shapes)."""
+    fo.check_case_on_cuda(case)
+
+
 # -- regressions the fuzzer found ---------------------------------------------------------------
 
 
@@ -511,3 +560,133 @@ def test_cuda_kernels_match_cpu(case):
         g = got[name]
         assert g.shape == w.shape and g.dtype == w.dtype, f"{name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}: {case.describe()}"
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=case.describe())
+
+
+# -- regressions the op fuzzer found (tests/fuzz_ops.py; docs/RELIABILITY.md) ----------------------
+
+
+def test_regression_group_norm_feeding_a_cast():
+    """ONNX infers no output type for GroupNormalization (no inference function); a Cast after it
+    made the Cast rule fail with an internal error. Types now come from the schema (T in, T out)."""
+    x = np.random.default_rng(0).uniform(-2, 2, (2, 4, 3))
+    case = fo.OpCase("GroupNormalization", [x, np.ones(2) * 1.3, np.zeros(2) + 0.2], {"num_groups": 2},
+                     opset=18, dtype=np.float32, graph_inputs=frozenset({0}))
+    assert fo.check_case(case, ort)[1:] == ["finite differences", "torch", "float32 backward"]
+
+
+@pytest.mark.parametrize("attrs", [{"strides": [2], "auto_pad": "SAME_UPPER"}, {"strides": [3], "auto_pad": "SAME_LOWER"},
+                                   {"strides": [1], "output_shape": [4]}, {"strides": [2], "output_shape": [5]}])
+def test_regression_conv_transpose_output_past_its_full_result(attrs):
+    """An output longer than the full result (SAME with kernel < stride, output_shape larger than it):
+    the extra positions hold the bias. The rule refused it; it now crops dY for X and W."""
+    rng = np.random.default_rng(1)
+    case = fo.OpCase("ConvTranspose", [rng.uniform(-1, 1, (1, 2, 2)), rng.uniform(-1, 1, (2, 1, 1)),
+                                       rng.uniform(-1, 1, (1,))], attrs, graph_inputs=frozenset({0, 2}))
+    fo.check_case(case)  # onnxruntime refuses or differs here (docs/RELIABILITY.md)
+
+
+def test_regression_conv_transpose_output_shape_of_one():
+    """ONNX's shape inference drops output_shape values of 1 (a rank-2 output for a 1-D ConvTranspose),
+    and the backward graph failed at run time; shape inference now uses the kernel's output shape."""
+    rng = np.random.default_rng(2)
+    case = fo.OpCase("ConvTranspose", [rng.uniform(-1, 1, (2, 1, 2)), rng.uniform(-1, 1, (1, 3, 1))],
+                     {"output_shape": [1]}, graph_inputs=frozenset({0}))
+    fo.check_case(case)
+
+
+def test_regression_tile_with_a_zero_repeat():
+    """A repeat of 0 (an empty output): the gradient's Reshape read the 0 as "copy this dim"."""
+    case = fo.OpCase("Tile", [np.random.default_rng(3).uniform(-1, 1, (2, 3)), np.array([2, 0])],
+                     graph_inputs=frozenset({0}))
+    fo.check_case(case, ort)
+    assert fo.gradients(case, np.float64, [0])["in0_grad"].tolist() == np.zeros((2, 3)).tolist()
+
+
+def test_regression_pad_to_a_negative_size_is_refused():
+    """Negative pads that leave an axis with fewer than 0 elements: gradgen made the axis empty
+    (onnxruntime refuses); now a run-time error naming the node."""
+    case = fo.OpCase("Pad", [np.ones((1, 1, 4)), np.array([0, -1, 2, 1, -1, 0])], {"mode": "constant"})
+    with pytest.raises(RunError, match="'node'.*negative size"):
+        Session(case.forward_model()).run({})
+
+
+def test_regression_pad_then_crop_past_an_empty_axis():
+    """Pads (1, -1) on an empty axis: the output has 0 + 1 - 1 = 0 elements (pad, then crop), as in
+    onnxruntime; gradgen cropped first and then padded one element."""
+    case = fo.OpCase("Pad", [np.ones((0, 4, 3)), np.array([1, 1, 1, -1, -3, 2]), np.array(0.5)],
+                     {"mode": "constant"}, opset=13, graph_inputs=frozenset({0}))
+    assert Session(case.forward_model()).run(case.feeds(np.float64))["out0"].shape == (0, 2, 6)
+    fo.check_case(case, ort)
+
+
+@pytest.mark.parametrize("pads", [[2, 1], [4, 0], [1, 3]])
+def test_regression_pad_wrap_wider_than_the_axis(pads):
+    """wrap pads longer than the axis wrap around more than once (as in onnxruntime); the gradient
+    folded a single wrap and gave a wrongly shaped (broadcast) gradient. It now scatter-adds."""
+    case = fo.OpCase("Pad", [np.random.default_rng(4).uniform(-1, 1, (2, 3)), np.array([0, pads[0], 0, pads[1]])],
+                     {"mode": "wrap"}, opset=19, graph_inputs=frozenset({0}))
+    case.inputs[0] = case.inputs[0][:, :1] if pads == [2, 1] else case.inputs[0]
+    fo.check_case(case, ort)
+
+
+def test_regression_pad_reflect_wider_than_the_axis_is_refused():
+    """reflect pads of n or more on an axis of n: onnxruntime refuses them (and the gradient folds one
+    reflection); gradgen repeated the reflection. Now a run-time error."""
+    case = fo.OpCase("Pad", [np.ones(3), np.array([3, 0])], {"mode": "reflect"})
+    with pytest.raises(RunError, match="reflect pads"):
+        Session(case.forward_model()).run({})
+
+
+def test_regression_layer_norm_double_statistics_are_float32():
+    """LayerNormalization's Mean / InvStdDev have the schema's stash type (float) for double X too;
+    gradgen returned double ones while shape inference typed them float, so their gradients went
+    through a float Cast. They are computed in double and stored in float."""
+    x = np.random.default_rng(5).uniform(-2, 2, (3, 4))
+    case = fo.OpCase("LayerNormalization", [x, np.ones(4) * 0.7], {"axis": -1}, opset=17, num_outputs=3,
+                     graph_inputs=frozenset({0}))
+    outs = Session(case.forward_model()).run(case.feeds(np.float64))
+    assert outs["out0"].dtype == np.float64 and outs["out1"].dtype == outs["out2"].dtype == np.float32
+    fo.check_case(case, ort)
+
+
+def test_regression_batch_norm_training_running_stats_get_zero_gradients():
+    """Training-mode BatchNormalization with Y as the only output: Y uses the batch statistics, so
+    the input mean / variance have a true zero gradient; the rule gave none (an internal error)."""
+    rng = np.random.default_rng(6)
+    inputs = [rng.uniform(-2, 2, (3, 2, 2)), np.ones(2), np.zeros(2), rng.uniform(-1, 1, 2), rng.uniform(0.5, 2, 2)]
+    case = fo.OpCase("BatchNormalization", inputs, {"training_mode": 1}, opset=15, graph_inputs=frozenset({0, 3, 4}))
+    grads = fo.gradients(case, np.float64, [0])
+    assert not grads["in3_grad"].any() and not grads["in4_grad"].any()
+    fo.check_case(case)  # onnxruntime wants all three outputs in training mode
+
+
+def test_regression_average_pool_valid_ceil_mode_counts_no_padding():
+    """AveragePool, auto_pad VALID, ceil_mode, count_include_pad: the last (partial) window divided by
+    the kernel size, counting the ceil extension as padding; VALID declares none (PyTorch and
+    onnxruntime divide by the taps inside)."""
+    x = np.arange(1, 8, dtype=np.float64).reshape(1, 1, 7)
+    case = fo.OpCase("AveragePool", [x], {"kernel_shape": [3], "strides": [3], "auto_pad": "VALID", "ceil_mode": 1,
+                                          "count_include_pad": 1}, opset=19, graph_inputs=frozenset({0}))
+    assert Session(case.forward_model()).run(case.feeds(np.float64))["out0"].ravel().tolist() == [2.0, 5.0, 7.0]
+    fo.check_case(case, ort)
+
+
+@pytest.mark.parametrize("case,message", [
+    (fo.OpCase("Einsum", [np.ones((2, 2))], {"equation": "ii->i"}, graph_inputs=frozenset({0})), "diagonal"),
+    (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "max"}), "reduction='max'"),
+    (fo.OpCase("ScatterND", [np.ones(3), np.array([[1]]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
+    (fo.OpCase("Dropout", [np.ones(3), np.array(0.5), np.array(False)], graph_inputs=frozenset({0, 2}), diff=(0,)),
+     "training_mode is not a constant"),
+])
+def test_regression_outside_the_rules_is_a_clean_error(case, message):
+    """What the op fuzzer found without a rule, and no longer draws: an error naming the node."""
+    with pytest.raises(gradgen.errors.ModelError, match=f"'node'.*{message}|{message}.*'node'"):
+        fo.gradients(case, np.float64, [0])
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_regression_opset_11_softmax_of_an_empty_tensor(op):
+    """Models below opset 14 are converted by ONNX's version converter, which restores Softmax-11's
+    shape with Reshape(y, Shape(x)); without allowzero=1 the 0 of an empty tensor read as "copy"."""
+    case = fo.OpCase(op, [np.zeros((0, 1))], {"axis": 0}, opset=11, dtype=np.float32)
+    fo.check_case(case, ort)

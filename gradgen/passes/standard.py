@@ -25,8 +25,19 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
         except Exception as exc:
             raise ModelError(f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to "
                              f"{UPGRADE_TO}: {exc}") from None
+        _exact_shape_reshapes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def _exact_shape_reshapes(graph: onnx.GraphProto) -> None:
+    """The converter restores shapes with Reshape(y, Shape(x)) (Softmax-11 -> 13, for instance);
+    without allowzero=1 a 0 in that shape (an empty tensor) reads as "copy this dimension"."""
+    shapes = {out for node in graph.node if node.op_type == "Shape" for out in node.output}
+    for node in graph.node:
+        if node.op_type == "Reshape" and len(node.input) > 1 and node.input[1] in shapes and \
+                not any(a.name == "allowzero" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("allowzero", 1))
 
 
 class ShapeInferencePass(ir.passes.InPlacePass):
@@ -54,10 +65,48 @@ class ShapeInferencePass(ir.passes.InPlacePass):
                                       or _more_specific(shape, value.shape)):
                 value.shape = shape
                 modified = True
+        modified = _types_from_schemas(model) or modified
         return ir.passes.PassResult(model, modified=modified)
 
 
+def _types_from_schemas(model: ir.Model) -> bool:
+    """Element types ONNX's inference leaves unknown (ops without an inference function, such as
+    GroupNormalization-18) from the op's schema: an output typed like an input (the same type
+    variable, e.g. T) takes that input's element type."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    modified = False
+    for node in model.graph:
+        outputs = [o for o in node.outputs if o.name and o.type is None]
+        if not outputs or node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset)
+        except Exception:
+            continue
+        known = {}
+        for formal, value in zip(schema.inputs, node.inputs):
+            if value is not None and value.type is not None:
+                known.setdefault(formal.type_str, value.type)
+        for formal, value in zip(schema.outputs, node.outputs):
+            if value in outputs and formal.type_str in known:
+                value.type = known[formal.type_str]
+                modified = True
+    return modified
+
+
 _POOL_OPS = ("MaxPool", "AveragePool", "LpPool")
+# ops whose output shape gradgen's kernels decide where ONNX's inference disagrees: pooling with
+# ceil_mode (before opset 22), ConvTranspose with output_shape values of 1 (inference drops them)
+_SHAPE_RULE_OPS = (*_POOL_OPS, "ConvTranspose")
+
+
+def _static_dims(tensor_type) -> list[int] | None:
+    if tensor_type is None or not tensor_type.HasField("shape") or \
+            not all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+        return None
+    return [d.dim_value for d in tensor_type.shape.dim]
+
+
 # Initializers above this size travel to ONNX shape inference as typed graph inputs, without data:
 # it needs only their types and shapes (data propagation reads small integer tensors), and
 # serialising the weights cost seconds and a copy of the model per inference.
@@ -92,17 +141,17 @@ def _proto_without_weights(model: ir.Model) -> onnx.ModelProto:
 
 
 def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
-    """ONNX shape inference, with pooling outputs set by gradgen's pooled-shape rule.
+    """ONNX shape inference, with pooling and ConvTranspose outputs set by gradgen's shape rules.
 
     Before opset 22, ONNX's inference keeps a ceil_mode window that starts past the input (e.g.
-    kernel 1, stride 2 on 2 elements gives 2 outputs; the kernels, PyTorch and ONNX Runtime give 1).
-    Such outputs are declared with the right shape and inference runs again, so that everything
+    kernel 1, stride 2 on 2 elements gives 2 outputs; the kernels, PyTorch and ONNX Runtime give 1),
+    and it drops ConvTranspose output_shape values of 1 (a rank-2 output). Such outputs are declared with the right shape and inference runs again, so that everything
     downstream (and the gradients built from these shapes) sees the shape the kernels produce.
     Returns the inferred model and the names of the corrected values.
     """
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
-    for _ in range(2 + sum(node.op_type in _POOL_OPS for node in proto.graph.node)):
+    for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
         try:
             inferred = onnx.shape_inference.infer_shapes(_declare(proto, corrected.values()), check_type=False,
                                                          strict_mode=False, data_prop=True)
@@ -135,9 +184,10 @@ def _declare(proto: onnx.ModelProto, infos) -> onnx.ModelProto:
 
 
 def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    """Pool outputs (top-level graph) whose inferred shape differs from the pooled-shape rule's."""
+    """Outputs of pools and ConvTransposes (top-level graph) whose inferred shape differs from the
+    shape gradgen's kernels produce."""
     from gradgen.errors import KernelError
-    from gradgen.kernels.cpu.nn import pool_output_shape
+    from gradgen.kernels.cpu.nn import conv_transpose_geometry, pool_output_shape
 
     graph = inferred.graph
     types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]
@@ -146,15 +196,22 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
                   for t in graph.initializer})
     fixes = []
     for node in graph.node:
-        if node.op_type not in _POOL_OPS or node.domain not in ("", "ai.onnx") or not node.input:
+        if node.op_type not in _SHAPE_RULE_OPS or node.domain not in ("", "ai.onnx") or not node.input:
             continue
-        x = types.get(node.input[0])
-        if x is None or not x.HasField("shape") or len(x.shape.dim) < 3 or \
-                not all(d.HasField("dim_value") for d in x.shape.dim):
+        static = [_static_dims(types.get(name)) for name in node.input[:2]]
+        if static[0] is None or len(static[0]) < 3:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         try:
-            want = pool_output_shape([d.dim_value for d in x.shape.dim], attrs)
+            if node.op_type == "ConvTranspose":
+                if static[1] is None or len(static[1]) != len(static[0]) or not (
+                        "output_shape" in attrs or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
+                    continue
+                group = int(attrs.get("group", 1))
+                out = conv_transpose_geometry(static[0], static[1], attrs)[2]
+                want = [static[0][0], static[1][1] * group, *out]
+            else:
+                want = pool_output_shape(static[0], attrs)
         except KernelError:  # an invalid geometry: the kernel reports it when the node runs
             continue
         for k, name in enumerate(node.output[:2]):
@@ -163,7 +220,7 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
                 if have is not None and have.HasField("shape") else None
             if name and dims != want:
                 elem = onnx.TensorProto.INT64 if k == 1 else (have.elem_type if have is not None and have.elem_type
-                                                              else x.elem_type)
+                                                              else types[node.input[0]].elem_type)
                 fixes.append(onnx.helper.make_tensor_value_info(name, elem, want))
     return fixes
 

@@ -74,10 +74,11 @@ def conv_transpose(g):
         attrs = _explicit_transpose_pads(g, attrs)
     conv_attrs = {k: v for k, v in attrs.items() if k in CONV_ATTRS}
     dy = g.dy()
-    dx = g.op("Conv", dy, w, **conv_attrs) if g.needs(0) else None
-    dw = _conv_grad(g, x, dy, w, [False, True], [None, w], **conv_attrs)[1] if g.needs(1) else None
+    dy_full = _crop_negative_pads(g, dy, conv_attrs) if "pads" in conv_attrs else dy
+    dx = g.op("Conv", dy_full, w, **conv_attrs) if g.needs(0) else None
+    dw = _conv_grad(g, x, dy_full, w, [False, True], [None, w], **conv_attrs)[1] if g.needs(1) else None
     db = None
-    if b is not None and g.needs(2):
+    if b is not None and g.needs(2):  # every output position holds the bias, padding beyond the result too
         rank = g.rank(x) if g.rank(x) is not None else g.rank(w)  # W is (C, M/group, k1, ...)
         db = g.reduce_sum(dy, [0] + list(range(2, rank if rank is not None else _rank(g, x))), keepdims=0)
     return [dx, dw, db][: len(g.node.inputs)]
@@ -103,12 +104,28 @@ def _explicit_transpose_pads(g, attrs: dict) -> dict:
     upper = _str(attrs.get("auto_pad", "NOTSET")) == "SAME_UPPER"  # the spec: else-branch for NOTSET too
     begin = [t // 2 if upper else t - t // 2 for t in total]
     end = [t - b for t, b in zip(total, begin)]
-    if min(begin + end) < 0:
-        raise ModelError(f"{_where(g)}: ConvTranspose output_shape {out} is larger than the full result {full}; "
-                         "this has no gradient rule")
     attrs = {k: v for k, v in attrs.items() if k not in ("output_shape", "auto_pad")}
-    attrs["pads"] = begin + end
+    attrs["pads"] = begin + end  # negative where the output reaches past the full result
     return attrs
+
+
+def _crop_negative_pads(g, dy, conv_attrs: dict):
+    """An output larger than ConvTranspose's full result (output_shape or SAME padding past it) has
+    negative pads: its extra positions hold only the bias. Crop them from dY (they feed no X or W)
+    and make those pads 0, so the Conv / ConvGrad below see dY of the full result."""
+    pads = conv_attrs["pads"]
+    nd = len(pads) // 2
+    if min(pads) >= 0:
+        return dy
+    out = dims_of(g.y())
+    if out is None or not is_static(out[2:]):
+        raise ModelError(f"{_where(g)}: an output past ConvTranspose's full result needs static output dims for "
+                         "its gradient")
+    axes = [2 + i for i in range(nd) if pads[i] < 0 or pads[nd + i] < 0]
+    starts = [max(0, -pads[a - 2]) for a in axes]
+    ends = [out[a] - max(0, -pads[nd + a - 2]) for a in axes]
+    conv_attrs["pads"] = [max(0, p) for p in pads]
+    return g.op("Slice", dy, g.ints(starts), g.ints(ends), g.ints(axes))
 
 
 @grad_rule("MaxPool")

@@ -120,6 +120,11 @@ def _batch_norm_training(g, rank, axes, eps):
             parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
     if g.needs(0) and parts:
         grads[0] = g.sum(parts)
+    # Y normalises with the batch statistics: without a running-stat output in the loss, the input
+    # mean and variance get no gradient, which is a true zero (not a missing rule)
+    for i, d in ((3, drm), (4, drv)):
+        if d is None and g.needs(i):
+            grads[i] = g.zeros_like(g.x(i))
     return grads
 
 

@@ -7,9 +7,10 @@ constants when they are static and from Shape nodes otherwise, so the rules work
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, dims_of, is_static
+from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.grads.registry import grad_rule
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -255,7 +256,7 @@ def tile(g):
     else:
         stacked = g.op("Concat", g.unsqueeze(g.x(1), [1]), g.unsqueeze(g.shape_of(x), [1]), axis=1)
         interleaved = g.reshape(stacked, [-1])
-    spread = g.reshape(g.dy(), interleaved)
+    spread = g.reshape(g.dy(), interleaved, exact=True)  # a repeat of 0 is an empty axis, not "copy"
     return [g.reduce_sum(spread, [2 * i for i in range(rank)], keepdims=0)]
 
 
@@ -299,8 +300,24 @@ def pad(g):
     grad = dy
     for axis, begin, end in zip(axes, pads[:n], pads[n:]):
         if begin or end:
-            grad = _fold_border(g, grad, axis, begin, end, mode)
+            grad = _fold_wrap(g, grad, x, axis, begin, rank) if mode == "wrap" else \
+                _fold_border(g, grad, axis, begin, end, mode)
     return [grad]
+
+
+def _fold_wrap(g, dy, x, axis: int, b: int, rank: int):
+    """Gradient of a one-axis wrap pad, pads of any size (wider than the axis too): output o copies
+    input (o - b) mod n, so dY is scatter-added there (wrap exists from opset 19, past reduction="add")."""
+    n = dims_value(g, x, axis, axis + 1)
+    length = g.squeeze(dims_value(g, dy, axis, axis + 1), [0])
+    positions = g.op("Range", g.const(np.array(0, np.int64)), length, g.const(np.array(1, np.int64)))
+    index = g.op("Mod", g.op("Sub", positions, g.const(np.array(b, np.int64))), n)
+    along = [1] * rank
+    along[axis] = -1
+    index = g.op("Expand", g.reshape(index, along), g.shape_of(dy))
+    target = concat_ints(g, [dims_value(g, dy, 0, axis), n, dims_value(g, dy, axis + 1)])
+    zeros = g.op("ConstantOfShape", target, value=ir.tensor(np.zeros((1,), dtype=numpy_dtype_of(x))))
+    return g.op("ScatterElements", zeros, index, dy, axis=axis, reduction="add")
 
 
 def _fold_border(g, dy, axis: int, b: int, e: int, mode: str):

@@ -106,6 +106,18 @@ def pool_geometry(x_shape, attrs):
                           get("auto_pad", "NOTSET"), get("ceil_mode", 0))
 
 
+def declared_pads(auto_pad, pads, begin, end) -> list[int]:
+    """The padding a pool declares (what count_include_pad counts): the pads attribute, SAME's
+    computed pads, nothing for VALID; never the extra end that ceil_mode windows reach into."""
+    ns = len(begin)
+    auto = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
+    if auto == "NOTSET":
+        return _ints(pads, 2 * ns, 0, "pads")
+    if auto == "VALID":
+        return [0] * (2 * ns)
+    return list(begin) + list(end)
+
+
 def pool_output_shape(x_shape, attrs) -> list[int]:
     """The output shape of MaxPool / AveragePool / LpPool on an input of static shape ``x_shape``."""
     *_, out = pool_geometry(x_shape, attrs)
@@ -175,6 +187,43 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     return np.ascontiguousarray(y, dtype=x.dtype)
 
 
+def conv_transpose_geometry(x_shape, w_shape, attrs):
+    """(full, begin, out) per spatial axis of ConvTranspose: the length of the full (uncropped)
+    result, where the output starts in it (negative: before it) and the output length. The one
+    rule the kernel and shape inference share (ONNX's inference drops output_shape values of 1)."""
+    get = attrs.get
+    ns = len(x_shape) - 2
+    spatial, kernel = list(x_shape[2:]), list(w_shape[2:])
+    s = _ints(get("strides"), ns, 1, "strides")
+    d = _ints(get("dilations"), ns, 1, "dilations")
+    op = _ints(get("output_padding"), ns, 0, "output_padding")
+    effective = [(k - 1) * di + 1 for k, di in zip(kernel, d)]
+    full = [si * (size - 1) + op_i + e for si, size, op_i, e in zip(s, spatial, op, effective)]
+    auto_pad = get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
+    if auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
+        raise KernelError(f"unknown auto_pad {auto_pad!r}")
+    if get("output_shape") is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if get("output_shape") is not None:
+            out = [int(v) for v in get("output_shape")][-ns:]
+            if len(out) != ns:
+                raise KernelError(f"output_shape {list(get('output_shape'))} does not have {ns} spatial dimensions")
+        else:
+            out = [size * si for size, si in zip(spatial, s)]
+        total = [f - o for f, o in zip(full, out)]
+        if auto_pad == "SAME_UPPER":
+            begin = [t // 2 for t in total]
+        else:
+            begin = [t - t // 2 for t in total]
+    else:
+        p = [0] * (2 * ns) if auto_pad == "VALID" else _ints(get("pads"), 2 * ns, 0, "pads")
+        begin = p[:ns]
+        out = [f - p[i] - p[ns + i] for i, f in enumerate(full)]
+    if min(out) < 1:
+        raise KernelError(f"the output spatial shape {out} is empty")
+    return full, begin, out
+
+
 @cpu_kernel("ConvTranspose")
 def conv_transpose(
     x,
@@ -204,30 +253,9 @@ def conv_transpose(
         raise KernelError(f"kernel_shape {list(kernel_shape)} differs from W's spatial shape {kernel}")
     s = _ints(strides, ns, 1, "strides")
     d = _ints(dilations, ns, 1, "dilations")
-    op = _ints(output_padding, ns, 0, "output_padding")
-    effective = [(k - 1) * di + 1 for k, di in zip(kernel, d)]
-    full = [si * (size - 1) + op_i + e for si, size, op_i, e in zip(s, spatial, op, effective)]
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
-    if auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
-        raise KernelError(f"unknown auto_pad {auto_pad!r}")
-    if output_shape is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        if output_shape is not None:
-            out = [int(v) for v in output_shape][-ns:]
-            if len(out) != ns:
-                raise KernelError(f"output_shape {list(output_shape)} does not have {ns} spatial dimensions")
-        else:
-            out = [size * si for size, si in zip(spatial, s)]
-        total = [f - o for f, o in zip(full, out)]
-        if auto_pad == "SAME_UPPER":
-            begin = [t // 2 for t in total]
-        else:
-            begin = [t - t // 2 for t in total]
-    else:
-        p = [0] * (2 * ns) if auto_pad == "VALID" else _ints(pads, 2 * ns, 0, "pads")
-        begin = p[:ns]
-        out = [f - p[i] - p[ns + i] for i, f in enumerate(full)]
-    if min(out) < 1:
-        raise KernelError(f"the output spatial shape {out} is empty")
+    full, begin, out = conv_transpose_geometry(x.shape, w.shape, dict(
+        auto_pad=auto_pad, dilations=dilations, output_padding=output_padding, output_shape=output_shape, pads=pads,
+        strides=strides))
     ct = _compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     wc = w.astype(ct, copy=False)
@@ -335,8 +363,7 @@ def average_pool(
     total = _windows(xp, kernel, s, d, out).sum(axis=tuple(range(2 + ns, 2 + 2 * ns)))
     # Divisor: taps inside the input, or (count_include_pad) inside the declared padding too;
     # taps in the extra region that ceil_mode adds past the end padding never count.
-    auto = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
-    declared = _ints(pads, 2 * ns, 0, "pads") if auto == "NOTSET" else list(begin) + list(end)
+    declared = declared_pads(auto_pad, pads, begin, end)
     count = np.ones((), dtype=np.int64)
     for axis in range(ns):
         size = x.shape[2 + axis]
@@ -405,8 +432,10 @@ def _stash_dtype(x_dtype, stash_type: int) -> np.dtype:
 
 @cpu_kernel("LayerNormalization")
 def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1):
-    """Returns (Y, Mean, InvStdDev); Mean/InvStdDev have shape x.shape[:axis] + (1,)*... in the
-    stash precision (float32 for float16 input, else the input's dtype)."""
+    """Returns (Y, Mean, InvStdDev); Mean/InvStdDev have shape x.shape[:axis] + (1,)*... and the
+    stash type, float32 (stash_type 1, the only one the spec allows besides bfloat16). Double inputs
+    are computed in double (so float64 gradient checks stay precise) and their statistics stored
+    in float32, the type the schema gives them."""
     rank = x.ndim
     if not -rank <= axis < rank:
         raise KernelError(f"axis {axis} is out of range for rank {rank}")
@@ -421,7 +450,7 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
     y = centered * inv_std * scale.astype(st, copy=False)
     if bias is not None:
         y = y + bias.astype(st, copy=False)
-    return y.astype(x.dtype, copy=False), mean, inv_std
+    return y.astype(x.dtype, copy=False), mean.astype(np.float32, copy=False), inv_std.astype(np.float32, copy=False)
 
 
 @cpu_kernel("InstanceNormalization")

@@ -257,32 +257,60 @@ def tile(x, repeats):
     return np.tile(x, reps)
 
 
-@cpu_kernel("Pad")
-def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", value=0.0, paddings=None):
-    if pads is None:
-        pads = paddings  # opset 1 spelling
-    if pads is None:
-        raise KernelError("Pad needs pads")
+def pad_widths(shape, pads, axes=None) -> list[list[int]]:
+    """[begin, end] per axis of a Pad (negative: cropped), checked: every output dim is >= 0. Shared
+    by the CPU and CUDA kernels."""
     pads = _ints(pads, "pads")
-    rank = data.ndim
+    rank = len(shape)
     axes_list = list(range(rank)) if axes is None else _unique_axes(_ints(axes, "axes"), rank)
     if len(pads) != 2 * len(axes_list):
         raise KernelError(f"pads has {len(pads)} entries; expected 2 x {len(axes_list)} (one begin and end per axis)")
     width = [[0, 0] for _ in range(rank)]
     for i, ax in enumerate(axes_list):
         width[ax] = [pads[i], pads[i + len(axes_list)]]
+    for d, (b, e) in enumerate(width):
+        if int(shape[d]) + b + e < 0:
+            raise KernelError(f"pads {b} and {e} of axis {d} (size {int(shape[d])}) leave a negative size")
+    return width
+
+
+def pad_copy_geometry(shape, width) -> list[tuple[int, int, int, int]]:
+    """Per axis of a constant Pad: (source start, output start, count, output length). Padding and
+    cropping at once read as "pad, then crop": input element i lands at output i + begin when that
+    is inside [0, n + begin + end) (so a crop larger than the axis leaves no element, not a pad)."""
+    out = []
+    for n, (b, e) in zip(shape, width):
+        length = int(n) + b + e
+        src = max(0, -b)
+        count = max(0, min(int(n), length - b) - src)
+        out.append((src, max(0, b), count, length))
+    return out
+
+
+@cpu_kernel("Pad")
+def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", value=0.0, paddings=None):
+    if pads is None:
+        pads = paddings  # opset 1 spelling
+    if pads is None:
+        raise KernelError("Pad needs pads")
+    width = pad_widths(data.shape, pads, axes)
+    if mode == "constant":
+        fill = value if constant_value is None or np.size(constant_value) == 0 else np.asarray(constant_value).reshape(-1)[0]
+        geometry = pad_copy_geometry(data.shape, width)
+        out = np.full([g[3] for g in geometry], np.asarray(fill).astype(data.dtype), dtype=data.dtype)
+        out[tuple(slice(o, o + c) for _, o, c, _ in geometry)] = data[tuple(slice(s, s + c) for s, _, c, _ in geometry)]
+        return out
     # Negative pads crop first.
     crop = tuple(slice(-min(b, 0), data.shape[d] + min(e, 0)) for d, (b, e) in enumerate(width))
     x = data[crop]
     width = [(max(b, 0), max(e, 0)) for b, e in width]
-    if mode == "constant":
-        fill = value if constant_value is None or np.size(constant_value) == 0 else np.asarray(constant_value).reshape(-1)[0]
-        return np.pad(x, width, mode="constant", constant_values=np.asarray(fill).astype(data.dtype))
     if mode not in ("reflect", "edge", "wrap"):
         raise KernelError(f"unknown pad mode {mode!r}; expected constant, reflect, edge or wrap")
     for d, (b, e) in enumerate(width):
         if (b or e) and x.shape[d] == 0:
             raise KernelError(f"cannot {mode}-pad axis {d} of size 0")
+        if mode == "reflect" and max(b, e) > x.shape[d] - 1:  # a reflection reaches the axis' far end only once
+            raise KernelError(f"reflect pads ({b}, {e}) of axis {d} exceed its size {x.shape[d]} minus 1")
     return np.pad(x, width, mode=mode)
 
 

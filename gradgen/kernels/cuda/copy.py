@@ -453,25 +453,18 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
         pads = paddings
     if pads is None:
         raise KernelError("Pad needs pads")
-    pads = cpu_shape._ints(pads, "pads")
     rank = len(data.shape)
-    axes_list = list(range(rank)) if axes is None else cpu_shape._unique_axes(cpu_shape._ints(axes, "axes"), rank)
-    if len(pads) != 2 * len(axes_list):
-        raise KernelError(f"pads has {len(pads)} entries; expected 2 x {len(axes_list)} (one begin and end per axis)")
-    width = [[0, 0] for _ in range(rank)]
-    for i, ax in enumerate(axes_list):
-        width[ax] = [pads[i], pads[i + len(axes_list)]]
+    width = cpu_shape.pad_widths(data.shape, pads, axes)
     cv = None if constant_value is None else rt.to_host(constant_value)
     fill_value = value if cv is None or np.size(cv) == 0 else np.asarray(cv).reshape(-1)[0]
     x = contiguous(data)
     strides = elem_strides(x) if rank else []
     starts, counts, out_shape, src_off = [], [], [], 0
-    for d, (b, e) in enumerate(width):
-        kept = max(0, x.shape[d] + min(b, 0) + min(e, 0))
-        src_off += -min(b, 0) * strides[d]
-        starts.append(max(b, 0))
-        counts.append(kept)
-        out_shape.append(kept + max(b, 0) + max(e, 0))
+    for d, (src, start, count, length) in enumerate(cpu_shape.pad_copy_geometry(x.shape, width)):
+        src_off += src * strides[d]
+        starts.append(start)
+        counts.append(count)
+        out_shape.append(length)
     out = rt.empty(out_shape, data.dtype)
     lattice(out, x, src_off, starts, [1] * rank, counts, strides, fill_bits(fill_value, data.dtype))
     return out

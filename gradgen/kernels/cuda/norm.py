@@ -14,6 +14,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import (
+    cast_to,
     contiguous,
     cpu_fallback,
     same_type,
@@ -81,7 +82,11 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
     rows = int(np.prod(x.shape[:axis], dtype=np.int64))
     y, mean, inv = norm_rows(x, scale, bias, rows, length, epsilon=epsilon)
     stat_shape = tuple(int(d) for d in x.shape[:axis]) + (1,) * (rank - axis)
-    return y, mean.reshape(stat_shape), inv.reshape(stat_shape)
+    # Mean / InvStdDev are float32 (stash_type 1), double inputs too: computed in double, stored in float
+    mean, inv = (v.reshape(stat_shape) for v in (mean, inv))
+    if mean.dtype != np.float32:
+        mean, inv = cast_to(mean, np.float32), cast_to(inv, np.float32)
+    return y, mean, inv
 
 
 def _channel_params_ok(x, channels, *params) -> bool:

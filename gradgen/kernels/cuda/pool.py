@@ -226,8 +226,7 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
         return cpu_fallback("AveragePool", nn.average_pool, x, **attrs)
     kernel, s, d, begin, end, out = nn._spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
-    auto = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
-    declared = nn._ints(pads, 2 * ns, 0, "pads") if auto == "NOTSET" else list(begin) + list(end)
+    declared = nn.declared_pads(auto_pad, pads, begin, end)
     spatial = list(x.shape[2:])
     if int(count_include_pad):
         lo = [-b for b in begin]
