@@ -324,3 +324,23 @@ def test_an_arena_that_cannot_be_allocated_is_a_run_error(device):
     Holder(manager, "s", [Request(0, 10_000, 1)], 2).run()
     with pytest.raises(RunError, match="could not allocate the 2 MiB device arena"):
         manager.begin("s", 2)
+
+
+def test_a_traced_block_held_by_a_reference_cycle_is_still_planned(manager):
+    run = manager.begin("cyc", 2)
+    run.advance(0)
+
+    class Cycle:
+        pass
+
+    holder = Cycle()
+    holder.me, holder.block = holder, run.allocate(5000)  # only the garbage collector frees it
+    del holder
+    run.advance(1)
+    run.end_of_steps()
+    gc.disable()
+    try:
+        manager.end(run, "cyc")
+    finally:
+        gc.enable()
+    assert manager.plans["cyc"].slots  # collected at the end of the run: planned (to the end)

@@ -2,15 +2,26 @@
 
 Everything here imports PyCUDA, so only the CUDA path imports this module. The context is the
 device's primary context (``pycuda.autoprimaryctx``), so cuBLAS (nvmath-python) and cuDNN
-(nvidia-cudnn-frontend) work in the same context. All work goes to the default stream, which the
+(nvidia-cudnn-frontend) work in the same context. All work goes to one gradgen stream, which the
 libraries use too, so no cross-stream synchronisation is needed.
+
+Memory: every device array comes from ``empty`` (directly, or through ``to_device`` and PyCUDA's
+array methods, which reuse the array's allocator). While the executor runs a plan it installs an
+allocation hook (``ALLOCATION.hook``) that serves these requests from its planned arena (see
+gradgen/executor/device_memory.py); otherwise, and for allocations made under ``persistent()``
+(caches that outlive a run), they come from PyCUDA's memory pool. ``gpu_lock()`` serialises
+gradgen's GPU work across threads: it all goes to one stream, and a CUDA-graph capture in progress
+must not see another thread's work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -66,11 +77,72 @@ class _Capture:
 CAPTURE = _Capture()
 
 
+class _Allocation:
+    """Where ``empty`` gets its memory: the hook a running plan installed (in its own thread), else
+    the pool. ``persistent`` counts the open ``persistent()`` blocks, which bypass the hook."""
+
+    def __init__(self):
+        self.hook = None
+        self.thread = None
+        self.persistent = 0
+
+
+ALLOCATION = _Allocation()
+_LOCK = threading.RLock()
+
+
 def _allocate(nbytes: int):
+    hook = ALLOCATION.hook
+    if hook is not None and not ALLOCATION.persistent and ALLOCATION.thread == threading.get_ident():
+        return hook(nbytes)
+    return pool_allocate(nbytes)
+
+
+def pool_allocate(nbytes: int):
+    """Memory from PyCUDA's pool (kept alive by the CUDA graph being captured, if any)."""
     allocation = memory_pool().allocate(nbytes)
     if CAPTURE.active:
         CAPTURE.keep.append(allocation)  # the graph refers to it: it must outlive the capture
     return allocation
+
+
+@contextlib.contextmanager
+def allocation_hook(hook):
+    """Serve this thread's ``empty`` calls with ``hook(nbytes)`` (an int-like device address) inside
+    the block: the executor's planned memory during a run."""
+    previous = (ALLOCATION.hook, ALLOCATION.thread)
+    ALLOCATION.hook, ALLOCATION.thread = hook, threading.get_ident()
+    try:
+        yield
+    finally:
+        ALLOCATION.hook, ALLOCATION.thread = previous
+
+
+@contextlib.contextmanager
+def persistent():
+    """Allocations inside the block outlive the run that makes them (caches of uploaded constants,
+    flags reused by every op): they come from the pool, never from a run's planned arena."""
+    ALLOCATION.persistent += 1
+    try:
+        yield
+    finally:
+        ALLOCATION.persistent -= 1
+
+
+@contextlib.contextmanager
+def gpu_lock():
+    """Hold gradgen's process-wide GPU lock (re-entrant) with the primary context current in this
+    thread. Sessions take it around construction, runs and close: their runs take turns."""
+    with _LOCK:
+        pushed = False
+        if driver.Context.get_current() is None:
+            pycuda.autoprimaryctx.context.push()
+            pushed = True
+        try:
+            yield
+        finally:
+            if pushed:
+                driver.Context.pop()
 
 
 def empty(shape, dtype) -> GPUArray:
@@ -221,10 +293,16 @@ def check_flag(flag: GPUArray, on_error) -> None:
     """Read an error flag a kernel wrote (0: fine). Otherwise ``on_error(value)`` either raises
     (e.g. a KernelError naming the bad index) or returns a message, raised as KernelError.
 
-    While a CUDA graph is being captured the check is deferred: it runs after each replay.
+    While a CUDA graph is being captured the check is deferred: it runs after each replay, on a
+    copy of the flag the graph makes in memory of its own (the flag itself may be planned memory
+    that later steps of the run reuse).
     """
     if CAPTURE.active:
-        CAPTURE.deferred.append((flag, on_error))
+        with persistent():
+            copy = empty((1,), flag.dtype)
+        CAPTURE.keep.append(copy)
+        copy_device(copy, flag, flag.dtype.itemsize)
+        CAPTURE.deferred.append((copy, on_error))
         return
     _raise_if_set(flag, on_error)
 
@@ -247,7 +325,8 @@ class CapturedGraph:
     to repeat after each replay.
     """
 
-    def __init__(self, exec_handle, keep: list, deferred: list):
+    def __init__(self, graph, exec_handle, keep: list, deferred: list):
+        self.graph = graph
         self.exec_handle = exec_handle
         self.keep = keep
         self.deferred = deferred
@@ -258,6 +337,41 @@ class CapturedGraph:
         _check_cu(cu.cuGraphLaunch(self.exec_handle, stream().handle), "cuGraphLaunch")
         for flag, on_error in self.deferred:
             _raise_if_set(flag, on_error)
+
+    def close(self) -> None:
+        """Destroy the graph (after the work queued so far) and let go of its memory. While another
+        graph is being captured (a collection can run at any point), the destruction waits for the
+        capture to end."""
+        exec_handle, graph = self.exec_handle, self.graph
+        self.exec_handle = self.graph = None
+        self.keep, self.deferred = [], []
+        if exec_handle is None:
+            return
+        _DOOMED.append((exec_handle, graph))
+        if not CAPTURE.active:
+            _destroy_doomed()
+
+    def __del__(self):
+        self.close()
+
+
+_DOOMED: list = []  # (exec handle, graph) of closed graphs, destroyed outside captures
+
+
+def _destroy_doomed() -> None:
+    try:
+        from cuda.bindings import driver as cu
+
+        with gpu_lock():
+            if CAPTURE.active or not _DOOMED:
+                return
+            stream().synchronize()
+            while _DOOMED:
+                exec_handle, graph = _DOOMED.pop()
+                cu.cuGraphExecDestroy(exec_handle)
+                cu.cuGraphDestroy(graph)
+    except Exception:  # noqa: BLE001 - at interpreter exit the context may already be gone
+        pass
 
 
 def capture(run) -> CapturedGraph:
@@ -283,12 +397,19 @@ def capture(run) -> CapturedGraph:
         keep, deferred = CAPTURE.keep, CAPTURE.deferred
         CAPTURE.keep, CAPTURE.deferred = [], []
         err, graph = cu.cuStreamEndCapture(handle)
+    if _DOOMED:
+        _destroy_doomed()
     if failure is not None:  # whatever it was, the eager run that follows reports real errors
+        if err == cu.CUresult.CUDA_SUCCESS and graph is not None:
+            cu.cuGraphDestroy(graph)
+        traceback.clear_frames(failure.__traceback__)  # let go of the failed run's arrays now
         raise CaptureError(f"{type(failure).__name__}: {failure}") from failure
     _check_cu(err, "cuStreamEndCapture")
     err, exec_handle = cu.cuGraphInstantiate(graph, 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        cu.cuGraphDestroy(graph)
     _check_cu(err, "cuGraphInstantiate")
-    return CapturedGraph(exec_handle, keep, deferred)
+    return CapturedGraph(graph, exec_handle, keep, deferred)
 
 
 def _check_cu(result, what: str) -> None:

@@ -11,25 +11,55 @@ Placement rules:
   its inputs are downloaded and its outputs stay on the host until a CUDA step needs them.
 Final outputs are downloaded.
 
-CUDA graphs: the first run with given input shapes runs eagerly (it compiles kernels, builds cuDNN
-plans and uploads constants); the second records the run into a CUDA graph; later runs with the
-same shapes copy the inputs into the recorded input buffers and replay the graph, which removes
-the per-node launch cost of Python. A run that cannot be recorded (a CPU fallback, a device-to-host
-copy in a launcher, ...) keeps those shapes on the eager path, with a one-time note.
-GRADGEN_CUDA_GRAPHS=0 turns recording off. Recorded runs keep every intermediate buffer alive.
+Memory (gradgen/executor/device_memory.py): the first run with given input shapes runs eagerly and
+is traced (it also compiles kernels, builds cuDNN plans and uploads constants); its allocations'
+sizes and lifetimes give that signature's static plan, and every later run of it is served from
+one arena shared by all Sessions of the process, sized for the largest plan.
+
+CUDA graphs: the second run of a signature records the run (served from its plan) into a CUDA
+graph; later runs with the same shapes copy the inputs into the recorded input buffers and replay
+the graph, which removes the per-node launch cost of Python and allocates nothing. A run that
+cannot be recorded (a CPU fallback, a device-to-host copy in a launcher, ...) keeps those shapes on
+the eager path, with a one-time note. At most GRADGEN_CUDA_GRAPH_CACHE recorded graphs (default
+8) are kept; the least recently used is dropped and records again when its shapes come back.
+GRADGEN_CUDA_GRAPHS=0 turns recording off.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 
 import numpy as np
 
 from gradgen.cuda import runtime as rt
+from gradgen.errors import UsageError
+from gradgen.executor.device_memory import MemoryManager, release_frames
 from gradgen.kernels import registry
 
 _WARNED: set[tuple[str, str]] = set()
+_EAGER = "eager"  # a signature whose run could not be recorded
+
+
+class CudaDevice:
+    """The device memory the planned-memory manager draws on: PyCUDA's pool and plain allocations."""
+
+    @staticmethod
+    def reserve(nbytes: int):
+        return rt.driver.mem_alloc(nbytes)
+
+    @staticmethod
+    def pool_allocate(nbytes: int):
+        return rt.pool_allocate(nbytes)
+
+    @staticmethod
+    def release_held() -> None:
+        rt.memory_pool().free_held()
+
+    @staticmethod
+    def pool_bytes() -> int:
+        return int(getattr(rt.memory_pool(), "managed_bytes", 0))
 
 
 class CudaBackend:
@@ -38,13 +68,25 @@ class CudaBackend:
     def __init__(self):
         registry.load_cuda_kernels()
         self.use_graphs = os.environ.get("GRADGEN_CUDA_GRAPHS", "1") != "0"
-        self._graphs: dict[tuple, object] = {}  # input signature -> _Replay, or "eager"
+        self.max_graphs = _positive_int("GRADGEN_CUDA_GRAPH_CACHE", 8)
+        self.num_steps = 0  # set by the Session once it has planned its steps
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # signature -> _Replay or _EAGER
         self._small_uploads: dict[tuple, rt.GPUArray] = {}
         self._uploaded: dict[int, rt.GPUArray] = {}  # device copies of host constants, by id
         self._host_constants: dict[int, np.ndarray] = {}
+        self._memory = None  # the RunMemory of the run in progress (eager or being recorded)
+        self._run = None  # (RunMemory, signature) of the eager run to finish
+        self.closed = False
+        with rt.gpu_lock():
+            self.memory = MemoryManager(CudaDevice())
+        self.memory.on_arena_retired(self._drop_graphs)
+
+    def lock(self):
+        return rt.gpu_lock()
 
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:
-        placed = {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in initializers.items()}
+        with rt.gpu_lock():
+            placed = {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in initializers.items()}
         self._host_constants = {id(a): a for a in placed.values() if isinstance(a, np.ndarray)}
         return placed
 
@@ -54,33 +96,98 @@ class CudaBackend:
         return {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in feeds.items()}
 
     def execute(self, run_steps, feeds: dict[str, np.ndarray]) -> dict:
-        """Run eagerly, or record a CUDA graph on the second run of a shape and replay it after."""
+        """Replay the signature's graph; or record one (its second run); or run eagerly, traced on
+        the signature's first run and served from its plan after. Call ``finish_run`` once the
+        returned values are no longer needed."""
+        if self.closed:
+            raise UsageError("this Session is closed")
         key = tuple((name, a.shape, a.dtype.str) for name, a in sorted(feeds.items()))
-        state = self._graphs.get(key) if self.use_graphs else "eager"
+        state = self._graphs.get(key)
         if isinstance(state, _Replay):
+            self._graphs.move_to_end(key)
             return state.run(feeds)
-        if state is None:  # first run of these shapes: warm up eagerly
-            self._graphs[key] = "warm"
-        elif state == "warm":
+        if self.use_graphs and state is None and self.memory.plan_for(key) is not None:
             replay = self._record(run_steps, feeds, key)
             if replay is not None:
                 return replay.run(feeds)
-        return run_steps(self.place_feeds(feeds))
-
-    def _record(self, run_steps, feeds, key):
-        placed = self.place_feeds(feeds)
-        recorded = {}
+        memory = self.memory.begin(key, self.num_steps)
+        self._memory = memory
         try:
-            graph = rt.capture(lambda: recorded.update(run_steps(dict(placed))))
+            with rt.allocation_hook(memory.allocate):
+                values = run_steps(self.place_feeds(feeds))
+                memory.end_of_steps()
+        except BaseException as exc:
+            release_frames(exc)  # the failed run's arrays go now, not with the exception
+            self.memory.abandon(memory)
+            raise
+        finally:
+            self._memory = None
+        self._run = (memory, key)
+        return values
+
+    def finish_run(self, failed: bool = False) -> None:
+        """The run's values are gone: check its blocks, and make the plan of a traced run."""
+        run, self._run = self._run, None
+        if run is not None:
+            memory, key = run
+            if failed:
+                self.memory.abandon(memory)
+            else:
+                self.memory.end(memory, key)
+
+    def _record(self, run_steps, feeds, key, attempt: int = 0):
+        memory = self.memory.begin(key, self.num_steps)
+        recorded = {}
+
+        def steps():
+            recorded.update(run_steps(dict(placed)))
+            memory.end_of_steps()
+
+        self._memory = memory
+        try:
+            with rt.allocation_hook(memory.allocate):
+                placed = self.place_feeds(feeds)
+                graph = rt.capture(steps)
         except rt.CaptureError as exc:
-            self._graphs[key] = "eager"
+            recorded.clear()
+            placed = None
+            release_frames(exc)
+            self.memory.abandon(memory)
+            self._graphs[key] = _EAGER
             _note_once(("capture",), f"running without CUDA graphs for these input shapes: {exc}")
             return None
+        except BaseException as exc:
+            release_frames(exc)
+            self.memory.abandon(memory)
+            raise
+        finally:
+            self._memory = None
+        self.memory.end(memory, key, graph_owned=True)
+        if attempt == 0 and self.memory.learn_from(memory, key):  # the plan changed: record on the new one
+            graph.close()
+            recorded.clear()
+            placed = None
+            CudaDevice.release_held()  # the pool blocks that graph fell back on
+            return self._record(run_steps, feeds, key, attempt + 1)
+        graph.keep.append(memory.arena)  # replays write to the arena: it lives as long as the graph
         replay = _Replay(graph, placed, recorded)
         self._graphs[key] = replay
+        self._evict_graphs()
         return replay
 
+    def _evict_graphs(self) -> None:
+        replays = [k for k, state in self._graphs.items() if isinstance(state, _Replay)]
+        for key in replays[: max(0, len(replays) - self.max_graphs)]:
+            self._graphs.pop(key).close()
+
+    def _drop_graphs(self) -> None:
+        """The arena was replaced: graphs recorded on it record again on their next call."""
+        for key in [k for k, state in self._graphs.items() if isinstance(state, _Replay)]:
+            self._graphs.pop(key).close()
+
     def run_step(self, step, args: list):
+        if self._memory is not None:
+            self._memory.advance(step.index)
         entry = step.entry
         if entry.cuda is not None and not _is_shape_arithmetic(step, args):
             call_args = [
@@ -100,14 +207,16 @@ class CudaBackend:
         key = id(value)
         if self._host_constants.get(key) is value:
             if key not in self._uploaded:
-                self._uploaded[key] = rt.to_device(value)
+                with rt.persistent():
+                    self._uploaded[key] = rt.to_device(value)
             return self._uploaded[key]
         if value.size <= 4096:  # small host results (shape arithmetic): one upload per distinct value
             by_value = (value.dtype.str, value.shape, value.tobytes())
             if by_value not in self._small_uploads:
                 if len(self._small_uploads) > 4096:
                     self._small_uploads.clear()
-                self._small_uploads[by_value] = rt.to_device(value)
+                with rt.persistent():
+                    self._small_uploads[by_value] = rt.to_device(value)
             return self._small_uploads[by_value]
         return rt.to_device(value)
 
@@ -116,6 +225,28 @@ class CudaBackend:
 
     def to_host(self, value) -> np.ndarray:
         return rt.to_host(value)
+
+    def memory_stats(self) -> dict:
+        """Planned arena size (the largest plan), its lower bound, the shared arena's size, and the
+        most device memory the pool and the arena held during a run (bytes)."""
+        arena = self.memory.host.arena
+        return {"planned_bytes": self.memory.planned_bytes, "peak_live_bytes": self.memory.peak_live_bytes,
+                "arena_bytes": arena.nbytes if arena is not None else 0, "peak_held_bytes": self.memory.peak_held,
+                "graphs": sum(isinstance(s, _Replay) for s in self._graphs.values()), "leaks": self.memory.leaks,
+                "served": self.memory.served, "fallbacks": self.memory.fallbacks,
+                "fallback_log": list(self.memory.fallback_log)}
+
+    def close(self) -> None:
+        """Drop the recorded graphs, the plans, the uploads and this Session's share of the arena."""
+        if self.closed:
+            return
+        self.closed = True
+        with rt.gpu_lock():
+            self._drop_graphs()
+            self._graphs.clear()
+            self._small_uploads.clear()
+            self._uploaded.clear()
+            self.memory.close()
 
 
 class _Replay:
@@ -133,6 +264,23 @@ class _Replay:
                 rt.driver.memcpy_htod_async(target.gpudata, np.ascontiguousarray(array), rt.stream())
         self.graph.replay()
         return self.values
+
+    def close(self) -> None:
+        self.graph.close()
+        self.inputs, self.values = {}, {}
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError(f"{name}={raw!r}: expected a positive integer")
+    return value
 
 
 def _note_once(key, message: str) -> None:

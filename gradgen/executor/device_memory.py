@@ -65,8 +65,12 @@ class Block(int):
         return self
 
     def __del__(self):
+        # Only a note here: a finaliser may run at any point (inside the run's own bookkeeping, or in
+        # another thread through the garbage collector); the run reads its notes at safe points.
         try:
-            self._run.released(self._serial)
+            run = self._run
+            if not run.closed:
+                run.pending.append(self._serial)
         except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
             pass
 
@@ -175,6 +179,7 @@ class RunMemory:
         self.pinned_keys: set[tuple] = set()
         self.fallback_log: list[tuple] = []  # (key, why) of the first fallbacks, for diagnosis
         self.served = self.fallbacks = 0
+        self.pending: list[int] = []  # serials of blocks collected since the last safe point
         self.peak_pool = device.pool_bytes()
         self._serials = itertools.count()
 
@@ -182,6 +187,8 @@ class RunMemory:
 
     def allocate(self, nbytes: int):
         """Device memory for a request of ``nbytes`` made during the current step."""
+        if self.pending:
+            self._drain()
         count_key = (self.step, nbytes)
         k = self.counts.get(count_key, 0)
         self.counts[count_key] = k + 1
@@ -225,6 +232,12 @@ class RunMemory:
 
     # -- lifetimes -------------------------------------------------------------------------------
 
+    def _drain(self) -> None:
+        """Account for the blocks collected since the last safe point (at the current step)."""
+        pending = self.pending
+        while pending:
+            self.released(pending.pop())
+
     def released(self, serial: int) -> None:
         region = self.live.pop(serial, None)
         if self.closed:
@@ -241,6 +254,8 @@ class RunMemory:
 
     def advance(self, step: int) -> None:
         """Step ``step`` starts: blocks planned to die before it must be gone, or they are pinned."""
+        if self.pending:
+            self._drain()  # released during the step that just ended
         if not self.tracing:
             for s in range(self.checked, step):
                 for serial in self.due.pop(s, ()):
@@ -257,10 +272,16 @@ class RunMemory:
 
     # -- the end ---------------------------------------------------------------------------------
 
+    def unreleased_traces(self) -> bool:
+        self._drain()
+        return self.tracing and any(entry[3] is None for entry in self.trace)
+
     def arena_blocks_alive(self) -> int:
+        self._drain()
         return sum(1 for region in self.live.values() if region is not None)
 
     def close(self) -> None:
+        self._drain()
         self.closed = True
 
 
@@ -306,8 +327,10 @@ class MemoryManager:
     def end(self, run: RunMemory, signature, graph_owned: bool = False) -> None:
         """After the run's values are dropped (or handed to the CUDA graph it recorded, when
         ``graph_owned``): record the trace's plan, and retire the arena if a block leaked."""
-        if not graph_owned and run.arena_blocks_alive():
-            gc.collect()  # a reference cycle (an exception and its frames) may hold the last blocks
+        if not graph_owned and (run.arena_blocks_alive() or run.unreleased_traces()):
+            # A reference cycle (an exception caught on a first-use path, with its frames) may hold
+            # the last blocks; a traced block never released would not be planned.
+            gc.collect()
         run.close()
         self.peak_held = max(self.peak_held, run.peak_pool + (run.arena.nbytes if run.arena is not None else 0))
         self.served += run.served
@@ -333,6 +356,7 @@ class MemoryManager:
         self.plans[signature] = plan.extended(run.pinned_keys)
         self.served -= run.served  # that run's graph is dropped: its counts go with it
         self.fallbacks -= run.fallbacks
+        self.fallback_log = []
         return True
 
     def abandon(self, run: RunMemory) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import warnings
@@ -28,6 +29,7 @@ class Step:
     attributes: dict[str, Any]
     free_after: list[str]
     entry: Any = None  # the registry entry (CPU kernel, CUDA launcher)
+    index: int = 0  # position in the plan (the CUDA backend's memory plan counts steps by it)
 
 
 class CpuBackend:
@@ -43,6 +45,18 @@ class CpuBackend:
 
     def execute(self, run_steps, feeds: dict[str, np.ndarray]) -> dict:
         return run_steps(self.place_feeds(feeds))
+
+    def finish_run(self, failed: bool = False) -> None:
+        pass
+
+    def lock(self):
+        return contextlib.nullcontext()  # numpy kernels share no state: CPU runs may overlap
+
+    def memory_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def run_step(self, step: "Step", args: list):
         return step.kernel(*args, **step.attributes)
@@ -94,6 +108,11 @@ class Session:
 
     >>> sess = Session("model_grad.onnx")
     >>> outputs = sess.run({"x": x})           # dict name -> numpy array
+
+    A Session may be shared by threads. On the GPU, all of gradgen's work goes to one stream, so the
+    runs of every Session in the process take turns under one lock; on the CPU they run side by
+    side. ``close()`` (or leaving a ``with Session(...) as sess:`` block, or dropping the last
+    reference) releases the Session's device memory and recorded CUDA graphs.
     """
 
     def __init__(self, model: ModelLike, device: str = "cpu"):
@@ -115,7 +134,9 @@ class Session:
         self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
         self.output_names = [v.name for v in self.graph.outputs]
         self.steps = self._plan()
+        self.backend.num_steps = len(self.steps)
         self.constants = self.backend.place_constants(self.initializers)
+        self.closed = False
 
     @property
     def input_names(self) -> list[str]:
@@ -153,6 +174,8 @@ class Session:
                 free_after=[],
             ))
         steps = self._fold_constant_nodes(steps)
+        for index, step in enumerate(steps):
+            step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
         return steps
 
@@ -174,8 +197,38 @@ class Session:
         if unknown:
             raise UsageError(f"unknown output name(s): {', '.join(unknown)}; the model's outputs are "
                              f"{', '.join(self.output_names)}")
-        values = self.backend.execute(self._execute, validate_feeds(self.input_values, feeds))
-        return {name: self.backend.to_host(values[name]) for name in wanted}
+        if self.closed:
+            raise UsageError("this Session is closed")
+        checked = validate_feeds(self.input_values, feeds)
+        with self.backend.lock():
+            try:
+                values = self.backend.execute(self._execute, checked)
+                results = {name: self.backend.to_host(values[name]) for name in wanted}
+            except BaseException:
+                values = None
+                self.backend.finish_run(failed=True)
+                raise
+            values = None  # the run's device buffers die here, before the backend checks its plan
+            self.backend.finish_run()
+        return results
+
+    def memory_stats(self) -> dict | None:
+        """On the GPU: the planned arena size and the peak device memory held (bytes); see
+        ``CudaBackend.memory_stats``. None on the CPU."""
+        return self.backend.memory_stats()
+
+    def close(self) -> None:
+        """Release the device memory and recorded CUDA graphs; later runs are an error."""
+        if not self.closed:
+            self.closed = True
+            self.backend.close()
+            self.constants = {}
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def _execute(self, placed_feeds: dict) -> dict:
         """Run every step on feeds already placed by the backend; return the surviving values."""
@@ -201,6 +254,7 @@ class Session:
             for name, value in zip(step.outputs, results):
                 if name:
                     env[name] = self.backend.wrap(value)
+            args = result = results = None  # so that what free_after drops dies at this step
             for name in step.free_after:
                 env.pop(name, None)
         return env

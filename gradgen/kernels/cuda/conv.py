@@ -4,10 +4,12 @@ Geometry comes from the CPU kernel's ``conv_geometry`` (auto_pad SAME_UPPER/SAME
 resolved to explicit pads), so both devices agree. 1-D convolutions run as 2-D ones with a unit
 axis. cuDNN gets symmetric padding only: an asymmetric pad is applied by copying X into a
 zero-padded buffer (and dX is cropped out of the padded gradient). One cuDNN graph is built per
-(operation, dtype, shapes, attributes) and cached with its workspace size; the workspace comes
-from the PyCUDA pool. Graphs are built without TF32 for float32 (GRADGEN_ALLOW_TF32=1 allows
-it) and without engines cuDNN marks non-deterministic (GRADGEN_ALLOW_NONDETERMINISTIC=1 allows
-them); GRADGEN_CUDNN_BENCHMARK=1 times every candidate plan once per graph and keeps the fastest.
+(operation, dtype, shapes, attributes) and cached with its workspace size; each execution takes
+its workspace as a scratch buffer of its step (planned memory during a Session's run, else the
+PyCUDA pool), so no plan keeps memory between calls. Graphs are built without TF32 for float32
+(GRADGEN_ALLOW_TF32=1 allows it) and without engines cuDNN marks non-deterministic
+(GRADGEN_ALLOW_NONDETERMINISTIC=1 allows them); GRADGEN_CUDNN_BENCHMARK=1 times every candidate
+plan once per graph and keeps the fastest.
 After a plan's first run through the frontend's public execute, later runs call the lowered backend
 graph directly (the frontend's own uid-map call), which saves most of the per-call Python cost.
 
@@ -88,13 +90,12 @@ def _lane(lane: int):
 
 
 class _Plan:
-    """A built cuDNN graph: its two input tensors, its output tensor, its workspace (kept per plan)."""
+    """A built cuDNN graph: its two input tensors, its output tensor, its workspace size in bytes."""
 
     def __init__(self, graph, a, b, out, workspace, note="", handle=None):
         self.graph, self.a, self.b, self.out, self.workspace = graph, a, b, out, workspace
         self.handle = handle
         self.note = note  # how the plan was chosen (heuristics, autotune result)
-        self._ws = None
         self._native = None  # the direct backend call, set up after the first execute (False: unusable)
         self.uids = None
         if FAST_EXECUTE:
@@ -129,13 +130,16 @@ class _Plan:
                                                None, None, None)
         return call
 
-    def run(self, out_ptr: int, a_ptr: int, b_ptr: int) -> None:
+    def run(self, out_ptr: int, a_ptr: int, b_ptr: int, keep: list | None = None) -> None:
+        """Execute on the given device addresses; ``keep`` (a concurrent section's list) holds the
+        workspace until its side streams are joined."""
         from gradgen.cuda import runtime as rt
 
         handle = self.handle if self.handle is not None else _cudnn()[1]
-        if self.workspace and self._ws is None:
-            self._ws = rt.empty((self.workspace,), np.uint8)
-        ws = int(self._ws.gpudata) if self._ws is not None else None
+        scratch = rt.empty((self.workspace,), np.uint8) if self.workspace else None  # lives until we return
+        ws = int(scratch.gpudata) if scratch is not None else None
+        if keep is not None and scratch is not None:
+            keep.append(scratch)
         if self._native:
             try:
                 self._native(int(a_ptr), int(b_ptr), int(out_ptr), ws or 0)
@@ -396,7 +400,7 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
                      geom.lifted(target.shape), geom.lift(pads, 0), geom.lift(geom.strides, 1),
                      geom.lift(geom.dilations, 1), (target.gpudata, dy.gpudata, w.gpudata), lane)
         if plan is not None:
-            plan.run(target.gpudata, dy.gpudata, w.gpudata)
+            plan.run(target.gpudata, dy.gpudata, w.gpudata, keep)
             if target is dx:
                 return dx
             if keep is not None:
@@ -425,7 +429,7 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
                      geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
                      (dw.gpudata, xs.gpudata, dy.gpudata), lane)
         if plan is not None:
-            plan.run(dw.gpudata, xs.gpudata, dy.gpudata)
+            plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
     kernel = rt.function("pool", f"conv_wgrad_{rt.suffix(dy.dtype)}")
     kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),

@@ -21,6 +21,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.registry import cuda_kernel
 
 _STATE: dict = {}
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends on Hopper
 
 # cudaDataType_t values
 _CUDA_R_16F, _CUDA_R_32F, _CUDA_R_64F = 2, 0, 1
@@ -39,6 +40,12 @@ def _cublas():
         handle = cublas.create()
         cublas.set_stream(handle, int(rt.stream().handle))
         cublas.set_pointer_mode(handle, int(cublas.PointerMode.HOST))
+        # A workspace of our own, set once: cuBLAS then allocates nothing while a CUDA graph is
+        # recorded (its default would be a stream-ordered allocation the graph keeps).
+        with rt.persistent():
+            workspace = rt.empty((CUBLAS_WORKSPACE_BYTES,), np.uint8)
+        cublas.set_workspace(handle, int(workspace.gpudata), CUBLAS_WORKSPACE_BYTES)
+        _STATE["workspace"] = workspace
         _STATE["cublas"] = cublas
         _STATE["handle"] = handle
     return _STATE["cublas"], _STATE["handle"]

@@ -122,7 +122,8 @@ def _sticky_flag():
         capture = getattr(rt, "CAPTURE", None)
         if capture is not None and capture.active:
             return rt.zeros((1,), np.int64)  # the graph zeroes it on each replay: no sync while capturing
-        _FLAG.append(rt.to_device(np.zeros((1,), np.int64)))
+        with rt.persistent():
+            _FLAG.append(rt.to_device(np.zeros((1,), np.int64)))
     return _FLAG[0]
 
 
