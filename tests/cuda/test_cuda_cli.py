@@ -23,3 +23,6 @@ def test_run_on_cuda_matches_the_reference(tmp_path, name):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "ran on cuda" in result.stdout and "match the reference" in result.stdout
+    memory = next(line for line in result.stdout.splitlines() if line.startswith("device memory: planned arena"))
+    planned, bound, held = (float(word) for word in memory.replace("(", " ").split() if word.replace(".", "").isdigit())
+    assert 0 < bound <= planned and held > 0, memory
