@@ -129,7 +129,8 @@ def manager(device):
 
 def test_first_run_is_traced_then_later_runs_are_served_from_the_plan(manager, device):
     run, _ = Holder(manager, "sig").run()
-    assert run.tracing and not device.arenas  # no arena yet: the traced run used the pool
+    assert run.tracing and run.arena is None  # no arena yet: the traced run used the pool
+    assert len(device.arenas) == 1  # ...and sized one for its plan when it ended
     plan = manager.plans["sig"]
     assert plan.requests == len(PROGRAM)
     assert plan.peak_live <= plan.size < sum(aligned(r.nbytes) for r in PROGRAM)
@@ -203,8 +204,7 @@ def test_an_unknown_request_goes_to_the_pool(manager):
 
 
 def test_traced_runs_reuse_the_arena_once_there_is_one(manager, device):
-    Holder(manager, "a").run()
-    Holder(manager, "a").run()
+    Holder(manager, "a").run()  # traced: its plan sizes the arena
     pool_before = device.next_pool
     small = [Request(0, 5000, 1), Request(1, 5000, 2)]
     holder = Holder(manager, "b", small, 3)

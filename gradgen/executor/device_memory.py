@@ -340,10 +340,15 @@ class MemoryManager:
             if run.arena is self.host.arena:
                 self.host.retire()
         if run.tracing:
-            self.plans[signature] = build_plan(run.trace, run.num_steps, self.alignment)
+            plan = self.plans[signature] = build_plan(run.trace, run.num_steps, self.alignment)
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             self.device.release_held()  # the pool hands back what the traced run cached
+            if plan.size:  # size the arena now: the next signature's traced run draws on it too
+                try:
+                    self.host.arena_for(self, plan.size)
+                except RunError:
+                    pass  # the next run of this signature says so, if it still does not fit
         self.fallback_log = run.fallback_log or self.fallback_log
 
     def learn_from(self, run: RunMemory, signature) -> bool:
