@@ -69,3 +69,26 @@ def test_a_run_that_cannot_be_recorded_stays_eager(monkeypatch):
     assert not _replays(session)
     # The GPU still works after the failed recording.
     np.testing.assert_allclose(Session(model, device="cuda").run({"x": x})["y"], cpu.run({"x": x})["y"], rtol=1e-6)
+
+
+def test_replay_of_gathergrad_over_many_positions_rezeroes_its_workspace(monkeypatch):
+    """Above 32768 positions GatherGrad sorts rows in a zeroed workspace: a replay must zero it too."""
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((97, 8)).astype(np.float32)
+    weights = rng.standard_normal((40000, 8)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
+             helper.make_node("Mul", ["rows", "w"], ["prod"], name="weigh"),
+             helper.make_node("ReduceSum", ["prod"], ["loss"], keepdims=0, name="sum")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [40000])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weights, "w")])
+    built = gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                   wrt=["table"]).model
+    session = Session(built, device="cuda")
+    for seed in range(4):
+        ids = np.random.default_rng(seed).integers(-97, 97, 40000).astype(np.int64)
+        want = np.zeros_like(table)
+        np.add.at(want, ids, weights)
+        np.testing.assert_allclose(session.run({"ids": ids})["table_grad"], want, rtol=1e-5, atol=1e-4)
+    assert _replays(session)

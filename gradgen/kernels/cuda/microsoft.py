@@ -216,7 +216,9 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     # One workspace: a zeroed prefix (flag, sync counters, meta, per-row counts), then scratch arrays.
     sizes_u32 = [2, 2, 4, rows, count, count, count, count, rows + 1, rows, 2 * xbound + 2, long_bound + 1]
     ws = rt.empty((sum(sizes_u32),), np.uint32)
-    rt.driver.memset_d32(ws.gpudata, 0, 8 + rows)
+    # On gradgen's stream, so that a recorded CUDA graph zeroes it on every replay (a synchronous
+    # memset runs once, at record time, under relaxed capture).
+    rt.driver.memset_d32_async(ws.gpudata, 0, 8 + rows, rt.stream())
     flag = ws[:2].view(np.int64)
     if dX.size == 0:
         return dX, flag
