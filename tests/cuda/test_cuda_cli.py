@@ -16,7 +16,8 @@ pytestmark = pytest.mark.cuda
 def test_run_on_cuda_matches_the_reference(tmp_path, name):
     sample = next(p for p in SAMPLE_DIRS if p.name == name)
     built = tmp_path / "grad.onnx"
-    subprocess.run([sys.executable, "-m", "gradgen", "build-backward", str(sample / "model.onnx"), "-o", str(built)],
+    subprocess.run([sys.executable, "-m", "gradgen", "build-backward", str(sample / "model.onnx"), "-o", str(built),
+                    "--wrt-inputs"],
                    check=True, capture_output=True, timeout=300)
     result = subprocess.run([sys.executable, "-m", "gradgen", "run", str(built), "--inputs", str(sample / "inputs.npz"),
                              "--device", "cuda", "--compare", str(sample / "reference.npz")],
