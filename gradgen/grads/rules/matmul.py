@@ -63,6 +63,20 @@ def _sum_to(g, grad, x, x2_rank, mine, other, x2_shape, other2_shape):
     return g.reshape_like(grad, x)
 
 
+def _matmul_with_matrix(g, a, b, dy, ra):
+    """A (..., K) times a plain matrix B (K, N), as a Linear layer is exported: the batch dims fold
+    into rows, so dB = A2^T dY2 is one GEMM summing over every row (not a batched product of
+    shape (..., K, N) summed afterwards, which for an LM head is gigabytes) and dA = dY2 B^T;
+    Gemm's transpose flags replace materialised transposes."""
+    grads = [None, None]
+    rows_dy = g.op("Flatten", dy, axis=ra - 1)
+    if g.needs(0):
+        grads[0] = g.reshape_like(g.op("Gemm", rows_dy, b, transB=1), a)
+    if g.needs(1):
+        grads[1] = g.op("Gemm", g.op("Flatten", a, axis=ra - 1), rows_dy, transA=1)
+    return grads
+
+
 @grad_rule("MatMul")
 def matmul(g):
     a, b, dy = g.x(0), g.x(1), g.dy()
@@ -70,6 +84,8 @@ def matmul(g):
     if ra is None or rb is None:
         raise ModelError(f"MatMul node {g.node.name!r}: the ranks of its inputs are unknown; "
                          "its gradient needs them (run shape inference or give the inputs shapes)")
+    if ra >= 3 and rb == 2:
+        return _matmul_with_matrix(g, a, b, dy, ra)
     a2 = g.unsqueeze(a, [0]) if ra == 1 else a
     b2 = g.unsqueeze(b, [1]) if rb == 1 else b
     ra2, rb2 = max(ra, 2), max(rb, 2)
