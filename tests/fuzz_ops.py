@@ -802,9 +802,7 @@ def conv_cases(draw, op):
         effective = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
         size = tuple(e + draw(st.integers(0, 3)) for e in effective)
         x = rng.uniform(-1, 1, (n, c_in) + size)
-        w = rng.uniform(-1, 1, (m, c_in // group) + kernel)
-        if style.startswith("SAME") and any(d > 1 for d in dil):
-            ort = "onnxruntime's SAME padding with dilations differs from the spec (and PyTorch)"
+        w = rng.uniform(-1, 1, (m, c_in // group) + kernel)  # (SAME with dilations: onnxruntime refuses it)
     else:  # ConvTranspose: W is (C, M / group, k...)
         x = rng.uniform(-1, 1, (n, c_in) + dims(draw, spatial, 1, 3))
         w = rng.uniform(-1, 1, (c_in, m // group) + kernel)
@@ -816,9 +814,7 @@ def conv_cases(draw, op):
         if style in ("pads", "none") and draw(st.booleans()):
             attrs["output_padding"] = [draw(st.integers(0, s_ - 1)) for s_ in strides]  # < stride (onnxruntime)
         if style == "output_shape":  # smaller than the full result, or larger (outputs holding the bias)
-            attrs["output_shape"] = [max(1, f + draw(st.integers(-2, 2))) for f in full]
-            if any(o > f for o, f in zip(attrs["output_shape"], full)):
-                ort = "onnxruntime refuses an output_shape larger than the full result (the spec pads it)"
+            attrs["output_shape"] = [max(1, f + draw(st.integers(-2, 2))) for f in full]  # onnxruntime refuses larger
         elif style.startswith("SAME"):
             attrs["auto_pad"] = style
             ort = "onnxruntime's ConvTranspose SAME padding is not the spec's (pads at the other end)"
@@ -895,8 +891,6 @@ def norm_cases(draw, op):
         attrs["axis"] = axis
         num_outputs = draw(st.sampled_from([1, 3]))
         opset = 17
-        if int(np.prod(norm_shape)) == 1:
-            ort = ""  # a one-element normalisation: the variance is 0
     elif op == "InstanceNormalization":
         inputs = [x, rng.uniform(0.5, 1.5, c), rng.uniform(-1, 1, c)]
     else:  # GroupNormalization: opset 18 (scale per group) or 21 (per channel)
@@ -905,18 +899,18 @@ def norm_cases(draw, op):
         per = c if opset >= 21 else groups
         inputs = [x, rng.uniform(0.5, 1.5, per), rng.uniform(-1, 1, per)]
         attrs["num_groups"] = groups
-        if opset == 18:
-            ort = "onnxruntime implements GroupNormalization-18 with per-channel scale"
     case = OpCase(op, inputs, attrs, opset=opset, num_outputs=num_outputs,
                   graph_inputs=placement(draw, list(range(len(inputs)))))
     case.ort = ort
     case = finish(draw, case)
-    # float32: onnxruntime computes variances as E[x^2] - E[x]^2, which loses digits when the
-    # variance is small next to the mean (gradgen subtracts the mean first: closer to float64).
-    # double: stash_type 1 makes the spec (and onnxruntime) compute the statistics in float; gradgen
-    # computes them in double, so float64 gradient checks stay precise.
-    if case.dtype == np.float32 or op in ("LayerNormalization", "GroupNormalization"):
+    # float32 Instance / GroupNormalization: onnxruntime's variance loses digits when it is small
+    # next to the mean (about 1 case in 150 differs by more than 1e-4; gradgen is the closer to float64).
+    # double Layer / GroupNormalization: stash_type 1 makes the spec (and onnxruntime) compute the
+    # statistics in float; gradgen computes them in double, so float64 gradient checks stay precise.
+    if op == "GroupNormalization" or (case.dtype == np.float32 and op == "InstanceNormalization"):
         case.ort_tolerance = 1e-3
+    elif op == "LayerNormalization" and case.dtype == np.float64:
+        case.ort_tolerance = 1e-4
     return case
 
 
@@ -967,10 +961,8 @@ def resize_cases(draw, op):
         inputs = [rng.uniform(-2, 2, s), roi, None, np.array(sizes, np.int64)]
         out = resize_geometry(s, None, sizes, axes=axes,
                               keep_aspect_ratio_policy=attrs.get("keep_aspect_ratio_policy", "stretch"))[0]
-    if ctm == "tf_crop_and_resize" and list(out) == list(s):
-        ort = "onnxruntime returns X unchanged when the output shape is X's (ignoring the roi)"
-    if attrs.get("antialias"):
-        ort = ort or "onnxruntime's antialiased Resize differs from the reference at the borders"
+    if ctm == "tf_crop_and_resize" and any(out[a] == s[a] for a in axes):
+        ort = "onnxruntime ignores the roi of an axis whose length does not change"
     case = OpCase(op, inputs, attrs, opset=opset, keep=frozenset({1, 2}), graph_inputs=placement(draw, [0]))
     case.ort = ort
     return finish(draw, case, symbolic_ok=False)

@@ -418,7 +418,7 @@ def test_loss_kernels(case):
 
 # ci: two derandomized cases per op (the simplest draw and one more); long: see test_op_fuzz_long
 OP_CASES = settings(settings.get_profile(PROFILE), max_examples=2 if PROFILE == "ci" else 20)
-OP_FUZZ_LONG = settings(settings.get_profile(PROFILE), max_examples=1000)
+OP_FUZZ_LONG = settings(settings.get_profile(PROFILE), max_examples=2000)
 
 
 def test_every_rule_is_fuzzed():
@@ -442,7 +442,7 @@ def test_op_gradients(op, data):
 @OP_FUZZ_LONG
 @given(fo.any_op_case())
 def test_op_fuzz_long(case):
-    """1000 random op cases (any op), one seed per run: ``--hypothesis-seed=N``."""
+    """2000 random op cases (any op), one seed per run: ``--hypothesis-seed=N``."""
     from hypothesis import event
 
     event(case.op_type)
@@ -690,3 +690,14 @@ def test_regression_opset_11_softmax_of_an_empty_tensor(op):
     shape with Reshape(y, Shape(x)); without allowzero=1 the 0 of an empty tensor read as "copy"."""
     case = fo.OpCase(op, [np.zeros((0, 1))], {"axis": 0}, opset=11, dtype=np.float32)
     fo.check_case(case, ort)
+
+
+@pytest.mark.parametrize("x_shape,idx_shape,batch_dims", [((1, 1, 1), (1, 1, 0, 1), 2), ((2, 3, 4), (2, 0, 1), 1),
+                                                          ((0, 3, 4), (0, 2, 1), 1)])
+def test_regression_gather_nd_batch_dims_with_no_index(x_shape, idx_shape, batch_dims):
+    """GatherND with batch_dims and an empty index tensor (or an empty batch): the gradient reshaped
+    with -1 and copied 0s, which cannot describe empty tensors; it now reshapes to explicit sizes."""
+    case = fo.OpCase("GatherND", [np.random.default_rng(7).uniform(-1, 1, x_shape), np.zeros(idx_shape, np.int64)],
+                     {"batch_dims": batch_dims}, dtype=np.float32)
+    fo.check_case(case, ort)
+    assert not fo.gradients(case, np.float64, [0])["in0_grad"].any()

@@ -142,7 +142,10 @@ def test_pad(rt, dtype):
     check(rt, "Pad", [x, np.array([1, 0, 2, 0, 3, 1], np.int64)])
     check(rt, "Pad", [x, np.array([-1, 2, 1, -2], np.int64), None, np.array([0, -1], np.int64)])
     check(rt, "Pad", [x, np.array([0, 0, 0, 0, 0, 0], np.int64)])
-    check(rt, "Pad", [x, np.array([2, -3, 0, 1, -3, 4], np.int64)])
+    check(rt, "Pad", [x, np.array([2, -3, 0, 1, -1, 4], np.int64)])  # axis 1 cropped to nothing
+    check(rt, "Pad", [x[:, :0], np.array([0, 1, 0, 0, -1, 0], np.int64)])  # pad then crop: still empty
+    with pytest.raises(KernelError, match="negative size"):  # 4 - 3 - 3 < 0 (onnxruntime refuses it too)
+        registry.lookup("", "Pad").cuda(rt.to_device(x), np.array([2, -3, 0, 1, -3, 4], np.int64))
     # The value as a device scalar (a float input lives on the device).
     entry = registry.lookup("", "Pad")
     value = np.array(2.5 if np.dtype(dtype).kind == "f" else 7, dtype)

@@ -46,14 +46,16 @@ def gather_nd(g):
         return [g.op("ScatterND", g.zeros_like(x), indices, dy, reduction="add")]
     batch = g.reduce("ReduceProd", dims_value(g, x, 0, b), None, keepdims=0)  # scalar B1*...*Bb
     k = dims_value(g, indices, -1)
-    tuples = g.reshape(indices,
-                       g.op("Concat", g.reshape(batch, [1]), g.ints([-1]), k, axis=0))
+    # (B, count, k) with count the product of the index dims: explicit sizes (exact reshapes), as
+    # -1 or a copied 0 cannot describe an empty index tensor
+    count = g.reduce("ReduceProd", dims_value(g, indices, b, -1), None, keepdims=1)
+    lead = g.op("Concat", g.reshape(batch, [1]), count, axis=0)
+    tuples = g.reshape(indices, g.op("Concat", lead, k, axis=0), exact=True)
     coord = g.reshape(g.op("Range", g.const(np.array(0, np.int64)), batch, g.const(np.array(1, np.int64))), [-1, 1, 1])
-    lead = g.op("Slice", g.shape_of(tuples), g.ints([0]), g.ints([2]))
     coord = g.op("Expand", coord, g.op("Concat", lead, g.ints([1]), axis=0))
     full = g.op("Concat", coord, tuples, axis=-1)
     rest = g.op("Slice", g.shape_of(x), g.op("Add", k, g.ints([b])), g.ints([INT64_MAX]))
-    dy2 = g.reshape(dy, g.op("Concat", lead, rest, axis=0))
+    dy2 = g.reshape(dy, g.op("Concat", lead, rest, axis=0), exact=True)
     flat_x = g.op("Concat", g.reshape(batch, [1]), dims_value(g, x, b), axis=0)
     zeros = g.op("ConstantOfShape", flat_x, value=ir.tensor(np.zeros((1,), dtype=numpy_dtype_of(x))))
     return [g.reshape_like(g.op("ScatterND", zeros, full, dy2, reduction="add"), x)]
