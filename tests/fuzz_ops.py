@@ -966,6 +966,10 @@ def resize_cases(draw, op):
                               keep_aspect_ratio_policy=attrs.get("keep_aspect_ratio_policy", "stretch"))[0]
     if ctm == "tf_crop_and_resize" and any(out[a] == s[a] for a in axes):
         ort = "onnxruntime ignores the roi of an axis whose length does not change"
+    if ctm in ("align_corners", "tf_crop_and_resize") and inputs[2] is not None and \
+            any(float(np.float32(f)) * s[a] != out[a] for f, a in zip(inputs[2], axes)):
+        ort = ("onnxruntime spaces align_corners / tf_crop_and_resize samples by the output length; ONNX's "
+               "conformance tests (and gradgen) by the fractional width scale * n")
     case = OpCase(op, inputs, attrs, opset=opset, keep=frozenset({1, 2}), graph_inputs=placement(draw, [0]))
     case.ort = ort
     return finish(draw, case, symbolic_ok=False)

@@ -686,13 +686,13 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
     """One axis of ONNX Resize as ``(M, outside)``: the (n_out, n_in) float64 matrix with
     y = M x along the axis, and for tf_crop_and_resize the output positions that take
     extrapolation_value instead (their rows of M are zero; None otherwise). A vectorised port of
-    ONNX's reference implementation (edge padding = clamped indices, ties to the left), except
-    where the reference departs from the spec's formulas, which use the integer output length
-    ``length_resized`` (as ONNX Runtime and PyTorch do) where the reference uses the fractional
-    width ``scale * n_in``: align_corners and tf_crop_and_resize divide by ``n_out - 1``, and a
-    single output on an axis samples coordinate 0 with pytorch_half_pixel (the reference: -0.5,
-    which cubic and any scale-given width weight differently) and the roi's centre with
-    tf_crop_and_resize."""
+    ONNX's reference implementation (edge padding = clamped indices, ties to the left). align_corners
+    and tf_crop_and_resize space the samples by the fractional width ``scale * n_in`` as the
+    reference and ONNX's conformance tests do (ONNX Runtime and PyTorch use the output length).
+    A single output on an axis (``length_resized`` = 1, the spec's condition) samples coordinate 0
+    with pytorch_half_pixel and the roi's centre with tf_crop_and_resize, as the spec and ONNX
+    Runtime do; the reference tests the fractional width instead and samples -0.5, which cubic
+    weights differently."""
     mode = _text(mode, "nearest")
     ctm = _text(coordinate_transformation_mode, "half_pixel")
     nearest_mode = _text(nearest_mode, "round_prefer_floor")
@@ -700,7 +700,7 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
     y = np.arange(n_out, dtype=np.float64)
     outside = None
     if ctm == "align_corners":
-        xo = np.zeros(n_out) if n_out == 1 else y * (n_in - 1) / (n_out - 1)
+        xo = np.zeros(n_out) if n_out == 1 else y * (n_in - 1) / (width - 1)
     elif ctm == "asymmetric":
         xo = y / scale
     elif ctm == "tf_crop_and_resize":
@@ -708,7 +708,7 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
             raise KernelError("Resize with tf_crop_and_resize needs roi")
         lo, hi = float(roi[0]), float(roi[1])
         xo = (np.full(n_out, (hi - lo) * (n_in - 1) / 2) if n_out == 1
-              else y * (hi - lo) * (n_in - 1) / (n_out - 1)) + lo * (n_in - 1)
+              else y * (hi - lo) * (n_in - 1) / (width - 1)) + lo * (n_in - 1)
         outside = (xo < 0) | (xo > n_in - 1)
     elif ctm == "pytorch_half_pixel":
         xo = np.zeros(n_out) if n_out == 1 else (y + 0.5) / scale - 0.5
