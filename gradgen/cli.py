@@ -226,9 +226,9 @@ def run(
     typer.echo(f"ran on {session.device} in {seconds:.3f} s")
     memory = session.memory_stats()
     if memory:
-        typer.echo(f"device memory: planned arena {memory['planned_bytes'] / 2**20:.1f} MiB (live-set lower bound "
-                   f"{memory['peak_live_bytes'] / 2**20:.1f} MiB), peak held by the run "
-                   f"{memory['peak_held_bytes'] / 2**20:.1f} MiB")
+        typer.echo(f"device memory: planned arena {_format_bytes(memory['planned_bytes'])} (live-set lower bound "
+                   f"{_format_bytes(memory['peak_live_bytes'])}), peak held by the run "
+                   f"{_format_bytes(memory['peak_held_bytes'])}")
     if out is not None:
         _progress(f"writing {out}")
         save_npz(out, results)
@@ -261,6 +261,14 @@ def _compare(session, feeds, results, reference, *, rtol: float, atol: float, fl
     tolerance = f"rtol={rtol}, atol={atol}*scale, floor={floor}"
     skipped = f"; {len(comparison.unmatched)} reference key(s) not compared" if comparison.unmatched else ""
     typer.echo(f"all {len(comparison.rows)} compared output(s) match the reference ({tolerance}){skipped}")
+
+
+def _format_bytes(count: int) -> str:
+    """``32.0 KiB``, ``5.1 MiB``, ``1.20 GiB``: a size in the unit that shows it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{count} B"
 
 
 def _format_table(results) -> str:

@@ -16,12 +16,15 @@ must not see another thread's work.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import gc
 import math
 import os
 import threading
 import traceback
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,41 @@ CTYPE = {
     np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
     np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
 }
+
+
+# -- exit: device memory goes before PyCUDA pops its context ------------------------------------
+# pycuda.autoprimaryctx pops the context in an atexit handler registered when it was imported
+# (above), so handlers registered after it, like this one, run first. Device memory freed later,
+# during interpreter teardown, finds no context and aborts the process ("terminate called after
+# throwing an instance of 'pycuda::error'"): a script holding a CUDA Session in a global did.
+_CLOSE_AT_EXIT: "weakref.WeakSet" = weakref.WeakSet()
+_DROP_AT_EXIT: list = []
+
+
+def close_at_exit(owner) -> None:
+    """Call ``owner.close()`` at exit, while the context is still current (weakly held)."""
+    _CLOSE_AT_EXIT.add(owner)
+
+
+def drop_at_exit(drop) -> None:
+    """Call ``drop()`` at exit: it releases a module's cached device arrays (a workspace, a flag)."""
+    _DROP_AT_EXIT.append(drop)
+
+
+def _release_device_memory() -> None:
+    for owner in list(_CLOSE_AT_EXIT):
+        with contextlib.suppress(Exception):
+            owner.close()
+    for drop in _DROP_AT_EXIT:
+        with contextlib.suppress(Exception):
+            drop()
+    gc.collect()
+    with contextlib.suppress(Exception):
+        synchronize()
+        memory_pool().free_held()
+
+
+atexit.register(_release_device_memory)
 
 
 @functools.lru_cache(maxsize=1)

@@ -122,7 +122,10 @@ class Session:
         if self.device == "cuda":
             from gradgen.executor.cuda_backend import CudaBackend
 
+            from gradgen.cuda import runtime
+
             self.backend = CudaBackend()
+            runtime.close_at_exit(self)  # its device constants and arena go before the context does
         else:
             self.backend = CpuBackend()
         self.opsets = {registry.normalize_domain(d): v for d, v in self.model.opset_imports.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,5 +26,25 @@ def test_run_on_cuda_matches_the_reference(tmp_path, name):
     assert result.returncode == 0, result.stderr
     assert "ran on cuda" in result.stdout and "match the reference" in result.stdout
     memory = next(line for line in result.stdout.splitlines() if line.startswith("device memory: planned arena"))
-    planned, bound, held = (float(word) for word in memory.replace("(", " ").split() if word.replace(".", "").isdigit())
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    words = memory.replace("(", " ").replace(")", " ").replace(",", " ").split()
+    planned, bound, held = (float(w) * scale[u] for w, u in zip(words, words[1:]) if u in scale)
     assert 0 < bound <= planned and held > 0, memory
+
+
+def test_a_script_holding_a_session_in_a_global_exits_cleanly(tmp_path):
+    """Device memory is released before PyCUDA pops its context at exit (it used to abort)."""
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import numpy as np, gradgen\n"
+        "from gradgen.executor import Session\n"
+        "built = gradgen.build_backward('samples/cnn/model.onnx', wrt_inputs=True).model\n"
+        "session = Session(built, device='cuda')\n"
+        "inputs = dict(np.load('samples/cnn/inputs.npz'))\n"
+        "for _ in range(3):\n"
+        "    grads = session.run(inputs)\n"
+        "print('ran', len(grads))\n")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0 and "ran" in result.stdout, result.stderr
+    assert "terminate called" not in result.stderr and "PyCUDA" not in result.stderr, result.stderr

@@ -31,6 +31,14 @@ def allow_tf32() -> bool:
     return os.environ.get("GRADGEN_ALLOW_TF32", "") == "1"
 
 
+def _drop_cublas() -> None:
+    """At exit: the handle and its workspace go while the context is current."""
+    handle = _STATE.pop("handle", None)
+    if handle is not None:
+        _STATE["cublas"].destroy(handle)
+    _STATE.clear()
+
+
 def _cublas():
     """(module, handle): one cuBLAS handle per process, created on first use, on gradgen's stream."""
     if "handle" not in _STATE:
@@ -48,6 +56,7 @@ def _cublas():
         _STATE["workspace"] = workspace
         _STATE["cublas"] = cublas
         _STATE["handle"] = handle
+        rt.drop_at_exit(_drop_cublas)
     return _STATE["cublas"], _STATE["handle"]
 
 

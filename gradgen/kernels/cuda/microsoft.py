@@ -124,6 +124,7 @@ def _sticky_flag():
             return rt.zeros((1,), np.int64)  # the graph zeroes it on each replay: no sync while capturing
         with rt.persistent():
             _FLAG.append(rt.to_device(np.zeros((1,), np.int64)))
+        rt.drop_at_exit(_FLAG.clear)
     return _FLAG[0]
 
 
