@@ -42,6 +42,8 @@ class FakeDevice:
         self.released = 0
 
     def reserve(self, nbytes):
+        if nbytes <= 0:
+            raise ValueError("cuMemAlloc failed: invalid argument")  # as the driver answers 0 bytes
         address, self.next_arena = self.next_arena, self.next_arena + (1 << 36)
         return FakeAllocation(address, nbytes, self.arenas)
 
@@ -344,3 +346,12 @@ def test_a_traced_block_held_by_a_reference_cycle_is_still_planned(manager):
     finally:
         gc.enable()
     assert manager.plans["cyc"].slots  # collected at the end of the run: planned (to the end)
+
+
+def test_a_signature_that_allocates_nothing_needs_no_arena(manager, device):
+    """A plan of size 0 (views and host-side steps only) runs without asking the driver for 0 bytes."""
+    holder = Holder(manager, "empty", program=[], steps=2)
+    for _ in range(3):
+        run, _ = holder.run()
+        assert run.fallbacks == 0
+    assert manager.plans["empty"].size == 0 and not device.arenas and manager.leaks == 0

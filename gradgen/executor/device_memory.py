@@ -80,6 +80,9 @@ class Arena:
 
     def __init__(self, device, nbytes: int):
         self.nbytes = int(nbytes)
+        if not self.nbytes:  # a plan of empty or view-only buffers: cuMemAlloc refuses 0 bytes
+            self.allocation, self.base = None, 0
+            return
         try:
             self.allocation = device.reserve(self.nbytes)
         except Exception as exc:  # noqa: BLE001 - the driver's out-of-memory error, whatever its type
