@@ -13,9 +13,9 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import (
     CleanupPass,
     FoldShapeArithmeticPass,
-    InlineConstantIfPass,
     GradientPass,
     GradientSpec,
+    InlineConstantIfPass,
     LowerToStandardPass,
     NameNodesPass,
     Pipeline,

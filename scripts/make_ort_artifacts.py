@@ -179,8 +179,8 @@ def add_optional_outputs(model: onnx.ModelProto) -> list[str]:
 
 
 def make_one(name: str, out_root: Path) -> dict:
-    from onnxruntime.training import artifacts
     import onnxruntime
+    from onnxruntime.training import artifacts
 
     sample = SAMPLES / name
     model = onnx.load(str(sample / "model.onnx"))
@@ -276,7 +276,8 @@ def _rng_cases():
     for axis in (0, 1, -1):
         ys = np.exp(x) / np.exp(x).sum(axis=axis, keepdims=True)
         cases.append((f"SoftmaxGrad_13_axis{axis}", ms, "SoftmaxGrad_13", [dy, ys.astype(np.float32)], {"axis": axis}, 1))
-        cases.append((f"LogSoftmaxGrad_13_axis{axis}", ms, "LogSoftmaxGrad_13", [dy, np.log(ys).astype(np.float32)], {"axis": axis}, 1))
+        cases.append((f"LogSoftmaxGrad_13_axis{axis}", ms, "LogSoftmaxGrad_13", [dy, np.log(ys).astype(np.float32)],
+                      {"axis": axis}, 1))
     y2 = np.exp(x) / np.exp(x).reshape(3, -1).sum(axis=1).reshape(3, 1, 1)
     cases.append(("SoftmaxGrad_axis1", ms, "SoftmaxGrad", [dy, y2.astype(np.float32)], {"axis": 1}, 1))
     cases.append(("LogSoftmaxGrad_axis1", ms, "LogSoftmaxGrad", [dy, np.log(y2).astype(np.float32)], {"axis": 1}, 1))
@@ -307,7 +308,8 @@ def _rng_cases():
     mean = xl.reshape(2, -1).mean(axis=1).reshape(2, 1, 1).astype(np.float32)
     inv = (1 / np.sqrt(((xl - mean) ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
     gamma = f32(3, 4)
-    cases.append(("LayerNormalizationGrad_axis1", ms, "LayerNormalizationGrad", [f32(2, 3, 4), xl, gamma, mean, inv], {"axis": 1}, 3))
+    cases.append(("LayerNormalizationGrad_axis1", ms, "LayerNormalizationGrad", [f32(2, 3, 4), xl, gamma, mean, inv],
+                  {"axis": 1}, 3))
     rms = (1 / np.sqrt((xl ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
     cases.append(("SimplifiedLayerNormalizationGrad_axis1", ms, "SimplifiedLayerNormalizationGrad",
                   [f32(2, 3, 4), xl, gamma, rms], {"axis": 1}, 2))

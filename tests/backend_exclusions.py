@@ -14,6 +14,9 @@ docs/BACKEND_TESTS.md lists the same entries; regenerate its tables with
 
 from __future__ import annotations
 
+_RANDOM_DROPOUT = "training-mode Dropout with ratio > 0 draws a random mask; gradgen runs Dropout in inference mode only"
+
+
 EXCLUDED: dict[str, str] = {
     "test_attention_3d_causal_bf16_expanded": "BFLOAT16 tensors: not a gradgen element type",
     "test_attention_4d_attn_mask_causal_bf16_expanded": "BFLOAT16 tensors: not a gradgen element type",
@@ -173,10 +176,10 @@ EXCLUDED: dict[str, str] = {
     "test_einsum_sum_bfloat16": "BFLOAT16 tensors: not a gradgen element type",
     "test_identity_opt": "optional-typed input and output: gradgen runs tensors only",
     "test_identity_sequence": "sequence-typed input and output: gradgen runs tensors only",
-    "test_training_dropout": "training-mode Dropout with ratio > 0 draws a random mask; gradgen runs Dropout in inference mode only",
-    "test_training_dropout_default": "training-mode Dropout with ratio > 0 draws a random mask; gradgen runs Dropout in inference mode only",
-    "test_training_dropout_default_mask": "training-mode Dropout with ratio > 0 draws a random mask; gradgen runs Dropout in inference mode only",
-    "test_training_dropout_mask": "training-mode Dropout with ratio > 0 draws a random mask; gradgen runs Dropout in inference mode only",
+    "test_training_dropout": _RANDOM_DROPOUT,
+    "test_training_dropout_default": _RANDOM_DROPOUT,
+    "test_training_dropout_default_mask": _RANDOM_DROPOUT,
+    "test_training_dropout_mask": _RANDOM_DROPOUT,
 }
 
 # test name -> (rtol, atol, why); replaces the per-dtype default tolerance for that test.

@@ -13,7 +13,12 @@ import gc
 import pytest
 
 from gradgen.executor.device_memory import (
-    ARENA_GRANULE, FEED_STEP, ArenaHost, FreeList, MemoryManager, release_frames,
+    ARENA_GRANULE,
+    FEED_STEP,
+    ArenaHost,
+    FreeList,
+    MemoryManager,
+    release_frames,
 )
 from gradgen.executor.memory_plan import aligned
 

@@ -187,10 +187,12 @@ CASES = [
     # what to differentiate
     Case("unknown_ops", _unknown_ops, 3, ("custom::Foo", "'foo1'", "'foo2'", "custom::Bar", "'bar'"), multiline=True),
     Case("no_scalar_output", _no_scalar, 3, ("no scalar float output", "--loss")),
-    Case("wrt_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--wrt", "nothing"], 2, ("'nothing'",)),
+    Case("wrt_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--wrt", "nothing"], 2,
+         ("'nothing'",)),
     Case("wrt_integer", lambda t: ["build-backward", _gather_model(t), "-o", t / "out.onnx", "--wrt", "ids"], 2,
          ("'ids'", "not a float")),
-    Case("loss_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--loss", "nothing"], 2, ("'nothing'",)),
+    Case("loss_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--loss", "nothing"], 2,
+         ("'nothing'",)),
     Case("freeze_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--freeze", "zz"], 2, ("zz",)),
     Case("everything_frozen", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--freeze", "w"], 2,
          ("nothing to differentiate",)),
@@ -238,7 +240,8 @@ CASES = [
     # checking
     Case("check_no_inputs", lambda t: ["check", _tiny(t)], 2, ("--inputs",)),
     Case("check_missing_model", lambda t: ["check", t / "nope.onnx", "--random-inputs"], 2, ("nope.onnx", "no such file")),
-    Case("check_bad_samples", lambda t: ["check", _tiny(t), "--random-inputs", "--dim", "N=2", "--samples", "-1"], 2, ("--samples",)),
+    Case("check_bad_samples", lambda t: ["check", _tiny(t), "--random-inputs", "--dim", "N=2", "--samples", "-1"], 2,
+         ("--samples",)),
     Case("check_nan_loss", lambda t: ["check", _tiny(t), "--inputs", _npz(t, x=np.full((2, 3), np.nan, np.float32))],
          4, ("not finite", "'loss'")),
 ]

@@ -567,7 +567,8 @@ def test_mean_variance_normalization():
     x = rand(2, 3, 4, 5)
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
     close(K.mean_variance_normalization(x), (x - mean) / (x.std(axis=(0, 2, 3), keepdims=True) + 1e-9), rtol=1e-8)
-    close(K.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9), rtol=1e-8)
+    close(K.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9),
+          rtol=1e-8)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

@@ -70,7 +70,8 @@ def test_shape_inference_sees_weights_shapes_without_their_data(monkeypatch):
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     seen = []
     real = onnx.shape_inference.infer_shapes
-    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda proto, **kw: seen.append(proto.ByteSize()) or real(proto, **kw))
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes",
+                        lambda proto, **kw: seen.append(proto.ByteSize()) or real(proto, **kw))
     before = [v.name for v in model.graph.initializers.values()], [v.name for v in model.graph.inputs]
     passes.ShapeInferencePass()(model)
     assert seen and max(seen) < 4096  # the 64 KB weight did not travel

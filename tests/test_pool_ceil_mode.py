@@ -15,9 +15,9 @@ from onnx import TensorProto, helper
 import gradgen
 from gradgen import passes
 from gradgen.api import ir
+from gradgen.check import check_gradients
 from gradgen.executor import Session
 from gradgen.kernels.cpu.nn import pool_output_shape
-from gradgen.check import check_gradients
 from tests.gradcheck import GradCase, case_model
 
 torch = pytest.importorskip("torch")

@@ -28,10 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gradgen.bench.measure import (DeviceMemory, error_text, is_out_of_memory, median, time_adaptive, time_steps,
-                                   write_json_atomic)
+from gradgen.bench.measure import DeviceMemory, error_text, is_out_of_memory, median, time_adaptive, time_steps, write_json_atomic
 from gradgen.bench.models import ModelSpec, build_module
-
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch
@@ -250,7 +248,6 @@ def job_gradgen_profile(task: dict) -> dict:
     the profiler correlates the launches (the ``by_op`` table is empty where it does not).
     """
     os.environ["GRADGEN_CUDA_GRAPHS"] = "0"
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from gradgen.executor import Session

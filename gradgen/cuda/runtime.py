@@ -28,7 +28,6 @@ import weakref
 from pathlib import Path
 
 import numpy as np
-
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
 import pycuda.driver as driver
 import pycuda.gpuarray as gpuarray

@@ -120,9 +120,8 @@ class Session:
         self.graph = self.model.graph
         self.device = resolve_device(device)
         if self.device == "cuda":
-            from gradgen.executor.cuda_backend import CudaBackend
-
             from gradgen.cuda import runtime
+            from gradgen.executor.cuda_backend import CudaBackend
 
             self.backend = CudaBackend()
             runtime.close_at_exit(self)  # its device constants and arena go before the context does
@@ -283,7 +282,8 @@ def _topological_order(nodes: list[ir.Node], graph: ir.Graph) -> list[ir.Node]:
             if value is None or not value.name or value.name in available:
                 continue
             if value.name not in producers:
-                raise ModelError(f"{node_label(node)}: input {value.name!r} is produced by no node and is not a graph input or initializer")
+                raise ModelError(f"{node_label(node)}: input {value.name!r} is produced by no node and is not "
+                                 "a graph input or initializer")
             needs.add(value.name)
         waiting_on.append(needs)
         for name in needs:

@@ -145,8 +145,9 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
 
     Before opset 22, ONNX's inference keeps a ceil_mode window that starts past the input (e.g.
     kernel 1, stride 2 on 2 elements gives 2 outputs; the kernels, PyTorch and ONNX Runtime give 1),
-    and it drops ConvTranspose output_shape values of 1 (a rank-2 output). Such outputs are declared with the right shape and inference runs again, so that everything
-    downstream (and the gradients built from these shapes) sees the shape the kernels produce.
+    and it drops ConvTranspose output_shape values of 1 (a rank-2 output). Such outputs are declared
+    with the right shape and inference runs again, so that everything downstream (and the gradients
+    built from these shapes) sees the shape the kernels produce.
     Returns the inferred model and the names of the corrected values.
     """
     corrected: dict[str, onnx.ValueInfoProto] = {}

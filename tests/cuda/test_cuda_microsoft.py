@@ -283,7 +283,8 @@ def test_executor_runs_gradient_ops_on_device(rt):
     graph = helper.make_graph(
         nodes, "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("x", [4, 3]), ("dy", [2, 3]), ("dg", [3, 3]))],
-        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 3]), helper.make_tensor_value_info("gx", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 3]),
+         helper.make_tensor_value_info("gx", TensorProto.FLOAT, [4, 3])],
         initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MICROSOFT, 1)])
     feeds = {"x": np.zeros((4, 3), np.float32), "dy": RNG.standard_normal((2, 3)).astype(np.float32),

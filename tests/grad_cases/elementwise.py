@@ -122,7 +122,8 @@ CASES += [
     GradCase("Max", [np.array([1.0, 2.0, -0.5]), np.array([1.0, 0.5, 0.7])], name="Max_tie"),
     GradCase("Min", [np.array([1.0, 2.0, -0.5]), np.array([1.0, 0.5, 0.7])], name="Min_tie"),
     # Clip: both bounds, one bound (the other omitted), none; values away from the bounds.
-    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9, -1.2]), np.array(-1.0), np.array(1.0)], const=(1, 2), name="Clip_both"),
+    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9, -1.2]), np.array(-1.0), np.array(1.0)], const=(1, 2),
+             name="Clip_both"),
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), np.array(0.0)], const=(1,), name="Clip_min"),
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), None, np.array(0.5)], const=(2,), name="Clip_max"),
     GradCase("Clip", [r(2, 3)], name="Clip_none"),

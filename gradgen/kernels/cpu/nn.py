@@ -582,7 +582,8 @@ def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, s
     idx = indices.astype(np.int64).reshape(-1)
     bad = (idx < 0) | (idx >= size)
     if bad.any():
-        raise KernelError(f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; valid range is [0, {size - 1}]")
+        raise KernelError(f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; "
+                          f"valid range is [0, {size - 1}]")
     flat = np.zeros(size, dtype=x.dtype)
     flat[idx] = x.reshape(-1)
     result = np.zeros(shape, dtype=x.dtype)

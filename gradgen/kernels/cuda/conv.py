@@ -58,8 +58,9 @@ def _contiguous_strides(dims) -> list[int]:
 def _cudnn():
     """(module, handle): the cudnn frontend and one handle per process, on gradgen's stream."""
     if "handle" not in _STATE:
-        from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
         import cudnn
+
+        from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
 
         _STATE["cudnn"] = cudnn
         _STATE["handle"] = cudnn.create_handle()

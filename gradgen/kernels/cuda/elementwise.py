@@ -479,9 +479,9 @@ def prelu(x, slope):
 @cuda_kernel("Dropout", host_inputs=(1, 2))
 def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _num_outputs=1, **attrs):
     """Inference mode: the input itself (and an all-true mask); training mode is refused as on the CPU."""
+    from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import elementwise as cpu
     from gradgen.kernels.cuda.copy import fill
-    from gradgen.cuda import runtime as rt
 
     # The CPU kernel decides (and refuses training mode) on a stand-in of the same dtype.
     cpu.dropout(np.zeros((), data.dtype), ratio, training_mode, seed=seed, is_test=is_test, **attrs)

@@ -42,8 +42,9 @@ def _drop_cublas() -> None:
 def _cublas():
     """(module, handle): one cuBLAS handle per process, created on first use, on gradgen's stream."""
     if "handle" not in _STATE:
-        from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
         from nvmath.bindings import cublas
+
+        from gradgen.cuda import runtime as rt  # noqa: F401  (the primary context is current)
 
         handle = cublas.create()
         cublas.set_stream(handle, int(rt.stream().handle))
