@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.errors import ModelError
+
 MICROSOFT = "com.microsoft"
 
 Dim = "int | str | None"  # a static size, a symbol name, or unknown
@@ -245,8 +247,12 @@ def _attribute(name: str, value: Any) -> ir.Attr:
 
 
 def numpy_dtype_of(x: ir.Value) -> np.dtype:
+    """x's element type; a model error naming x and its producer when no one could tell it."""
     if x.dtype is None:
-        raise ValueError(f"the element type of {x.name!r} is unknown (run shape inference first)")
+        producer = x.producer()
+        made_by = f" (output of {producer.op_type} node {producer.name!r})" if producer is not None else ""
+        raise ModelError(f"the element type of {x.name!r}{made_by} is unknown: ONNX shape inference could not "
+                         "tell it; declare it in the model's value_info")
     return np.dtype(x.dtype.numpy())
 
 
