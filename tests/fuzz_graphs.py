@@ -383,6 +383,26 @@ def graphs(draw, min_steps: int = 2, max_steps: int = 6, steps: list[str] | None
 # -- one-node kernel cases, for comparisons with onnxruntime ----------------------------------
 
 
+def single_node_inputs(arrays, fed: set[int], symbolic: bool = False):
+    """The inputs of a one-node model: input i is named ``in{i}`` ("" where ``arrays[i]`` is None),
+    a graph input when i is in ``fed`` (each dim a symbol ``in{i}_d{k}`` when ``symbolic``), else an
+    initializer. Returns (node input names, graph inputs, initializers)."""
+    names, graph_inputs, inits = [], [], []
+    for i, array in enumerate(arrays):
+        if array is None:
+            names.append("")
+            continue
+        name = f"in{i}"
+        names.append(name)
+        array = np.asarray(array)
+        if i in fed:
+            dims = [f"{name}_d{k}" for k in range(array.ndim)] if symbolic else list(array.shape)
+            graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
+        else:
+            inits.append(numpy_helper.from_array(array, name))
+    return names, graph_inputs, inits
+
+
 @dataclasses.dataclass
 class KernelCase:
     op_type: str
@@ -393,18 +413,8 @@ class KernelCase:
     const: tuple[int, ...] = ()  # inputs given as initializers (ORT wants some of them constant)
 
     def model(self) -> onnx.ModelProto:
-        names, graph_inputs, inits = [], [], []
-        for i, array in enumerate(self.inputs):
-            if array is None:
-                names.append("")
-                continue
-            name = f"in{i}"
-            names.append(name)
-            if i in self.const:
-                inits.append(numpy_helper.from_array(np.asarray(array), name))
-            else:
-                graph_inputs.append(helper.make_tensor_value_info(
-                    name, helper.np_dtype_to_tensor_dtype(np.asarray(array).dtype), list(np.shape(array))))
+        fed = {i for i in range(len(self.inputs)) if i not in self.const}
+        names, graph_inputs, inits = single_node_inputs(self.inputs, fed)
         outputs = [f"out{k}" for k in range(self.num_outputs)]
         node = helper.make_node(self.op_type, names, outputs, name="node", **self.attrs)
         graph = helper.make_graph([node], self.op_type, graph_inputs,

@@ -77,19 +77,7 @@ class OpCase:
         return {f"in{i}": a for i, a in enumerate(self.arrays(dtype)) if a is not None and i in self.graph_inputs}
 
     def _graph_parts(self, dtype):
-        names, graph_inputs, inits = [], [], []
-        for i, array in enumerate(self.arrays(dtype)):
-            if array is None:
-                names.append("")
-                continue
-            name = f"in{i}"
-            names.append(name)
-            if i in self.graph_inputs:
-                dims = [f"{name}_d{k}" for k in range(array.ndim)] if self.symbolic else list(array.shape)
-                graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
-                                                                  dims))
-            else:
-                inits.append(numpy_helper.from_array(np.asarray(array), name))
+        names, graph_inputs, inits = fg.single_node_inputs(self.arrays(dtype), set(self.graph_inputs), self.symbolic)
         while names and names[-1] == "":
             names.pop()
         outputs = [f"out{k}" for k in range(self.num_outputs)]

@@ -15,22 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradgen.cli import main
+from tests.test_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "samples" / "mlp" / "model.onnx"
 CNN = ROOT / "samples" / "cnn" / "model.onnx"
-
-
-def run_cli(capsys, monkeypatch, *args) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["gradgen", *map(str, args)])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

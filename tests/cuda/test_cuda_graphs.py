@@ -35,15 +35,20 @@ def test_replay_matches_eager(path, monkeypatch):
             assert np.array_equal(result[name], want), name
 
 
-def test_replay_sees_new_inputs_and_reports_bad_indices(monkeypatch):
-    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
-    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+def gather_square_model(table: np.ndarray):
+    """y = table[ids] ** 2 for 5 int64 ids: a model whose runs can hit an out-of-range index."""
     nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
              helper.make_node("Mul", ["rows", "rows"], ["y"], name="square")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [5])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
                               initializer=[numpy_helper.from_array(table, "table")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_replay_sees_new_inputs_and_reports_bad_indices(monkeypatch):
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    model = gather_square_model(table)
     session = Session(model, device="cuda")
     for seed in range(4):
         ids = np.random.default_rng(seed).integers(-4, 4, 5).astype(np.int64)

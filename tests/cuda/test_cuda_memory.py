@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gradgen
 from gradgen.errors import KernelError, UsageError
 from gradgen.executor import Session
+from tests.cuda.test_cuda_graphs import gather_square_model
 from tests.model_dirs import SAMPLE_DIRS, dir_id, load
 
 pytestmark = pytest.mark.cuda
@@ -136,12 +137,7 @@ def test_close_releases_the_arena_and_refuses_later_runs():
 def test_an_error_in_a_planned_run_keeps_the_arena(monkeypatch):
     monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "0")
     table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
-             helper.make_node("Mul", ["rows", "rows"], ["y"], name="square")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [5])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
-                              initializer=[numpy_helper.from_array(table, "table")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = gather_square_model(table)
     with Session(model, device="cuda") as session:
         good = np.array([0, 1, 3, 2, -1], np.int64)
         for _ in range(2):
