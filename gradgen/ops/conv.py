@@ -1,0 +1,110 @@
+"""Convolution geometry: auto_pad, pads, strides, dilations and output shapes of Conv (and
+ConvGrad, which keeps the forward Conv's attributes) and ConvTranspose.
+
+The one definition the CPU kernels, the CUDA launchers, the lowering of ConvGrad and shape
+inference's corrections share.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from gradgen.errors import KernelError
+from gradgen.ops.attributes import text
+from gradgen.ops.axes import per_axis
+
+AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+def effective_kernel(kernel: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """The span of each dilated kernel axis: (k - 1) * d + 1."""
+    return [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+
+
+def same_pads(spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
+              auto_pad: str) -> tuple[list[int], list[int], list[int]]:
+    """(begin, end, out) of SAME_UPPER / SAME_LOWER padding: out = ceil(n / s), the odd unit of
+    padding at the end (UPPER) or the beginning (LOWER)."""
+    out = [-(-n // s) for n, s in zip(spatial, strides)]
+    span = effective_kernel(kernel, dilations)
+    total = [max(0, (o - 1) * s + e - n) for o, s, e, n in zip(out, strides, span, spatial)]
+    small, big = [t // 2 for t in total], [t - t // 2 for t in total]
+    begin, end = (small, big) if auto_pad == "SAME_UPPER" else (big, small)
+    return begin, end, out
+
+
+def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+                  pads=None, strides=None):
+    """Check a Conv's shapes and attributes; return (pads_begin, pads_end, strides, dilations, out_shape)."""
+    auto_pad = text(auto_pad, "NOTSET")
+    x_shape, w_shape = tuple(x_shape), tuple(w_shape)
+    if len(x_shape) < 3 or len(w_shape) != len(x_shape):
+        raise KernelError(f"Conv needs X of rank >= 3 and W of the same rank; got X {list(x_shape)}, W {list(w_shape)}")
+    nd = len(x_shape) - 2
+    kernel = list(w_shape[2:])
+    if kernel_shape is not None and list(kernel_shape) != kernel:
+        raise KernelError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {kernel} (W {list(w_shape)})")
+    strides = [1] * nd if strides is None else list(strides)
+    dilations = [1] * nd if dilations is None else list(dilations)
+    if len(strides) != nd or len(dilations) != nd:
+        raise KernelError(f"strides {strides} and dilations {dilations} must have {nd} values")
+    if min(strides + dilations, default=1) < 1:
+        raise KernelError(f"strides {strides} and dilations {dilations} must be >= 1")
+    channels, filters = x_shape[1], w_shape[0]
+    if group < 1 or channels != w_shape[1] * group or filters % group:
+        raise KernelError(f"group {group} does not fit X {list(x_shape)} and W {list(w_shape)}: X's channels must be "
+                          f"W.shape[1] * group and W.shape[0] a multiple of group")
+    spatial = x_shape[2:]
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begin, end, _ = same_pads(spatial, kernel, strides, dilations, auto_pad)
+    elif auto_pad == "VALID":
+        begin, end = [0] * nd, [0] * nd
+    elif auto_pad == "NOTSET":
+        pads = [0] * (2 * nd) if pads is None else list(pads)
+        if len(pads) != 2 * nd or min(pads, default=0) < 0:
+            raise KernelError(f"pads {pads} must be {2 * nd} non-negative values")
+        begin, end = pads[:nd], pads[nd:]
+    else:
+        raise KernelError(f"unknown auto_pad {auto_pad!r} (NOTSET, SAME_UPPER, SAME_LOWER or VALID)")
+    span = effective_kernel(kernel, dilations)
+    out = [(n + b + e - sp) // s + 1 for n, b, e, sp, s in zip(spatial, begin, end, span, strides)]
+    if min(out) < 1:
+        raise KernelError(f"Conv output would be empty: X {list(x_shape)}, W {list(w_shape)}, pads {begin + end}, "
+                          f"strides {strides}, dilations {dilations}")
+    return begin, end, strides, dilations, (x_shape[0], filters, *out)
+
+
+def conv_transpose_geometry(x_shape, w_shape, attrs):
+    """(full, begin, out) per spatial axis of ConvTranspose: the length of the full (uncropped)
+    result, where the output starts in it (negative: before it) and the output length. The one
+    rule the kernel and shape inference share (ONNX's inference drops output_shape values of 1)."""
+    get = attrs.get
+    ns = len(x_shape) - 2
+    spatial, kernel = list(x_shape[2:]), list(w_shape[2:])
+    s = per_axis(get("strides"), ns, 1, "strides")
+    d = per_axis(get("dilations"), ns, 1, "dilations")
+    op = per_axis(get("output_padding"), ns, 0, "output_padding")
+    effective = effective_kernel(kernel, d)
+    full = [si * (size - 1) + op_i + e for si, size, op_i, e in zip(s, spatial, op, effective)]
+    auto_pad = text(get("auto_pad"), "NOTSET") or "NOTSET"
+    if auto_pad not in AUTO_PADS:
+        raise KernelError(f"unknown auto_pad {auto_pad!r}")
+    if get("output_shape") is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if get("output_shape") is not None:
+            out = [int(v) for v in get("output_shape")][-ns:]
+            if len(out) != ns:
+                raise KernelError(f"output_shape {list(get('output_shape'))} does not have {ns} spatial dimensions")
+        else:
+            out = [size * si for size, si in zip(spatial, s)]
+        total = [f - o for f, o in zip(full, out)]
+        if auto_pad == "SAME_UPPER":
+            begin = [t // 2 for t in total]
+        else:
+            begin = [t - t // 2 for t in total]
+    else:
+        p = [0] * (2 * ns) if auto_pad == "VALID" else per_axis(get("pads"), 2 * ns, 0, "pads")
+        begin = p[:ns]
+        out = [f - p[i] - p[ns + i] for i, f in enumerate(full)]
+    if min(out) < 1:
+        raise KernelError(f"the output spatial shape {out} is empty")
+    return full, begin, out

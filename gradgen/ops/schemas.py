@@ -1,0 +1,233 @@
+"""The com.microsoft ops gradgen emits and runs: one table of signatures, and their output types.
+
+The signatures are ONNX Runtime training's (domain com.microsoft, since version 1), input order
+included, so that gradgen's graphs load there and ORT-built gradient graphs run here. None of these
+ops has an ONNX shape-inference function, so the gradient pass asks ``output_types`` for the type
+and shape of each emitted node's outputs and writes them as value_info.
+
+Types are ``onnx_ir.DataType`` members (an IntEnum with ``onnx.TensorProto``'s numbers, so plain
+ints work too). A shape is a tuple whose dims are ints, symbolic names (str) or None (unknown); a
+shape of None means even the rank is unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import ModelError
+
+MICROSOFT_DOMAIN = "com.microsoft"
+MICROSOFT_OPSET = 1
+
+DT = ir.DataType
+FLOATS = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE, DT.BFLOAT16})
+FLOATS_NO_BF16 = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE})
+INDICES = frozenset({DT.INT32, DT.INT64})
+INT64 = frozenset({DT.INT64})
+ANY = None  # every tensor type
+
+
+@dataclasses.dataclass(frozen=True)
+class Formal:
+    """One input or output: its name, whether it may be omitted, and the types it accepts."""
+
+    name: str
+    types: frozenset | None
+    optional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribute:
+    """An attribute with its default (None: absent unless given).
+
+    ``declared`` is False for attributes ORT's schema does not declare but the node carries all
+    the same (ConvGrad keeps the forward Conv's attributes verbatim).
+    """
+
+    name: str
+    type: str
+    default: Any = None
+    declared: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    op_type: str
+    inputs: tuple[Formal, ...]
+    outputs: tuple[Formal, ...]
+    attributes: tuple[Attribute, ...] = ()
+    domain: str = MICROSOFT_DOMAIN
+    since_version: int = MICROSOFT_OPSET
+
+    @property
+    def min_inputs(self) -> int:
+        return sum(1 for f in self.inputs if not f.optional)
+
+    def defaults(self) -> dict[str, Any]:
+        return {a.name: a.default for a in self.attributes if a.default is not None}
+
+
+_CONV_ATTRIBUTES = (
+    Attribute("auto_pad", "string", "NOTSET", declared=False),
+    Attribute("dilations", "ints", declared=False),
+    Attribute("group", "int", 1, declared=False),
+    Attribute("kernel_shape", "ints", declared=False),
+    Attribute("pads", "ints", declared=False),
+    Attribute("strides", "ints", declared=False),
+)
+
+SCHEMAS: dict[str, Schema] = {s.op_type: s for s in (
+    Schema(
+        "SliceGrad",
+        inputs=(Formal("dY", ANY), Formal("shape", INT64), Formal("starts", INDICES), Formal("ends", INDICES),
+                Formal("axes", INDICES, optional=True), Formal("steps", INDICES, optional=True)),
+        outputs=(Formal("dX", ANY),),
+    ),
+    Schema(
+        "GatherGrad",
+        inputs=(Formal("shape", INT64), Formal("indices", INDICES), Formal("dY", FLOATS)),
+        outputs=(Formal("dX", FLOATS),),
+        attributes=(Attribute("axis", "int", 0),),
+    ),
+    Schema(
+        "GatherElementsGrad",
+        inputs=(Formal("dY", FLOATS), Formal("shape", INT64), Formal("indices", INDICES)),
+        outputs=(Formal("dX", FLOATS),),
+        attributes=(Attribute("axis", "int", 0),),
+    ),
+    Schema(
+        "ConvGrad",
+        inputs=(Formal("dY", FLOATS_NO_BF16), Formal("X", FLOATS_NO_BF16), Formal("W", FLOATS_NO_BF16)),
+        outputs=(Formal("dX", FLOATS_NO_BF16, optional=True), Formal("dW", FLOATS_NO_BF16, optional=True),
+                 Formal("dB", FLOATS_NO_BF16, optional=True)),
+        attributes=_CONV_ATTRIBUTES,
+    ),
+    Schema(
+        "BroadcastGradientArgs",
+        inputs=(Formal("a_shape", INT64), Formal("b_shape", INT64)),
+        outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
+    ),
+)}
+
+
+def microsoft_opset_import() -> tuple[str, int]:
+    """The opset import a model holding these ops needs."""
+    return (MICROSOFT_DOMAIN, MICROSOFT_OPSET)
+
+
+def schema(op_type: str) -> Schema:
+    """The schema of a com.microsoft op gradgen knows; ModelError naming the op otherwise."""
+    try:
+        return SCHEMAS[op_type]
+    except KeyError:
+        raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type} is not one of the ops gradgen knows "
+                         f"({', '.join(sorted(SCHEMAS))})") from None
+
+
+def check_node(op_type: str, num_inputs: int, num_outputs: int, attributes=(), where: str = "") -> Schema:
+    """Check a com.microsoft node's input and output counts and attribute names against its schema.
+
+    ``num_inputs`` counts up to the last given input (omitted optional ones in between count);
+    ``where`` names the node in the error. Returns the schema. Every layer that emits, runs or
+    rewrites these nodes calls it: the gradient builder, the executor's plan and the lowering.
+    """
+    sch = schema(op_type)
+    label = f"{MICROSOFT_DOMAIN}::{op_type}" + (f" {where}" if where else "")
+    if not sch.min_inputs <= num_inputs <= len(sch.inputs):
+        raise ModelError(f"{label} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
+                         f"({', '.join(f.name for f in sch.inputs)}), got {num_inputs}")
+    if not 1 <= num_outputs <= len(sch.outputs):
+        raise ModelError(f"{label} has at most {len(sch.outputs)} outputs "
+                         f"({', '.join(f.name for f in sch.outputs)}), got {num_outputs}")
+    known = {a.name for a in sch.attributes}
+    unknown = sorted(set(attributes) - known)
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "none"
+        raise ModelError(f"{label} has unknown attribute(s) {', '.join(unknown)} (allowed: {allowed})")
+    return sch
+
+
+class TensorInfo(NamedTuple):
+    """What is known of one input: its type, its shape and, for a constant, its value."""
+
+    dtype: int | None
+    shape: tuple | None
+    value: np.ndarray | None = None
+
+
+Shape = tuple | None
+OutputType = tuple[ir.DataType | None, Shape]
+
+
+def output_types(op_type: str, input_types_and_shapes: Sequence[Any],
+                 attributes: dict[str, Any] | None = None) -> list[OutputType]:
+    """(dtype, shape) of every output the schema declares, in order, from what is known of the inputs.
+
+    ``input_types_and_shapes`` holds, per input in schema order, a ``TensorInfo`` or a tuple
+    (dtype, shape) or (dtype, shape, value), or None for an omitted optional input. Raises
+    ModelError for a wrong number of inputs or a type the schema does not allow.
+    """
+    sch = schema(op_type)
+    infos = [_info(x) for x in input_types_and_shapes]
+    if not sch.min_inputs <= len(infos) <= len(sch.inputs):
+        raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
+                         f"({', '.join(f.name for f in sch.inputs)}), got {len(infos)}")
+    for formal, info in zip(sch.inputs, infos):
+        if info is None:
+            if not formal.optional:
+                raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} is required")
+        elif formal.types is not None and info.dtype is not None and info.dtype not in formal.types:
+            allowed = ", ".join(sorted(t.name for t in formal.types))
+            raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} has type "
+                             f"{_type_name(info.dtype)}; allowed: {allowed}")
+    attrs = {**sch.defaults(), **(attributes or {})}
+    return _RULES[op_type](infos, attrs)
+
+
+def _info(x: Any) -> TensorInfo | None:
+    if x is None:
+        return None
+    info = x if isinstance(x, TensorInfo) else TensorInfo(*x)
+    dtype = None if info.dtype is None else DT(int(info.dtype))
+    shape = None if info.shape is None else tuple(info.shape)
+    value = None if info.value is None else np.asarray(info.value)
+    return TensorInfo(dtype, shape, value)
+
+
+def _type_name(dtype: int) -> str:
+    try:
+        return DT(int(dtype)).name
+    except ValueError:
+        return str(dtype)
+
+
+def _shape_from_input(info: TensorInfo) -> Shape:
+    """The shape a `shape` input describes: its value if constant, else its rank if known."""
+    if info.value is not None:
+        return tuple(int(d) for d in np.asarray(info.value).reshape(-1))
+    if info.shape is not None and len(info.shape) == 1 and isinstance(info.shape[0], int):
+        return (None,) * info.shape[0]
+    return None
+
+
+def _dims(info: TensorInfo | None, axis: int) -> Any:
+    if info is None or info.shape is None or len(info.shape) <= axis:
+        return None
+    return info.shape[axis]
+
+
+_RULES = {
+    "SliceGrad": lambda i, a: [(i[0].dtype, _shape_from_input(i[1]))],
+    "GatherGrad": lambda i, a: [(i[2].dtype, _shape_from_input(i[0]))],
+    "GatherElementsGrad": lambda i, a: [(i[0].dtype, _shape_from_input(i[1]))],
+    "ConvGrad": lambda i, a: [
+        (i[1].dtype if i[1].dtype is not None else i[0].dtype, i[1].shape),
+        (i[2].dtype if i[2].dtype is not None else i[0].dtype, i[2].shape),
+        (i[0].dtype if i[0].dtype is not None else i[2].dtype, (_dims(i[2], 0),)),
+    ],
+    "BroadcastGradientArgs": lambda i, a: [(DT.INT64, (None,)), (DT.INT64, (None,))],
+}

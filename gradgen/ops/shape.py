@@ -1,0 +1,78 @@
+"""Shape-op semantics: Slice geometry (shared by Slice and SliceGrad, CPU and CUDA, and the
+lowering of SliceGrad)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from gradgen.errors import KernelError
+from gradgen.ops.axes import int_list
+
+
+def slice_geometry(dims: Sequence[int], starts, ends, axes=None, steps=None) -> list[tuple[int, int, int]]:
+    """(start, step, count) per axis of a Slice of a tensor of shape ``dims``, clamped as the ONNX
+    spec says (negative starts/ends counted from the end, INT64_MAX/INT64_MIN ends, negative steps).
+    """
+    rank = len(dims)
+    starts, ends = int_list(starts, "starts"), int_list(ends, "ends")
+    if len(starts) != len(ends):
+        raise KernelError(f"starts has {len(starts)} values but ends has {len(ends)}")
+    axes = list(range(len(starts))) if axes is None else int_list(axes, "axes")
+    steps = [1] * len(starts) if steps is None else int_list(steps, "steps")
+    if not len(axes) == len(steps) == len(starts):
+        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
+                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
+    for a in axes:
+        if not -rank <= a < rank:
+            raise KernelError(f"axes value {a} is out of range for rank {rank} (valid range [{-rank}, {rank - 1}])")
+    axes = [a + rank if a < 0 else a for a in axes]
+    if len(set(axes)) != len(axes):
+        raise KernelError(f"axes {axes} repeats an axis")
+    geometry = [(0, 1, int(d)) for d in dims]
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        if step == 0:
+            raise KernelError(f"steps value for axis {axis} is 0")
+        size = int(dims[axis])
+        start = start + size if start < 0 else start
+        end = end + size if end < 0 else end
+        if step > 0:
+            start, end = min(max(start, 0), size), min(max(end, 0), size)
+        elif size == 0:
+            start, end = 0, 0
+        else:
+            start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
+        geometry[axis] = (start, step, len(range(start, end, step)))
+    return geometry
+
+
+def slice_index(geometry: Sequence[tuple[int, int, int]]) -> tuple[slice, ...]:
+    """numpy indices for a slice_geometry (a stop below 0 means "to the beginning")."""
+    index = []
+    for start, step, count in geometry:
+        stop = start + step * count
+        index.append(slice(start, None if stop < 0 else stop, step))
+    return tuple(index)
+
+
+def slice_window_pads(dims: Sequence[int | None], starts, ends, axes=None) -> list[int] | None:
+    """Pad's pads (begins then ends) that undo a step-1 Slice of a tensor of shape ``dims``, or None
+    when a sliced dim is unknown or the arguments do not describe a plain window."""
+    rank = len(dims)
+    starts, ends = [int(v) for v in starts], [int(v) for v in ends]
+    axes = list(range(len(starts))) if axes is None else [int(a) for a in axes]
+    if not len(starts) == len(ends) == len(axes):
+        return None
+    axes = [a + rank if a < 0 else a for a in axes]
+    if any(not 0 <= a < rank for a in axes) or len(set(axes)) != len(axes):
+        return None
+    begin, end = [0] * rank, [0] * rank
+    for axis, start, stop in zip(axes, starts, ends):
+        size = dims[axis]
+        if size is None:
+            return None
+        start = start + size if start < 0 else start
+        stop = stop + size if stop < 0 else stop
+        start, stop = min(max(start, 0), size), min(max(stop, 0), size)
+        stop = max(stop, start)
+        begin[axis], end[axis] = start, size - stop
+    return begin + end

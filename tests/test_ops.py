@@ -1,0 +1,80 @@
+"""The op-semantics layer (gradgen/ops): the shared rules every layer takes an op's meaning from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradgen.errors import KernelError, ModelError
+from gradgen.ops import axes, conv, elementwise, indexing, pool, schemas, shape
+
+
+def test_normalize_axis_counts_negative_axes_from_the_end():
+    assert axes.normalize_axis(-1, 3) == 2
+    assert axes.normalize_axis(0, 3) == 0
+    with pytest.raises(KernelError, match=r"axis 3 is out of range for rank 3 \(valid range \[-3, 2\]\)"):
+        axes.normalize_axis(3, 3)
+    with pytest.raises(KernelError, match="out of range for rank 0"):
+        axes.normalize_axis(0, 0)
+    assert axes.normalize_axis(0, 0, allow_scalar=True) == 0
+
+
+def test_normalize_axes_refuses_a_repeated_axis():
+    assert axes.normalize_axes([-1, 0], 2) == [1, 0]
+    with pytest.raises(KernelError, match=r"repeated axes \[1, -1\]"):
+        axes.normalize_axes([1, -1], 2)
+
+
+def test_broadcast_axes_static_and_runtime_agree():
+    assert elementwise.broadcast_gradient_axes([3, 1], [2, 1, 4]) == ([2, 0], [1])
+    assert elementwise.static_broadcast_axes([3, 1], [2, 3, 4]) == [0, 2]
+    assert elementwise.static_broadcast_axes(["n", 4], ["n", 4]) == []
+    assert elementwise.static_broadcast_axes([None, 4], [None, 4]) is None  # unknown dims never match
+    with pytest.raises(KernelError, match="broadcast is not possible"):
+        elementwise.broadcast_gradient_axes([3], [4])
+
+
+@pytest.mark.parametrize("dims, starts, ends, axes_, steps", [
+    ([5, 6], [1, -2], [4, 100], None, None),
+    ([5], [-1], [-100], [0], [-2]),
+    ([4, 3], [9], [-9], [-2], [-1]),
+])
+def test_slice_geometry_matches_numpy(dims, starts, ends, axes_, steps):
+    data = np.arange(int(np.prod(dims))).reshape(dims)
+    index = [slice(None)] * len(dims)
+    for i, axis in enumerate(axes_ if axes_ is not None else range(len(starts))):
+        index[axis] = slice(starts[i], ends[i], 1 if steps is None else steps[i])
+    expected = data[tuple(index)]
+    got = data[shape.slice_index(shape.slice_geometry(dims, starts, ends, axes_, steps))]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_slice_window_pads_undo_a_plain_slice():
+    assert shape.slice_window_pads([5, 6], [1, -2], [4, 100]) == [1, 4, 1, 0]
+    assert shape.slice_window_pads([None, 6], [1], [3]) is None
+
+
+def test_normalize_indices_wraps_negatives_and_names_a_bad_index():
+    np.testing.assert_array_equal(indexing.normalize_indices(np.array([-1, 0]), 3, 0), [2, 0])
+    with pytest.raises(KernelError, match=r"index 3 \(at position \[1\] of the indices\).*axis 0 of size 3"):
+        indexing.normalize_indices(np.array([0, 3]), 3, 0)
+
+
+def test_conv_and_pool_geometry_agree_on_same_padding():
+    begin, end, strides, _, out = conv.conv_geometry((1, 2, 7, 7), (4, 2, 3, 3), auto_pad="SAME_LOWER", strides=[2, 2])
+    *_, p_begin, p_end, p_out = pool.spatial_geometry((1, 2, 7, 7), [3, 3], [2, 2], None, None, "SAME_LOWER")
+    assert (begin, end, list(out[2:])) == (p_begin, p_end, p_out) == ([1, 1], [1, 1], [4, 4])
+
+
+def test_pool_ceil_mode_drops_a_window_starting_past_the_input():
+    assert pool.pool_output_shape([1, 1, 2], {"kernel_shape": [1], "strides": [2], "ceil_mode": 1}) == [1, 1, 1]
+
+
+def test_schemas_check_microsoft_nodes():
+    schemas.check_node("SliceGrad", 4, 1)
+    with pytest.raises(ModelError, match=r"SliceGrad node 'n' takes 4 to 6 inputs"):
+        schemas.check_node("SliceGrad", 3, 1, where="node 'n'")
+    with pytest.raises(ModelError, match="unknown attribute"):
+        schemas.check_node("GatherGrad", 3, 1, ["axes"])
+    with pytest.raises(ModelError, match="is not one of the ops gradgen knows"):
+        schemas.check_node("NoSuchGrad", 1, 1)
