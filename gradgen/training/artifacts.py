@@ -1,0 +1,319 @@
+"""ONNX Runtime training artifacts, as ``onnxruntime.training.artifacts.generate_artifacts`` writes them.
+
+ONNX Runtime's on-device training API (``Module``, ``Optimizer``, ``CheckpointState``) trains on
+four files that its ``generate_artifacts`` writes; its Python package stopped at 1.19.2 (Python
+<= 3.11). ``generate_artifacts`` here makes the same files with gradgen's gradient builder, on any
+Python gradgen runs on, to the contracts that runtime checks:
+
+- ``training_model.onnx``: the forward model, the loss, the backward graph, and one
+  ``com.microsoft::InPlaceAccumulatorV2(<p>_grad.accumulation.buffer, <p>_grad, lazy_reset_grad)``
+  per trainable parameter. Inputs, in this order: the user inputs (the loss target last), the
+  parameters (trainable and frozen, moved from initializers, in initializer order), one gradient
+  buffer per trainable parameter, ``lazy_reset_grad`` (bool [1]). Outputs: the loss, then
+  ``<p>_grad.accumulation.out`` (bool [1]) per trainable parameter. ``Module`` tells these roles
+  apart by name: checkpoint parameters, the ``_grad.accumulation.buffer`` / ``.out`` suffixes,
+  ``lazy_reset_grad``; the rest are user inputs and outputs.
+- ``eval_model.onnx``: the forward model and the loss, parameters as inputs, Dropout and
+  BatchNormalization out of training mode; its only output is the loss.
+- ``optimizer_model.onnx``: inputs ``learning_rate`` (float [1]), ``step`` (int64 [1]), ``params``,
+  ``gradients``, ``first_order_moments`` (and for AdamW ``second_order_moments``), sequences of
+  tensors, in that order (``Optimizer`` checks the names); one ``com.microsoft`` node,
+  ``AdamWOptimizer`` or ``SGDOptimizerV2``, optionally after ``InplaceClipGradNorm``; one bool
+  output, the update flag. ``Optimizer`` feeds ``step`` as its count + 1.
+- ``checkpoint``: the parameters in ONNX Runtime's flatbuffer format (``ort_checkpoint``).
+
+Differences from ``generate_artifacts``, by design: the backward graph is gradgen's (standard ops
+plus the com.microsoft gradient ops gradgen emits, all with ONNX Runtime's contracts), the loss
+blocks are gradgen's (``LossSpec``: PyTorch's functional losses, mean reduction), and ``AdamW`` is
+emitted with ``adam_mode=0``, PyTorch's ``torch.optim.AdamW``, with the hyper-parameters given
+(onnxblock's ``AdamW()`` uses ``adam_mode=1``, the Hugging Face variant, eps 1e-6, no decay), so
+that ``gradgen train`` and the ``Trainer`` compute the same steps. ``SGDOptimizerV2`` is plain SGD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+import onnx_ir as ir
+
+from gradgen.api import backward_pipeline, run_pipeline
+from gradgen.errors import ModelError, UsageError
+from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
+from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
+from gradgen.training.graph_edit import ParamsAsInputsPass, gradient_outputs, keep_outputs, opset_of
+from gradgen.training.losses import AddLossPass, LossSpec
+from gradgen.training.optimizers import SGD, AdamW
+from gradgen.training.ort_checkpoint import encode_checkpoint
+from gradgen.training.program import running_statistics
+
+TRAINING_MODEL = "training_model.onnx"
+EVAL_MODEL = "eval_model.onnx"
+OPTIMIZER_MODEL = "optimizer_model.onnx"
+CHECKPOINT = "checkpoint"
+RESET_GRAD = "lazy_reset_grad"
+BUFFER_SUFFIX = "_grad.accumulation.buffer"
+ACCUMULATED_SUFFIX = "_grad.accumulation.out"
+MICROSOFT = "com.microsoft"
+# The newest ONNX Runtime training release (1.19.2) reads these at most.
+ORT_TRAINING_MAX_OPSET = 21
+ORT_TRAINING_MAX_IR_VERSION = 10
+_FLOAT = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+@dataclasses.dataclass
+class TrainingArtifacts:
+    """The four artifacts in memory; ``save_artifacts`` writes them."""
+
+    training: ir.Model
+    eval: ir.Model
+    optimizer: onnx.ModelProto | None
+    requires_grad: dict[str, ir.TensorProtocol]  # initializer order
+    frozen: dict[str, ir.TensorProtocol]
+    loss: str
+    user_inputs: list[str]
+
+    def checkpoint(self) -> bytes:
+        return encode_checkpoint(self.requires_grad, self.frozen)
+
+    def compatibility_notes(self) -> list[str]:
+        """Why ONNX Runtime training 1.19.2 would refuse these models, if it would."""
+        notes = []
+        opset = opset_of(self.training)
+        if opset > ORT_TRAINING_MAX_OPSET:
+            notes.append(f"the models use opset {opset}; ONNX Runtime training 1.19.2 reads opsets up to "
+                         f"{ORT_TRAINING_MAX_OPSET}")
+        if (self.training.ir_version or 0) > ORT_TRAINING_MAX_IR_VERSION:
+            notes.append(f"the models have IR version {self.training.ir_version}; ONNX Runtime training 1.19.2 reads "
+                         f"IR versions up to {ORT_TRAINING_MAX_IR_VERSION}")
+        return notes
+
+
+def generate_artifacts(
+    model: ModelLike,
+    *,
+    requires_grad: Sequence[str] | None = None,
+    frozen: Sequence[str] = (),
+    loss: LossSpec | None = None,
+    optimizer: SGD | AdamW | None = None,
+    clip_norm: float | None = None,
+) -> TrainingArtifacts:
+    """Build ONNX Runtime's training, eval and optimizer models and the checkpoint of ``model``.
+
+    ``requires_grad`` names the trainable float initializers (default: every one the loss depends
+    on through differentiable ops, less ``frozen`` and BatchNormalization's running statistics);
+    ``frozen`` names float initializers that become inputs held by the checkpoint but are not
+    trained; other initializers stay constants of the graphs. ``loss`` appends a loss block to an
+    output of a model that ends in logits or predictions; without it the model's loss is its only
+    scalar float output. ``optimizer`` None writes no optimizer model.
+    """
+    if clip_norm is not None and not clip_norm > 0:
+        raise UsageError(f"clip norm {clip_norm} is not > 0")
+    _check_optimizer(optimizer)
+    forward = _copy(model) if isinstance(model, ir.Model) else load_model(model)
+    trainable, frozen = _check_names(forward.graph, requires_grad, list(frozen))
+    adder = AddLossPass(loss) if loss is not None else None
+    run_pipeline(Pipeline(UpgradeOpsetPass(), *([adder] if adder else [])), forward)
+
+    backward = _copy(forward)
+    freeze = frozen if trainable is not None else [*frozen, *running_statistics(forward.graph)]
+    pipeline, gradient = backward_pipeline(GradientSpec(loss=adder.loss_name if adder else None, wrt=trainable,
+                                                        freeze=list(dict.fromkeys(freeze))))
+    run_pipeline(pipeline, backward)
+    loss_name, trainable = gradient.loss_name, gradient.wrt_names
+
+    order = [name for name in forward.graph.initializers if name in set(trainable) | set(frozen)]
+    values = {name: forward.graph.initializers[name].const_value for name in order}
+    training = _training_model(backward, loss_name, trainable, order)
+    evaluation = _eval_model(forward, loss_name, order)
+    trainable_set = set(trainable)
+    requires = {name: values[name] for name in order if name in trainable_set}
+    optimizer_model = None
+    if optimizer is not None:
+        optimizer_model = _optimizer_model(optimizer, requires, opset_of(forward), forward.ir_version, clip_norm)
+    user_inputs = [v.name for v in training.graph.inputs
+                   if v.name not in values and not v.name.endswith(BUFFER_SUFFIX) and v.name != RESET_GRAD]
+    return TrainingArtifacts(
+        training=training, eval=evaluation, optimizer=optimizer_model,
+        requires_grad=requires,
+        frozen={name: values[name] for name in order if name not in trainable_set},
+        loss=loss_name, user_inputs=user_inputs)
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.from_proto(ir.to_proto(model))
+
+
+def _check_optimizer(optimizer: SGD | AdamW | None) -> None:
+    if isinstance(optimizer, SGD) and (optimizer.momentum or optimizer.weight_decay or optimizer.nesterov):
+        raise UsageError("ONNX Runtime's SGD optimizer (SGDOptimizerV2) is plain SGD: no momentum, Nesterov or "
+                         "weight decay; use --optimizer adamw, or plain sgd")
+    if optimizer is not None and not isinstance(optimizer, (SGD, AdamW)):
+        raise UsageError(f"unknown optimizer {optimizer!r}: use SGD() or AdamW()")
+
+
+def _check_names(graph: ir.Graph, requires_grad: Sequence[str] | None,
+                 frozen: list[str]) -> tuple[list[str] | None, list[str]]:
+    """The named parameters exist as float initializers and are either trainable or frozen."""
+    floats = [name for name, value in graph.initializers.items() if value.dtype in _FLOAT]
+    if not floats:
+        raise ModelError("the model has no float initializer: there is no parameter to train")
+    known = set(floats)
+    listed = ", ".join(floats[:10]) + (f" and {len(floats) - 10} more" if len(floats) > 10 else "")
+    for option, names in (("--requires-grad", requires_grad or []), ("--frozen", frozen)):
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise UsageError(f"{option} names no float initializer of the model: {', '.join(map(repr, unknown))} "
+                             f"(its float initializers: {listed})")
+    if requires_grad is not None:
+        if not requires_grad:
+            raise UsageError("--requires-grad: name at least one parameter to train")
+        both = sorted(set(requires_grad) & set(frozen))
+        if both:
+            raise UsageError(f"{', '.join(map(repr, both))}: a parameter is either trainable (--requires-grad) or "
+                             "frozen (--frozen), not both")
+        return list(dict.fromkeys(requires_grad)), list(dict.fromkeys(frozen))
+    return None, list(dict.fromkeys(frozen))
+
+
+def _training_model(model: ir.Model, loss: str, trainable: list[str], order: list[str]) -> ir.Model:
+    """Loss and gradient accumulators as outputs; parameters, gradient buffers and the reset flag as inputs."""
+    graph = model.graph
+    grads = gradient_outputs(graph, trainable)
+    keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
+    run_pipeline(ParamsAsInputsPass(order), model)
+    taken = {v.name for v in graph.inputs} | {v.name for node in graph for v in node.outputs} | set(graph.initializers)
+    inputs = {v.name: v for v in graph.inputs}
+    clashes = [n for p in trainable for n in (p + BUFFER_SUFFIX, p + ACCUMULATED_SUFFIX) if n in taken]
+    if RESET_GRAD in taken:
+        clashes.append(RESET_GRAD)
+    if clashes:
+        raise ModelError(f"the model already has tensor(s) named {', '.join(map(repr, clashes))}, which ONNX Runtime's "
+                         "training API reserves for its gradient buffers")
+    reset = ir.Value(name=RESET_GRAD, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
+    accumulated = []
+    for index, name in enumerate(trainable):
+        param = inputs[name]
+        buffer = ir.Value(name=name + BUFFER_SUFFIX, type=param.type, shape=param.shape)
+        graph.inputs.append(buffer)
+        out = ir.Value(name=name + ACCUMULATED_SUFFIX, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
+        graph.append(ir.Node(MICROSOFT, "InPlaceAccumulatorV2", [buffer, grads[name], reset], outputs=[out],
+                             name=f"GradientAccumulator{index}"))
+        accumulated.append(out)
+    graph.inputs.append(reset)
+    graph.outputs.extend(accumulated)
+    model.opset_imports.setdefault(MICROSOFT, 1)
+    run_pipeline(CleanupPass(), model)
+    return model
+
+
+def _eval_model(forward: ir.Model, loss: str, order: list[str]) -> ir.Model:
+    """The forward model and its loss, parameters as inputs, in inference mode."""
+    model = _copy(forward)
+    graph = model.graph
+    keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
+    run_pipeline(Pipeline(ParamsAsInputsPass(order), CleanupPass()), model)
+    for node in graph:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Dropout" and len(node.inputs) > 2:
+            node.replace_input_with(2, None)  # training_mode absent: inference
+        elif node.op_type == "BatchNormalization" and "training_mode" in node.attributes:
+            node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+    return model
+
+
+def _optimizer_model(optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProtocol], opset: int, ir_version: int,
+                     clip_norm: float | None) -> onnx.ModelProto:
+    """onnxblock's optimizer graph: sequences of parameters, gradients and moments in, an update flag out."""
+    not_float32 = [name for name, value in trainable.items() if value.dtype != ir.DataType.FLOAT]
+    if not_float32:
+        raise UsageError(f"ONNX Runtime's optimizer ops update float32 parameters only; {', '.join(map(repr, not_float32))} "
+                         "are not float32 (write no optimizer model with --optimizer none)")
+    h = onnx.helper
+    float_seq = onnx.TensorProto.FLOAT
+    inputs = [h.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, [1]),
+              h.make_tensor_value_info("step", onnx.TensorProto.INT64, [1])]
+    sequences = ["params", "gradients", "first_order_moments"]
+    if isinstance(optimizer, AdamW):
+        sequences.append("second_order_moments")
+    inputs += [h.make_tensor_sequence_value_info(name, float_seq, None) for name in sequences]
+    nodes, value_info, gradients = [], [], "gradients"
+    if clip_norm is not None:
+        nodes.append(h.make_node("InplaceClipGradNorm", ["gradients"], ["clip_grad_norm_output"],
+                                 name="InplaceClipGradNorm", domain=MICROSOFT, max_norm=float(clip_norm)))
+        value_info.append(h.make_tensor_sequence_value_info("clip_grad_norm_output", float_seq, None))
+        gradients = "clip_grad_norm_output"
+    if isinstance(optimizer, AdamW):
+        flag = "adamw.updated_flag"
+        nodes.append(h.make_node(
+            "AdamWOptimizer", ["learning_rate", "step", "params", gradients, "first_order_moments",
+                               "second_order_moments"], [flag], name="AdamWOptimizer", domain=MICROSOFT,
+            alpha=float(optimizer.betas[0]), beta=float(optimizer.betas[1]), epsilon=float(optimizer.eps),
+            weight_decay=float(optimizer.weight_decay), correct_bias=int(optimizer.bias_correction), adam_mode=0))
+    else:
+        flag = "update_completed"
+        nodes.append(h.make_node("SGDOptimizerV2", ["learning_rate", "params", gradients], [flag],
+                                 name="SGDOptimizerV2", domain=MICROSOFT))
+    graph = h.make_graph(nodes, "optimizer", inputs, [h.make_tensor_value_info(flag, onnx.TensorProto.BOOL, [1])],
+                         value_info=value_info)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid(MICROSOFT, 1), h.make_opsetid("", opset)],
+                         producer_name="gradgen")
+    model.ir_version = ir_version
+    return model
+
+
+# ---------------------------------------------------------------- writing
+
+
+def artifact_names(artifacts: TrainingArtifacts) -> list[str]:
+    return [TRAINING_MODEL, EVAL_MODEL, *([OPTIMIZER_MODEL] if artifacts.optimizer is not None else []), CHECKPOINT]
+
+
+def prepare_directory(directory: str | os.PathLike, *sources: str | os.PathLike) -> Path:
+    """Create ``directory`` if needed and check its artifact files can be written and are not ``sources``."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{directory}: cannot create the output directory: {exc.strerror or exc}") from None
+    for name in (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT):
+        check_output_path(directory / name, *sources)
+    return directory
+
+
+def save_artifacts(artifacts: TrainingArtifacts, directory: str | os.PathLike,
+                   *sources: str | os.PathLike) -> list[Path]:
+    """Write the artifacts into ``directory``: all of them, or (on any error) none.
+
+    Each file is written into a temporary directory inside ``directory`` first and renamed into
+    place only when all are written; an existing artifact is replaced, as ``generate_artifacts``
+    does. ``sources`` (the input model) are never overwritten.
+    """
+    directory = prepare_directory(directory, *sources)
+    checkpoint = artifacts.checkpoint()
+    staging = Path(tempfile.mkdtemp(prefix=".gradgen-artifacts.", suffix=".tmp", dir=directory))
+    try:
+        for name, model in ((TRAINING_MODEL, artifacts.training), (EVAL_MODEL, artifacts.eval),
+                            (OPTIMIZER_MODEL, artifacts.optimizer)):
+            if model is not None:
+                save_model(model, staging / name)
+        with open(staging / CHECKPOINT, "wb") as stream:
+            stream.write(checkpoint)
+            stream.flush()
+            os.fsync(stream.fileno())
+        written = sorted(staging.iterdir(), key=lambda p: (not p.name.endswith(".data"), p.name))
+        for path in written:
+            os.replace(path, directory / path.name)
+    except OSError as exc:
+        raise output_error(directory, exc) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [directory / name for name in artifact_names(artifacts)]
