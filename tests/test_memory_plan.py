@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradgen.executor.memory_plan import Buffer, MemoryPlan, _best_fit, aligned, overlaps, peak_live_bytes, plan_offsets
+from gradgen.executor.memory_plan import (
+    Buffer,
+    MemoryPlan,
+    _best_fit,
+    aligned,
+    merge_aliases,
+    overlaps,
+    peak_live_bytes,
+    plan_offsets,
+)
 
 
 def _plan(buffers, alignment=1):
@@ -128,3 +137,22 @@ def test_small_random_cases_are_near_optimal(spec):
     best = _optimal_size(buffers)
     assert peak_live_bytes(buffers, alignment=1) <= best <= plan.size
     assert plan.size <= 1.5 * best  # greedy by size stays close to the optimum on small cases
+
+
+def test_equal_sizes_need_only_as_many_slots_as_are_live_at_once():
+    """The softmax-cross-entropy gradient of GPT-2 (each buffer 392 MiB there): logits, log-softmax,
+    zeros, scatter, exp, product, difference. Ordered by lifetime length, best fit took four slots;
+    three are live at once at most, and three suffice."""
+    spans = [(521, 525), (525, 541), (538, 540), (540, 544), (541, 543), (543, 544), (544, 550)]
+    buffers = [Buffer(1000, first, last) for first, last in spans] + [Buffer(300, 500, 560)]
+    plan = plan_offsets(buffers, alignment=100)
+    assert overlaps(buffers, plan) == []
+    assert plan.size == peak_live_bytes(buffers, alignment=100) == 3300
+
+
+def test_merge_aliases_joins_a_chain_into_one_buffer():
+    buffers = [Buffer(64, 0, 1), Buffer(64, 1, 2), Buffer(64, 2, 5), Buffer(32, 0, 5)]
+    joined, member_of = merge_aliases(buffers, [(0, 1), (1, 2)])
+    assert member_of[0] == member_of[1] == member_of[2] != member_of[3]
+    assert joined[member_of[0]] == Buffer(64, 0, 5) and joined[member_of[3]] == Buffer(32, 0, 5)
+    assert merge_aliases(buffers, []) == (buffers, [0, 1, 2, 3])

@@ -18,7 +18,11 @@ one arena shared by all Sessions of the process, sized for the largest plan.
 
 CUDA graphs: the second run of a signature records the run (served from its plan) into a CUDA
 graph; later runs with the same shapes copy the inputs into the recorded input buffers and replay
-the graph, which removes the per-node launch cost of Python and allocates nothing. A run that
+the graph, which removes the per-node launch cost of Python and allocates nothing. Once a Session
+has run more than one signature (a variable-length loop), it records each new signature right
+after its traced first run, and the earlier signatures not recorded yet (with zero inputs: a
+capture does not read them), so the second time round every length replays instead of spending
+its second run on recording. A run that
 cannot be recorded (a CPU fallback, a device-to-host copy in a launcher, ...) keeps those shapes on
 the eager path, with a one-time note. At most GRADGEN_CUDA_GRAPH_CACHE recorded graphs (default
 8) are kept; the least recently used is dropped and records again when its shapes come back.
@@ -40,6 +44,18 @@ from gradgen.kernels import registry
 
 _WARNED: set[tuple[str, str]] = set()
 _EAGER = "eager"  # a signature whose run could not be recorded
+
+# Ops whose CUDA launcher computes output element i from element i of each same-shape input (the
+# elementwise kernels of kernels/cuda/elementwise.cu; ScatterElements' line scatter reads each line
+# of ``data`` before it writes that line of the output), so the memory plan may put a float output
+# over an input that dies at that step. Value: the input positions that may be overwritten.
+_ANY = None
+IN_PLACE_OPS = {
+    **{op: _ANY for op in ("Add", "Sub", "Mul", "Div", "Sum", "Neg", "Abs", "Relu", "Sqrt", "Reciprocal", "Exp",
+                           "Log", "Tanh", "Sigmoid", "Softplus", "Erf")},
+    "Where": (1, 2),
+    "ScatterElements": (0,),
+}
 
 
 class CudaDevice:
@@ -75,7 +91,8 @@ class CudaBackend:
         self._uploaded: dict[int, rt.GPUArray] = {}  # device copies of host constants, by id
         self._host_constants: dict[int, np.ndarray] = {}
         self._memory = None  # the RunMemory of the run in progress (eager or being recorded)
-        self._run = None  # (RunMemory, signature) of the eager run to finish
+        self._run = None  # (RunMemory, signature, run_steps) of the eager run to finish
+        self._many_shapes = False  # more than one signature seen: record ahead (see the module docstring)
         self.closed = False
         with rt.gpu_lock():
             self.memory = MemoryManager(CudaDevice())
@@ -111,6 +128,8 @@ class CudaBackend:
             if replay is not None:
                 return replay.run(feeds)
         memory = self.memory.begin(key, self.num_steps)
+        if memory.tracing and self.memory.plans:
+            self._many_shapes = True
         self._memory = memory
         try:
             with rt.allocation_hook(memory.allocate):
@@ -122,18 +141,33 @@ class CudaBackend:
             raise
         finally:
             self._memory = None
-        self._run = (memory, key)
+        self._run = (memory, key, run_steps)
         return values
 
     def finish_run(self, failed: bool = False) -> None:
         """The run's values are gone: check its blocks, and make the plan of a traced run."""
         run, self._run = self._run, None
         if run is not None:
-            memory, key = run
+            memory, key, run_steps = run
             if failed:
                 self.memory.abandon(memory)
             else:
                 self.memory.end(memory, key)
+                if memory.tracing and self._many_shapes and self.use_graphs:
+                    self._record_ahead(run_steps)
+
+    def _record_ahead(self, run_steps) -> None:
+        """Record every planned signature that has no graph yet (the newest last, so the LRU cache
+        keeps it), with zero feeds of its shapes."""
+        waiting = [key for key in self.memory.plans if key not in self._graphs][-self.max_graphs:]
+        for key in waiting:
+            feeds = {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in key}
+            try:
+                self._record(run_steps, feeds, key)
+            except Exception as exc:  # noqa: BLE001 - the run itself succeeded: its next call runs eagerly
+                self._graphs[key] = _EAGER
+                _note_once(("record-ahead",), f"could not record a CUDA graph ahead for these input shapes "
+                                              f"({type(exc).__name__}: {exc}); running them without one")
 
     def _record(self, run_steps, feeds, key, attempt: int = 0):
         memory = self.memory.begin(key, self.num_steps)
@@ -194,7 +228,10 @@ class CudaBackend:
                 None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
                 for i, a in enumerate(args)
             ]
-            return entry.cuda(*call_args, **step.attributes)
+            result = entry.cuda(*call_args, **step.attributes)
+            if self._memory is not None and self._memory.tracing and not step.domain and step.op_type in IN_PLACE_OPS:
+                _note_in_place(self._memory, step.op_type, call_args, result)
+            return result
         if entry.cpu is None:
             raise RuntimeError(f"{step.op_type} has no CPU kernel to fall back on")
         if entry.cuda is None and not _is_shape_arithmetic(step, args):
@@ -228,11 +265,13 @@ class CudaBackend:
 
     def memory_stats(self) -> dict:
         """Planned arena size (the largest plan), its lower bound, the shared arena's size, and the
-        most device memory the pool and the arena held during a run (bytes)."""
+        most device memory the pool and the arena held during a run (bytes); outputs planned over a
+        dying input (``in_place``, the most in one plan)."""
         arena = self.memory.host.arena
         return {"planned_bytes": self.memory.planned_bytes, "peak_live_bytes": self.memory.peak_live_bytes,
                 "arena_bytes": arena.nbytes if arena is not None else 0, "peak_held_bytes": self.memory.peak_held,
                 "graphs": sum(isinstance(s, _Replay) for s in self._graphs.values()), "leaks": self.memory.leaks,
+                "in_place": self.memory.in_place_outputs,
                 "served": self.memory.served, "fallbacks": self.memory.fallbacks,
                 "fallback_log": list(self.memory.fallback_log)}
 
@@ -268,6 +307,24 @@ class _Replay:
     def close(self) -> None:
         self.graph.close()
         self.inputs, self.values = {}, {}
+
+
+def _note_in_place(memory, op_type: str, args: list, result) -> None:
+    """Tell a traced run which of the step's float outputs may overwrite which inputs (whole,
+    contiguous arrays of the output's size; the plan keeps the pairs whose input dies here)."""
+    positions = IN_PLACE_OPS[op_type]
+    outputs = [(int(r.gpudata), r.nbytes) for r in (result if isinstance(result, tuple) else (result,))
+               if _whole_float(r)]
+    if not outputs:
+        return
+    inputs = [(int(a.gpudata), a.nbytes) for i, a in enumerate(args)
+              if (positions is None or i in positions) and _whole_float(a)]
+    if inputs:
+        memory.note_in_place(outputs, inputs)
+
+
+def _whole_float(array) -> bool:
+    return rt.is_device(array) and array.dtype.kind == "f" and array.size > 0 and array.flags.c_contiguous
 
 
 def _positive_int(name: str, default: int) -> int:

@@ -17,6 +17,11 @@ also goes to the pool. So a wrong plan costs memory, never data. When a run ends
 served must be gone (or owned by the CUDA graph it recorded); a block still held is a leak, and
 the arena it lives in is retired: no later run writes to it, and a new arena serves them.
 
+In place: where the backend tells a traced run that a step's output may be written over one of
+its inputs (``RunMemory.note_in_place``: an elementwise launcher reads each element before writing
+the same element), and that input's block dies at that step with the output's size, the plan gives
+both requests the same bytes: one buffer instead of two at that step.
+
 Feeds are uploaded before the first step and planned to live for the whole run: a recorded graph
 keeps its input buffers and copies each call's feeds into them.
 
@@ -42,7 +47,7 @@ import traceback
 import weakref
 
 from gradgen.errors import RunError
-from gradgen.executor.memory_plan import Buffer, aligned, peak_live_bytes, plan_offsets
+from gradgen.executor.memory_plan import Buffer, aligned, merge_aliases, peak_live_bytes, plan_offsets
 
 ARENA_GRANULE = 2 << 20  # arenas are sized in whole 2 MiB units (the driver's own granularity)
 FEED_STEP = -1  # the step index of the uploads made before the first step
@@ -140,25 +145,53 @@ class SignaturePlan:
     entries: tuple  # the traced requests it was made from: (key, nbytes, first, last)
     num_steps: int
     alignment: int
+    in_place: tuple = ()  # (output key, input keys it may be written over), as the trace noted them
+    aliased: int = 0  # outputs planned over a dying input
 
     def extended(self, keys) -> "SignaturePlan":
         """The plan again, with the requests ``keys`` alive until the end of the run."""
         keys = set(keys)
         entries = [(key, nbytes, first, self.num_steps if key in keys else last)
                    for key, nbytes, first, last in self.entries]
-        return build_plan(entries, self.num_steps, self.alignment)
+        return build_plan(entries, self.num_steps, self.alignment, self.in_place)
 
 
-def build_plan(trace, num_steps: int, alignment: int) -> SignaturePlan:
+def build_plan(trace, num_steps: int, alignment: int, in_place=()) -> SignaturePlan:
     """A plan from a traced run's requests ``(key, nbytes, first, last)`` (last None: never freed,
-    so not planned: such a request is served from the pool)."""
+    so not planned: such a request is served from the pool). ``in_place``: pairs (output key,
+    input keys) of steps whose output may overwrite an input; the first input that dies at the
+    output's step, with the output's size and not taken by another output, shares its bytes."""
     done = [tuple(entry) for entry in trace if entry[3] is not None]
     buffers = [Buffer(nbytes, first, last) for _key, nbytes, first, last in done]
-    plan = plan_offsets(buffers, alignment)
-    slots = {key: Slot(offset, offset + aligned(nbytes, alignment), last)
-             for (key, nbytes, _first, last), offset in zip(done, plan.offsets)}
-    return SignaturePlan(slots, plan.size, peak_live_bytes(buffers, alignment), len(trace), tuple(done), num_steps,
-                         alignment)
+    aliases = _aliases(done, in_place, alignment)
+    joined, member_of = merge_aliases(buffers, aliases)
+    plan = plan_offsets(joined, alignment)
+    slots = {key: Slot(plan.offsets[group], plan.offsets[group] + aligned(nbytes, alignment), last)
+             for (key, nbytes, _first, last), group in zip(done, member_of)}
+    return SignaturePlan(slots, plan.size, peak_live_bytes(joined, alignment), len(trace), tuple(done), num_steps,
+                         alignment, tuple(in_place), len(aliases))
+
+
+def _aliases(done, in_place, alignment: int) -> list[tuple[int, int]]:
+    """(input index, output index) into ``done`` for the in-place pairs that hold in this trace."""
+    index = {entry[0]: i for i, entry in enumerate(done)}
+    taken = set()
+    pairs = []
+    for out_key, in_keys in in_place:
+        out = index.get(out_key)
+        if out is None:
+            continue
+        _key, nbytes, first, _last = done[out]
+        for in_key in in_keys:
+            i = index.get(in_key)
+            if i is None or i in taken:
+                continue
+            _k, in_bytes, in_first, in_last = done[i]
+            if in_last == first and in_first < first and aligned(in_bytes, alignment) == aligned(nbytes, alignment):
+                taken.add(i)
+                pairs.append((i, out))
+                break
+    return pairs
 
 
 class RunMemory:
@@ -176,6 +209,9 @@ class RunMemory:
         self.counts: dict[tuple[int, int], int] = {}
         self.live: dict[int, tuple[int, int] | None] = {}  # serial -> arena bytes [start, end), None: pool
         self.trace: list[list] = []  # tracing: [key, nbytes, first, last], indexed by serial
+        self.addresses: dict[int, int] = {}  # tracing: device address -> serial of the live blocks
+        self.address_of: dict[int, int] = {}  # tracing: serial -> device address
+        self.in_place: list[tuple] = []  # tracing: (output key, input keys) noted by the backend
         self.due: dict[int, list[int]] = {}  # serving: last step -> serials that must be gone after it
         self.pinned: dict[int, tuple[int, int]] = {}
         self.keys: dict[int, tuple] = {}  # serving: serial -> request key (to name what got pinned)
@@ -220,10 +256,36 @@ class RunMemory:
         offset = self.freelist.take(size) if self.freelist is not None else None
         if offset is not None:
             self.live[serial] = (offset, offset + size)
-            return Block(self.arena.base + offset, self, serial, self.arena)
-        raw = self._pool(nbytes)
-        self.live[serial] = None
-        return Block(int(raw), self, serial, raw)
+            block = Block(self.arena.base + offset, self, serial, self.arena)
+        else:
+            raw = self._pool(nbytes)
+            self.live[serial] = None
+            block = Block(int(raw), self, serial, raw)
+        if nbytes:
+            self.addresses[int(block)] = serial
+            self.address_of[serial] = int(block)
+        return block
+
+    def note_in_place(self, outputs, inputs) -> None:
+        """Traced runs: the current step's ``outputs`` (device addresses and byte counts of whole
+        arrays) may be written over any of its ``inputs`` (likewise) that dies here. The plan
+        decides which pairs hold, from the lifetimes the trace finds."""
+        if not self.tracing:
+            return
+        if self.pending:
+            self._drain()
+        in_keys = tuple(self.trace[serial][0] for serial in self._whole_blocks(inputs))
+        if not in_keys:
+            return
+        for serial in self._whole_blocks(outputs):
+            if self.trace[serial][2] == self.step:  # made by this step (not an input passed through)
+                self.in_place.append((self.trace[serial][0], in_keys))
+
+    def _whole_blocks(self, arrays):
+        for address, nbytes in arrays:
+            serial = self.addresses.get(int(address))
+            if serial is not None and nbytes and self.trace[serial][1] == nbytes:
+                yield serial
 
     def _pool(self, nbytes: int):
         raw = self.device.pool_allocate(nbytes)
@@ -247,6 +309,9 @@ class RunMemory:
             return
         if self.tracing:
             entry = self.trace[serial]
+            address = self.address_of.pop(serial, None)
+            if address is not None and self.addresses.get(address) == serial:
+                del self.addresses[address]
             if entry[3] is None:
                 entry[3] = self.num_steps if entry[2] == FEED_STEP else max(self.step, entry[2])
             if region is not None:
@@ -343,7 +408,7 @@ class MemoryManager:
             if run.arena is self.host.arena:
                 self.host.retire()
         if run.tracing:
-            plan = self.plans[signature] = build_plan(run.trace, run.num_steps, self.alignment)
+            plan = self.plans[signature] = build_plan(run.trace, run.num_steps, self.alignment, run.in_place)
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             self.device.release_held()  # the pool hands back what the traced run cached
@@ -380,6 +445,11 @@ class MemoryManager:
     def planned_bytes(self) -> int:
         """The arena size this Session's plans need (the largest of them)."""
         return max((plan.size for plan in self.plans.values()), default=0)
+
+    @property
+    def in_place_outputs(self) -> int:
+        """The most outputs one plan puts over a dying input."""
+        return max((plan.aliased for plan in self.plans.values()), default=0)
 
     @property
     def peak_live_bytes(self) -> int:

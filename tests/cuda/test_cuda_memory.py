@@ -194,3 +194,81 @@ def test_threads_sharing_one_session_and_two_sessions_in_threads(graphs):
     code = f"from tests.cuda.test_cuda_memory import thread_workout; thread_workout({graphs!r}); print('threads ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "threads ok" in result.stdout, (result.stdout + result.stderr)[-3000:]
+
+
+def _in_place_model(rows=64, cols=128):
+    """y = (exp(x + w) * c - tanh(...)) chains whose inputs die at each step, and a ScatterElements
+    over a computed (dying) data tensor: every step can write its output over an input."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+    c = rng.standard_normal((cols,)).astype(np.float32)
+    idx = rng.integers(0, cols, size=(rows, 4)).astype(np.int64)
+    nodes = [helper.make_node("Add", ["x", "w"], ["t"], name="add"),
+             helper.make_node("Exp", ["t"], ["e"], name="exp"),
+             helper.make_node("Mul", ["e", "c"], ["m"], name="mul"),
+             helper.make_node("Tanh", ["m"], ["h"], name="tanh"),
+             helper.make_node("Sub", ["x", "w"], ["d"], name="data"),
+             helper.make_node("Slice", ["h", "zero", "four", "one"], ["upd"], name="updates"),
+             helper.make_node("ScatterElements", ["d", "idx", "upd"], ["s"], axis=1, name="scatter"),
+             helper.make_node("Sub", ["s", "h"], ["y"], name="out")]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c"), numpy_helper.from_array(idx, "idx"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero"), numpy_helper.from_array(np.array([4], np.int64), "four"),
+             numpy_helper.from_array(np.array([1], np.int64), "one")]
+    graph = helper.make_graph(nodes, "in_place", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cols])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, cols])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_outputs_written_over_dying_inputs_match_the_traced_run(graphs, monkeypatch):
+    """The traced first run writes every output to new memory; planned runs (eager or replayed)
+    put Exp, Mul, Tanh, ScatterElements and the last Sub over their dying inputs: same bits."""
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", graphs)
+    model = _in_place_model()
+    x = np.random.default_rng(4).standard_normal((64, 128)).astype(np.float32)
+    want = Session(model).run({"x": x})["y"]
+    with Session(model, device="cuda") as session:
+        runs = [session.run({"x": x})["y"] for _ in range(4)]
+        stats = session.memory_stats()
+    _assert_close({"y": runs[0]}, {"y": want})
+    for got in runs[1:]:
+        assert np.array_equal(got, runs[0])
+    assert stats["in_place"] >= 4 and stats["fallbacks"] == 0 and stats["leaks"] == 0, stats
+    assert 0 < stats["peak_live_bytes"] <= stats["planned_bytes"], stats
+
+
+@pytest.mark.parametrize("path", SAMPLE_DIRS, ids=dir_id)
+def test_in_place_plans_of_the_samples_backward_graphs_are_bit_equal(path, monkeypatch):
+    """Backward graphs (gradient chains, Sum of contributions, Where masks): the planned runs with
+    outputs over dying inputs give the traced run's bits, replayed or not."""
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+    model, inputs, _, _ = load(path)
+    with Session(gradgen.build_backward(model).model, device="cuda") as session:
+        runs = [session.run(inputs) for _ in range(3)]
+    for result in runs[1:]:
+        for name, want in runs[0].items():
+            assert np.array_equal(result[name], want), name
+
+
+def test_a_variable_length_loop_replays_every_length_from_its_second_pass(monkeypatch):
+    """Once a second shape comes, each new shape is recorded right after its traced run (and the
+    first shape, with zero inputs): the second pass over the lengths only replays."""
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+    built = _mlp()
+    cpu = Session(built)
+    lengths = [256, 192, 128, 64]
+    with Session(built, device="cuda") as session:
+        for rows in lengths:
+            x = _x(rows, rows)
+            _assert_close(session.run({"x": x}), cpu.run({"x": x}))
+        assert session.memory_stats()["graphs"] == len(lengths)
+
+        def no_recording(*args, **kwargs):
+            raise AssertionError("the second pass recorded a graph")
+
+        monkeypatch.setattr(session.backend, "_record", no_recording)
+        for rows in lengths:
+            x = _x(rows, rows + 1)
+            _assert_close(session.run({"x": x}), cpu.run({"x": x}))
+        stats = session.memory_stats()
+    assert stats["leaks"] == 0 and stats["fallbacks"] == 0, stats
