@@ -9,8 +9,10 @@ from onnx import helper
 
 from gradgen.errors import KernelError
 from gradgen.executor.session import Session
+from gradgen.kernels.cpu import conv as cpu_conv
 from gradgen.kernels.cpu import loss as L
-from gradgen.kernels.cpu import nn as K
+from gradgen.kernels.cpu import norm as cpu_norm
+from gradgen.kernels.cpu import pool as cpu_pool
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -94,7 +96,7 @@ CONV_CASES = [
 def test_conv_matches_torch(xs, ws, attrs, bias):
     x, w = rand(*xs), rand(*ws)
     b = rand(ws[0]) if bias else None
-    got = K.conv(x, w, b, **attrs)
+    got = cpu_conv.conv(x, w, b, **attrs)
     n = x.ndim - 2
     pads = attrs.get("pads", [0] * 2 * n)
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[n]
@@ -137,7 +139,7 @@ AUTO_PAD_CASES = [
 def test_conv_auto_pad_matches_torch(auto_pad, xs, ws, strides, dil):
     x, w = rand(*xs), rand(*ws)
     group = xs[1] // ws[1]
-    got = K.conv(x, w, auto_pad=auto_pad, strides=strides, dilations=dil, group=group)
+    got = cpu_conv.conv(x, w, auto_pad=auto_pad, strides=strides, dilations=dil, group=group)
     if auto_pad != "VALID":
         assert list(got.shape[2:]) == [-(-n // s) for n, s in zip(xs[2:], strides)]
     pads = spec_auto_pads(auto_pad, xs[2:], ws[2:], strides, dil)
@@ -150,7 +152,7 @@ def test_conv_auto_pad_matches_torch(auto_pad, xs, ws, strides, dil):
 def test_conv_auto_pad_matches_onnxruntime(auto_pad, xs, ws, strides, dil):
     x, w = rand(*xs, dtype=np.float32), rand(*ws, dtype=np.float32)
     attrs = dict(auto_pad=auto_pad, strides=strides, dilations=dil, group=xs[1] // ws[1])
-    got = K.conv(x, w, **attrs)
+    got = cpu_conv.conv(x, w, **attrs)
     (want,) = ort("Conv", [x, w], attrs)
     assert got.dtype == np.float32
     close(got, want, rtol=1e-5, atol=1e-5)
@@ -163,7 +165,7 @@ def test_conv_float32_stays_float32_and_is_fast():
     w = rand(16, 3, 3, 3, dtype=np.float32)
     b = rand(16, dtype=np.float32)
     start = time.perf_counter()
-    y = K.conv(x, w, b, pads=[1, 1, 1, 1])
+    y = cpu_conv.conv(x, w, b, pads=[1, 1, 1, 1])
     assert time.perf_counter() - start < 1.0
     assert y.dtype == np.float32 and y.shape == (32, 16, 32, 32)
     want = F.conv2d(t(x).double(), t(w).double(), t(b).double(), padding=1)
@@ -172,7 +174,7 @@ def test_conv_float32_stays_float32_and_is_fast():
 
 def test_conv_float16():
     x, w = rand(1, 2, 5, 5, dtype=np.float16), rand(3, 2, 3, 3, dtype=np.float16)
-    y = K.conv(x, w)
+    y = cpu_conv.conv(x, w)
     assert y.dtype == np.float16
     want = F.conv2d(t(x.astype(np.float64)), t(w.astype(np.float64)))
     close(y.astype(np.float64), want, rtol=1e-2, atol=1e-2)
@@ -180,7 +182,7 @@ def test_conv_float16():
 
 def test_conv_bad_group():
     with pytest.raises(KernelError, match="group"):
-        K.conv(rand(1, 4, 5, 5), rand(2, 3, 3, 3), group=2)
+        cpu_conv.conv(rand(1, 4, 5, 5), rand(2, 3, 3, 3), group=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def test_conv_transpose_matches_torch(xs, ws, attrs, bias):
     x, w = rand(*xs), rand(*ws)
     group = attrs.get("group", 1)
     b = rand(ws[1] * group) if bias else None
-    got = K.conv_transpose(x, w, b, **attrs)
+    got = cpu_conv.conv_transpose(x, w, b, **attrs)
     n = x.ndim - 2
     pads = attrs.get("pads", [0] * 2 * n)
     assert pads[:n] == pads[n:]  # torch only has symmetric padding
@@ -226,7 +228,7 @@ def test_conv_transpose_matches_torch(xs, ws, attrs, bias):
 def test_conv_transpose_matches_onnxruntime(attrs):
     x, w = rand(1, 2, 3, 3, dtype=np.float32), rand(2, 2, 3, 3, dtype=np.float32)
     b = rand(2, dtype=np.float32)
-    got = K.conv_transpose(x, w, b, **attrs)
+    got = cpu_conv.conv_transpose(x, w, b, **attrs)
     (want,) = ort("ConvTranspose", [x, w, b], attrs)
     assert got.dtype == np.float32
     close(got, want, rtol=1e-5, atol=1e-5)
@@ -253,7 +255,7 @@ def onnx_indices_from_torch(idx, x_shape):
 ])
 def test_max_pool_matches_torch(xs, attrs):
     x = rand(*xs)
-    y, idx = K.max_pool(x, **attrs, _num_outputs=2)
+    y, idx = cpu_pool.max_pool(x, **attrs, _num_outputs=2)
     n = x.ndim - 2
     fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
     pads = attrs.get("pads", [0] * 2 * n)
@@ -276,7 +278,7 @@ def test_max_pool_matches_torch(xs, attrs):
 ])
 def test_max_pool_matches_onnxruntime(attrs):
     x = rand(2, 3, 7, 8, dtype=np.float32)
-    y, idx = K.max_pool(x, **attrs, _num_outputs=2)
+    y, idx = cpu_pool.max_pool(x, **attrs, _num_outputs=2)
     want, want_idx = ort("MaxPool", [x], attrs, n_outputs=2)
     close(y, want, rtol=0, atol=0)
     np.testing.assert_array_equal(idx, want_idx)
@@ -284,7 +286,7 @@ def test_max_pool_matches_onnxruntime(attrs):
 
 def test_max_pool_int8():
     x = RNG.integers(-128, 127, size=(1, 2, 5, 5)).astype(np.int8)
-    y = K.max_pool(x, kernel_shape=[2, 2], pads=[1, 1, 1, 1])
+    y = cpu_pool.max_pool(x, kernel_shape=[2, 2], pads=[1, 1, 1, 1])
     assert y.dtype == np.int8
     want = F.max_pool2d(t(x.astype(np.float64)), 2, stride=1, padding=1)
     close(y.astype(np.float64), want)
@@ -300,7 +302,7 @@ def test_max_pool_int8():
 ])
 def test_average_pool_matches_torch(xs, attrs):
     x = rand(*xs)
-    y = K.average_pool(x, **attrs)
+    y = cpu_pool.average_pool(x, **attrs)
     n = x.ndim - 2
     fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[n]
     pads = attrs.get("pads", [0] * 2 * n)
@@ -320,7 +322,7 @@ def test_average_pool_matches_torch(xs, attrs):
 ])
 def test_average_pool_matches_onnxruntime(attrs):
     x = rand(2, 3, 7, 8, dtype=np.float32)
-    y = K.average_pool(x, **attrs)
+    y = cpu_pool.average_pool(x, **attrs)
     (want,) = ort("AveragePool", [x], attrs)
     assert y.dtype == np.float32
     close(y, want, rtol=1e-5, atol=1e-6)
@@ -328,7 +330,7 @@ def test_average_pool_matches_onnxruntime(attrs):
 
 def test_global_pools():
     x = rand(2, 3, 4, 5, dtype=np.float32)
-    avg, mx = K.global_average_pool(x), K.global_max_pool(x)
+    avg, mx = cpu_pool.global_average_pool(x), cpu_pool.global_max_pool(x)
     assert avg.dtype == mx.dtype == np.float32 and avg.shape == mx.shape == (2, 3, 1, 1)
     close(avg, x.mean(axis=(2, 3), keepdims=True), rtol=1e-6, atol=1e-6)
     close(mx, x.max(axis=(2, 3), keepdims=True))
@@ -343,9 +345,10 @@ def test_batch_norm_inference_and_training(shape):
     x = rand(*shape)
     c = shape[1]
     scale, bias, mean, var = rand(c), rand(c), rand(c), np.abs(rand(c)) + 0.5
-    y = K.batch_normalization(x, scale, bias, mean, var, epsilon=1e-3)
+    y = cpu_norm.batch_normalization(x, scale, bias, mean, var, epsilon=1e-3)
     close(y, F.batch_norm(t(x), t(mean), t(var), t(scale), t(bias), training=False, eps=1e-3))
-    y, rm, rv = K.batch_normalization(x, scale, bias, mean, var, epsilon=1e-3, momentum=0.8, training_mode=1, _num_outputs=3)
+    y, rm, rv = cpu_norm.batch_normalization(
+        x, scale, bias, mean, var, epsilon=1e-3, momentum=0.8, training_mode=1, _num_outputs=3)
     close(y, F.batch_norm(t(x), None, None, t(scale), t(bias), training=True, eps=1e-3))
     axes = (0,) + tuple(range(2, x.ndim))
     close(rm, 0.8 * mean + 0.2 * x.mean(axis=axes))
@@ -358,28 +361,28 @@ def test_layer_norm_matches_torch(shape, axis):
     ax = axis % x.ndim
     norm_shape = shape[ax:]
     scale, bias = rand(*norm_shape), rand(*norm_shape)
-    y, mean, inv_std = K.layer_normalization(x, scale, bias, axis=axis, epsilon=1e-4)
+    y, mean, inv_std = cpu_norm.layer_normalization(x, scale, bias, axis=axis, epsilon=1e-4)
     close(y, F.layer_norm(t(x), norm_shape, t(scale), t(bias), eps=1e-4))
     axes = tuple(range(ax, x.ndim))
     assert mean.dtype == inv_std.dtype == np.float32  # the schema's stash type, double inputs too
     close(mean, x.mean(axis=axes, keepdims=True), rtol=1e-6, atol=1e-7)
     close(inv_std, 1 / np.sqrt(x.var(axis=axes, keepdims=True) + 1e-4), rtol=1e-6, atol=1e-7)
-    y2 = K.layer_normalization(x, scale, None, axis=axis, epsilon=1e-4)[0]
+    y2 = cpu_norm.layer_normalization(x, scale, None, axis=axis, epsilon=1e-4)[0]
     close(y2, F.layer_norm(t(x), norm_shape, t(scale), None, eps=1e-4))
 
 
 def test_layer_norm_float16_stashes_float32():
     x = rand(2, 8, dtype=np.float16)
-    y, mean, inv_std = K.layer_normalization(x, np.ones(8, np.float16), np.zeros(8, np.float16))
+    y, mean, inv_std = cpu_norm.layer_normalization(x, np.ones(8, np.float16), np.zeros(8, np.float16))
     assert y.dtype == np.float16 and mean.dtype == inv_std.dtype == np.float32
-    y32 = K.layer_normalization(x, np.ones(8, np.float16), np.zeros(8, np.float16), axis=-1)[0]
+    y32 = cpu_norm.layer_normalization(x, np.ones(8, np.float16), np.zeros(8, np.float16), axis=-1)[0]
     close(y32.astype(np.float64), F.layer_norm(t(x.astype(np.float64)), (8,)), rtol=1e-2, atol=5e-3)
 
 
 def test_instance_norm_matches_torch():
     x = rand(2, 3, 4, 5)
     scale, bias = rand(3), rand(3)
-    close(K.instance_normalization(x, scale, bias, epsilon=1e-3),
+    close(cpu_norm.instance_normalization(x, scale, bias, epsilon=1e-3),
           F.instance_norm(t(x), weight=t(scale), bias=t(bias), eps=1e-3))
 
 
@@ -388,12 +391,12 @@ def test_group_norm_both_forms(groups):
     x = rand(2, 6, 4, 3)
     scale, bias = rand(6), rand(6)
     # opset 21 form: per-channel scale/bias
-    close(K.group_normalization(x, scale, bias, num_groups=groups, epsilon=1e-3),
+    close(cpu_norm.group_normalization(x, scale, bias, num_groups=groups, epsilon=1e-3),
           F.group_norm(t(x), groups, t(scale), t(bias), eps=1e-3))
     # opset 18 form: per-group scale/bias
     gs, gb = rand(groups), rand(groups)
     rep = 6 // groups
-    close(K.group_normalization(x, gs, gb, num_groups=groups, epsilon=1e-3),
+    close(cpu_norm.group_normalization(x, gs, gb, num_groups=groups, epsilon=1e-3),
           F.group_norm(t(x), groups, t(np.repeat(gs, rep)), t(np.repeat(gb, rep)), eps=1e-3))
 
 
@@ -404,13 +407,13 @@ def test_lp_normalization(p, axis):
     x[0, 0, :] = 0.0
     x[:, 0, 0] = 0.0
     x[0, :, 0] = 0.0
-    close(K.lp_normalization(x, axis=axis, p=p), F.normalize(t(x), p=p, dim=axis, eps=0.0).nan_to_num(0.0))
+    close(cpu_norm.lp_normalization(x, axis=axis, p=p), F.normalize(t(x), p=p, dim=axis, eps=0.0).nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("size", [3, 5])
 def test_lrn_matches_torch(size):
     x = rand(2, 7, 3, 4)
-    y = K.lrn(x, size=size, alpha=0.02, beta=0.6, bias=1.5)
+    y = cpu_norm.lrn(x, size=size, alpha=0.02, beta=0.6, bias=1.5)
     close(y, F.local_response_norm(t(x), size, alpha=0.02, beta=0.6, k=1.5))
 
 
@@ -419,7 +422,7 @@ def test_lrn_even_size_matches_spec_loop(size):
     # ONNX sums channels [c - floor((size-1)/2), c + ceil((size-1)/2)] (torch and onnxruntime
     # only agree with it for odd sizes).
     x = rand(2, 7, 3, 4)
-    y = K.lrn(x, size=size, alpha=0.02, beta=0.6, bias=1.5)
+    y = cpu_norm.lrn(x, size=size, alpha=0.02, beta=0.6, bias=1.5)
     want = np.empty_like(x)
     for c in range(7):
         lo, hi = max(0, c - (size - 1) // 2), min(6, c + -(-(size - 1) // 2))
@@ -558,23 +561,23 @@ def test_rms_norm_matches_torch(axis):
     x = rand(2, 3, 4)
     shape = x.shape[axis % 3 :]
     scale = rand(*shape)
-    y = K.rms_normalization(x, scale, axis=axis, epsilon=1e-4)
+    y = cpu_norm.rms_normalization(x, scale, axis=axis, epsilon=1e-4)
     close(y, F.rms_norm(t(x), shape, t(scale), eps=1e-4))
-    assert K.rms_normalization(x.astype(np.float32), scale.astype(np.float32)).dtype == np.float32
+    assert cpu_norm.rms_normalization(x.astype(np.float32), scale.astype(np.float32)).dtype == np.float32
 
 
 def test_mean_variance_normalization():
     x = rand(2, 3, 4, 5)
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
-    close(K.mean_variance_normalization(x), (x - mean) / (x.std(axis=(0, 2, 3), keepdims=True) + 1e-9), rtol=1e-8)
-    close(K.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9),
+    close(cpu_norm.mean_variance_normalization(x), (x - mean) / (x.std(axis=(0, 2, 3), keepdims=True) + 1e-9), rtol=1e-8)
+    close(cpu_norm.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9),
           rtol=1e-8)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_lp_pool_matches_torch(p):
     x = rand(2, 3, 7, 8)
-    y = K.lp_pool(x, kernel_shape=[3, 2], strides=[2, 2], p=p)
+    y = cpu_pool.lp_pool(x, kernel_shape=[3, 2], strides=[2, 2], p=p)
     close(y, F.lp_pool2d(t(x).abs(), p, (3, 2), stride=(2, 2)), rtol=1e-8, atol=1e-10)
 
 
@@ -582,18 +585,18 @@ def test_lp_pool_with_pads_matches_onnxruntime():
     x = rand(1, 2, 5, 6, dtype=np.float32)
     attrs = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], p=2, strides=[2, 2])
     (want,) = ort("LpPool", [x], attrs, opset=18)
-    close(K.lp_pool(x, **attrs), want, rtol=1e-5, atol=1e-6)
+    close(cpu_pool.lp_pool(x, **attrs), want, rtol=1e-5, atol=1e-6)
 
 
 def test_max_unpool_inverts_max_pool_like_torch():
     x = rand(2, 3, 6, 8)
-    y, idx = K.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
-    got = K.max_unpool(y, idx, kernel_shape=[2, 2], strides=[2, 2])
+    y, idx = cpu_pool.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
+    got = cpu_pool.max_unpool(y, idx, kernel_shape=[2, 2], strides=[2, 2])
     assert got.shape == (2, 3, 6, 8)
     ty, tidx = F.max_pool2d(t(x), 2, return_indices=True)
     close(got, F.max_unpool2d(ty, tidx, 2))
     # output_shape only adds room after the inferred shape; indices keep addressing the inferred
     # layout (as ONNX's test_maxunpool_export_with_output_shape expects)
-    bigger = K.max_unpool(y, idx, np.array([2, 3, 7, 9]), kernel_shape=[2, 2], strides=[2, 2])
+    bigger = cpu_pool.max_unpool(y, idx, np.array([2, 3, 7, 9]), kernel_shape=[2, 2], strides=[2, 2])
     close(bigger[:, :, :6, :8], got)
     assert not bigger[:, :, 6].any() and not bigger[..., 8].any()

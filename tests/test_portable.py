@@ -19,7 +19,7 @@ import gradgen
 from gradgen.errors import ModelError, UnsupportedOpsError
 from gradgen.executor import Session
 from gradgen.kernels import registry
-from gradgen.kernels.cpu.microsoft import conv_geometry
+from gradgen.kernels.cpu.conv import conv_geometry
 from gradgen.passes import LowerToStandardPass, ShapeInferencePass
 from tests.model_dirs import ALL_DIRS, dir_id, load, with_symbolic_batch
 from tests.test_cli import run_cli, tiny_model

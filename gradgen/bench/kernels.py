@@ -382,7 +382,7 @@ def _torch():
 def bench_slice_grad(reps: int = 50) -> list[dict]:
     """SliceGrad: X (64,1024,1024) f32, slice [:, 256:768, ::2] (torch: zeros + strided copy_)."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.microsoft import slice_grad
+    from gradgen.kernels.cuda.shape import slice_grad
 
     shape = (64, 1024, 1024)
     dy_host = np.random.default_rng(0).standard_normal((64, 512, 512)).astype(np.float32)
@@ -415,7 +415,7 @@ def bench_slice_grad(reps: int = 50) -> list[dict]:
 def bench_gather_grad(reps: int = 50) -> list[dict]:
     """GatherGrad: embedding 50257x768 f32, 16384 int64 ids, a quarter drawn from 100 hot ids."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.microsoft import gather_grad
+    from gradgen.kernels.cuda.indexing import gather_grad
 
     rng = np.random.default_rng(0)
     vocab, dim, n = 50257, 768, 16384
@@ -456,7 +456,7 @@ def bench_gather_grad(reps: int = 50) -> list[dict]:
 def bench_gather_elements_grad(reps: int = 50) -> list[dict]:
     """GatherElementsGrad: data (4096,4096) f32, indices (4096,1024) int64, axis 1 (torch: zeros + scatter_add_)."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.microsoft import gather_elements_grad
+    from gradgen.kernels.cuda.indexing import gather_elements_grad
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 4096, (4096, 1024)).astype(np.int64)
@@ -489,7 +489,7 @@ def bench_gather_elements_grad(reps: int = 50) -> list[dict]:
 
 def bench_broadcast_gradient_args(reps: int = 1000) -> list[dict]:
     """BroadcastGradientArgs runs on the host (shapes live there): microseconds per call."""
-    from gradgen.kernels.cuda.microsoft import broadcast_gradient_args
+    from gradgen.kernels.cuda.elementwise import broadcast_gradient_args
 
     a, b = np.array([2, 16, 1, 1024], np.int64), np.array([1, 1, 1024, 1024], np.int64)
     times = []

@@ -5,7 +5,7 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 import onnx_ir as ir
 
 from gradgen.passes.gradient import GradientPass, GradientSpec
-from gradgen.passes.lower import LowerToStandardPass
+from gradgen.passes.lowering import LowerToStandardPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,

@@ -188,7 +188,8 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     """Outputs of pools and ConvTransposes (top-level graph) whose inferred shape differs from the
     shape gradgen's kernels produce."""
     from gradgen.errors import KernelError
-    from gradgen.kernels.cpu.nn import conv_transpose_geometry, pool_output_shape
+    from gradgen.kernels.cpu.conv import conv_transpose_geometry
+    from gradgen.kernels.cpu.pool import pool_output_shape
 
     graph = inferred.graph
     types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import conv as cpu_conv
 from gradgen.kernels.cpu import matmul as cpu_matmul
-from gradgen.kernels.cpu import microsoft as cpu_ms
-from gradgen.kernels.cpu import nn as cpu_nn
+from gradgen.kernels.cpu import pool as cpu_pool
 
 pytestmark = pytest.mark.cuda
 
@@ -192,7 +192,7 @@ def test_conv(rt, path, dtype, case):
     rng = np.random.default_rng(3)
     x, w = rand(rng, x_shape, dtype), rand(rng, w_shape, dtype)
     b = rand(rng, (w_shape[0],), dtype) if with_bias else None
-    want = cpu_nn.conv(x, w, b, **attrs)
+    want = cpu_conv.conv(x, w, b, **attrs)
     got = rt.to_host(conv.conv(rt.to_device(x), rt.to_device(w), None if b is None else rt.to_device(b), **attrs))
     check(got, want, scale=np.sqrt(np.prod(w_shape[1:])) * 4)
 
@@ -206,9 +206,9 @@ def test_conv_grad(rt, path, dtype, case, num_outputs):
     x_shape, w_shape, attrs, _ = case
     rng = np.random.default_rng(4)
     x, w = rand(rng, x_shape, dtype), rand(rng, w_shape, dtype)
-    y_shape = cpu_nn.conv(x, w, **attrs).shape
+    y_shape = cpu_conv.conv(x, w, **attrs).shape
     dy = rand(rng, y_shape, dtype)
-    want = cpu_ms.conv_grad(dy, x, w, _num_outputs=num_outputs, **attrs)
+    want = cpu_conv.conv_grad(dy, x, w, _num_outputs=num_outputs, **attrs)
     got = conv.conv_grad(rt.to_device(dy), rt.to_device(x), rt.to_device(w), _num_outputs=num_outputs, **attrs)
     assert len(got) == num_outputs
     for g, wv in zip(got, want):
@@ -224,7 +224,7 @@ def test_conv_grad_average_pool_pattern(rt, path):
     x = rand(rng, (18, 1, 4, 4))
     w = np.full((1, 1, 2, 2), 0.25, np.float32)
     attrs = dict(strides=[2, 2], dilations=[1, 1], pads=[0, 0, 0, 0])
-    want = cpu_ms.conv_grad(dy, x, w, _num_outputs=1, **attrs)
+    want = cpu_conv.conv_grad(dy, x, w, _num_outputs=1, **attrs)
     got = conv.conv_grad(rt.to_device(dy), rt.to_device(x), rt.to_device(w), _num_outputs=1, **attrs)
     assert len(got) == 1
     check(rt.to_host(got[0]), want[0])
@@ -299,10 +299,10 @@ def test_max_pool(rt, dtype, case, num_outputs, storage_order):
     shape, attrs = case
     x = rand(np.random.default_rng(8), shape, dtype)
     if x.size == 0 and num_outputs == 2:  # (the numpy kernel's Indices path wants a non-empty batch)
-        y = cpu_nn.max_pool(x, storage_order=storage_order, **attrs)
+        y = cpu_pool.max_pool(x, storage_order=storage_order, **attrs)
         want = (y, np.zeros(y.shape, np.int64))
     else:
-        want = cpu_nn.max_pool(x, storage_order=storage_order, _num_outputs=num_outputs, **attrs)
+        want = cpu_pool.max_pool(x, storage_order=storage_order, _num_outputs=num_outputs, **attrs)
     got = pool.max_pool(rt.to_device(x), storage_order=storage_order, _num_outputs=num_outputs, **attrs)
     if num_outputs == 1:
         want, got = (want,), (got,)
@@ -319,7 +319,7 @@ def test_average_pool(rt, dtype, case, count_include_pad):
 
     shape, attrs = case
     x = rand(np.random.default_rng(9), shape, dtype)
-    want = cpu_nn.average_pool(x, count_include_pad=count_include_pad, **attrs)
+    want = cpu_pool.average_pool(x, count_include_pad=count_include_pad, **attrs)
     got = rt.to_host(pool.average_pool(rt.to_device(x), count_include_pad=count_include_pad, **attrs))
     check(got, want)
 
@@ -330,8 +330,8 @@ def test_global_pools(rt, dtype, shape):
     from gradgen.kernels.cuda import pool
 
     x = rand(np.random.default_rng(10), shape, dtype)
-    check(rt.to_host(pool.global_average_pool(rt.to_device(x))), cpu_nn.global_average_pool(x))
-    check(rt.to_host(pool.global_max_pool(rt.to_device(x))), cpu_nn.global_max_pool(x))
+    check(rt.to_host(pool.global_average_pool(rt.to_device(x))), cpu_pool.global_average_pool(x))
+    check(rt.to_host(pool.global_max_pool(rt.to_device(x))), cpu_pool.global_max_pool(x))
 
 
 def test_max_pool_indices_drive_scatter_gradient(rt):
@@ -341,7 +341,7 @@ def test_max_pool_indices_drive_scatter_gradient(rt):
     rng = np.random.default_rng(11)
     x = rand(rng, (3, 4, 12, 12))
     _, idx = pool.max_pool(rt.to_device(x), kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
-    _, want = cpu_nn.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
+    _, want = cpu_pool.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
     assert rt.to_host(idx).dtype == np.int64
     assert np.array_equal(rt.to_host(idx), want)
 
@@ -378,7 +378,7 @@ def test_conv_grad_streams_and_execute_forms_agree(rt, case):
     x_shape, w_shape, attrs, _ = case
     rng = np.random.default_rng(12)
     x, w = rand(rng, x_shape), rand(rng, w_shape)
-    dy = rand(rng, cpu_nn.conv(x, w, **attrs).shape)
+    dy = rand(rng, cpu_conv.conv(x, w, **attrs).shape)
     args = [rt.to_device(a) for a in (dy, x, w)]
     outs = []
     combos = ((True, True, True), (False, True, True), (False, True, False), (False, False, False),
@@ -395,7 +395,7 @@ def test_conv_grad_streams_and_execute_forms_agree(rt, case):
     finally:
         conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = False, True, True
         conv._GRAPHS.clear()
-    want = cpu_ms.conv_grad(dy, x, w, **attrs)
+    want = cpu_conv.conv_grad(dy, x, w, **attrs)
     for got in outs:
         for g, wv, first in zip(got, want, outs[0]):
             check(g, wv, scale=10.0)

@@ -1,4 +1,5 @@
-"""Importing this package registers every gradient rule."""
+"""Importing this package registers every gradient rule: one module per op family, with the same
+family names as kernels/cpu and kernels/cuda."""
 
 from gradgen.grads.rules import (  # noqa: F401
     conv,
@@ -6,8 +7,8 @@ from gradgen.grads.rules import (  # noqa: F401
     indexing,
     loss,
     matmul,
-    nondiff,
     norm,
+    pool,
     reduction,
     shape,
 )

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.registry import grad_rule, non_differentiable
 
 
 def _mul(g, *factors):
@@ -457,3 +457,13 @@ def dropout(g):
             raise ModelError(f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
                              "gradgen differentiates inference-mode Dropout only (export the model in eval mode)")
     return [g.dy()] + [None] * (len(g.node.inputs) - 1)
+
+
+# Ops whose outputs never carry a gradient: bool outputs (comparisons, logic), integer bit
+# operations and random samples. Mod is not among them: float Mod (fmod=1) is differentiable (its
+# rule is above; integer Mod never reaches a rule).
+non_differentiable(
+    "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf",
+    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseNot", "BitwiseXor",
+    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial",
+)

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from gradgen.errors import ModelError
 from gradgen.grads.builder import MICROSOFT, numpy_dtype_of
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.registry import grad_rule, non_differentiable
 from gradgen.grads.rules.shape import INT64_MAX, dims_value
 
 
@@ -101,3 +101,8 @@ def scatter_nd(g):
     if g.needs(2):
         d_updates = g.op("GatherND", g.dy(), indices)
     return [d_data, None, d_updates]
+
+
+# Ops whose outputs never carry a gradient: indices. OneHot is not among them: its float
+# ``values`` input (off/on) carries a gradient.
+non_differentiable("NonZero")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.grads.builder import dims_of, is_static
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.registry import grad_rule, non_differentiable
 
 _ALL = "all"
 _NOOP = "noop"
@@ -193,3 +193,7 @@ def top_k(g):
     reduction = "add" if g.opset >= 16 else None
     dx = g.op("ScatterElements", g.zeros_like(x), g.y(1), dy, axis=axis, reduction=reduction)
     return [dx, None]
+
+
+# Ops whose outputs never carry a gradient: indices.
+non_differentiable("ArgMax", "ArgMin")

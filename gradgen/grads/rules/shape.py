@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from gradgen.errors import ModelError
 from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.registry import grad_rule, non_differentiable
 
 INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min
@@ -386,3 +386,8 @@ def trilu(g):
     k = g.x(1) if len(g.node.inputs) > 1 else None
     inputs = [g.dy()] + ([k] if k is not None else [])
     return [g.op("Trilu", *inputs, upper=g.attr("upper", 1))]
+
+
+# Ops whose outputs never carry a gradient: shapes and sizes, and values that depend only on a
+# shape. Range is not among them: with float start/delta its output is differentiable in them.
+non_differentiable("Shape", "Size", "ConstantOfShape", "EyeLike")

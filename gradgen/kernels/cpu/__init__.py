@@ -1,13 +1,15 @@
-"""numpy CPU kernels, one small function per op, grouped by family; importing registers them."""
+"""numpy CPU kernels, one small function per op, in one module per op family (the same family
+names as grads/rules and kernels/cuda); importing registers them."""
 
 from gradgen.kernels.cpu import (  # noqa: F401
+    conv,
     elementwise,
     indexing,
     loss,
     matmul,
-    microsoft,
-    nn,
-    ort_training,
+    norm,
+    optimizer,
+    pool,
     reduction,
     shape,
 )

@@ -12,7 +12,8 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cpu_kernel
+from gradgen.kernels.numeric import accumulation_dtype, int_list, same_shape
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
 ONNX_TO_NUMPY = {
@@ -518,3 +519,124 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
     if _num_outputs >= 2:
         return data, np.ones(data.shape, dtype=bool)
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# BroadcastGradientArgs (com.microsoft): the reduction axes of a broadcasting op's gradients
+
+
+def broadcast_gradient_axes(a_shape, b_shape) -> tuple[list[int], list[int]]:
+    """The axes of the broadcast result that each operand must be reduced over, in descending order."""
+    a, b = list(a_shape), list(b_shape)
+    a_axes, b_axes = [], []
+    i, j, k = len(a) - 1, len(b) - 1, max(len(a), len(b)) - 1
+    while i >= 0 and j >= 0:
+        if a[i] != b[j]:
+            if a[i] == 1:
+                a_axes.append(k)
+            elif b[j] == 1:
+                b_axes.append(k)
+            else:
+                raise KernelError(f"broadcast is not possible between shapes {a} and {b} "
+                                  f"(dimension {a[i]} against {b[j]} at output axis {k})")
+        i, j, k = i - 1, j - 1, k - 1
+    (a_axes if i < 0 else b_axes).extend(range(k, -1, -1))
+    return a_axes, b_axes
+
+
+@cpu_kernel("BroadcastGradientArgs", domain=MICROSOFT)
+def broadcast_gradient_args(a_shape, b_shape):
+    a_axes, b_axes = broadcast_gradient_axes(int_list(a_shape, "a_shape"), int_list(b_shape, "b_shape"))
+    return np.array(a_axes, dtype=np.int64), np.array(b_axes, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime training's activation gradients (com.microsoft)
+
+
+@cpu_kernel("ReluGrad", domain=MICROSOFT)
+def relu_grad(dY, X):
+    """dX = dY where X > 0, else 0."""
+    same_shape(dY, X, "dY", "X")
+    return np.where(X > 0, dY, np.zeros((), dtype=dY.dtype)).astype(dY.dtype, copy=False)
+
+
+@cpu_kernel("SigmoidGrad", domain=MICROSOFT)
+def sigmoid_grad(dY, Y):
+    """dX = dY * Y * (1 - Y), from Sigmoid's output Y."""
+    same_shape(dY, Y, "dY", "Y")
+    one = Y.dtype.type(1)
+    return (dY * Y * (one - Y)).astype(dY.dtype, copy=False)
+
+
+@cpu_kernel("TanhGrad", domain=MICROSOFT)
+def tanh_grad(dY, Y):
+    """dX = dY * (1 - Y * Y), from Tanh's output Y."""
+    same_shape(dY, Y, "dY", "Y")
+    one = Y.dtype.type(1)
+    return (dY * (one - Y * Y)).astype(dY.dtype, copy=False)
+
+
+def _gelu_grad(dY, X, approximate: bool):
+    ct = accumulation_dtype(X.dtype)
+    x = X.astype(ct, copy=False)
+    if approximate:
+        alpha = ct.type(math.sqrt(2.0 / math.pi))
+        gamma = ct.type(0.044715)
+        beta = ct.type(gamma * alpha * 3.0)
+        cube = x * x * x
+        t = np.tanh(alpha * x + alpha * gamma * cube)
+        d = ct.type(0.5) * (t + (ct.type(1) - t * t) * (alpha * x + beta * cube) + ct.type(1))
+    else:
+        from math import erf
+
+        k_alpha = ct.type(2.0 / math.sqrt(math.pi) * math.sqrt(0.5) * 0.5)
+        erf_values = np.vectorize(erf, otypes=[np.float64])(x.astype(np.float64) * math.sqrt(0.5)).astype(ct)
+        d = ct.type(0.5) * (erf_values + ct.type(1)) + x * k_alpha * np.exp(ct.type(-0.5) * x * x)
+    return (dY.astype(ct, copy=False) * d).astype(dY.dtype)
+
+
+@cpu_kernel("GeluGrad", domain=MICROSOFT)
+def gelu_grad(dY, X):
+    """Gradient of the exact (erf) Gelu."""
+    same_shape(dY, X, "dY", "X")
+    return _gelu_grad(dY, X, approximate=False)
+
+
+@cpu_kernel("FastGeluGrad", domain=MICROSOFT)
+def fast_gelu_grad(dY, X):
+    """Gradient of the tanh approximation of Gelu."""
+    same_shape(dY, X, "dY", "X")
+    return _gelu_grad(dY, X, approximate=True)
+
+
+def _biased(X, B):
+    if B.ndim != 1 or X.ndim < 1 or X.shape[-1] != B.shape[0]:
+        raise KernelError(f"B (shape {list(B.shape)}) must be 1-D and match the last dimension of X {list(X.shape)}")
+    return X + B
+
+
+@cpu_kernel("BiasGeluGrad_dX", domain=MICROSOFT)
+def bias_gelu_grad_dx(dY, X, B):
+    same_shape(dY, X, "dY", "X")
+    return _gelu_grad(dY, _biased(X, B), approximate=False)
+
+
+@cpu_kernel("BiasFastGeluGrad_dX", domain=MICROSOFT)
+def bias_fast_gelu_grad_dx(dY, X, B):
+    same_shape(dY, X, "dY", "X")
+    return _gelu_grad(dY, _biased(X, B), approximate=True)
+
+
+@cpu_kernel("Scale", domain=MICROSOFT)
+def scale(input, scale_value, *, scale_down=0):
+    """input * scale, or input / scale with scale_down=1; scale is a one-element tensor."""
+    value = np.asarray(scale_value)
+    if value.size != 1:
+        raise KernelError(f"scale must have a single value, got shape {list(value.shape)}")
+    factor = float(value.reshape(-1)[0])
+    if factor == 0.0:
+        raise KernelError("scale must not be 0")
+    if int(scale_down):
+        factor = np.float32(1.0) / np.float32(factor)
+    return (input * input.dtype.type(factor)).astype(input.dtype, copy=False)

@@ -1,4 +1,5 @@
-"""CPU kernels: indexing (Gather*, Scatter*, OneHot, NonZero, Compress).
+"""CPU kernels: indexing (Gather*, Scatter*, OneHot, NonZero, Compress, and the com.microsoft
+GatherGrad and GatherElementsGrad).
 
 Conventions shared by every kernel here:
 
@@ -12,10 +13,13 @@ Conventions shared by every kernel here:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cpu_kernel
+from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, shape_arg
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 _REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -38,7 +42,7 @@ def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "in
         where = tuple(int(i) for i in np.argwhere(bad)[0]) + suffix
         raise KernelError(
             f"{what} {value} (at position {list(where)} of the indices) is out of range for axis {axis} "
-            f"of size {dim}; valid range is [{-dim}, {dim - 1}]"
+            f"of size {dim} (valid range [{-dim}, {dim - 1}])"
         )
     idx[idx < 0] += dim
     return idx
@@ -207,3 +211,64 @@ def compress(data, condition, *, axis=None):
     if cond.size > data.shape[axis]:
         raise KernelError(f"condition has {cond.size} entries but axis {axis} has size {data.shape[axis]}")
     return np.compress(cond, data, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# GatherGrad, GatherElementsGrad (com.microsoft, ONNX Runtime training's input orders)
+
+
+@cpu_kernel("GatherGrad", domain=MICROSOFT)
+def gather_grad(shape, indices, dY, *, axis=0):
+    """dX of ``shape``: the slices of dY added at the gathered positions along ``axis``."""
+    dims = shape_arg(shape)
+    if not dims:
+        raise KernelError("shape is empty: Gather's data must have rank >= 1")
+    axis = normalize_axis(axis, len(dims))
+    size = dims[axis]
+    idx = _normalize_indices(indices, size, axis)
+    dY = np.asarray(dY)
+    want = tuple(dims[:axis]) + idx.shape + tuple(dims[axis + 1:])
+    if dY.shape != want:
+        raise KernelError(f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
+                          f"{list(idx.shape)} along axis {axis} gives {list(want)}")
+    outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1:]), idx.size
+    acc = accumulation_dtype(dY.dtype)
+    dX = np.zeros((outer, size, inner), dtype=acc)
+    if count and outer and inner:
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        ordered = flat[order]
+        first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        parts = dY.reshape(outer, count, inner)[:, order, :].astype(acc, copy=False)
+        dX[:, ordered[first], :] = np.add.reduceat(parts, first, axis=1)
+    return dX.reshape(dims).astype(dY.dtype, copy=False)
+
+
+@cpu_kernel("GatherElementsGrad", domain=MICROSOFT)
+def gather_elements_grad(dY, shape, indices, *, axis=0):
+    """dX of ``shape``: dY[i] added at indices[i] along ``axis`` (the other coordinates kept)."""
+    dims = shape_arg(shape)
+    if not dims:
+        raise KernelError("shape is empty: GatherElements' data must have rank >= 1")
+    axis = normalize_axis(axis, len(dims))
+    dY, indices = np.asarray(dY), np.asarray(indices)
+    if dY.shape != indices.shape:
+        raise KernelError(f"dY has shape {list(dY.shape)}, but indices have shape {list(indices.shape)}; they must match")
+    if indices.ndim != len(dims):
+        raise KernelError(f"indices have rank {indices.ndim} (shape {list(indices.shape)}), but the data shape "
+                          f"{dims} has rank {len(dims)}")
+    for d, (n, m) in enumerate(zip(indices.shape, dims)):
+        if d != axis and n > m:
+            raise KernelError(f"indices shape {list(indices.shape)} exceeds the data shape {dims} on axis {d} "
+                              f"(only axis {axis} may be longer)")
+    idx = _normalize_indices(indices, dims[axis], axis)
+    strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
+    target = idx * strides[axis]
+    for d, n in enumerate(indices.shape):
+        if d != axis:
+            view = [1] * len(dims)
+            view[d] = n
+            target = target + (np.arange(n, dtype=np.int64) * strides[d]).reshape(view)
+    # bincount adds in float64, sequentially in element order: deterministic, and exact for double.
+    sums = np.bincount(target.reshape(-1), weights=dY.reshape(-1).astype(np.float64), minlength=math.prod(dims))
+    return sums.reshape(dims).astype(dY.dtype)

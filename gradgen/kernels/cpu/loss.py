@@ -11,12 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cpu_kernel
-
-
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    dtype = np.dtype(dtype)
-    return dtype if dtype.kind == "f" and dtype.itemsize >= 4 else np.dtype(np.float32)
+from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 
 def _nll(log_prob, target, weight, ignore_index, reduction, out_dtype):
@@ -63,7 +59,7 @@ def _nll(log_prob, target, weight, ignore_index, reduction, out_dtype):
 
 @cpu_kernel("NegativeLogLikelihoodLoss")
 def negative_log_likelihood_loss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
-    ct = _compute_dtype(input.dtype)
+    ct = float_compute_dtype(input.dtype)
     return _nll(input.astype(ct, copy=False), target, weight, ignore_index, reduction, input.dtype)
 
 
@@ -72,7 +68,7 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
     """Returns loss, and log_prob (log-softmax of scores over axis 1) when the node asks for it."""
     if scores.ndim < 2:
         raise KernelError(f"scores must have shape (N, C, ...), got {list(scores.shape)}")
-    ct = _compute_dtype(scores.dtype)
+    ct = float_compute_dtype(scores.dtype)
     s = scores.astype(ct, copy=False)
     shifted = s - s.max(axis=1, keepdims=True)
     log_prob = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
@@ -80,3 +76,65 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
     if _num_outputs > 1:
         return loss, log_prob.astype(scores.dtype, copy=False)
     return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# SoftmaxCrossEntropyLossGrad (com.microsoft, ONNX Runtime training)
+
+
+@cpu_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)
+def softmax_cross_entropy_loss_grad(dY, log_prob, label, weight=None, ignore_index_input=None, *,
+                                    ignore_index=-100, reduction="mean"):
+    """d_logits = (exp(log_prob) - onehot(label)) * w, with ORT's reductions.
+
+    ``log_prob`` is (N, C, D1, ...) and ``label`` (N, D1, ...). ``dY`` is the loss gradient: a
+    scalar for 'mean'/'sum', label-shaped for 'none'. Samples whose label is ``ignore_index`` (the
+    optional 5th input overrides the attribute) get zero gradient; 'mean' divides by the number of
+    the other samples, or by the sum of their weights, and by nothing when that is 0.
+    """
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    if reduction not in ("mean", "sum", "none"):
+        raise KernelError(f"unknown reduction {reduction!r} (mean, sum or none)")
+    if ignore_index_input is not None:
+        if np.asarray(ignore_index_input).ndim != 0:
+            raise KernelError("ignore_index should be a scalar")
+        ignore_index = int(ignore_index_input)
+    if log_prob.ndim != label.ndim + 1 or log_prob.shape[0] != label.shape[0] or log_prob.shape[2:] != label.shape[1:]:
+        raise KernelError(f"log_prob shape {list(log_prob.shape)} must be (N, C, D1, ...) for label shape {list(label.shape)}")
+    if label.dtype.kind not in "iu":
+        raise KernelError(f"label must be int32 or int64, got {label.dtype}")
+    if weight is not None and weight.ndim != 1:
+        raise KernelError(f"weight must be 1-D, got shape {list(weight.shape)}")
+    classes = log_prob.shape[1]
+    ct = accumulation_dtype(log_prob.dtype)
+    labels = label.astype(np.int64)
+    kept = labels != int(ignore_index)
+    if ((labels[kept] < 0) | (labels[kept] >= classes)).any():
+        bad = int(labels[kept][(labels[kept] < 0) | (labels[kept] >= classes)][0])
+        raise KernelError(f"label {bad} is out of range for {classes} classes (valid range [0, {classes - 1}])")
+    safe = np.where(kept, labels, 0)
+    # (N, D..., C) layout, as ORT transposes to.
+    prob = np.moveaxis(np.exp(log_prob.astype(ct, copy=False)), 1, -1)
+    onehot = np.arange(classes) == safe[..., None]
+    grad = prob - onehot.astype(ct)
+    if weight is not None:
+        w = np.where(kept, weight.astype(ct, copy=False)[safe], ct.type(0))
+    else:
+        w = kept.astype(ct)
+    dy = np.asarray(dY).astype(ct, copy=False)
+    if reduction == "none":
+        if dy.shape != label.shape:
+            raise KernelError(f"dY has shape {list(dy.shape)}, but reduction 'none' needs the label shape {list(label.shape)}")
+        scale = w * dy
+    else:
+        if dy.size != 1:
+            raise KernelError(f"dY must be a scalar for reduction {reduction!r}, got shape {list(dy.shape)}")
+        scale_value = dy.reshape(())
+        if reduction == "mean":
+            total = w.sum(dtype=ct)
+            if total != 0:
+                scale_value = scale_value / total
+        scale = w * scale_value
+    result = grad * scale[..., None]
+    return np.ascontiguousarray(np.moveaxis(result, -1, 1)).astype(log_prob.dtype, copy=False)

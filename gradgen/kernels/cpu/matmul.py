@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cpu_kernel
+from gradgen.kernels.numeric import accumulation_dtype
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 
 def check_matmul_shapes(a_shape, b_shape) -> None:
@@ -78,3 +79,37 @@ def einsum(*inputs, equation):
     except ValueError as exc:
         raise KernelError(f"equation {equation!r} with shapes {[list(x.shape) for x in inputs]}: {exc}") from None
     return np.asarray(out).astype(np.result_type(*inputs), copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# FusedMatMul (com.microsoft)
+
+
+@cpu_kernel("FusedMatMul", domain=MICROSOFT)
+def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    """alpha * MatMul(op(A), op(B)); op transposes the last two axes (trans) and moves axis 0 to
+    the second-to-last position first (transBatch). Rank-1 inputs ignore both flags."""
+    a = _matmul_operand(A, transA, transBatchA)
+    b = _matmul_operand(B, transB, transBatchB)
+    ct = accumulation_dtype(A.dtype)
+    try:
+        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+    except ValueError as exc:
+        raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} (transA={transA}, transB={transB}, "
+                          f"transBatchA={transBatchA}, transBatchB={transBatchB}) is not possible: {exc}") from None
+    if float(alpha) != 1.0:
+        y = y * ct.type(alpha)
+    return np.asarray(y, dtype=A.dtype)
+
+
+def _matmul_operand(A, trans: int, trans_batch: int):
+    """A as MatMul sees it: transBatch moves dim 0 in front of the last one, trans swaps the last two."""
+    if A.ndim == 0:
+        raise KernelError("FusedMatMul inputs must have rank >= 1")
+    if A.ndim == 1:
+        return A
+    if trans_batch:
+        A = np.moveaxis(A, 0, -2)
+    if trans:
+        A = np.swapaxes(A, -1, -2)
+    return A

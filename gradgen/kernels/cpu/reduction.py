@@ -10,14 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cpu_kernel
-
-
-def _axis(axis: int, rank: int, what: str = "axis") -> int:
-    axis = int(axis)
-    if not -rank <= axis < max(rank, 1):
-        raise KernelError(f"{what} {axis} is out of range for a tensor of rank {rank}")
-    return axis + rank if axis < 0 else axis
+from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, same_shape
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 
 def _reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
@@ -25,7 +19,7 @@ def _reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int
     if axes is None or np.size(axes) == 0:
         return () if noop_with_empty_axes else tuple(range(data.ndim))
     values = [int(a) for a in np.asarray(axes).reshape(-1)]
-    normalised = tuple(_axis(a, data.ndim, "reduction axis") for a in values)
+    normalised = tuple(normalize_axis(a, data.ndim, "reduction axis") for a in values)
     if len(set(normalised)) != len(normalised):
         raise KernelError(f"repeated reduction axes {values}")
     return tuple(sorted(normalised))
@@ -108,7 +102,7 @@ reduce_log_sum_exp = cpu_kernel("ReduceLogSumExp")(_reducer("reduce_log_sum_exp"
 
 
 def _arg(fn, data, axis, keepdims, select_last_index):
-    axis = _axis(axis, data.ndim)
+    axis = normalize_axis(axis, data.ndim)
     if data.shape[axis] == 0:
         raise KernelError(f"cannot take the arg-reduction of an empty axis {axis}")
     if select_last_index:
@@ -133,7 +127,7 @@ def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
 def _cumulative(fn, identity, x, axis, exclusive, reverse):
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
-    ax = _axis(int(np.asarray(axis).reshape(-1)[0]), x.ndim)
+    ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), x.ndim)
     data = np.flip(x, axis=ax) if reverse else x
     out = fn(data, axis=ax, dtype=x.dtype)
     if exclusive and out.shape[ax]:
@@ -155,11 +149,11 @@ def cum_prod(x, axis, *, exclusive=0, reverse=0):
 def _softmax_frame(x: np.ndarray, axis, opset: int):
     """(array to normalise over its last axis, function to restore x's layout)."""
     if opset >= 13:
-        ax = _axis(-1 if axis is None else axis, x.ndim)
+        ax = normalize_axis(-1 if axis is None else axis, x.ndim)
         moved = np.moveaxis(x, ax, -1)
         return moved, lambda y: np.moveaxis(y, -1, ax)
     # opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])].
-    ax = _axis(1 if axis is None else axis, x.ndim) if x.ndim else 0
+    ax = normalize_axis(1 if axis is None else axis, x.ndim) if x.ndim else 0
     rows = int(np.prod(x.shape[:ax], dtype=np.int64))
     flat = x.reshape(rows, int(np.prod(x.shape[ax:], dtype=np.int64)))
     return flat, lambda y: y.reshape(x.shape)
@@ -198,7 +192,7 @@ def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
     if np.size(k) != 1:
         raise KernelError(f"K must hold one value, got shape {list(np.shape(k))}")
     k = int(np.asarray(k).reshape(-1)[0])
-    ax = _axis(axis, x.ndim)
+    ax = normalize_axis(axis, x.ndim)
     n = x.shape[ax]
     if not 0 <= k <= n:
         raise KernelError(f"K={k} is out of range for axis {ax} of size {n}")
@@ -212,3 +206,53 @@ def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
     indices = np.take(order, np.arange(k), axis=ax).astype(np.int64)
     values = np.take_along_axis(x, indices, axis=ax)
     return values, indices
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime training's softmax gradients (com.microsoft)
+
+
+def _softmax_axes(Y, axis: int, opset13: bool):
+    """The reduction axes: the one axis (opset 13 semantics) or every axis from ``axis`` on."""
+    axis = normalize_axis(axis, Y.ndim)
+    return (axis,) if opset13 else tuple(range(axis, Y.ndim))
+
+
+def _softmax_grad(dY, Y, axis, opset13):
+    same_shape(dY, Y, "dY", "Y")
+    axes = _softmax_axes(Y, axis, opset13)
+    ct = accumulation_dtype(Y.dtype)
+    y, dy = Y.astype(ct, copy=False), dY.astype(ct, copy=False)
+    dot = (y * dy).sum(axis=axes, keepdims=True)
+    return ((dy - dot) * y).astype(Y.dtype)
+
+
+def _log_softmax_grad(dY, Y, axis, opset13):
+    same_shape(dY, Y, "dY", "Y")
+    axes = _softmax_axes(Y, axis, opset13)
+    ct = accumulation_dtype(Y.dtype)
+    y, dy = Y.astype(ct, copy=False), dY.astype(ct, copy=False)
+    return (dy - np.exp(y) * dy.sum(axis=axes, keepdims=True)).astype(Y.dtype)
+
+
+@cpu_kernel("SoftmaxGrad", domain=MICROSOFT)
+def softmax_grad(dY, Y, *, axis=1):
+    """Softmax (opset < 13) gradient: the input is coerced to 2-D at ``axis``."""
+    return _softmax_grad(dY, Y, axis, opset13=False)
+
+
+@cpu_kernel("SoftmaxGrad_13", domain=MICROSOFT)
+def softmax_grad_13(dY, Y, *, axis=-1):
+    """dX = Y * (dY - sum(dY * Y, axis)) along the single ``axis`` (Softmax-13)."""
+    return _softmax_grad(dY, Y, axis, opset13=True)
+
+
+@cpu_kernel("LogSoftmaxGrad", domain=MICROSOFT)
+def log_softmax_grad(dY, Y, *, axis=1):
+    return _log_softmax_grad(dY, Y, axis, opset13=False)
+
+
+@cpu_kernel("LogSoftmaxGrad_13", domain=MICROSOFT)
+def log_softmax_grad_13(dY, Y, *, axis=-1):
+    """dX = dY - exp(Y) * sum(dY, axis), Y being LogSoftmax's output."""
+    return _log_softmax_grad(dY, Y, axis, opset13=True)

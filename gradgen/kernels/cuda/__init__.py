@@ -1,15 +1,15 @@
-"""CUDA launchers, registered next to the CPU kernels. Importing them needs no GPU: each imports
-gradgen.cuda.runtime (and so PyCUDA) only when it runs."""
+"""CUDA launchers, registered next to the CPU kernels, one module per op family (the same family
+names as grads/rules and kernels/cpu; each X.py compiles its kernels from X.cu). Importing them
+needs no GPU: each imports gradgen.cuda.runtime (and so PyCUDA) only when it runs."""
 
 from gradgen.kernels.cuda import (  # noqa: F401
     conv,
-    copy,
     elementwise,
     indexing,
     loss,
     matmul,
-    microsoft,
     norm,
     pool,
-    reduce,
+    reduction,
+    shape,
 )

@@ -13,7 +13,7 @@ plan once per graph and keeps the fastest.
 After a plan's first run through the frontend's public execute, later runs call the lowered backend
 graph directly (the frontend's own uid-map call), which saves most of the per-call Python cost.
 
-Where cuDNN declines a configuration (or is missing), direct convolution kernels (pool.cu) run
+Where cuDNN declines a configuration (or is missing), direct convolution kernels (conv.cu) run
 instead, with a one-time warning: one thread per output for the forward pass and dX, one block
 per weight element for dW, all deterministic. dB is a per-channel block reduction of dY.
 """
@@ -280,7 +280,7 @@ class _Geometry:
     """A Conv's resolved geometry: pads (begin/end), strides, dilations, shapes."""
 
     def __init__(self, x_shape, w_shape, attrs):
-        from gradgen.kernels.cpu.microsoft import conv_geometry
+        from gradgen.kernels.cpu.conv import conv_geometry
 
         group = int(attrs.get("group", 1) or 1)
         self.begin, self.end, self.strides, self.dilations, self.y_shape = conv_geometry(
@@ -376,7 +376,7 @@ def _fprop(x, w, geom):
             return y
     if geom.nd > 3:
         raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
-    kernel = rt.function("pool", f"conv_fwd_{rt.suffix(x.dtype)}")
+    kernel = rt.function("conv", f"conv_fwd_{rt.suffix(x.dtype)}")
     rt.launch(kernel, y.size, y, x, w, geom.direct_geom(), np.int64(y.size))
     return y
 
@@ -407,7 +407,7 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
             if keep is not None:
                 keep.append(target)
             return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin), stream=stream)
-    kernel = rt.function("pool", f"conv_dgrad_{rt.suffix(dy.dtype)}")
+    kernel = rt.function("conv", f"conv_dgrad_{rt.suffix(dy.dtype)}")
     launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size), stream=stream)
     return dx
 
@@ -432,7 +432,7 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
-    kernel = rt.function("pool", f"conv_wgrad_{rt.suffix(dy.dtype)}")
+    kernel = rt.function("conv", f"conv_wgrad_{rt.suffix(dy.dtype)}")
     kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),
            stream=stream)
     return dw
@@ -449,7 +449,7 @@ def _check_ranks(x, w):
 
 @cuda_kernel("Conv")
 def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
-    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cpu import conv as cpu_conv
     from gradgen.kernels.cuda.pool import add_channel_bias, contiguous, cpu_fallback
 
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
@@ -461,7 +461,7 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     if b is not None and tuple(b.shape) != (geom.w_shape[0],):
         raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
     if x.dtype not in _FLOATS or geom.nd > 3:
-        return cpu_fallback("Conv", nn.conv, x, w, b, **attrs)
+        return cpu_fallback("Conv", cpu_conv.conv, x, w, b, **attrs)
     y = _fprop(contiguous(x), contiguous(w), geom)
     if b is not None:
         add_channel_bias(y, b)
@@ -474,7 +474,7 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned, and outputs
     the node leaves unnamed (``_wanted`` False) are not computed."""
     wanted = _wanted or (True,) * _num_outputs
-    from gradgen.kernels.cpu import microsoft
+    from gradgen.kernels.cpu import conv as cpu_conv
     from gradgen.kernels.cuda.pool import channel_sum, contiguous, cpu_fallback
 
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
@@ -484,7 +484,7 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     if tuple(dY.shape) != geom.y_shape:
         raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(geom.y_shape)}")
     if X.dtype not in _FLOATS or geom.nd > 3:
-        return cpu_fallback("ConvGrad", microsoft.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
+        return cpu_fallback("ConvGrad", cpu_conv.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
     dY, X, W = contiguous(dY), contiguous(X), contiguous(W)
     if CONCURRENT and _num_outputs >= 2 and all(wanted) and min(dY.size, X.size, W.size) > 0:
         # dX on side stream 1 while dW and dB run on side stream 2. Both are blocking streams: they

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
 FLOATS = ("f16", "f32", "f64")
 NUMBERS = FLOATS + ("i32", "i64")
@@ -481,7 +481,7 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
     """Inference mode: the input itself (and an all-true mask); training mode is refused as on the CPU."""
     from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import elementwise as cpu
-    from gradgen.kernels.cuda.copy import fill
+    from gradgen.kernels.cuda.shape import fill
 
     # The CPU kernel decides (and refuses training mode) on a stand-in of the same dtype.
     cpu.dropout(np.zeros((), data.dtype), ratio, training_mode, seed=seed, is_test=is_test, **attrs)
@@ -490,3 +490,14 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
         fill(mask, True)
         return data, mask
     return data
+
+
+# ---------------------------------------------------------------- BroadcastGradientArgs
+
+
+@cuda_kernel("BroadcastGradientArgs", domain=MICROSOFT, host_inputs=(0, 1))
+def broadcast_gradient_args(a_shape, b_shape):
+    """The axes are host data computed from host shapes: the CPU kernel's result, as is."""
+    from gradgen.kernels.cpu.elementwise import broadcast_gradient_args as cpu_broadcast_gradient_args
+
+    return cpu_broadcast_gradient_args(a_shape, b_shape)

@@ -2,9 +2,697 @@
 // the element WIDTH in bytes (w1..w16; the launchers move contiguous runs as wider words) and the
 // index type (i32, i64). Negative indices are normalised; an out-of-range index writes nothing and
 // sets *flag to its position + 1 (the launcher then raises the CPU kernel's error).
-// (ScatterElements and ScatterND use the deterministic scatters of microsoft.cu.)
+//
+// The deterministic scatters, shared by the com.microsoft gradient ops (GatherGrad,
+// GatherElementsGrad) and ScatterND / ScatterElements (SliceGrad lives in shape.cu: it is the
+// one-pass lattice kernel with fill 0):
+//
+// Row scatter (GatherGrad, ScatterND): dX[o, r, :] = init[o, r, :] (+)= dY[o, p, :] for every
+// position p whose key is r, summed in position order, no float atomics:
+//   csr_tile_sort  tiles of TILE positions: keys (normalised indices; range errors set the flag),
+//                  stable block radix sort by key, and for every run of equal keys its place among
+//                  the positions of that key in earlier tiles (tiles take turns in tile order for
+//                  that, so the result does not depend on scheduling); integer atomics only.
+//   csr_scan       one block: rowptr = exclusive scan of the per-key counts; long rows (more than C
+//                  positions) are cut into chunks of C positions.
+//   csr_place      sorted_pos[rowptr[key] + rank] = position (a stable counting sort).
+//   csr_rows       one block per (outer, row) and per extra chunk of a long row: sums its positions
+//                  in order (threads split positions, then a fixed tree), writes dX (every element
+//                  exactly once, zero rows included: no memset), or a partial sum for long rows.
+//   csr_long       long rows: adds their chunks' partial sums in chunk order.
+//
+// Line scatter (GatherElementsGrad, ScatterElements): one block per line of dX along the axis; the
+// line lives in shared memory (or, when too long, in dX itself, owned by that block); positions are
+// taken in tiles, stably sorted by target, and each run is folded into the line in position order.
+// ge_atomic is the optional atomicAdd path of GatherElementsGrad.
+//
+// GatherGrad (up to GO_MAX positions, see gg_own below): one launch; blocks own row ranges, scan the
+// indices in order and sum each row's positions in position order; the CSR kernels above serve larger
+// position counts and ScatterND.
 #include "common.h"
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 
+template <typename IDX>
+__device__ __forceinline__ bool gg_norm(IDX v, int64_t size, int64_t& out) {
+    int64_t x = (int64_t)v;
+    if (x < 0) x += size;
+    out = x;
+    return x >= 0 && x < size;
+}
+
+__device__ __forceinline__ void gg_set_flag(long long* flag, int64_t position) {
+    atomicCAS(reinterpret_cast<unsigned long long*>(flag), 0ull, (unsigned long long)(position + 1));
+}
+
+struct MaxOp {
+    __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+
+// ------------------------------------------------------------------ row scatter (CSR)
+
+constexpr int TS_THREADS = 256, TS_ITEMS = 8, TS_TILE = TS_THREADS * TS_ITEMS;
+
+// kd.shape[t] = size of the axis indexed by component t, kd.strides[t] = its row multiplier;
+// indices are (count, k) row-major. sync[0]: tile tickets, sync[1]: tiles done.
+template <typename IDX>
+__device__ void csr_tile_sort(const IDX* __restrict__ idx, uint32_t* keys_out, uint32_t* pos_out, uint32_t* rank_out,
+                              uint32_t* counts, long long* flag, unsigned int* sync, TensorDesc kd, int64_t count,
+                              int64_t sentinel, int64_t end_bit) {
+    using Sort = cub::BlockRadixSort<uint32_t, TS_THREADS, TS_ITEMS, uint32_t>;
+    using Scan = cub::BlockScan<int, TS_THREADS>;
+    __shared__ union {
+        typename Sort::TempStorage sort;
+        typename Scan::TempStorage scan;
+    } tmp;
+    __shared__ uint32_t skeys[TS_TILE];
+    __shared__ uint32_t sbase[TS_TILE];
+    __shared__ unsigned int tile_s;
+    if (threadIdx.x == 0) tile_s = atomicAdd(&sync[0], 1u);
+    __syncthreads();
+    const unsigned int tile = tile_s;
+    const int64_t base = (int64_t)tile * TS_TILE;
+    const int k = (int)kd.rank;
+    uint32_t key[TS_ITEMS], val[TS_ITEMS];
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) {
+        const int64_t p = base + threadIdx.x * TS_ITEMS + i;
+        key[i] = (uint32_t)sentinel;
+        val[i] = (uint32_t)p;
+        if (p < count) {
+            int64_t row = 0;
+            bool ok = true;
+            for (int t = 0; t < k; ++t) {
+                int64_t x;
+                ok = gg_norm(idx[p * k + t], kd.shape[t], x) && ok;
+                row += x * kd.strides[t];
+            }
+            if (ok) key[i] = (uint32_t)row;
+            else gg_set_flag(flag, p);
+        }
+    }
+    Sort(tmp.sort).Sort(key, val, 0, (int)end_bit);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) skeys[threadIdx.x * TS_ITEMS + i] = key[i];
+    __syncthreads();
+    int head[TS_ITEMS], seg[TS_ITEMS];
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) {
+        const int g = threadIdx.x * TS_ITEMS + i;
+        head[i] = (g == 0 || skeys[g - 1] != key[i]) ? g : 0;
+    }
+    Scan(tmp.scan).InclusiveScan(head, seg, MaxOp());
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) {  // run lengths, kept at the run's head
+        const int g = threadIdx.x * TS_ITEMS + i;
+        const bool tail = g == TS_TILE - 1 || skeys[g + 1] != key[i];
+        if (tail && key[i] != (uint32_t)sentinel) sbase[seg[i]] = (uint32_t)(g - seg[i] + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // wait for the previous tile
+        while (atomicAdd(&sync[1], 0u) != tile) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) {
+        const int g = threadIdx.x * TS_ITEMS + i;
+        if (seg[i] == g && key[i] != (uint32_t)sentinel) sbase[g] = atomicAdd(&counts[key[i]], sbase[g]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(&sync[1], tile + 1);
+    }
+#pragma unroll
+    for (int i = 0; i < TS_ITEMS; ++i) {
+        const int g = threadIdx.x * TS_ITEMS + i;
+        const int64_t q = base + g;
+        if (q < count) {
+            keys_out[q] = key[i];
+            pos_out[q] = val[i];
+            rank_out[q] = key[i] != (uint32_t)sentinel ? sbase[seg[i]] + (uint32_t)(g - seg[i]) : 0u;
+        }
+    }
+}
+
+extern "C" __global__ void csr_tile_sort_i32(const int32_t* idx, uint32_t* keys, uint32_t* pos, uint32_t* rank,
+                                             uint32_t* counts, long long* flag, unsigned int* sync, TensorDesc kd,
+                                             int64_t count, int64_t sentinel, int64_t end_bit) {
+    csr_tile_sort(idx, keys, pos, rank, counts, flag, sync, kd, count, sentinel, end_bit);
+}
+extern "C" __global__ void csr_tile_sort_i64(const int64_t* idx, uint32_t* keys, uint32_t* pos, uint32_t* rank,
+                                             uint32_t* counts, long long* flag, unsigned int* sync, TensorDesc kd,
+                                             int64_t count, int64_t sentinel, int64_t end_bit) {
+    csr_tile_sort(idx, keys, pos, rank, counts, flag, sync, kd, count, sentinel, end_bit);
+}
+
+struct ScanPrefix {
+    uint32_t running;
+    __device__ uint32_t operator()(uint32_t aggregate) {
+        const uint32_t old = running;
+        running += aggregate;
+        return old;
+    }
+};
+
+constexpr int SC_THREADS = 1024, SC_ITEMS = 8;
+
+// rowptr[R+1] = exclusive scan of counts. Long rows (more than C positions) get C-position chunks:
+// chunk 0 is the row's own, the others are listed in chunk_map as (row, chunk) pairs; each long row
+// gets a run of partial-sum slots from row_slot[row] on. meta (zeroed): {extra chunks, slots, long
+// rows}. Where in these lists a long row lands does not change any sum (chunks and their order are
+// fixed by the positions), so plain integer atomics hand them out.
+extern "C" __global__ void __launch_bounds__(SC_THREADS) csr_scan(const uint32_t* counts, uint32_t* rowptr,
+        uint32_t* row_slot, uint32_t* chunk_map, uint32_t* long_rows, uint32_t* meta, int64_t R, int64_t C) {
+    using Scan = cub::BlockScan<uint32_t, SC_THREADS>;
+    __shared__ typename Scan::TempStorage tmp;
+    ScanPrefix prefix{0u};
+    for (int64_t t0 = 0; t0 < R; t0 += (int64_t)SC_THREADS * SC_ITEMS) {
+        uint32_t in[SC_ITEMS], out[SC_ITEMS];
+#pragma unroll
+        for (int i = 0; i < SC_ITEMS; ++i) {
+            const int64_t r = t0 + threadIdx.x * SC_ITEMS + i;
+            in[i] = r < R ? counts[r] : 0u;
+        }
+        Scan(tmp).ExclusiveSum(in, out, prefix);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < SC_ITEMS; ++i) {
+            const int64_t r = t0 + threadIdx.x * SC_ITEMS + i;
+            if (r < R) {
+                rowptr[r] = out[i];
+                if (in[i] > (uint64_t)C) {
+                    const uint32_t chunks = (uint32_t)((in[i] + C - 1) / C);
+                    row_slot[r] = atomicAdd(&meta[1], chunks);
+                    long_rows[atomicAdd(&meta[2], 1u)] = (uint32_t)r;
+                    const uint32_t e = atomicAdd(&meta[0], chunks - 1);
+                    for (uint32_t c = 1; c < chunks; ++c) {
+                        chunk_map[2 * (e + c - 1)] = (uint32_t)r;
+                        chunk_map[2 * (e + c - 1) + 1] = c;
+                    }
+                }
+            }
+        }
+    }
+    if (threadIdx.x == 0) rowptr[R] = prefix.running;
+}
+
+extern "C" __global__ void csr_place(const uint32_t* keys, const uint32_t* pos, const uint32_t* rank,
+                                     const uint32_t* rowptr, uint32_t* sorted_pos, int64_t count, int64_t sentinel) {
+    GG_GRID_STRIDE(i, count) {
+        const uint32_t key = keys[i];
+        if (key != (uint32_t)sentinel) sorted_pos[rowptr[key] + rank[i]] = pos[i];
+    }
+}
+
+template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
+
+// mode 0: add (dX = init + sum), 1: none (the last position wins; rows without positions keep init).
+template <typename T, int V>
+__device__ void csr_rows(T* __restrict__ dx, const T* __restrict__ dy, const T* __restrict__ init,
+                         const uint32_t* __restrict__ spos, const uint32_t* __restrict__ rowptr,
+                         const uint32_t* __restrict__ row_slot, const uint32_t* __restrict__ chunk_map,
+                         const uint32_t* __restrict__ meta,
+                         typename Acc<T>::type* __restrict__ partial, int64_t outer, int64_t R, int64_t count,
+                         int64_t inner_v, int64_t C, int64_t xbound, int64_t maxslots, int64_t col_lanes, int64_t mode) {
+    using A = typename Acc<T>::type;
+    using VT = Vec<T, V>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* red = reinterpret_cast<A*>(smem_raw);
+    const int cl = threadIdx.x % col_lanes, pl = threadIdx.x / col_lanes, P = blockDim.x / col_lanes;
+    const uint32_t nextra = meta[0];
+    const int64_t per_outer = R + xbound;
+    const VT* dyv = reinterpret_cast<const VT*>(dy);
+    const VT* initv = reinterpret_cast<const VT*>(init);
+    VT* dxv = reinterpret_cast<VT*>(dx);
+    for (int64_t w = blockIdx.x; w < outer * per_outer; w += gridDim.x) {
+        const int64_t o = w / per_outer, t = w - o * per_outer;
+        int64_t r, c;
+        if (t < R) {
+            r = t;
+            c = 0;
+        } else {
+            const int64_t e = t - R;
+            if (e >= nextra) continue;
+            r = chunk_map[2 * e];
+            c = chunk_map[2 * e + 1];
+        }
+        const int64_t row_a = rowptr[r], row_b = rowptr[r + 1];
+        const bool is_long = mode == 0 && row_b - row_a > C;
+        const int64_t a = mode == 0 ? row_a + c * C : row_a;
+        const int64_t b = mode == 0 ? min(a + C, row_b) : row_b;
+        int64_t slot = 0;
+        if (is_long) slot = row_slot[r] + c;
+        for (int64_t col0 = 0; col0 < inner_v; col0 += col_lanes) {
+            const int64_t col = col0 + cl;
+            const bool active = col < inner_v;
+            A acc[V];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[e] = A(0);
+            if (active) {
+                if (mode == 1) {
+                    if (pl == 0 && b > a) {
+                        VT y = dyv[(o * count + spos[b - 1]) * inner_v + col];
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[e] = gg_load(&y.v[e]);
+                    }
+                } else {
+                    for (int64_t p = a + pl; p < b; p += P) {
+                        VT y = dyv[(o * count + spos[p]) * inner_v + col];
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[e] += gg_load(&y.v[e]);
+                    }
+                }
+            }
+            if (P > 1) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) red[threadIdx.x * V + e] = acc[e];
+                __syncthreads();
+                for (int s = P / 2; s > 0; s /= 2) {
+                    if (pl < s) {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) red[threadIdx.x * V + e] += red[(threadIdx.x + s * col_lanes) * V + e];
+                    }
+                    __syncthreads();
+                }
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = red[threadIdx.x * V + e];
+                __syncthreads();
+            }
+            if (pl == 0 && active) {
+                if (is_long) {
+                    A* dst = partial + ((o * maxslots + slot) * inner_v + col) * V;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) dst[e] = acc[e];
+                } else {
+                    VT out;
+                    const int64_t at = (o * R + r) * inner_v + col;
+                    if (mode == 1 && b == a) {
+                        if (init) out = initv[at];
+                        else {
+#pragma unroll
+                            for (int e = 0; e < V; ++e) gg_store(&out.v[e], A(0));
+                        }
+                    } else if (init && mode == 0) {
+                        VT s0 = initv[at];
+#pragma unroll
+                        for (int e = 0; e < V; ++e) gg_store(&out.v[e], gg_load(&s0.v[e]) + acc[e]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) gg_store(&out.v[e], acc[e]);
+                    }
+                    dxv[at] = out;
+                }
+            }
+        }
+    }
+}
+
+template <typename T, int V>
+__device__ void csr_long(T* __restrict__ dx, const T* __restrict__ init, const typename Acc<T>::type* __restrict__ partial,
+                         const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ long_rows,
+                         const uint32_t* __restrict__ row_slot, const uint32_t* __restrict__ meta, int64_t outer,
+                         int64_t R, int64_t inner_v, int64_t C, int64_t maxslots) {
+    using A = typename Acc<T>::type;
+    using VT = Vec<T, V>;
+    const uint32_t nlong = meta[2];
+    for (int64_t w = blockIdx.x; w < outer * (int64_t)nlong; w += gridDim.x) {
+        const int64_t o = w / nlong, li = w - o * nlong;
+        const int64_t r = long_rows[li];
+        const int64_t chunks = (rowptr[r + 1] - rowptr[r] + C - 1) / C;
+        const int64_t s0 = row_slot[r];
+        for (int64_t col = threadIdx.x; col < inner_v; col += blockDim.x) {
+            const int64_t at = (o * R + r) * inner_v + col;
+            A acc[V];
+            if (init) {
+                VT s = reinterpret_cast<const VT*>(init)[at];
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = gg_load(&s.v[e]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = A(0);
+            }
+            for (int64_t c = 0; c < chunks; ++c) {
+                const A* src = partial + ((o * maxslots + s0 + c) * inner_v + col) * V;
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] += src[e];
+            }
+            VT out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) gg_store(&out.v[e], acc[e]);
+            reinterpret_cast<VT*>(dx)[at] = out;
+        }
+    }
+}
+
+#define GG_CSR(sfx, T, V)                                                                                      \
+    extern "C" __global__ void csr_rows_##sfx##_v##V(                                                          \
+        T* dx, const T* dy, const T* init, const uint32_t* spos, const uint32_t* rowptr, const uint32_t* row_slot, \
+        const uint32_t* chunk_map, const uint32_t* meta, Acc<T>::type* partial, int64_t outer,                 \
+        int64_t R, int64_t count, int64_t inner_v, int64_t C, int64_t xbound, int64_t maxslots, int64_t col_lanes, \
+        int64_t mode) {                                                                                        \
+        csr_rows<T, V>(dx, dy, init, spos, rowptr, row_slot, chunk_map, meta, partial, outer, R, count, inner_v,   \
+                       C, xbound, maxslots, col_lanes, mode);                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void csr_long_##sfx##_v##V(T* dx, const T* init, const Acc<T>::type* partial,        \
+                                                     const uint32_t* rowptr, const uint32_t* long_rows,        \
+                                                     const uint32_t* row_slot, const uint32_t* meta, int64_t outer, \
+                                                     int64_t R, int64_t inner_v, int64_t C, int64_t maxslots) { \
+        csr_long<T, V>(dx, init, partial, rowptr, long_rows, row_slot, meta, outer, R, inner_v, C, maxslots);  \
+    }
+
+GG_CSR(f16, __half, 1)
+GG_CSR(f16, __half, 8)
+GG_CSR(f32, float, 1)
+GG_CSR(f32, float, 4)
+GG_CSR(f64, double, 1)
+GG_CSR(f64, double, 2)
+
+
+constexpr int GR_COLS = 8;  // vectors per lane per pass over a row (GatherGrad)
+
+// ------------------------------------------------------------------ GatherGrad: rows owned by blocks
+
+// One launch, no sort and no workspace: block b owns rows [r0, r0 + RB) of one outer slice. It reads
+// every index (tile by tile, in a fixed order per block), keeps the positions that hit its rows (an ordered compaction into
+// shared memory), then one warp per row sums that row's positions in that order (a ballot scan
+// of the list) and writes the row once with 16-byte stores; rows without positions get zeros. When
+// the list would overflow, the rows are folded in rounds (a row seen in an earlier round is re-read
+// from dX: the same warp wrote it). Block 0 reports range errors into the (zeroed) flag.
+constexpr int GO_THREADS = 256, GO_ITEMS = 8, GO_TILE = GO_THREADS * GO_ITEMS, GO_CAP = 2 * GO_TILE;
+constexpr int GO_MAXRB = 1024;
+
+template <typename T, int V, typename IDX>
+__device__ void gg_own(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx, long long* flag,
+                       int64_t outer, int64_t R, int64_t count, int64_t inner_v, int64_t RB, int64_t rotate) {
+    using A = typename Acc<T>::type;
+    using VT = Vec<T, V>;
+    using Scan = cub::BlockScan<int, GO_THREADS>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int lkey[GO_CAP];
+    __shared__ uint32_t lpos[GO_CAP];
+    __shared__ unsigned char touched[GO_MAXRB];
+    __shared__ int s_m;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t nbo = (R + RB - 1) / RB;
+    const int64_t o = blockIdx.x / nbo;
+    const int64_t r0 = (blockIdx.x - o * nbo) * RB;
+    const int64_t nrows = min(RB, R - r0);
+    const bool report = blockIdx.x == 0;
+    for (int k = tid; k < nrows; k += GO_THREADS) touched[k] = 0;
+    const VT* dyv = reinterpret_cast<const VT*>(dy);
+    VT* dxv = reinterpret_cast<VT*>(dx);
+    // Tiles are read from tile `shift` on, wrapping around (rotate: blocks start at different tiles, so
+    // they do not all read the same lines at once); the order is fixed per block, so sums are too.
+    const int64_t ntiles = (count + GO_TILE - 1) / GO_TILE;
+    const int64_t shift = rotate ? (int64_t)blockIdx.x % ntiles : 0;
+    int64_t done = 0;
+    for (;;) {
+        if (tid == 0) s_m = 0;
+        __syncthreads();
+        while (done < ntiles && s_m + GO_TILE <= GO_CAP) {
+            int64_t cursor = done + shift;
+            cursor = (cursor >= ntiles ? cursor - ntiles : cursor) * GO_TILE;
+            int key[GO_ITEMS];
+            int hits = 0;
+#pragma unroll
+            for (int i = 0; i < GO_ITEMS; ++i) {
+                const int64_t p = cursor + (int64_t)tid * GO_ITEMS + i;
+                key[i] = -1;
+                if (p < count) {
+                    int64_t x;
+                    if (gg_norm(idx[p], R, x)) {
+                        if (x >= r0 && x < r0 + nrows) {
+                            key[i] = (int)(x - r0);
+                            ++hits;
+                        }
+                    } else if (report) {
+                        gg_set_flag(flag, p);
+                    }
+                }
+            }
+            int off, total;
+            Scan(scan_tmp).ExclusiveSum(hits, off, total);
+            const int m = s_m;
+#pragma unroll
+            for (int i = 0; i < GO_ITEMS; ++i) {
+                if (key[i] >= 0) {
+                    lkey[m + off] = key[i];
+                    lpos[m + off] = (uint32_t)(cursor + (int64_t)tid * GO_ITEMS + i);
+                    ++off;
+                }
+            }
+            __syncthreads();
+            if (tid == 0) s_m = m + total;
+            __syncthreads();
+            ++done;
+        }
+        const bool last = done >= ntiles;
+        const int m = s_m;
+        for (int k = warp; k < nrows; k += GO_THREADS / 32) {
+            const int64_t row = (o * R + r0 + k) * inner_v;
+            const bool was = touched[k] != 0;
+            bool any = false;
+            for (int64_t cb = 0; cb < inner_v; cb += 32 * GR_COLS) {
+                A acc[GR_COLS][V];
+#pragma unroll
+                for (int c = 0; c < GR_COLS; ++c) {
+                    const int64_t col = cb + lane + c * 32;
+                    if (was && col < inner_v) {
+                        const VT w = dxv[row + col];
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[c][e] = gg_load(&w.v[e]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[c][e] = A(0);
+                    }
+                }
+                for (int j0 = 0; j0 < m; j0 += 32) {
+                    const int j = j0 + lane;
+                    unsigned int mask = __ballot_sync(0xffffffffu, j < m && lkey[j] == k);
+                    while (mask) {
+                        const int b = __ffs(mask) - 1;
+                        mask &= mask - 1;
+                        any = true;
+                        const int64_t src = (o * count + lpos[j0 + b]) * inner_v + cb + lane;
+                        VT y[GR_COLS];
+#pragma unroll
+                        for (int c = 0; c < GR_COLS; ++c)
+                            if (cb + lane + c * 32 < inner_v) y[c] = dyv[src + c * 32];
+#pragma unroll
+                        for (int c = 0; c < GR_COLS; ++c)
+                            if (cb + lane + c * 32 < inner_v) {
+#pragma unroll
+                                for (int e = 0; e < V; ++e) acc[c][e] += gg_load(&y[c].v[e]);
+                            }
+                    }
+                }
+                if (any || (last && !was)) {
+#pragma unroll
+                    for (int c = 0; c < GR_COLS; ++c) {
+                        const int64_t col = cb + lane + c * 32;
+                        if (col < inner_v) {
+                            VT w;
+#pragma unroll
+                            for (int e = 0; e < V; ++e) gg_store(&w.v[e], acc[c][e]);
+                            dxv[row + col] = w;
+                        }
+                    }
+                }
+            }
+            if (any && lane == 0) touched[k] = 1;
+        }
+        if (last) break;
+        __syncthreads();
+    }
+}
+
+#define GG_OWN(sfx, T, V, isfx, IDX)                                                                           \
+    extern "C" __global__ void __launch_bounds__(GO_THREADS, 3) gg_own_##sfx##_v##V##_##isfx(                     \
+        T* dx, const T* dy, const IDX* idx, long long* flag, int64_t outer, int64_t R, int64_t count,          \
+        int64_t inner_v, int64_t RB, int64_t rotate) {                                                         \
+        gg_own<T, V, IDX>(dx, dy, idx, flag, outer, R, count, inner_v, RB, rotate);                            \
+    }
+#define GG_OWN_I(sfx, T, V) GG_OWN(sfx, T, V, i32, int32_t) GG_OWN(sfx, T, V, i64, int64_t)
+GG_OWN_I(f16, __half, 1)
+GG_OWN_I(f16, __half, 8)
+GG_OWN_I(f32, float, 1)
+GG_OWN_I(f32, float, 4)
+GG_OWN_I(f64, double, 1)
+GG_OWN_I(f64, double, 2)
+
+// ------------------------------------------------------------------ line scatter
+
+constexpr int LS_THREADS = 256, LS_ITEMS = 4, LS_TILE = LS_THREADS * LS_ITEMS;
+
+// lines.shape = dX's shape without the axis, lines.strides = dX's strides without it;
+// ilines.shape/.strides: the same for indices (and dY, which has the indices' shape and layout).
+// mode: 0 add, 1 none (last wins), 2 mul, 3 max, 4 min. shared_line: the line fits in shared memory.
+// vec: the line is contiguous (sx == 1) and 16-byte aligned with s a multiple of 16 / sizeof(T), so
+// the shared line is filled and written back with 16-byte words. The sort carries the values
+// themselves (stable: a target's values stay in position order).
+template <typename T, typename IDX>
+__device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx,
+                             const T* __restrict__ init, long long* flag, TensorDesc lines, TensorDesc ilines,
+                             int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit,
+                             int64_t mode, int64_t shared_line, int64_t vec, int64_t pad_key) {
+    using A = typename Acc<T>::type;
+    constexpr int V = 16 / sizeof(T);
+    using VT = Vec<T, V>;
+    using Sort = cub::BlockRadixSort<uint32_t, LS_THREADS, LS_ITEMS, A>;
+    __shared__ union {
+        typename Sort::TempStorage sort;
+        struct {
+            uint32_t keys[LS_TILE];
+            A vals[LS_TILE];
+        } runs;
+    } tmp;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* sline = reinterpret_cast<A*>(smem_raw);
+    const int rank = (int)lines.rank;
+    for (int64_t L = blockIdx.x; L < nlines; L += gridDim.x) {
+        int64_t rest = L, xoff = 0, ioff = 0;
+        bool covered = true;
+        for (int d = rank - 1; d >= 0; --d) {
+            const int64_t c = rest % lines.shape[d];
+            rest /= lines.shape[d];
+            xoff += c * lines.strides[d];
+            ioff += c * ilines.strides[d];
+            covered = covered && c < ilines.shape[d];
+        }
+        if (shared_line && vec) {
+            for (int64_t j = threadIdx.x; j < s / V; j += blockDim.x) {
+                if (init) {
+                    const VT w = reinterpret_cast<const VT*>(init + xoff)[j];
+#pragma unroll
+                    for (int e = 0; e < V; ++e) sline[j * V + e] = gg_load(&w.v[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < V; ++e) sline[j * V + e] = A(0);
+                }
+            }
+        } else {
+            for (int64_t j = threadIdx.x; j < s; j += blockDim.x) {
+                const A v = init ? gg_load(init + xoff + j * sx) : A(0);
+                if (shared_line) sline[j] = v;
+                else gg_store(dx + xoff + j * sx, v);
+            }
+        }
+        __syncthreads();
+        for (int64_t t0 = 0; covered && t0 < n; t0 += LS_TILE) {
+            uint32_t key[LS_ITEMS];
+            A val[LS_ITEMS];
+#pragma unroll
+            for (int i = 0; i < LS_ITEMS; ++i) {
+                const int64_t p = t0 + threadIdx.x * LS_ITEMS + i;
+                key[i] = pad_key >= 0 ? (uint32_t)pad_key : (uint32_t)s;
+                val[i] = A(0);
+                if (p < n) {
+                    int64_t x;
+                    if (gg_norm(idx[ioff + p * si], s, x)) {
+                        key[i] = (uint32_t)x;
+                        val[i] = gg_load(dy + ioff + p * si);
+                    } else {
+                        gg_set_flag(flag, ioff + p * si);
+                    }
+                }
+            }
+            Sort(tmp.sort).Sort(key, val, 0, (int)end_bit);
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < LS_ITEMS; ++i) {
+                tmp.runs.keys[threadIdx.x * LS_ITEMS + i] = key[i];
+                tmp.runs.vals[threadIdx.x * LS_ITEMS + i] = val[i];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < LS_ITEMS; ++i) {
+                const int g = threadIdx.x * LS_ITEMS + i;
+                const uint32_t k = key[i];
+                if (k == (uint32_t)s || (g > 0 && tmp.runs.keys[g - 1] == k)) continue;
+                A acc = shared_line ? sline[k] : gg_load(dx + xoff + (int64_t)k * sx);
+                for (int j = g; j < LS_TILE && tmp.runs.keys[j] == k; ++j) {
+                    const A v = tmp.runs.vals[j];
+                    switch (mode) {
+                        case 0: acc += v; break;
+                        case 1: acc = v; break;
+                        case 2: acc *= v; break;
+                        case 3: acc = v > acc ? v : acc; break;
+                        default: acc = v < acc ? v : acc; break;
+                    }
+                }
+                if (shared_line) sline[k] = acc;
+                else gg_store(dx + xoff + (int64_t)k * sx, acc);
+            }
+            __syncthreads();
+        }
+        if (shared_line) {
+            if (vec) {
+                for (int64_t j = threadIdx.x; j < s / V; j += blockDim.x) {
+                    VT w;
+#pragma unroll
+                    for (int e = 0; e < V; ++e) gg_store(&w.v[e], sline[j * V + e]);
+                    reinterpret_cast<VT*>(dx + xoff)[j] = w;
+                }
+            } else {
+                for (int64_t j = threadIdx.x; j < s; j += blockDim.x) gg_store(dx + xoff + j * sx, sline[j]);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// Atomic GatherElementsGrad: dx (zeroed) += dy at the target of every index. d: indices' shape with
+// dX's strides.
+template <typename T, typename IDX, typename I>
+__device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict__ idx, long long* flag, TensorDesc d,
+                          int64_t axis, int64_t s, int64_t n) {
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < (I)n; i += (I)blockDim.x * gridDim.x) {
+        I rest = i, off = 0;
+        bool ok = true;
+        for (int k = (int)d.rank - 1; k >= 0; --k) {
+            const I size = (I)d.shape[k];
+            const I next = rest / size;
+            I c = rest - next * size;
+            rest = next;
+            if (k == axis) {
+                int64_t x;
+                ok = gg_norm(idx[i], s, x);
+                if (!ok) gg_set_flag(flag, i);
+                c = (I)x;
+            }
+            off += c * (I)d.strides[k];
+        }
+        if (ok) atomicAdd(dx + off, dy[i]);
+    }
+}
+
+#define GG_LINE(sfx, T, isfx, IDX)                                                                              \
+    extern "C" __global__ void __launch_bounds__(LS_THREADS) line_scatter_##sfx##_##isfx(                        \
+        T* dx, const T* dy, const IDX* idx, const T* init, long long* flag, TensorDesc lines, TensorDesc ilines, \
+        int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit, int64_t mode,           \
+        int64_t shared_line, int64_t vec, int64_t pad_key) {                                                     \
+        line_scatter<T, IDX>(dx, dy, idx, init, flag, lines, ilines, s, sx, n, si, nlines, end_bit, mode,       \
+                             shared_line, vec, pad_key);                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void ge_atomic_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,    \
+                                                        TensorDesc d, int64_t axis, int64_t s, int64_t n) {     \
+        ge_atomic<T, IDX, int64_t>(dx, dy, idx, flag, d, axis, s, n);                                           \
+    }                                                                                                            \
+    extern "C" __global__ void ge_atomic32_##sfx##_##isfx(T* dx, const T* dy, const IDX* idx, long long* flag,  \
+                                                          TensorDesc d, int64_t axis, int64_t s, int64_t n) {   \
+        ge_atomic<T, IDX, int32_t>(dx, dy, idx, flag, d, axis, s, n);                                           \
+    }
+
+#define GG_LINE_T(sfx, T) GG_LINE(sfx, T, i32, int32_t) GG_LINE(sfx, T, i64, int64_t)
+GG_LINE_T(f16, __half)
+GG_LINE_T(f32, float)
+GG_LINE_T(f64, double)
+
+// ------------------------------------------------------------------ gathers
 template <int W> struct Word;
 template <> struct Word<1> { using type = uint8_t; };
 template <> struct Word<2> { using type = uint16_t; };

@@ -1,27 +1,49 @@
-"""CUDA launchers: indexing (indexing.cu; the scatters use microsoft.cu's deterministic kernels).
+"""CUDA launchers: indexing (indexing.cu): Gather, GatherElements, GatherND, ScatterElements,
+ScatterND, and the com.microsoft GatherGrad and GatherElementsGrad.
 
 Indices arrive on the device (int32 or int64). Negative ones are normalised in the kernels; an
 out-of-range index sets a device flag and writes nothing, and the launcher then raises the CPU
 kernel's exact error (it re-checks the indices on the host, which only happens on that error path).
-Scatter reductions are deterministic, with no float atomics: ScatterElements folds each target's
-updates in position order (none: the last wins, like the CPU kernel); ScatterND groups positions per
-target row with a stable counting sort. ScatterND with mul/max/min, and scatters of integer data,
-run the CPU kernel.
+
+Scatters are deterministic (bit-identical across runs), with no float atomics: positions are
+grouped by a stable sort (integer atomics only) and every output element is summed in position
+order (long segments: in fixed chunks, added in chunk order). ``row_scatter`` serves GatherGrad and
+ScatterND, ``line_scatter`` GatherElementsGrad and ScatterElements (none: the last update wins,
+like the CPU kernel). GatherElementsGrad also has an atomicAdd path (``deterministic=False``, or
+GRADGEN_DETERMINISTIC=0 for the executor's default). ScatterND with mul/max/min, and scatters of
+integer data, run the CPU kernel.
+
+GatherGrad and GatherElementsGrad follow ONNX Runtime training's contracts (see the CPU kernels):
+GatherGrad is (shape, indices, dY), GatherElementsGrad is (dY, shape, indices); shapes live on the
+host. Host time counts as much as kernel time at these sizes, so each launcher caches what a shape
+needs (kernels, grids, packed descriptors) and launches with one pre-packed argument buffer;
+GatherGrad (up to 16384 positions) is two launches with no memset, and each op reads its error
+flag once, through pinned memory (deferred to after the replay while a CUDA graph is being
+captured).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import struct
 
 import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import indexing as cpu
-from gradgen.kernels.cuda import copy as cp
-from gradgen.kernels.cuda import microsoft as ms
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.cuda import shape as cp
+from gradgen.kernels.cuda.launch import host_key, plan_cache
+from gradgen.kernels.numeric import normalize_axis, shape_arg
+from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
-_MODES = {"add": 0, "none": 1, "mul": 2, "max": 3, "min": 4}
+_FLOATS = ("float16", "float32", "float64")
+_VEC = {"float16": 8, "float32": 4, "float64": 2}
+_ACC = {"float16": 4, "float32": 4, "float64": 8}
+CHUNK = 256  # positions per chunk of a long row (rows with more are summed in two levels)
+_TILE = 2048  # positions per tile of csr_tile_sort (TS_TILE in indexing.cu)
+_SCAN_THREADS = 1024
+_LINE_SMEM = 24 * 1024  # bytes of shared memory a line scatter may use for its line
 
 
 def _rt():
@@ -30,12 +52,358 @@ def _rt():
     return rt
 
 
+def default_deterministic() -> bool:
+    return os.environ.get("GRADGEN_DETERMINISTIC", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _float_dtype(x, what="dY") -> str:
+    name = np.dtype(x.dtype).name
+    if name not in _FLOATS:
+        raise KernelError(f"{what} has dtype {x.dtype}; the CUDA kernel supports float16, float32 and float64")
+    return name
+
+
 def _index_suffix(indices) -> str:
     if indices.dtype == np.int32:
         return "i32"
     if indices.dtype == np.int64:
         return "i64"
-    raise KernelError(f"index tensor must be int32 or int64, got {indices.dtype}")
+    raise KernelError(f"indices must be int32 or int64, got {indices.dtype}")
+
+
+def _dev(x):
+    rt = _rt()
+    return x if rt.is_device(x) else rt.to_device(np.asarray(x))
+
+
+def _addr(x) -> np.uintp:
+    return np.uintp(0) if x is None or x.size == 0 else np.uintp(int(x.gpudata))
+
+
+def raise_index_error(indices, size: int, axis: int, normalise=None) -> None:
+    """The CPU kernel's exact message for the first out-of-range index (after a device flag was set)."""
+    host = _rt().to_host(indices)
+    (normalise or cpu._normalize_indices)(host, size, axis)
+    raise KernelError(f"an index is out of range for axis {axis} of size {size} (valid range [{-size}, {size - 1}])")
+
+
+_PINNED: list = []
+
+
+def _read_int64(addr: int) -> int:
+    """The int64 at device address ``addr`` once the work queued before it is done (one sync)."""
+    rt = _rt()
+    if not _PINNED:
+        _PINNED.append(rt.driver.pagelocked_empty((1,), np.int64))
+    buf = _PINNED[0]
+    stream = cp.stream()
+    if stream is None:
+        rt.driver.memcpy_dtoh(buf, addr)
+    else:
+        rt.driver.memcpy_dtoh_async(buf, addr, stream)
+        stream.synchronize()
+    return int(buf[0])
+
+
+def _check_flag(flag_addr: int, view, on_error) -> None:
+    """Raise through ``on_error(value)`` when the int64 flag at ``flag_addr`` is set. While a CUDA graph
+    is captured, the runtime defers the check to each replay (``view()``: the flag as a device array)."""
+    rt = _rt()
+    capture = getattr(rt, "CAPTURE", None)
+    if capture is not None and capture.active:
+        rt.check_flag(view(), on_error)
+        return
+    value = _read_int64(flag_addr)
+    if value:
+        on_error(value)
+
+
+_FLAG: list = []
+
+
+def _sticky_flag():
+    """A device int64 that stays 0 between ops: kernels set it only on an error, and the error path
+    clears it again, so no op needs a memset for its flag."""
+    if not _FLAG:
+        rt = _rt()
+        capture = getattr(rt, "CAPTURE", None)
+        if capture is not None and capture.active:
+            return rt.zeros((1,), np.int64)  # the graph zeroes it on each replay: no sync while capturing
+        with rt.persistent():
+            _FLAG.append(rt.to_device(np.zeros((1,), np.int64)))
+        rt.drop_at_exit(_FLAG.clear)
+    return _FLAG[0]
+
+
+def _clear_sticky(flag) -> None:
+    rt = _rt()
+    rt.synchronize()
+    rt.driver.memset_d8(flag.gpudata, 0, 8)
+    rt.synchronize()
+
+
+
+
+# ---------------------------------------------------------------- row scatter (GatherGrad, ScatterND)
+
+
+def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, sizes, multipliers, *, init=None,
+                mode: int = 0):
+    """dX (outer, rows, inner): dX[o, key(p)] = init (+)= dY[o, p] over positions p (mode 0 add, 1 last wins).
+
+    key(p) = sum_t normalise(indices[p, t], sizes[t]) * multipliers[t]. Returns (dX, flag) with flag a
+    device int64 that is non-zero when an index was out of range (read it after the call)."""
+    rt = _rt()
+    dtype = np.dtype(dy.dtype)
+    name = _float_dtype(dy)
+    if rows >= 2**31 - 1 or count >= 2**32 - 1:
+        raise KernelError(f"{rows} rows or {count} positions exceed the CUDA kernel's 32-bit limits")
+    dX = rt.empty((outer, rows, inner), dtype)
+    chunk = CHUNK if mode == 0 else 2**31 - 1
+    long_bound = count // (chunk + 1) + 1 if count > chunk else 0
+    xbound = count // chunk if count > chunk else 0
+    maxslots = 2 * count // chunk + 1 if long_bound else 0
+    # One workspace: a zeroed prefix (flag, sync counters, meta, per-row counts), then scratch arrays.
+    sizes_u32 = [2, 2, 4, rows, count, count, count, count, rows + 1, rows, 2 * xbound + 2, long_bound + 1]
+    ws = rt.empty((sum(sizes_u32),), np.uint32)
+    # On gradgen's stream, so that a recorded CUDA graph zeroes it on every replay (a synchronous
+    # memset runs once, at record time, under relaxed capture).
+    rt.driver.memset_d32_async(ws.gpudata, 0, 8 + rows, rt.stream())
+    flag = ws[:2].view(np.int64)
+    if dX.size == 0:
+        return dX, flag
+    base, offsets = int(ws.gpudata), []
+    for n in sizes_u32:
+        offsets.append(np.uintp(base))
+        base += 4 * n
+    flag_addr, sync, meta, counts, keys, pos, rank, spos, rowptr, row_slot, chunk_map, long_rows = offsets
+    sentinel = rows
+    end_bit = max(1, int(sentinel).bit_length())
+    if count:
+        idx = _dev(indices)
+        tiles = -(-count // _TILE)
+        rt.function("indexing", f"csr_tile_sort_{_index_suffix(idx)}")(
+            _addr(idx), keys, pos, rank, counts, flag_addr, sync, cp.desc(sizes, multipliers), np.int64(count),
+            np.int64(sentinel), np.int64(end_bit), block=(256, 1, 1), grid=(tiles, 1))
+    rt.function("indexing", "csr_scan")(counts, rowptr, row_slot, chunk_map, long_rows, meta, np.int64(rows),
+                                         np.int64(chunk), block=(_SCAN_THREADS, 1, 1), grid=(1, 1))
+    rt.launch(rt.function("indexing", "csr_place"), count, keys, pos, rank, rowptr, spos, np.int64(count),
+              np.int64(sentinel))
+    v = _VEC[name]
+    arrays = [dX, dy] + ([init] if init is not None else [])
+    if inner % v or any(int(a.gpudata) % 16 for a in arrays if a.size):
+        v = 1
+    inner_v = inner // v
+    if inner_v >= 256:
+        col_lanes, lanes = 256, 1
+    elif inner_v >= 32:
+        col_lanes = -(-inner_v // 32) * 32
+        lanes = 1 << ((256 // col_lanes).bit_length() - 1)
+    else:
+        col_lanes = 1 << max(0, (inner_v - 1).bit_length())
+        lanes = 256 // col_lanes
+    block = col_lanes * lanes
+    acc = _ACC[name]
+    partial = rt.empty((outer * maxslots * inner * acc // 4,), np.uint32) if maxslots else None
+    suffix = f"{rt.suffix(dtype)}_v{v}"
+    grid = min(outer * (rows + xbound), 2**31 - 1)
+    rt.function("indexing", f"csr_rows_{suffix}")(
+        dX, _addr(dy), _addr(init), spos, rowptr, row_slot, chunk_map, meta, _addr(partial), np.int64(outer),
+        np.int64(rows), np.int64(count), np.int64(inner_v), np.int64(chunk), np.int64(xbound), np.int64(maxslots),
+        np.int64(col_lanes), np.int64(mode), block=(block, 1, 1), grid=(grid, 1),
+        shared=block * v * acc if lanes > 1 else 0)
+    if long_bound:
+        rt.function("indexing", f"csr_long_{suffix}")(
+            dX, _addr(init), _addr(partial), rowptr, long_rows, row_slot, meta, np.int64(outer), np.int64(rows),
+            np.int64(inner_v), np.int64(chunk), np.int64(maxslots), block=(256, 1, 1),
+            grid=(min(outer * long_bound, 2**31 - 1), 1))
+    return dX, flag
+
+
+GO_MAX = 32768  # most positions GatherGrad sums with gg_own (every block reads all of them)
+GO_BLOCKS_PER_SM = 3  # gg_own's grid: about this many row blocks per SM
+GO_ROTATE = 1  # blocks start reading the indices at different tiles
+_GO_PLANS: dict = {}
+_GG_CHECKS: dict = {}
+_PTRS4 = struct.Struct("=4Q")
+
+
+def _gather_grad_own_plan(outer, rows, inner, count, dtype, itype, aligned):
+    rt = _rt()
+    name = np.dtype(dtype).name
+    v = _VEC[name] if inner % _VEC[name] == 0 and aligned else 1
+    sms = rt.driver.Context.get_device().get_attribute(rt.driver.device_attribute.MULTIPROCESSOR_COUNT)
+    rb = min(1024, max(8, -(-rows // (GO_BLOCKS_PER_SM * sms))))  # at most GO_MAXRB (1024) rows a block
+    rb = -(-rb // 8) * 8
+    grid = outer * -(-rows // rb)
+    kernel = cp.raw(rt.function("indexing", f"gg_own_{rt.suffix(dtype)}_v{v}_{itype}"))
+    return kernel, grid, struct.pack("=6q", outer, rows, count, inner // v, rb, GO_ROTATE)
+
+
+@cuda_kernel("GatherGrad", domain=MICROSOFT, host_inputs=(0,))
+def gather_grad(shape, indices, dY, *, axis=0):
+    rt = _rt()
+    key = (host_key(shape), indices.shape, indices.dtype, dY.shape, dY.dtype, axis)
+    dims, axis, outer, inner, count = plan_cache(_GG_CHECKS, key, lambda: _gather_grad_check(shape, indices, dY, axis))
+    size = dims[axis]
+    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    if outer * size * inner == 0:
+        if count:  # every index must still be in range
+            cpu._normalize_indices(rt.to_host(indices), size, axis)
+        return rt.empty(dims, dY.dtype)
+    if 0 < count <= GO_MAX and size < 2**31 - 1 and outer * size < 2**31:
+        idx = _dev(indices)
+        dX = rt.empty((outer, size, inner), dY.dtype)
+        aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
+        kernel, grid, tail = plan_cache(_GO_PLANS, key + (aligned,), lambda: _gather_grad_own_plan(
+            outer, size, inner, count, dY.dtype, _index_suffix(indices), aligned))
+        flag = _sticky_flag()
+        cp.launch_packed(kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata),
+                                                        int(flag.gpudata)) + tail)
+
+        def on_error(_value):
+            _clear_sticky(flag)
+            raise_index_error(indices, size, axis)
+
+        _check_flag(int(flag.gpudata), lambda: flag, on_error)
+        return dX.reshape(tuple(dims))
+    dX, flag = row_scatter(dy, indices, outer, size, inner, count, [size], [1])
+    if count:
+        _check_flag(int(flag.gpudata), lambda: flag, lambda _value: raise_index_error(indices, size, axis))
+    return dX.reshape(tuple(dims))
+
+
+def _gather_grad_check(shape, indices, dY, axis):
+    dims = shape_arg(shape)
+    if not dims:
+        raise KernelError("shape is empty: Gather's data must have rank >= 1")
+    axis = normalize_axis(axis, len(dims))
+    _index_suffix(indices)
+    _float_dtype(dY)
+    want = tuple(dims[:axis]) + tuple(indices.shape) + tuple(dims[axis + 1:])
+    if tuple(dY.shape) != want:
+        raise KernelError(f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
+                          f"{list(indices.shape)} along axis {axis} gives {list(want)}")
+    return (tuple(dims), axis, math.prod(dims[:axis]), math.prod(dims[axis + 1:]), math.prod(indices.shape))
+
+
+# ---------------------------------------------------------------- line scatter (GatherElementsGrad, ScatterElements)
+
+
+_LS_PLANS: dict = {}
+_PTRS5 = struct.Struct("=5Q")
+
+
+def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plain):
+    rt = _rt()
+    name = _float_dtype(np.empty(0, dtype), "dY")
+    rank = len(out_shape)
+    ostrides = rt.contiguous_strides(out_shape)
+    istrides = rt.contiguous_strides(ishape)
+    others = [d for d in range(rank) if d != axis]
+    s, n = int(out_shape[axis]), int(ishape[axis])
+    if s >= 2**32 - 1 or n >= 2**32:
+        raise KernelError(f"axis {axis} of size {s} exceeds the CUDA kernel's 32-bit limit")
+    nlines = math.prod(out_shape[d] for d in others)
+    shared_line = s * _ACC[name] <= _LINE_SMEM
+    vec = shared_line and vec_ok and axis == rank - 1 and s % _VEC[name] == 0
+    kernel = cp.raw(rt.function("indexing", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
+    tail = bytes(memoryview(cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
+    tail += bytes(memoryview(cp.desc([ishape[d] for d in others], [istrides[d] for d in others])))
+    pad = mode == 0 and plain  # a sum from zeros: padding may sort as +0 at the last target (no sentinel bit)
+    end_bit = max(1, (s - 1 if pad else s).bit_length())
+    tail += struct.pack("=10q", s, ostrides[axis], n, istrides[axis], nlines, end_bit, mode,
+                        1 if shared_line else 0, 1 if vec else 0, s - 1 if pad else -1)
+    return kernel, max(1, min(nlines, 2**20)), s * _ACC[name] if shared_line else 0, tail
+
+
+def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0, flag=None):
+    """out[..., idx[i], ...] (op)= dy[i] along ``axis``, folded in position order per target; out starts as
+    ``init`` (same shape as out, contiguous) or zeros. Returns (out, flag): ``flag`` (a zeroed device
+    int64, allocated here when not given) is set when an index is out of range."""
+    rt = _rt()
+    out = rt.empty(out_shape, dy.dtype)
+    if flag is None:
+        flag = rt.zeros((1,), np.int64)
+    if out.size == 0:
+        return out, flag
+    if type(out_shape) is not tuple:
+        out_shape = tuple(int(d) for d in out_shape)
+    vec_ok = int(out.gpudata) % 16 == 0 and (init is None or int(init.gpudata) % 16 == 0)
+    itype = _index_suffix(indices)
+    plain = init is None
+    key = (out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain)
+    kernel, grid, shared, tail = plan_cache(_LS_PLANS, key, lambda: _line_scatter_plan(
+        out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain))
+    idx = _dev(indices) if indices.size else None
+    cp.launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
+                                                    int(_addr(init)), int(flag.gpudata)) + tail, shared)
+    return out, flag
+
+
+def _check_gather_elements_grad(dY, dims, indices, axis):
+    if tuple(dY.shape) != tuple(indices.shape):
+        raise KernelError(f"dY has shape {list(dY.shape)}, but indices have shape {list(indices.shape)}; they must match")
+    if len(indices.shape) != len(dims):
+        raise KernelError(f"indices have rank {len(indices.shape)} (shape {list(indices.shape)}), but the data shape "
+                          f"{dims} has rank {len(dims)}")
+    for d, (n, m) in enumerate(zip(indices.shape, dims)):
+        if d != axis and n > m:
+            raise KernelError(f"indices shape {list(indices.shape)} exceeds the data shape {dims} on axis {d} "
+                              f"(only axis {axis} may be longer)")
+
+
+_GE_CHECKS: dict = {}
+
+
+def _gather_elements_grad_check(dY, shape, indices, axis):
+    dims = shape_arg(shape)
+    if not dims:
+        raise KernelError("shape is empty: GatherElements' data must have rank >= 1")
+    axis = normalize_axis(axis, len(dims))
+    _check_gather_elements_grad(dY, dims, indices, axis)
+    _index_suffix(indices)
+    _float_dtype(dY)
+    return tuple(dims), axis
+
+
+@cuda_kernel("GatherElementsGrad", domain=MICROSOFT, host_inputs=(1,))
+def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
+    """``deterministic=False`` (or GRADGEN_DETERMINISTIC=0) takes the atomicAdd path."""
+    rt = _rt()
+    key = (dY.shape, dY.dtype, host_key(shape), indices.shape, indices.dtype, axis)
+    dims, axis = plan_cache(_GE_CHECKS, key, lambda: _gather_elements_grad_check(dY, shape, indices, axis))
+    if deterministic is None:
+        deterministic = default_deterministic()
+    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    flag = _sticky_flag()
+    if deterministic:
+        dX, _ = line_scatter(dy, indices, dims, axis, flag=flag)
+    else:
+        dX = rt.zeros(dims, dY.dtype)
+        if dy.size and dX.size:
+            idx = _dev(indices)
+            small = dX.size < 2**31 and dy.size < 2**31
+            kernel = rt.function("indexing", f"ge_atomic{'32' if small else ''}_{rt.suffix(dY.dtype)}_"
+                                              f"{_index_suffix(indices)}")
+            rt.launch(kernel, dy.size, dX, dy, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(dims)),
+                      np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))
+    if indices.size and dX.size:
+        def on_error(_value):
+            _clear_sticky(flag)
+            raise_index_error(indices, dims[axis], axis)
+
+        _check_flag(int(flag.gpudata), lambda: flag, on_error)
+    elif indices.size and dims[axis] == 0:
+        cpu._normalize_indices(rt.to_host(indices), 0, axis)
+    return dX
+
+
+# ---------------------------------------------------------------- Gather, GatherElements, GatherND, Scatter*
+
+_MODES = {"add": 0, "none": 1, "mul": 2, "max": 3, "min": 4}
+
+
 
 
 def _word(esize: int, inner: int, arrays) -> tuple[int, int]:
@@ -49,7 +417,7 @@ def _word(esize: int, inner: int, arrays) -> tuple[int, int]:
 
 def _check(flag, indices, size, axis, normalise=None):
     normalise = normalise or (lambda h, s, a: cpu._normalize_indices(h, s, a))
-    _rt().check_flag(flag, lambda _value: ms.raise_index_error(indices, size, axis, normalise))
+    _rt().check_flag(flag, lambda _value: raise_index_error(indices, size, axis, normalise))
 
 
 @cuda_kernel("Gather")
@@ -66,7 +434,7 @@ def gather(data, indices, *, axis=0):
             cpu._normalize_indices(rt.to_host(indices), size, axis)
         return out
     x = cp.contiguous(data)
-    idx = ms._dev(indices)
+    idx = _dev(indices)
     inner, count = math.prod(data.shape[axis + 1:]), indices.size
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     n = out.size // r
@@ -95,7 +463,7 @@ def gather_elements(data, indices, *, axis=0):
     if size == 0:
         cpu._normalize_indices(rt.to_host(indices), size, axis)
     x = cp.contiguous(data)
-    idx = ms._dev(indices)
+    idx = _dev(indices)
     flag = rt.zeros((1,), np.int64)
     kernel = rt.function("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
     rt.launch(kernel, out.size, out, x, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(data.shape)),
@@ -135,7 +503,7 @@ def gather_nd(data, indices, *, batch_dims=0):
             _nd_error(indices, data.shape, b)
         return out
     x = cp.contiguous(data)
-    idx = ms._dev(indices)
+    idx = _dev(indices)
     inner = math.prod(data.shape[b + k:])
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     strides = rt.contiguous_strides(data.shape)
@@ -174,7 +542,7 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
         return rt.empty(data.shape, data.dtype)
     x = cp.contiguous(data)
     upd = cp.contiguous(updates) if updates.size else updates
-    out, flag = ms.line_scatter(upd, indices, tuple(data.shape), axis, init=x, mode=_MODES[reduction])
+    out, flag = line_scatter(upd, indices, tuple(data.shape), axis, init=x, mode=_MODES[reduction])
     if indices.size:
         _check(flag, indices, data.shape[axis], axis)
     return out
@@ -200,8 +568,8 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     upd = cp.contiguous(updates) if updates.size else updates
     rows, inner = math.prod(data.shape[:k]), math.prod(data.shape[k:])
     count = math.prod(indices.shape[:-1])
-    idx = ms._dev(indices) if indices.size else indices
-    out, flag = ms.row_scatter(upd, idx, 1, rows, inner, count, list(data.shape[:k]),
+    idx = _dev(indices) if indices.size else indices
+    out, flag = row_scatter(upd, idx, 1, rows, inner, count, list(data.shape[:k]),
                                rt.contiguous_strides(data.shape[:k]), init=x, mode=0 if reduction == "add" else 1)
     if count:
         rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, 0))

@@ -109,7 +109,7 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
                             reduction=reduction, _num_outputs=_num_outputs)
     loss = _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
     if _num_outputs > 1:
-        from gradgen.kernels.cuda.reduce import softmax_3d
+        from gradgen.kernels.cuda.reduction import softmax_3d
 
         n, c = (int(v) for v in scores.shape[:2])
         d = int(np.prod(scores.shape[2:], dtype=np.int64))

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.numeric import spatial_attrs
 from gradgen.kernels.registry import cuda_kernel
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
@@ -192,7 +193,7 @@ def _gpu_poolable(x) -> bool:
 def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0,
              strides=None, _num_outputs=1):
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cpu import pool as nn
 
     attrs = dict(auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, pads=pads,
                  storage_order=storage_order, strides=strides)
@@ -200,7 +201,7 @@ def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=
         raise KernelError("MaxPool needs the kernel_shape attribute")
     if not _gpu_poolable(x):
         return cpu_fallback("MaxPool", nn.max_pool, x, _num_outputs=_num_outputs, **attrs)
-    kernel, s, d, begin, _end, out = nn._spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, _end, out = spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     x = contiguous(x)
     y_shape = tuple(x.shape[:2]) + tuple(out)
     y = rt.empty(y_shape, x.dtype)
@@ -216,7 +217,7 @@ def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=
 def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None,
                  pads=None, strides=None):
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cpu import pool as nn
 
     attrs = dict(auto_pad=auto_pad, ceil_mode=ceil_mode, count_include_pad=count_include_pad, dilations=dilations,
                  kernel_shape=kernel_shape, pads=pads, strides=strides)
@@ -224,7 +225,7 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
         raise KernelError("AveragePool needs the kernel_shape attribute")
     if not _gpu_poolable(x):
         return cpu_fallback("AveragePool", nn.average_pool, x, **attrs)
-    kernel, s, d, begin, end, out = nn._spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, end, out = spatial_attrs(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
     declared = nn.declared_pads(auto_pad, pads, begin, end)
     spatial = list(x.shape[2:])
@@ -258,7 +259,7 @@ def _global_pool(x, mode: int):
 
 @cuda_kernel("GlobalAveragePool")
 def global_average_pool(x):
-    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cpu import pool as nn
 
     if x.dtype not in FLOATS or x.ndim < 2:
         return cpu_fallback("GlobalAveragePool", nn.global_average_pool, x)
@@ -267,7 +268,7 @@ def global_average_pool(x):
 
 @cuda_kernel("GlobalMaxPool")
 def global_max_pool(x):
-    from gradgen.kernels.cpu import nn
+    from gradgen.kernels.cpu import pool as nn
 
     if x.dtype not in FLOATS or x.ndim < 3 or any(int(d) == 0 for d in x.shape[2:]):
         return cpu_fallback("GlobalMaxPool", nn.global_max_pool, x)

@@ -1,4 +1,4 @@
-"""CUDA launchers: reductions (reduce.cu) and Softmax/LogSoftmax.
+"""CUDA launchers: reductions (reduction.cu) and Softmax/LogSoftmax.
 
 A reduction is planned once per call on the host: size-1 dims are dropped and adjacent dims that
 are all reduced or all kept are merged. If the innermost group is reduced, each output reduces
@@ -85,7 +85,7 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
         if v > 1 and (length % v or not aligned):
             v = 1
         threads = min(_THREADS, max(32, _next_pow2(math.ceil(total / v / 4))))
-        kernel = rt.function("reduce", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
+        kernel = rt.function("reduction", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
         # Fill the GPU in one wave when there are few outputs: split each output's reduction.
         capacity = sm_count() * blocks_per_sm(kernel, threads)
         splits = max(1, min(capacity // out_size, total // 8192, 65535))
@@ -102,7 +102,7 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
     tiles = -(-c // 32)
     by = 8
     blocks = (out_size // c) * tiles
-    kernel = rt.function("reduce", f"cols_{op}_{s}")
+    kernel = rt.function("reduction", f"cols_{op}_{s}")
     capacity = sm_count() * blocks_per_sm(kernel, 32 * by)
     splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
     chunk = -(-total // splits)
@@ -136,14 +136,14 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
                                                  keepdims=int(keepdims))
         return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
     if total == 1:
-        rt.launch(rt.function("reduce", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
+        rt.launch(rt.function("reduction", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
         return out
     kernel, args, block, grid, splits, total = _plan(op, s, np.dtype(x.dtype).itemsize, shape, tuple(axes),
                                                      int(x.gpudata) % 16 == 0)
     partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8) if splits > 1 else None
     kernel(out, partial if partial is not None else np.intp(0), x, *args, block=block, grid=grid)
     if partial is not None:
-        rt.launch(rt.function("reduce", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
+        rt.launch(rt.function("reduction", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
                   np.int64(splits), np.int64(total))
     return out
 
@@ -187,19 +187,19 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
     name = "log_softmax" if log else "softmax"
     if inner == 1 and 8 < length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
-        rt.function("reduce", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
+        rt.function("reduction", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
                                                           block=(128, 1, 1), grid=(-(-outer // 4), 1))
     elif inner == 1 and length > 8:
         threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
-        rt.function("reduce", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
+        rt.function("reduction", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
     else:
-        rt.launch(rt.function("reduce", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
+        rt.launch(rt.function("reduction", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
                   np.int64(length), np.int64(inner))
     return out
 
 
 def _softmax(op_type: str, x, axis, opset: int, log: bool):
-    from gradgen.kernels.cpu.reduction import _axis
+    from gradgen.kernels.numeric import normalize_axis as _axis
 
     if sfx(x.dtype) not in ("f16", "f32", "f64"):
         return cpu_fallback(op_type, x, axis=axis, _opset=opset)
@@ -239,6 +239,6 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
     contiguous(x)
     outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1:])
     out = rt.empty(x.shape, x.dtype)
-    rt.launch(rt.function("reduce", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
+    rt.launch(rt.function("reduction", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
               np.int64(inner), np.int64(1 if exclusive else 0), np.int64(1 if reverse else 0))
     return out

@@ -1,10 +1,10 @@
-"""CUDA launchers: data movement (copy.cu).
+"""CUDA launchers: shape ops and data movement (shape.cu), and the com.microsoft SliceGrad.
 
 Everything here is built on two kernels: a strided copy (``dst[...] = src[offset + sum c_k * s_k]``,
 strides may be 0 or negative) and a one-pass "lattice" kernel (each output element is either read
 from the input, when it lies on the lattice start + q * step of every axis, or a fill value): Slice,
-Transpose, Expand, Tile, Concat and Split are strided copies; constant Pad (and SliceGrad, in
-microsoft.py) are lattices. The kernels move bits: they are chosen by element width, and runs of
+Transpose, Expand, Tile, Concat and Split are strided copies; constant Pad (and SliceGrad, below)
+are lattices. The kernels move bits: they are chosen by element width, and runs of
 contiguous elements are moved as 16-byte words where sizes and alignment allow.
 
 Reshape, Flatten, Squeeze and Unsqueeze copy nothing: they return a GPUArray that shares the
@@ -23,7 +23,9 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import shape as cpu_shape
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.cuda.launch import host_key, plan_cache
+from gradgen.kernels.numeric import int_list, normalize_axis, shape_arg
+from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -104,7 +106,7 @@ def strided_copy(dst, dst_strides, dst_off, src, src_strides, src_off, shape) ->
         raise KernelError(f"copy of rank {len(shape)} exceeds the CUDA kernels' maximum of {rt.MAX_RANK}")
     n = math.prod(shape)
     small = n <= _INT32_LIMIT and _extent(shape, ss) <= _INT32_LIMIT and _extent(shape, ds) <= _INT32_LIMIT
-    kernel = rt.function("copy", f"strided_copy_w{width}_{'i32' if small else 'i64'}")
+    kernel = rt.function("shape", f"strided_copy_w{width}_{'i32' if small else 'i64'}")
     rt.launch(kernel, n, np.uintp(dst_addr), np.uintp(src_addr), desc(shape, ss), desc(shape, ds),
               np.int64(0), np.int64(0), np.int64(n))
 
@@ -190,7 +192,7 @@ def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, al
     small = size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT and None not in magic
     if not small:
         magic = [(0, 0)] * len(shape)
-    kernel = rt.function("copy", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
+    kernel = rt.function("shape", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
     tail = b"".join(bytes(memoryview(d)) for d in (desc(shape), desc(counts, src_strides), desc(starts, steps),
                                                     desc([m for m, _ in magic], [s for _, s in magic])))
     tail += struct.pack("=qq", int(fill), n)
@@ -213,7 +215,7 @@ def fill(out, value) -> None:
     rt = _rt()
     if out.size:
         esize = out.dtype.itemsize
-        rt.launch(rt.function("copy", f"fill_w{esize}"), out.size, out, fill_bits(value, out.dtype), np.int64(out.size))
+        rt.launch(rt.function("shape", f"fill_w{esize}"), out.size, out, fill_bits(value, out.dtype), np.int64(out.size))
 
 
 def _view(x, shape):
@@ -274,7 +276,7 @@ def reshape_dims(in_shape, dims, allowzero=0) -> list[int]:
 def reshape(data, shape=None, *, allowzero=0):
     if shape is None:
         raise KernelError("Reshape needs the shape input")
-    return _view(data, reshape_dims(data.shape, cpu_shape._ints(shape, "shape"), allowzero))
+    return _view(data, reshape_dims(data.shape, int_list(shape, "shape"), allowzero))
 
 
 @cuda_kernel("Flatten")
@@ -290,7 +292,7 @@ def flatten(x, *, axis=1):
 def squeeze(data, axes=None):
     if axes is None:
         return _view(data, [d for d in data.shape if d != 1])
-    normalised = cpu_shape._unique_axes(cpu_shape._ints(axes, "axes"), len(data.shape))
+    normalised = cpu_shape._unique_axes(int_list(axes, "axes"), len(data.shape))
     for a in normalised:
         if data.shape[a] != 1:
             raise KernelError(f"cannot squeeze axis {a} of size {data.shape[a]} (shape {list(data.shape)})")
@@ -301,7 +303,7 @@ def squeeze(data, axes=None):
 def unsqueeze(data, axes=None):
     if axes is None:
         raise KernelError("Unsqueeze needs axes")
-    axes = cpu_shape._ints(axes, "axes")
+    axes = int_list(axes, "axes")
     rank = len(data.shape) + len(axes)
     normalised = set(cpu_shape._unique_axes(axes, rank))
     dims, rest = [], iter(data.shape)
@@ -345,7 +347,7 @@ def slice_(data, starts=None, ends=None, axes=None, steps=None):
 @cuda_kernel("Expand", host_inputs=(1,))
 def expand(x, shape):
     rt = _rt()
-    dims = cpu_shape._ints(shape, "shape")
+    dims = int_list(shape, "shape")
     target = list(cpu_shape._broadcast_shape(tuple(x.shape), tuple(dims), "Expand"))
     if tuple(target) == tuple(x.shape):
         return x
@@ -359,7 +361,7 @@ def expand(x, shape):
 @cuda_kernel("Tile", host_inputs=(1,))
 def tile(x, repeats):
     rt = _rt()
-    reps = cpu_shape._ints(repeats, "repeats")
+    reps = int_list(repeats, "repeats")
     rank = len(x.shape)
     if len(reps) != rank:
         raise KernelError(f"repeats has {len(reps)} entries, the input has rank {rank}")
@@ -398,7 +400,7 @@ def concat(*inputs, axis):
     if not arrays:
         raise KernelError("Concat needs at least one input")
     rank = len(arrays[0].shape)
-    ax = cpu_shape._axis(axis, rank)
+    ax = normalize_axis(axis, rank)
     for i, x in enumerate(arrays[1:], 1):
         if len(x.shape) != rank:
             raise KernelError(f"input {i} has rank {len(x.shape)}, input 0 has rank {rank}")
@@ -423,7 +425,7 @@ def concat(*inputs, axis):
 @cuda_kernel("Split", host_inputs=(1,))
 def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
     rt = _rt()
-    ax = cpu_shape._axis(axis, len(x.shape))
+    ax = normalize_axis(axis, len(x.shape))
     n = x.shape[ax]
     sizes = cpu_shape.split_sizes(n, ax, split, num_outputs, _num_outputs)
     strides = elem_strides(x)
@@ -480,7 +482,7 @@ def trilu(x, k=None, *, upper=1):
     out = rt.empty(x.shape, x.dtype)
     if out.size:
         rows, cols = x.shape[-2:]
-        rt.launch(rt.function("copy", f"trilu_w{x.dtype.itemsize}"), out.size, out, x, np.int64(rows),
+        rt.launch(rt.function("shape", f"trilu_w{x.dtype.itemsize}"), out.size, out, x, np.int64(rows),
                   np.int64(cols), np.int64(kk), np.int64(1 if upper else 0), np.int64(out.size))
     return out
 
@@ -488,7 +490,7 @@ def trilu(x, k=None, *, upper=1):
 @cuda_kernel("ConstantOfShape", host_inputs=(0,))
 def constant_of_shape(shape, *, value=None):
     rt = _rt()
-    dims = cpu_shape._ints(shape, "shape")
+    dims = int_list(shape, "shape")
     if any(d < 0 for d in dims):
         raise KernelError(f"shape {dims} has a negative dimension")
     if value is None:
@@ -539,3 +541,46 @@ def space_to_depth(x, *, blocksize, mode="DCR"):
     if mode not in perms:
         raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
     return _block_rearrange(x, (b, c, h // bs, bs, w // bs, bs), perms[mode], (b, c * bs * bs, h // bs, w // bs))
+
+
+# ---------------------------------------------------------------- SliceGrad
+
+
+_SG_PLANS: dict = {}
+_PTRS2 = struct.Struct("=QQ")
+
+
+def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=True):
+    """(dX dims, lattice kernel or None, grid, packed arguments after (dX, dY)); validates everything."""
+    dims = shape_arg(shape)
+    geometry = cpu_shape.slice_geometry(dims, starts, ends, axes, steps)
+    lat_start, lat_step, counts = (list(column) for column in zip(*geometry)) if dims else ([], [], [])
+    if math.prod(counts) != math.prod(dy_shape):
+        raise KernelError(f"dY has shape {list(dy_shape)}, but the slice of shape {dims} has shape {counts}")
+    if math.prod(dims) == 0:
+        return tuple(dims), None, 0, b""
+    kernel, grid, tail = lattice_plan(dims, np.dtype(dtype).itemsize, lat_start, lat_step, counts,
+                                         _rt().contiguous_strides(counts), np.int64(0), aligned)
+    return tuple(dims), raw(kernel), grid, tail
+
+
+@cuda_kernel("SliceGrad", domain=MICROSOFT, host_inputs=(1, 2, 3, 4, 5))
+def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
+    """One pass over dX (the lattice kernel with fill 0): every element written once, no memset."""
+    rt = _rt()
+    key = (dY.shape, dY.dtype, host_key(shape), host_key(starts), host_key(ends), host_key(axes),
+           host_key(steps))
+    dims, kernel, grid, tail = plan_cache(
+        _SG_PLANS, key, lambda: _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps))
+    dX = rt.empty(dims, dY.dtype)
+    if kernel is None:
+        return dX
+    src, dy = 0, dY
+    if dY.size:
+        dy = dY if dY.flags.c_contiguous else contiguous(dY)
+        src = int(dy.gpudata)
+    dst = int(dX.gpudata)
+    if dst % 16:  # the plan assumed a 16-byte aligned dX (pool allocations are)
+        _, kernel, grid, tail = _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps, False)
+    launch_packed(kernel, grid, 256, _PTRS2.pack(dst, src) + tail)
+    return dX

@@ -1,0 +1,234 @@
+"""Gradient rules: pooling and resampling (MaxPool, AveragePool, the global pools, Resize).
+
+Pools use standard ops plus ConvGrad with a ones kernel for the window transpose. Resize is
+separable: its gradient applies the transposes of the per-axis matrices the kernel applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import KernelError, ModelError
+from gradgen.grads.builder import dims_of, is_static, numpy_dtype_of, same_dim
+from gradgen.grads.registry import grad_rule
+from gradgen.grads.rules.conv import as_text, emit_conv_grad, forward_attrs, known_rank, node_where
+from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
+
+
+@grad_rule("MaxPool")
+def max_pool(g):
+    """Scatter-add dY at the argmax positions (MaxPool's Indices, flat over N*C*spatial)."""
+    x = g.x(0)
+    if g.opset < 16:
+        raise ModelError(f"{node_where(g)}: its gradient needs ScatterElements reduction='add' (opset >= 16); "
+                         f"the model has opset {g.opset}")
+    attrs = forward_attrs(g)
+    has_indices = len(g.node.outputs) > 1 and g.node.outputs[1].name
+    if has_indices and attrs.get("storage_order", 0) == 0:
+        indices = g.y(1)
+    else:  # recompute, always row-major so the flat index matches Reshape(X, [-1])
+        attrs.pop("storage_order", None)
+        indices = g.op_multi("MaxPool", [x], 2, **attrs)[1]
+    flat = g.op("ScatterElements", g.reshape(g.zeros_like(x), [-1]), g.reshape(indices, [-1]),
+                g.reshape(g.dy(), [-1]), axis=0, reduction="add")
+    return [g.reshape_like(flat, x)]
+
+
+@grad_rule("AveragePool")
+def average_pool(g):
+    """dX = S^T(dY / divisor), S the window sum: ConvGrad with a ones kernel on (N*C, 1, spatial)."""
+    from gradgen.kernels.cpu.pool import pool_geometry
+
+    x, y, dy = g.x(0), g.y(), g.dy()
+    attrs = forward_attrs(g)
+    kernel = attrs["kernel_shape"]
+    nd = len(kernel)
+    auto_pad = as_text(attrs.get("auto_pad", "NOTSET"))
+    strides = attrs.get("strides", [1] * nd)
+    dilations = attrs.get("dilations", [1] * nd)
+    pads = list(attrs.get("pads", [0] * (2 * nd)))
+    ceil_mode = int(attrs.get("ceil_mode", 0))
+    include_pad = int(attrs.get("count_include_pad", 0))
+    if ceil_mode and auto_pad in ("NOTSET", "VALID"):
+        if auto_pad == "VALID":
+            pads = [0] * (2 * nd)
+        spatial = (dims_of(x) or [None] * (nd + 2))[2:]
+        if not is_static(spatial):
+            raise ModelError(f"{node_where(g)}: AveragePool with ceil_mode=1 needs static spatial dims for its gradient")
+        # ceil_mode windows as explicit end padding, from the pooled-shape rule the kernels use
+        try:
+            _, _, _, begin, end, _ = pool_geometry([1, 1, *spatial], {**attrs, "pads": pads})
+        except KernelError as exc:
+            raise ModelError(f"{node_where(g)}: {exc}") from None
+        pads = list(begin) + list(end)
+        auto_pad = "NOTSET"
+    geometry = {"strides": strides, "dilations": dilations}
+    if auto_pad == "NOTSET":
+        geometry["pads"] = pads
+    else:
+        geometry["auto_pad"] = auto_pad
+    dtype = numpy_dtype_of(x)
+    ones_kernel = g.const(np.ones([1, 1, *kernel], dtype=dtype))
+    x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
+    dy1 = g.reshape(dy, concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
+    padded = auto_pad in ("SAME_UPPER", "SAME_LOWER") or (auto_pad == "NOTSET" and any(pads))
+    if not padded or (include_pad and not ceil_mode):
+        scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
+    else:
+        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]),
+                    value=_tensor(np.ones((1,), dtype=dtype)))
+        counts = g.op("Conv", ones, ones_kernel, **geometry)  # taps inside the input, per window
+        if include_pad:
+            # divisor = counts / AveragePool(ones), whatever the divisor convention at the border
+            scale = g.op("Div", g.op("AveragePool", ones, **attrs), counts)
+        else:
+            scale = g.op("Reciprocal", counts)
+        scaled = g.op("Mul", dy1, scale)
+    dx1 = emit_conv_grad(g, scaled, x1, ones_kernel, [True], [x1], **geometry)[0]
+    return [g.reshape_like(dx1, x)]
+
+
+def _tensor(array):
+    return ir.tensor(array)
+
+
+@grad_rule("GlobalAveragePool")
+def global_average_pool(g):
+    x = g.x(0)
+    dims = dims_of(x)
+    spread = g.expand_like(g.dy(), x)
+    if dims is not None and is_static(dims[2:]):
+        spatial = dims[2:]
+        return [g.op("Mul", spread, g.const_like(x, 1.0 / max(1, math.prod(spatial))))]
+    size = g.cast_like(g.reduce("ReduceProd", dims_value(g, x, 2), None, keepdims=1), x)
+    return [g.op("Div", spread, size)]
+
+
+@grad_rule("GlobalMaxPool")
+def global_max_pool(g):
+    """dY spread evenly over the positions that reach the maximum (ties share it)."""
+    x = g.x(0)
+    mask = g.cast_like(g.op("Equal", x, g.y()), x)
+    count = g.reduce_sum(mask, list(range(2, known_rank(g, x))), keepdims=1)
+    return [g.op("Mul", mask, g.op("Div", g.dy(), count))]
+
+
+@grad_rule("Resize", nondiff_inputs=(3,), unsupported_inputs=(1, 2))
+def resize(g):
+    """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,
+    so dX applies M^T axis by axis (a MatMul with M on dY moved to the last axis). The matrices are
+    built at build time, so the resized axes need static sizes and constant scales/sizes, except
+    for a symbolic axis upsampled by an integer factor s in a mode where output o reads input o // s
+    (nearest with asymmetric/half-pixel coordinates, e.g. nn.Upsample(scale_factor=2)): its
+    transpose sums dY over blocks of s (a Reshape to (..., -1, s) and a ReduceSum)."""
+    from gradgen.kernels.cpu.pool import resize_geometry, resize_matrices
+
+    x = g.x(0)
+    if not g.needs(0):
+        return [None]
+    ctm = as_text(g.attr("coordinate_transformation_mode", "half_pixel"))
+    roi = folded_const(g, 1) if g.opset >= 11 and ctm == "tf_crop_and_resize" else None
+    if ctm == "tf_crop_and_resize" and roi is None:
+        raise ModelError(f"{node_where(g)}: Resize with tf_crop_and_resize needs a constant roi for its gradient")
+    xd, yd = dims_of(x), dims_of(g.y())
+    if xd is None:
+        raise ModelError(f"{node_where(g)}: the rank of {x.name!r} is unknown; its gradient needs it")
+    rank = len(xd)
+    attrs = {k: g.attr(k) for k in ("mode", "coordinate_transformation_mode", "nearest_mode",
+                                    "cubic_coeff_a", "exclude_outside", "antialias")}
+    if g.opset < 11:
+        scales, sizes = folded_const(g, 1), None
+        attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    else:
+        scales, sizes = folded_const(g, 2), folded_const(g, 3)
+    chosen = list(range(rank)) if g.attr("axes") is None else [int(a) % rank for a in g.attr("axes")]
+    has_sizes = g.opset >= 11 and len(g.node.inputs) > 3 and g.x(3) is not None
+    if sizes is not None and np.asarray(sizes).size:
+        sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+    elif has_sizes and folded_dims(g, g.x(3)) is not None:
+        sizes = folded_dims(g, g.x(3))  # e.g. Concat(Slice(Shape(X), 0, 2), [h, w]): may hold symbols
+    elif has_sizes and yd is not None:
+        sizes = [yd[a] for a in chosen]  # the inferred output shape (may hold symbols)
+    else:
+        sizes = None
+    if sizes is None and (scales is None or not np.asarray(scales).size):
+        raise ModelError(f"{node_where(g)}: Resize needs constant scales or sizes (or a static output shape) "
+                         "for its gradient")
+    policy = as_text(g.attr("keep_aspect_ratio_policy", "stretch"))
+    blocks = {}  # symbolic axis -> integer factor whose transpose is a block sum
+    if sizes is not None and policy != "stretch":
+        if not is_static(xd) or not is_static(sizes):
+            raise ModelError(f"{node_where(g)}: Resize with keep_aspect_ratio_policy={policy!r} needs static "
+                             "shapes for its gradient")
+        shape_in = list(xd)
+        shape_out, factors = resize_geometry(shape_in, None, sizes, axes=chosen, keep_aspect_ratio_policy=policy)
+    else:
+        scale_list = None if sizes is not None else [float(v) for v in np.asarray(scales, np.float64).reshape(-1)]
+        shape_in, shape_out, factors = [], [], []
+        for a, n_in in enumerate(xd):
+            k = chosen.index(a) if a in chosen else None
+            n_out = n_in if k is None else (sizes[k] if sizes is not None else None)
+            if k is not None and sizes is None:
+                n_out = math.floor(n_in * scale_list[k]) if isinstance(n_in, int) else (
+                    n_in if scale_list[k] == 1.0 else None)
+            identity = n_out is not None and same_dim(n_in, n_out) and (
+                sizes is not None or k is None or scale_list[k] == 1.0)
+            # Exporters write interpolate's sizes as the whole output shape, batch and channels
+            # included, as constants at the export batch size: a symbolic batch/channel axis with a
+            # constant size is taken as kept (the model only runs where it is).
+            identity = identity or (a < 2 and sizes is not None and not isinstance(n_in, int)
+                                    and isinstance(n_out, int))
+            if identity and not isinstance(n_in, int):
+                shape_in.append(1), shape_out.append(1), factors.append(1.0)
+                continue
+            block = _block_factor(scale_list[k], attrs, roi) if (
+                k is not None and sizes is None and not isinstance(n_in, int)) else None
+            if block is not None:
+                blocks[a] = block
+                shape_in.append(1), shape_out.append(1), factors.append(1.0)
+                continue
+            if not isinstance(n_in, int) or not isinstance(n_out, int):
+                raise ModelError(f"{node_where(g)}: Resize needs static sizes of axis {a} for its gradient")
+            shape_in.append(n_in), shape_out.append(n_out)
+            factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
+    dtype = numpy_dtype_of(x)
+    dx = g.dy()
+    # Outputs set to extrapolation_value (tf_crop_and_resize) have zero rows: no gradient.
+    mats = resize_matrices(shape_in, shape_out, factors, attrs, roi, g.attr("axes"))
+    for axis, (m, _) in sorted(mats.items()):
+        perm = list(range(rank))
+        perm[axis], perm[-1] = perm[-1], perm[axis]
+        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
+        moved = g.op("MatMul", moved, g.const(m.astype(dtype)))
+        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+    for axis, s in sorted(blocks.items()):
+        perm = list(range(rank))
+        perm[axis], perm[-1] = perm[-1], perm[axis]
+        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
+        moved = g.reduce_sum(g.reshape(moved, [0] * (rank - 1) + [-1, s]), [rank], keepdims=0)
+        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+    return [dx]
+
+
+def _block_factor(scale: float, attrs: dict, roi) -> int | None:
+    """s when an axis resized by ``scale`` maps output o to input o // s for every input size
+    (an integer factor s > 1, one-hot rows in nearest blocks), else None. Checked on the matrices
+    of a few sizes: for these modes the rows only depend on o mod s and o // s."""
+    from gradgen.kernels.cpu.pool import resize_matrices
+
+    s = int(round(scale))
+    if s < 2 or scale != s or roi is not None:
+        return None
+    for n in (1, 2, 5):
+        mats = resize_matrices([n], [n * s], [float(s)], attrs)
+        m = mats[0][0] if 0 in mats else np.eye(n)
+        if mats.get(0, (None, None))[1] is not None:
+            return None
+        want = np.zeros((n * s, n))
+        want[np.arange(n * s), np.arange(n * s) // s] = 1.0
+        if m.shape != want.shape or not np.array_equal(m, want):
+            return None
+    return s

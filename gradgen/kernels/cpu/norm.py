@@ -1,0 +1,210 @@
+"""CPU kernels: normalization (BatchNormalization, LayerNormalization, GroupNormalization, ... and
+ONNX Runtime training's LayerNormalization gradients)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, normalize_axis, same_shape
+from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+
+
+@cpu_kernel("BatchNormalization")
+def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0, _num_outputs=1):
+    """Inference form; training_mode=1 (opset 14+) also returns running_mean and running_var.
+
+    Older models (opset < 14) ask for training statistics by having more than one output:
+    (Y, mean, var, saved_mean, saved_var); saved_* are the batch mean and (biased) variance.
+    """
+    ct = float_compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    shape = channel_shape(x)
+    sc, bc = scale.astype(ct, copy=False).reshape(shape), bias.astype(ct, copy=False).reshape(shape)
+    training = int(training_mode) == 1 or _num_outputs > 1
+    if not training:
+        mean = input_mean.astype(ct, copy=False).reshape(shape)
+        var = input_var.astype(ct, copy=False).reshape(shape)
+        y = (xc - mean) / np.sqrt(var + ct.type(epsilon)) * sc + bc
+        return y.astype(x.dtype, copy=False)
+    axes = (0,) + tuple(range(2, x.ndim))
+    batch_mean = xc.mean(axis=axes)
+    batch_var = xc.var(axis=axes)
+    y = (xc - batch_mean.reshape(shape)) / np.sqrt(batch_var.reshape(shape) + ct.type(epsilon)) * sc + bc
+    mom = ct.type(momentum)
+    running_mean = input_mean.astype(ct) * mom + batch_mean * (1 - mom)
+    running_var = input_var.astype(ct) * mom + batch_var * (1 - mom)
+    y = y.astype(x.dtype, copy=False)
+    if int(training_mode) == 1:
+        return y, running_mean.astype(input_mean.dtype), running_var.astype(input_var.dtype)
+    return (y, running_mean.astype(input_mean.dtype), running_var.astype(input_var.dtype),
+            batch_mean.astype(input_mean.dtype), batch_var.astype(input_var.dtype))
+
+
+def _stash_dtype(x_dtype, stash_type: int) -> np.dtype:
+    if int(stash_type) != 1:
+        raise KernelError(f"stash_type={stash_type} is not supported (only 1, float32)")
+    return float_compute_dtype(x_dtype)
+
+
+@cpu_kernel("LayerNormalization")
+def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """Returns (Y, Mean, InvStdDev); Mean/InvStdDev have shape x.shape[:axis] + (1,)*... and the
+    stash type, float32 (stash_type 1, the only one the spec allows besides bfloat16). Double inputs
+    are computed in double (so float64 gradient checks stay precise) and their statistics stored
+    in float32, the type the schema gives them."""
+    rank = x.ndim
+    if not -rank <= axis < rank:
+        raise KernelError(f"axis {axis} is out of range for rank {rank}")
+    axis = axis + rank if axis < 0 else axis
+    st = _stash_dtype(x.dtype, stash_type)
+    xc = x.astype(st, copy=False)
+    axes = tuple(range(axis, rank))
+    mean = xc.mean(axis=axes, keepdims=True)
+    centered = xc - mean
+    var = (centered * centered).mean(axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(var + st.type(epsilon))
+    y = centered * inv_std * scale.astype(st, copy=False)
+    if bias is not None:
+        y = y + bias.astype(st, copy=False)
+    return y.astype(x.dtype, copy=False), mean.astype(np.float32, copy=False), inv_std.astype(np.float32, copy=False)
+
+
+@cpu_kernel("InstanceNormalization")
+def instance_normalization(x, scale, bias, *, epsilon=1e-5):
+    ct = float_compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    axes = tuple(range(2, x.ndim))
+    mean = xc.mean(axis=axes, keepdims=True)
+    var = xc.var(axis=axes, keepdims=True)
+    shape = channel_shape(x)
+    y = (xc - mean) / np.sqrt(var + ct.type(epsilon)) * scale.astype(ct).reshape(shape) + bias.astype(ct).reshape(shape)
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("GroupNormalization")
+def group_normalization(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_type=1):
+    """Opset 18 form: scale/bias have num_groups entries; opset 21 form: C entries (told apart
+    by their length; when num_groups == C both forms agree)."""
+    if num_groups is None:
+        raise KernelError("GroupNormalization needs the num_groups attribute")
+    g = int(num_groups)
+    n, c = x.shape[:2]
+    if g < 1 or c % g:
+        raise KernelError(f"num_groups={g} does not divide the {c} channels")
+    st = _stash_dtype(x.dtype, stash_type)
+    xg = x.astype(st, copy=False).reshape(n, g, -1)
+    mean = xg.mean(axis=2, keepdims=True)
+    var = xg.var(axis=2, keepdims=True)
+    norm = ((xg - mean) / np.sqrt(var + st.type(epsilon))).reshape(x.shape)
+    sc, bc = scale.reshape(-1).astype(st), bias.reshape(-1).astype(st)
+    if sc.size == g and g != c:
+        sc, bc = np.repeat(sc, c // g), np.repeat(bc, c // g)
+    elif sc.size != c:
+        raise KernelError(f"scale has {sc.size} entries; expected {c} (channels) or {g} (groups)")
+    shape = channel_shape(x)
+    return (norm * sc.reshape(shape) + bc.reshape(shape)).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("LpNormalization")
+def lp_normalization(x, *, axis=-1, p=2):
+    p = int(p)
+    if p not in (1, 2):
+        raise KernelError(f"p must be 1 or 2, got {p}")
+    ct = float_compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    if p == 1:
+        norm = np.abs(xc).sum(axis=axis, keepdims=True)
+    else:
+        norm = np.sqrt((xc * xc).sum(axis=axis, keepdims=True))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y = np.where(norm == 0, ct.type(0), xc / norm)
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("LRN")
+def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
+    if size is None:
+        raise KernelError("LRN needs the size attribute")
+    size = int(size)
+    ct = float_compute_dtype(x.dtype)
+    sq = x.astype(ct, copy=False) ** 2
+    channels = x.shape[1]
+    before, after = (size - 1) // 2, math.ceil((size - 1) / 2)
+    cum = np.concatenate([np.zeros_like(sq[:, :1]), np.cumsum(sq, axis=1)], axis=1)
+    hi = np.minimum(np.arange(channels) + after + 1, channels)
+    lo = np.maximum(np.arange(channels) - before, 0)
+    square_sum = cum[:, hi] - cum[:, lo]
+    y = x.astype(ct, copy=False) / (ct.type(bias) + ct.type(alpha / size) * square_sum) ** ct.type(beta)
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("RMSNormalization")
+def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    rank = x.ndim
+    if not -rank <= axis < rank:
+        raise KernelError(f"axis {axis} is out of range for rank {rank}")
+    axis = axis + rank if axis < 0 else axis
+    st = _stash_dtype(x.dtype, stash_type)
+    xc = x.astype(st, copy=False)
+    mean_square = (xc * xc).mean(axis=tuple(range(axis, rank)), keepdims=True)
+    y = xc / np.sqrt(mean_square + st.type(epsilon)) * scale.astype(st, copy=False)
+    return y.astype(x.dtype, copy=False)
+
+
+@cpu_kernel("MeanVarianceNormalization")
+def mean_variance_normalization(x, *, axes=(0, 2, 3)):
+    """(X - E[X]) / (sqrt(E[X^2] - E[X]^2) + 1e-9), as ONNX's function body defines it."""
+    ct = float_compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    axes = tuple(int(a) for a in axes)
+    mean = xc.mean(axis=axes, keepdims=True)
+    var = (xc * xc).mean(axis=axes, keepdims=True) - mean * mean
+    y = (xc - mean) / (np.sqrt(var) + ct.type(1e-9))
+    return y.astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime training's LayerNormalization gradients (com.microsoft)
+
+
+def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
+    same_shape(dY, X, "dY", "X")
+    axis = normalize_axis(axis, X.ndim)
+    rows, cols = math.prod(X.shape[:axis]), math.prod(X.shape[axis:])
+    if cols == 1:
+        raise KernelError(f"the normalized part of X {list(X.shape)} from axis {axis} has one element")
+    if scale.size != cols:
+        raise KernelError(f"scale has {scale.size} elements, but X {list(X.shape)} normalizes {cols} per row from axis {axis}")
+    if inv_std_var.size != rows or (mean is not None and mean.size != rows):
+        raise KernelError(f"mean and inv_std_var must have {rows} elements (one per row of X {list(X.shape)})")
+    ct = accumulation_dtype(X.dtype)
+    x = X.astype(ct, copy=False).reshape(rows, cols)
+    dy = dY.astype(ct, copy=False).reshape(rows, cols)
+    s = scale.astype(ct, copy=False).reshape(1, cols)
+    inv = inv_std_var.astype(ct, copy=False).reshape(rows, 1)
+    normalized = (x if simplified else x - mean.astype(ct, copy=False).reshape(rows, 1)) * inv
+    a = dy * normalized
+    b = dy * s * inv
+    c = b * normalized
+    dx = b - normalized * c.mean(axis=1, keepdims=True)
+    if not simplified:
+        dx = dx - b.mean(axis=1, keepdims=True)
+    outputs = [dx.reshape(X.shape).astype(X.dtype), a.sum(axis=0).reshape(scale.shape).astype(scale.dtype)]
+    if not simplified:
+        outputs.append(dy.sum(axis=0).reshape(scale.shape).astype(scale.dtype))
+    return tuple(outputs)
+
+
+@cpu_kernel("LayerNormalizationGrad", domain=MICROSOFT)
+def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """(dX, dScale, dBias) of LayerNormalization from its saved Mean and InvStdDev."""
+    return _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified=False)
+
+
+@cpu_kernel("SimplifiedLayerNormalizationGrad", domain=MICROSOFT)
+def simplified_layer_normalization_grad(dY, X, scale, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """(dX, dScale) of SimplifiedLayerNormalization (RMS norm) from its saved InvStdDev."""
+    return _layer_norm_grad(dY, X, scale, None, inv_std_var, axis, simplified=True)

@@ -1,0 +1,149 @@
+// Direct convolution kernels (conv.py), used where cuDNN declines a configuration (and for float64
+// when it does). Entry points: conv_fwd/conv_dgrad/conv_wgrad_<dtype suffix>, e.g. conv_fwd_f32.
+// Up to 3 spatial axes; the launcher pads lower ranks with unit axes. Every kernel writes each output
+// element from one thread (or one block, for dW) in a fixed order: deterministic, no float atomics.
+#include "common.h"
+
+#define GG_SP 3
+
+// Geometry of a convolution (NC* layout, W is (M, C/G, *k)).
+struct ConvGeom {
+    int64_t n, c, m, g;
+    int64_t in[GG_SP], out[GG_SP], k[GG_SP], s[GG_SP], d[GG_SP], pb[GG_SP];
+};
+
+// ------------------------------------------------------------------------------ direct convolution
+// Used where cuDNN declines a configuration (and for float64 when it does). y: one thread per output.
+template <typename T>
+__device__ void conv_fwd(T* y, const T* x, const T* w, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t r = i % plane_out;
+        int64_t m = (i / plane_out) % g.m;
+        int64_t b = i / (plane_out * g.m);
+        int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+        int64_t group = m / mg;
+        A acc = 0;
+        for (int64_t cc = 0; cc < cg; ++cc) {
+            const T* xp = x + (b * g.c + group * cg + cc) * plane_in;
+            const T* wp = w + (m * cg + cc) * taps;
+            for (int64_t a = 0; a < g.k[0]; ++a) {
+                int64_t p0 = o0 * g.s[0] - g.pb[0] + a * g.d[0];
+                if (p0 < 0 || p0 >= g.in[0]) continue;
+                for (int64_t bb = 0; bb < g.k[1]; ++bb) {
+                    int64_t p1 = o1 * g.s[1] - g.pb[1] + bb * g.d[1];
+                    if (p1 < 0 || p1 >= g.in[1]) continue;
+                    for (int64_t c = 0; c < g.k[2]; ++c) {
+                        int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
+                        if (p2 < 0 || p2 >= g.in[2]) continue;
+                        acc += gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2) *
+                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                    }
+                }
+            }
+        }
+        gg_store(y + i, acc);
+    }
+}
+
+// dx: one thread per input element, gathering every (filter, tap) whose window covers it.
+template <typename T>
+__device__ void conv_dgrad(T* dx, const T* dy, const T* w, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    GG_GRID_STRIDE(i, n) {
+        int64_t r = i % plane_in;
+        int64_t ch = (i / plane_in) % g.c;
+        int64_t b = i / (plane_in * g.c);
+        int64_t i2 = r % g.in[2], i1 = (r / g.in[2]) % g.in[1], i0 = r / (g.in[2] * g.in[1]);
+        int64_t group = ch / cg, cc = ch % cg;
+        A acc = 0;
+        for (int64_t mm = 0; mm < mg; ++mm) {
+            int64_t m = group * mg + mm;
+            const T* dyp = dy + (b * g.m + m) * plane_out;
+            const T* wp = w + (m * cg + cc) * taps;
+            for (int64_t a = 0; a < g.k[0]; ++a) {
+                int64_t q0 = i0 + g.pb[0] - a * g.d[0];
+                if (q0 < 0 || q0 % g.s[0]) continue;
+                q0 /= g.s[0];
+                if (q0 >= g.out[0]) continue;
+                for (int64_t bb = 0; bb < g.k[1]; ++bb) {
+                    int64_t q1 = i1 + g.pb[1] - bb * g.d[1];
+                    if (q1 < 0 || q1 % g.s[1]) continue;
+                    q1 /= g.s[1];
+                    if (q1 >= g.out[1]) continue;
+                    for (int64_t c = 0; c < g.k[2]; ++c) {
+                        int64_t q2 = i2 + g.pb[2] - c * g.d[2];
+                        if (q2 < 0 || q2 % g.s[2]) continue;
+                        q2 /= g.s[2];
+                        if (q2 >= g.out[2]) continue;
+                        acc += gg_load(dyp + (q0 * g.out[1] + q1) * g.out[2] + q2) *
+                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                    }
+                }
+            }
+        }
+        gg_store(dx + i, acc);
+    }
+}
+
+// dw: one block per weight element, reducing over batch and output positions in a fixed order.
+template <typename T>
+__device__ void conv_wgrad(T* dw, const T* x, const T* dy, const ConvGeom& g, int64_t n) {
+    using A = typename Acc<T>::type;
+    __shared__ A shared[256];
+    const int64_t cg = g.c / g.g, mg = g.m / g.g;
+    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
+    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    const int64_t total = g.n * plane_out;
+    for (int64_t e = blockIdx.x; e < n; e += gridDim.x) {
+        int64_t tap = e % taps;
+        int64_t cc = (e / taps) % cg;
+        int64_t m = e / (taps * cg);
+        int64_t group = m / mg;
+        int64_t kc = tap % g.k[2], kb = (tap / g.k[2]) % g.k[1], ka = tap / (g.k[2] * g.k[1]);
+        A acc = 0;
+        for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
+            int64_t b = j / plane_out, r = j % plane_out;
+            int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+            int64_t p0 = o0 * g.s[0] - g.pb[0] + ka * g.d[0];
+            int64_t p1 = o1 * g.s[1] - g.pb[1] + kb * g.d[1];
+            int64_t p2 = o2 * g.s[2] - g.pb[2] + kc * g.d[2];
+            if (p0 < 0 || p0 >= g.in[0] || p1 < 0 || p1 >= g.in[1] || p2 < 0 || p2 >= g.in[2]) continue;
+            acc += gg_load(dy + (b * g.m + m) * plane_out + r) *
+                   gg_load(x + (b * g.c + group * cg + cc) * plane_in + (p0 * g.in[1] + p1) * g.in[2] + p2);
+        }
+        shared[threadIdx.x] = acc;
+        __syncthreads();
+        for (int width = blockDim.x / 2; width > 0; width /= 2) {
+            if (threadIdx.x < width) shared[threadIdx.x] += shared[threadIdx.x + width];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) gg_store(dw + e, shared[0]);
+        __syncthreads();
+    }
+}
+
+// ------------------------------------------------------------------------------ entry points
+#define GG_CONV_ENTRIES(sfx, T)                                                                            \
+    extern "C" __global__ void conv_fwd_##sfx(T* y, const T* x, const T* w, ConvGeom g, int64_t n) {       \
+        conv_fwd(y, x, w, g, n);                                                                           \
+    }                                                                                                      \
+    extern "C" __global__ void conv_dgrad_##sfx(T* dx, const T* dy, const T* w, ConvGeom g, int64_t n) {   \
+        conv_dgrad(dx, dy, w, g, n);                                                                       \
+    }                                                                                                      \
+    extern "C" __global__ void conv_wgrad_##sfx(T* dw, const T* x, const T* dy, ConvGeom g, int64_t n) {   \
+        conv_wgrad(dw, x, dy, g, n);                                                                       \
+    }
+
+GG_CONV_ENTRIES(f16, __half)
+GG_CONV_ENTRIES(f32, float)
+GG_CONV_ENTRIES(f64, double)

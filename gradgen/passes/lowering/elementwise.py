@@ -1,0 +1,45 @@
+"""Lowering of BroadcastGradientArgs (the elementwise family: the reduction axes of a broadcasting
+op's gradients) to standard ONNX ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.errors import KernelError, ModelError
+from gradgen.passes.lowering.core import Emitter, is_needed, node_input, node_where, register_lowering
+
+
+@register_lowering("BroadcastGradientArgs")
+def lower_broadcast_gradient_args(e: Emitter, node: ir.Node):
+    """The axes each operand of a broadcasting op is reduced over, in descending order."""
+    from gradgen.kernels.cpu.elementwise import broadcast_gradient_axes
+
+    a, b = node_input(node, 0), node_input(node, 1)
+    a_known, b_known = e.value_of(a), e.value_of(b)
+    if a_known is not None and b_known is not None:
+        try:
+            a_axes, b_axes = broadcast_gradient_axes(a_known.reshape(-1).tolist(), b_known.reshape(-1).tolist())
+        except KernelError as exc:
+            raise ModelError(f"{node_where(node)}: {exc}") from None
+        return [e.ints(a_axes), e.ints(b_axes)]
+    a64, b64 = e.to_int64(a), e.to_int64(b)
+    ra, rb = e.op("Shape", a64), e.op("Shape", b64)
+    n = e.op("Max", ra, rb)
+    one = ir.tensor(np.ones((1,), dtype=np.int64))
+    lead_a, lead_b = e.op("Sub", n, ra), e.op("Sub", n, rb)
+    a_full = e.op("Concat", e.op("ConstantOfShape", lead_a, value=one), a64, axis=0)
+    b_full = e.op("Concat", e.op("ConstantOfShape", lead_b, value=one), b64, axis=0)
+    # Output axes from the last to the first.
+    k = e.op("Range", e.op("Sub", e.op("Reshape", n, e.ints([])), e.scalar(1)), e.scalar(-1), e.scalar(-1))
+    a_dims, b_dims = e.op("Gather", a_full, k, axis=0), e.op("Gather", b_full, k, axis=0)
+    a_one, b_one = e.op("Equal", a_dims, e.scalar(1)), e.op("Equal", b_dims, e.scalar(1))
+    results = [None, None]
+    if is_needed(node.outputs[0] if node.outputs else None):
+        take = e.op("Or", e.op("Less", k, lead_a), e.op("And", a_one, e.op("Not", b_one)))
+        results[0] = e.op("Compress", k, take, axis=0)
+    if len(node.outputs) > 1 and is_needed(node.outputs[1]):
+        take = e.op("Or", e.op("Less", k, lead_b), e.op("And", b_one, e.op("Not", a_one)))
+        results[1] = e.op("Compress", k, take, axis=0)
+    return results
+
