@@ -1,0 +1,110 @@
+"""Layering rules, checked on the source: no module reaches into another layer's private names.
+
+A layer is a package under gradgen/ (grads, passes, executor, ops, training, ...), with the CPU
+kernels (gradgen.kernels.cpu) and the CUDA launchers (gradgen.kernels.cuda) counted apart. A
+private name (``_x``) is free to change without notice: another layer that needs it needs a
+public name (in gradgen/ops when it is op semantics).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gradgen"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "kernels" and parts[2] in ("cpu", "cuda"):
+        return f"kernels.{parts[2]}"
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def resolve(module: str, level: int, target: str | None) -> str:
+    """The absolute module of a (possibly relative) import."""
+    if not level:
+        return target or ""
+    base = module.split(".")[: len(module.split(".")) - level + (1 if module.endswith("__init__") else 0)]
+    return ".".join(base + ([target] if target else []))
+
+
+def private_uses(path: Path) -> list[str]:
+    """'line: name from module' for every private name of another layer that ``path`` uses."""
+    module = module_name(path)
+    own = layer(module)
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}  # local name -> a gradgen module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gradgen") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            source = resolve(module, node.level, node.module)
+            if not source.startswith("gradgen"):
+                continue
+            for a in node.names:
+                if is_module(f"{source}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{source}.{a.name}"
+                elif is_private(a.name) and layer(source) != own:
+                    found.append(f"{node.lineno}: {a.name} from {source}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and is_private(node.attr):
+            source = aliases.get(node.value.id)
+            if source is not None and layer(source) != own:
+                found.append(f"{node.lineno}: {node.attr} from {source}")
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+# Uses still being removed (the CUDA launchers move to gradgen/ops and public kernel helpers; the
+# benchmark and the training CLI get public names). Shrink this table; never grow it.
+KNOWN: dict[str, set[str]] = {
+    "gradgen.bench.kernels": {"_Geometry", "_GRAPHS", "_STATE", "_dgrad", "_wgrad"},
+    "gradgen.kernels.cuda.indexing": {"_axis", "_nd_tuple", "_check_reduction", "_normalize_indices"},
+    "gradgen.kernels.cuda.reduction": {"_reduce_axes", "_axis"},
+    "gradgen.kernels.cuda.shape": {"_unique_axes", "_broadcast_shape"},
+    "gradgen.training.cli": {"_warnings_as_notes"},
+}
+
+
+def test_the_scan_sees_a_private_import_across_layers(tmp_path):
+    """The scanner itself: a CUDA launcher using a CPU kernel's private helper is caught."""
+    fake = PACKAGE / "kernels" / "cuda" / "_layer_probe.py"
+    try:
+        fake.write_text("from gradgen.kernels.cpu import shape as cpu\n"
+                        "from gradgen.kernels.cpu.shape import _hidden\n"
+                        "x = cpu._axis(0, 1)\n")
+        assert private_uses(fake) == ["2: _hidden from gradgen.kernels.cpu.shape",
+                                      "3: _axis from gradgen.kernels.cpu.shape"]
+    finally:
+        fake.unlink()
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_uses_another_layers_private_names(path):
+    known = KNOWN.get(module_name(path), set())
+    uses = [use for use in private_uses(path) if use.split()[1] not in known]
+    assert uses == [], f"{module_name(path)} uses private names of another layer"
