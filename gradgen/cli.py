@@ -377,6 +377,7 @@ from gradgen.training import cli as _training_cli  # noqa: E402  (imports typer 
 
 app.command("train")(_training_cli.train)
 app.command("export")(_training_cli.export)
+app.command("artifacts")(_training_cli.artifacts)
 
 
 def _click_exception_type() -> type:

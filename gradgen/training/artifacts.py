@@ -7,7 +7,7 @@ Python gradgen runs on, to the contracts that runtime checks:
 
 - ``training_model.onnx``: the forward model, the loss, the backward graph, and one
   ``com.microsoft::InPlaceAccumulatorV2(<p>_grad.accumulation.buffer, <p>_grad, lazy_reset_grad)``
-  per trainable parameter. Inputs, in this order: the user inputs (the loss target last), the
+  per trainable parameter. Inputs, in this order: the user inputs the loss reads (the loss target last), the
   parameters (trainable and frozen, moved from initializers, in initializer order), one gradient
   buffer per trainable parameter, ``lazy_reset_grad`` (bool [1]). Outputs: the loss, then
   ``<p>_grad.accumulation.out`` (bool [1]) per trainable parameter. ``Module`` tells these roles
@@ -32,12 +32,13 @@ that ``gradgen train`` and the ``Trainer`` compute the same steps. ``SGDOptimize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -46,7 +47,13 @@ from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
-from gradgen.training.graph_edit import ParamsAsInputsPass, gradient_outputs, keep_outputs, opset_of
+from gradgen.training.graph_edit import (
+    ParamsAsInputsPass,
+    gradient_outputs,
+    keep_outputs,
+    opset_of,
+    remove_unused_inputs,
+)
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.ort_checkpoint import encode_checkpoint
@@ -110,26 +117,32 @@ def generate_artifacts(
     ``frozen`` names float initializers that become inputs held by the checkpoint but are not
     trained; other initializers stay constants of the graphs. ``loss`` appends a loss block to an
     output of a model that ends in logits or predictions; without it the model's loss is its only
-    scalar float output. ``optimizer`` None writes no optimizer model.
+    scalar float output; a ``loss`` whose ``output`` is None reads the model's only output.
+    ``optimizer`` None writes no optimizer model.
     """
     if clip_norm is not None and not clip_norm > 0:
         raise UsageError(f"clip norm {clip_norm} is not > 0")
     _check_optimizer(optimizer)
     forward = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     trainable, frozen = _check_names(forward.graph, requires_grad, list(frozen))
-    adder = AddLossPass(loss) if loss is not None else None
+    if loss is None:
+        _check_has_loss(forward.graph)
+    adder = AddLossPass(_with_loss_output(loss, forward.graph)) if loss is not None else None
     run_pipeline(Pipeline(UpgradeOpsetPass(), *([adder] if adder else [])), forward)
 
+    loss_name = adder.loss_name if adder else None
+    if trainable is not None:
+        _check_loss_depends_on(forward.graph, loss_name, trainable)
     backward = _copy(forward)
     freeze = frozen if trainable is not None else [*frozen, *running_statistics(forward.graph)]
-    pipeline, gradient = backward_pipeline(GradientSpec(loss=adder.loss_name if adder else None, wrt=trainable,
-                                                        freeze=list(dict.fromkeys(freeze))))
+    pipeline, gradient = backward_pipeline(GradientSpec(loss=loss_name, wrt=trainable, freeze=list(dict.fromkeys(freeze))))
     run_pipeline(pipeline, backward)
     loss_name, trainable = gradient.loss_name, gradient.wrt_names
 
     order = [name for name in forward.graph.initializers if name in set(trainable) | set(frozen)]
     values = {name: forward.graph.initializers[name].const_value for name in order}
-    training = _training_model(backward, loss_name, trainable, order)
+    # A frozen parameter the loss does not read is in the checkpoint but in neither graph.
+    training = _training_model(backward, loss_name, trainable, [n for n in order if n in backward.graph.initializers])
     evaluation = _eval_model(forward, loss_name, order)
     trainable_set = set(trainable)
     requires = {name: values[name] for name in order if name in trainable_set}
@@ -145,6 +158,33 @@ def generate_artifacts(
         loss=loss_name, user_inputs=user_inputs)
 
 
+def optimizer_for(kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float | None = None) -> SGD | AdamW | None:
+    """The optimizer of ``--optimizer KIND`` (adamw, sgd or none) and its options."""
+    adam_options = (tuple(betas), eps) != ((0.9, 0.999), 1e-8)
+    if kind == "adamw":
+        return AdamW(betas=tuple(betas), eps=eps, weight_decay=0.01 if weight_decay is None else weight_decay)
+    if kind in ("sgd", "none") and adam_options:
+        raise UsageError(f"--beta1, --beta2 and --eps are AdamW options; --optimizer is {kind}")
+    if kind == "sgd":
+        return SGD(weight_decay=weight_decay or 0.0)
+    if kind == "none":
+        if weight_decay is not None:
+            raise UsageError("--weight-decay is an optimizer option; --optimizer is none")
+        return None
+    raise UsageError(f"unknown optimizer {kind!r}: choose adamw, sgd or none")
+
+
+def _with_loss_output(spec: LossSpec, graph: ir.Graph) -> LossSpec:
+    """``spec`` reading the model's only output when it names none."""
+    if spec.output is not None:
+        return spec
+    if len(graph.outputs) != 1:
+        raise UsageError(f"the model has {len(graph.outputs)} outputs ({', '.join(v.name for v in graph.outputs)}): "
+                         "name the one the loss reads with --output")
+    return dataclasses.replace(spec, output=graph.outputs[0].name)
+
+
 def _copy(model: ir.Model) -> ir.Model:
     return ir.from_proto(ir.to_proto(model))
 
@@ -155,6 +195,45 @@ def _check_optimizer(optimizer: SGD | AdamW | None) -> None:
                          "weight decay; use --optimizer adamw, or plain sgd")
     if optimizer is not None and not isinstance(optimizer, (SGD, AdamW)):
         raise UsageError(f"unknown optimizer {optimizer!r}: use SGD() or AdamW()")
+
+
+def _check_loss_depends_on(graph: ir.Graph, loss: str | None, params: list[str]) -> None:
+    """Every parameter to train feeds the loss (else its gradient would be zero: refused)."""
+    outputs = [v for v in graph.outputs if v.name == loss] if loss else \
+        [v for v in graph.outputs if v.shape is not None and v.shape.rank() == 0 and v.dtype in _FLOAT]
+    seen, stack = set(), list(outputs)
+    while stack:
+        value = stack.pop()
+        if value.name in seen:
+            continue
+        seen.add(value.name)
+        node = value.producer()
+        if node is not None:
+            stack.extend(v for v in node.inputs if v is not None)
+            for attr in node.attributes.values():  # values a subgraph reads from this graph
+                graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else \
+                    attr.value if attr.type == ir.AttributeType.GRAPHS else []
+                for sub in graphs:
+                    stack.extend(v for n in sub.all_nodes() for v in n.inputs if v is not None and v.graph is graph)
+    unused = [name for name in params if name not in seen]
+    if unused:
+        raise UsageError(f"--requires-grad {', '.join(map(repr, unused))}: the loss does not depend on "
+                         f"{'it' if len(unused) == 1 else 'them'} (the gradient would be zero)")
+
+
+def _check_has_loss(graph: ir.Graph) -> None:
+    """Without a loss block, the model must end in its loss: one scalar float output (as declared)."""
+    floats = [v for v in graph.outputs if v.dtype in _FLOAT]
+    scalars = [v for v in floats if v.shape is not None and v.shape.rank() == 0]
+    unknown = [v for v in floats if v.shape is None]
+    outputs = ", ".join(f"{v.name} {v.dtype.name if v.dtype else '?'} {list(v.shape) if v.shape is not None else '?'}"
+                        for v in graph.outputs)
+    if not scalars and not unknown:
+        raise ModelError(f"the model has no scalar float output to use as the loss (outputs: {outputs}); add a loss "
+                         "with --loss KIND (cross_entropy, mse, l1, bce_with_logits) and --output NAME")
+    if len(scalars) > 1:
+        raise ModelError(f"the model has several scalar float outputs ({', '.join(v.name for v in scalars)}); "
+                         "training artifacts need one loss: keep only that output, or add a loss with --loss KIND")
 
 
 def _check_names(graph: ir.Graph, requires_grad: Sequence[str] | None,
@@ -209,6 +288,7 @@ def _training_model(model: ir.Model, loss: str, trainable: list[str], order: lis
     graph.outputs.extend(accumulated)
     model.opset_imports.setdefault(MICROSOFT, 1)
     run_pipeline(CleanupPass(), model)
+    remove_unused_inputs(graph)
     return model
 
 
@@ -218,6 +298,7 @@ def _eval_model(forward: ir.Model, loss: str, order: list[str]) -> ir.Model:
     graph = model.graph
     keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
     run_pipeline(Pipeline(ParamsAsInputsPass(order), CleanupPass()), model)
+    remove_unused_inputs(graph)
     for node in graph:
         if node.domain not in ("", "ai.onnx"):
             continue
@@ -275,45 +356,59 @@ def artifact_names(artifacts: TrainingArtifacts) -> list[str]:
     return [TRAINING_MODEL, EVAL_MODEL, *([OPTIMIZER_MODEL] if artifacts.optimizer is not None else []), CHECKPOINT]
 
 
-def prepare_directory(directory: str | os.PathLike, *sources: str | os.PathLike) -> Path:
-    """Create ``directory`` if needed and check its artifact files can be written and are not ``sources``."""
+@contextlib.contextmanager
+def output_directory(directory: str | os.PathLike, *sources: str | os.PathLike) -> Iterator[Path]:
+    """``directory``, created if missing, its artifact paths checked writable and none of ``sources``.
+
+    A directory created here is removed again if the block fails before anything was written in it.
+    """
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"{directory}: not a directory")
+    created = not directory.exists()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{directory}: cannot create the output directory: {exc.strerror or exc}") from None
-    for name in (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT):
-        check_output_path(directory / name, *sources)
-    return directory
+    try:
+        for name in (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT):
+            check_output_path(directory / name, *sources)
+        yield directory
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only if still empty
+        raise
 
 
 def save_artifacts(artifacts: TrainingArtifacts, directory: str | os.PathLike,
                    *sources: str | os.PathLike) -> list[Path]:
-    """Write the artifacts into ``directory``: all of them, or (on any error) none.
+    """Write the artifacts into ``directory`` (see ``output_directory``): all of them, or (on any error) none.
 
     Each file is written into a temporary directory inside ``directory`` first and renamed into
     place only when all are written; an existing artifact is replaced, as ``generate_artifacts``
     does. ``sources`` (the input model) are never overwritten.
     """
-    directory = prepare_directory(directory, *sources)
     checkpoint = artifacts.checkpoint()
-    staging = Path(tempfile.mkdtemp(prefix=".gradgen-artifacts.", suffix=".tmp", dir=directory))
-    try:
-        for name, model in ((TRAINING_MODEL, artifacts.training), (EVAL_MODEL, artifacts.eval),
-                            (OPTIMIZER_MODEL, artifacts.optimizer)):
-            if model is not None:
-                save_model(model, staging / name)
-        with open(staging / CHECKPOINT, "wb") as stream:
-            stream.write(checkpoint)
-            stream.flush()
-            os.fsync(stream.fileno())
-        written = sorted(staging.iterdir(), key=lambda p: (not p.name.endswith(".data"), p.name))
-        for path in written:
-            os.replace(path, directory / path.name)
-    except OSError as exc:
-        raise output_error(directory, exc) from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with output_directory(directory, *sources) as directory:
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=".gradgen-artifacts.", suffix=".tmp", dir=directory))
+        except OSError as exc:
+            raise output_error(directory, exc) from exc
+        try:
+            for name, model in ((TRAINING_MODEL, artifacts.training), (EVAL_MODEL, artifacts.eval),
+                                (OPTIMIZER_MODEL, artifacts.optimizer)):
+                if model is not None:
+                    save_model(model, staging / name)
+            with open(staging / CHECKPOINT, "wb") as stream:
+                stream.write(checkpoint)
+                stream.flush()
+                os.fsync(stream.fileno())
+            written = sorted(staging.iterdir(), key=lambda p: (not p.name.endswith(".data"), p.name))
+            for path in written:
+                os.replace(path, directory / path.name)
+        except OSError as exc:
+            raise output_error(directory, exc) from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return [directory / name for name in artifact_names(artifacts)]

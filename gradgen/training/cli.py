@@ -108,3 +108,60 @@ def export(
     typer.echo(f"inputs: {', '.join(v.name for v in graph.inputs if v.name not in graph.initializers)}")
     typer.echo(f"outputs: {', '.join(v.name for v in graph.outputs)}")
     typer.echo(f"wrote {out} in {time.perf_counter() - started:.2f} s")
+
+
+def artifacts(
+    model: Path = typer.Argument(..., help="Forward ONNX model: it computes a scalar loss, or use --loss KIND."),
+    directory: Path = typer.Option(..., "-o", "--artifact-dir", help="Directory to write training_model.onnx, "
+                                   "eval_model.onnx, optimizer_model.onnx and checkpoint into (created if missing; "
+                                   "existing artifacts are replaced)."),
+    requires_grad: Optional[List[str]] = typer.Option(None, "--requires-grad", help="Train this float initializer "
+                                                      "(repeatable). Default: every float initializer the loss depends "
+                                                      "on, less --frozen."),
+    frozen: Optional[List[str]] = typer.Option(None, "--frozen", help="A float initializer the checkpoint holds but "
+                                               "training keeps fixed (repeatable)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help=f"Append a loss ({_LOSS_KINDS}) to the output named by "
+                                       "--output; its target becomes an input. Default: the model's only scalar float "
+                                       "output is the loss."),
+    output: Optional[str] = typer.Option(None, "--output", help="With --loss: the output (logits, predictions) the "
+                                         "loss reads. Default: the model's only output."),
+    target: Optional[str] = typer.Option(None, "--target", help="With --loss: the name of the target input "
+                                         "(default labels for cross_entropy, target otherwise)."),
+    ignore_index: int = typer.Option(-100, "--ignore-index", help="cross_entropy: label value to ignore."),
+    label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw (AdamWOptimizer, PyTorch's AdamW), sgd "
+                                  "(SGDOptimizerV2, plain SGD) or none (no optimizer model)."),
+    beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
+    beta2: float = typer.Option(0.999, "--beta2", help="AdamW beta2."),
+    eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW decoupled weight decay "
+                                                 "(default 0.01)."),
+    clip_norm: Optional[float] = typer.Option(None, "--clip-norm", help="Clip the global gradient norm to this "
+                                              "(InplaceClipGradNorm in the optimizer model)."),
+) -> None:
+    """Write ONNX Runtime training's artifacts for MODEL (what its generate_artifacts writes), for its
+    Module / Optimizer / CheckpointState API."""
+    from gradgen.cli import _warnings_as_notes
+    from gradgen.errors import UsageError
+    from gradgen.training.artifacts import generate_artifacts, optimizer_for, output_directory, save_artifacts
+    from gradgen.training.losses import LossSpec
+
+    started = time.perf_counter()
+    chosen = optimizer_for(optimizer, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    if loss is None and (output or target):
+        raise UsageError("--output and --target go with --loss")
+    spec = LossSpec(loss_kind(loss), output, target=target, ignore_index=ignore_index,
+                    label_smoothing=label_smoothing) if loss is not None else None
+    with output_directory(directory, model):
+        with _warnings_as_notes():
+            made = generate_artifacts(model, requires_grad=requires_grad or None, frozen=frozen or (), loss=spec,
+                                      optimizer=chosen, clip_norm=clip_norm)
+        for note in made.compatibility_notes():
+            typer.echo(f"note: {note}", err=True)
+        paths = save_artifacts(made, directory, model)
+    typer.echo(f"loss: {made.loss}; user inputs: {', '.join(made.user_inputs)}")
+    for what, params in (("trainable", made.requires_grad), ("frozen", made.frozen)):
+        count = sum(int(t.size) for t in params.values())
+        names = ", ".join(list(params)[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+        typer.echo(f"{what}: {len(params)} parameter(s), {count} values" + (f": {names}" if names else ""))
+    typer.echo(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.2f} s")

@@ -116,7 +116,9 @@ def encode_checkpoint(requires_grad: Mapping[str, ir.TensorProtocol | np.ndarray
 
 
 def _as_tensor(name: str, value: ir.TensorProtocol | np.ndarray) -> ir.TensorProtocol:
-    return ir.Tensor(np.ascontiguousarray(value), name=name) if isinstance(value, np.ndarray) else value
+    if isinstance(value, np.ndarray):  # (np.ascontiguousarray would make a 0-d array 1-d)
+        return ir.Tensor(value if value.flags.c_contiguous else value.copy(), name=name)
+    return value
 
 
 def _write_tensor(builder, name: str, value: ir.TensorProtocol | np.ndarray) -> int:
