@@ -1,0 +1,239 @@
+"""Compiling gradgen's CUDA sources (gradgen/kernels/cuda/*.cu) to cubin for one GPU architecture.
+
+Two compilers, tried in this order (``GRADGEN_CUDA_COMPILER=nvrtc|nvcc`` picks one):
+
+- NVRTC through cuda-python's ``cuda.core`` (``Program``): a library, so no CUDA toolkit is needed;
+  the pip wheels nvidia-cuda-nvrtc, nvidia-cuda-runtime (headers) and nvidia-cuda-cccl (CUB)
+  bring all of it, and ``cuda.pathfinder`` finds their headers (or a toolkit's).
+- nvcc from a CUDA toolkit (on PATH, or under CUDA_HOME / CUDA_PATH / /usr/local/cuda), the fallback.
+
+Nothing here imports PyCUDA or needs a GPU: a cubin for a named architecture can be built on any
+machine (see gradgen/cuda/precompile.py). Loading and caching are in runtime.py and kernel_cache.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradgen.errors import KernelError
+
+CUDA_SOURCES = Path(__file__).resolve().parent.parent / "kernels" / "cuda"
+NVRTC_INCLUDE = Path(__file__).resolve().parent / "nvrtc_include"  # what NVRTC lacks and nvcc has
+NVRTC_PRELUDE = "gradgen_nvrtc.h"
+STD = "c++17"
+COMPILERS = ("nvrtc", "nvcc")
+FAST_COMPILE_LEVELS = ("0", "min", "mid", "max")
+
+
+def fast_compile_level() -> str:
+    """``GRADGEN_CUDA_FAST_COMPILE`` (0, min, mid, max): the compilers' -Ofast-compile level, which
+    trades kernel speed for compile time (0, the default: full optimisation)."""
+    level = os.environ.get("GRADGEN_CUDA_FAST_COMPILE") or "0"
+    if level not in FAST_COMPILE_LEVELS:
+        raise KernelError(f"GRADGEN_CUDA_FAST_COMPILE={level!r}: expected one of {', '.join(FAST_COMPILE_LEVELS)}")
+    return level
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One .cu file: its module name (the file's stem), text, and a digest of the text and of every
+    header it includes from gradgen's own include directories (so editing common.h recompiles)."""
+
+    name: str
+    path: Path
+    text: str
+    digest: str
+
+
+def local_headers(text: str, directories: tuple[Path, ...]) -> list[Path]:
+    """The headers ``text`` includes, directly or through each other, that live in ``directories``
+    (CUDA's and the C++ library's own headers are covered by the compiler's identity instead)."""
+    found: list[Path] = []
+    pending = [text]
+    while pending:
+        for name in _INCLUDE.findall(pending.pop()):
+            for directory in directories:
+                path = directory / name
+                if path.is_file() and path not in found:
+                    found.append(path)
+                    pending.append(path.read_text())
+                    break
+    return found
+
+
+def load_source(path: Path) -> Source:
+    text = path.read_text()
+    digest = hashlib.sha256(text.encode())
+    for header in local_headers(text, (path.parent,)):
+        digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
+    return Source(path.stem, path, text, digest.hexdigest())
+
+
+def source_names(directory: Path = CUDA_SOURCES) -> list[str]:
+    """The module names of every CUDA source (``module(name)`` in runtime.py compiles ``name.cu``)."""
+    return sorted(path.stem for path in directory.glob("*.cu"))
+
+
+def find_source(name: str, directory: Path = CUDA_SOURCES) -> Source:
+    path = directory / f"{name}.cu"
+    if not path.is_file():
+        raise KernelError(f"no CUDA source {path.name} in {directory}")
+    return load_source(path)
+
+
+class Compiler:
+    """Turns a Source into a cubin for ``arch`` (``sm_90``). ``identity`` names the compiler, its
+    version, options and header directories: everything besides the source that shapes the cubin."""
+
+    kind = ""
+    identity = ""
+
+    def compile(self, source: Source, arch: str) -> bytes:
+        raise NotImplementedError
+
+
+class NvrtcCompiler(Compiler):
+    kind = "nvrtc"
+
+    def __init__(self):
+        from cuda.bindings import nvrtc
+
+        self._program, self._options = _cuda_core_program()
+        result, major, minor = nvrtc.nvrtcVersion()
+        if int(result) != 0:
+            raise RuntimeError(f"nvrtcVersion failed: {result}")
+        self.version = f"{major}.{minor}"
+        self.include_path = [str(NVRTC_INCLUDE), *_cuda_header_dirs()]  # and the source's own directory
+        self.extra = {"ofast_compile": fast_compile_level()} if fast_compile_level() != "0" else {}
+        shims = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(NVRTC_INCLUDE.iterdir()))).hexdigest()
+        self.identity = f"nvrtc {self.version}; std={STD}; {self.extra}; include={self.include_path}; shims {shims[:16]}"
+
+    def compile(self, source: Source, arch: str) -> bytes:
+        include_path = [str(source.path.parent), *self.include_path]
+        options = self._options(name=source.path.name, arch=arch, std=STD, include_path=include_path,
+                                pre_include=NVRTC_PRELUDE, **self.extra)
+        try:
+            code = self._program(source.text, "c++", options=options).compile("cubin")
+        except Exception as exc:  # noqa: BLE001 - cuda.core raises its own types; the log is in the message
+            raise KernelError(_compile_failure(source, arch, f"NVRTC {self.version}", str(exc))) from exc
+        return bytes(getattr(code, "code", None) or code._module)
+
+
+class NvccCompiler(Compiler):
+    kind = "nvcc"
+
+    def __init__(self, nvcc: str):
+        self.nvcc = nvcc
+        result = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True)
+        self.version = result.stdout.strip().splitlines()[-1]
+        level = fast_compile_level()
+        self.options = [f"-std={STD}", "-O3", *([f"-Ofast-compile={level}"] if level != "0" else [])]
+        self.identity = f"nvcc {self.version}; {self.options}"
+
+    def compile(self, source: Source, arch: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="gradgen-nvcc-") as tmp:
+            out = Path(tmp) / f"{source.name}.cubin"
+            result = subprocess.run([self.nvcc, "-cubin", f"-arch={arch}", *self.options, f"-I{source.path.parent}",
+                                     "-o", str(out), str(source.path)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise KernelError(_compile_failure(source, arch, "nvcc", result.stderr))
+            return out.read_bytes()
+
+
+def _compile_failure(source: Source, arch: str, compiler: str, log: str) -> str:
+    lines = [line for line in log.replace("\x00", "").splitlines() if line.strip()]
+    shown = "\n".join(lines[:20]) + (f"\n... ({len(lines) - 20} more lines)" if len(lines) > 20 else "")
+    return f"CUDA source {source.path.name} does not compile with {compiler} for {arch}:\n{shown}"
+
+
+def _cuda_core_program():
+    """``(Program, ProgramOptions)`` from cuda.core (top level since 0.4, .experimental before)."""
+    try:
+        from cuda.core import Program, ProgramOptions
+    except ImportError:
+        from cuda.core.experimental import Program, ProgramOptions
+    return Program, ProgramOptions
+
+
+def _cuda_header_dirs() -> list[str]:
+    """CUDA's headers (cuda_fp16.h, math_constants.h) and CCCL's (CUB), from the pip wheels or a
+    toolkit, as cuda.pathfinder finds them; a toolkit's include dir where pathfinder is missing."""
+    found = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        find_nvidia_header_directory = None
+    if find_nvidia_header_directory is not None:
+        for library in ("cudart", "cccl"):
+            try:
+                directory = find_nvidia_header_directory(library)
+            except Exception:  # noqa: BLE001 - an unknown library name on an old pathfinder
+                directory = None
+            if directory:
+                found.append(str(directory))
+    home = _cuda_home()
+    if home is not None:
+        for sub in ("include", "include/cccl"):
+            directory = home / sub
+            if directory.is_dir() and str(directory) not in found:
+                found.append(str(directory))
+    return found
+
+
+def _cuda_home() -> Path | None:
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    return None
+
+
+def _find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = _cuda_home()
+    if home is not None and (home / "bin" / "nvcc").is_file():
+        return str(home / "bin" / "nvcc")
+    return None
+
+
+def _make(kind: str) -> tuple[Compiler | None, str]:
+    """The compiler of ``kind``, or None and why it is not available."""
+    if kind == "nvrtc":
+        try:
+            return NvrtcCompiler(), ""
+        except Exception as exc:  # noqa: BLE001 - ImportError, a missing libnvrtc, ...
+            return None, f"NVRTC: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        return None, "nvcc: not on PATH nor under CUDA_HOME"
+    try:
+        return NvccCompiler(nvcc), ""
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, f"nvcc: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler(preferred: str | None = None) -> Compiler:
+    """The first available of NVRTC and nvcc (or only ``preferred``/``GRADGEN_CUDA_COMPILER``)."""
+    preferred = preferred or os.environ.get("GRADGEN_CUDA_COMPILER") or None
+    if preferred is not None and preferred not in COMPILERS:
+        raise KernelError(f"GRADGEN_CUDA_COMPILER={preferred!r}: expected one of {', '.join(COMPILERS)}")
+    reasons = []
+    for kind in (preferred,) if preferred else COMPILERS:
+        found, why = _make(kind)
+        if found is not None:
+            return found
+        reasons.append(why)
+    raise KernelError("no CUDA compiler for gradgen's kernels (" + "; ".join(reasons) + "): install "
+                      "gradgen[cuda] (NVRTC through cuda-core and nvidia-cuda-nvrtc) or a CUDA toolkit with nvcc")

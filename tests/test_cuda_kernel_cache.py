@@ -1,0 +1,245 @@
+"""The CUDA kernel cache and compiler choice (gradgen/cuda/kernel_cache.py, compile.py), without a GPU.
+
+A fake compiler stands in for NVRTC/nvcc where the test is about the cache; the real compilers are
+exercised where they are installed (NVRTC through cuda-core, nvcc from a toolkit).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gradgen.cuda import compile as cc
+from gradgen.cuda import kernel_cache
+from gradgen.errors import KernelError
+
+COMMON = '#pragma once\n#include "inner.h"\n'
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler_choice(monkeypatch):
+    monkeypatch.delenv("GRADGEN_CUDA_COMPILER", raising=False)
+    monkeypatch.delenv("GRADGEN_CUDA_FAST_COMPILE", raising=False)
+    cc.compiler.cache_clear()
+    yield
+    cc.compiler.cache_clear()
+
+
+class FakeCompiler(cc.Compiler):
+    """Returns the source's text as its 'cubin'; appends one line per compile to ``log``."""
+
+    kind, version, identity = "fake", "1.0", "fake 1.0"
+
+    def __init__(self, log: Path | None = None, delay: float = 0.0, barrier: threading.Barrier | None = None):
+        self.log, self.delay, self.barrier = log, delay, barrier
+
+    def compile(self, source, arch):
+        if self.barrier is not None:
+            self.barrier.wait(timeout=30)  # every source compiles at the same time, or this times out
+        time.sleep(self.delay)
+        if "#error" in source.text:
+            raise KernelError(f"CUDA source {source.path.name} does not compile")
+        if self.log is not None:
+            with open(self.log, "a") as out:
+                out.write(f"{os.getpid()} {source.name}\n")
+        return f"{arch}:{source.text}".encode()
+
+
+def make_sources(directory: Path, names=("a", "b")) -> list[cc.Source]:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "common.h").write_text(COMMON)
+    (directory / "inner.h").write_text("#define X 1\n")
+    for name in names:
+        (directory / f"{name}.cu").write_text(f'#include "common.h"\n#include <cuda_fp16.h>\n// {name}\n')
+    return [cc.find_source(name, directory) for name in names]
+
+
+def test_the_key_follows_the_source_its_headers_the_arch_and_the_compiler(tmp_path):
+    source = make_sources(tmp_path / "src", ["a"])[0]
+    key = kernel_cache.cache_key(source, "sm_90", "nvrtc 13.0")
+    assert kernel_cache.cache_key(cc.find_source("a", tmp_path / "src"), "sm_90", "nvrtc 13.0") == key
+    assert kernel_cache.cache_key(source, "sm_80", "nvrtc 13.0") != key
+    assert kernel_cache.cache_key(source, "sm_90", "nvrtc 13.1") != key
+    (tmp_path / "src" / "inner.h").write_text("#define X 2\n")  # included through common.h
+    assert kernel_cache.cache_key(cc.find_source("a", tmp_path / "src"), "sm_90", "nvrtc 13.0") != key
+
+
+def test_local_headers_are_followed_transitively_and_once(tmp_path):
+    make_sources(tmp_path, ["a"])
+    (tmp_path / "inner.h").write_text('#include "common.h"\n')  # a cycle ends
+    found = cc.local_headers((tmp_path / "a.cu").read_text(), (tmp_path,))
+    assert [p.name for p in found] == ["common.h", "inner.h"]
+
+
+def test_the_cubin_is_compiled_once_then_read_from_the_cache(tmp_path):
+    sources = make_sources(tmp_path / "src")
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    log = tmp_path / "log"
+    fake = FakeCompiler(log)
+    first = [kernel_cache.load_or_compile(s, "sm_90", fake, directory) for s in sources]
+    again = [kernel_cache.load_or_compile(s, "sm_90", fake, directory) for s in sources]
+    assert first == again == [f"sm_90:{s.text}".encode() for s in sources]
+    assert len(log.read_text().splitlines()) == 2
+    assert sorted(p.suffix for p in directory.iterdir()) == [".cubin", ".cubin", ".lock", ".lock"]
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "k.cubin"
+    seen = {}
+    real_replace = os.replace
+
+    def checking_replace(src, dst):
+        seen["target_before"] = Path(dst).exists()
+        seen["temp_complete"] = Path(src).read_bytes() == b"x" * 100_000
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(kernel_cache.os, "replace", checking_replace)
+    kernel_cache.atomic_write(target, b"x" * 100_000)
+    assert seen == {"target_before": False, "temp_complete": True}
+    assert target.read_bytes() == b"x" * 100_000
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(kernel_cache.os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        kernel_cache.atomic_write(tmp_path / "other.cubin", b"y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.cubin"]  # no temp file, no half target
+
+
+def _compile_in_process(args):
+    src_dir, cache, log = args
+    source = cc.find_source("a", Path(src_dir))
+    return kernel_cache.load_or_compile(source, "sm_90", FakeCompiler(Path(log), delay=0.5), Path(cache))
+
+
+def test_processes_needing_the_same_kernel_compile_it_once(tmp_path):
+    make_sources(tmp_path / "src", ["a"])
+    (tmp_path / "cache").mkdir()
+    log = tmp_path / "log"
+    args = (str(tmp_path / "src"), str(tmp_path / "cache"), str(log))
+    with ProcessPoolExecutor(4) as pool:
+        results = list(pool.map(_compile_in_process, [args] * 4))
+    assert len(set(results)) == 1
+    assert len(log.read_text().splitlines()) == 1, log.read_text()
+
+
+def test_all_sources_compile_in_parallel_and_a_broken_one_fails_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADGEN_CUDA_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    make_sources(src, ["a", "b", "c"])
+    (src / "c.cu").write_text("#error broken\n")
+    monkeypatch.setattr(kernel_cache, "find_source", lambda name: cc.find_source(name, src))
+    fake = FakeCompiler(barrier=threading.Barrier(3))
+    results = kernel_cache.cubins("sm_90", ["a", "b", "c"], using=fake, workers=3)
+    assert results["a"].startswith(b"sm_90:") and results["b"].startswith(b"sm_90:")
+    assert isinstance(results["c"], KernelError) and "c.cu" in str(results["c"])
+
+
+def test_an_unwritable_cache_still_compiles(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRADGEN_CUDA_CACHE", str(blocker / "cache"))  # under a file: mkdir fails
+    src = tmp_path / "src"
+    make_sources(src, ["a"])
+    monkeypatch.setattr(kernel_cache, "find_source", lambda name: cc.find_source(name, src))
+    assert kernel_cache.cubins("sm_90", ["a"], using=FakeCompiler())["a"].startswith(b"sm_90:")
+    assert "not writable" in capsys.readouterr().err
+
+
+def test_the_default_cache_is_the_user_cache_dir(monkeypatch):
+    platformdirs = pytest.importorskip("platformdirs")
+    monkeypatch.delenv("GRADGEN_CUDA_CACHE", raising=False)
+    assert kernel_cache.cache_dir() == Path(platformdirs.user_cache_dir("gradgen")) / "cuda"
+
+
+# -- the compiler's choice -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("nvrtc, nvcc, expected", [(True, True, "nvrtc"), (True, False, "nvrtc"), (False, True, "nvcc")])
+def test_nvrtc_first_then_nvcc(monkeypatch, nvrtc, nvcc, expected):
+    tried = []
+
+    def make(kind):
+        tried.append(kind)
+        return (FakeCompiler() if {"nvrtc": nvrtc, "nvcc": nvcc}[kind] else None), f"{kind}: not here"
+
+    monkeypatch.setattr(cc, "_make", make)
+    cc.compiler()
+    assert tried[-1] == expected and tried[0] == "nvrtc"
+
+
+def test_the_environment_picks_the_compiler(monkeypatch):
+    tried = []
+    monkeypatch.setattr(cc, "_make", lambda kind: (tried.append(kind), (FakeCompiler(), ""))[1])
+    monkeypatch.setenv("GRADGEN_CUDA_COMPILER", "nvcc")
+    cc.compiler()
+    assert tried == ["nvcc"]
+    monkeypatch.setenv("GRADGEN_CUDA_COMPILER", "clang")
+    cc.compiler.cache_clear()
+    with pytest.raises(KernelError, match="GRADGEN_CUDA_COMPILER='clang'"):
+        cc.compiler()
+
+
+def test_no_compiler_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(cc, "_make", lambda kind: (None, f"{kind}: not here"))
+    with pytest.raises(KernelError) as caught:
+        cc.compiler()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "no CUDA compiler" in message and "nvrtc: not here" in message and "nvcc: not here" in message
+    assert "gradgen[cuda]" in message
+
+
+def test_without_cuda_core_nor_nvcc_the_real_probe_says_why(monkeypatch):
+    monkeypatch.setattr(cc, "_cuda_core_program", lambda: (_ for _ in ()).throw(ImportError("No module named 'cuda'")))
+    monkeypatch.setattr(cc, "_find_nvcc", lambda: None)
+    with pytest.raises(KernelError, match=r"NVRTC: \w*Error.*nvcc: not on PATH"):
+        cc.compiler()
+
+
+def test_a_bad_fast_compile_level_is_refused(monkeypatch):
+    monkeypatch.setenv("GRADGEN_CUDA_FAST_COMPILE", "fastest")
+    with pytest.raises(KernelError, match="GRADGEN_CUDA_FAST_COMPILE"):
+        cc.fast_compile_level()
+
+
+def test_precompile_refuses_a_malformed_arch(capsys):
+    from gradgen.cuda import precompile
+
+    with pytest.raises(SystemExit):
+        precompile.main(["--arch", "90"])
+    assert "expected an architecture" in capsys.readouterr().err
+
+
+# -- the real compilers, where installed -----------------------------------------------------------
+
+def _real(kind):
+    found, why = cc._make(kind)
+    if found is None:
+        pytest.skip(why)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["nvrtc", "nvcc"])
+def test_a_real_compiler_builds_a_source_with_gradgen_headers(kind, tmp_path):
+    using = _real(kind)
+    (tmp_path / "probe.cu").write_text(
+        (cc.CUDA_SOURCES / "common.h").read_text().replace("#pragma once", "")
+        + '\n#include <math_constants.h>\nextern "C" __global__ void probe(float* out, int64_t n) {\n'
+        "    GG_GRID_STRIDE(i, n) { out[i] = -INFINITY + CUDART_PI_F; }\n}\n")
+    cubin = using.compile(cc.find_source("probe", tmp_path), "sm_90")
+    assert cubin[:4] == b"\x7fELF" and b"probe" in cubin
+
+
+@pytest.mark.parametrize("kind", ["nvrtc", "nvcc"])
+def test_a_real_compile_error_names_the_source_and_line(kind, tmp_path):
+    using = _real(kind)
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { undeclared_thing(); }\n')
+    with pytest.raises(KernelError, match=r"(?s)broken\.cu does not compile .*\n.*undeclared_thing"):
+        using.compile(cc.find_source("broken", tmp_path), "sm_90")
