@@ -21,23 +21,21 @@ import contextlib
 import functools
 import gc
 import math
-import os
 import threading
 import traceback
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
 import pycuda.driver as driver
 import pycuda.gpuarray as gpuarray
 import pycuda.tools
-from pycuda.compiler import SourceModule
 
+from gradgen.cuda import kernel_cache
+from gradgen.cuda.compile import CUDA_SOURCES, source_names  # noqa: F401  (CUDA_SOURCES: where the .cu files are)
 from gradgen.errors import KernelError
 
 GPUArray = gpuarray.GPUArray
-CUDA_SOURCES = Path(__file__).resolve().parent.parent / "kernels" / "cuda"
 MAX_RANK = 8
 
 # The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
@@ -240,13 +238,33 @@ def _arch() -> str:
     return f"sm_{major}{minor}"
 
 
+_CUBINS: dict = {}  # module name -> cubin bytes (or the KernelError its compile raised)
+_CUBINS_LOCK = threading.Lock()
+
+
+def _cubin(name: str) -> bytes:
+    """The cubin of ``name.cu`` for this GPU. The first request fetches every source's at once,
+    from the persistent cache or compiled in parallel (see gradgen/cuda/kernel_cache.py), so a cold
+    start waits for the longest compile rather than for one compile per module as each is first used."""
+    with _CUBINS_LOCK:
+        if name not in _CUBINS:
+            wanted = [n for n in source_names() if n not in _CUBINS]
+            _CUBINS.update(kernel_cache.cubins(_arch(), wanted if name in wanted else [*wanted, name]))
+        result = _CUBINS[name]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 @functools.lru_cache(maxsize=None)
-def module(name: str) -> SourceModule:
-    """Compile ``gradgen/kernels/cuda/<name>.cu`` once per process (PyCUDA caches on disk too)."""
-    source = (CUDA_SOURCES / f"{name}.cu").read_text()
-    cache_dir = os.environ.get("GRADGEN_CUDA_CACHE") or None
-    return SourceModule(source, no_extern_c=True, arch=_arch(), include_dirs=[str(CUDA_SOURCES)],
-                        options=["-std=c++17", "-O3"], cache_dir=cache_dir)
+def module(name: str) -> driver.Module:
+    """The loaded module of ``gradgen/kernels/cuda/<name>.cu`` (compiled without nvcc by NVRTC
+    where it is installed; see gradgen/cuda/compile.py), once per process."""
+    cubin = _cubin(name)
+    try:
+        return driver.module_from_buffer(cubin)
+    except driver.Error as exc:
+        raise KernelError(f"CUDA module {name}.cu ({_arch()}) does not load: {exc}") from exc
 
 
 class _Kernel:
