@@ -12,10 +12,9 @@ from gradgen.executor import Session
 from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import (
     CleanupPass,
-    FoldShapeArithmeticPass,
+    EvaluateConstantsPass,
     GradientPass,
     GradientSpec,
-    InlineConstantIfPass,
     LowerToStandardPass,
     NameNodesPass,
     Pipeline,
@@ -48,10 +47,7 @@ def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
         UpgradeOpsetPass(),
         NameNodesPass(),
         TopologicalSortPass(),
-        FoldShapeArithmeticPass(),
-        ShapeInferencePass(),
-        FoldShapeArithmeticPass(),
-        InlineConstantIfPass(),
+        EvaluateConstantsPass(),
         gradient,
         CleanupPass(),
     )

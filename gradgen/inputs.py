@@ -178,12 +178,12 @@ def _bytes(n: int) -> str:
 def _with_shapes(model: ir.Model) -> ir.Model:
     """A copy of the model with inferred shapes (index bounds need the indexed tensors' shapes)."""
     from gradgen.errors import ModelError
-    from gradgen.passes import FoldShapeArithmeticPass, ShapeInferencePass
+    from gradgen.passes import EvaluateConstantsPass
 
     # clone() shares the weights; a protobuf round trip would copy them all
     copy = model.clone() if hasattr(model, "clone") else ir.from_proto(ir.to_proto(model))
     try:
-        ShapeInferencePass()(FoldShapeArithmeticPass()(copy).model)
+        EvaluateConstantsPass()(copy)
     except (ModelError, ir.passes.PassError):
         pass  # bounds fall back to [0, 10) where shapes stay unknown
     return copy

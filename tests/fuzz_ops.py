@@ -910,7 +910,7 @@ def norm_cases(draw, op):
 
 @st.composite
 def resize_cases(draw, op):
-    from gradgen.kernels.cpu.pool import resize_geometry
+    from gradgen.ops.pool import resize_geometry
 
     rng = _rng(draw)
     rank = draw(st.integers(1, 4))

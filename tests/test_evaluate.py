@@ -9,7 +9,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gradgen.passes.evaluate import ConstantEvaluator, EvaluateConstantsPass
+from gradgen.evaluate import ConstantEvaluator
+from gradgen.passes.evaluate import EvaluateConstantsPass
 
 
 def _model(nodes, inputs, outputs, initializers=(), opset=17):

@@ -17,7 +17,7 @@ from gradgen import passes
 from gradgen.api import ir
 from gradgen.check import check_gradients
 from gradgen.executor import Session
-from gradgen.kernels.cpu.pool import pool_output_shape
+from gradgen.ops.pool import pool_output_shape
 from tests.gradcheck import GradCase, case_model
 
 torch = pytest.importorskip("torch")

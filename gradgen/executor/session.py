@@ -14,6 +14,7 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, load_model
+from gradgen.ops.attributes import node_attributes
 
 
 @dataclasses.dataclass
@@ -66,18 +67,6 @@ class CpuBackend:
 
     def to_host(self, value) -> np.ndarray:
         return value
-
-
-def attribute_value(attr: ir.Attr) -> Any:
-    """An ir attribute as a plain Python/numpy value (tensors become numpy arrays)."""
-    value = attr.value
-    if attr.type == ir.AttributeType.TENSOR:
-        return value.numpy()
-    if attr.type == ir.AttributeType.TENSORS:
-        return [t.numpy() for t in value]
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def node_label(node: ir.Node) -> str:
@@ -157,7 +146,7 @@ class Session:
         steps = []
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
-            attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+            attrs = node_attributes(node)
             if entry.wants_num_outputs:
                 attrs["_num_outputs"] = len(node.outputs)
             if entry.wants_opset:

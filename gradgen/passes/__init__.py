@@ -4,13 +4,12 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 
 import onnx_ir as ir
 
+from gradgen.passes.evaluate import EvaluateConstantsPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,
-    FoldShapeArithmeticPass,
-    InlineConstantIfPass,
     NameNodesPass,
     RemoveUnusedNodesPass,
     ShapeInferencePass,
@@ -20,9 +19,15 @@ from gradgen.passes.standard import (
 
 Pipeline = ir.passes.Sequential
 
+# The names of the two passes EvaluateConstantsPass replaced (it folds shape arithmetic and inlines
+# constant Ifs, to a fixed point); kept so that pipelines written against them still run.
+FoldShapeArithmeticPass = EvaluateConstantsPass
+InlineConstantIfPass = EvaluateConstantsPass
+
 __all__ = [
     "CleanupPass",
     "CommonSubexpressionEliminationPass",
+    "EvaluateConstantsPass",
     "FoldShapeArithmeticPass",
     "InlineConstantIfPass",
     "GradientPass",

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, load_model
-from gradgen.passes import FoldShapeArithmeticPass, Pipeline, RemoveUnusedNodesPass, ShapeInferencePass
+from gradgen.passes import EvaluateConstantsPass, Pipeline, RemoveUnusedNodesPass
 from gradgen.training.checkpoint import checkpoint_path, load_checkpoint
 from gradgen.training.graph_edit import remove_unused_inputs
 from gradgen.training.program import model_fingerprint
@@ -66,5 +66,5 @@ def remove_output(model: ir.Model, name: str) -> None:
                          "(keep it with --keep-loss)")
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    Pipeline(ShapeInferencePass(), FoldShapeArithmeticPass(), RemoveUnusedNodesPass())(model)
+    Pipeline(EvaluateConstantsPass(), RemoveUnusedNodesPass())(model)
     remove_unused_inputs(graph)

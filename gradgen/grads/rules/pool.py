@@ -40,7 +40,7 @@ def max_pool(g):
 @grad_rule("AveragePool")
 def average_pool(g):
     """dX = S^T(dY / divisor), S the window sum: ConvGrad with a ones kernel on (N*C, 1, spatial)."""
-    from gradgen.kernels.cpu.pool import pool_geometry
+    from gradgen.ops.pool import pool_geometry
 
     x, y, dy = g.x(0), g.y(), g.dy()
     attrs = forward_attrs(g)
@@ -124,7 +124,7 @@ def resize(g):
     for a symbolic axis upsampled by an integer factor s in a mode where output o reads input o // s
     (nearest with asymmetric/half-pixel coordinates, e.g. nn.Upsample(scale_factor=2)): its
     transpose sums dY over blocks of s (a Reshape to (..., -1, s) and a ReduceSum)."""
-    from gradgen.kernels.cpu.pool import resize_geometry, resize_matrices
+    from gradgen.ops.pool import resize_geometry, resize_matrices
 
     x = g.x(0)
     if not g.needs(0):
@@ -217,7 +217,7 @@ def _block_factor(scale: float, attrs: dict, roi) -> int | None:
     """s when an axis resized by ``scale`` maps output o to input o // s for every input size
     (an integer factor s > 1, one-hot rows in nearest blocks), else None. Checked on the matrices
     of a few sizes: for these modes the rows only depend on o mod s and o // s."""
-    from gradgen.kernels.cpu.pool import resize_matrices
+    from gradgen.ops.pool import resize_matrices
 
     s = int(round(scale))
     if s < 2 or scale != s or roi is not None:

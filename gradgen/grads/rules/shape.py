@@ -10,6 +10,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import ModelError
+from gradgen.evaluate import ConstantEvaluator
 from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.grads.registry import grad_rule, non_differentiable
 
@@ -28,78 +29,19 @@ def _need_rank(g, x) -> int:
     return rank
 
 
-# Ops whose value a rule may compute at build time when every input is (recursively) constant: the
-# index arithmetic exporters emit for pads, repeats, scales and sizes (the legacy exporter with
-# do_constant_folding=False writes reflect pads as Constant -> Shape -> Gather -> Sub -> ... -> Cast).
-_FOLDABLE = frozenset({
-    "Abs", "Add", "Cast", "Ceil", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Expand",
-    "Flatten", "Floor", "Gather", "Greater", "Identity", "Less", "Max", "Min", "Mod", "Mul", "Neg",
-    "Not", "Range", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSum", "Reshape", "Shape", "Size",
-    "Slice", "Split", "Squeeze", "Sub", "Tile", "Transpose", "Unsqueeze", "Where",
-})
 _FOLD_MAX_NODES = 64
-_FOLD_MAX_ELEMENTS = 4096
 
 
 def folded_const(g, i: int):
     """Forward input i as a numpy array when it is constant or computed from constants only (and
-    static shapes) by a small subgraph of index arithmetic; else None."""
+    static shapes) by at most 64 nodes (the build-time evaluator, gradgen/evaluate.py); else None."""
     value = g.x(i)
     if value is None:
         return None
     direct = g.input_const(i)
     if direct is not None:
         return direct
-    try:
-        return _fold_value(g, value, {}, [_FOLD_MAX_NODES])
-    except Exception:  # noqa: BLE001 - a kernel refusing the inputs means "not foldable"
-        return None
-
-
-def _fold_value(g, value, memo: dict, budget: list):
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _FOLDABLE:
-        return None
-    if node.op_type in ("Shape", "Size"):
-        dims = dims_of(node.inputs[0])
-        if dims is not None and is_static(dims):
-            start = int(node.attributes["start"].value) if "start" in node.attributes else 0
-            end = int(node.attributes["end"].value) if "end" in node.attributes else None
-            shape = np.array(dims, dtype=np.int64)
-            return shape[start:end] if node.op_type == "Shape" else np.array(int(np.prod(shape)), np.int64)
-    key = id(node)
-    if key not in memo:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return None
-        args = []
-        for inp in node.inputs:
-            if inp is None:
-                args.append(None)
-                continue
-            arg = _fold_value(g, inp, memo, budget)
-            if arg is None:
-                return None
-            args.append(arg)
-        from gradgen.executor.session import attribute_value
-        from gradgen.kernels import registry
-
-        entry = registry.lookup(node.domain, node.op_type)
-        if entry is None or entry.cpu is None:
-            return None
-        attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
-        if entry.wants_num_outputs:
-            attrs["_num_outputs"] = len(node.outputs)
-        if entry.wants_opset:
-            attrs["_opset"] = g.opset
-        out = entry.cpu(*args, **attrs)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        if any(np.asarray(o).size > _FOLD_MAX_ELEMENTS for o in outs):
-            return None
-        memo[key] = [np.asarray(o) for o in outs]
-    return memo[key][list(node.outputs).index(value)]
+    return ConstantEvaluator(g.opset).value(value, max_nodes=_FOLD_MAX_NODES)
 
 
 def folded_dims(g, value, depth: int = 16) -> list | None:

@@ -17,63 +17,13 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import (
-    accumulation_dtype,
-    attr_ints,
-    float_compute_dtype,
-    pad_spatial,
-    sliding_windows,
-    spatial_attrs,
-)
+from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import per_axis
+from gradgen.ops.conv import conv_geometry, conv_transpose_geometry
+from gradgen.ops.pool import spatial_geometry
 
 # ---------------------------------------------------------------- ConvGrad
-
-
-def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
-                  pads=None, strides=None):
-    """Check a Conv's shapes and attributes; return (pads_begin, pads_end, strides, dilations, out_shape)."""
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
-    x_shape, w_shape = tuple(x_shape), tuple(w_shape)
-    if len(x_shape) < 3 or len(w_shape) != len(x_shape):
-        raise KernelError(f"Conv needs X of rank >= 3 and W of the same rank; got X {list(x_shape)}, W {list(w_shape)}")
-    nd = len(x_shape) - 2
-    kernel = list(w_shape[2:])
-    if kernel_shape is not None and list(kernel_shape) != kernel:
-        raise KernelError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {kernel} (W {list(w_shape)})")
-    strides = [1] * nd if strides is None else list(strides)
-    dilations = [1] * nd if dilations is None else list(dilations)
-    if len(strides) != nd or len(dilations) != nd:
-        raise KernelError(f"strides {strides} and dilations {dilations} must have {nd} values")
-    if min(strides + dilations, default=1) < 1:
-        raise KernelError(f"strides {strides} and dilations {dilations} must be >= 1")
-    channels, filters = x_shape[1], w_shape[0]
-    if group < 1 or channels != w_shape[1] * group or filters % group:
-        raise KernelError(f"group {group} does not fit X {list(x_shape)} and W {list(w_shape)}: X's channels must be "
-                          f"W.shape[1] * group and W.shape[0] a multiple of group")
-    spatial = x_shape[2:]
-    span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        out = [-(-n // s) for n, s in zip(spatial, strides)]
-        total = [max(0, (o - 1) * s + e - n) for o, s, e, n in zip(out, strides, span, spatial)]
-        small = [t // 2 for t in total]
-        big = [t - t // 2 for t in total]
-        begin, end = (small, big) if auto_pad == "SAME_UPPER" else (big, small)
-    elif auto_pad == "VALID":
-        begin, end = [0] * nd, [0] * nd
-    elif auto_pad == "NOTSET":
-        pads = [0] * (2 * nd) if pads is None else list(pads)
-        if len(pads) != 2 * nd or min(pads, default=0) < 0:
-            raise KernelError(f"pads {pads} must be {2 * nd} non-negative values")
-        begin, end = pads[:nd], pads[nd:]
-    else:
-        raise KernelError(f"unknown auto_pad {auto_pad!r} (NOTSET, SAME_UPPER, SAME_LOWER or VALID)")
-    out = [(n + b + e - sp) // s + 1 for n, b, e, sp, s in zip(spatial, begin, end, span, strides)]
-    if min(out) < 1:
-        raise KernelError(f"Conv output would be empty: X {list(x_shape)}, W {list(w_shape)}, pads {begin + end}, "
-                          f"strides {strides}, dilations {dilations}")
-    return begin, end, strides, dilations, (x_shape[0], filters, *out)
 
 
 @cpu_kernel("ConvGrad", domain=MICROSOFT)
@@ -153,7 +103,7 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
         )
     if kernel_shape is not None and list(kernel_shape) != list(w.shape[2:]):
         raise KernelError(f"kernel_shape {list(kernel_shape)} differs from W's spatial shape {list(w.shape[2:])}")
-    kernel, s, d, begin, end, out = spatial_attrs(x.shape, w.shape[2:], strides, dilations, pads, auto_pad)
+    kernel, s, d, begin, end, out = spatial_geometry(x.shape, w.shape[2:], strides, dilations, pads, auto_pad)
     ct = float_compute_dtype(x.dtype)
     xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
     win = sliding_windows(xp, kernel, s, d, out)  # (N, C, *out, *k)
@@ -173,43 +123,6 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)
-
-
-def conv_transpose_geometry(x_shape, w_shape, attrs):
-    """(full, begin, out) per spatial axis of ConvTranspose: the length of the full (uncropped)
-    result, where the output starts in it (negative: before it) and the output length. The one
-    rule the kernel and shape inference share (ONNX's inference drops output_shape values of 1)."""
-    get = attrs.get
-    ns = len(x_shape) - 2
-    spatial, kernel = list(x_shape[2:]), list(w_shape[2:])
-    s = attr_ints(get("strides"), ns, 1, "strides")
-    d = attr_ints(get("dilations"), ns, 1, "dilations")
-    op = attr_ints(get("output_padding"), ns, 0, "output_padding")
-    effective = [(k - 1) * di + 1 for k, di in zip(kernel, d)]
-    full = [si * (size - 1) + op_i + e for si, size, op_i, e in zip(s, spatial, op, effective)]
-    auto_pad = get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else (auto_pad or "NOTSET")
-    if auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
-        raise KernelError(f"unknown auto_pad {auto_pad!r}")
-    if get("output_shape") is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        if get("output_shape") is not None:
-            out = [int(v) for v in get("output_shape")][-ns:]
-            if len(out) != ns:
-                raise KernelError(f"output_shape {list(get('output_shape'))} does not have {ns} spatial dimensions")
-        else:
-            out = [size * si for size, si in zip(spatial, s)]
-        total = [f - o for f, o in zip(full, out)]
-        if auto_pad == "SAME_UPPER":
-            begin = [t // 2 for t in total]
-        else:
-            begin = [t - t // 2 for t in total]
-    else:
-        p = [0] * (2 * ns) if auto_pad == "VALID" else attr_ints(get("pads"), 2 * ns, 0, "pads")
-        begin = p[:ns]
-        out = [f - p[i] - p[ns + i] for i, f in enumerate(full)]
-    if min(out) < 1:
-        raise KernelError(f"the output spatial shape {out} is empty")
-    return full, begin, out
 
 
 @cpu_kernel("ConvTranspose")
@@ -239,8 +152,8 @@ def conv_transpose(
     kernel = list(w.shape[2:])
     if kernel_shape is not None and list(kernel_shape) != kernel:
         raise KernelError(f"kernel_shape {list(kernel_shape)} differs from W's spatial shape {kernel}")
-    s = attr_ints(strides, ns, 1, "strides")
-    d = attr_ints(dilations, ns, 1, "dilations")
+    s = per_axis(strides, ns, 1, "strides")
+    d = per_axis(dilations, ns, 1, "dilations")
     full, begin, out = conv_transpose_geometry(x.shape, w.shape, dict(
         auto_pad=auto_pad, dilations=dilations, output_padding=output_padding, output_shape=output_shape, pads=pads,
         strides=strides))

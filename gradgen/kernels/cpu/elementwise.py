@@ -14,6 +14,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, int_list, same_shape
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.ops.elementwise import broadcast_gradient_axes
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
 ONNX_TO_NUMPY = {
@@ -523,25 +524,6 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
 
 # ---------------------------------------------------------------------------------------------
 # BroadcastGradientArgs (com.microsoft): the reduction axes of a broadcasting op's gradients
-
-
-def broadcast_gradient_axes(a_shape, b_shape) -> tuple[list[int], list[int]]:
-    """The axes of the broadcast result that each operand must be reduced over, in descending order."""
-    a, b = list(a_shape), list(b_shape)
-    a_axes, b_axes = [], []
-    i, j, k = len(a) - 1, len(b) - 1, max(len(a), len(b)) - 1
-    while i >= 0 and j >= 0:
-        if a[i] != b[j]:
-            if a[i] == 1:
-                a_axes.append(k)
-            elif b[j] == 1:
-                b_axes.append(k)
-            else:
-                raise KernelError(f"broadcast is not possible between shapes {a} and {b} "
-                                  f"(dimension {a[i]} against {b[j]} at output axis {k})")
-        i, j, k = i - 1, j - 1, k - 1
-    (a_axes if i < 0 else b_axes).extend(range(k, -1, -1))
-    return a_axes, b_axes
 
 
 @cpu_kernel("BroadcastGradientArgs", domain=MICROSOFT)

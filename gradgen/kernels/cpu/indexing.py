@@ -18,37 +18,15 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, shape_arg
+from gradgen.kernels.numeric import accumulation_dtype, shape_arg
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import normalize_axis
+from gradgen.ops.indexing import normalize_indices
 
 _REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-def _axis(axis: int, rank: int, what: str = "axis") -> int:
-    if not -rank <= axis < max(rank, 1):
-        raise KernelError(f"{what} {axis} is out of range for a tensor of rank {rank}")
-    return axis + rank if axis < 0 else axis
-
-
-def _normalize_indices(indices: np.ndarray, dim: int, axis: int, what: str = "index", suffix: tuple = ()) -> np.ndarray:
-    """Indices as int64 with negatives wrapped; raise KernelError for any outside [-dim, dim-1]."""
-    idx = np.asarray(indices)
-    if idx.dtype.kind not in "iu":
-        raise KernelError(f"{what} tensor must be integer, got {idx.dtype}")
-    idx = idx.astype(np.int64, copy=True)
-    bad = (idx < -dim) | (idx >= dim)
-    if bad.any():
-        value = int(idx[bad].flat[0])
-        where = tuple(int(i) for i in np.argwhere(bad)[0]) + suffix
-        raise KernelError(
-            f"{what} {value} (at position {list(where)} of the indices) is out of range for axis {axis} "
-            f"of size {dim} (valid range [{-dim}, {dim - 1}])"
-        )
-    idx[idx < 0] += dim
-    return idx
-
-
-def _check_reduction(reduction: str) -> str:
+def check_reduction(reduction: str) -> str:
     if reduction != "none" and reduction not in _REDUCTIONS:
         raise KernelError(f"unknown reduction {reduction!r}; expected none, add, mul, max or min")
     return reduction
@@ -64,17 +42,17 @@ def _last_wins(flat_positions: np.ndarray) -> np.ndarray:
 
 @cpu_kernel("Gather")
 def gather(data, indices, *, axis=0):
-    axis = _axis(axis, data.ndim)
-    idx = _normalize_indices(indices, data.shape[axis], axis)
+    axis = normalize_axis(axis, data.ndim, allow_scalar=True)
+    idx = normalize_indices(indices, data.shape[axis], axis)
     return np.take(data, idx, axis=axis)
 
 
 @cpu_kernel("GatherElements")
 def gather_elements(data, indices, *, axis=0):
-    axis = _axis(axis, data.ndim)
+    axis = normalize_axis(axis, data.ndim, allow_scalar=True)
     if indices.ndim != data.ndim:
         raise KernelError(f"indices rank {indices.ndim} differs from data rank {data.ndim}")
-    idx = _normalize_indices(indices, data.shape[axis], axis)
+    idx = normalize_indices(indices, data.shape[axis], axis)
     # take_along_axis broadcasts the other axes; GatherElements only allows indices no larger.
     for d, (n, m) in enumerate(zip(idx.shape, data.shape)):
         if d != axis and n > m:
@@ -83,12 +61,12 @@ def gather_elements(data, indices, *, axis=0):
     return np.take_along_axis(sliced, idx, axis=axis)
 
 
-def _nd_tuple(data_shape, idx: np.ndarray, first_axis: int) -> tuple[np.ndarray, ...]:
+def nd_tuple(data_shape, idx: np.ndarray, first_axis: int) -> tuple[np.ndarray, ...]:
     """Split the last dimension of GatherND/ScatterND indices into one normalised array per axis
     (indices[..., j] indexes data axis first_axis + j)."""
     k = idx.shape[-1]
     return tuple(
-        _normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j, suffix=(j,))
+        normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j, suffix=(j,))
         for j in range(k)
     )
 
@@ -109,7 +87,7 @@ def gather_nd(data, indices, *, batch_dims=0):
         slices = d.reshape((batch,) + (1,) * (indices.ndim - 1 - b) + data.shape[b:])
         out = np.broadcast_to(slices, (batch,) + indices.shape[b:-1] + data.shape[b:]).copy()
         return out.reshape(indices.shape[:-1] + data.shape[b:])
-    parts = _nd_tuple(data.shape, indices, b)
+    parts = nd_tuple(data.shape, indices, b)
     parts = tuple(p.reshape((batch,) + p.shape[b:]) for p in parts)
     bidx = np.arange(batch).reshape((batch,) + (1,) * (indices.ndim - 1 - b))
     out = d[(bidx,) + parts]
@@ -118,14 +96,14 @@ def gather_nd(data, indices, *, batch_dims=0):
 
 @cpu_kernel("ScatterElements", "Scatter")  # Scatter: the deprecated (opset 9-10) name
 def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
-    reduction = _check_reduction(reduction)
-    axis = _axis(axis, data.ndim)
+    reduction = check_reduction(reduction)
+    axis = normalize_axis(axis, data.ndim, allow_scalar=True)
     if indices.shape != updates.shape or indices.ndim != data.ndim:
         raise KernelError(
             f"indices {list(indices.shape)} and updates {list(updates.shape)} must have the same shape "
             f"and data's rank {data.ndim}"
         )
-    idx = _normalize_indices(indices, data.shape[axis], axis)
+    idx = normalize_indices(indices, data.shape[axis], axis)
     for d, (n, m) in enumerate(zip(idx.shape, data.shape)):
         if d != axis and n > m:
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
@@ -145,7 +123,7 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
 
 @cpu_kernel("ScatterND")
 def scatter_nd(data, indices, updates, *, reduction="none"):
-    reduction = _check_reduction(reduction)
+    reduction = check_reduction(reduction)
     if indices.ndim < 1:
         raise KernelError("indices must have rank >= 1")
     k = indices.shape[-1]
@@ -154,7 +132,7 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     want = indices.shape[:-1] + data.shape[k:]
     if updates.shape != want:
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
-    parts = _nd_tuple(data.shape, indices, 0)
+    parts = nd_tuple(data.shape, indices, 0)
     out = np.array(data, copy=True)
     upd = updates.astype(data.dtype, copy=False)
     if reduction == "none":
@@ -184,7 +162,7 @@ def one_hot(indices, depth, values, *, axis=-1):
     if values.size != 2:
         raise KernelError(f"values must hold [off_value, on_value], got {values.size} element(s)")
     rank = np.ndim(indices) + 1
-    axis = _axis(axis, rank)
+    axis = normalize_axis(axis, rank, allow_scalar=True)
     idx = np.asarray(indices).astype(np.int64)
     # Per the spec, indices outside [-depth, depth-1] give an all-off row (not an error).
     idx = np.where(idx < 0, idx + n, idx)
@@ -207,7 +185,7 @@ def compress(data, condition, *, axis=None):
         if cond.size > flat.size:
             raise KernelError(f"condition has {cond.size} entries but the flattened input only {flat.size}")
         return flat[: cond.size][cond]
-    axis = _axis(axis, data.ndim)
+    axis = normalize_axis(axis, data.ndim, allow_scalar=True)
     if cond.size > data.shape[axis]:
         raise KernelError(f"condition has {cond.size} entries but axis {axis} has size {data.shape[axis]}")
     return np.compress(cond, data, axis=axis)
@@ -225,7 +203,7 @@ def gather_grad(shape, indices, dY, *, axis=0):
         raise KernelError("shape is empty: Gather's data must have rank >= 1")
     axis = normalize_axis(axis, len(dims))
     size = dims[axis]
-    idx = _normalize_indices(indices, size, axis)
+    idx = normalize_indices(indices, size, axis)
     dY = np.asarray(dY)
     want = tuple(dims[:axis]) + idx.shape + tuple(dims[axis + 1:])
     if dY.shape != want:
@@ -261,7 +239,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0):
         if d != axis and n > m:
             raise KernelError(f"indices shape {list(indices.shape)} exceeds the data shape {dims} on axis {d} "
                               f"(only axis {axis} may be longer)")
-    idx = _normalize_indices(indices, dims[axis], axis)
+    idx = normalize_indices(indices, dims[axis], axis)
     strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
     target = idx * strides[axis]
     for d, n in enumerate(indices.shape):

@@ -12,8 +12,10 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu.elementwise import onnx_dtype
-from gradgen.kernels.numeric import int_list, normalize_axis, shape_arg
+from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import int_list, normalize_axis
+from gradgen.ops.shape import slice_geometry, slice_index
 
 
 def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
@@ -163,53 +165,6 @@ def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
     return tuple(np.split(x, bounds, axis=ax))
 
 
-def slice_geometry(dims, starts, ends, axes=None, steps=None) -> list[tuple[int, int, int]]:
-    """(start, step, count) per axis of a Slice of a tensor of shape ``dims``, clamped as the ONNX
-    spec says (negative starts/ends counted from the end, INT64_MAX/INT64_MIN ends, negative steps).
-
-    The one definition of Slice's semantics: Slice and SliceGrad, CPU and CUDA, all use it.
-    """
-    rank = len(dims)
-    starts, ends = int_list(starts, "starts"), int_list(ends, "ends")
-    if len(starts) != len(ends):
-        raise KernelError(f"starts has {len(starts)} values but ends has {len(ends)}")
-    axes = list(range(len(starts))) if axes is None else int_list(axes, "axes")
-    steps = [1] * len(starts) if steps is None else int_list(steps, "steps")
-    if not len(axes) == len(steps) == len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
-                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
-    for a in axes:
-        if not -rank <= a < rank:
-            raise KernelError(f"axes value {a} is out of range for rank {rank} (valid range [{-rank}, {rank - 1}])")
-    axes = [a + rank if a < 0 else a for a in axes]
-    if len(set(axes)) != len(axes):
-        raise KernelError(f"axes {axes} repeats an axis")
-    geometry = [(0, 1, int(d)) for d in dims]
-    for axis, start, end, step in zip(axes, starts, ends, steps):
-        if step == 0:
-            raise KernelError(f"steps value for axis {axis} is 0")
-        size = int(dims[axis])
-        start = start + size if start < 0 else start
-        end = end + size if end < 0 else end
-        if step > 0:
-            start, end = min(max(start, 0), size), min(max(end, 0), size)
-        elif size == 0:
-            start, end = 0, 0
-        else:
-            start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
-        geometry[axis] = (start, step, len(range(start, end, step)))
-    return geometry
-
-
-def slice_index(geometry) -> tuple[slice, ...]:
-    """numpy indices for a slice_geometry (a stop below 0 means "to the beginning")."""
-    index = []
-    for start, step, count in geometry:
-        stop = start + step * count
-        index.append(slice(start, None if stop < 0 else stop, step))
-    return tuple(index)
-
-
 @cpu_kernel("Slice")
 def slice_(data, starts=None, ends=None, axes=None, steps=None):
     if starts is None or ends is None:
@@ -217,7 +172,7 @@ def slice_(data, starts=None, ends=None, axes=None, steps=None):
     return data[slice_index(slice_geometry(data.shape, starts, ends, axes, steps))]
 
 
-def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:
+def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:
     try:
         return np.broadcast_shapes(a, b)
     except ValueError:
@@ -227,7 +182,7 @@ def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple
 @cpu_kernel("Expand")
 def expand(x, shape):
     dims = int_list(shape, "shape")
-    target = _broadcast_shape(x.shape, tuple(dims), "Expand")
+    target = broadcast_shape(x.shape, tuple(dims), "Expand")
     return np.array(np.broadcast_to(x, target))
 
 

@@ -13,7 +13,7 @@ from gradgen.passes.lowering.core import Emitter, is_needed, node_input, node_wh
 @register_lowering("BroadcastGradientArgs")
 def lower_broadcast_gradient_args(e: Emitter, node: ir.Node):
     """The axes each operand of a broadcasting op is reduced over, in descending order."""
-    from gradgen.kernels.cpu.elementwise import broadcast_gradient_axes
+    from gradgen.ops.elementwise import broadcast_gradient_axes
 
     a, b = node_input(node, 0), node_input(node, 1)
     a_known, b_known = e.value_of(a), e.value_of(b)
