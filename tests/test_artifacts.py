@@ -195,6 +195,16 @@ def test_model_ending_in_its_loss_and_cross_entropy_on_logits(tmp_path):
     assert labels[0].type == helper.make_tensor_type_proto(TensorProto.INT64, [3])
 
 
+@pytest.mark.parametrize("loss", [LossSpec("bce_with_logits", "y"), LossSpec("cross_entropy", "y", label_smoothing=0.1)])
+def test_a_loss_blocks_constants_are_not_parameters(model, loss):
+    """bce_with_logits' 1 and 0, label smoothing's weights: constants of the loss, never trained (they
+    were float initializers, and training the 1 of log(1 + exp(-|x|)) drove the loss below 0)."""
+    made = generate_artifacts(model, frozen=["scale"], loss=loss, optimizer=AdamW())
+    assert list(made.requires_grad) == ["w1", "b1", "w2", "b2"]
+    assert not [v.name for v in made.training.graph.inputs if v.name.startswith("gradgen")]
+    assert gradgen.build_backward(model, add_loss=loss, freeze=["scale"]).wrt == ["w1", "b1", "w2", "b2"]
+
+
 def test_sgd_optimizer_model_is_plain_sgd(model):
     made = generate_artifacts(model, requires_grad=["w1"], loss=LossSpec("l1", "y"), optimizer=SGD())
     graph = made.optimizer.graph

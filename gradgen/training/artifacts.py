@@ -148,7 +148,12 @@ def generate_artifacts(
     requires = {name: values[name] for name in order if name in trainable_set}
     optimizer_model = None
     if optimizer is not None:
-        optimizer_model = _optimizer_model(optimizer, requires, opset_of(forward), forward.ir_version, clip_norm)
+        optimizer_model = _optimizer_model(optimizer, requires, opset_of(forward), clip_norm)
+    ir_version = _ir_version_for_ort(forward)
+    for built in (training, evaluation):
+        built.ir_version = ir_version
+    if optimizer_model is not None:
+        optimizer_model.ir_version = ir_version
     user_inputs = [v.name for v in training.graph.inputs
                    if v.name not in values and not v.name.endswith(BUFFER_SUFFIX) and v.name != RESET_GRAD]
     return TrainingArtifacts(
@@ -309,7 +314,19 @@ def _eval_model(forward: ir.Model, loss: str, order: list[str]) -> ir.Model:
     return model
 
 
-def _optimizer_model(optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProtocol], opset: int, ir_version: int,
+def _ir_version_for_ort(model: ir.Model) -> int:
+    """The model's IR version, lowered to what ONNX Runtime training 1.19.2 reads (10) when its opsets
+    allow it: a recent onnx writes IR versions that runtime refuses although nothing else changed."""
+    version = model.ir_version or ORT_TRAINING_MAX_IR_VERSION
+    opsets = [onnx.helper.make_opsetid(domain, v) for domain, v in model.opset_imports.items()]
+    try:
+        needed = onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)
+    except Exception:  # an opset this onnx does not know: keep the model's version
+        return version
+    return max(needed, min(version, ORT_TRAINING_MAX_IR_VERSION)) if needed <= ORT_TRAINING_MAX_IR_VERSION else version
+
+
+def _optimizer_model(optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProtocol], opset: int,
                      clip_norm: float | None) -> onnx.ModelProto:
     """onnxblock's optimizer graph: sequences of parameters, gradients and moments in, an update flag out."""
     not_float32 = [name for name, value in trainable.items() if value.dtype != ir.DataType.FLOAT]
@@ -345,7 +362,6 @@ def _optimizer_model(optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProto
                          value_info=value_info)
     model = h.make_model(graph, opset_imports=[h.make_opsetid(MICROSOFT, 1), h.make_opsetid("", opset)],
                          producer_name="gradgen")
-    model.ir_version = ir_version
     return model
 
 

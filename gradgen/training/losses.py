@@ -20,8 +20,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError, UsageError
-from gradgen.grads.builder import Builder, dims_of
 
 LOSS_KINDS = ("cross_entropy", "mse", "l1", "bce_with_logits")
 _FLOAT = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -76,16 +76,36 @@ class AddLossPass(ir.passes.InPlacePass):
             raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} "
                              "(run UpgradeOpsetPass first)")
         output = _chosen_output(graph, self.spec.output)
-        builder = Builder(graph, opset)
+        builder = GraphBuilder(graph, opset)
         builder.prefix = f"gradgen_loss/{self.spec.kind}"
         target = _new_target(builder, graph, self.spec, output)
+        existing = set(graph.initializers)
         loss = _EMITTERS[self.spec.kind](builder, output, target, self.spec)
+        _constants_as_nodes(graph, [name for name in graph.initializers if name not in existing])
         builder.rename(loss, "loss")
         loss.type = ir.TensorType(output.dtype)
         loss.shape = ir.Shape([])
         graph.outputs.append(loss)
         self.loss_name, self.target_name = loss.name, target.name
         return ir.passes.PassResult(model, modified=True)
+
+
+def _constants_as_nodes(graph: ir.Graph, names: list[str]) -> None:
+    """Make the loss block's constant initializers Constant nodes (at the top of the graph).
+
+    A float initializer is a parameter to every gradgen pass and tool (build-backward's default
+    --wrt, training, ONNX Runtime artifacts): the loss's own constants (the 1 of
+    bce_with_logits' log(1 + exp(-|x|)), label smoothing's weights) must not be trained.
+    """
+    first = next(iter(graph), None)
+    for name in names:
+        value = graph.initializers.pop(name)
+        tensor, value.const_value = value.const_value, None
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], outputs=[value], name=f"{name}/Constant")
+        if first is None:
+            graph.append(node)
+        else:
+            graph.insert_before(first, node)
 
 
 def _chosen_output(graph: ir.Graph, name: str) -> ir.Value:
@@ -100,7 +120,7 @@ def _chosen_output(graph: ir.Graph, name: str) -> ir.Value:
     return value
 
 
-def _new_target(builder: Builder, graph: ir.Graph, spec: LossSpec, output: ir.Value) -> ir.Value:
+def _new_target(builder: GraphBuilder, graph: ir.Graph, spec: LossSpec, output: ir.Value) -> ir.Value:
     """The target graph input: int64 labels without the class axis, or a tensor like the output."""
     if spec.target is not None:
         if not builder.name_is_free(spec.target):
@@ -130,20 +150,20 @@ def _class_axis(spec: LossSpec, rank: int) -> int:
     return axis
 
 
-def _mean(b: Builder, x: ir.Value) -> ir.Value:
+def _mean(b: GraphBuilder, x: ir.Value) -> ir.Value:
     return b.reduce("ReduceMean", x, None, keepdims=0)
 
 
-def _mse(b: Builder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+def _mse(b: GraphBuilder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
     diff = b.op("Sub", pred, target)
     return _mean(b, b.op("Mul", diff, diff))
 
 
-def _l1(b: Builder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+def _l1(b: GraphBuilder, pred: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
     return _mean(b, b.op("Abs", b.op("Sub", pred, target)))
 
 
-def _bce_with_logits(b: Builder, x: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
+def _bce_with_logits(b: GraphBuilder, x: ir.Value, target: ir.Value, spec: LossSpec) -> ir.Value:
     """mean(softplus(x) - x * t), softplus(x) = max(x, 0) + log(1 + exp(-|x|)).
 
     max(x, 0) and -|x| are written as Where(x >= 0, ...) with the same branch at 0, so that the
@@ -159,7 +179,7 @@ def _bce_with_logits(b: Builder, x: ir.Value, target: ir.Value, spec: LossSpec) 
     return _mean(b, b.op("Sub", softplus, b.op("Mul", x, target)))
 
 
-def _cross_entropy(b: Builder, logits: ir.Value, labels: ir.Value, spec: LossSpec) -> ir.Value:
+def _cross_entropy(b: GraphBuilder, logits: ir.Value, labels: ir.Value, spec: LossSpec) -> ir.Value:
     """SoftmaxCrossEntropyLoss over the class axis, or, with label smoothing, PyTorch's mix
     ``(1 - eps) * nll + eps * mean over kept samples of (-mean over classes of log p)``."""
     typed = logits  # builder outputs carry no type yet: constants take the logits' type from here
