@@ -93,7 +93,7 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
     import torch
 
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda import conv, pool
+    from gradgen.kernels.cuda import conv
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 256, 14, 14)).astype(np.float32)
@@ -159,7 +159,7 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
         parts = {
             "  gradgen dX only": lambda: conv._dgrad(gdy, gw, geom),
             "  gradgen dW only": lambda: conv._wgrad(gdy, gx, geom),
-            "  gradgen dB only": lambda: pool.channel_sum(gdy),
+            "  gradgen dB only": lambda: conv.channel_sum(gdy),
             "  pytorch dX only": theirs((True, False, False)),
             "  pytorch dW only": theirs((False, True, False)),
             "  pytorch dB only": theirs((False, False, True)),

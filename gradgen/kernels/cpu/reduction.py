@@ -14,7 +14,7 @@ from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, same_sha
 from gradgen.kernels.registry import MICROSOFT, cpu_kernel
 
 
-def _reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
+def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
     """The normalised axes to reduce; () reduces nothing (noop_with_empty_axes)."""
     if axes is None or np.size(axes) == 0:
         return () if noop_with_empty_axes else tuple(range(data.ndim))
@@ -31,7 +31,7 @@ def _reducer(name: str, fn, pre=None, post=None):
     def kernel(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
         # No axes with noop_with_empty_axes=1 reduces nothing: the elementwise part (square,
         # abs, log...) still applies, as in the ONNX reference implementation.
-        reduce_over = _reduce_axes(data, axes, noop_with_empty_axes)
+        reduce_over = reduce_axes(data, axes, noop_with_empty_axes)
         x = pre(data) if pre is not None else data
         out = fn(x, reduce_over, bool(keepdims))
         if post is not None:

@@ -26,6 +26,16 @@ import os
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cuda.launch import (
+    contiguous,
+    cpu_fallback,
+    element_strides,
+    is_float,
+    kernel_of,
+    launch,
+    left_pad,
+    warn_once,
+)
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
 
 FORCE_DIRECT = False  # tests set this to exercise the direct kernels
@@ -36,7 +46,9 @@ NATIVE_EXECUTE = True  # after the first execute, call the lowered backend graph
 CONCURRENT = False
 _STATE: dict = {}
 _GRAPHS: dict = {}
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+SPATIAL = 3  # spatial axes the direct kernels handle (conv.cu's GG_SP)
+CONV_GEOM = np.dtype([(f, np.int64) for f in ("n", "c", "m", "g")]
+                     + [(f, np.int64, SPATIAL) for f in ("inp", "out", "k", "s", "d", "pb")])
 
 
 def _flag(name: str) -> bool:
@@ -267,9 +279,82 @@ def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs,
 
 
 def _warn(key, message):
-    from gradgen.kernels.cuda.pool import warn_once
-
     warn_once(key, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# device helpers of the conv launchers (conv.cu): padding copies, channel sums, bias
+
+
+def barrier() -> None:
+    """An empty launch on the default stream: it waits for every blocking side stream's earlier work."""
+    kernel_of("conv", "noop")(np.int64(0), block=(1, 1, 1), grid=(1, 1))
+
+
+def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None, stream=None):
+    """A new C-contiguous array of ``out_shape``: out[o] = src[o + shift] inside src, 0 outside.
+
+    ``view_strides``/``view_shape`` read ``src`` through other strides (0 for a broadcast axis).
+    """
+    from gradgen.cuda import runtime as rt
+
+    out_shape = tuple(int(d) for d in out_shape)
+    out = rt.empty(out_shape, src.dtype)
+    if out.size == 0:
+        return out
+    rank = len(out_shape)
+    view_shape = list(src.shape) if view_shape is None else list(view_shape)
+    view_strides = element_strides(src) if view_strides is None else list(view_strides)
+    if rank == 0:
+        out_shape_desc, view_shape, view_strides = (1,), [1], [0]
+        rank = 1
+    else:
+        out_shape_desc = out_shape
+    shift = [0] * rank if shift is None else [int(s) for s in shift]
+    kernel = kernel_of("conv", f"window_copy_{rt.suffix(src.dtype)}")
+    launch(kernel, out.size, out, src, rt.desc(out_shape_desc), rt.desc(view_shape, view_strides),
+           rt.desc(shift), np.int64(out.size), stream=stream)
+    return out
+
+
+def channel_sum(x, out=None, stream=None, keep=None):
+    """Sum of an (N, C, ...) array over every axis but 1: per-(channel, row range) block partial sums,
+    then one ordered sum per channel (deterministic; the partition depends on the shape only)."""
+    from gradgen.cuda import runtime as rt
+
+    x = contiguous(x)
+    c = int(x.shape[1])
+    outer, inner = int(x.shape[0]), math.prod(int(d) for d in x.shape[2:])
+    if out is None:
+        out = rt.empty((c,), x.dtype)
+    if c == 0:
+        return out
+    if outer * inner == 0:
+        rt.memset_zero(out)
+        return out
+    # Enough blocks to fill the GPU (about 1024 of them), each at least a few thousand elements.
+    splits = max(1, min(outer, -(-1024 // c), max(1, (outer * inner) // 2048)))
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    partial = rt.empty((c * splits,), acc)
+    if keep is not None:
+        keep.append(partial)
+    sfx = rt.suffix(x.dtype)
+    kernel_of("conv", f"channel_partial_{sfx}")(partial, x, np.int64(outer), np.int64(c), np.int64(inner),
+                                                  np.int64(splits), block=(256, 1, 1),
+                                                  grid=(min(c * splits, 1 << 20), 1), stream=stream)
+    launch(kernel_of("conv", f"channel_finish_{sfx}"), c, out, partial, np.int64(c), np.int64(splits), stream=stream)
+    return out
+
+
+def add_channel_bias(y, b) -> None:
+    """y += b broadcast along axis 1, in place."""
+    from gradgen.cuda import runtime as rt
+
+    if y.size == 0:
+        return
+    inner = math.prod(int(d) for d in y.shape[2:])
+    kernel = kernel_of("conv", f"add_channel_bias_{rt.suffix(y.dtype)}")
+    launch(kernel, y.size, y, contiguous(b), np.int64(y.shape[1]), np.int64(inner), np.int64(y.size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +365,7 @@ class _Geometry:
     """A Conv's resolved geometry: pads (begin/end), strides, dilations, shapes."""
 
     def __init__(self, x_shape, w_shape, attrs):
-        from gradgen.kernels.cpu.conv import conv_geometry
+        from gradgen.ops.conv import conv_geometry
 
         group = int(attrs.get("group", 1) or 1)
         self.begin, self.end, self.strides, self.dilations, self.y_shape = conv_geometry(
@@ -305,17 +390,15 @@ class _Geometry:
         return self.x_shape[:2] + tuple(s + b + e for s, b, e in zip(self.x_shape[2:], self.begin, self.end))
 
     def direct_geom(self):
-        from gradgen.kernels.cuda.pool import CONV_GEOM, _pad3
-
         g = np.zeros((), dtype=CONV_GEOM)
         g["n"], g["c"] = self.x_shape[0], self.x_shape[1]
         g["m"], g["g"] = self.w_shape[0], self.group
-        g["inp"] = _pad3(self.x_shape[2:], 1)
-        g["out"] = _pad3(self.y_shape[2:], 1)
-        g["k"] = _pad3(self.w_shape[2:], 1)
-        g["s"] = _pad3(self.strides, 1)
-        g["d"] = _pad3(self.dilations, 1)
-        g["pb"] = _pad3(self.begin, 0)
+        g["inp"] = left_pad(self.x_shape[2:], SPATIAL, 1)
+        g["out"] = left_pad(self.y_shape[2:], SPATIAL, 1)
+        g["k"] = left_pad(self.w_shape[2:], SPATIAL, 1)
+        g["s"] = left_pad(self.strides, SPATIAL, 1)
+        g["d"] = left_pad(self.dilations, SPATIAL, 1)
+        g["pb"] = left_pad(self.begin, SPATIAL, 0)
         return g[()]
 
 
@@ -342,13 +425,11 @@ def _attrs(auto_pad, dilations, group, kernel_shape, pads, strides):
 
 
 def _use_cudnn(geom, dtype) -> bool:
-    return not FORCE_DIRECT and np.dtype(dtype) in _FLOATS and 1 <= geom.nd <= 3
+    return not FORCE_DIRECT and is_float(dtype) and 1 <= geom.nd <= 3
 
 
 def _pad_x(x, geom, stream=None):
     """X copied into a zero-padded buffer (for asymmetric padding)."""
-    from gradgen.kernels.cuda.pool import window_copy
-
     return window_copy(x, geom.padded_x_shape(), shift=[0, 0] + [-b for b in geom.begin], stream=stream)
 
 
@@ -376,14 +457,13 @@ def _fprop(x, w, geom):
             return y
     if geom.nd > 3:
         raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
-    kernel = rt.function("conv", f"conv_fwd_{rt.suffix(x.dtype)}")
-    rt.launch(kernel, y.size, y, x, w, geom.direct_geom(), np.int64(y.size))
+    kernel = kernel_of("conv", f"conv_fwd_{rt.suffix(x.dtype)}")
+    launch(kernel, y.size, y, x, w, geom.direct_geom(), np.int64(y.size))
     return y
 
 
 def _dgrad(dy, w, geom, lane=0, keep=None):
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.pool import launch, window_copy
 
     stream = _lane(lane)[0] if lane else None
     dx = rt.empty(geom.x_shape, dy.dtype)
@@ -407,7 +487,7 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
             if keep is not None:
                 keep.append(target)
             return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin), stream=stream)
-    kernel = rt.function("conv", f"conv_dgrad_{rt.suffix(dy.dtype)}")
+    kernel = kernel_of("conv", f"conv_dgrad_{rt.suffix(dy.dtype)}")
     launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size), stream=stream)
     return dx
 
@@ -432,7 +512,7 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
-    kernel = rt.function("conv", f"conv_wgrad_{rt.suffix(dy.dtype)}")
+    kernel = kernel_of("conv", f"conv_wgrad_{rt.suffix(dy.dtype)}")
     kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),
            stream=stream)
     return dw
@@ -449,8 +529,6 @@ def _check_ranks(x, w):
 
 @cuda_kernel("Conv")
 def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
-    from gradgen.kernels.cpu import conv as cpu_conv
-    from gradgen.kernels.cuda.pool import add_channel_bias, contiguous, cpu_fallback
 
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
     _check_ranks(x, w)
@@ -460,8 +538,8 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     geom = _geometry(x.shape, w.shape, attrs)
     if b is not None and tuple(b.shape) != (geom.w_shape[0],):
         raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
-    if x.dtype not in _FLOATS or geom.nd > 3:
-        return cpu_fallback("Conv", cpu_conv.conv, x, w, b, **attrs)
+    if not is_float(x.dtype) or geom.nd > 3:
+        return cpu_fallback("Conv", x, w, b, **attrs)
     y = _fprop(contiguous(x), contiguous(w), geom)
     if b is not None:
         add_channel_bias(y, b)
@@ -474,8 +552,6 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned, and outputs
     the node leaves unnamed (``_wanted`` False) are not computed."""
     wanted = _wanted or (True,) * _num_outputs
-    from gradgen.kernels.cpu import conv as cpu_conv
-    from gradgen.kernels.cuda.pool import channel_sum, contiguous, cpu_fallback
 
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
     if not dY.dtype == X.dtype == W.dtype:
@@ -483,15 +559,13 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     geom = _geometry(X.shape, W.shape, attrs)
     if tuple(dY.shape) != geom.y_shape:
         raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(geom.y_shape)}")
-    if X.dtype not in _FLOATS or geom.nd > 3:
-        return cpu_fallback("ConvGrad", cpu_conv.conv_grad, dY, X, W, _num_outputs=_num_outputs, **attrs)
+    if not is_float(X.dtype) or geom.nd > 3:
+        return cpu_fallback("ConvGrad", dY, X, W, domain=MICROSOFT, _num_outputs=_num_outputs, **attrs)
     dY, X, W = contiguous(dY), contiguous(X), contiguous(W)
     if CONCURRENT and _num_outputs >= 2 and all(wanted) and min(dY.size, X.size, W.size) > 0:
         # dX on side stream 1 while dW and dB run on side stream 2. Both are blocking streams: they
         # start after the default stream's earlier work, and the barrier below (a default-stream
         # launch) waits for both; temporaries stay referenced until then.
-        from gradgen.kernels.cuda.pool import barrier
-
         keep: list = []
         dw = _wgrad(dY, X, geom, lane=2, keep=keep)
         db = channel_sum(dY, stream=_lane(2)[0], keep=keep) if _num_outputs >= 3 else None

@@ -15,55 +15,30 @@ import functools
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cuda.launch import (
+    CASTABLE,
+    FLOATS,
+    NUMBERS,
+    coalesce,
+    contiguous,
+    copy,
+    cpu_fallback,
+    dtype_suffix,
+    kernel_of,
+    launch,
+    same_type,
+)
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
-
-FLOATS = ("f16", "f32", "f64")
-NUMBERS = FLOATS + ("i32", "i64")
-CASTABLE = FLOATS + ("i8", "u8", "i32", "i64", "b8")
-
-_SUFFIX = {
-    np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
-    np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
-    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
-}
-
-
-def sfx(dtype) -> str | None:
-    """The kernels' dtype suffix, or None for a dtype they do not cover."""
-    return _SUFFIX.get(np.dtype(dtype))
-
 
 # -- shared helpers (the other launcher modules use them too) ------------------------------------
 
-
-def collapse(out_shape, strides_list):
-    """Drop size-1 dims and merge adjacent dims contiguous for every operand.
-
-    ``strides_list`` holds one element-stride list (over ``out_shape``) per operand. Returns the
-    simplified shape and the operands' strides over it.
-    """
-    shape: list[int] = []
-    strides: list[list[int]] = [[] for _ in strides_list]
-    for d, size in enumerate(out_shape):
-        size = int(size)
-        if size == 1:
-            continue
-        if shape and all(s[-1] == int(src[d]) * size for s, src in zip(strides, strides_list)):
-            shape[-1] *= size
-            for s, src in zip(strides, strides_list):
-                s[-1] = int(src[d])
-            continue
-        shape.append(size)
-        for s, src in zip(strides, strides_list):
-            s.append(int(src[d]))
-    return shape, strides
 
 
 def broadcast_descs(out_shape, *in_shapes):
     """(shape desc, one strides desc per input) for inputs broadcast to ``out_shape``."""
     from gradgen.cuda import runtime as rt
 
-    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in in_shapes])
+    shape, strides = coalesce(out_shape, *[rt.broadcast_strides(s, out_shape) for s in in_shapes])
     return rt.desc(shape), [rt.desc(shape, st) for st in strides]
 
 
@@ -75,36 +50,8 @@ def broadcast_shape(*shapes):
         raise KernelError(f"shapes {listed} do not broadcast") from None
 
 
-def same_type(*xs) -> None:
-    dtypes = {np.dtype(x.dtype) for x in xs}
-    if len(dtypes) > 1:
-        raise KernelError(
-            f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
-        )
 
 
-def contiguous(x, what: str = "input"):
-    if not x.flags.c_contiguous:
-        raise KernelError(f"{what} is not C-contiguous; the CUDA kernels need contiguous tensors")
-    return x
-
-
-def copy(x):
-    """A device copy of ``x``."""
-    from gradgen.cuda import runtime as rt
-
-    out = rt.empty(x.shape, x.dtype)
-    if out.nbytes:
-        rt.copy_device(out, x)
-    return out
-
-
-def cpu_fallback(op_type: str, *args, **attrs):
-    """Run the op's CPU kernel on host copies and upload the result(s)."""
-    from gradgen.cuda import runtime as rt
-    from gradgen.kernels import registry
-
-    return rt.run_on_host(registry.lookup("", op_type).cpu, *args, **attrs)
 
 
 def _null():
@@ -120,7 +67,7 @@ def _binary_plan(a_shape: tuple, b_shape: tuple, four_bytes: bool):
     from gradgen.cuda import runtime as rt
 
     out_shape = broadcast_shape(a_shape, b_shape)
-    shape, strides = collapse(out_shape, [rt.broadcast_strides(s, out_shape) for s in (a_shape, b_shape)])
+    shape, strides = coalesce(out_shape, *[rt.broadcast_strides(s, out_shape) for s in (a_shape, b_shape)])
     n = int(np.prod(out_shape, dtype=np.int64))
     plain = (n, (rt.desc(shape), *[rt.desc(shape, st) for st in strides]))
     quads = None
@@ -148,7 +95,7 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
     vec = quads is not None and all(int(t.gpudata) % 16 == 0 for t in (a, b, out))
     n, descs = quads if vec else plain
     flag = rt.zeros((1,), np.int64) if error else None
-    rt.launch(rt.function("elementwise", entry), n, out, a, b, flag if flag is not None else _null(), *descs,
+    launch(kernel_of("elementwise", entry), n, out, a, b, flag if flag is not None else _null(), *descs,
               np.int64(n), np.int64(1 if vec else 0))
     if flag is not None:
         rt.check_flag(flag, lambda _v: error)
@@ -157,7 +104,7 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
 
 def _arith(op: str, op_type: str, a, b, **attrs):
     same_type(a, b)
-    s = sfx(a.dtype)
+    s = dtype_suffix(a.dtype)
     if s not in NUMBERS:
         return cpu_fallback(op_type, a, b, **attrs)
     return binary(f"{op}_{s}", a, b, a.dtype)
@@ -181,7 +128,7 @@ def mul(a, b):
 @cuda_kernel("Div")
 def div(a, b):
     same_type(a, b)
-    s = sfx(a.dtype)
+    s = dtype_suffix(a.dtype)
     if s not in NUMBERS:
         return cpu_fallback("Div", a, b)
     return binary(f"div_{s}", a, b, a.dtype, error="integer division by zero" if s[0] == "i" else None)
@@ -190,7 +137,7 @@ def div(a, b):
 @cuda_kernel("Mod")
 def mod(a, b, *, fmod=0):
     same_type(a, b)
-    s = sfx(a.dtype)
+    s = dtype_suffix(a.dtype)
     if s not in NUMBERS:
         return cpu_fallback("Mod", a, b, fmod=fmod)
     name = "fmod" if fmod else "mod"
@@ -199,7 +146,7 @@ def mod(a, b, *, fmod=0):
 
 @cuda_kernel("Pow")
 def pow_(x, y):
-    sx, sy = sfx(x.dtype), sfx(y.dtype)
+    sx, sy = dtype_suffix(x.dtype), dtype_suffix(y.dtype)
     ok = (sx in FLOATS and sy in NUMBERS) or (sx in ("i32", "i64") and sy in ("i32", "i64"))
     if not ok:
         return cpu_fallback("Pow", x, y)
@@ -208,7 +155,7 @@ def pow_(x, y):
 
 def _compare(op: str, op_type: str, a, b):
     same_type(a, b)
-    s = sfx(a.dtype)
+    s = dtype_suffix(a.dtype)
     if s not in NUMBERS + ("b8",):
         return cpu_fallback(op_type, a, b)
     return binary(f"{op}_{s}", a, b, np.bool_)
@@ -280,7 +227,7 @@ def where(condition, x, y):
     if size not in (1, 2, 4, 8):
         return cpu_fallback("Where", condition, x, y)
     shape, (cv, xv, yv) = broadcast_descs(out_shape, condition.shape, x.shape, y.shape)
-    rt.launch(rt.function("elementwise", f"where_{size}"), out.size, out, condition, x, y, shape, cv, xv, yv,
+    launch(kernel_of("elementwise", f"where_{size}"), out.size, out, condition, x, y, shape, cv, xv, yv,
               np.int64(out.size))
     return out
 
@@ -295,7 +242,7 @@ def _variadic(op: str, binary_op: str, op_type: str, xs):
     if not xs:
         raise KernelError(f"{op_type} needs at least one input")
     same_type(*xs)
-    s = sfx(xs[0].dtype)
+    s = dtype_suffix(xs[0].dtype)
     if s not in NUMBERS:
         return cpu_fallback(op_type, *xs)
     out_shape = broadcast_shape(*[x.shape for x in xs])
@@ -311,12 +258,12 @@ def _variadic(op: str, binary_op: str, op_type: str, xs):
     out = rt.empty(out_shape, xs[0].dtype)
     if out.size == 0:
         return out
-    kernel = rt.function("elementwise", f"{op}_n_{s}")
+    kernel = kernel_of("elementwise", f"{op}_n_{s}")
     first, rest = xs[0], xs[1:]
     while True:
         chunk, rest = rest[:7], rest[7:]
         ptrs = [first] + chunk + [_null()] * (7 - len(chunk))
-        rt.launch(kernel, out.size, out, *ptrs, np.int64(1 + len(chunk)), np.int64(out.size))
+        launch(kernel, out.size, out, *ptrs, np.int64(1 + len(chunk)), np.int64(out.size))
         if not rest:
             return out
         first = out  # in place: each element reads its own inputs before writing
@@ -345,7 +292,7 @@ def unary(entry: str, x, out_dtype=None, alpha: float = 0.0, beta: float = 0.0):
 
     contiguous(x)
     out = rt.empty(x.shape, out_dtype if out_dtype is not None else x.dtype)
-    rt.launch(rt.function("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta),
+    launch(kernel_of("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta),
               np.int64(out.size))
     return out
 
@@ -354,7 +301,7 @@ def _register_unary(op_type: str, name: str, suffixes=FLOATS, out_dtype=None, at
     """Register ``op_type`` as kernel ``name``; ``attrs``: (attribute, default) pairs -> alpha, beta."""
 
     def launcher(x, **kwargs):
-        s = sfx(x.dtype)
+        s = dtype_suffix(x.dtype)
         if s not in suffixes:
             return cpu_fallback(op_type, x, **kwargs)
         values = [float(kwargs.get(attr, default)) for attr, default in attrs]
@@ -390,7 +337,7 @@ _register_unary("Not", "not", suffixes=("b8",))
 def gelu(x, *, approximate="none"):
     if approximate not in ("none", "tanh"):
         raise KernelError(f"unknown approximate={approximate!r}; expected 'none' or 'tanh'")
-    s = sfx(x.dtype)
+    s = dtype_suffix(x.dtype)
     if s not in FLOATS:
         return cpu_fallback("Gelu", x, approximate=approximate)
     return unary(f"{'gelu_tanh' if approximate == 'tanh' else 'gelu'}_{s}", x)
@@ -410,7 +357,7 @@ def clip(x, lo=None, hi=None, **attrs):
     for bound, name in ((lo, "min"), (hi, "max")):
         if bound is not None and int(np.prod(np.shape(bound), dtype=np.int64)) != 1:
             raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(bound))}")
-    s = sfx(x.dtype)
+    s = dtype_suffix(x.dtype)
     if s not in NUMBERS:
         return cpu_fallback("Clip", x, lo, hi)
 
@@ -423,7 +370,7 @@ def clip(x, lo=None, hi=None, **attrs):
 
     contiguous(x)
     out = rt.empty(x.shape, x.dtype)
-    rt.launch(rt.function("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi),
+    launch(kernel_of("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi),
               np.int64(out.size))
     return out
 
@@ -438,12 +385,12 @@ def cast_to(x, dtype):
     dtype = np.dtype(dtype)
     if np.dtype(x.dtype) == dtype:
         return copy(x)
-    sa, sb = sfx(x.dtype), sfx(dtype)
+    sa, sb = dtype_suffix(x.dtype), dtype_suffix(dtype)
     if sa not in CASTABLE or sb not in CASTABLE:
         return None
     contiguous(x)
     out = rt.empty(x.shape, dtype)
-    rt.launch(rt.function("elementwise", f"cast_{sa}_{sb}"), out.size, out, x, np.int64(out.size))
+    launch(kernel_of("elementwise", f"cast_{sa}_{sb}"), out.size, out, x, np.int64(out.size))
     return out
 
 
@@ -481,7 +428,7 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
     """Inference mode: the input itself (and an all-true mask); training mode is refused as on the CPU."""
     from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import elementwise as cpu
-    from gradgen.kernels.cuda.shape import fill
+    from gradgen.kernels.cuda.launch import fill
 
     # The CPU kernel decides (and refuses training mode) on a stand-in of the same dtype.
     cpu.dropout(np.zeros((), data.dtype), ratio, training_mode, seed=seed, is_test=is_test, **attrs)

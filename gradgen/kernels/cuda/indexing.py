@@ -32,10 +32,23 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import indexing as cpu
-from gradgen.kernels.cuda import shape as cp
-from gradgen.kernels.cuda.launch import host_key, plan_cache
-from gradgen.kernels.numeric import normalize_axis, shape_arg
+from gradgen.kernels.cuda.launch import (
+    contiguous,
+    cpu_fallback,
+    desc,
+    host_key,
+    kernel_of,
+    launch,
+    launch_packed,
+    plan_cache,
+    raw,
+    runtime,
+    stream,
+)
+from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+from gradgen.ops.axes import normalize_axis
+from gradgen.ops.indexing import normalize_indices
 
 _FLOATS = ("float16", "float32", "float64")
 _VEC = {"float16": 8, "float32": 4, "float64": 2}
@@ -44,12 +57,6 @@ CHUNK = 256  # positions per chunk of a long row (rows with more are summed in t
 _TILE = 2048  # positions per tile of csr_tile_sort (TS_TILE in indexing.cu)
 _SCAN_THREADS = 1024
 _LINE_SMEM = 24 * 1024  # bytes of shared memory a line scatter may use for its line
-
-
-def _rt():
-    from gradgen.cuda import runtime as rt
-
-    return rt
 
 
 def default_deterministic() -> bool:
@@ -72,7 +79,7 @@ def _index_suffix(indices) -> str:
 
 
 def _dev(x):
-    rt = _rt()
+    rt = runtime()
     return x if rt.is_device(x) else rt.to_device(np.asarray(x))
 
 
@@ -82,8 +89,8 @@ def _addr(x) -> np.uintp:
 
 def raise_index_error(indices, size: int, axis: int, normalise=None) -> None:
     """The CPU kernel's exact message for the first out-of-range index (after a device flag was set)."""
-    host = _rt().to_host(indices)
-    (normalise or cpu._normalize_indices)(host, size, axis)
+    host = runtime().to_host(indices)
+    (normalise or normalize_indices)(host, size, axis)
     raise KernelError(f"an index is out of range for axis {axis} of size {size} (valid range [{-size}, {size - 1}])")
 
 
@@ -92,23 +99,23 @@ _PINNED: list = []
 
 def _read_int64(addr: int) -> int:
     """The int64 at device address ``addr`` once the work queued before it is done (one sync)."""
-    rt = _rt()
+    rt = runtime()
     if not _PINNED:
         _PINNED.append(rt.driver.pagelocked_empty((1,), np.int64))
     buf = _PINNED[0]
-    stream = cp.stream()
-    if stream is None:
+    queue = stream()
+    if queue is None:
         rt.driver.memcpy_dtoh(buf, addr)
     else:
-        rt.driver.memcpy_dtoh_async(buf, addr, stream)
-        stream.synchronize()
+        rt.driver.memcpy_dtoh_async(buf, addr, queue)
+        queue.synchronize()
     return int(buf[0])
 
 
 def _check_flag(flag_addr: int, view, on_error) -> None:
     """Raise through ``on_error(value)`` when the int64 flag at ``flag_addr`` is set. While a CUDA graph
     is captured, the runtime defers the check to each replay (``view()``: the flag as a device array)."""
-    rt = _rt()
+    rt = runtime()
     capture = getattr(rt, "CAPTURE", None)
     if capture is not None and capture.active:
         rt.check_flag(view(), on_error)
@@ -125,7 +132,7 @@ def _sticky_flag():
     """A device int64 that stays 0 between ops: kernels set it only on an error, and the error path
     clears it again, so no op needs a memset for its flag."""
     if not _FLAG:
-        rt = _rt()
+        rt = runtime()
         capture = getattr(rt, "CAPTURE", None)
         if capture is not None and capture.active:
             return rt.zeros((1,), np.int64)  # the graph zeroes it on each replay: no sync while capturing
@@ -136,7 +143,7 @@ def _sticky_flag():
 
 
 def _clear_sticky(flag) -> None:
-    rt = _rt()
+    rt = runtime()
     rt.synchronize()
     rt.driver.memset_d8(flag.gpudata, 0, 8)
     rt.synchronize()
@@ -153,7 +160,7 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
 
     key(p) = sum_t normalise(indices[p, t], sizes[t]) * multipliers[t]. Returns (dX, flag) with flag a
     device int64 that is non-zero when an index was out of range (read it after the call)."""
-    rt = _rt()
+    rt = runtime()
     dtype = np.dtype(dy.dtype)
     name = _float_dtype(dy)
     if rows >= 2**31 - 1 or count >= 2**32 - 1:
@@ -182,12 +189,12 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     if count:
         idx = _dev(indices)
         tiles = -(-count // _TILE)
-        rt.function("indexing", f"csr_tile_sort_{_index_suffix(idx)}")(
-            _addr(idx), keys, pos, rank, counts, flag_addr, sync, cp.desc(sizes, multipliers), np.int64(count),
+        kernel_of("indexing", f"csr_tile_sort_{_index_suffix(idx)}")(
+            _addr(idx), keys, pos, rank, counts, flag_addr, sync, desc(sizes, multipliers), np.int64(count),
             np.int64(sentinel), np.int64(end_bit), block=(256, 1, 1), grid=(tiles, 1))
-    rt.function("indexing", "csr_scan")(counts, rowptr, row_slot, chunk_map, long_rows, meta, np.int64(rows),
+    kernel_of("indexing", "csr_scan")(counts, rowptr, row_slot, chunk_map, long_rows, meta, np.int64(rows),
                                          np.int64(chunk), block=(_SCAN_THREADS, 1, 1), grid=(1, 1))
-    rt.launch(rt.function("indexing", "csr_place"), count, keys, pos, rank, rowptr, spos, np.int64(count),
+    launch(kernel_of("indexing", "csr_place"), count, keys, pos, rank, rowptr, spos, np.int64(count),
               np.int64(sentinel))
     v = _VEC[name]
     arrays = [dX, dy] + ([init] if init is not None else [])
@@ -207,13 +214,13 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     partial = rt.empty((outer * maxslots * inner * acc // 4,), np.uint32) if maxslots else None
     suffix = f"{rt.suffix(dtype)}_v{v}"
     grid = min(outer * (rows + xbound), 2**31 - 1)
-    rt.function("indexing", f"csr_rows_{suffix}")(
+    kernel_of("indexing", f"csr_rows_{suffix}")(
         dX, _addr(dy), _addr(init), spos, rowptr, row_slot, chunk_map, meta, _addr(partial), np.int64(outer),
         np.int64(rows), np.int64(count), np.int64(inner_v), np.int64(chunk), np.int64(xbound), np.int64(maxslots),
         np.int64(col_lanes), np.int64(mode), block=(block, 1, 1), grid=(grid, 1),
         shared=block * v * acc if lanes > 1 else 0)
     if long_bound:
-        rt.function("indexing", f"csr_long_{suffix}")(
+        kernel_of("indexing", f"csr_long_{suffix}")(
             dX, _addr(init), _addr(partial), rowptr, long_rows, row_slot, meta, np.int64(outer), np.int64(rows),
             np.int64(inner_v), np.int64(chunk), np.int64(maxslots), block=(256, 1, 1),
             grid=(min(outer * long_bound, 2**31 - 1), 1))
@@ -229,27 +236,27 @@ _PTRS4 = struct.Struct("=4Q")
 
 
 def _gather_grad_own_plan(outer, rows, inner, count, dtype, itype, aligned):
-    rt = _rt()
+    rt = runtime()
     name = np.dtype(dtype).name
     v = _VEC[name] if inner % _VEC[name] == 0 and aligned else 1
     sms = rt.driver.Context.get_device().get_attribute(rt.driver.device_attribute.MULTIPROCESSOR_COUNT)
     rb = min(1024, max(8, -(-rows // (GO_BLOCKS_PER_SM * sms))))  # at most GO_MAXRB (1024) rows a block
     rb = -(-rb // 8) * 8
     grid = outer * -(-rows // rb)
-    kernel = cp.raw(rt.function("indexing", f"gg_own_{rt.suffix(dtype)}_v{v}_{itype}"))
+    kernel = raw(kernel_of("indexing", f"gg_own_{rt.suffix(dtype)}_v{v}_{itype}"))
     return kernel, grid, struct.pack("=6q", outer, rows, count, inner // v, rb, GO_ROTATE)
 
 
 @cuda_kernel("GatherGrad", domain=MICROSOFT, host_inputs=(0,))
 def gather_grad(shape, indices, dY, *, axis=0):
-    rt = _rt()
+    rt = runtime()
     key = (host_key(shape), indices.shape, indices.dtype, dY.shape, dY.dtype, axis)
     dims, axis, outer, inner, count = plan_cache(_GG_CHECKS, key, lambda: _gather_grad_check(shape, indices, dY, axis))
     size = dims[axis]
-    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    dy = dY if dY.flags.c_contiguous or not dY.size else contiguous(dY)
     if outer * size * inner == 0:
         if count:  # every index must still be in range
-            cpu._normalize_indices(rt.to_host(indices), size, axis)
+            normalize_indices(rt.to_host(indices), size, axis)
         return rt.empty(dims, dY.dtype)
     if 0 < count <= GO_MAX and size < 2**31 - 1 and outer * size < 2**31:
         idx = _dev(indices)
@@ -258,7 +265,7 @@ def gather_grad(shape, indices, dY, *, axis=0):
         kernel, grid, tail = plan_cache(_GO_PLANS, key + (aligned,), lambda: _gather_grad_own_plan(
             outer, size, inner, count, dY.dtype, _index_suffix(indices), aligned))
         flag = _sticky_flag()
-        cp.launch_packed(kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata),
+        launch_packed(kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata),
                                                         int(flag.gpudata)) + tail)
 
         def on_error(_value):
@@ -295,7 +302,7 @@ _PTRS5 = struct.Struct("=5Q")
 
 
 def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plain):
-    rt = _rt()
+    rt = runtime()
     name = _float_dtype(np.empty(0, dtype), "dY")
     rank = len(out_shape)
     ostrides = rt.contiguous_strides(out_shape)
@@ -307,9 +314,9 @@ def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plai
     nlines = math.prod(out_shape[d] for d in others)
     shared_line = s * _ACC[name] <= _LINE_SMEM
     vec = shared_line and vec_ok and axis == rank - 1 and s % _VEC[name] == 0
-    kernel = cp.raw(rt.function("indexing", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
-    tail = bytes(memoryview(cp.desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
-    tail += bytes(memoryview(cp.desc([ishape[d] for d in others], [istrides[d] for d in others])))
+    kernel = raw(kernel_of("indexing", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
+    tail = bytes(memoryview(desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
+    tail += bytes(memoryview(desc([ishape[d] for d in others], [istrides[d] for d in others])))
     pad = mode == 0 and plain  # a sum from zeros: padding may sort as +0 at the last target (no sentinel bit)
     end_bit = max(1, (s - 1 if pad else s).bit_length())
     tail += struct.pack("=10q", s, ostrides[axis], n, istrides[axis], nlines, end_bit, mode,
@@ -321,7 +328,7 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
     """out[..., idx[i], ...] (op)= dy[i] along ``axis``, folded in position order per target; out starts as
     ``init`` (same shape as out, contiguous) or zeros. Returns (out, flag): ``flag`` (a zeroed device
     int64, allocated here when not given) is set when an index is out of range."""
-    rt = _rt()
+    rt = runtime()
     out = rt.empty(out_shape, dy.dtype)
     if flag is None:
         flag = rt.zeros((1,), np.int64)
@@ -336,7 +343,7 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
     kernel, grid, shared, tail = plan_cache(_LS_PLANS, key, lambda: _line_scatter_plan(
         out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain))
     idx = _dev(indices) if indices.size else None
-    cp.launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
+    launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
                                                     int(_addr(init)), int(flag.gpudata)) + tail, shared)
     return out, flag
 
@@ -370,12 +377,12 @@ def _gather_elements_grad_check(dY, shape, indices, axis):
 @cuda_kernel("GatherElementsGrad", domain=MICROSOFT, host_inputs=(1,))
 def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
     """``deterministic=False`` (or GRADGEN_DETERMINISTIC=0) takes the atomicAdd path."""
-    rt = _rt()
+    rt = runtime()
     key = (dY.shape, dY.dtype, host_key(shape), indices.shape, indices.dtype, axis)
     dims, axis = plan_cache(_GE_CHECKS, key, lambda: _gather_elements_grad_check(dY, shape, indices, axis))
     if deterministic is None:
         deterministic = default_deterministic()
-    dy = dY if dY.flags.c_contiguous or not dY.size else cp.contiguous(dY)
+    dy = dY if dY.flags.c_contiguous or not dY.size else contiguous(dY)
     flag = _sticky_flag()
     if deterministic:
         dX, _ = line_scatter(dy, indices, dims, axis, flag=flag)
@@ -384,9 +391,9 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
         if dy.size and dX.size:
             idx = _dev(indices)
             small = dX.size < 2**31 and dy.size < 2**31
-            kernel = rt.function("indexing", f"ge_atomic{'32' if small else ''}_{rt.suffix(dY.dtype)}_"
+            kernel = kernel_of("indexing", f"ge_atomic{'32' if small else ''}_{rt.suffix(dY.dtype)}_"
                                               f"{_index_suffix(indices)}")
-            rt.launch(kernel, dy.size, dX, dy, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(dims)),
+            launch(kernel, dy.size, dX, dy, idx, flag, desc(indices.shape, rt.contiguous_strides(dims)),
                       np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))
     if indices.size and dX.size:
         def on_error(_value):
@@ -395,7 +402,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
 
         _check_flag(int(flag.gpudata), lambda: flag, on_error)
     elif indices.size and dims[axis] == 0:
-        cpu._normalize_indices(rt.to_host(indices), 0, axis)
+        normalize_indices(rt.to_host(indices), 0, axis)
     return dX
 
 
@@ -416,30 +423,30 @@ def _word(esize: int, inner: int, arrays) -> tuple[int, int]:
 
 
 def _check(flag, indices, size, axis, normalise=None):
-    normalise = normalise or (lambda h, s, a: cpu._normalize_indices(h, s, a))
-    _rt().check_flag(flag, lambda _value: raise_index_error(indices, size, axis, normalise))
+    normalise = normalise or (lambda h, s, a: normalize_indices(h, s, a))
+    runtime().check_flag(flag, lambda _value: raise_index_error(indices, size, axis, normalise))
 
 
 @cuda_kernel("Gather")
 def gather(data, indices, *, axis=0):
-    rt = _rt()
+    rt = runtime()
     rank = len(data.shape)
-    axis = cpu._axis(axis, rank)
+    axis = normalize_axis(axis, rank, allow_scalar=True)
     suffix = _index_suffix(indices)
     size = data.shape[axis]
     out_shape = tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:])
     out = rt.empty(out_shape, data.dtype)
     if out.size == 0:
         if indices.size and size == 0:  # every index is out of range
-            cpu._normalize_indices(rt.to_host(indices), size, axis)
+            normalize_indices(rt.to_host(indices), size, axis)
         return out
-    x = cp.contiguous(data)
+    x = contiguous(data)
     idx = _dev(indices)
     inner, count = math.prod(data.shape[axis + 1:]), indices.size
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     n = out.size // r
     flag = rt.zeros((1,), np.int64)
-    rt.launch(rt.function("indexing", f"gather_w{w}_{suffix}"), n, out, x, idx, flag, np.int64(count),
+    launch(kernel_of("indexing", f"gather_w{w}_{suffix}"), n, out, x, idx, flag, np.int64(count),
               np.int64(size), np.int64(inner // r), np.int64(n))
     _check(flag, indices, size, axis)
     return out
@@ -447,9 +454,9 @@ def gather(data, indices, *, axis=0):
 
 @cuda_kernel("GatherElements")
 def gather_elements(data, indices, *, axis=0):
-    rt = _rt()
+    rt = runtime()
     rank = len(data.shape)
-    axis = cpu._axis(axis, rank)
+    axis = normalize_axis(axis, rank, allow_scalar=True)
     suffix = _index_suffix(indices)
     if len(indices.shape) != rank:
         raise KernelError(f"indices rank {len(indices.shape)} differs from data rank {rank}")
@@ -461,12 +468,12 @@ def gather_elements(data, indices, *, axis=0):
     if out.size == 0:
         return out
     if size == 0:
-        cpu._normalize_indices(rt.to_host(indices), size, axis)
-    x = cp.contiguous(data)
+        normalize_indices(rt.to_host(indices), size, axis)
+    x = contiguous(data)
     idx = _dev(indices)
     flag = rt.zeros((1,), np.int64)
-    kernel = rt.function("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
-    rt.launch(kernel, out.size, out, x, idx, flag, cp.desc(indices.shape, rt.contiguous_strides(data.shape)),
+    kernel = kernel_of("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
+    launch(kernel, out.size, out, x, idx, flag, desc(indices.shape, rt.contiguous_strides(data.shape)),
               np.int64(axis), np.int64(size), np.int64(out.size))
     _check(flag, indices, size, axis)
     return out
@@ -485,14 +492,14 @@ def _nd_check(data_shape, indices_shape, b):
 
 
 def _nd_error(indices, data_shape, first_axis):
-    host = _rt().to_host(indices)
-    cpu._nd_tuple(tuple(data_shape), host, first_axis)
+    host = runtime().to_host(indices)
+    cpu.nd_tuple(tuple(data_shape), host, first_axis)
     raise KernelError("an index of indices is out of range")
 
 
 @cuda_kernel("GatherND")
 def gather_nd(data, indices, *, batch_dims=0):
-    rt = _rt()
+    rt = runtime()
     b = int(batch_dims)
     suffix = _index_suffix(indices)
     k = _nd_check(data.shape, indices.shape, b)
@@ -502,18 +509,18 @@ def gather_nd(data, indices, *, batch_dims=0):
         if indices.size and 0 in data.shape[b:b + k]:
             _nd_error(indices, data.shape, b)
         return out
-    x = cp.contiguous(data)
+    x = contiguous(data)
     idx = _dev(indices)
     inner = math.prod(data.shape[b + k:])
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     strides = rt.contiguous_strides(data.shape)
     batch = math.prod(data.shape[:b])
     M = math.prod(indices.shape[b:-1])
-    kd = cp.desc(data.shape[b:b + k], [s // r for s in strides[b:b + k]])
+    kd = desc(data.shape[b:b + k], [s // r for s in strides[b:b + k]])
     batch_stride = (strides[b - 1] if b else x.size) // r
     n = out.size // r
     flag = rt.zeros((1,), np.int64)
-    rt.launch(rt.function("indexing", f"gather_nd_w{w}_{suffix}"), n, out, x, idx if k else np.uintp(0), flag, kd,
+    launch(kernel_of("indexing", f"gather_nd_w{w}_{suffix}"), n, out, x, idx if k else np.uintp(0), flag, kd,
               np.int64(M), np.int64(inner // r), np.int64(batch_stride), np.int64(n))
     if batch == 0:
         return out
@@ -523,10 +530,10 @@ def gather_nd(data, indices, *, batch_dims=0):
 
 @cuda_kernel("ScatterElements", "Scatter")
 def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
-    rt = _rt()
-    reduction = cpu._check_reduction(reduction)
+    rt = runtime()
+    reduction = cpu.check_reduction(reduction)
     rank = len(data.shape)
-    axis = cpu._axis(axis, rank)
+    axis = normalize_axis(axis, rank, allow_scalar=True)
     if tuple(indices.shape) != tuple(updates.shape) or len(indices.shape) != rank:
         raise KernelError(f"indices {list(indices.shape)} and updates {list(updates.shape)} must have the same shape "
                           f"and data's rank {rank}")
@@ -535,13 +542,13 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
     _index_suffix(indices)
     if np.dtype(data.dtype).name not in ("float16", "float32", "float64") or updates.dtype != data.dtype:
-        return _rt().run_on_host(cpu.scatter_elements, data, indices, updates, axis=axis, reduction=reduction)
+        return cpu_fallback("ScatterElements", data, indices, updates, axis=axis, reduction=reduction)
     if data.size == 0:
         if indices.size:
-            cpu._normalize_indices(rt.to_host(indices), data.shape[axis], axis)
+            normalize_indices(rt.to_host(indices), data.shape[axis], axis)
         return rt.empty(data.shape, data.dtype)
-    x = cp.contiguous(data)
-    upd = cp.contiguous(updates) if updates.size else updates
+    x = contiguous(data)
+    upd = contiguous(updates) if updates.size else updates
     out, flag = line_scatter(upd, indices, tuple(data.shape), axis, init=x, mode=_MODES[reduction])
     if indices.size:
         _check(flag, indices, data.shape[axis], axis)
@@ -550,8 +557,8 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
 
 @cuda_kernel("ScatterND")
 def scatter_nd(data, indices, updates, *, reduction="none"):
-    rt = _rt()
-    reduction = cpu._check_reduction(reduction)
+    rt = runtime()
+    reduction = cpu.check_reduction(reduction)
     _index_suffix(indices)
     k = _nd_check(data.shape, indices.shape, 0)
     want = tuple(indices.shape[:-1]) + tuple(data.shape[k:])
@@ -559,13 +566,13 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
     if (reduction not in ("none", "add") or np.dtype(data.dtype).name not in ("float16", "float32", "float64")
             or updates.dtype != data.dtype):
-        return _rt().run_on_host(cpu.scatter_nd, data, indices, updates, reduction=reduction)
+        return cpu_fallback("ScatterND", data, indices, updates, reduction=reduction)
     if data.size == 0:
         if indices.size and 0 in data.shape[:k]:
             _nd_error(indices, data.shape, 0)
         return rt.empty(data.shape, data.dtype)
-    x = cp.contiguous(data)
-    upd = cp.contiguous(updates) if updates.size else updates
+    x = contiguous(data)
+    upd = contiguous(updates) if updates.size else updates
     rows, inner = math.prod(data.shape[:k]), math.prod(data.shape[k:])
     count = math.prod(indices.shape[:-1])
     idx = _dev(indices) if indices.size else indices

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
+from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.registry import cuda_kernel
 
 _ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64),
@@ -45,7 +45,7 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
     for t in (x, target, weight):
         if t is not None:
             contiguous(t)
-    s, ls = sfx(x.dtype), sfx(target.dtype)
+    s, ls = dtype_suffix(x.dtype), dtype_suffix(target.dtype)
     n, c = (int(v) for v in x.shape[:2])
     d = int(np.prod(x.shape[2:], dtype=np.int64))
     total = n * d
@@ -64,10 +64,10 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
     if total:
         if d == 1 and not log_input:
             threads = min(1024, max(32, 1 << (max(1, math.ceil(c / 8)) - 1).bit_length()))
-            rt.function("loss", f"sce_rows_{s}_{ls}")(none_ptr, lossbuf, wbuf, flag, x, target, weight_ptr, args,
+            kernel_of("loss", f"sce_rows_{s}_{ls}")(none_ptr, lossbuf, wbuf, flag, x, target, weight_ptr, args,
                                                       block=(threads, 1, 1), grid=(n, 1))
         else:
-            rt.launch(rt.function("loss", f"loss_cols_{s}_{ls}"), total, none_ptr, lossbuf, wbuf, flag, x, target,
+            launch(kernel_of("loss", f"loss_cols_{s}_{ls}"), total, none_ptr, lossbuf, wbuf, flag, x, target,
                       weight_ptr, args, np.int64(1 if log_input else 0))
 
         def message(value: int) -> str:
@@ -80,14 +80,14 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
 
         rt.check_flag(flag, message)
     if reduction != "none":
-        rt.function("loss", f"loss_reduce_{s}")(out, lossbuf, wbuf, np.int64(total),
+        kernel_of("loss", f"loss_reduce_{s}")(out, lossbuf, wbuf, np.int64(total),
                                                 np.int64(1 if reduction == "mean" else 0),
                                                 block=(1024, 1, 1), grid=(1, 1))
     return out
 
 
 def _supported(x, target, weight) -> bool:
-    return (sfx(x.dtype) in ("f16", "f32", "f64") and sfx(target.dtype) in ("i32", "i64")
+    return (dtype_suffix(x.dtype) in ("f16", "f32", "f64") and dtype_suffix(target.dtype) in ("i32", "i64")
             and (weight is None or weight.dtype == x.dtype))
 
 

@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cuda.launch import broadcast_to, contiguous, cpu_fallback, is_float
 from gradgen.kernels.registry import cuda_kernel
 
 _STATE: dict = {}
@@ -108,20 +109,18 @@ def gemm_rowmajor(c, a, b, m, n, k, *, trans_a=False, trans_b=False, a_cols=None
                                        compute, algo)
 
 
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 @cuda_kernel("MatMul")
 def matmul(a, b):
     from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import matmul as cpu
-    from gradgen.kernels.cuda.pool import broadcast_to, contiguous, cpu_fallback
 
     cpu.check_matmul_shapes(a.shape, b.shape)
     k_a = a.shape[-1]
     batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    if a.dtype != b.dtype or a.dtype not in _FLOATS:
-        return cpu_fallback("MatMul", cpu.matmul, a, b)
+    if a.dtype != b.dtype or not is_float(a.dtype):
+        return cpu_fallback("MatMul", a, b)
     m = int(a.shape[-2]) if a.ndim > 1 else 1
     k = int(k_a)
     n = int(b.shape[-1]) if b.ndim > 1 else 1
@@ -155,8 +154,6 @@ def matmul(a, b):
 @cuda_kernel("Gemm")
 def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cpu import matmul as cpu
-    from gradgen.kernels.cuda.pool import broadcast_to, contiguous, cpu_fallback
 
     if a.ndim != 2 or b.ndim != 2:
         raise KernelError(f"Gemm needs 2-D A and B, got shapes {list(a.shape)} and {list(b.shape)}")
@@ -173,8 +170,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
             shape = None
         if shape != (m, n):
             raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape [{m}, {n}]")
-    if a.dtype != b.dtype or a.dtype not in _FLOATS or (use_c and c.dtype != a.dtype):
-        return cpu_fallback("Gemm", cpu.gemm, a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
+    if a.dtype != b.dtype or not is_float(a.dtype) or (use_c and c.dtype != a.dtype):
+        return cpu_fallback("Gemm", a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
     a, b = contiguous(a), contiguous(b)
     if use_c:
         out = broadcast_to(c, (m, n))

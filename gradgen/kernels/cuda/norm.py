@@ -13,16 +13,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import (
-    cast_to,
-    contiguous,
-    cpu_fallback,
-    same_type,
-    sfx,
-)
+from gradgen.kernels.cuda.elementwise import cast_to
+from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, is_float, kernel_of, launch, same_type
 from gradgen.kernels.registry import cuda_kernel
-
-_FLOATS = ("f16", "f32", "f64")
 
 
 def _threads(length: int) -> int:
@@ -51,11 +44,11 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
         mean, inv = rt.to_device(np.full((rows,), np.nan, st)), rt.to_device(np.full((rows,), np.nan, st))
     elif rows and mode == 0 and length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
-        kernel = rt.function("norm", f"norm_warp{lanes}_{sfx(x.dtype)}")
+        kernel = kernel_of("norm", f"norm_warp{lanes}_{dtype_suffix(x.dtype)}")
         kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(rows), np.int64(length),
                np.float64(epsilon), block=(128, 1, 1), grid=(-(-rows // 4), 1))
     elif rows:
-        kernel = rt.function("norm", f"norm_rows_{sfx(x.dtype)}")
+        kernel = kernel_of("norm", f"norm_rows_{dtype_suffix(x.dtype)}")
         kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(length), np.int64(mode),
                np.int64(channels), np.int64(groups), np.int64(spatial), np.float64(epsilon),
                block=(_threads(length), 1, 1), grid=(rows, 1))
@@ -77,7 +70,7 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
                       and t.size == length)
         for t in (scale, bias)
     )
-    if sfx(x.dtype) not in _FLOATS or not exact:
+    if not is_float(x.dtype) or not exact:
         return cpu_fallback("LayerNormalization", x, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type)
     rows = int(np.prod(x.shape[:axis], dtype=np.int64))
     y, mean, inv = norm_rows(x, scale, bias, rows, length, epsilon=epsilon)
@@ -95,7 +88,7 @@ def _channel_params_ok(x, channels, *params) -> bool:
 
 @cuda_kernel("InstanceNormalization")
 def instance_normalization(x, scale, bias, *, epsilon=1e-5):
-    if len(x.shape) < 2 or sfx(x.dtype) not in _FLOATS or not _channel_params_ok(x, int(x.shape[1]), scale, bias):
+    if len(x.shape) < 2 or not is_float(x.dtype) or not _channel_params_ok(x, int(x.shape[1]), scale, bias):
         return cpu_fallback("InstanceNormalization", x, scale, bias, epsilon=epsilon)
     n, c = (int(d) for d in x.shape[:2])
     spatial = int(np.prod(x.shape[2:], dtype=np.int64))
@@ -121,7 +114,7 @@ def group_normalization(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_
         mode = 3
     else:
         raise KernelError(f"scale has {scale.size} entries; expected {c} (channels) or {g} (groups)")
-    if sfx(x.dtype) not in _FLOATS or not _channel_params_ok(x, scale.size, scale, bias):
+    if not is_float(x.dtype) or not _channel_params_ok(x, scale.size, scale, bias):
         return cpu_fallback("GroupNormalization", x, scale, bias, epsilon=epsilon, num_groups=num_groups,
                             stash_type=stash_type)
     spatial = int(np.prod(x.shape[2:], dtype=np.int64))
@@ -136,7 +129,7 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
 
     training = int(training_mode) == 1 or _num_outputs > 1
     channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
-    if (training or len(x.shape) < 2 or sfx(x.dtype) not in _FLOATS
+    if (training or len(x.shape) < 2 or not is_float(x.dtype)
             or not _channel_params_ok(x, channels, scale, bias, input_mean, input_var)):
         return cpu_fallback("BatchNormalization", x, scale, bias, input_mean, input_var, epsilon=epsilon,
                             momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
@@ -145,6 +138,6 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     same_type(x, scale, bias, input_mean, input_var)
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
-    rt.launch(rt.function("norm", f"batch_norm_{sfx(x.dtype)}"), y.size, y, x, scale, bias, input_mean, input_var,
+    launch(kernel_of("norm", f"batch_norm_{dtype_suffix(x.dtype)}"), y.size, y, x, scale, bias, input_mean, input_var,
               np.int64(channels), np.int64(inner), np.float64(epsilon), np.int64(y.size))
     return y

@@ -1,4 +1,4 @@
-// Pooling and the small helpers of the matmul/conv launchers (window copy, channel sums, bias).
+// Pooling: MaxPool, AveragePool and the global pools (row reductions).
 // Entry points: extern "C" <op>_<dtype suffix>, e.g. max_pool_f32.
 //
 // Spatial ops work on up to 3 spatial axes; launchers pad lower ranks with unit axes (kernel 1,
@@ -133,76 +133,6 @@ __device__ void row_reduce(T* y, const T* x, int64_t rows, int64_t cols, int mod
     }
 }
 
-// Sum over every axis but 1 of an (outer, c, inner) tensor, in two deterministic passes: block
-// (ch, s) sums rows [s*outer/splits, (s+1)*outer/splits) of channel ch into partial[ch*splits+s];
-// then one thread per channel adds its `splits` partials in order.
-template <typename T>
-__device__ void channel_partial(typename Acc<T>::type* partial, const T* x, int64_t outer, int64_t c, int64_t inner,
-                                int64_t splits) {
-    using A = typename Acc<T>::type;
-    __shared__ A shared[256];
-    for (int64_t blk = blockIdx.x; blk < c * splits; blk += gridDim.x) {
-        int64_t ch = blk / splits, s = blk % splits;
-        int64_t lo = s * outer / splits, hi = (s + 1) * outer / splits;
-        int64_t total = (hi - lo) * inner;
-        A acc = 0;
-        if (inner >= (int64_t)blockDim.x || inner * outer > (int64_t)0x7fffffff) {
-            for (int64_t o = lo; o < hi; ++o) {
-                const T* row = x + (o * c + ch) * inner;
-                for (int64_t r = threadIdx.x; r < inner; r += blockDim.x) acc += gg_load(row + r);
-            }
-        } else {
-            const int in32 = (int)inner;
-            for (int j = threadIdx.x; j < (int)total; j += blockDim.x) {
-                int o = j / in32, r = j - o * in32;
-                acc += gg_load(x + ((lo + o) * c + ch) * inner + r);
-            }
-        }
-        shared[threadIdx.x] = acc;
-        __syncthreads();
-        for (int width = blockDim.x / 2; width > 0; width /= 2) {
-            if (threadIdx.x < width) shared[threadIdx.x] += shared[threadIdx.x + width];
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) partial[blk] = shared[0];
-        __syncthreads();
-    }
-}
-
-template <typename T>
-__device__ void channel_finish(T* y, const typename Acc<T>::type* partial, int64_t c, int64_t splits) {
-    using A = typename Acc<T>::type;
-    GG_GRID_STRIDE(ch, c) {
-        A acc = 0;
-        for (int64_t s = 0; s < splits; ++s) acc += partial[ch * splits + s];
-        gg_store(y + ch, acc);
-    }
-}
-
-// y[i] += b[(i / inner) % c] (in place; the conv bias).
-template <typename T>
-__device__ void add_channel_bias(T* y, const T* b, int64_t c, int64_t inner, int64_t n) {
-    GG_GRID_STRIDE(i, n) { gg_store(y + i, gg_load(y + i) + gg_load(b + (i / inner) % c)); }
-}
-
-// out (C-contiguous, shape out_shape) [o] = in[o + shift] read through in_view's strides where every
-// coordinate lies inside in_view's shape, else 0. shift == 0 and zero strides: a broadcast copy.
-template <typename T>
-__device__ void window_copy(T* out, const T* in, const TensorDesc& out_shape, const TensorDesc& in_view,
-                            const TensorDesc& shift, int64_t n) {
-    GG_GRID_STRIDE(i, n) {
-        int64_t rest = i, offset = 0;
-        bool inside = true;
-        for (int dim = (int)out_shape.rank - 1; dim >= 0; --dim) {
-            int64_t coord = rest % out_shape.shape[dim] + shift.shape[dim];
-            rest /= out_shape.shape[dim];
-            if (coord < 0 || coord >= in_view.shape[dim]) inside = false;
-            offset += coord * in_view.strides[dim];
-        }
-        out[i] = inside ? in[offset] : T(0);
-    }
-}
-
 // ------------------------------------------------------------------------------ entry points
 #define GG_POOL_ENTRIES(sfx, T)                                                                            \
     extern "C" __global__ void max_pool_##sfx(T* y, int64_t* idx, const T* x, PoolGeom g, int64_t n) {     \
@@ -213,34 +143,8 @@ __device__ void window_copy(T* out, const T* in, const TensorDesc& out_shape, co
     }                                                                                                      \
     extern "C" __global__ void row_reduce_##sfx(T* y, const T* x, int64_t rows, int64_t cols, int64_t mode) { \
         row_reduce(y, x, rows, cols, (int)mode);                                                           \
-    }                                                                                                      \
-    extern "C" __global__ void channel_partial_##sfx(typename Acc<T>::type* partial, const T* x, int64_t outer, \
-                                                     int64_t c, int64_t inner, int64_t splits) {           \
-        channel_partial(partial, x, outer, c, inner, splits);                                              \
-    }                                                                                                      \
-    extern "C" __global__ void channel_finish_##sfx(T* y, const typename Acc<T>::type* partial, int64_t c,  \
-                                                    int64_t splits) {                                      \
-        channel_finish(y, partial, c, splits);                                                             \
-    }                                                                                                      \
-    extern "C" __global__ void add_channel_bias_##sfx(T* y, const T* b, int64_t c, int64_t inner, int64_t n) { \
-        add_channel_bias(y, b, c, inner, n);                                                               \
     }
 
 GG_POOL_ENTRIES(f16, __half)
 GG_POOL_ENTRIES(f32, float)
 GG_POOL_ENTRIES(f64, double)
-
-// An empty kernel: launched on the default stream, it orders later work after the side streams.
-extern "C" __global__ void noop(int64_t unused) {}
-
-#define GG_COPY_ENTRY(sfx, T)                                                                               \
-    extern "C" __global__ void window_copy_##sfx(T* out, const T* in, TensorDesc out_shape, TensorDesc in_view, \
-                                                  TensorDesc shift, int64_t n) {                            \
-        window_copy(out, in, out_shape, in_view, shift, n);                                                 \
-    }
-
-GG_COPY_ENTRY(f16, __half)
-GG_COPY_ENTRY(f32, float)
-GG_COPY_ENTRY(f64, double)
-GG_COPY_ENTRY(i32, int32_t)
-GG_COPY_ENTRY(i64, int64_t)

@@ -18,8 +18,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import contiguous, cpu_fallback, sfx
+from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.registry import cuda_kernel
+from gradgen.ops.axes import normalize_axis
 
 _FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")
 _INT_OPS = ("sum", "max", "min", "prod")
@@ -85,7 +86,7 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
         if v > 1 and (length % v or not aligned):
             v = 1
         threads = min(_THREADS, max(32, _next_pow2(math.ceil(total / v / 4))))
-        kernel = rt.function("reduction", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
+        kernel = kernel_of("reduction", f"{'rowsv' if v > 1 else 'rows'}_{op}_{s}")
         # Fill the GPU in one wave when there are few outputs: split each output's reduction.
         capacity = sm_count() * blocks_per_sm(kernel, threads)
         splits = max(1, min(capacity // out_size, total // 8192, 65535))
@@ -102,7 +103,7 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
     tiles = -(-c // 32)
     by = 8
     blocks = (out_size // c) * tiles
-    kernel = rt.function("reduction", f"cols_{op}_{s}")
+    kernel = kernel_of("reduction", f"cols_{op}_{s}")
     capacity = sm_count() * blocks_per_sm(kernel, 32 * by)
     splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
     chunk = -(-total // splits)
@@ -118,7 +119,7 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
     from gradgen.cuda import runtime as rt
 
     contiguous(x)
-    s = sfx(x.dtype)
+    s = dtype_suffix(x.dtype)
     shape = tuple(int(d) for d in x.shape)
     if keepdims:
         out_shape = tuple(1 if d in axes else n for d, n in enumerate(shape))
@@ -136,26 +137,26 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
                                                  keepdims=int(keepdims))
         return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
     if total == 1:
-        rt.launch(rt.function("reduction", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
+        launch(kernel_of("reduction", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
         return out
     kernel, args, block, grid, splits, total = _plan(op, s, np.dtype(x.dtype).itemsize, shape, tuple(axes),
                                                      int(x.gpudata) % 16 == 0)
     partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8) if splits > 1 else None
     kernel(out, partial if partial is not None else np.intp(0), x, *args, block=block, grid=grid)
     if partial is not None:
-        rt.launch(rt.function("reduction", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
+        launch(kernel_of("reduction", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
                   np.int64(splits), np.int64(total))
     return out
 
 
 def _register_reduce(op_type: str, op: str):
     def launcher(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
-        from gradgen.kernels.cpu.reduction import _reduce_axes
+        from gradgen.kernels.cpu.reduction import reduce_axes  # the CPU kernel's axis rule
 
-        s = sfx(data.dtype)
+        s = dtype_suffix(data.dtype)
         if not ((s in ("f16", "f32", "f64") and op in _FLOAT_OPS) or (s in ("i32", "i64") and op in _INT_OPS)):
             return cpu_fallback(op_type, data, axes, keepdims=keepdims, noop_with_empty_axes=noop_with_empty_axes)
-        axes_tuple = _reduce_axes(np.empty((0,) * len(data.shape)), axes, noop_with_empty_axes)
+        axes_tuple = reduce_axes(np.empty((0,) * len(data.shape)), axes, noop_with_empty_axes)
         return reduce(op, data, axes_tuple, bool(keepdims), op_type)
 
     launcher.__name__ = f"reduce_{op}"
@@ -180,36 +181,34 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
     from gradgen.cuda import runtime as rt
 
     contiguous(x)
-    s = sfx(x.dtype)
+    s = dtype_suffix(x.dtype)
     out = rt.empty(x.shape, x.dtype)
     if out.size == 0:
         return out
     name = "log_softmax" if log else "softmax"
     if inner == 1 and 8 < length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
-        rt.function("reduction", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
+        kernel_of("reduction", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
                                                           block=(128, 1, 1), grid=(-(-outer // 4), 1))
     elif inner == 1 and length > 8:
         threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
-        rt.function("reduction", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
+        kernel_of("reduction", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
     else:
-        rt.launch(rt.function("reduction", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
+        launch(kernel_of("reduction", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
                   np.int64(length), np.int64(inner))
     return out
 
 
 def _softmax(op_type: str, x, axis, opset: int, log: bool):
-    from gradgen.kernels.numeric import normalize_axis as _axis
-
-    if sfx(x.dtype) not in ("f16", "f32", "f64"):
+    if dtype_suffix(x.dtype) not in ("f16", "f32", "f64"):
         return cpu_fallback(op_type, x, axis=axis, _opset=opset)
     shape = [int(d) for d in x.shape]
     if opset >= 13:
-        ax = _axis(-1 if axis is None else axis, len(shape))
+        ax = normalize_axis(-1 if axis is None else axis, len(shape))
         outer = int(np.prod(shape[:ax], dtype=np.int64))
         inner = int(np.prod(shape[ax + 1:], dtype=np.int64))
         return softmax_3d(x, outer, shape[ax], inner, log)
-    ax = _axis(1 if axis is None else axis, len(shape)) if shape else 0
+    ax = normalize_axis(1 if axis is None else axis, len(shape)) if shape else 0
     outer = int(np.prod(shape[:ax], dtype=np.int64))
     return softmax_3d(x, outer, int(np.prod(shape[ax:], dtype=np.int64)), 1, log)
 
@@ -228,17 +227,16 @@ def log_softmax(x, *, axis=None, _opset=13):
 def cum_sum(x, axis, *, exclusive=0, reverse=0):
     """Inclusive/exclusive, forward/reverse running sums along one axis (one thread per line)."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cpu import reduction as cpu
 
-    s = sfx(x.dtype)
+    s = dtype_suffix(x.dtype)
     if s not in ("f16", "f32", "f64", "i32", "i64"):
         return cpu_fallback("CumSum", x, axis, exclusive=exclusive, reverse=reverse)
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
-    ax = cpu._axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
+    ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
     contiguous(x)
     outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1:])
     out = rt.empty(x.shape, x.dtype)
-    rt.launch(rt.function("reduction", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
+    launch(kernel_of("reduction", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
               np.int64(inner), np.int64(1 if exclusive else 0), np.int64(1 if reverse else 0))
     return out

@@ -15,7 +15,6 @@ input (Identity is registered with the elementwise launchers). Shape and Size an
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 
@@ -23,115 +22,30 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import shape as cpu_shape
-from gradgen.kernels.cuda.launch import host_key, plan_cache
-from gradgen.kernels.numeric import int_list, normalize_axis, shape_arg
+from gradgen.kernels.cuda.launch import (
+    INT32_LIMIT,
+    coalesce,
+    contiguous,
+    copy_into,
+    desc,
+    element_strides,
+    extent,
+    fill,
+    fill_bits,
+    grid_for,
+    host_key,
+    kernel_of,
+    launch,
+    launch_packed,
+    plan_cache,
+    raw,
+    runtime,
+    strided_copy,
+)
+from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.registry import MICROSOFT, cuda_kernel
-
-_INT32_LIMIT = 2**31 - 1
-
-
-def _rt():
-    from gradgen.cuda import runtime as rt
-
-    return rt
-
-
-@functools.lru_cache(maxsize=4096)
-def _desc_cached(shape: tuple, strides: tuple | None):
-    return _rt().desc(list(shape), None if strides is None else list(strides))
-
-
-def desc(shape, strides=None):
-    """``runtime.desc``, cached by value (launches with the same shapes reuse the record; never mutated)."""
-    return _desc_cached(tuple(int(d) for d in shape), None if strides is None else tuple(int(v) for v in strides))
-
-
-def elem_strides(x) -> list[int]:
-    """Element strides of a GPUArray (its .strides are in bytes)."""
-    return [int(s) // x.dtype.itemsize for s in x.strides]
-
-
-def ptr(x, offset_elements: int = 0) -> np.uintp:
-    """The device address of ``x`` plus an element offset, as a kernel argument."""
-    return np.uintp(int(x.gpudata) + int(offset_elements) * x.dtype.itemsize)
-
-
-def _coalesce(shape, *stride_lists):
-    """Drop size-1 axes and merge neighbours that are contiguous in every stride list."""
-    dims, lists = [], [[] for _ in stride_lists]
-    for k, d in enumerate(shape):
-        if d == 1:
-            continue
-        if dims and all(st[-1] == s[k] * d for st, s in zip(lists, stride_lists)):
-            dims[-1] *= d
-            for st, s in zip(lists, stride_lists):
-                st[-1] = s[k]
-            continue
-        dims.append(int(d))
-        for st, s in zip(lists, stride_lists):
-            st.append(int(s[k]))
-    if not dims:
-        dims, lists = [1], [[0] for _ in stride_lists]
-    return dims, lists
-
-
-def _extent(shape, strides) -> int:
-    return sum((d - 1) * abs(s) for d, s in zip(shape, strides))
-
-
-def strided_copy(dst, dst_strides, dst_off, src, src_strides, src_off, shape) -> None:
-    """dst[dst_off + c . dst_strides] = src[src_off + c . src_strides] for every coordinate c of shape."""
-    rt = _rt()
-    n = math.prod(int(d) for d in shape)
-    if n == 0:
-        return
-    if dst.dtype.itemsize != src.dtype.itemsize:
-        raise KernelError(f"cannot copy {src.dtype} into {dst.dtype}")
-    shape, (ss, ds) = _coalesce(shape, src_strides, dst_strides)
-    esize = src.dtype.itemsize
-    src_addr, dst_addr = int(src.gpudata) + src_off * esize, int(dst.gpudata) + dst_off * esize
-    width = esize
-    for w in (16, 8, 4):
-        r = w // esize
-        if w <= esize or w % esize:
-            continue
-        if (ss[-1] == 1 and ds[-1] == 1 and shape[-1] % r == 0 and src_addr % w == 0 and dst_addr % w == 0
-                and all(s % r == 0 for s in ss[:-1] + ds[:-1])):
-            shape = shape[:-1] + [shape[-1] // r]
-            ss = [s // r for s in ss[:-1]] + [1]
-            ds = [s // r for s in ds[:-1]] + [1]
-            width = w
-            break
-    if len(shape) > rt.MAX_RANK:
-        raise KernelError(f"copy of rank {len(shape)} exceeds the CUDA kernels' maximum of {rt.MAX_RANK}")
-    n = math.prod(shape)
-    small = n <= _INT32_LIMIT and _extent(shape, ss) <= _INT32_LIMIT and _extent(shape, ds) <= _INT32_LIMIT
-    kernel = rt.function("shape", f"strided_copy_w{width}_{'i32' if small else 'i64'}")
-    rt.launch(kernel, n, np.uintp(dst_addr), np.uintp(src_addr), desc(shape, ss), desc(shape, ds),
-              np.int64(0), np.int64(0), np.int64(n))
-
-
-def copy_into(dst, src, shape, src_strides, src_off=0) -> None:
-    """Fill the contiguous ``dst`` (of ``shape``) from ``src`` read through element strides."""
-    strided_copy(dst, _rt().contiguous_strides(shape), 0, src, src_strides, src_off, shape)
-
-
-def contiguous(x):
-    """``x`` itself when C-contiguous, else a contiguous copy."""
-    if x.flags.c_contiguous:
-        return x
-    out = _rt().empty(x.shape, x.dtype)
-    copy_into(out, x, x.shape, elem_strides(x))
-    return out
-
-
-def fill_bits(value, dtype) -> np.int64:
-    """``value`` cast to ``dtype``, its bytes as an int64 kernel argument (little-endian, zero-padded)."""
-    raw = np.zeros(8, np.uint8)
-    data = np.asarray(value).astype(dtype).reshape(-1)[:1].view(np.uint8)
-    raw[: data.size] = data
-    return raw.view(np.int64)[0]
-
+from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
+from gradgen.ops.shape import slice_geometry
 
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
@@ -143,28 +57,8 @@ def _magic(d: int) -> tuple[int, int] | None:
     return (m, shift) if 0 < m < (1 << 32) else None
 
 
-def stream():
-    """The stream gradgen's GPU work goes to (runtime.stream() where the runtime has one, else None: the
-    default stream)."""
-    get = getattr(_rt(), "stream", None)
-    return get() if get is not None else None
 
 
-def raw(kernel):
-    """The PyCUDA function behind a runtime.function() result (which may wrap it)."""
-    return getattr(kernel, "fn", kernel)
-
-
-def launch_packed(kernel, grid: int, block: int, args: bytes, shared: int = 0) -> None:
-    """Launch ``kernel`` with an argument buffer packed by the caller (struct, C layout: pointers first,
-    then descriptors, then 8-byte scalars), on gradgen's stream: no per-argument handling in Python.
-    ``grid`` > 0 blocks of ``block`` threads."""
-    raw(kernel)._launch_kernel((int(grid), 1, 1), (int(block), 1, 1), args, int(shared), stream())
-
-
-def grid_for(n: int, block: int = 256, max_blocks: int = 65535 * 8) -> int:
-    """Blocks of a grid-stride launch over ``n`` > 0 items (as runtime.launch sizes them)."""
-    return max(1, min(-(-int(n) // block), max_blocks))
 
 
 _PTRS2 = struct.Struct("=QQ")
@@ -173,7 +67,7 @@ _PTRS2 = struct.Struct("=QQ")
 def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, aligned: bool = True):
     """What a lattice launch over a C-contiguous output of ``shape`` needs besides the two addresses:
     (kernel, grid, the packed arguments after (dst, src)). ``aligned``: the output is 16-byte aligned."""
-    rt = _rt()
+    rt = runtime()
     shape = [int(d) for d in shape] or [1]
     if len(shape) != len(starts):
         starts, steps, counts, src_strides = [0], [1], [1], [0]
@@ -189,10 +83,10 @@ def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, al
     size = math.prod(shape)
     n = size // v
     magic = [_magic(d) for d in shape[:-1] + [shape[-1] // v]]
-    small = size <= _INT32_LIMIT and _extent(counts, src_strides) <= _INT32_LIMIT and None not in magic
+    small = size <= INT32_LIMIT and extent(counts, src_strides) <= INT32_LIMIT and None not in magic
     if not small:
         magic = [(0, 0)] * len(shape)
-    kernel = rt.function("shape", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
+    kernel = kernel_of("shape", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
     tail = b"".join(bytes(memoryview(d)) for d in (desc(shape), desc(counts, src_strides), desc(starts, steps),
                                                     desc([m for m, _ in magic], [s for _, s in magic])))
     tail += struct.pack("=qq", int(fill), n)
@@ -211,18 +105,12 @@ def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None
     launch_packed(kernel, grid, 256, _PTRS2.pack(int(out.gpudata), src_addr) + tail)
 
 
-def fill(out, value) -> None:
-    rt = _rt()
-    if out.size:
-        esize = out.dtype.itemsize
-        rt.launch(rt.function("shape", f"fill_w{esize}"), out.size, out, fill_bits(value, out.dtype), np.int64(out.size))
-
 
 def _view(x, shape):
     """``x`` with a new shape, sharing memory (the view keeps ``x`` alive through ``.base``)."""
     shape = tuple(int(d) for d in shape)
     if x.size == 0:
-        return _rt().empty(shape, x.dtype)
+        return runtime().empty(shape, x.dtype)
     return contiguous(x).reshape(shape)
 
 
@@ -292,7 +180,7 @@ def flatten(x, *, axis=1):
 def squeeze(data, axes=None):
     if axes is None:
         return _view(data, [d for d in data.shape if d != 1])
-    normalised = cpu_shape._unique_axes(int_list(axes, "axes"), len(data.shape))
+    normalised = normalize_axes(int_list(axes, "axes"), len(data.shape))
     for a in normalised:
         if data.shape[a] != 1:
             raise KernelError(f"cannot squeeze axis {a} of size {data.shape[a]} (shape {list(data.shape)})")
@@ -305,7 +193,7 @@ def unsqueeze(data, axes=None):
         raise KernelError("Unsqueeze needs axes")
     axes = int_list(axes, "axes")
     rank = len(data.shape) + len(axes)
-    normalised = set(cpu_shape._unique_axes(axes, rank))
+    normalised = set(normalize_axes(axes, rank))
     dims, rest = [], iter(data.shape)
     for k in range(rank):
         dims.append(1 if k in normalised else next(rest))
@@ -317,13 +205,13 @@ def unsqueeze(data, axes=None):
 
 @cuda_kernel("Transpose")
 def transpose(data, *, perm=None):
-    rt = _rt()
+    rt = runtime()
     rank = len(data.shape)
     perm = list(range(rank))[::-1] if perm is None else [int(p) for p in perm]
     if sorted(perm) != list(range(rank)):
         raise KernelError(f"perm {perm} is not a permutation of the {rank} axes")
     shape = [data.shape[p] for p in perm]
-    strides = elem_strides(data)
+    strides = element_strides(data)
     out = rt.empty(shape, data.dtype)
     copy_into(out, data, shape, [strides[p] for p in perm])
     return out
@@ -331,14 +219,14 @@ def transpose(data, *, perm=None):
 
 @cuda_kernel("Slice", host_inputs=(1, 2, 3, 4))
 def slice_(data, starts=None, ends=None, axes=None, steps=None):
-    rt = _rt()
+    rt = runtime()
     if starts is None or ends is None:
         raise KernelError("Slice needs starts and ends")
-    geometry = cpu_shape.slice_geometry(data.shape, starts, ends, axes, steps)
+    geometry = slice_geometry(data.shape, starts, ends, axes, steps)
     shape = [count for _, _, count in geometry]
     out = rt.empty(shape, data.dtype)
     if out.size:
-        strides = elem_strides(data)
+        strides = element_strides(data)
         offset = sum(start * s for (start, _, _), s in zip(geometry, strides))
         copy_into(out, data, shape, [step * s for (_, step, _), s in zip(geometry, strides)], offset)
     return out
@@ -346,21 +234,21 @@ def slice_(data, starts=None, ends=None, axes=None, steps=None):
 
 @cuda_kernel("Expand", host_inputs=(1,))
 def expand(x, shape):
-    rt = _rt()
+    rt = runtime()
     dims = int_list(shape, "shape")
-    target = list(cpu_shape._broadcast_shape(tuple(x.shape), tuple(dims), "Expand"))
+    target = list(cpu_shape.broadcast_shape(tuple(x.shape), tuple(dims), "Expand"))
     if tuple(target) == tuple(x.shape):
         return x
     out = rt.empty(target, x.dtype)
     lead = len(target) - len(x.shape)
-    strides = [0] * lead + [0 if d == 1 else s for d, s in zip(x.shape, elem_strides(x))]
+    strides = [0] * lead + [0 if d == 1 else s for d, s in zip(x.shape, element_strides(x))]
     copy_into(out, x, target, strides)
     return out
 
 
 @cuda_kernel("Tile", host_inputs=(1,))
 def tile(x, repeats):
-    rt = _rt()
+    rt = runtime()
     reps = int_list(repeats, "repeats")
     rank = len(x.shape)
     if len(reps) != rank:
@@ -373,10 +261,10 @@ def tile(x, repeats):
         return out
     # The output viewed as (r0, d0, r1, d1, ...) is C-contiguous; read the input with stride 0 on r_k.
     shape, strides = [], []
-    for d, r, s in zip(x.shape, reps, elem_strides(x)):
+    for d, r, s in zip(x.shape, reps, element_strides(x)):
         shape += [r, d]
         strides += [0, s]
-    coalesced, _ = _coalesce(shape, strides, rt.contiguous_strides(shape))
+    coalesced, _ = coalesce(shape, strides, rt.contiguous_strides(shape))
     if len(coalesced) <= rt.MAX_RANK:
         copy_into(out, x, shape, strides)
         return out
@@ -387,7 +275,7 @@ def tile(x, repeats):
         cur_shape = list(current.shape)
         nxt = rt.empty(cur_shape[:k] + [cur_shape[k] * r] + cur_shape[k + 1:], x.dtype)
         view = cur_shape[:k] + [r] + cur_shape[k:]
-        st = elem_strides(current)
+        st = element_strides(current)
         copy_into(nxt, current, view, st[:k] + [0] + st[k:])
         current = nxt
     return current
@@ -395,7 +283,7 @@ def tile(x, repeats):
 
 @cuda_kernel("Concat")
 def concat(*inputs, axis):
-    rt = _rt()
+    rt = runtime()
     arrays = [x for x in inputs if x is not None]
     if not arrays:
         raise KernelError("Concat needs at least one input")
@@ -417,18 +305,18 @@ def concat(*inputs, axis):
     offset = 0
     for x in arrays:
         if x.size:
-            strided_copy(out, out_strides, offset * out_strides[ax], x, elem_strides(x), 0, x.shape)
+            strided_copy(out, out_strides, offset * out_strides[ax], x, element_strides(x), 0, x.shape)
         offset += x.shape[ax]
     return out
 
 
 @cuda_kernel("Split", host_inputs=(1,))
 def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
-    rt = _rt()
+    rt = runtime()
     ax = normalize_axis(axis, len(x.shape))
     n = x.shape[ax]
     sizes = cpu_shape.split_sizes(n, ax, split, num_outputs, _num_outputs)
-    strides = elem_strides(x)
+    strides = element_strides(x)
     outs, offset = [], 0
     for size_ in sizes:
         shape_ = list(x.shape)
@@ -443,7 +331,7 @@ def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
 
 @cuda_kernel("Pad", host_inputs=(1, 3))
 def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", value=0.0, paddings=None):
-    rt = _rt()
+    rt = runtime()
     if isinstance(mode, bytes):
         mode = mode.decode()
     if mode != "constant":
@@ -460,7 +348,7 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
     cv = None if constant_value is None else rt.to_host(constant_value)
     fill_value = value if cv is None or np.size(cv) == 0 else np.asarray(cv).reshape(-1)[0]
     x = contiguous(data)
-    strides = elem_strides(x) if rank else []
+    strides = element_strides(x) if rank else []
     starts, counts, out_shape, src_off = [], [], [], 0
     for d, (src, start, count, length) in enumerate(cpu_shape.pad_copy_geometry(x.shape, width)):
         src_off += src * strides[d]
@@ -474,7 +362,7 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
 
 @cuda_kernel("Trilu", host_inputs=(1,))
 def trilu(x, k=None, *, upper=1):
-    rt = _rt()
+    rt = runtime()
     if len(x.shape) < 2:
         raise KernelError(f"Trilu needs rank >= 2, got {len(x.shape)}")
     kk = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
@@ -482,14 +370,14 @@ def trilu(x, k=None, *, upper=1):
     out = rt.empty(x.shape, x.dtype)
     if out.size:
         rows, cols = x.shape[-2:]
-        rt.launch(rt.function("shape", f"trilu_w{x.dtype.itemsize}"), out.size, out, x, np.int64(rows),
+        launch(kernel_of("shape", f"trilu_w{x.dtype.itemsize}"), out.size, out, x, np.int64(rows),
                   np.int64(cols), np.int64(kk), np.int64(1 if upper else 0), np.int64(out.size))
     return out
 
 
 @cuda_kernel("ConstantOfShape", host_inputs=(0,))
 def constant_of_shape(shape, *, value=None):
-    rt = _rt()
+    rt = runtime()
     dims = int_list(shape, "shape")
     if any(d < 0 for d in dims):
         raise KernelError(f"shape {dims} has a negative dimension")
@@ -553,21 +441,21 @@ _PTRS2 = struct.Struct("=QQ")
 def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=True):
     """(dX dims, lattice kernel or None, grid, packed arguments after (dX, dY)); validates everything."""
     dims = shape_arg(shape)
-    geometry = cpu_shape.slice_geometry(dims, starts, ends, axes, steps)
+    geometry = slice_geometry(dims, starts, ends, axes, steps)
     lat_start, lat_step, counts = (list(column) for column in zip(*geometry)) if dims else ([], [], [])
     if math.prod(counts) != math.prod(dy_shape):
         raise KernelError(f"dY has shape {list(dy_shape)}, but the slice of shape {dims} has shape {counts}")
     if math.prod(dims) == 0:
         return tuple(dims), None, 0, b""
     kernel, grid, tail = lattice_plan(dims, np.dtype(dtype).itemsize, lat_start, lat_step, counts,
-                                         _rt().contiguous_strides(counts), np.int64(0), aligned)
+                                         runtime().contiguous_strides(counts), np.int64(0), aligned)
     return tuple(dims), raw(kernel), grid, tail
 
 
 @cuda_kernel("SliceGrad", domain=MICROSOFT, host_inputs=(1, 2, 3, 4, 5))
 def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
     """One pass over dX (the lattice kernel with fill 0): every element written once, no memset."""
-    rt = _rt()
+    rt = runtime()
     key = (dY.shape, dY.dtype, host_key(shape), host_key(starts), host_key(ends), host_key(axes),
            host_key(steps))
     dims, kernel, grid, tail = plan_cache(
