@@ -6,6 +6,7 @@ one-line error that writes nothing. tests/test_artifacts_ort.py trains on them i
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,12 @@ def test_cli_bad_input_writes_nothing(model, tmp_path, capsys, monkeypatch, args
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
     assert not out.exists()  # the directory it would have created is not left behind
+
+
+def test_cli_without_flatbuffers_says_how_to_install_it(model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flatbuffers", None)  # import flatbuffers raises ImportError
+    code, _, stderr = run_cli(capsys, monkeypatch, "artifacts", model, "--loss", "mse", "-o", tmp_path / "out")
+    assert code == 2 and "pip install 'gradgen[artifacts]'" in stderr and not (tmp_path / "out").exists()
 
 
 def test_cli_refuses_unwritable_directories_and_the_input_model(model, tmp_path, capsys, monkeypatch):

@@ -145,7 +145,9 @@ def artifacts(
     from gradgen.errors import UsageError
     from gradgen.training.artifacts import generate_artifacts, optimizer_for, output_directory, save_artifacts
     from gradgen.training.losses import LossSpec
+    from gradgen.training.ort_checkpoint import require_flatbuffers
 
+    require_flatbuffers()
     started = time.perf_counter()
     chosen = optimizer_for(optimizer, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
     if loss is None and (output or target):

@@ -76,7 +76,8 @@ class OrtCheckpoint:
     properties: dict[str, int | float | str] = dataclasses.field(default_factory=dict)
 
 
-def _flatbuffers():
+def require_flatbuffers():
+    """The flatbuffers module, or a one-line error saying how to install it."""
     try:
         import flatbuffers
     except ImportError:
@@ -100,7 +101,7 @@ def encode_checkpoint(requires_grad: Mapping[str, ir.TensorProtocol | np.ndarray
     if size > _FLATBUFFER_LIMIT - (1 << 20):
         raise UsageError(f"the parameters take {size / 2**30:.2f} GiB, past the 2 GiB a flatbuffer checkpoint holds "
                          "(ONNX Runtime's external-data checkpoints are not written by gradgen)")
-    flatbuffers = _flatbuffers()
+    flatbuffers = require_flatbuffers()
     builder = flatbuffers.Builder(max(1024, size + 1024 * (len(tensors) + 1)))
     trainable = _table_vector(builder, [_write_tensor(builder, n, v) for n, v in requires_grad.items()])
     fixed = _table_vector(builder, [_write_tensor(builder, n, v) for n, v in frozen.items()])
@@ -198,7 +199,7 @@ def read_checkpoint(path: str | os.PathLike) -> OrtCheckpoint:
     buf = path.read_bytes()
     if len(buf) < 8 or buf[4:8] != FILE_IDENTIFIER:
         raise UsageError(f"{path}: not an ONNX Runtime training checkpoint (no {FILE_IDENTIFIER.decode()} identifier)")
-    _flatbuffers()
+    require_flatbuffers()
     try:
         return _decode(buf, path)
     except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as exc:
