@@ -301,10 +301,16 @@ def _stats(value, chunk: int = 1 << 20) -> Optional[tuple[float, float, float, f
 
 
 @app.command("ops")
-def ops(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of objects.")) -> None:
+def ops(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of objects."),
+        signatures: bool = typer.Option(False, "--signatures",
+                                        help="Print the signatures of the com.microsoft ops gradgen emits instead.")) -> None:
     """List every op gradgen knows: gradient rule, CPU kernel, CUDA kernel."""
-    from gradgen.support import supported_ops
+    from gradgen.support import microsoft_signatures, supported_ops
 
+    if signatures:
+        for text in microsoft_signatures():
+            typer.echo(text)
+        return
     table = supported_ops()
     if as_json:
         typer.echo(json.dumps(table, indent=1))

@@ -1,17 +1,21 @@
-"""What gradgen supports: the union of gradient rules and kernels, for ``gradgen ops``."""
+"""What gradgen supports: the union of gradient rules, kernels and com.microsoft schemas, for
+``gradgen ops``."""
 
 from __future__ import annotations
 
 from gradgen.grads import all_rules
 from gradgen.kernels import all_kernels
+from gradgen.ops import schemas
 
 
 def supported_ops() -> list[dict]:
-    """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable", cpu, cuda."""
+    """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable", cpu, cuda (the
+    com.microsoft ops gradgen emits are listed from their schemas even without a kernel)."""
     rules = all_rules()
     kernels = all_kernels()
+    declared = {(schemas.MICROSOFT_DOMAIN, op_type) for op_type in schemas.SCHEMAS}
     rows = []
-    for domain, op_type in sorted(set(rules) | set(kernels)):
+    for domain, op_type in sorted(set(rules) | set(kernels) | declared):
         rule = rules.get((domain, op_type))
         kernel = kernels.get((domain, op_type))
         if rule is None:
@@ -26,3 +30,17 @@ def supported_ops() -> list[dict]:
             "cuda": bool(kernel and kernel.cuda),
         })
     return rows
+
+
+def microsoft_signatures() -> list[str]:
+    """The signature of every com.microsoft op gradgen emits, from ``gradgen.ops.schemas``."""
+    return [signature(schemas.SCHEMAS[op_type]) for op_type in sorted(schemas.SCHEMAS)]
+
+
+def signature(schema: schemas.Schema) -> str:
+    """``Op(a, b, c?) -> y`` with optional inputs and outputs marked ``?``, then the attributes."""
+    formal = lambda f: f.name + ("?" if f.optional else "")  # noqa: E731
+    text = f"{schema.op_type}({', '.join(map(formal, schema.inputs))}) -> {', '.join(map(formal, schema.outputs))}"
+    if schema.attributes:
+        text += " [" + ", ".join(a.name for a in schema.attributes) + "]"
+    return text

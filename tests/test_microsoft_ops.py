@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gradgen import schemas
 from gradgen.errors import KernelError, ModelError
 from gradgen.executor import Session
 from gradgen.kernels import registry
+from gradgen.ops import schemas
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -83,7 +83,7 @@ def test_a_rule_that_gives_no_gradient_for_a_wanted_input_is_reported(monkeypatc
 def test_an_unknown_element_type_is_a_model_error_naming_the_tensor_and_its_node():
     import onnx_ir as ir
 
-    from gradgen.grads.builder import numpy_dtype_of
+    from gradgen.builder import numpy_dtype_of
 
     node = ir.Node("", "Relu", [ir.Value(name="x")], outputs=[ir.Value(name="y")], name="act")
     with pytest.raises(ModelError, match=r"'y' \(output of Relu node 'act'\) is unknown"):

@@ -78,3 +78,50 @@ def test_schemas_check_microsoft_nodes():
         schemas.check_node("GatherGrad", 3, 1, ["axes"])
     with pytest.raises(ModelError, match="is not one of the ops gradgen knows"):
         schemas.check_node("NoSuchGrad", 1, 1)
+
+
+def _slice_grad_model(num_inputs: int):
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    names = ["dy", "shape", "starts", "ends", "axes", "steps"][:num_inputs]
+    node = helper.make_node("SliceGrad", names, ["dx"], domain="com.microsoft", name="sg")
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n == "dy" else TensorProto.INT64, None)
+              for n in names]
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)])
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                                 helper.make_opsetid("com.microsoft", 1)]))
+
+
+def test_executor_and_lowering_check_microsoft_nodes_against_their_schema():
+    from gradgen.executor import Session
+    from gradgen.passes import LowerToStandardPass
+
+    Session(_slice_grad_model(4))  # a well-formed node plans
+    with pytest.raises(ModelError, match=r"SliceGrad node 'sg'.* takes 4 to 6 inputs .*got 3"):
+        Session(_slice_grad_model(3))
+    with pytest.raises(ModelError, match=r"SliceGrad node 'sg' takes 4 to 6 inputs .*got 3"):
+        LowerToStandardPass()(_slice_grad_model(3))
+
+
+def test_builder_checks_the_microsoft_nodes_it_emits():
+    import onnx_ir as ir
+
+    from gradgen.builder import MICROSOFT, GraphBuilder
+
+    graph = ir.Graph([], [], nodes=[])
+    builder = GraphBuilder(graph, 17)
+    shape = builder.ints([2, 3])
+    with pytest.raises(ModelError, match=r"GatherGrad \(emitted by gradgen\) has unknown attribute\(s\) axes"):
+        builder.op("GatherGrad", shape, shape, shape, domain=MICROSOFT, axes=[0])
+
+
+def test_ops_signatures_come_from_the_schemas(capsys):
+    from gradgen.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ops", "--signatures"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "SliceGrad(dY, shape, starts, ends, axes?, steps?) -> dX" in lines
+    assert len(lines) == len(schemas.SCHEMAS)

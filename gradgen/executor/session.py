@@ -14,6 +14,7 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, load_model
+from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
 
 
@@ -146,6 +147,8 @@ class Session:
         steps = []
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
+            if registry.normalize_domain(node.domain) == schemas.MICROSOFT_DOMAIN and node.op_type in schemas.SCHEMAS:
+                schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_label(node))
             attrs = node_attributes(node)
             if entry.wants_num_outputs:
                 attrs["_num_outputs"] = len(node.outputs)

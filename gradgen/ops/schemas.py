@@ -1,9 +1,11 @@
 """The com.microsoft ops gradgen emits and runs: one table of signatures, and their output types.
 
 The signatures are ONNX Runtime training's (domain com.microsoft, since version 1), input order
-included, so that gradgen's graphs load there and ORT-built gradient graphs run here. None of these
-ops has an ONNX shape-inference function, so the gradient pass asks ``output_types`` for the type
-and shape of each emitted node's outputs and writes them as value_info.
+included, so that gradgen's graphs load there and ORT-built gradient graphs run here. Every layer
+checks these nodes against the table (``check_node``): the graph builder when it emits one, the
+executor when it plans one, the lowering before it rewrites one; ``gradgen ops --signatures``
+prints it. None of these ops has an ONNX
+shape-inference function: ``output_types`` gives the type and shape of each output.
 
 Types are ``onnx_ir.DataType`` members (an IntEnum with ``onnx.TensorProto``'s numbers, so plain
 ints work too). A shape is a tuple whose dims are ints, symbolic names (str) or None (unknown); a

@@ -13,8 +13,9 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder, numpy_dtype_of
 from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
-from gradgen.grads.builder import Builder, GradContext, numpy_dtype_of
+from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
 
@@ -106,7 +107,7 @@ class GradientPass(ir.passes.InPlacePass):
         rules = _rules_for(active)
         _refuse_unsupported_inputs(nodes, ancestors, requires)
 
-        builder = Builder(graph, opset)
+        builder = GraphBuilder(graph, opset)
         if "com.microsoft" not in model.opset_imports:
             model.opset_imports["com.microsoft"] = 1
         grads = _Contributions(builder)
@@ -132,7 +133,7 @@ class GradientPass(ir.passes.InPlacePass):
 class _Contributions:
     """Gradient parts per forward value; summed (and named ``x_grad``) when first read."""
 
-    def __init__(self, builder: Builder):
+    def __init__(self, builder: GraphBuilder):
         self.b = builder
         self.parts: dict[str, list[ir.Value]] = {}
         self.totals: dict[str, ir.Value] = {}
@@ -178,7 +179,7 @@ def _copy_type(value: ir.Value, like: ir.Value) -> None:
         value.shape = like.shape
 
 
-def _seed(builder: Builder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
+def _seed(builder: GraphBuilder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
     """d loss / d loss: 1 for a scalar loss, else a graph input ``<loss>_grad`` (a VJP)."""
     name = f"{loss.name}_grad"
     if not builder.name_is_free(name):
@@ -214,7 +215,7 @@ def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
         grads.add(x, grad)
 
 
-def _gradient_output(builder: Builder, grads: _Contributions, x: ir.Value) -> ir.Value:
+def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value) -> ir.Value:
     """The graph output ``x_grad``: the summed gradient, zeros if the loss ignores x."""
     name = f"{x.name}_grad"
     builder.prefix = f"{x.name}_Grad"

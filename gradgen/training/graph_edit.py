@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError
-from gradgen.grads.builder import Builder
 
 
 def opset_of(model: ir.Model) -> int:
@@ -60,20 +60,20 @@ def keep_outputs(graph: ir.Graph, keep: list[ir.Value]) -> None:
     graph.outputs.extend(keep)
 
 
-def new_input(builder: Builder, name: str, like: ir.Value) -> ir.Value:
+def new_input(builder: GraphBuilder, name: str, like: ir.Value) -> ir.Value:
     """A new graph input with ``like``'s type and shape, under a free name close to ``name``."""
     value = ir.Value(name=builder.unique(name), type=like.type, shape=like.shape)
     builder.graph.inputs.append(value)
     return value
 
 
-def scalar_input(builder: Builder, name: str, dtype: ir.DataType) -> ir.Value:
+def scalar_input(builder: GraphBuilder, name: str, dtype: ir.DataType) -> ir.Value:
     value = ir.Value(name=builder.unique(name), type=ir.TensorType(dtype), shape=ir.Shape([]))
     builder.graph.inputs.append(value)
     return value
 
 
-def as_output(builder: Builder, value: ir.Value, name: str, like: ir.Value | None = None) -> ir.Value:
+def as_output(builder: GraphBuilder, value: ir.Value, name: str, like: ir.Value | None = None) -> ir.Value:
     """Name ``value`` (an emitted node output) ``name`` or a free variant, type it, and make it an output.
 
     A value that is already a graph input or output goes through an Identity, so that every

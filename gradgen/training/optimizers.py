@@ -43,8 +43,8 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
-from gradgen.grads.builder import Builder
 from gradgen.training.graph_edit import (
     as_output,
     gradient_outputs,
@@ -180,7 +180,7 @@ class UpdateLayout:
 class _Emitter:
     """Shared scalars (float64, cast once per element type) for the per-parameter updates."""
 
-    def __init__(self, builder: Builder, lr: ir.Value, step: ir.Value | None):
+    def __init__(self, builder: GraphBuilder, lr: ir.Value, step: ir.Value | None):
         self.b = builder
         self.step = step
         self.lr64 = builder.op("Cast", lr, to=ir.DataType.DOUBLE)
@@ -218,7 +218,7 @@ class OptimizerPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        b = Builder(graph, opset_of(model))
+        b = GraphBuilder(graph, opset_of(model))
         b.prefix = f"gradgen_optimizer/{self.optimizer.kind}"
         grads = gradient_outputs(graph, self.params)
         params = {v.name: v for v in graph.inputs if v.name in grads}
@@ -264,7 +264,7 @@ class OptimizerPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-def global_norm(b: Builder, grads: list[ir.Value], likes: list[ir.Value]) -> ir.Value:
+def global_norm(b: GraphBuilder, grads: list[ir.Value], likes: list[ir.Value]) -> ir.Value:
     """sqrt(sum of squares of every gradient), in float32 (a float32 scalar)."""
     squares = []
     for g, like in zip(grads, likes):
@@ -289,7 +289,7 @@ class AccumulateGradientsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        b = Builder(graph, opset_of(model))
+        b = GraphBuilder(graph, opset_of(model))
         b.prefix = "gradgen_accumulate"
         grads = gradient_outputs(graph, self.params)
         params = {v.name: v for v in graph.inputs if v.name in grads}

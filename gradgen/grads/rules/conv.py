@@ -7,8 +7,8 @@ Runtime training does. ConvTranspose is the input-gradient of a Conv, so its gra
 
 from __future__ import annotations
 
+from gradgen.builder import MICROSOFT, dims_of, is_static
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, dims_of, is_static
 from gradgen.grads.registry import grad_rule
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")

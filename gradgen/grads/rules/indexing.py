@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import MICROSOFT, numpy_dtype_of
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, numpy_dtype_of
 from gradgen.grads.registry import grad_rule, non_differentiable
 from gradgen.grads.rules.shape import INT64_MAX, dims_value
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from gradgen.builder import MICROSOFT, dims_of, same_dim
 from gradgen.errors import ModelError
-from gradgen.grads.builder import MICROSOFT, dims_of, same_dim
 from gradgen.grads.registry import grad_rule
 
 _ABSENT = object()

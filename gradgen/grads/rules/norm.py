@@ -14,8 +14,8 @@ their (linear) gradients back to input_mean/input_var and X.
 
 from __future__ import annotations
 
+from gradgen.builder import dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.builder import dims_of
 from gradgen.grads.registry import grad_rule
 
 

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.errors import KernelError, ModelError
-from gradgen.grads.builder import dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.grads.registry import grad_rule
 from gradgen.grads.rules.conv import as_text, emit_conv_grad, forward_attrs, known_rank, node_where
 from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
@@ -20,7 +20,12 @@ from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, fol
 
 @grad_rule("MaxPool")
 def max_pool(g):
-    """Scatter-add dY at the argmax positions (MaxPool's Indices, flat over N*C*spatial)."""
+    """Scatter-add dY at the argmax positions, one (n, c) plane per scatter line.
+
+    MaxPool's Indices are flat over N*C*spatial, but each window's argmax lies in its own plane, so
+    ``Indices mod plane_size`` indexes the plane: ScatterElements over [N*C, plane] along axis 1 gives
+    N*C independent lines (one flat line of N*C*H*W was one serial scatter: 92 ms of a ResNet-18 step).
+    """
     x = g.x(0)
     if g.opset < 16:
         raise ModelError(f"{node_where(g)}: its gradient needs ScatterElements reduction='add' (opset >= 16); "
@@ -32,9 +37,15 @@ def max_pool(g):
     else:  # recompute, always row-major so the flat index matches Reshape(X, [-1])
         attrs.pop("storage_order", None)
         indices = g.op_multi("MaxPool", [x], 2, **attrs)[1]
-    flat = g.op("ScatterElements", g.reshape(g.zeros_like(x), [-1]), g.reshape(indices, [-1]),
-                g.reshape(g.dy(), [-1]), axis=0, reduction="add")
-    return [g.reshape_like(flat, x)]
+    x_shape, y_shape = g.shape_of(x), g.shape_of(indices)
+    lines = g.prod(x_shape, 0, 2)
+    plane = g.prod(x_shape, 2)
+    by_plane = g.reshape(g.zeros_like(x), g.cat(lines, plane), exact=True)
+    y_lines = g.cat(lines, g.prod(y_shape, 2))
+    plane_indices = g.op("Mod", g.reshape(indices, y_lines, exact=True), plane)
+    dx = g.op("ScatterElements", by_plane, plane_indices, g.reshape(g.dy(), y_lines, exact=True),
+              axis=1, reduction="add")
+    return [g.reshape_like(dx, x)]
 
 
 @grad_rule("AveragePool")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.grads.builder import dims_of, is_static
+from gradgen.builder import dims_of, is_static
 from gradgen.grads.registry import grad_rule, non_differentiable
 
 _ALL = "all"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.evaluate import ConstantEvaluator
-from gradgen.grads.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.grads.registry import grad_rule, non_differentiable
 
 INT64_MAX = np.iinfo(np.int64).max

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.builder import dims_of
-from gradgen.passes.lowering.core import Emitter, is_needed, node_attr, node_input, node_where, register_lowering
+from gradgen.ops.attributes import get_attr
+from gradgen.passes.lowering.core import is_needed, node_input, node_where, register_lowering
 
 
-def _conv_pads(e: Emitter, node: ir.Node, x: ir.Value, kernel, kernel_value, strides, dilations, nd):
+def _conv_pads(e: GraphBuilder, node: ir.Node, x: ir.Value, kernel, kernel_value, strides, dilations, nd):
     """(begin, end) pads of the forward Conv: lists of ints when static, else int64 vectors
     computed from X's shape (auto_pad SAME_* with X's spatial dims unknown)."""
-    auto_pad = node_attr(node, "auto_pad", "NOTSET") or "NOTSET"
+    auto_pad = get_attr(node, "auto_pad", "NOTSET") or "NOTSET"
     if auto_pad == "NOTSET":
-        pads = node_attr(node, "pads", [0] * (2 * nd))
+        pads = get_attr(node, "pads", [0] * (2 * nd))
         if len(pads) != 2 * nd:
             raise ModelError(f"{node_where(node)}: pads {pads} must have {2 * nd} values")
         return list(pads[:nd]), list(pads[nd:])
@@ -46,7 +47,7 @@ def _conv_pads(e: Emitter, node: ir.Node, x: ir.Value, kernel, kernel_value, str
     return (small, big) if auto_pad == "SAME_UPPER" else (big, small)
 
 
-def _pads_vector(e: Emitter, begin, end, lead: int = 2) -> ir.Value:
+def _pads_vector(e: GraphBuilder, begin, end, lead: int = 2) -> ir.Value:
     """Pad's pads for a tensor with ``lead`` unpadded leading axes."""
     zeros = e.ints([0] * lead)
     as_value = lambda v: v if isinstance(v, ir.Value) else e.ints(v)
@@ -54,18 +55,18 @@ def _pads_vector(e: Emitter, begin, end, lead: int = 2) -> ir.Value:
 
 
 @register_lowering("ConvGrad")
-def lower_conv_grad(e: Emitter, node: ir.Node):
+def lower_conv_grad(e: GraphBuilder, node: ir.Node):
     """dX by ConvTranspose, dW by a Conv of X with dY (batch and channels swapped), dB by ReduceSum."""
     dy, x, w = (node_input(node, i) for i in range(3))
     x_dims, w_dims, dy_dims = dims_of(x), dims_of(w), dims_of(dy)
-    kernel = node_attr(node, "kernel_shape")
+    kernel = get_attr(node, "kernel_shape")
     if w_dims is not None and all(isinstance(d, int) for d in w_dims[2:]):
         kernel = list(w_dims[2:])
     nd = len(kernel) if kernel is not None else _conv_spatial_rank(node, x_dims, w_dims, dy_dims)
     kernel_value = e.ints(kernel) if kernel is not None else e.part(e.shape_of(w), 2, 2 + nd)
-    group = int(node_attr(node, "group", 1))
-    strides = list(node_attr(node, "strides", [1] * nd))
-    dilations = list(node_attr(node, "dilations", [1] * nd))
+    group = int(get_attr(node, "group", 1))
+    strides = list(get_attr(node, "strides", [1] * nd))
+    dilations = list(get_attr(node, "dilations", [1] * nd))
     begin, end = _conv_pads(e, node, x, kernel, kernel_value, strides, dilations, nd)
     static_pads = not isinstance(begin, ir.Value)
     spatial = None if x_dims is None else x_dims[2:]
@@ -132,9 +133,9 @@ def lower_conv_grad(e: Emitter, node: ir.Node):
 def _conv_spatial_rank(node: ir.Node, *dims) -> int:
     for name in ("strides", "dilations"):
         if name in node.attributes:
-            return len(node_attr(node, name))
+            return len(get_attr(node, name))
     if "pads" in node.attributes:
-        return len(node_attr(node, "pads")) // 2
+        return len(get_attr(node, "pads")) // 2
     for d in dims:
         if d is not None:
             return len(d) - 2

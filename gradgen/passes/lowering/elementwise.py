@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
-from gradgen.passes.lowering.core import Emitter, is_needed, node_input, node_where, register_lowering
+from gradgen.passes.lowering.core import is_needed, node_input, node_where, register_lowering
 
 
 @register_lowering("BroadcastGradientArgs")
-def lower_broadcast_gradient_args(e: Emitter, node: ir.Node):
+def lower_broadcast_gradient_args(e: GraphBuilder, node: ir.Node):
     """The axes each operand of a broadcasting op is reduced over, in descending order."""
     from gradgen.ops.elementwise import broadcast_gradient_axes
 

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.builder import dims_of
-from gradgen.passes.lowering.core import Emitter, node_attr, node_input, node_where, register_lowering, scatter_add_opset
+from gradgen.ops.attributes import get_attr
+from gradgen.passes.lowering.core import node_input, node_where, register_lowering, scatter_add_opset
 
 
-def _shape_rank(e: Emitter, shape: ir.Value) -> int | None:
+def _shape_rank(e: GraphBuilder, shape: ir.Value) -> int | None:
     entries = e.shape_entries(shape)
     return None if entries is None else len(entries)
 
 
 @register_lowering("GatherGrad", min_opset=scatter_add_opset(2))
-def lower_gather_grad(e: Emitter, node: ir.Node):
+def lower_gather_grad(e: GraphBuilder, node: ir.Node):
     """dX = zeros(shape); dX[..., idx[j], ...] += dY[..., j, ...] along ``axis``."""
     shape, indices, dy = (node_input(node, i) for i in range(3))
-    axis = int(node_attr(node, "axis", 0))
+    axis = int(get_attr(node, "axis", 0))
     rank = _shape_rank(e, shape)
     if rank is None:
         dy_dims, idx_dims = dims_of(dy), dims_of(indices)
@@ -49,10 +50,10 @@ def lower_gather_grad(e: Emitter, node: ir.Node):
 
 
 @register_lowering("GatherElementsGrad", min_opset=scatter_add_opset(0))
-def lower_gather_elements_grad(e: Emitter, node: ir.Node):
+def lower_gather_elements_grad(e: GraphBuilder, node: ir.Node):
     """dX = zeros(shape); dX[idx[i] along axis, other coordinates of i] += dY[i]."""
     dy, shape, indices = (node_input(node, i) for i in range(3))
-    axis = int(node_attr(node, "axis", 0))
+    axis = int(get_attr(node, "axis", 0))
     shape64 = e.to_int64(shape)
     rank = _shape_rank(e, shape)
     if rank is None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.builder import dims_of
-from gradgen.passes.lowering.core import Emitter, node_input, node_where, register_lowering, zeros_opset
+from gradgen.ops.shape import slice_window_pads
+from gradgen.passes.lowering.core import node_input, node_where, register_lowering, zeros_opset
 
 
-def _slice_pads(e: Emitter, node: ir.Node) -> list[int] | None:
+def _slice_pads(e: GraphBuilder, node: ir.Node) -> list[int] | None:
     """Pad's pads for a SliceGrad whose slice is a plain window (all steps 1, everything known)."""
     dy, shape, starts, ends = (node_input(node, i) for i in range(4))
     axes_in, steps_in = node_input(node, 4), node_input(node, 5)
@@ -23,29 +24,12 @@ def _slice_pads(e: Emitter, node: ir.Node) -> list[int] | None:
         return None
     if (axes_in is not None and axes_v is None) or (steps_in is not None and (steps_v is None or np.any(steps_v != 1))):
         return None
-    rank = len(entries)
-    starts_l, ends_l = [int(v) for v in starts_v.reshape(-1)], [int(v) for v in ends_v.reshape(-1)]
-    axes = list(range(len(starts_l))) if axes_v is None else [int(a) for a in axes_v.reshape(-1)]
-    if not len(starts_l) == len(ends_l) == len(axes):
-        return None
-    axes = [a + rank if a < 0 else a for a in axes]
-    if any(not 0 <= a < rank for a in axes) or len(set(axes)) != len(axes):
-        return None
-    begin, end = [0] * rank, [0] * rank
-    for axis, start, stop in zip(axes, starts_l, ends_l):
-        size = entries[axis]
-        if size is None:
-            return None
-        start = start + size if start < 0 else start
-        stop = stop + size if stop < 0 else stop
-        start, stop = min(max(start, 0), size), min(max(stop, 0), size)
-        stop = max(stop, start)
-        begin[axis], end[axis] = start, size - stop
-    return begin + end
+    axes = None if axes_v is None else axes_v.reshape(-1).tolist()
+    return slice_window_pads(entries, starts_v.reshape(-1).tolist(), ends_v.reshape(-1).tolist(), axes)
 
 
 @register_lowering("SliceGrad", min_opset=zeros_opset(0))
-def lower_slice_grad(e: Emitter, node: ir.Node):
+def lower_slice_grad(e: GraphBuilder, node: ir.Node):
     """dX = zeros(shape) with dY written where Slice(starts, ends, axes, steps) reads."""
     dy, shape, starts, ends = (node_input(node, i) for i in range(4))
     axes, steps = node_input(node, 4), node_input(node, 5)
