@@ -190,10 +190,12 @@ def test_model_ending_in_its_loss_and_cross_entropy_on_logits(tmp_path):
     assert [p.name for p in paths] == ["training_model.onnx", "eval_model.onnx", "checkpoint"]
     training = onnx.load(str(paths[0]))
     onnx.checker.check_model(training, full_check=True)
-    # The sample's own loss and the labels only it read are gone; the new labels are int64 (batch,).
-    labels = [v for v in training.graph.input if v.name in made.user_inputs and v.name != "x"]
-    assert made.user_inputs == ["x", labels[0].name] and len(training.graph.output) == 1 + len(made.requires_grad)
-    assert labels[0].type == helper.make_tensor_type_proto(TensorProto.INT64, [3])
+    # The sample's own loss (and its labels) made way for the loss block's: int64 labels (batch,).
+    assert made.loss == "loss" and made.user_inputs == ["x", "labels"]
+    assert len(training.graph.output) == 1 + len(made.requires_grad)
+    (labels,) = [v for v in training.graph.input if v.name == "labels"]
+    assert labels.type == helper.make_tensor_type_proto(TensorProto.INT64, [3])
+    assert not any(n.op_type == "SoftmaxCrossEntropyLoss" and "gradgen_loss" not in n.name for n in training.graph.node)
 
 
 @pytest.mark.parametrize("loss", [LossSpec("bce_with_logits", "y"), LossSpec("cross_entropy", "y", label_smoothing=0.1)])

@@ -139,13 +139,15 @@ def test_ort_training_trains_on_gradgen_artifacts_as_the_trainer_does(case, ort_
                              freeze=[name for name in floats if name not in made.requires_grad],
                              clip_norm=spec.get("clip_norm"))
     assert program.params == list(made.requires_grad)
-    assert sorted(program.data_names) == sorted(made.user_inputs)
+    # Same order (the model's inputs, then the target); the artifacts drop the samples' own loss
+    # first, so that their target is ``labels`` where the Trainer's is ``labels_1``.
+    ort_name = dict(zip(program.data_names, made.user_inputs, strict=True))
     batches = _batches(program, np.random.default_rng(0))
     trainer = Trainer(program, lr=spec["lr"])
     ours = [result.loss for result in trainer.fit(batches, steps=STEPS)]
     our_eval = trainer.evaluate(batches[:1])
 
-    data = {f"{step}/{name}": value for step, batch in enumerate(batches) for name, value in batch.items()}
+    data = {f"{step}/{ort_name[name]}": value for step, batch in enumerate(batches) for name, value in batch.items()}
     data["meta"] = np.array(json.dumps({"lr": spec["lr"], "steps": STEPS}))
     np.savez(tmp_path / "data.npz", **data)
     (tmp_path / "runner.py").write_text(RUNNER)

@@ -46,7 +46,7 @@ import onnx_ir as ir
 from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
-from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
+from gradgen.passes import CleanupPass, GradientSpec, Pipeline, RemoveUnusedNodesPass, UpgradeOpsetPass
 from gradgen.training.graph_edit import (
     ParamsAsInputsPass,
     gradient_outputs,
@@ -125,9 +125,13 @@ def generate_artifacts(
     _check_optimizer(optimizer)
     forward = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     trainable, frozen = _check_names(forward.graph, requires_grad, list(frozen))
+    initializers = dict(forward.graph.initializers)  # before the pruning below
     if loss is None:
         _check_has_loss(forward.graph)
-    adder = AddLossPass(_with_loss_output(loss, forward.graph)) if loss is not None else None
+    else:
+        loss = _with_loss_output(loss, forward.graph)
+        _keep_only_output(forward, loss.output)
+    adder = AddLossPass(loss) if loss is not None else None
     run_pipeline(Pipeline(UpgradeOpsetPass(), *([adder] if adder else [])), forward)
 
     loss_name = adder.loss_name if adder else None
@@ -139,11 +143,11 @@ def generate_artifacts(
     run_pipeline(pipeline, backward)
     loss_name, trainable = gradient.loss_name, gradient.wrt_names
 
-    order = [name for name in forward.graph.initializers if name in set(trainable) | set(frozen)]
-    values = {name: forward.graph.initializers[name].const_value for name in order}
+    order = [name for name in initializers if name in set(trainable) | set(frozen)]
+    values = {name: initializers[name].const_value for name in order}
     # A frozen parameter the loss does not read is in the checkpoint but in neither graph.
     training = _training_model(backward, loss_name, trainable, [n for n in order if n in backward.graph.initializers])
-    evaluation = _eval_model(forward, loss_name, order)
+    evaluation = _eval_model(forward, loss_name, [n for n in order if n in forward.graph.initializers])
     trainable_set = set(trainable)
     requires = {name: values[name] for name in order if name in trainable_set}
     optimizer_model = None
@@ -188,6 +192,18 @@ def _with_loss_output(spec: LossSpec, graph: ir.Graph) -> LossSpec:
         raise UsageError(f"the model has {len(graph.outputs)} outputs ({', '.join(v.name for v in graph.outputs)}): "
                          "name the one the loss reads with --output")
     return dataclasses.replace(spec, output=graph.outputs[0].name)
+
+
+def _keep_only_output(model: ir.Model, name: str) -> None:
+    """Drop the outputs other than ``name`` (the model's own loss, say) and what only they read, so
+    that the loss block's names (``loss``, ``labels``, ``target``) are free. An unknown ``name`` is
+    left for the loss block to report."""
+    graph = model.graph
+    kept = [v for v in graph.outputs if v.name == name]
+    if kept and len(graph.outputs) > 1:
+        keep_outputs(graph, kept)
+        run_pipeline(RemoveUnusedNodesPass(), model)
+        remove_unused_inputs(graph)
 
 
 def _copy(model: ir.Model) -> ir.Model:
