@@ -229,6 +229,8 @@ def test_bad_parameters_are_one_line_errors(model, tmp_path):
         generate_artifacts(model, requires_grad=["w1"], frozen=["w1"], loss=spec)
     with pytest.raises(ModelError, match="no scalar float output to use as the loss.*--loss KIND"):
         generate_artifacts(model)
+    with pytest.raises(UsageError, match=r"the model has 2 outputs \(loss, logits\): name the one the loss reads"):
+        generate_artifacts(CNN, loss=LossSpec("cross_entropy", None))
     extra = onnx.load(str(model))
     extra.graph.initializer.append(numpy_helper.from_array(np.ones(3, np.float32), "unused"))
     onnx.save(extra, str(tmp_path / "extra.onnx"))

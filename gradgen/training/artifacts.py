@@ -125,16 +125,8 @@ def generate_artifacts(
     _check_optimizer(optimizer)
     forward = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     trainable, frozen = _check_names(forward.graph, requires_grad, list(frozen))
-    initializers = dict(forward.graph.initializers)  # before the pruning below
-    if loss is None:
-        _check_has_loss(forward.graph)
-    else:
-        loss = _with_loss_output(loss, forward.graph)
-        _keep_only_output(forward, loss.output)
-    adder = AddLossPass(loss) if loss is not None else None
-    run_pipeline(Pipeline(UpgradeOpsetPass(), *([adder] if adder else [])), forward)
-
-    loss_name = adder.loss_name if adder else None
+    initializers = dict(forward.graph.initializers)  # before _add_loss prunes what only other outputs read
+    loss_name = _add_loss(forward, loss)
     if trainable is not None:
         _check_loss_depends_on(forward.graph, loss_name, trainable)
     backward = _copy(forward)
@@ -165,6 +157,19 @@ def generate_artifacts(
         requires_grad=requires,
         frozen={name: values[name] for name in order if name not in trainable_set},
         loss=loss_name, user_inputs=user_inputs)
+
+
+def _add_loss(forward: ir.Model, loss: LossSpec | None) -> str | None:
+    """Upgrade the opset and append ``loss`` (the name of the loss it adds; None: the model's own)."""
+    if loss is None:
+        _check_has_loss(forward.graph)
+        run_pipeline(UpgradeOpsetPass(), forward)
+        return None
+    loss = _with_loss_output(loss, forward.graph)
+    _keep_only_output(forward, loss.output)
+    adder = AddLossPass(loss)
+    run_pipeline(Pipeline(UpgradeOpsetPass(), adder), forward)
+    return adder.loss_name
 
 
 def optimizer_for(kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
