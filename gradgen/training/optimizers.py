@@ -31,8 +31,9 @@ Relation to ONNX Runtime training's optimizer ops (com.microsoft, opset 1):
 - Their global-norm clipping is ``InplaceClipGradNorm(max_norm)``, a separate op on the
   gradient sequence, like step 2 above.
 
-Emitting those ops (they take sequences, so SequenceConstruct / SequenceAt around them) is a later
-step; gradgen's executor has no kernels for them, and the standard-op form runs on any runtime.
+The step graph does not use those ops (they take sequences; gradgen's executor has no kernels for
+them, and the standard-op form runs on any runtime); ``gradgen.training.artifacts`` emits them in
+the optimizer model it writes for ONNX Runtime's training API.
 """
 
 from __future__ import annotations
