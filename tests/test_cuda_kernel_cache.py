@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,6 @@ COMMON = '#pragma once\n#include "inner.h"\n'
 @pytest.fixture(autouse=True)
 def _fresh_compiler_choice(monkeypatch):
     monkeypatch.delenv("GRADGEN_CUDA_COMPILER", raising=False)
-    monkeypatch.delenv("GRADGEN_CUDA_FAST_COMPILE", raising=False)
     cc.compiler.cache_clear()
     yield
     cc.compiler.cache_clear()
@@ -48,6 +47,29 @@ class FakeCompiler(cc.Compiler):
             with open(self.log, "a") as out:
                 out.write(f"{os.getpid()} {source.name}\n")
         return f"{arch}:{source.text}".encode()
+
+
+class FakeSplitCompiler(FakeCompiler):
+    """Splits like NVRTC + nvJitLink: the 'LTO-IR' is the text, the kernels are listed on a
+    '// kernels:' line, and a link's 'cubin' names the kernels it holds."""
+
+    can_split = True
+    identity = "fake-split 1.0"
+
+    def ltoir(self, source, arch):
+        if self.log is not None:
+            with open(self.log, "a") as out:
+                out.write(f"{os.getpid()} {source.name}\n")
+        return source.text.encode()
+
+    def kernel_names(self, ltoir, arch):
+        line = next(line for line in ltoir.decode().splitlines() if line.startswith("// kernels:"))
+        return line.split(":")[1].split()
+
+    def link(self, ltoir, arch, kernels, source):
+        if self.barrier is not None:
+            self.barrier.wait(timeout=30)
+        return f"{arch}:" .encode() + " ".join(kernels).encode()
 
 
 def make_sources(directory: Path, names=("a", "b")) -> list[cc.Source]:
@@ -82,11 +104,38 @@ def test_the_cubin_is_compiled_once_then_read_from_the_cache(tmp_path):
     directory.mkdir()
     log = tmp_path / "log"
     fake = FakeCompiler(log)
-    first = [kernel_cache.load_or_compile(s, "sm_90", fake, directory) for s in sources]
-    again = [kernel_cache.load_or_compile(s, "sm_90", fake, directory) for s in sources]
-    assert first == again == [f"sm_90:{s.text}".encode() for s in sources]
+    first = [kernel_cache.load_or_build(s, "sm_90", fake, directory) for s in sources]
+    again = [kernel_cache.load_or_build(s, "sm_90", fake, directory) for s in sources]
+    assert first == again == [[(None, f"sm_90:{s.text}".encode())] for s in sources]
     assert len(log.read_text().splitlines()) == 2
-    assert sorted(p.suffix for p in directory.iterdir()) == [".cubin", ".cubin", ".lock", ".lock"]
+    assert sorted(p.suffix for p in directory.iterdir()) == [".cubin", ".cubin", ".json", ".json", ".lock", ".lock"]
+
+
+def test_a_split_source_links_its_kernels_in_groups_and_stores_an_index(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    kernels = [f"k{i}_f32" for i in range(30)]
+    (src / "big.cu").write_text("// kernels: " + " ".join(kernels) + "\n")
+    source = cc.find_source("big", src)
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    log = tmp_path / "log"
+    with ThreadPoolExecutor(4) as links:
+        build = kernel_cache.load_or_build(source, "sm_90", FakeSplitCompiler(log), directory, links)
+    assert sorted(k for names, _ in build for k in names) == sorted(kernels)  # every kernel, once
+    assert len(build) == 3 and all(len(names) == 10 for names, _ in build)
+    assert all(cubin == b"sm_90:" + " ".join(names).encode() for names, cubin in build)
+    assert kernel_cache.load_or_build(source, "sm_90", FakeSplitCompiler(log), directory) == build
+    assert len(log.read_text().splitlines()) == 1  # the second came from the cache
+    stem = kernel_cache.build_stem(directory, source, "sm_90", FakeSplitCompiler.identity)
+    stem.with_name(stem.name + ".1.cubin").unlink()
+    assert kernel_cache.read_build(stem) is None  # an incomplete build is no build
+
+
+def test_groups_deal_names_round_robin():
+    assert kernel_cache.groups_of(["a", "b", "c", "d", "e"], size=2) == [["a", "d"], ["b", "e"], ["c"]]
+    assert kernel_cache.groups_of(["a"], size=12) == [["a"]]
+    assert kernel_cache.groups_of([], size=12) == []
 
 
 def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -116,7 +165,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
 def _compile_in_process(args):
     src_dir, cache, log = args
     source = cc.find_source("a", Path(src_dir))
-    return kernel_cache.load_or_compile(source, "sm_90", FakeCompiler(Path(log), delay=0.5), Path(cache))
+    return kernel_cache.load_or_build(source, "sm_90", FakeCompiler(Path(log), delay=0.5), Path(cache))
 
 
 def test_processes_needing_the_same_kernel_compile_it_once(tmp_path):
@@ -126,7 +175,7 @@ def test_processes_needing_the_same_kernel_compile_it_once(tmp_path):
     args = (str(tmp_path / "src"), str(tmp_path / "cache"), str(log))
     with ProcessPoolExecutor(4) as pool:
         results = list(pool.map(_compile_in_process, [args] * 4))
-    assert len(set(results)) == 1
+    assert all(result == results[0] for result in results)
     assert len(log.read_text().splitlines()) == 1, log.read_text()
 
 
@@ -137,8 +186,8 @@ def test_all_sources_compile_in_parallel_and_a_broken_one_fails_alone(tmp_path, 
     (src / "c.cu").write_text("#error broken\n")
     monkeypatch.setattr(kernel_cache, "find_source", lambda name: cc.find_source(name, src))
     fake = FakeCompiler(barrier=threading.Barrier(3))
-    results = kernel_cache.cubins("sm_90", ["a", "b", "c"], using=fake, workers=3)
-    assert results["a"].startswith(b"sm_90:") and results["b"].startswith(b"sm_90:")
+    results = kernel_cache.builds("sm_90", ["a", "b", "c"], using=fake, workers=3)
+    assert results["a"][0][1].startswith(b"sm_90:") and results["b"][0][1].startswith(b"sm_90:")
     assert isinstance(results["c"], KernelError) and "c.cu" in str(results["c"])
 
 
@@ -149,7 +198,7 @@ def test_an_unwritable_cache_still_compiles(tmp_path, monkeypatch, capsys):
     src = tmp_path / "src"
     make_sources(src, ["a"])
     monkeypatch.setattr(kernel_cache, "find_source", lambda name: cc.find_source(name, src))
-    assert kernel_cache.cubins("sm_90", ["a"], using=FakeCompiler())["a"].startswith(b"sm_90:")
+    assert kernel_cache.builds("sm_90", ["a"], using=FakeCompiler())["a"][0][1].startswith(b"sm_90:")
     assert "not writable" in capsys.readouterr().err
 
 
@@ -197,16 +246,10 @@ def test_no_compiler_is_one_clear_line(monkeypatch):
 
 
 def test_without_cuda_core_nor_nvcc_the_real_probe_says_why(monkeypatch):
-    monkeypatch.setattr(cc, "_cuda_core_program", lambda: (_ for _ in ()).throw(ImportError("No module named 'cuda'")))
+    monkeypatch.setattr(cc, "_cuda_core", lambda: (_ for _ in ()).throw(ImportError("No module named 'cuda'")))
     monkeypatch.setattr(cc, "_find_nvcc", lambda: None)
     with pytest.raises(KernelError, match=r"NVRTC: \w*Error.*nvcc: not on PATH"):
         cc.compiler()
-
-
-def test_a_bad_fast_compile_level_is_refused(monkeypatch):
-    monkeypatch.setenv("GRADGEN_CUDA_FAST_COMPILE", "fastest")
-    with pytest.raises(KernelError, match="GRADGEN_CUDA_FAST_COMPILE"):
-        cc.fast_compile_level()
 
 
 def test_precompile_refuses_a_malformed_arch(capsys):
@@ -243,3 +286,30 @@ def test_a_real_compile_error_names_the_source_and_line(kind, tmp_path):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { undeclared_thing(); }\n')
     with pytest.raises(KernelError, match=r"(?s)broken\.cu does not compile .*\n.*undeclared_thing"):
         using.compile(cc.find_source("broken", tmp_path), "sm_90")
+
+
+def test_nvrtc_links_a_source_in_kernel_groups(tmp_path, monkeypatch):
+    using = _real("nvrtc")
+    if not using.can_split:
+        pytest.skip("nvJitLink is not installed")
+    monkeypatch.setattr(kernel_cache, "GROUP_SIZE", 2)
+    (tmp_path / "three.cu").write_text("".join(
+        f'extern "C" __global__ void kern{i}(float* out) {{ out[threadIdx.x] = {i}.0f; }}\n' for i in range(3)))
+    build = kernel_cache.compile_build(cc.find_source("three", tmp_path), "sm_90", using)
+    assert [names for names, _ in build] == [["kern0", "kern2"], ["kern1"]]
+    for names, cubin in build:
+        assert cubin[:4] == b"\x7fELF"
+        held = {f"kern{i}" for i in range(3) if f".text.kern{i}\0".encode() in cubin}  # a code section per kernel
+        assert held == set(names)
+
+
+def test_a_whole_module_is_one_cubin_even_from_a_splitting_compiler(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "gen.cu").write_text("// kernels: a b\n")
+    source = cc.find_source("gen", src)
+    split = FakeSplitCompiler()
+    split.compile = lambda source, arch: b"whole:" + source.text.encode()
+    (tmp_path / "cache").mkdir()
+    assert kernel_cache.load_or_compile(source, "sm_90", split, tmp_path / "cache") == b"whole:// kernels: a b\n"
+    assert kernel_cache.load_or_build(source, "sm_90", split, tmp_path / "cache") == [(["a", "b"], b"sm_90:a b")]

@@ -30,17 +30,6 @@ NVRTC_INCLUDE = Path(__file__).resolve().parent / "nvrtc_include"  # what NVRTC 
 NVRTC_PRELUDE = "gradgen_nvrtc.h"
 STD = "c++17"
 COMPILERS = ("nvrtc", "nvcc")
-FAST_COMPILE_LEVELS = ("0", "min", "mid", "max")
-
-
-def fast_compile_level() -> str:
-    """``GRADGEN_CUDA_FAST_COMPILE`` (0, min, mid, max): the compilers' -Ofast-compile level, which
-    trades kernel speed for compile time (0, the default: full optimisation)."""
-    level = os.environ.get("GRADGEN_CUDA_FAST_COMPILE") or "0"
-    if level not in FAST_COMPILE_LEVELS:
-        raise KernelError(f"GRADGEN_CUDA_FAST_COMPILE={level!r}: expected one of {', '.join(FAST_COMPILE_LEVELS)}")
-    return level
-
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
 
 
@@ -92,13 +81,30 @@ def find_source(name: str, directory: Path = CUDA_SOURCES) -> Source:
 
 
 class Compiler:
-    """Turns a Source into a cubin for ``arch`` (``sm_90``). ``identity`` names the compiler, its
-    version, options and header directories: everything besides the source that shapes the cubin."""
+    """Turns a Source into cubins for ``arch`` (``sm_90``). ``identity`` names the compiler, its
+    version, options and header directories: everything besides the source that shapes the cubin.
+
+    A compiler that ``can_split`` builds one source in two stages, so that one large source does
+    not bound the cold start: ``ltoir`` runs the front end once (about a second), ``link`` then
+    optimises and assembles any subset of its kernels (nvJitLink's LTO, dropping the kernels not
+    asked for), and the subsets link in parallel. Otherwise ``compile`` builds the whole source.
+    """
 
     kind = ""
+    version = ""
     identity = ""
+    can_split = False
 
     def compile(self, source: Source, arch: str) -> bytes:
+        raise NotImplementedError
+
+    def ltoir(self, source: Source, arch: str) -> bytes:
+        raise NotImplementedError
+
+    def kernel_names(self, ltoir: bytes, arch: str) -> list[str]:
+        raise NotImplementedError
+
+    def link(self, ltoir: bytes, arch: str, kernels: list[str], source: Source) -> bytes:
         raise NotImplementedError
 
 
@@ -108,25 +114,50 @@ class NvrtcCompiler(Compiler):
     def __init__(self):
         from cuda.bindings import nvrtc
 
-        self._program, self._options = _cuda_core_program()
+        self._core = _cuda_core()
         result, major, minor = nvrtc.nvrtcVersion()
         if int(result) != 0:
             raise RuntimeError(f"nvrtcVersion failed: {result}")
         self.version = f"{major}.{minor}"
         self.include_path = [str(NVRTC_INCLUDE), *_cuda_header_dirs()]  # and the source's own directory
-        self.extra = {"ofast_compile": fast_compile_level()} if fast_compile_level() != "0" else {}
+        self.linker = _nvjitlink_version()
+        self.can_split = self.linker is not None
         shims = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(NVRTC_INCLUDE.iterdir()))).hexdigest()
-        self.identity = f"nvrtc {self.version}; std={STD}; {self.extra}; include={self.include_path}; shims {shims[:16]}"
+        self.identity = (f"nvrtc {self.version}; nvjitlink {self.linker}; std={STD}; include={self.include_path}; "
+                         f"shims {shims[:16]}")
+
+    def _program(self, source: Source, arch: str, **extra):
+        options = self._core.ProgramOptions(name=source.path.name, arch=arch, std=STD, pre_include=NVRTC_PRELUDE,
+                                            include_path=[str(source.path.parent), *self.include_path], **extra)
+        return self._core.Program(source.text, "c++", options=options)
+
+    def _run(self, what: str, source: Source, arch: str, action) -> bytes:
+        try:
+            return _code_bytes(action())
+        except KernelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - cuda.core raises its own types; the log is in the message
+            raise KernelError(_compile_failure(source, arch, f"{what} {self.version}", str(exc))) from exc
 
     def compile(self, source: Source, arch: str) -> bytes:
-        include_path = [str(source.path.parent), *self.include_path]
-        options = self._options(name=source.path.name, arch=arch, std=STD, include_path=include_path,
-                                pre_include=NVRTC_PRELUDE, **self.extra)
-        try:
-            code = self._program(source.text, "c++", options=options).compile("cubin")
-        except Exception as exc:  # noqa: BLE001 - cuda.core raises its own types; the log is in the message
-            raise KernelError(_compile_failure(source, arch, f"NVRTC {self.version}", str(exc))) from exc
-        return bytes(getattr(code, "code", None) or code._module)
+        return self._run("NVRTC", source, arch, lambda: self._program(source, arch).compile("cubin"))
+
+    def ltoir(self, source: Source, arch: str) -> bytes:
+        program = self._program(source, arch, relocatable_device_code=True, link_time_optimization=True)
+        return self._run("NVRTC", source, arch, lambda: program.compile("ltoir"))
+
+    def kernel_names(self, ltoir: bytes, arch: str) -> list[str]:
+        """The kernels in ``ltoir``, read from an unoptimised PTX link of it (a fraction of a second)."""
+        core = self._core
+        options = core.LinkerOptions(arch=arch, link_time_optimization=True, ptx=True, optimization_level=0)
+        ptx = _code_bytes(core.Linker(core.ObjectCode.from_ltoir(ltoir), options=options).link("ptx"))
+        return [name.decode() for name in re.findall(rb"\.entry\s+([A-Za-z_$][\w$]*)", ptx)]
+
+    def link(self, ltoir: bytes, arch: str, kernels: list[str], source: Source) -> bytes:
+        core = self._core
+        options = core.LinkerOptions(arch=arch, link_time_optimization=True, kernels_used=list(kernels))
+        return self._run("nvJitLink", source, arch,
+                         lambda: core.Linker(core.ObjectCode.from_ltoir(ltoir), options=options).link("cubin"))
 
 
 class NvccCompiler(Compiler):
@@ -136,8 +167,7 @@ class NvccCompiler(Compiler):
         self.nvcc = nvcc
         result = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True)
         self.version = result.stdout.strip().splitlines()[-1]
-        level = fast_compile_level()
-        self.options = [f"-std={STD}", "-O3", *([f"-Ofast-compile={level}"] if level != "0" else [])]
+        self.options = [f"-std={STD}", "-O3"]
         self.identity = f"nvcc {self.version}; {self.options}"
 
     def compile(self, source: Source, arch: str) -> bytes:
@@ -156,13 +186,31 @@ def _compile_failure(source: Source, arch: str, compiler: str, log: str) -> str:
     return f"CUDA source {source.path.name} does not compile with {compiler} for {arch}:\n{shown}"
 
 
-def _cuda_core_program():
-    """``(Program, ProgramOptions)`` from cuda.core (top level since 0.4, .experimental before)."""
+def _cuda_core():
+    """cuda.core's namespace (its classes are top level since 0.4, under .experimental before)."""
     try:
-        from cuda.core import Program, ProgramOptions
-    except ImportError:
-        from cuda.core.experimental import Program, ProgramOptions
-    return Program, ProgramOptions
+        import cuda.core as core
+
+        core.Program  # noqa: B018 - fails on versions that keep it under .experimental
+    except (ImportError, AttributeError):
+        import cuda.core.experimental as core
+    return core
+
+
+def _code_bytes(code) -> bytes:
+    """The bytes of a cuda.core ObjectCode (``.code``; ``._module`` on old versions)."""
+    return bytes(getattr(code, "code", None) or code._module)
+
+
+def _nvjitlink_version() -> str | None:
+    """nvJitLink's version where the library loads (the pip wheel or a toolkit's), else None."""
+    try:
+        from cuda.bindings import nvjitlink
+
+        major, minor = nvjitlink.version()
+    except Exception:  # noqa: BLE001 - no cuda.bindings.nvjitlink, or the library is missing
+        return None
+    return f"{major}.{minor}"
 
 
 def _cuda_header_dirs() -> list[str]:

@@ -1,26 +1,35 @@
 """The persistent cache of compiled CUDA kernels (cubins), safe for concurrent processes.
 
-A cubin is stored under a key that hashes the source (with the headers it includes), the GPU
-architecture and the compiler's identity (compiler, version, options, header directories), so any
-change compiles afresh and nothing stale is ever loaded. The directory is ``GRADGEN_CUDA_CACHE``
-when set, else the user cache directory (platformdirs; e.g. ~/.cache/gradgen/cuda).
+A source's build is stored under a key that hashes the source (with the headers it includes), the
+GPU architecture and the compiler's identity (compiler, versions, options, header directories),
+so any change compiles afresh and nothing stale is ever loaded. The directory is
+``GRADGEN_CUDA_CACHE`` when set, else the user cache directory (platformdirs; e.g.
+~/.cache/gradgen/cuda). One build is ``<source>-<arch>-<key>.index.json``, naming the kernels of
+each of its cubins ``<source>-<arch>-<key>.<i>.cubin`` (a single cubin of all kernels where the
+compiler cannot split a source: nvcc, or NVRTC without nvJitLink).
 
-Concurrency (``pytest -n 8``, several training jobs): a cubin is written to a temporary file and
-moved into place with ``os.replace``, so a reader sees a whole file or none; compiling one key
-holds an exclusive ``fcntl`` lock on ``<key>.lock``, so processes that need the same kernels at
-once compile each source once and the others wait for it. ``cubins`` compiles every missing source
-in a thread pool (NVRTC releases the GIL), so the first use costs the longest compile, not the sum.
+Concurrency (``pytest -n 8``, several training jobs): every file is written to a temporary file and
+moved into place with ``os.replace``, the index last, so a reader sees a whole build or none;
+building one key holds an exclusive ``fcntl`` lock on ``<key>.lock``, so processes that need the
+same kernels at once build each source once and the others wait for it.
+
+Speed: ``builds`` builds every missing source at once in threads (NVRTC and nvJitLink release the
+GIL): each source's front end runs once (LTO-IR), then its kernels link in groups of about
+``GROUP_SIZE`` on a shared pool, so the cold start costs the total work spread over the cores,
+not the largest source's compile. (So kernels of one source must not share a module-scope
+``__device__`` or ``__constant__`` variable: each group's cubin holds its own copy.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 from gradgen.cuda.compile import Compiler, Source, compiler, find_source, source_names
@@ -47,10 +56,6 @@ def cache_key(source: Source, arch: str, identity: str) -> str:
     import hashlib
 
     return hashlib.sha256(f"{source.digest}\0{arch}\0{identity}".encode()).hexdigest()[:32]
-
-
-def cubin_path(directory: Path, source: Source, arch: str, identity: str) -> Path:
-    return directory / f"{source.name}-{arch}-{cache_key(source, arch, identity)}.cubin"
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -84,20 +89,77 @@ def file_lock(path: Path):
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def load_or_compile(source: Source, arch: str, using: Compiler, directory: Path | None) -> bytes:
-    """The cubin of ``source`` for ``arch``: from the cache, else compiled (once across processes)
+Build = list  # [(kernel names, or None for "every kernel of the source"; cubin bytes), ...]
+GROUP_SIZE = 12  # kernels linked together: small enough to spread a large source over the cores
+
+
+def groups_of(names: list[str], size: int | None = None) -> list[list[str]]:
+    """``names`` dealt round-robin into groups of about ``size`` (default GROUP_SIZE): a family's
+    variants, which cost alike and sit side by side in a source, spread over the groups."""
+    count = max(1, -(-len(names) // (size or GROUP_SIZE)))
+    return [names[i::count] for i in range(count) if names[i::count]]
+
+
+def build_stem(directory: Path, source: Source, arch: str, identity: str) -> Path:
+    return directory / f"{source.name}-{arch}-{cache_key(source, arch, identity)}"
+
+
+def _index(stem: Path) -> Path:
+    return stem.with_name(stem.name + ".index.json")
+
+
+def read_build(stem: Path) -> Build | None:
+    """The stored build at ``stem`` (index and cubins), or None where it is missing or incomplete."""
+    try:
+        groups = json.loads(_index(stem).read_text())["groups"]
+        return [(names, stem.with_name(f"{stem.name}.{i}.cubin").read_bytes()) for i, names in enumerate(groups)]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_build(stem: Path, build: Build) -> None:
+    for i, (_, cubin) in enumerate(build):
+        atomic_write(stem.with_name(f"{stem.name}.{i}.cubin"), cubin)
+    index = json.dumps({"groups": [names for names, _ in build]}).encode()
+    atomic_write(_index(stem), index)  # last: the build is complete
+
+
+def compile_build(source: Source, arch: str, using: Compiler, links: Executor | None = None,
+                  split: bool = True) -> Build:
+    """Compile ``source``: split into kernel groups linked on ``links`` (a thread pool) where the
+    compiler can and ``split`` allows, else whole."""
+    if not (split and using.can_split):
+        return [(None, using.compile(source, arch))]
+    ltoir = using.ltoir(source, arch)
+    groups = groups_of(using.kernel_names(ltoir, arch))
+    if links is None:
+        return [(names, using.link(ltoir, arch, names, source)) for names in groups]
+    futures = [links.submit(using.link, ltoir, arch, names, source) for names in groups]
+    return [(names, future.result()) for names, future in zip(groups, futures)]
+
+
+def load_or_build(source: Source, arch: str, using: Compiler, directory: Path | None,
+                  links: Executor | None = None, split: bool = True) -> Build:
+    """The build of ``source`` for ``arch``: from the cache, else compiled (once across processes)
     and stored. With ``directory`` None (the cache cannot be written) it is only compiled."""
     if directory is None:
-        return using.compile(source, arch)
-    path = cubin_path(directory, source, arch, using.identity)
-    with contextlib.suppress(FileNotFoundError):
-        return path.read_bytes()
-    with file_lock(path.with_suffix(".lock")):
-        with contextlib.suppress(FileNotFoundError):
-            return path.read_bytes()  # another process compiled it while this one waited
-        data = using.compile(source, arch)
-        atomic_write(path, data)
-        return data
+        return compile_build(source, arch, using, links, split)
+    stem = build_stem(directory, source, arch, using.identity + ("" if split else "; whole"))
+    build = read_build(stem)
+    if build is not None:
+        return build
+    with file_lock(stem.with_name(stem.name + ".lock")):
+        build = read_build(stem)  # another process built it while this one waited
+        if build is None:
+            build = compile_build(source, arch, using, links, split)
+            write_build(stem, build)
+        return build
+
+
+def load_or_compile(source: Source, arch: str, using: Compiler, directory: Path | None) -> bytes:
+    """One cubin of every kernel of ``source`` (for a module loaded whole, such as a source
+    generated at run time), from the cache or compiled once across processes."""
+    return load_or_build(source, arch, using, directory, split=False)[0][1]
 
 
 def _usable_dir() -> Path | None:
@@ -113,9 +175,9 @@ def _usable_dir() -> Path | None:
     return directory
 
 
-def cubins(arch: str, names: list[str] | None = None, *, using: Compiler | None = None,
-           workers: int | None = None, on_done=None) -> dict[str, bytes | KernelError]:
-    """Cubins of the named sources (default: all) for ``arch``, compiling the missing ones in parallel.
+def builds(arch: str, names: list[str] | None = None, *, using: Compiler | None = None,
+           workers: int | None = None, on_done=None) -> dict[str, Build | KernelError]:
+    """Builds of the named sources (default: all) for ``arch``, compiling the missing ones at once.
 
     A source that fails to compile maps to its KernelError rather than failing the others: only
     the kernels it holds are unusable. ``on_done(name, seconds, compiled)`` hears of each source.
@@ -124,23 +186,26 @@ def cubins(arch: str, names: list[str] | None = None, *, using: Compiler | None 
     sources = [find_source(name) for name in names]
     directory = _usable_dir()
     using = using or compiler()
-    missing = [s for s in sources if directory is None or not cubin_path(directory, s, arch, using.identity).exists()]
-    results: dict[str, bytes | KernelError] = {}
+    missing = [s for s in sources if directory is None or not _index(build_stem(directory, s, arch, using.identity)).exists()]
+    results: dict[str, Build | KernelError] = {}
     progress = _Progress(len(missing), arch, using, directory)
-    workers = workers or min(len(sources), os.cpu_count() or 1) or 1
+    workers = workers or os.cpu_count() or 1
 
-    def one(source: Source) -> None:
+    def one(source: Source, links: Executor) -> None:
         start = time.perf_counter()
         try:
-            results[source.name] = load_or_compile(source, arch, using, directory)
+            results[source.name] = load_or_build(source, arch, using, directory, links)
         except KernelError as exc:
             results[source.name] = exc
         progress.done(source in missing)
         if on_done is not None:
             on_done(source.name, time.perf_counter() - start, source in missing)
 
-    with progress, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-nvrtc") as pool:
-        list(pool.map(one, sources))
+    # Two pools: a thread per source (front end, then waiting on its links or on another process's
+    # lock) and the workers that link kernel groups (or compile whole sources), so no wait blocks work.
+    with progress, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-link") as links, \
+            ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source:
+        list(per_source.map(lambda source: one(source, links), sources))
     return {name: results[name] for name in names}
 
 

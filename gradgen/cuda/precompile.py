@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = 0
         for arch in args.arch or [current_arch()]:
             start = time.perf_counter()
-            results = kernel_cache.cubins(arch, source_names(), using=using, workers=args.jobs, on_done=_say_done)
+            results = kernel_cache.builds(arch, source_names(), using=using, workers=args.jobs, on_done=_say_done)
             for name, result in results.items():
                 if isinstance(result, Exception):
                     failed += 1

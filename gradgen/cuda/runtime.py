@@ -238,33 +238,57 @@ def _arch() -> str:
     return f"sm_{major}{minor}"
 
 
-_CUBINS: dict = {}  # module name -> cubin bytes (or the KernelError its compile raised)
-_CUBINS_LOCK = threading.Lock()
+_BUILDS: dict = {}  # source name -> its build (kernel groups and cubins), or the KernelError it raised
+_BUILDS_LOCK = threading.Lock()
 
 
-def _cubin(name: str) -> bytes:
-    """The cubin of ``name.cu`` for this GPU. The first request fetches every source's at once,
+def _build(name: str) -> list:
+    """The build of ``name.cu`` for this GPU. The first request fetches every source's at once,
     from the persistent cache or compiled in parallel (see gradgen/cuda/kernel_cache.py), so a cold
-    start waits for the longest compile rather than for one compile per module as each is first used."""
-    with _CUBINS_LOCK:
-        if name not in _CUBINS:
-            wanted = [n for n in source_names() if n not in _CUBINS]
-            _CUBINS.update(kernel_cache.cubins(_arch(), wanted if name in wanted else [*wanted, name]))
-        result = _CUBINS[name]
+    start pays for all compiles together rather than one source at a time as each is first used."""
+    with _BUILDS_LOCK:
+        if name not in _BUILDS:
+            wanted = [n for n in source_names() if n not in _BUILDS]
+            _BUILDS.update(kernel_cache.builds(_arch(), wanted if name in wanted else [*wanted, name]))
+        result = _BUILDS[name]
     if isinstance(result, Exception):
         raise result
     return result
 
 
+class Module:
+    """The kernels of one .cu source: its cubins (one per kernel group), each loaded into the
+    context when a kernel of it is first asked for. ``get_function`` as on a PyCUDA module."""
+
+    def __init__(self, name: str, build: list):
+        self.name = name
+        self._groups = build
+        self._loaded: dict[int, driver.Module] = {}
+        self._lock = threading.Lock()
+        self._where = {kernel: i for i, (kernels, _) in enumerate(build) if kernels is not None for kernel in kernels}
+
+    def _module(self, i: int) -> driver.Module:
+        with self._lock:
+            if i not in self._loaded:
+                try:
+                    self._loaded[i] = driver.module_from_buffer(self._groups[i][1])
+                except driver.Error as exc:
+                    raise KernelError(f"CUDA module {self.name}.cu ({_arch()}) does not load: {exc}") from exc
+            return self._loaded[i]
+
+    def get_function(self, entry: str):
+        if entry in self._where:
+            return self._module(self._where[entry]).get_function(entry)
+        if len(self._groups) == 1 and self._groups[0][0] is None:  # one cubin of every kernel
+            return self._module(0).get_function(entry)
+        raise KernelError(f"no kernel {entry} in {self.name}.cu")
+
+
 @functools.lru_cache(maxsize=None)
-def module(name: str) -> driver.Module:
-    """The loaded module of ``gradgen/kernels/cuda/<name>.cu`` (compiled without nvcc by NVRTC
-    where it is installed; see gradgen/cuda/compile.py), once per process."""
-    cubin = _cubin(name)
-    try:
-        return driver.module_from_buffer(cubin)
-    except driver.Error as exc:
-        raise KernelError(f"CUDA module {name}.cu ({_arch()}) does not load: {exc}") from exc
+def module(name: str) -> Module:
+    """The kernels of ``gradgen/kernels/cuda/<name>.cu``, compiled without nvcc by NVRTC where it
+    is installed (see gradgen/cuda/compile.py), once per process."""
+    return Module(name, _build(name))
 
 
 class _Kernel:
