@@ -10,7 +10,9 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError
 from gradgen.executor import Session
 from gradgen.model_io import ModelLike, load_model
+from gradgen.passes.autocast import check_precision
 from gradgen.passes import (
+    AutocastPass,
     CleanupPass,
     EvaluateConstantsPass,
     GradientPass,
@@ -40,17 +42,16 @@ class BackwardModel:
         return [f"{name}_grad" for name in self.wrt]
 
 
-def backward_pipeline(spec: GradientSpec) -> tuple[Pipeline, GradientPass]:
-    """The default pipeline: prepare the forward graph, add the backward graph, clean up."""
+def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
+    """The default pipeline: prepare the forward graph, add the backward graph, clean up.
+
+    With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
+    the gradient pass, which then differentiates through its casts."""
     gradient = GradientPass(spec)
-    pipeline = Pipeline(
-        UpgradeOpsetPass(),
-        NameNodesPass(),
-        TopologicalSortPass(),
-        EvaluateConstantsPass(),
-        gradient,
-        CleanupPass(),
-    )
+    prepare = [UpgradeOpsetPass(), NameNodesPass(), TopologicalSortPass(), EvaluateConstantsPass()]
+    if precision != "fp32":
+        prepare.append(AutocastPass(precision))
+    pipeline = Pipeline(*prepare, gradient, CleanupPass())
     return pipeline, gradient
 
 
@@ -82,6 +83,7 @@ def build_backward(
     wrt_inputs: bool = False,
     portable: bool = False,
     add_loss: LossSpec | None = None,
+    precision: str = "fp32",
 ) -> BackwardModel:
     """Return ``model`` with its backward graph appended (the input model is not modified).
 
@@ -89,14 +91,18 @@ def build_backward(
     (``passes.LowerToStandardPass``), so that any ONNX runtime can run the result.
     ``add_loss`` (a ``gradgen.training.LossSpec``) first appends a loss to a model that ends in
     logits or predictions, and differentiates that loss.
+    ``precision`` (fp32, tf32, bf16, fp16) runs ``passes.AutocastPass`` on the forward graph first:
+    bf16 / fp16 as torch.autocast computes, float32 parameters and gradients; tf32 is recorded in
+    the model's metadata for the GPU backend.
     """
+    check_precision(precision)
     # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
     # never change); a model loaded here is already our own.
     forward = _copy_graph(model) if isinstance(model, ir.Model) else load_model(model)
     if add_loss is not None:
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
-    pipeline, gradient = backward_pipeline(spec)
+    pipeline, gradient = backward_pipeline(spec, precision)
     result = run_pipeline(pipeline, forward)
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)

@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
+from gradgen.executor import low_precision
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, load_model
 from gradgen.ops import schemas
@@ -32,6 +33,7 @@ class Step:
     free_after: list[str]
     entry: Any = None  # the registry entry (CPU kernel, CUDA launcher)
     index: int = 0  # position in the plan (the CUDA backend's memory plan counts steps by it)
+    output_dtypes: list | None = None  # the element types the graph declares for the outputs (None: unknown)
 
 
 class CpuBackend:
@@ -61,6 +63,8 @@ class CpuBackend:
         pass
 
     def run_step(self, step: "Step", args: list):
+        if low_precision.needs_fp32(step.op_type, args, step.attributes, step.output_dtypes):
+            return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
         return step.kernel(*args, **step.attributes)
 
     def wrap(self, value) -> np.ndarray:
@@ -166,6 +170,7 @@ class Session:
                 outputs=[v.name for v in node.outputs],
                 attributes=attrs,
                 free_after=[],
+                output_dtypes=low_precision.declared_dtypes(node),
             ))
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
         for index, step in enumerate(steps):

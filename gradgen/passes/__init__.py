@@ -4,6 +4,7 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 
 import onnx_ir as ir
 
+from gradgen.passes.autocast import AutocastPass
 from gradgen.passes.evaluate import EvaluateConstantsPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
@@ -25,6 +26,7 @@ FoldShapeArithmeticPass = EvaluateConstantsPass
 InlineConstantIfPass = EvaluateConstantsPass
 
 __all__ = [
+    "AutocastPass",
     "CleanupPass",
     "CommonSubexpressionEliminationPass",
     "EvaluateConstantsPass",

@@ -1,0 +1,81 @@
+"""bfloat16 / float16 on the CPU backend: compute in float32, round on output.
+
+numpy has no bfloat16 (``ml_dtypes`` provides the dtype, which onnx already depends on, but few
+numpy routines accept it), and numpy's float16 arithmetic rounds every intermediate result. A
+GPU kernel for a 16-bit float loads its inputs, computes and accumulates in float32 and rounds
+once when it stores. The CPU backend does the same: a step that reads or writes a 16-bit float
+runs its numpy kernel on float32 copies of its 16-bit inputs, and each float output is rounded to
+the element type the graph declares for it (to the narrowest input float type where the graph
+declares none). The products of two bfloat16 or float16 numbers are exact in float32, so a MatMul
+computed this way is what a tensor core with float32 accumulation computes, up to summation order.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT16 = np.dtype(np.float16)
+LOW_PRECISION = (BFLOAT16, FLOAT16)
+_ONNX_LOW = {int(ir.DataType.BFLOAT16), int(ir.DataType.FLOAT16)}
+
+
+def is_low_precision(dtype) -> bool:
+    return dtype is not None and np.dtype(dtype) in LOW_PRECISION
+
+
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """Float types, bfloat16 included (``ml_dtypes``' dtypes are of numpy kind 'V')."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
+def declared_dtypes(node: ir.Node) -> list[np.dtype | None]:
+    """The element type the graph declares for each output of ``node`` (None where unknown)."""
+    out = []
+    for value in node.outputs:
+        try:
+            out.append(np.dtype(value.dtype.numpy()) if value.dtype is not None else None)
+        except (TypeError, ValueError):  # element types numpy cannot hold (strings, ...)
+            out.append(None)
+    return out
+
+
+def needs_fp32(op_type: str, args: list, attributes: dict, out_dtypes: list | None) -> bool:
+    """True when the step reads a 16-bit float or a Cast produces one."""
+    if any(a is not None and is_low_precision(getattr(a, "dtype", None)) for a in args):
+        return True
+    if op_type == "Cast" and int(attributes.get("to", 0)) in _ONNX_LOW:
+        return True
+    return bool(out_dtypes) and any(is_low_precision(d) for d in out_dtypes if d is not None)
+
+
+def run_in_fp32(kernel, op_type: str, args: list, attributes: dict, out_dtypes: list | None):
+    """Run ``kernel`` on float32 copies of the 16-bit float inputs; round its float outputs to
+    their declared element types (the narrowest 16-bit input type where none is declared)."""
+    low = [a.dtype for a in args if a is not None and is_low_precision(getattr(a, "dtype", None))]
+    fallback = low[0] if low else None
+    wide = [a.astype(np.float32) if a is not None and is_low_precision(getattr(a, "dtype", None)) else a
+            for a in args]
+    attrs = dict(attributes)
+    if op_type == "Cast":
+        target = int(attrs.get("to", 0))
+        fallback = np.dtype(ir.DataType(target).numpy()) if target in _ONNX_LOW else None
+        if fallback is not None:
+            attrs["to"] = int(ir.DataType.FLOAT)  # rounded to the target type below
+    elif op_type == "CastLike":
+        fallback = args[1].dtype if is_low_precision(args[1].dtype) else None
+    result = kernel(*wide, **attrs)
+    results = result if isinstance(result, tuple) else (result,)
+    rounded = []
+    for k, value in enumerate(results):
+        want = out_dtypes[k] if out_dtypes and k < len(out_dtypes) else None
+        if want is None:
+            want = fallback
+        array = np.asarray(value) if value is not None else None
+        if array is not None and want is not None and is_float_dtype(array.dtype) and is_float_dtype(want) \
+                and array.dtype != want:
+            array = array.astype(want)
+        rounded.append(array)
+    return tuple(rounded) if isinstance(result, tuple) else rounded[0]
