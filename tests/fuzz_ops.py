@@ -37,6 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gradgen
 from gradgen.executor import Session
 from tests import fuzz_graphs as fg
+from tests.grad_cases.elementwise import UNARY_SPECS
 
 MARGIN = 0.02  # distance kept from every kink (finite differences step 1e-6)
 INT64_MAX, INT64_MIN = fg.INT64_MAX, fg.INT64_MIN
@@ -244,6 +245,10 @@ def unary_cases(draw, op):
     elif op == "Gelu":
         lo, hi, kinks, opset = -3, 3, (), 20
         attrs = {"approximate": draw(st.sampled_from(["none", "tanh"]))}
+    elif op in UNARY_SPECS:
+        spec = UNARY_SPECS[op]
+        attrs = dict(draw(st.sampled_from(spec.attrs)))
+        lo, hi, kinks = spec.low, spec.high, spec.kinks(attrs)
     else:
         raise KeyError(op)
     x = away(rng, s, lo, hi, kinks)
@@ -997,7 +1002,7 @@ def loss_cases(draw, op):
 # -- the table ----------------------------------------------------------------------------------
 
 GENERATORS: dict[str, Callable] = {}
-for _op in [*UNARY, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
+for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
 GENERATORS.update({"Cast": cast_cases, "CastLike": cast_cases, "Dropout": dropout_cases, "Clip": clip_cases,
                    "Where": where_cases, "Softmax": softmax_cases, "LogSoftmax": softmax_cases,
@@ -1632,6 +1637,8 @@ TORCH: dict[str, Callable] = {
     "Selu": _torch_act("selu", alpha=1.67326319217681884765625, gamma=1.05070102214813232421875),
     "HardSigmoid": _torch_act("hardsigmoid", alpha=0.2, beta=0.5),
     "ThresholdedRelu": _torch_act("thresholded_relu", alpha=1.0), "Gelu": _torch_gelu,
+    **{op: (lambda spec: lambda case, t, attrs: spec.torch(t[0], **attrs))(spec)
+       for op, spec in UNARY_SPECS.items() if spec.torch is not None},
     "Add": lambda c, t, a: t[0] + t[1], "Sub": lambda c, t, a: t[0] - t[1], "Mul": lambda c, t, a: t[0] * t[1],
     "Div": lambda c, t, a: t[0] / t[1], "Pow": _torch_pow, "Mod": _torch_mod, "PRelu": _torch_prelu,
     "Max": _torch_variadic("max"), "Min": _torch_variadic("min"), "Sum": _torch_variadic("sum"),

@@ -27,6 +27,29 @@ COMPILE_ALL = os.environ.get("GRADGEN_COMPILE_ALL_CUDA") == "1"
 REWRITE_RECORD = os.environ.get("GRADGEN_RECORD_CUDA_HASHES") == "1"
 
 
+def generated_sources() -> dict[str, str]:
+    """Sources the CUDA families generate at run time (file name -> text, common.h inlined)."""
+    import importlib
+    import pkgutil
+
+    import gradgen.kernels.cuda as families
+    from gradgen.kernels.cuda.launch import inline_common_header
+
+    found = {}
+    for info in pkgutil.iter_modules(families.__path__):
+        generate = getattr(importlib.import_module(f"gradgen.kernels.cuda.{info.name}"), "generated_sources", None)
+        if generate is not None:
+            found.update({f"{name}.cu": inline_common_header(text) for name, text in generate().items()})
+    return found
+
+
+GENERATED = generated_sources()
+
+
+def generated_hash(name: str) -> str:
+    return hashlib.sha256(name.encode() + b"\0" + GENERATED[name].encode()).hexdigest()
+
+
 def source_hash(source: Path) -> str:
     """The hash of a source's text and of every shared header (any of them changes what compiles)."""
     digest = hashlib.sha256()
@@ -59,6 +82,18 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr[-4000:]}"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_generated_cuda_source_compiles_for_sm90(name, tmp_path):
+    """A family's run-time generated source (the elementwise unary table) compiles too."""
+    if not (COMPILE_ALL or REWRITE_RECORD) and recorded_hashes().get(name) == generated_hash(name):
+        pytest.skip("unchanged since it last compiled (tests/cuda_sources.sha256)")
+    path = tmp_path / name
+    path.write_text(GENERATED[name])
+    result = compile_for_sm90(path, tmp_path)
+    assert result.returncode == 0, f"nvcc failed on the generated {name}:\n{result.stderr[-4000:]}"
+
+
 @pytest.mark.skipif(not REWRITE_RECORD or NVCC is None, reason="only with GRADGEN_RECORD_CUDA_HASHES=1 and nvcc")
 def test_record_the_hashes_of_sources_that_compile(tmp_path):
     lines = ["# sha256 of each CUDA source with the shared headers, as last compiled by tests/test_cuda_sources.py"]
@@ -66,6 +101,11 @@ def test_record_the_hashes_of_sources_that_compile(tmp_path):
         result = compile_for_sm90(source, tmp_path)
         assert result.returncode == 0, f"nvcc failed on {source.name}; the record is not rewritten"
         lines.append(f"{source_hash(source)}  {source.name}")
+    for name in sorted(GENERATED):
+        path = tmp_path / name
+        path.write_text(GENERATED[name])
+        assert compile_for_sm90(path, tmp_path).returncode == 0, f"nvcc failed on the generated {name}"
+        lines.append(f"{generated_hash(name)}  {name}")
     RECORD.write_text("\n".join(lines) + "\n")
 
 
@@ -74,4 +114,5 @@ def test_there_are_cuda_sources():
 
 
 def test_the_record_names_only_existing_sources():
-    assert set(recorded_hashes()) <= {s.name for s in SOURCES}, "tests/cuda_sources.sha256 names a removed source"
+    known = {s.name for s in SOURCES} | set(GENERATED)
+    assert set(recorded_hashes()) <= known, "tests/cuda_sources.sha256 names a removed source"

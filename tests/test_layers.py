@@ -105,3 +105,54 @@ def test_no_module_uses_another_layers_private_names(path):
     known = KNOWN.get(module_name(path), set())
     uses = [use for use in private_uses(path) if use.split()[1] not in known]
     assert uses == [], f"{module_name(path)} uses private names of another layer"
+
+
+# ---------------------------------------------------------------------------------------------
+# registration: registries list their families; families never import their registry
+
+REGISTRIES = {
+    # package of family modules: (the registry module, its family list, modules that are not families)
+    "gradgen.grads.rules": ("gradgen.grads.registry", "FAMILIES", set()),
+    "gradgen.kernels.cpu": ("gradgen.kernels.registry", "CPU_FAMILIES", set()),
+    "gradgen.kernels.cuda": ("gradgen.kernels.registry", "CUDA_FAMILIES", {"launch"}),
+    "gradgen.passes.lowering": ("gradgen.passes.lowering.core", "FAMILIES", {"core", "table"}),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Modules ``path`` imports when it is imported (top-level statements: a function that looks
+    a kernel up at run time registers nothing)."""
+    module = module_name(path)
+    found = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = resolve(module, node.level, node.module)
+            found.add(source)
+            found.update(f"{source}.{a.name}" for a in node.names if is_module(f"{source}.{a.name}"))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(REGISTRIES))
+def test_registries_list_every_family_and_families_never_import_their_registry(package):
+    import importlib
+
+    registry, attribute, not_families = REGISTRIES[package]
+    directory = ROOT.joinpath(*package.split("."))
+    files = {p.stem: p for p in directory.glob("*.py") if p.stem != "__init__"}
+    families = set(getattr(importlib.import_module(registry), attribute))
+    assert families == set(files) - not_families, f"{registry}.{attribute} must list every family module of {package}"
+    for name, path in files.items():
+        assert registry not in imported_modules(path), f"{package}.{name} imports {registry}, which imports it"
+
+
+def test_every_tree_uses_the_rule_families_names():
+    """An op's family names its file in every tree: a rule family has a CPU kernel family of the
+    same name, and so has every CUDA and lowering family."""
+    from gradgen.grads.registry import FAMILIES as RULES
+    from gradgen.kernels.registry import CPU_FAMILIES, CUDA_FAMILIES
+    from gradgen.passes.lowering.core import FAMILIES as LOWERINGS
+
+    assert set(RULES) <= set(CPU_FAMILIES)
+    assert set(CUDA_FAMILIES) <= set(CPU_FAMILIES) and set(LOWERINGS) <= set(RULES)

@@ -25,6 +25,11 @@ from gradgen.errors import ModelError
 MICROSOFT_DOMAIN = "com.microsoft"
 MICROSOFT_OPSET = 1
 
+
+def normalize_domain(domain: str) -> str:
+    """The default domain as "" (ONNX spells it "" or "ai.onnx"); any other domain as it is."""
+    return "" if domain in ("", "ai.onnx") else domain
+
 DT = ir.DataType
 FLOATS = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE, DT.BFLOAT16})
 FLOATS_NO_BF16 = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE})

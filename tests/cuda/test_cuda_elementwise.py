@@ -289,6 +289,35 @@ def test_unary(op, attrs, rng_range, dtype):
         check(got, want, rtol=4 * t, atol=4 * t)
 
 
+def _table_cases():
+    """(op, attrs, range) for every op of the unary table (kernels generated from its CUDA expression),
+    with the attribute sets of its test spec (tests/grad_cases/elementwise.py)."""
+    from gradgen.kernels.cpu.elementwise import UNARY_TABLE
+    from tests.grad_cases.elementwise import UNARY_SPECS
+
+    cases = []
+    for op in UNARY_TABLE:
+        spec = UNARY_SPECS.get(op)
+        for attrs in (spec.attrs if spec else ({},)):
+            cases.append((op, attrs, (spec.low, spec.high) if spec else (-3, 3)))
+    return cases
+
+
+@pytest.mark.parametrize("op,attrs,rng_range", _table_cases(), ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_unary_table(op, attrs, rng_range, dtype):
+    rng = np.random.default_rng(17)
+    for shape in [(4, 33, 5), (), (0, 3), (1,)]:
+        x = rng.uniform(*rng_range, size=shape).astype(dtype)
+        got, want = run(op, x, **attrs)
+        check(got, want, rtol=4 * tol(dtype), atol=4 * tol(dtype))
+
+
+def test_unary_table_integers_run_the_numpy_kernel():
+    got, want = run("Shrink", np.arange(-6, 7, dtype=np.int64), lambd=1.5, bias=1.0)
+    check(got, want)
+
+
 @pytest.mark.parametrize("op", ["Neg", "Abs", "Sign", "Relu"])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_unary_integers(op, dtype):

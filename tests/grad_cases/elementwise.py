@@ -1,5 +1,8 @@
 """Finite-difference cases: elementwise ops, including every broadcasting pattern of CASES.md."""
 
+import dataclasses
+from typing import Callable
+
 import numpy as np
 
 from tests.gradcheck import GradCase
@@ -94,6 +97,46 @@ UNARY = [
 ]
 for i, (op, x, attrs) in enumerate(UNARY):
     CASES.append(GradCase(op, [x], attrs=attrs, name=f"{op}_{i}"))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnarySpec:
+    """A unary op specified once for every test: its finite-difference cases (one per attribute
+    set), its fuzz generator (tests/fuzz_ops.py) and its PyTorch reference ``torch(x, **attrs)``.
+    Inputs are drawn in [low, high], away from ``kinks(attrs)`` (where it is not differentiable)."""
+
+    low: float
+    high: float
+    attrs: tuple[dict, ...] = ({},)
+    kinks: Callable[[dict], tuple] = lambda attrs: ()
+    torch: Callable | None = None
+
+
+def _torch_shrink(x, lambd=0.5, bias=0.0):
+    import torch.nn.functional as F
+
+    hard = F.hardshrink(x, lambd)
+    return hard - bias * hard.sign()
+
+
+UNARY_SPECS = {
+    "Shrink": UnarySpec(-2.0, 2.0, ({}, {"lambd": 1.0, "bias": 0.3}, {"lambd": 0.2, "bias": -0.4}),
+                        kinks=lambda a: (-a.get("lambd", 0.5), a.get("lambd", 0.5)), torch=_torch_shrink),
+}
+
+
+def spec_input(spec: UnarySpec, attrs: dict, shape, rng_=rng, margin=0.1) -> np.ndarray:
+    """Values in [low, high] at least ``margin`` from every kink."""
+    x = rng_.uniform(spec.low, spec.high, shape)
+    for k in spec.kinks(attrs):
+        near = np.abs(x - k) < margin
+        x = np.where(near, k + np.where(x >= k, 2 * margin, -2 * margin), x)
+    return x
+
+
+for op, spec in UNARY_SPECS.items():
+    for i, attrs in enumerate(spec.attrs):
+        CASES.append(GradCase(op, [spec_input(spec, attrs, (3, 4))], attrs=attrs, name=f"{op}_spec{i}"))
 
 CASES += [
     GradCase("Mish", [r(3, 4, low=-4, high=4)], opset=18),

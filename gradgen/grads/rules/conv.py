@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gradgen.builder import MICROSOFT, dims_of, is_static
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.table import grad_rule
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 

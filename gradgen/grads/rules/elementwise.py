@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule, non_differentiable
+from gradgen.grads.table import grad_rule, non_differentiable
 
 
 def _mul(g, *factors):
@@ -182,6 +182,14 @@ def leaky_relu(g, x, y, dy):
 @_unary("ThresholdedRelu")
 def thresholded_relu(g, x, y, dy):
     return _mask(g, g.op("Greater", x, _c(g, x, g.attr("alpha", 1.0))), dy)
+
+
+@_unary("Shrink")
+def shrink(g, x, y, dy):
+    # slope 1 outside [-lambd, lambd], 0 inside (bias only shifts the value)
+    lambd = g.attr("lambd", 0.5)
+    outside = g.op("Or", g.op("Less", x, _c(g, x, -lambd)), g.op("Greater", x, _c(g, x, lambd)))
+    return _mask(g, outside, dy)
 
 
 @_unary("Elu")

@@ -11,8 +11,8 @@ import onnx_ir as ir
 
 from gradgen.builder import MICROSOFT, numpy_dtype_of
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule, non_differentiable
 from gradgen.grads.rules.shape import INT64_MAX, dims_value
+from gradgen.grads.table import grad_rule, non_differentiable
 
 
 def _where(g) -> str:

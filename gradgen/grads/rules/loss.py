@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.table import grad_rule
 
 
 def _loss_backward(g, logp: ir.Value, like: ir.Value):

@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from gradgen.builder import MICROSOFT, dims_of, same_dim
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.table import grad_rule
 
 _ABSENT = object()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from gradgen.builder import dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.registry import grad_rule
+from gradgen.grads.table import grad_rule
 
 
 def _rank(g, x) -> int:

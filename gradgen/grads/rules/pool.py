@@ -13,9 +13,9 @@ import onnx_ir as ir
 
 from gradgen.builder import dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.errors import KernelError, ModelError
-from gradgen.grads.registry import grad_rule
 from gradgen.grads.rules.conv import as_text, emit_conv_grad, forward_attrs, known_rank, node_where
 from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
+from gradgen.grads.table import grad_rule
 
 
 @grad_rule("MaxPool")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import dims_of, is_static
-from gradgen.grads.registry import grad_rule, non_differentiable
+from gradgen.grads.table import grad_rule, non_differentiable
 
 _ALL = "all"
 _NOOP = "noop"

@@ -12,7 +12,7 @@ import onnx_ir as ir
 from gradgen.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.evaluate import ConstantEvaluator
-from gradgen.grads.registry import grad_rule, non_differentiable
+from gradgen.grads.table import grad_rule, non_differentiable
 
 INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min

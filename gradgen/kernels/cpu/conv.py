@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import per_axis
 from gradgen.ops.conv import conv_geometry, conv_transpose_geometry
 from gradgen.ops.pool import spatial_geometry

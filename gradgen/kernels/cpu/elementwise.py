@@ -7,13 +7,15 @@ to go through another dtype (integer Div, Pow, Erf) the result is cast back expl
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, int_list, same_shape
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.elementwise import broadcast_gradient_axes
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
@@ -211,6 +213,48 @@ def clip(x, lo=None, hi=None, **attrs):
     if hi is not None:
         out = np.minimum(out, np.asarray(hi, dtype=x.dtype).reshape(()))
     return np.array(out, dtype=x.dtype, copy=True) if out is x else out
+
+
+# ---------------------------------------------------------------------------------------------
+# the unary table: one-input ops defined once for both devices
+
+
+@dataclasses.dataclass(frozen=True)
+class UnaryOp:
+    """A one-input op defined once for the CPU and the GPU.
+
+    ``numpy(x, **attrs)`` is its CPU kernel. ``cuda`` is a CUDA C expression in ``x`` (of type
+    ``C``: float for float16 and float32 inputs, double for float64) and the float attributes by
+    name; kernels/cuda/elementwise.py generates the GPU kernel from it (floats only; other dtypes run
+    ``numpy``). ``attrs``: (attribute, ONNX default) pairs.
+    """
+
+    op_type: str
+    name: str
+    cuda: str
+    attrs: tuple[tuple[str, float], ...]
+    numpy: Callable
+
+
+UNARY_TABLE: dict[str, UnaryOp] = {}
+
+
+def unary_op(op_type: str, *, cuda: str, **attrs: float):
+    """Register ``fn`` as the CPU kernel of ``op_type`` and add the op to the unary table, from which
+    its CUDA kernel is generated; ``attrs`` are its float attributes with their defaults."""
+
+    def register(fn):
+        UNARY_TABLE[op_type] = UnaryOp(op_type, fn.__name__, cuda, tuple(attrs.items()), fn)
+        return cpu_kernel(op_type)(fn)
+
+    return register
+
+
+@unary_op("Shrink", cuda="x < C(-lambd) ? x + C(bias) : (x > C(lambd) ? x - C(bias) : C(0))", bias=0.0, lambd=0.5)
+def shrink(x, *, bias=0.0, lambd=0.5):
+    """x + bias below -lambd, x - bias above lambd, 0 in between (in x's dtype)."""
+    y = np.where(x < -lambd, x + bias, np.where(x > lambd, x - bias, 0))
+    return y.astype(x.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import normalize_indices
 

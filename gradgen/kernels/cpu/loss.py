@@ -12,7 +12,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 
 
 def _nll(log_prob, target, weight, ignore_index, reduction, out_dtype):

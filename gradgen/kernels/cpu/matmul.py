@@ -10,7 +10,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 
 
 def check_matmul_shapes(a_shape, b_shape) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, normalize_axis, same_shape
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 
 
 @cpu_kernel("BatchNormalization")

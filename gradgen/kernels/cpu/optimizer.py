@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 
 
 @cpu_kernel("InPlaceAccumulatorV2", domain=MICROSOFT)

@@ -23,7 +23,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, same_shape, sliding_windows
-from gradgen.kernels.registry import cpu_kernel
+from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.axes import per_axis
 from gradgen.ops.pool import declared_pads, resize_geometry, resize_matrices, spatial_geometry
 

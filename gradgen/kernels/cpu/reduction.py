@@ -11,7 +11,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, same_shape
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 
 
 def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:

@@ -13,7 +13,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu.elementwise import onnx_dtype
 from gradgen.kernels.numeric import shape_arg
-from gradgen.kernels.registry import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import int_list, normalize_axis
 from gradgen.ops.shape import slice_geometry, slice_index
 

@@ -36,7 +36,7 @@ from gradgen.kernels.cuda.launch import (
     left_pad,
     warn_once,
 )
-from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 
 FORCE_DIRECT = False  # tests set this to exercise the direct kernels
 FAST_EXECUTE = True  # execute cuDNN plans through the frontend's ordered (uid tuple) form

@@ -24,11 +24,13 @@ from gradgen.kernels.cuda.launch import (
     copy,
     cpu_fallback,
     dtype_suffix,
+    generated_module,
     kernel_of,
     launch,
+    runtime,
     same_type,
 )
-from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 
 # -- shared helpers (the other launcher modules use them too) ------------------------------------
 
@@ -331,6 +333,67 @@ _register_unary("HardSigmoid", "hard_sigmoid", attrs=(("alpha", 0.2), ("beta", 0
 _register_unary("ThresholdedRelu", "thresholded_relu", attrs=(("alpha", 1.0),))
 _register_unary("IsNaN", "isnan", out_dtype=np.bool_)
 _register_unary("Not", "not", suffixes=("b8",))
+
+
+# -- the unary table (kernels/cpu/elementwise.py): each op's kernel generated from its CUDA expression
+
+TABLE_MODULE = "elementwise_table"
+_TABLE_TYPES = (("f16", "__half"), ("f32", "float"), ("f64", "double"))
+
+
+@functools.lru_cache(maxsize=1)
+def table_source() -> str:
+    """The CUDA source of the unary table: one kernel ``<name>_<f16|f32|f64>(out, in, <attrs as
+    double>..., n)`` per op and float type, computing in float (double for float64)."""
+    from gradgen.kernels.cpu.elementwise import UNARY_TABLE
+
+    parts = ['#include "common.h"\n']
+    for op in UNARY_TABLE.values():
+        params = "".join(f"double {name}, " for name, _ in op.attrs)
+        for s, T in _TABLE_TYPES:
+            parts.append(
+                f'extern "C" __global__ void {op.name}_{s}({T}* out, const {T}* in, {params}int64_t n) {{\n'
+                f"    using C = typename Acc<{T}>::type;\n"
+                f"    GG_GRID_STRIDE(i, n) {{\n"
+                f"        const C x = gg_load(in + i);\n"
+                f"        gg_store(out + i, (C)({op.cuda}));\n"
+                f"    }}\n"
+                f"}}\n")
+    return "\n".join(parts)
+
+
+def generated_sources() -> dict[str, str]:
+    """The CUDA sources this family generates at run time (module name -> text), for the compile test."""
+    return {TABLE_MODULE: table_source()}
+
+
+@functools.lru_cache(maxsize=None)
+def _table_kernel(entry: str):
+    return generated_module(TABLE_MODULE, table_source()).get_function(entry)
+
+
+def _register_table_op(op) -> None:
+    def launcher(x, **attrs):
+        s = dtype_suffix(x.dtype)
+        if s not in FLOATS:
+            return cpu_fallback(op.op_type, x, **attrs)
+        out = runtime().empty(x.shape, x.dtype)
+        values = [np.float64(attrs.get(name, default)) for name, default in op.attrs]
+        launch(_table_kernel(f"{op.name}_{s}"), out.size, out, contiguous(x), *values, np.int64(out.size))
+        return out
+
+    launcher.__name__ = launcher.__qualname__ = op.name
+    cuda_kernel(op.op_type)(launcher)
+
+
+def _register_table() -> None:
+    from gradgen.kernels.cpu.elementwise import UNARY_TABLE
+
+    for op in UNARY_TABLE.values():
+        _register_table_op(op)
+
+
+_register_table()
 
 
 @cuda_kernel("Gelu")

@@ -46,7 +46,7 @@ from gradgen.kernels.cuda.launch import (
     stream,
 )
 from gradgen.kernels.numeric import shape_arg
-from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import normalize_indices
 

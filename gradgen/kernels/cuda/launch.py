@@ -66,6 +66,49 @@ def is_float(dtype) -> bool:
     return dtype_suffix(dtype) in FLOATS
 
 
+@functools.lru_cache(maxsize=None)
+def generated_module(name: str, text: str):
+    """The loaded module of a CUDA source generated at run time (``text``; a family's table of
+    kernels, e.g. elementwise's). It compiles like the .cu files (the same compiler and persistent
+    cache), from a copy written under the cache directory with common.h inlined, so that its
+    #includes resolve anywhere. Kernels from it are launched with ``launch`` (gradgen's stream)."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    from gradgen.cuda import compile as cuda_compile
+    from gradgen.cuda import kernel_cache
+
+    rt = runtime()
+    text = inline_common_header(text)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+    directory: Path | None = kernel_cache.cache_dir()
+    try:
+        (directory / "generated").mkdir(parents=True, exist_ok=True)
+        path = directory / "generated" / f"{name}-{digest}.cu"
+        if not path.exists():
+            kernel_cache.atomic_write(path, text.encode())
+    except OSError:  # no writable cache: compile from a temporary copy, without caching the cubin
+        directory = None
+        path = Path(tempfile.mkdtemp(prefix="gradgen-generated-")) / f"{name}.cu"
+        path.write_text(text)
+    major, minor = rt.driver.Context.get_device().compute_capability()
+    source = cuda_compile.load_source(path)
+    cubin = kernel_cache.load_or_compile(source, f"sm_{major}{minor}", cuda_compile.compiler(), directory)
+    try:
+        return rt.driver.module_from_buffer(cubin)
+    except rt.driver.Error as exc:
+        raise KernelError(f"generated CUDA module {name} does not load: {exc}") from exc
+
+
+def inline_common_header(text: str) -> str:
+    """``text`` with its ``#include "common.h"`` replaced by the header itself."""
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parent / "common.h").read_text().replace("#pragma once\n", "")
+    return text.replace('#include "common.h"\n', header, 1)
+
+
 def dtype_suffix(dtype) -> str | None:
     """The kernels' dtype suffix (f16, f32, ..., b8), or None for a dtype they do not cover."""
     return _SUFFIX.get(np.dtype(dtype))
@@ -85,6 +128,8 @@ def launch(kernel, n: int, *args, block: int = BLOCK, stream=None) -> None:
     gradgen's stream)."""
     if n <= 0:
         return
+    if stream is None:
+        stream = runtime().stream()
     kernel(*args, block=(block, 1, 1), grid=(grid_for(n, block), 1), stream=stream)
 
 

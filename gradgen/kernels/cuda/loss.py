@@ -14,7 +14,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.table import cuda_kernel
 
 _ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64),
                   ("has_ignore", np.int64)])

@@ -19,7 +19,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import broadcast_to, contiguous, cpu_fallback, is_float
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.table import cuda_kernel
 
 _STATE: dict = {}
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends on Hopper

@@ -15,7 +15,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import cast_to
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, is_float, kernel_of, launch, same_type
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.table import cuda_kernel
 
 
 def _threads(length: int) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.table import cuda_kernel
 from gradgen.ops.pool import declared_pads, spatial_geometry
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)

@@ -19,7 +19,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
-from gradgen.kernels.registry import cuda_kernel
+from gradgen.kernels.table import cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
 _FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")

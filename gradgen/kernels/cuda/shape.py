@@ -43,7 +43,7 @@ from gradgen.kernels.cuda.launch import (
     strided_copy,
 )
 from gradgen.kernels.numeric import shape_arg
-from gradgen.kernels.registry import MICROSOFT, cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
 from gradgen.ops.shape import slice_geometry
 

@@ -18,19 +18,14 @@ standard ONNX ops with the same meaning, so the graph runs anywhere ONNX runs:
 
 Lowerings live in a table keyed by (domain, op_type) (``register_lowering``), one module per op
 family: shape.py (SliceGrad), indexing.py (GatherGrad, GatherElementsGrad), conv.py (ConvGrad),
-elementwise.py (BroadcastGradientArgs); the table, the pass and the splicing are in core.py;
+elementwise.py (BroadcastGradientArgs); the table in table.py, the pass and the splicing in core.py;
 lowerings build with gradgen.builder.GraphBuilder. The scatters with reduction="add" need opset 16:
 a model below the opset its lowerings need is converted with ONNX's version converter to exactly
 that opset (the smallest that works) before lowering; a model at or above it keeps its opset, so no
 existing node changes meaning. The pass keeps the graph's inputs and outputs (names and types).
 """
 
-from gradgen.passes.lowering.core import (
-    Lowering,
-    LowerToStandardPass,
-    lookup_lowering,
-    lowerable_ops,
-    register_lowering,
-)
+from gradgen.passes.lowering.core import FAMILIES, LowerToStandardPass, lookup_lowering, lowerable_ops
+from gradgen.passes.lowering.table import Lowering, register_lowering
 
-__all__ = ["LowerToStandardPass", "Lowering", "lookup_lowering", "lowerable_ops", "register_lowering"]
+__all__ = ["FAMILIES", "LowerToStandardPass", "Lowering", "lookup_lowering", "lowerable_ops", "register_lowering"]

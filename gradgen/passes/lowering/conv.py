@@ -7,7 +7,7 @@ import onnx_ir as ir
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
 from gradgen.ops.attributes import get_attr
-from gradgen.passes.lowering.core import is_needed, node_input, node_where, register_lowering
+from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering
 
 
 def _conv_pads(e: GraphBuilder, node: ir.Node, x: ir.Value, kernel, kernel_value, strides, dilations, nd):

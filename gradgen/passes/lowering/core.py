@@ -1,83 +1,50 @@
-"""The lowering table, LowerToStandardPass and the splicing of the nodes a lowering builds (with gradgen.builder.GraphBuilder).
+"""LowerToStandardPass, the lookup of lowerings and the splicing of the nodes a lowering builds.
 
-Each family module of this package (shape, indexing, conv, elementwise: the family names of
-grads/rules and kernels/) registers the lowerings of its com.microsoft ops with
-``register_lowering``; the table loads them the first time it is looked up.
+``FAMILIES`` names the family modules of this package (the family names of grads/rules and
+kernels/). They register their lowerings with the decorator of table.py and never import this
+module; the first lookup imports them, once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+import importlib
+from collections.abc import Sequence
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, graph_names
 from gradgen.errors import ModelError, UnsupportedOpsError
 from gradgen.ops import schemas
-
-MICROSOFT = "com.microsoft"
-INT64_MAX = int(np.iinfo(np.int64).max)
-INT64_MIN = int(np.iinfo(np.int64).min)
-
-# Every lowering writes opset-13 forms (ReduceSum/Squeeze axes as inputs, ...).
-BASE_OPSET = 13
-# ScatterElements / ScatterND with reduction="add".
-SCATTER_ADD_OPSET = 16
-# CastLike, used for zeros when an operand's element type is unknown.
-CASTLIKE_OPSET = 15
-
-STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
-
-
-# ================================================================================ the table
-
-
-@dataclasses.dataclass
-class Lowering:
-    """How to lower one op: ``fn(emitter, node)`` returns one value per node output (None for an
-    output that is omitted or unused); ``min_opset(node)`` is the default-domain opset it needs."""
-
-    domain: str
-    op_type: str
-    fn: Callable[[GraphBuilder, ir.Node], Sequence[ir.Value | None]]
-    min_opset: Callable[[ir.Node], int]
-
-
-_LOWERINGS: dict[tuple[str, str], Lowering] = {}
-
-
-def register_lowering(op_type: str, domain: str = MICROSOFT, min_opset: int | Callable[[ir.Node], int] = BASE_OPSET):
-    """Decorator: register ``fn(emitter, node) -> outputs`` as the lowering of (domain, op_type)."""
-    needs = min_opset if callable(min_opset) else (lambda node, _v=min_opset: _v)
-
-    def wrap(fn):
-        _LOWERINGS[(domain, op_type)] = Lowering(domain, op_type, fn, needs)
-        return fn
-
-    return wrap
+from gradgen.ops.schemas import normalize_domain
+from gradgen.passes.lowering.table import (
+    LOWERINGS,
+    MICROSOFT,
+    STANDARD_DOMAINS,
+    Lowering,
+    is_needed,
+    node_where,
+)
 
 
 def lookup_lowering(domain: str, op_type: str) -> Lowering | None:
     _load_families()
-    return _LOWERINGS.get((_domain(domain), op_type))
+    return LOWERINGS.get((normalize_domain(domain), op_type))
 
 
 def lowerable_ops() -> list[tuple[str, str]]:
     """(domain, op_type) of every op this pass can lower."""
     _load_families()
-    return sorted(_LOWERINGS)
+    return sorted(LOWERINGS)
+
+
+FAMILIES = ("conv", "elementwise", "indexing", "shape")
 
 
 def _load_families() -> None:
-    """Import the family modules once; their ``register_lowering`` decorators fill the table."""
-    from gradgen.passes.lowering import conv, elementwise, indexing, shape  # noqa: F401
-
-
-def _domain(domain: str) -> str:
-    return "" if domain in ("", "ai.onnx") else domain
+    """Import the family modules (once: Python caches them); their decorators fill the table."""
+    for family in FAMILIES:
+        importlib.import_module(f"gradgen.passes.lowering.{family}")
 
 
 # ================================================================================ the pass
@@ -91,7 +58,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        functions = {(_domain(f.domain), f.name, f.overload) for f in model.functions.values()}
+        functions = {(normalize_domain(f.domain), f.name, f.overload) for f in model.functions.values()}
         targets = self._targets(model, functions)
         if not targets:
             modified = _drop_unused_microsoft(model)
@@ -105,7 +72,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
         names = graph_names(model.graph)
         constants: dict[int, dict[tuple, ir.Value]] = {}
         for node in targets:
-            if node.op_type in schemas.SCHEMAS and _domain(node.domain) == MICROSOFT:
+            if node.op_type in schemas.SCHEMAS and normalize_domain(node.domain) == MICROSOFT:
                 schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_where(node))
             builder = GraphBuilder(node.graph, _opset(model), names=names, constants=constants.setdefault(id(node.graph), {}),
                                    prefix=f"{node.name or node.op_type}/lowered", const_prefix="gradgen/lower_const",
@@ -119,10 +86,10 @@ class LowerToStandardPass(ir.passes.InPlacePass):
     def _targets(model: ir.Model, functions: set) -> list[ir.Node]:
         targets, missing = [], []
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            if node.domain in STANDARD_DOMAINS or (_domain(node.domain), node.op_type, node.overload) in functions:
+            if node.domain in STANDARD_DOMAINS or (normalize_domain(node.domain), node.op_type, node.overload) in functions:
                 continue
             if lookup_lowering(node.domain, node.op_type) is None:
-                missing.append((_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+                missing.append((normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
             else:
                 targets.append(node)
         if missing:
@@ -198,29 +165,3 @@ def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | No
     if builder.nodes:
         node.graph.insert_before(node, builder.nodes)
     node.graph.remove(node, safe=True)
-
-
-def is_needed(value: ir.Value | None) -> bool:
-    return value is not None and bool(value.name) and (bool(value.uses()) or value.is_graph_output())
-
-
-def node_input(node: ir.Node, i: int) -> ir.Value | None:
-    return node.inputs[i] if i < len(node.inputs) else None
-
-
-def node_where(node: ir.Node) -> str:
-    return f"{node.op_type} node {node.name or '<unnamed>'!r}"
-
-
-def zeros_opset(like_position: int) -> Callable[[ir.Node], int]:
-    """The opset for a lowering that only needs zeros like input ``like_position``."""
-    def need(node: ir.Node) -> int:
-        like = node_input(node, like_position)
-        return CASTLIKE_OPSET if like is None or like.dtype is None else BASE_OPSET
-    return need
-
-
-def scatter_add_opset(like_position: int) -> Callable[[ir.Node], int]:
-    def need(node: ir.Node) -> int:
-        return max(SCATTER_ADD_OPSET, zeros_opset(like_position)(node))
-    return need

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
-from gradgen.passes.lowering.core import is_needed, node_input, node_where, register_lowering
+from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering
 
 
 @register_lowering("BroadcastGradientArgs")

@@ -7,7 +7,7 @@ import onnx_ir as ir
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
 from gradgen.ops.attributes import get_attr
-from gradgen.passes.lowering.core import node_input, node_where, register_lowering, scatter_add_opset
+from gradgen.passes.lowering.table import node_input, node_where, register_lowering, scatter_add_opset
 
 
 def _shape_rank(e: GraphBuilder, shape: ir.Value) -> int | None:

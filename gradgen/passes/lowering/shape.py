@@ -8,7 +8,7 @@ import onnx_ir as ir
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
 from gradgen.ops.shape import slice_window_pads
-from gradgen.passes.lowering.core import node_input, node_where, register_lowering, zeros_opset
+from gradgen.passes.lowering.table import node_input, node_where, register_lowering, zeros_opset
 
 
 def _slice_pads(e: GraphBuilder, node: ir.Node) -> list[int] | None:

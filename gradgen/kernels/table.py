@@ -1,0 +1,99 @@
+"""The declarations kernels are made of: ``KernelEntry`` and the decorators that record them.
+
+Kernel modules (gradgen/kernels/cpu/<family>.py, gradgen/kernels/cuda/<family>.py) import this
+module only; the registry (gradgen/kernels/registry.py) imports the family modules it lists and
+reads the table. Nothing here imports a kernel module, so no import runs in a circle.
+
+A CPU kernel is a plain numpy function in the style of the ONNX reference evaluator: the node's
+inputs are positional arguments (None for an omitted optional input) and its attributes are
+keyword arguments, with the ONNX defaults written as Python defaults. It returns one array, or a
+tuple of arrays for several outputs. Kernels raise ``KernelError`` for bad data (e.g. an index out
+of range); the executor adds the node's name and op type to the message.
+
+A kernel that needs to know how many outputs the node has (Split, optional outputs) declares a
+keyword-only parameter ``_num_outputs``; one that can skip outputs the node leaves unnamed
+declares ``_wanted`` (a tuple of bools, one per output); one that needs the opset of its domain
+declares ``_opset``. The registry passes them only to kernels that declare them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable
+
+from gradgen.ops.schemas import MICROSOFT_DOMAIN as MICROSOFT
+from gradgen.ops.schemas import normalize_domain
+
+ONNX_DOMAIN = ""
+
+Kernel = Callable[..., object]
+
+__all__ = ["KERNELS", "MICROSOFT", "ONNX_DOMAIN", "Kernel", "KernelEntry", "cpu_kernel", "cuda_kernel",
+           "normalize_domain"]
+
+
+@dataclasses.dataclass
+class KernelEntry:
+    domain: str
+    op_type: str
+    cpu: Kernel | None = None
+    cuda: Kernel | None = None
+    wants_num_outputs: bool = False
+    wants_opset: bool = False
+    wants_wanted: bool = False
+    # Input positions the CUDA launcher wants as host numpy arrays (shapes, axes, starts, ...).
+    cuda_host_inputs: frozenset[int] = frozenset()
+
+    @property
+    def cpu_family(self) -> str | None:
+        """The family module that holds the CPU kernel (gradgen/kernels/cpu/<family>.py)."""
+        return None if self.cpu is None else self.cpu.__module__.rsplit(".", 1)[-1]
+
+
+KERNELS: dict[tuple[str, str], KernelEntry] = {}
+
+
+def _entry(domain: str, op_type: str) -> KernelEntry:
+    key = (normalize_domain(domain), op_type)
+    if key not in KERNELS:
+        KERNELS[key] = KernelEntry(key[0], op_type)
+    return KERNELS[key]
+
+
+def cpu_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
+    """Register a numpy function as the CPU kernel of one or more op types."""
+
+    def register(fn: Kernel) -> Kernel:
+        params = inspect.signature(fn).parameters
+        for op_type in op_types:
+            entry = _entry(domain, op_type)
+            if entry.cpu is not None:
+                raise RuntimeError(f"duplicate CPU kernel for {domain}::{op_type}")
+            entry.cpu = fn
+            entry.wants_num_outputs = "_num_outputs" in params
+            entry.wants_opset = "_opset" in params
+            entry.wants_wanted = "_wanted" in params
+        return fn
+
+    return register
+
+
+def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=()):
+    """Register a CUDA launcher: the CPU kernel's calling convention, GPUArrays in and out.
+
+    Inputs at the positions in ``host_inputs`` arrive as numpy arrays (small shape-like tensors:
+    shapes, axes, starts, ...); the others as ``pycuda.gpuarray.GPUArray``. The launcher may
+    return a numpy array for a shape-like output (Shape, for instance).
+    """
+
+    def register(fn: Kernel) -> Kernel:
+        for op_type in op_types:
+            entry = _entry(domain, op_type)
+            if entry.cuda is not None:
+                raise RuntimeError(f"duplicate CUDA kernel for {domain}::{op_type}")
+            entry.cuda = fn
+            entry.cuda_host_inputs = frozenset(host_inputs)
+        return fn
+
+    return register
