@@ -128,19 +128,25 @@ def build_backward(
         "--loss-output and differentiate it; its target becomes a graph input (labels or target)."),
     loss_output: Optional[str] = typer.Option(None, "--loss-output", help="With --add-loss: the output (logits, "
                                               "predictions) the loss reads."),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32 (default), tf32 (fp32 graph; TF32 GEMMs requested of the GPU), bf16 or "
+        "fp16: torch.autocast's mixed precision as Casts in the graph, parameters and gradients stay float32."),
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
     from gradgen.api import build_backward as build
     from gradgen.model_io import check_output_path, save_model
 
+    from gradgen.passes.autocast import check_precision
+
     _set_progress(progress)
+    check_precision(precision)
     check_output_path(out, model)
     started = time.perf_counter()
     _progress(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
     with _warnings_as_notes():
         result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable,
-                       add_loss=_loss_spec(add_loss, loss_output))
+                       add_loss=_loss_spec(add_loss, loss_output), precision=precision)
     _progress(f"writing {out}")
     save_model(result.model, out)
     seconds = time.perf_counter() - started

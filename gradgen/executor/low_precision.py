@@ -66,7 +66,12 @@ def run_in_fp32(kernel, op_type: str, args: list, attributes: dict, out_dtypes: 
             attrs["to"] = int(ir.DataType.FLOAT)  # rounded to the target type below
     elif op_type == "CastLike":
         fallback = args[1].dtype if is_low_precision(args[1].dtype) else None
-    result = kernel(*wide, **attrs)
+    with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows are the loss scaler's to handle
+        result = kernel(*wide, **attrs)
+        return _round(result, out_dtypes, fallback)
+
+
+def _round(result, out_dtypes: list | None, fallback):
     results = result if isinstance(result, tuple) else (result,)
     rounded = []
     for k, value in enumerate(results):

@@ -66,6 +66,9 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --checkpoint-dir."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the data order."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, tf32, bf16 or fp16 (as build-backward "
+                                  "--precision; parameters and optimizer states stay float32); fp16 uses dynamic "
+                                  "loss scaling."),
     log: Optional[Path] = typer.Option(None, "--log", help="CSV log (step, loss, lr, grad_norm, eval_loss). "
                                        "Default: log.csv in --checkpoint-dir."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Loss-curve PNG (needs matplotlib: the plot extra). "
@@ -82,7 +85,8 @@ def train(
         loss=loss, add_loss=loss_kind(add_loss), loss_output=loss_output, target=target,
         ignore_index=ignore_index, label_smoothing=label_smoothing, class_axis=class_axis, freeze=list(freeze or []),
         eval_data=eval_data, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, resume=resume, seed=seed, device=device, log=log, plot=plot)
+        checkpoint_every=checkpoint_every, resume=resume, seed=seed, device=device, log=log, plot=plot,
+        precision=precision)
     with _warnings_as_notes():
         summary = command.run_training(options, say=lambda m: typer.echo(m, err=True))
     for line in summary:

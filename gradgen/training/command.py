@@ -65,6 +65,7 @@ class TrainOptions:
     device: str = "cpu"
     log: Optional[Path] = None
     plot: Optional[Path] = None
+    precision: str = "fp32"
 
 
 def make_optimizer(o: TrainOptions) -> SGD | AdamW:
@@ -141,7 +142,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
 
     say(f"building the training graphs of {o.model}")
     program = build_training(o.model, optimizer=optimizer, loss=o.loss, add_loss=add_loss, freeze=o.freeze,
-                             clip_norm=o.clip_norm, accumulation=o.accumulate)
+                             clip_norm=o.clip_norm, accumulation=o.accumulate, precision=o.precision)
     scalars = [name for name in program.params if program.initial_params[name].size == 1]
     if scalars:
         say(f"note: training single-value initializer(s) {', '.join(map(repr, scalars[:5]))}"

@@ -176,6 +176,7 @@ class UpdateLayout:
     params: dict[str, str]  # parameter input -> output of its updated value
     states: list[StateSlot]
     accumulated: dict[str, str]  # parameter -> input of its gradient accumulated over earlier micro-batches
+    found_inf: str | None = None  # with loss scaling: the output that says the step was skipped
 
 
 class _Emitter:

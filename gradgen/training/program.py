@@ -28,6 +28,8 @@ from gradgen.errors import UsageError
 from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
+from gradgen.passes.autocast import AutocastPass, check_precision
+from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
 
@@ -50,10 +52,16 @@ class TrainingProgram:
     clip_norm: float | None
     accumulation: int
     fingerprint: str
+    precision: str = "fp32"
+    loss_scaling: LossScaling | None = None
 
     def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
-        """Every optimizer state at the start, zeros, by (parameter, kind)."""
-        return {(slot.param, slot.kind): np.zeros_like(self.initial_params[slot.param]) for slot in self.layout.states}
+        """Every optimizer state at the start, zeros, by (parameter, kind); the loss scaler's."""
+        states = {(slot.param, slot.kind): np.zeros_like(self.initial_params[slot.param])
+                  for slot in self.layout.states if slot.param in self.initial_params}
+        if self.loss_scaling is not None:
+            states.update(self.loss_scaling.initial_states(counts_updates=self.optimizer.uses_step))
+        return states
 
     @property
     def data_names(self) -> list[str]:
@@ -76,11 +84,21 @@ def build_training(
     freeze: Sequence[str] = (),
     clip_norm: float | None = None,
     accumulation: int = 1,
+    precision: str = "fp32",
+    loss_scaling: LossScaling | None = None,
 ) -> TrainingProgram:
     """Build the training graphs of ``model`` (not modified). ``loss`` names the loss output (default:
-    the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None)."""
+    the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None).
+
+    ``precision`` (fp32, tf32, bf16, fp16) runs ``AutocastPass`` on the training and evaluation
+    graphs; fp16 steps use dynamic loss scaling (``loss_scaling``, default ``LossScaling()``)."""
     if add_loss is not None and loss is not None:
         raise UsageError("name either the model's loss output or a loss to add, not both")
+    check_precision(precision)
+    if precision == "fp16" and loss_scaling is None:
+        loss_scaling = LossScaling()
+    if loss_scaling is not None and accumulation > 1:
+        raise UsageError("loss scaling with gradient accumulation is not supported yet: use --accumulate 1")
     source = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     fingerprint = model_fingerprint(source)
 
@@ -94,7 +112,7 @@ def build_training(
 
     frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
     backward = _copy(forward)
-    pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen))
+    pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen), precision)
     run_pipeline(pipeline, backward)
     loss, params = gradient.loss_name, gradient.wrt_names
 
@@ -110,18 +128,27 @@ def build_training(
         accumulated = accumulator.accumulated
 
     update = OptimizerPass(optimizer, params, loss, clip_norm=clip_norm, accumulation=accumulation)
-    run_pipeline(Pipeline(update, CleanupPass()), backward)
+    if loss_scaling is None:
+        run_pipeline(Pipeline(update, CleanupPass()), backward)
+    else:
+        scale = ScaleGradientsPass(params, loss)
+        run_pipeline(Pipeline(scale, update), backward)
+        run_pipeline(Pipeline(SkipOverflowPass(loss_scaling, scale.scale, scale.found_inf, update.layout),
+                              CleanupPass()), backward)
     remove_unused_inputs(backward.graph, keep=set(params))
 
     evaluate = _evaluation_model(forward, params, loss)
+    if precision != "fp32":
+        run_pipeline(AutocastPass(precision), evaluate)
     reserved = set(params) | {update.layout.lr, update.layout.step} | {s.input for s in update.layout.states}
+    reserved |= {v.name for v in backward.graph.inputs if v.name.startswith(f"{LOSS_SCALING}.")}
     reserved |= set(update.layout.accumulated.values())
     data_inputs = [v for v in backward.graph.inputs if v.name not in reserved]
     return TrainingProgram(
         source=source, train=backward, accumulate=accumulate, evaluate=evaluate, loss=loss, added_loss=add_loss,
         params=params, frozen=frozen, initial_params=as_inputs.initial_values, layout=update.layout,
         accumulated=accumulated, data_inputs=data_inputs, optimizer=optimizer, clip_norm=clip_norm,
-        accumulation=accumulation, fingerprint=fingerprint)
+        accumulation=accumulation, fingerprint=fingerprint, precision=precision, loss_scaling=loss_scaling)
 
 
 def _evaluation_model(forward: ir.Model, params: list[str], loss: str) -> ir.Model:

@@ -123,8 +123,9 @@ class HostStepRunner:
         out = self.train.run(feeds)
         losses.append(float(out[program.loss]))
         loss, grad_norm = float(np.mean(losses)), float(out[layout.grad_norm])
+        skipped = layout.found_inf is not None and bool(out[layout.found_inf])  # loss scaling's overflow: no update
         for what, value in (("loss", loss), ("gradient norm", grad_norm)):
-            if not math.isfinite(value):
+            if not math.isfinite(value) and not (skipped and what == "gradient norm"):
                 raise NonFiniteLossError(step, what, value)
         params = {p: out[name] for p, name in layout.params.items()}
         states = {(slot.param, slot.kind): out[slot.output] for slot in layout.states}
