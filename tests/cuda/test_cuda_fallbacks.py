@@ -1,0 +1,54 @@
+"""The declared CUDA fallbacks (gradgen.kernels.registry.CUDA_FALLBACKS) run on a GPU session: the
+op's numpy kernel on host copies, with the same results as the CPU session (the one-time warning is
+said once per process, so it is not asserted here). tests/test_coverage.py checks that every declared op has a model here."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from gradgen.executor import Session
+from tests.gradcheck import case_model
+from tests.test_grad_rules import CASES
+
+pytestmark = pytest.mark.cuda
+
+
+def _range_model():
+    node = helper.make_node("Range", ["start", "limit", "delta"], ["y"])
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, []) for n in ("start", "limit", "delta")]
+    graph = helper.make_graph([node], "range", inputs, [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    feeds = {"start": np.array(2, np.int64), "limit": np.array(11, np.int64), "delta": np.array(3, np.int64)}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
+def _case_model(op_type: str):
+    case = next(c for c in CASES if c.op_type == op_type and not c.domain)
+    model, feeds, _ = case_model(case)
+    return model, feeds
+
+
+# op -> a forward model holding it, and its feeds
+MODELS = {
+    "ConvTranspose": lambda: _case_model("ConvTranspose"),
+    "Einsum": lambda: _case_model("Einsum"),
+    "Mean": lambda: _case_model("Mean"),
+    "Range": _range_model,
+    "Resize": lambda: _case_model("Resize"),
+    "TopK": lambda: _case_model("TopK"),
+}
+
+
+@pytest.mark.parametrize("op_type", sorted(MODELS))
+def test_declared_fallback_runs_on_a_gpu_session(op_type):
+    model, feeds = MODELS[op_type]()
+    want = Session(model).run(feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = Session(model, device="cuda").run(feeds)
+    for name, value in want.items():
+        assert got[name].shape == value.shape and got[name].dtype == value.dtype, name
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
