@@ -257,30 +257,25 @@ def _build(name: str) -> list:
 
 
 class Module:
-    """The kernels of one .cu source: its cubins (one per kernel group), each loaded into the
-    context when a kernel of it is first asked for. ``get_function`` as on a PyCUDA module."""
+    """The kernels of one .cu source: its cubins (one per kernel group, see kernel_cache.py), all
+    loaded into the context at once, as one module would be: loading later, at a group's first
+    kernel, could fall inside a CUDA-graph capture, where loading a module is not allowed.
+    ``get_function`` as on a PyCUDA module."""
 
     def __init__(self, name: str, build: list):
         self.name = name
-        self._groups = build
-        self._loaded: dict[int, driver.Module] = {}
-        self._lock = threading.Lock()
+        try:
+            self._modules = [driver.module_from_buffer(cubin) for _, cubin in build]
+        except driver.Error as exc:
+            raise KernelError(f"CUDA module {name}.cu ({_arch()}) does not load: {exc}") from exc
         self._where = {kernel: i for i, (kernels, _) in enumerate(build) if kernels is not None for kernel in kernels}
-
-    def _module(self, i: int) -> driver.Module:
-        with self._lock:
-            if i not in self._loaded:
-                try:
-                    self._loaded[i] = driver.module_from_buffer(self._groups[i][1])
-                except driver.Error as exc:
-                    raise KernelError(f"CUDA module {self.name}.cu ({_arch()}) does not load: {exc}") from exc
-            return self._loaded[i]
+        self._whole = len(build) == 1 and build[0][0] is None  # one cubin of every kernel (nvcc)
 
     def get_function(self, entry: str):
         if entry in self._where:
-            return self._module(self._where[entry]).get_function(entry)
-        if len(self._groups) == 1 and self._groups[0][0] is None:  # one cubin of every kernel
-            return self._module(0).get_function(entry)
+            return self._modules[self._where[entry]].get_function(entry)
+        if self._whole:
+            return self._modules[0].get_function(entry)
         raise KernelError(f"no kernel {entry} in {self.name}.cu")
 
 
