@@ -1,33 +1,64 @@
 #!/usr/bin/env bash
-# Run the CUDA test suite under compute-sanitizer, one tool at a time, and print a summary per tool.
+# Run the CUDA tests under compute-sanitizer and print a summary per tool and test group.
 #
-#   bash scripts/cuda_sanitizer.sh [TOOL ...] [-- PYTEST ARGS]
+#   bash scripts/cuda_sanitizer.sh [-j JOBS] [TOOL ...] [-- TEST FILE ...]
 #
-# TOOL is memcheck, racecheck, synccheck or initcheck (default: memcheck racecheck). The pytest
-# arguments default to the whole CUDA suite (`-m cuda tests/cuda tests/test_fuzz.py`). Each tool's
-# full log goes to $LOGDIR/sanitizer-TOOL.log (LOGDIR defaults to the current directory). Exit status
-# 1 when a tool reported an error or a test failed.
+# TOOL: memcheck, racecheck, synccheck or initcheck (default: memcheck racecheck). TEST FILEs default
+# to tests/cuda/test_*.py and tests/test_fuzz.py (their `-m cuda` tests). Under a sanitizer the suite
+# runs about ten times slower, so -j JOBS splits the files into JOBS groups run side by side (every
+# tool and group at once; the GPU is shared). Logs: $LOGDIR/sanitizer-TOOL-gK.log (LOGDIR defaults to
+# the current directory). Exit status 1 when a tool reported an error or a test failed.
 set -u
+jobs=1
 tools=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do tools+=("$1"); shift; done
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    case "$1" in
+        -j) jobs="$2"; shift 2 ;;
+        *) tools+=("$1"); shift ;;
+    esac
+done
 [ "${1:-}" = "--" ] && shift
 [ ${#tools[@]} -eq 0 ] && tools=(memcheck racecheck)
-pytest_args=("$@")
-[ ${#pytest_args[@]} -eq 0 ] && pytest_args=(-m cuda tests/cuda tests/test_fuzz.py)
+files=("$@")
+[ ${#files[@]} -eq 0 ] && files=(tests/cuda/test_*.py tests/test_fuzz.py)
 
 sanitizer="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
 logdir="${LOGDIR:-.}"
-status=0
-for tool in "${tools[@]}"; do
-    log="$logdir/sanitizer-$tool.log"
+mkdir -p "$logdir"
+
+# Deal the files into groups, largest first, each to the group with the fewest tests so far.
+declare -a group_files group_load
+for ((g = 0; g < jobs; g++)); do group_files[g]=""; group_load[g]=0; done
+while read -r count file; do
+    best=0
+    for ((g = 1; g < jobs; g++)); do [ "${group_load[g]}" -lt "${group_load[best]}" ] && best=$g; done
+    group_files[best]+=" $file"
+    group_load[best]=$(( group_load[best] + count ))
+done < <(python3 -m pytest --collect-only -q -p no:cacheprovider -m cuda "${files[@]}" 2>/dev/null \
+          | grep "::" | cut -d: -f1 | sort | uniq -c | sort -rn)
+
+run_one() {  # tool group files...
+    local tool=$1 group=$2; shift 2
+    local log="$logdir/sanitizer-$tool-g$group.log" start rc
     start=$(date +%s)
     "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 99 --print-limit 50 \
-        python3 -m pytest -q -p no:cacheprovider "${pytest_args[@]}" >"$log" 2>&1
+        python3 -m pytest -q -rfE -p no:cacheprovider -m cuda "$@" >"$log" 2>&1
     rc=$?
-    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY|INITCHECK SUMMARY" "$log" | sort | uniq -c)
-    tests=$(grep -E "^[0-9]+ (passed|failed)|passed|failed" "$log" | tail -1)
-    echo "$tool: exit $rc in $(( $(date +%s) - start )) s; tests: ${tests:-?}"
-    echo "${summary:-  (no summary line: see $log)}"
-    [ $rc -ne 0 ] && status=1
+    echo "$tool g$group: exit $rc in $(( $(date +%s) - start )) s; $(grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | grep -v "=========" | tail -1)"
+    grep -E "^(FAILED|ERROR) " "$log" | sed 's/^/    /'
+    grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | sort | uniq -c | sed 's/^/    /'
+    return $rc
+}
+
+pids=()
+for tool in "${tools[@]}"; do
+    for ((g = 0; g < jobs; g++)); do
+        [ -z "${group_files[g]}" ] && continue
+        # shellcheck disable=SC2086
+        run_one "$tool" "$g" ${group_files[g]} &
+        pids+=($!)
+    done
 done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 exit $status
