@@ -50,26 +50,24 @@ class FakeCompiler(cc.Compiler):
 
 
 class FakeSplitCompiler(FakeCompiler):
-    """Splits like NVRTC + nvJitLink: the 'LTO-IR' is the text, the kernels are listed on a
-    '// kernels:' line, and a link's 'cubin' names the kernels it holds."""
+    """Splits like NVRTC + nvJitLink: the 'PTX' lists the kernels of a '// kernels:' line as
+    entries, and an assembled 'cubin' names the entries it was given."""
 
     can_split = True
     identity = "fake-split 1.0"
 
-    def ltoir(self, source, arch):
+    def ptx(self, source, arch):
         if self.log is not None:
             with open(self.log, "a") as out:
                 out.write(f"{os.getpid()} {source.name}\n")
-        return source.text.encode()
+        line = next(line for line in source.text.splitlines() if line.startswith("// kernels:"))
+        return ".version 9.0\n" + "".join(f".visible .entry {k}(\n)\n{{\n\tret;\n}}\n" for k in line.split(":")[1].split())
 
-    def kernel_names(self, ltoir, arch):
-        line = next(line for line in ltoir.decode().splitlines() if line.startswith("// kernels:"))
-        return line.split(":")[1].split()
-
-    def link(self, ltoir, arch, kernels, source):
+    def assemble(self, ptx, arch, source):
         if self.barrier is not None:
             self.barrier.wait(timeout=30)
-        return f"{arch}:" .encode() + " ".join(kernels).encode()
+        assert ptx.startswith(".version 9.0\n")
+        return f"{arch}:".encode() + " ".join(cc.split_ptx(ptx)[1]).encode()
 
 
 def make_sources(directory: Path, names=("a", "b")) -> list[cc.Source]:
@@ -130,6 +128,20 @@ def test_a_split_source_links_its_kernels_in_groups_and_stores_an_index(tmp_path
     stem = kernel_cache.build_stem(directory, source, "sm_90", FakeSplitCompiler.identity)
     stem.with_name(stem.name + ".1.cubin").unlink()
     assert kernel_cache.read_build(stem) is None  # an incomplete build is no build
+
+
+def test_split_ptx_keeps_the_common_part_and_cuts_each_entry():
+    ptx = (".version 9.0\n.target sm_90\n\n\t// .globl\tk1\n.global .align 4 .u32 g = 1;\n"
+           ".visible .entry k1(\n\t.param .u64 p\n)\n{\n\tmov.b32 %r1, {%r2, %r3};\n\tret;\n\n}\n"
+           ".func (.param .b32 r) helper(\n)\n{\n\tret;\n}\n"
+           "\t// .globl\tk2\n.entry k2(\n)\n.maxntid 128\n{\n\t{\n\t.reg .b32 %t;\n\t}\n\tret;\n}\n")
+    common, kernels = cc.split_ptx(ptx)
+    assert list(kernels) == ["k1", "k2"]
+    assert kernels["k1"].startswith(".visible .entry k1(") and kernels["k1"].rstrip().endswith("}")
+    assert "helper" in common and ".global .align 4 .u32 g" in common and ".entry" not in common
+    assert kernels["k2"].count("{") == kernels["k2"].count("}")  # the nested block stays inside
+    pieces = common + "".join(kernels.values())
+    assert sorted(filter(None, pieces.splitlines())) == sorted(filter(None, ptx.splitlines()))  # nothing lost
 
 
 def test_groups_deal_names_round_robin():
@@ -288,13 +300,16 @@ def test_a_real_compile_error_names_the_source_and_line(kind, tmp_path):
         using.compile(cc.find_source("broken", tmp_path), "sm_90")
 
 
-def test_nvrtc_links_a_source_in_kernel_groups(tmp_path, monkeypatch):
+def test_nvrtc_splits_a_source_into_kernel_groups(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADGEN_CUDA_SPLIT_COMPILE", "1")
     using = _real("nvrtc")
     if not using.can_split:
         pytest.skip("nvJitLink is not installed")
     monkeypatch.setattr(kernel_cache, "GROUP_SIZE", 2)
-    (tmp_path / "three.cu").write_text("".join(
-        f'extern "C" __global__ void kern{i}(float* out) {{ out[threadIdx.x] = {i}.0f; }}\n' for i in range(3)))
+    (tmp_path / "three.cu").write_text('#include "common.h"\n' + "".join(
+        f'extern "C" __global__ void kern{i}(float* out, TensorDesc d) {{ out[gg_offset(threadIdx.x, d, d)] = {i}.0f; }}\n'
+        for i in range(3)))
+    (tmp_path / "common.h").write_text((cc.CUDA_SOURCES / "common.h").read_text())
     build = kernel_cache.compile_build(cc.find_source("three", tmp_path), "sm_90", using)
     assert [names for names, _ in build] == [["kern0", "kern2"], ["kern1"]]
     for names, cubin in build:

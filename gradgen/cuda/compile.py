@@ -85,9 +85,10 @@ class Compiler:
     version, options and header directories: everything besides the source that shapes the cubin.
 
     A compiler that ``can_split`` builds one source in two stages, so that one large source does
-    not bound the cold start: ``ltoir`` runs the front end once (about a second), ``link`` then
-    optimises and assembles any subset of its kernels (nvJitLink's LTO, dropping the kernels not
-    asked for), and the subsets link in parallel. Otherwise ``compile`` builds the whole source.
+    not bound the cold start: ``ptx`` runs the front end and the optimiser once for the whole
+    source, then ``assemble`` turns any subset of its kernels (see ``split_ptx``) into a cubin,
+    and the subsets assemble in parallel. ptxas compiles each kernel on its own, so the machine
+    code is the whole source's. Otherwise ``compile`` builds the whole source.
     """
 
     kind = ""
@@ -98,13 +99,10 @@ class Compiler:
     def compile(self, source: Source, arch: str) -> bytes:
         raise NotImplementedError
 
-    def ltoir(self, source: Source, arch: str) -> bytes:
+    def ptx(self, source: Source, arch: str) -> str:
         raise NotImplementedError
 
-    def kernel_names(self, ltoir: bytes, arch: str) -> list[str]:
-        raise NotImplementedError
-
-    def link(self, ltoir: bytes, arch: str, kernels: list[str], source: Source) -> bytes:
+    def assemble(self, ptx: str, arch: str, source: Source) -> bytes:
         raise NotImplementedError
 
 
@@ -120,47 +118,90 @@ class NvrtcCompiler(Compiler):
             raise RuntimeError(f"nvrtcVersion failed: {result}")
         self.version = f"{major}.{minor}"
         self.include_path = [str(NVRTC_INCLUDE), *_cuda_header_dirs()]  # and the source's own directory
-        self.linker = _nvjitlink_version()
-        # Off: linked through LTO, kernels taking a TensorDesc by value and indexing it copy it to a
-        # stack frame (408-544 bytes, measured with cuobjdump -res-usage), and GPT-2 small's step
-        # ran 244 ms instead of 57 ms on the H100.
-        self.can_split = False
+        # Split builds (PTX once, kernel groups assembled in parallel by nvJitLink) are opt-in until
+        # measured on a GPU: nvJitLink's ptxas schedules differently from NVRTC's own (another
+        # instruction count for the same PTX), so their speed is not the whole build's by
+        # construction. An earlier split through LTO made GPT-2 small's step 4x slower.
+        self.assembler = _nvjitlink_version()
+        self.can_split = self.assembler is not None and os.environ.get("GRADGEN_CUDA_SPLIT_COMPILE") == "1"
         shims = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(NVRTC_INCLUDE.iterdir()))).hexdigest()
-        self.identity = (f"nvrtc {self.version}; nvjitlink {self.linker}; std={STD}; include={self.include_path}; "
-                         f"shims {shims[:16]}")
+        split = f"split by nvjitlink {self.assembler}" if self.can_split else "whole"
+        self.identity = f"nvrtc {self.version}; {split}; std={STD}; include={self.include_path}; shims {shims[:16]}"
 
-    def _program(self, source: Source, arch: str, **extra):
+    def _include_path(self, source: Source) -> list[str]:
+        return [str(source.path.parent), *self.include_path]
+
+    def compile(self, source: Source, arch: str) -> bytes:
         options = self._core.ProgramOptions(name=source.path.name, arch=arch, std=STD, pre_include=NVRTC_PRELUDE,
-                                            include_path=[str(source.path.parent), *self.include_path], **extra)
-        return self._core.Program(source.text, "c++", options=options)
+                                            include_path=self._include_path(source))
+        program = self._core.Program(source.text, "c++", options=options)
+        return self._run("NVRTC", source, arch, lambda: _code_bytes(program.compile("cubin")))
+
+    def ptx(self, source: Source, arch: str) -> str:
+        """The source's PTX, through NVRTC's own API: cuda.core's PTX path asks the driver whether
+        it could load the result, and here no GPU may be present (a Docker build)."""
+        from cuda.bindings import nvrtc
+
+        options = [f"--gpu-architecture={arch}", f"--std={STD}", f"--pre-include={NVRTC_PRELUDE}",
+                   *(f"--include-path={d}" for d in self._include_path(source))]
+        err, program = nvrtc.nvrtcCreateProgram(source.text.encode(), source.path.name.encode(), 0, [], [])
+        _nvrtc_check(err, source, arch, self.version, program=None)
+        try:
+            (err,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+            _nvrtc_check(err, source, arch, self.version, program)
+            err, size = nvrtc.nvrtcGetPTXSize(program)
+            buffer = b" " * size
+            (err,) = nvrtc.nvrtcGetPTX(program, buffer)
+            _nvrtc_check(err, source, arch, self.version, program)
+        finally:
+            nvrtc.nvrtcDestroyProgram(program)
+        return buffer.rstrip(b"\0").decode()
+
+    def assemble(self, ptx: str, arch: str, source: Source) -> bytes:
+        core = self._core
+        return self._run("nvJitLink", source, arch, lambda: _code_bytes(
+            core.Linker(core.ObjectCode.from_ptx(ptx.encode()), options=core.LinkerOptions(arch=arch)).link("cubin")))
 
     def _run(self, what: str, source: Source, arch: str, action) -> bytes:
         try:
-            return _code_bytes(action())
-        except KernelError:
-            raise
+            return action()
         except Exception as exc:  # noqa: BLE001 - cuda.core raises its own types; the log is in the message
             raise KernelError(_compile_failure(source, arch, f"{what} {self.version}", str(exc))) from exc
 
-    def compile(self, source: Source, arch: str) -> bytes:
-        return self._run("NVRTC", source, arch, lambda: self._program(source, arch).compile("cubin"))
 
-    def ltoir(self, source: Source, arch: str) -> bytes:
-        program = self._program(source, arch, relocatable_device_code=True, link_time_optimization=True)
-        return self._run("NVRTC", source, arch, lambda: program.compile("ltoir"))
+def _nvrtc_check(err, source: Source, arch: str, version: str, program) -> None:
+    from cuda.bindings import nvrtc
 
-    def kernel_names(self, ltoir: bytes, arch: str) -> list[str]:
-        """The kernels in ``ltoir``, read from an unoptimised PTX link of it (a fraction of a second)."""
-        core = self._core
-        options = core.LinkerOptions(arch=arch, link_time_optimization=True, ptx=True, optimization_level=0)
-        ptx = _code_bytes(core.Linker(core.ObjectCode.from_ltoir(ltoir), options=options).link("ptx"))
-        return [name.decode() for name in re.findall(rb"\.entry\s+([A-Za-z_$][\w$]*)", ptx)]
+    if int(err) == 0:
+        return
+    log = ""
+    if program is not None:
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        buffer = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, buffer)
+        log = buffer.rstrip(b"\0").decode(errors="replace")
+    raise KernelError(_compile_failure(source, arch, f"NVRTC {version}", f"{err}\n{log}"))
 
-    def link(self, ltoir: bytes, arch: str, kernels: list[str], source: Source) -> bytes:
-        core = self._core
-        options = core.LinkerOptions(arch=arch, link_time_optimization=True, kernels_used=list(kernels))
-        return self._run("nvJitLink", source, arch,
-                         lambda: core.Linker(core.ObjectCode.from_ltoir(ltoir), options=options).link("cubin"))
+
+_ENTRY = re.compile(r"^[ \t]*(?:\.visible[ \t]+|\.weak[ \t]+)?\.entry[ \t]+([A-Za-z_$][\w$]*)", re.MULTILINE)
+
+
+def split_ptx(ptx: str) -> tuple[str, dict[str, str]]:
+    """``(common, {kernel: its text})``: a PTX module cut into its ``.entry`` definitions and
+    everything else, in order (the header, global variables, device functions), so that ``common``
+    followed by any subset of the kernels is a valid module. A definition ends at the first line
+    that is a lone ``}`` (NVVM writes a function's braces alone on their lines at column 0, and
+    indents everything inside)."""
+    common, kernels, at = [], {}, 0
+    for match in _ENTRY.finditer(ptx):
+        if match.start() < at:
+            continue
+        end = ptx.index("\n}", ptx.index("{", match.end())) + 2
+        common.append(ptx[at:match.start()])
+        kernels[match.group(1)] = ptx[match.start():end] + "\n"
+        at = end
+    common.append(ptx[at:])
+    return "".join(common), kernels
 
 
 class NvccCompiler(Compiler):

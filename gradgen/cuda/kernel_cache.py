@@ -5,19 +5,20 @@ GPU architecture and the compiler's identity (compiler, versions, options, heade
 so any change compiles afresh and nothing stale is ever loaded. The directory is
 ``GRADGEN_CUDA_CACHE`` when set, else the user cache directory (platformdirs; e.g.
 ~/.cache/gradgen/cuda). One build is ``<source>-<arch>-<key>.index.json``, naming the kernels of
-each of its cubins ``<source>-<arch>-<key>.<i>.cubin`` (a single cubin of all kernels where the
-compiler cannot split a source: nvcc, or NVRTC without nvJitLink).
+each of its cubins ``<source>-<arch>-<key>.<i>.cubin`` (one cubin of every kernel unless the
+build is split, see below).
 
 Concurrency (``pytest -n 8``, several training jobs): every file is written to a temporary file and
 moved into place with ``os.replace``, the index last, so a reader sees a whole build or none;
 building one key holds an exclusive ``fcntl`` lock on ``<key>.lock``, so processes that need the
 same kernels at once build each source once and the others wait for it.
 
-Speed: ``builds`` builds every missing source at once in threads (NVRTC and nvJitLink release the
-GIL): each source's front end runs once (LTO-IR), then its kernels link in groups of about
-``GROUP_SIZE`` on a shared pool, so the cold start costs the total work spread over the cores,
-not the largest source's compile. (So kernels of one source must not share a module-scope
-``__device__`` or ``__constant__`` variable: each group's cubin holds its own copy.)
+Speed: ``builds`` builds every missing source at once in threads (NVRTC releases the GIL), so
+the cold start costs the longest source's compile, not the sum. With
+``GRADGEN_CUDA_SPLIT_COMPILE=1`` (opt-in, see compile.py) NVRTC writes each source's PTX once and
+its kernels assemble in groups of about ``GROUP_SIZE`` on a shared pool, so that the largest
+source's assembly spreads over the cores too. (Kernels of one source must then not share a
+module-scope ``__device__`` or ``__constant__`` variable: each group's cubin holds its own copy.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
-from gradgen.cuda.compile import Compiler, Source, compiler, find_source, source_names
+from gradgen.cuda.compile import Compiler, Source, compiler, find_source, source_names, split_ptx
 from gradgen.errors import KernelError
 
 try:
@@ -130,11 +131,15 @@ def compile_build(source: Source, arch: str, using: Compiler, links: Executor | 
     compiler can and ``split`` allows, else whole."""
     if not (split and using.can_split):
         return [(None, using.compile(source, arch))]
-    ltoir = using.ltoir(source, arch)
-    groups = groups_of(using.kernel_names(ltoir, arch))
+    common, kernels = split_ptx(using.ptx(source, arch))
+    groups = groups_of(list(kernels))
+
+    def assemble(names: list[str]) -> bytes:
+        return using.assemble(common + "".join(kernels[name] for name in names), arch, source)
+
     if links is None:
-        return [(names, using.link(ltoir, arch, names, source)) for names in groups]
-    futures = [links.submit(using.link, ltoir, arch, names, source) for names in groups]
+        return [(names, assemble(names)) for names in groups]
+    futures = [links.submit(assemble, names) for names in groups]
     return [(names, future.result()) for names, future in zip(groups, futures)]
 
 
@@ -201,9 +206,9 @@ def builds(arch: str, names: list[str] | None = None, *, using: Compiler | None 
         if on_done is not None:
             on_done(source.name, time.perf_counter() - start, source in missing)
 
-    # Two pools: a thread per source (front end, then waiting on its links or on another process's
-    # lock) and the workers that link kernel groups (or compile whole sources), so no wait blocks work.
-    with progress, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-link") as links, \
+    # Two pools: a thread per source (its compile, or its PTX then waiting on its groups, or waiting
+    # on another process's lock) and the workers that assemble kernel groups, so no wait blocks work.
+    with progress, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-ptxas") as links, \
             ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source:
         list(per_source.map(lambda source: one(source, links), sources))
     return {name: results[name] for name in names}
