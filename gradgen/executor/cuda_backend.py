@@ -223,6 +223,7 @@ class CudaBackend:
         if self._memory is not None:
             self._memory.advance(step.index)
         entry = step.entry
+        _refuse_bfloat16(step, args)
         if entry.cuda is not None and not _is_shape_arithmetic(step, args):
             call_args = [
                 None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
@@ -364,3 +365,14 @@ def _warn_fallback(step) -> None:
         _WARNED.add(key)
         op = f"{step.domain}::{step.op_type}" if step.domain else step.op_type
         warnings.warn(f"no CUDA kernel for {op} (first at node {step.node_name!r}); running it on the CPU", stacklevel=4)
+
+
+def _refuse_bfloat16(step, args: list) -> None:
+    """No CUDA kernel has a bfloat16 variant yet (nor does the CPU fallback on device data): a clear
+    error, named by the executor after the node, rather than a launch on the wrong element size."""
+    from gradgen.errors import KernelError
+
+    if any(a is not None and np.dtype(a.dtype).name == "bfloat16" for a in args) or \
+            any(d is not None and d.name == "bfloat16" for d in (step.output_dtypes or ())):
+        raise KernelError("bfloat16 tensors are not supported by gradgen's CUDA kernels yet; run this "
+                          "bf16 graph with --device cpu (or build it with --precision fp16)")
