@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradgen.cuda.precompile", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", type=_arch, help="GPU architecture (repeatable; default: GPU 0's)")
     parser.add_argument("--compiler", choices=COMPILERS, help="default: NVRTC where installed, else nvcc")
-    parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU core)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="kernel groups assembled at once in split builds (default: one per CPU core); "
+                             "whole sources all compile at once")
     args = parser.parse_args(argv)
     try:
         using = compiler(args.compiler)
