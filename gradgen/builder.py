@@ -21,6 +21,7 @@ import onnx_ir as ir
 from gradgen.errors import ModelError
 from gradgen.ops import schemas
 from gradgen.ops.elementwise import same_dim, static_broadcast_axes
+from gradgen.ops.shape import shape_bounds
 
 MICROSOFT = schemas.MICROSOFT_DOMAIN
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -196,11 +197,7 @@ class GraphBuilder:
         if producer is not None and producer.domain in STANDARD_DOMAINS and producer.op_type == "Shape":
             dims = dims_of(producer.inputs[0])
             if dims is not None:
-                rank = len(dims)
-                start = _int_attr(producer, "start", 0)
-                end = _int_attr(producer, "end", rank)
-                start = min(max(start + rank if start < 0 else start, 0), rank)
-                end = min(max(end + rank if end < 0 else end, 0), rank)
+                start, end = shape_bounds(len(dims), _int_attr(producer, "start", 0), _int_attr(producer, "end", None))
                 return [d if isinstance(d, int) else None for d in dims[start:end]]
         constant = self.value_of(shape) if producer is not None and producer.op_type == "Constant" else None
         if constant is not None:
@@ -357,7 +354,7 @@ class GraphBuilder:
         return self._bga[key][position]
 
 
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
+def _int_attr(node: ir.Node, name: str, default: int | None) -> int | None:
     attr = node.attributes.get(name)
     return default if attr is None else int(attr.value)
 

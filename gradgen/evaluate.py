@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.ops.attributes import node_attributes
+from gradgen.ops.shape import shape_bounds
 
 MAX_ELEMENTS = 4096
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
@@ -59,7 +60,8 @@ def direct_constant(value: ir.Value, max_elements: int | None = MAX_ELEMENTS) ->
         if node.op_type == "Size":
             return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
         attrs = node_attributes(node)
-        return _shape_slice(dims, attrs.get("start", 0), attrs.get("end"))
+        start, end = shape_bounds(len(dims), attrs.get("start", 0), attrs.get("end"))
+        return np.array(dims[start:end], dtype=np.int64)
     return None
 
 
@@ -67,13 +69,6 @@ def _constant_attribute(key: str, value) -> np.ndarray:
     if key == "value":
         return np.asarray(value)
     return np.asarray(value, dtype=np.int64 if key.startswith("value_int") else np.float32)
-
-
-def _shape_slice(dims: list[int], start: int, end: int | None) -> np.ndarray:
-    rank = len(dims)
-    start = min(max(start + rank if start < 0 else start, 0), rank)
-    end = rank if end is None else min(max(end + rank if end < 0 else end, 0), rank)
-    return np.array(dims[start:end], dtype=np.int64)
 
 
 def is_float_parameter(value: ir.Value) -> bool:

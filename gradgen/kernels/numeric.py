@@ -2,8 +2,7 @@
 checks and spatial windows.
 
 They are public because both kernel trees use them. What an op means (axes, integer arguments,
-conv and pool geometry) lives in gradgen/ops; the names imported from there below are for the
-kernels that still take them from here.
+conv and pool geometry) lives in gradgen/ops.
 """
 
 from __future__ import annotations
@@ -12,12 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
-from gradgen.ops.axes import int_list, normalize_axis
-from gradgen.ops.axes import per_axis as attr_ints
-from gradgen.ops.pool import spatial_geometry as spatial_attrs
-
-__all__ = ["accumulation_dtype", "attr_ints", "channel_shape", "float_compute_dtype", "int_list", "normalize_axis",
-           "pad_spatial", "same_shape", "shape_arg", "sliding_windows", "spatial_attrs"]
+from gradgen.ops.axes import int_list
 
 
 def accumulation_dtype(dtype) -> np.dtype:

@@ -9,6 +9,14 @@ from gradgen.errors import KernelError
 from gradgen.ops.axes import int_list
 
 
+def shape_bounds(rank: int, start: int = 0, end: int | None = None) -> tuple[int, int]:
+    """The [start, end) of the dims Shape(start=, end=) returns: negative bounds count from the
+    end, both clamped to [0, rank]."""
+    start = min(max(start + rank if start < 0 else start, 0), rank)
+    end = rank if end is None else min(max(end + rank if end < 0 else end, 0), rank)
+    return start, end
+
+
 def slice_geometry(dims: Sequence[int], starts, ends, axes=None, steps=None) -> list[tuple[int, int, int]]:
     """(start, step, count) per axis of a Slice of a tensor of shape ``dims``, clamped as the ONNX
     spec says (negative starts/ends counted from the end, INT64_MAX/INT64_MIN ends, negative steps).

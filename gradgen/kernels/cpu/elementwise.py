@@ -14,8 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import accumulation_dtype, int_list, same_shape
+from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import int_list
 from gradgen.ops.elementwise import broadcast_gradient_axes
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.

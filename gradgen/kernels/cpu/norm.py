@@ -8,8 +8,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, normalize_axis, same_shape
+from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import normalize_axis
 
 
 @cpu_kernel("BatchNormalization")
@@ -56,9 +57,7 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
     are computed in double (so float64 gradient checks stay precise) and their statistics stored
     in float32, the type the schema gives them."""
     rank = x.ndim
-    if not -rank <= axis < rank:
-        raise KernelError(f"axis {axis} is out of range for rank {rank}")
-    axis = axis + rank if axis < 0 else axis
+    axis = normalize_axis(axis, rank)
     st = _stash_dtype(x.dtype, stash_type)
     xc = x.astype(st, copy=False)
     axes = tuple(range(axis, rank))
@@ -144,9 +143,7 @@ def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
 @cpu_kernel("RMSNormalization")
 def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     rank = x.ndim
-    if not -rank <= axis < rank:
-        raise KernelError(f"axis {axis} is out of range for rank {rank}")
-    axis = axis + rank if axis < 0 else axis
+    axis = normalize_axis(axis, rank)
     st = _stash_dtype(x.dtype, stash_type)
     xc = x.astype(st, copy=False)
     mean_square = (xc * xc).mean(axis=tuple(range(axis, rank)), keepdims=True)

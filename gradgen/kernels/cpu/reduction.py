@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import accumulation_dtype, normalize_axis, same_shape
+from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops.axes import normalize_axis
 
 
 def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:

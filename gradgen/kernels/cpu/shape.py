@@ -15,7 +15,7 @@ from gradgen.kernels.cpu.elementwise import onnx_dtype
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import int_list, normalize_axis
-from gradgen.ops.shape import slice_geometry, slice_index
+from gradgen.ops.shape import shape_bounds, slice_geometry, slice_index
 
 
 def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
@@ -27,12 +27,8 @@ def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
 
 @cpu_kernel("Shape")
 def shape(data, *, start=0, end=None):
-    dims = np.array(data.shape, dtype=np.int64)
-    rank = data.ndim
-    start = min(max(start + rank if start < 0 else start, 0), rank)
-    end = rank if end is None else end
-    end = min(max(end + rank if end < 0 else end, 0), rank)
-    return dims[start:end]
+    start, end = shape_bounds(data.ndim, start, end)
+    return np.array(data.shape[start:end], dtype=np.int64)
 
 
 @cpu_kernel("Size")

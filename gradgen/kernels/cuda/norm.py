@@ -16,6 +16,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import cast_to
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, is_float, kernel_of, launch, same_type
 from gradgen.kernels.table import cuda_kernel
+from gradgen.ops.axes import normalize_axis
 
 
 def _threads(length: int) -> int:
@@ -58,9 +59,7 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
 @cuda_kernel("LayerNormalization")
 def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1):
     rank = len(x.shape)
-    if not -rank <= axis < rank:
-        raise KernelError(f"axis {axis} is out of range for rank {rank}")
-    axis = axis + rank if axis < 0 else axis
+    axis = normalize_axis(axis, rank)
     if int(stash_type) != 1:
         raise KernelError(f"stash_type={stash_type} is not supported (only 1, float32)")
     norm_shape = tuple(int(d) for d in x.shape[axis:])

@@ -45,7 +45,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
-from gradgen.ops.shape import slice_geometry
+from gradgen.ops.shape import shape_bounds, slice_geometry
 
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
@@ -119,12 +119,8 @@ def _view(x, shape):
 
 @cuda_kernel("Shape")
 def shape(data, *, start=0, end=None):
-    rank = len(data.shape)
-    dims = np.array(data.shape, dtype=np.int64)
-    start = min(max(start + rank if start < 0 else start, 0), rank)
-    end = rank if end is None else end
-    end = min(max(end + rank if end < 0 else end, 0), rank)
-    return dims[start:end]
+    start, end = shape_bounds(len(data.shape), start, end)
+    return np.array(data.shape[start:end], dtype=np.int64)
 
 
 @cuda_kernel("Size")
