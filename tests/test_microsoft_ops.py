@@ -591,7 +591,8 @@ def test_conv_grad_must_fail(dy_shape, attrs, match):
 
 def test_schemas_table_and_opset():
     assert schemas.microsoft_opset_import() == ("com.microsoft", 1)
-    assert set(schemas.SCHEMAS) == {"SliceGrad", "GatherGrad", "GatherElementsGrad", "ConvGrad", "BroadcastGradientArgs"}
+    assert {"SliceGrad", "GatherGrad", "GatherElementsGrad", "ConvGrad", "BroadcastGradientArgs",
+            "LayerNormalizationGrad"} <= set(schemas.SCHEMAS)
     assert [f.name for f in schemas.SCHEMAS["GatherGrad"].inputs] == ["shape", "indices", "dY"]
     assert [f.name for f in schemas.SCHEMAS["GatherElementsGrad"].inputs] == ["dY", "shape", "indices"]
     for op in schemas.SCHEMAS:
@@ -718,3 +719,157 @@ def test_checker_needs_the_microsoft_opset_import():
     del model.opset_import[1]
     with pytest.raises(onnx.checker.ValidationError, match="No opset import for domain 'com.microsoft'"):
         onnx.checker.check_model(model, full_check=True)
+
+
+# ====================================================================== LayerNormalizationGrad
+
+
+def _layer_norm_model(shape, axis, dtype=TensorProto.FLOAT, norm_shape=None, bias=True, seed=0):
+    """x -> LayerNormalization(axis) -> sum(y * w): the rule's LayerNormalization model."""
+    rng = np.random.default_rng(seed)
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    norm_shape = tuple(shape[axis % len(shape):]) if norm_shape is None else norm_shape
+    inits = {"scale": rng.standard_normal(norm_shape), "w": rng.uniform(0.5, 1.5, shape)}
+    if bias:
+        inits["bias"] = rng.standard_normal(norm_shape)
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias" if bias else ""], ["y"], axis=axis),
+             helper.make_node("Mul", ["y", "w"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", dtype, shape)],
+                              [helper.make_tensor_value_info("loss", dtype, [])],
+                              [numpy_helper.from_array(v.astype(np_dtype), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return model, {k: v.astype(np_dtype) for k, v in inits.items()}, rng.standard_normal(shape).astype(np_dtype)
+
+
+def _layer_norm_stats(x, axis):
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    return mean, 1 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + 1e-5)
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 6), -1), ((2, 3, 5), 1), ((3, 2, 4), -1)])
+def test_layer_norm_grad_kernel_matches_finite_differences(shape, axis):
+    """The CPU kernel in float64 (statistics in float64 too) against central differences of
+    L = sum(dy * LayerNorm(x; scale, bias)) in every element of X, scale and bias."""
+    rng = np.random.default_rng(7)
+    norm_shape = shape[axis % len(shape):]
+    x, scale, bias, dy = (rng.standard_normal(s) for s in (shape, norm_shape, norm_shape, shape))
+
+    def loss(x, scale, bias):
+        mean, inv = _layer_norm_stats(x, axis)
+        return float(np.sum(dy * ((x - mean) * inv * scale + bias)))
+
+    mean, inv = _layer_norm_stats(x, axis)
+    got = kernel("LayerNormalizationGrad")(dy, x, scale, mean, inv, axis=axis)
+    args, eps = [x, scale, bias], 1e-6
+    for k, arg in enumerate(args):
+        fd = np.zeros_like(arg)
+        for idx in np.ndindex(arg.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[k][idx] += eps
+            minus[k][idx] -= eps
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(got[k], fd, rtol=1e-6, atol=1e-7 * max(1.0, np.abs(fd).max()))
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 6), -1), ((2, 3, 5), 1), ((2, 3, 5), -2)])
+def test_layer_norm_rule_emits_layer_norm_grad_and_matches_torch(shape, axis):
+    """float32: the rule emits one LayerNormalizationGrad reading the forward node's Mean and
+    InvStdDev (added to the node), and its gradients match PyTorch's layer_norm."""
+    import gradgen
+
+    model, inits, x = _layer_norm_model(shape, axis)
+    built = onnx_ir_to_proto(gradgen.build_backward(model, wrt_inputs=True).model)
+    ops = [n for n in built.graph.node if n.domain == MS]
+    assert [n.op_type for n in ops] == ["LayerNormalizationGrad"]
+    forward = next(n for n in built.graph.node if n.op_type == "LayerNormalization")
+    assert len(forward.output) == 3 and list(ops[0].input[3:]) == list(forward.output[1:])
+    got = Session(built).run({"x": x})
+    norm_shape = shape[axis % len(shape):]
+    want = torch_grad(lambda x, s, b: F.layer_norm(x, norm_shape, s, b, 1e-5), [x, inits["scale"], inits["bias"]],
+                      inits["w"])
+    for name, value in zip(("x_grad", "scale_grad", "bias_grad"), want):
+        assert_close(got[name], value, np.float32)
+
+
+@pytest.mark.parametrize("case", ["broadcast-scale", "float64"])
+def test_layer_norm_rule_keeps_the_standard_spelling_where_the_op_does_not_fit(case):
+    """A scale broadcast over the normalized shape (not LayerNormalizationGrad's contract) and
+    float64 data (float32 statistics would cost it precision) keep the standard-op gradient."""
+    import gradgen
+
+    if case == "float64":
+        model, _, x = _layer_norm_model((3, 4), -1, dtype=TensorProto.DOUBLE)
+    else:
+        model, _, x = _layer_norm_model((2, 3, 4), 1, norm_shape=(4,), bias=False)
+    built = onnx_ir_to_proto(gradgen.build_backward(model, wrt_inputs=True).model)
+    assert not [n for n in built.graph.node if n.domain == MS]
+    assert np.isfinite(Session(built).run({"x": x})["x_grad"]).all()
+
+
+@pytest.mark.parametrize("shape,axis,bias", [((4, 6), -1, True), ((2, 3, 5), 1, True), ((3, 5), 1, False)])
+def test_layer_norm_grad_portable_form_matches_the_kernel_and_onnxruntime(shape, axis, bias):
+    """--portable lowers LayerNormalizationGrad to standard ops: gradgen's executor and stock
+    onnxruntime (which has no LayerNormalizationGrad) run it to the op's values."""
+    import onnxruntime as ort
+
+    import gradgen
+
+    model, _, x = _layer_norm_model(shape, axis, bias=bias)
+    plain = onnx_ir_to_proto(gradgen.build_backward(model, wrt_inputs=True).model)
+    portable = onnx_ir_to_proto(gradgen.build_backward(model, wrt_inputs=True, portable=True).model)
+    assert all(n.domain in ("", "ai.onnx") for n in portable.graph.node)
+    want = Session(plain).run({"x": x})
+    names = [o.name for o in portable.graph.output]
+    ours = Session(portable).run({"x": x})
+    theirs = dict(zip(names, ort.InferenceSession(portable.SerializeToString(), providers=["CPUExecutionProvider"])
+                      .run(names, {"x": x})))
+    for name in ("x_grad", "scale_grad") + (("bias_grad",) if bias else ()):
+        np.testing.assert_allclose(ours[name], want[name], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(theirs[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_grad_schema_and_errors():
+    assert [f.name for f in schemas.SCHEMAS["LayerNormalizationGrad"].inputs] == ["Y_grad", "X", "scale", "mean",
+                                                                                    "inv_std_var"]
+    F32 = TensorProto.FLOAT
+    assert schemas.output_types("LayerNormalizationGrad", [(F32, (2, 3)), (F32, (2, 3)), (F32, (3,)), (F32, (2, 1)),
+                                                           (F32, (2, 1))]) == [(F32, (2, 3)), (F32, (3,)), (F32, (3,))]
+    with pytest.raises(ModelError, match="input 'mean' has type DOUBLE"):
+        schemas.output_types("LayerNormalizationGrad", [(F32, (2, 3))] * 3 + [(TensorProto.DOUBLE, (2, 1))] * 2)
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(KernelError, match="scale has 2 elements"):
+        kernel("LayerNormalizationGrad")(x, x, np.ones(2, np.float32), np.zeros((2, 1), np.float32),
+                                         np.ones((2, 1), np.float32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("shape,axis", [((4, 6), -1), ((2, 3, 5), 1), ((1000, 768), -1), ((3, 1500), -1)])
+def test_layer_norm_grad_cuda_matches_the_cpu_kernel_bit_identically_across_runs(dtype, shape, axis):
+    """The CUDA kernel (rows per block, column sums in fixed-order chunks) against the CPU kernel,
+    and two runs bit-identical."""
+    from gradgen.cuda import runtime as rt
+
+    registry.load_cuda_kernels()
+    entry = registry.lookup(MS, "LayerNormalizationGrad")
+    rng = np.random.default_rng(3)
+    norm_shape = shape[axis % len(shape):]
+    x, dy = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+    scale = rng.standard_normal(norm_shape).astype(dtype)
+    mean, inv = (s.astype(np.float32) for s in _layer_norm_stats(x.astype(np.float64), axis))
+    want = entry.cpu(dy, x, scale, mean, inv, axis=axis)
+    args = [rt.to_device(a) for a in (dy, x, scale, mean, inv)]
+    first = [o.get() for o in entry.cuda(*args, axis=axis)]
+    again = [o.get() for o in entry.cuda(*args, axis=axis)]
+    for got, ref, rerun in zip(first, want, again):
+        np.testing.assert_array_equal(got, rerun)
+        tol = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}[np.dtype(dtype).type]
+        np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=tol,
+                                   atol=tol * max(1.0, float(np.abs(ref.astype(np.float64)).max())))
+
+
+def onnx_ir_to_proto(model):
+    import onnx_ir as ir
+
+    return ir.to_proto(model)

@@ -15,6 +15,7 @@ shape of None means even the rank is unknown.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -69,6 +70,9 @@ class Schema:
     attributes: tuple[Attribute, ...] = ()
     domain: str = MICROSOFT_DOMAIN
     since_version: int = MICROSOFT_OPSET
+    # (dtype, shape) of each output from the inputs' TensorInfos and the attributes (see
+    # output_types); None for the ops of this module's table, whose rules are in _RULES.
+    infer: Callable[[list, dict], list] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def min_inputs(self) -> int:
@@ -87,7 +91,7 @@ _CONV_ATTRIBUTES = (
     Attribute("strides", "ints", declared=False),
 )
 
-SCHEMAS: dict[str, Schema] = {s.op_type: s for s in (
+_TABLE: dict[str, Schema] = {s.op_type: s for s in (
     Schema(
         "SliceGrad",
         inputs=(Formal("dY", ANY), Formal("shape", INT64), Formal("starts", INDICES), Formal("ends", INDICES),
@@ -119,6 +123,50 @@ SCHEMAS: dict[str, Schema] = {s.op_type: s for s in (
         outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
     ),
 )}
+
+
+
+
+def declare(sch: Schema) -> Schema:
+    """Add the schema of a com.microsoft op declared with its family's CPU kernel (its reference
+    semantics; ``gradgen/kernels/cpu/<family>.py``), so that the op's contract, output types and
+    kernel live in one file. Every layer reads it through ``SCHEMAS`` / ``schema`` as the others."""
+    if sch.infer is None:
+        raise ValueError(f"the schema of {sch.op_type} declares no output types (infer=)")
+    if _TABLE.get(sch.op_type, sch) is not sch:
+        raise RuntimeError(f"duplicate schema for {MICROSOFT_DOMAIN}::{sch.op_type}")
+    _TABLE[sch.op_type] = sch
+    return sch
+
+
+class _Schemas(Mapping):
+    """Every schema gradgen knows: the table above and those declared with their CPU kernels.
+
+    The first read imports the CPU kernel families (through the kernel registry, which lists
+    them), whose ``declare`` calls complete the table; nothing is imported before that, so this
+    module stays importable by the kernel modules themselves."""
+
+    def _complete(self) -> dict[str, Schema]:
+        global _DECLARED_LOADED
+        if not _DECLARED_LOADED:
+            _DECLARED_LOADED = True
+            from gradgen.kernels import registry  # the kernel families declare their ops' schemas
+
+            registry.lookup(MICROSOFT_DOMAIN, "")
+        return _TABLE
+
+    def __getitem__(self, op_type: str) -> Schema:
+        return self._complete()[op_type]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict(self._complete()))
+
+    def __len__(self) -> int:
+        return len(self._complete())
+
+
+_DECLARED_LOADED = False
+SCHEMAS: Mapping[str, Schema] = _Schemas()
 
 
 def microsoft_opset_import() -> tuple[str, int]:
@@ -192,7 +240,7 @@ def output_types(op_type: str, input_types_and_shapes: Sequence[Any],
             raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} has type "
                              f"{_type_name(info.dtype)}; allowed: {allowed}")
     attrs = {**sch.defaults(), **(attributes or {})}
-    return _RULES[op_type](infos, attrs)
+    return (sch.infer or _RULES[op_type])(infos, attrs)
 
 
 def _info(x: Any) -> TensorInfo | None:

@@ -1,7 +1,8 @@
 """Gradient rules: BatchNormalization, LayerNormalization, InstanceNormalization, GroupNormalization.
 
-The statistics are recomputed from X in X's element type (the optional Mean/InvStdDev outputs of
-LayerNormalization are not relied on, but gradients flowing into them are honoured). For a
+The statistics are recomputed from X in X's element type, except for LayerNormalization, whose
+gradient is ONNX Runtime training's LayerNormalizationGrad reading the forward node's saved
+Mean/InvStdDev (gradients flowing into those outputs are honoured too). For a
 normalisation xhat = (x - mean) * rstd over some axes, with dxhat the gradient reaching xhat:
 
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
@@ -14,7 +15,9 @@ their (linear) gradients back to input_mean/input_var and X.
 
 from __future__ import annotations
 
-from gradgen.builder import dims_of
+import onnx_ir as ir
+
+from gradgen.builder import MICROSOFT, dims_of
 from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule
 
@@ -42,7 +45,9 @@ def _stats(g, x, axes, eps, like=None):
     return g.op("Mul", centered, rstd), rstd, centered
 
 
-def _normalize_backward(g, dxhat, xhat, rstd, axes):
+def normalize_backward(g, dxhat, xhat, rstd, axes):
+    """dx of xhat = (x - mean) * rstd over ``axes`` (keepdims layout), from dxhat, the gradient
+    reaching xhat: the rules' spelling, and LayerNormalizationGrad's lowering."""
     mean_d = g.reduce("ReduceMean", dxhat, axes, keepdims=1)
     mean_dx = g.reduce("ReduceMean", g.op("Mul", dxhat, xhat), axes, keepdims=1)
     inner = g.op("Sub", g.op("Sub", dxhat, mean_d), g.op("Mul", xhat, mean_dx))
@@ -95,7 +100,7 @@ def _batch_norm_training(g, rank, axes, eps):
     if dy is not None:
         if g.needs(0):
             dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
-            parts.append(_normalize_backward(g, dxhat, xhat, rstd, axes))
+            parts.append(normalize_backward(g, dxhat, xhat, rstd, axes))
         if g.needs(1):
             grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), axes, keepdims=0)
         if g.needs(2):
@@ -135,18 +140,31 @@ def _count_like(g, x, reduced):
 
 @grad_rule("LayerNormalization")
 def layer_normalization(g):
+    """ONNX Runtime training's LayerNormalizationGrad from the forward node's saved Mean and
+    InvStdDev (added to the node when it lacks them), when scale and bias have the normalized
+    shape; the standard-op spelling (the lowering's, gradgen/passes/lowering/norm.py) otherwise:
+    a broadcast scale or bias, a stash type other than float32, float64 data (the saved float32
+    statistics would cost it its precision), or no gradient reaching Y."""
     x, scale, bias = g.x(0), g.x(1), g.x(2)
     rank = _rank(g, x)
     axis = int(g.attr("axis", -1)) % rank
     axes = list(range(axis, rank))
     eps = float(g.attr("epsilon", 1e-5))
     dy = g.dy(0)
-    xhat, rstd, centered = _stats(g, x, axes, eps)
     grads = [None] * len(g.node.inputs)
     parts = []
-    if dy is not None:
+    stats = None  # (xhat, rstd, centered), recomputed in x's type where needed
+    if dy is not None and _saved_stats_fit(g, x, scale, bias, axis):
+        dx, dscale, dbias = _layer_norm_grad_op(g, axis, rank, bias is not None and g.needs(2))
         if g.needs(0):
-            parts.append(_normalize_backward(g, g.op("Mul", dy, scale), xhat, rstd, axes))
+            parts.append(dx)
+        grads[1] = dscale if g.needs(1) else None
+        grads[2] = dbias
+    elif dy is not None:
+        stats = _stats(g, x, axes, eps)
+        xhat, rstd, _ = stats
+        if g.needs(0):
+            parts.append(normalize_backward(g, g.op("Mul", dy, scale), xhat, rstd, axes))
         if g.needs(1):
             grads[1] = g.unbroadcast(g.op("Mul", dy, xhat), scale, g.y(0), None)
         if bias is not None and g.needs(2):
@@ -155,6 +173,7 @@ def layer_normalization(g):
         # Mean/InvStdDev may come in the stash type: bring their gradients to x's type.
         dmean, drstd = (None if g.dy(i) is None else g.cast_like(g.dy(i), x) for i in (1, 2))
         if dmean is not None or drstd is not None:
+            _, rstd, centered = stats if stats is not None else _stats(g, x, axes, eps)
             count = _count_like(g, x, rstd)
         if dmean is not None:  # Mean = mean(x): each x gets dMean / n
             parts.append(g.expand_like(g.op("Div", dmean, count), x))
@@ -165,6 +184,50 @@ def layer_normalization(g):
         if parts:
             grads[0] = g.sum(parts)
     return grads
+
+
+def _saved_stats_fit(g, x, scale, bias, axis) -> bool:
+    """Whether LayerNormalizationGrad fits: float32 statistics (stash_type 1) at least as precise as
+    X (float32, float16, bfloat16) and a scale (and bias) of exactly the normalized shape X.shape[axis:]."""
+    if int(g.attr("stash_type", 1)) != 1 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return False
+    x_dims, s_dims = dims_of(x), dims_of(scale)
+    if x_dims is None or s_dims is None or list(s_dims) != list(x_dims[axis:]) or None in s_dims:
+        return False
+    return bias is None or dims_of(bias) == s_dims
+
+
+def _layer_norm_grad_op(g, axis, rank, with_bias):
+    """(dX, dScale, dBias or None): one LayerNormalizationGrad node reading the forward node's
+    Mean and InvStdDev outputs (float32, shape X.shape[:axis] + (1,) * (rank - axis))."""
+    x, scale = g.x(0), g.x(1)
+    mean, inv_std = _saved_statistics(g, axis, rank)
+    y = g.y(0).name
+    names = [f"{y}_dX", f"{y}_dscale" if g.needs(1) else "", f"{y}_dbias" if with_bias else ""]
+    dx, dscale, dbias = g.op_multi("LayerNormalizationGrad", [g.dy(0), x, scale, mean, inv_std], 3,
+                                   domain=MICROSOFT, output_names=names, axis=axis)
+    g.set_type_like(dx, x)
+    for out in (dscale, dbias):
+        if out.name:
+            g.set_type_like(out, scale)
+    return dx, (dscale if dscale.name else None), (dbias if dbias.name else None)
+
+
+def _saved_statistics(g, axis, rank):
+    """The forward node's Mean and InvStdDev outputs, named and typed (added when it lacks them)."""
+    node, x = g.node, g.x(0)
+    if len(node.outputs) < 3:
+        node.resize_outputs(3)
+    stat_shape = ir.Shape([*dims_of(x)[:axis], *([1] * (rank - axis))])
+    for i, suffix in ((1, "Mean"), (2, "InvStdDev")):
+        value = node.outputs[i]
+        if not value.name:
+            g.rename(value, f"{node.name or g.y(0).name}_{suffix}")
+        if value.type is None:
+            value.type = ir.TensorType(ir.DataType.FLOAT)
+        if value.shape is None:
+            value.shape = stat_shape
+    return node.outputs[1], node.outputs[2]
 
 
 @grad_rule("InstanceNormalization")
@@ -179,7 +242,7 @@ def instance_normalization(g):
     grads = [None] * 3
     if g.needs(0):
         dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
-        grads[0] = _normalize_backward(g, dxhat, xhat, rstd, list(range(2, rank)))
+        grads[0] = normalize_backward(g, dxhat, xhat, rstd, list(range(2, rank)))
     channel_axes = [0] + list(range(2, rank))
     if g.needs(1):
         grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), channel_axes, keepdims=0)
@@ -199,7 +262,7 @@ def _instance_normalization_any_rank(g):
     grads = [None] * 3
     if g.needs(0):
         dxhat = g.op("Mul", dy3, g.unsqueeze(scale, [1]))
-        grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+        grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
     if g.needs(1):
         grads[1] = g.reduce_sum(g.op("Mul", dy3, xhat), [0, 2], keepdims=0)
     if g.needs(2):
@@ -228,7 +291,7 @@ def group_normalization(g):
         dyg = g.reshape(dy, grouped_shape)
         if g.needs(0):
             dxhat = g.op("Mul", dyg, g.unsqueeze(scale, [0, 2]))
-            grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+            grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
         if g.needs(1):
             grads[1] = g.reduce_sum(g.op("Mul", dyg, xhat), [0, 2], keepdims=0)
         if g.needs(2):
@@ -237,7 +300,7 @@ def group_normalization(g):
     channel_axes = [0] + list(range(2, rank))
     if g.needs(0):
         dxhat = g.reshape(g.op("Mul", dy, _per_channel(g, scale, rank)), grouped_shape)
-        grads[0] = g.reshape_like(_normalize_backward(g, dxhat, xhat, rstd, [2]), x)
+        grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
     if g.needs(1):
         grads[1] = g.reduce_sum(g.op("Mul", dy, g.reshape_like(xhat, x)), channel_axes, keepdims=0)
     if g.needs(2):

@@ -10,7 +10,9 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
+from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
 
 @cpu_kernel("BatchNormalization")
@@ -193,6 +195,21 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     if not simplified:
         outputs.append(dy.sum(axis=0).reshape(scale.shape).astype(scale.dtype))
     return tuple(outputs)
+
+
+LAYER_NORMALIZATION_GRAD = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc); its gradient builder copies the forward
+    # node's attributes, so epsilon and stash_type come along undeclared.
+    "LayerNormalizationGrad",
+    inputs=(Formal("Y_grad", FLOATS), Formal("X", FLOATS), Formal("scale", FLOATS),
+            Formal("mean", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16})),
+            Formal("inv_std_var", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16}))),
+    outputs=(Formal("X_grad", FLOATS), Formal("scale_grad", FLOATS, optional=True),
+             Formal("bias_grad", FLOATS, optional=True)),
+    attributes=(Attribute("axis", "int", -1), Attribute("epsilon", "float", declared=False),
+                Attribute("stash_type", "int", declared=False)),
+    infer=lambda i, a: [(i[1].dtype, i[1].shape), (i[2].dtype, i[2].shape), (i[2].dtype, i[2].shape)],
+))
 
 
 @cpu_kernel("LayerNormalizationGrad", domain=MICROSOFT)

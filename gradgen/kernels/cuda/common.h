@@ -34,3 +34,22 @@ template <typename T> __device__ __forceinline__ typename Acc<T>::type gg_load(c
 template <> __device__ __forceinline__ float gg_load<__half>(const __half* p) { return __half2float(*p); }
 template <typename T> __device__ __forceinline__ void gg_store(T* p, typename Acc<T>::type v) { *p = v; }
 template <> __device__ __forceinline__ void gg_store<__half>(__half* p, float v) { *p = __float2half(v); }
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    const int warps = blockDim.x >> 5;
+    if (warps == 1) return v;
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < warps ? scratch[threadIdx.x] : A(0);
+        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (threadIdx.x == 0) scratch[32] = v;
+    }
+    __syncthreads();
+    v = scratch[32];
+    __syncthreads();  // scratch may be reused right away
+    return v;
+}

@@ -41,22 +41,6 @@ __device__ __forceinline__ Lse<A> block_lse(Lse<A> v) {
     return part[32];
 }
 
-template <typename A>
-__device__ __forceinline__ A block_sum(A v, A* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    const int warps = blockDim.x >> 5;
-    if (warps == 1) return v;
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        v = threadIdx.x < warps ? scratch[threadIdx.x] : A(0);
-        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (threadIdx.x == 0) scratch[32] = v;
-    }
-    __syncthreads();
-    return scratch[32];
-}
-
 struct LossArgs {
     int64_t n, c, d;          // scores viewed as (n, c, d); labels (n, d)
     int64_t ignore_index;

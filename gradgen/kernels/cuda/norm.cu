@@ -3,25 +3,6 @@
 // BatchNormalization in inference form (elementwise with per-channel statistics).
 #include "common.h"
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
-template <typename A>
-__device__ __forceinline__ A block_sum(A v, A* scratch) {
-    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    const int warps = blockDim.x >> 5;
-    if (warps == 1) return v;
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        v = threadIdx.x < warps ? scratch[threadIdx.x] : A(0);
-        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (threadIdx.x == 0) scratch[32] = v;
-    }
-    __syncthreads();
-    v = scratch[32];
-    __syncthreads();  // scratch may be reused right away
-    return v;
-}
-
 // mode 0 (LayerNorm): scale/bias index j; mode 1 (InstanceNorm): channel row % C;
 // mode 2 (GroupNorm, per-channel scale): channel (row % G) * (C / G) + j / spatial;
 // mode 3 (GroupNorm, per-group scale): group row % G.

@@ -8,14 +8,27 @@ bias shapes that need broadcasting run through the CPU kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.elementwise import cast_to
-from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, is_float, kernel_of, launch, same_type
-from gradgen.kernels.table import cuda_kernel
+from gradgen.kernels.cuda.launch import (
+    BLOCK,
+    contiguous,
+    cpu_fallback,
+    dtype_suffix,
+    generated_module,
+    is_float,
+    kernel_of,
+    launch,
+    runtime,
+    same_type,
+    stream,
+)
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
 
@@ -140,3 +153,153 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     launch(kernel_of("norm", f"batch_norm_{dtype_suffix(x.dtype)}"), y.size, y, x, scale, bias, input_mean, input_var,
               np.int64(channels), np.int64(inner), np.float64(epsilon), np.int64(y.size))
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNormalizationGrad (com.microsoft): its device code is declared here, generated per float type
+# and compiled at first use like the .cu files (launch.generated_module). Deterministic: one block per
+# row for dX (fixed block-sum tree), and the column sums of dScale / dBias in two fixed-order steps:
+# per-chunk partial sums over a fixed number of row chunks (a function of the row count only), then
+# one thread per column adding the chunks in order. Accumulation in float (double for float64).
+
+GRAD_MODULE = "norm_grad"
+_GRAD_TYPES = (("f16", "__half"), ("f32", "float"), ("f64", "double"))
+_ROWS_PER_CHUNK = 32
+_MAX_CHUNKS = 256
+
+_GRAD_TEMPLATE = r"""
+// dX of one row per block: with xhat = (x - mean) * inv, b = dy * scale * inv,
+// dX = b - mean(b) - xhat * mean(b * xhat) over the row (ONNX Runtime training's formula).
+template <typename T>
+__device__ void ln_grad_rows(T* dx, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ scale,
+                             const float* __restrict__ mean, const float* __restrict__ inv, int64_t cols) {
+    using A = typename Acc<T>::type;
+    __shared__ A scratch[33];
+    const int64_t row = blockIdx.x;
+    const int64_t base = row * cols;
+    const A m = (A)mean[row], r = (A)inv[row];
+    A sb = 0, sc = 0;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        const A xh = ((A)gg_load(x + base + j) - m) * r;
+        const A b = (A)gg_load(dy + base + j) * (A)gg_load(scale + j) * r;
+        sb += b;
+        sc += b * xh;
+    }
+    const A mb = block_sum(sb, scratch) / A(cols);
+    const A mc = block_sum(sc, scratch) / A(cols);
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        const A xh = ((A)gg_load(x + base + j) - m) * r;
+        const A b = (A)gg_load(dy + base + j) * (A)gg_load(scale + j) * r;
+        gg_store(dx + base + j, (typename Acc<T>::type)(b - mb - xh * mc));
+    }
+}
+
+// Partial column sums of dy * xhat and dy over the rows of chunk blockIdx.y, in row order.
+template <typename T>
+__device__ void ln_grad_partials(typename Acc<T>::type* part_scale, typename Acc<T>::type* part_bias,
+                                 const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
+                                 const float* __restrict__ inv, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+    using A = typename Acc<T>::type;
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    const int64_t first = (int64_t)blockIdx.y * rows_per_chunk;
+    const int64_t last = min(rows, first + rows_per_chunk);
+    A ss = 0, sb = 0;
+    for (int64_t row = first; row < last; ++row) {
+        const A g = (A)gg_load(dy + row * cols + j);
+        ss += g * ((A)gg_load(x + row * cols + j) - (A)mean[row]) * (A)inv[row];
+        sb += g;
+    }
+    part_scale[blockIdx.y * cols + j] = ss;
+    part_bias[blockIdx.y * cols + j] = sb;
+}
+
+// dScale and dBias: the chunks' partial sums added in chunk order, one thread per column.
+template <typename T>
+__device__ void ln_grad_finish(T* dscale, T* dbias, const typename Acc<T>::type* part_scale,
+                               const typename Acc<T>::type* part_bias, int64_t chunks, int64_t cols) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(j, cols) {
+        A ss = 0, sb = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+            ss += part_scale[c * cols + j];
+            sb += part_bias[c * cols + j];
+        }
+        gg_store(dscale + j, ss);
+        gg_store(dbias + j, sb);
+    }
+}
+"""
+
+_GRAD_ENTRIES = r"""
+extern "C" __global__ void ln_grad_rows_{s}({T}* dx, const {T}* dy, const {T}* x, const {T}* scale, const float* mean,
+                                         const float* inv, int64_t cols) {{
+    ln_grad_rows<{T}>(dx, dy, x, scale, mean, inv, cols);
+}}
+extern "C" __global__ void ln_grad_partials_{s}(Acc<{T}>::type* ps, Acc<{T}>::type* pb, const {T}* dy, const {T}* x,
+                                             const float* mean, const float* inv, int64_t rows, int64_t cols,
+                                             int64_t rows_per_chunk) {{
+    ln_grad_partials<{T}>(ps, pb, dy, x, mean, inv, rows, cols, rows_per_chunk);
+}}
+extern "C" __global__ void ln_grad_finish_{s}({T}* dscale, {T}* dbias, const Acc<{T}>::type* ps,
+                                           const Acc<{T}>::type* pb, int64_t chunks, int64_t cols) {{
+    ln_grad_finish<{T}>(dscale, dbias, ps, pb, chunks, cols);
+}}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def grad_source() -> str:
+    """The CUDA source of LayerNormalizationGrad: the templates above and their entry points for
+    float16, float32 and float64."""
+    return '#include "common.h"\n' + _GRAD_TEMPLATE + "".join(_GRAD_ENTRIES.format(s=s, T=T) for s, T in _GRAD_TYPES)
+
+
+def generated_sources() -> dict[str, str]:
+    """The CUDA sources this family generates at run time (module name -> text), for the compile test."""
+    return {GRAD_MODULE: grad_source()}
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_kernel(entry: str):
+    return generated_module(GRAD_MODULE, grad_source()).get_function(entry)
+
+
+def grad_chunks(rows: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) of the column sums: a function of the row count only, so the order
+    of additions (and the result) never depends on the device."""
+    per_chunk = max(_ROWS_PER_CHUNK, -(-rows // _MAX_CHUNKS))
+    return max(1, -(-rows // per_chunk)), per_chunk
+
+
+@cuda_kernel("LayerNormalizationGrad", domain=MICROSOFT)
+def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """(dX, dScale, dBias); configurations the kernels do not cover (a non-float type, mixed types,
+    statistics not in float32, shapes that do not fit: the CPU kernel raises the error) run the
+    numpy kernel."""
+    rt = runtime()
+    rank = len(X.shape)
+    ax = axis + rank if -rank <= axis < 0 else axis
+    rows = int(np.prod(X.shape[:ax], dtype=np.int64)) if 0 <= ax < rank else -1
+    cols = int(np.prod(X.shape[ax:], dtype=np.int64)) if 0 <= ax < rank else -1
+    fits = (is_float(X.dtype) and dY.dtype == X.dtype == scale.dtype and tuple(dY.shape) == tuple(X.shape)
+            and mean.dtype == inv_std_var.dtype == np.float32 and rows >= 1 and cols > 1
+            and scale.size == cols and mean.size == rows and inv_std_var.size == rows)
+    if not fits:
+        return cpu_fallback("LayerNormalizationGrad", dY, X, scale, mean, inv_std_var, domain=MICROSOFT, axis=axis,
+                            epsilon=epsilon, stash_type=stash_type)
+    dY, X, scale, mean, inv_std_var = (contiguous(t) for t in (dY, X, scale, mean, inv_std_var))
+    s = dtype_suffix(X.dtype)
+    dx = rt.empty(X.shape, X.dtype)
+    dscale, dbias = rt.empty(scale.shape, scale.dtype), rt.empty(scale.shape, scale.dtype)
+    _grad_kernel(f"ln_grad_rows_{s}")(dx, dY, X, scale, mean, inv_std_var, np.int64(cols),
+                                      block=(_threads(cols), 1, 1), grid=(rows, 1), stream=stream())
+    chunks, per_chunk = grad_chunks(rows)
+    acc = np.float64 if s == "f64" else np.float32
+    part_scale, part_bias = rt.empty((chunks, cols), acc), rt.empty((chunks, cols), acc)
+    _grad_kernel(f"ln_grad_partials_{s}")(part_scale, part_bias, dY, X, mean, inv_std_var, np.int64(rows),
+                                          np.int64(cols), np.int64(per_chunk),
+                                          block=(BLOCK, 1, 1), grid=(-(-cols // BLOCK), chunks), stream=stream())
+    launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks),
+           np.int64(cols))
+    return dx, dscale, dbias

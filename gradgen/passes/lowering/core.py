@@ -38,7 +38,7 @@ def lowerable_ops() -> list[tuple[str, str]]:
     return sorted(LOWERINGS)
 
 
-FAMILIES = ("conv", "elementwise", "indexing", "shape")
+FAMILIES = ("conv", "elementwise", "indexing", "norm", "shape")
 
 
 def _load_families() -> None:
