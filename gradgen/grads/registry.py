@@ -7,43 +7,23 @@ gradgen/grads/table.py and never import this module; the first lookup imports th
 
 from __future__ import annotations
 
-import importlib
-
 from gradgen.grads.table import RULES, GradRule
+from gradgen.ops.schemas import normalize_domain
+from gradgen.registration import Families
 
 FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "reduction", "shape")
 PACKAGE = "gradgen.grads.rules"
+_FAMILIES = Families(PACKAGE, FAMILIES)
 _RULES = RULES  # the table itself, under its former name (tests patch entries in it)
 
 __all__ = ["FAMILIES", "GradRule", "all_rules", "lookup_rule"]
 
 
 def lookup_rule(domain: str, op_type: str) -> GradRule | None:
-    from gradgen.ops.schemas import normalize_domain
-
-    _ensure_loaded()
+    _FAMILIES.load()
     return RULES.get((normalize_domain(domain), op_type))
 
 
 def all_rules() -> dict[tuple[str, str], GradRule]:
-    _ensure_loaded()
+    _FAMILIES.load()
     return dict(RULES)
-
-
-_LOADED = False
-_LOAD_ERRORS: list = []  # an import error of the modules that fill the registry
-
-
-def _ensure_loaded() -> None:
-    global _LOADED
-    if _LOAD_ERRORS:
-        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
-    if _LOADED:
-        return
-    _LOADED = True
-    try:
-        for family in FAMILIES:
-            importlib.import_module(f"{PACKAGE}.{family}")
-    except Exception as exc:  # later calls must not report every op as unsupported
-        _LOAD_ERRORS.append(exc)
-        raise

@@ -8,9 +8,8 @@ module; the first lookup imports the CPU families, the first request for CUDA th
 
 from __future__ import annotations
 
-import importlib
-
 from gradgen.kernels.table import KERNELS, MICROSOFT, ONNX_DOMAIN, KernelEntry, cpu_kernel, cuda_kernel, normalize_domain
+from gradgen.registration import Families
 
 CPU_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "optimizer", "pool", "reduction", "shape")
 CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "reduction", "shape")
@@ -36,57 +35,26 @@ __all__ = ["CPU_FAMILIES", "CUDA_FALLBACKS", "CUDA_FAMILIES", "MICROSOFT", "ONNX
 
 
 def lookup(domain: str, op_type: str) -> KernelEntry | None:
-    _ensure_loaded()
+    _CPU.load()
     if _CUDA_REQUESTED:
-        _ensure_cuda_loaded()
+        _CUDA.load()
     return KERNELS.get((normalize_domain(domain), op_type))
 
 
 def all_kernels() -> dict[tuple[str, str], KernelEntry]:
     """Every registered kernel, CUDA launchers included (listing them needs no GPU)."""
-    _ensure_loaded()
+    _CPU.load()
     load_cuda_kernels()
     return dict(KERNELS)
 
 
-_LOADED = False
-_LOAD_ERRORS: list = []  # an import error of the modules that fill the registry
+_CPU = Families("gradgen.kernels.cpu", CPU_FAMILIES)
+_CUDA = Families("gradgen.kernels.cuda", CUDA_FAMILIES)
 _CUDA_REQUESTED = False
-_CUDA_LOADED = False
-
-
-def _import_families(package: str, families: tuple[str, ...]) -> None:
-    try:
-        for family in families:
-            importlib.import_module(f"{package}.{family}")
-    except Exception as exc:  # later calls must not report every op as unsupported
-        _LOAD_ERRORS.append(exc)
-        raise
-
-
-def _ensure_loaded() -> None:
-    """Import the CPU kernel modules once; their decorators fill the table."""
-    global _LOADED
-    if _LOAD_ERRORS:
-        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
-    if _LOADED:
-        return
-    _LOADED = True
-    _import_families("gradgen.kernels.cpu", CPU_FAMILIES)
 
 
 def load_cuda_kernels() -> None:
     """Register the CUDA launchers (importing them needs no GPU; running them does)."""
     global _CUDA_REQUESTED
     _CUDA_REQUESTED = True
-    _ensure_cuda_loaded()
-
-
-def _ensure_cuda_loaded() -> None:
-    global _CUDA_LOADED
-    if _LOAD_ERRORS:
-        raise RuntimeError(f"gradgen's registry failed to load: {_LOAD_ERRORS[0]}") from _LOAD_ERRORS[0]
-    if _CUDA_LOADED:
-        return
-    _CUDA_LOADED = True
-    _import_families("gradgen.kernels.cuda", CUDA_FAMILIES)
+    _CUDA.load()

@@ -7,7 +7,6 @@ module; the first lookup imports them, once.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 import onnx
@@ -25,26 +24,24 @@ from gradgen.passes.lowering.table import (
     is_needed,
     node_where,
 )
+from gradgen.registration import Families
 
 
 def lookup_lowering(domain: str, op_type: str) -> Lowering | None:
-    _load_families()
+    _FAMILIES.load()
     return LOWERINGS.get((normalize_domain(domain), op_type))
 
 
 def lowerable_ops() -> list[tuple[str, str]]:
     """(domain, op_type) of every op this pass can lower."""
-    _load_families()
+    _FAMILIES.load()
     return sorted(LOWERINGS)
 
 
 FAMILIES = ("conv", "elementwise", "indexing", "norm", "shape")
 
 
-def _load_families() -> None:
-    """Import the family modules (once: Python caches them); their decorators fill the table."""
-    for family in FAMILIES:
-        importlib.import_module(f"gradgen.passes.lowering.{family}")
+_FAMILIES = Families("gradgen.passes.lowering", FAMILIES)
 
 
 # ================================================================================ the pass
