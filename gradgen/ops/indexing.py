@@ -24,3 +24,18 @@ def normalize_indices(indices, size: int, axis: int, what: str = "index", suffix
             f"of size {size} (valid range [{-size}, {size - 1}])")
     np.add(idx, size, out=idx, where=idx < 0)
     return idx
+
+
+def check_gather_elements_grad(dy_shape, dims, indices_shape, axis: int) -> None:
+    """GatherElementsGrad's shape contract: dY shaped like the indices, of the data's rank, no
+    longer than the data on any axis but ``axis`` (normalised)."""
+    dy_shape, indices_shape = list(dy_shape), list(indices_shape)
+    if dy_shape != indices_shape:
+        raise KernelError(f"dY has shape {dy_shape}, but indices have shape {indices_shape}; they must match")
+    if len(indices_shape) != len(dims):
+        raise KernelError(f"indices have rank {len(indices_shape)} (shape {indices_shape}), but the data shape "
+                          f"{dims} has rank {len(dims)}")
+    for d, (n, m) in enumerate(zip(indices_shape, dims)):
+        if d != axis and n > m:
+            raise KernelError(f"indices shape {indices_shape} exceeds the data shape {dims} on axis {d} "
+                              f"(only axis {axis} may be longer)")

@@ -3,6 +3,7 @@ lowering of SliceGrad)."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from gradgen.errors import KernelError
@@ -84,3 +85,31 @@ def slice_window_pads(dims: Sequence[int | None], starts, ends, axes=None) -> li
         stop = max(stop, start)
         begin[axis], end[axis] = start, size - stop
     return begin + end
+
+
+def reshape_dims(in_shape, dims, allowzero=0) -> list[int]:
+    """Reshape's output shape (0 copies a dimension unless allowzero, one -1 is inferred)."""
+    in_shape = list(in_shape)
+    total = math.prod(in_shape)
+    if allowzero and 0 in dims and -1 in dims:
+        raise KernelError(f"shape {dims}: with allowzero=1 it may not contain both 0 and -1")
+    out = []
+    for i, d in enumerate(dims):
+        if d == 0 and not allowzero:
+            if i >= len(in_shape):
+                raise KernelError(f"shape {dims}: 0 at position {i} copies a dimension the input (rank {len(in_shape)}) lacks")
+            out.append(in_shape[i])
+        elif d < -1:
+            raise KernelError(f"shape {dims}: invalid dimension {d}")
+        else:
+            out.append(d)
+    if out.count(-1) > 1:
+        raise KernelError(f"shape {dims}: at most one dimension may be -1")
+    if -1 in out:
+        known = math.prod(d for d in out if d != -1)
+        if known == 0 or total % known:
+            raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
+        out[out.index(-1)] = total // known
+    if math.prod(out) != total:
+        raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
+    return out

@@ -21,7 +21,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import normalize_axis
-from gradgen.ops.indexing import normalize_indices
+from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
 
 _REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -230,15 +230,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0):
         raise KernelError("shape is empty: GatherElements' data must have rank >= 1")
     axis = normalize_axis(axis, len(dims))
     dY, indices = np.asarray(dY), np.asarray(indices)
-    if dY.shape != indices.shape:
-        raise KernelError(f"dY has shape {list(dY.shape)}, but indices have shape {list(indices.shape)}; they must match")
-    if indices.ndim != len(dims):
-        raise KernelError(f"indices have rank {indices.ndim} (shape {list(indices.shape)}), but the data shape "
-                          f"{dims} has rank {len(dims)}")
-    for d, (n, m) in enumerate(zip(indices.shape, dims)):
-        if d != axis and n > m:
-            raise KernelError(f"indices shape {list(indices.shape)} exceeds the data shape {dims} on axis {d} "
-                              f"(only axis {axis} may be longer)")
+    check_gather_elements_grad(dY.shape, dims, indices.shape, axis)
     idx = normalize_indices(indices, dims[axis], axis)
     strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
     target = idx * strides[axis]

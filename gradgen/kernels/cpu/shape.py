@@ -15,7 +15,7 @@ from gradgen.kernels.cpu.elementwise import onnx_dtype
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops.axes import int_list, normalize_axis
-from gradgen.ops.shape import shape_bounds, slice_geometry, slice_index
+from gradgen.ops.shape import reshape_dims, shape_bounds, slice_geometry, slice_index
 
 
 def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
@@ -40,31 +40,7 @@ def size(data):
 def reshape(data, shape=None, *, allowzero=0):
     if shape is None:
         raise KernelError("Reshape needs the shape input")
-    dims = int_list(shape, "shape")
-    if allowzero and 0 in dims and -1 in dims:
-        raise KernelError(f"shape {dims}: with allowzero=1 it may not contain both 0 and -1")
-    out = []
-    for i, d in enumerate(dims):
-        if d == 0 and not allowzero:
-            if i >= data.ndim:
-                raise KernelError(f"shape {dims}: 0 at position {i} copies a dimension the input (rank {data.ndim}) lacks")
-            out.append(data.shape[i])
-        elif d < -1:
-            raise KernelError(f"shape {dims}: invalid dimension {d}")
-        else:
-            out.append(d)
-    if out.count(-1) > 1:
-        raise KernelError(f"shape {dims}: at most one dimension may be -1")
-    if -1 in out:
-        known = int(np.prod([d for d in out if d != -1], dtype=np.int64))
-        if known == 0 or data.size % known:
-            raise KernelError(
-                f"cannot reshape input of shape {list(data.shape)} ({data.size} elements) to {dims}"
-            )
-        out[out.index(-1)] = data.size // known
-    if int(np.prod(out, dtype=np.int64)) != data.size:
-        raise KernelError(f"cannot reshape input of shape {list(data.shape)} ({data.size} elements) to {dims}")
-    return data.reshape(out)
+    return data.reshape(reshape_dims(data.shape, int_list(shape, "shape"), allowzero))
 
 
 @cpu_kernel("Flatten")

@@ -48,7 +48,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
-from gradgen.ops.indexing import normalize_indices
+from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
 
 _FLOATS = ("float16", "float32", "float64")
 _VEC = {"float16": 8, "float32": 4, "float64": 2}
@@ -348,18 +348,6 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
     return out, flag
 
 
-def _check_gather_elements_grad(dY, dims, indices, axis):
-    if tuple(dY.shape) != tuple(indices.shape):
-        raise KernelError(f"dY has shape {list(dY.shape)}, but indices have shape {list(indices.shape)}; they must match")
-    if len(indices.shape) != len(dims):
-        raise KernelError(f"indices have rank {len(indices.shape)} (shape {list(indices.shape)}), but the data shape "
-                          f"{dims} has rank {len(dims)}")
-    for d, (n, m) in enumerate(zip(indices.shape, dims)):
-        if d != axis and n > m:
-            raise KernelError(f"indices shape {list(indices.shape)} exceeds the data shape {dims} on axis {d} "
-                              f"(only axis {axis} may be longer)")
-
-
 _GE_CHECKS: dict = {}
 
 
@@ -368,7 +356,7 @@ def _gather_elements_grad_check(dY, shape, indices, axis):
     if not dims:
         raise KernelError("shape is empty: GatherElements' data must have rank >= 1")
     axis = normalize_axis(axis, len(dims))
-    _check_gather_elements_grad(dY, dims, indices, axis)
+    check_gather_elements_grad(dY.shape, dims, indices.shape, axis)
     _index_suffix(indices)
     _float_dtype(dY)
     return tuple(dims), axis

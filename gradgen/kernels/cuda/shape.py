@@ -45,7 +45,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
-from gradgen.ops.shape import shape_bounds, slice_geometry
+from gradgen.ops.shape import reshape_dims, shape_bounds, slice_geometry
 
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
@@ -126,34 +126,6 @@ def shape(data, *, start=0, end=None):
 @cuda_kernel("Size")
 def size(data):
     return np.array(math.prod(data.shape), dtype=np.int64)
-
-
-def reshape_dims(in_shape, dims, allowzero=0) -> list[int]:
-    """Reshape's output shape (0 copies a dimension unless allowzero, one -1 is inferred)."""
-    in_shape = list(in_shape)
-    total = math.prod(in_shape)
-    if allowzero and 0 in dims and -1 in dims:
-        raise KernelError(f"shape {dims}: with allowzero=1 it may not contain both 0 and -1")
-    out = []
-    for i, d in enumerate(dims):
-        if d == 0 and not allowzero:
-            if i >= len(in_shape):
-                raise KernelError(f"shape {dims}: 0 at position {i} copies a dimension the input (rank {len(in_shape)}) lacks")
-            out.append(in_shape[i])
-        elif d < -1:
-            raise KernelError(f"shape {dims}: invalid dimension {d}")
-        else:
-            out.append(d)
-    if out.count(-1) > 1:
-        raise KernelError(f"shape {dims}: at most one dimension may be -1")
-    if -1 in out:
-        known = math.prod(d for d in out if d != -1)
-        if known == 0 or total % known:
-            raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
-        out[out.index(-1)] = total // known
-    if math.prod(out) != total:
-        raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
-    return out
 
 
 @cuda_kernel("Reshape", host_inputs=(1,))
