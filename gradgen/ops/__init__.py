@@ -11,6 +11,7 @@ passes that evaluate or infer shapes. Nothing here imports another gradgen layer
 - ``shape``: Slice geometry (starts/ends/axes/steps clamped as the spec says).
 - ``indexing``: index normalisation (negative indices, range checks).
 - ``conv``: Conv / ConvTranspose geometry (pads, auto_pad, output shapes).
+- ``matmul``: how FusedMatMul reads its operands (transposes, transBatch), MatMul's output dims.
 - ``pool``: pooling geometry (ceil_mode, declared pads) and Resize geometry and coefficients.
 - ``schemas``: the com.microsoft ops gradgen emits and runs, with their output types.
 

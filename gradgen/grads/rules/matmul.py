@@ -4,7 +4,8 @@ MatMul follows numpy: 1-D operands get a unit axis (prepended for A, appended fo
 result drops, and batch dims broadcast. The gradient of each operand is a batched product over the
 broadcast batch dims, then summed back to the operand's own batch dims: statically when the
 shapes tell which dims were broadcast, else through Shape -> BroadcastGradientArgs on the batch
-parts of the two shapes.
+parts of the two shapes. A transposed operand is a flag of com.microsoft FusedMatMul (ONNX Runtime's
+op; lowered back to Transpose + MatMul in portable mode), as Gemm's flags serve the 2-D products.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from gradgen.grads.table import grad_rule
 _ABSENT = object()
 
 
-def _swap_last(g, v, rank):
-    return g.transpose(v, list(range(rank - 2)) + [rank - 1, rank - 2])
+def _product(g, a, b, *, trans_a: int = 0, trans_b: int = 0) -> ir.Value:
+    """MatMul(op(a), op(b)) with op a transpose of the last two axes where asked: one com.microsoft
+    FusedMatMul carrying the flags (a GEMM with transpose flags on either device, ONNX Runtime's op),
+    not a materialised Transpose feeding a MatMul. The lowering (``--portable``) spells it out again."""
+    if not (trans_a or trans_b):
+        return g.op("MatMul", a, b)
+    return g.op("FusedMatMul", a, b, domain=MICROSOFT, transA=trans_a or None, transB=trans_b or None)
 
 
 def _batch_reduce_axes(mine: list, other: list) -> list[int] | None:
@@ -104,10 +110,10 @@ def matmul(g):
     shape_b2 = g.shape_of(b) if rb >= 2 else g.ints([1, 1])
     grads = [None, None]
     if g.needs(0):
-        da = g.op("MatMul", dy2, _swap_last(g, b2, rb2))
+        da = _product(g, dy2, b2, trans_b=1)  # dA = dY B^T
         grads[0] = _sum_to(g, da, a, ra2, batch_a, batch_b, shape_a2, shape_b2)
     if g.needs(1):
-        db = g.op("MatMul", _swap_last(g, a2, ra2), dy2)
+        db = _product(g, a2, dy2, trans_a=1)  # dB = A^T dY
         grads[1] = _sum_to(g, db, b, rb2, batch_b, batch_a, shape_b2, shape_a2)
     return grads
 

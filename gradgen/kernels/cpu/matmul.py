@@ -1,4 +1,4 @@
-"""CPU kernels: MatMul, Gemm and Einsum.
+"""CPU kernels: MatMul, Gemm, Einsum and com.microsoft FusedMatMul (with its schema).
 
 Shapes are checked up front so that a mismatch names both operands' shapes rather than
 surfacing as numpy's generic error.
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradgen.errors import KernelError
+from gradgen.errors import KernelError, ModelError
 from gradgen.kernels.numeric import accumulation_dtype
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
+from gradgen.ops.matmul import check_fused_ranks, fused_matmul_output_dims, fused_operand_perm
+from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
 
 def check_matmul_shapes(a_shape, b_shape) -> None:
@@ -85,31 +88,52 @@ def einsum(*inputs, equation):
 # FusedMatMul (com.microsoft)
 
 
+def _fused_matmul_types(infos, attrs):
+    """(dtype, shape) of Y: A's type, the output dims of ``gradgen.ops.matmul``."""
+    a, b = infos
+    dtype = a.dtype if a.dtype is not None else b.dtype
+    if a.shape is None or b.shape is None:
+        return [(dtype, None)]
+    flags = {k: int(attrs.get(k, 0)) for k in ("transA", "transB", "transBatchA", "transBatchB")}
+    try:
+        dims = fused_matmul_output_dims(a.shape, b.shape, **flags)
+    except KernelError as exc:
+        raise ModelError(f"com.microsoft::FusedMatMul of shapes {list(a.shape)} and {list(b.shape)} ({flags}): "
+                         f"{exc}") from None
+    return [(dtype, tuple(dims))]
+
+
+FUSED_MATMUL = schemas.declare(Schema(
+    # ONNX Runtime's contract (contrib_defs.cc); its CPU provider runs it for float32.
+    "FusedMatMul",
+    inputs=(Formal("A", FLOATS), Formal("B", FLOATS)),
+    outputs=(Formal("Y", FLOATS),),
+    attributes=(Attribute("alpha", "float", 1.0), Attribute("transA", "int", 0), Attribute("transB", "int", 0),
+                Attribute("transBatchA", "int", 0), Attribute("transBatchB", "int", 0)),
+    infer=_fused_matmul_types,
+))
+
+
 @cpu_kernel("FusedMatMul", domain=MICROSOFT)
 def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
-    """alpha * MatMul(op(A), op(B)); op transposes the last two axes (trans) and moves axis 0 to
-    the second-to-last position first (transBatch). Rank-1 inputs ignore both flags."""
-    a = _matmul_operand(A, transA, transBatchA)
-    b = _matmul_operand(B, transB, transBatchB)
-    ct = accumulation_dtype(A.dtype)
+    """alpha * MatMul(op(A), op(B)) (``gradgen.ops.matmul``): numpy's matmul on transposed views, no copy
+    (16-bit floats accumulate in float32)."""
+    check_fused_ranks(A.ndim, B.ndim, bool(transBatchA), bool(transBatchB))
+    a = fused_operand(A, transA, transBatchA)
+    b = fused_operand(B, transB, transBatchB)
     try:
-        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
-    except ValueError as exc:
+        check_matmul_shapes(a.shape, b.shape)
+    except KernelError as exc:
         raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} (transA={transA}, transB={transB}, "
-                          f"transBatchA={transBatchA}, transBatchB={transBatchB}) is not possible: {exc}") from None
+                          f"transBatchA={transBatchA}, transBatchB={transBatchB}): {exc}") from None
+    ct = accumulation_dtype(A.dtype)
+    y = np.asarray(np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
     if float(alpha) != 1.0:
         y = y * ct.type(alpha)
-    return np.asarray(y, dtype=A.dtype)
+    return y.astype(A.dtype, copy=False)
 
 
-def _matmul_operand(A, trans: int, trans_batch: int):
-    """A as MatMul sees it: transBatch moves dim 0 in front of the last one, trans swaps the last two."""
-    if A.ndim == 0:
-        raise KernelError("FusedMatMul inputs must have rank >= 1")
-    if A.ndim == 1:
-        return A
-    if trans_batch:
-        A = np.moveaxis(A, 0, -2)
-    if trans:
-        A = np.swapaxes(A, -1, -2)
-    return A
+def fused_operand(X, trans, trans_batch):
+    """op(X) as a view of X (``gradgen.ops.matmul.fused_operand_perm``)."""
+    perm = fused_operand_perm(X.ndim, bool(trans), bool(trans_batch))
+    return X if perm is None else X.transpose(perm)

@@ -2,9 +2,13 @@
 
 cuBLAS is column-major; a row-major C = op(A) @ op(B) is computed as C^T = op(B)^T @ op(A)^T,
 which is the same memory read column-major: the operands swap places and keep their own
-transposition flags. Batched MatMul uses one strided-batched call when each operand's batch is
-either complete or fully broadcast (stride 0); a batch whose rows are shared (B broadcast over
-A's batch) folds into one large GEMM; other broadcast patterns are materialised first.
+transposition flags. MatMul and com.microsoft FusedMatMul run through one planner (``plan_gemm``)
+over operand views (shape, element strides): a transposed or batch-permuted operand is a transpose
+flag and a leading dimension, not a copy. The batch axes are coalesced; the last one becomes a
+strided-batched call (stride 0 where an operand is broadcast), any outer ones a few such calls; a
+batch whose B is shared and whose A rows stack evenly folds into one large GEMM. Only a matrix
+without a unit stride, or a broadcast pattern needing more than ``MAX_GEMM_CALLS`` calls, is
+materialised first.
 
 float32 runs full FP32 math (no TF32) unless GRADGEN_ALLOW_TF32=1; float16 accumulates in
 float32; float64 in float64. Other dtypes (integer MatMul) run the numpy kernel.
@@ -12,14 +16,17 @@ float32; float64 in float64. Other dtypes (integer MatMul) run the numpy kernel.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import os
 
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import broadcast_to, contiguous, cpu_fallback, is_float
-from gradgen.kernels.table import cuda_kernel
+from gradgen.kernels.cuda.launch import broadcast_to, coalesce, contiguous, copy_into, cpu_fallback, element_strides, is_float
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
+from gradgen.ops.matmul import check_fused_ranks, fused_operand_dims, fused_operand_perm, matmul_output_dims
 
 _STATE: dict = {}
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends on Hopper
@@ -111,44 +118,177 @@ def gemm_rowmajor(c, a, b, m, n, k, *, trans_a=False, trans_b=False, a_cols=None
 
 
 
+# -- batched products of strided views ----------------------------------------------------------
+
+# A broadcast pattern that needs more strided-batched calls than this is materialised instead.
+MAX_GEMM_CALLS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """One (strided batched) GEMM of a plan, in ``gemm_rowmajor``'s terms; offsets and strides in elements."""
+
+    a_off: int
+    b_off: int
+    c_off: int
+    m: int
+    n: int
+    k: int
+    trans_a: bool
+    trans_b: bool
+    lda: int
+    ldb: int
+    batch: int = 1
+    stride_a: int = 0
+    stride_b: int = 0
+    stride_c: int = 0
+
+
+def _as_matrix(rows: int, cols: int, row_stride: int, col_stride: int) -> tuple[bool, int] | None:
+    """How cuBLAS reads a (rows, cols) view with these element strides: (False, ld) for row-major
+    rows ld apart, (True, ld) for the transpose of a row-major (cols, rows) matrix; None when neither
+    stride is 1 (the view needs a copy)."""
+    if col_stride == 1 or cols == 1:
+        ld = row_stride if rows > 1 else cols
+        if ld >= cols:
+            return False, max(int(ld), 1)
+    if row_stride == 1 or rows == 1:
+        ld = col_stride if cols > 1 else rows
+        if ld >= rows:
+            return True, max(int(ld), 1)
+    return None
+
+
+def plan_gemm(a_shape, a_strides, b_shape, b_strides) -> tuple[list[GemmCall], tuple] | None:
+    """The GEMM calls computing C = A @ B (numpy's batched matmul) for operand views of rank >= 2 given
+    by shape and element strides (a broadcast axis may have stride 0), into a C-contiguous C of shape
+    ``batch + (m, n)``: one strided-batched call per outer batch index once the batch axes are
+    coalesced, or one plain GEMM when B is shared by every batch entry and A's rows stack evenly.
+    Returns (calls, C's shape), or None when a matrix has no unit stride or the calls would exceed
+    ``MAX_GEMM_CALLS``. Pure host code."""
+    m, k = int(a_shape[-2]), int(a_shape[-1])
+    n = int(b_shape[-1])
+    mat_a = _as_matrix(m, k, a_strides[-2], a_strides[-1])
+    mat_b = _as_matrix(k, n, b_strides[-2], b_strides[-1])
+    if mat_a is None or mat_b is None:
+        return None
+    (ta, lda), (tb, ldb) = mat_a, mat_b
+    batch = tuple(int(d) for d in np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])))
+    c_shape = batch + (m, n)
+
+    def batch_strides(shape, strides):
+        lead = len(batch) - (len(shape) - 2)
+        dims, st = [1] * lead + list(shape[:-2]), [0] * lead + list(strides[:-2])
+        return [0 if d == 1 else int(s) for d, s in zip(dims, st)]
+
+    c_strides, step = [], m * n
+    for d in reversed(batch):
+        c_strides.insert(0, step)
+        step *= d
+    dims, (sa, sb, sc) = coalesce(batch, batch_strides(a_shape, a_strides), batch_strides(b_shape, b_strides), c_strides)
+    base = dict(m=m, n=n, k=k, trans_a=ta, trans_b=tb, lda=lda, ldb=ldb)
+    if not dims:
+        return [GemmCall(0, 0, 0, **base)], c_shape
+    if len(dims) == 1 and sb[0] == 0 and not ta and sa[0] == m * lda:
+        # B shared by every batch entry and A's rows evenly spaced: one (batch*m, k) @ (k, n) GEMM.
+        return [GemmCall(0, 0, 0, **{**base, "m": dims[0] * m})], c_shape
+    outer = dims[:-1]
+    if math.prod(outer) > MAX_GEMM_CALLS:
+        return None
+    calls = []
+    for index in itertools.product(*(range(d) for d in outer)):
+        offsets = [sum(i * s for i, s in zip(index, st[:-1])) for st in (sa, sb, sc)]
+        calls.append(GemmCall(*offsets, **base, batch=dims[-1], stride_a=sa[-1], stride_b=sb[-1], stride_c=sc[-1]))
+    return calls, c_shape
+
+
+def _promoted(shape, strides, is_b: bool):
+    """A 1-D operand as MatMul reads it: (1, K) for A, (K, 1) for B."""
+    if len(shape) != 1:
+        return list(shape), list(strides)
+    return ([int(shape[0]), 1], [int(strides[0]), 0]) if is_b else ([1, int(shape[0])], [0, int(strides[0])])
+
+
+def _materialised(x, shape, strides, batch):
+    """A C-contiguous copy of the view (shape, strides) of ``x``, broadcast to ``batch`` + its matrix dims."""
+    from gradgen.cuda import runtime as rt
+
+    lead = len(batch) - (len(shape) - 2)
+    full = tuple(batch) + tuple(shape[-2:])
+    src = [0] * lead + [0 if d == 1 else s for d, s in zip(shape[:-2], strides[:-2])] + list(strides[-2:])
+    out = rt.empty(full, x.dtype)
+    copy_into(out, x, full, src)
+    return out, list(full), list(rt.contiguous_strides(full))
+
+
+def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
+    """alpha * A @ B (numpy's matmul, 1-D operands included) on cuBLAS, where A and B are the views
+    ``(shape, element strides)`` of the device arrays ``a`` and ``b`` (transposed or batch-permuted
+    operands are views, never copies); ``a`` and ``b`` share a float dtype."""
+    from gradgen.cuda import runtime as rt
+
+    (a_shape, a_strides), (b_shape, b_strides) = a_view, b_view
+    final = tuple(matmul_output_dims(a_shape, b_shape))
+    a2_shape, a2_strides = _promoted(a_shape, a_strides, False)
+    b2_shape, b2_strides = _promoted(b_shape, b_strides, True)
+    k = int(a2_shape[-1])
+    out_size = math.prod(final)
+    if out_size == 0:
+        return rt.empty(final, a.dtype)
+    if k == 0:
+        out = rt.empty(final, a.dtype)
+        rt.memset_zero(out)
+        return out
+    planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
+    if planned is None:
+        batch = tuple(np.broadcast_shapes(tuple(a2_shape[:-2]), tuple(b2_shape[:-2])))
+        a, a2_shape, a2_strides = _materialised(a, a2_shape, a2_strides, batch)
+        b, b2_shape, b2_strides = _materialised(b, b2_shape, b2_strides, batch)
+        planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
+    calls, c_shape = planned
+    out = rt.empty(c_shape, a.dtype)
+    size = np.dtype(a.dtype).itemsize
+    a_ptr, b_ptr, c_ptr = int(a.gpudata), int(b.gpudata), int(out.gpudata)
+    for c in calls:
+        gemm_rowmajor(c_ptr + c.c_off * size, a_ptr + c.a_off * size, b_ptr + c.b_off * size, c.m, c.n, c.k,
+                      trans_a=c.trans_a, trans_b=c.trans_b, a_cols=c.lda, b_cols=c.ldb, alpha=alpha, batch=c.batch,
+                      stride_a=c.stride_a, stride_b=c.stride_b, stride_c=c.stride_c, dtype=a.dtype)
+    return out.reshape(final)
+
+
+def _view(x, perm=None):
+    shape, strides = [int(d) for d in x.shape], element_strides(x)
+    if perm is None:
+        return shape, strides
+    return [shape[p] for p in perm], [strides[p] for p in perm]
+
+
 @cuda_kernel("MatMul")
 def matmul(a, b):
-    from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import matmul as cpu
 
     cpu.check_matmul_shapes(a.shape, b.shape)
-    k_a = a.shape[-1]
-    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     if a.dtype != b.dtype or not is_float(a.dtype):
         return cpu_fallback("MatMul", a, b)
-    m = int(a.shape[-2]) if a.ndim > 1 else 1
-    k = int(k_a)
-    n = int(b.shape[-1]) if b.ndim > 1 else 1
-    final = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
-    out = rt.empty(batch + (m, n), a.dtype)
-    if out.size == 0:
-        return rt.empty(final, a.dtype)
-    if k == 0:
-        rt.memset_zero(out)
-        return out.reshape(final)
-    a2 = contiguous(a).reshape(1, k) if a.ndim == 1 else contiguous(a)
-    b2 = contiguous(b).reshape(k, 1) if b.ndim == 1 else contiguous(b)
-    total = math.prod(batch)
-    pa = math.prod(a2.shape[:-2])
-    pb = math.prod(b2.shape[:-2])
-    if pb == 1 and pa == total:
-        # B is shared by every batch entry: one (total*m, k) @ (k, n) GEMM.
-        gemm_rowmajor(out, a2, b2, total * m, n, k, dtype=a.dtype)
-        return out.reshape(final)
-    if pa not in (1, total):
-        a2 = broadcast_to(a2, batch + (m, k))
-        pa = total
-    if pb not in (1, total):
-        b2 = broadcast_to(b2, batch + (k, n))
-        pb = total
-    gemm_rowmajor(out, a2, b2, m, n, k, batch=total, stride_a=m * k if pa == total else 0,
-                  stride_b=k * n if pb == total else 0, stride_c=m * n, dtype=a.dtype)
-    return out.reshape(final)
+    return matmul_views(a, _view(a), b, _view(b))
+
+
+@cuda_kernel("FusedMatMul", domain=MICROSOFT)
+def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    """alpha * MatMul(op(A), op(B)) (``gradgen.ops.matmul``): the transpositions are cuBLAS's
+    transpose flags and leading dimensions over the operands as stored, never copies."""
+    flags = dict(transA=transA, transB=transB, transBatchA=transBatchA, transBatchB=transBatchB)
+    check_fused_ranks(len(A.shape), len(B.shape), bool(transBatchA), bool(transBatchB))
+    if A.dtype != B.dtype or not is_float(A.dtype):
+        return cpu_fallback("FusedMatMul", A, B, domain=MICROSOFT, alpha=alpha, **flags)
+    try:
+        matmul_output_dims(fused_operand_dims(list(A.shape), bool(transA), bool(transBatchA)),
+                           fused_operand_dims(list(B.shape), bool(transB), bool(transBatchB)))
+    except KernelError as exc:
+        raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} ({flags}): {exc}") from None
+    a_view = _view(A, fused_operand_perm(len(A.shape), bool(transA), bool(transBatchA)))
+    b_view = _view(B, fused_operand_perm(len(B.shape), bool(transB), bool(transBatchB)))
+    return matmul_views(A, a_view, B, b_view, alpha=float(alpha))
 
 
 @cuda_kernel("Gemm")

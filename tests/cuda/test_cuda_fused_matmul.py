@@ -1,0 +1,116 @@
+"""CUDA FusedMatMul and MatMul (cuBLAS, transposes as flags) against the numpy kernels, for every
+attribute combination and broadcasting case of tests/test_fused_matmul.py, plus strided views,
+float32 exactness (no TF32) and the absence of copies."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from gradgen.errors import KernelError
+from gradgen.kernels.cpu import matmul as cpu
+from tests.test_fused_matmul import CASES, FLAGS, attrs_of, operands, reference, valid
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [np.float32, np.float64, np.float16]
+TOL = {np.float64: 1e-11, np.float32: 2e-6, np.float16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from gradgen.cuda import runtime
+
+    return runtime
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matmul_against_cpu(rt, case, dtype):
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(0)
+    for flags in FLAGS:
+        if not valid(case, flags):
+            continue
+        a, b = operands(rng, case, flags, dtype)
+        attrs = attrs_of(flags, 0.5 if flags[0] else 1.0)
+        want = cpu.fused_matmul(a, b, **attrs)
+        got = rt.to_host(matmul.fused_matmul(rt.to_device(a), rt.to_device(b), **attrs))
+        assert got.dtype == want.dtype and got.shape == want.shape, (flags, got.shape, want.shape)
+        exact = reference(a, b, attrs)
+        scale = max(1.0, float(np.abs(exact).max(initial=0)))
+        np.testing.assert_allclose(got.astype(np.float64), exact, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale,
+                                   err_msg=f"{case} {attrs}")
+
+
+def test_fused_matmul_float32_is_exact_fp32(rt, monkeypatch):
+    """TF32 off: a K=4096 product keeps float32's precision (TF32 would err by about 1e-3 relative)."""
+    from gradgen.kernels.cuda import matmul
+
+    monkeypatch.delenv("GRADGEN_ALLOW_TF32", raising=False)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((8, 4096, 64)).astype(np.float32)  # stored (K, M): transA
+    b = rng.standard_normal((8, 48, 4096)).astype(np.float32)  # stored (N, K): transB
+    got = rt.to_host(matmul.fused_matmul(rt.to_device(a), rt.to_device(b), transA=1, transB=1))
+    want = np.matmul(np.swapaxes(a.astype(np.float64), -1, -2), np.swapaxes(b.astype(np.float64), -1, -2))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-6, err
+
+
+def test_fused_matmul_copies_nothing(rt, monkeypatch):
+    """Transposed and batch-permuted operands go to cuBLAS as they are: no copy kernel runs."""
+    from gradgen.kernels.cuda import matmul
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("an operand was copied")
+
+    monkeypatch.setattr(matmul, "copy_into", no_copy)
+    rng = np.random.default_rng(2)
+    for case in ("4d", "both broadcast", "rank broadcast", "vector A"):
+        for flags in FLAGS:
+            if not valid(case, flags):
+                continue
+            a, b = operands(rng, case, flags)
+            attrs = attrs_of(flags, 1.0)
+            got = rt.to_host(matmul.fused_matmul(rt.to_device(a), rt.to_device(b), **attrs))
+            np.testing.assert_allclose(got, cpu.fused_matmul(a, b, **attrs), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_matmul_deterministic_and_errors(rt):
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(3)
+    a = rt.to_device(rng.standard_normal((12, 6, 64)).astype(np.float32))
+    b = rt.to_device(rng.standard_normal((6, 64, 33)).astype(np.float32))
+    runs = [rt.to_host(matmul.fused_matmul(a, b, transBatchA=1)) for _ in range(3)]
+    assert all(np.array_equal(runs[0], r) for r in runs[1:])
+    with pytest.raises(KernelError, match="inner dimensions differ"):
+        matmul.fused_matmul(a, b, transBatchA=1, transA=1)
+    with pytest.raises(KernelError, match="needs inputs of one rank >= 3"):
+        matmul.fused_matmul(rt.to_device(np.zeros((3, 4), np.float32)), rt.to_device(np.zeros((4, 5), np.float32)),
+                            transBatchB=1)
+
+
+def test_matmul_strided_views_and_outer_broadcast(rt):
+    """MatMul on a device view (a slice) and a broadcast needing several strided-batched calls."""
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    y = rng.standard_normal((1, 5, 6, 7)).astype(np.float32)
+    got = rt.to_host(matmul.matmul(rt.to_device(x)[:, :1], rt.to_device(y)))  # a device view
+    np.testing.assert_allclose(got, np.matmul(x[:, :1], y), rtol=1e-5, atol=1e-5)
+    many = rng.standard_normal((matmul.MAX_GEMM_CALLS + 2, 1, 3, 4)).astype(np.float32)
+    other = rng.standard_normal((1, 3, 4, 2)).astype(np.float32)
+    got = rt.to_host(matmul.matmul(rt.to_device(many), rt.to_device(other)))  # materialised path
+    np.testing.assert_allclose(got, np.matmul(many, other), rtol=1e-5, atol=1e-5)
