@@ -222,7 +222,7 @@ class GraphBuilder:
         """shape[start:end] of a 1-D int64 shape tensor (Python slice bounds; end None: to the end)."""
         known = self.value_of(shape)
         if known is not None:
-            return self.ints(known.reshape(-1)[start:end])
+            return self.ints(known.reshape(-1)[start:end].tolist())
         entries = self.shape_entries(shape)
         if entries is not None:
             picked = entries[start:end]
@@ -244,8 +244,8 @@ class GraphBuilder:
 
     def cat(self, *pieces: ir.Value) -> ir.Value:
         """Concat of 1-D int64 vectors; a constant when every piece is."""
-        known = [self.value_of(p) for p in pieces]
-        if all(k is not None for k in known):
+        known = [k for k in (self.value_of(p) for p in pieces) if k is not None]
+        if len(known) == len(pieces):
             return self.ints(np.concatenate([k.reshape(-1) for k in known]).tolist())
         return self.op("Concat", *pieces, axis=0)
 
@@ -327,6 +327,7 @@ class GraphBuilder:
         x_dims, out_dims = dims_of(x), dims_of(out)
         axes = static_broadcast_axes(x_dims, out_dims)
         if axes is not None:
+            assert x_dims is not None and out_dims is not None  # static_broadcast_axes needs both
             if not axes:
                 return grad
             reduced = self.reduce_sum(grad, axes, keepdims=1)

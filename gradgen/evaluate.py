@@ -53,10 +53,10 @@ def direct_constant(value: ir.Value, max_elements: int | None = MAX_ELEMENTS) ->
                 return _constant_attribute(key, attrs[key])
         return None
     if node.op_type in ("Shape", "Size") and node.inputs and node.inputs[0] is not None:
-        dims = node.inputs[0].shape
-        if dims is None or not all(isinstance(d, int) for d in dims):
+        shape = node.inputs[0].shape
+        if shape is None or not all(isinstance(d, int) for d in shape):
             return None
-        dims = [int(d) for d in dims]
+        dims = [int(d) for d in shape]  # type: ignore[arg-type]  # ints, checked above
         if node.op_type == "Size":
             return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
         attrs = node_attributes(node)

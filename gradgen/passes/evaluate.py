@@ -50,16 +50,18 @@ def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
         if node.op_type == "Constant" and _is_float(node.outputs[0]):
             continue  # already what a folded float becomes
         if node.op_type in ("Shape", "Size", "Constant"):
-            results = [direct_constant(node.outputs[0], evaluator.max_elements)]
-            if results[0] is None:
+            direct = direct_constant(node.outputs[0], evaluator.max_elements)
+            if direct is None:
                 continue
+            results = [direct]
         else:
             args = [None if v is None else direct_constant(v, evaluator.max_elements) for v in node.inputs]
             if any(v is not None and a is None for v, a in zip(node.inputs, args)):
                 continue
-            results = evaluator.run(node, args)
-            if results is None:
+            computed = evaluator.run(node, args)
+            if computed is None:
                 continue
+            results = computed
         for value, result in zip(node.outputs, results):
             if result.dtype.kind in "iub":
                 _replace_with_initializer(graph, value, result)
@@ -122,7 +124,7 @@ def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
     for name in list(branch.initializers):
         value = branch.initializers.pop(name)
         while value.name in taken_names:
-            value.name = f"{value.name}_{node.name or 'If'}"
+            value.name = f"{value.name}_{node.name or 'If'}"  # type: ignore[assignment]
         taken_names.add(value.name)
         graph.register_initializer(value)
     inner_nodes = list(branch)
