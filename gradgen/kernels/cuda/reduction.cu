@@ -6,6 +6,8 @@
 //   (gridDim.y > 1 splits the reduction into fixed chunks, combined by finalize_* in a fixed order);
 // - cols_*: the innermost group is kept (C contiguous outputs): 32 columns per block, BY threads
 //   down the reduced rows, combined in shared memory in a fixed order (split likewise);
+//   colsv_* (float32/float64, C a multiple of the vector width, x 16-byte aligned): each thread owns
+//   16 bytes of neighbouring columns and keeps four rows' loads in flight;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
 #include "common.h"
@@ -198,6 +200,69 @@ __device__ void reduce_cols(T* out, typename R::S* partial, const T* __restrict_
     }
 }
 
+// Folds x[base + off(r)] for rows r = start + threadIdx.y, stepping blockDim.y, into acc[0..V) (V
+// neighbouring columns, one 16-byte load per row when V > 1), four rows in flight per thread; each
+// column folds its rows in increasing order, as a plain loop would.
+template <typename T, typename R, int V, typename Off>
+__device__ __forceinline__ void cols_loop(const T* __restrict__ base, int64_t start, int64_t end, Off off,
+                                          typename R::S* acc) {
+    using A = typename Acc<T>::type;
+    const int64_t step = blockDim.y;
+    int64_t r = start + threadIdx.y;
+    A v[4][V];
+    for (; r + 3 * step < end; r += 4 * step) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) vload<T, V>(base + off(r + u * step), v[u]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k) acc[k] = R::comb(acc[k], R::pre(v[u][k]));
+    }
+    for (; r < end; r += step) {
+        vload<T, V>(base + off(r), v[0]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = R::comb(acc[k], R::pre(v[0][k]));
+    }
+}
+
+// colsv: as cols, each thread owning V neighbouring columns (C % V == 0, x 16-byte aligned), so a
+// warp reads 32 * V contiguous elements of a row; block (32, BY <= 8).
+template <typename T, typename R, int V>
+__device__ void reduce_cols_v(T* out, typename R::S* partial, const T* __restrict__ x, const TensorDesc& kd,
+                              const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk) {
+    using S = typename R::S;
+    __shared__ S part[8][32 * V + 1];
+    const int64_t mo = blockIdx.x / tiles;
+    const int64_t c = ((blockIdx.x - mo * tiles) * 32 + threadIdx.x) * V;
+    const int64_t start = blockIdx.y * chunk;
+    const int64_t end = min(total, start + chunk);
+    S acc[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = R::init();
+    if (c < C) {
+        const T* base = x + desc_offset(mo, kd) + c;
+        if (rd.rank == 1) {
+            const int64_t stride = rd.strides[0];
+            cols_loop<T, R, V>(base, start, end, [=](int64_t r) { return r * stride; }, acc);
+        } else {
+            cols_loop<T, R, V>(base, start, end, [&](int64_t r) { return gg_offset(r, rd, rd); }, acc);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) part[threadIdx.y][threadIdx.x * V + k] = acc[k];
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            S a = acc[k];
+            for (int j = 1; j < (int)blockDim.y; ++j) a = R::comb(a, part[j][threadIdx.x * V + k]);
+            const int64_t o = mo * C + c + k;
+            if (gridDim.y == 1) gg_store(out + o, R::fin(a, total));
+            else partial[o * gridDim.y + blockIdx.y] = a;
+        }
+    }
+}
+
 template <typename T, typename R>
 __device__ void reduce_finalize(T* out, const typename R::S* partial, int64_t m, int64_t splits, int64_t total) {
     GG_GRID_STRIDE(o, m) {
@@ -234,6 +299,11 @@ __device__ void reduce_map(T* out, const T* x, int64_t n) {
     extern "C" __global__ void rowsv_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
                                                 TensorDesc rd, int64_t L, int64_t total, int64_t chunk) {     \
         reduce_rows<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, L, total, chunk); \
+    }                                                                                                        \
+    extern "C" __global__ void colsv_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
+                                                TensorDesc rd, int64_t C, int64_t tiles, int64_t total,       \
+                                                int64_t chunk) {                                             \
+        reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk); \
     }
 
 #define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, f32, float) GG_REDUCE(op, Red, f64, double) \

@@ -3,7 +3,9 @@
 A reduction is planned once per call on the host: size-1 dims are dropped and adjacent dims that
 are all reduced or all kept are merged. If the innermost group is reduced, each output reduces
 contiguous runs (``rows``: one block per output, 16-byte loads where aligned); if it is kept, 32
-neighbouring outputs share a block and read coalesced rows (``cols``). When there are too few
+threads of a block read coalesced rows, each owning one output column or, for aligned float32 and
+float64, 16 bytes of neighbouring columns (``cols``/``colsv``: a bias gradient's column sums over
+[rows, C] read 512 bytes per warp and row, four rows in flight per thread). When there are too few
 outputs to fill the GPU, each output's reduction is split into fixed chunks whose partial states
 a second kernel combines in a fixed order, so results are bit-identical from run to run (no
 atomics). The gradient pass's broadcast undoing, ReduceSum of (N, C, H, W) to (1, C, 1, 1), is
@@ -100,12 +102,15 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
     c = groups[-1][0]  # innermost group kept: cols
     outer_kept = kept[:-1]
     red = [(size, stride) for size, r, stride in groups if r]
-    tiles = -(-c // 32)
-    by = 8
+    # 16 bytes of neighbouring columns per thread where they line up (every row then starts aligned).
+    v = 16 // itemsize if s in ("f32", "f64") and aligned and c % (16 // itemsize) == 0 else 1
+    tiles = -(-c // (32 * v))
+    by = 8  # the kernels' shared memory holds at most 8 rows of partial states
     blocks = (out_size // c) * tiles
-    kernel = kernel_of("reduction", f"cols_{op}_{s}")
+    kernel = kernel_of("reduction", f"{'colsv' if v > 1 else 'cols'}_{op}_{s}")
     capacity = sm_count() * blocks_per_sm(kernel, 32 * by)
-    splits = max(1, min(capacity // blocks, total // (by * 16), 65535))
+    # Split the rows until the GPU is full, each thread keeping at least 8 rows (two unrolled rounds).
+    splits = max(1, min(capacity // blocks, total // (by * 8), 65535))
     chunk = -(-total // splits)
     splits = -(-total // chunk)
     args = (rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
@@ -118,7 +123,7 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
     """Reduce ``x`` over the normalised ``axes`` (() reduces nothing) with reducer ``op``."""
     from gradgen.cuda import runtime as rt
 
-    contiguous(x)
+    x = contiguous(x)
     s = dtype_suffix(x.dtype)
     shape = tuple(int(d) for d in x.shape)
     if keepdims:
@@ -180,7 +185,7 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
     """(Log)softmax of ``x`` viewed as (outer, length, inner) over the middle axis."""
     from gradgen.cuda import runtime as rt
 
-    contiguous(x)
+    x = contiguous(x)
     s = dtype_suffix(x.dtype)
     out = rt.empty(x.shape, x.dtype)
     if out.size == 0:
@@ -234,7 +239,7 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
     ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
-    contiguous(x)
+    x = contiguous(x)
     outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1:])
     out = rt.empty(x.shape, x.dtype)
     launch(kernel_of("reduction", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
