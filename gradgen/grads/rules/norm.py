@@ -15,6 +15,8 @@ their (linear) gradients back to input_mean/input_var and X.
 
 from __future__ import annotations
 
+import math
+
 import onnx_ir as ir
 
 from gradgen.builder import MICROSOFT, dims_of
@@ -159,7 +161,8 @@ def layer_normalization(g):
         if g.needs(0):
             parts.append(dx)
         grads[1] = dscale if g.needs(1) else None
-        grads[2] = dbias
+        if bias is not None:
+            grads[2] = dbias
     elif dy is not None:
         stats = _stats(g, x, axes, eps)
         xhat, rstd, _ = stats
@@ -188,11 +191,14 @@ def layer_normalization(g):
 
 def _saved_stats_fit(g, x, scale, bias, axis) -> bool:
     """Whether LayerNormalizationGrad fits: float32 statistics (stash_type 1) at least as precise as
-    X (float32, float16, bfloat16) and a scale (and bias) of exactly the normalized shape X.shape[axis:]."""
+    X (float32, float16, bfloat16) and a scale (and bias) of exactly the normalized shape X.shape[axis:],
+    of more than one element."""
     if int(g.attr("stash_type", 1)) != 1 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         return False
     x_dims, s_dims = dims_of(x), dims_of(scale)
     if x_dims is None or s_dims is None or list(s_dims) != list(x_dims[axis:]) or None in s_dims:
+        return False
+    if math.prod(s_dims) == 1:  # the op's contract refuses a one-element normalized part (ORT's too)
         return False
     return bias is None or dims_of(bias) == s_dims
 
