@@ -10,7 +10,6 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError
 from gradgen.executor import Session
 from gradgen.model_io import ModelLike, load_model
-from gradgen.passes.autocast import check_precision
 from gradgen.passes import (
     AutocastPass,
     CleanupPass,
@@ -24,6 +23,7 @@ from gradgen.passes import (
     TopologicalSortPass,
     UpgradeOpsetPass,
 )
+from gradgen.passes.autocast import check_precision
 
 if TYPE_CHECKING:
     from gradgen.training.losses import LossSpec

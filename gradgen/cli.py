@@ -136,7 +136,6 @@ def build_backward(
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
     from gradgen.api import build_backward as build
     from gradgen.model_io import check_output_path, save_model
-
     from gradgen.passes.autocast import check_precision
 
     _set_progress(progress)

@@ -27,8 +27,8 @@ from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import UsageError
 from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
-from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
 from gradgen.passes.autocast import AutocastPass, check_precision
+from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
