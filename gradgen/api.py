@@ -21,6 +21,7 @@ from gradgen.passes import (
     Pipeline,
     ShapeInferencePass,
     TopologicalSortPass,
+    TransposeFusionPass,
     UpgradeOpsetPass,
 )
 from gradgen.passes.autocast import check_precision
@@ -43,7 +44,8 @@ class BackwardModel:
 
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
-    """The default pipeline: prepare the forward graph, add the backward graph, clean up.
+    """The default pipeline: prepare the forward graph, add the backward graph, fold matrix transposes
+    into GEMM flags (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
     the gradient pass, which then differentiates through its casts."""
@@ -51,7 +53,7 @@ def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipe
     prepare = [UpgradeOpsetPass(), NameNodesPass(), TopologicalSortPass(), EvaluateConstantsPass()]
     if precision != "fp32":
         prepare.append(AutocastPass(precision))
-    pipeline = Pipeline(*prepare, gradient, CleanupPass())
+    pipeline = Pipeline(*prepare, gradient, TransposeFusionPass(), CleanupPass())
     return pipeline, gradient
 
 

@@ -17,6 +17,7 @@ from gradgen.passes.standard import (
     TopologicalSortPass,
     UpgradeOpsetPass,
 )
+from gradgen.passes.transpose_fusion import TransposeFusionPass
 
 Pipeline = ir.passes.Sequential
 
@@ -40,5 +41,6 @@ __all__ = [
     "RemoveUnusedNodesPass",
     "ShapeInferencePass",
     "TopologicalSortPass",
+    "TransposeFusionPass",
     "UpgradeOpsetPass",
 ]
