@@ -88,7 +88,7 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
     """
     from gradgen.cuda import runtime as rt
 
-    contiguous(a), contiguous(b)
+    a, b = contiguous(a), contiguous(b)
     four = all(np.dtype(t).itemsize == 4 for t in (a.dtype, b.dtype, out_dtype))
     out_shape, plain, quads = _binary_plan(tuple(int(d) for d in a.shape), tuple(int(d) for d in b.shape), four)
     out = rt.empty(out_shape, out_dtype)
@@ -220,8 +220,7 @@ def where(condition, x, y):
         raise KernelError(f"condition must be bool, got {condition.dtype}")
     same_type(x, y)
     out_shape = broadcast_shape(condition.shape, x.shape, y.shape)
-    for t in (condition, x, y):
-        contiguous(t)
+    condition, x, y = (contiguous(t) for t in (condition, x, y))
     out = rt.empty(out_shape, x.dtype)
     if out.size == 0:
         return out
@@ -255,8 +254,7 @@ def _variadic(op: str, binary_op: str, op_type: str, xs):
         for x in xs[1:]:  # left to right, like the CPU kernel
             out = binary(f"{binary_op}_{s}", out, x, out.dtype)
         return out
-    for x in xs:
-        contiguous(x)
+    xs = [contiguous(x) for x in xs]
     out = rt.empty(out_shape, xs[0].dtype)
     if out.size == 0:
         return out
@@ -292,7 +290,7 @@ def min_(*xs):
 def unary(entry: str, x, out_dtype=None, alpha: float = 0.0, beta: float = 0.0):
     from gradgen.cuda import runtime as rt
 
-    contiguous(x)
+    x = contiguous(x)
     out = rt.empty(x.shape, out_dtype if out_dtype is not None else x.dtype)
     launch(kernel_of("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta),
               np.int64(out.size))
@@ -431,7 +429,7 @@ def clip(x, lo=None, hi=None, **attrs):
             return bound if bound.dtype == x.dtype else cast_to(bound, x.dtype)
         return rt.to_device(np.asarray(bound, dtype=x.dtype).reshape(1))
 
-    contiguous(x)
+    x = contiguous(x)
     out = rt.empty(x.shape, x.dtype)
     launch(kernel_of("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi),
               np.int64(out.size))
@@ -451,7 +449,7 @@ def cast_to(x, dtype):
     sa, sb = dtype_suffix(x.dtype), dtype_suffix(dtype)
     if sa not in CASTABLE or sb not in CASTABLE:
         return None
-    contiguous(x)
+    x = contiguous(x)
     out = rt.empty(x.shape, dtype)
     launch(kernel_of("elementwise", f"cast_{sa}_{sb}"), out.size, out, x, np.int64(out.size))
     return out

@@ -42,9 +42,7 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
     """The loss output (shape of target for "none", else a scalar) of dtype x.dtype."""
     from gradgen.cuda import runtime as rt
 
-    for t in (x, target, weight):
-        if t is not None:
-            contiguous(t)
+    x, target, weight = (None if t is None else contiguous(t) for t in (x, target, weight))
     s, ls = dtype_suffix(x.dtype), dtype_suffix(target.dtype)
     n, c = (int(v) for v in x.shape[:2])
     d = int(np.prod(x.shape[2:], dtype=np.int64))

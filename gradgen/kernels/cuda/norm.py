@@ -47,9 +47,7 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
     """(y, mean[rows], inv_std[rows]) of ``x`` normalized over rows of ``length``."""
     from gradgen.cuda import runtime as rt
 
-    for t in (x, scale, bias):
-        if t is not None:
-            contiguous(t)
+    x, scale, bias = (None if t is None else contiguous(t) for t in (x, scale, bias))
     st = _stash(x.dtype)
     y = rt.empty(x.shape, x.dtype)
     mean = rt.empty((rows,), st)
@@ -145,8 +143,7 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
             or not _channel_params_ok(x, channels, scale, bias, input_mean, input_var)):
         return cpu_fallback("BatchNormalization", x, scale, bias, input_mean, input_var, epsilon=epsilon,
                             momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
-    for t in (x, scale, bias, input_mean, input_var):
-        contiguous(t)
+    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, scale, bias, input_mean, input_var))
     same_type(x, scale, bias, input_mean, input_var)
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
