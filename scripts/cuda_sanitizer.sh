@@ -4,7 +4,7 @@
 #   bash scripts/cuda_sanitizer.sh [-j JOBS] [TOOL ...] [-- TEST FILE ...]
 #
 # TOOL: memcheck, racecheck, synccheck or initcheck (default: memcheck racecheck). TEST FILEs default
-# to tests/cuda/test_*.py and tests/test_fuzz.py (their `-m cuda` tests). Under a sanitizer the suite
+# to every test file with CUDA tests (their `-m "cuda and not slow"` tests). Under a sanitizer the suite
 # runs about ten times slower, so -j JOBS splits the files into JOBS groups run side by side (every
 # tool and group at once; the GPU is shared). Logs: $LOGDIR/sanitizer-TOOL-gK.log (LOGDIR defaults to
 # the current directory). Exit status 1 when a tool reported an error or a test failed.
@@ -20,7 +20,7 @@ done
 [ "${1:-}" = "--" ] && shift
 [ ${#tools[@]} -eq 0 ] && tools=(memcheck racecheck)
 files=("$@")
-[ ${#files[@]} -eq 0 ] && files=(tests/cuda/test_*.py tests/test_fuzz.py)
+[ ${#files[@]} -eq 0 ] && mapfile -t files < <(grep -l "mark.cuda" tests/test_*.py tests/cuda/test_*.py)
 
 sanitizer="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
 logdir="${LOGDIR:-.}"
@@ -34,7 +34,7 @@ while read -r count file; do
     for ((g = 1; g < jobs; g++)); do [ "${group_load[g]}" -lt "${group_load[best]}" ] && best=$g; done
     group_files[best]+=" $file"
     group_load[best]=$(( group_load[best] + count ))
-done < <(python3 -m pytest --collect-only -q -p no:cacheprovider -m cuda "${files[@]}" 2>/dev/null \
+done < <(python3 -m pytest --collect-only -q -p no:cacheprovider -m "cuda and not slow" "${files[@]}" 2>/dev/null \
           | grep "::" | cut -d: -f1 | sort | uniq -c | sort -rn)
 
 run_one() {  # tool group files...
@@ -42,7 +42,7 @@ run_one() {  # tool group files...
     local log="$logdir/sanitizer-$tool-g$group.log" start rc
     start=$(date +%s)
     "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 99 --print-limit 50 \
-        python3 -m pytest -q -rfE -p no:cacheprovider -m cuda "$@" >"$log" 2>&1
+        python3 -m pytest -q -rfE -p no:cacheprovider -m "cuda and not slow" "$@" >"$log" 2>&1
     rc=$?
     echo "$tool g$group: exit $rc in $(( $(date +%s) - start )) s; $(grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | grep -v "=========" | tail -1)"
     grep -E "^(FAILED|ERROR) " "$log" | sed 's/^/    /'
