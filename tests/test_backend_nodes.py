@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -24,11 +22,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-sys.path.insert(0, os.path.dirname(__file__))
-from backend_exclusions import EXCLUDED, TOLERANCES, markdown  # noqa: E402
-
-from gradgen.executor import session as session_module  # noqa: E402
-from gradgen.kernels import registry  # noqa: E402
+from gradgen.executor import session as session_module
+from gradgen.kernels import registry
+from tests.backend_exclusions import EXCLUDED, TOLERANCES, markdown
 
 NODE_DATA_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "BACKEND_TESTS.md"
