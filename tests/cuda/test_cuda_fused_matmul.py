@@ -64,7 +64,9 @@ def test_fused_matmul_float32_is_exact_fp32(rt, monkeypatch):
     got = rt.to_host(matmul.fused_matmul(rt.to_device(a), rt.to_device(b), transA=1, transB=1))
     want = np.matmul(np.swapaxes(a.astype(np.float64), -1, -2), np.swapaxes(b.astype(np.float64), -1, -2))
     err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < 2e-6, err
+    # float32 sums over K=4096 err by a few 1e-6 of the largest element (2.9e-6 measured on an H100);
+    # TF32's 10-bit mantissa would be about 1e-3
+    assert err < 2e-5, err
 
 
 def test_fused_matmul_copies_nothing(rt, monkeypatch):
