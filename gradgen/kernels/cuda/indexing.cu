@@ -533,10 +533,12 @@ constexpr int LS_THREADS = 256, LS_ITEMS = 4, LS_TILE = LS_THREADS * LS_ITEMS;
 // mode: 0 add, 1 none (last wins), 2 mul, 3 max, 4 min. shared_line: the line fits in shared memory.
 // vec: the line is contiguous (sx == 1) and 16-byte aligned with s a multiple of 16 / sizeof(T), so
 // the shared line is filled and written back with 16-byte words. The sort carries the values
-// themselves (stable: a target's values stay in position order).
+// themselves (stable: a target's values stay in position order). dx and init are not __restrict__:
+// the memory plan may write ScatterElements' output over its dying data input (dx == init); each
+// line is read from init before any of its elements is written to dx.
 template <typename T, typename IDX>
-__device__ void line_scatter(T* __restrict__ dx, const T* __restrict__ dy, const IDX* __restrict__ idx,
-                             const T* __restrict__ init, long long* flag, TensorDesc lines, TensorDesc ilines,
+__device__ void line_scatter(T* dx, const T* __restrict__ dy, const IDX* __restrict__ idx,
+                             const T* init, long long* flag, TensorDesc lines, TensorDesc ilines,
                              int64_t s, int64_t sx, int64_t n, int64_t si, int64_t nlines, int64_t end_bit,
                              int64_t mode, int64_t shared_line, int64_t vec, int64_t pad_key) {
     using A = typename Acc<T>::type;
