@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -391,7 +391,7 @@ app.command("export")(_training_cli.export)
 app.command("artifacts")(_training_cli.artifacts)
 
 
-def _click_exception_type() -> type:
+def _click_exception_type() -> type[Any]:
     """Click's ClickException class, whichever click typer uses.
 
     typer up to 0.2x re-exported the standalone ``click`` package; newer typer vendors its own copy

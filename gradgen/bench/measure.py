@@ -78,13 +78,14 @@ class DeviceMemory:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether an exception (or its cause) says that the device ran out of memory."""
-    while exc is not None:
-        text = f"{type(exc).__name__}: {exc}".lower()
-        if "out_of_memory" in text or "out of memory" in text or type(exc).__name__ == "OutOfMemoryError":
+    current: BaseException | None = exc
+    while current is not None:
+        text = f"{type(current).__name__}: {current}".lower()
+        if "out_of_memory" in text or "out of memory" in text or type(current).__name__ == "OutOfMemoryError":
             return True
-        if type(exc).__name__ == "MemoryError" and type(exc).__module__.startswith("pycuda"):
+        if type(current).__name__ == "MemoryError" and type(current).__module__.startswith("pycuda"):
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

@@ -39,7 +39,7 @@ from gradgen.errors import KernelError
 try:
     import fcntl
 except ImportError:  # not POSIX: the atomic rename alone keeps readers safe; compiles may repeat
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the lock below is skipped where None
 
 PROGRESS_AFTER_S = 2.0  # a compile that takes longer than this says so on stderr
 

@@ -49,7 +49,7 @@ def save_checkpoint(path: str | os.PathLike, program: TrainingProgram, state: Tr
         "states": [[param, kind] for param, kind in state.states],
         **(extra or {}),
     }
-    arrays = {f"param/{name}": value for name, value in state.params.items()}
+    arrays: dict[str, Any] = {f"param/{name}": value for name, value in state.params.items()}
     arrays.update({f"state/{kind}/{param}": value for (param, kind), value in state.states.items()})
     arrays["meta"] = np.array(json.dumps(meta))
     with atomic_output(path) as tmp:

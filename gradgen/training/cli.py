@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, overload
 
 import typer
 
 _LOSS_KINDS = "cross_entropy, mse, l1 or bce_with_logits"
 
 
+@overload
+def loss_kind(value: str) -> str: ...
+@overload
+def loss_kind(value: None) -> None: ...
 def loss_kind(value: Optional[str]) -> Optional[str]:
     """--add-loss's value, with '-' accepted for '_' (cross-entropy)."""
     return value.replace("-", "_") if value is not None else None

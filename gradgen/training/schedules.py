@@ -49,6 +49,7 @@ class Schedule:
             return self.lr * step / self.warmup_steps
         if self.kind == "constant":
             return self.lr
+        assert self.total_steps is not None  # a decay's total steps are checked at construction
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         if self.kind == "linear":
             factor = 1.0 - progress

@@ -74,7 +74,8 @@ def folded_dims(g, value, depth: int = 16) -> list | None:
         return folded_dims(g, node.inputs[0], depth - 1)
     if op == "Concat":
         parts = [folded_dims(g, v, depth - 1) for v in node.inputs]
-        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+        known = [p for p in parts if p is not None]
+        return None if len(known) < len(parts) else [d for p in known for d in p]
     if op == "Slice" and len(node.inputs) >= 3:
         data = folded_dims(g, node.inputs[0], depth - 1)
         bounds = [folded_dims(g, v, depth - 1) if v is not None else None for v in node.inputs[1:5]]

@@ -82,10 +82,11 @@ def generated_module(name: str, text: str):
     rt = runtime()
     text = inline_common_header(text)
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
-    directory: Path | None = kernel_cache.cache_dir()
+    cache = kernel_cache.cache_dir()
+    directory: Path | None = cache
     try:
-        (directory / "generated").mkdir(parents=True, exist_ok=True)
-        path = directory / "generated" / f"{name}-{digest}.cu"
+        (cache / "generated").mkdir(parents=True, exist_ok=True)
+        path = cache / "generated" / f"{name}-{digest}.cu"
         if not path.exists():
             kernel_cache.atomic_write(path, text.encode())
     except OSError:  # no writable cache: compile from a temporary copy, without caching the cubin

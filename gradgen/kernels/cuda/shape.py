@@ -84,11 +84,10 @@ def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, al
     n = size // v
     magic = [_magic(d) for d in shape[:-1] + [shape[-1] // v]]
     small = size <= INT32_LIMIT and extent(counts, src_strides) <= INT32_LIMIT and None not in magic
-    if not small:
-        magic = [(0, 0)] * len(shape)
+    pairs = [p for p in magic if p is not None] if small else [(0, 0)] * len(shape)
     kernel = kernel_of("shape", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
     tail = b"".join(bytes(memoryview(d)) for d in (desc(shape), desc(counts, src_strides), desc(starts, steps),
-                                                    desc([m for m, _ in magic], [s for _, s in magic])))
+                                                    desc([m for m, _ in pairs], [s for _, s in pairs])))
     tail += struct.pack("=qq", int(fill), n)
     return kernel, grid_for(n), tail
 
