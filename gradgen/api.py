@@ -62,7 +62,7 @@ def run_pipeline(pipeline: ir.passes.PassBase, model: ir.Model) -> ir.passes.Pas
     try:
         return pipeline(model)
     except ir.passes.PassError as exc:
-        cause = exc
+        cause: BaseException | None = exc
         while cause is not None and not isinstance(cause, GradgenError):
             cause = cause.__cause__
         if cause is not None:

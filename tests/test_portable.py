@@ -644,3 +644,12 @@ def test_pass_is_a_no_op_on_standard_models():
     model, _, _, _ = load(next(p for p in ALL_DIRS if p.name == "mlp"))
     ir_model = ir.from_proto(model)
     assert not LowerToStandardPass()(ir_model).modified
+
+
+def test_lowering_names_a_missing_broadcast_gradient_args_input():
+    node = helper.make_node("BroadcastGradientArgs", ["", "b"], ["ra", "rb"], domain=MS, name="bga")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("b", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("ra", "rb")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    with pytest.raises(ModelError, match=r"BroadcastGradientArgs node 'bga' lacks one of its inputs A, B"):
+        LowerToStandardPass()(ir.from_proto(model))

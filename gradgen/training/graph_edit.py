@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import numpy as np
 import onnx_ir as ir
 
@@ -88,7 +90,7 @@ def as_output(builder: GraphBuilder, value: ir.Value, name: str, like: ir.Value 
     return value
 
 
-def remove_unused_inputs(graph: ir.Graph, keep: set[str] = frozenset()) -> list[str]:
+def remove_unused_inputs(graph: ir.Graph, keep: AbstractSet[str] = frozenset()) -> list[str]:
     """Drop graph inputs nothing reads (a target only the removed loss used, say); return their names."""
     unused = [v for v in graph.inputs if not v.uses() and not v.is_graph_output() and v.name not in keep]
     for value in unused:

@@ -17,6 +17,8 @@ def lower_broadcast_gradient_args(e: GraphBuilder, node: ir.Node):
     from gradgen.ops.elementwise import broadcast_gradient_axes
 
     a, b = node_input(node, 0), node_input(node, 1)
+    if a is None or b is None:
+        raise ModelError(f"{node_where(node)} lacks one of its inputs A, B")
     a_known, b_known = e.value_of(a), e.value_of(b)
     if a_known is not None and b_known is not None:
         try:
@@ -35,7 +37,7 @@ def lower_broadcast_gradient_args(e: GraphBuilder, node: ir.Node):
     k = e.op("Range", e.op("Sub", e.op("Reshape", n, e.ints([])), e.scalar(1)), e.scalar(-1), e.scalar(-1))
     a_dims, b_dims = e.op("Gather", a_full, k, axis=0), e.op("Gather", b_full, k, axis=0)
     a_one, b_one = e.op("Equal", a_dims, e.scalar(1)), e.op("Equal", b_dims, e.scalar(1))
-    results = [None, None]
+    results: list[ir.Value | None] = [None, None]
     if is_needed(node.outputs[0] if node.outputs else None):
         take = e.op("Or", e.op("Less", k, lead_a), e.op("And", a_one, e.op("Not", b_one)))
         results[0] = e.op("Compress", k, take, axis=0)

@@ -15,6 +15,8 @@ def _slice_pads(e: GraphBuilder, node: ir.Node) -> list[int] | None:
     """Pad's pads for a SliceGrad whose slice is a plain window (all steps 1, everything known)."""
     dy, shape, starts, ends = (node_input(node, i) for i in range(4))
     axes_in, steps_in = node_input(node, 4), node_input(node, 5)
+    if dy is None or shape is None or starts is None or ends is None:  # lower_slice_grad reports it
+        return None
     entries = e.shape_entries(shape)
     starts_v, ends_v = e.value_of(starts), e.value_of(ends)
     axes_v = e.value_of(axes_in) if axes_in is not None else None
@@ -52,7 +54,7 @@ def lower_slice_grad(e: GraphBuilder, node: ir.Node):
         numel = e.op("Reshape", numel_vec, e.ints([]))
     iota = e.op("Range", e.scalar(0), numel, e.scalar(1))
     grid = e.op("Reshape", iota, shape64)
-    slice_inputs = [grid, starts, ends]
+    slice_inputs: list[ir.Value | None] = [grid, starts, ends]  # None: an omitted optional input
     if axes is not None or steps is not None:
         slice_inputs.append(axes)
     if steps is not None:
