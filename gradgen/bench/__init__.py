@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gradgen.errors import GradgenError, UsageError
 
@@ -125,7 +127,8 @@ class _Results:
     """One JSON file for every group run: {group: report}, rewritten as results come in."""
 
     def __init__(self, path: Path | None):
-        self.path, self.data = path, {}
+        self.path = path
+        self.data: dict[str, Any] = {}
         if path is not None and not path.resolve().parent.is_dir():
             raise UsageError(f"--json {path}: the directory does not exist")
 
@@ -165,12 +168,12 @@ def run(argv: list[str] | None = None) -> None:
     if "cpu" in groups:
         from gradgen.bench import cpu
 
-        options = cpu.CpuOptions(
+        cpu_options = cpu.CpuOptions(
             specs=_specs(args, cpu.default_specs()), samples=[] if args.no_samples else args.sample,
             threads=args.threads, warmup=1 if args.warmup is None else args.warmup, steps=args.steps or 20,
             build_layers=args.build_layers, child_timeout_s=args.child_timeout or 3600.0,
             keep_dir=_keep_dir(args.keep), debug=args.debug, on_update=lambda report: results.update("cpu", report))
-        cpu.run(options)
+        cpu.run(cpu_options)
 
 
 def _keep_dir(path: Path | None) -> Path | None:
@@ -188,7 +191,7 @@ def _run_kernel_groups(groups: list[str]) -> None:
     from gradgen.bench import kernels
 
     print(f"device: {driver.Context.get_device().name()}; date: {datetime.date.today().isoformat()}")
-    runners = {
+    runners: dict[str, Callable[[], object]] = {
         "slice": kernels.bench_slice_grad, "gather": kernels.bench_gather_grad,
         "gather_elements": kernels.bench_gather_elements_grad, "reduce": kernels.bench_broadcast_reduction,
         "bga": kernels.bench_broadcast_gradient_args, "conv": kernels.bench_conv_grad,
