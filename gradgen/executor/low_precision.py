@@ -42,10 +42,24 @@ def declared_dtypes(node: ir.Node) -> list[np.dtype | None]:
     return out
 
 
+_LOW_SET = frozenset(LOW_PRECISION)
+
+
 def needs_fp32(op_type: str, args: list, attributes: dict, out_dtypes: list | None) -> bool:
     """True when the step reads a 16-bit float or a Cast produces one."""
-    if any(a is not None and is_low_precision(getattr(a, "dtype", None)) for a in args):
-        return True
+    return reads_low_precision(args) or always_fp32(op_type, attributes, out_dtypes)
+
+
+def reads_low_precision(args) -> bool:
+    """True when one of the arguments is a 16-bit float array (the per-run half of ``needs_fp32``)."""
+    for a in args:
+        if a is not None and getattr(a, "dtype", None) in _LOW_SET:
+            return True
+    return False
+
+
+def always_fp32(op_type: str, attributes: dict, out_dtypes: list | None) -> bool:
+    """True when a Cast produces a 16-bit float or the graph declares one as an output (known at plan time)."""
     if op_type == "Cast" and int(attributes.get("to", 0)) in _ONNX_LOW:
         return True
     return bool(out_dtypes) and any(is_low_precision(d) for d in out_dtypes if d is not None)

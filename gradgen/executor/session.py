@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import operator
 import warnings
 from typing import Any, Mapping
 
@@ -34,6 +35,10 @@ class Step:
     entry: Any = None  # the registry entry (CPU kernel, CUDA launcher)
     index: int = 0  # position in the plan (the CUDA backend's memory plan counts steps by it)
     output_dtypes: list | None = None  # the element types the graph declares for the outputs (None: unknown)
+    # Prepared once the plan is final (``_prepare_steps``), so that the run loop does no per-step setup:
+    gather: Any = None  # env -> the tuple of this step's arguments (None for an absent optional input)
+    first_output: str | None = None  # the name of output 0 ('' / None: not wanted)
+    low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
 
 
 class CpuBackend:
@@ -62,13 +67,12 @@ class CpuBackend:
     def close(self) -> None:
         pass
 
-    def run_step(self, step: "Step", args: list):
-        if low_precision.needs_fp32(step.op_type, args, step.attributes, step.output_dtypes):
+    def run_step(self, step: "Step", args):
+        if step.low_precision or low_precision.reads_low_precision(args):
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
         return step.kernel(*args, **step.attributes)
 
-    def wrap(self, value) -> np.ndarray:
-        return np.asarray(value)
+    wrap = staticmethod(np.asarray)  # a kernel's result as an array (the run loop calls it per output)
 
     def to_host(self, value) -> np.ndarray:
         return value
@@ -132,6 +136,8 @@ class Session:
         self.steps = self._plan()
         self.backend.num_steps = len(self.steps)
         self.constants = self.backend.place_constants(self.initializers)
+        self._known_outputs = frozenset(self.output_names) | frozenset(self.constants) | frozenset(self.input_names)
+        self._feed_specs = feed_specs(self.input_values)
         self.closed = False
 
     @property
@@ -176,6 +182,7 @@ class Session:
         for index, step in enumerate(steps):
             step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
+        _prepare_steps(steps)
         return steps
 
     def _fold_constant_nodes(self, steps: list[Step]) -> list[Step]:
@@ -191,14 +198,14 @@ class Session:
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays."""
         wanted = outputs if outputs is not None else self.output_names
-        known = set(self.output_names) | set(self.constants) | set(self.input_names)
-        unknown = [n for n in wanted if n not in known]
+        known = self._known_outputs
+        unknown = [n for n in wanted if n not in known] if outputs is not None else None
         if unknown:
             raise UsageError(f"unknown output name(s): {', '.join(unknown)}; the model's outputs are "
                              f"{', '.join(self.output_names)}")
         if self.closed:
             raise UsageError("this Session is closed")
-        checked = validate_feeds(self.input_values, feeds)
+        checked = check_feeds(self._feed_specs, feeds)
         with self.backend.lock():
             try:
                 values = self.backend.execute(self._execute, checked)
@@ -222,6 +229,7 @@ class Session:
             self.closed = True
             self.backend.close()
             self.constants = {}
+            self._known_outputs = frozenset(self.output_names) | frozenset(self.input_names)
 
     def __enter__(self) -> "Session":
         return self
@@ -233,10 +241,12 @@ class Session:
         """Run every step on feeds already placed by the backend; return the surviving values."""
         env: dict[str, Any] = dict(self.constants)
         env.update(placed_feeds)
+        run_step = self.backend.run_step
+        wrap = self.backend.wrap
         for step in self.steps:
-            args = [env[name] if name else None for name in step.inputs]
+            args = step.gather(env)
             try:
-                result = self.backend.run_step(step, args)
+                result = run_step(step, args)
             except KernelError as exc:
                 raise KernelError(f"node {step.node_name!r} ({_qualified(step)}): {exc}") from None
             except GradgenError:
@@ -249,11 +259,13 @@ class Session:
                     f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            results = result if isinstance(result, tuple) else (result,)
-            for name, value in zip(step.outputs, results):
-                if name:
-                    env[name] = self.backend.wrap(value)
-            args = result = results = None  # so that what free_after drops dies at this step
+            if isinstance(result, tuple):
+                for name, value in zip(step.outputs, result):
+                    if name:
+                        env[name] = wrap(value)
+            elif step.first_output:
+                env[step.first_output] = wrap(result)
+            args = result = value = None  # so that what free_after drops dies at this step
             for name in step.free_after:
                 env.pop(name, None)
         return env
@@ -333,6 +345,28 @@ def _hoist_shape_reads(steps: list[Step]) -> list[Step]:
     return order
 
 
+def _prepare_steps(steps: list[Step]) -> None:
+    """Resolve per step what does not depend on the values: how to fetch its arguments, where its
+    single output goes, whether it always runs in float32."""
+    for step in steps:
+        step.gather = _gatherer(step.inputs)
+        step.first_output = step.outputs[0] if step.outputs else None
+        step.low_precision = low_precision.always_fp32(step.op_type, step.attributes, step.output_dtypes)
+
+
+def _gatherer(names: list[str | None]):
+    """env -> the tuple of the values named (None for an empty name), as cheap as Python allows."""
+    if not names:
+        return lambda env: ()
+    if all(names):
+        if len(names) == 1:
+            only = names[0]
+            return lambda env: (env[only],)
+        return operator.itemgetter(*names)
+    names = tuple(names)
+    return lambda env: tuple([env[name] if name else None for name in names])
+
+
 def _assign_lifetimes(steps: list[Step], keep: set[str]) -> None:
     last_use: dict[str, int] = {}
     for index, step in enumerate(steps):
@@ -353,32 +387,55 @@ def numpy_dtype(dtype: ir.DataType) -> np.dtype:
 
 def validate_feeds(input_values: list[ir.Value], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Check every graph input is fed with the declared dtype and a shape that fits; bind symbols."""
-    declared = {v.name: v for v in input_values}
-    unknown = sorted(set(feeds) - set(declared))
-    missing = [name for name in declared if name not in feeds]
-    if missing or unknown:
-        problems = []
-        if missing:
-            problems.append(f"missing input(s) {', '.join(map(repr, missing))}")
-        if unknown:
-            problems.append(f"unknown input name(s) {', '.join(map(repr, unknown))}")
-        raise RunError(f"{'; '.join(problems)}; the model's inputs are {', '.join(map(repr, declared))}")
+    return check_feeds(feed_specs(input_values), feeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedSpec:
+    """A graph input as ``check_feeds`` needs it, resolved once per Session."""
+
+    name: str
+    dtype: np.dtype | None  # None: not declared
+    dims: tuple | None  # per axis an int, a symbol name or '?'; None: shape not declared
+
+
+def feed_specs(input_values: list[ir.Value]) -> list[FeedSpec]:
+    return [FeedSpec(v.name, numpy_dtype(v.dtype) if v.dtype is not None else None,
+                     tuple(d if isinstance(d, int) else (d.value or "?") for d in v.shape)
+                     if v.shape is not None else None)
+            for v in input_values]
+
+
+def check_feeds(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Check every graph input is fed with the declared dtype and a shape that fits; bind symbols."""
+    if len(feeds) != len(specs) or any(spec.name not in feeds for spec in specs):
+        _refuse_names(specs, feeds)
     symbols: dict[str, tuple[int, str]] = {}
     checked = {}
-    for name, value in declared.items():
-        array = np.asarray(feeds[name])
-        if value.dtype is not None:
-            want = numpy_dtype(value.dtype)
-            if array.dtype != want:
-                raise RunError(f"input {name!r}: dtype {array.dtype}, but the model declares {want}")
-        if value.shape is not None:
-            _check_shape(name, array.shape, value.shape, symbols)
-        checked[name] = array
+    for spec in specs:
+        array = np.asarray(feeds[spec.name])
+        if spec.dtype is not None and array.dtype != spec.dtype:
+            raise RunError(f"input {spec.name!r}: dtype {array.dtype}, but the model declares {spec.dtype}")
+        if spec.dims is not None and array.shape != spec.dims:  # equal: every axis a matching int
+            _check_shape(spec.name, array.shape, spec.dims, symbols)
+        checked[spec.name] = array
     return checked
 
 
-def _check_shape(name: str, got: tuple[int, ...], declared: ir.Shape, symbols: dict[str, tuple[int, str]]) -> None:
-    want = [d if isinstance(d, int) else (d.value or "?") for d in declared]
+def _refuse_names(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> None:
+    declared = [spec.name for spec in specs]
+    unknown = sorted(set(feeds) - set(declared))
+    missing = [name for name in declared if name not in feeds]
+    problems = []
+    if missing:
+        problems.append(f"missing input(s) {', '.join(map(repr, missing))}")
+    if unknown:
+        problems.append(f"unknown input name(s) {', '.join(map(repr, unknown))}")
+    raise RunError(f"{'; '.join(problems)}; the model's inputs are {', '.join(map(repr, declared))}")
+
+
+def _check_shape(name: str, got: tuple[int, ...], dims: tuple, symbols: dict[str, tuple[int, str]]) -> None:
+    want = list(dims)
     if len(got) != len(want):
         raise RunError(f"input {name!r}: rank {len(got)} (shape {list(got)}), but the model declares shape {want}")
     for axis, (size, dim) in enumerate(zip(got, want)):

@@ -39,7 +39,7 @@ def int_list(values: Any, what: str) -> list[int]:
         raise KernelError(f"{what} must be integers, got {array.dtype}")
     if array.ndim > 1:
         raise KernelError(f"{what} must be 1-D, got shape {list(array.shape)}")
-    return [int(v) for v in array.reshape(-1)]
+    return array.reshape(-1).tolist() if array.dtype.kind in "iu" else [int(v) for v in array.reshape(-1)]
 
 
 def per_axis(value: Any, n: int, default: int, what: str) -> list[int]:

@@ -57,8 +57,8 @@ def _float_like(x: np.ndarray) -> np.ndarray:
 
 def _same_type(*xs: np.ndarray) -> None:
     """ONNX's binary and variadic ops take one type T; numpy would silently promote mixes."""
-    dtypes = {x.dtype for x in xs}
-    if len(dtypes) > 1:
+    first = xs[0].dtype
+    if any(x.dtype != first for x in xs[1:]):
         raise KernelError(
             f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
         )

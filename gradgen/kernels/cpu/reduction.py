@@ -7,6 +7,9 @@ Every reduction keeps the input's dtype, as the spec says.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from gradgen.errors import KernelError
@@ -17,10 +20,17 @@ from gradgen.ops.axes import normalize_axis
 
 def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
     """The normalised axes to reduce; () reduces nothing (noop_with_empty_axes)."""
-    if axes is None or np.size(axes) == 0:
+    axes = None if axes is None else np.asarray(axes)
+    if axes is None or axes.size == 0:
         return () if noop_with_empty_axes else tuple(range(data.ndim))
-    values = [int(a) for a in np.asarray(axes).reshape(-1)]
-    normalised = tuple(normalize_axis(a, data.ndim, "reduction axis") for a in values)
+    return _normalised_axes(data.ndim, tuple(axes.reshape(-1).tolist()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _normalised_axes(rank: int, axes: tuple) -> tuple[int, ...]:
+    """Sorted, in-range, distinct reduction axes; worked out once per (rank, axes), errors not cached."""
+    values = [int(a) for a in axes]
+    normalised = tuple(normalize_axis(a, rank, "reduction axis") for a in values)
     if len(set(normalised)) != len(normalised):
         raise KernelError(f"repeated reduction axes {values}")
     return tuple(sorted(normalised))
@@ -61,11 +71,11 @@ def _min(x, axes, keepdims):
 
 
 def _sum(x, axes, keepdims):
-    return np.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+    return np.add.reduce(x, axis=axes, keepdims=keepdims, dtype=x.dtype)  # np.sum without its Python wrapper
 
 
 def _mean(x, axes, keepdims):
-    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    count = math.prod(x.shape[a] for a in axes)
     if count == 0:
         return np.full(np.sum(x, axis=axes, keepdims=keepdims).shape, np.nan)
     if x.dtype.kind in "iu":

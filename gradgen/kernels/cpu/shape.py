@@ -8,6 +8,9 @@ broadcasting both ways in Expand...); those are checked here and raise ``KernelE
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from gradgen.errors import KernelError
@@ -40,7 +43,13 @@ def size(data):
 def reshape(data, shape=None, *, allowzero=0):
     if shape is None:
         raise KernelError("Reshape needs the shape input")
-    return data.reshape(reshape_dims(data.shape, int_list(shape, "shape"), allowzero))
+    return data.reshape(_reshape_target(data.shape, tuple(int_list(shape, "shape")), allowzero))
+
+
+@functools.lru_cache(maxsize=4096)
+def _reshape_target(in_shape: tuple, dims: tuple, allowzero: int) -> tuple:
+    """Reshape's target, worked out once per (input shape, shape input); errors are not cached."""
+    return tuple(reshape_dims(in_shape, list(dims), allowzero))
 
 
 @cpu_kernel("Flatten")
@@ -49,8 +58,8 @@ def flatten(x, *, axis=1):
     if not -rank <= axis <= rank:
         raise KernelError(f"axis {axis} is out of range [{-rank}, {rank}]")
     axis = axis + rank if axis < 0 else axis
-    rows = int(np.prod(x.shape[:axis], dtype=np.int64))
-    cols = int(np.prod(x.shape[axis:], dtype=np.int64))
+    rows = math.prod(x.shape[:axis])
+    cols = math.prod(x.shape[axis:])
     return x.reshape(rows, cols)
 
 
