@@ -142,7 +142,7 @@ def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
         else:
             out.replace_all_uses_with(branch_out)
     graph.remove(node, safe=True)
-    for value, name, old in renames:
+    for value, out_name, old in renames:
         old.name = None
-        value.name = name
+        value.name = out_name
         value.type, value.shape = old.type, old.shape

@@ -110,6 +110,7 @@ class HostStepRunner:
         losses = []
         accumulated = {name: np.zeros_like(value) for name, value in state.params.items()} if self.accumulate else {}
         for batch in micro_batches[:-1]:
+            assert self.accumulate is not None  # train_step passes `accumulation` micro-batches: > 1 has the graph
             feeds = {**batch, **state.params}
             feeds.update({program.accumulated[p][0]: value for p, value in accumulated.items()})
             out = self.accumulate.run(feeds)
