@@ -24,6 +24,7 @@ import math
 import threading
 import traceback
 import weakref
+from typing import TypeAlias
 
 import numpy as np
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
@@ -35,7 +36,7 @@ from gradgen.cuda import kernel_cache
 from gradgen.cuda.compile import CUDA_SOURCES, source_names  # noqa: F401  (CUDA_SOURCES: where the .cu files are)
 from gradgen.errors import KernelError
 
-GPUArray = gpuarray.GPUArray
+GPUArray: TypeAlias = gpuarray.GPUArray
 MAX_RANK = 8
 
 # The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
@@ -222,7 +223,7 @@ def to_host(array) -> np.ndarray:
 
 
 def is_device(value) -> bool:
-    return isinstance(value, GPUArray)
+    return isinstance(value, gpuarray.GPUArray)
 
 
 def run_on_host(fn, *args, **kwargs):
@@ -341,7 +342,7 @@ def desc(shape, strides=None) -> np.void:
     record["rank"] = len(shape)
     record["shape"][: len(shape)] = shape
     record["strides"][: len(shape)] = [int(s) for s in strides]
-    return record[()]
+    return record[()]  # type: ignore[return-value]  # a 0-d record array's [()] is its np.void scalar
 
 
 def contiguous_strides(shape) -> list[int]:
