@@ -81,7 +81,12 @@ def _mean(x, axes, keepdims):
     if x.dtype.kind in "iu":
         # Integer means truncate toward zero (the reference computes in float and casts back).
         return np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float64)
-    return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+    # np.mean's own steps (numpy/_core/_methods.py, _mean, with dtype given) without its Python layers
+    # (a third of a small ReduceMean's time); the result is the same to the bit.
+    total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=keepdims)
+    if isinstance(total, np.ndarray):
+        return np.true_divide(total, np.intp(count), out=total, casting="unsafe")
+    return total.dtype.type(total / np.intp(count))
 
 
 def _prod(x, axes, keepdims):
@@ -161,27 +166,32 @@ def _softmax_frame(x: np.ndarray, axis, opset: int):
     """(array to normalise over its last axis, function to restore x's layout)."""
     if opset >= 13:
         ax = normalize_axis(-1 if axis is None else axis, x.ndim)
+        if ax == x.ndim - 1:  # already last: skip np.moveaxis' Python work (the arrays are the same)
+            return x, _unchanged
         moved = np.moveaxis(x, ax, -1)
         return moved, lambda y: np.moveaxis(y, -1, ax)
     # opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])].
     ax = normalize_axis(1 if axis is None else axis, x.ndim) if x.ndim else 0
-    rows = int(np.prod(x.shape[:ax], dtype=np.int64))
-    flat = x.reshape(rows, int(np.prod(x.shape[ax:], dtype=np.int64)))
+    flat = x.reshape(math.prod(x.shape[:ax]), math.prod(x.shape[ax:]))
     return flat, lambda y: y.reshape(x.shape)
+
+
+def _unchanged(y):
+    return y
 
 
 @cpu_kernel("Softmax")
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    e = np.exp(z - np.max(z, axis=-1, keepdims=True, initial=-np.inf))
-    return restore(e / np.sum(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+    e = np.exp(z - np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
+    return restore(e / np.add.reduce(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
 
 
 @cpu_kernel("LogSoftmax")
 def log_softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    shifted = z - np.max(z, axis=-1, keepdims=True, initial=-np.inf)
-    out = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    shifted = z - np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf)
+    out = shifted - np.log(np.add.reduce(np.exp(shifted), axis=-1, keepdims=True))
     return restore(out).astype(x.dtype, copy=False)
 
 
