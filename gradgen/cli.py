@@ -74,6 +74,10 @@ def _finite_non_negative(value: float) -> float:
     return value
 
 
+def _finite_non_negative_or_none(value: Optional[float]) -> Optional[float]:
+    return None if value is None else _finite_non_negative(value)
+
+
 def _dims(pairs: Optional[List[str]], random_inputs: bool) -> dict[str, int]:
     """--dim NAME=VALUE pairs; they only mean something with --random-inputs."""
     from gradgen.errors import UsageError
@@ -183,11 +187,14 @@ def run(
     compare: Optional[Path] = typer.Option(
         None, "--compare", help="Reference .npz (e.g. PyTorch's gradients): compare the outputs its keys name; "
         "exit 4 if any differs beyond the tolerance or if a key names no output."),
-    rtol: float = typer.Option(1e-4, "--rtol", callback=_finite_non_negative,
-                               help="--compare: tolerance relative to each reference element."),
-    atol: float = typer.Option(1e-5, "--atol", callback=_finite_non_negative,
-                               help="--compare: tolerance as a fraction of the tensor's scale "
-                               "(max(max|ref|, max|got|, floor * largest |gradient| of the model))."),
+    rtol: Optional[float] = typer.Option(
+        None, "--rtol", callback=_finite_non_negative_or_none, show_default=False,
+        help="--compare: tolerance relative to each reference element. Default per the model's precision: "
+        "1e-4 (fp32, tf32), 1e-3 (fp16), 1e-2 (bf16)."),
+    atol: Optional[float] = typer.Option(
+        None, "--atol", callback=_finite_non_negative_or_none, show_default=False,
+        help="--compare: tolerance as a fraction of the tensor's scale (max(max|ref|, max|got|, floor * largest "
+        "|gradient| of the model)). Default per the model's precision: 1e-5 (fp32, tf32), 1e-2 (fp16), 5e-2 (bf16)."),
     floor: float = typer.Option(0.1, "--floor", callback=_finite_non_negative,
                                 help="--compare: a tensor's scale is at least this fraction of the largest |value| "
                                 "among the compared gradients, so that a gradient that is zero up to float "
@@ -243,13 +250,17 @@ def run(
                  skip_unmatched=skip_unmatched)
 
 
-def _compare(session, feeds, results, reference, *, rtol: float, atol: float, floor: float, torch_names: bool,
-             skip_unmatched: bool) -> None:
-    """Print the comparison with the reference; raise RunError on a mismatch or an unmatched key."""
-    from gradgen.compare import compare_outputs, diagnose_kinks, require_match
+def _compare(session, feeds, results, reference, *, rtol: Optional[float], atol: Optional[float], floor: float,
+             torch_names: bool, skip_unmatched: bool) -> None:
+    """Print the comparison with the reference; raise RunError on a mismatch or an unmatched key.
+
+    A tolerance not given (None) is the default for the model's precision (``compare.resolve_tolerance``)."""
+    from gradgen.compare import compare_outputs, diagnose_kinks, require_match, resolve_tolerance
     from gradgen.errors import RunError
 
-    comparison = compare_outputs(results, reference, rtol=rtol, atol=atol, floor=floor, torch_names=torch_names)
+    tolerance = resolve_tolerance(session.model, rtol, atol)
+    comparison = compare_outputs(results, reference, rtol=tolerance.rtol, atol=tolerance.atol, floor=floor,
+                                 torch_names=torch_names, defaults=tolerance.source)
     if not comparison.rows:
         hint = f"; {comparison.hint}" if comparison.hint else ""
         raise RunError(f"the reference's keys ({', '.join(comparison.unmatched) or 'none'}) name none of the model's "
@@ -263,9 +274,8 @@ def _compare(session, feeds, results, reference, *, rtol: float, atol: float, fl
         for note in diagnose_kinks(session.model, feeds, comparison, reference, device=session.device):
             _say(f"note: {note}")
     require_match(comparison, skip_unmatched)
-    tolerance = f"rtol={rtol}, atol={atol}*scale, floor={floor}"
     skipped = f"; {len(comparison.unmatched)} reference key(s) not compared" if comparison.unmatched else ""
-    typer.echo(f"all {len(comparison.rows)} compared output(s) match the reference ({tolerance}){skipped}")
+    typer.echo(f"all {len(comparison.rows)} compared output(s) match the reference ({comparison.tolerance}){skipped}")
 
 
 def _format_bytes(count: int) -> str:

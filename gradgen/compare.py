@@ -10,6 +10,12 @@ gradients (outputs named ``*_grad``; all compared outputs when there are none). 
 gradient that is mathematically zero (a conv bias before a training-mode BatchNorm) from failing on
 float32 rounding noise, which scales with the model's gradients, not with the tensor's own noise.
 
+Default tolerances depend on the precision the model computes in (``compare_precision``: the
+``gradgen.precision`` metadata that AutocastPass writes, else the narrowest float type among the
+graph's values): ``DEFAULT_TOLERANCES`` keeps float32's for fp32 and tf32 and widens them for fp16
+and bf16, whose 11- and 8-bit significands round every GEMM input by about 5e-4 and 4e-3
+(PyTorch's own bf16 autocast gradient of LeNet's first conv weight is off by 4.2e-2 of its scale).
+
 Kinks: when outputs differ, ``kink_flips`` looks for inputs of non-smooth ops (Relu, LeakyRelu,
 PRelu, Abs, Clip, Max, Min and comparisons) whose side of the switching point differs between a
 float32 and a float64 run of the same graph: float rounding decides those elements, so a reference
@@ -25,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, RunError
+from gradgen.passes.autocast import METADATA_KEY
 
 # Non-smooth ops: input positions compared with a switching point (0 for one input; each other for two).
 _KINK_AT_ZERO = {"Relu", "LeakyRelu", "PRelu", "Abs", "ThresholdedRelu"}
@@ -58,6 +65,13 @@ class Comparison:
     atol: float
     floor: float
     hint: str = ""  # e.g. "--torch-names would match them"
+    defaults: str = ""  # which of rtol / atol are defaults, and for which precision (``Tolerance.source``)
+
+    @property
+    def tolerance(self) -> str:
+        """``rtol=0.01, atol=0.05*scale, floor=0.1; bf16 defaults``: the tolerance as the output states it."""
+        said = f"rtol={self.rtol:g}, atol={self.atol:g}*scale, floor={self.floor:g}"
+        return f"{said}; {self.defaults}" if self.defaults else said
 
     @property
     def failures(self) -> list[str]:
@@ -88,9 +102,63 @@ def match_reference(outputs: Sequence[str], keys: Sequence[str], torch_names: bo
     return pairs, unmatched
 
 
+# -- default tolerances per precision ------------------------------------------------------------
+
+# (rtol, atol) per precision; fp32's are ``gradgen run``'s historical defaults
+DEFAULT_TOLERANCES = {"fp32": (1e-4, 1e-5), "tf32": (1e-4, 1e-5), "fp16": (1e-3, 1e-2), "bf16": (1e-2, 5e-2)}
+_LOW_PRECISION = {ir.DataType.BFLOAT16: "bf16", ir.DataType.FLOAT16: "fp16"}  # coarsest first
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """The rtol / atol a comparison uses, and where they come from."""
+
+    rtol: float
+    atol: float
+    precision: str  # the model's precision (``compare_precision``)
+    defaulted: tuple[str, ...] = ()  # "rtol" / "atol": the ones not given by the user
+
+    @property
+    def source(self) -> str:
+        """``bf16 defaults`` or ``atol: fp16 default``; empty when the user gave both."""
+        if not self.defaulted:
+            return ""
+        if len(self.defaulted) == 2:
+            return f"{self.precision} defaults"
+        return f"{self.defaulted[0]}: {self.precision} default"
+
+
+def compare_precision(model: ir.Model) -> str:
+    """The precision ``model`` computes in: its ``gradgen.precision`` metadata, else the coarsest
+    16-bit float type among its values (bf16 before fp16), else fp32."""
+    recorded = model.metadata_props.get(METADATA_KEY)
+    if recorded in DEFAULT_TOLERANCES:
+        return recorded
+    graph = model.graph
+    values = [*graph.inputs, *graph.outputs, *graph.initializers.values(),
+              *(v for node in ir.traversal.RecursiveGraphIterator(graph) for v in node.outputs)]
+    found = {v.dtype for v in values}
+    return next((name for dtype, name in _LOW_PRECISION.items() if dtype in found), "fp32")
+
+
+def resolve_tolerance(model: ir.Model, rtol: float | None, atol: float | None) -> Tolerance:
+    """The given rtol / atol, with the model's precision's defaults for those that are None."""
+    precision = compare_precision(model)
+    default_rtol, default_atol = DEFAULT_TOLERANCES[precision]
+    defaulted = tuple(name for name, given in (("rtol", rtol), ("atol", atol)) if given is None)
+    return Tolerance(default_rtol if rtol is None else rtol, default_atol if atol is None else atol,
+                     precision, defaulted)
+
+
+# -- comparison ------------------------------------------------------------------------------------
+
+
 def compare_outputs(results: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *,
-                    rtol: float, atol: float, floor: float, torch_names: bool = False) -> Comparison:
-    """Compare every output that a reference key names (see the module docstring for the tolerance)."""
+                    rtol: float, atol: float, floor: float, torch_names: bool = False,
+                    defaults: str = "") -> Comparison:
+    """Compare every output that a reference key names (see the module docstring for the tolerance).
+
+    ``defaults`` says which tolerances are defaults (``Tolerance.source``), for the messages."""
     pairs, unmatched = match_reference(list(results), list(reference), torch_names)
     hint = ""
     if unmatched and not torch_names and any(f"{key}_grad" in results for key in unmatched):
@@ -102,7 +170,7 @@ def compare_outputs(results: Mapping[str, np.ndarray], reference: Mapping[str, n
     grads = [o for o in got if o.endswith("_grad")] or list(got)
     largest = max((_max_abs(want[o]) for o in grads if want[o].shape == got[o].shape), default=0.0)
     rows = [_compare_one(output, key, got[output], want[output], rtol, atol, floor * largest) for output, key in pairs]
-    return Comparison(rows, unmatched, unreferenced, rtol, atol, floor, hint)
+    return Comparison(rows, unmatched, unreferenced, rtol, atol, floor, hint, defaults)
 
 
 def _max_abs(array: np.ndarray) -> float:
@@ -257,7 +325,8 @@ def require_match(comparison: Comparison, skip_unmatched: bool) -> None:
     """Raise RunError naming every failed output and, unless skipped, every unmatched key."""
     problems = []
     if comparison.failures:
-        problems.append(f"{len(comparison.failures)} output(s) differ from the reference: {', '.join(comparison.failures)}")
+        problems.append(f"{len(comparison.failures)} output(s) differ from the reference: "
+                        f"{', '.join(comparison.failures)} (beyond {comparison.tolerance})")
     if comparison.unmatched and not skip_unmatched:
         hint = f"; {comparison.hint}" if comparison.hint else ""
         problems.append(f"{len(comparison.unmatched)} reference key(s) match no output and were not compared: "
@@ -266,5 +335,5 @@ def require_match(comparison: Comparison, skip_unmatched: bool) -> None:
         raise RunError("; ".join(problems))
 
 
-__all__ = ["Comparison", "TensorComparison", "compare_outputs", "diagnose_kinks", "kink_flips", "match_reference",
-           "require_match"]
+__all__ = ["DEFAULT_TOLERANCES", "Comparison", "TensorComparison", "Tolerance", "compare_outputs", "compare_precision",
+           "diagnose_kinks", "kink_flips", "match_reference", "require_match", "resolve_tolerance"]

@@ -7,11 +7,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gradgen.compare import compare_outputs, match_reference
+from gradgen.compare import compare_outputs, compare_precision, match_reference
 from tests.model_dirs import SAMPLE_DIRS
 from tests.test_cli import run_cli
 
 MLP = next(p for p in SAMPLE_DIRS if p.name == "mlp")
+CNN = next(p for p in SAMPLE_DIRS if p.name == "cnn")
 
 
 def _error_lines(err: str) -> list[str]:
@@ -179,3 +180,98 @@ def test_kinks_are_found_in_an_untyped_forward_model_with_external_data(tmp_path
                            "--compare", tmp_path / "ref.npz", "--device", "cpu")
     assert code == 4
     assert "(Relu node 'relu': 2)" in err and "the float64 run of this graph matches the reference for loss" in err
+
+
+# -- default tolerances per precision ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cnn_builds(tmp_path_factory):
+    """The cnn sample's backward graph built in fp32, bf16 and fp16."""
+    import gradgen
+    from gradgen.model_io import save_model
+
+    directory = tmp_path_factory.mktemp("cnn")
+    paths = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        paths[precision] = directory / f"{precision}.onnx"
+        save_model(gradgen.build_backward(CNN / "model.onnx", precision=precision).model, paths[precision])
+    return paths
+
+
+def _run_compare(capsys, monkeypatch, model, reference, *options):
+    return run_cli(capsys, monkeypatch, "run", model, "--inputs", CNN / "inputs.npz", "--compare", reference,
+                   "--device", "cpu", "--skip-unmatched", *options)
+
+
+@pytest.mark.parametrize("precision,tolerance", [("bf16", "rtol=0.01, atol=0.05*scale"),
+                                                 ("fp16", "rtol=0.001, atol=0.01*scale")])
+def test_a_low_precision_build_passes_with_its_defaults_but_a_wrong_gradient_fails(
+        cnn_builds, precision, tolerance, tmp_path, capsys, monkeypatch):
+    """Against the float32 reference: rounding to 16 bits passes, a gradient 1.5 times too large does not."""
+    code, out, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], CNN / "reference.npz")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith(
+        f"all 7 compared output(s) match the reference ({tolerance}, floor=0.1; {precision} defaults)")
+    # the same build fails the float32 defaults: the wider ones are needed
+    code, _, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], CNN / "reference.npz",
+                                "--rtol", "1e-4", "--atol", "1e-5")
+    assert code == 4 and "conv1.weight_grad" in _error_lines(err)[0]
+    reference = dict(np.load(CNN / "reference.npz"))
+    reference["conv2.weight_grad"] = reference["conv2.weight_grad"] * 1.5
+    np.savez(tmp_path / "wrong.npz", **reference)
+    code, _, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], tmp_path / "wrong.npz")
+    assert code == 4
+    [line] = _error_lines(err)
+    assert f"1 output(s) differ from the reference: conv2.weight_grad (beyond {tolerance}, floor=0.1; " \
+           f"{precision} defaults)" in line
+
+
+def test_explicit_tolerances_override_the_precision_defaults(cnn_builds, capsys, monkeypatch):
+    code, out, err = _run_compare(capsys, monkeypatch, cnn_builds["bf16"], CNN / "reference.npz",
+                                  "--rtol", "0.02", "--atol", "0.06")
+    assert code == 0, err
+    assert "(rtol=0.02, atol=0.06*scale, floor=0.1); 1 reference key(s) not compared" in out  # no defaults named
+    # one given, the other the precision's default; the given one decides here
+    code, _, err = _run_compare(capsys, monkeypatch, cnn_builds["bf16"], CNN / "reference.npz", "--atol", "1e-5")
+    assert code == 4
+    assert "(beyond rtol=0.01, atol=1e-05*scale, floor=0.1; rtol: bf16 default)" in _error_lines(err)[0]
+
+
+def test_fp32_keeps_its_defaults(cnn_builds, tmp_path, capsys, monkeypatch):
+    code, out, err = _run_compare(capsys, monkeypatch, cnn_builds["fp32"], CNN / "reference.npz")
+    assert code == 0, err
+    assert "match the reference (rtol=0.0001, atol=1e-05*scale, floor=0.1; fp32 defaults)" in out
+    # an error that the bf16 defaults would accept (1% of the largest element) fails in fp32
+    reference = dict(np.load(CNN / "reference.npz"))
+    grad = reference["conv2.weight_grad"]
+    reference["conv2.weight_grad"] = grad + 0.01 * np.abs(grad).max()
+    np.savez(tmp_path / "off.npz", **reference)
+    code, _, err = _run_compare(capsys, monkeypatch, cnn_builds["fp32"], tmp_path / "off.npz")
+    assert code == 4 and "conv2.weight_grad (beyond rtol=0.0001, atol=1e-05*scale" in _error_lines(err)[0]
+
+
+def _typed_model(*dtypes: int, precision: str | None = None):
+    """x -> Cast(to=dtype) -> ... -> Cast(to=float): a float graph with values of the given types."""
+    import onnx_ir as ir
+
+    nodes, previous = [], "x"
+    for i, dtype in enumerate([*dtypes, TensorProto.FLOAT]):
+        nodes.append(helper.make_node("Cast", [previous], [f"v{i}"], to=dtype))
+        previous = f"v{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [2])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+    proto = onnx.shape_inference.infer_shapes(proto)
+    if precision is not None:
+        helper.set_model_props(proto, {"gradgen.precision": precision})
+    return ir.from_proto(proto)
+
+
+def test_compare_precision_reads_the_metadata_else_the_narrowest_float_type():
+    assert compare_precision(_typed_model()) == "fp32"
+    assert compare_precision(_typed_model(TensorProto.DOUBLE)) == "fp32"
+    assert compare_precision(_typed_model(TensorProto.FLOAT16)) == "fp16"
+    assert compare_precision(_typed_model(TensorProto.FLOAT16, TensorProto.BFLOAT16)) == "bf16"  # the coarser
+    assert compare_precision(_typed_model(precision="tf32")) == "tf32"
+    assert compare_precision(_typed_model(TensorProto.FLOAT16, precision="bf16")) == "bf16"  # metadata first
