@@ -109,7 +109,7 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
     grid = list(np.indices(idx.shape, sparse=True))
     grid[axis] = idx
-    target = tuple(np.broadcast_arrays(*grid))
+    target = tuple(grid)  # indexing broadcasts the sparse grid itself (np.broadcast_arrays: half the call)
     out = np.array(data, copy=True)
     upd = updates.astype(data.dtype, copy=False)
     if reduction == "none":
