@@ -108,6 +108,7 @@ def build_backward(
     result = run_pipeline(pipeline, forward)
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)
+    assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names)
 
 
@@ -119,6 +120,7 @@ def _add_loss(forward: ir.Model, spec, loss: str | None) -> str:
         raise UsageError("--loss names the model's own loss; --add-loss adds one: use one of them")
     adder = AddLossPass(spec)
     run_pipeline(Pipeline(UpgradeOpsetPass(), adder), forward)
+    assert adder.loss_name is not None  # the pass sets it when it runs
     return adder.loss_name
 
 

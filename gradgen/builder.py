@@ -13,7 +13,7 @@ replaces was).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard, overload
 
 import numpy as np
 import onnx_ir as ir
@@ -35,7 +35,7 @@ def dims_of(value: ir.Value) -> list | None:
     """The value's shape as a list of int (static), str (named symbol) or None (unknown)."""
     if value.shape is None:
         return None
-    out = []
+    out: list[int | str | None] = []
     for d in value.shape:
         if isinstance(d, int):
             out.append(d)
@@ -44,7 +44,7 @@ def dims_of(value: ir.Value) -> list | None:
     return out
 
 
-def is_static(dims: list | None) -> bool:
+def is_static(dims: list | None) -> TypeGuard[list[int]]:
     return dims is not None and all(isinstance(d, int) for d in dims)
 
 
@@ -60,7 +60,7 @@ def numpy_dtype_of(x: ir.Value) -> np.dtype:
 
 def graph_names(graph: ir.Graph) -> set[str]:
     """Every name used in ``graph`` and its subgraphs (values, initializers, nodes)."""
-    names = {v.name for v in graph.inputs} | {v.name for v in graph.outputs} | set(graph.initializers)
+    names = {v.name for v in [*graph.inputs, *graph.outputs] if v.name is not None} | set(graph.initializers)
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.name:
             names.add(node.name)
@@ -192,10 +192,13 @@ class GraphBuilder:
         """The entries of a 1-D shape tensor as ints (known) or None (unknown); None if its length
         is unknown."""
         if id(shape) in self.known or (shape.const_value is not None and not shape.is_graph_input()):
-            return [int(v) for v in self.value_of(shape).reshape(-1)]
+            known = self.value_of(shape)
+            assert known is not None  # a constant or a value this builder knows
+            return [int(v) for v in known.reshape(-1)]
         producer = shape.producer()
         if producer is not None and producer.domain in STANDARD_DOMAINS and producer.op_type == "Shape":
-            dims = dims_of(producer.inputs[0])
+            data = producer.inputs[0]
+            dims = dims_of(data) if data is not None else None
             if dims is not None:
                 start, end = shape_bounds(len(dims), _int_attr(producer, "start", 0), _int_attr(producer, "end", None))
                 return [d if isinstance(d, int) else None for d in dims[start:end]]
@@ -355,6 +358,10 @@ class GraphBuilder:
         return self._bga[key][position]
 
 
+@overload
+def _int_attr(node: ir.Node, name: str, default: int) -> int: ...
+@overload
+def _int_attr(node: ir.Node, name: str, default: None) -> int | None: ...
 def _int_attr(node: ir.Node, name: str, default: int | None) -> int | None:
     attr = node.attributes.get(name)
     return default if attr is None else int(attr.value)

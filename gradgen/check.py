@@ -30,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
 from gradgen.model_io import ModelLike, external_tensors_inline, load_model
+from gradgen.names import value_names
 
 ELEMENTWISE_LIMIT = 64
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
@@ -293,7 +294,7 @@ def check_gradients(
         raise UsageError(f"eps {eps}: expected a positive step")
     proto = to_float64(model)
     forward = ir.from_proto(proto)
-    graph_inputs = [v.name for v in forward.graph.inputs if v.name not in forward.graph.initializers]
+    graph_inputs = [name for name in value_names(forward.graph.inputs) if name not in forward.graph.initializers]
     if not random_inputs and inputs is None and graph_inputs:
         raise UsageError(f"the model has inputs ({', '.join(graph_inputs)}); pass --inputs FILE.npz or --random-inputs")
     built = build_backward(proto, loss=loss, wrt=wrt, freeze=freeze, wrt_inputs=wrt_inputs)

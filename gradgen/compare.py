@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, RunError
+from gradgen.names import value_name
 from gradgen.passes.autocast import METADATA_KEY
 
 # Non-smooth ops: input positions compared with a switching point (0 for one input; each other for two).
@@ -278,7 +279,7 @@ def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequen
             if value.name not in present and not value.is_graph_input() and not value.is_initializer():
                 copy.graph.outputs.append(value)
                 present.add(value.name)
-    names = list(dict.fromkeys(v.name for _, values in operands for v in values))
+    names = list(dict.fromkeys(value_name(v) for _, values in operands for v in values))
     low = _run_with_values(Session(copy, device=device), feeds, names, outputs)
     high_feeds = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items()}
     high = _run_with_values(Session(to_float64(copy), device=device), high_feeds, names, outputs)

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import UsageError
+from gradgen.names import value_name
 
 # (op type, position of the index input, position of the data input, attribute of the axis)
 _INDEX_CONSUMERS = {
@@ -111,7 +112,7 @@ def parse_dims(pairs: list[str]) -> dict[str, int]:
 def model_symbols(model: ir.Model) -> list[str]:
     """The symbolic dimension names of the model's graph inputs (initializers excluded), in order."""
     graph = model.graph
-    names = []
+    names: list[str] = []
     for value in graph.inputs:
         if value.name in graph.initializers or value.shape is None:
             continue
@@ -141,10 +142,10 @@ def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None 
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
         wanted.append((value, _concrete_shape(value, dims), dtype))
     _check_fits_in_memory(wanted)
-    feeds = {}
+    feeds: dict[str, np.ndarray] = {}
     for value, shape, dtype in wanted:
         try:
-            feeds[value.name] = _draw(rng, value, shape, dtype, dims)
+            feeds[value_name(value)] = _draw(rng, value, shape, dtype, dims)
         except MemoryError:
             raise UsageError(f"input {value.name!r}: not enough memory for shape {list(shape)}; "
                              "choose smaller --dim values") from None
@@ -160,14 +161,14 @@ def _check_fits_in_memory(wanted) -> None:
     except (ValueError, OSError, AttributeError):  # not POSIX: let the allocation decide
         return
     if total > memory:
-        name = max(sizes, key=sizes.get)
+        name = max(sizes, key=sizes.__getitem__)
         shape = next(list(shape) for value, shape, _ in wanted if value.name == name)
         raise UsageError(f"the random inputs would take {_bytes(total)} (input {name!r}, shape {shape}: "
                          f"{_bytes(sizes[name])}), more than this machine's {_bytes(memory)} of memory; "
                          "choose smaller --dim values")
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -315,7 +316,8 @@ def _static_shape(value: ir.Value | None, dims) -> tuple[int, ...] | None:
     if value is None or value.shape is None:
         return None
     sizes = [_dim_size(value, axis, dims) for axis in range(len(value.shape))]
-    return None if any(s is None for s in sizes) else tuple(sizes)
+    known = [s for s in sizes if s is not None]
+    return tuple(known) if len(known) == len(sizes) else None
 
 
 def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
@@ -324,7 +326,7 @@ def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
     An int, or for the indices of GatherND / ScatterND (whose last axis walks the data's axes) an
     array of one bound per position along that last axis.
     """
-    bounds = []
+    bounds: list[np.ndarray | int | None] = []
     for node, position in _consumers(value):
         if node.op_type in ("GatherND", "ScatterND") and position == 1 and shape:
             per_component = _nd_bounds(node, shape[-1], dims)

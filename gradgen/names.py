@@ -1,0 +1,28 @@
+"""Names of onnx-ir values: onnx-ir types them ``str | None`` (a value built in code may have none yet).
+
+Values read from a model or emitted by a GraphBuilder always have one; these helpers give the type
+checker a ``str`` and turn a missing name into a model error instead of a later ``None`` crash.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import onnx_ir as ir
+
+from gradgen.errors import ModelError
+
+
+def value_name(value: ir.Value) -> str:
+    """``value``'s name; a ModelError naming its producer when it has none."""
+    if value.name is None:
+        producer = value.producer()
+        made_by = f"output {value.index()} of {producer.op_type} node {producer.name or '<unnamed>'!r}" \
+            if producer is not None else "a value with no producer"
+        raise ModelError(f"{made_by} has no name: every graph input, output and intermediate value needs one")
+    return value.name
+
+
+def value_names(values: Iterable[ir.Value]) -> list[str]:
+    """The names of ``values``, in order (see value_name)."""
+    return [value_name(v) for v in values]
