@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import RunError, UsageError
+from gradgen.names import value_name
 
 
 def load_arrays(path: str | Path, what: str = "--data") -> dict[str, np.ndarray]:
@@ -56,7 +57,7 @@ def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch
             problems.append(f"array(s) {', '.join(map(repr, unknown))} name no data input")
         raise RunError(f"{where}: {'; '.join(problems)}; the model's data inputs are {', '.join(map(repr, wanted))}")
     for value in inputs:
-        _check_one(arrays[value.name], value, batch_size, where)
+        _check_one(arrays[value_name(value)], value, batch_size, where)
     count = len(next(iter(arrays.values())))
     if count < batch_size:
         raise RunError(f"{where}: {count} sample(s), fewer than one batch of {batch_size}")
@@ -95,14 +96,15 @@ class ShuffledBatches:
         self.per_epoch = self.count // batch_size
         if self.per_epoch == 0:
             raise RunError(f"{self.count} sample(s), fewer than one batch of {batch_size}")
-        self._epoch, self._order = None, None
+        self._epoch: int | None = None
+        self._order: np.ndarray | None = None  # this epoch's sample order
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
         epoch, index = divmod(self.position, self.per_epoch)
-        if epoch != self._epoch:
+        if epoch != self._epoch or self._order is None:
             self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.count)
         rows = self._order[index * self.batch_size:(index + 1) * self.batch_size]
         self.position += 1

@@ -9,6 +9,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError
+from gradgen.names import value_names
 
 
 def opset_of(model: ir.Model) -> int:
@@ -36,7 +37,7 @@ class ParamsAsInputsPass(ir.passes.InPlacePass):
                 raise ModelError(f"parameter {name!r} is not an initializer with a value")
             self.initial_values[name] = np.array(value.const_value.numpy())  # an owned copy
             if value.shape is None:
-                value.shape = ir.Shape(value.const_value.shape)
+                value.shape = ir.Shape(value.const_value.shape.numpy())
             if value.type is None:
                 value.type = ir.TensorType(value.const_value.dtype)
             graph.initializers.pop(name)
@@ -95,4 +96,4 @@ def remove_unused_inputs(graph: ir.Graph, keep: AbstractSet[str] = frozenset()) 
     unused = [v for v in graph.inputs if not v.uses() and not v.is_graph_output() and v.name not in keep]
     for value in unused:
         graph.inputs.remove(value)
-    return [v.name for v in unused]
+    return value_names(unused)

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError, UsageError
+from gradgen.names import value_name
 
 LOSS_KINDS = ("cross_entropy", "mse", "l1", "bce_with_logits")
 _FLOAT = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -83,6 +84,7 @@ class AddLossPass(ir.passes.InPlacePass):
         loss = _EMITTERS[self.spec.kind](builder, output, target, self.spec)
         _constants_as_nodes(graph, [name for name in graph.initializers if name not in existing])
         builder.rename(loss, "loss")
+        assert output.dtype is not None  # _chosen_output checked it is a float type
         loss.type = ir.TensorType(output.dtype)
         loss.shape = ir.Shape([])
         graph.outputs.append(loss)
@@ -101,6 +103,7 @@ def _constants_as_nodes(graph: ir.Graph, names: list[str]) -> None:
     for name in names:
         value = graph.initializers.pop(name)
         tensor, value.const_value = value.const_value, None
+        assert tensor is not None  # an initializer the loss block's builder made
         node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], outputs=[value], name=f"{name}/Constant")
         if first is None:
             graph.append(node)
@@ -109,7 +112,7 @@ def _constants_as_nodes(graph: ir.Graph, names: list[str]) -> None:
 
 
 def _chosen_output(graph: ir.Graph, name: str) -> ir.Value:
-    outputs = {v.name: v for v in graph.outputs}
+    outputs = {value_name(v): v for v in graph.outputs}
     if name not in outputs:
         raise UsageError(f"--output {name!r} is not a graph output; outputs are: {', '.join(outputs)}")
     value = outputs[name]
@@ -129,6 +132,7 @@ def _new_target(builder: GraphBuilder, graph: ir.Graph, spec: LossSpec, output: 
         name = spec.target
     else:
         name = builder.unique(spec.default_target)
+    assert output.shape is not None  # _chosen_output checked it is declared
     if spec.kind == "cross_entropy":
         dims = list(output.shape)
         if len(dims) < 2:
@@ -183,7 +187,9 @@ def _cross_entropy(b: GraphBuilder, logits: ir.Value, labels: ir.Value, spec: Lo
     """SoftmaxCrossEntropyLoss over the class axis, or, with label smoothing, PyTorch's mix
     ``(1 - eps) * nll + eps * mean over kept samples of (-mean over classes of log p)``."""
     typed = logits  # builder outputs carry no type yet: constants take the logits' type from here
-    rank = len(dims_of(logits))
+    dims = dims_of(logits)
+    assert dims is not None  # _chosen_output checked the output's shape is declared
+    rank = len(dims)
     axis = _class_axis(spec, rank)
     if axis != 1:  # move the classes to axis 1, as the ONNX losses want them
         perm = [0, axis] + [i for i in range(1, rank) if i != axis]

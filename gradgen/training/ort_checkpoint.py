@@ -128,7 +128,7 @@ def _write_tensor(builder, name: str, value: ir.TensorProtocol | np.ndarray) -> 
         raise UsageError(f"parameter {name!r} is a string tensor; a checkpoint holds numeric parameters")
     raw = np.frombuffer(tensor.tobytes(), dtype=np.uint8)  # ONNX's raw layout: little-endian
     name_offset = builder.CreateString(name)
-    dims = builder.CreateNumpyVector(np.asarray([int(d) for d in tensor.shape], dtype=np.int64))
+    dims = builder.CreateNumpyVector(np.asarray(tensor.shape.numpy(), dtype=np.int64))
     data = builder.CreateNumpyVector(raw)
     builder.StartObject(len(_TENSOR))
     builder.PrependUOffsetTRelativeSlot(_TENSOR["name"], name_offset, 0)
@@ -234,7 +234,8 @@ def _decode(buf: bytes, path: Path) -> OrtCheckpoint:
     if bag is not None:
         for kind, flags in (("ints", n.Int64Flags), ("floats", n.Float32Flags), ("strings", None)):
             for prop in bag.tables(_PROPERTY_BAG[kind]) or []:
-                value = prop.string(_PROPERTY["value"]) if flags is None else prop.scalar(_PROPERTY["value"], flags, 0)
+                value = (prop.string(_PROPERTY["value"]) or "") if flags is None \
+                    else prop.scalar(_PROPERTY["value"], flags, 0)
                 checkpoint.properties[prop.string(_PROPERTY["name"]) or ""] = value
     return checkpoint
 
@@ -273,6 +274,7 @@ def _read_tensor(table: _Table, external: _ExternalData, nominal: bool) -> tuple
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * np.dtype(numpy_dtype).itemsize
     offset = table.scalar(_TENSOR["external_data_offset"], n.Int64Flags, -1)
+    raw: np.ndarray | None
     if offset >= 0:
         raw = external.read(offset, nbytes, name)
     else:
