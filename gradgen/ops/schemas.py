@@ -1,11 +1,14 @@
-"""The com.microsoft ops gradgen emits and runs: one table of signatures, and their output types.
+"""The com.microsoft ops gradgen emits and runs: the schema type, the table of signatures, and
+their output types.
 
-The signatures are ONNX Runtime training's (domain com.microsoft, since version 1), input order
-included, so that gradgen's graphs load there and ORT-built gradient graphs run here. Every layer
-checks these nodes against the table (``check_node``): the graph builder when it emits one, the
-executor when it plans one, the lowering before it rewrites one; ``gradgen ops --signatures``
-prints it. None of these ops has an ONNX
-shape-inference function: ``output_types`` gives the type and shape of each output.
+Each op's schema is declared next to its reference CPU kernel, in its family's module
+(``gradgen/kernels/cpu/<family>.py``, ``declare(Schema(...))``); this module holds the vocabulary
+and the table they fill. The signatures are ONNX Runtime training's (domain com.microsoft, since
+version 1), input order included, so that gradgen's graphs load there and ORT-built gradient graphs
+run here. Every layer checks these nodes against the table (``check_node``): the graph builder when
+it emits one, the executor when it plans one, the lowering before it rewrites one; ``gradgen ops
+--signatures`` prints it. None of these ops has an ONNX shape-inference function: ``output_types``
+gives the type and shape of each output (each schema's ``infer``).
 
 Types are ``onnx_ir.DataType`` members (an IntEnum with ``onnx.TensorProto``'s numbers, so plain
 ints work too). A shape is a tuple whose dims are ints, symbolic names (str) or None (unknown); a
@@ -71,7 +74,7 @@ class Schema:
     domain: str = MICROSOFT_DOMAIN
     since_version: int = MICROSOFT_OPSET
     # (dtype, shape) of each output from the inputs' TensorInfos and the attributes (see
-    # output_types); None for the ops of this module's table, whose rules are in _RULES.
+    # output_types); ``declare`` requires it.
     infer: Callable[[list, dict], list] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -82,55 +85,14 @@ class Schema:
         return {a.name: a.default for a in self.attributes if a.default is not None}
 
 
-_CONV_ATTRIBUTES = (
-    Attribute("auto_pad", "string", "NOTSET", declared=False),
-    Attribute("dilations", "ints", declared=False),
-    Attribute("group", "int", 1, declared=False),
-    Attribute("kernel_shape", "ints", declared=False),
-    Attribute("pads", "ints", declared=False),
-    Attribute("strides", "ints", declared=False),
-)
-
-_TABLE: dict[str, Schema] = {s.op_type: s for s in (
-    Schema(
-        "SliceGrad",
-        inputs=(Formal("dY", ANY), Formal("shape", INT64), Formal("starts", INDICES), Formal("ends", INDICES),
-                Formal("axes", INDICES, optional=True), Formal("steps", INDICES, optional=True)),
-        outputs=(Formal("dX", ANY),),
-    ),
-    Schema(
-        "GatherGrad",
-        inputs=(Formal("shape", INT64), Formal("indices", INDICES), Formal("dY", FLOATS)),
-        outputs=(Formal("dX", FLOATS),),
-        attributes=(Attribute("axis", "int", 0),),
-    ),
-    Schema(
-        "GatherElementsGrad",
-        inputs=(Formal("dY", FLOATS), Formal("shape", INT64), Formal("indices", INDICES)),
-        outputs=(Formal("dX", FLOATS),),
-        attributes=(Attribute("axis", "int", 0),),
-    ),
-    Schema(
-        "ConvGrad",
-        inputs=(Formal("dY", FLOATS_NO_BF16), Formal("X", FLOATS_NO_BF16), Formal("W", FLOATS_NO_BF16)),
-        outputs=(Formal("dX", FLOATS_NO_BF16, optional=True), Formal("dW", FLOATS_NO_BF16, optional=True),
-                 Formal("dB", FLOATS_NO_BF16, optional=True)),
-        attributes=_CONV_ATTRIBUTES,
-    ),
-    Schema(
-        "BroadcastGradientArgs",
-        inputs=(Formal("a_shape", INT64), Formal("b_shape", INT64)),
-        outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
-    ),
-)}
-
-
+# Filled by ``declare``: every op's schema sits with its family's CPU kernel.
+_TABLE: dict[str, Schema] = {}
 
 
 def declare(sch: Schema) -> Schema:
     """Add the schema of a com.microsoft op declared with its family's CPU kernel (its reference
     semantics; ``gradgen/kernels/cpu/<family>.py``), so that the op's contract, output types and
-    kernel live in one file. Every layer reads it through ``SCHEMAS`` / ``schema`` as the others."""
+    kernel live in one file. Every layer reads it through ``SCHEMAS`` / ``schema``."""
     if sch.infer is None:
         raise ValueError(f"the schema of {sch.op_type} declares no output types (infer=)")
     if _TABLE.get(sch.op_type, sch) is not sch:
@@ -140,7 +102,7 @@ def declare(sch: Schema) -> Schema:
 
 
 class _Schemas(Mapping):
-    """Every schema gradgen knows: the table above and those declared with their CPU kernels.
+    """Every schema gradgen knows: those declared with their CPU kernels.
 
     The first read imports the CPU kernel families (through the kernel registry, which lists
     them), whose ``declare`` calls complete the table; nothing is imported before that, so this
@@ -240,7 +202,8 @@ def output_types(op_type: str, input_types_and_shapes: Sequence[Any],
             raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} has type "
                              f"{_type_name(info.dtype)}; allowed: {allowed}")
     attrs = {**sch.defaults(), **(attributes or {})}
-    return (sch.infer or _RULES[op_type])(infos, attrs)
+    assert sch.infer is not None  # declare() refuses a schema without it
+    return sch.infer(infos, attrs)
 
 
 def _info(x: Any) -> TensorInfo | None:
@@ -260,29 +223,11 @@ def _type_name(dtype: int) -> str:
         return str(dtype)
 
 
-def _shape_from_input(info: TensorInfo) -> Shape:
-    """The shape a `shape` input describes: its value if constant, else its rank if known."""
+def shape_from_input(info: TensorInfo) -> Shape:
+    """The shape a `shape` input describes: its value if constant, else its rank if known (the output
+    shape of the com.microsoft gradients that take their input's shape: SliceGrad, GatherGrad, ...)."""
     if info.value is not None:
         return tuple(int(d) for d in np.asarray(info.value).reshape(-1))
     if info.shape is not None and len(info.shape) == 1 and isinstance(info.shape[0], int):
         return (None,) * info.shape[0]
     return None
-
-
-def _dims(info: TensorInfo | None, axis: int) -> Any:
-    if info is None or info.shape is None or len(info.shape) <= axis:
-        return None
-    return info.shape[axis]
-
-
-_RULES = {
-    "SliceGrad": lambda i, a: [(i[0].dtype, _shape_from_input(i[1]))],
-    "GatherGrad": lambda i, a: [(i[2].dtype, _shape_from_input(i[0]))],
-    "GatherElementsGrad": lambda i, a: [(i[0].dtype, _shape_from_input(i[1]))],
-    "ConvGrad": lambda i, a: [
-        (i[1].dtype if i[1].dtype is not None else i[0].dtype, i[1].shape),
-        (i[2].dtype if i[2].dtype is not None else i[0].dtype, i[2].shape),
-        (i[0].dtype if i[0].dtype is not None else i[2].dtype, (_dims(i[2], 0),)),
-    ],
-    "BroadcastGradientArgs": lambda i, a: [(DT.INT64, (None,)), (DT.INT64, (None,))],
-}

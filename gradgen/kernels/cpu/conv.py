@@ -19,11 +19,44 @@ from numpy.lib.stride_tricks import sliding_window_view
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import per_axis
 from gradgen.ops.conv import conv_geometry, conv_transpose_geometry
 from gradgen.ops.pool import spatial_geometry
+from gradgen.ops.schemas import FLOATS_NO_BF16, Attribute, Formal, Schema, TensorInfo
 
 # ---------------------------------------------------------------- ConvGrad
+
+
+def _conv_grad_types(infos: list, attrs: dict) -> list:
+    """(dtype, shape) of dX (X's), dW (W's) and dB (W's output channels); a missing dtype is dY's."""
+    dy, x, w = infos
+    return [(x.dtype if x.dtype is not None else dy.dtype, x.shape),
+            (w.dtype if w.dtype is not None else dy.dtype, w.shape),
+            (dy.dtype if dy.dtype is not None else w.dtype, (_dim(w, 0),))]
+
+
+def _dim(info: TensorInfo | None, axis: int):
+    if info is None or info.shape is None or len(info.shape) <= axis:
+        return None
+    return info.shape[axis]
+
+
+CONV_GRAD = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc); the node keeps the forward Conv's
+    # attributes verbatim, which ORT's schema does not declare.
+    "ConvGrad",
+    inputs=(Formal("dY", FLOATS_NO_BF16), Formal("X", FLOATS_NO_BF16), Formal("W", FLOATS_NO_BF16)),
+    outputs=(Formal("dX", FLOATS_NO_BF16, optional=True), Formal("dW", FLOATS_NO_BF16, optional=True),
+             Formal("dB", FLOATS_NO_BF16, optional=True)),
+    attributes=(Attribute("auto_pad", "string", "NOTSET", declared=False),
+                Attribute("dilations", "ints", declared=False),
+                Attribute("group", "int", 1, declared=False),
+                Attribute("kernel_shape", "ints", declared=False),
+                Attribute("pads", "ints", declared=False),
+                Attribute("strides", "ints", declared=False)),
+    infer=_conv_grad_types,
+))
 
 
 @cpu_kernel("ConvGrad", domain=MICROSOFT)

@@ -16,8 +16,10 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
 from gradgen.ops.elementwise import broadcast_gradient_axes
+from gradgen.ops.schemas import INT64, Formal, Schema
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
 ONNX_TO_NUMPY = {
@@ -569,6 +571,14 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
 
 # ---------------------------------------------------------------------------------------------
 # BroadcastGradientArgs (com.microsoft): the reduction axes of a broadcasting op's gradients
+
+BROADCAST_GRADIENT_ARGS = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc).
+    "BroadcastGradientArgs",
+    inputs=(Formal("a_shape", INT64), Formal("b_shape", INT64)),
+    outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
+    infer=lambda i, a: [(schemas.DT.INT64, (None,)), (schemas.DT.INT64, (None,))],
+))
 
 
 @cpu_kernel("BroadcastGradientArgs", domain=MICROSOFT)

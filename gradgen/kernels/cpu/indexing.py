@@ -20,8 +20,10 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
+from gradgen.ops.schemas import FLOATS, INDICES, INT64, Attribute, Formal, Schema
 
 _REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -193,6 +195,24 @@ def compress(data, condition, *, axis=None):
 
 # ---------------------------------------------------------------------------------------------
 # GatherGrad, GatherElementsGrad (com.microsoft, ONNX Runtime training's input orders)
+
+GATHER_GRAD = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc).
+    "GatherGrad",
+    inputs=(Formal("shape", INT64), Formal("indices", INDICES), Formal("dY", FLOATS)),
+    outputs=(Formal("dX", FLOATS),),
+    attributes=(Attribute("axis", "int", 0),),
+    infer=lambda i, a: [(i[2].dtype, schemas.shape_from_input(i[0]))],
+))
+
+GATHER_ELEMENTS_GRAD = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc).
+    "GatherElementsGrad",
+    inputs=(Formal("dY", FLOATS), Formal("shape", INT64), Formal("indices", INDICES)),
+    outputs=(Formal("dX", FLOATS),),
+    attributes=(Attribute("axis", "int", 0),),
+    infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
+))
 
 
 @cpu_kernel("GatherGrad", domain=MICROSOFT)

@@ -17,7 +17,9 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cpu.elementwise import onnx_dtype
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import int_list, normalize_axis
+from gradgen.ops.schemas import ANY, INDICES, INT64, Formal, Schema
 from gradgen.ops.shape import reshape_dims, shape_bounds, slice_geometry, slice_index
 
 
@@ -341,6 +343,15 @@ def space_to_depth(x, *, blocksize, mode="DCR"):
 
 # ---------------------------------------------------------------------------------------------
 # SliceGrad (com.microsoft)
+
+SLICE_GRAD = schemas.declare(Schema(
+    # ONNX Runtime training's contract (training_op_defs.cc).
+    "SliceGrad",
+    inputs=(Formal("dY", ANY), Formal("shape", INT64), Formal("starts", INDICES), Formal("ends", INDICES),
+            Formal("axes", INDICES, optional=True), Formal("steps", INDICES, optional=True)),
+    outputs=(Formal("dX", ANY),),
+    infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
+))
 
 
 @cpu_kernel("SliceGrad", domain=MICROSOFT)
