@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gradgen
 from gradgen.errors import ModelError, UsageError
-from gradgen.training.artifacts import generate_artifacts, save_artifacts
+from gradgen.training.artifacts import generate_artifacts, optimizer_for, save_artifacts
 from gradgen.training.losses import LossSpec
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.ort_checkpoint import encode_checkpoint, read_checkpoint
@@ -301,3 +301,9 @@ def test_cli_refuses_unwritable_directories_and_the_input_model(model, tmp_path,
     code, _, stderr = run_cli(capsys, monkeypatch, "artifacts", inside, "--loss", "mse", "-o", tmp_path)
     assert code == 2 and "must not be the input model" in stderr
     assert inside.read_bytes() == before and not (tmp_path / "checkpoint").exists()
+
+
+def test_optimizer_for_takes_two_betas_as_a_tuple():
+    assert optimizer_for("adamw", betas=[0.8, 0.99]).betas == (0.8, 0.99)  # a list from a caller works too
+    with pytest.raises(UsageError, match=r"betas \(0.8, 0.9, 0.99\): expected two values"):
+        optimizer_for("adamw", betas=(0.8, 0.9, 0.99))  # type: ignore[arg-type]

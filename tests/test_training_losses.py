@@ -141,6 +141,7 @@ def test_target_names_and_types():
     (LossSpec("mse", "nope"), UsageError, ["'nope'", "logits"]),
     (LossSpec("mse", "logits", target="z"), UsageError, ["'z'", "already"]),
     (LossSpec("cross_entropy", "logits", class_axis=0), UsageError, ["class axis 0"]),
+    (LossSpec("mse", None), UsageError, ["mse loss names no output"]),
 ])
 def test_bad_specs_name_what_is_wrong(spec, error, words):
     with pytest.raises(error) as info:

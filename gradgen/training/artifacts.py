@@ -46,6 +46,7 @@ import onnx_ir as ir
 from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
+from gradgen.names import value_names
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, RemoveUnusedNodesPass, UpgradeOpsetPass
 from gradgen.training.graph_edit import (
     ParamsAsInputsPass,
@@ -133,10 +134,11 @@ def generate_artifacts(
     freeze = frozen if trainable is not None else [*frozen, *running_statistics(forward.graph)]
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss_name, wrt=trainable, freeze=list(dict.fromkeys(freeze))))
     run_pipeline(pipeline, backward)
+    assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     loss_name, trainable = gradient.loss_name, gradient.wrt_names
 
     order = [name for name in initializers if name in set(trainable) | set(frozen)]
-    values = {name: initializers[name].const_value for name in order}
+    values = {name: _initializer_tensor(initializers[name]) for name in order}
     # A frozen parameter the loss does not read is in the checkpoint but in neither graph.
     training = _training_model(backward, loss_name, trainable, [n for n in order if n in backward.graph.initializers])
     evaluation = _eval_model(forward, loss_name, [n for n in order if n in forward.graph.initializers])
@@ -150,13 +152,20 @@ def generate_artifacts(
         built.ir_version = ir_version
     if optimizer_model is not None:
         optimizer_model.ir_version = ir_version
-    user_inputs = [v.name for v in training.graph.inputs
-                   if v.name not in values and not v.name.endswith(BUFFER_SUFFIX) and v.name != RESET_GRAD]
+    user_inputs = [name for name in value_names(training.graph.inputs)
+                   if name not in values and not name.endswith(BUFFER_SUFFIX) and name != RESET_GRAD]
     return TrainingArtifacts(
         training=training, eval=evaluation, optimizer=optimizer_model,
         requires_grad=requires,
         frozen={name: values[name] for name in order if name not in trainable_set},
         loss=loss_name, user_inputs=user_inputs)
+
+
+def _initializer_tensor(value: ir.Value) -> ir.TensorProtocol:
+    """An initializer's tensor; a ModelError when the model gives it none."""
+    if value.const_value is None:
+        raise ModelError(f"initializer {value.name!r} has no value")
+    return value.const_value
 
 
 def _add_loss(forward: ir.Model, loss: LossSpec | None) -> str | None:
@@ -165,9 +174,9 @@ def _add_loss(forward: ir.Model, loss: LossSpec | None) -> str | None:
         _check_has_loss(forward.graph)
         run_pipeline(UpgradeOpsetPass(), forward)
         return None
-    loss = _with_loss_output(loss, forward.graph)
-    _keep_only_output(forward, loss.output)
-    adder = AddLossPass(loss)
+    output = _loss_output(loss, forward.graph)
+    _keep_only_output(forward, output)
+    adder = AddLossPass(dataclasses.replace(loss, output=output))
     run_pipeline(Pipeline(UpgradeOpsetPass(), adder), forward)
     return adder.loss_name
 
@@ -175,9 +184,12 @@ def _add_loss(forward: ir.Model, loss: LossSpec | None) -> str | None:
 def optimizer_for(kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float | None = None) -> SGD | AdamW | None:
     """The optimizer of ``--optimizer KIND`` (adamw, sgd or none) and its options."""
-    adam_options = (tuple(betas), eps) != ((0.9, 0.999), 1e-8)
+    if len(betas) != 2:
+        raise UsageError(f"betas {tuple(betas)}: expected two values (beta1, beta2)")
+    betas = (betas[0], betas[1])  # a tuple, whatever sequence was passed
+    adam_options = (betas, eps) != ((0.9, 0.999), 1e-8)
     if kind == "adamw":
-        return AdamW(betas=tuple(betas), eps=eps, weight_decay=0.01 if weight_decay is None else weight_decay)
+        return AdamW(betas=betas, eps=eps, weight_decay=0.01 if weight_decay is None else weight_decay)
     if kind in ("sgd", "none") and adam_options:
         raise UsageError(f"--beta1, --beta2 and --eps are AdamW options; --optimizer is {kind}")
     if kind == "sgd":
@@ -189,14 +201,15 @@ def optimizer_for(kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: 
     raise UsageError(f"unknown optimizer {kind!r}: choose adamw, sgd or none")
 
 
-def _with_loss_output(spec: LossSpec, graph: ir.Graph) -> LossSpec:
-    """``spec`` reading the model's only output when it names none."""
+def _loss_output(spec: LossSpec, graph: ir.Graph) -> str:
+    """The output ``spec`` reads: the one it names, else the model's only output."""
     if spec.output is not None:
-        return spec
-    if len(graph.outputs) != 1:
-        raise UsageError(f"the model has {len(graph.outputs)} outputs ({', '.join(v.name for v in graph.outputs)}): "
+        return spec.output
+    names = value_names(graph.outputs)
+    if len(names) != 1:
+        raise UsageError(f"the model has {len(names)} outputs ({', '.join(names)}): "
                          "name the one the loss reads with --output")
-    return dataclasses.replace(spec, output=graph.outputs[0].name)
+    return names[0]
 
 
 def _keep_only_output(model: ir.Model, name: str) -> None:
@@ -258,7 +271,7 @@ def _check_has_loss(graph: ir.Graph) -> None:
         raise ModelError(f"the model has no scalar float output to use as the loss (outputs: {outputs}); add a loss "
                          "with --loss KIND (cross_entropy, mse, l1, bce_with_logits) and --output NAME")
     if len(scalars) > 1:
-        raise ModelError(f"the model has several scalar float outputs ({', '.join(v.name for v in scalars)}); "
+        raise ModelError(f"the model has several scalar float outputs ({', '.join(value_names(scalars))}); "
                          "training artifacts need one loss: keep only that output, or add a loss with --loss KIND")
 
 

@@ -105,6 +105,7 @@ def export(
 ) -> None:
     """Write MODEL with the checkpoint's trained parameters, the training loss removed, for inference."""
     from gradgen.model_io import check_output_path, save_model
+    from gradgen.names import value_names
     from gradgen.training.checkpoint import checkpoint_path
     from gradgen.training.export import export_trained
 
@@ -113,8 +114,8 @@ def export(
     trained = export_trained(model, checkpoint, keep_loss=keep_loss)
     save_model(trained, out)
     graph = trained.graph
-    typer.echo(f"inputs: {', '.join(v.name for v in graph.inputs if v.name not in graph.initializers)}")
-    typer.echo(f"outputs: {', '.join(v.name for v in graph.outputs)}")
+    typer.echo(f"inputs: {', '.join(n for n in value_names(graph.inputs) if n not in graph.initializers)}")
+    typer.echo(f"outputs: {', '.join(value_names(graph.outputs))}")
     typer.echo(f"wrote {out} in {time.perf_counter() - started:.2f} s")
 
 

@@ -160,6 +160,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     trainer = Trainer(program, lr=schedule, device=o.device, callbacks=[history])
     start = 0
     if o.resume:
+        assert checkpoint is not None  # prepare_checkpoint_dir refuses --resume without a directory
         state, meta = load_checkpoint(checkpoint)
         check_checkpoint(checkpoint, meta, state, program)
         _check_same_data_order(checkpoint, meta.get("data", {}), data_record)
@@ -173,6 +174,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         say(f"resuming from {checkpoint} at step {start}")
 
     def save() -> None:
+        assert checkpoint is not None  # called only with --checkpoint-dir
         state = trainer.state
         extra = {"data": data_record, "rng": _rng_record(o.seed, state.step * o.accumulate),
                  "schedule": dataclasses.asdict(schedule)}

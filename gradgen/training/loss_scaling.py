@@ -29,6 +29,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
+from gradgen.names import value_name
 from gradgen.training.graph_edit import as_output, opset_of, scalar_input
 
 LOSS_SCALING = "loss_scaling"  # the "parameter" name its states are kept under
@@ -55,7 +56,7 @@ class LossScaling:
             raise UsageError(f"loss scaling: growth interval {self.growth_interval} is not >= 1")
 
     def initial_states(self, counts_updates: bool) -> dict[tuple[str, str], np.ndarray]:
-        states = {(LOSS_SCALING, "scale"): np.array(self.init_scale, np.float32),
+        states: dict[tuple[str, str], np.ndarray] = {(LOSS_SCALING, "scale"): np.array(self.init_scale, np.float32),
                   (LOSS_SCALING, "good_steps"): np.array(0, np.int64)}
         if counts_updates:
             states[(LOSS_SCALING, "updates")] = np.array(0, np.int64)
@@ -83,7 +84,7 @@ class ScaleGradientsPass(ir.passes.InPlacePass):
         self.scale = scalar_input(b, f"{LOSS_SCALING}.scale", ir.DataType.FLOAT)
         scaled_seed = self.scale if seed.dtype == ir.DataType.FLOAT else b.op("Cast", self.scale, to=seed.dtype)
         seed.replace_all_uses_with(scaled_seed)
-        graph.initializers.pop(seed.name)
+        graph.initializers.pop(value_name(seed))
         inverse = b.op("Reciprocal", self.scale)
         flags = []
         outputs = {v.name: i for i, v in enumerate(graph.outputs)}
@@ -149,17 +150,18 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         scale_next = b.op("Where", found, backed_off, b.op("Where", grow, grown, self.scale))
         good_next = b.op("Where", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))),
                          zero, good_next)
-        slots = [StateSlot(LOSS_SCALING, "scale", self.scale.name,
-                           as_output(b, scale_next, f"{LOSS_SCALING}.scale.next", like=self.scale).name),
-                 StateSlot(LOSS_SCALING, "good_steps", good.name,
-                           as_output(b, good_next, f"{LOSS_SCALING}.good_steps.next", like=good).name)]
+        slots = [StateSlot(LOSS_SCALING, "scale", value_name(self.scale),
+                           value_name(as_output(b, scale_next, f"{LOSS_SCALING}.scale.next", like=self.scale))),
+                 StateSlot(LOSS_SCALING, "good_steps", value_name(good),
+                           value_name(as_output(b, good_next, f"{LOSS_SCALING}.good_steps.next", like=good)))]
         if self.layout.step is not None:  # the optimizer's step: updates applied so far, + 1
             step = inputs[self.layout.step]
             updates = scalar_input(b, f"{LOSS_SCALING}.updates", ir.DataType.INT64)
             step.replace_all_uses_with(b.op("Add", updates, one))
             updates_next = b.op("Where", found, updates, b.op("Add", updates, one))
-            slots.append(StateSlot(LOSS_SCALING, "updates", updates.name,
-                                   as_output(b, updates_next, f"{LOSS_SCALING}.updates.next", like=updates).name))
+            slots.append(StateSlot(LOSS_SCALING, "updates", value_name(updates),
+                                   value_name(as_output(b, updates_next, f"{LOSS_SCALING}.updates.next",
+                                                        like=updates))))
             self.layout.step = None
         flag = as_output(b, b.op("Identity", found), FOUND_INF)
         flag.type, flag.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])

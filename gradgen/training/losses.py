@@ -38,7 +38,7 @@ class LossSpec:
     """
 
     kind: str
-    output: str
+    output: str | None  # None: the model's only output (generate_artifacts); AddLossPass needs a name
     target: str | None = None
     ignore_index: int | None = -100
     label_smoothing: float = 0.0
@@ -76,6 +76,9 @@ class AddLossPass(ir.passes.InPlacePass):
         if opset < 13:
             raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} "
                              "(run UpgradeOpsetPass first)")
+        if self.spec.output is None:
+            raise UsageError(f"the {self.spec.kind} loss names no output to read: name the model output "
+                             "(logits, predictions) it applies to")
         output = _chosen_output(graph, self.spec.output)
         builder = GraphBuilder(graph, opset)
         builder.prefix = f"gradgen_loss/{self.spec.kind}"

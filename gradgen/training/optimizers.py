@@ -46,6 +46,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
+from gradgen.names import value_name
 from gradgen.training.graph_edit import (
     as_output,
     gradient_outputs,
@@ -193,9 +194,11 @@ class _Emitter:
         self._scalars = scalars
 
     def scalar(self, name: str, like: ir.Value) -> ir.Value:
-        key = (name, like.dtype)
+        dtype = like.dtype
+        assert dtype is not None  # parameters and their states are typed (see graph_edit)
+        key = (name, dtype)
         if key not in self._cast:
-            self._cast[key] = self.b.op("Cast", self._scalars[name], to=like.dtype)
+            self._cast[key] = self.b.op("Cast", self._scalars[name], to=dtype)
         return self._cast[key]
 
 
@@ -229,11 +232,11 @@ class OptimizerPass(ir.passes.InPlacePass):
 
         lr = scalar_input(b, "lr", ir.DataType.FLOAT)
         step = scalar_input(b, "step", ir.DataType.INT64) if self.optimizer.uses_step else None
-        accumulated = {}
+        accumulated: dict[str, str] = {}
         if self.accumulation > 1:
             for name in self.params:
                 acc = new_input(b, f"{name}.grad_accum", params[name])
-                accumulated[name] = acc.name
+                accumulated[name] = value_name(acc)
                 grads[name] = b.op("Mul", b.op("Add", acc, grads[name]),
                                    b.const_like(params[name], 1.0 / self.accumulation))
         norm = global_norm(b, list(grads.values()), [params[n] for n in grads])
@@ -256,12 +259,12 @@ class OptimizerPass(ir.passes.InPlacePass):
             states = {kind: new_input(b, f"{name}.{kind}", p) for kind in self.optimizer.state_kinds}
             b.prefix = f"gradgen_optimizer/{name}"
             new_p, new_states = self.optimizer.update(emitter, p, grads[name], states)
-            new_params[name] = as_output(b, new_p, f"{name}.next", like=p).name
+            new_params[name] = value_name(as_output(b, new_p, f"{name}.next", like=p))
             for kind, value in new_states.items():
                 out = as_output(b, value, f"{name}.{kind}.next", like=p)
-                slots.append(StateSlot(name, kind, states[kind].name, out.name))
-        self.layout = UpdateLayout(lr=lr.name, step=step.name if step is not None else None,
-                                   grad_norm=grad_norm.name, params=new_params, states=slots,
+                slots.append(StateSlot(name, kind, value_name(states[kind]), value_name(out)))
+        self.layout = UpdateLayout(lr=value_name(lr), step=value_name(step) if step is not None else None,
+                                   grad_norm=value_name(grad_norm), params=new_params, states=slots,
                                    accumulated=accumulated)
         return ir.passes.PassResult(model, modified=True)
 
@@ -299,5 +302,5 @@ class AccumulateGradientsPass(ir.passes.InPlacePass):
         for name in self.params:
             acc = new_input(b, f"{name}.grad_accum", params[name])
             out = as_output(b, b.op("Add", acc, grads[name]), f"{name}.grad_accum.next", like=params[name])
-            self.accumulated[name] = (acc.name, out.name)
+            self.accumulated[name] = (value_name(acc), value_name(out))
         return ir.passes.PassResult(model, modified=True)

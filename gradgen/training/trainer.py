@@ -75,6 +75,8 @@ class StepRunner(Protocol):
     trainer then stops with the last good state).
     """
 
+    device: str  # where the steps run, as reports name it
+
     def load(self, state: TrainState) -> None: ...
 
     def snapshot(self) -> TrainState: ...
