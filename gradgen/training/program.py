@@ -26,6 +26,7 @@ import onnx_ir as ir
 from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import UsageError
 from gradgen.model_io import ModelLike, load_model
+from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
@@ -65,7 +66,7 @@ class TrainingProgram:
 
     @property
     def data_names(self) -> list[str]:
-        return [v.name for v in self.data_inputs]
+        return value_names(self.data_inputs)
 
     def state_bindings(self) -> dict[str, str]:
         """Each input of ``train`` that carries state between steps -> the output holding its next value
@@ -103,7 +104,7 @@ def build_training(
     fingerprint = model_fingerprint(source)
 
     forward = _copy(source)
-    prepare = [UpgradeOpsetPass()]
+    prepare: list[ir.passes.PassBase] = [UpgradeOpsetPass()]
     adder = AddLossPass(add_loss) if add_loss is not None else None
     if adder is not None:
         prepare.append(adder)
@@ -114,6 +115,7 @@ def build_training(
     backward = _copy(forward)
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen), precision)
     run_pipeline(pipeline, backward)
+    assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     loss, params = gradient.loss_name, gradient.wrt_names
 
     as_inputs = ParamsAsInputsPass(params)
@@ -133,6 +135,7 @@ def build_training(
     else:
         scale = ScaleGradientsPass(params, loss)
         run_pipeline(Pipeline(scale, update), backward)
+        assert scale.scale is not None and scale.found_inf is not None and update.layout is not None  # set by the passes
         run_pipeline(Pipeline(SkipOverflowPass(loss_scaling, scale.scale, scale.found_inf, update.layout),
                               CleanupPass()), backward)
     remove_unused_inputs(backward.graph, keep=set(params))
@@ -140,13 +143,15 @@ def build_training(
     evaluate = _evaluation_model(forward, params, loss)
     if precision != "fp32":
         run_pipeline(AutocastPass(precision), evaluate)
-    reserved = set(params) | {update.layout.lr, update.layout.step} | {s.input for s in update.layout.states}
-    reserved |= {v.name for v in backward.graph.inputs if v.name.startswith(f"{LOSS_SCALING}.")}
-    reserved |= set(update.layout.accumulated.values())
+    layout = update.layout
+    assert layout is not None  # the optimizer pass sets it when it runs
+    reserved = set(params) | {layout.lr, layout.step} | {s.input for s in layout.states}
+    reserved |= {name for name in value_names(backward.graph.inputs) if name.startswith(f"{LOSS_SCALING}.")}
+    reserved |= set(layout.accumulated.values())
     data_inputs = [v for v in backward.graph.inputs if v.name not in reserved]
     return TrainingProgram(
         source=source, train=backward, accumulate=accumulate, evaluate=evaluate, loss=loss, added_loss=add_loss,
-        params=params, frozen=frozen, initial_params=as_inputs.initial_values, layout=update.layout,
+        params=params, frozen=frozen, initial_params=as_inputs.initial_values, layout=layout,
         accumulated=accumulated, data_inputs=data_inputs, optimizer=optimizer, clip_norm=clip_norm,
         accumulation=accumulation, fingerprint=fingerprint, precision=precision, loss_scaling=loss_scaling)
 
@@ -163,12 +168,12 @@ def _evaluation_model(forward: ir.Model, params: list[str], loss: str) -> ir.Mod
 
 def running_statistics(graph: ir.Graph) -> list[str]:
     """Initializers that BatchNormalization nodes read as running mean / variance (inputs 3, 4)."""
-    names = []
+    names: list[str] = []
     for node in graph:
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             for value in node.inputs[3:5]:
                 if value is not None and value.name in graph.initializers:
-                    names.append(value.name)
+                    names.append(value_name(value))
     return names
 
 
@@ -184,7 +189,7 @@ def model_fingerprint(model: ir.Model) -> str:
         shape = tuple(tensor.shape) if tensor is not None else tuple(value.shape or ())
         digest.update(f"init {name} {value.dtype} {shape}\n".encode())
     for node in graph:
-        inputs = ",".join(v.name if v is not None else "" for v in node.inputs)
+        inputs = ",".join((v.name or "") if v is not None else "" for v in node.inputs)
         outputs = ",".join(v.name or "" for v in node.outputs)
         digest.update(f"node {node.domain}::{node.op_type} {inputs} -> {outputs}\n".encode())
     for value in graph.outputs:
