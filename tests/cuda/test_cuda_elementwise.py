@@ -6,9 +6,12 @@ import zlib
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import KernelError
+from gradgen.executor import Session
 from gradgen.kernels import registry
+from gradgen.kernels.registry import MICROSOFT
 
 pytestmark = pytest.mark.cuda
 
@@ -99,6 +102,27 @@ def rand(rng, shape, dtype, lo=-3.0, hi=3.0):
     if dtype.kind in "iu":
         return rng.integers(int(lo), int(hi) + 1, size=shape).astype(dtype)
     return rng.uniform(lo, hi, size=shape).astype(dtype)
+
+
+def one_node(op, inputs: dict, consts: dict, attrs: dict, num_outputs: int = 1):
+    """A model of one ``op`` node: ``inputs`` as graph inputs, ``consts`` as initializers."""
+    graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+                    for n, a in inputs.items()]
+    outputs = [f"y{k}" for k in range(num_outputs)]
+    node = helper.make_node(op, list(inputs) + list(consts), outputs, **attrs)
+    graph = helper.make_graph([node], op, graph_inputs,
+                              [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in consts.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def same_on_both(model, feeds, rtol=1e-6):
+    """Run ``model`` on the CPU and on the GPU executor and compare every output."""
+    want = Session(model).run(feeds)
+    got = Session(model, device="cuda").run(feeds)
+    for name, w in want.items():
+        assert got[name].shape == w.shape and got[name].dtype == w.dtype, name
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=1e-6)
 
 
 # -- binary ---------------------------------------------------------------------------------------
@@ -403,3 +427,35 @@ def test_elementwise_results_are_deterministic():
     _, cuda = kernels("Pow")
     first, second = host(cuda(a, b)), host(cuda(a, b))
     assert first.tobytes() == second.tobytes()
+
+
+@pytest.mark.parametrize("slope_shape", [(1,), (3, 1, 1), (4,), ()])
+def test_prelu(slope_shape):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    slope = rng.standard_normal(slope_shape).astype(np.float32)
+    same_on_both(one_node("PRelu", {"x": x}, {"slope": slope}, {}), {"x": x})
+
+
+def test_dropout_inference_with_mask():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    model = one_node("Dropout", {"x": x}, {"ratio": np.array(0.5, np.float32)}, {}, num_outputs=2)
+    same_on_both(model, {"x": x})
+
+
+# ---------------------------------------------------------------- BroadcastGradientArgs
+
+
+@pytest.mark.parametrize("a,b", [([2, 16, 1, 1024], [1, 1, 1024, 1024]), ([2, 3, 4, 5], []), ([1, 4, 5], [2, 3, 1, 1])])
+def test_broadcast_gradient_args(rt, a, b):
+    e = registry.lookup(MICROSOFT, "BroadcastGradientArgs")
+    assert e is not None and e.cuda is not None
+    assert e.cuda_host_inputs == frozenset({0, 1})
+    got = e.cuda(np.array(a, np.int64), np.array(b, np.int64))
+    want = e.cpu(np.array(a, np.int64), np.array(b, np.int64))
+    for g, w in zip(got, want):
+        assert isinstance(g, np.ndarray)
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(KernelError):
+        e.cuda(np.array([3, 4, 5], np.int64), np.array([2, 1, 6, 1], np.int64))

@@ -1,35 +1,17 @@
-"""CUDA MatMul/Gemm (cuBLAS), Conv/ConvGrad (cuDNN and the direct kernels) and pooling against the
-numpy kernels, on fresh random inputs."""
+"""CUDA Conv/ConvGrad (cuDNN and the direct kernels) against the numpy kernels, on fresh random
+inputs, and whole convolutional models against the CPU."""
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import pytest
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import conv as cpu_conv
-from gradgen.kernels.cpu import matmul as cpu_matmul
-from gradgen.kernels.cpu import pool as cpu_pool
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_warnings")]
 
 DTYPES = [np.float32, np.float64, np.float16]
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from gradgen.cuda import runtime
-
-    return runtime
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def rand(rng, shape, dtype=np.float32):
@@ -48,103 +30,6 @@ def check(got, want, dtype=None, scale=None):
     assert not np.isnan(got).any() or np.isnan(want).any()
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol * 10,
                                atol=tol * max(scale, 1.0) * 10)
-
-
-# ---------------------------------------------------------------------------------------------
-# MatMul / Gemm
-
-MATMUL_SHAPES = [
-    ((3, 4), (4, 5)),
-    ((4,), (4, 5)),
-    ((3, 4), (4,)),
-    ((4,), (4,)),
-    ((2, 3, 4), (4, 5)),          # B shared: folded into one GEMM
-    ((4, 5), (2, 5, 6)),          # A broadcast over B's batch (stride 0)
-    ((2, 3, 4), (2, 4, 5)),       # both full
-    ((2, 1, 3, 4), (3, 4, 5)),    # batch broadcast on both sides: materialised
-    ((1, 3, 4), (2, 1, 4, 6)),
-    ((5,), (2, 5, 3)),
-    ((2, 3, 5), (5,)),
-    ((0, 4), (4, 5)),             # empty
-    ((3, 0), (0, 5)),             # K = 0: zeros
-    ((2, 0, 3, 4), (4, 2)),
-    ((1, 1), (1, 1)),
-    ((65, 130), (130, 33)),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=str)
-def test_matmul(rt, dtype, shapes):
-    from gradgen.kernels.cuda import matmul
-
-    rng = np.random.default_rng(0)
-    a, b = rand(rng, shapes[0], dtype), rand(rng, shapes[1], dtype)
-    want = cpu_matmul.matmul(a, b)
-    got = rt.to_host(matmul.matmul(rt.to_device(a), rt.to_device(b)))
-    check(got, want, scale=np.sqrt(shapes[0][-1]) * 3 if want.size else None)
-
-
-def test_matmul_non_contiguous_and_deterministic(rt):
-    from gradgen.kernels.cuda import matmul
-
-    rng = np.random.default_rng(1)
-    a = rand(rng, (6, 40))
-    b = rand(rng, (20, 7))
-    da = rt.to_device(a)[:, ::2]  # a strided view
-    got1 = rt.to_host(matmul.matmul(da, rt.to_device(b)))
-    got2 = rt.to_host(matmul.matmul(da, rt.to_device(b)))
-    check(got1, cpu_matmul.matmul(np.ascontiguousarray(a[:, ::2]), b))
-    assert np.array_equal(got1, got2)
-
-
-def test_matmul_errors(rt):
-    from gradgen.kernels.cuda import matmul
-
-    a = rt.to_device(np.zeros((3, 4), np.float32))
-    with pytest.raises(KernelError, match="inner dimensions differ"):
-        matmul.matmul(a, rt.to_device(np.zeros((5, 2), np.float32)))
-    with pytest.raises(KernelError, match="not broadcastable"):
-        matmul.matmul(rt.to_device(np.zeros((2, 3, 4), np.float32)), rt.to_device(np.zeros((3, 4, 2), np.float32)))
-
-
-GEMM_CASES = [
-    dict(m=4, n=5, k=3, transA=0, transB=0, c=(5,), alpha=1.0, beta=1.0),
-    dict(m=4, n=5, k=3, transA=1, transB=0, c=(4, 1), alpha=0.5, beta=2.0),
-    dict(m=4, n=5, k=3, transA=0, transB=1, c=(4, 5), alpha=1.5, beta=-1.0),
-    dict(m=4, n=5, k=3, transA=1, transB=1, c=(), alpha=1.0, beta=0.5),
-    dict(m=4, n=5, k=3, transA=0, transB=1, c=None, alpha=2.0, beta=1.0),
-    dict(m=4, n=5, k=3, transA=0, transB=0, c=(1, 5), alpha=1.0, beta=0.0),
-    dict(m=4, n=5, k=0, transA=0, transB=0, c=(5,), alpha=1.0, beta=3.0),
-    dict(m=4, n=5, k=0, transA=1, transB=1, c=None, alpha=1.0, beta=1.0),
-    dict(m=0, n=5, k=3, transA=0, transB=0, c=(5,), alpha=1.0, beta=1.0),
-    dict(m=70, n=129, k=33, transA=1, transB=1, c=(129,), alpha=1.0, beta=1.0),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", GEMM_CASES, ids=str)
-def test_gemm(rt, dtype, case):
-    from gradgen.kernels.cuda import matmul
-
-    rng = np.random.default_rng(2)
-    m, n, k = case["m"], case["n"], case["k"]
-    a = rand(rng, (k, m) if case["transA"] else (m, k), dtype)
-    b = rand(rng, (n, k) if case["transB"] else (k, n), dtype)
-    c = None if case["c"] is None else rand(rng, case["c"], dtype)
-    attrs = dict(alpha=case["alpha"], beta=case["beta"], transA=case["transA"], transB=case["transB"])
-    want = cpu_matmul.gemm(a, b, c, **attrs)
-    got = rt.to_host(matmul.gemm(rt.to_device(a), rt.to_device(b), None if c is None else rt.to_device(c), **attrs))
-    check(got, want, scale=np.sqrt(max(k, 1)) * 6)
-
-
-def test_gemm_bad_c(rt):
-    from gradgen.kernels.cuda import matmul
-
-    a = rt.to_device(np.zeros((3, 4), np.float32))
-    b = rt.to_device(np.zeros((4, 5), np.float32))
-    with pytest.raises(KernelError, match="does not broadcast"):
-        matmul.gemm(a, b, rt.to_device(np.zeros((3, 2), np.float32)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,80 +155,6 @@ def test_conv_no_nan_in_fresh_outputs(rt):
     dy = rand(rng, y.shape)
     for out in conv.conv_grad(rt.to_device(dy), rt.to_device(x), rt.to_device(w), **attrs):
         assert not np.isnan(rt.to_host(out)).any()
-
-
-# ---------------------------------------------------------------------------------------------
-# pooling
-
-POOL_CASES = [
-    ((2, 3, 12, 12), dict(kernel_shape=[2, 2], strides=[2, 2])),
-    ((2, 3, 7, 9), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
-    ((2, 3, 7, 9), dict(kernel_shape=[3, 2], strides=[2, 3], pads=[1, 0, 0, 1], ceil_mode=1)),
-    ((2, 3, 8, 8), dict(kernel_shape=[3, 3], strides=[1, 1], dilations=[2, 2])),
-    ((2, 3, 7, 6), dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER")),
-    ((2, 3, 7, 6), dict(kernel_shape=[2, 3], strides=[2, 2], auto_pad="SAME_LOWER")),
-    ((2, 3, 11), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
-    ((1, 2, 5, 6, 7), dict(kernel_shape=[2, 2, 3], strides=[2, 1, 2], pads=[0, 1, 1, 1, 0, 1])),
-    ((1, 1, 1, 1), dict(kernel_shape=[1, 1])),
-    ((0, 3, 4, 4), dict(kernel_shape=[2, 2])),
-]
-
-
-@pytest.mark.parametrize("storage_order", [0, 1])
-@pytest.mark.parametrize("num_outputs", [1, 2])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", POOL_CASES, ids=str)
-def test_max_pool(rt, dtype, case, num_outputs, storage_order):
-    from gradgen.kernels.cuda import pool
-
-    shape, attrs = case
-    x = rand(np.random.default_rng(8), shape, dtype)
-    if x.size == 0 and num_outputs == 2:  # (the numpy kernel's Indices path wants a non-empty batch)
-        y = cpu_pool.max_pool(x, storage_order=storage_order, **attrs)
-        want = (y, np.zeros(y.shape, np.int64))
-    else:
-        want = cpu_pool.max_pool(x, storage_order=storage_order, _num_outputs=num_outputs, **attrs)
-    got = pool.max_pool(rt.to_device(x), storage_order=storage_order, _num_outputs=num_outputs, **attrs)
-    if num_outputs == 1:
-        want, got = (want,), (got,)
-    check(rt.to_host(got[0]), want[0])
-    if num_outputs == 2:
-        assert np.array_equal(rt.to_host(got[1]), want[1])
-
-
-@pytest.mark.parametrize("count_include_pad", [0, 1])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", POOL_CASES, ids=str)
-def test_average_pool(rt, dtype, case, count_include_pad):
-    from gradgen.kernels.cuda import pool
-
-    shape, attrs = case
-    x = rand(np.random.default_rng(9), shape, dtype)
-    want = cpu_pool.average_pool(x, count_include_pad=count_include_pad, **attrs)
-    got = rt.to_host(pool.average_pool(rt.to_device(x), count_include_pad=count_include_pad, **attrs))
-    check(got, want)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 3, 300), (1, 1, 1, 1), (2, 4, 2, 3, 4), (0, 3, 4, 4)], ids=str)
-def test_global_pools(rt, dtype, shape):
-    from gradgen.kernels.cuda import pool
-
-    x = rand(np.random.default_rng(10), shape, dtype)
-    check(rt.to_host(pool.global_average_pool(rt.to_device(x))), cpu_pool.global_average_pool(x))
-    check(rt.to_host(pool.global_max_pool(rt.to_device(x))), cpu_pool.global_max_pool(x))
-
-
-def test_max_pool_indices_drive_scatter_gradient(rt):
-    """gradgen's MaxPool gradient: MaxPool-with-Indices, then a ScatterElements add over the flat X."""
-    from gradgen.kernels.cuda import pool
-
-    rng = np.random.default_rng(11)
-    x = rand(rng, (3, 4, 12, 12))
-    _, idx = pool.max_pool(rt.to_device(x), kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
-    _, want = cpu_pool.max_pool(x, kernel_shape=[2, 2], strides=[2, 2], _num_outputs=2)
-    assert rt.to_host(idx).dtype == np.int64
-    assert np.array_equal(rt.to_host(idx), want)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""CUDA launchers of the com.microsoft gradient ops against their numpy CPU kernels (runs only where a GPU answers)."""
+"""CUDA indexing launchers (Gather*, Scatter* and the com.microsoft GatherGrad, GatherElementsGrad)
+against their numpy CPU kernels, and the com.microsoft gradient ops in a graph on the GPU executor
+(runs only where a GPU answers)."""
 
 from __future__ import annotations
 
@@ -8,93 +10,93 @@ import pytest
 from gradgen.errors import KernelError
 from gradgen.kernels import registry
 from gradgen.kernels.registry import MICROSOFT
+from tests.cuda.test_cuda_elementwise import FLOATS
+from tests.cuda.test_cuda_shape import RNG, check, compare, entry, on_device, rand, run
 
 pytestmark = pytest.mark.cuda
 
-RNG = np.random.default_rng(11)
-FLOATS = [np.float16, np.float32, np.float64]
 TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 
 
-@pytest.fixture(scope="module")
-def rt():
-    from gradgen.cuda import runtime
-
-    registry.load_cuda_kernels()
-    return runtime
+# ---------------------------------------------------------------- Gather*, Scatter*
 
 
-def poison(rt, nbytes: int, copies: int = 4) -> None:
-    if nbytes > 0:
-        blocks = [rt.to_device(np.full(max(1, nbytes // 4), np.nan, np.float32)) for _ in range(copies)]
-        del blocks
-
-
-def entry(op):
-    e = registry.lookup(MICROSOFT, op)
-    assert e is not None and e.cuda is not None, op
-    return e
-
-
-def upload(rt, a):
-    a = np.asarray(a)
-    d = rt.to_device(a)
-    return d.reshape(a.shape) if d.shape != a.shape else d  # keep 0-d tensors 0-d
-
-
-def on_device(rt, e, inputs):
-    return [None if a is None else (a if i in e.cuda_host_inputs else upload(rt, a)) for i, a in enumerate(inputs)]
-
-
-def compare(rt, op, inputs, tol=0.0, cuda_attrs=None, **attrs):
-    e = entry(op)
-    want = np.asarray(e.cpu(*inputs, **attrs))
-    poison(rt, want.nbytes)
-    got = e.cuda(*on_device(rt, e, inputs), **attrs, **(cuda_attrs or {})).get()
-    assert got.shape == want.shape and got.dtype == want.dtype
-    assert not np.isnan(got).any()
-    if tol:
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
-    else:
-        np.testing.assert_array_equal(got, want)
-    return got
-
-
-# ---------------------------------------------------------------- SliceGrad
-
-SLICES = [
-    ((5, 6), [1, 0], [4, 6], None, None),
-    ((5, 6), [-1], [-6], [0], [-1]),
-    ((5, 6), [10, -100], [-100, 100], [0, 1], [-2, 3]),
-    ((5, 8), [0], [100], [-1], [2]),
-    ((5, 6, 7), [4, 2], [1, 5], [2, 0], [-1, 1]),
-    ((4, 3), [3], [3], [0], [1]),
-    ((0, 3), [0], [5], [0], [-1]),
-    ((8, 16), [0, 4], [8, 16], [0, 1], [1, 1]),
-    ((4, 64, 32), [16, 0], [48, 32], [1, 2], [1, 2]),
-    ((3, 1, 40), [0, 8], [1, 40], [1, 2], [1, 3]),
-    ((7,), [6], [-100], [0], [-3]),
-]
-
-
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("case", SLICES)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-def test_slice_grad(rt, dtype, case, itype):
-    shape, starts, ends, axes, steps = case
-    fwd = registry.lookup("", "Slice").cpu
-    sl = [np.array(starts, itype), np.array(ends, itype), None if axes is None else np.array(axes, itype),
-          None if steps is None else np.array(steps, itype)]
-    while sl[-1] is None:
-        sl.pop()
-    dy = RNG.standard_normal(fwd(np.zeros(shape, dtype), *sl).shape).astype(dtype)
-    compare(rt, "SliceGrad", [dy, np.array(shape, np.int64)] + sl)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64])
+@pytest.mark.parametrize("shape,axis,ishape", [((5, 4), 0, (7,)), ((5, 4), 1, (2, 3)), ((3, 6, 8), -2, ()),
+                                               ((3, 6, 8), 1, (0,)), ((10, 12), 0, (4,)), ((7,), 0, (3, 2))])
+def test_gather(rt, itype, dtype, shape, axis, ishape):
+    size = shape[axis]
+    idx = RNG.integers(-size, size, size=ishape).astype(itype)
+    check(rt, "Gather", [rand(shape, dtype), idx], axis=axis)
 
 
-def test_slice_grad_shape_mismatch(rt):
+def test_gather_out_of_range_matches_cpu_message(rt):
+    x = rand((5, 3))
+    idx = np.array([0, 4, -6, 5], np.int64)
+    entry = registry.lookup("", "Gather")
+    with pytest.raises(KernelError) as cpu_error:
+        entry.cpu(x, idx)
+    with pytest.raises(KernelError) as gpu_error:
+        entry.cuda(rt.to_device(x), rt.to_device(idx))
+    assert str(gpu_error.value) == str(cpu_error.value)
+
+
+@pytest.mark.parametrize("itype", [np.int64, np.int32])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_elements(rt, itype, axis):
+    x = rand((4, 5, 6))
+    ishape = [3, 4, 6]
+    ishape[axis] = 9
+    idx = RNG.integers(-x.shape[axis], x.shape[axis], size=ishape).astype(itype)
+    check(rt, "GatherElements", [x, idx], axis=axis)
+
+
+@pytest.mark.parametrize("itype", [np.int64, np.int32])
+def test_gather_nd(rt, itype):
+    x = rand((4, 5, 6))
+    idx = np.stack([RNG.integers(-4, 4, 7), RNG.integers(-5, 5, 7)], axis=-1).astype(itype)
+    check(rt, "GatherND", [x, idx])
+    check(rt, "GatherND", [x, idx[:, :1].reshape(7, 1)])
+    bidx = RNG.integers(-5, 5, size=(4, 3, 1)).astype(itype)
+    check(rt, "GatherND", [x, bidx], batch_dims=1)
     with pytest.raises(KernelError):
-        entry("SliceGrad").cuda(rt.to_device(np.zeros((3,), np.float32)), np.array([5], np.int64),
-                                np.array([0]), np.array([2]))
+        registry.lookup("", "GatherND").cuda(rt.to_device(x), rt.to_device(np.array([[4, 0]], itype)))
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scatter_elements(rt, reduction, axis, dtype):
+    data = rand((6, 5), dtype)
+    ishape = [4, 5] if axis == 0 else [6, 9]
+    idx = RNG.integers(-data.shape[axis], data.shape[axis], size=ishape).astype(np.int64)
+    upd = rand(ishape, dtype)
+    got, want = run(rt, "ScatterElements", [data, idx, upd], axis=axis, reduction=reduction)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul"])
+@pytest.mark.parametrize("k", [1, 2, 0])
+def test_scatter_nd(rt, reduction, k):
+    data = rand((5, 4, 3))
+    count = 12
+    idx = np.stack([RNG.integers(-d, d, count) for d in data.shape[:k]], axis=-1).astype(np.int64) if k else \
+        np.zeros((count, 0), np.int64)
+    upd = rand((count,) + data.shape[k:])
+    got, want = run(rt, "ScatterND", [data, idx, upd], reduction=reduction)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_scatter_nd_many_repeats_deterministic(rt):
+    data = rand((3, 8))
+    idx = RNG.integers(0, 3, size=(5000, 1)).astype(np.int64)
+    upd = rand((5000, 8))
+    entry = registry.lookup("", "ScatterND")
+    first = entry.cuda(rt.to_device(data), rt.to_device(idx), rt.to_device(upd), reduction="add").get()
+    second = entry.cuda(rt.to_device(data), rt.to_device(idx), rt.to_device(upd), reduction="add").get()
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, entry.cpu(data, idx, upd, reduction="add"), rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- GatherGrad
@@ -249,22 +251,6 @@ def test_gather_elements_grad_out_of_range_message(rt):
         with pytest.raises(KernelError) as gpu_error:
             e.cuda(*on_device(rt, e, args), axis=1, deterministic=deterministic)
         assert str(gpu_error.value) == str(cpu_error.value)
-
-
-# ---------------------------------------------------------------- BroadcastGradientArgs
-
-
-@pytest.mark.parametrize("a,b", [([2, 16, 1, 1024], [1, 1, 1024, 1024]), ([2, 3, 4, 5], []), ([1, 4, 5], [2, 3, 1, 1])])
-def test_broadcast_gradient_args(rt, a, b):
-    e = entry("BroadcastGradientArgs")
-    assert e.cuda_host_inputs == frozenset({0, 1})
-    got = e.cuda(np.array(a, np.int64), np.array(b, np.int64))
-    want = e.cpu(np.array(a, np.int64), np.array(b, np.int64))
-    for g, w in zip(got, want):
-        assert isinstance(g, np.ndarray)
-        np.testing.assert_array_equal(g, w)
-    with pytest.raises(KernelError):
-        e.cuda(np.array([3, 4, 5], np.int64), np.array([2, 1, 6, 1], np.int64))
 
 
 def test_executor_runs_gradient_ops_on_device(rt):

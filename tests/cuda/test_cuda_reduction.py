@@ -1,5 +1,5 @@
-"""CUDA reductions, softmax, normalization and loss launchers against their numpy CPU kernels
-(runs only where a GPU answers)."""
+"""CUDA reduction launchers (Reduce*, the column reductions, Softmax, LogSoftmax) against their numpy
+CPU kernels, and a graph of reductions, norms and a loss (runs only where a GPU answers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import KernelError
 from gradgen.executor import Session
-from tests.cuda.test_cuda_elementwise import check, dev, host, kernels, poison
+from tests.cuda.test_cuda_elementwise import check, dev, host, kernels, one_node, poison, same_on_both
 
 pytestmark = pytest.mark.cuda
 
@@ -181,143 +181,6 @@ def test_softmax_opset11_coerces_to_2d(op):
         check(got, want, rtol=2e-6, atol=2e-6)
 
 
-# -- normalization --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shape,axis", [((2, 5, 16), -1), ((2, 8, 768), -1), ((3, 4, 6), 1), ((4, 3), 0),
-                                        ((5, 3000), 1), ((1, 1, 1), -1)], ids=str)
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_layer_norm(shape, axis, dtype, with_bias):
-    rng = np.random.default_rng(8)
-    x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
-    norm_shape = shape[axis:]
-    scale = rng.standard_normal(norm_shape).astype(dtype)
-    bias = rng.standard_normal(norm_shape).astype(dtype) if with_bias else None
-    cpu, cuda = kernels("LayerNormalization")
-    want = cpu(x, scale, bias, axis=axis, epsilon=1e-5)
-    poison(*[w.nbytes for w in want])
-    got = cuda(dev(x), dev(scale), None if bias is None else dev(bias), axis=axis, epsilon=1e-5)
-    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}[np.dtype(dtype)]
-    for g, w in zip(got, want):
-        check(host(g), w, rtol=t, atol=t)
-
-
-@pytest.mark.parametrize("shape", [(2, 4, 6, 6), (3, 5), (2, 3, 4), (0, 3, 2, 2)], ids=str)
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_batch_norm_inference(shape, dtype):
-    rng = np.random.default_rng(9)
-    c = shape[1]
-    x = rng.standard_normal(shape).astype(dtype)
-    params = [rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype),
-              rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)]
-    cpu, cuda = kernels("BatchNormalization")
-    want = cpu(x, *params, epsilon=1e-5)
-    poison(want.nbytes)
-    got = host(cuda(dev(x), *[dev(p) for p in params], epsilon=1e-5))
-    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}[np.dtype(dtype)]
-    check(got, want, rtol=t, atol=t)
-
-
-def test_instance_and_group_norm():
-    rng = np.random.default_rng(10)
-    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)
-    for op, args, attrs in [
-        ("InstanceNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {}),
-        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 3}),
-        ("GroupNormalization", (rng.standard_normal(3), rng.standard_normal(3)), {"num_groups": 3}),
-        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 6}),
-    ]:
-        args = tuple(a.astype(np.float32) for a in args)
-        cpu, cuda = kernels(op)
-        want = cpu(x, *args, epsilon=1e-5, **attrs)
-        got = host(cuda(dev(x), *[dev(a) for a in args], epsilon=1e-5, **attrs))
-        check(got, want, rtol=2e-5, atol=2e-5)
-
-
-# -- losses ---------------------------------------------------------------------------------------
-
-
-def _loss_inputs(rng, shape, label_dtype, ignore_index=None, dtype=np.float32):
-    n, c = shape[:2]
-    x = rng.standard_normal(shape).astype(dtype)
-    labels = rng.integers(0, c, size=(n,) + tuple(shape[2:])).astype(label_dtype)
-    if ignore_index is not None and labels.size > 2:
-        labels.reshape(-1)[1] = ignore_index
-    return x, labels
-
-
-@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
-@pytest.mark.parametrize("shape", [(12, 5), (16, 64), (3, 50257), (2, 3, 4, 5), (4, 7, 9), (1, 1), (0, 4)], ids=str)
-@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("ignore_index", [None, -100, 2])
-def test_losses(op, shape, reduction, label_dtype, weighted, ignore_index):
-    rng = np.random.default_rng(11)
-    x, labels = _loss_inputs(rng, shape, label_dtype, ignore_index)
-    weight = rng.uniform(0.5, 2, shape[1]).astype(np.float32) if weighted else None
-    cpu, cuda = kernels(op)
-    attrs = {"reduction": reduction, "ignore_index": ignore_index}
-    with np.errstate(all="ignore"):
-        want = cpu(x, labels, weight, **attrs)
-    poison(np.asarray(want).nbytes)
-    got = host(cuda(dev(x), dev(labels), None if weight is None else dev(weight), **attrs))
-    check(got, np.asarray(want), rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float64])
-def test_softmax_cross_entropy_dtypes_and_log_prob(dtype):
-    rng = np.random.default_rng(12)
-    for shape in [(8, 10), (2, 3, 4, 5)]:
-        x, labels = _loss_inputs(rng, shape, np.int64, -1, dtype)
-        cpu, cuda = kernels("SoftmaxCrossEntropyLoss")
-        want = cpu(x, labels, ignore_index=-1, reduction="mean", _num_outputs=2)
-        got = cuda(dev(x), dev(labels), ignore_index=-1, reduction="mean", _num_outputs=2)
-        t = 4e-3 if dtype == np.float16 else 1e-12
-        for g, w in zip(got, want):
-            check(host(g), np.asarray(w), rtol=t, atol=t)
-
-
-@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
-@pytest.mark.parametrize("ignore_index", [None, -100])
-def test_label_out_of_range_matches_cpu_message(op, ignore_index):
-    x = np.zeros((3, 4, 5), np.float32)
-    labels = np.zeros((3, 5), np.int64)
-    labels[1, 2] = 4
-    labels[2, 0] = -1  # a later bad label: the first one is reported
-    cpu, cuda = kernels(op)
-    with pytest.raises(KernelError) as want:
-        cpu(x, labels, ignore_index=ignore_index)
-    with pytest.raises(KernelError) as got:
-        cuda(dev(x), dev(labels), ignore_index=ignore_index)
-    assert str(got.value) == str(want.value)
-    assert "out of range" in str(got.value)
-
-
-def test_all_labels_ignored_gives_nan_mean():
-    x = np.zeros((3, 4), np.float32)
-    labels = np.full((3,), -100, np.int64)
-    _, cuda = kernels("SoftmaxCrossEntropyLoss")
-    assert np.isnan(host(cuda(dev(x), dev(labels), ignore_index=-100, reduction="mean")))
-
-
-def test_loss_shape_errors():
-    _, cuda = kernels("SoftmaxCrossEntropyLoss")
-    with pytest.raises(KernelError, match="does not match input shape"):
-        cuda(dev(np.zeros((3, 4), np.float32)), dev(np.zeros((2,), np.int64)))
-    with pytest.raises(KernelError, match="weight must have shape"):
-        cuda(dev(np.zeros((3, 4), np.float32)), dev(np.zeros((3,), np.int64)), dev(np.ones(3, np.float32)))
-
-
-def test_loss_is_deterministic():
-    rng = np.random.default_rng(13)
-    x, labels = _loss_inputs(rng, (4096, 100), np.int64)
-    _, cuda = kernels("SoftmaxCrossEntropyLoss")
-    xd, ld = dev(x), dev(labels)
-    assert host(cuda(xd, ld)).tobytes() == host(cuda(xd, ld)).tobytes()
-
-
 # -- through the executor -------------------------------------------------------------------------
 
 
@@ -346,3 +209,58 @@ def test_graph_with_reductions_norms_and_loss():
     got = Session(model, device="cuda").run({"x": x})
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# column reductions (innermost axis kept: bias gradients' sums over [rows, C]) with 16-byte loads
+# (``colsv``) and without (``cols``), bit-identical from run to run
+
+COLUMN_CASES = [
+    ((2048, 768), [0]),            # GPT-2 small's bias gradients: colsv, split over rows
+    ((8, 256, 3072), [0, 1]),      # the same as the rule emits it (leading axes merged)
+    ((8, 768 * 64), [0]),          # few rows, many columns: no split
+    ((6, 40, 3, 64), [0, 2]),      # two reduced groups (strided offsets), an outer kept axis
+    ((3, 500, 12), [1]),           # outer kept axis, C = 12
+    ((1000, 6), [0]),              # C not a multiple of 4: cols (float32), colsv (float64)
+    ((999, 7), [0]),               # odd C: cols
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape,axes", COLUMN_CASES, ids=str)
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_column_reductions(op, shape, axes, dtype):
+    rng = np.random.default_rng(7)
+    lo, hi = {"ReduceLogSum": (0.5, 2.0), "ReduceProd": (0.99, 1.01)}.get(op, (-2.0, 2.0))
+    x = rng.uniform(lo, hi, size=shape).astype(dtype)
+    cpu, cuda = kernels(op)
+    want = cpu(x.astype(np.float64), np.asarray(axes), keepdims=1).astype(dtype)
+    xd = dev(x)
+    first = host(cuda(xd, np.asarray(axes, np.int64), keepdims=1))
+    second = host(cuda(xd, np.asarray(axes, np.int64), keepdims=1))
+    assert first.tobytes() == second.tobytes()
+    count = int(np.prod([shape[a] for a in axes]))
+    rtol, atol = sum_tol(op, dtype, count)
+    check(first, want, rtol=rtol, atol=atol)
+
+
+def test_misaligned_input_takes_the_scalar_kernel():
+    """A view starting 4 bytes into its buffer cannot use 16-byte loads: same sums all the same."""
+    rng = np.random.default_rng(8)
+    x = rng.uniform(-1, 1, size=(257 * 512 + 1,)).astype(np.float32)
+    cpu, cuda = kernels("ReduceSum")
+    view = dev(x)[1:].reshape(257, 512)
+    want = cpu(x[1:].reshape(257, 512).astype(np.float64), np.asarray([0]), keepdims=0).astype(np.float32)
+    got = host(cuda(view, np.asarray([0], np.int64), keepdims=0))
+    rtol, atol = sum_tol("ReduceSum", np.float32, 257)
+    check(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.int32])
+@pytest.mark.parametrize("shape,axis", [((5, 7, 3), 1), ((5, 7, 3), -1), ((4,), 0), ((0, 3), 1), ((3, 1, 2), 1)])
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumsum(dtype, shape, axis, exclusive, reverse):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(shape) * 10).astype(dtype)
+    model = one_node("CumSum", {"x": x}, {"axis": np.array(axis, np.int64)}, {"exclusive": exclusive, "reverse": reverse})
+    same_on_both(model, {"x": x}, rtol=1e-5)

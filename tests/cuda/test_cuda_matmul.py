@@ -1,36 +1,21 @@
-"""CUDA FusedMatMul and MatMul (cuBLAS, transposes as flags) against the numpy kernels, for every
-attribute combination and broadcasting case of tests/test_fused_matmul.py, plus strided views,
-float32 exactness (no TF32) and the absence of copies."""
+"""CUDA MatMul, Gemm and FusedMatMul (cuBLAS, transposes as flags) against the numpy kernels: MatMul's
+shapes and Gemm's cases, FusedMatMul for every attribute combination and broadcasting case of
+tests/test_fused_matmul.py, plus strided views, float32 exactness (no TF32) and the absence of copies."""
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import pytest
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import matmul as cpu
+from tests.cuda.test_cuda_conv import check, rand
 from tests.test_fused_matmul import CASES, FLAGS, attrs_of, operands, reference, valid
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_warnings")]
 
 DTYPES = [np.float32, np.float64, np.float16]
 TOL = {np.float64: 1e-11, np.float32: 2e-6, np.float16: 2e-2}
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from gradgen.cuda import runtime
-
-    return runtime
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,3 +101,100 @@ def test_matmul_strided_views_and_outer_broadcast(rt):
     other = rng.standard_normal((1, 3, 4, 2)).astype(np.float32)
     got = rt.to_host(matmul.matmul(rt.to_device(many), rt.to_device(other)))  # materialised path
     np.testing.assert_allclose(got, np.matmul(many, other), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# MatMul / Gemm
+
+MATMUL_SHAPES = [
+    ((3, 4), (4, 5)),
+    ((4,), (4, 5)),
+    ((3, 4), (4,)),
+    ((4,), (4,)),
+    ((2, 3, 4), (4, 5)),          # B shared: folded into one GEMM
+    ((4, 5), (2, 5, 6)),          # A broadcast over B's batch (stride 0)
+    ((2, 3, 4), (2, 4, 5)),       # both full
+    ((2, 1, 3, 4), (3, 4, 5)),    # batch broadcast on both sides: materialised
+    ((1, 3, 4), (2, 1, 4, 6)),
+    ((5,), (2, 5, 3)),
+    ((2, 3, 5), (5,)),
+    ((0, 4), (4, 5)),             # empty
+    ((3, 0), (0, 5)),             # K = 0: zeros
+    ((2, 0, 3, 4), (4, 2)),
+    ((1, 1), (1, 1)),
+    ((65, 130), (130, 33)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=str)
+def test_matmul(rt, dtype, shapes):
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(0)
+    a, b = rand(rng, shapes[0], dtype), rand(rng, shapes[1], dtype)
+    want = cpu.matmul(a, b)
+    got = rt.to_host(matmul.matmul(rt.to_device(a), rt.to_device(b)))
+    check(got, want, scale=np.sqrt(shapes[0][-1]) * 3 if want.size else None)
+
+
+def test_matmul_non_contiguous_and_deterministic(rt):
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(1)
+    a = rand(rng, (6, 40))
+    b = rand(rng, (20, 7))
+    da = rt.to_device(a)[:, ::2]  # a strided view
+    got1 = rt.to_host(matmul.matmul(da, rt.to_device(b)))
+    got2 = rt.to_host(matmul.matmul(da, rt.to_device(b)))
+    check(got1, cpu.matmul(np.ascontiguousarray(a[:, ::2]), b))
+    assert np.array_equal(got1, got2)
+
+
+def test_matmul_errors(rt):
+    from gradgen.kernels.cuda import matmul
+
+    a = rt.to_device(np.zeros((3, 4), np.float32))
+    with pytest.raises(KernelError, match="inner dimensions differ"):
+        matmul.matmul(a, rt.to_device(np.zeros((5, 2), np.float32)))
+    with pytest.raises(KernelError, match="not broadcastable"):
+        matmul.matmul(rt.to_device(np.zeros((2, 3, 4), np.float32)), rt.to_device(np.zeros((3, 4, 2), np.float32)))
+
+
+GEMM_CASES = [
+    dict(m=4, n=5, k=3, transA=0, transB=0, c=(5,), alpha=1.0, beta=1.0),
+    dict(m=4, n=5, k=3, transA=1, transB=0, c=(4, 1), alpha=0.5, beta=2.0),
+    dict(m=4, n=5, k=3, transA=0, transB=1, c=(4, 5), alpha=1.5, beta=-1.0),
+    dict(m=4, n=5, k=3, transA=1, transB=1, c=(), alpha=1.0, beta=0.5),
+    dict(m=4, n=5, k=3, transA=0, transB=1, c=None, alpha=2.0, beta=1.0),
+    dict(m=4, n=5, k=3, transA=0, transB=0, c=(1, 5), alpha=1.0, beta=0.0),
+    dict(m=4, n=5, k=0, transA=0, transB=0, c=(5,), alpha=1.0, beta=3.0),
+    dict(m=4, n=5, k=0, transA=1, transB=1, c=None, alpha=1.0, beta=1.0),
+    dict(m=0, n=5, k=3, transA=0, transB=0, c=(5,), alpha=1.0, beta=1.0),
+    dict(m=70, n=129, k=33, transA=1, transB=1, c=(129,), alpha=1.0, beta=1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GEMM_CASES, ids=str)
+def test_gemm(rt, dtype, case):
+    from gradgen.kernels.cuda import matmul
+
+    rng = np.random.default_rng(2)
+    m, n, k = case["m"], case["n"], case["k"]
+    a = rand(rng, (k, m) if case["transA"] else (m, k), dtype)
+    b = rand(rng, (n, k) if case["transB"] else (k, n), dtype)
+    c = None if case["c"] is None else rand(rng, case["c"], dtype)
+    attrs = dict(alpha=case["alpha"], beta=case["beta"], transA=case["transA"], transB=case["transB"])
+    want = cpu.gemm(a, b, c, **attrs)
+    got = rt.to_host(matmul.gemm(rt.to_device(a), rt.to_device(b), None if c is None else rt.to_device(c), **attrs))
+    check(got, want, scale=np.sqrt(max(k, 1)) * 6)
+
+
+def test_gemm_bad_c(rt):
+    from gradgen.kernels.cuda import matmul
+
+    a = rt.to_device(np.zeros((3, 4), np.float32))
+    b = rt.to_device(np.zeros((4, 5), np.float32))
+    with pytest.raises(KernelError, match="does not broadcast"):
+        matmul.gemm(a, b, rt.to_device(np.zeros((3, 2), np.float32)))

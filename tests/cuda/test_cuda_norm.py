@@ -1,0 +1,64 @@
+"""CUDA normalization launchers against their numpy CPU kernels (runs only where a GPU answers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.cuda.test_cuda_elementwise import FLOATS, check, dev, host, kernels, poison
+
+pytestmark = pytest.mark.cuda
+
+
+# -- normalization --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 5, 16), -1), ((2, 8, 768), -1), ((3, 4, 6), 1), ((4, 3), 0),
+                                        ((5, 3000), 1), ((1, 1, 1), -1)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm(shape, axis, dtype, with_bias):
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    norm_shape = shape[axis:]
+    scale = rng.standard_normal(norm_shape).astype(dtype)
+    bias = rng.standard_normal(norm_shape).astype(dtype) if with_bias else None
+    cpu, cuda = kernels("LayerNormalization")
+    want = cpu(x, scale, bias, axis=axis, epsilon=1e-5)
+    poison(*[w.nbytes for w in want])
+    got = cuda(dev(x), dev(scale), None if bias is None else dev(bias), axis=axis, epsilon=1e-5)
+    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-12}[np.dtype(dtype)]
+    for g, w in zip(got, want):
+        check(host(g), w, rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6, 6), (3, 5), (2, 3, 4), (0, 3, 2, 2)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_batch_norm_inference(shape, dtype):
+    rng = np.random.default_rng(9)
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(dtype)
+    params = [rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype),
+              rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)]
+    cpu, cuda = kernels("BatchNormalization")
+    want = cpu(x, *params, epsilon=1e-5)
+    poison(want.nbytes)
+    got = host(cuda(dev(x), *[dev(p) for p in params], epsilon=1e-5))
+    t = {np.dtype(np.float16): 4e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}[np.dtype(dtype)]
+    check(got, want, rtol=t, atol=t)
+
+
+def test_instance_and_group_norm():
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 5, 4)).astype(np.float32)
+    for op, args, attrs in [
+        ("InstanceNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {}),
+        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 3}),
+        ("GroupNormalization", (rng.standard_normal(3), rng.standard_normal(3)), {"num_groups": 3}),
+        ("GroupNormalization", (rng.standard_normal(6), rng.standard_normal(6)), {"num_groups": 6}),
+    ]:
+        args = tuple(a.astype(np.float32) for a in args)
+        cpu, cuda = kernels(op)
+        want = cpu(x, *args, epsilon=1e-5, **attrs)
+        got = host(cuda(dev(x), *[dev(a) for a in args], epsilon=1e-5, **attrs))
+        check(got, want, rtol=2e-5, atol=2e-5)
