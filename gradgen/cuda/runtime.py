@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import functools
 import gc
-import math
 import threading
 import traceback
 import weakref
@@ -38,13 +37,6 @@ from gradgen.errors import KernelError
 
 GPUArray: TypeAlias = gpuarray.GPUArray
 MAX_RANK = 8
-
-# The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
-CTYPE = {
-    np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
-    np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
-    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
-}
 
 
 # -- exit: device memory goes before PyCUDA pops its context ------------------------------------
@@ -308,21 +300,6 @@ class _Kernel:
 def function(name: str, entry: str) -> _Kernel:
     """The kernel ``entry`` of module ``name`` (``extern "C"``, dtype suffix included in ``entry``)."""
     return _Kernel(module(name).get_function(entry))
-
-
-def suffix(dtype) -> str:
-    dtype = np.dtype(dtype)
-    if dtype not in CTYPE:
-        raise KernelError(f"dtype {dtype} is not supported by the CUDA kernels")
-    return CTYPE[dtype]
-
-
-def launch(kernel, n: int, *args, block: int = 256, max_blocks: int = 65535 * 8) -> None:
-    """Launch a grid-stride kernel over ``n`` items (no launch for n == 0)."""
-    if n <= 0:
-        return
-    blocks = max(1, min(math.ceil(n / block), max_blocks))
-    kernel(*args, block=(block, 1, 1), grid=(blocks, 1))
 
 
 # -- tensor descriptors ---------------------------------------------------------------------

@@ -34,6 +34,8 @@ from gradgen.kernels.cuda.launch import (
     kernel_of,
     launch,
     left_pad,
+    require_suffix,
+    runtime,
     warn_once,
 )
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
@@ -53,14 +55,6 @@ CONV_GEOM = np.dtype([(f, np.int64) for f in ("n", "c", "m", "g")]
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "") == "1"
-
-
-def _contiguous_strides(dims) -> list[int]:
-    strides, step = [], 1
-    for d in reversed(list(dims)):
-        strides.append(step)
-        step *= max(int(d), 1)
-    return strides[::-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +181,8 @@ def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32
     _, handle = _lane(lane)
     io, compute = _data_types(cudnn, dtype)
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=compute, compute_data_type=compute, handle=handle)
-    a = graph.tensor(name="A", dim=list(a_dims), stride=_contiguous_strides(a_dims), data_type=io)
-    b = graph.tensor(name="B", dim=list(b_dims), stride=_contiguous_strides(b_dims), data_type=io)
+    a = graph.tensor(name="A", dim=list(a_dims), stride=runtime().contiguous_strides(a_dims), data_type=io)
+    b = graph.tensor(name="B", dim=list(b_dims), stride=runtime().contiguous_strides(b_dims), data_type=io)
     conv = dict(pre_padding=list(pads), post_padding=list(pads), stride=list(strides), dilation=list(dilations),
                 compute_data_type=compute, name=kind)
     if kind == "fprop":
@@ -197,7 +191,7 @@ def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32
         out = graph.conv_dgrad(loss=a, filter=b, **conv)
     else:
         out = graph.conv_wgrad(image=a, loss=b, **conv)
-    out.set_output(True).set_data_type(io).set_dim(list(out_dims)).set_stride(_contiguous_strides(out_dims))
+    out.set_output(True).set_data_type(io).set_dim(list(out_dims)).set_stride(runtime().contiguous_strides(out_dims))
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -311,7 +305,7 @@ def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None, 
     else:
         out_shape_desc = out_shape
     shift = [0] * rank if shift is None else [int(s) for s in shift]
-    kernel = kernel_of("conv", f"window_copy_{rt.suffix(src.dtype)}")
+    kernel = kernel_of("conv", f"window_copy_{require_suffix(src.dtype)}")
     launch(kernel, out.size, out, src, rt.desc(out_shape_desc), rt.desc(view_shape, view_strides),
            rt.desc(shift), np.int64(out.size), stream=stream)
     return out
@@ -338,7 +332,7 @@ def channel_sum(x, out=None, stream=None, keep=None):
     partial = rt.empty((c * splits,), acc)
     if keep is not None:
         keep.append(partial)
-    sfx = rt.suffix(x.dtype)
+    sfx = require_suffix(x.dtype)
     kernel_of("conv", f"channel_partial_{sfx}")(partial, x, np.int64(outer), np.int64(c), np.int64(inner),
                                                   np.int64(splits), block=(256, 1, 1),
                                                   grid=(min(c * splits, 1 << 20), 1), stream=stream)
@@ -348,12 +342,10 @@ def channel_sum(x, out=None, stream=None, keep=None):
 
 def add_channel_bias(y, b) -> None:
     """y += b broadcast along axis 1, in place."""
-    from gradgen.cuda import runtime as rt
-
     if y.size == 0:
         return
     inner = math.prod(int(d) for d in y.shape[2:])
-    kernel = kernel_of("conv", f"add_channel_bias_{rt.suffix(y.dtype)}")
+    kernel = kernel_of("conv", f"add_channel_bias_{require_suffix(y.dtype)}")
     launch(kernel, y.size, y, contiguous(b), np.int64(y.shape[1]), np.int64(inner), np.int64(y.size))
 
 
@@ -457,7 +449,7 @@ def _fprop(x, w, geom):
             return y
     if geom.nd > 3:
         raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
-    kernel = kernel_of("conv", f"conv_fwd_{rt.suffix(x.dtype)}")
+    kernel = kernel_of("conv", f"conv_fwd_{require_suffix(x.dtype)}")
     launch(kernel, y.size, y, x, w, geom.direct_geom(), np.int64(y.size))
     return y
 
@@ -487,7 +479,7 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
             if keep is not None:
                 keep.append(target)
             return window_copy(target, geom.x_shape, shift=[0, 0] + list(geom.begin), stream=stream)
-    kernel = kernel_of("conv", f"conv_dgrad_{rt.suffix(dy.dtype)}")
+    kernel = kernel_of("conv", f"conv_dgrad_{require_suffix(dy.dtype)}")
     launch(kernel, dx.size, dx, dy, w, geom.direct_geom(), np.int64(dx.size), stream=stream)
     return dx
 
@@ -512,7 +504,7 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
-    kernel = kernel_of("conv", f"conv_wgrad_{rt.suffix(dy.dtype)}")
+    kernel = kernel_of("conv", f"conv_wgrad_{require_suffix(dy.dtype)}")
     kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),
            stream=stream)
     return dw

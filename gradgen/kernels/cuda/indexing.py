@@ -42,6 +42,7 @@ from gradgen.kernels.cuda.launch import (
     launch_packed,
     plan_cache,
     raw,
+    require_suffix,
     runtime,
     stream,
 )
@@ -212,7 +213,7 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     block = col_lanes * lanes
     acc = _ACC[name]
     partial = rt.empty((outer * maxslots * inner * acc // 4,), np.uint32) if maxslots else None
-    suffix = f"{rt.suffix(dtype)}_v{v}"
+    suffix = f"{require_suffix(dtype)}_v{v}"
     grid = min(outer * (rows + xbound), 2**31 - 1)
     kernel_of("indexing", f"csr_rows_{suffix}")(
         dX, _addr(dy), _addr(init), spos, rowptr, row_slot, chunk_map, meta, _addr(partial), np.int64(outer),
@@ -243,7 +244,7 @@ def _gather_grad_own_plan(outer, rows, inner, count, dtype, itype, aligned):
     rb = min(1024, max(8, -(-rows // (GO_BLOCKS_PER_SM * sms))))  # at most GO_MAXRB (1024) rows a block
     rb = -(-rb // 8) * 8
     grid = outer * -(-rows // rb)
-    kernel = raw(kernel_of("indexing", f"gg_own_{rt.suffix(dtype)}_v{v}_{itype}"))
+    kernel = raw(kernel_of("indexing", f"gg_own_{require_suffix(dtype)}_v{v}_{itype}"))
     return kernel, grid, struct.pack("=6q", outer, rows, count, inner // v, rb, GO_ROTATE)
 
 
@@ -314,7 +315,7 @@ def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plai
     nlines = math.prod(out_shape[d] for d in others)
     shared_line = s * _ACC[name] <= _LINE_SMEM
     vec = shared_line and vec_ok and axis == rank - 1 and s % _VEC[name] == 0
-    kernel = raw(kernel_of("indexing", f"line_scatter_{rt.suffix(dtype)}_{itype}"))
+    kernel = raw(kernel_of("indexing", f"line_scatter_{require_suffix(dtype)}_{itype}"))
     tail = bytes(memoryview(desc([out_shape[d] for d in others], [ostrides[d] for d in others])))
     tail += bytes(memoryview(desc([ishape[d] for d in others], [istrides[d] for d in others])))
     pad = mode == 0 and plain  # a sum from zeros: padding may sort as +0 at the last target (no sentinel bit)
@@ -379,7 +380,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
         if dy.size and dX.size:
             idx = _dev(indices)
             small = dX.size < 2**31 and dy.size < 2**31
-            kernel = kernel_of("indexing", f"ge_atomic{'32' if small else ''}_{rt.suffix(dY.dtype)}_"
+            kernel = kernel_of("indexing", f"ge_atomic{'32' if small else ''}_{require_suffix(dY.dtype)}_"
                                               f"{_index_suffix(indices)}")
             launch(kernel, dy.size, dX, dy, idx, flag, desc(indices.shape, rt.contiguous_strides(dims)),
                       np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))

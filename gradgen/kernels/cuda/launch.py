@@ -31,6 +31,7 @@ INT32_LIMIT = 2**31 - 1
 FLOATS = ("f16", "f32", "f64")
 NUMBERS = FLOATS + ("i32", "i64")
 CASTABLE = FLOATS + ("i8", "u8", "i32", "i64", "b8")
+# The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
 _SUFFIX = {
     np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
     np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
@@ -113,6 +114,14 @@ def inline_common_header(text: str) -> str:
 def dtype_suffix(dtype) -> str | None:
     """The kernels' dtype suffix (f16, f32, ..., b8), or None for a dtype they do not cover."""
     return _SUFFIX.get(np.dtype(dtype))
+
+
+def require_suffix(dtype) -> str:
+    """The kernels' dtype suffix; KernelError for a dtype they do not cover."""
+    suffix = dtype_suffix(dtype)
+    if suffix is None:
+        raise KernelError(f"dtype {np.dtype(dtype)} is not supported by the CUDA kernels")
+    return suffix
 
 
 # ---------------------------------------------------------------------------------------------

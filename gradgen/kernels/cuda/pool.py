@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad
+from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad, require_suffix
 from gradgen.kernels.table import cuda_kernel
 from gradgen.ops.pool import declared_pads, spatial_geometry
 
@@ -80,7 +80,7 @@ def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=
     y = rt.empty(y_shape, x.dtype)
     idx = rt.empty(y_shape, np.int64) if _num_outputs >= 2 else None
     geom = _pool_geom(x.shape, kernel, s, d, begin, out, [0] * len(out), x.shape[2:], storage_order)
-    fn = kernel_of("pool", f"max_pool_{rt.suffix(x.dtype)}")
+    fn = kernel_of("pool", f"max_pool_{require_suffix(x.dtype)}")
     if y.size and x.size:
         launch(fn, y.size, y, idx if idx is not None else np.uint64(0), x, geom, np.int64(y.size))
     return (y, idx) if _num_outputs >= 2 else y
@@ -108,7 +108,7 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
     x = contiguous(x)
     y = rt.empty(tuple(x.shape[:2]) + tuple(out), x.dtype)
     geom = _pool_geom(x.shape, kernel, s, d, begin, out, lo, hi)
-    fn = kernel_of("pool", f"avg_pool_{rt.suffix(x.dtype)}")
+    fn = kernel_of("pool", f"avg_pool_{require_suffix(x.dtype)}")
     if y.size:
         launch(fn, y.size, y, x, geom, np.int64(y.size))
     return y
@@ -123,7 +123,7 @@ def _global_pool(x, mode: int):
     y = rt.empty(tuple(x.shape[:2]) + (1,) * (x.ndim - 2), x.dtype)
     if rows == 0:
         return y
-    fn = kernel_of("pool", f"row_reduce_{rt.suffix(x.dtype)}")
+    fn = kernel_of("pool", f"row_reduce_{require_suffix(x.dtype)}")
     fn(y, x, np.int64(rows), np.int64(cols), np.int64(mode), block=(256, 1, 1), grid=(min(rows, 1 << 20), 1))
     return y
 
