@@ -125,3 +125,34 @@ def test_ops_signatures_come_from_the_schemas(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "SliceGrad(dY, shape, starts, ends, axes?, steps?) -> dX" in lines
     assert len(lines) == len(schemas.SCHEMAS)
+
+
+@pytest.mark.parametrize("blocksize", [1, 2, 3])
+def test_depth_space_plans_match_torch_pixel_shuffle_and_invert_each_other(blocksize):
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(blocksize).standard_normal((2, 3 * blocksize**2, 4, 5))
+
+    def rearrange(a, plan):
+        blocked, perm, out_shape = plan
+        return a.reshape(blocked).transpose(perm).reshape(out_shape)
+
+    crd = rearrange(x, shape.depth_to_space_plan(x.shape, blocksize, "CRD"))
+    np.testing.assert_array_equal(crd, torch.pixel_shuffle(torch.from_numpy(x), blocksize).numpy())
+    np.testing.assert_array_equal(rearrange(crd, shape.space_to_depth_plan(crd.shape, blocksize, "CRD")), x)
+    np.testing.assert_array_equal(
+        rearrange(crd, shape.space_to_depth_plan(crd.shape, blocksize, "CRD")),
+        torch.pixel_unshuffle(torch.from_numpy(crd), blocksize).numpy())
+    dcr = rearrange(x, shape.depth_to_space_plan(x.shape, blocksize, "DCR"))
+    assert dcr.shape == crd.shape == (2, 3, 4 * blocksize, 5 * blocksize)
+    np.testing.assert_array_equal(rearrange(dcr, shape.space_to_depth_plan(dcr.shape, blocksize, "DCR")), x)
+
+
+def test_depth_space_plans_reject_bad_shapes_and_modes():
+    with pytest.raises(KernelError, match="4-D NCHW input, got rank 3"):
+        shape.depth_to_space_plan((1, 4, 2), 2)
+    with pytest.raises(KernelError, match=r"channels \(6\) must be divisible by blocksize\^2 \(4\)"):
+        shape.depth_to_space_plan((1, 6, 2, 2), 2)
+    with pytest.raises(KernelError, match=r"height \(3\) and width \(4\) must be divisible by blocksize \(2\)"):
+        shape.space_to_depth_plan((1, 1, 3, 4), 2)
+    with pytest.raises(KernelError, match="unknown mode 'XYZ'"):
+        shape.space_to_depth_plan((1, 1, 2, 2), 2, "XYZ")

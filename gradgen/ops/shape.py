@@ -113,3 +113,40 @@ def reshape_dims(in_shape, dims, allowzero=0) -> list[int]:
     if math.prod(out) != total:
         raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
     return out
+
+
+BlockRearrangement = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def depth_to_space_plan(shape: Sequence[int], blocksize, mode: str = "DCR") -> BlockRearrangement:
+    """DepthToSpace of an NCHW ``shape`` as (blocked shape, permutation, output shape): reshape the
+    input to the blocked shape, transpose it by the permutation, reshape to the output shape."""
+    if len(shape) != 4:
+        raise KernelError(f"DepthToSpace needs a 4-D NCHW input, got rank {len(shape)}")
+    b, c, h, w = (int(d) for d in shape)
+    bs = int(blocksize)
+    if bs < 1 or c % (bs * bs):
+        raise KernelError(f"channels ({c}) must be divisible by blocksize^2 ({bs * bs})")
+    depth = c // (bs * bs)
+    if mode == "DCR":
+        blocked, perm = (b, bs, bs, depth, h, w), (0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        blocked, perm = (b, depth, bs, bs, h, w), (0, 1, 4, 2, 5, 3)
+    else:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
+    return blocked, perm, (b, depth, h * bs, w * bs)
+
+
+def space_to_depth_plan(shape: Sequence[int], blocksize, mode: str = "DCR") -> BlockRearrangement:
+    """SpaceToDepth of an NCHW ``shape`` as (blocked shape, permutation, output shape), as
+    ``depth_to_space_plan`` (``mode``: the attribute of opset 25)."""
+    if len(shape) != 4:
+        raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {len(shape)}")
+    b, c, h, w = (int(d) for d in shape)
+    bs = int(blocksize)
+    if bs < 1 or h % bs or w % bs:
+        raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
+    perms = {"DCR": (0, 3, 5, 1, 2, 4), "CRD": (0, 1, 3, 5, 2, 4)}
+    if mode not in perms:
+        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
+    return (b, c, h // bs, bs, w // bs, bs), perms[mode], (b, c * bs * bs, h // bs, w // bs)

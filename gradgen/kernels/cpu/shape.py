@@ -20,7 +20,14 @@ from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list, normalize_axis
 from gradgen.ops.schemas import ANY, INDICES, INT64, Formal, Schema
-from gradgen.ops.shape import reshape_dims, shape_bounds, slice_geometry, slice_index
+from gradgen.ops.shape import (
+    depth_to_space_plan,
+    reshape_dims,
+    shape_bounds,
+    slice_geometry,
+    slice_index,
+    space_to_depth_plan,
+)
 
 
 def _unique_axes(axes: list[int], rank: int, what: str = "axes") -> list[int]:
@@ -308,37 +315,14 @@ def eye_like(x, *, dtype=None, k=0):
 
 @cpu_kernel("DepthToSpace")
 def depth_to_space(x, *, blocksize, mode="DCR"):
-    if x.ndim != 4:
-        raise KernelError(f"DepthToSpace needs a 4-D NCHW input, got rank {x.ndim}")
-    b, c, h, w = x.shape
-    bs = int(blocksize)
-    if bs < 1 or c % (bs * bs):
-        raise KernelError(f"channels ({c}) must be divisible by blocksize^2 ({bs * bs})")
-    if mode == "DCR":
-        tmp = x.reshape(b, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
-    elif mode == "CRD":
-        tmp = x.reshape(b, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
-    else:
-        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
-    return tmp.reshape(b, c // (bs * bs), h * bs, w * bs)
+    blocked, perm, out_shape = depth_to_space_plan(x.shape, blocksize, mode)
+    return x.reshape(blocked).transpose(perm).reshape(out_shape)
 
 
 @cpu_kernel("SpaceToDepth")
 def space_to_depth(x, *, blocksize, mode="DCR"):
-    if x.ndim != 4:
-        raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {x.ndim}")
-    b, c, h, w = x.shape
-    bs = int(blocksize)
-    if bs < 1 or h % bs or w % bs:
-        raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
-    tmp = x.reshape(b, c, h // bs, bs, w // bs, bs)
-    if mode == "DCR":
-        tmp = tmp.transpose(0, 3, 5, 1, 2, 4)
-    elif mode == "CRD":  # mode attribute: opset 25
-        tmp = tmp.transpose(0, 1, 3, 5, 2, 4)
-    else:
-        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
-    return tmp.reshape(b, c * bs * bs, h // bs, w // bs)
+    blocked, perm, out_shape = space_to_depth_plan(x.shape, blocksize, mode)
+    return x.reshape(blocked).transpose(perm).reshape(out_shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
-from gradgen.ops.shape import reshape_dims, shape_bounds, slice_geometry
+from gradgen.ops.shape import depth_to_space_plan, reshape_dims, shape_bounds, slice_geometry, space_to_depth_plan
 
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
@@ -368,34 +368,12 @@ def _block_rearrange(x, blocked_shape, perm, out_shape):
 
 @cuda_kernel("DepthToSpace")
 def depth_to_space(x, *, blocksize, mode="DCR"):
-    if len(x.shape) != 4:
-        raise KernelError(f"DepthToSpace needs a 4-D NCHW input, got rank {len(x.shape)}")
-    b, c, h, w = x.shape
-    bs = int(blocksize)
-    if bs < 1 or c % (bs * bs):
-        raise KernelError(f"channels ({c}) must be divisible by blocksize^2 ({bs * bs})")
-    depth = c // (bs * bs)
-    if mode == "DCR":
-        blocked, perm = (b, bs, bs, depth, h, w), (0, 3, 4, 1, 5, 2)
-    elif mode == "CRD":
-        blocked, perm = (b, depth, bs, bs, h, w), (0, 1, 4, 2, 5, 3)
-    else:
-        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
-    return _block_rearrange(x, blocked, perm, (b, depth, h * bs, w * bs))
+    return _block_rearrange(x, *depth_to_space_plan(x.shape, blocksize, mode))
 
 
 @cuda_kernel("SpaceToDepth")
 def space_to_depth(x, *, blocksize, mode="DCR"):
-    if len(x.shape) != 4:
-        raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {len(x.shape)}")
-    b, c, h, w = x.shape
-    bs = int(blocksize)
-    if bs < 1 or h % bs or w % bs:
-        raise KernelError(f"height ({h}) and width ({w}) must be divisible by blocksize ({bs})")
-    perms = {"DCR": (0, 3, 5, 1, 2, 4), "CRD": (0, 1, 3, 5, 2, 4)}
-    if mode not in perms:
-        raise KernelError(f"unknown mode {mode!r}; expected DCR or CRD")
-    return _block_rearrange(x, (b, c, h // bs, bs, w // bs, bs), perms[mode], (b, c * bs * bs, h // bs, w // bs))
+    return _block_rearrange(x, *space_to_depth_plan(x.shape, blocksize, mode))
 
 
 # ---------------------------------------------------------------- SliceGrad
