@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import ModelError
+from gradgen.names import unique_name
 from gradgen.ops import schemas
 from gradgen.ops.elementwise import same_dim, static_broadcast_axes
 from gradgen.ops.shape import shape_bounds
@@ -94,12 +95,7 @@ class GraphBuilder:
 
     # -- naming ----------------------------------------------------------------------------
     def unique(self, name: str) -> str:
-        candidate, n = name, 0
-        while candidate in self._taken:
-            n += 1
-            candidate = f"{name}_{n}"
-        self._taken.add(candidate)
-        return candidate
+        return unique_name(name, self._taken)
 
     def rename(self, value: ir.Value, name: str) -> None:
         self._taken.discard(value.name)

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
 from gradgen.model_io import ModelLike, external_tensors_inline, load_model
-from gradgen.names import value_names
+from gradgen.names import unique_name, value_names
 
 ELEMENTWISE_LIMIT = 64
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
@@ -165,9 +165,9 @@ def _keep_float32_inputs(graph: onnx.GraphProto, opset: int) -> None:
             if not source or (source in restored and source in sources):
                 continue
             if source not in casts:
-                casts[source] = _fresh(f"{source}_float32", taken)
+                casts[source] = unique_name(f"{source}_float32", taken)
                 nodes.append(helper.make_node("Cast", [source], [casts[source]], to=TensorProto.FLOAT,
-                                              name=_fresh(f"{source}_to_float32", taken)))
+                                              name=unique_name(f"{source}_to_float32", taken)))
             node.input[position] = casts[source]
         nodes.append(node)
     if casts:
@@ -179,14 +179,6 @@ def _tensor_to_float32(tensor: TensorProto) -> None:
     converted = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float32), tensor.name)
     converted.doc_string = tensor.doc_string
     tensor.CopyFrom(converted)
-
-
-def _fresh(name: str, taken: set[str]) -> str:
-    candidate, k = name, 1
-    while candidate in taken:
-        candidate, k = f"{name}_{k}", k + 1
-    taken.add(candidate)
-    return candidate
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
-"""Names of onnx-ir values: onnx-ir types them ``str | None`` (a value built in code may have none yet).
+"""Names of onnx-ir values: onnx-ir types them ``str | None`` (a value built in code may have none yet),
+and fresh names that no other value or node of a graph holds.
 
 Values read from a model or emitted by a GraphBuilder always have one; these helpers give the type
 checker a ``str`` and turn a missing name into a model error instead of a later ``None`` crash.
@@ -26,3 +27,13 @@ def value_name(value: ir.Value) -> str:
 def value_names(values: Iterable[ir.Value]) -> list[str]:
     """The names of ``values``, in order (see value_name)."""
     return [value_name(v) for v in values]
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_1``, ``name_2``, ... : the first not in ``taken``, which it joins."""
+    candidate, n = name, 0
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}_{n}"
+    taken.add(candidate)
+    return candidate

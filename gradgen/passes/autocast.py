@@ -37,6 +37,7 @@ import onnx
 import onnx_ir as ir
 
 from gradgen.errors import UsageError
+from gradgen.names import unique_name
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 METADATA_KEY = "gradgen.precision"
@@ -261,11 +262,7 @@ class _Rewriter:
         return self.casts[key]
 
     def fresh(self, name: str) -> str:
-        candidate, k = name, 1
-        while candidate in self.taken:
-            candidate, k = f"{name}_{k}", k + 1
-        self.taken.add(candidate)
-        return candidate
+        return unique_name(name, self.taken)
 
     def restore_captured(self) -> None:
         """Values of this graph read inside subgraphs (If / Loop / Scan bodies) keep their type."""

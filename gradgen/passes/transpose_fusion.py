@@ -20,6 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from gradgen.builder import graph_names
+from gradgen.names import unique_name
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, MICROSOFT_OPSET
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
@@ -63,14 +64,6 @@ class TransposeFusionPass(ir.passes.InPlacePass):
                 modified |= self._fold_product_into_gemm(graph, node) or self._fold_into_readers(model, node)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _unique(self, name: str) -> str:
-        candidate, n = name, 0
-        while candidate in self._names:
-            n += 1
-            candidate = f"{name}_{n}"
-        self._names.add(candidate)
-        return candidate
-
     def _fold_into_readers(self, model: ir.Model, transpose: ir.Node) -> bool:
         w, out = transpose.inputs[0], transpose.outputs[0]
         if out.is_graph_output() or w.dtype not in _FLOATS:
@@ -91,7 +84,7 @@ class TransposeFusionPass(ir.passes.InPlacePass):
                 inputs = [w, reader.inputs[1]] if index == 0 else [reader.inputs[0], w]
                 flag = "transA" if index == 0 else "transB"
                 self._replace(reader, ir.Node(MICROSOFT_DOMAIN, "FusedMatMul", inputs, [ir.AttrInt64(flag, 1)],
-                                              name=self._unique(f"{reader.name or 'MatMul'}/fused_transpose")))
+                                              name=unique_name(f"{reader.name or 'MatMul'}/fused_transpose", self._names)))
                 model.opset_imports.setdefault(MICROSOFT_DOMAIN, MICROSOFT_OPSET)
                 changed = True
         if changed and not out.uses():
@@ -111,7 +104,7 @@ class TransposeFusionPass(ir.passes.InPlacePass):
         alpha = product.attributes.get("alpha")
         if alpha is not None:
             attrs.append(ir.AttrFloat32("alpha", float(alpha.value)))
-        swapped = ir.Node("", "Gemm", [b, a], attrs, name=self._unique(f"{product.name or 'Gemm'}/transposed"))
+        swapped = ir.Node("", "Gemm", [b, a], attrs, name=unique_name(f"{product.name or 'Gemm'}/transposed", self._names))
         self._replace(transpose, swapped)
         graph.remove(product, safe=True)
         return True
@@ -120,7 +113,7 @@ class TransposeFusionPass(ir.passes.InPlacePass):
         """Put ``new`` where ``old`` was; its output takes the old output's name, type, shape and readers."""
         old_out, new_out = old.outputs[0], new.outputs[0]
         name = old_out.name
-        old_out.name = self._unique(f"{name}/replaced")
+        old_out.name = unique_name(f"{name}/replaced", self._names)
         new_out.name = name
         new_out.type, new_out.shape = old_out.type, old_out.shape
         old.graph.insert_before(old, new)
