@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,3 +45,14 @@ def with_symbolic_batch(model: onnx.ModelProto, batch_inputs: list[str]) -> onnx
             for d in dims:
                 d.Clear()
     return copy
+
+
+def make_samples():
+    """The module samples/make_samples.py: the PyTorch classes the samples were exported from (one
+    definition for the tests that rebuild them in PyTorch)."""
+    if "make_samples" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("make_samples", ROOT / "samples" / "make_samples.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["make_samples"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["make_samples"]

@@ -3,10 +3,8 @@ backend's 16-bit floats, fp16 dynamic loss scaling in the training step, trainin
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -22,6 +20,7 @@ from gradgen.executor import Session
 from gradgen.passes.autocast import METADATA_KEY
 from gradgen.training import SGD, AdamW, ShuffledBatches, Trainer, build_training, load_arrays
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling
+from tests.model_dirs import make_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "tests/fixtures/models/gpt2_hand_legacy"
@@ -150,19 +149,10 @@ def test_cpu_backend_computes_in_float32_and_rounds():
 
 # -- against PyTorch's autocast on the CPU ---------------------------------------------------
 
-def _make_samples():
-    if "make_samples" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("make_samples", ROOT / "samples" / "make_samples.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["make_samples"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["make_samples"]
-
-
 def _torch_module(directory: Path, cls: str):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    module = getattr(_make_samples(), cls)()
+    module = getattr(make_samples(), cls)()
     mapping = json.loads((directory / "meta.json").read_text())["initializer_to_torch"]
     initializers = ir.load(str(directory / "model.onnx")).graph.initializers
     params = dict(module.named_parameters(remove_duplicate=False))

@@ -6,10 +6,8 @@ parameters, for the mlp and cnn samples and a two-block GPT-style model; the opt
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import onnx_ir as ir
 import pytest
 
 from gradgen.training import SGD, AdamW, Schedule, ShuffledBatches, Trainer, build_training
+from tests.model_dirs import make_samples
 
 torch = pytest.importorskip("torch")
 
@@ -33,16 +32,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _make_samples():
-    """The PyTorch classes the samples were exported from (one definition: samples/make_samples.py)."""
-    if "make_samples" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("make_samples", ROOT / "samples" / "make_samples.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["make_samples"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["make_samples"]
 
 
 def _mlp_data(rng, n):
@@ -69,7 +58,7 @@ def torch_model(name: str):
     """The sample's PyTorch module holding the ONNX model's initial weights, and the name map."""
     directory, cls, _, _ = MODELS[name]
     torch.manual_seed(0)
-    module = getattr(_make_samples(), cls)()
+    module = getattr(make_samples(), cls)()
     mapping = json.loads((ROOT / directory / "meta.json").read_text())["initializer_to_torch"]
     initializers = ir.load(str(ROOT / directory / "model.onnx")).graph.initializers
     params = dict(module.named_parameters(remove_duplicate=False))
