@@ -54,8 +54,10 @@ def numpy_dtype_of(x: ir.Value) -> np.dtype:
     if x.dtype is None:
         producer = x.producer()
         made_by = f" (output of {producer.op_type} node {producer.name!r})" if producer is not None else ""
-        raise ModelError(f"the element type of {x.name!r}{made_by} is unknown: ONNX shape inference could not "
-                         "tell it; declare it in the model's value_info")
+        raise ModelError(
+            f"the element type of {x.name!r}{made_by} is unknown: ONNX shape inference could not "
+            "tell it; declare it in the model's value_info"
+        )
     return np.dtype(x.dtype.numpy())
 
 
@@ -78,8 +80,17 @@ class GraphBuilder:
     ``nodes`` without adding them to the graph.
     """
 
-    def __init__(self, graph: ir.Graph, opset: int, *, names: set[str] | None = None, constants: dict | None = None,
-                 prefix: str = "Grad", const_prefix: str = "gradgen/const", append: bool = True):
+    def __init__(
+        self,
+        graph: ir.Graph,
+        opset: int,
+        *,
+        names: set[str] | None = None,
+        constants: dict | None = None,
+        prefix: str = "Grad",
+        const_prefix: str = "gradgen/const",
+        append: bool = True,
+    ):
         self.graph = graph
         self.opset = opset
         self.prefix = prefix
@@ -113,8 +124,15 @@ class GraphBuilder:
         """Emit one node with one output and return that output."""
         return self.op_multi(op_type, list(inputs), 1, domain=domain, **attributes)[0]
 
-    def op_multi(self, op_type: str, inputs: Sequence[ir.Value | None], num_outputs: int,
-                 domain: str = "", output_names: Sequence[str] | None = None, **attributes: Any) -> list[ir.Value]:
+    def op_multi(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        num_outputs: int,
+        domain: str = "",
+        output_names: Sequence[str] | None = None,
+        **attributes: Any,
+    ) -> list[ir.Value]:
         """Emit one node with ``num_outputs`` outputs; an output named "" is an omitted optional one."""
         attributes = {k: v for k, v in attributes.items() if v is not None}
         if domain == MICROSOFT:
@@ -137,9 +155,12 @@ class GraphBuilder:
         key = (arr.dtype.str, arr.shape, arr.tobytes())
         if key not in self._constants:
             name = self.unique(self.const_prefix)
-            value = ir.Value(name=name, shape=ir.Shape(arr.shape),
-                             type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
-                             const_value=ir.Tensor(arr, name=name))
+            value = ir.Value(
+                name=name,
+                shape=ir.Shape(arr.shape),
+                type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+                const_value=ir.Tensor(arr, name=name),
+            )
             self.graph.register_initializer(value)
             self._constants[key] = value
         value = self._constants[key]
@@ -260,8 +281,14 @@ class GraphBuilder:
         return self.op("Where", negative, self.op("Add", idx, size), idx)
 
     # -- opset-aware helpers ---------------------------------------------------------------
-    def reduce(self, op_type: str, x: ir.Value, axes: Sequence[int] | ir.Value | None,
-               keepdims: int = 1, noop_with_empty_axes: int | None = None) -> ir.Value:
+    def reduce(
+        self,
+        op_type: str,
+        x: ir.Value,
+        axes: Sequence[int] | ir.Value | None,
+        keepdims: int = 1,
+        noop_with_empty_axes: int | None = None,
+    ) -> ir.Value:
         """ReduceSum/Mean/Max/...: axes as an input from opset 13 (Sum) or 18 (others)."""
         axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
         if axes is None:

@@ -134,7 +134,7 @@ def _keep_float32_inputs(graph: onnx.GraphProto, opset: int) -> None:
     """
     for node in graph.node:
         for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
                 _keep_float32_inputs(sub, opset)
     uses: dict[str, list[bool]] = {}
     for node in graph.node:
@@ -166,8 +166,11 @@ def _keep_float32_inputs(graph: onnx.GraphProto, opset: int) -> None:
                 continue
             if source not in casts:
                 casts[source] = unique_name(f"{source}_float32", taken)
-                nodes.append(helper.make_node("Cast", [source], [casts[source]], to=TensorProto.FLOAT,
-                                              name=unique_name(f"{source}_to_float32", taken)))
+                nodes.append(
+                    helper.make_node(
+                        "Cast", [source], [casts[source]], to=TensorProto.FLOAT, name=unique_name(f"{source}_to_float32", taken)
+                    )
+                )
             node.input[position] = casts[source]
         nodes.append(node)
     if casts:
@@ -195,8 +198,12 @@ def _float32_only_inputs(op_type: str, domain: str, opset: int) -> tuple[int, ..
     positions = []
     for position, formal in enumerate(schema.inputs):
         types = allowed.get(formal.type_str, {formal.type_str})
-        if ("tensor(float)" in types and "tensor(double)" not in types and formal.type_str not in output_types
-                and all(t in _NARROW_FLOAT_TYPE_STRS for t in types)):
+        if (
+            "tensor(float)" in types
+            and "tensor(double)" not in types
+            and formal.type_str not in output_types
+            and all(t in _NARROW_FLOAT_TYPE_STRS for t in types)
+        ):
             positions.append(position)
     return tuple(positions)
 
@@ -243,9 +250,18 @@ class CheckReport:
 
     def format(self) -> str:
         header = ("tensor", "shape", "compared", "max abs err", "max rel err", "tolerance", "verdict")
-        rows = [(t.name, str(list(t.shape)), t.method, f"{t.max_abs_err:.3g}", f"{t.max_rel_err:.3g}",
-                 f"{t.tolerance:.3g}", ("PASS" if t.passed else "FAIL") + (f" ({t.note})" if t.note else ""))
-                for t in self.tensors]
+        rows = [
+            (
+                t.name,
+                str(list(t.shape)),
+                t.method,
+                f"{t.max_abs_err:.3g}",
+                f"{t.max_rel_err:.3g}",
+                f"{t.tolerance:.3g}",
+                ("PASS" if t.passed else "FAIL") + (f" ({t.note})" if t.note else ""),
+            )
+            for t in self.tensors
+        ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -310,9 +326,11 @@ def check_gradients(
     base = {**initial, **feeds}  # a fed value overrides an initializer that is also a graph input
     probe = fd_session.run(base, outputs=[loss_name])[loss_name]
     if not np.all(np.isfinite(probe)):
-        raise RunError(f"the loss {loss_name!r} is not finite at these inputs ({_summary(probe)}; inputs: "
-                       f"{_describe(feeds) or 'none'}), so its gradient cannot be checked there; "
-                       "choose other inputs (--inputs, or another --seed or --dim)")
+        raise RunError(
+            f"the loss {loss_name!r} is not finite at these inputs ({_summary(probe)}; inputs: "
+            f"{_describe(feeds) or 'none'}), so its gradient cannot be checked there; "
+            "choose other inputs (--inputs, or another --seed or --dim)"
+        )
     cotangent = None
     grad_feeds = dict(feeds)
     seed_name = f"{loss_name}_grad"
@@ -330,8 +348,9 @@ def check_gradients(
         x = np.asarray(base[name], dtype=np.float64)
         got = np.asarray(results[f"{name}_grad"])
         if got.shape != x.shape:
-            checks.append(TensorCheck(name, x.shape, "-", float("inf"), float("inf"), 0.0, False,
-                                      f"gradient shape {list(got.shape)}"))
+            checks.append(
+                TensorCheck(name, x.shape, "-", float("inf"), float("inf"), 0.0, False, f"gradient shape {list(got.shape)}")
+            )
             continue
         checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol))
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
@@ -416,10 +435,20 @@ def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> Te
     elif non_finite:
         notes.append("the loss is not finite near these inputs")
     if kinks:
-        notes.append(f"at a kink: {kinks} failed comparison(s) where the one-sided differences disagree and the "
-                     "gradient matches one side")
-    return TensorCheck(name, x.shape, " + ".join(parts) or "nothing (empty)", abs_err, rel_err, tolerance, passed,
-                       "; ".join(notes), kink=bool(kinks))
+        notes.append(
+            f"at a kink: {kinks} failed comparison(s) where the one-sided differences disagree and the gradient matches one side"
+        )
+    return TensorCheck(
+        name,
+        x.shape,
+        " + ".join(parts) or "nothing (empty)",
+        abs_err,
+        rel_err,
+        tolerance,
+        passed,
+        "; ".join(notes),
+        kink=bool(kinks),
+    )
 
 
 def _as_declared_float(array: np.ndarray, dtype: ir.DataType | None) -> np.ndarray:

@@ -97,11 +97,13 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-_PROGRESS = typer.Option(None, "--progress/--no-progress",
-                         help="Say what is being done on stderr. Default: only when stderr is a terminal.")
+_PROGRESS = typer.Option(
+    None, "--progress/--no-progress", help="Say what is being done on stderr. Default: only when stderr is a terminal."
+)
 _SEED = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs.")
-_DIM = typer.Option(None, "--dim", help="NAME=VALUE for a symbolic dimension of the model's inputs, "
-                    "with --random-inputs (repeatable).")
+_DIM = typer.Option(
+    None, "--dim", help="NAME=VALUE for a symbolic dimension of the model's inputs, with --random-inputs (repeatable)."
+)
 
 
 @app.callback()
@@ -117,24 +119,39 @@ def build_backward(
     model: Path = typer.Argument(..., help="Forward ONNX model whose graph computes the loss."),
     out: Path = typer.Option(..., "-o", "--output", help="Where to write the forward+backward model (never MODEL)."),
     loss: Optional[str] = typer.Option(
-        None, "--loss", help="Graph output to differentiate. Default: the only scalar float output. "
-        "A non-scalar output gives a vector-Jacobian product: OUT gets a graph input <loss>_grad."),
+        None,
+        "--loss",
+        help="Graph output to differentiate. Default: the only scalar float output. "
+        "A non-scalar output gives a vector-Jacobian product: OUT gets a graph input <loss>_grad.",
+    ),
     wrt: Optional[List[str]] = typer.Option(
-        None, "--wrt", help="Differentiate with respect to this tensor (repeatable). "
-        "Default: every float initializer the loss depends on."),
+        None,
+        "--wrt",
+        help="Differentiate with respect to this tensor (repeatable). Default: every float initializer the loss depends on.",
+    ),
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Exclude this tensor (repeatable)."),
     wrt_inputs: bool = typer.Option(False, "--wrt-inputs", help="Also differentiate with respect to every float graph input."),
     portable: bool = typer.Option(
-        False, "--portable", help="Lower the com.microsoft gradient ops to standard ONNX ops, so that any ONNX "
-        "runtime (e.g. stock onnxruntime) can run OUT."),
+        False,
+        "--portable",
+        help="Lower the com.microsoft gradient ops to standard ONNX ops, so that any ONNX "
+        "runtime (e.g. stock onnxruntime) can run OUT.",
+    ),
     add_loss: Optional[str] = typer.Option(
-        None, "--add-loss", help="Append a loss (cross_entropy, mse, l1, bce_with_logits) to the output named by "
-        "--loss-output and differentiate it; its target becomes a graph input (labels or target)."),
-    loss_output: Optional[str] = typer.Option(None, "--loss-output", help="With --add-loss: the output (logits, "
-                                              "predictions) the loss reads."),
+        None,
+        "--add-loss",
+        help="Append a loss (cross_entropy, mse, l1, bce_with_logits) to the output named by "
+        "--loss-output and differentiate it; its target becomes a graph input (labels or target).",
+    ),
+    loss_output: Optional[str] = typer.Option(
+        None, "--loss-output", help="With --add-loss: the output (logits, predictions) the loss reads."
+    ),
     precision: str = typer.Option(
-        "fp32", "--precision", help="fp32 (default), tf32 (fp32 graph; TF32 GEMMs requested of the GPU), bf16 or "
-        "fp16: torch.autocast's mixed precision as Casts in the graph, parameters and gradients stay float32."),
+        "fp32",
+        "--precision",
+        help="fp32 (default), tf32 (fp32 graph; TF32 GEMMs requested of the GPU), bf16 or "
+        "fp16: torch.autocast's mixed precision as Casts in the graph, parameters and gradients stay float32.",
+    ),
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
@@ -148,8 +165,16 @@ def build_backward(
     started = time.perf_counter()
     _progress(f"building the backward graph of {model}" + (" (portable)" if portable else ""))
     with _warnings_as_notes():
-        result = build(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs, portable=portable,
-                       add_loss=_loss_spec(add_loss, loss_output), precision=precision)
+        result = build(
+            model,
+            loss=loss,
+            wrt=wrt,
+            freeze=freeze or (),
+            wrt_inputs=wrt_inputs,
+            portable=portable,
+            add_loss=_loss_spec(add_loss, loss_output),
+            precision=precision,
+        )
     _progress(f"writing {out}")
     save_model(result.model, out)
     seconds = time.perf_counter() - started
@@ -185,26 +210,44 @@ def run(
     device: str = typer.Option("auto", "--device", help="auto (CUDA if a GPU answers, else CPU), cpu or cuda."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Save every graph output to this .npz."),
     compare: Optional[Path] = typer.Option(
-        None, "--compare", help="Reference .npz (e.g. PyTorch's gradients): compare the outputs its keys name; "
-        "exit 4 if any differs beyond the tolerance or if a key names no output."),
+        None,
+        "--compare",
+        help="Reference .npz (e.g. PyTorch's gradients): compare the outputs its keys name; "
+        "exit 4 if any differs beyond the tolerance or if a key names no output.",
+    ),
     rtol: Optional[float] = typer.Option(
-        None, "--rtol", callback=_finite_non_negative_or_none, show_default=False,
+        None,
+        "--rtol",
+        callback=_finite_non_negative_or_none,
+        show_default=False,
         help="--compare: tolerance relative to each reference element. Default per the model's precision: "
-        "1e-4 (fp32, tf32), 1e-3 (fp16), 1e-2 (bf16)."),
+        "1e-4 (fp32, tf32), 1e-3 (fp16), 1e-2 (bf16).",
+    ),
     atol: Optional[float] = typer.Option(
-        None, "--atol", callback=_finite_non_negative_or_none, show_default=False,
+        None,
+        "--atol",
+        callback=_finite_non_negative_or_none,
+        show_default=False,
         help="--compare: tolerance as a fraction of the tensor's scale (max(max|ref|, max|got|, floor * largest "
-        "|gradient| of the model)). Default per the model's precision: 1e-5 (fp32, tf32), 1e-2 (fp16), 5e-2 (bf16)."),
-    floor: float = typer.Option(0.1, "--floor", callback=_finite_non_negative,
-                                help="--compare: a tensor's scale is at least this fraction of the largest |value| "
-                                "among the compared gradients, so that a gradient that is zero up to float "
-                                "rounding passes."),
-    torch_names: bool = typer.Option(False, "--torch-names",
-                                     help="--compare: a reference key w that names no output is compared with the "
-                                     "output w_grad (gradients saved under PyTorch's parameter names)."),
-    skip_unmatched: bool = typer.Option(False, "--skip-unmatched",
-                                        help="--compare: reference keys that name no output are listed but not an "
-                                        "error."),
+        "|gradient| of the model)). Default per the model's precision: 1e-5 (fp32, tf32), 1e-2 (fp16), 5e-2 (bf16).",
+    ),
+    floor: float = typer.Option(
+        0.1,
+        "--floor",
+        callback=_finite_non_negative,
+        help="--compare: a tensor's scale is at least this fraction of the largest |value| "
+        "among the compared gradients, so that a gradient that is zero up to float "
+        "rounding passes.",
+    ),
+    torch_names: bool = typer.Option(
+        False,
+        "--torch-names",
+        help="--compare: a reference key w that names no output is compared with the "
+        "output w_grad (gradients saved under PyTorch's parameter names).",
+    ),
+    skip_unmatched: bool = typer.Option(
+        False, "--skip-unmatched", help="--compare: reference keys that name no output are listed but not an error."
+    ),
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Run MODEL on gradgen's executor and print a table of its outputs."""
@@ -238,20 +281,41 @@ def run(
     typer.echo(f"ran on {session.device} in {seconds:.3f} s")
     memory = session.memory_stats()
     if memory:
-        typer.echo(f"device memory: planned arena {_format_bytes(memory['planned_bytes'])} (live-set lower bound "
-                   f"{_format_bytes(memory['peak_live_bytes'])}), peak held by the run "
-                   f"{_format_bytes(memory['peak_held_bytes'])}")
+        typer.echo(
+            f"device memory: planned arena {_format_bytes(memory['planned_bytes'])} (live-set lower bound "
+            f"{_format_bytes(memory['peak_live_bytes'])}), peak held by the run "
+            f"{_format_bytes(memory['peak_held_bytes'])}"
+        )
     if out is not None:
         _progress(f"writing {out}")
         save_npz(out, results)
         typer.echo(f"wrote {len(results)} output(s) to {out}")
     if reference is not None:
-        _compare(session, feeds, results, reference, rtol=rtol, atol=atol, floor=floor, torch_names=torch_names,
-                 skip_unmatched=skip_unmatched)
+        _compare(
+            session,
+            feeds,
+            results,
+            reference,
+            rtol=rtol,
+            atol=atol,
+            floor=floor,
+            torch_names=torch_names,
+            skip_unmatched=skip_unmatched,
+        )
 
 
-def _compare(session, feeds, results, reference, *, rtol: Optional[float], atol: Optional[float], floor: float,
-             torch_names: bool, skip_unmatched: bool) -> None:
+def _compare(
+    session,
+    feeds,
+    results,
+    reference,
+    *,
+    rtol: Optional[float],
+    atol: Optional[float],
+    floor: float,
+    torch_names: bool,
+    skip_unmatched: bool,
+) -> None:
     """Print the comparison with the reference; raise RunError on a mismatch or an unmatched key.
 
     A tolerance not given (None) is the default for the model's precision (``compare.resolve_tolerance``)."""
@@ -259,12 +323,21 @@ def _compare(session, feeds, results, reference, *, rtol: Optional[float], atol:
     from gradgen.errors import RunError
 
     tolerance = resolve_tolerance(session.model, rtol, atol)
-    comparison = compare_outputs(results, reference, rtol=tolerance.rtol, atol=tolerance.atol, floor=floor,
-                                 torch_names=torch_names, defaults=tolerance.source)
+    comparison = compare_outputs(
+        results,
+        reference,
+        rtol=tolerance.rtol,
+        atol=tolerance.atol,
+        floor=floor,
+        torch_names=torch_names,
+        defaults=tolerance.source,
+    )
     if not comparison.rows:
         hint = f"; {comparison.hint}" if comparison.hint else ""
-        raise RunError(f"the reference's keys ({', '.join(comparison.unmatched) or 'none'}) name none of the model's "
-                       f"outputs ({', '.join(results)}){hint}")
+        raise RunError(
+            f"the reference's keys ({', '.join(comparison.unmatched) or 'none'}) name none of the model's "
+            f"outputs ({', '.join(results)}){hint}"
+        )
     typer.echo("")
     typer.echo(comparison.format())
     if comparison.unmatched:
@@ -308,7 +381,7 @@ def _stats(value, chunk: int = 1 << 20) -> Optional[tuple[float, float, float, f
     flat = value.reshape(-1)
     low, high, total, squares = math.inf, -math.inf, 0.0, 0.0
     for start in range(0, flat.size, chunk):
-        part = flat[start:start + chunk].astype(np.float64)
+        part = flat[start : start + chunk].astype(np.float64)
         low, high = min(low, float(part.min())), max(high, float(part.max()))
         total += float(part.sum())
         squares += float(np.dot(part, part))
@@ -316,9 +389,12 @@ def _stats(value, chunk: int = 1 << 20) -> Optional[tuple[float, float, float, f
 
 
 @app.command("ops")
-def ops(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of objects."),
-        signatures: bool = typer.Option(False, "--signatures",
-                                        help="Print the signatures of the com.microsoft ops gradgen emits instead.")) -> None:
+def ops(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of objects."),
+    signatures: bool = typer.Option(
+        False, "--signatures", help="Print the signatures of the com.microsoft ops gradgen emits instead."
+    ),
+) -> None:
     """List every op gradgen knows: gradient rule, CPU kernel, CUDA kernel."""
     from gradgen.support import microsoft_signatures, supported_ops
 
@@ -331,8 +407,10 @@ def ops(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of
         typer.echo(json.dumps(table, indent=1))
         return
     header = ("domain", "op_type", "gradient", "cpu", "cuda")
-    rows = [(r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no",
-             "yes" if r["cuda"] else "no") for r in table]
+    rows = [
+        (r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no", "yes" if r["cuda"] else "no")
+        for r in table
+    ]
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -351,8 +429,9 @@ def check(
     seed: int = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs and the random directions."),
     dim: Optional[List[str]] = _DIM,
     samples: int = typer.Option(3, "--samples", min=1, help="Random directions per tensor."),
-    rtol: float = typer.Option(1e-5, "--rtol", callback=_finite_non_negative,
-                               help="Tolerance relative to the size of the compared gradient."),
+    rtol: float = typer.Option(
+        1e-5, "--rtol", callback=_finite_non_negative, help="Tolerance relative to the size of the compared gradient."
+    ),
     atol: float = typer.Option(1e-7, "--atol", callback=_finite_non_negative, help="Absolute tolerance."),
     device: str = typer.Option("cpu", "--device", help="auto, cpu or cuda."),
     progress: Optional[bool] = _PROGRESS,
@@ -366,23 +445,40 @@ def check(
     started = time.perf_counter()
     _progress(f"checking the gradients of {model} against float64 finite differences")
     with _warnings_as_notes():
-        report = check_gradients(model, loss=loss, wrt=wrt, freeze=freeze or (), wrt_inputs=wrt_inputs,
-                                 inputs=inputs, random_inputs=random_inputs, seed=seed, dims=dims,
-                                 samples=samples, rtol=rtol, atol=atol, device=device)
+        report = check_gradients(
+            model,
+            loss=loss,
+            wrt=wrt,
+            freeze=freeze or (),
+            wrt_inputs=wrt_inputs,
+            inputs=inputs,
+            random_inputs=random_inputs,
+            seed=seed,
+            dims=dims,
+            samples=samples,
+            rtol=rtol,
+            atol=atol,
+            device=device,
+        )
     typer.echo(f"loss: {report.loss} (float64, central differences, eps={report.eps:g})")
     typer.echo(report.format())
     seconds = time.perf_counter() - started
     if not report.passed:
         kinked = [t.name for t in report.tensors if not t.passed and t.kink]
-        why = (f"; {', '.join(kinked)} at a kink of the loss (not differentiable at these inputs, so the finite "
-               "differences may be the cause: try another --seed or other inputs)" if kinked else "")
-        raise RunError(f"gradient check failed for {len(report.failures)} of {len(report.tensors)} tensor(s): "
-                       f"{', '.join(report.failures)}{why}")
+        why = (
+            f"; {', '.join(kinked)} at a kink of the loss (not differentiable at these inputs, so the finite "
+            "differences may be the cause: try another --seed or other inputs)"
+            if kinked
+            else ""
+        )
+        raise RunError(
+            f"gradient check failed for {len(report.failures)} of {len(report.tensors)} tensor(s): "
+            f"{', '.join(report.failures)}{why}"
+        )
     typer.echo(f"all {len(report.tensors)} gradient(s) match finite differences ({seconds:.2f} s)")
 
 
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                         "help_option_names": []})
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def bench(ctx: typer.Context) -> None:
     """Time gradgen against PyTorch and ONNX Runtime: GPU kernels, real-size training steps (--only e2e),
     the CPU path (--only cpu). 'gradgen bench --help' lists the groups and options."""

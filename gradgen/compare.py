@@ -80,16 +80,26 @@ class Comparison:
 
     def format(self) -> str:
         header = ("output", "reference key", "max abs err", "err / scale", "scale", "verdict")
-        rows = [(r.output, r.key, f"{r.max_abs_err:.3g}", f"{r.rel_err:.3g}", f"{r.scale:.3g}",
-                 ("ok" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")) for r in self.rows]
+        rows = [
+            (
+                r.output,
+                r.key,
+                f"{r.max_abs_err:.3g}",
+                f"{r.rel_err:.3g}",
+                f"{r.scale:.3g}",
+                ("ok" if r.passed else "FAIL") + (f" ({r.note})" if r.note else ""),
+            )
+            for r in self.rows
+        ]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
 
-def match_reference(outputs: Sequence[str], keys: Sequence[str], torch_names: bool = False
-                    ) -> tuple[list[tuple[str, str]], list[str]]:
+def match_reference(
+    outputs: Sequence[str], keys: Sequence[str], torch_names: bool = False
+) -> tuple[list[tuple[str, str]], list[str]]:
     """(output, key) pairs and the keys that match no output."""
     names = set(outputs)
     pairs, unmatched = [], []
@@ -136,8 +146,12 @@ def compare_precision(model: ir.Model) -> str:
     if recorded in DEFAULT_TOLERANCES:
         return recorded
     graph = model.graph
-    values = [*graph.inputs, *graph.outputs, *graph.initializers.values(),
-              *(v for node in ir.traversal.RecursiveGraphIterator(graph) for v in node.outputs)]
+    values = [
+        *graph.inputs,
+        *graph.outputs,
+        *graph.initializers.values(),
+        *(v for node in ir.traversal.RecursiveGraphIterator(graph) for v in node.outputs),
+    ]
     found = {v.dtype for v in values}
     return next((name for dtype, name in _LOW_PRECISION.items() if dtype in found), "fp32")
 
@@ -147,16 +161,22 @@ def resolve_tolerance(model: ir.Model, rtol: float | None, atol: float | None) -
     precision = compare_precision(model)
     default_rtol, default_atol = DEFAULT_TOLERANCES[precision]
     defaulted = tuple(name for name, given in (("rtol", rtol), ("atol", atol)) if given is None)
-    return Tolerance(default_rtol if rtol is None else rtol, default_atol if atol is None else atol,
-                     precision, defaulted)
+    return Tolerance(default_rtol if rtol is None else rtol, default_atol if atol is None else atol, precision, defaulted)
 
 
 # -- comparison ------------------------------------------------------------------------------------
 
 
-def compare_outputs(results: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *,
-                    rtol: float, atol: float, floor: float, torch_names: bool = False,
-                    defaults: str = "") -> Comparison:
+def compare_outputs(
+    results: Mapping[str, np.ndarray],
+    reference: Mapping[str, np.ndarray],
+    *,
+    rtol: float,
+    atol: float,
+    floor: float,
+    torch_names: bool = False,
+    defaults: str = "",
+) -> Comparison:
     """Compare every output that a reference key names (see the module docstring for the tolerance).
 
     ``defaults`` says which tolerances are defaults (``Tolerance.source``), for the messages."""
@@ -179,11 +199,11 @@ def _max_abs(array: np.ndarray) -> float:
     return float(finite.max(initial=0.0))
 
 
-def _compare_one(output: str, key: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float,
-                 floor: float) -> TensorComparison:
+def _compare_one(
+    output: str, key: str, got: np.ndarray, want: np.ndarray, rtol: float, atol: float, floor: float
+) -> TensorComparison:
     if got.shape != want.shape:
-        return TensorComparison(output, key, float("inf"), 0.0, False,
-                                f"shape {list(got.shape)}, reference {list(want.shape)}")
+        return TensorComparison(output, key, float("inf"), 0.0, False, f"shape {list(got.shape)}, reference {list(want.shape)}")
     g, w = got.astype(np.float64), want.astype(np.float64)
     scale = max(_max_abs(w), _max_abs(g), floor)
     same_special = (np.isnan(g) & np.isnan(w)) | (np.isinf(g) & (g == w))
@@ -231,7 +251,8 @@ def _kink_operands(graph: ir.Graph) -> list[tuple[str, list[ir.Value]]]:
     # A backward graph repeats the forward's kinks (Relu's gradient is a Greater of the same input
     # against 0): count each set of non-constant operands once.
     constant = {v.name for v in graph.initializers.values()} | {
-        n.outputs[0].name for n in graph if n.op_type == "Constant" and n.outputs}
+        n.outputs[0].name for n in graph if n.op_type == "Constant" and n.outputs
+    }
     kept, seen = [], set()
     for label, values in found:
         if any(v.dtype is not None and not v.dtype.is_floating_point() for v in values):
@@ -259,8 +280,7 @@ def _run_with_values(session, feeds: Mapping[str, np.ndarray], names: Sequence[s
     return values
 
 
-def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequence[str],
-               device: str = "cpu") -> KinkFlips | None:
+def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequence[str], device: str = "cpu") -> KinkFlips | None:
     """Run ``model`` in its own precision and as a float64 copy; count elements on different sides.
 
     Returns None when the model has no non-smooth op on floats. Raises GradgenError when the float64
@@ -291,8 +311,13 @@ def kink_flips(model: ir.Model, feeds: Mapping[str, np.ndarray], outputs: Sequen
     return KinkFlips(by_node, {name: high[name] for name in outputs})
 
 
-def diagnose_kinks(model: ir.Model, feeds: Mapping[str, np.ndarray], comparison: Comparison,
-                   reference: Mapping[str, np.ndarray], device: str = "cpu") -> list[str]:
+def diagnose_kinks(
+    model: ir.Model,
+    feeds: Mapping[str, np.ndarray],
+    comparison: Comparison,
+    reference: Mapping[str, np.ndarray],
+    device: str = "cpu",
+) -> list[str]:
     """Notes saying whether failed outputs may come from kinks decided by float rounding."""
     failed = [row for row in comparison.rows if not row.passed and not row.note.startswith("shape")]
     if not failed:
@@ -304,17 +329,28 @@ def diagnose_kinks(model: ir.Model, feeds: Mapping[str, np.ndarray], comparison:
     if flips is None:
         return []
     if not flips.total:
-        return ["no input of a non-smooth op (Relu, Max, Abs, Clip, ...) changes side between float32 and "
-                "float64 runs: the differences do not come from kinks decided by rounding"]
+        return [
+            "no input of a non-smooth op (Relu, Max, Abs, Clip, ...) changes side between float32 and "
+            "float64 runs: the differences do not come from kinks decided by rounding"
+        ]
     shown = sorted(flips.by_node.items(), key=lambda item: -item[1])
     listed = ", ".join(f"{label}: {count}" for label, count in shown[:5])
     more = f" and {len(shown) - 5} more node(s)" if len(shown) > 5 else ""
-    notes = [f"{flips.total} input element(s) of non-smooth ops lie on the other side of their kink in a float64 run "
-             f"of this graph ({listed}{more}): rounding decides them, so the gradients may legitimately differ there"]
+    notes = [
+        f"{flips.total} input element(s) of non-smooth ops lie on the other side of their kink in a float64 run "
+        f"of this graph ({listed}{more}): rounding decides them, so the gradients may legitimately differ there"
+    ]
     agree = []
     for row in failed:
-        rerun = _compare_one(row.output, row.key, flips.float64[row.output], np.asarray(reference[row.key]),
-                             comparison.rtol, comparison.atol, row.scale)
+        rerun = _compare_one(
+            row.output,
+            row.key,
+            flips.float64[row.output],
+            np.asarray(reference[row.key]),
+            comparison.rtol,
+            comparison.atol,
+            row.scale,
+        )
         if rerun.passed:
             agree.append(row.output)
     if agree:
@@ -326,15 +362,30 @@ def require_match(comparison: Comparison, skip_unmatched: bool) -> None:
     """Raise RunError naming every failed output and, unless skipped, every unmatched key."""
     problems = []
     if comparison.failures:
-        problems.append(f"{len(comparison.failures)} output(s) differ from the reference: "
-                        f"{', '.join(comparison.failures)} (beyond {comparison.tolerance})")
+        problems.append(
+            f"{len(comparison.failures)} output(s) differ from the reference: "
+            f"{', '.join(comparison.failures)} (beyond {comparison.tolerance})"
+        )
     if comparison.unmatched and not skip_unmatched:
         hint = f"; {comparison.hint}" if comparison.hint else ""
-        problems.append(f"{len(comparison.unmatched)} reference key(s) match no output and were not compared: "
-                        f"{', '.join(comparison.unmatched)} (--skip-unmatched accepts that{hint})")
+        problems.append(
+            f"{len(comparison.unmatched)} reference key(s) match no output and were not compared: "
+            f"{', '.join(comparison.unmatched)} (--skip-unmatched accepts that{hint})"
+        )
     if problems:
         raise RunError("; ".join(problems))
 
 
-__all__ = ["DEFAULT_TOLERANCES", "Comparison", "TensorComparison", "Tolerance", "compare_outputs", "compare_precision",
-           "diagnose_kinks", "kink_flips", "match_reference", "require_match", "resolve_tolerance"]
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "Comparison",
+    "TensorComparison",
+    "Tolerance",
+    "compare_outputs",
+    "compare_precision",
+    "diagnose_kinks",
+    "kink_flips",
+    "match_reference",
+    "require_match",
+    "resolve_tolerance",
+]

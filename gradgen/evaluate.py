@@ -30,8 +30,7 @@ from gradgen.ops.attributes import node_attributes
 from gradgen.ops.shape import shape_bounds
 
 MAX_ELEMENTS = 4096
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                        "Multinomial"})
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"})
 STANDARD_DOMAINS = ("", "ai.onnx")
 
 
@@ -73,13 +72,15 @@ def _constant_attribute(key: str, value) -> np.ndarray:
 
 def is_float_parameter(value: ir.Value) -> bool:
     """A float initializer: a model parameter (float results computed from it are not folded)."""
-    return (value.const_value is not None and value.producer() is None
-            and np.dtype(value.const_value.dtype.numpy()).kind == "f")
+    return value.const_value is not None and value.producer() is None and np.dtype(value.const_value.dtype.numpy()).kind == "f"
 
 
 def foldable_op(node: ir.Node) -> bool:
-    return (node.domain in STANDARD_DOMAINS and node.op_type not in RANDOM_OPS
-            and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()))
+    return (
+        node.domain in STANDARD_DOMAINS
+        and node.op_type not in RANDOM_OPS
+        and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+    )
 
 
 class ConstantEvaluator:
@@ -151,7 +152,10 @@ class ConstantEvaluator:
         results = results[: len(node.outputs)]
         if any(r.size > self.max_elements for r in results):
             return None
-        if not self.parameters and any(r.dtype.kind in "fc" for r in results) and any(
-                v is not None and is_float_parameter(v) for v in node.inputs):
+        if (
+            not self.parameters
+            and any(r.dtype.kind in "fc" for r in results)
+            and any(v is not None and is_float_parameter(v) for v in node.inputs)
+        ):
             return None
         return results

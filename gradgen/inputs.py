@@ -147,8 +147,9 @@ def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None 
         try:
             feeds[value_name(value)] = _draw(rng, value, shape, dtype, dims)
         except MemoryError:
-            raise UsageError(f"input {value.name!r}: not enough memory for shape {list(shape)}; "
-                             "choose smaller --dim values") from None
+            raise UsageError(
+                f"input {value.name!r}: not enough memory for shape {list(shape)}; choose smaller --dim values"
+            ) from None
     return feeds
 
 
@@ -163,9 +164,11 @@ def _check_fits_in_memory(wanted) -> None:
     if total > memory:
         name = max(sizes, key=sizes.__getitem__)
         shape = next(list(shape) for value, shape, _ in wanted if value.name == name)
-        raise UsageError(f"the random inputs would take {_bytes(total)} (input {name!r}, shape {shape}: "
-                         f"{_bytes(sizes[name])}), more than this machine's {_bytes(memory)} of memory; "
-                         "choose smaller --dim values")
+        raise UsageError(
+            f"the random inputs would take {_bytes(total)} (input {name!r}, shape {shape}: "
+            f"{_bytes(sizes[name])}), more than this machine's {_bytes(memory)} of memory; "
+            "choose smaller --dim values"
+        )
 
 
 def _bytes(n: float) -> str:
@@ -241,11 +244,32 @@ _POSITIVE_INPUTS = {"BatchNormalization": 4, "Sqrt": 0, "Log": 0}
 
 # Integer inputs that are shapes, axes, counts or positions of an op: random values would be meaningless.
 _SHAPE_LIKE_INPUTS = {
-    "Reshape": {1}, "Expand": {1}, "Tile": {1}, "ConstantOfShape": {0}, "Slice": {1, 2, 3, 4}, "Pad": {1, 3},
-    "Range": {0, 1, 2}, "Resize": {3}, "Unsqueeze": {1}, "Squeeze": {1}, "ReduceSum": {1},
-    "ReduceMean": {1}, "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1}, "ReduceL1": {1}, "ReduceL2": {1},
-    "ReduceLogSum": {1}, "ReduceLogSumExp": {1}, "ReduceSumSquare": {1}, "Split": {1}, "TopK": {1},
-    "OneHot": {1}, "CumSum": {1}, "Trilu": {1}, "CenterCropPad": {1, 2},
+    "Reshape": {1},
+    "Expand": {1},
+    "Tile": {1},
+    "ConstantOfShape": {0},
+    "Slice": {1, 2, 3, 4},
+    "Pad": {1, 3},
+    "Range": {0, 1, 2},
+    "Resize": {3},
+    "Unsqueeze": {1},
+    "Squeeze": {1},
+    "ReduceSum": {1},
+    "ReduceMean": {1},
+    "ReduceMax": {1},
+    "ReduceMin": {1},
+    "ReduceProd": {1},
+    "ReduceL1": {1},
+    "ReduceL2": {1},
+    "ReduceLogSum": {1},
+    "ReduceLogSumExp": {1},
+    "ReduceSumSquare": {1},
+    "Split": {1},
+    "TopK": {1},
+    "OneHot": {1},
+    "CumSum": {1},
+    "Trilu": {1},
+    "CenterCropPad": {1, 2},
 }
 
 
@@ -262,9 +286,11 @@ def _consumers(value: ir.Value, depth: int = 0, through=_PASS_THROUGH):
 def _refuse_shape_like(value: ir.Value) -> None:
     for node, position in _consumers(value):
         if position in _SHAPE_LIKE_INPUTS.get(node.op_type, ()) and node.domain in ("", "ai.onnx"):
-            raise UsageError(f"input {value.name!r} feeds input {position} of {node.op_type} node "
-                             f"{node.name or '<unnamed>'!r} (a shape, axes or count): random values would be "
-                             "meaningless; pass it with --inputs FILE.npz")
+            raise UsageError(
+                f"input {value.name!r} feeds input {position} of {node.op_type} node "
+                f"{node.name or '<unnamed>'!r} (a shape, axes or count): random values would be "
+                "meaningless; pass it with --inputs FILE.npz"
+            )
 
 
 def _axis(node: ir.Node, rank: int | None) -> int:
@@ -296,17 +322,21 @@ def _distinct_index_draw(rng, value: ir.Value, shape, dims) -> np.ndarray | None
             if len(shape) != len(data) or not 0 <= axis < len(data):
                 return None
             if shape[axis] > data[axis]:
-                raise UsageError(f"{where}: {shape[axis]} distinct indices along axis {axis} cannot fit in "
-                                 f"{data[axis]} positions (reduction='none' forbids repeats); pass --inputs FILE.npz")
-            keys = rng.random((*shape[:axis], data[axis], *shape[axis + 1:]))
+                raise UsageError(
+                    f"{where}: {shape[axis]} distinct indices along axis {axis} cannot fit in "
+                    f"{data[axis]} positions (reduction='none' forbids repeats); pass --inputs FILE.npz"
+                )
+            keys = rng.random((*shape[:axis], data[axis], *shape[axis + 1 :]))
             return np.argsort(keys, axis=axis).take(range(shape[axis]), axis=axis)
         if not shape or shape[-1] > len(data):
             return None
         rows, depth = math.prod(shape[:-1]), shape[-1]
         space = math.prod(data[:depth])
         if rows > space:
-            raise UsageError(f"{where}: {rows} distinct index tuples cannot fit in the {space} positions of the "
-                             f"first {depth} axes (reduction='none' forbids repeats); pass --inputs FILE.npz")
+            raise UsageError(
+                f"{where}: {rows} distinct index tuples cannot fit in the {space} positions of the "
+                f"first {depth} axes (reduction='none' forbids repeats); pass --inputs FILE.npz"
+            )
         flat = rng.choice(space, size=rows, replace=False)
         return np.stack(np.unravel_index(flat, data[:depth]), axis=-1).reshape(shape)
     return None

@@ -39,8 +39,7 @@ def load_model(model: ModelLike) -> ir.Model:
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ... on bad bytes
-        raise ModelError(f"{path}: not a readable ONNX model, truncated or not ONNX "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: not a readable ONNX model, truncated or not ONNX ({type(exc).__name__}: {exc})") from None
     if not proto.HasField("graph") or proto.ir_version == 0:
         raise ModelError(f"{path}: not an ONNX model (no graph or no ir_version; truncated file?)")
     bad_opsets = [f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import if o.version < 1]
@@ -73,11 +72,11 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
         where = f"{path}: tensor {tensor.name!r} keeps its data in {location!r}"
         target = (base / location).resolve()
         if not location or Path(location).is_absolute() or not target.is_relative_to(base):
-            raise ModelError(f"{where}, which is not inside the model's directory {base}; "
-                             "external data must be a relative path below it")
+            raise ModelError(
+                f"{where}, which is not inside the model's directory {base}; external data must be a relative path below it"
+            )
         if not target.is_file():
-            raise ModelError(f"{where}, which is not a file next to the model "
-                             f"(external data is looked up relative to {base})")
+            raise ModelError(f"{where}, which is not a file next to the model (external data is looked up relative to {base})")
         try:
             offset = int(info.get("offset", 0))
             length = int(info["length"]) if "length" in info else _tensor_nbytes(tensor)
@@ -85,8 +84,9 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
             raise ModelError(f"{where}, with a malformed offset or length ({info})") from None
         size = target.stat().st_size
         if offset < 0 or length < 0 or offset + length > size:
-            raise ModelError(f"{where}, which cannot be read: bytes {offset} to {offset + length} are wanted "
-                             f"but the file holds {size}")
+            raise ModelError(
+                f"{where}, which cannot be read: bytes {offset} to {offset + length} are wanted but the file holds {size}"
+            )
 
 
 def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
@@ -100,8 +100,7 @@ def _load_external_attribute_tensors(model: ir.Model) -> None:
         for node in graph:
             for attr in node.attributes.values():
                 if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
-                    node.attributes[attr.name] = ir.AttrTensor(attr.name, ir.Tensor(attr.value.numpy(),
-                                                                                  name=attr.value.name))
+                    node.attributes[attr.name] = ir.AttrTensor(attr.name, ir.Tensor(attr.value.numpy(), name=attr.value.name))
 
 
 def _from_proto(proto: onnx.ModelProto, where: str) -> ir.Model:
@@ -204,8 +203,7 @@ def _save_model(model: ir.Model | onnx.ModelProto, out_path: Path) -> Path:
     try:
         tmp_model = tmp_dir / out_path.name
         if external:
-            ir.save(model, tmp_model, format="protobuf", external_data=data_name,
-                    size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES)
+            ir.save(model, tmp_model, format="protobuf", external_data=data_name, size_threshold_bytes=_EXTERNAL_TENSOR_MIN_BYTES)
         else:
             with external_tensors_inline(model):
                 ir.save(model, tmp_model, format="protobuf")
@@ -258,8 +256,10 @@ def _refuse_overwriting_sources(model: ir.Model, data_path: Path) -> None:
         for value in graph.initializers.values():
             tensor = value.const_value
             if isinstance(tensor, ir.ExternalTensor) and Path(tensor.path).resolve() == data_path.resolve():
-                raise UsageError(f"{data_path}: writing it would overwrite the external data that tensor "
-                                 f"{value.name!r} of the input model is read from; choose another output name")
+                raise UsageError(
+                    f"{data_path}: writing it would overwrite the external data that tensor "
+                    f"{value.name!r} of the input model is read from; choose another output name"
+                )
 
 
 def _initializer_bytes(model: ir.Model) -> int:

@@ -18,8 +18,11 @@ def value_name(value: ir.Value) -> str:
     """``value``'s name; a ModelError naming its producer when it has none."""
     if value.name is None:
         producer = value.producer()
-        made_by = f"output {value.index()} of {producer.op_type} node {producer.name or '<unnamed>'!r}" \
-            if producer is not None else "a value with no producer"
+        made_by = (
+            f"output {value.index()} of {producer.op_type} node {producer.name or '<unnamed>'!r}"
+            if producer is not None
+            else "a value with no producer"
+        )
         raise ModelError(f"{made_by} has no name: every graph input, output and intermediate value needs one")
     return value.name
 

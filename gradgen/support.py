@@ -22,13 +22,15 @@ def supported_ops() -> list[dict]:
             gradient = "no"
         else:
             gradient = "yes" if rule.differentiable else "non-differentiable"
-        rows.append({
-            "domain": domain or "ai.onnx",
-            "op_type": op_type,
-            "gradient": gradient,
-            "cpu": bool(kernel and kernel.cpu),
-            "cuda": bool(kernel and kernel.cuda),
-        })
+        rows.append(
+            {
+                "domain": domain or "ai.onnx",
+                "op_type": op_type,
+                "gradient": gradient,
+                "cpu": bool(kernel and kernel.cpu),
+                "cuda": bool(kernel and kernel.cuda),
+            }
+        )
     return rows
 
 

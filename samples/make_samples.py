@@ -50,6 +50,7 @@ Usage::
     python samples/make_samples.py [--out-samples DIR] [--out-fixtures DIR]
                                    [--only NAME] [--exporter legacy|dynamo]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +117,7 @@ class MlpMse(nn.Module):
 
 
 def build_mlp_mse():
-    return Case(MlpMse(), {"x": randn(4, 6), "target": torch.rand(4, 3)},
-                batch_dim=["x", "target"], extra_outputs=["pred"])
+    return Case(MlpMse(), {"x": randn(4, 6), "target": torch.rand(4, 3)}, batch_dim=["x", "target"], extra_outputs=["pred"])
 
 
 # 2. mlp_bce -----------------------------------------------------------------
@@ -134,8 +134,7 @@ class MlpBce(nn.Module):
 
 def build_mlp_bce():
     target = (torch.rand(4, 4) > 0.5).float()
-    return Case(MlpBce(), {"x": randn(4, 5), "target": target},
-                batch_dim=["x", "target"], extra_outputs=["logits"])
+    return Case(MlpBce(), {"x": randn(4, 5), "target": target}, batch_dim=["x", "target"], extra_outputs=["logits"])
 
 
 # 3. cnn (LeNet-style) ------------------------------------------------------
@@ -156,9 +155,12 @@ class LeNet(nn.Module):
 
 
 def build_cnn():
-    return Case(LeNet(), {"x": randn(3, 1, 14, 14),
-                          "labels": torch.tensor([3, 7, 3])},
-                batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return Case(
+        LeNet(),
+        {"x": randn(3, 1, 14, 14), "labels": torch.tensor([3, 7, 3])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 # 4. conv variants ------------------------------------------------------------
@@ -178,8 +180,9 @@ class Conv1dVariants(nn.Module):
 
 
 def build_conv1d():
-    return Case(Conv1dVariants(), {"x": randn(2, 4, 17)}, batch_dim=["x"],
-                notes="padding='same' with an even kernel (asymmetric)")
+    return Case(
+        Conv1dVariants(), {"x": randn(2, 4, 17)}, batch_dim=["x"], notes="padding='same' with an even kernel (asymmetric)"
+    )
 
 
 class Conv2dVariants(nn.Module):
@@ -207,8 +210,7 @@ class Conv3dVariants(nn.Module):
     def __init__(self):
         super().__init__()
         self.strided = nn.Conv3d(2, 4, 3, stride=(1, 2, 2), padding=(1, 0, 1))
-        self.depthwise = nn.Conv3d(4, 4, 3, groups=4, dilation=(1, 2, 1),
-                                   bias=False)
+        self.depthwise = nn.Conv3d(4, 4, 3, groups=4, dilation=(1, 2, 1), bias=False)
         self.same = nn.Conv3d(4, 2, 3, padding="same")
 
     def forward(self, x):
@@ -243,11 +245,13 @@ class ResNetBlock(nn.Module):
 
 
 def build_resnet_block():
-    return Case(ResNetBlock(), {"x": randn(2, 4, 6, 6),
-                                "labels": torch.tensor([4, 1])},
-                batch_dim=["x", "labels"], extra_outputs=["logits"],
-                notes="BatchNorm in eval mode: running_mean/var are "
-                      "initializers with reference gradients")
+    return Case(
+        ResNetBlock(),
+        {"x": randn(2, 4, 6, 6), "labels": torch.tensor([4, 1])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+        notes="BatchNorm in eval mode: running_mean/var are initializers with reference gradients",
+    )
 
 
 # 6. embedding ----------------------------------------------------------------
@@ -263,19 +267,22 @@ class EmbeddingModel(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         h = self.norm(self.tok(ids) + self.pos(positions))
         logits = self.head(h)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               labels.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return loss, logits
 
 
 def build_embedding():
     ids = torch.tensor([[0, 3, 3, 7, 0, 11], [5, 5, 0, 1, 2, 3]])
     labels = torch.tensor([[0, 1, 2, 3, 4, 0], [4, 4, 1, 0, 2, 3]])
-    return Case(EmbeddingModel(), {"ids": ids, "labels": labels},
-                batch_dim=["ids", "labels"], extra_outputs=["logits"],
-                notes="padding_idx=0 with id 0 in the input; the reference "
-                      "gradient of tok.weight includes row 0 (ONNX Gather "
-                      "semantics, torch would zero it)")
+    return Case(
+        EmbeddingModel(),
+        {"ids": ids, "labels": labels},
+        batch_dim=["ids", "labels"],
+        extra_outputs=["logits"],
+        notes="padding_idx=0 with id 0 in the input; the reference "
+        "gradient of tok.weight includes row 0 (ONNX Gather "
+        "semantics, torch would zero it)",
+    )
 
 
 # 7. slicing --------------------------------------------------------------------
@@ -287,16 +294,16 @@ class Slicing(nn.Module):
 
     def forward(self, x):  # x: (N, 8, 6)
         h = x * self.w
-        a = h[:, 1:5:2]                 # step 2
-        b = h[..., -3:-1]               # negative start/end
-        c = h.flip(-1)                  # step -1
+        a = h[:, 1:5:2]  # step 2
+        b = h[..., -3:-1]  # negative start/end
+        c = h.flip(-1)  # step -1
         d = h.narrow(1, 2, 3)
         e1, e2 = h.chunk(2, dim=1)
         s1, s2, s3 = torch.split(h, [3, 4, 1], dim=1)
-        r = h.flip(1)[:, ::2, 1:]       # step -1 then step 2
+        r = h.flip(1)[:, ::2, 1:]  # step -1 then step 2
         loss = (a * a).sum() + (b * self.v[1:3]).sum() + (c * self.v).sum()
         loss = loss + torch.tanh(d).sum() + (e1 * e2).sum()
-        loss = loss + s1.mean() + (s2 ** 2).mean() + (s3 * self.v).sum()
+        loss = loss + s1.mean() + (s2**2).mean() + (s3 * self.v).sum()
         loss = loss + (r * r).mean()
         return loss
 
@@ -316,19 +323,21 @@ class GatherElements(nn.Module):
         g0 = torch.gather(h, 0, idx0)
         g1 = torch.gather(h, 1, idx1)
         g2 = torch.gather(h, -1, idx2)
-        return (g0 * g0).sum() + (g1 * 2.0).sum() + (g2 ** 3).mean()
+        return (g0 * g0).sum() + (g1 * 2.0).sum() + (g2**3).mean()
 
 
 def build_gather_elements():
     n = 3
     idx0 = torch.tensor([[[0, 2, 2, 1, 0]] * 4, [[1, 1, 0, 2, 2]] * 4])
-    idx1 = torch.randint(0, 4, (n, 6, 5))   # longer than the axis: repeats
+    idx1 = torch.randint(0, 4, (n, 6, 5))  # longer than the axis: repeats
     idx2 = torch.randint(0, 5, (n, 4, 7))
-    idx1[:, :2] = 3                          # guaranteed repeated indices
-    return Case(GatherElements(),
-                {"x": randn(n, 4, 5), "idx0": idx0, "idx1": idx1, "idx2": idx2},
-                batch_dim=["x", "idx1", "idx2"],
-                notes="idx0 gathers along the batch axis (values < 3)")
+    idx1[:, :2] = 3  # guaranteed repeated indices
+    return Case(
+        GatherElements(),
+        {"x": randn(n, 4, 5), "idx0": idx0, "idx1": idx1, "idx2": idx2},
+        batch_dim=["x", "idx1", "idx2"],
+        notes="idx0 gathers along the batch axis (values < 3)",
+    )
 
 
 # 9. index_select ---------------------------------------------------------------
@@ -339,23 +348,23 @@ class IndexSelect(nn.Module):
 
     def forward(self, x, idx, neg_idx):  # x: (N, 5, 6)
         h = x * self.w
-        a = torch.index_select(h, 1, idx)          # repeated idx, axis 1
-        b = torch.index_select(h, 2, idx)          # axis 2
-        c = h[neg_idx]                             # axis 0, negative idx input
-        d = h[:, neg_idx]                          # axis 1, negative idx input
-        e = h[..., [-1, 0, -2, -1]]                # constant negative indices
-        f = self.w[neg_idx]                        # parameter gather
+        a = torch.index_select(h, 1, idx)  # repeated idx, axis 1
+        b = torch.index_select(h, 2, idx)  # axis 2
+        c = h[neg_idx]  # axis 0, negative idx input
+        d = h[:, neg_idx]  # axis 1, negative idx input
+        e = h[..., [-1, 0, -2, -1]]  # constant negative indices
+        f = self.w[neg_idx]  # parameter gather
         loss = (a * a).sum() + b.mean() + torch.tanh(c).sum()
-        return loss + (d * 0.5).sum() + (e ** 2).mean() + (f * f).sum()
+        return loss + (d * 0.5).sum() + (e**2).mean() + (f * f).sum()
 
 
 def build_index_select():
-    return Case(IndexSelect(),
-                {"x": randn(3, 5, 6), "idx": torch.tensor([4, 0, 4, 2]),
-                 "neg_idx": torch.tensor([-1, 0, -3, -1, 1])},
-                batch_dim=["x"],
-                notes="torch.index_select needs non-negative indices; the "
-                      "negative ones go through advanced indexing")
+    return Case(
+        IndexSelect(),
+        {"x": randn(3, 5, 6), "idx": torch.tensor([4, 0, 4, 2]), "neg_idx": torch.tensor([-1, 0, -3, -1, 1])},
+        batch_dim=["x"],
+        notes="torch.index_select needs non-negative indices; the negative ones go through advanced indexing",
+    )
 
 
 # 10. broadcast -------------------------------------------------------------------
@@ -370,43 +379,41 @@ class Broadcast(nn.Module):
         self.mat = nn.Parameter(torch.randn(heads, k, n_out))
 
     def forward(self, x, u):  # x: (N, C, H, W), u: (N, 1)
-        t = x * self.a + self.b - 0.5                       # (N,C,H,W)
+        t = x * self.a + self.b - 0.5  # (N,C,H,W)
         t = t / (F.softplus(self.b) + 1.0)
-        base = F.softplus(t) + 0.1                          # positive
-        pw = base ** self.expo                              # param exponent
-        ps = torch.exp(t * 0.3) ** self.p                   # scalar param exp.
-        two = torch.pow(2.0, torch.tanh(t))                 # scalar base
+        base = F.softplus(t) + 0.1  # positive
+        pw = base**self.expo  # param exponent
+        ps = torch.exp(t * 0.3) ** self.p  # scalar param exp.
+        two = torch.pow(2.0, torch.tanh(t))  # scalar base
         sq = torch.sqrt(base) * 3 - torch.log(base) / 2
         # where() with branches that agree at t == 0 (continuous loss)
-        w = torch.where(t > 0, pw, pw * torch.exp(t)) + sq + ps * 0.1 + two - t ** 2
-        r1 = w.sum(dim=(2, 3)) * 0.05                       # (N,C)
-        r2 = w.mean(dim=1, keepdim=True)                    # (N,1,H,W)
-        r3 = w.sum(dim=-1, keepdim=True).mean(dim=2)        # (N,C,1)
+        w = torch.where(t > 0, pw, pw * torch.exp(t)) + sq + ps * 0.1 + two - t**2
+        r1 = w.sum(dim=(2, 3)) * 0.05  # (N,C)
+        r2 = w.mean(dim=1, keepdim=True)  # (N,1,H,W)
+        r3 = w.sum(dim=-1, keepdim=True).mean(dim=2)  # (N,C,1)
         sm = torch.softmax(w, dim=-1)
         lsm = torch.log_softmax(w, dim=1)
-        uv = u * self.v + u / 2.0 - self.v                  # (N,M)
-        cat = torch.cat([r1, uv], dim=1)                    # (N,C+M)
+        uv = u * self.v + u / 2.0 - self.v  # (N,M)
+        cat = torch.cat([r1, uv], dim=1)  # (N,C+M)
         c1, c2 = torch.split(cat, [4, cat.shape[1] - 4], dim=1)
-        z = c1.unsqueeze(1).expand(-1, 3, -1)               # (N,3,4)
-        z = z.transpose(1, 2).reshape(-1, 2, 6)             # (N,2,6)
-        y = z.unsqueeze(1).reshape(-1, 1, 3, 4)             # (N,1,3,4)
-        mm = torch.matmul(y, self.mat)                      # (N,H,3,5)
+        z = c1.unsqueeze(1).expand(-1, 3, -1)  # (N,3,4)
+        z = z.transpose(1, 2).reshape(-1, 2, 6)  # (N,2,6)
+        y = z.unsqueeze(1).reshape(-1, 1, 3, 4)  # (N,1,3,4)
+        mm = torch.matmul(y, self.mat)  # (N,H,3,5)
         sqz = r2.squeeze(1) * r3.squeeze(-1).unsqueeze(-1)[:, :1]  # (N,H,W)
         loss = mm.pow(2).mean() + (sm * lsm).sum() + sqz.mean()
         return loss + (c2 * c2).sum() / 7.0 + r3.mean(dim=(1, 2), keepdim=True).sum()
 
 
 def build_broadcast():
-    return Case(Broadcast(), {"x": randn(2, 3, 4, 5), "u": randn(2, 1)},
-                batch_dim=["x", "u"])
+    return Case(Broadcast(), {"x": randn(2, 3, 4, 5), "u": randn(2, 1)}, batch_dim=["x", "u"])
 
 
 # 11. transformer -----------------------------------------------------------------
 class TransformerModel(nn.Module):
     def __init__(self, d=16, classes=4):
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32,
-                                                dropout=0.0, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(d, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
         self.head = nn.Linear(d, classes)
 
     def forward(self, x, labels):  # x: (N, T, d)
@@ -416,9 +423,12 @@ class TransformerModel(nn.Module):
 
 
 def build_transformer():
-    return Case(TransformerModel(), {"x": randn(2, 5, 16),
-                                     "labels": torch.tensor([1, 3])},
-                batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return Case(
+        TransformerModel(),
+        {"x": randn(2, 5, 16), "labels": torch.tensor([1, 3])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 # 12. gpt2_hand -------------------------------------------------------------------
@@ -432,8 +442,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         n, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.reshape(-1, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in (q, k, v))
+        q, k, v = (z.reshape(-1, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
         att = att.masked_fill(~causal, float("-inf"))
@@ -462,8 +471,7 @@ class HandGpt2(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList([Block(d, heads, "tanh"),
-                                     Block(d, heads, "none")])
+        self.blocks = nn.ModuleList([Block(d, heads, "tanh"), Block(d, heads, "none")])
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
@@ -479,19 +487,22 @@ class HandGpt2(nn.Module):
         for block in self.blocks:
             h = block(h)
         logits = self.lm_head(self.ln_f(h))
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                               ids[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         return loss, logits
 
 
 def build_gpt2_hand():
     ids = torch.randint(0, 32, (2, 8))
     ids[0, 3] = ids[0, 5] = ids[1, 0]  # repeated tokens
-    return Case(HandGpt2(), {"ids": ids}, batch_dim=["ids"],
-                extra_outputs=["logits"],
-                notes="tied wte/lm_head; causal mask built in forward from a "
-                      "bool tril and masked_fill(-inf); layer 0 uses tanh "
-                      "GELU, layer 1 erf GELU")
+    return Case(
+        HandGpt2(),
+        {"ids": ids},
+        batch_dim=["ids"],
+        extra_outputs=["logits"],
+        notes="tied wte/lm_head; causal mask built in forward from a "
+        "bool tril and masked_fill(-inf); layer 0 uses tanh "
+        "GELU, layer 1 erf GELU",
+    )
 
 
 # 13. gpt2_hf ------------------------------------------------------------------
@@ -500,28 +511,38 @@ class HfGpt2Loss(nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
-                            n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, use_cache=False,
-                            bos_token_id=0, eos_token_id=0,
-                            attn_implementation="eager")
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+        )
         self.gpt = GPT2LMHeadModel(config)
 
     def forward(self, input_ids, attention_mask, labels):
-        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask,
-                       labels=labels, use_cache=False)
+        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
         return out.loss, out.logits
 
 
 def build_gpt2_hf():
     ids = torch.randint(0, 64, (2, 8))
     ids[1, 2] = ids[1, 6] = ids[0, 1]
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "labels": ids.clone()}
-    return Case(HfGpt2Loss(), inputs, extra_outputs=["logits"],
-                batch_dim=["input_ids", "attention_mask", "labels"],
-                notes="transformers GPT2LMHeadModel, random init, eager "
-                      "attention, use_cache=False, tied embeddings")
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return Case(
+        HfGpt2Loss(),
+        inputs,
+        extra_outputs=["logits"],
+        batch_dim=["input_ids", "attention_mask", "labels"],
+        notes="transformers GPT2LMHeadModel, random init, eager attention, use_cache=False, tied embeddings",
+    )
 
 
 @dataclass
@@ -619,11 +640,9 @@ def torch_reference(model: nn.Module, inputs: dict[str, torch.Tensor]) -> TorchR
     with torch.no_grad():
         plain_loss = first_output(model(*inputs.values())).item()
     m = differentiable_copy(model)
-    args = {k: v.detach().clone().requires_grad_(v.is_floating_point())
-            for k, v in inputs.items()}
+    args = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
     loss = first_output(m(*args.values()))
-    assert math.isclose(loss.item(), plain_loss, rel_tol=1e-6, abs_tol=1e-7), \
-        (loss.item(), plain_loss)
+    assert math.isclose(loss.item(), plain_loss, rel_tol=1e-6, abs_tol=1e-7), (loss.item(), plain_loss)
 
     tensors = named_float_tensors(m)
     canonical = {}  # id -> first name
@@ -634,9 +653,7 @@ def torch_reference(model: nn.Module, inputs: dict[str, torch.Tensor]) -> TorchR
     float_inputs = [k for k, v in args.items() if v.is_floating_point()]
     wrt += [args[k] for k in float_inputs]
     grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-    grads = [np.zeros(t.shape, np.float32) if g is None
-             else g.detach().numpy().astype(np.float32)
-             for t, g in zip(wrt, grads)]
+    grads = [np.zeros(t.shape, np.float32) if g is None else g.detach().numpy().astype(np.float32) for t, g in zip(wrt, grads)]
     n = len(canonical)
     return TorchReference(
         loss=loss.item(),
@@ -663,15 +680,19 @@ def quiet():
 
 
 def export_legacy(case: Case, output_names: list[str], **_) -> tuple[onnx.ModelProto, dict]:
-    settings = dict(dynamo=False, opset_version=LEGACY_OPSET,
-                    do_constant_folding=False,
-                    training=torch.onnx.TrainingMode.PRESERVE,
-                    export_params=True, keep_initializers_as_inputs=False)
+    settings = dict(
+        dynamo=False,
+        opset_version=LEGACY_OPSET,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.PRESERVE,
+        export_params=True,
+        keep_initializers_as_inputs=False,
+    )
     buf = io.BytesIO()
     with quiet():
-        torch.onnx.export(case.model, tuple(case.inputs.values()), buf,
-                          input_names=list(case.inputs), output_names=output_names,
-                          **settings)
+        torch.onnx.export(
+            case.model, tuple(case.inputs.values()), buf, input_names=list(case.inputs), output_names=output_names, **settings
+        )
     settings["training"] = "PRESERVE"
     return onnx.load_from_string(buf.getvalue()), settings
 
@@ -681,19 +702,17 @@ def export_dynamo(case: Case, output_names: list[str], optimize: bool = True):
     by `fold_constants_keeping_params` instead of the exporter's optimizer."""
     settings = dict(dynamo=True, optimize=optimize)
     with quiet():
-        program = torch.onnx.export(case.model, tuple(case.inputs.values()),
-                                    input_names=list(case.inputs),
-                                    output_names=output_names, **settings)
+        program = torch.onnx.export(
+            case.model, tuple(case.inputs.values()), input_names=list(case.inputs), output_names=output_names, **settings
+        )
     if optimize:
         return program.model_proto, settings
     # Exporter constants (e.g. float scalars) come out as initializers: make
     # them Constant nodes so that only parameters/buffers are initializers.
-    params = set(named_float_tensors(case.model)) | {
-        n for n, _ in case.model.named_buffers(remove_duplicate=False)}
+    params = set(named_float_tensors(case.model)) | {n for n, _ in case.model.named_buffers(remove_duplicate=False)}
     model = initializers_to_constants(program.model_proto, keep=params)
     model = initializers_to_constants(fold_constants_keeping_params(model), keep=params)
-    settings["post_process"] = ("initializers_to_constants + "
-                                "fold_constants_keeping_params")
+    settings["post_process"] = "initializers_to_constants + fold_constants_keeping_params"
     return model, settings
 
 
@@ -723,11 +742,15 @@ def fold_constants_keeping_params(model: onnx.ModelProto) -> onnx.ModelProto:
     ir.passes.Sequential(
         common.InlinePass(),
         ir.passes.PassManager(
-            [_constant_folding.FoldConstantsPass(
-                shape_inference=True, input_size_limit=8192,
-                output_size_limit=262144, should_fold=should_fold),
-             common.RemoveUnusedNodesPass()],
-            steps=2, early_stop=True),
+            [
+                _constant_folding.FoldConstantsPass(
+                    shape_inference=True, input_size_limit=8192, output_size_limit=262144, should_fold=should_fold
+                ),
+                common.RemoveUnusedNodesPass(),
+            ],
+            steps=2,
+            early_stop=True,
+        ),
         common.CommonSubexpressionEliminationPass(),
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedFunctionsPass(),
@@ -741,8 +764,7 @@ def initializers_to_constants(model: onnx.ModelProto, keep: set[str]) -> onnx.Mo
     constants such as scalars) into Constant nodes."""
     graph = model.graph
     constants = [t for t in graph.initializer if t.name not in keep]
-    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t,
-                                   name=f"constant_{t.name}") for t in constants]
+    nodes = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"constant_{t.name}") for t in constants]
     kept = [t for t in graph.initializer if t.name in keep]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -816,8 +838,7 @@ def loss_ancestors(graph: onnx.GraphProto) -> set[str]:
     return needed
 
 
-FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
-               onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def match_initializers(model: onnx.ModelProto, ref: TorchReference) -> dict[str, str]:
@@ -836,27 +857,27 @@ def match_initializers(model: onnx.ModelProto, ref: TorchReference) -> dict[str,
         if named is not None and np.array_equal(named, value):
             mapping[init.name] = ref.owner[init.name]
             continue
-        hits = {ref.owner[n] for n, v in ref.values.items()
-                if v.shape == value.shape and np.array_equal(v, value)}
+        hits = {ref.owner[n] for n, v in ref.values.items() if v.shape == value.shape and np.array_equal(v, value)}
         if len(hits) != 1:
-            raise MappingError(
-                f"float initializer {init.name!r} {value.shape} matches "
-                f"{len(hits)} torch parameters/buffers")
+            raise MappingError(f"float initializer {init.name!r} {value.shape} matches {len(hits)} torch parameters/buffers")
         mapping[init.name] = hits.pop()
     mapped = set(mapping.values())
     for name, grad in ref.grads.items():
         if name not in mapped and np.any(grad != 0):
-            raise MappingError(f"torch tensor {name!r} has a gradient but no "
-                               "matching initializer (folded by the exporter?)")
+            raise MappingError(f"torch tensor {name!r} has a gradient but no matching initializer (folded by the exporter?)")
     return mapping
 
 
 # --------------------------------------------------------------------------
 # Checks with onnx / onnxruntime
 # --------------------------------------------------------------------------
-NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.INT64: np.int64,
-             onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.INT32: np.int32,
-             onnx.TensorProto.DOUBLE: np.float64}
+NP_DTYPES = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.BOOL: np.bool_,
+    onnx.TensorProto.INT32: np.int32,
+    onnx.TensorProto.DOUBLE: np.float64,
+}
 
 
 def graph_inputs(model: onnx.ModelProto, case: Case) -> dict[str, np.ndarray]:
@@ -876,8 +897,7 @@ def graph_inputs(model: onnx.ModelProto, case: Case) -> dict[str, np.ndarray]:
 def ort_session(model: onnx.ModelProto) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def check_forward(model: onnx.ModelProto, feeds: dict, torch_loss: float) -> float:
@@ -898,8 +918,7 @@ def check_symbolic_batch(model: onnx.ModelProto, feeds: dict, batch_dim: list[st
             vi.type.tensor_type.shape.dim[0].dim_param = "N"
     for vi in m.graph.output[1:]:
         vi.type.tensor_type.ClearField("shape")
-    bigger = {k: np.concatenate([v, v[:1]]) if k in batch_dim else v
-              for k, v in feeds.items()}
+    bigger = {k: np.concatenate([v, v[:1]]) if k in batch_dim else v for k, v in feeds.items()}
     try:
         out = ort_session(m).run(["loss"], bigger)[0]
         return bool(np.isfinite(out).all())
@@ -969,8 +988,7 @@ def export_checked(case: Case, exporter: str, ref: TorchReference):
     raise error
 
 
-def make_one(name: str, exporter: str, case: Case, ref: TorchReference,
-             out_fixtures: Path, out_samples: Path) -> dict:
+def make_one(name: str, exporter: str, case: Case, ref: TorchReference, out_fixtures: Path, out_samples: Path) -> dict:
     model, mapping, settings = export_checked(case, exporter, ref)
     feeds = graph_inputs(model, case)
     ort_loss = check_forward(model, feeds, ref.loss)
@@ -1000,11 +1018,8 @@ def make_one(name: str, exporter: str, case: Case, ref: TorchReference,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-samples", type=Path, default=HERE)
-    parser.add_argument("--out-fixtures", type=Path,
-                        default=HERE.parent / "tests" / "fixtures" / "models")
-    parser.add_argument("--only", action="append",
-                        help="family, family_exporter or sample name to rebuild; "
-                             "repeatable")
+    parser.add_argument("--out-fixtures", type=Path, default=HERE.parent / "tests" / "fixtures" / "models")
+    parser.add_argument("--only", action="append", help="family, family_exporter or sample name to rebuild; repeatable")
     parser.add_argument("--exporter", choices=EXPORTERS, action="append")
     parser.add_argument("--summary", type=Path, help="write a JSON summary here")
     args = parser.parse_args(argv)
@@ -1023,16 +1038,13 @@ def main(argv=None) -> int:
         for exporter in [e for f, e in jobs if f == name]:
             key = f"{name}_{exporter}"
             try:
-                summary[key] = make_one(name, exporter, case, ref,
-                                        args.out_fixtures, args.out_samples)
-                print(f"ok   {key:28s} opset {summary[key]['opset']:2d}  "
-                      f"{len(summary[key]['ops'])} ops  loss {ref.loss:.6f}")
+                summary[key] = make_one(name, exporter, case, ref, args.out_fixtures, args.out_samples)
+                print(f"ok   {key:28s} opset {summary[key]['opset']:2d}  {len(summary[key]['ops'])} ops  loss {ref.loss:.6f}")
             except Exception as exc:  # noqa: BLE001 - reported at the end
                 failures[key] = f"{type(exc).__name__}: {exc}"
                 print(f"FAIL {key}: {failures[key]}", file=sys.stderr)
     if args.summary:
-        args.summary.write_text(json.dumps({"models": summary, "failures": failures},
-                                           indent=1, default=str))
+        args.summary.write_text(json.dumps({"models": summary, "failures": failures}, indent=1, default=str))
     return 1 if failures else 0
 
 

@@ -214,8 +214,8 @@ def make_one(name: str, out_root: Path) -> dict:
         workdir = Path(tmp)
         try:
             artifacts.generate_artifacts(
-                model, requires_grad=requires_grad, frozen_params=frozen, loss=None, optimizer=None,
-                artifact_directory=workdir)
+                model, requires_grad=requires_grad, frozen_params=frozen, loss=None, optimizer=None, artifact_directory=workdir
+            )
         except Exception as exc:
             info["generate_error"] = first_line(exc)
             write_meta(out, info)
@@ -223,15 +223,17 @@ def make_one(name: str, out_root: Path) -> dict:
         training = onnx.load(str(workdir / "training_model.onnx"))
         shutil.copyfile(workdir / "training_model.onnx", out / "training_model.onnx")
         op_types = sorted({(n.domain, n.op_type, is_standard(n)) for n in training.graph.node})
-        info.update({
-            "opset_imports": {o.domain or "ai.onnx": o.version for o in training.opset_import},
-            "gradients": {p: f"{p}_grad" for p in requires_grad},
-            "accumulation_buffers": [v.name for v in training.graph.input if v.name.endswith(".accumulation.buffer")],
-            "graph_inputs": [v.name for v in training.graph.input],
-            "graph_outputs": [v.name for v in training.graph.output],
-            "ops": [[d, t] for d, t, _ in op_types],
-            "non_standard_ops": [[d, t] for d, t, standard in op_types if not standard],
-        })
+        info.update(
+            {
+                "opset_imports": {o.domain or "ai.onnx": o.version for o in training.opset_import},
+                "gradients": {p: f"{p}_grad" for p in requires_grad},
+                "accumulation_buffers": [v.name for v in training.graph.input if v.name.endswith(".accumulation.buffer")],
+                "graph_inputs": [v.name for v in training.graph.input],
+                "graph_outputs": [v.name for v in training.graph.output],
+                "ops": [[d, t] for d, t, _ in op_types],
+                "non_standard_ops": [[d, t] for d, t, standard in op_types if not standard],
+            }
+        )
         try:
             grads, api_outputs = train_step_gradients(workdir, inputs, user_inputs)
         except Exception as exc:
@@ -276,8 +278,9 @@ def _rng_cases():
     for axis in (0, 1, -1):
         ys = np.exp(x) / np.exp(x).sum(axis=axis, keepdims=True)
         cases.append((f"SoftmaxGrad_13_axis{axis}", ms, "SoftmaxGrad_13", [dy, ys.astype(np.float32)], {"axis": axis}, 1))
-        cases.append((f"LogSoftmaxGrad_13_axis{axis}", ms, "LogSoftmaxGrad_13", [dy, np.log(ys).astype(np.float32)],
-                      {"axis": axis}, 1))
+        cases.append(
+            (f"LogSoftmaxGrad_13_axis{axis}", ms, "LogSoftmaxGrad_13", [dy, np.log(ys).astype(np.float32)], {"axis": axis}, 1)
+        )
     y2 = np.exp(x) / np.exp(x).reshape(3, -1).sum(axis=1).reshape(3, 1, 1)
     cases.append(("SoftmaxGrad_axis1", ms, "SoftmaxGrad", [dy, y2.astype(np.float32)], {"axis": 1}, 1))
     cases.append(("LogSoftmaxGrad_axis1", ms, "LogSoftmaxGrad", [dy, np.log(y2).astype(np.float32)], {"axis": 1}, 1))
@@ -293,8 +296,9 @@ def _rng_cases():
     sce = "SoftmaxCrossEntropyLossGrad"
     cases.append(("SCEGrad_mean_weight", ms, sce, [scalar, log_prob, label, weight], {"ignore_index": -1}, 1))
     cases.append(("SCEGrad_sum", ms, sce, [scalar, log_prob, label], {"ignore_index": -1, "reduction": "sum"}, 1))
-    cases.append(("SCEGrad_none_weight", ms, sce, [f32(4, 3), log_prob, label, weight],
-                  {"ignore_index": -1, "reduction": "none"}, 1))
+    cases.append(
+        ("SCEGrad_none_weight", ms, sce, [f32(4, 3), log_prob, label, weight], {"ignore_index": -1, "reduction": "none"}, 1)
+    )
     cases.append(("SCEGrad_mean_2d", ms, sce, [scalar, log_prob[:, :, 0], np.where(label[:, 0] < 0, 2, label[:, 0])], {}, 1))
     # FusedMatMul.
     fm = "FusedMatMul"
@@ -308,11 +312,20 @@ def _rng_cases():
     mean = xl.reshape(2, -1).mean(axis=1).reshape(2, 1, 1).astype(np.float32)
     inv = (1 / np.sqrt(((xl - mean) ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
     gamma = f32(3, 4)
-    cases.append(("LayerNormalizationGrad_axis1", ms, "LayerNormalizationGrad", [f32(2, 3, 4), xl, gamma, mean, inv],
-                  {"axis": 1}, 3))
-    rms = (1 / np.sqrt((xl ** 2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
-    cases.append(("SimplifiedLayerNormalizationGrad_axis1", ms, "SimplifiedLayerNormalizationGrad",
-                  [f32(2, 3, 4), xl, gamma, rms], {"axis": 1}, 2))
+    cases.append(
+        ("LayerNormalizationGrad_axis1", ms, "LayerNormalizationGrad", [f32(2, 3, 4), xl, gamma, mean, inv], {"axis": 1}, 3)
+    )
+    rms = (1 / np.sqrt((xl**2).reshape(2, -1).mean(axis=1) + 1e-5)).reshape(2, 1, 1).astype(np.float32)
+    cases.append(
+        (
+            "SimplifiedLayerNormalizationGrad_axis1",
+            ms,
+            "SimplifiedLayerNormalizationGrad",
+            [f32(2, 3, 4), xl, gamma, rms],
+            {"axis": 1},
+            2,
+        )
+    )
     # Gradient accumulation.
     acc = "InPlaceAccumulatorV2"
     cases.append(("InPlaceAccumulatorV2_add", ms, acc, [f32(3, 4), f32(3, 4), np.array([False])], {}, 2))
@@ -347,8 +360,11 @@ def _pool_cases():
 
 def single_node_model(domain, op_type, inputs, attrs, n_outputs, output_shapes=None):
     names = [f"in{i}" if value is not None else "" for i, value in enumerate(inputs)]
-    graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-                    for n, v in zip(names, inputs) if v is not None]
+    graph_inputs = [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for n, v in zip(names, inputs)
+        if v is not None
+    ]
     outs = [f"out{i}" for i in range(n_outputs)]
     if output_shapes is not None:
         graph_outputs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in zip(outs, output_shapes)]
@@ -380,8 +396,13 @@ def make_op_cases(out_root: Path) -> list[str]:
                 record[f"{name}/in{i}"] = value
         for i, value in enumerate(outputs):
             record[f"{name}/out{i}"] = np.asarray(value)
-        index[name] = {"domain": domain, "op_type": op_type, "attributes": attrs, "num_inputs": len(inputs),
-                       "num_outputs": n_outputs}
+        index[name] = {
+            "domain": domain,
+            "op_type": op_type,
+            "attributes": attrs,
+            "num_inputs": len(inputs),
+            "num_outputs": n_outputs,
+        }
     np.savez_compressed(out_root / "ort_ops.npz", **record)
     (out_root / "ort_ops.json").write_text(json.dumps(index, indent=1) + "\n")
     return list(index)
@@ -400,7 +421,7 @@ def first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     for marker in ("Non-zero status code", "The gradient builder", "i < node_->OutputDefs"):
         if marker in text:
-            text = text[text.index(marker):]
+            text = text[text.index(marker) :]
             break
     return f"{type(exc).__name__}: {text}"
 

@@ -74,8 +74,12 @@ def child_torch(task: dict) -> dict:
     if task.get("lengths"):
         full = models.make_inputs(spec)
         per_length = {t: batch({k: v[:, :t] for k, v in full.items()}) for t in task["lengths"]}
-        result["varlen"] = _varlen(lambda t: step_on(per_length[t]), task["lengths"], torch.cuda.synchronize,
-                                   lambda: _used(torch.cuda.mem_get_info) - base)
+        result["varlen"] = _varlen(
+            lambda t: step_on(per_length[t]),
+            task["lengths"],
+            torch.cuda.synchronize,
+            lambda: _used(torch.cuda.mem_get_info) - base,
+        )
         return result
     tensors = batch(models.make_inputs(spec))
     firsts = []
@@ -84,11 +88,17 @@ def child_torch(task: dict) -> dict:
         step_on(tensors)
         torch.cuda.synchronize()
         firsts.append((time.perf_counter() - t0) * 1e3)
-    times, peak = _timed(lambda: step_on(tensors), task["steps"], torch.cuda.synchronize,
-                         lambda: _used(torch.cuda.mem_get_info) - base)
-    result.update(first_ms=firsts, median_ms=statistics.median(times), peak_sampled=peak,
-                  used_after=_used(torch.cuda.mem_get_info) - base, max_allocated=torch.cuda.max_memory_allocated(),
-                  loss=float(step_on(tensors)))
+    times, peak = _timed(
+        lambda: step_on(tensors), task["steps"], torch.cuda.synchronize, lambda: _used(torch.cuda.mem_get_info) - base
+    )
+    result.update(
+        first_ms=firsts,
+        median_ms=statistics.median(times),
+        peak_sampled=peak,
+        used_after=_used(torch.cuda.mem_get_info) - base,
+        max_allocated=torch.cuda.max_memory_allocated(),
+        loss=float(step_on(tensors)),
+    )
     return result
 
 
@@ -110,8 +120,9 @@ def child_gradgen(task: dict) -> dict:
     full = dict(np.load(task["inputs"]))
     if task.get("lengths"):
         per_length = {t: {k: np.ascontiguousarray(v[:, :t]) for k, v in full.items()} for t in task["lengths"]}
-        result["varlen"] = _varlen(lambda t: session.run(per_length[t], outputs=["loss"]), task["lengths"],
-                                   rt.synchronize, sample)
+        result["varlen"] = _varlen(
+            lambda t: session.run(per_length[t], outputs=["loss"]), task["lengths"], rt.synchronize, sample
+        )
         result["stats"] = session.memory_stats() if hasattr(session, "memory_stats") else None
         return result
     firsts, after = [], []
@@ -123,11 +134,20 @@ def child_gradgen(task: dict) -> dict:
     times, peak = _timed(lambda: session.run(full, outputs=["loss"]), task["steps"], rt.synchronize, sample)
     stats = session.memory_stats() if hasattr(session, "memory_stats") else None
     if stats:
-        stats["fallback_log"] = [(key, why, session.steps[key[0]].op_type if key[0] >= 0 else "feed")
-                                 for key, why in stats.get("fallback_log", [])]
-    result.update(first_ms=firsts, used_after_first_runs=after, median_ms=statistics.median(times),
-                  peak_sampled=peak, used_after=sample(), stats=stats, loss=float(loss),
-                  pool_bytes=int(rt.memory_pool().managed_bytes), graph_pool_bytes=_graph_pool_bytes())
+        stats["fallback_log"] = [
+            (key, why, session.steps[key[0]].op_type if key[0] >= 0 else "feed") for key, why in stats.get("fallback_log", [])
+        ]
+    result.update(
+        first_ms=firsts,
+        used_after_first_runs=after,
+        median_ms=statistics.median(times),
+        peak_sampled=peak,
+        used_after=sample(),
+        stats=stats,
+        loss=float(loss),
+        pool_bytes=int(rt.memory_pool().managed_bytes),
+        graph_pool_bytes=_graph_pool_bytes(),
+    )
     if task.get("grads"):
         out = session.run(full)
         np.savez(task["grads"], **{k: v for k, v in out.items() if k.endswith("_grad")})
@@ -163,8 +183,7 @@ def _varlen(step, lengths, sync, sample) -> list[dict]:
 def _child(kind: str, task: dict, workdir: Path) -> dict:
     path = workdir / f"task_{kind}_{time.monotonic_ns()}.json"
     path.write_text(json.dumps(task))
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, str(path)], capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, str(path)], capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -215,16 +234,20 @@ def summary(report: dict) -> str:
         if "error" in r:
             lines.append(f"{fw}: ERROR {r['error'][-600:]}")
             continue
-        line = (f"{fw:8s} step {r['median_ms']:.2f} ms (first {', '.join(f'{x:.0f}' for x in r['first_ms'])} ms), "
-                f"used after {_mib(r['used_after'])} MiB, max sampled {_mib(r['peak_sampled'])} MiB")
+        line = (
+            f"{fw:8s} step {r['median_ms']:.2f} ms (first {', '.join(f'{x:.0f}' for x in r['first_ms'])} ms), "
+            f"used after {_mib(r['used_after'])} MiB, max sampled {_mib(r['peak_sampled'])} MiB"
+        )
         if fw == "gradgen":
             line += f", pool {_mib(r['pool_bytes'])} MiB, graph pool {r['graph_pool_bytes']}"
         s = r.get("stats") if fw == "gradgen" else None
         if s:
-            line += (f", after runs 1-3 {', '.join(_mib(x) for x in r['used_after_first_runs'])} MiB; plan "
-                     f"{_mib(s['planned_bytes'])} MiB (live-set bound {_mib(s['peak_live_bytes'])}), arena "
-                     f"{_mib(s['arena_bytes'])}, peak held {_mib(s['peak_held_bytes'])}, served {s['served']}, "
-                     f"fallbacks {s['fallbacks']} {s.get('fallback_log')}, leaks {s['leaks']}, graphs {s['graphs']}")
+            line += (
+                f", after runs 1-3 {', '.join(_mib(x) for x in r['used_after_first_runs'])} MiB; plan "
+                f"{_mib(s['planned_bytes'])} MiB (live-set bound {_mib(s['peak_live_bytes'])}), arena "
+                f"{_mib(s['arena_bytes'])}, peak held {_mib(s['peak_held_bytes'])}, served {s['served']}, "
+                f"fallbacks {s['fallbacks']} {s.get('fallback_log')}, leaks {s['leaks']}, graphs {s['graphs']}"
+            )
         elif fw == "torch":
             line += f", max_allocated {_mib(r['max_allocated'])} MiB"
         lines.append(line + f", loss {r.get('loss')}")
@@ -236,8 +259,10 @@ def summary(report: dict) -> str:
             lines.append(f"{fw}: ERROR {r['error'][-600:]}")
             continue
         for i, p in enumerate(r["varlen"]):
-            lines.append(f"{fw} pass {i + 1}: mean {p['mean_ms']:.1f} ms/step, max sampled {_mib(p['peak_sampled'])} MiB,"
-                         f" after {_mib(p['used_after'])} MiB")
+            lines.append(
+                f"{fw} pass {i + 1}: mean {p['mean_ms']:.1f} ms/step, max sampled {_mib(p['peak_sampled'])} MiB,"
+                f" after {_mib(p['used_after'])} MiB"
+            )
         if "stats" in r:
             lines.append(f"{fw} stats {r['stats']}")
     return "\n".join(lines)

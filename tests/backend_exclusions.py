@@ -185,7 +185,9 @@ EXCLUDED: dict[str, str] = {
 # test name -> (rtol, atol, why); replaces the per-dtype default tolerance for that test.
 TOLERANCES: dict[str, tuple[float, float, str]] = {
     "test_averagepool_2d_ceil_last_window_starts_on_pad": (
-        1e-3, 1e-6, "the expected output is written by hand with 4 significant digits",
+        1e-3,
+        1e-6,
+        "the expected output is written by hand with 4 significant digits",
     ),
 }
 

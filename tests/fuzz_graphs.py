@@ -38,10 +38,33 @@ SMOOTH_UNARY = ["Neg", "Tanh", "Sigmoid", "Softplus", "Erf", "Sin", "Cos", "Atan
 KINK_UNARY = ["Relu", "Abs", "LeakyRelu"]
 POSITIVE_UNARY = ["Log", "Sqrt", "Reciprocal"]
 BINARY = ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"]
-REDUCTIONS = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceL1",
-              "ReduceLogSumExp", "ReduceSumSquare"]
-STEPS = ["unary", "unary", "binary", "binary", "reduce", "softmax", "transpose", "reshape", "concat", "slice",
-         "gather", "matmul", "unsqueeze", "squeeze"]
+REDUCTIONS = [
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL2",
+    "ReduceL1",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
+]
+STEPS = [
+    "unary",
+    "unary",
+    "binary",
+    "binary",
+    "reduce",
+    "softmax",
+    "transpose",
+    "reshape",
+    "concat",
+    "slice",
+    "gather",
+    "matmul",
+    "unsqueeze",
+    "squeeze",
+]
 
 
 @dataclasses.dataclass
@@ -63,8 +86,13 @@ class FuzzGraph:
             graph_outputs = [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])]
         else:
             graph_outputs = [helper.make_value_info(name, onnx.TypeProto()) for name in outputs]
-        graph = helper.make_graph(self.nodes, "fuzz", graph_inputs, graph_outputs,
-                                  initializer=[numpy_helper.from_array(v, k) for k, v in self.consts.items()])
+        graph = helper.make_graph(
+            self.nodes,
+            "fuzz",
+            graph_inputs,
+            graph_outputs,
+            initializer=[numpy_helper.from_array(v, k) for k, v in self.consts.items()],
+        )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8)
 
     def margins_ok(self) -> bool:
@@ -101,8 +129,9 @@ class FuzzGraph:
     def describe(self) -> str:
         lines = [f"opset {self.opset}, symbolic {self.symbolic}"]
         lines += [f"input {k}: {list(v.shape)}" for k, v in self.inputs.items()]
-        lines += [f"const {k}: {list(v.shape)} {v.dtype}" + (f" = {v.tolist()}" if v.size <= 8 else "")
-                  for k, v in self.consts.items()]
+        lines += [
+            f"const {k}: {list(v.shape)} {v.dtype}" + (f" = {v.tolist()}" if v.size <= 8 else "") for k, v in self.consts.items()
+        ]
         for node in self.nodes:
             attrs = ", ".join(f"{a.name}={helper.get_attribute_value(a)}" for a in node.attribute)
             lines.append(f"{', '.join(node.output)} = {node.op_type}({', '.join(node.input)}){' ' + attrs if attrs else ''}")
@@ -204,8 +233,11 @@ def _reduce(draw, b: _Builder, x, shape):
         chosen = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1)))
         axes = [a - rank if draw(st.booleans()) else a for a in chosen]
     reduced = set(range(rank)) if axes is None else {a % rank for a in axes}
-    out_shape = tuple(1 if i in reduced else d for i, d in enumerate(shape)) if keepdims else \
-        tuple(d for i, d in enumerate(shape) if i not in reduced)
+    out_shape = (
+        tuple(1 if i in reduced else d for i, d in enumerate(shape))
+        if keepdims
+        else tuple(d for i, d in enumerate(shape) if i not in reduced)
+    )
     if op in ("ReduceMax", "ReduceMin"):
         b.kinks.append(("reduce_tie", x, axes))
     if op == "ReduceL1":
@@ -285,9 +317,13 @@ def _slice(draw, b: _Builder, x, shape):
         steps.append(step)
         out[axis] = slice_length(start, end, step, n)
     use_neg = draw(st.booleans())
-    inputs = [x, b.const(np.array(starts, np.int64), "starts"), b.const(np.array(ends, np.int64), "ends"),
-              b.const(np.array([a - len(shape) if use_neg else a for a in axes], np.int64), "axes"),
-              b.const(np.array(steps, np.int64), "steps")]
+    inputs = [
+        x,
+        b.const(np.array(starts, np.int64), "starts"),
+        b.const(np.array(ends, np.int64), "ends"),
+        b.const(np.array([a - len(shape) if use_neg else a for a in axes], np.int64), "axes"),
+        b.const(np.array(steps, np.int64), "steps"),
+    ]
     return b.op("Slice", inputs, out)
 
 
@@ -309,10 +345,11 @@ def _gather(draw, b: _Builder, x, shape):
     if n == 0:
         return _unary(draw, b, x, shape)
     idx_shape = _dims(draw, draw(st.integers(0, 2)), 1, 3)
-    indices = np.array(draw(st.lists(st.integers(-n, n - 1), min_size=int(np.prod(idx_shape)),
-                                     max_size=int(np.prod(idx_shape)))), np.int64).reshape(idx_shape)
+    indices = np.array(
+        draw(st.lists(st.integers(-n, n - 1), min_size=int(np.prod(idx_shape)), max_size=int(np.prod(idx_shape)))), np.int64
+    ).reshape(idx_shape)
     a = axis % len(shape)
-    out = tuple(shape[:a]) + idx_shape + tuple(shape[a + 1:])
+    out = tuple(shape[:a]) + idx_shape + tuple(shape[a + 1 :])
     return b.op("Gather", [x, b.const(indices, "idx")], out, axis=axis)
 
 
@@ -326,11 +363,10 @@ def _matmul(draw, b: _Builder, x, shape):
         return b.op("MatMul", [other, x], tuple(shape[:-2]) + (m, shape[-1]))
     k = shape[-1]
     batch = tuple(shape[:-2])
-    other_batch = batch[len(batch) - draw(st.integers(0, len(batch))):] if batch else ()
+    other_batch = batch[len(batch) - draw(st.integers(0, len(batch))) :] if batch else ()
     other_batch = tuple(1 if draw(st.booleans()) else d for d in other_batch)
     other = b.new_input(other_batch + (k, n))
-    out = (tuple(np.broadcast_shapes(batch, other_batch)) + tuple(shape[-2:-1]) + (n,)) if len(shape) >= 2 \
-        else other_batch + (n,)
+    out = (tuple(np.broadcast_shapes(batch, other_batch)) + tuple(shape[-2:-1]) + (n,)) if len(shape) >= 2 else other_batch + (n,)
     return b.op("MatMul", [x, other], out)
 
 
@@ -349,13 +385,25 @@ def _squeeze(draw, b: _Builder, x, shape):
     if not b.symbolic and draw(st.booleans()):  # without axes and with symbolic dims, the rank is unknown
         return b.op("Squeeze", [x], [d for d in shape if d != 1])
     axis = draw(st.sampled_from(ones))
-    return b.op("Squeeze", [x, b.const(np.array([axis - len(shape)], np.int64), "axes")],
-                [d for i, d in enumerate(shape) if i != axis])
+    return b.op(
+        "Squeeze", [x, b.const(np.array([axis - len(shape)], np.int64), "axes")], [d for i, d in enumerate(shape) if i != axis]
+    )
 
 
-_STEP = {"unary": _unary, "binary": _binary, "reduce": _reduce, "softmax": _softmax, "transpose": _transpose,
-         "reshape": _reshape, "concat": _concat, "slice": _slice, "gather": _gather, "matmul": _matmul,
-         "unsqueeze": _unsqueeze, "squeeze": _squeeze}
+_STEP = {
+    "unary": _unary,
+    "binary": _binary,
+    "reduce": _reduce,
+    "softmax": _softmax,
+    "transpose": _transpose,
+    "reshape": _reshape,
+    "concat": _concat,
+    "slice": _slice,
+    "gather": _gather,
+    "matmul": _matmul,
+    "unsqueeze": _unsqueeze,
+    "squeeze": _squeeze,
+}
 
 
 @st.composite
@@ -417,17 +465,22 @@ class KernelCase:
         names, graph_inputs, inits = single_node_inputs(self.inputs, fed)
         outputs = [f"out{k}" for k in range(self.num_outputs)]
         node = helper.make_node(self.op_type, names, outputs, name="node", **self.attrs)
-        graph = helper.make_graph([node], self.op_type, graph_inputs,
-                                  [helper.make_value_info(o, onnx.TypeProto()) for o in outputs], initializer=inits)
+        graph = helper.make_graph(
+            [node], self.op_type, graph_inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outputs], initializer=inits
+        )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8)
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {f"in{i}": np.asarray(a) for i, a in enumerate(self.inputs) if a is not None and i not in self.const}
 
     def describe(self) -> str:
-        shapes = ", ".join("None" if a is None else f"{np.asarray(a).dtype}{list(np.shape(a))}"
-                           + (f"={np.asarray(a).tolist()}" if np.size(a) <= 6 and np.asarray(a).dtype.kind in "iu" else "")
-                           for a in self.inputs)
+        shapes = ", ".join(
+            "None"
+            if a is None
+            else f"{np.asarray(a).dtype}{list(np.shape(a))}"
+            + (f"={np.asarray(a).tolist()}" if np.size(a) <= 6 and np.asarray(a).dtype.kind in "iu" else "")
+            for a in self.inputs
+        )
         return f"{self.op_type}({shapes}) {self.attrs} opset {self.opset}"
 
 

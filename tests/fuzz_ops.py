@@ -71,8 +71,10 @@ class OpCase:
         return [i for i, a in enumerate(self.inputs) if _is_float(a) and i not in self.keep]
 
     def arrays(self, dtype) -> list[Any]:
-        return [None if a is None else (a.astype(dtype) if _is_float(a) and i not in self.keep else a)
-                for i, a in enumerate(self.inputs)]
+        return [
+            None if a is None else (a.astype(dtype) if _is_float(a) and i not in self.keep else a)
+            for i, a in enumerate(self.inputs)
+        ]
 
     def feeds(self, dtype) -> dict[str, np.ndarray]:
         return {f"in{i}": a for i, a in enumerate(self.arrays(dtype)) if a is not None and i in self.graph_inputs}
@@ -99,8 +101,9 @@ class OpCase:
     def forward_model(self, dtype=None) -> onnx.ModelProto:
         """The node alone, its outputs as graph outputs."""
         node, graph_inputs, inits, outputs = self._graph_parts(dtype or self.dtype)
-        graph = helper.make_graph([node], self.op_type, graph_inputs,
-                                  [helper.make_value_info(o, onnx.TypeProto()) for o in outputs], initializer=inits)
+        graph = helper.make_graph(
+            [node], self.op_type, graph_inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outputs], initializer=inits
+        )
         return self._model(graph)
 
     def loss_model(self, dtype, float_outputs: list[int]) -> onnx.ModelProto:
@@ -116,9 +119,13 @@ class OpCase:
         nodes.append(helper.make_node("Sum", terms, ["loss"]))
         weights = self.loss_weights(float_outputs)
         inits = inits + [numpy_helper.from_array(weights[k].astype(dtype), f"w{k}") for k in float_outputs]
-        graph = helper.make_graph(nodes, self.op_type, graph_inputs,
-                                  [helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
-                                                                 [])], initializer=inits)
+        graph = helper.make_graph(
+            nodes,
+            self.op_type,
+            graph_inputs,
+            [helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [])],
+            initializer=inits,
+        )
         return self._model(graph)
 
     def loss_weights(self, float_outputs: list[int]) -> dict[int, np.ndarray]:
@@ -139,8 +146,10 @@ class OpCase:
             if a.size <= 8:
                 text += f"={np.asarray(a).tolist()}"
             parts.append(text)
-        return (f"{self.op_type}({', '.join(parts)}) {self.attrs} opset {self.opset} dtype {np.dtype(self.dtype).name}"
-                f"{' symbolic' if self.symbolic else ''} outputs {self.num_outputs} diff {self.differentiated()}")
+        return (
+            f"{self.op_type}({', '.join(parts)}) {self.attrs} opset {self.opset} dtype {np.dtype(self.dtype).name}"
+            f"{' symbolic' if self.symbolic else ''} outputs {self.num_outputs} diff {self.differentiated()}"
+        )
 
 
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
@@ -203,20 +212,43 @@ def float_positions(inputs, keep=()) -> list[int]:
 
 # -- elementwise ------------------------------------------------------------------------------
 
+
 # op -> (low, high, kinks, attrs drawn by the function, opset)
 def _no_attrs(draw):
     return {}
 
 
 UNARY: dict[str, tuple] = {
-    "Neg": (-2, 2, ()), "Exp": (-2, 2, ()), "Tanh": (-2, 2, ()), "Sigmoid": (-3, 3, ()), "Softplus": (-3, 3, ()),
-    "Softsign": (-3, 3, ()), "Erf": (-2, 2, ()), "Sin": (-3, 3, ()), "Cos": (-3, 3, ()), "Atan": (-3, 3, ()),
-    "Asinh": (-3, 3, ()), "Sinh": (-2, 2, ()), "Cosh": (-2, 2, ()), "Tan": (-1.2, 1.2, ()),
-    "Identity": (-2, 2, ()), "Abs": (-2, 2, (0,)), "Relu": (-2, 2, (0,)), "Sign": (-2, 2, (0,)),
-    "Log": (0.1, 3, ()), "Sqrt": (0.1, 3, ()), "Reciprocal": (0.2, 2, ()), "Acos": (-0.9, 0.9, ()),
-    "Asin": (-0.9, 0.9, ()), "Atanh": (-0.9, 0.9, ()), "Acosh": (1.1, 3, ()), "Mish": (-3, 3, ()),
-    "Floor": (-3, 3, tuple(range(-3, 4))), "Ceil": (-3, 3, tuple(range(-3, 4))),
-    "Round": (-3, 3, tuple(k + 0.5 for k in range(-4, 4))), "HardSwish": (-4, 4, (-3, 3)),
+    "Neg": (-2, 2, ()),
+    "Exp": (-2, 2, ()),
+    "Tanh": (-2, 2, ()),
+    "Sigmoid": (-3, 3, ()),
+    "Softplus": (-3, 3, ()),
+    "Softsign": (-3, 3, ()),
+    "Erf": (-2, 2, ()),
+    "Sin": (-3, 3, ()),
+    "Cos": (-3, 3, ()),
+    "Atan": (-3, 3, ()),
+    "Asinh": (-3, 3, ()),
+    "Sinh": (-2, 2, ()),
+    "Cosh": (-2, 2, ()),
+    "Tan": (-1.2, 1.2, ()),
+    "Identity": (-2, 2, ()),
+    "Abs": (-2, 2, (0,)),
+    "Relu": (-2, 2, (0,)),
+    "Sign": (-2, 2, (0,)),
+    "Log": (0.1, 3, ()),
+    "Sqrt": (0.1, 3, ()),
+    "Reciprocal": (0.2, 2, ()),
+    "Acos": (-0.9, 0.9, ()),
+    "Asin": (-0.9, 0.9, ()),
+    "Atanh": (-0.9, 0.9, ()),
+    "Acosh": (1.1, 3, ()),
+    "Mish": (-3, 3, ()),
+    "Floor": (-3, 3, tuple(range(-3, 4))),
+    "Ceil": (-3, 3, tuple(range(-3, 4))),
+    "Round": (-3, 3, tuple(k + 0.5 for k in range(-4, 4))),
+    "HardSwish": (-4, 4, (-3, 3)),
 }
 
 
@@ -267,8 +299,7 @@ def cast_cases(draw, op):
     x = rng.uniform(-2, 2, shape(draw, empty=True))
     target = draw(st.sampled_from([np.float32, np.float64]))
     if op == "Cast":
-        case = OpCase(op, [x], {"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))},
-                      graph_inputs=placement(draw, [0]))
+        case = OpCase(op, [x], {"to": helper.np_dtype_to_tensor_dtype(np.dtype(target))}, graph_inputs=placement(draw, [0]))
     else:
         case = OpCase(op, [x, np.zeros((), target)], diff=(0,), graph_inputs=placement(draw, [0]))
     return finish(draw, case)
@@ -412,14 +443,24 @@ def topk_cases(draw, op):
     axis = draw(st.integers(-len(s), len(s) - 1))
     k = draw(st.integers(0, s[axis]))
     attrs = {"axis": axis, "largest": draw(st.sampled_from([0, 1])), "sorted": draw(st.sampled_from([0, 1]))}
-    case = OpCase(op, [distinct(rng, s), np.array([k], np.int64)], attrs, num_outputs=2,
-                  graph_inputs=placement(draw, [0, 1]))
+    case = OpCase(op, [distinct(rng, s), np.array([k], np.int64)], attrs, num_outputs=2, graph_inputs=placement(draw, [0, 1]))
     return finish(draw, case)
 
 
 EINSUM = [  # (equation, operand shapes as letters)
-    "ij,jk->ik", "bij,bjk->bik", "ij->ji", "ij->", "i,i->", "ij,j->i", "bhqd,bhkd->bhqk", "ij,ij->ij",
-    "i,j->ij", "...ij,...jk->...ik", "ijk->kj", "ij,kj->ik", "abc,cd->abd",
+    "ij,jk->ik",
+    "bij,bjk->bik",
+    "ij->ji",
+    "ij->",
+    "i,i->",
+    "ij,j->i",
+    "bhqd,bhkd->bhqk",
+    "ij,ij->ij",
+    "i,j->ij",
+    "...ij,...jk->...ik",
+    "ijk->kj",
+    "ij,kj->ik",
+    "abc,cd->abd",
 ]
 
 
@@ -595,8 +636,14 @@ def shape_op_cases(draw, op):
             attrs["mode"] = draw(st.sampled_from(["DCR", "CRD"]))
     else:
         raise KeyError(op)
-    case = OpCase(op, inputs, attrs, opset=opset, num_outputs=num_outputs, graph_inputs=frozenset(graph) &
-                  frozenset(i for i in range(len(inputs)) if draw(st.booleans()) or i > 0))
+    case = OpCase(
+        op,
+        inputs,
+        attrs,
+        opset=opset,
+        num_outputs=num_outputs,
+        graph_inputs=frozenset(graph) & frozenset(i for i in range(len(inputs)) if draw(st.booleans()) or i > 0),
+    )
     return finish(draw, case)
 
 
@@ -681,8 +728,10 @@ def gather_cases(draw, op):
         idx = rng.integers(-n, n, idx_shape).astype(itype)
         attrs["axis"] = axis
     elif op == "GatherElements":
-        idx_shape = tuple(draw(st.integers(0 if draw(st.integers(0, 5)) == 0 else 1, d)) if i != axis % rank
-                          else draw(st.integers(1, 4)) for i, d in enumerate(s))
+        idx_shape = tuple(
+            draw(st.integers(0 if draw(st.integers(0, 5)) == 0 else 1, d)) if i != axis % rank else draw(st.integers(1, 4))
+            for i, d in enumerate(s)
+        )
         idx = rng.integers(-n, n, idx_shape).astype(itype)
         attrs["axis"] = axis
     else:  # GatherND
@@ -709,8 +758,10 @@ def scatter_cases(draw, op):
         axis = draw(st.integers(-rank, rank - 1))
         a = axis % rank
         n = s[a]
-        idx_shape = tuple(draw(st.integers(0 if draw(st.integers(0, 5)) == 0 else 1, d)) if i != a
-                          else draw(st.integers(1, n)) for i, d in enumerate(s))
+        idx_shape = tuple(
+            draw(st.integers(0 if draw(st.integers(0, 5)) == 0 else 1, d)) if i != a else draw(st.integers(1, n))
+            for i, d in enumerate(s)
+        )
         base = np.moveaxis(np.zeros(idx_shape, np.int64), a, -1)
         for pos in np.ndindex(base.shape[:-1]):  # distinct positions along the axis (no write order)
             base[pos] = rng.permutation(n)[: base.shape[-1]]
@@ -723,7 +774,7 @@ def scatter_cases(draw, op):
         flat = rng.permutation(int(np.prod(s[:k])))[:count]
         idx = np.stack(np.unravel_index(flat, s[:k]), axis=-1).astype(np.int64).reshape(count, k)
         idx = np.where(rng.random(idx.shape) < 0.3, idx - np.array(s[:k]), idx)
-    upd_shape = idx.shape if op == "ScatterElements" else idx.shape[:-1] + s[idx.shape[-1]:]
+    upd_shape = idx.shape if op == "ScatterElements" else idx.shape[:-1] + s[idx.shape[-1] :]
     updates = distinct(rng, upd_shape) + 0.013 if reduction in ("max", "min") else rng.uniform(-2, 2, upd_shape)
     case = OpCase(op, [data, idx, updates], attrs, opset=opset, graph_inputs=placement(draw, [0, 1, 2]))
     return finish(draw, case)
@@ -738,20 +789,26 @@ def matmul_cases(draw, op):
     m, k, n = (draw(st.integers(0 if draw(st.integers(0, 5)) == 0 else 1, 3)) for _ in range(3))
     if op == "MatMul":
         batch = dims(draw, draw(st.integers(0, 2)))
-        other = tuple(1 if draw(st.booleans()) else d for d in batch[draw(st.integers(0, len(batch))):])
+        other = tuple(1 if draw(st.booleans()) else d for d in batch[draw(st.integers(0, len(batch))) :])
         a_shape = batch + (m, k) if draw(st.integers(0, 4)) else (k,)
         b_shape = other + (k, n) if draw(st.integers(0, 4)) else (k,)
         if draw(st.booleans()):
-            a_shape, b_shape = (b_shape[:-2] + (m, k)) if len(b_shape) > 1 else (k,), a_shape[:-2] + (k, n) \
-                if len(a_shape) > 1 else (k,)
+            a_shape, b_shape = (
+                (b_shape[:-2] + (m, k)) if len(b_shape) > 1 else (k,),
+                a_shape[:-2] + (k, n) if len(a_shape) > 1 else (k,),
+            )
         inputs, attrs = [rng.uniform(-2, 2, a_shape), rng.uniform(-2, 2, b_shape)], {}
     else:
         ta, tb = draw(st.sampled_from([0, 1])), draw(st.sampled_from([0, 1]))
         inputs = [rng.uniform(-2, 2, (k, m) if ta else (m, k)), rng.uniform(-2, 2, (n, k) if tb else (k, n))]
         if draw(st.booleans()):
             inputs.append(rng.uniform(-2, 2, draw(st.sampled_from([(m, n), (n,), (1, n), (m, 1), (), (1, 1)]))))
-        attrs = {"transA": ta, "transB": tb, "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
-                 "beta": draw(st.sampled_from([1.0, 0.0, 3.0]))}
+        attrs = {
+            "transA": ta,
+            "transB": tb,
+            "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
+            "beta": draw(st.sampled_from([1.0, 0.0, 3.0])),
+        }
     case = OpCase(op, inputs, attrs, graph_inputs=placement(draw, list(range(len(inputs)))))
     return finish(draw, case)
 
@@ -768,8 +825,9 @@ def _window(draw, spatial, kernel_max=3, dilations=True):
 
 def _pads_attrs(draw, kernel, attrs, allow_same=True):
     """pads (each below the kernel), auto_pad, or nothing; returns which."""
-    style = draw(st.sampled_from(["pads", "pads", "none", "VALID", "SAME_UPPER", "SAME_LOWER"] if allow_same
-                                 else ["pads", "none"]))
+    style = draw(
+        st.sampled_from(["pads", "pads", "none", "VALID", "SAME_UPPER", "SAME_LOWER"] if allow_same else ["pads", "none"])
+    )
     if style == "pads":
         attrs["pads"] = [draw(st.integers(0, k - 1)) for k in kernel] + [draw(st.integers(0, k - 1)) for k in kernel]
     elif style != "none":
@@ -809,8 +867,10 @@ def conv_cases(draw, op):
         if style == "output_shape":  # smaller than the full result, or larger (outputs holding the bias)
             attrs["output_shape"] = [max(1, f + draw(st.integers(-2, 2))) for f in full]
             if any(o > f for o, f in zip(attrs["output_shape"], full)):
-                ort = ("onnxruntime refuses an output_shape larger than the full result, or starts it at the full "
-                       "result's start; the spec's pads (and gradgen) put the extra before and after it")
+                ort = (
+                    "onnxruntime refuses an output_shape larger than the full result, or starts it at the full "
+                    "result's start; the spec's pads (and gradgen) put the extra before and after it"
+                )
         elif style.startswith("SAME"):
             attrs["auto_pad"] = style
             ort = "onnxruntime's ConvTranspose SAME padding is not the spec's (pads at the other end)"
@@ -880,7 +940,7 @@ def norm_cases(draw, op):
     elif op == "LayerNormalization":
         x = rng.uniform(-2, 2, shape(draw, rank_min=1, rank_max=4))
         axis = draw(st.integers(-x.ndim, x.ndim - 1))
-        norm_shape = x.shape[axis % x.ndim:]
+        norm_shape = x.shape[axis % x.ndim :]
         inputs = [x, rng.uniform(0.5, 1.5, norm_shape)]
         if draw(st.booleans()):
             inputs.append(rng.uniform(-1, 1, norm_shape))
@@ -895,8 +955,7 @@ def norm_cases(draw, op):
         per = c if opset >= 21 else groups
         inputs = [x, rng.uniform(0.5, 1.5, per), rng.uniform(-1, 1, per)]
         attrs["num_groups"] = groups
-    case = OpCase(op, inputs, attrs, opset=opset, num_outputs=num_outputs,
-                  graph_inputs=placement(draw, list(range(len(inputs)))))
+    case = OpCase(op, inputs, attrs, opset=opset, num_outputs=num_outputs, graph_inputs=placement(draw, list(range(len(inputs)))))
     case.ort = ort
     case = finish(draw, case)
     # float32 Instance / GroupNormalization: onnxruntime's variance loses digits when it is small
@@ -955,14 +1014,20 @@ def resize_cases(draw, op):
             if any(a < 0 for a in attrs.get("axes", [])):
                 ort = "onnxruntime ignores negative axes with a keep_aspect_ratio_policy"
         inputs = [rng.uniform(-2, 2, s), roi, None, np.array(sizes, np.int64)]
-        out = resize_geometry(s, None, sizes, axes=axes,
-                              keep_aspect_ratio_policy=attrs.get("keep_aspect_ratio_policy", "stretch"))[0]
+        out = resize_geometry(
+            s, None, sizes, axes=axes, keep_aspect_ratio_policy=attrs.get("keep_aspect_ratio_policy", "stretch")
+        )[0]
     if ctm == "tf_crop_and_resize" and any(out[a] == s[a] for a in axes):
         ort = "onnxruntime ignores the roi of an axis whose length does not change"
-    if ctm in ("align_corners", "tf_crop_and_resize") and inputs[2] is not None and \
-            any(float(np.float32(f)) * s[a] != out[a] for f, a in zip(inputs[2], axes)):
-        ort = ("onnxruntime spaces align_corners / tf_crop_and_resize samples by the output length; ONNX's "
-               "conformance tests (and gradgen) by the fractional width scale * n")
+    if (
+        ctm in ("align_corners", "tf_crop_and_resize")
+        and inputs[2] is not None
+        and any(float(np.float32(f)) * s[a] != out[a] for f, a in zip(inputs[2], axes))
+    ):
+        ort = (
+            "onnxruntime spaces align_corners / tf_crop_and_resize samples by the output length; ONNX's "
+            "conformance tests (and gradgen) by the fractional width scale * n"
+        )
     case = OpCase(op, inputs, attrs, opset=opset, keep=frozenset({1, 2}), graph_inputs=placement(draw, [0]))
     case.ort = ort
     return finish(draw, case, symbolic_ok=False)
@@ -994,8 +1059,14 @@ def loss_cases(draw, op):
     if draw(st.booleans()):
         inputs.append(rng.uniform(0.2, 2, c))
     num_outputs = 2 if op == "SoftmaxCrossEntropyLoss" and draw(st.booleans()) else 1
-    case = OpCase(op, inputs, attrs, opset=draw(st.sampled_from([13, 18])), num_outputs=num_outputs,
-                  graph_inputs=placement(draw, list(range(len(inputs)))))
+    case = OpCase(
+        op,
+        inputs,
+        attrs,
+        opset=draw(st.sampled_from([13, 18])),
+        num_outputs=num_outputs,
+        graph_inputs=placement(draw, list(range(len(inputs)))),
+    )
     return finish(draw, case)
 
 
@@ -1004,16 +1075,41 @@ def loss_cases(draw, op):
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
-GENERATORS.update({"Cast": cast_cases, "CastLike": cast_cases, "Dropout": dropout_cases, "Clip": clip_cases,
-                   "Where": where_cases, "Softmax": softmax_cases, "LogSoftmax": softmax_cases,
-                   "CumSum": cumsum_cases, "Trilu": trilu_cases, "TopK": topk_cases, "Einsum": einsum_cases,
-                   "Slice": slice_cases, "Pad": pad_cases, "Resize": resize_cases})
+GENERATORS.update(
+    {
+        "Cast": cast_cases,
+        "CastLike": cast_cases,
+        "Dropout": dropout_cases,
+        "Clip": clip_cases,
+        "Where": where_cases,
+        "Softmax": softmax_cases,
+        "LogSoftmax": softmax_cases,
+        "CumSum": cumsum_cases,
+        "Trilu": trilu_cases,
+        "TopK": topk_cases,
+        "Einsum": einsum_cases,
+        "Slice": slice_cases,
+        "Pad": pad_cases,
+        "Resize": resize_cases,
+    }
+)
 for _op in ["Add", "Sub", "Mul", "Div", "Pow", "Mod", "PRelu", "Max", "Min", "Sum", "Mean"]:
     GENERATORS[_op] = binary_cases
 for _op in fg.REDUCTIONS + ["ReduceLogSum"]:
     GENERATORS[_op] = reduce_cases
-for _op in ["Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Split", "Expand", "Tile",
-            "DepthToSpace", "SpaceToDepth"]:
+for _op in [
+    "Reshape",
+    "Flatten",
+    "Transpose",
+    "Squeeze",
+    "Unsqueeze",
+    "Concat",
+    "Split",
+    "Expand",
+    "Tile",
+    "DepthToSpace",
+    "SpaceToDepth",
+]:
     GENERATORS[_op] = shape_op_cases
 for _op in ["Gather", "GatherElements", "GatherND"]:
     GENERATORS[_op] = gather_cases
@@ -1066,8 +1162,9 @@ def gradients(case: OpCase, dtype, outputs: list[int], device: str = "cpu") -> d
 
 def finite_differences(case: OpCase, outputs: list[int], name: str, grad: np.ndarray, eps=1e-6):
     """(numeric, analytic) pairs: every element of small tensors, random directions of larger ones."""
-    static = dataclasses.replace(case, symbolic=False,
-                                 graph_inputs=frozenset(i for i, a in enumerate(case.inputs) if a is not None))
+    static = dataclasses.replace(
+        case, symbolic=False, graph_inputs=frozenset(i for i, a in enumerate(case.inputs) if a is not None)
+    )
     static._weights = case.loss_weights(outputs)
     session = Session(static.loss_model(np.float64, outputs))
     feeds = static.feeds(np.float64)
@@ -1103,9 +1200,13 @@ def _canonical(case: OpCase, outs: list[np.ndarray]) -> list[np.ndarray]:
 
 
 # onnxruntime errors on valid models: its limitations, not gradgen's
-ORT_RUN_LIMITS = ["'Linear' mode only supports", "'Cubic' mode only supports",
-                  "Dilation not supported for AutoPadType", "Explicit output_shape is inconsistent",
-                  "Unexpected mode of 3"]  # (the last: wrap Pad of an empty tensor)
+ORT_RUN_LIMITS = [
+    "'Linear' mode only supports",
+    "'Cubic' mode only supports",
+    "Dilation not supported for AutoPadType",
+    "Explicit output_shape is inconsistent",
+    "Unexpected mode of 3",
+]  # (the last: wrap Pad of an empty tensor)
 
 
 def compare_forward_with_ort(case: OpCase, ort) -> str:
@@ -1141,8 +1242,9 @@ def compare_forward_with_ort(case: OpCase, ort) -> str:
         assert g.shape == w.shape, f"out{k}: shape {g.shape} vs onnxruntime {w.shape}\n{case.describe()}"
         assert g.dtype == w.dtype, f"out{k}: dtype {g.dtype} vs onnxruntime {w.dtype}\n{case.describe()}"
         scale = max(1.0, float(np.abs(w[np.isfinite(w)]).max(initial=0.0))) if w.dtype.kind == "f" else 1.0
-        np.testing.assert_allclose(g, w, rtol=tol["rtol"], atol=tol["atol"] * scale, equal_nan=True,
-                                   err_msg=f"out{k} vs onnxruntime\n{case.describe()}")
+        np.testing.assert_allclose(
+            g, w, rtol=tol["rtol"], atol=tol["atol"] * scale, equal_nan=True, err_msg=f"out{k} vs onnxruntime\n{case.describe()}"
+        )
     return "ort compared"
 
 
@@ -1153,15 +1255,21 @@ def check_gradients_fd(case: OpCase, outputs: list[int]) -> dict[str, np.ndarray
         name = f"in{i}"
         grad = got[f"{name}_grad"]
         value = case.inputs[i]
-        assert grad.shape == value.shape and grad.dtype == np.float64, \
+        assert grad.shape == value.shape and grad.dtype == np.float64, (
             f"{name}_grad: {grad.dtype}{list(grad.shape)} for {list(value.shape)}\n{case.describe()}"
+        )
         assert np.all(np.isfinite(grad)), f"{name}_grad is not finite\n{case.describe()}"
         if not value.size:
             continue
         numeric, analytic = finite_differences(case, outputs, name, grad)
         scale = max(1.0, float(np.abs(numeric).max(initial=0.0)))
-        np.testing.assert_allclose(analytic, numeric, rtol=case.fd_rtol, atol=1e-6 * scale,
-                                   err_msg=f"gradient of {name} vs finite differences\n{case.describe()}")
+        np.testing.assert_allclose(
+            analytic,
+            numeric,
+            rtol=case.fd_rtol,
+            atol=1e-6 * scale,
+            err_msg=f"gradient of {name} vs finite differences\n{case.describe()}",
+        )
     return got
 
 
@@ -1171,11 +1279,17 @@ def check_low_precision(case: OpCase, outputs: list[int], reference: dict[str, n
     for i in case.differentiated():
         name = f"in{i}_grad"
         want = reference[name]
-        assert got[name].dtype == np.dtype(case.dtype) and got[name].shape == want.shape, \
+        assert got[name].dtype == np.dtype(case.dtype) and got[name].shape == want.shape, (
             f"{name}: {got[name].dtype}{list(got[name].shape)}\n{case.describe()}"
+        )
         scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-        np.testing.assert_allclose(got[name], want, rtol=2e-3, atol=2e-4 * scale,
-                                   err_msg=f"{name} in {np.dtype(case.dtype).name} vs float64\n{case.describe()}")
+        np.testing.assert_allclose(
+            got[name],
+            want,
+            rtol=2e-3,
+            atol=2e-4 * scale,
+            err_msg=f"{name} in {np.dtype(case.dtype).name} vs float64\n{case.describe()}",
+        )
 
 
 def check_against_torch(case: OpCase, outputs: list[int], reference: dict[str, np.ndarray]) -> bool:
@@ -1186,8 +1300,9 @@ def check_against_torch(case: OpCase, outputs: list[int], reference: dict[str, n
     import torch
 
     diff = case.differentiated()
-    tensors = [None if a is None else torch.tensor(np.asarray(a), requires_grad=i in diff)
-               for i, a in enumerate(case.arrays(np.float64))]
+    tensors = [
+        None if a is None else torch.tensor(np.asarray(a), requires_grad=i in diff) for i, a in enumerate(case.arrays(np.float64))
+    ]
     # attributes as the model holds them: floats in float32
     attrs = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in case.attrs.items()}
     outs = fn(case, tensors, attrs)
@@ -1198,16 +1313,18 @@ def check_against_torch(case: OpCase, outputs: list[int], reference: dict[str, n
     weights = {k: np.asarray(w) for k, w in case.loss_weights(outputs).items()}
     assert len(outs) == len(outputs), f"torch gave {len(outs)} float outputs for {len(outputs)}\n{case.describe()}"
     loss = sum((o.double() * torch.tensor(weights[k])).sum() for o, k in zip(outs, outputs))
-    np.testing.assert_allclose(float(loss.detach()), float(reference["loss"]), rtol=1e-9, atol=1e-9,
-                               err_msg=f"loss vs torch\n{case.describe()}")
+    np.testing.assert_allclose(
+        float(loss.detach()), float(reference["loss"]), rtol=1e-9, atol=1e-9, err_msg=f"loss vs torch\n{case.describe()}"
+    )
     wanted = [tensors[i] for i in diff]
     grads = torch.autograd.grad(loss, wanted, allow_unused=True) if loss.requires_grad else [None] * len(wanted)
     for i, g in zip(diff, grads):
         want = np.zeros(case.inputs[i].shape) if g is None else g.numpy()
         got = reference[f"in{i}_grad"]
         scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9 * scale,
-                                   err_msg=f"gradient of in{i} vs torch\n{case.describe()}")
+        np.testing.assert_allclose(
+            got, want, rtol=1e-7, atol=1e-9 * scale, err_msg=f"gradient of in{i} vs torch\n{case.describe()}"
+        )
     return True
 
 
@@ -1239,11 +1356,18 @@ def check_case_on_cuda(case: OpCase) -> None:
     for want_all, got_all in pairs:
         for name, want in want_all.items():
             got = got_all[name]
-            assert got.shape == want.shape and got.dtype == want.dtype, \
+            assert got.shape == want.shape and got.dtype == want.dtype, (
                 f"{name}: cuda {got.dtype}{list(got.shape)} vs cpu {want.dtype}{list(want.shape)}\n{case.describe()}"
+            )
             scale = max(1.0, float(np.abs(want[np.isfinite(want)]).max(initial=0.0))) if want.dtype.kind == "f" else 1
-            np.testing.assert_allclose(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, equal_nan=True,
-                                       err_msg=f"{name}: cuda vs cpu\n{case.describe()}")
+            np.testing.assert_allclose(
+                got,
+                want,
+                rtol=tol["rtol"],
+                atol=tol["atol"] * scale,
+                equal_nan=True,
+                err_msg=f"{name}: cuda vs cpu\n{case.describe()}",
+            )
 
 
 # -- PyTorch references (float64) -----------------------------------------------------------------
@@ -1254,6 +1378,7 @@ def _torch_unary(name):
         import torch
 
         return getattr(torch, name)(t[0])
+
     return fn
 
 
@@ -1286,13 +1411,17 @@ def _torch_reduce(kind):
             for a in sorted(axes, reverse=True):
                 y = torch.prod(y, dim=a, keepdim=True)
             return y if keep else y.reshape([d for i, d in enumerate(x.shape) if i not in axes])
-        ops = {"sum": lambda: x.sum(dim=axes, keepdim=keep), "mean": lambda: x.mean(dim=axes, keepdim=keep),
-               "sumsquare": lambda: (x * x).sum(dim=axes, keepdim=keep),
-               "l1": lambda: x.abs().sum(dim=axes, keepdim=keep),
-               "l2": lambda: torch.sqrt((x * x).sum(dim=axes, keepdim=keep)),
-               "logsum": lambda: torch.log(x.sum(dim=axes, keepdim=keep)),
-               "logsumexp": lambda: torch.logsumexp(x, dim=axes, keepdim=keep)}
+        ops = {
+            "sum": lambda: x.sum(dim=axes, keepdim=keep),
+            "mean": lambda: x.mean(dim=axes, keepdim=keep),
+            "sumsquare": lambda: (x * x).sum(dim=axes, keepdim=keep),
+            "l1": lambda: x.abs().sum(dim=axes, keepdim=keep),
+            "l2": lambda: torch.sqrt((x * x).sum(dim=axes, keepdim=keep)),
+            "logsum": lambda: torch.log(x.sum(dim=axes, keepdim=keep)),
+            "logsumexp": lambda: torch.logsumexp(x, dim=axes, keepdim=keep),
+        }
         return ops[kind]()
+
     return fn
 
 
@@ -1304,6 +1433,7 @@ def _torch_variadic(kind):
         for other in t[1:]:
             out = {"max": torch.maximum, "min": torch.minimum}.get(kind, torch.add)(out, other)
         return out / len(t) if kind == "mean" else out
+
     return fn
 
 
@@ -1319,6 +1449,7 @@ def _torch_softmax(log):
             f = torch.log_softmax if log else torch.softmax
             return f(flat, dim=1).reshape(x.shape)
         return (torch.log_softmax if log else torch.softmax)(x, dim=axis)
+
     return fn
 
 
@@ -1381,6 +1512,7 @@ def _torch_global(kind):
         x = t[0]
         axes = list(range(2, x.ndim))
         return x.mean(dim=axes, keepdim=True) if kind == "avg" else x.amax(dim=axes, keepdim=True)
+
     return fn
 
 
@@ -1427,8 +1559,7 @@ def _torch_batch_norm(case, t, attrs):
     shape_ = (1, -1) + (1,) * (x.ndim - 2)
     eps = attrs.get("epsilon", 1e-5)
     if not attrs.get("training_mode"):
-        return (x - mean.reshape(shape_)) / torch.sqrt(var.reshape(shape_) + eps) * scale.reshape(shape_) + \
-            bias.reshape(shape_)
+        return (x - mean.reshape(shape_)) / torch.sqrt(var.reshape(shape_) + eps) * scale.reshape(shape_) + bias.reshape(shape_)
     axes = [0] + list(range(2, x.ndim))
     bm = x.mean(dim=axes)
     bv = ((x - bm.reshape(shape_)) ** 2).mean(dim=axes)
@@ -1473,7 +1604,7 @@ def _torch_gather(case, t, attrs):
         axis = attrs.get("axis", 0) % x.ndim
         idx = torch.where(idx < 0, idx + x.shape[axis], idx)
         flat = torch.index_select(x, axis, idx.reshape(-1))
-        return flat.reshape(x.shape[:axis] + idx.shape + x.shape[axis + 1:])
+        return flat.reshape(x.shape[:axis] + idx.shape + x.shape[axis + 1 :])
     if case.op_type == "GatherElements":
         axis = attrs.get("axis", 0) % x.ndim
         idx = torch.where(idx < 0, idx + x.shape[axis], idx)
@@ -1621,40 +1752,106 @@ def _torch_act(fn_name, **fixed):
 
             return torch.where(t[0] > kwargs["alpha"], t[0], torch.zeros_like(t[0]))
         return getattr(F, fn_name)(t[0])
+
     return fn
 
 
 TORCH: dict[str, Callable] = {
-    **{op: _torch_unary(name) for op, name in [
-        ("Neg", "neg"), ("Exp", "exp"), ("Tanh", "tanh"), ("Sigmoid", "sigmoid"), ("Erf", "erf"), ("Sin", "sin"),
-        ("Cos", "cos"), ("Atan", "atan"), ("Asinh", "asinh"), ("Sinh", "sinh"), ("Cosh", "cosh"), ("Tan", "tan"),
-        ("Abs", "abs"), ("Relu", "relu"), ("Sign", "sign"), ("Log", "log"), ("Sqrt", "sqrt"),
-        ("Reciprocal", "reciprocal"), ("Acos", "acos"), ("Asin", "asin"), ("Atanh", "atanh"), ("Acosh", "acosh"),
-        ("Floor", "floor"), ("Ceil", "ceil"), ("Round", "round"), ("Identity", "clone")]},
-    "Softplus": _torch_act("softplus"), "Softsign": _torch_act("softsign"), "Mish": _torch_act("mish"),
-    "HardSwish": _torch_act("hardswish"), "LeakyRelu": _torch_act("leaky_relu", alpha=0.01),
-    "Elu": _torch_act("elu", alpha=1.0), "Celu": _torch_act("celu", alpha=1.0),
+    **{
+        op: _torch_unary(name)
+        for op, name in [
+            ("Neg", "neg"),
+            ("Exp", "exp"),
+            ("Tanh", "tanh"),
+            ("Sigmoid", "sigmoid"),
+            ("Erf", "erf"),
+            ("Sin", "sin"),
+            ("Cos", "cos"),
+            ("Atan", "atan"),
+            ("Asinh", "asinh"),
+            ("Sinh", "sinh"),
+            ("Cosh", "cosh"),
+            ("Tan", "tan"),
+            ("Abs", "abs"),
+            ("Relu", "relu"),
+            ("Sign", "sign"),
+            ("Log", "log"),
+            ("Sqrt", "sqrt"),
+            ("Reciprocal", "reciprocal"),
+            ("Acos", "acos"),
+            ("Asin", "asin"),
+            ("Atanh", "atanh"),
+            ("Acosh", "acosh"),
+            ("Floor", "floor"),
+            ("Ceil", "ceil"),
+            ("Round", "round"),
+            ("Identity", "clone"),
+        ]
+    },
+    "Softplus": _torch_act("softplus"),
+    "Softsign": _torch_act("softsign"),
+    "Mish": _torch_act("mish"),
+    "HardSwish": _torch_act("hardswish"),
+    "LeakyRelu": _torch_act("leaky_relu", alpha=0.01),
+    "Elu": _torch_act("elu", alpha=1.0),
+    "Celu": _torch_act("celu", alpha=1.0),
     "Selu": _torch_act("selu", alpha=1.67326319217681884765625, gamma=1.05070102214813232421875),
     "HardSigmoid": _torch_act("hardsigmoid", alpha=0.2, beta=0.5),
-    "ThresholdedRelu": _torch_act("thresholded_relu", alpha=1.0), "Gelu": _torch_gelu,
-    **{op: (lambda spec: lambda case, t, attrs: spec.torch(t[0], **attrs))(spec)
-       for op, spec in UNARY_SPECS.items() if spec.torch is not None},
-    "Add": lambda c, t, a: t[0] + t[1], "Sub": lambda c, t, a: t[0] - t[1], "Mul": lambda c, t, a: t[0] * t[1],
-    "Div": lambda c, t, a: t[0] / t[1], "Pow": _torch_pow, "Mod": _torch_mod, "PRelu": _torch_prelu,
-    "Max": _torch_variadic("max"), "Min": _torch_variadic("min"), "Sum": _torch_variadic("sum"),
-    "Mean": _torch_variadic("mean"), "Where": _torch_where, "Clip": _torch_clip,
-    "Softmax": _torch_softmax(False), "LogSoftmax": _torch_softmax(True), "CumSum": _torch_cumsum,
-    "Trilu": _torch_trilu, "TopK": _torch_topk, "Einsum": _torch_einsum,
-    "ReduceSum": _torch_reduce("sum"), "ReduceMean": _torch_reduce("mean"), "ReduceMax": _torch_reduce("max"),
-    "ReduceMin": _torch_reduce("min"), "ReduceProd": _torch_reduce("prod"), "ReduceL1": _torch_reduce("l1"),
-    "ReduceL2": _torch_reduce("l2"), "ReduceLogSum": _torch_reduce("logsum"),
-    "ReduceLogSumExp": _torch_reduce("logsumexp"), "ReduceSumSquare": _torch_reduce("sumsquare"),
-    "Transpose": _torch_transpose, "Tile": _torch_tile, "Expand": _torch_expand, "Concat": _torch_concat,
-    "DepthToSpace": _torch_d2s, "SpaceToDepth": _torch_d2s,
-    "Gather": _torch_gather, "GatherElements": _torch_gather, "MatMul": _torch_matmul, "Gemm": _torch_gemm,
-    "Conv": _torch_conv, "MaxPool": _torch_pool, "AveragePool": _torch_pool,
-    "GlobalAveragePool": _torch_global("avg"), "GlobalMaxPool": _torch_global("max"),
-    "SoftmaxCrossEntropyLoss": _torch_loss, "NegativeLogLikelihoodLoss": _torch_loss,
-    "LayerNormalization": _torch_layer_norm, "BatchNormalization": _torch_batch_norm,
-    "InstanceNormalization": _torch_instance_norm, "GroupNormalization": _torch_group_norm,
+    "ThresholdedRelu": _torch_act("thresholded_relu", alpha=1.0),
+    "Gelu": _torch_gelu,
+    **{
+        op: (lambda spec: lambda case, t, attrs: spec.torch(t[0], **attrs))(spec)
+        for op, spec in UNARY_SPECS.items()
+        if spec.torch is not None
+    },
+    "Add": lambda c, t, a: t[0] + t[1],
+    "Sub": lambda c, t, a: t[0] - t[1],
+    "Mul": lambda c, t, a: t[0] * t[1],
+    "Div": lambda c, t, a: t[0] / t[1],
+    "Pow": _torch_pow,
+    "Mod": _torch_mod,
+    "PRelu": _torch_prelu,
+    "Max": _torch_variadic("max"),
+    "Min": _torch_variadic("min"),
+    "Sum": _torch_variadic("sum"),
+    "Mean": _torch_variadic("mean"),
+    "Where": _torch_where,
+    "Clip": _torch_clip,
+    "Softmax": _torch_softmax(False),
+    "LogSoftmax": _torch_softmax(True),
+    "CumSum": _torch_cumsum,
+    "Trilu": _torch_trilu,
+    "TopK": _torch_topk,
+    "Einsum": _torch_einsum,
+    "ReduceSum": _torch_reduce("sum"),
+    "ReduceMean": _torch_reduce("mean"),
+    "ReduceMax": _torch_reduce("max"),
+    "ReduceMin": _torch_reduce("min"),
+    "ReduceProd": _torch_reduce("prod"),
+    "ReduceL1": _torch_reduce("l1"),
+    "ReduceL2": _torch_reduce("l2"),
+    "ReduceLogSum": _torch_reduce("logsum"),
+    "ReduceLogSumExp": _torch_reduce("logsumexp"),
+    "ReduceSumSquare": _torch_reduce("sumsquare"),
+    "Transpose": _torch_transpose,
+    "Tile": _torch_tile,
+    "Expand": _torch_expand,
+    "Concat": _torch_concat,
+    "DepthToSpace": _torch_d2s,
+    "SpaceToDepth": _torch_d2s,
+    "Gather": _torch_gather,
+    "GatherElements": _torch_gather,
+    "MatMul": _torch_matmul,
+    "Gemm": _torch_gemm,
+    "Conv": _torch_conv,
+    "MaxPool": _torch_pool,
+    "AveragePool": _torch_pool,
+    "GlobalAveragePool": _torch_global("avg"),
+    "GlobalMaxPool": _torch_global("max"),
+    "SoftmaxCrossEntropyLoss": _torch_loss,
+    "NegativeLogLikelihoodLoss": _torch_loss,
+    "LayerNormalization": _torch_layer_norm,
+    "BatchNormalization": _torch_batch_norm,
+    "InstanceNormalization": _torch_instance_norm,
+    "GroupNormalization": _torch_group_norm,
 }

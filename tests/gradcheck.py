@@ -74,8 +74,10 @@ def case_model(case: GradCase, symbolic: bool = False, seed: int = 0) -> tuple[o
             continue
         w = rng.uniform(0.5, 1.5, value.shape).astype(value.dtype)
         initializers.append(numpy_helper.from_array(w, f"w{k}"))
-        nodes += [helper.make_node("Mul", [out, f"w{k}"], [f"t{k}"]),
-                  helper.make_node("ReduceSum", [f"t{k}"], [f"s{k}"], keepdims=0)]
+        nodes += [
+            helper.make_node("Mul", [out, f"w{k}"], [f"t{k}"]),
+            helper.make_node("ReduceSum", [f"t{k}"], [f"s{k}"], keepdims=0),
+        ]
         loss_dtype = loss_dtype or value.dtype
         if value.dtype != loss_dtype:
             nodes.append(helper.make_node("Cast", [f"s{k}"], [f"c{k}"], to=helper.np_dtype_to_tensor_dtype(loss_dtype)))
@@ -84,16 +86,21 @@ def case_model(case: GradCase, symbolic: bool = False, seed: int = 0) -> tuple[o
             terms.append(f"s{k}")
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
     loss_type = helper.np_dtype_to_tensor_dtype(np.dtype(loss_dtype))
-    graph = helper.make_graph(nodes, case.id, graph_inputs,
-                              [helper.make_tensor_value_info("loss", loss_type, [])], initializer=initializers)
+    graph = helper.make_graph(
+        nodes, case.id, graph_inputs, [helper.make_tensor_value_info("loss", loss_type, [])], initializer=initializers
+    )
     model = _make_model(case, graph)
     return model, feeds, diff
 
 
 def _single_node_model(case, nodes, graph_inputs, initializers, outputs):
-    graph = helper.make_graph(nodes, "probe", graph_inputs,
-                              [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outputs],
-                              initializer=initializers)
+    graph = helper.make_graph(
+        nodes,
+        "probe",
+        graph_inputs,
+        [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outputs],
+        initializer=initializers,
+    )
     return _make_model(case, graph)
 
 
@@ -130,5 +137,6 @@ def check_case(case: GradCase, symbolic: bool = False) -> None:
         want = numeric_gradient(forward, feeds, name, case.eps)
         assert got[f"{name}_grad"].shape == feeds[name].shape, f"{case.id}: shape of {name}_grad"
         scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-        np.testing.assert_allclose(got[f"{name}_grad"], want, rtol=case.rtol, atol=case.atol * scale,
-                                   err_msg=f"{case.id}: gradient of input {name}")
+        np.testing.assert_allclose(
+            got[f"{name}_grad"], want, rtol=case.rtol, atol=case.atol * scale, err_msg=f"{case.id}: gradient of input {name}"
+        )

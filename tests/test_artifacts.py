@@ -51,9 +51,13 @@ def logits_model(path: Path, *, batch: int = 4) -> Path:
         helper.make_node("Add", ["y0", "b2"], ["y1"], name="add2"),
         helper.make_node("Mul", ["y1", "scale"], ["y"], name="scale"),
     ]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 5])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3])],
-                              initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 3])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
@@ -72,9 +76,13 @@ def initializers(path: Path) -> dict[str, np.ndarray]:
 
 def test_checkpoint_round_trips_every_numeric_type(tmp_path):
     rng = np.random.default_rng(1)
-    trainable = {"w": rng.standard_normal((3, 4)).astype(np.float32), "s": np.array(2.5, np.float32),
-                 "d": rng.standard_normal(5), "h": rng.standard_normal((2, 2)).astype(np.float16),
-                 "empty": np.zeros((0, 3), np.float32)}
+    trainable = {
+        "w": rng.standard_normal((3, 4)).astype(np.float32),
+        "s": np.array(2.5, np.float32),
+        "d": rng.standard_normal(5),
+        "h": rng.standard_normal((2, 2)).astype(np.float16),
+        "empty": np.zeros((0, 3), np.float32),
+    }
     frozen = {"steps": np.arange(6, dtype=np.int64).reshape(2, 3), "mask": np.array([True, False, True])}
     data = encode_checkpoint(trainable, frozen)
     assert data[4:8] == b"ODTC"  # ORT's file identifier
@@ -107,9 +115,14 @@ def test_checkpoint_reader_refuses_what_is_not_a_checkpoint(tmp_path):
 
 
 def test_artifacts_hold_ort_contracts_and_pass_the_checker(model, tmp_path):
-    made = generate_artifacts(model, requires_grad=["w1", "b1", "w2"], frozen=["b2"],
-                              loss=LossSpec("mse", "y"), optimizer=AdamW(betas=(0.8, 0.99), eps=1e-7,
-                                                                        weight_decay=0.05), clip_norm=1.5)
+    made = generate_artifacts(
+        model,
+        requires_grad=["w1", "b1", "w2"],
+        frozen=["b2"],
+        loss=LossSpec("mse", "y"),
+        optimizer=AdamW(betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05),
+        clip_norm=1.5,
+    )
     paths = save_artifacts(made, tmp_path / "out", model)
     assert [p.name for p in paths] == ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"]
     protos = {p.name: onnx.load(str(p)) for p in paths if p.suffix == ".onnx"}
@@ -124,7 +137,8 @@ def test_artifacts_hold_ort_contracts_and_pass_the_checker(model, tmp_path):
     assert "scale" in {t.name for t in training.initializer}
     accumulators = [n for n in training.node if n.op_type == "InPlaceAccumulatorV2"]
     assert [(n.domain, n.input[0], n.input[1], n.input[2]) for n in accumulators] == [
-        ("com.microsoft", f"{p}_grad.accumulation.buffer", f"{p}_grad", "lazy_reset_grad") for p in ["w1", "b1", "w2"]]
+        ("com.microsoft", f"{p}_grad.accumulation.buffer", f"{p}_grad", "lazy_reset_grad") for p in ["w1", "b1", "w2"]
+    ]
     bool_1 = helper.make_tensor_type_proto(TensorProto.BOOL, [1])
     assert training.input[-1].type == bool_1 and all(v.type == bool_1 for v in training.output[1:])
 
@@ -136,12 +150,16 @@ def test_artifacts_hold_ort_contracts_and_pass_the_checker(model, tmp_path):
     assert [v.name for v in optimizer.input] == ADAMW_INPUTS
     clip, adamw = optimizer.node
     assert (clip.op_type, clip.domain, helper.get_attribute_value(clip.attribute[0])) == (
-        "InplaceClipGradNorm", "com.microsoft", 1.5)
+        "InplaceClipGradNorm",
+        "com.microsoft",
+        1.5,
+    )
     assert adamw.op_type == "AdamWOptimizer" and list(adamw.input)[3] == clip.output[0]
     attrs = {a.name: helper.get_attribute_value(a) for a in adamw.attribute}
     assert attrs["adam_mode"] == 0 and attrs["correct_bias"] == 1
-    np.testing.assert_allclose([attrs["alpha"], attrs["beta"], attrs["epsilon"], attrs["weight_decay"]],
-                               [0.8, 0.99, 1e-7, 0.05], rtol=1e-6)
+    np.testing.assert_allclose(
+        [attrs["alpha"], attrs["beta"], attrs["epsilon"], attrs["weight_decay"]], [0.8, 0.99, 1e-7, 0.05], rtol=1e-6
+    )
     assert [v.name for v in optimizer.output] == [adamw.output[0]]
 
     checkpoint = read_checkpoint(tmp_path / "out" / "checkpoint")
@@ -161,8 +179,12 @@ def test_training_model_computes_gradgens_loss_and_gradients(model):
     batch = {"x": rng.standard_normal((4, 5)).astype(np.float32), "target": rng.standard_normal((4, 3)).astype(np.float32)}
     params = initializers(model)
     buffers = {f"{p}_grad.accumulation.buffer": np.full_like(params[p], 0.25) for p in made.requires_grad}
-    feeds = {**batch, **{p: params[p] for p in [*made.requires_grad, *made.frozen]}, **buffers,
-             "lazy_reset_grad": np.array([False])}
+    feeds = {
+        **batch,
+        **{p: params[p] for p in [*made.requires_grad, *made.frozen]},
+        **buffers,
+        "lazy_reset_grad": np.array([False]),
+    }
     outputs = gradgen.Session(made.training).run(feeds)
 
     reference = gradgen.build_backward(model, add_loss=LossSpec("mse", "y"), freeze=["scale"])
@@ -170,8 +192,7 @@ def test_training_model_computes_gradgens_loss_and_gradients(model):
     np.testing.assert_allclose(outputs[made.loss], expected[reference.loss], rtol=1e-6)
     for p in made.requires_grad:
         assert outputs[f"{p}_grad.accumulation.out"].tolist() == [True]
-        np.testing.assert_allclose(buffers[f"{p}_grad.accumulation.buffer"], 0.25 + expected[f"{p}_grad"], rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(buffers[f"{p}_grad.accumulation.buffer"], 0.25 + expected[f"{p}_grad"], rtol=1e-5, atol=1e-6)
 
     eval_feeds = {**batch, **{p: params[p] for p in [*made.requires_grad, *made.frozen]}}
     session = ort.InferenceSession(ir.to_proto(made.eval).SerializeToString(), providers=["CPUExecutionProvider"])
@@ -213,8 +234,11 @@ def test_sgd_optimizer_model_is_plain_sgd(model):
     graph = made.optimizer.graph
     assert [v.name for v in graph.input] == ADAMW_INPUTS[:5]  # ORT's SGD block keeps first_order_moments
     (node,) = graph.node
-    assert (node.op_type, node.domain, list(node.input)) == ("SGDOptimizerV2", "com.microsoft",
-                                                             ["learning_rate", "params", "gradients"])
+    assert (node.op_type, node.domain, list(node.input)) == (
+        "SGDOptimizerV2",
+        "com.microsoft",
+        ["learning_rate", "params", "gradients"],
+    )
     with pytest.raises(UsageError, match="plain SGD"):
         generate_artifacts(model, loss=LossSpec("l1", "y"), optimizer=SGD(momentum=0.9))
 
@@ -240,10 +264,13 @@ def test_bad_parameters_are_one_line_errors(model, tmp_path):
     made = generate_artifacts(tmp_path / "extra.onnx", requires_grad=["w1"], frozen=["unused"], loss=spec)
     assert list(made.frozen) == ["unused"] and "unused" not in {v.name for v in made.training.graph.inputs}
     no_floats = tmp_path / "int.onnx"
-    graph = helper.make_graph([helper.make_node("Add", ["x", "k"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT64, [2])],
-                              initializer=[numpy_helper.from_array(np.array([1, 2], np.int64), "k")])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "k"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [2])],
+        initializer=[numpy_helper.from_array(np.array([1, 2], np.int64), "k")],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(no_floats))
     with pytest.raises(ModelError, match="no float initializer"):
         generate_artifacts(no_floats, loss=spec)
@@ -254,27 +281,50 @@ def test_bad_parameters_are_one_line_errors(model, tmp_path):
 
 def test_cli_writes_the_artifacts(model, tmp_path, capsys, monkeypatch):
     out = tmp_path / "new" / "artifacts"
-    code, stdout, stderr = run_cli(capsys, monkeypatch, "artifacts", model, "--loss", "mse", "--requires-grad", "w1",
-                                   "--requires-grad", "w2", "--frozen", "b1", "--optimizer", "sgd", "-o", out)
+    code, stdout, stderr = run_cli(
+        capsys,
+        monkeypatch,
+        "artifacts",
+        model,
+        "--loss",
+        "mse",
+        "--requires-grad",
+        "w1",
+        "--requires-grad",
+        "w2",
+        "--frozen",
+        "b1",
+        "--optimizer",
+        "sgd",
+        "-o",
+        out,
+    )
     assert code == 0, stderr
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "eval_model.onnx", "optimizer_model.onnx",
-                                                      "training_model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint",
+        "eval_model.onnx",
+        "optimizer_model.onnx",
+        "training_model.onnx",
+    ]
     assert "trainable: 2 parameter(s), 64 values: w1, w2" in stdout and "frozen: 1 parameter(s), 8 values: b1" in stdout
     checkpoint = read_checkpoint(out / "checkpoint")
     assert list(checkpoint.requires_grad) == ["w1", "w2"] and list(checkpoint.frozen) == ["b1"]
     assert onnx.load(str(out / "optimizer_model.onnx")).graph.node[0].op_type == "SGDOptimizerV2"
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["--loss", "mse", "--requires-grad", "nope"], 2, "--requires-grad names no float initializer of the model: 'nope'"),
-    (["--loss", "mse", "--requires-grad", "w1", "--frozen", "w1"], 2, "either trainable (--requires-grad) or frozen"),
-    (["--loss", "mse", "--output", "h"], 2, "--output 'h' is not a graph output"),
-    (["--loss", "mse", "--optimizer", "sgd", "--weight-decay", "0.1"], 2, "plain SGD"),
-    (["--loss", "mse", "--optimizer", "sgd", "--beta1", "0.5"], 2, "AdamW options"),
-    (["--loss", "hinge"], 2, "unknown loss 'hinge'"),
-    (["--optimizer", "adam"], 2, "unknown optimizer 'adam'"),
-    ([], 3, "no scalar float output to use as the loss"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--loss", "mse", "--requires-grad", "nope"], 2, "--requires-grad names no float initializer of the model: 'nope'"),
+        (["--loss", "mse", "--requires-grad", "w1", "--frozen", "w1"], 2, "either trainable (--requires-grad) or frozen"),
+        (["--loss", "mse", "--output", "h"], 2, "--output 'h' is not a graph output"),
+        (["--loss", "mse", "--optimizer", "sgd", "--weight-decay", "0.1"], 2, "plain SGD"),
+        (["--loss", "mse", "--optimizer", "sgd", "--beta1", "0.5"], 2, "AdamW options"),
+        (["--loss", "hinge"], 2, "unknown loss 'hinge'"),
+        (["--optimizer", "adam"], 2, "unknown optimizer 'adam'"),
+        ([], 3, "no scalar float output to use as the loss"),
+    ],
+)
 def test_cli_bad_input_writes_nothing(model, tmp_path, capsys, monkeypatch, args, code, message):
     out = tmp_path / "out"
     got, stdout, stderr = run_cli(capsys, monkeypatch, "artifacts", model, *args, "-o", out)

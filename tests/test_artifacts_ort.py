@@ -85,20 +85,31 @@ def _mlp(tmp_path: Path) -> Path:
 
 CASES = {
     "mlp_mse_adamw": dict(model=_mlp, loss=LossSpec("mse", "y"), optimizer=AdamW(), frozen=["scale"], lr=1e-2),
-    "mlp_l1_adamw_clipped_frozen": dict(model=_mlp, loss=LossSpec("l1", "y"),
-                                        optimizer=AdamW(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-                                        requires_grad=["w1", "b1", "w2"], frozen=["b2", "scale"], clip_norm=0.05,
-                                        lr=2e-2),
-    "mlp_bce_with_logits_sgd": dict(model=_mlp, loss=LossSpec("bce_with_logits", "y"), optimizer=SGD(),
-                                    frozen=["scale"], lr=0.1),
-    "cnn_cross_entropy_sgd": dict(model=lambda _: ROOT / "samples" / "cnn" / "model.onnx",
-                                  loss=LossSpec("cross_entropy", "logits"), optimizer=SGD(), lr=0.05),
+    "mlp_l1_adamw_clipped_frozen": dict(
+        model=_mlp,
+        loss=LossSpec("l1", "y"),
+        optimizer=AdamW(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        requires_grad=["w1", "b1", "w2"],
+        frozen=["b2", "scale"],
+        clip_norm=0.05,
+        lr=2e-2,
+    ),
+    "mlp_bce_with_logits_sgd": dict(model=_mlp, loss=LossSpec("bce_with_logits", "y"), optimizer=SGD(), frozen=["scale"], lr=0.1),
+    "cnn_cross_entropy_sgd": dict(
+        model=lambda _: ROOT / "samples" / "cnn" / "model.onnx",
+        loss=LossSpec("cross_entropy", "logits"),
+        optimizer=SGD(),
+        lr=0.05,
+    ),
     # The attention's key bias (in in_proj_bias) has a zero gradient (softmax ignores a constant
     # shift): AdamW would turn its float noise into full-size steps, different in each runtime.
     "transformer_cross_entropy_smoothed_adamw": dict(
         model=lambda _: ROOT / "samples" / "transformer" / "model.onnx",
-        loss=LossSpec("cross_entropy", "logits", label_smoothing=0.1), optimizer=AdamW(weight_decay=0.01),
-        frozen=["layer.self_attn.in_proj_bias"], lr=1e-3),
+        loss=LossSpec("cross_entropy", "logits", label_smoothing=0.1),
+        optimizer=AdamW(weight_decay=0.01),
+        frozen=["layer.self_attn.in_proj_bias"],
+        lr=1e-3,
+    ),
 }
 
 
@@ -129,15 +140,25 @@ def test_ort_training_trains_on_gradgen_artifacts_as_the_trainer_does(case, ort_
     spec = CASES[case]
     model = spec["model"](tmp_path)
     frozen, requires_grad = spec.get("frozen", []), spec.get("requires_grad")
-    made = generate_artifacts(model, requires_grad=requires_grad, frozen=frozen, loss=spec["loss"],
-                              optimizer=spec["optimizer"], clip_norm=spec.get("clip_norm"))
+    made = generate_artifacts(
+        model,
+        requires_grad=requires_grad,
+        frozen=frozen,
+        loss=spec["loss"],
+        optimizer=spec["optimizer"],
+        clip_norm=spec.get("clip_norm"),
+    )
     save_artifacts(made, tmp_path / "artifacts", model)
 
     # gradgen's Trainer on the same parameters: every other float initializer stays fixed.
     floats = [t.name for t in onnx.load(str(model)).graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
-    program = build_training(model, optimizer=spec["optimizer"], add_loss=spec["loss"],
-                             freeze=[name for name in floats if name not in made.requires_grad],
-                             clip_norm=spec.get("clip_norm"))
+    program = build_training(
+        model,
+        optimizer=spec["optimizer"],
+        add_loss=spec["loss"],
+        freeze=[name for name in floats if name not in made.requires_grad],
+        clip_norm=spec.get("clip_norm"),
+    )
     assert program.params == list(made.requires_grad)
     # Same order (the model's inputs, then the target); the artifacts drop the samples' own loss
     # first, so that their target is ``labels`` where the Trainer's is ``labels_1``.
@@ -151,8 +172,11 @@ def test_ort_training_trains_on_gradgen_artifacts_as_the_trainer_does(case, ort_
     data["meta"] = np.array(json.dumps({"lr": spec["lr"], "steps": STEPS}))
     np.savez(tmp_path / "data.npz", **data)
     (tmp_path / "runner.py").write_text(RUNNER)
-    run = subprocess.run([ort_python, str(tmp_path / "runner.py"), str(tmp_path / "artifacts"),
-                          str(tmp_path / "data.npz"), str(tmp_path / "ort")], capture_output=True, text=True)
+    run = subprocess.run(
+        [ort_python, str(tmp_path / "runner.py"), str(tmp_path / "artifacts"), str(tmp_path / "data.npz"), str(tmp_path / "ort")],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "ort.json").read_text())
     assert result["inputs"] == made.user_inputs and result["outputs"] == [made.loss]
@@ -173,5 +197,6 @@ def test_ort_training_trains_on_gradgen_artifacts_as_the_trainer_does(case, ort_
         for name in made.requires_grad:
             for ort_state, ours_state in (("momentum0", "exp_avg"), ("momentum1", "exp_avg_sq")):
                 value = trainer.state.states[(name, ours_state)]
-                np.testing.assert_allclose(group.states[name][ort_state], value, rtol=1e-4,
-                                           atol=1e-4 * float(np.abs(value).max()))
+                np.testing.assert_allclose(
+                    group.states[name][ort_state], value, rtol=1e-4, atol=1e-4 * float(np.abs(value).max())
+                )

@@ -59,8 +59,9 @@ def test_gpt_block_placement(precision, low):
     assert types_of(nodes, "Gather") == {FP32}
     # every lowered parameter has one Cast after it and no other consumer
     params = set(built.wrt)
-    lowered = [v for v in model.graph.initializers.values() if v.name in params
-               and any(u.node.op_type == "Cast" for u in v.uses())]
+    lowered = [
+        v for v in model.graph.initializers.values() if v.name in params and any(u.node.op_type == "Cast" for u in v.uses())
+    ]
     assert lowered
     for value in lowered:
         casts = [u.node for u in value.uses() if u.node.op_type == "Cast" and u.node.outputs[0].dtype == low]
@@ -103,14 +104,26 @@ def test_tf32_and_fp32_leave_the_graph():
 def _promotion_model():
     """x @ W + b (an exported Linear), times a rank-0 constant, plus a float32 residual, then Exp."""
     rng = np.random.default_rng(0)
-    inits = [onnx.numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
-             onnx.numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
-             onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
-             helper.make_node("Mul", ["hb", "half"], ["hs"]), helper.make_node("Add", ["hs", "x"], ["r"]),
-             helper.make_node("Exp", ["r"], ["e"]), helper.make_node("ReduceSum", ["e"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
+        onnx.numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
+        onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["hb"]),
+        helper.make_node("Mul", ["hb", "half"], ["hs"]),
+        helper.make_node("Add", ["hs", "x"], ["r"]),
+        helper.make_node("Exp", ["r"], ["e"]),
+        helper.make_node("ReduceSum", ["e"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -129,25 +142,36 @@ def test_promotion_rules():
 def test_cpu_backend_computes_in_float32_and_rounds():
     rng = np.random.default_rng(1)
     a, w = rng.standard_normal((8, 64)).astype(np.float32), rng.standard_normal((64, 5)).astype(np.float32)
-    nodes = [helper.make_node("Cast", ["a"], ["ab"], to=TensorProto.BFLOAT16),
-             helper.make_node("Cast", ["w"], ["wb"], to=TensorProto.BFLOAT16),
-             helper.make_node("MatMul", ["ab", "wb"], ["y"]), helper.make_node("Exp", ["y"], ["z"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s.shape)
-                                           for n, s in (("a", a), ("w", w))],
-                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [8, 5]),
-                               helper.make_tensor_value_info("z", TensorProto.BFLOAT16, [8, 5])])
+    nodes = [
+        helper.make_node("Cast", ["a"], ["ab"], to=TensorProto.BFLOAT16),
+        helper.make_node("Cast", ["w"], ["wb"], to=TensorProto.BFLOAT16),
+        helper.make_node("MatMul", ["ab", "wb"], ["y"]),
+        helper.make_node("Exp", ["y"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s.shape) for n, s in (("a", a), ("w", w))],
+        [
+            helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [8, 5]),
+            helper.make_tensor_value_info("z", TensorProto.BFLOAT16, [8, 5]),
+        ],
+    )
     out = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).run({"a": a, "w": w})
     bf = ml_dtypes.bfloat16
     a16, w16 = a.astype(bf).astype(np.float32), w.astype(bf).astype(np.float32)
     want = (a16.astype(np.float64) @ w16.astype(np.float64)).astype(np.float32).astype(bf)
     assert out["y"].dtype == np.dtype(bf)
     # float32 accumulation of exact bf16 products, one rounding: at most one bf16 ulp from the exact sum
-    assert np.max(np.abs(out["y"].astype(np.float32) - want.astype(np.float32)) /
-                  np.maximum(np.abs(want.astype(np.float32)), 1e-3)) <= 2 ** -7
+    assert (
+        np.max(np.abs(out["y"].astype(np.float32) - want.astype(np.float32)) / np.maximum(np.abs(want.astype(np.float32)), 1e-3))
+        <= 2**-7
+    )
     np.testing.assert_array_equal(out["z"], np.exp(out["y"].astype(np.float32)).astype(bf))
 
 
 # -- against PyTorch's autocast on the CPU ---------------------------------------------------
+
 
 def _torch_module(directory: Path, cls: str):
     torch = pytest.importorskip("torch")
@@ -201,6 +225,7 @@ def test_bf16_gradients_as_accurate_as_pytorch_autocast(directory, cls):
 
 # -- fp16 loss scaling ------------------------------------------------------------------------
 
+
 def _cnn_batches(n=40):
     rng = np.random.default_rng(1)
     arrays = {"x": rng.standard_normal((n * 3, 1, 14, 14)).astype(np.float32), "labels": rng.integers(0, 10, n * 3)}
@@ -208,8 +233,12 @@ def _cnn_batches(n=40):
 
 
 def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
-    program = build_training(ROOT / "samples/cnn/model.onnx", optimizer=AdamW(), precision="fp16",
-                             loss_scaling=LossScaling(init_scale=2.0 ** 10, growth_interval=3))
+    program = build_training(
+        ROOT / "samples/cnn/model.onnx",
+        optimizer=AdamW(),
+        precision="fp16",
+        loss_scaling=LossScaling(init_scale=2.0**10, growth_interval=3),
+    )
     trainer = Trainer(program, lr=1e-2)
     batches = _cnn_batches(8)
     trainer.fit(batches[:2], 2)
@@ -232,11 +261,11 @@ def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
     assert after.states[(LOSS_SCALING, "updates")] == 2  # AdamW's step count: no update taken
     # three good steps in a row double the scale and restart the count
     states = dict(after.states)
-    states[(LOSS_SCALING, "scale")] = np.array(2.0 ** 10, np.float32)
+    states[(LOSS_SCALING, "scale")] = np.array(2.0**10, np.float32)
     trainer.load_state(type(after)(after.params, states, after.step))
     for k, batch in enumerate(batches[3:6]):
         trainer.train_step([batch])
-        assert trainer.state.states[(LOSS_SCALING, "scale")] == (2.0 ** 11 if k == 2 else 2.0 ** 10)
+        assert trainer.state.states[(LOSS_SCALING, "scale")] == (2.0**11 if k == 2 else 2.0**10)
     assert trainer.state.states[(LOSS_SCALING, "good_steps")] == 0
     assert trainer.state.states[(LOSS_SCALING, "updates")] == 5
 
@@ -271,8 +300,9 @@ def test_cli_build_backward_precision(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(capsys, monkeypatch, "build-backward", CNN / "model.onnx", "-o", out, "--precision", "bf16")
     assert code == 0, err
     assert ir.load(str(out)).metadata_props[METADATA_KEY] == "bf16"
-    code, _, err = run_cli(capsys, monkeypatch, "build-backward", CNN / "model.onnx", "-o", tmp_path / "x.onnx",
-                           "--precision", "int8")
+    code, _, err = run_cli(
+        capsys, monkeypatch, "build-backward", CNN / "model.onnx", "-o", tmp_path / "x.onnx", "--precision", "int8"
+    )
     assert code == 2 and "unknown precision 'int8'" in err and not (tmp_path / "x.onnx").exists()
 
 

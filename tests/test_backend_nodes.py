@@ -50,6 +50,7 @@ class NodeCase:
 def _read_data_sets(case_dir: Path, model: onnx.ModelProto):
     data_sets = []
     for set_dir in sorted(case_dir.glob("test_data_set_*")):
+
         def read(prefix, n):
             out = []
             for i in range(n):
@@ -75,9 +76,7 @@ def all_cases() -> dict[str, NodeCase]:
             if not model_path.exists():
                 continue
             model = onnx.load(str(model_path))
-            cases[case_dir.name] = NodeCase(
-                case_dir.name, model, functools.partial(_read_data_sets, case_dir, model)
-            )
+            cases[case_dir.name] = NodeCase(case_dir.name, model, functools.partial(_read_data_sets, case_dir, model))
         return cases
     from onnx.backend.test.case import node as node_cases
 
@@ -155,11 +154,7 @@ def test_backend_node(test_name: str) -> None:
     graph_outputs = [v.name for v in case.model.graph.output]
     tolerance = TOLERANCES[test_name][:2] if test_name in TOLERANCES else None
     for inputs, outputs in case.load_data_sets():
-        feeds = {
-            name: _as_array(value)
-            for name, value in zip(graph_inputs, inputs)
-            if name in sess.input_names
-        }
+        feeds = {name: _as_array(value) for name, value in zip(graph_inputs, inputs) if name in sess.input_names}
         with np.errstate(all="ignore"):
             got = sess.run(feeds)
         for name, want in zip(graph_outputs, outputs):

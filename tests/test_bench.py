@@ -23,8 +23,9 @@ def _torch_grads(model, feeds: dict) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name,dynamic,length", [("gpt2-tiny", False, None), ("gpt2-tiny", True, 11),
-                                                  ("resnet18-tiny", False, None)])
+@pytest.mark.parametrize(
+    "name,dynamic,length", [("gpt2-tiny", False, None), ("gpt2-tiny", True, 11), ("resnet18-tiny", False, None)]
+)
 def test_models_export_and_gradgen_gradients_match_torch(name, dynamic, length):
     spec = models.preset(name)
     model = models.build_module(spec)
@@ -57,11 +58,16 @@ def test_parameters_are_pairwise_distinct():
 
 def test_presets_and_overrides():
     spec = models.preset("gpt2s")
-    assert (spec.arch["layers"], spec.arch["d"], spec.arch["heads"], spec.arch["vocab"], spec.batch, spec.size) == \
-        (12, 768, 12, 50257, 8, 256)
+    assert (spec.arch["layers"], spec.arch["d"], spec.arch["heads"], spec.arch["vocab"], spec.batch, spec.size) == (
+        12,
+        768,
+        12,
+        50257,
+        8,
+        256,
+    )
     medium = models.preset("gpt2m")
-    assert (medium.arch["layers"], medium.arch["d"], medium.arch["heads"], medium.batch, medium.size) == \
-        (24, 1024, 16, 4, 512)
+    assert (medium.arch["layers"], medium.arch["d"], medium.arch["heads"], medium.batch, medium.size) == (24, 1024, 16, 4, 512)
     small = models.preset("gpt2s", batch=2, size=2048, layers=2)
     assert small.arch["max_len"] == 2048 and small.arch["layers"] == 2 and "2 x 768" in small.title
     assert models.ModelSpec.from_json(small.to_json()) == small
@@ -77,10 +83,13 @@ def test_default_lengths_follow_the_issue():
 
 
 def test_compare_gradients_names_the_worst_tensor(tmp_path):
-    want = {"a": np.array([1.0, -4.0], np.float32), "b": np.array([2.0, 2.0], np.float32),
-            "c": np.ones(3, np.float32), "d": np.zeros(2, np.float32)}
-    got = {"a": np.array([1.0, -4.0], np.float32), "b": np.array([2.0, 2.5], np.float32),
-           "c": np.ones(4, np.float32)}
+    want = {
+        "a": np.array([1.0, -4.0], np.float32),
+        "b": np.array([2.0, 2.0], np.float32),
+        "c": np.ones(3, np.float32),
+        "d": np.zeros(2, np.float32),
+    }
+    got = {"a": np.array([1.0, -4.0], np.float32), "b": np.array([2.0, 2.5], np.float32), "c": np.ones(4, np.float32)}
     np.savez(tmp_path / "grads-gradgen.npz", **got)
     np.savez(tmp_path / "grads-eager.npz", **want)
     result = e2e.compare_gradients(tmp_path / "grads-gradgen.npz", tmp_path / "grads-eager.npz")
@@ -136,8 +145,18 @@ def test_e2e_group_on_cpu_tiny(tmp_path):
     """The whole group in child processes (about 10 s): eager and gradgen agree, the loop runs both passes."""
     spec = models.preset("gpt2-tiny")
     updates = []
-    report = e2e.run(e2e.E2EOptions(specs=[spec], device="cpu", frameworks=("eager", "gradgen"), steps=2, warmup=2,
-                                    lengths=(16, 12), passes=2, on_update=updates.append))
+    report = e2e.run(
+        e2e.E2EOptions(
+            specs=[spec],
+            device="cpu",
+            frameworks=("eager", "gradgen"),
+            steps=2,
+            warmup=2,
+            lengths=(16, 12),
+            passes=2,
+            on_update=updates.append,
+        )
+    )
     entry = report["models"]["gpt2-tiny"]
     eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
     assert "error" not in eager and "error" not in ours, (eager, ours)
@@ -155,17 +174,31 @@ def test_e2e_group_on_cpu_tiny(tmp_path):
 
 
 def test_child_failure_is_a_result_not_a_crash(tmp_path):
-    result = measure.run_child("gradgen-step", {"label": "broken", "device": "cpu", "model": str(tmp_path / "no.onnx"),
-                                                "inputs": str(tmp_path / "no.npz"), "loss": "loss", "steps": 1,
-                                                "warmup": 1}, tmp_path, timeout_s=120)
+    result = measure.run_child(
+        "gradgen-step",
+        {
+            "label": "broken",
+            "device": "cpu",
+            "model": str(tmp_path / "no.onnx"),
+            "inputs": str(tmp_path / "no.npz"),
+            "loss": "loss",
+            "steps": 1,
+            "warmup": 1,
+        },
+        tmp_path,
+        timeout_s=120,
+    )
     assert "no such file" in result["error"]
 
 
 @pytest.mark.slow
 def test_cpu_group_tiny(tmp_path):
     """The CPU group in a child process (about 5 s): every runtime gives a time."""
-    report = cpu.run(cpu.CpuOptions(specs=[models.preset("gpt2-tiny")], samples=["mlp"], threads=[1], steps=2,
-                                    budget_s=1.0, build_layers=2, keep_dir=None))
+    report = cpu.run(
+        cpu.CpuOptions(
+            specs=[models.preset("gpt2-tiny")], samples=["mlp"], threads=[1], steps=2, budget_s=1.0, build_layers=2, keep_dir=None
+        )
+    )
     cases = report["runs"]["1"]["cases"]
     assert set(cases) == {"sample mlp", "gpt2-tiny B=2, T=16"}
     for row in cases.values():

@@ -23,8 +23,9 @@ def test_every_sample_passes(sample):
 
 def test_cli_passes_and_prints_a_table(capsys, monkeypatch):
     sample = SAMPLE_DIRS[0]
-    code, out, err = run_cli(capsys, monkeypatch, "check", sample / "model.onnx", "--inputs", sample / "inputs.npz",
-                             "--samples", "1")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "check", sample / "model.onnx", "--inputs", sample / "inputs.npz", "--samples", "1"
+    )
     assert code == 0, err
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("tensor"))
@@ -36,15 +37,22 @@ def test_cli_passes_and_prints_a_table(capsys, monkeypatch):
 def _mul_model(path) -> None:
     """loss = sum(tanh(x * w) * v): the gradients of w and v go through Mul."""
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Mul", ["x", "w"], ["a"], name="mul1"),
-             helper.make_node("Tanh", ["a"], ["t"], name="tanh"),
-             helper.make_node("Mul", ["t", "v"], ["b"], name="mul2"),
-             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0, name="sum")]
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["a"], name="mul1"),
+        helper.make_node("Tanh", ["a"], ["t"], name="tanh"),
+        helper.make_node("Mul", ["t", "v"], ["b"], name="mul2"),
+        helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0, name="sum"),
+    ]
     graph = helper.make_graph(
-        nodes, "mul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        nodes,
+        "mul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "w"),
-                     numpy_helper.from_array(rng.standard_normal((3,)).astype(np.float32), "v")])
+        initializer=[
+            numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.standard_normal((3,)).astype(np.float32), "v"),
+        ],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
@@ -57,8 +65,7 @@ def broken_mul(monkeypatch):
     def wrong(g):
         return [g.dy() if g.needs(0) else None, g.op("Mul", g.dy(), g.x(0)) if g.needs(1) else None]
 
-    monkeypatch.setitem(registry._RULES, ("", "Mul"), registry.GradRule("", "Mul", wrong, good.broadcast,
-                                                                        good.nondiff_inputs))
+    monkeypatch.setitem(registry._RULES, ("", "Mul"), registry.GradRule("", "Mul", wrong, good.broadcast, good.nondiff_inputs))
 
 
 def test_a_broken_rule_fails_naming_the_tensor(tmp_path, capsys, monkeypatch, broken_mul):
@@ -96,8 +103,9 @@ def test_large_tensors_are_checked_along_directions_only(tmp_path):
 def test_vector_jacobian_product(tmp_path, capsys, monkeypatch):
     path = tmp_path / "m.onnx"
     tiny_model(path, scalar_loss=False)
-    code, out, err = run_cli(capsys, monkeypatch, "check", path, "--loss", "r", "--random-inputs", "--dim", "N=3",
-                             "--wrt-inputs", "--seed", "3")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "check", path, "--loss", "r", "--random-inputs", "--dim", "N=3", "--wrt-inputs", "--seed", "3"
+    )
     assert code == 0, err
     assert "PASS" in out and "FAIL" not in out
 
@@ -123,9 +131,14 @@ def test_to_float64_converts_types_casts_and_constants():
         helper.make_node("Mul", ["d", "w"], ["e"]),
         helper.make_node("ReduceSum", ["e"], ["loss"], keepdims=0),
     ]
-    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(np.array([0.5, -1.0], np.float32), "w")],
-                              value_info=[helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [x],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.array([0.5, -1.0], np.float32), "w")],
+        value_info=[helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     before = model.SerializeToString()
     double = to_float64(model)
@@ -146,8 +159,9 @@ def test_to_float64_converts_types_casts_and_constants():
 
 
 def _save(path, nodes, inputs, initializers, opset=17):
-    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=initializers)
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=initializers
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
 
 
@@ -158,12 +172,20 @@ def _scatter_model(path, op: str) -> None:
         data, idx, upd, attrs = (5, 3), [4, 3], (4, 3), {"axis": 0}
     else:
         data, idx, upd, attrs = (3, 4, 2), [6, 2], (6, 2), {}
-    nodes = [helper.make_node(op, ["data", "idx", "upd"], ["s"], name="scatter", **attrs),
-             helper.make_node("Mul", ["s", "s"], ["q"], name="square"),
-             helper.make_node("ReduceSum", ["q"], ["loss"], keepdims=0, name="sum")]
-    _save(path, nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, idx)],
-          [numpy_helper.from_array(rng.standard_normal(data).astype(np.float32), "data"),
-           numpy_helper.from_array(rng.standard_normal(upd).astype(np.float32), "upd")])
+    nodes = [
+        helper.make_node(op, ["data", "idx", "upd"], ["s"], name="scatter", **attrs),
+        helper.make_node("Mul", ["s", "s"], ["q"], name="square"),
+        helper.make_node("ReduceSum", ["q"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(
+        path,
+        nodes,
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, idx)],
+        [
+            numpy_helper.from_array(rng.standard_normal(data).astype(np.float32), "data"),
+            numpy_helper.from_array(rng.standard_normal(upd).astype(np.float32), "upd"),
+        ],
+    )
 
 
 @pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
@@ -188,11 +210,19 @@ def test_random_scatter_indices_are_distinct_for_reduction_none(tmp_path, capsys
 
 def test_too_many_distinct_indices_is_a_usage_error(tmp_path, capsys, monkeypatch):
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("ScatterElements", ["data", "idx", "upd"], ["s"], name="scatter", axis=0),
-             helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0, name="sum")]
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, [6, 3])],
-          [numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "data"),
-           numpy_helper.from_array(rng.standard_normal((6, 3)).astype(np.float32), "upd")])
+    nodes = [
+        helper.make_node("ScatterElements", ["data", "idx", "upd"], ["s"], name="scatter", axis=0),
+        helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(
+        tmp_path / "m.onnx",
+        nodes,
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [6, 3])],
+        [
+            numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "data"),
+            numpy_helper.from_array(rng.standard_normal((6, 3)).astype(np.float32), "upd"),
+        ],
+    )
     code, _, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs")
     assert code == 2
     assert "'idx'" in err and "6 distinct indices along axis 0 cannot fit in 5" in err
@@ -202,19 +232,34 @@ def test_gather_nd_indices_are_drawn_per_component(tmp_path):
     from gradgen.inputs import random_feeds
     from gradgen.model_io import load_model
 
-    nodes = [helper.make_node("GatherND", ["data", "idx"], ["g"], name="gnd"),
-             helper.make_node("ReduceSum", ["g"], ["loss"], keepdims=0, name="sum")]
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("idx", TensorProto.INT64, [50, 2])],
-          [numpy_helper.from_array(np.ones((9, 2), np.float32), "data")])
+    nodes = [
+        helper.make_node("GatherND", ["data", "idx"], ["g"], name="gnd"),
+        helper.make_node("ReduceSum", ["g"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(
+        tmp_path / "m.onnx",
+        nodes,
+        [helper.make_tensor_value_info("idx", TensorProto.INT64, [50, 2])],
+        [numpy_helper.from_array(np.ones((9, 2), np.float32), "data")],
+    )
     idx = random_feeds(load_model(tmp_path / "m.onnx"))["idx"]
     assert idx[:, 0].max() < 9 and idx[:, 1].max() < 2 and idx[:, 0].max() >= 2  # not bounded by axis 1 only
 
 
 def test_an_integer_shape_input_is_not_drawn_at_random(tmp_path, capsys, monkeypatch):
-    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
-             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
-                                       helper.make_tensor_value_info("shape", TensorProto.INT64, [2])], [])
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
+        helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(
+        tmp_path / "m.onnx",
+        nodes,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [],
+    )
     code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--random-inputs", "--device", "cpu")
     assert code == 2
     assert "'shape'" in err and "Reshape node 'reshape'" in err and "--inputs" in err
@@ -223,22 +268,30 @@ def test_an_integer_shape_input_is_not_drawn_at_random(tmp_path, capsys, monkeyp
 def test_batchnorm_variance_is_drawn_positive(tmp_path, capsys, monkeypatch):
     names = ["x", "scale", "bias", "mean", "var"]
     shapes = [[2, 3, 4], [3], [3], [3], [3]]
-    nodes = [helper.make_node("BatchNormalization", names, ["y"], name="bn"),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
-                                       for n, s in zip(names, shapes)], [])
+    nodes = [
+        helper.make_node("BatchNormalization", names, ["y"], name="bn"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes)], [])
     for seed in range(4):
-        code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs",
-                                 "--seed", str(seed))
+        code, out, err = run_cli(
+            capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs", "--seed", str(seed)
+        )
         assert code == 0, out + err
 
 
 def test_a_non_finite_loss_is_named(tmp_path, capsys, monkeypatch):
     """An empty batch through ReduceMean: NaN, said as such instead of a comparison of NaNs."""
-    nodes = [helper.make_node("Mul", ["x", "w"], ["m"], name="mul"),
-             helper.make_node("ReduceMean", ["m"], ["loss"], keepdims=0, name="mean")]
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
-          [numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["m"], name="mul"),
+        helper.make_node("ReduceMean", ["m"], ["loss"], keepdims=0, name="mean"),
+    ]
+    _save(
+        tmp_path / "m.onnx",
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.ones(3, np.float32), "w")],
+    )
     code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--dim", "N=0")
     assert code == 4
     [line] = err.strip().splitlines()
@@ -248,12 +301,21 @@ def test_a_non_finite_loss_is_named(tmp_path, capsys, monkeypatch):
 
 def _resize_model(path, opset: int = 19) -> None:
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Resize", ["c", "", "scales"], ["r"], name="resize", mode="linear"),
-             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
-    _save(path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
-          [numpy_helper.from_array(rng.standard_normal((3, 2, 3, 3)).astype(np.float32), "w"),
-           numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")], opset=opset)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], name="resize", mode="linear"),
+        helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum"),
+    ]
+    _save(
+        path,
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [
+            numpy_helper.from_array(rng.standard_normal((3, 2, 3, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+        ],
+        opset=opset,
+    )
 
 
 def test_float32_only_inputs_stay_float32_in_the_float64_copy(tmp_path, capsys, monkeypatch):
@@ -277,13 +339,19 @@ def test_float32_only_inputs_stay_float32_in_the_float64_copy(tmp_path, capsys, 
 
 def test_a_failure_at_a_kink_says_so(tmp_path, capsys, monkeypatch):
     """relu(x + w) with one element 1e-7 above its kink: central differences straddle it."""
-    nodes = [helper.make_node("Add", ["x", "w"], ["h"], name="add"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["h"], name="add"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum"),
+    ]
     w = np.array([0.5, -1.0, 2.0], np.float32)
-    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-          [numpy_helper.from_array(w, "w")])
-    x = np.array([1.0, 1.0 + 2 ** -23, 3.0], np.float32)  # x + w = [1.5, 1.2e-7, 5]
+    _save(
+        tmp_path / "m.onnx",
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    x = np.array([1.0, 1.0 + 2**-23, 3.0], np.float32)  # x + w = [1.5, 1.2e-7, 5]
     np.savez(tmp_path / "x.npz", x=x)
     report = check_gradients(tmp_path / "m.onnx", inputs={"x": x})
     [tensor] = report.tensors

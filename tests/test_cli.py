@@ -28,15 +28,19 @@ def run_cli(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
 def tiny_model(path, scalar_loss: bool = True) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 4)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["r"], name="relu")]
     if scalar_loss:
         nodes.append(helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum"))
         out = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
     else:
         out = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 4])
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])], [out],
-                              initializer=[numpy_helper.from_array(w, "w")])
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [out],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
@@ -174,27 +178,33 @@ def test_ops_json(capsys, monkeypatch):
 def test_python_dash_m_is_the_same_program(tiny):
     result = subprocess.run([sys.executable, "-m", "gradgen", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "build-backward" in result.stdout
-    result = subprocess.run([sys.executable, "-m", "gradgen", "run", str(tiny), "--random-inputs"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "gradgen", "run", str(tiny), "--random-inputs"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_unsupported_ops_are_all_listed(tmp_path, capsys, monkeypatch):
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Foo", ["h"], ["a"], name="foo1", domain="custom"),
-             helper.make_node("Foo", ["a"], ["b"], name="foo2", domain="custom"),
-             helper.make_node("Bar", ["b"], ["c"], name="bar", domain="custom"),
-             helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Foo", ["h"], ["a"], name="foo1", domain="custom"),
+        helper.make_node("Foo", ["a"], ["b"], name="foo2", domain="custom"),
+        helper.make_node("Bar", ["b"], ["c"], name="bar", domain="custom"),
+        helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
     code, _, err = run_cli(capsys, monkeypatch, "build-backward", path, "-o", tmp_path / "g.onnx")
     assert code == 3
     assert "custom::Foo" in err and "'foo1'" in err and "'foo2'" in err and "custom::Bar" in err
-
 
 
 def test_random_inputs_are_valid_for_every_sample(tmp_path, capsys, monkeypatch):
@@ -206,8 +216,7 @@ def test_random_inputs_are_valid_for_every_sample(tmp_path, capsys, monkeypatch)
         code, _, err = run_cli(capsys, monkeypatch, "build-backward", path / "model.onnx", "-o", built)
         assert code == 0, err
         for model in (path / "model.onnx", built):
-            code, stdout, err = run_cli(capsys, monkeypatch, "run", model, "--random-inputs", "--seed", "3",
-                                        "--device", "cpu")
+            code, stdout, err = run_cli(capsys, monkeypatch, "run", model, "--random-inputs", "--seed", "3", "--device", "cpu")
             assert code == 0, f"{model}: {err}"
 
 

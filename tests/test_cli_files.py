@@ -81,8 +81,9 @@ def test_a_failed_write_is_a_usage_error_naming_the_output(tmp_path, tiny, capsy
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(zipfile.ZipFile, "open", full)
-    code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=2", "--device", "cpu",
-                           "-o", tmp_path / "o.npz")
+    code, _, err = run_cli(
+        capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", tmp_path / "o.npz"
+    )
     assert code == 2
     assert "o.npz: cannot write the output: No space left on device" in _one_error_line(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx"]
@@ -90,8 +91,20 @@ def test_a_failed_write_is_a_usage_error_naming_the_output(tmp_path, tiny, capsy
 
 # -- output names ----------------------------------------------------------------------------------
 
-ODD_NAMES = ["allow_pickle", "file", "a/b", "/rooted", "../up", "c:d", "ünïcødé ✓", "with space", "x.npy.npy",
-             "args", "kwds", "back\\slash"]
+ODD_NAMES = [
+    "allow_pickle",
+    "file",
+    "a/b",
+    "/rooted",
+    "../up",
+    "c:d",
+    "ünïcødé ✓",
+    "with space",
+    "x.npy.npy",
+    "args",
+    "kwds",
+    "back\\slash",
+]
 
 
 def _identity_model(path: Path, names: list[str]) -> None:
@@ -101,16 +114,21 @@ def _identity_model(path: Path, names: list[str]) -> None:
         inits.append(numpy_helper.from_array(np.array(k + 1, np.float32), f"k{k}"))
         nodes.append(helper.make_node("Mul", ["x", f"k{k}"], [name], name=f"mul{k}"))
         outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [3]))
-    graph = helper.make_graph(nodes, "names", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])], outputs,
-                              initializer=inits)
+    graph = helper.make_graph(
+        nodes, "names", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])], outputs, initializer=inits
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
 def _consumer_model(path: Path, names: list[str]) -> None:
     """Inputs with the given names; output total = the sum of all of them."""
     nodes = [helper.make_node("Sum", names, ["total"], name="sum")]
-    graph = helper.make_graph(nodes, "consumer", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in names],
-                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        nodes,
+        "consumer",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in names],
+        [helper.make_tensor_value_info("total", TensorProto.FLOAT, [3])],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
@@ -119,8 +137,9 @@ def test_any_output_name_round_trips_through_npz(tmp_path, capsys, monkeypatch):
     x = np.array([1.0, 2.0, 3.0], np.float32)
     np.savez(tmp_path / "x.npz", x=x)
     out = tmp_path / "o.npz"
-    code, stdout, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz",
-                                "--device", "cpu", "-o", out)
+    code, stdout, err = run_cli(
+        capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--device", "cpu", "-o", out
+    )
     assert code == 0, err
     assert f"wrote {len(ODD_NAMES)} output(s)" in stdout
     with np.load(out, allow_pickle=False) as saved:
@@ -128,14 +147,16 @@ def test_any_output_name_round_trips_through_npz(tmp_path, capsys, monkeypatch):
         for k, name in enumerate(ODD_NAMES):
             np.testing.assert_array_equal(saved[name], x * (k + 1))
     # --compare reads the file back under the same names
-    code, stdout, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz",
-                                "--device", "cpu", "--compare", out)
+    code, stdout, err = run_cli(
+        capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--device", "cpu", "--compare", out
+    )
     assert code == 0, err
     assert f"all {len(ODD_NAMES)} compared output(s) match" in stdout
     # ... and so does --inputs, for a model whose inputs carry those names
     _consumer_model(tmp_path / "c.onnx", ODD_NAMES)
-    code, stdout, err = run_cli(capsys, monkeypatch, "run", tmp_path / "c.onnx", "--inputs", out, "--device", "cpu",
-                                "-o", tmp_path / "total.npz")
+    code, stdout, err = run_cli(
+        capsys, monkeypatch, "run", tmp_path / "c.onnx", "--inputs", out, "--device", "cpu", "-o", tmp_path / "total.npz"
+    )
     assert code == 0, err
     np.testing.assert_allclose(np.load(tmp_path / "total.npz")["total"], x * sum(range(1, len(ODD_NAMES) + 1)))
 
@@ -143,8 +164,18 @@ def test_any_output_name_round_trips_through_npz(tmp_path, capsys, monkeypatch):
 def test_names_that_cannot_round_trip_are_refused_before_writing(tmp_path, capsys, monkeypatch):
     _identity_model(tmp_path / "m.onnx", ["y", "y.npy"])  # np.load would give y's array for the key "y.npy"
     np.savez(tmp_path / "x.npz", x=np.ones(3, np.float32))
-    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz",
-                           "--device", "cpu", "-o", tmp_path / "o.npz")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        tmp_path / "m.onnx",
+        "--inputs",
+        tmp_path / "x.npz",
+        "--device",
+        "cpu",
+        "-o",
+        tmp_path / "o.npz",
+    )
     assert code == 2
     assert "'y.npy'" in _one_error_line(err) and "nothing was written" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "x.npz"]
@@ -155,12 +186,10 @@ def test_names_that_cannot_round_trip_are_refused_before_writing(tmp_path, capsy
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_outputs_honour_the_umask(tmp_path, tiny, umask):
-    script = (f"import os, sys; os.umask({umask}); sys.argv[0] = 'gradgen'; "
-              "from gradgen.cli import main; main()")
+    script = f"import os, sys; os.umask({umask}); sys.argv[0] = 'gradgen'; from gradgen.cli import main; main()"
 
     def gradgen(*args):
-        result = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
 
     gradgen("build-backward", tiny, "-o", tmp_path / "g.onnx")
@@ -201,10 +230,15 @@ _STALLED_WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("signum,code,message", [(signal.SIGINT, 130, "error: interrupted"),
-                                                 (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
-                                                 (signal.SIGHUP, 129, "error: terminated (SIGHUP)")],
-                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    "signum,code,message",
+    [
+        (signal.SIGINT, 130, "error: interrupted"),
+        (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+        (signal.SIGHUP, 129, "error: terminated (SIGHUP)"),
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGHUP"],
+)
 @pytest.mark.parametrize("command", ["build-backward", "run"])
 def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, tiny, signum, code, message, command):
     out_dir = tmp_path / "out"
@@ -214,8 +248,12 @@ def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, tiny, signum
         args = ["build-backward", str(tiny), "-o", str(out_dir / "g.onnx")]
     else:
         args = ["run", str(tiny), "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", str(out_dir / "o.npz")]
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(marker), "60", *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_WRITER, str(marker), "60", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -238,9 +276,13 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, tiny):
     """Under nohup (SIGHUP ignored) a hang-up does not stop the write."""
     marker, out = tmp_path / "marker", tmp_path / "o.npz"
     args = ["run", str(tiny), "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", str(out)]
-    child = subprocess.Popen([sys.executable, "-c", _STALLED_WRITER, str(marker), "2", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_WRITER, str(marker), "2", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -262,14 +304,19 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, tiny):
 def _external_model(path: Path, rows: int, location: str | None = None) -> np.ndarray:
     """loss = sum(x @ w) with w (rows x 64, float32) in an external data file next to the model."""
     w = np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(w, "w")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=0,
-                    location=location or f"{path.name}.data")
+    onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=0, location=location or f"{path.name}.data")
     return w
 
 
@@ -285,12 +332,14 @@ def test_external_data_models_build_run_and_check(tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path.parent)  # relative to the model, not the working directory
     x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
-    code, stdout, err = run_cli(capsys, monkeypatch, "run", out, "--inputs", tmp_path / "x.npz", "--device", "cpu",
-                                "-o", tmp_path / "o.npz")
+    code, stdout, err = run_cli(
+        capsys, monkeypatch, "run", out, "--inputs", tmp_path / "x.npz", "--device", "cpu", "-o", tmp_path / "o.npz"
+    )
     assert code == 0, err
     np.testing.assert_allclose(np.load(tmp_path / "o.npz")["w_grad"], np.repeat(x.sum(0)[:, None], 64, 1), rtol=1e-5)
-    code, stdout, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz",
-                                "--samples", "1")
+    code, stdout, err = run_cli(
+        capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--samples", "1"
+    )
     assert code == 0, err
     assert "all 1 gradient(s) match" in stdout
     # a small output of a model with external data holds its data itself
@@ -325,9 +374,11 @@ def test_external_data_outside_the_model_directory_is_refused(tmp_path, capsys, 
         if entry.key == "location":
             entry.value = location
     onnx.save(model, str(models / "m.onnx"))
-    for args in (["build-backward", models / "m.onnx", "-o", models / "g.onnx"],
-                 ["run", models / "m.onnx", "--random-inputs", "--device", "cpu"],
-                 ["check", models / "m.onnx", "--random-inputs"]):
+    for args in (
+        ["build-backward", models / "m.onnx", "-o", models / "g.onnx"],
+        ["run", models / "m.onnx", "--random-inputs", "--device", "cpu"],
+        ["check", models / "m.onnx", "--random-inputs"],
+    ):
         code, _, err = run_cli(capsys, monkeypatch, *args)
         assert code == 3, err
         line = _one_error_line(err)
@@ -370,10 +421,17 @@ def _sparse_external_model(path: Path, nbytes: int) -> int:
     for key, value in (("location", data.name), ("offset", "0"), ("length", str(rows * cols * 4))):
         entry = w.external_data.add()
         entry.key, entry.value = key, value
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=[w])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[w],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return rows
 
@@ -392,8 +450,9 @@ def test_a_model_over_2gb(tmp_path, slow_selected):
 
     def measured(*args) -> int:
         rss = tmp_path / "rss"
-        result = subprocess.run([sys.executable, "-c", _MEASURED, str(rss), *map(str, args)], capture_output=True,
-                                text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-c", _MEASURED, str(rss), *map(str, args)], capture_output=True, text=True, timeout=600
+        )
         assert result.returncode == 0, result.stderr
         return int(rss.read_text())
 

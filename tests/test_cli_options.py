@@ -21,8 +21,14 @@ from tests.test_cli import run_cli, tiny_model
 
 
 def _gradgen(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gradgen", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "gradgen", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -83,8 +89,9 @@ def test_nonsensical_numbers_are_usage_errors(tiny, capsys, monkeypatch, args, o
 def test_nonsensical_number_in_a_fresh_process(tiny):
     result = _gradgen("run", tiny, "--random-inputs", "--dim", "N=2", "--rtol", "nan")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines()
-                                                  if line.startswith("error: ")]
+    assert result.stderr.strip().splitlines() == [
+        line for line in result.stderr.strip().splitlines() if line.startswith("error: ")
+    ]
     assert "--rtol" in result.stderr and "nan" in result.stderr
 
 
@@ -104,8 +111,7 @@ def test_a_dim_without_random_inputs_is_refused(tiny, tmp_path, capsys, monkeypa
 
 
 def test_an_impossible_size_is_a_usage_error(tiny, capsys, monkeypatch):
-    code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=1000000000000",
-                           "--device", "cpu")
+    code, _, err = run_cli(capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=1000000000000", "--device", "cpu")
     assert code == 2, err
     [line] = err.strip().splitlines()
     assert line.startswith("error: the random inputs would take") and "'x'" in line and "--dim" in line
@@ -113,9 +119,12 @@ def test_an_impossible_size_is_a_usage_error(tiny, capsys, monkeypatch):
 
 def test_random_float32_inputs_are_drawn_in_float32(tmp_path):
     """No float64 copy on the way: the peak allocation stays near the input's own size."""
-    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0)], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096, 4096])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096, 4096])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     model = load_model(tmp_path / "m.onnx")
     tracemalloc.start()
@@ -145,8 +154,9 @@ def test_progress_when_asked(tiny, tmp_path, capsys, monkeypatch):
 
 
 def test_the_error_is_the_last_line_even_with_progress(tiny, tmp_path, capsys, monkeypatch):
-    code, _, err = run_cli(capsys, monkeypatch, "build-backward", tiny, "-o", tmp_path / "g.onnx", "--progress",
-                           "--wrt", "nothing")
+    code, _, err = run_cli(
+        capsys, monkeypatch, "build-backward", tiny, "-o", tmp_path / "g.onnx", "--progress", "--wrt", "nothing"
+    )
     assert code == 2
     lines = err.strip().splitlines()
     assert lines[-1].startswith("error: ") and "'nothing'" in lines[-1]
@@ -160,8 +170,7 @@ def test_progress_on_a_terminal(tiny, tmp_path):
         leader, follower = pty.openpty()
         try:
             args = [sys.executable, "-m", "gradgen", "build-backward", str(tiny), "-o", str(tmp_path / "g.onnx")]
-            result = subprocess.run(args + ([flag] if flag else []), stdout=subprocess.PIPE, stderr=follower,
-                                    timeout=120)
+            result = subprocess.run(args + ([flag] if flag else []), stdout=subprocess.PIPE, stderr=follower, timeout=120)
             os.close(follower)
             seen = b""
             while True:

@@ -31,11 +31,11 @@ def mlp_fc1(tmp_path_factory):
 
 
 def test_unmatched_reference_keys_fail_and_are_named(mlp_fc1, capsys, monkeypatch):
-    code, out, err = run_cli(capsys, monkeypatch, "run", mlp_fc1, "--inputs", MLP / "inputs.npz",
-                             "--compare", MLP / "reference.npz", "--device", "cpu")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "run", mlp_fc1, "--inputs", MLP / "inputs.npz", "--compare", MLP / "reference.npz", "--device", "cpu"
+    )
     assert code == 4, err
-    skipped = ["fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad", "fc3.weight_grad", "fc3.bias_grad",
-               "x_grad", "target_grad"]
+    skipped = ["fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad", "fc3.weight_grad", "fc3.bias_grad", "x_grad", "target_grad"]
     [line] = _error_lines(err)
     assert err.strip().splitlines()[-1] == line
     assert "7 reference key(s) match no output" in line and all(k in line for k in skipped)
@@ -45,8 +45,19 @@ def test_unmatched_reference_keys_fail_and_are_named(mlp_fc1, capsys, monkeypatc
 
 
 def test_skip_unmatched_lists_what_was_not_compared(mlp_fc1, capsys, monkeypatch):
-    code, out, err = run_cli(capsys, monkeypatch, "run", mlp_fc1, "--inputs", MLP / "inputs.npz",
-                             "--compare", MLP / "reference.npz", "--device", "cpu", "--skip-unmatched")
+    code, out, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        mlp_fc1,
+        "--inputs",
+        MLP / "inputs.npz",
+        "--compare",
+        MLP / "reference.npz",
+        "--device",
+        "cpu",
+        "--skip-unmatched",
+    )
     assert code == 0, err
     assert "not compared (no output of that name): fc1.bias_grad" in out
     assert "all 2 compared output(s) match the reference" in out and "7 reference key(s) not compared" in out
@@ -77,8 +88,18 @@ def test_pytorch_names_only_when_asked(tmp_path, capsys, monkeypatch):
 
 def test_a_reference_naming_no_output_fails(tmp_path, capsys, monkeypatch):
     np.savez(tmp_path / "ref.npz", nothing=np.zeros(3))
-    code, _, err = run_cli(capsys, monkeypatch, "run", MLP / "model.onnx", "--inputs", MLP / "inputs.npz",
-                           "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        MLP / "model.onnx",
+        "--inputs",
+        MLP / "inputs.npz",
+        "--compare",
+        tmp_path / "ref.npz",
+        "--device",
+        "cpu",
+    )
     assert code == 4
     [line] = _error_lines(err)
     assert "reference's keys (nothing) name none of the model's outputs (loss" in line
@@ -88,8 +109,18 @@ def test_a_mismatch_fails_naming_the_output(tmp_path, capsys, monkeypatch):
     reference = dict(np.load(MLP / "reference.npz"))
     reference["loss"] = reference["loss"] * 1.01
     np.savez(tmp_path / "ref.npz", loss=reference["loss"])
-    code, out, err = run_cli(capsys, monkeypatch, "run", MLP / "model.onnx", "--inputs", MLP / "inputs.npz",
-                             "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    code, out, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        MLP / "model.onnx",
+        "--inputs",
+        MLP / "inputs.npz",
+        "--compare",
+        tmp_path / "ref.npz",
+        "--device",
+        "cpu",
+    )
     assert code == 4
     assert "1 output(s) differ from the reference: loss" in _error_lines(err)[0]
 
@@ -122,20 +153,27 @@ def test_compare_fails_on_shape_and_nan():
     results = {"a_grad": np.ones(4, np.float32), "b_grad": np.array([1.0, 2.0], np.float32)}
     comparison = compare_outputs(results, reference, rtol=1e-4, atol=1e-5, floor=0.1)
     assert comparison.failures == ["a_grad", "b_grad"]
-    same_nan = compare_outputs({"b_grad": np.array([1.0, np.nan])}, {"b_grad": np.array([1.0, np.nan])},
-                               rtol=1e-4, atol=1e-5, floor=0.1)
+    same_nan = compare_outputs(
+        {"b_grad": np.array([1.0, np.nan])}, {"b_grad": np.array([1.0, np.nan])}, rtol=1e-4, atol=1e-5, floor=0.1
+    )
     assert same_nan.failures == []
 
 
 def _kink_model(path):
     """loss = sum(relu((x + w) - x)): for x = 1e8 and w = 1, relu's input is 0 in float32 and 1 in float64."""
-    nodes = [helper.make_node("Add", ["x", "w"], ["a"], name="add"),
-             helper.make_node("Sub", ["a", "x"], ["h"], name="sub"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "kink", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["a"], name="add"),
+        helper.make_node("Sub", ["a", "x"], ["h"], name="sub"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("ReduceSum", ["r"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "kink",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.ones(3, np.float32), "w")],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
@@ -146,12 +184,15 @@ def test_a_mismatch_at_a_kink_decided_by_rounding_says_so(tmp_path, capsys, monk
     np.savez(tmp_path / "in.npz", x=np.array([1e8, 1e8, 1.0], np.float32))
     # the reference computed in float64 (as a double-precision PyTorch run would): relu'(1) = 1
     np.savez(tmp_path / "ref.npz", w_grad=np.ones(3))
-    code, out, err = run_cli(capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz",
-                             "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz", "--compare", tmp_path / "ref.npz", "--device", "cpu"
+    )
     assert code == 4
     notes = [line for line in err.splitlines() if line.startswith("note: ")]
-    assert any("2 input element(s) of non-smooth ops lie on the other side of their kink" in n
-               and "Relu node 'relu': 2" in n for n in notes), err
+    assert any(
+        "2 input element(s) of non-smooth ops lie on the other side of their kink" in n and "Relu node 'relu': 2" in n
+        for n in notes
+    ), err
     assert any("the float64 run of this graph matches the reference for w_grad" in n for n in notes), err
     assert err.strip().splitlines()[-1].startswith("error: 1 output(s) differ")
 
@@ -162,8 +203,9 @@ def test_a_mismatch_without_kinks_says_they_are_not_the_cause(tmp_path, capsys, 
     assert run_cli(capsys, monkeypatch, "build-backward", tmp_path / "m.onnx", "-o", built)[0] == 0
     np.savez(tmp_path / "in.npz", x=np.array([1.0, 2.0, 3.0], np.float32))
     np.savez(tmp_path / "ref.npz", w_grad=np.full(3, 2.0))  # wrong by a factor 2
-    code, _, err = run_cli(capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz",
-                           "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    code, _, err = run_cli(
+        capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz", "--compare", tmp_path / "ref.npz", "--device", "cpu"
+    )
     assert code == 4
     assert "do not come from kinks decided by rounding" in err
 
@@ -176,8 +218,18 @@ def test_kinks_are_found_in_an_untyped_forward_model_with_external_data(tmp_path
     np.savez(tmp_path / "in.npz", x=np.array([1e8, 1e8, 1.0], np.float32))
     np.savez(tmp_path / "ref.npz", loss=np.array(3.0))
     monkeypatch.chdir(tmp_path.parent)
-    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz",
-                           "--compare", tmp_path / "ref.npz", "--device", "cpu")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        tmp_path / "m.onnx",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--compare",
+        tmp_path / "ref.npz",
+        "--device",
+        "cpu",
+    )
     assert code == 4
     assert "(Relu node 'relu': 2)" in err and "the float64 run of this graph matches the reference for loss" in err
 
@@ -200,22 +252,38 @@ def cnn_builds(tmp_path_factory):
 
 
 def _run_compare(capsys, monkeypatch, model, reference, *options):
-    return run_cli(capsys, monkeypatch, "run", model, "--inputs", CNN / "inputs.npz", "--compare", reference,
-                   "--device", "cpu", "--skip-unmatched", *options)
+    return run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        model,
+        "--inputs",
+        CNN / "inputs.npz",
+        "--compare",
+        reference,
+        "--device",
+        "cpu",
+        "--skip-unmatched",
+        *options,
+    )
 
 
-@pytest.mark.parametrize("precision,tolerance", [("bf16", "rtol=0.01, atol=0.05*scale"),
-                                                 ("fp16", "rtol=0.001, atol=0.01*scale")])
+@pytest.mark.parametrize("precision,tolerance", [("bf16", "rtol=0.01, atol=0.05*scale"), ("fp16", "rtol=0.001, atol=0.01*scale")])
 def test_a_low_precision_build_passes_with_its_defaults_but_a_wrong_gradient_fails(
-        cnn_builds, precision, tolerance, tmp_path, capsys, monkeypatch):
+    cnn_builds, precision, tolerance, tmp_path, capsys, monkeypatch
+):
     """Against the float32 reference: rounding to 16 bits passes, a gradient 1.5 times too large does not."""
     code, out, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], CNN / "reference.npz")
     assert code == 0, err
-    assert out.strip().splitlines()[-1].startswith(
-        f"all 7 compared output(s) match the reference ({tolerance}, floor=0.1; {precision} defaults)")
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith(f"all 7 compared output(s) match the reference ({tolerance}, floor=0.1; {precision} defaults)")
+    )
     # the same build fails the float32 defaults: the wider ones are needed
-    code, _, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], CNN / "reference.npz",
-                                "--rtol", "1e-4", "--atol", "1e-5")
+    code, _, err = _run_compare(
+        capsys, monkeypatch, cnn_builds[precision], CNN / "reference.npz", "--rtol", "1e-4", "--atol", "1e-5"
+    )
     assert code == 4 and "conv1.weight_grad" in _error_lines(err)[0]
     reference = dict(np.load(CNN / "reference.npz"))
     reference["conv2.weight_grad"] = reference["conv2.weight_grad"] * 1.5
@@ -223,13 +291,15 @@ def test_a_low_precision_build_passes_with_its_defaults_but_a_wrong_gradient_fai
     code, _, err = _run_compare(capsys, monkeypatch, cnn_builds[precision], tmp_path / "wrong.npz")
     assert code == 4
     [line] = _error_lines(err)
-    assert f"1 output(s) differ from the reference: conv2.weight_grad (beyond {tolerance}, floor=0.1; " \
-           f"{precision} defaults)" in line
+    assert (
+        f"1 output(s) differ from the reference: conv2.weight_grad (beyond {tolerance}, floor=0.1; {precision} defaults)" in line
+    )
 
 
 def test_explicit_tolerances_override_the_precision_defaults(cnn_builds, capsys, monkeypatch):
-    code, out, err = _run_compare(capsys, monkeypatch, cnn_builds["bf16"], CNN / "reference.npz",
-                                  "--rtol", "0.02", "--atol", "0.06")
+    code, out, err = _run_compare(
+        capsys, monkeypatch, cnn_builds["bf16"], CNN / "reference.npz", "--rtol", "0.02", "--atol", "0.06"
+    )
     assert code == 0, err
     assert "(rtol=0.02, atol=0.06*scale, floor=0.1); 1 reference key(s) not compared" in out  # no defaults named
     # one given, the other the precision's default; the given one decides here
@@ -259,8 +329,12 @@ def _typed_model(*dtypes: int, precision: str | None = None):
     for i, dtype in enumerate([*dtypes, TensorProto.FLOAT]):
         nodes.append(helper.make_node("Cast", [previous], [f"v{i}"], to=dtype))
         previous = f"v{i}"
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [2])],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
     proto = onnx.shape_inference.infer_shapes(proto)
     if precision is not None:

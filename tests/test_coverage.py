@@ -49,9 +49,14 @@ def scanned_ops(path: Path) -> dict[tuple[str, str], str]:
     """(domain, op) -> where, for every literal op name ``path`` passes to op / op_multi / reduce."""
     found = {}
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("op", "op_multi", "reduce") and node.args
-                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("op", "op_multi", "reduce")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             found.setdefault((_domain(node), node.args[0].value), f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
@@ -80,9 +85,11 @@ KERNELS = all_kernels()
 SCANNED = {k: v for p in EMITTING_SOURCES for k, v in scanned_ops(p).items()}
 BUILT = built_ops()
 # every op a gradient graph can hold: the differentiable ops, and what their rules emit
-NEEDED = {**{k: "a gradient rule" for k, r in RULES.items() if r.differentiable},
-          **{k: f"emitted at {v}" for k, v in SCANNED.items()},
-          **{k: f"in the backward graph of {v}" for k, v in BUILT.items()}}
+NEEDED = {
+    **{k: "a gradient rule" for k, r in RULES.items() if r.differentiable},
+    **{k: f"emitted at {v}" for k, v in SCANNED.items()},
+    **{k: f"in the backward graph of {v}" for k, v in BUILT.items()},
+}
 
 
 def test_the_scan_finds_what_rules_emit():
@@ -92,16 +99,24 @@ def test_the_scan_finds_what_rules_emit():
 
 
 def test_every_op_of_a_gradient_graph_has_a_cpu_kernel():
-    missing = sorted(f"{d or 'ai.onnx'}::{op} ({why})" for (d, op), why in NEEDED.items()
-                     if KERNELS.get((d, op)) is None or KERNELS[(d, op)].cpu is None)
+    missing = sorted(
+        f"{d or 'ai.onnx'}::{op} ({why})"
+        for (d, op), why in NEEDED.items()
+        if KERNELS.get((d, op)) is None or KERNELS[(d, op)].cpu is None
+    )
     assert not missing, f"ops without a CPU kernel: {missing}"
 
 
 def test_every_op_of_a_gradient_graph_has_a_cuda_kernel_or_a_declared_fallback():
-    missing = sorted(f"{d or 'ai.onnx'}::{op} ({why})" for (d, op), why in NEEDED.items()
-                     if (KERNELS.get((d, op)) is None or KERNELS[(d, op)].cuda is None) and (d, op) not in CUDA_FALLBACKS)
-    assert not missing, ("ops without a CUDA launcher: write one, or declare the fallback in "
-                         f"gradgen.kernels.registry.CUDA_FALLBACKS and run it in tests/cuda/test_cuda_fallbacks.py: {missing}")
+    missing = sorted(
+        f"{d or 'ai.onnx'}::{op} ({why})"
+        for (d, op), why in NEEDED.items()
+        if (KERNELS.get((d, op)) is None or KERNELS[(d, op)].cuda is None) and (d, op) not in CUDA_FALLBACKS
+    )
+    assert not missing, (
+        "ops without a CUDA launcher: write one, or declare the fallback in "
+        f"gradgen.kernels.registry.CUDA_FALLBACKS and run it in tests/cuda/test_cuda_fallbacks.py: {missing}"
+    )
 
 
 def test_declared_fallbacks_are_current_and_run_on_the_gpu():
@@ -125,11 +140,15 @@ def test_every_emitted_microsoft_op_has_a_schema_a_matching_cpu_kernel_and_a_low
             problems.append(f"{op} ({why}): no lowering in gradgen/passes/lowering")
         kernel = KERNELS.get((domain, op))
         if kernel is not None and kernel.cpu is not None:
-            positional = [p for p in inspect.signature(kernel.cpu).parameters.values()
-                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            positional = [
+                p
+                for p in inspect.signature(kernel.cpu).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
             if len(positional) != len(schemas.SCHEMAS[op].inputs):
-                problems.append(f"{op}: the CPU kernel takes {len(positional)} inputs, the schema "
-                                f"{len(schemas.SCHEMAS[op].inputs)}")
+                problems.append(
+                    f"{op}: the CPU kernel takes {len(positional)} inputs, the schema {len(schemas.SCHEMAS[op].inputs)}"
+                )
     assert not problems, problems
 
 

@@ -131,10 +131,12 @@ def test_a_split_source_links_its_kernels_in_groups_and_stores_an_index(tmp_path
 
 
 def test_split_ptx_keeps_the_common_part_and_cuts_each_entry():
-    ptx = (".version 9.0\n.target sm_90\n\n\t// .globl\tk1\n.global .align 4 .u32 g = 1;\n"
-           ".visible .entry k1(\n\t.param .u64 p\n)\n{\n\tmov.b32 %r1, {%r2, %r3};\n\tret;\n\n}\n"
-           ".func (.param .b32 r) helper(\n)\n{\n\tret;\n}\n"
-           "\t// .globl\tk2\n.entry k2(\n)\n.maxntid 128\n{\n\t{\n\t.reg .b32 %t;\n\t}\n\tret;\n}\n")
+    ptx = (
+        ".version 9.0\n.target sm_90\n\n\t// .globl\tk1\n.global .align 4 .u32 g = 1;\n"
+        ".visible .entry k1(\n\t.param .u64 p\n)\n{\n\tmov.b32 %r1, {%r2, %r3};\n\tret;\n\n}\n"
+        ".func (.param .b32 r) helper(\n)\n{\n\tret;\n}\n"
+        "\t// .globl\tk2\n.entry k2(\n)\n.maxntid 128\n{\n\t{\n\t.reg .b32 %t;\n\t}\n\tret;\n}\n"
+    )
     common, kernels = cc.split_ptx(ptx)
     assert list(kernels) == ["k1", "k2"]
     assert kernels["k1"].startswith(".visible .entry k1(") and kernels["k1"].rstrip().endswith("}")
@@ -222,6 +224,7 @@ def test_the_default_cache_is_the_user_cache_dir(monkeypatch):
 
 # -- the compiler's choice -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("nvrtc, nvcc, expected", [(True, True, "nvrtc"), (True, False, "nvrtc"), (False, True, "nvcc")])
 def test_nvrtc_first_then_nvcc(monkeypatch, nvrtc, nvcc, expected):
     tried = []
@@ -274,6 +277,7 @@ def test_precompile_refuses_a_malformed_arch(capsys):
 
 # -- the real compilers, where installed -----------------------------------------------------------
 
+
 def _real(kind):
     found, why = cc._make(kind)
     if found is None:
@@ -287,7 +291,8 @@ def test_a_real_compiler_builds_a_source_with_gradgen_headers(kind, tmp_path):
     (tmp_path / "probe.cu").write_text(
         (cc.CUDA_SOURCES / "common.h").read_text().replace("#pragma once", "")
         + '\n#include <math_constants.h>\nextern "C" __global__ void probe(float* out, int64_t n) {\n'
-        "    GG_GRID_STRIDE(i, n) { out[i] = -INFINITY + CUDART_PI_F; }\n}\n")
+        "    GG_GRID_STRIDE(i, n) { out[i] = -INFINITY + CUDART_PI_F; }\n}\n"
+    )
     cubin = using.compile(cc.find_source("probe", tmp_path), "sm_90")
     assert cubin[:4] == b"\x7fELF" and b"probe" in cubin
 
@@ -306,9 +311,13 @@ def test_nvrtc_splits_a_source_into_kernel_groups(tmp_path, monkeypatch):
     if not using.can_split:
         pytest.skip("nvJitLink is not installed")
     monkeypatch.setattr(kernel_cache, "GROUP_SIZE", 2)
-    (tmp_path / "three.cu").write_text('#include "common.h"\n' + "".join(
-        f'extern "C" __global__ void kern{i}(float* out, TensorDesc d) {{ out[gg_offset(threadIdx.x, d, d)] = {i}.0f; }}\n'
-        for i in range(3)))
+    (tmp_path / "three.cu").write_text(
+        '#include "common.h"\n'
+        + "".join(
+            f'extern "C" __global__ void kern{i}(float* out, TensorDesc d) {{ out[gg_offset(threadIdx.x, d, d)] = {i}.0f; }}\n'
+            for i in range(3)
+        )
+    )
     (tmp_path / "common.h").write_text((cc.CUDA_SOURCES / "common.h").read_text())
     build = kernel_cache.compile_build(cc.find_source("three", tmp_path), "sm_90", using)
     assert [names for names, _ in build] == [["kern0", "kern2"], ["kern1"]]

@@ -8,8 +8,16 @@ import pytest
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import dtype_suffix, grid_for, require_suffix
 
-COVERED = {np.float16: "f16", np.float32: "f32", np.float64: "f64", np.int32: "i32", np.int64: "i64",
-           np.bool_: "b8", np.int8: "i8", np.uint8: "u8"}
+COVERED = {
+    np.float16: "f16",
+    np.float32: "f32",
+    np.float64: "f64",
+    np.int32: "i32",
+    np.int64: "i64",
+    np.bool_: "b8",
+    np.int8: "i8",
+    np.uint8: "u8",
+}
 
 
 @pytest.mark.parametrize("dtype", list(COVERED), ids=lambda d: np.dtype(d).name)

@@ -67,9 +67,10 @@ def recorded_hashes() -> dict[str, str]:
 
 def compile_for_sm90(source: Path, out_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-I", str(source.parent),
-         "-o", str(out_dir / "out.cubin"), str(source)],
-        capture_output=True, text=True, timeout=300,
+        [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", "-I", str(source.parent), "-o", str(out_dir / "out.cubin"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

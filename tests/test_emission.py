@@ -24,8 +24,9 @@ def _model(nodes, inputs, initializers=(), opset=17):
         helper.make_node("Mul", ["y", "y"], ["y2"], name="square"),
         helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0, name="total"),
     ]
-    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-                              initializer=list(initializers))
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=list(initializers)
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
@@ -90,11 +91,13 @@ def _ints(name, values):
 def test_slice_emits_slice_grad_with_forward_inputs_in_position(symbolic):
     shape = ["a", "b"] if symbolic else [4, 6]
     model = _model(
-        [helper.make_node("Neg", ["x"], ["xn"], name="neg"),
-         helper.make_node("Slice", ["xn", "starts", "ends", "axes", "steps"], ["y"], name="slice")],
+        [
+            helper.make_node("Neg", ["x"], ["xn"], name="neg"),
+            helper.make_node("Slice", ["xn", "starts", "ends", "axes", "steps"], ["y"], name="slice"),
+        ],
         [_value_info("x", shape)],
-        [_ints("starts", [1, -1]), _ints("ends", [np.iinfo(np.int64).max, -7]), _ints("axes", [0, -1]),
-         _ints("steps", [2, -2])])
+        [_ints("starts", [1, -1]), _ints("ends", [np.iinfo(np.int64).max, -7]), _ints("axes", [0, -1]), _ints("steps", [2, -2])],
+    )
     built, proto = _build(model, ["x"])
     node = _only(proto, "SliceGrad")
     assert node.domain == MS and _opset(proto, MS) == 1
@@ -118,14 +121,20 @@ def test_slice_emits_slice_grad_with_forward_inputs_in_position(symbolic):
 
 
 def test_slice_with_omitted_optional_inputs():
-    model = _model([helper.make_node("Slice", ["x", "starts", "ends"], ["y"], name="slice")],
-                   [_value_info("x", [3, 5])], [_ints("starts", [1]), _ints("ends", [3])])
+    model = _model(
+        [helper.make_node("Slice", ["x", "starts", "ends"], ["y"], name="slice")],
+        [_value_info("x", [3, 5])],
+        [_ints("starts", [1]), _ints("ends", [3])],
+    )
     _, proto = _build(model, ["x"])
     node = _only(proto, "SliceGrad")
     assert len(node.input) == 4 and list(node.input[2:]) == ["starts", "ends"]
 
-    model = _model([helper.make_node("Slice", ["x", "starts", "ends", "", "steps"], ["y"], name="slice")],
-                   [_value_info("x", [3, 5])], [_ints("starts", [0]), _ints("ends", [3]), _ints("steps", [2])])
+    model = _model(
+        [helper.make_node("Slice", ["x", "starts", "ends", "", "steps"], ["y"], name="slice")],
+        [_value_info("x", [3, 5])],
+        [_ints("starts", [0]), _ints("ends", [3]), _ints("steps", [2])],
+    )
     _, proto = _build(model, ["x"])
     node = _only(proto, "SliceGrad")
     assert list(node.input[2:]) == ["starts", "ends", "", "steps"]
@@ -139,9 +148,14 @@ def test_slice_with_omitted_optional_inputs():
 def test_gather_emits_gather_grad(symbolic, index_type):
     shape = ["a", "b", "c"] if symbolic else [2, 5, 3]
     indices = numpy_helper.from_array(np.array([[4, -1], [0, 4]], dtype=index_type), "idx")
-    model = _model([helper.make_node("Neg", ["x"], ["xn"], name="neg"),
-                    helper.make_node("Gather", ["xn", "idx"], ["y"], axis=-2, name="gather")],
-                   [_value_info("x", shape)], [indices])
+    model = _model(
+        [
+            helper.make_node("Neg", ["x"], ["xn"], name="neg"),
+            helper.make_node("Gather", ["xn", "idx"], ["y"], axis=-2, name="gather"),
+        ],
+        [_value_info("x", shape)],
+        [indices],
+    )
     built, proto = _build(model, ["x"])
     node = _only(proto, "GatherGrad")
     assert node.domain == MS
@@ -171,9 +185,14 @@ def test_gather_emits_gather_grad(symbolic, index_type):
 def test_gather_elements_emits_gather_elements_grad(symbolic):
     shape = ["a", "b"] if symbolic else [3, 4]
     indices = numpy_helper.from_array(np.array([[1, 1, -1], [0, 3, 3], [2, 2, 2]], dtype=np.int64), "idx")
-    model = _model([helper.make_node("Neg", ["x"], ["xn"], name="neg"),
-                    helper.make_node("GatherElements", ["xn", "idx"], ["y"], axis=1, name="ge")],
-                   [_value_info("x", shape)], [indices])
+    model = _model(
+        [
+            helper.make_node("Neg", ["x"], ["xn"], name="neg"),
+            helper.make_node("GatherElements", ["xn", "idx"], ["y"], axis=1, name="ge"),
+        ],
+        [_value_info("x", shape)],
+        [indices],
+    )
     _, proto = _build(model, ["x"])
     node = _only(proto, "GatherElementsGrad")
     assert node.domain == MS
@@ -187,8 +206,14 @@ def test_gather_elements_emits_gather_elements_grad(symbolic):
 
 # ------------------------------------------------------------------------------ Conv
 
-CONV_ATTRS = {"auto_pad": "NOTSET", "dilations": [1, 2], "group": 2, "kernel_shape": [2, 2],
-              "pads": [1, 0, 0, 1], "strides": [2, 1]}
+CONV_ATTRS = {
+    "auto_pad": "NOTSET",
+    "dilations": [1, 2],
+    "group": 2,
+    "kernel_shape": [2, 2],
+    "pads": [1, 0, 0, 1],
+    "strides": [2, 1],
+}
 
 
 def _conv_model(bias: bool, attrs: dict, symbolic: bool = False):

@@ -59,14 +59,20 @@ def _write(tmp: Path, name: str, data: bytes) -> Path:
 
 
 def _unknown_ops(tmp: Path) -> list:
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Foo", ["h"], ["a"], name="foo1", domain="custom"),
-             helper.make_node("Foo", ["a"], ["b"], name="foo2", domain="custom"),
-             helper.make_node("Bar", ["b"], ["c"], name="bar", domain="custom"),
-             helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Foo", ["h"], ["a"], name="foo1", domain="custom"),
+        helper.make_node("Foo", ["a"], ["b"], name="foo2", domain="custom"),
+        helper.make_node("Bar", ["b"], ["c"], name="bar", domain="custom"),
+        helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
     onnx.save(model, str(tmp / "m.onnx"))
     return ["build-backward", tmp / "m.onnx", "-o", tmp / "out.onnx"]
@@ -78,11 +84,17 @@ def _no_scalar(tmp: Path) -> list:
 
 
 def _gather_model(tmp: Path) -> Path:
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], name="lookup", axis=0),
-             helper.make_node("ReduceSum", ["rows"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(np.ones((5, 2), np.float32), "table")])
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["rows"], name="lookup", axis=0),
+        helper.make_node("ReduceSum", ["rows"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.ones((5, 2), np.float32), "table")],
+    )
     path = tmp / "gather.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
@@ -173,29 +185,53 @@ CASES = [
     # reading the model
     Case("missing_model", lambda t: ["build-backward", t / "nope.onnx", "-o", t / "out.onnx"], 2, ("nope.onnx", "no such file")),
     Case("model_is_directory", lambda t: ["build-backward", t, "-o", t / "out.onnx"], 2, ("is a directory",)),
-    Case("text_not_onnx", lambda t: ["build-backward", _write(t, "text.onnx", b"hello, this is not a model\n"),
-                                     "-o", t / "out.onnx"], 3, ("text.onnx", "not")),
-    Case("empty_file", lambda t: ["build-backward", _write(t, "empty.onnx", b""), "-o", t / "out.onnx"], 3,
-         ("empty.onnx", "not an ONNX model")),
+    Case(
+        "text_not_onnx",
+        lambda t: ["build-backward", _write(t, "text.onnx", b"hello, this is not a model\n"), "-o", t / "out.onnx"],
+        3,
+        ("text.onnx", "not"),
+    ),
+    Case(
+        "empty_file",
+        lambda t: ["build-backward", _write(t, "empty.onnx", b""), "-o", t / "out.onnx"],
+        3,
+        ("empty.onnx", "not an ONNX model"),
+    ),
     Case("npz_as_model", lambda t: ["build-backward", _npz(t, x=np.zeros(3)), "-o", t / "out.onnx"], 3, ("in.npz", "not")),
-    Case("random_bytes", lambda t: ["build-backward", _write(t, "r.onnx", np.random.default_rng(0).bytes(300)),
-                                    "-o", t / "out.onnx"], 3, ("r.onnx",)),
-    *[Case(f"truncated_{int(f * 1000)}", _truncated(f), 3, ("cut.onnx",))
-      for f in (0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999)],
+    Case(
+        "random_bytes",
+        lambda t: ["build-backward", _write(t, "r.onnx", np.random.default_rng(0).bytes(300)), "-o", t / "out.onnx"],
+        3,
+        ("r.onnx",),
+    ),
+    *[
+        Case(f"truncated_{int(f * 1000)}", _truncated(f), 3, ("cut.onnx",))
+        for f in (0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999)
+    ],
     Case("missing_external_data", _missing_external_data, 3, ("m.onnx", "'w'", "m.bin")),
     Case("short_external_data", _short_external_data, 3, ("m.onnx", "'w'", "m.bin")),
     # what to differentiate
     Case("unknown_ops", _unknown_ops, 3, ("custom::Foo", "'foo1'", "'foo2'", "custom::Bar", "'bar'"), multiline=True),
     Case("no_scalar_output", _no_scalar, 3, ("no scalar float output", "--loss")),
-    Case("wrt_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--wrt", "nothing"], 2,
-         ("'nothing'",)),
-    Case("wrt_integer", lambda t: ["build-backward", _gather_model(t), "-o", t / "out.onnx", "--wrt", "ids"], 2,
-         ("'ids'", "not a float")),
-    Case("loss_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--loss", "nothing"], 2,
-         ("'nothing'",)),
+    Case(
+        "wrt_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--wrt", "nothing"], 2, ("'nothing'",)
+    ),
+    Case(
+        "wrt_integer",
+        lambda t: ["build-backward", _gather_model(t), "-o", t / "out.onnx", "--wrt", "ids"],
+        2,
+        ("'ids'", "not a float"),
+    ),
+    Case(
+        "loss_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--loss", "nothing"], 2, ("'nothing'",)
+    ),
     Case("freeze_names_nothing", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--freeze", "zz"], 2, ("zz",)),
-    Case("everything_frozen", lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--freeze", "w"], 2,
-         ("nothing to differentiate",)),
+    Case(
+        "everything_frozen",
+        lambda t: ["build-backward", _tiny(t), "-o", t / "out.onnx", "--freeze", "w"],
+        2,
+        ("nothing to differentiate",),
+    ),
     # where to write
     Case("output_is_input", lambda t: ["build-backward", _tiny(t), "-o", t / "tiny.onnx"], 2, ("must not be the input",)),
     Case("output_is_input_respelled", _respelled_output, 2, ("must not be the input",)),
@@ -212,38 +248,87 @@ CASES = [
     Case("run_input_dimension", lambda t: _run(t, x=np.zeros((2, 5), np.float32)), 4, ("'x'", "dimension 1", "5")),
     Case("run_index_out_of_range", _index_out_of_range, 4, ("'lookup'", "Gather", "index 7", "axis 0")),
     Case("run_npz_missing", lambda t: ["run", _tiny(t), "--inputs", t / "nope.npz"], 2, ("nope.npz", "no such file")),
-    Case("run_npz_not_npz", lambda t: ["run", _tiny(t), "--inputs", _write(t, "bad.npz", b"not a zip file")], 2,
-         ("bad.npz", "not a readable .npz")),
+    Case(
+        "run_npz_not_npz",
+        lambda t: ["run", _tiny(t), "--inputs", _write(t, "bad.npz", b"not a zip file")],
+        2,
+        ("bad.npz", "not a readable .npz"),
+    ),
     Case("run_npz_is_npy", lambda t: ["run", _tiny(t), "--inputs", _npy(t)], 2, ("x.npy", "not a readable .npz")),
     Case("run_no_inputs", lambda t: ["run", _tiny(t)], 2, ("--inputs",)),
     Case("run_bad_dim", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=x"], 2, ("--dim", "N=x")),
     Case("run_unbound_dim", lambda t: ["run", _tiny(t), "--random-inputs"], 2, ("'N'", "--dim")),
-    Case("run_output_is_model", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "tiny.onnx"], 2,
-         ("must not be the input",)),
-    Case("run_output_is_inputs", lambda t: ["run", _tiny(t), "--inputs", _npz(t, x=np.zeros((2, 3), np.float32)),
-                                            "-o", t / "in.npz"], 2, ("must not be the input",)),
-    Case("run_output_dir_missing", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "no" / "o.npz"], 2,
-         ("does not exist",)),
+    Case(
+        "run_output_is_model",
+        lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "tiny.onnx"],
+        2,
+        ("must not be the input",),
+    ),
+    Case(
+        "run_output_is_inputs",
+        lambda t: ["run", _tiny(t), "--inputs", _npz(t, x=np.zeros((2, 3), np.float32)), "-o", t / "in.npz"],
+        2,
+        ("must not be the input",),
+    ),
+    Case(
+        "run_output_dir_missing",
+        lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "no" / "o.npz"],
+        2,
+        ("does not exist",),
+    ),
     Case("run_bad_device", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--device", "tpu"], 2, ("'tpu'",)),
-    Case("run_output_parent_is_a_file", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2",
-                                                   "-o", t / "tiny.onnx" / "o.npz"], 2, ("is not a directory",)),
-    Case("output_parent_is_a_file", lambda t: ["build-backward", _tiny(t), "-o", t / "tiny.onnx" / "o.onnx"], 2,
-         ("is not a directory",)),
-    Case("run_dim_unknown", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "M=2"], 2,
-         ("--dim M", "symbolic dimensions are N")),
-    Case("run_dim_too_large", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=1000000000000"], 2,
-         ("'x'", "--dim")),
+    Case(
+        "run_output_parent_is_a_file",
+        lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "-o", t / "tiny.onnx" / "o.npz"],
+        2,
+        ("is not a directory",),
+    ),
+    Case(
+        "output_parent_is_a_file",
+        lambda t: ["build-backward", _tiny(t), "-o", t / "tiny.onnx" / "o.onnx"],
+        2,
+        ("is not a directory",),
+    ),
+    Case(
+        "run_dim_unknown",
+        lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "M=2"],
+        2,
+        ("--dim M", "symbolic dimensions are N"),
+    ),
+    Case("run_dim_too_large", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=1000000000000"], 2, ("'x'", "--dim")),
     Case("run_rtol_nan", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--rtol", "nan"], 2, ("--rtol",)),
-    Case("run_compare_unmatched", lambda t: ["run", _tiny(t), "--random-inputs", "--dim", "N=2", "--device", "cpu",
-                                             "--compare", _npz(t, nothing=np.zeros(1))], 4, ("nothing",)),
+    Case(
+        "run_compare_unmatched",
+        lambda t: [
+            "run",
+            _tiny(t),
+            "--random-inputs",
+            "--dim",
+            "N=2",
+            "--device",
+            "cpu",
+            "--compare",
+            _npz(t, nothing=np.zeros(1)),
+        ],
+        4,
+        ("nothing",),
+    ),
     Case("external_data_outside", _external_data_outside, 3, ("'w'", "../w.bin", "not inside the model's directory")),
     # checking
     Case("check_no_inputs", lambda t: ["check", _tiny(t)], 2, ("--inputs",)),
     Case("check_missing_model", lambda t: ["check", t / "nope.onnx", "--random-inputs"], 2, ("nope.onnx", "no such file")),
-    Case("check_bad_samples", lambda t: ["check", _tiny(t), "--random-inputs", "--dim", "N=2", "--samples", "-1"], 2,
-         ("--samples",)),
-    Case("check_nan_loss", lambda t: ["check", _tiny(t), "--inputs", _npz(t, x=np.full((2, 3), np.nan, np.float32))],
-         4, ("not finite", "'loss'")),
+    Case(
+        "check_bad_samples",
+        lambda t: ["check", _tiny(t), "--random-inputs", "--dim", "N=2", "--samples", "-1"],
+        2,
+        ("--samples",),
+    ),
+    Case(
+        "check_nan_loss",
+        lambda t: ["check", _tiny(t), "--inputs", _npz(t, x=np.full((2, 3), np.nan, np.float32))],
+        4,
+        ("not finite", "'loss'"),
+    ),
 ]
 
 
@@ -269,7 +354,7 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case):
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, err
-    message = err[err.index("error: "):]
+    message = err[err.index("error: ") :]
     if not case.multiline:
         assert message.strip() == errors[0], f"expected one line, got {message!r}"
     for text in case.texts:
@@ -281,8 +366,10 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case):
 
 def test_debug_shows_a_traceback_and_keeps_the_exit_code(tmp_path, capsys, monkeypatch):
     model = _write(tmp_path, "text.onnx", b"not a model")
-    for argv in (["--debug", "build-backward", model, "-o", tmp_path / "o.onnx"],
-                 ["build-backward", model, "-o", tmp_path / "o.onnx", "--debug"]):
+    for argv in (
+        ["--debug", "build-backward", model, "-o", tmp_path / "o.onnx"],
+        ["build-backward", model, "-o", tmp_path / "o.onnx", "--debug"],
+    ):
         code, _, err = run_cli(capsys, monkeypatch, *argv)
         assert code == 3
         assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
@@ -322,11 +409,17 @@ def test_failed_save_leaves_nothing_and_keeps_the_old_output(tmp_path, monkeypat
 def _big_model(path: Path, external: bool) -> np.ndarray:
     """loss = sum(x @ w) with a 64x64 weight (16 KiB), optionally saved with external data."""
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(w, "w")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     if external:
         onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=0, location="weights.bin")

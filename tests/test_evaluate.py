@@ -25,16 +25,23 @@ def _const(name, array):
 def _legacy_bilinear_resize():
     """What the legacy exporter writes for F.interpolate(scale_factor=2, mode="bilinear") when it
     does not fold constants: float scales computed from Constants."""
-    nodes = [_const("ones", np.ones(2, np.float32)), _const("two", np.float32(2.0)),
-             helper.make_node("Mul", ["ones", "two"], ["hw"]),
-             helper.make_node("Concat", ["ones", "hw"], ["scales"], axis=0),
-             helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Resize", ["c", "", "scales"], ["y"], mode="linear"),
-             helper.make_node("Mul", ["y", "y"], ["sq"]),
-             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    nodes = [
+        _const("ones", np.ones(2, np.float32)),
+        _const("two", np.float32(2.0)),
+        helper.make_node("Mul", ["ones", "two"], ["hw"]),
+        helper.make_node("Concat", ["ones", "hw"], ["scales"], axis=0),
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Resize", ["c", "", "scales"], ["y"], mode="linear"),
+        helper.make_node("Mul", ["y", "y"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((2, 2, 3, 3)).astype(np.float32), "w")
-    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
-                  [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [w],
+    )
 
 
 def test_float_constant_chain_becomes_one_constant_and_the_resize_builds():
@@ -58,13 +65,19 @@ def test_float_constant_chain_becomes_one_constant_and_the_resize_builds():
 
 def test_a_parameter_is_never_folded_into_a_new_initializer():
     w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
-    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
-             helper.make_node("MatMul", ["x", "wt"], ["y"]),
-             helper.make_node("Shape", ["w"], ["w_shape"]),
-             helper.make_node("Cast", ["w_shape"], ["w_shape_f"], to=TensorProto.FLOAT),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["y"]),
+        helper.make_node("Shape", ["w"], ["w_shape"]),
+        helper.make_node("Cast", ["w_shape"], ["w_shape_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [w],
+    )
     EvaluateConstantsPass()(model)
     ops = [n.op_type for n in model.graph]
     assert "Transpose" in ops and "Shape" not in ops  # W stays a parameter; its static shape folds
@@ -72,12 +85,16 @@ def test_a_parameter_is_never_folded_into_a_new_initializer():
 
 def test_large_initializers_are_neither_folded_nor_copied():
     big = np.ones((3_000_000,), np.float32)
-    nodes = [helper.make_node("Neg", ["big"], ["n"]), helper.make_node("Shape", ["big"], ["s"]),
-             helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
-             helper.make_node("ReduceSum", ["n"], ["total"], keepdims=0),
-             helper.make_node("Add", ["total", "sf"], ["out"])]
-    model = _model(nodes, [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
-                   [numpy_helper.from_array(big, "big")])
+    nodes = [
+        helper.make_node("Neg", ["big"], ["n"]),
+        helper.make_node("Shape", ["big"], ["s"]),
+        helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["n"], ["total"], keepdims=0),
+        helper.make_node("Add", ["total", "sf"], ["out"]),
+    ]
+    model = _model(
+        nodes, [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])], [numpy_helper.from_array(big, "big")]
+    )
     tensor = model.graph.initializers["big"].const_value
     start = time.perf_counter()
     EvaluateConstantsPass(shape_inference=False)(model)
@@ -87,16 +104,24 @@ def test_large_initializers_are_neither_folded_nor_copied():
 
 
 def test_an_if_whose_condition_folds_is_inlined():
-    then_graph = helper.make_graph([helper.make_node("Neg", ["x"], ["t"])], "then", [],
-                                   [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
-    else_graph = helper.make_graph([helper.make_node("Abs", ["x"], ["e"])], "else", [],
-                                   [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
-    nodes = [helper.make_node("Shape", ["x"], ["s"]), _const("two", np.array([2], np.int64)),
-             helper.make_node("Equal", ["s", "two"], ["eq"]),
-             helper.make_node("Squeeze", ["eq"], ["cond"]),
-             helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph)]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    then_graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["t"])], "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])]
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Abs", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])]
+    )
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        _const("two", np.array([2], np.int64)),
+        helper.make_node("Equal", ["s", "two"], ["eq"]),
+        helper.make_node("Squeeze", ["eq"], ["cond"]),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     EvaluateConstantsPass()(model)
     assert [n.op_type for n in model.graph] == ["Neg", "Identity"]
     assert model.graph.outputs[0].name == "y"
@@ -104,9 +129,12 @@ def test_an_if_whose_condition_folds_is_inlined():
 
 def test_on_demand_evaluation_is_bounded_and_reads_parameters():
     nodes = [helper.make_node("Mul", ["s", "s"], ["s2"]), helper.make_node("Add", ["s2", "x"], ["y"])]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
-                   [numpy_helper.from_array(np.array([3.0], np.float32), "s")])
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.array([3.0], np.float32), "s")],
+    )
     s2, y = (n.outputs[0] for n in model.graph)
     np.testing.assert_array_equal(ConstantEvaluator(17).value(s2), [9.0])
     assert ConstantEvaluator(17, parameters=False).value(s2) is None
@@ -116,9 +144,11 @@ def test_on_demand_evaluation_is_bounded_and_reads_parameters():
 
 @pytest.mark.parametrize("op", ["RandomNormalLike", "RandomUniformLike"])
 def test_random_ops_are_never_folded(op):
-    nodes = [_const("c", np.ones(2, np.float32)), helper.make_node(op, ["c"], ["r"]),
-             helper.make_node("Add", ["r", "x"], ["y"])]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    nodes = [_const("c", np.ones(2, np.float32)), helper.make_node(op, ["c"], ["r"]), helper.make_node("Add", ["r", "x"], ["y"])]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     EvaluateConstantsPass()(model)
     assert op in [n.op_type for n in model.graph]

@@ -76,12 +76,14 @@ def valid(case, flags):
 
 def reference(a, b, attrs):
     """alpha * MatMul(op(A), op(B)) in float64, op spelled with explicit copies."""
+
     def op(x, trans, batch):
         if x.ndim < 2:
             return x
         if batch:
             x = np.moveaxis(x, 0, -2)
         return np.swapaxes(x, -1, -2) if trans else x
+
     x = op(a.astype(np.float64), attrs["transA"], attrs["transBatchA"])
     y = op(b.astype(np.float64), attrs["transB"], attrs["transBatchB"])
     return attrs["alpha"] * np.matmul(x, y)
@@ -90,10 +92,13 @@ def reference(a, b, attrs):
 def one_node(attrs, a, b):
     node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain=MS, name="fmm", **attrs)
     dt = helper.np_dtype_to_tensor_dtype(a.dtype)
-    (y_type, y_shape), = schemas.output_types("FusedMatMul", [(dt, a.shape), (dt, b.shape)], attrs)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", dt, a.shape),
-                                            helper.make_tensor_value_info("B", dt, b.shape)],
-                              [helper.make_tensor_value_info("Y", int(y_type), y_shape)])
+    ((y_type, y_shape),) = schemas.output_types("FusedMatMul", [(dt, a.shape), (dt, b.shape)], attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("A", dt, a.shape), helper.make_tensor_value_info("B", dt, b.shape)],
+        [helper.make_tensor_value_info("Y", int(y_type), y_shape)],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
 
 
@@ -106,6 +111,7 @@ def ort_run(model, feeds, optimize=True):
 
 
 # ====================================================================== the CPU kernel
+
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize("case", list(CASES))
@@ -162,15 +168,22 @@ def test_cpu_kernel_shape_errors():
 
 def test_executor_names_the_node():
     node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain=MS, name="fmm", transA=1)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "m", "k"]),
-                                            helper.make_tensor_value_info("B", TensorProto.FLOAT, ["b", "k2", "n"])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "m", "k"]),
+            helper.make_tensor_value_info("B", TensorProto.FLOAT, ["b", "k2", "n"]),
+        ],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
     with pytest.raises(KernelError, match=r"'fmm'.*inner dimensions differ"):
         Session(model).run({"A": np.zeros((2, 3, 4), np.float32), "B": np.zeros((2, 4, 5), np.float32)})
 
 
 # ====================================================================== schema and output types
+
 
 def test_schema_matches_onnxruntime():
     sch = schemas.schema("FusedMatMul")
@@ -189,8 +202,7 @@ def test_output_types():
     ot = schemas.output_types
     assert ot("FusedMatMul", [(F, (2, "t", 4)), (F, (2, 5, 4))], {"transB": 1}) == [(F, (2, "t", 5))]
     assert ot("FusedMatMul", [(F, (4, 2, 3)), (F, (2, 3, 5))], {"transBatchA": 1}) == [(F, (2, 4, 5))]
-    assert ot("FusedMatMul", [(F, (4, 2, 3)), (F, (2, 5, 4))], {"transBatchA": 1, "transA": 1, "transB": 1}) == \
-        [(F, (2, 3, 5))]
+    assert ot("FusedMatMul", [(F, (4, 2, 3)), (F, (2, 5, 4))], {"transBatchA": 1, "transA": 1, "transB": 1}) == [(F, (2, 3, 5))]
     assert ot("FusedMatMul", [(F, (4,)), (F, (4, 5))], {"transA": 1}) == [(F, (5,))]
     assert ot("FusedMatMul", [(F, ("b", 1, 3, 4)), (F, (7, 4, 5))], {}) == [(F, ("b", 7, 3, 5))]
     assert ot("FusedMatMul", [(F, None), (F, (4, 5))], {}) == [(F, None)]
@@ -208,12 +220,12 @@ def test_output_types_match_the_kernel(case):
             continue
         a, b = operands(rng, case, flags)
         attrs = attrs_of(flags, 1.0)
-        (_, shape), = schemas.output_types("FusedMatMul", [(TensorProto.FLOAT, a.shape), (TensorProto.FLOAT, b.shape)],
-                                            attrs)
+        ((_, shape),) = schemas.output_types("FusedMatMul", [(TensorProto.FLOAT, a.shape), (TensorProto.FLOAT, b.shape)], attrs)
         assert shape == fused_matmul(a, b, **attrs).shape
 
 
 # ====================================================================== the lowering (portable mode)
+
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_lowering_runs_in_onnxruntime(case):
@@ -230,8 +242,10 @@ def test_lowering_runs_in_onnxruntime(case):
         assert all(d in ("", "ai.onnx") for d, _ in ops), ops
         assert MS not in {o.domain for o in proto.opset_import}
         transposes = sum(1 for n in proto.graph.node if n.op_type == "Transpose")
-        assert transposes == sum(fused_operand_perm(x.ndim, bool(t), bool(tb)) is not None
-                                 for x, t, tb in ((a, flags[0], flags[2]), (b, flags[1], flags[3])))
+        assert transposes == sum(
+            fused_operand_perm(x.ndim, bool(t), bool(tb)) is not None
+            for x, t, tb in ((a, flags[0], flags[2]), (b, flags[1], flags[3]))
+        )
         onnx.checker.check_model(proto, full_check=True)
         # ORT's graph optimizer fuses Transpose + MatMul back into its FusedMatMul, whose CPU kernel gets
         # a transposed A times a vector wrong (above): those run unoptimised, which computes them right.
@@ -241,24 +255,33 @@ def test_lowering_runs_in_onnxruntime(case):
 
 def test_lowering_needs_ranks():
     node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], domain=MS, name="fmm", transA=1)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, None),
-                                            helper.make_tensor_value_info("B", TensorProto.FLOAT, [3, 4])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                                  helper.make_opsetid(MS, 1)]))
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("A", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("B", TensorProto.FLOAT, [3, 4]),
+        ],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)]))
     with pytest.raises(ModelError, match="FusedMatMul node 'fmm': the ranks of its inputs are unknown"):
         LowerToStandardPass()(model)
 
 
 # ====================================================================== the CUDA launcher's GEMM plan
 
+
 def emulate(calls, a_flat, b_flat, c_shape, alpha=1.0):
     """Run a plan the way gemm_rowmajor does, on flat host buffers (float64)."""
     c_flat = np.full(int(np.prod(c_shape)), np.nan)
 
     def matrix(flat, off, rows, cols, trans, ld):
-        idx = np.arange(rows)[:, None] * ld + np.arange(cols)[None, :] if not trans else \
-            np.arange(cols)[None, :] * ld + np.arange(rows)[:, None]
+        idx = (
+            np.arange(rows)[:, None] * ld + np.arange(cols)[None, :]
+            if not trans
+            else np.arange(cols)[None, :] * ld + np.arange(rows)[:, None]
+        )
         return flat[off + idx]
 
     for c in calls:
@@ -267,8 +290,8 @@ def emulate(calls, a_flat, b_flat, c_shape, alpha=1.0):
             x = matrix(a_flat, c.a_off + i * c.stride_a, c.m, c.k, c.trans_a, c.lda)
             y = matrix(b_flat, c.b_off + i * c.stride_b, c.k, c.n, c.trans_b, c.ldb)
             start = c.c_off + i * c.stride_c
-            assert np.isnan(c_flat[start:start + c.m * c.n]).all(), "a plan writes an output twice"
-            c_flat[start:start + c.m * c.n] = (alpha * (x @ y)).reshape(-1)
+            assert np.isnan(c_flat[start : start + c.m * c.n]).all(), "a plan writes an output twice"
+            c_flat[start : start + c.m * c.n] = (alpha * (x @ y)).reshape(-1)
     assert not np.isnan(c_flat).any(), "a plan leaves outputs unwritten"
     return c_flat.reshape(c_shape)
 
@@ -325,8 +348,8 @@ def test_gemm_plan_random_strided_views():
         rank = int(rng.integers(2, 5))
         batch = [int(rng.integers(1, 4)) for _ in range(rank - 2)]
         m, k, n = (int(v) for v in rng.integers(1, 6, size=3))
-        a_batch = [d if rng.random() < 0.7 else 1 for d in batch][int(rng.integers(0, len(batch) + 1)):]
-        b_batch = [d if rng.random() < 0.7 else 1 for d in batch][int(rng.integers(0, len(batch) + 1)):]
+        a_batch = [d if rng.random() < 0.7 else 1 for d in batch][int(rng.integers(0, len(batch) + 1)) :]
+        b_batch = [d if rng.random() < 0.7 else 1 for d in batch][int(rng.integers(0, len(batch) + 1)) :]
         a = rng.standard_normal(a_batch + [m, k])
         b = rng.standard_normal(b_batch + [k, n])
         # store each operand in a random axis order and view it back (strides permuted)
@@ -346,18 +369,24 @@ def test_gemm_plan_random_strided_views():
 
 # ====================================================================== the MatMul gradient
 
+
 def _batched_matmul_model(a_shape, b_shape, dtype=TensorProto.FLOAT):
     node = helper.make_node("MatMul", ["a", "b"], ["y"])
     loss = helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)
     sq = helper.make_node("Mul", ["y", "y"], ["y2"])
-    graph = helper.make_graph([node, sq, loss], "bmm", [helper.make_tensor_value_info("a", dtype, a_shape),
-                                                        helper.make_tensor_value_info("b", dtype, b_shape)],
-                              [helper.make_tensor_value_info("loss", dtype, [])])
+    graph = helper.make_graph(
+        [node, sq, loss],
+        "bmm",
+        [helper.make_tensor_value_info("a", dtype, a_shape), helper.make_tensor_value_info("b", dtype, b_shape)],
+        [helper.make_tensor_value_info("loss", dtype, [])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("a_shape,b_shape", [((2, 3, 4, 5), (2, 3, 5, 6)), ((2, 1, 4, 5), (3, 5, 6)),
-                                             ((4, 5), (2, 5, 6)), ((5,), (2, 5, 6)), ((2, 4, 5), (5,))])
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((2, 3, 4, 5), (2, 3, 5, 6)), ((2, 1, 4, 5), (3, 5, 6)), ((4, 5), (2, 5, 6)), ((5,), (2, 5, 6)), ((2, 4, 5), (5,))],
+)
 def test_matmul_gradient_emits_fused_matmul_not_transpose(a_shape, b_shape):
     built = gradgen.build_backward(_batched_matmul_model(a_shape, b_shape), wrt_inputs=True)
     ops = [n.op_type for n in built.model.graph]
@@ -397,8 +426,7 @@ def test_portable_matmul_gradient_is_standard_onnx():
     assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}
     assert sum(n.op_type == "Transpose" for n in proto.graph.node) == 2
     rng = np.random.default_rng(7)
-    feeds = {"a": rng.standard_normal((2, 3, 4, 5)).astype(np.float32),
-             "b": rng.standard_normal((2, 3, 5, 6)).astype(np.float32)}
+    feeds = {"a": rng.standard_normal((2, 3, 4, 5)).astype(np.float32), "b": rng.standard_normal((2, 3, 5, 6)).astype(np.float32)}
     ours = Session(default.model).run(feeds)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for out, value in zip(session.get_outputs(), session.run(None, feeds)):

@@ -29,8 +29,7 @@ from tests.gradcheck import numeric_gradient
 ort = pytest.importorskip("onnxruntime")
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=50, deadline=None, derandomize=True, suppress_health_check=_HEALTH,
-                          print_blob=True)
+settings.register_profile("ci", max_examples=50, deadline=None, derandomize=True, suppress_health_check=_HEALTH, print_blob=True)
 settings.register_profile("long", max_examples=1200, deadline=None, suppress_health_check=_HEALTH, print_blob=True)
 PROFILE = os.environ.get("GRADGEN_FUZZ_PROFILE", "ci")
 GRAPHS = settings(settings.get_profile(PROFILE))
@@ -52,8 +51,7 @@ def _check_graph(graph: fg.FuzzGraph) -> None:
         grad = got[f"{name}_grad"]
         assert grad.shape == value.shape and grad.dtype == np.float64, f"{name}_grad\n{graph.describe()}"
         scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6 * scale,
-                                   err_msg=f"gradient of {name}\n{graph.describe()}")
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6 * scale, err_msg=f"gradient of {name}\n{graph.describe()}")
 
 
 @GRAPHS
@@ -98,9 +96,32 @@ def _rng(draw) -> np.random.Generator:
     return np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
 
 
-UNARY_KERNELS = ["Neg", "Abs", "Exp", "Tanh", "Sigmoid", "Relu", "Softplus", "Erf", "Sin", "Cos", "Floor", "Ceil",
-                 "Sign", "Reciprocal", "Sqrt", "Log", "Softsign", "Round", "Atan", "Elu", "Selu", "HardSigmoid",
-                 "LeakyRelu", "Identity"]
+UNARY_KERNELS = [
+    "Neg",
+    "Abs",
+    "Exp",
+    "Tanh",
+    "Sigmoid",
+    "Relu",
+    "Softplus",
+    "Erf",
+    "Sin",
+    "Cos",
+    "Floor",
+    "Ceil",
+    "Sign",
+    "Reciprocal",
+    "Sqrt",
+    "Log",
+    "Softsign",
+    "Round",
+    "Atan",
+    "Elu",
+    "Selu",
+    "HardSigmoid",
+    "LeakyRelu",
+    "Identity",
+]
 BINARY_KERNELS = ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Equal", "Less", "Greater", "Where"]
 
 
@@ -139,8 +160,7 @@ def test_elementwise_kernels(case):
 def reduction_cases(draw):
     rng = _rng(draw)
     op = draw(st.sampled_from(fg.REDUCTIONS + ["Softmax", "LogSoftmax", "ArgMax", "ArgMin", "CumSum"]))
-    empty_ok = op in ("ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceProd", "Softmax", "LogSoftmax",
-                      "CumSum")
+    empty_ok = op in ("ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceProd", "Softmax", "LogSoftmax", "CumSum")
     shape = fg.shapes(draw, low=0 if empty_ok else 1)
     rank = len(shape)
     x = fg.float_array(rng, shape, draw(st.sampled_from([np.float32, np.float64])))
@@ -149,9 +169,12 @@ def reduction_cases(draw):
             shape, x, rank = (2,), x.reshape(1).repeat(2) + np.array([0, 1], x.dtype), 1
         axis = draw(st.integers(-rank, rank - 1))
         if op == "CumSum":
-            return fg.KernelCase(op, [x, np.array(axis, np.int64)], {"exclusive": draw(st.sampled_from([0, 1])),
-                                                                     "reverse": draw(st.sampled_from([0, 1]))},
-                                 const=(1,))
+            return fg.KernelCase(
+                op,
+                [x, np.array(axis, np.int64)],
+                {"exclusive": draw(st.sampled_from([0, 1])), "reverse": draw(st.sampled_from([0, 1]))},
+                const=(1,),
+            )
         attrs = {"axis": axis}
         if op.startswith("Arg"):
             attrs["keepdims"] = draw(st.sampled_from([0, 1]))
@@ -173,8 +196,11 @@ def test_reduction_kernels(case):
 @st.composite
 def shape_cases(draw):
     rng = _rng(draw)
-    op = draw(st.sampled_from(["Transpose", "Reshape", "Concat", "Slice", "Squeeze", "Unsqueeze", "Expand", "Tile",
-                               "Pad", "Flatten", "Split"]))
+    op = draw(
+        st.sampled_from(
+            ["Transpose", "Reshape", "Concat", "Slice", "Squeeze", "Unsqueeze", "Expand", "Tile", "Pad", "Flatten", "Split"]
+        )
+    )
     shape = fg.shapes(draw, low=0)
     rank = len(shape)
     x = fg.float_array(rng, shape, np.float32)
@@ -203,8 +229,7 @@ def shape_cases(draw):
         # onnxruntime reads end = INT64_MAX with a negative step as "to the front", the spec clamps it to
         # n - 1 (gradgen follows the spec): test_regression_slice_int64_max_end_negative_step pins it
         assume(not (end == fg.INT64_MAX and step < 0))
-        return fg.KernelCase(op, [x, np.array([start]), np.array([end]), np.array([axis]),
-                                  np.array([step])], const=(1, 2, 3, 4))
+        return fg.KernelCase(op, [x, np.array([start]), np.array([end]), np.array([axis]), np.array([step])], const=(1, 2, 3, 4))
     if op == "Squeeze":
         ones = [i for i, d in enumerate(shape) if d == 1]
         if not ones:
@@ -254,8 +279,9 @@ def index_cases(draw):
         if op == "Gather":
             idx_shape = fg._dims(draw, draw(st.integers(0, 2)), 0, 3)
         else:
-            idx_shape = tuple(draw(st.integers(0, d)) if i != axis % rank else draw(st.integers(0, 3))
-                              for i, d in enumerate(shape))
+            idx_shape = tuple(
+                draw(st.integers(0, d)) if i != axis % rank else draw(st.integers(0, 3)) for i, d in enumerate(shape)
+            )
         size = int(np.prod(idx_shape))
         idx = np.array(draw(st.lists(values, min_size=size, max_size=size)), np.int64).reshape(idx_shape)
         if past and size:
@@ -268,8 +294,13 @@ def index_cases(draw):
         return fg.KernelCase(op, [x, idx], {"axis": axis})
     k = draw(st.integers(1, rank))
     count = draw(st.integers(0, 3))
-    idx = np.stack([np.array(draw(st.lists(st.integers(-shape[j], shape[j] - 1), min_size=count, max_size=count)),
-                             np.int64) for j in range(k)], axis=-1).reshape(count, k)
+    idx = np.stack(
+        [
+            np.array(draw(st.lists(st.integers(-shape[j], shape[j] - 1), min_size=count, max_size=count)), np.int64)
+            for j in range(k)
+        ],
+        axis=-1,
+    ).reshape(count, k)
     if past and count:
         j = draw(st.integers(0, k - 1))
         idx[draw(st.integers(0, count - 1)), j] = draw(st.sampled_from([shape[j], -shape[j] - 1]))
@@ -308,8 +339,7 @@ def test_index_kernels(case):
 
 
 def test_index_one_past_the_end_names_node_and_index():
-    case = fg.KernelCase("Gather", [np.arange(6, dtype=np.float32).reshape(3, 2), np.array([0, 3], np.int64)],
-                         {"axis": 0})
+    case = fg.KernelCase("Gather", [np.arange(6, dtype=np.float32).reshape(3, 2), np.array([0, 3], np.int64)], {"axis": 0})
     with pytest.raises(RunError, match=r"node 'node' \(Gather\).*index 3.*axis 0"):
         Session(case.model()).run(case.feeds())
     valid = fg.KernelCase("Gather", [case.inputs[0], np.array([-3, 2], np.int64)], {"axis": 0})
@@ -323,7 +353,7 @@ def matmul_cases(draw):
     m, k, n = (draw(st.integers(0, 3)) for _ in range(3))
     if draw(st.booleans()):
         batch = fg._dims(draw, draw(st.integers(0, 2)), 1, 3)
-        other = tuple(1 if draw(st.booleans()) else d for d in batch[draw(st.integers(0, len(batch))):])
+        other = tuple(1 if draw(st.booleans()) else d for d in batch[draw(st.integers(0, len(batch))) :])
         a_shape = batch + (m, k) if draw(st.integers(0, 4)) else (k,)
         b_shape = other + (k, n) if draw(st.integers(0, 4)) else (k,)
         return fg.KernelCase("MatMul", [fg.float_array(rng, a_shape, dtype), fg.float_array(rng, b_shape, dtype)])
@@ -332,8 +362,12 @@ def matmul_cases(draw):
     b = fg.float_array(rng, (n, k) if trans_b else (k, n), dtype)
     c_shape = draw(st.sampled_from([(m, n), (n,), (1, n), (m, 1), ()]))
     c = fg.float_array(rng, c_shape, dtype) if draw(st.booleans()) else None
-    attrs = {"transA": trans_a, "transB": trans_b, "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
-             "beta": draw(st.sampled_from([1.0, 0.0, 3.0]))}
+    attrs = {
+        "transA": trans_a,
+        "transB": trans_b,
+        "alpha": draw(st.sampled_from([1.0, 0.5, -2.0])),
+        "beta": draw(st.sampled_from([1.0, 0.0, 3.0])),
+    }
     return fg.KernelCase("Gemm", [a, b] + ([c] if c is not None else []), attrs)
 
 
@@ -346,8 +380,19 @@ def test_matmul_kernels(case):
 @st.composite
 def nn_cases(draw):
     rng = _rng(draw)
-    op = draw(st.sampled_from(["Conv", "MaxPool", "AveragePool", "LayerNormalization", "BatchNormalization",
-                               "GlobalAveragePool", "InstanceNormalization"]))
+    op = draw(
+        st.sampled_from(
+            [
+                "Conv",
+                "MaxPool",
+                "AveragePool",
+                "LayerNormalization",
+                "BatchNormalization",
+                "GlobalAveragePool",
+                "InstanceNormalization",
+            ]
+        )
+    )
     spatial = draw(st.integers(1, 2))
     n, c = draw(st.integers(1, 2)), draw(st.integers(1, 4))
     size = fg._dims(draw, spatial, 3, 6)
@@ -375,9 +420,12 @@ def nn_cases(draw):
         return fg.KernelCase(op, [x])
     if op == "LayerNormalization":
         axis = draw(st.integers(-x.ndim + 1, x.ndim - 1))
-        norm_shape = x.shape[axis % x.ndim:]
-        return fg.KernelCase(op, [x, fg.float_array(rng, norm_shape, np.float32), fg.float_array(rng, norm_shape, np.float32)],
-                             {"axis": axis, "epsilon": 1e-5})
+        norm_shape = x.shape[axis % x.ndim :]
+        return fg.KernelCase(
+            op,
+            [x, fg.float_array(rng, norm_shape, np.float32), fg.float_array(rng, norm_shape, np.float32)],
+            {"axis": axis, "epsilon": 1e-5},
+        )
     scale, bias = fg.float_array(rng, (c,), np.float32), fg.float_array(rng, (c,), np.float32)
     if op == "InstanceNormalization":
         return fg.KernelCase(op, [x, scale, bias])
@@ -464,11 +512,19 @@ def test_op_fuzz_cuda_matches_cpu(case):
 
 def test_regression_matmul_of_an_empty_vector():
     """loss = sum(x @ w) with x: [0], w: [0, 2] (found as Slice-to-empty -> MatMul)."""
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [0]),
-                                           helper.make_tensor_value_info("w", TensorProto.DOUBLE, [0, 2])],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.DOUBLE, [0]),
+            helper.make_tensor_value_info("w", TensorProto.DOUBLE, [0, 2]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     built = gradgen.build_backward(model, wrt=["x", "w"])
     got = Session(built.model).run({"x": np.zeros(0), "w": np.zeros((0, 2))})
@@ -485,11 +541,17 @@ def test_regression_erf_double_has_no_onnxruntime_kernel():
 
 def test_regression_unsqueeze_of_an_empty_tensor():
     """loss = sum(unsqueeze(x, 0) * w) with x: [0, 1] (found as Slice-to-empty -> Unsqueeze)."""
-    nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["u"], name="unsq"),
-             helper.make_node("ReduceSum", ["u"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [0, 1])],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-                              initializer=[onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    nodes = [
+        helper.make_node("Unsqueeze", ["x", "axes"], ["u"], name="unsq"),
+        helper.make_node("ReduceSum", ["u"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [0, 1])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     built = gradgen.build_backward(model, wrt=["x"])
     assert Session(built.model).run({"x": np.zeros((0, 1))})["x_grad"].shape == (0, 1)
@@ -501,8 +563,9 @@ def test_regression_slice_int64_max_end_negative_step(start, step):
     """Found by the kernel fuzzer: end = INT64_MAX with a negative step. The spec clamps end to n - 1
     (an empty or short result); onnxruntime 1.32 slices to the front instead. gradgen follows the spec."""
     x = np.arange(3, dtype=np.float32)
-    case = fg.KernelCase("Slice", [x, np.array([start]), np.array([fg.INT64_MAX]), np.array([0]), np.array([step])],
-                         const=(1, 2, 3, 4))
+    case = fg.KernelCase(
+        "Slice", [x, np.array([start]), np.array([fg.INT64_MAX]), np.array([0]), np.array([step])], const=(1, 2, 3, 4)
+    )
     got = Session(case.model()).run(case.feeds())["out0"]
     assert got.shape == (fg.slice_length(start, fg.INT64_MAX, step, 3),)
 
@@ -516,8 +579,9 @@ def test_regression_slice_lengths_follow_the_spec(n):
     for start in values:
         for end in values:
             for step in (1, 2, -1, -2):
-                case = fg.KernelCase("Slice", [x, np.array([start]), np.array([end]), np.array([0]),
-                                               np.array([step])], const=(1, 2, 3, 4))
+                case = fg.KernelCase(
+                    "Slice", [x, np.array([start]), np.array([end]), np.array([0]), np.array([step])], const=(1, 2, 3, 4)
+                )
                 got = Session(case.model()).run(case.feeds())["out0"]
                 assert got.shape == (fg.slice_length(start, end, step, n),), (start, end, step)
 
@@ -525,12 +589,20 @@ def test_regression_slice_lengths_follow_the_spec(n):
 def test_regression_matmul_after_axisless_squeeze_with_symbolic_dims():
     """Found by the graph fuzzer: Squeeze without axes on symbolic dims has an unknown rank, and the
     MatMul rule needs ranks. Not a crash: a model error naming the node (the fuzzer no longer draws it)."""
-    nodes = [helper.make_node("Squeeze", ["x"], ["s"], name="sq"),
-             helper.make_node("MatMul", ["s", "w"], ["y"], name="mm"),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["a", "b"]),
-                                           helper.make_tensor_value_info("w", TensorProto.DOUBLE, [2, 1])],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    nodes = [
+        helper.make_node("Squeeze", ["x"], ["s"], name="sq"),
+        helper.make_node("MatMul", ["s", "w"], ["y"], name="mm"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["a", "b"]),
+            helper.make_tensor_value_info("w", TensorProto.DOUBLE, [2, 1]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     with pytest.raises(gradgen.errors.ModelError, match="'mm'.*ranks"):
         gradgen.build_backward(model, wrt=["x", "w"])
@@ -538,8 +610,9 @@ def test_regression_matmul_after_axisless_squeeze_with_symbolic_dims():
 
 # -- CUDA kernels against the CPU kernels (on a machine with a GPU) -------------------------------
 
-_ALL_KERNEL_CASES = st.one_of(elementwise_cases(), reduction_cases(), shape_cases(), index_cases(),
-                              matmul_cases(), nn_cases(), loss_cases())
+_ALL_KERNEL_CASES = st.one_of(
+    elementwise_cases(), reduction_cases(), shape_cases(), index_cases(), matmul_cases(), nn_cases(), loss_cases()
+)
 
 
 @pytest.mark.cuda
@@ -569,19 +642,36 @@ def test_regression_group_norm_feeding_a_cast():
     """ONNX infers no output type for GroupNormalization (no inference function); a Cast after it
     made the Cast rule fail with an internal error. Types now come from the schema (T in, T out)."""
     x = np.random.default_rng(0).uniform(-2, 2, (2, 4, 3))
-    case = fo.OpCase("GroupNormalization", [x, np.ones(2) * 1.3, np.zeros(2) + 0.2], {"num_groups": 2},
-                     opset=18, dtype=np.float32, graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "GroupNormalization",
+        [x, np.ones(2) * 1.3, np.zeros(2) + 0.2],
+        {"num_groups": 2},
+        opset=18,
+        dtype=np.float32,
+        graph_inputs=frozenset({0}),
+    )
     assert fo.check_case(case, ort)[1:] == ["finite differences", "torch", "float32 backward"]
 
 
-@pytest.mark.parametrize("attrs", [{"strides": [2], "auto_pad": "SAME_UPPER"}, {"strides": [3], "auto_pad": "SAME_LOWER"},
-                                   {"strides": [1], "output_shape": [4]}, {"strides": [2], "output_shape": [5]}])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"strides": [2], "auto_pad": "SAME_UPPER"},
+        {"strides": [3], "auto_pad": "SAME_LOWER"},
+        {"strides": [1], "output_shape": [4]},
+        {"strides": [2], "output_shape": [5]},
+    ],
+)
 def test_regression_conv_transpose_output_past_its_full_result(attrs):
     """An output longer than the full result (SAME with kernel < stride, output_shape larger than it):
     the extra positions hold the bias. The rule refused it; it now crops dY for X and W."""
     rng = np.random.default_rng(1)
-    case = fo.OpCase("ConvTranspose", [rng.uniform(-1, 1, (1, 2, 2)), rng.uniform(-1, 1, (2, 1, 1)),
-                                       rng.uniform(-1, 1, (1,))], attrs, graph_inputs=frozenset({0, 2}))
+    case = fo.OpCase(
+        "ConvTranspose",
+        [rng.uniform(-1, 1, (1, 2, 2)), rng.uniform(-1, 1, (2, 1, 1)), rng.uniform(-1, 1, (1,))],
+        attrs,
+        graph_inputs=frozenset({0, 2}),
+    )
     fo.check_case(case)  # onnxruntime refuses or differs here (docs/RELIABILITY.md)
 
 
@@ -589,15 +679,18 @@ def test_regression_conv_transpose_output_shape_of_one():
     """ONNX's shape inference drops output_shape values of 1 (a rank-2 output for a 1-D ConvTranspose),
     and the backward graph failed at run time; shape inference now uses the kernel's output shape."""
     rng = np.random.default_rng(2)
-    case = fo.OpCase("ConvTranspose", [rng.uniform(-1, 1, (2, 1, 2)), rng.uniform(-1, 1, (1, 3, 1))],
-                     {"output_shape": [1]}, graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "ConvTranspose",
+        [rng.uniform(-1, 1, (2, 1, 2)), rng.uniform(-1, 1, (1, 3, 1))],
+        {"output_shape": [1]},
+        graph_inputs=frozenset({0}),
+    )
     fo.check_case(case)
 
 
 def test_regression_tile_with_a_zero_repeat():
     """A repeat of 0 (an empty output): the gradient's Reshape read the 0 as "copy this dim"."""
-    case = fo.OpCase("Tile", [np.random.default_rng(3).uniform(-1, 1, (2, 3)), np.array([2, 0])],
-                     graph_inputs=frozenset({0}))
+    case = fo.OpCase("Tile", [np.random.default_rng(3).uniform(-1, 1, (2, 3)), np.array([2, 0])], graph_inputs=frozenset({0}))
     fo.check_case(case, ort)
     assert fo.gradients(case, np.float64, [0])["in0_grad"].tolist() == np.zeros((2, 3)).tolist()
 
@@ -613,8 +706,13 @@ def test_regression_pad_to_a_negative_size_is_refused():
 def test_regression_pad_then_crop_past_an_empty_axis():
     """Pads (1, -1) on an empty axis: the output has 0 + 1 - 1 = 0 elements (pad, then crop), as in
     onnxruntime; gradgen cropped first and then padded one element."""
-    case = fo.OpCase("Pad", [np.ones((0, 4, 3)), np.array([1, 1, 1, -1, -3, 2]), np.array(0.5)],
-                     {"mode": "constant"}, opset=13, graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "Pad",
+        [np.ones((0, 4, 3)), np.array([1, 1, 1, -1, -3, 2]), np.array(0.5)],
+        {"mode": "constant"},
+        opset=13,
+        graph_inputs=frozenset({0}),
+    )
     assert Session(case.forward_model()).run(case.feeds(np.float64))["out0"].shape == (0, 2, 6)
     fo.check_case(case, ort)
 
@@ -623,8 +721,13 @@ def test_regression_pad_then_crop_past_an_empty_axis():
 def test_regression_pad_wrap_wider_than_the_axis(pads):
     """wrap pads longer than the axis wrap around more than once (as in onnxruntime); the gradient
     folded a single wrap and gave a wrongly shaped (broadcast) gradient. It now scatter-adds."""
-    case = fo.OpCase("Pad", [np.random.default_rng(4).uniform(-1, 1, (2, 3)), np.array([0, pads[0], 0, pads[1]])],
-                     {"mode": "wrap"}, opset=19, graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "Pad",
+        [np.random.default_rng(4).uniform(-1, 1, (2, 3)), np.array([0, pads[0], 0, pads[1]])],
+        {"mode": "wrap"},
+        opset=19,
+        graph_inputs=frozenset({0}),
+    )
     case.inputs[0] = case.inputs[0][:, :1] if pads == [2, 1] else case.inputs[0]
     fo.check_case(case, ort)
 
@@ -642,8 +745,9 @@ def test_regression_layer_norm_double_statistics_are_float32():
     gradgen returned double ones while shape inference typed them float, so their gradients went
     through a float Cast. They are computed in double and stored in float."""
     x = np.random.default_rng(5).uniform(-2, 2, (3, 4))
-    case = fo.OpCase("LayerNormalization", [x, np.ones(4) * 0.7], {"axis": -1}, opset=17, num_outputs=3,
-                     graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "LayerNormalization", [x, np.ones(4) * 0.7], {"axis": -1}, opset=17, num_outputs=3, graph_inputs=frozenset({0})
+    )
     outs = Session(case.forward_model()).run(case.feeds(np.float64))
     assert outs["out0"].dtype == np.float64 and outs["out1"].dtype == outs["out2"].dtype == np.float32
     fo.check_case(case, ort)
@@ -665,19 +769,29 @@ def test_regression_average_pool_valid_ceil_mode_counts_no_padding():
     the kernel size, counting the ceil extension as padding; VALID declares none (PyTorch and
     onnxruntime divide by the taps inside)."""
     x = np.arange(1, 8, dtype=np.float64).reshape(1, 1, 7)
-    case = fo.OpCase("AveragePool", [x], {"kernel_shape": [3], "strides": [3], "auto_pad": "VALID", "ceil_mode": 1,
-                                          "count_include_pad": 1}, opset=19, graph_inputs=frozenset({0}))
+    case = fo.OpCase(
+        "AveragePool",
+        [x],
+        {"kernel_shape": [3], "strides": [3], "auto_pad": "VALID", "ceil_mode": 1, "count_include_pad": 1},
+        opset=19,
+        graph_inputs=frozenset({0}),
+    )
     assert Session(case.forward_model()).run(case.feeds(np.float64))["out0"].ravel().tolist() == [2.0, 5.0, 7.0]
     fo.check_case(case, ort)
 
 
-@pytest.mark.parametrize("case,message", [
-    (fo.OpCase("Einsum", [np.ones((2, 2))], {"equation": "ii->i"}, graph_inputs=frozenset({0})), "diagonal"),
-    (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "max"}), "reduction='max'"),
-    (fo.OpCase("ScatterND", [np.ones(3), np.array([[1]]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
-    (fo.OpCase("Dropout", [np.ones(3), np.array(0.5), np.array(False)], graph_inputs=frozenset({0, 2}), diff=(0,)),
-     "training_mode is not a constant"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        (fo.OpCase("Einsum", [np.ones((2, 2))], {"equation": "ii->i"}, graph_inputs=frozenset({0})), "diagonal"),
+        (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "max"}), "reduction='max'"),
+        (fo.OpCase("ScatterND", [np.ones(3), np.array([[1]]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
+        (
+            fo.OpCase("Dropout", [np.ones(3), np.array(0.5), np.array(False)], graph_inputs=frozenset({0, 2}), diff=(0,)),
+            "training_mode is not a constant",
+        ),
+    ],
+)
 def test_regression_outside_the_rules_is_a_clean_error(case, message):
     """What the op fuzzer found without a rule, and no longer draws: an error naming the node."""
     with pytest.raises(gradgen.errors.ModelError, match=f"'node'.*{message}|{message}.*'node'"):
@@ -692,12 +806,17 @@ def test_regression_opset_11_softmax_of_an_empty_tensor(op):
     fo.check_case(case, ort)
 
 
-@pytest.mark.parametrize("x_shape,idx_shape,batch_dims", [((1, 1, 1), (1, 1, 0, 1), 2), ((2, 3, 4), (2, 0, 1), 1),
-                                                          ((0, 3, 4), (0, 2, 1), 1)])
+@pytest.mark.parametrize(
+    "x_shape,idx_shape,batch_dims", [((1, 1, 1), (1, 1, 0, 1), 2), ((2, 3, 4), (2, 0, 1), 1), ((0, 3, 4), (0, 2, 1), 1)]
+)
 def test_regression_gather_nd_batch_dims_with_no_index(x_shape, idx_shape, batch_dims):
     """GatherND with batch_dims and an empty index tensor (or an empty batch): the gradient reshaped
     with -1 and copied 0s, which cannot describe empty tensors; it now reshapes to explicit sizes."""
-    case = fo.OpCase("GatherND", [np.random.default_rng(7).uniform(-1, 1, x_shape), np.zeros(idx_shape, np.int64)],
-                     {"batch_dims": batch_dims}, dtype=np.float32)
+    case = fo.OpCase(
+        "GatherND",
+        [np.random.default_rng(7).uniform(-1, 1, x_shape), np.zeros(idx_shape, np.int64)],
+        {"batch_dims": batch_dims},
+        dtype=np.float32,
+    )
     fo.check_case(case, ort)
     assert not fo.gradients(case, np.float64, [0])["in0_grad"].any()

@@ -29,8 +29,7 @@ def one_node_model(op, inputs, attrs=None, n_outputs=1, opset=18):
     outs = [f"out{i}" for i in range(n_outputs)]
     node = helper.make_node(op, names, outs, name="the_node", **(attrs or {}))
     graph_inputs = [
-        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-        for n, a in zip(names, inputs)
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in zip(names, inputs)
     ]
     graph_outputs = [helper.make_value_info(o, onnx.TypeProto()) for o in outs]
     model = helper.make_model(
@@ -96,14 +95,17 @@ def test_gather_elements_smaller_indices():
     np.testing.assert_array_equal(K.gather_elements(data, idx, axis=1), want)
 
 
-@pytest.mark.parametrize("data_shape,idx_shape,batch_dims", [
-    ((4, 5), (3, 2), 0),
-    ((4, 5, 6), (2, 3, 1), 0),
-    ((2, 4, 5), (2, 3, 1), 1),
-    ((2, 3, 4, 5), (2, 3, 2), 2),
-    ((2, 3, 4, 5), (2, 3, 6, 2), 2),
-    ((3, 4, 5), (3, 2, 2), 1),
-])
+@pytest.mark.parametrize(
+    "data_shape,idx_shape,batch_dims",
+    [
+        ((4, 5), (3, 2), 0),
+        ((4, 5, 6), (2, 3, 1), 0),
+        ((2, 4, 5), (2, 3, 1), 1),
+        ((2, 3, 4, 5), (2, 3, 2), 2),
+        ((2, 3, 4, 5), (2, 3, 6, 2), 2),
+        ((3, 4, 5), (3, 2, 2), 1),
+    ],
+)
 def test_gather_nd_matches_onnxruntime(data_shape, idx_shape, batch_dims):
     data = rand(*data_shape, dtype=np.float32)
     k = idx_shape[-1]
@@ -210,17 +212,20 @@ def test_scatter_nd_matches_onnxruntime():
 # errors
 
 
-@pytest.mark.parametrize("call,value,axis,lo,hi", [
-    (lambda: K.gather(np.zeros((3, 4)), np.array([0, 4]), axis=1), 4, 1, -4, 3),
-    (lambda: K.gather(np.zeros((3, 4)), np.array([[-4, 1]]), axis=0), -4, 0, -3, 2),
-    (lambda: K.gather_elements(np.zeros((3, 4)), np.array([[0, 5]]), axis=-1), 5, 1, -4, 3),
-    (lambda: K.gather_nd(np.zeros((3, 4)), np.array([[1, 9]])), 9, 1, -4, 3),
-    (lambda: K.gather_nd(np.zeros((2, 3, 4)), np.array([[7], [0]]), batch_dims=1), 7, 1, -3, 2),
-    (lambda: K.scatter_elements(np.zeros((3, 4)), np.array([[3]]), np.ones((1, 1)), axis=0), 3, 0, -3, 2),
-    (lambda: K.scatter_elements(np.zeros((3, 4)), np.array([[-5]]), np.ones((1, 1)), axis=1, reduction="add"), -5, 1, -4, 3),
-    (lambda: K.scatter_nd(np.zeros((3, 4)), np.array([[0, 4]]), np.ones(1)), 4, 1, -4, 3),
-    (lambda: K.scatter_nd(np.zeros((3, 4)), np.array([[-4]]), np.ones((1, 4)), reduction="mul"), -4, 0, -3, 2),
-])
+@pytest.mark.parametrize(
+    "call,value,axis,lo,hi",
+    [
+        (lambda: K.gather(np.zeros((3, 4)), np.array([0, 4]), axis=1), 4, 1, -4, 3),
+        (lambda: K.gather(np.zeros((3, 4)), np.array([[-4, 1]]), axis=0), -4, 0, -3, 2),
+        (lambda: K.gather_elements(np.zeros((3, 4)), np.array([[0, 5]]), axis=-1), 5, 1, -4, 3),
+        (lambda: K.gather_nd(np.zeros((3, 4)), np.array([[1, 9]])), 9, 1, -4, 3),
+        (lambda: K.gather_nd(np.zeros((2, 3, 4)), np.array([[7], [0]]), batch_dims=1), 7, 1, -3, 2),
+        (lambda: K.scatter_elements(np.zeros((3, 4)), np.array([[3]]), np.ones((1, 1)), axis=0), 3, 0, -3, 2),
+        (lambda: K.scatter_elements(np.zeros((3, 4)), np.array([[-5]]), np.ones((1, 1)), axis=1, reduction="add"), -5, 1, -4, 3),
+        (lambda: K.scatter_nd(np.zeros((3, 4)), np.array([[0, 4]]), np.ones(1)), 4, 1, -4, 3),
+        (lambda: K.scatter_nd(np.zeros((3, 4)), np.array([[-4]]), np.ones((1, 4)), reduction="mul"), -4, 0, -3, 2),
+    ],
+)
 def test_out_of_range_index_message(call, value, axis, lo, hi):
     with pytest.raises(KernelError) as info:
         call()

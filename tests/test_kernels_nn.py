@@ -210,21 +210,29 @@ def test_conv_transpose_matches_torch(xs, ws, attrs, bias):
     assert pads[:n] == pads[n:]  # torch only has symmetric padding
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[n]
     want = fn(
-        t(x), t(w), None if b is None else t(b),
-        stride=attrs.get("strides", 1), padding=pads[:n],
-        output_padding=attrs.get("output_padding", 0), groups=group, dilation=attrs.get("dilations", 1),
+        t(x),
+        t(w),
+        None if b is None else t(b),
+        stride=attrs.get("strides", 1),
+        padding=pads[:n],
+        output_padding=attrs.get("output_padding", 0),
+        groups=group,
+        dilation=attrs.get("dilations", 1),
     )
     close(got, want)
 
 
-@pytest.mark.parametrize("attrs", [
-    dict(strides=[3, 2], output_shape=[10, 8]),
-    dict(strides=[3, 2], output_shape=[9, 6]),
-    dict(strides=[2, 2], auto_pad="SAME_UPPER"),
-    dict(strides=[2, 2], auto_pad="SAME_LOWER"),
-    dict(strides=[2, 1], pads=[0, 1, 2, 0]),  # asymmetric
-    dict(strides=[2, 2], auto_pad="VALID", output_padding=[1, 0]),
-])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(strides=[3, 2], output_shape=[10, 8]),
+        dict(strides=[3, 2], output_shape=[9, 6]),
+        dict(strides=[2, 2], auto_pad="SAME_UPPER"),
+        dict(strides=[2, 2], auto_pad="SAME_LOWER"),
+        dict(strides=[2, 1], pads=[0, 1, 2, 0]),  # asymmetric
+        dict(strides=[2, 2], auto_pad="VALID", output_padding=[1, 0]),
+    ],
+)
 def test_conv_transpose_matches_onnxruntime(attrs):
     x, w = rand(1, 2, 3, 3, dtype=np.float32), rand(2, 2, 3, 3, dtype=np.float32)
     b = rand(2, dtype=np.float32)
@@ -246,13 +254,16 @@ def onnx_indices_from_torch(idx, x_shape):
     return idx.numpy() + offset.reshape((n, c) + (1,) * (idx.ndim - 2))
 
 
-@pytest.mark.parametrize("xs,attrs", [
-    ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
-    ((2, 3, 9, 8), dict(kernel_shape=[3, 2], strides=[2, 2])),
-    ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)),
-    ((1, 2, 10, 9), dict(kernel_shape=[2, 3], dilations=[2, 2], strides=[1, 2], ceil_mode=1)),
-    ((1, 2, 6, 7, 5), dict(kernel_shape=[2, 2, 2], strides=[2, 2, 1], pads=[1, 0, 1, 1, 0, 1])),
-])
+@pytest.mark.parametrize(
+    "xs,attrs",
+    [
+        ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+        ((2, 3, 9, 8), dict(kernel_shape=[3, 2], strides=[2, 2])),
+        ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)),
+        ((1, 2, 10, 9), dict(kernel_shape=[2, 3], dilations=[2, 2], strides=[1, 2], ceil_mode=1)),
+        ((1, 2, 6, 7, 5), dict(kernel_shape=[2, 2, 2], strides=[2, 2, 1], pads=[1, 0, 1, 1, 0, 1])),
+    ],
+)
 def test_max_pool_matches_torch(xs, attrs):
     x = rand(*xs)
     y, idx = cpu_pool.max_pool(x, **attrs, _num_outputs=2)
@@ -260,8 +271,13 @@ def test_max_pool_matches_torch(xs, attrs):
     fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
     pads = attrs.get("pads", [0] * 2 * n)
     want, want_idx = fn(
-        t(x), attrs["kernel_shape"], stride=attrs.get("strides"), padding=pads[:n],
-        dilation=attrs.get("dilations", 1), ceil_mode=bool(attrs.get("ceil_mode", 0)), return_indices=True,
+        t(x),
+        attrs["kernel_shape"],
+        stride=attrs.get("strides"),
+        padding=pads[:n],
+        dilation=attrs.get("dilations", 1),
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+        return_indices=True,
     )
     close(y, want)
     assert idx.dtype == np.int64
@@ -269,13 +285,16 @@ def test_max_pool_matches_torch(xs, attrs):
     assert y.dtype == x.dtype
 
 
-@pytest.mark.parametrize("attrs", [
-    dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2]),
-    dict(kernel_shape=[2, 3], auto_pad="SAME_LOWER", strides=[2, 1]),
-    dict(kernel_shape=[3, 2], auto_pad="VALID", strides=[2, 2]),
-    dict(kernel_shape=[3, 3], pads=[0, 1, 2, 1], strides=[2, 2], storage_order=1),
-    dict(kernel_shape=[2, 2], pads=[1, 0, 0, 1], ceil_mode=1, strides=[2, 2], storage_order=1),
-])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2]),
+        dict(kernel_shape=[2, 3], auto_pad="SAME_LOWER", strides=[2, 1]),
+        dict(kernel_shape=[3, 2], auto_pad="VALID", strides=[2, 2]),
+        dict(kernel_shape=[3, 3], pads=[0, 1, 2, 1], strides=[2, 2], storage_order=1),
+        dict(kernel_shape=[2, 2], pads=[1, 0, 0, 1], ceil_mode=1, strides=[2, 2], storage_order=1),
+    ],
+)
 def test_max_pool_matches_onnxruntime(attrs):
     x = rand(2, 3, 7, 8, dtype=np.float32)
     y, idx = cpu_pool.max_pool(x, **attrs, _num_outputs=2)
@@ -292,14 +311,17 @@ def test_max_pool_int8():
     close(y.astype(np.float64), want)
 
 
-@pytest.mark.parametrize("xs,attrs", [
-    ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1], count_include_pad=1)),
-    ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1], count_include_pad=0)),
-    ((2, 3, 9, 8), dict(kernel_shape=[3, 2], strides=[2, 2])),
-    ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=1)),
-    ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=0)),
-    ((1, 2, 6, 7, 5), dict(kernel_shape=[2, 3, 2], strides=[2, 2, 1], pads=[1, 1, 0, 1, 1, 0])),
-])
+@pytest.mark.parametrize(
+    "xs,attrs",
+    [
+        ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1], count_include_pad=1)),
+        ((2, 3, 10), dict(kernel_shape=[3], strides=[2], pads=[1, 1], count_include_pad=0)),
+        ((2, 3, 9, 8), dict(kernel_shape=[3, 2], strides=[2, 2])),
+        ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=1)),
+        ((2, 2, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=0)),
+        ((1, 2, 6, 7, 5), dict(kernel_shape=[2, 3, 2], strides=[2, 2, 1], pads=[1, 1, 0, 1, 1, 0])),
+    ],
+)
 def test_average_pool_matches_torch(xs, attrs):
     x = rand(*xs)
     y = cpu_pool.average_pool(x, **attrs)
@@ -307,19 +329,26 @@ def test_average_pool_matches_torch(xs, attrs):
     fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[n]
     pads = attrs.get("pads", [0] * 2 * n)
     want = fn(
-        t(x), attrs["kernel_shape"], stride=attrs.get("strides"), padding=pads[:n],
-        ceil_mode=bool(attrs.get("ceil_mode", 0)), count_include_pad=bool(attrs.get("count_include_pad", 0)),
+        t(x),
+        attrs["kernel_shape"],
+        stride=attrs.get("strides"),
+        padding=pads[:n],
+        ceil_mode=bool(attrs.get("ceil_mode", 0)),
+        count_include_pad=bool(attrs.get("count_include_pad", 0)),
     )
     close(y, want)
 
 
-@pytest.mark.parametrize("attrs", [
-    dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2]),
-    dict(kernel_shape=[3, 2], auto_pad="SAME_LOWER", strides=[1, 2], count_include_pad=1),
-    dict(kernel_shape=[3, 3], auto_pad="VALID", strides=[2, 2]),
-    dict(kernel_shape=[3, 3], pads=[0, 1, 2, 1], count_include_pad=1),
-    dict(kernel_shape=[2, 2], dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=0),
-])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2]),
+        dict(kernel_shape=[3, 2], auto_pad="SAME_LOWER", strides=[1, 2], count_include_pad=1),
+        dict(kernel_shape=[3, 3], auto_pad="VALID", strides=[2, 2]),
+        dict(kernel_shape=[3, 3], pads=[0, 1, 2, 1], count_include_pad=1),
+        dict(kernel_shape=[2, 2], dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=0),
+    ],
+)
 def test_average_pool_matches_onnxruntime(attrs):
     x = rand(2, 3, 7, 8, dtype=np.float32)
     y = cpu_pool.average_pool(x, **attrs)
@@ -348,7 +377,8 @@ def test_batch_norm_inference_and_training(shape):
     y = cpu_norm.batch_normalization(x, scale, bias, mean, var, epsilon=1e-3)
     close(y, F.batch_norm(t(x), t(mean), t(var), t(scale), t(bias), training=False, eps=1e-3))
     y, rm, rv = cpu_norm.batch_normalization(
-        x, scale, bias, mean, var, epsilon=1e-3, momentum=0.8, training_mode=1, _num_outputs=3)
+        x, scale, bias, mean, var, epsilon=1e-3, momentum=0.8, training_mode=1, _num_outputs=3
+    )
     close(y, F.batch_norm(t(x), None, None, t(scale), t(bias), training=True, eps=1e-3))
     axes = (0,) + tuple(range(2, x.ndim))
     close(rm, 0.8 * mean + 0.2 * x.mean(axis=axes))
@@ -382,8 +412,10 @@ def test_layer_norm_float16_stashes_float32():
 def test_instance_norm_matches_torch():
     x = rand(2, 3, 4, 5)
     scale, bias = rand(3), rand(3)
-    close(cpu_norm.instance_normalization(x, scale, bias, epsilon=1e-3),
-          F.instance_norm(t(x), weight=t(scale), bias=t(bias), eps=1e-3))
+    close(
+        cpu_norm.instance_normalization(x, scale, bias, epsilon=1e-3),
+        F.instance_norm(t(x), weight=t(scale), bias=t(bias), eps=1e-3),
+    )
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 6])
@@ -391,13 +423,17 @@ def test_group_norm_both_forms(groups):
     x = rand(2, 6, 4, 3)
     scale, bias = rand(6), rand(6)
     # opset 21 form: per-channel scale/bias
-    close(cpu_norm.group_normalization(x, scale, bias, num_groups=groups, epsilon=1e-3),
-          F.group_norm(t(x), groups, t(scale), t(bias), eps=1e-3))
+    close(
+        cpu_norm.group_normalization(x, scale, bias, num_groups=groups, epsilon=1e-3),
+        F.group_norm(t(x), groups, t(scale), t(bias), eps=1e-3),
+    )
     # opset 18 form: per-group scale/bias
     gs, gb = rand(groups), rand(groups)
     rep = 6 // groups
-    close(cpu_norm.group_normalization(x, gs, gb, num_groups=groups, epsilon=1e-3),
-          F.group_norm(t(x), groups, t(np.repeat(gs, rep)), t(np.repeat(gb, rep)), eps=1e-3))
+    close(
+        cpu_norm.group_normalization(x, gs, gb, num_groups=groups, epsilon=1e-3),
+        F.group_norm(t(x), groups, t(np.repeat(gs, rep)), t(np.repeat(gb, rep)), eps=1e-3),
+    )
 
 
 @pytest.mark.parametrize("p", [1, 2])
@@ -463,8 +499,11 @@ def test_softmax_cross_entropy_matches_torch(shape, ignore_index, weighted, redu
         scores, labels, weights, ignore_index=ignore_index, reduction=reduction, _num_outputs=2
     )
     want = F.cross_entropy(
-        t(scores), t(labels), weight=None if weights is None else t(weights),
-        ignore_index=-100 if ignore_index is None else ignore_index, reduction=reduction,
+        t(scores),
+        t(labels),
+        weight=None if weights is None else t(weights),
+        ignore_index=-100 if ignore_index is None else ignore_index,
+        reduction=reduction,
     )
     close(loss, want)
     close(log_prob, F.log_softmax(t(scores), dim=1))
@@ -478,8 +517,11 @@ def test_nll_loss_matches_torch(shape, ignore_index, weighted, reduction):
     weights = np.abs(rand(shape[1])) + 0.1 if weighted else None
     got = L.negative_log_likelihood_loss(inp, labels, weights, ignore_index=ignore_index, reduction=reduction)
     want = F.nll_loss(
-        t(inp), t(labels), weight=None if weights is None else t(weights),
-        ignore_index=-100 if ignore_index is None else ignore_index, reduction=reduction,
+        t(inp),
+        t(labels),
+        weight=None if weights is None else t(weights),
+        ignore_index=-100 if ignore_index is None else ignore_index,
+        reduction=reduction,
     )
     close(got, want)
 
@@ -570,8 +612,11 @@ def test_mean_variance_normalization():
     x = rand(2, 3, 4, 5)
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
     close(cpu_norm.mean_variance_normalization(x), (x - mean) / (x.std(axis=(0, 2, 3), keepdims=True) + 1e-9), rtol=1e-8)
-    close(cpu_norm.mean_variance_normalization(x, axes=[1]), (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9),
-          rtol=1e-8)
+    close(
+        cpu_norm.mean_variance_normalization(x, axes=[1]),
+        (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9),
+        rtol=1e-8,
+    )
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

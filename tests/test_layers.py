@@ -92,11 +92,13 @@ KNOWN: dict[str, set[str]] = {
 def test_the_scan_sees_a_private_import_across_layers(tmp_path):
     """The scanner itself: a CUDA launcher using a CPU kernel's private helper is caught."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from gradgen.kernels.cpu import shape as cpu\n"
-                     "from gradgen.kernels.cpu.shape import _hidden\n"
-                     "x = cpu._axis(0, 1)\n")
-    assert private_uses(probe, "gradgen.kernels.cuda.probe") == ["2: _hidden from gradgen.kernels.cpu.shape",
-                                                                 "3: _axis from gradgen.kernels.cpu.shape"]
+    probe.write_text(
+        "from gradgen.kernels.cpu import shape as cpu\nfrom gradgen.kernels.cpu.shape import _hidden\nx = cpu._axis(0, 1)\n"
+    )
+    assert private_uses(probe, "gradgen.kernels.cuda.probe") == [
+        "2: _hidden from gradgen.kernels.cpu.shape",
+        "3: _axis from gradgen.kernels.cpu.shape",
+    ]
 
 
 def test_known_private_uses_still_exist():
@@ -168,6 +170,9 @@ def test_every_tree_uses_the_rule_families_names():
 def test_the_ops_layer_imports_no_other_gradgen_layer():
     """gradgen/ops is the bottom layer: every other layer may take op semantics from it."""
     for path in sorted((PACKAGE / "ops").glob("*.py")):
-        other = {m for m in imported_modules(path) if m.startswith("gradgen")
-                 and not m.startswith("gradgen.ops") and m not in ("gradgen", "gradgen.errors")}
+        other = {
+            m
+            for m in imported_modules(path)
+            if m.startswith("gradgen") and not m.startswith("gradgen.ops") and m not in ("gradgen", "gradgen.errors")
+        }
         assert not other, f"{module_name(path)} imports {sorted(other)}"

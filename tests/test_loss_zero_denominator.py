@@ -39,30 +39,46 @@ def _model(op, x_shape, weights=None, ignore_index=1, log_prob=False):
     node = helper.make_node(op, names, outputs, name="loss_node", reduction="mean", ignore_index=ignore_index)
     nodes = [node]
     if log_prob:  # the log_prob output feeds the loss too, so its gradient path is exercised
-        nodes += [helper.make_node("ReduceSum", ["log_prob"], ["lp"], keepdims=0),
-                  helper.make_node("Mul", ["lp", "tiny"], ["lp_small"]),
-                  helper.make_node("Add", ["loss", "lp_small"], ["total"])]
+        nodes += [
+            helper.make_node("ReduceSum", ["log_prob"], ["lp"], keepdims=0),
+            helper.make_node("Mul", ["lp", "tiny"], ["lp_small"]),
+            helper.make_node("Add", ["loss", "lp_small"], ["total"]),
+        ]
     inits = [numpy_helper.from_array(weights, "w")] if weights is not None else []
     inits.append(numpy_helper.from_array(np.array(0.0, np.float64), "tiny"))
     graph = helper.make_graph(
-        nodes, "g",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(x_shape)),
-         helper.make_tensor_value_info("labels", TensorProto.INT64, [x_shape[0], *x_shape[2:]])],
-        [helper.make_tensor_value_info("total" if log_prob else "loss", TensorProto.DOUBLE, [])], initializer=inits)
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(x_shape)),
+            helper.make_tensor_value_info("labels", TensorProto.INT64, [x_shape[0], *x_shape[2:]]),
+        ],
+        [helper.make_tensor_value_info("total" if log_prob else "loss", TensorProto.DOUBLE, [])],
+        initializer=inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _torch(op, x, labels, weights, ignore_index):
     xt = torch.tensor(x, requires_grad=True)
     fn = F.cross_entropy if op == "SoftmaxCrossEntropyLoss" else F.nll_loss
-    loss = fn(xt, torch.tensor(labels), weight=None if weights is None else torch.tensor(weights),
-              ignore_index=ignore_index, reduction="mean")
+    loss = fn(
+        xt,
+        torch.tensor(labels),
+        weight=None if weights is None else torch.tensor(weights),
+        ignore_index=ignore_index,
+        reduction="mean",
+    )
     loss.backward()
     return loss.item(), xt.grad.numpy()
 
 
-CASES = [pytest.param(op, shape, weighted, id=f"{op}-{'x'.join(map(str, shape))}{'-weights' if weighted else ''}")
-         for op in OPS for shape in [(3, 4), (2, 3, 5)] for weighted in (False, True)]
+CASES = [
+    pytest.param(op, shape, weighted, id=f"{op}-{'x'.join(map(str, shape))}{'-weights' if weighted else ''}")
+    for op in OPS
+    for shape in [(3, 4), (2, 3, 5)]
+    for weighted in (False, True)
+]
 
 
 @pytest.mark.parametrize("op,shape,weighted", CASES)
@@ -76,8 +92,7 @@ def test_all_labels_ignored_loss_nan_gradient_zero(op, shape, weighted):
 
     assert np.isnan(Session(model).run(feeds)["loss"])
     assert np.isnan(ReferenceEvaluator(model).run(None, feeds)[0])
-    assert np.isnan(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-                    .run(None, feeds)[0])
+    assert np.isnan(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0])
     torch_loss, torch_grad = _torch(op, x, labels, weights, 1)
     assert np.isnan(torch_loss)
 

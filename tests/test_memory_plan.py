@@ -107,8 +107,9 @@ def _optimal_size(buffers):
         top = 0
         for i in order:
             b = buffers[i]
-            busy = sorted((o, o + buffers[j].size) for j, o in placed
-                          if buffers[j].first <= b.last and b.first <= buffers[j].last)
+            busy = sorted(
+                (o, o + buffers[j].size) for j, o in placed if buffers[j].first <= b.last and b.first <= buffers[j].last
+            )
             offset = 0
             for start, end in busy:
                 if offset + b.size <= start:

@@ -50,8 +50,7 @@ def torch_grad(fn, inputs, dy):
 def assert_close(got, want, dtype):
     tol = {np.float16: (5e-3, 1e-3), np.float32: (1e-5, 1e-5), np.float64: (1e-12, 1e-12)}[np.dtype(dtype).type]
     assert got.dtype == np.dtype(dtype)
-    np.testing.assert_allclose(got.astype(np.float64), want, atol=tol[0] * max(1.0, np.abs(want).max(initial=0)),
-                               rtol=tol[1])
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=tol[0] * max(1.0, np.abs(want).max(initial=0)), rtol=tol[1])
 
 
 # ====================================================================== BroadcastGradientArgs
@@ -85,9 +84,11 @@ def _reference_axes(a, b):
     """Independent reference: numpy's broadcast shape; an operand is reduced over an output axis it
     lacks, or where its dim is 1 and the result's is not (axes in descending order)."""
     out = np.broadcast_shapes(tuple(a), tuple(b))
+
     def axes(s):
         lead = len(out) - len(s)
         return [k for k in reversed(range(len(out))) if k < lead or (s[k - lead] == 1 and out[k] != 1)]
+
     return axes(a), axes(b)
 
 
@@ -96,9 +97,11 @@ def test_broadcast_gradient_args_random_against_numpy():
     fn = kernel("BroadcastGradientArgs")
     for _ in range(300):
         out = rng.integers(0, 4, size=rng.integers(0, 6)).tolist()
+
         def operand():
-            s = out[len(out) - rng.integers(0, len(out) + 1):]
+            s = out[len(out) - rng.integers(0, len(out) + 1) :]
             return [1 if rng.random() < 0.4 else d for d in s]
+
         a, b = operand(), operand()
         if rng.random() < 0.2 and a:  # sometimes break broadcasting
             a[rng.integers(0, len(a))] = 7
@@ -122,10 +125,24 @@ SLICE_CASES = [  # dY, shape, starts, ends, axes, steps, flattened dX
     ([5, 7], [2, 4], [1, 0], [2, 3], [0, 1], [1, 2], [0, 0, 0, 0, 5, 0, 7, 0]),
     (np.arange(1, 9).reshape(2, 4), [2, 4], [0, 0], [2, 4], [0, 1], [1, 1], list(range(1, 9))),
     (np.arange(1, 5).reshape(1, 1, 2, 2), [2, 2, 2, 2], [1, 1], [0, 2], [0, 1], [-1, 1], [0] * 12 + [1, 2, 3, 4]),
-    (np.arange(1, 9).reshape(1, 2, 1, 2, 2), [1, 2, 2, 2, 2], [1], [INT64_MAX], [2], [1],
-     [0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 5, 6, 7, 8]),
-    (np.arange(1, 5).reshape(1, 1, 2, 1, 2), [1, 2, 2, 2, 2], [1, 1], [INT64_MAX, 2], [1, 3], [1, 1],
-     [0] * 10 + [1, 2, 0, 0, 3, 4]),
+    (
+        np.arange(1, 9).reshape(1, 2, 1, 2, 2),
+        [1, 2, 2, 2, 2],
+        [1],
+        [INT64_MAX],
+        [2],
+        [1],
+        [0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 5, 6, 7, 8],
+    ),
+    (
+        np.arange(1, 5).reshape(1, 1, 2, 1, 2),
+        [1, 2, 2, 2, 2],
+        [1, 1],
+        [INT64_MAX, 2],
+        [1, 3],
+        [1, 1],
+        [0] * 10 + [1, 2, 0, 0, 3, 4],
+    ),
     ([[[1]]], [1, 1, 1], [0], [INT64_MAX], [1], [1], [1]),
 ]
 
@@ -154,9 +171,12 @@ def _onnx_slice_index_map(shape, starts, ends, axes, steps):
     names = ["data", "starts", "ends", "axes", "steps"]
     node = helper.make_node("Slice", names, ["y"])
     graph = helper.make_graph(
-        [node], "s", [helper.make_tensor_value_info("data", TensorProto.INT64, None)],
+        [node],
+        "s",
+        [helper.make_tensor_value_info("data", TensorProto.INT64, None)],
         [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
-        [numpy_helper.from_array(np.asarray(v), n) for n, v in zip(names[1:], (starts, ends, axes, steps))])
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in zip(names[1:], (starts, ends, axes, steps))],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return ReferenceEvaluator(model).run(None, {"data": np.arange(math.prod(shape), dtype=np.int64).reshape(shape)})[0]
 
@@ -196,14 +216,17 @@ def test_slice_grad_random_against_torch_and_onnx_reference():
             np.testing.assert_array_equal(got32, want)
 
 
-@pytest.mark.parametrize("shape,start,end,step,want", [
-    ([5], -9, INT64_MIN, -2, [1, 0, 0, 0, 0]),  # start < -d clamps to 0 for a negative step
-    ([5], 9, INT64_MIN, -2, [3, 0, 2, 0, 1]),  # start >= d clamps to d-1
-    ([5], -9, INT64_MAX, 2, [1, 0, 2, 0, 3]),
-    ([5], 3, -7, -1, [4, 3, 2, 1, 0]),  # end < -d: down to index 0 included
-    ([5], -2, 1, -1, [0, 0, 2, 1, 0]),
-    ([5], 9, -9, 1, [0, 0, 0, 0, 0]),  # empty slice
-])
+@pytest.mark.parametrize(
+    "shape,start,end,step,want",
+    [
+        ([5], -9, INT64_MIN, -2, [1, 0, 0, 0, 0]),  # start < -d clamps to 0 for a negative step
+        ([5], 9, INT64_MIN, -2, [3, 0, 2, 0, 1]),  # start >= d clamps to d-1
+        ([5], -9, INT64_MAX, 2, [1, 0, 2, 0, 3]),
+        ([5], 3, -7, -1, [4, 3, 2, 1, 0]),  # end < -d: down to index 0 included
+        ([5], -2, 1, -1, [0, 0, 2, 1, 0]),
+        ([5], 9, -9, 1, [0, 0, 0, 0, 0]),  # empty slice
+    ],
+)
 def test_slice_grad_clamping(shape, start, end, step, want):
     count = sum(1 for v in want if v)
     dy = np.arange(1.0, count + 1)
@@ -211,12 +234,15 @@ def test_slice_grad_clamping(shape, start, end, step, want):
     assert dx.tolist() == want
 
 
-@pytest.mark.parametrize("args,match", [
-    ((np.ones((2,)), i64([2, 4]), i64([0]), i64([2]), i64([1])), r"dY has shape \[2\].*\[2, 4\].*\[2, 2\]"),
-    ((np.ones((1,)), i64([4]), i64([0]), i64([2]), None, i64([0])), "steps value for axis 0 is 0"),
-    ((np.ones((1,)), i64([4]), i64([0]), i64([2]), i64([1])), r"axes value 1 is out of range for rank 1"),
-    ((np.ones((1, 1)), i64([4, 4]), i64([0, 0]), i64([1, 1]), i64([0, -2])), "repeats an axis"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((np.ones((2,)), i64([2, 4]), i64([0]), i64([2]), i64([1])), r"dY has shape \[2\].*\[2, 4\].*\[2, 2\]"),
+        ((np.ones((1,)), i64([4]), i64([0]), i64([2]), None, i64([0])), "steps value for axis 0 is 0"),
+        ((np.ones((1,)), i64([4]), i64([0]), i64([2]), i64([1])), r"axes value 1 is out of range for rank 1"),
+        ((np.ones((1, 1)), i64([4, 4]), i64([0, 0]), i64([1, 1]), i64([0, -2])), "repeats an axis"),
+    ],
+)
 def test_slice_grad_must_fail(args, match):
     with pytest.raises(KernelError, match=match):
         kernel("SliceGrad")(*args)
@@ -244,8 +270,10 @@ def test_gather_grad_cases(case, dtype, index_dtype):
 
 def _gather_reference(shape, indices, axis, dy):
     idx = np.where(indices < 0, indices + shape[axis], indices).astype(np.int64)
+
     def gather(x):
         return x.index_select(axis, torch.tensor(idx.reshape(-1))).reshape(dy.shape)
+
     return torch_grad(gather, [np.zeros(shape)], dy)[0]
 
 
@@ -268,13 +296,16 @@ def test_gather_grad_random_against_torch(shape, ishape, axis, index_dtype):
     s = shape[axis]
     indices = rng.integers(-s, s, size=ishape).astype(index_dtype)
     a = axis % len(shape)
-    dy = rng.standard_normal(shape[:a] + ishape + shape[a + 1:])
+    dy = rng.standard_normal(shape[:a] + ishape + shape[a + 1 :])
     want = _gather_reference(shape, indices, a, dy)
     got = kernel("GatherGrad")(i64(shape), indices, dy, axis=axis)
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
     for dtype in (np.float32, np.float16):
-        assert_close(kernel("GatherGrad")(i64(shape), indices, dy.astype(dtype), axis=axis),
-                     _gather_reference(shape, indices, a, dy.astype(dtype).astype(np.float64)), dtype)
+        assert_close(
+            kernel("GatherGrad")(i64(shape), indices, dy.astype(dtype), axis=axis),
+            _gather_reference(shape, indices, a, dy.astype(dtype).astype(np.float64)),
+            dtype,
+        )
 
 
 def test_gather_grad_negative_indices_alias_bit_exactly():
@@ -319,7 +350,7 @@ def test_gather_grad_deterministic(shape, count, axis, distinct):
     s = shape[axis]
     pool = np.arange(-s, s) if distinct is None else rng.integers(-s, s, size=distinct)
     indices = rng.choice(pool, size=count)
-    dy = rng.standard_normal(shape[:axis] + (count,) + shape[axis + 1:]).astype(np.float32)
+    dy = rng.standard_normal(shape[:axis] + (count,) + shape[axis + 1 :]).astype(np.float32)
     fn = kernel("GatherGrad")
     first = fn(i64(shape), indices, dy, axis=axis)
     second = fn(i64(shape), indices.copy(), dy.copy(), axis=axis)
@@ -370,11 +401,14 @@ def test_gather_elements_grad_cases_against_torch(shape, ishape, axis, index_dty
         assert_close(got, _gather_elements_reference(shape, indices, a, dy.astype(np.float64)), dtype)
 
 
-@pytest.mark.parametrize("shape,indices,axis,want", [
-    ([3, 3], [[1, 2, 0], [2, 0, 0]], 0, [[0, 1, 2], [1, 0, 0], [1, 1, 0]]),
-    ([2, 3], [[1, 1, 1], [1, 1, 1]], 1, [[0, 3, 0], [0, 3, 0]]),
-    ([2, 2], [[0, 1, 1, 0], [1, 1, -1, 0]], 1, [[2, 2], [1, 3]]),  # indices longer than data on the axis
-])
+@pytest.mark.parametrize(
+    "shape,indices,axis,want",
+    [
+        ([3, 3], [[1, 2, 0], [2, 0, 0]], 0, [[0, 1, 2], [1, 0, 0], [1, 1, 0]]),
+        ([2, 3], [[1, 1, 1], [1, 1, 1]], 1, [[0, 3, 0], [0, 3, 0]]),
+        ([2, 2], [[0, 1, 1, 0], [1, 1, -1, 0]], 1, [[2, 2], [1, 3]]),  # indices longer than data on the axis
+    ],
+)
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 def test_gather_elements_grad_fixed_values(shape, indices, axis, want, index_dtype):
     indices = np.array(indices, index_dtype)
@@ -387,13 +421,16 @@ def test_gather_elements_grad_dy_shape_must_match_indices():
         kernel("GatherElementsGrad")(np.ones((1, 2)), i64([2, 3]), i64([[0, 1, 1]]))
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((np.ones((1, 2)), i64([2, 3]), i64([[0, 2]])), {}, r"index 2 .*axis 0 of size 2 \(valid range \[-2, 1\]\)"),
-    ((np.ones((1, 2)), i64([2, 3]), i64([[0, -4]])), {"axis": -1}, r"index -4 .*axis 1 of size 3 \(valid range \[-3, 2\]\)"),
-    ((np.ones((3, 1)), i64([2, 3]), i64([[0], [0], [0]])), {"axis": 1}, r"exceeds the data shape \[2, 3\] on axis 0"),
-    ((np.ones((2,)), i64([2, 3]), i64([0, 1])), {}, "rank 1"),
-    ((np.ones((1, 2)), i64([2, 3]), i64([[0, 1]])), {"axis": 2}, r"axis 2 is out of range for rank 2"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((np.ones((1, 2)), i64([2, 3]), i64([[0, 2]])), {}, r"index 2 .*axis 0 of size 2 \(valid range \[-2, 1\]\)"),
+        ((np.ones((1, 2)), i64([2, 3]), i64([[0, -4]])), {"axis": -1}, r"index -4 .*axis 1 of size 3 \(valid range \[-3, 2\]\)"),
+        ((np.ones((3, 1)), i64([2, 3]), i64([[0], [0], [0]])), {"axis": 1}, r"exceeds the data shape \[2, 3\] on axis 0"),
+        ((np.ones((2,)), i64([2, 3]), i64([0, 1])), {}, "rank 1"),
+        ((np.ones((1, 2)), i64([2, 3]), i64([[0, 1]])), {"axis": 2}, r"axis 2 is out of range for rank 2"),
+    ],
+)
 def test_gather_elements_grad_must_fail(args, kwargs, match):
     with pytest.raises(KernelError, match=match):
         kernel("GatherElementsGrad")(*args, **kwargs)
@@ -449,8 +486,9 @@ def _torch_conv(x, w, attrs, pads_begin_end):
     for i in reversed(range(nd)):
         torch_pad += [begin[i], end[i]]
     conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
-    return conv(F.pad(x, torch_pad), w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
-                groups=attrs.get("group", 1))
+    return conv(
+        F.pad(x, torch_pad), w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1)
+    )
 
 
 def _onnx_pads(x_shape, w_shape, attrs):
@@ -480,8 +518,7 @@ def _conv_reference(x, w, dy, attrs):
     return dx, dw, dy.astype(np.float64).sum(axis=(0, *range(2, dy.ndim)))
 
 
-@pytest.mark.parametrize("x_shape,w_shape,dy_shape,attrs,bias", CONV_CASES,
-                         ids=[f"case{i}" for i in range(len(CONV_CASES))])
+@pytest.mark.parametrize("x_shape,w_shape,dy_shape,attrs,bias", CONV_CASES, ids=[f"case{i}" for i in range(len(CONV_CASES))])
 def test_conv_grad_cases_against_torch(x_shape, w_shape, dy_shape, attrs, bias):
     rng = np.random.default_rng(len(x_shape) * 100 + sum(x_shape))
     x, w, dy = rng.standard_normal(x_shape), rng.standard_normal(w_shape), rng.standard_normal(dy_shape)
@@ -501,8 +538,14 @@ def test_conv_grad_cases_against_torch(x_shape, w_shape, dy_shape, attrs, bias):
 
 
 def test_conv_grad_3d_bias_known_value():
-    dx, dw, db = kernel("ConvGrad")(np.ones((2, 2, 3, 3, 3)), np.ones((2, 1, 4, 4, 4)), np.ones((2, 1, 2, 2, 2)),
-                                    pads=[2] * 6, strides=[2] * 3, dilations=[2] * 3)
+    dx, dw, db = kernel("ConvGrad")(
+        np.ones((2, 2, 3, 3, 3)),
+        np.ones((2, 1, 4, 4, 4)),
+        np.ones((2, 1, 2, 2, 2)),
+        pads=[2] * 6,
+        strides=[2] * 3,
+        dilations=[2] * 3,
+    )
     assert db.tolist() == [54.0, 54.0]
 
 
@@ -570,14 +613,17 @@ def test_conv_grad_float16_accumulates_in_float32():
         assert_close(g, wnt, np.float16)
 
 
-@pytest.mark.parametrize("dy_shape,attrs,match", [
-    ((2, 4, 16, 16), dict(pads=[1, 1, 1, 1]), r"dY has shape \[2, 4, 16, 16\], but Conv's output shape is \[2, 4, 14, 14\]"),
-    ((2, 4, 16, 16), dict(), r"dY has shape \[2, 4, 16, 16\], but Conv's output shape is \[2, 4, 14, 14\]"),
-    ((2, 4, 16, 16), dict(auto_pad="SAME_UPPER", strides=[2, 2]), r"output shape is \[2, 4, 8, 8\]"),
-    ((2, 4, 16, 16), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2]), r"kernel_shape \[5, 5\] does not match"),
-    ((2, 4, 16, 16), dict(group=3), "group 3 does not fit"),
-    ((2, 4, 16, 16), dict(auto_pad="SAME"), "unknown auto_pad"),
-])
+@pytest.mark.parametrize(
+    "dy_shape,attrs,match",
+    [
+        ((2, 4, 16, 16), dict(pads=[1, 1, 1, 1]), r"dY has shape \[2, 4, 16, 16\], but Conv's output shape is \[2, 4, 14, 14\]"),
+        ((2, 4, 16, 16), dict(), r"dY has shape \[2, 4, 16, 16\], but Conv's output shape is \[2, 4, 14, 14\]"),
+        ((2, 4, 16, 16), dict(auto_pad="SAME_UPPER", strides=[2, 2]), r"output shape is \[2, 4, 8, 8\]"),
+        ((2, 4, 16, 16), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2]), r"kernel_shape \[5, 5\] does not match"),
+        ((2, 4, 16, 16), dict(group=3), "group 3 does not fit"),
+        ((2, 4, 16, 16), dict(auto_pad="SAME"), "unknown auto_pad"),
+    ],
+)
 def test_conv_grad_must_fail(dy_shape, attrs, match):
     x, w = np.ones((2, 6, 16, 16)), np.ones((4, 6, 3, 3))
     if "pads" in attrs and attrs["pads"] == [1, 1, 1, 1]:
@@ -589,10 +635,17 @@ def test_conv_grad_must_fail(dy_shape, attrs, match):
 
 # ====================================================================== schemas
 
+
 def test_schemas_table_and_opset():
     assert schemas.microsoft_opset_import() == ("com.microsoft", 1)
-    assert {"SliceGrad", "GatherGrad", "GatherElementsGrad", "ConvGrad", "BroadcastGradientArgs",
-            "LayerNormalizationGrad"} <= set(schemas.SCHEMAS)
+    assert {
+        "SliceGrad",
+        "GatherGrad",
+        "GatherElementsGrad",
+        "ConvGrad",
+        "BroadcastGradientArgs",
+        "LayerNormalizationGrad",
+    } <= set(schemas.SCHEMAS)
     assert [f.name for f in schemas.SCHEMAS["GatherGrad"].inputs] == ["shape", "indices", "dY"]
     assert [f.name for f in schemas.SCHEMAS["GatherElementsGrad"].inputs] == ["dY", "shape", "indices"]
     for op in schemas.SCHEMAS:
@@ -604,11 +657,15 @@ def test_output_types():
     ot = schemas.output_types
     assert ot("SliceGrad", [(F32, (1, 2)), (I64, (2,), i64([3, 4])), (I64, (1,)), (I64, (1,))]) == [(F32, (3, 4))]
     assert ot("SliceGrad", [(F32, (1, 2)), (I64, (2,)), (I64, (1,)), (I64, (1,)), None, None]) == [(F32, (None, None))]
-    assert ot("GatherGrad", [(I64, ("r",)), (TensorProto.INT32, (5,)), (TensorProto.FLOAT16, (5, 3))], {"axis": 0}) \
-        == [(TensorProto.FLOAT16, None)]
+    assert ot("GatherGrad", [(I64, ("r",)), (TensorProto.INT32, (5,)), (TensorProto.FLOAT16, (5, 3))], {"axis": 0}) == [
+        (TensorProto.FLOAT16, None)
+    ]
     assert ot("GatherElementsGrad", [(F32, (2, 2)), (I64, (2,), i64([2, 5])), (I64, (2, 2))]) == [(F32, (2, 5))]
-    assert ot("ConvGrad", [(F32, (1, 4, 5, 5)), (F32, (1, 2, 7, 7)), (F32, (4, 2, 3, 3))]) == \
-        [(F32, (1, 2, 7, 7)), (F32, (4, 2, 3, 3)), (F32, (4,))]
+    assert ot("ConvGrad", [(F32, (1, 4, 5, 5)), (F32, (1, 2, 7, 7)), (F32, (4, 2, 3, 3))]) == [
+        (F32, (1, 2, 7, 7)),
+        (F32, (4, 2, 3, 3)),
+        (F32, (4,)),
+    ]
     assert ot("BroadcastGradientArgs", [(I64, (3,)), (I64, (None,))]) == [(I64, (None,)), (I64, (None,))]
     with pytest.raises(ModelError, match="takes 4 to 6 inputs"):
         ot("SliceGrad", [(F32, (1,)), (I64, (1,))])
@@ -619,6 +676,7 @@ def test_output_types():
 
 
 # ====================================================================== through the executor
+
 
 def _one_node_model(op_type, inputs, outputs, attrs=None, initializers=()):
     """inputs: (name, array) fed at run time, or (name, array, True) stored as an initializer."""
@@ -637,8 +695,7 @@ def _one_node_model(op_type, inputs, outputs, attrs=None, initializers=()):
             graph_inputs.append(helper.make_tensor_value_info(name, dtype, value.shape))
             feeds[name] = value
     types = schemas.output_types(op_type, infos, attrs)
-    graph_outputs = [helper.make_tensor_value_info(name, dtype, shape)
-                     for name, (dtype, shape) in zip(outputs, types) if name]
+    graph_outputs = [helper.make_tensor_value_info(name, dtype, shape) for name, (dtype, shape) in zip(outputs, types) if name]
     node = helper.make_node(op_type, [i[0] for i in inputs], outputs, name=f"{op_type}_0", domain=MS, **(attrs or {}))
     graph = helper.make_graph([node], "one_node", graph_inputs, graph_outputs, inits)
     domain, version = schemas.microsoft_opset_import()
@@ -655,33 +712,71 @@ def _executor_cases():
     dx, dw, db = kernel("ConvGrad")(dy_conv, x_conv, w_conv, group=2, pads=[1, 1, 1, 1], strides=[2, 2])
     return {  # op[-variant]: inputs, output names, attributes, expected outputs
         "SliceGrad": (
-            [("dY", np.float32([5, 7])), ("shape", i64([2, 4]), True), ("starts", i64([1, 0]), True),
-             ("ends", i64([2, 3]), True), ("axes", i64([0, 1]), True), ("steps", i64([1, 2]), True)],
-            ["dX"], {}, {"dX": np.float32([[0, 0, 0, 0], [5, 0, 7, 0]])}),
+            [
+                ("dY", np.float32([5, 7])),
+                ("shape", i64([2, 4]), True),
+                ("starts", i64([1, 0]), True),
+                ("ends", i64([2, 3]), True),
+                ("axes", i64([0, 1]), True),
+                ("steps", i64([1, 2]), True),
+            ],
+            ["dX"],
+            {},
+            {"dX": np.float32([[0, 0, 0, 0], [5, 0, 7, 0]])},
+        ),
         "SliceGrad-no-axes": (
-            [("dY", np.ones((1, 2), np.float64)), ("shape", i64([2, 2]), True), ("starts", np.int32([1]), True),
-             ("ends", np.int32([2]), True), ("", None), ("", None)],
-            ["dX"], {}, {"dX": np.float64([[0, 0], [1, 1]])}),
+            [
+                ("dY", np.ones((1, 2), np.float64)),
+                ("shape", i64([2, 2]), True),
+                ("starts", np.int32([1]), True),
+                ("ends", np.int32([2]), True),
+                ("", None),
+                ("", None),
+            ],
+            ["dX"],
+            {},
+            {"dX": np.float64([[0, 0], [1, 1]])},
+        ),
         "GatherGrad": (
-            [("shape", i64([3, 3]), True), ("indices", i64([[0, -1], [0, -2]])),
-             ("dY", np.tile(np.arange(6, dtype=np.float32), 2).reshape(2, 2, 3))],
-            ["dX"], {"axis": 0}, {"dX": np.float32([[0, 2, 4], [3, 4, 5], [3, 4, 5]])}),
+            [
+                ("shape", i64([3, 3]), True),
+                ("indices", i64([[0, -1], [0, -2]])),
+                ("dY", np.tile(np.arange(6, dtype=np.float32), 2).reshape(2, 2, 3)),
+            ],
+            ["dX"],
+            {"axis": 0},
+            {"dX": np.float32([[0, 2, 4], [3, 4, 5], [3, 4, 5]])},
+        ),
         "GatherElementsGrad": (
-            [("dY", np.ones((2, 3), np.float16)), ("shape", i64([3, 3]), True),
-             ("indices", np.int32([[1, 2, 0], [2, 0, 0]]))],
-            ["dX"], {"axis": 0}, {"dX": np.float16([[0, 1, 2], [1, 0, 0], [1, 1, 0]])}),
+            [("dY", np.ones((2, 3), np.float16)), ("shape", i64([3, 3]), True), ("indices", np.int32([[1, 2, 0], [2, 0, 0]]))],
+            ["dX"],
+            {"axis": 0},
+            {"dX": np.float16([[0, 1, 2], [1, 0, 0], [1, 1, 0]])},
+        ),
         "ConvGrad": (
-            conv_inputs, ["dX", "dW", "dB"],
+            conv_inputs,
+            ["dX", "dW", "dB"],
             {"group": 2, "kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2], "auto_pad": "NOTSET"},
-            {"dX": dx, "dW": dw, "dB": db}),
+            {"dX": dx, "dW": dw, "dB": db},
+        ),
         "ConvGrad-no-dX": (  # X not trainable: the first output is unnamed; SAME_UPPER gives pads 1 here
-            conv_inputs, ["", "dW", "dB"], {"group": 2, "kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]},
-            {"dW": dw, "dB": db}),
+            conv_inputs,
+            ["", "dW", "dB"],
+            {"group": 2, "kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]},
+            {"dW": dw, "dB": db},
+        ),
         "ConvGrad-no-bias": (
-            conv_inputs, ["dX", "dW"], {"group": 2, "pads": [1, 1, 1, 1], "strides": [2, 2]}, {"dX": dx, "dW": dw}),
+            conv_inputs,
+            ["dX", "dW"],
+            {"group": 2, "pads": [1, 1, 1, 1], "strides": [2, 2]},
+            {"dX": dx, "dW": dw},
+        ),
         "BroadcastGradientArgs": (
-            [("a_shape", i64([1, 4, 5])), ("b_shape", i64([2, 3, 1, 1]))], ["a_axes", "b_axes"], {},
-            {"a_axes": i64([1, 0]), "b_axes": i64([3, 2])}),
+            [("a_shape", i64([1, 4, 5])), ("b_shape", i64([2, 3, 1, 1]))],
+            ["a_axes", "b_axes"],
+            {},
+            {"a_axes": i64([1, 0]), "b_axes": i64([3, 2])},
+        ),
     }
 
 
@@ -709,7 +804,8 @@ def test_one_node_model_through_executor_and_checker(name):
 
 def test_executor_names_the_node_on_kernel_errors():
     model, feeds = _one_node_model(
-        "GatherGrad", [("shape", i64([3, 3]), True), ("indices", i64([0, 3])), ("dY", np.ones((2, 3), np.float32))], ["dX"])
+        "GatherGrad", [("shape", i64([3, 3]), True), ("indices", i64([0, 3])), ("dY", np.ones((2, 3), np.float32))], ["dX"]
+    )
     with pytest.raises(KernelError, match=r"node 'GatherGrad_0' \(com.microsoft::GatherGrad\): index 3 .*axis 0"):
         Session(model).run(feeds)
 
@@ -728,15 +824,22 @@ def _layer_norm_model(shape, axis, dtype=TensorProto.FLOAT, norm_shape=None, bia
     """x -> LayerNormalization(axis) -> sum(y * w): the rule's LayerNormalization model."""
     rng = np.random.default_rng(seed)
     np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
-    norm_shape = tuple(shape[axis % len(shape):]) if norm_shape is None else norm_shape
+    norm_shape = tuple(shape[axis % len(shape) :]) if norm_shape is None else norm_shape
     inits = {"scale": rng.standard_normal(norm_shape), "w": rng.uniform(0.5, 1.5, shape)}
     if bias:
         inits["bias"] = rng.standard_normal(norm_shape)
-    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias" if bias else ""], ["y"], axis=axis),
-             helper.make_node("Mul", ["y", "w"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info("x", dtype, shape)],
-                              [helper.make_tensor_value_info("loss", dtype, [])],
-                              [numpy_helper.from_array(v.astype(np_dtype), k) for k, v in inits.items()])
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "scale", "bias" if bias else ""], ["y"], axis=axis),
+        helper.make_node("Mul", ["y", "w"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "ln",
+        [helper.make_tensor_value_info("x", dtype, shape)],
+        [helper.make_tensor_value_info("loss", dtype, [])],
+        [numpy_helper.from_array(v.astype(np_dtype), k) for k, v in inits.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return model, {k: v.astype(np_dtype) for k, v in inits.items()}, rng.standard_normal(shape).astype(np_dtype)
 
@@ -752,7 +855,7 @@ def test_layer_norm_grad_kernel_matches_finite_differences(shape, axis):
     """The CPU kernel in float64 (statistics in float64 too) against central differences of
     L = sum(dy * LayerNorm(x; scale, bias)) in every element of X, scale and bias."""
     rng = np.random.default_rng(7)
-    norm_shape = shape[axis % len(shape):]
+    norm_shape = shape[axis % len(shape) :]
     x, scale, bias, dy = (rng.standard_normal(s) for s in (shape, norm_shape, norm_shape, shape))
 
     def loss(x, scale, bias):
@@ -785,9 +888,8 @@ def test_layer_norm_rule_emits_layer_norm_grad_and_matches_torch(shape, axis):
     forward = next(n for n in built.graph.node if n.op_type == "LayerNormalization")
     assert len(forward.output) == 3 and list(ops[0].input[3:]) == list(forward.output[1:])
     got = Session(built).run({"x": x})
-    norm_shape = shape[axis % len(shape):]
-    want = torch_grad(lambda x, s, b: F.layer_norm(x, norm_shape, s, b, 1e-5), [x, inits["scale"], inits["bias"]],
-                      inits["w"])
+    norm_shape = shape[axis % len(shape) :]
+    want = torch_grad(lambda x, s, b: F.layer_norm(x, norm_shape, s, b, 1e-5), [x, inits["scale"], inits["bias"]], inits["w"])
     for name, value in zip(("x_grad", "scale_grad", "bias_grad"), want):
         assert_close(got[name], value, np.float32)
 
@@ -822,25 +924,25 @@ def test_layer_norm_grad_portable_form_matches_the_kernel_and_onnxruntime(shape,
     want = Session(plain).run({"x": x})
     names = [o.name for o in portable.graph.output]
     ours = Session(portable).run({"x": x})
-    theirs = dict(zip(names, ort.InferenceSession(portable.SerializeToString(), providers=["CPUExecutionProvider"])
-                      .run(names, {"x": x})))
+    theirs = dict(
+        zip(names, ort.InferenceSession(portable.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, {"x": x}))
+    )
     for name in ("x_grad", "scale_grad") + (("bias_grad",) if bias else ()):
         np.testing.assert_allclose(ours[name], want[name], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(theirs[name], want[name], rtol=1e-5, atol=1e-5)
 
 
 def test_layer_norm_grad_schema_and_errors():
-    assert [f.name for f in schemas.SCHEMAS["LayerNormalizationGrad"].inputs] == ["Y_grad", "X", "scale", "mean",
-                                                                                    "inv_std_var"]
+    assert [f.name for f in schemas.SCHEMAS["LayerNormalizationGrad"].inputs] == ["Y_grad", "X", "scale", "mean", "inv_std_var"]
     F32 = TensorProto.FLOAT
-    assert schemas.output_types("LayerNormalizationGrad", [(F32, (2, 3)), (F32, (2, 3)), (F32, (3,)), (F32, (2, 1)),
-                                                           (F32, (2, 1))]) == [(F32, (2, 3)), (F32, (3,)), (F32, (3,))]
+    assert schemas.output_types(
+        "LayerNormalizationGrad", [(F32, (2, 3)), (F32, (2, 3)), (F32, (3,)), (F32, (2, 1)), (F32, (2, 1))]
+    ) == [(F32, (2, 3)), (F32, (3,)), (F32, (3,))]
     with pytest.raises(ModelError, match="input 'mean' has type DOUBLE"):
         schemas.output_types("LayerNormalizationGrad", [(F32, (2, 3))] * 3 + [(TensorProto.DOUBLE, (2, 1))] * 2)
     x = np.ones((2, 3), np.float32)
     with pytest.raises(KernelError, match="scale has 2 elements"):
-        kernel("LayerNormalizationGrad")(x, x, np.ones(2, np.float32), np.zeros((2, 1), np.float32),
-                                         np.ones((2, 1), np.float32))
+        kernel("LayerNormalizationGrad")(x, x, np.ones(2, np.float32), np.zeros((2, 1), np.float32), np.ones((2, 1), np.float32))
 
 
 @pytest.mark.cuda
@@ -854,7 +956,7 @@ def test_layer_norm_grad_cuda_matches_the_cpu_kernel_bit_identically_across_runs
     registry.load_cuda_kernels()
     entry = registry.lookup(MS, "LayerNormalizationGrad")
     rng = np.random.default_rng(3)
-    norm_shape = shape[axis % len(shape):]
+    norm_shape = shape[axis % len(shape) :]
     x, dy = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
     scale = rng.standard_normal(norm_shape).astype(dtype)
     mean, inv = (s.astype(np.float32) for s in _layer_norm_stats(x.astype(np.float64), axis))
@@ -865,8 +967,12 @@ def test_layer_norm_grad_cuda_matches_the_cpu_kernel_bit_identically_across_runs
     for got, ref, rerun in zip(first, want, again):
         np.testing.assert_array_equal(got, rerun)
         tol = {np.float16: 2e-2, np.float32: 1e-4, np.float64: 1e-10}[np.dtype(dtype).type]
-        np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=tol,
-                                   atol=tol * max(1.0, float(np.abs(ref.astype(np.float64)).max())))
+        np.testing.assert_allclose(
+            got.astype(np.float64),
+            ref.astype(np.float64),
+            rtol=tol,
+            atol=tol * max(1.0, float(np.abs(ref.astype(np.float64)).max())),
+        )
 
 
 def onnx_ir_to_proto(model):

@@ -21,8 +21,9 @@ def _check_gradients(model: onnx.ModelProto, inputs, reference, where: str) -> N
     outputs = Session(built.model).run(inputs)
     produced = {k for k in outputs if k.endswith("_grad")}
     assert set(grads) <= produced, f"{where}: missing gradients {sorted(set(grads) - produced)}"
-    assert not produced - set(grads) - {f"{k}_grad" for k in inputs}, \
+    assert not produced - set(grads) - {f"{k}_grad" for k in inputs}, (
         f"{where}: gradients without a reference {sorted(produced - set(grads))}"
+    )
     np.testing.assert_allclose(outputs[built.loss], reference["loss"], rtol=1e-5, err_msg=f"{where}: loss")
     for name, want in grads.items():
         got = outputs[name]
@@ -52,8 +53,13 @@ def test_forward_matches_onnxruntime(path):
     want = dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs)))
     got = Session(model).run(inputs)
     for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(value).max(initial=0))),
-                                   err_msg=f"{dir_id(path)}: output {name}")
+        np.testing.assert_allclose(
+            got[name],
+            value,
+            rtol=1e-4,
+            atol=1e-5 * max(1.0, float(np.abs(value).max(initial=0))),
+            err_msg=f"{dir_id(path)}: output {name}",
+        )
 
 
 def test_there_are_samples_and_fixtures():

@@ -20,10 +20,17 @@ from gradgen.grads.registry import all_rules
 
 def _resize_model():
     scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
-    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear", name="up"),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=[scales])
+    nodes = [
+        helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear", name="up"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[scales],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -61,8 +68,10 @@ def test_float_inputs_marked_nondifferentiable_have_a_zero_gradient_by_definitio
         if domain or not rule.nondiff_inputs:
             continue
         silent = rule.nondiff_inputs & _float_capable_inputs(op_type) - ZERO_BY_DEFINITION.get((domain, op_type), set())
-        assert not silent, (f"{op_type} marks float input(s) {sorted(silent)} non-differentiable: give them a gradient, "
-                            "or list them in unsupported_inputs (an error when asked for)")
+        assert not silent, (
+            f"{op_type} marks float input(s) {sorted(silent)} non-differentiable: give them a gradient, "
+            "or list them in unsupported_inputs (an error when asked for)"
+        )
 
 
 def test_a_rule_that_gives_no_gradient_for_a_wanted_input_is_reported(monkeypatch):
@@ -70,10 +79,12 @@ def test_a_rule_that_gives_no_gradient_for_a_wanted_input_is_reported(monkeypatc
 
     rule = registry.lookup_rule("", "Relu")
     monkeypatch.setitem(registry._RULES, ("", "Relu"), registry.GradRule("", "Relu", lambda g: [None]))
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="act"),
-                               helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="act"), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(ModelError, match=r"node 'act' \(Relu\).*no gradient for input 0"):
         gradgen.build_backward(model, wrt_inputs=True)

@@ -34,11 +34,14 @@ def test_broadcast_axes_static_and_runtime_agree():
         elementwise.broadcast_gradient_axes([3], [4])
 
 
-@pytest.mark.parametrize("dims, starts, ends, axes_, steps", [
-    ([5, 6], [1, -2], [4, 100], None, None),
-    ([5], [-1], [-100], [0], [-2]),
-    ([4, 3], [9], [-9], [-2], [-1]),
-])
+@pytest.mark.parametrize(
+    "dims, starts, ends, axes_, steps",
+    [
+        ([5, 6], [1, -2], [4, 100], None, None),
+        ([5], [-1], [-100], [0], [-2]),
+        ([4, 3], [9], [-9], [-2], [-1]),
+    ],
+)
 def test_slice_geometry_matches_numpy(dims, starts, ends, axes_, steps):
     data = np.arange(int(np.prod(dims))).reshape(dims)
     index = [slice(None)] * len(dims)
@@ -86,11 +89,11 @@ def _slice_grad_model(num_inputs: int):
 
     names = ["dy", "shape", "starts", "ends", "axes", "steps"][:num_inputs]
     node = helper.make_node("SliceGrad", names, ["dx"], domain="com.microsoft", name="sg")
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n == "dy" else TensorProto.INT64, None)
-              for n in names]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n == "dy" else TensorProto.INT64, None) for n in names]
     graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)])
-    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                                 helper.make_opsetid("com.microsoft", 1)]))
+    return ir.from_proto(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    )
 
 
 def test_executor_and_lowering_check_microsoft_nodes_against_their_schema():
@@ -141,7 +144,8 @@ def test_depth_space_plans_match_torch_pixel_shuffle_and_invert_each_other(block
     np.testing.assert_array_equal(rearrange(crd, shape.space_to_depth_plan(crd.shape, blocksize, "CRD")), x)
     np.testing.assert_array_equal(
         rearrange(crd, shape.space_to_depth_plan(crd.shape, blocksize, "CRD")),
-        torch.pixel_unshuffle(torch.from_numpy(crd), blocksize).numpy())
+        torch.pixel_unshuffle(torch.from_numpy(crd), blocksize).numpy(),
+    )
     dcr = rearrange(x, shape.depth_to_space_plan(x.shape, blocksize, "DCR"))
     assert dcr.shape == crd.shape == (2, 3, 4 * blocksize, 5 * blocksize)
     np.testing.assert_array_equal(rearrange(dcr, shape.space_to_depth_plan(dcr.shape, blocksize, "DCR")), x)

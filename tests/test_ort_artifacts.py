@@ -228,8 +228,9 @@ def _op_cases():
 @pytest.mark.parametrize("name, spec, recorded", _op_cases())
 def test_op_case_matches_ort(name, spec, recorded):
     """Single-node cases (other attributes, optional inputs and outputs) against ORT's outputs."""
-    inputs = [np.array(recorded[f"{name}/in{i}"], copy=True) if f"{name}/in{i}" in recorded else None
-              for i in range(spec["num_inputs"])]
+    inputs = [
+        np.array(recorded[f"{name}/in{i}"], copy=True) if f"{name}/in{i}" in recorded else None for i in range(spec["num_inputs"])
+    ]
     outputs = call_kernel(spec["domain"], spec["op_type"], inputs, spec["attributes"], spec["num_outputs"])
     assert len(outputs) == spec["num_outputs"]
     for i in range(spec["num_outputs"]):

@@ -15,19 +15,31 @@ from tests.gradcheck import numeric_gradient
 
 def _if_model(x_dims):
     """loss = sum(If(shape(x)[0] == 2, then: x * w, else: x + w)): the condition is shape logic."""
-    then_graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["t"])], "then", [],
-                                   [helper.make_tensor_value_info("t", TensorProto.DOUBLE, None)])
-    else_graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["e"])], "else", [],
-                                   [helper.make_tensor_value_info("e", TensorProto.DOUBLE, None)])
-    nodes = [helper.make_node("Shape", ["x"], ["s"]),
-             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
-             helper.make_node("Equal", ["n", "two"], ["cond"]),
-             helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph, name="branch"),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(2, np.int64), "two"),
-             numpy_helper.from_array(np.linspace(0.5, 2.0, 3), "w")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x_dims)],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=inits)
+    then_graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["t"])], "then", [], [helper.make_tensor_value_info("t", TensorProto.DOUBLE, None)]
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.DOUBLE, None)]
+    )
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Equal", ["n", "two"], ["cond"]),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph, name="branch"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(2, np.int64), "two"),
+        numpy_helper.from_array(np.linspace(0.5, 2.0, 3), "w"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x_dims)],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -63,15 +75,19 @@ def test_shape_inference_sees_weights_shapes_without_their_data(monkeypatch):
 
     w = numpy_helper.from_array(np.ones((256, 64), np.float32), "w")
     shape = numpy_helper.from_array(np.array([-1, 32], np.int64), "shape")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]),
-                               helper.make_node("Reshape", ["h", "shape"], ["r"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256])],
-                              [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)], initializer=[w, shape])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Reshape", ["h", "shape"], ["r"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256])],
+        [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)],
+        initializer=[w, shape],
+    )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     seen = []
     real = onnx.shape_inference.infer_shapes
-    monkeypatch.setattr(onnx.shape_inference, "infer_shapes",
-                        lambda proto, **kw: seen.append(proto.ByteSize()) or real(proto, **kw))
+    monkeypatch.setattr(
+        onnx.shape_inference, "infer_shapes", lambda proto, **kw: seen.append(proto.ByteSize()) or real(proto, **kw)
+    )
     before = [v.name for v in model.graph.initializers.values()], [v.name for v in model.graph.inputs]
     passes.ShapeInferencePass()(model)
     assert seen and max(seen) < 4096  # the 64 KB weight did not travel
@@ -85,10 +101,13 @@ def test_build_backward_leaves_a_callers_ir_model_alone_and_shares_its_weights()
     import onnx_ir as ir
 
     w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]),
-                               helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=[w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[w],
+    )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     before = onnx.printer.to_text(ir.to_proto(model))
     built = gradgen.build_backward(model)

@@ -31,17 +31,28 @@ def _distinct(shape, seed=0):
 
 
 def _model(op, x_shape, attrs, opset=17, extra_nodes=(), last="y"):
-    nodes = [helper.make_node(op, ["x"], ["y"], name="pool", **attrs), *extra_nodes,
-             helper.make_node("ReduceSum", [last], ["s"], keepdims=0, name="sum"),
-             helper.make_node("Mul", ["s", "s"], ["loss"], name="square")]  # a gradient that is not all ones
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(x_shape))],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    nodes = [
+        helper.make_node(op, ["x"], ["y"], name="pool", **attrs),
+        *extra_nodes,
+        helper.make_node("ReduceSum", [last], ["s"], keepdims=0, name="sum"),
+        helper.make_node("Mul", ["s", "s"], ["loss"], name="square"),
+    ]  # a gradient that is not all ones
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(x_shape))],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def _torch_pool(op, x, kernel, strides, pads, count_include_pad):
-    fn = {("MaxPool", 1): F.max_pool1d, ("MaxPool", 2): F.max_pool2d,
-          ("AveragePool", 1): F.avg_pool1d, ("AveragePool", 2): F.avg_pool2d}[op, len(kernel)]
+    fn = {
+        ("MaxPool", 1): F.max_pool1d,
+        ("MaxPool", 2): F.max_pool2d,
+        ("AveragePool", 1): F.avg_pool1d,
+        ("AveragePool", 2): F.avg_pool2d,
+    }[op, len(kernel)]
     kwargs = dict(kernel_size=kernel, stride=strides, padding=pads, ceil_mode=True)
     if op == "AveragePool":
         kwargs["count_include_pad"] = bool(count_include_pad)
@@ -60,9 +71,13 @@ GEOMETRIES = [
     ((5, 5), (3, 3), (2, 2), (1, 1)),
     ((3, 6), (2, 1), (2, 4), (0, 0)),
 ]
-CASES = [pytest.param(op, *geom, cip, id=f"{op}-{'x'.join(map(str, geom[0]))}-k{geom[1]}-s{geom[2]}-p{geom[3]}"
-                                         f"{'-include' if cip else ''}")
-         for geom in GEOMETRIES for op, cip in [("MaxPool", 0), ("AveragePool", 0), ("AveragePool", 1)]]
+CASES = [
+    pytest.param(
+        op, *geom, cip, id=f"{op}-{'x'.join(map(str, geom[0]))}-k{geom[1]}-s{geom[2]}-p{geom[3]}{'-include' if cip else ''}"
+    )
+    for geom in GEOMETRIES
+    for op, cip in [("MaxPool", 0), ("AveragePool", 0), ("AveragePool", 1)]
+]
 
 
 def _attrs(op, kernel, strides, pads, cip):
@@ -125,8 +140,10 @@ def test_shape_inference_uses_the_kernels_pooled_shape(opset):
     """Two pools in a row, then Flatten: every inferred shape is the one the kernels produce (the
     second pool's input shape is only right after the first pool's output is corrected)."""
     attrs = {"kernel_shape": [3, 1], "strides": [2, 2], "ceil_mode": 1}
-    nodes = [helper.make_node("MaxPool", ["y"], ["y2", "idx"], name="pool2", **attrs),
-             helper.make_node("Flatten", ["y2"], ["f"], name="flat")]
+    nodes = [
+        helper.make_node("MaxPool", ["y"], ["y2", "idx"], name="pool2", **attrs),
+        helper.make_node("Flatten", ["y2"], ["f"], name="flat"),
+    ]
     proto = _model("AveragePool", (1, 3, 9, 4), attrs, opset=opset, extra_nodes=nodes, last="f")
     model = ir.from_proto(proto)
     passes.ShapeInferencePass()(model)
@@ -163,9 +180,14 @@ def test_pooled_shape_rule_agrees_with_torch_and_onnxruntime():
         want = list(F.max_pool1d(torch.zeros(1, 1, n), k, s, p, ceil_mode=True).shape)
         assert pool_output_shape((1, 1, n), attrs) == want, (n, k, s, p)
         node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, n])],
-                                  [helper.make_value_info("y", onnx.TypeProto())])
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, n])],
+            [helper.make_value_info("y", onnx.TypeProto())],
+        )
         proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
         got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-            None, {"x": np.zeros((1, 1, n), np.float32)})[0]
+            None, {"x": np.zeros((1, 1, n), np.float32)}
+        )[0]
         assert list(got.shape) == want, (n, k, s, p)

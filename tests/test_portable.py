@@ -85,8 +85,9 @@ def one_node(op_type, inputs, outputs, *, const=(), mode="static", opset=17, **a
             elem = helper.np_dtype_to_tensor_dtype(array.dtype)
             graph_inputs.append(helper.make_tensor_value_info(name, elem, _dims(array.shape, mode, name)))
             feeds[name] = array
-    node = helper.make_node(op_type, [n if a is not None else "" for n, a in inputs], [o[0] for o in outputs],
-                            domain=MS, name=op_type, **attrs)
+    node = helper.make_node(
+        op_type, [n if a is not None else "" for n, a in inputs], [o[0] for o in outputs], domain=MS, name=op_type, **attrs
+    )
     graph_outputs = [helper.make_tensor_value_info(n, t, _dims(shape, mode, n)) for n, t, shape in outputs if n]
     graph = helper.make_graph([node], op_type, graph_inputs, graph_outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
@@ -130,8 +131,9 @@ def test_portable_model_matches_executor_and_torch(path):
         atol = ATOL_OF_MAX * max(float(np.abs(want).max(initial=0.0)), 1e-30)
         assert got[name].shape == want.shape and got[name].dtype == want.dtype, name
         np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=atol, err_msg=f"{dir_id(path)}: {name} vs torch")
-        np.testing.assert_allclose(got[name], executor[name], rtol=RTOL, atol=atol,
-                                   err_msg=f"{dir_id(path)}: {name} vs the executor")
+        np.testing.assert_allclose(
+            got[name], executor[name], rtol=RTOL, atol=atol, err_msg=f"{dir_id(path)}: {name} vs the executor"
+        )
 
 
 @pytest.mark.parametrize("path", ALL_DIRS, ids=dir_id)
@@ -163,8 +165,9 @@ def test_only_default_domain_ops_remain():
         assert all(n.domain in STANDARD for n in proto.graph.node), dir_id(path)
         assert all(o.domain in STANDARD for o in proto.opset_import), dir_id(path)
         # models at opset >= 16 keep their opset
-        assert [o.version for o in proto.opset_import if o.domain == ""] == \
-            [o.version for o in plain.opset_import if o.domain == ""]
+        assert [o.version for o in proto.opset_import if o.domain == ""] == [
+            o.version for o in plain.opset_import if o.domain == ""
+        ]
     assert emitted == set(schemas.SCHEMAS)
 
 
@@ -206,10 +209,24 @@ SLICE_CASES = [  # dY, shape, starts, ends, axes, steps, flattened dX (CASES.md)
     ([5, 7], [2, 4], [1, 0], [2, 3], [0, 1], [1, 2], [0, 0, 0, 0, 5, 0, 7, 0]),
     (np.arange(1, 9).reshape(2, 4), [2, 4], [0, 0], [2, 4], [0, 1], [1, 1], list(range(1, 9))),
     (np.arange(1, 5).reshape(1, 1, 2, 2), [2, 2, 2, 2], [1, 1], [0, 2], [0, 1], [-1, 1], [0] * 12 + [1, 2, 3, 4]),
-    (np.arange(1, 9).reshape(1, 2, 1, 2, 2), [1, 2, 2, 2, 2], [1], [INT64_MAX], [2], [1],
-     [0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 5, 6, 7, 8]),
-    (np.arange(1, 5).reshape(1, 1, 2, 1, 2), [1, 2, 2, 2, 2], [1, 1], [INT64_MAX, 2], [1, 3], [1, 1],
-     [0] * 10 + [1, 2, 0, 0, 3, 4]),
+    (
+        np.arange(1, 9).reshape(1, 2, 1, 2, 2),
+        [1, 2, 2, 2, 2],
+        [1],
+        [INT64_MAX],
+        [2],
+        [1],
+        [0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 5, 6, 7, 8],
+    ),
+    (
+        np.arange(1, 5).reshape(1, 1, 2, 1, 2),
+        [1, 2, 2, 2, 2],
+        [1, 1],
+        [INT64_MAX, 2],
+        [1, 3],
+        [1, 1],
+        [0] * 10 + [1, 2, 0, 0, 3, 4],
+    ),
     ([[[1]]], [1, 1, 1], [0], [INT64_MAX], [1], [1], [1]),
 ]
 
@@ -292,8 +309,7 @@ def test_slice_grad_random_against_kernel():
 
 def test_slice_grad_pad_path_and_double():
     dy = np.arange(8, dtype=np.float64).reshape(2, 4)
-    model, feeds = slice_grad_model(dy, [4, 5], [-3, 1], [-1, 100], [0, -1], None,
-                                    ("shape", "starts", "ends", "axes"))
+    model, feeds = slice_grad_model(dy, [4, 5], [-3, 1], [-1, 100], [0, -1], None, ("shape", "starts", "ends", "axes"))
     lowered = lower(model)
     assert "Pad" in op_types(lowered) and "ScatterElements" not in op_types(lowered)
     want = kernel("SliceGrad")(dy, np.array([4, 5]), np.array([-3, 1]), np.array([-1, 100]), np.array([0, -1]))
@@ -305,14 +321,24 @@ def test_slice_grad_pad_path_and_double():
 
 def gather_grad_model(shape, indices, dy, axis, *, const=(), mode="static", opset=17):
     elem = helper.np_dtype_to_tensor_dtype(np.asarray(dy).dtype)
-    return one_node("GatherGrad", [("shape", np.asarray(shape, np.int64)), ("indices", indices), ("dY", dy)],
-                    [("dX", elem, shape)], const=const, mode=mode, opset=opset, axis=axis)
+    return one_node(
+        "GatherGrad",
+        [("shape", np.asarray(shape, np.int64)), ("indices", indices), ("dY", dy)],
+        [("dX", elem, shape)],
+        const=const,
+        mode=mode,
+        opset=opset,
+        axis=axis,
+    )
 
 
-@pytest.mark.parametrize("indices,want", [
-    ([[0, 1], [0, 1]], [[0, 2, 4], [6, 8, 10], [0, 0, 0]]),
-    ([[0, -1], [0, -2]], [[0, 2, 4], [3, 4, 5], [3, 4, 5]]),
-])
+@pytest.mark.parametrize(
+    "indices,want",
+    [
+        ([[0, 1], [0, 1]], [[0, 2, 4], [6, 8, 10], [0, 0, 0]]),
+        ([[0, -1], [0, -2]], [[0, 2, 4], [3, 4, 5], [3, 4, 5]]),
+    ],
+)
 @pytest.mark.parametrize("const", [(), ("shape", "indices")])
 def test_gather_grad_cases(indices, want, const):
     dy = np.concatenate([np.arange(6), np.arange(6)]).reshape(2, 2, 3).astype(np.float32)
@@ -328,10 +354,20 @@ def test_gather_grad_aliasing_negatives():
     assert got[2].tolist() == [2, 2] and got[0].tolist() == [1, 1] and got[1].tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("data_shape,index_shape,axis", [
-    ((3, 4), (6, 128), 1), ((3, 4), (6, 128), 0), ((2, 32), (6, 128), 1), ((5, 4, 3), (2, 3), 1),
-    ((5, 4, 3), (7,), -1), ((5, 4, 3), (), 2), ((5, 4, 3), (2, 2), -3), ((50, 8), (40,), 0), ((4,), (3, 2, 2), 0),
-])
+@pytest.mark.parametrize(
+    "data_shape,index_shape,axis",
+    [
+        ((3, 4), (6, 128), 1),
+        ((3, 4), (6, 128), 0),
+        ((2, 32), (6, 128), 1),
+        ((5, 4, 3), (2, 3), 1),
+        ((5, 4, 3), (7,), -1),
+        ((5, 4, 3), (), 2),
+        ((5, 4, 3), (2, 2), -3),
+        ((50, 8), (40,), 0),
+        ((4,), (3, 2, 2), 0),
+    ],
+)
 @pytest.mark.parametrize("mode", ["static", "symbolic", "unknown rank"])
 def test_gather_grad_random_against_kernel(data_shape, index_shape, axis, mode):
     rng = np.random.default_rng(1)
@@ -340,7 +376,7 @@ def test_gather_grad_random_against_kernel(data_shape, index_shape, axis, mode):
     if mode == "symbolic":
         indices = indices.astype(np.int32)
     a = axis % len(data_shape)
-    dy = rng.standard_normal(data_shape[:a] + tuple(index_shape) + data_shape[a + 1:]).astype(np.float32)
+    dy = rng.standard_normal(data_shape[:a] + tuple(index_shape) + data_shape[a + 1 :]).astype(np.float32)
     want = kernel("GatherGrad")(np.asarray(data_shape), indices, dy, axis=axis)
     model, feeds = gather_grad_model(data_shape, indices, dy, axis, mode=mode)
     close(ort_run(lower(model, forget_shapes=mode == "unknown rank"), feeds)["dX"], want)
@@ -358,19 +394,34 @@ def test_gather_grad_double_and_constant_shape():
 # ====================================================================== GatherElementsGrad
 
 GATHER_ELEMENTS_CASES = [  # data, indices, axis, index dtype (CASES.md)
-    ((2, 3), (1, 2), 0, np.int32), ((2, 2), (2, 2), 1, np.int32), ((2, 2), (2, 2), -1, np.int64),
-    ((2, 2, 2), (1, 2, 1), 1, np.int32), ((2, 2, 2), (1, 2, 1), 2, np.int64), ((3, 3), (3, 2), 1, np.int32),
-    ((3,), (2,), 0, np.int32), ((2, 2, 2), (3, 2, 2), 0, np.int64), ((2, 2, 2, 3), (3, 2, 2, 2), 0, np.int32),
-    ((2, 2, 3, 3, 2), (2, 2, 3, 2, 2), 0, np.int64), ((2, 3, 2), (2, 3, 2), -2, np.int64),
-    ((2, 2, 2), (2, 2, 3), 2, np.int64), ((2, 1, 2, 3, 1, 2), (2, 1, 2, 2, 1, 2), 5, np.int64),
-    ((2, 1, 2, 2, 3, 2, 2), (2, 1, 2, 3, 2, 2, 2), 3, np.int32), ((2, 1, 1, 2, 3, 2, 3), (2, 1, 1, 2, 3, 2, 2), -5, np.int64),
+    ((2, 3), (1, 2), 0, np.int32),
+    ((2, 2), (2, 2), 1, np.int32),
+    ((2, 2), (2, 2), -1, np.int64),
+    ((2, 2, 2), (1, 2, 1), 1, np.int32),
+    ((2, 2, 2), (1, 2, 1), 2, np.int64),
+    ((3, 3), (3, 2), 1, np.int32),
+    ((3,), (2,), 0, np.int32),
+    ((2, 2, 2), (3, 2, 2), 0, np.int64),
+    ((2, 2, 2, 3), (3, 2, 2, 2), 0, np.int32),
+    ((2, 2, 3, 3, 2), (2, 2, 3, 2, 2), 0, np.int64),
+    ((2, 3, 2), (2, 3, 2), -2, np.int64),
+    ((2, 2, 2), (2, 2, 3), 2, np.int64),
+    ((2, 1, 2, 3, 1, 2), (2, 1, 2, 2, 1, 2), 5, np.int64),
+    ((2, 1, 2, 2, 3, 2, 2), (2, 1, 2, 3, 2, 2, 2), 3, np.int32),
+    ((2, 1, 1, 2, 3, 2, 3), (2, 1, 1, 2, 3, 2, 2), -5, np.int64),
 ]
 
 
 def gather_elements_grad_model(dy, shape, indices, axis, *, const=(), mode="static"):
     elem = helper.np_dtype_to_tensor_dtype(dy.dtype)
-    return one_node("GatherElementsGrad", [("dY", dy), ("shape", np.asarray(shape, np.int64)), ("indices", indices)],
-                    [("dX", elem, shape)], const=const, mode=mode, axis=axis)
+    return one_node(
+        "GatherElementsGrad",
+        [("dY", dy), ("shape", np.asarray(shape, np.int64)), ("indices", indices)],
+        [("dX", elem, shape)],
+        const=const,
+        mode=mode,
+        axis=axis,
+    )
 
 
 @pytest.mark.parametrize("mode", ["static", "symbolic", "unknown rank"])
@@ -388,11 +439,14 @@ def test_gather_elements_grad_cases(case, mode):
     close(ort_run(lowered, feeds)["dX"], want)
 
 
-@pytest.mark.parametrize("shape,indices,axis,want", [
-    ((3, 3), [[1, 2, 0], [2, 0, 0]], 0, [[0, 1, 2], [1, 0, 0], [1, 1, 0]]),
-    ((2, 3), [[1, 1, 1], [1, 1, 1]], 1, [[0, 3, 0], [0, 3, 0]]),
-    ((2, 2), [[0, 1, -1, -2], [1, 1, 1, 0]], 1, [[2, 2], [1, 3]]),
-])
+@pytest.mark.parametrize(
+    "shape,indices,axis,want",
+    [
+        ((3, 3), [[1, 2, 0], [2, 0, 0]], 0, [[0, 1, 2], [1, 0, 0], [1, 1, 0]]),
+        ((2, 3), [[1, 1, 1], [1, 1, 1]], 1, [[0, 3, 0], [0, 3, 0]]),
+        ((2, 2), [[0, 1, -1, -2], [1, 1, 1, 0]], 1, [[2, 2], [1, 3]]),
+    ],
+)
 def test_gather_elements_grad_fixed_values(shape, indices, axis, want):
     indices = np.asarray(indices, np.int64)
     dy = np.ones(indices.shape, np.float64)
@@ -416,10 +470,10 @@ CONV_CASES = [  # X, W, attributes, bias (CASES.md, then groups, auto_pad, 1x1 s
     ((2, 1, 5, 5, 5), (1, 1, 3, 3, 3), {"pads": [1] * 6}, False),
     ((2, 1, 7, 5, 5), (1, 1, 3, 3, 3), {"pads": [1] * 6, "strides": [2, 2, 2]}, False),
     ((2, 1, 4, 4, 4), (2, 1, 2, 2, 2), {"pads": [2] * 6, "strides": [2] * 3, "dilations": [2] * 3}, True),
-    ((2, 6, 7, 6), (4, 3, 3, 2), {"group": 2, "pads": [1, 0, 2, 1], "strides": [2, 1]}, True),   # grouped
-    ((2, 4, 9), (8, 1, 3), {"group": 4, "pads": [1, 1], "strides": [2], "dilations": [2]}, True),   # depthwise x2
-    ((1, 3, 6, 6), (3, 1, 3, 3), {"group": 3, "pads": [1, 1, 1, 1]}, False),                 # depthwise
-    ((2, 3, 7, 6), (4, 3, 1, 1), {"strides": [2, 3]}, True),                              # 1x1 strided
+    ((2, 6, 7, 6), (4, 3, 3, 2), {"group": 2, "pads": [1, 0, 2, 1], "strides": [2, 1]}, True),  # grouped
+    ((2, 4, 9), (8, 1, 3), {"group": 4, "pads": [1, 1], "strides": [2], "dilations": [2]}, True),  # depthwise x2
+    ((1, 3, 6, 6), (3, 1, 3, 3), {"group": 3, "pads": [1, 1, 1, 1]}, False),  # depthwise
+    ((2, 3, 7, 6), (4, 3, 1, 1), {"strides": [2, 3]}, True),  # 1x1 strided
     ((2, 2, 7, 6), (3, 2, 3, 2), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, True),
     ((2, 2, 7, 6), (3, 2, 3, 2), {"auto_pad": "SAME_LOWER", "strides": [2, 1], "dilations": [1, 2]}, False),
     ((2, 2, 8, 6), (4, 1, 3, 3), {"auto_pad": "SAME_UPPER", "group": 2, "strides": [3, 2]}, True),
@@ -430,8 +484,9 @@ CONV_CASES = [  # X, W, attributes, bias (CASES.md, then groups, auto_pad, 1x1 s
 def conv_grad_model(dy, x, w, attrs, outputs=("dX", "dW", "dB"), *, const=(), mode="static", dtype=np.float32):
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     shapes = {"dX": x.shape, "dW": w.shape, "dB": w.shape[:1]}
-    return one_node("ConvGrad", [("dY", dy), ("X", x), ("W", w)], [(n, elem, shapes.get(n)) for n in outputs],
-                    const=const, mode=mode, **attrs)
+    return one_node(
+        "ConvGrad", [("dY", dy), ("X", x), ("W", w)], [(n, elem, shapes.get(n)) for n in outputs], const=const, mode=mode, **attrs
+    )
 
 
 def conv_inputs(x_shape, w_shape, attrs, dtype, seed=0):
@@ -504,8 +559,13 @@ BGA_CASES = [
 
 
 def bga_model(a, b, *, const=(), mode="symbolic", outputs=("a_axes", "b_axes")):
-    return one_node("BroadcastGradientArgs", [("a", np.asarray(a, np.int64)), ("b", np.asarray(b, np.int64))],
-                    [(n, TensorProto.INT64, [None]) for n in outputs], const=const, mode=mode)
+    return one_node(
+        "BroadcastGradientArgs",
+        [("a", np.asarray(a, np.int64)), ("b", np.asarray(b, np.int64))],
+        [(n, TensorProto.INT64, [None]) for n in outputs],
+        const=const,
+        mode=mode,
+    )
 
 
 @pytest.mark.parametrize("const", [(), ("a", "b"), ("a",)], ids=["runtime", "constant", "mixed"])
@@ -527,9 +587,11 @@ def test_broadcast_gradient_args_random_against_kernel():
     session = ort.InferenceSession(lower(model).SerializeToString(), providers=["CPUExecutionProvider"])
     for _ in range(200):
         out = rng.integers(0, 4, size=rng.integers(0, 6)).tolist()
+
         def operand(out=out):
-            s = out[len(out) - rng.integers(0, len(out) + 1):]
+            s = out[len(out) - rng.integers(0, len(out) + 1) :]
             return [1 if rng.random() < 0.4 else d for d in s]
+
         a, b = np.asarray(operand(), np.int64), np.asarray(operand(), np.int64)
         want = fn(a, b)
         got = session.run(None, {"a": a, "b": b})
@@ -584,14 +646,25 @@ def test_low_opset_converted_model_keeps_meaning_of_other_nodes():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 4)).astype(np.float32)
     stats = [numpy_helper.from_array(rng.random(3).astype(np.float32) + 0.5, n) for n in ("sc", "bi", "me", "va")]
-    nodes = [helper.make_node("BatchNormalization", ["x", "sc", "bi", "me", "va"], ["y"]),
-             helper.make_node("Shape", ["y"], ["s"]),
-             helper.make_node("GatherElementsGrad", ["y", "s", "idx"], ["dx"], domain=MS, axis=1)]
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "sc", "bi", "me", "va"], ["y"]),
+        helper.make_node("Shape", ["y"], ["s"]),
+        helper.make_node("GatherElementsGrad", ["y", "s", "idx"], ["dx"], domain=MS, axis=1),
+    ]
     idx = rng.integers(-3, 3, size=(2, 3, 4))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
-                                           helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 3, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4]),
-                               helper.make_tensor_value_info("dx", TensorProto.FLOAT, [2, 3, 4])], initializer=stats)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 3, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4]),
+            helper.make_tensor_value_info("dx", TensorProto.FLOAT, [2, 3, 4]),
+        ],
+        initializer=stats,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(MS, 1)])
     want = Session(model).run({"x": x, "idx": idx})
     lowered = lower(model)
@@ -614,14 +687,21 @@ def test_opset_kept_when_no_scatter_add_is_needed(opset):
 
 
 def test_unknown_non_standard_ops_are_all_listed():
-    nodes = [helper.make_node("SoftmaxGrad_13", ["a", "b"], ["c"], domain=MS, name="sm"),
-             helper.make_node("FancyOp", ["c"], ["d"], domain="my.domain", name="fancy"),
-             helper.make_node("SliceGrad", ["d", "s", "st", "en"], ["e"], domain=MS, name="sg")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "ab"]
-                              + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("s", "st", "en")],
-                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1),
-                                                    helper.make_opsetid("my.domain", 1)])
+    nodes = [
+        helper.make_node("SoftmaxGrad_13", ["a", "b"], ["c"], domain=MS, name="sm"),
+        helper.make_node("FancyOp", ["c"], ["d"], domain="my.domain", name="fancy"),
+        helper.make_node("SliceGrad", ["d", "s", "st", "en"], ["e"], domain=MS, name="sg"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "ab"]
+        + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("s", "st", "en")],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1), helper.make_opsetid("my.domain", 1)]
+    )
     with pytest.raises(UnsupportedOpsError) as info:
         LowerToStandardPass()(ir.from_proto(model))
     message = str(info.value)
@@ -648,8 +728,12 @@ def test_pass_is_a_no_op_on_standard_models():
 
 def test_lowering_names_a_missing_broadcast_gradient_args_input():
     node = helper.make_node("BroadcastGradientArgs", ["", "b"], ["ra", "rb"], domain=MS, name="bga")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("b", TensorProto.INT64, [2])],
-                              [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("ra", "rb")])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("b", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("ra", "rb")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
     with pytest.raises(ModelError, match=r"BroadcastGradientArgs node 'bga' lacks one of its inputs A, B"):
         LowerToStandardPass()(ir.from_proto(model))

@@ -34,8 +34,7 @@ ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
 
-def _resize_model(x_shape, attrs, scales=None, sizes=None, roi=None, dtype=TensorProto.FLOAT, opset=19,
-                  loss=False):
+def _resize_model(x_shape, attrs, scales=None, sizes=None, roi=None, dtype=TensorProto.FLOAT, opset=19, loss=False):
     inits, inputs = [], [helper.make_tensor_value_info("x", dtype, list(x_shape))]
     names = ["x", "", "", ""]
     if roi is not None:
@@ -68,8 +67,7 @@ def _ort(model, feeds):
 def test_regression_single_output_pytorch_half_pixel_samples_coordinate_zero(mode, scale):
     """Scales that leave one output on an axis: the spec's ``length_resized > 1 ? ... : 0``."""
     x = np.arange(1, 4, dtype=np.float32).reshape(1, 1, 1, 3) ** 2
-    model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode="pytorch_half_pixel"),
-                          scales=[1, 1, 1, scale])
+    model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode="pytorch_half_pixel"), scales=[1, 1, 1, scale])
     got = Session(model).run({"x": x})["y"]
     np.testing.assert_array_equal(got, x[..., :1])
     np.testing.assert_allclose(got, _ort(model, {"x": x}), rtol=1e-6)
@@ -78,8 +76,7 @@ def test_regression_single_output_pytorch_half_pixel_samples_coordinate_zero(mod
 def test_regression_single_output_cubic_with_sizes():
     """sizes = 1: the reference evaluator samples -0.5, and cubic gives 0.72 x0 + ... instead of x0."""
     x = np.arange(1, 6, dtype=np.float32).reshape(1, 1, 1, 5) ** 2
-    model = _resize_model(x.shape, dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
-                          sizes=[1, 1, 1, 1])
+    model = _resize_model(x.shape, dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"), sizes=[1, 1, 1, 1])
     np.testing.assert_array_equal(Session(model).run({"x": x})["y"], x[..., :1])
     np.testing.assert_array_equal(_ort(model, {"x": x}), x[..., :1])
 
@@ -89,12 +86,12 @@ def test_align_corners_with_fractional_width_follows_onnx_conformance():
     0.6 samples x = 3 / (2.4 - 1) on the width, the fractional width; ONNX Runtime and PyTorch use the
     output length (x = 3 / (2 - 1) = 3), which is why the fuzzer does not compare these cases."""
     x = np.arange(1, 9, dtype=np.float32).reshape(1, 1, 2, 4)
-    model = _resize_model(x.shape, dict(mode="linear", coordinate_transformation_mode="align_corners"),
-                          scales=[1, 1, 0.6, 0.6], opset=13)
+    model = _resize_model(
+        x.shape, dict(mode="linear", coordinate_transformation_mode="align_corners"), scales=[1, 1, 0.6, 0.6], opset=13
+    )
     np.testing.assert_allclose(Session(model).run({"x": x})["y"].ravel(), [1.0, 1 + 3 / 1.4], rtol=1e-6)
     np.testing.assert_allclose(_ort(model, {"x": x}).ravel(), [1.0, 4.0], rtol=1e-6)
-    want = torch.nn.functional.interpolate(torch.tensor(x), scale_factor=(0.6, 0.6), mode="bilinear",
-                                           align_corners=True)
+    want = torch.nn.functional.interpolate(torch.tensor(x), scale_factor=(0.6, 0.6), mode="bilinear", align_corners=True)
     np.testing.assert_allclose(want.numpy().ravel(), [1.0, 4.0], rtol=1e-6)
 
 
@@ -145,8 +142,13 @@ def test_pytorch_half_pixel_gradient_of_x_matches_finite_differences(attrs, shap
 def test_regression_scales_are_not_differentiated():
     """The tensor that failed the check: a float scales input. Asking for its gradient is an error
     naming the node (no silent zero)."""
-    model = _resize_model((1, 1, 3, 4), dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
-                          scales=[1, 1, 1.5, 0.7], loss=True, opset=13)
+    model = _resize_model(
+        (1, 1, 3, 4),
+        dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
+        scales=[1, 1, 1.5, 0.7],
+        loss=True,
+        opset=13,
+    )
     with pytest.raises(ModelError, match="'scales'.*'resize'"):
         gradgen.build_backward(model, wrt=["x", "scales"])
     assert gradgen.build_backward(model, wrt_inputs=True).wrt == ["x"]
@@ -158,10 +160,8 @@ def test_coordinate_modes_match_onnxruntime():
     and align_corners / tf_crop_and_resize with a fractional scale * n (see the test above)."""
     rng = np.random.default_rng(0)
     modes = ["nearest", "linear", "cubic"]
-    ctms = ["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize",
-            "half_pixel_symmetric"]
-    for mode, ctm, n, scale, use_sizes in itertools.product(modes, ctms, [1, 2, 5], [0.34, 0.6, 1.0, 1.7, 2.5],
-                                                           [False, True]):
+    ctms = ["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize", "half_pixel_symmetric"]
+    for mode, ctm, n, scale, use_sizes in itertools.product(modes, ctms, [1, 2, 5], [0.34, 0.6, 1.0, 1.7, 2.5], [False, True]):
         if ctm == "tf_crop_and_resize" and scale == 1.0:
             continue
         if ctm in ("align_corners", "tf_crop_and_resize") and not use_sizes and scale * n != int(scale * n):
@@ -170,5 +170,10 @@ def test_coordinate_modes_match_onnxruntime():
         roi = [0, 0, 0, 0.1, 1, 1, 1, 0.8] if ctm == "tf_crop_and_resize" else None
         geometry = dict(sizes=[1, 1, 2, max(1, int(scale * n))]) if use_sizes else dict(scales=[1, 1, 1, scale])
         model = _resize_model(x.shape, dict(mode=mode, coordinate_transformation_mode=ctm), roi=roi, **geometry)
-        np.testing.assert_allclose(Session(model).run({"x": x})["y"], _ort(model, {"x": x}), rtol=1e-4, atol=1e-5,
-                                   err_msg=f"{mode} {ctm} n={n} {geometry}")
+        np.testing.assert_allclose(
+            Session(model).run({"x": x})["y"],
+            _ort(model, {"x": x}),
+            rtol=1e-4,
+            atol=1e-5,
+            err_msg=f"{mode} {ctm} n={n} {geometry}",
+        )

@@ -27,8 +27,9 @@ def _vi(name, array, symbolic):
     return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), dims)
 
 
-def run_gradgen(op_type, inputs: dict, consts: dict, attrs: dict, out_shapes: list, opset=17, symbolic=False,
-                out_casts=(), order=None):
+def run_gradgen(
+    op_type, inputs: dict, consts: dict, attrs: dict, out_shapes: list, opset=17, symbolic=False, out_casts=(), order=None
+):
     """Gradients of sum_k sum(w_k * out_k) w.r.t. every entry of ``inputs``, by gradgen.
 
     ``out_shapes`` gives each output's shape (for the weights w_k); ``out_casts`` lists outputs to
@@ -47,12 +48,19 @@ def run_gradgen(op_type, inputs: dict, consts: dict, attrs: dict, out_shapes: li
         if k in out_casts:
             nodes.append(helper.make_node("Cast", [src], [f"c{k}"], to=TensorProto.DOUBLE))
             src = f"c{k}"
-        nodes += [helper.make_node("Mul", [src, f"w{k}"], [f"t{k}"]),
-                  helper.make_node("ReduceSum", [f"t{k}"], [f"s{k}"], keepdims=0)]
+        nodes += [
+            helper.make_node("Mul", [src, f"w{k}"], [f"t{k}"]),
+            helper.make_node("ReduceSum", [f"t{k}"], [f"s{k}"], keepdims=0),
+        ]
         terms.append(f"s{k}")
     nodes.append(helper.make_node("Sum", terms, ["loss"]))
-    graph = helper.make_graph(nodes, "g", [_vi(n, v, symbolic) for n, v in inputs.items()],
-                              [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [_vi(n, v, symbolic) for n, v in inputs.items()],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     built = gradgen.build_backward(model, wrt=list(inputs))
     got = Session(built.model).run(dict(inputs))
@@ -75,26 +83,30 @@ def assert_close(got, want, rtol=1e-9, atol=1e-11):
 
 # -- BatchNormalization (inference) --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("symbolic", [False, True])
 @pytest.mark.parametrize("shape", [(2, 3, 4, 4), (4, 3), (2, 3, 5)])
 def test_batch_norm_eval(shape, symbolic):
     c = shape[1]
-    inputs = {"x": rng.normal(size=shape), "scale": rng.normal(size=c), "b": rng.normal(size=c),
-              "mean": rng.normal(size=c), "var": rng.uniform(0.5, 2.0, c)}
+    inputs = {
+        "x": rng.normal(size=shape),
+        "scale": rng.normal(size=c),
+        "b": rng.normal(size=c),
+        "mean": rng.normal(size=c),
+        "var": rng.uniform(0.5, 2.0, c),
+    }
     eps = 1e-3
     got, w = run_gradgen("BatchNormalization", inputs, {}, {"epsilon": eps}, [shape], opset=15, symbolic=symbolic)
     view = (1, c) + (1,) * (len(shape) - 2)
 
     def explicit(x, scale, b, mean, var):  # running stats differentiable, as in ONNX eval mode
-        return ((x - mean.reshape(view)) / torch.sqrt(var.reshape(view) + eps) * scale.reshape(view)
-                + b.reshape(view))
+        return (x - mean.reshape(view)) / torch.sqrt(var.reshape(view) + eps) * scale.reshape(view) + b.reshape(view)
 
     assert_close(got, torch_grads(explicit, inputs, w))
 
     # torch's own batch_norm for X, scale and B (it refuses gradients for the running stats).
     def native(x, scale, b):
-        return F.batch_norm(x, torch.tensor(inputs["mean"]), torch.tensor(inputs["var"]), scale, b,
-                            training=False, eps=eps)
+        return F.batch_norm(x, torch.tensor(inputs["mean"]), torch.tensor(inputs["var"]), scale, b, training=False, eps=eps)
 
     sub = {k: inputs[k] for k in ("x", "scale", "b")}
     assert_close({k: got[k] for k in sub}, torch_grads(native, sub, w))
@@ -102,10 +114,11 @@ def test_batch_norm_eval(shape, symbolic):
 
 # -- LayerNormalization ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("symbolic", [False, True])
 @pytest.mark.parametrize("shape,axis", [((2, 3, 4), -1), ((2, 3, 4), 1), ((3, 5), 0), ((2, 2, 3, 2), -2)])
 def test_layer_norm(shape, axis, symbolic):
-    norm_shape = shape[axis % len(shape):]
+    norm_shape = shape[axis % len(shape) :]
     inputs = {"x": rng.normal(size=shape), "scale": rng.normal(size=norm_shape), "b": rng.normal(size=norm_shape)}
     eps = 1e-4
     got, w = run_gradgen("LayerNormalization", inputs, {}, {"axis": axis, "epsilon": eps}, [shape], symbolic=symbolic)
@@ -119,8 +132,15 @@ def test_layer_norm_stat_outputs_carry_gradients(symbolic):
     shape, axis, eps = (2, 3, 4), 1, 1e-3
     inputs = {"x": rng.normal(size=shape), "scale": rng.normal(size=(3, 4))}
     stat_shape = (2, 1, 1)
-    got, w = run_gradgen("LayerNormalization", inputs, {}, {"axis": axis, "epsilon": eps},
-                         [shape, stat_shape, stat_shape], symbolic=symbolic, out_casts=(1, 2))
+    got, w = run_gradgen(
+        "LayerNormalization",
+        inputs,
+        {},
+        {"axis": axis, "epsilon": eps},
+        [shape, stat_shape, stat_shape],
+        symbolic=symbolic,
+        out_casts=(1, 2),
+    )
 
     def ln(x, scale):
         mean = x.mean(dim=(1, 2), keepdim=True)
@@ -133,19 +153,21 @@ def test_layer_norm_stat_outputs_carry_gradients(symbolic):
 
 # -- SoftmaxCrossEntropyLoss ---------------------------------------------------------------------
 
+
 def _sce_torch(labels, ignore_index, reduction):
     def fn(scores, weights=None):
         kwargs = {"reduction": reduction}
         if ignore_index is not None:
             kwargs["ignore_index"] = ignore_index
-        loss = F.cross_entropy(scores, torch.tensor(labels), weight=None if weights is None else weights.detach(),
-                               **kwargs)
+        loss = F.cross_entropy(scores, torch.tensor(labels), weight=None if weights is None else weights.detach(), **kwargs)
         return loss, F.log_softmax(scores, dim=1)
+
     return fn
 
 
 def _sce_explicit(labels, ignore_index, reduction):
     """The ONNX definition written in torch ops, so that the weights get a gradient too."""
+
     def fn(scores, weights):
         logp = F.log_softmax(scores, dim=1)
         lab = torch.tensor(labels)
@@ -158,6 +180,7 @@ def _sce_explicit(labels, ignore_index, reduction):
         elif reduction == "mean":
             loss = loss.sum() / w.sum()
         return loss, logp
+
     return fn
 
 
@@ -179,30 +202,50 @@ def test_softmax_cross_entropy(scores_shape, reduction, ignore_index, symbolic):
     out_shapes = [loss_shape, scores_shape]  # the log_prob output carries a gradient too
 
     # With weights: gradgen vs F.cross_entropy for the scores, vs the explicit formula for both.
-    got, w = run_gradgen("SoftmaxCrossEntropyLoss", {"scores": scores}, {"labels": labels, "weights": weights},
-                         attrs, out_shapes, symbolic=symbolic)
-    native = torch_grads(lambda scores: _sce_torch(labels, ignore_index, reduction)(scores, torch.tensor(weights)),
-                         {"scores": scores}, w)
+    got, w = run_gradgen(
+        "SoftmaxCrossEntropyLoss",
+        {"scores": scores},
+        {"labels": labels, "weights": weights},
+        attrs,
+        out_shapes,
+        symbolic=symbolic,
+    )
+    native = torch_grads(
+        lambda scores: _sce_torch(labels, ignore_index, reduction)(scores, torch.tensor(weights)), {"scores": scores}, w
+    )
     assert_close(got, native)
-    got2, w2 = run_gradgen("SoftmaxCrossEntropyLoss", {"scores": scores, "weights": weights}, {"labels": labels},
-                           attrs, out_shapes, symbolic=symbolic, order=["scores", "labels", "weights"])
-    assert_close(got2, torch_grads(_sce_explicit(labels, ignore_index, reduction),
-                                   {"scores": scores, "weights": weights}, w2))
+    got2, w2 = run_gradgen(
+        "SoftmaxCrossEntropyLoss",
+        {"scores": scores, "weights": weights},
+        {"labels": labels},
+        attrs,
+        out_shapes,
+        symbolic=symbolic,
+        order=["scores", "labels", "weights"],
+    )
+    assert_close(got2, torch_grads(_sce_explicit(labels, ignore_index, reduction), {"scores": scores, "weights": weights}, w2))
 
     # Without weights.
-    got3, w3 = run_gradgen("SoftmaxCrossEntropyLoss", {"scores": scores}, {"labels": labels}, attrs, out_shapes,
-                           symbolic=symbolic)
-    assert_close(got3, torch_grads(lambda scores: _sce_torch(labels, ignore_index, reduction)(scores),
-                                   {"scores": scores}, w3))
+    got3, w3 = run_gradgen(
+        "SoftmaxCrossEntropyLoss", {"scores": scores}, {"labels": labels}, attrs, out_shapes, symbolic=symbolic
+    )
+    assert_close(got3, torch_grads(lambda scores: _sce_torch(labels, ignore_index, reduction)(scores), {"scores": scores}, w3))
 
 
 # -- MatMul with broadcast batch dims ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("symbolic", [False, True])
-@pytest.mark.parametrize("a_shape,b_shape", [
-    ((2, 1, 3, 4), (5, 4, 2)), ((1, 3, 4), (2, 5, 4, 2)), ((4,), (2, 3, 4, 2)), ((2, 3, 3, 4), (4,)),
-    ((3, 1, 2, 4), (1, 5, 4, 3)),
-])
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [
+        ((2, 1, 3, 4), (5, 4, 2)),
+        ((1, 3, 4), (2, 5, 4, 2)),
+        ((4,), (2, 3, 4, 2)),
+        ((2, 3, 3, 4), (4,)),
+        ((3, 1, 2, 4), (1, 5, 4, 3)),
+    ],
+)
 def test_matmul_broadcast(a_shape, b_shape, symbolic):
     inputs = {"a": rng.normal(size=a_shape), "b": rng.normal(size=b_shape)}
     out_shape = np.matmul(inputs["a"], inputs["b"]).shape
@@ -211,6 +254,7 @@ def test_matmul_broadcast(a_shape, b_shape, symbolic):
 
 
 # -- a few more checks against torch ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("opset", [17, 18])
 def test_reduce_max_ties_split_evenly(opset):
@@ -229,8 +273,11 @@ def test_reduce_dynamic_axes():
     w = rng.uniform(0.5, 1.5, (3,))
     graph = helper.make_graph(
         [node, helper.make_node("Mul", ["y", "w"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)],
-        "g", [_vi("x", x, False), helper.make_tensor_value_info("axes", TensorProto.INT64, [2])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=[numpy_helper.from_array(w, "w")])
+        "g",
+        [_vi("x", x, False), helper.make_tensor_value_info("axes", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     built = gradgen.build_backward(model, wrt=["x"])
     got = Session(built.model).run({"x": x, "axes": axes})["x_grad"]
@@ -245,10 +292,16 @@ def test_group_norm_opset18_per_group_symbolic():
     outs = ["y"]
     wy = rng.uniform(0.5, 1.5, x.shape)
     graph = helper.make_graph(
-        [helper.make_node("GroupNormalization", ["x", "s", "b"], outs, num_groups=3, epsilon=eps),
-         helper.make_node("Mul", ["y", "w"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)],
-        "g", [_vi(n, v, True) for n, v in inputs.items()],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], initializer=[numpy_helper.from_array(wy, "w")])
+        [
+            helper.make_node("GroupNormalization", ["x", "s", "b"], outs, num_groups=3, epsilon=eps),
+            helper.make_node("Mul", ["y", "w"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        ],
+        "g",
+        [_vi(n, v, True) for n, v in inputs.items()],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(wy, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     built = gradgen.build_backward(model, wrt=list(inputs))
     res = Session(built.model).run(inputs)
@@ -266,8 +319,7 @@ def test_group_norm_opset18_per_group_symbolic():
 def test_group_norm_opset21_vs_torch():
     x, s, b = rng.normal(size=(2, 6, 3)), rng.normal(size=6), rng.normal(size=6)
     inputs = {"x": x, "s": s, "b": b}
-    got, w = run_gradgen("GroupNormalization", inputs, {}, {"num_groups": 2, "epsilon": 1e-3}, [x.shape], opset=21,
-                         symbolic=True)
+    got, w = run_gradgen("GroupNormalization", inputs, {}, {"num_groups": 2, "epsilon": 1e-3}, [x.shape], opset=21, symbolic=True)
     assert_close(got, torch_grads(lambda x, s, b: F.group_norm(x, 2, s, b, 1e-3), inputs, w))
 
 
@@ -278,11 +330,14 @@ def test_instance_norm_vs_torch():
     assert_close(got, torch_grads(lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-3), inputs, w))
 
 
-@pytest.mark.parametrize("equation,shapes", [
-    ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
-    ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 2)]),
-    ("...ij,jk->...i", [(2, 3, 4), (4, 5)]),
-])
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+        ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 2)]),
+        ("...ij,jk->...i", [(2, 3, 4), (4, 5)]),
+    ],
+)
 def test_einsum_vs_torch(equation, shapes):
     inputs = {f"x{i}": rng.normal(size=s) for i, s in enumerate(shapes)}
     out_shape = np.einsum(equation, *inputs.values()).shape
@@ -305,6 +360,7 @@ def _own_random_stream(request):
 
 
 # -- Clip with learnable bounds (a silent zero gradient before) -----------------------------------
+
 
 @pytest.mark.parametrize("bounds", [(-0.5, 0.7), (0.4, -0.2), (None, 0.3), (-0.1, None)])
 def test_clip_bounds_vs_torch_clamp(bounds):

@@ -18,10 +18,14 @@ def _model(nodes, inputs, outputs, initializers=()):
 
 def _symbolic_add():
     """y = a + b with a: [batch, 3], b: [batch, 3] (one symbol shared by two inputs)."""
-    return _model([helper.make_node("Add", ["a", "b"], ["y"], name="add")],
-                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", 3]),
-                   helper.make_tensor_value_info("b", TensorProto.FLOAT, ["batch", 3])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])])
+    return _model(
+        [helper.make_node("Add", ["a", "b"], ["y"], name="add")],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["batch", 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+    )
 
 
 def test_feeds_are_checked_on_every_run_whatever_came_before():
@@ -49,9 +53,14 @@ def test_feeds_are_checked_on_every_run_whatever_came_before():
 def test_absent_optional_inputs_reach_the_kernel_as_none():
     """Clip(x, <absent min>, max): the empty input name is fetched as None, not looked up."""
     top = helper.make_tensor("top", TensorProto.FLOAT, [], [0.5])
-    session = Session(_model([helper.make_node("Clip", ["x", "", "top"], ["y"], name="clip")],
-                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [top]))
+    session = Session(
+        _model(
+            [helper.make_node("Clip", ["x", "", "top"], ["y"], name="clip")],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+            [top],
+        )
+    )
     x = np.array([-2.0, 0.0, 0.25, 3.0], np.float32)
     for _ in range(2):
         np.testing.assert_array_equal(session.run({"x": x})["y"], np.minimum(x, 0.5))
@@ -60,9 +69,13 @@ def test_absent_optional_inputs_reach_the_kernel_as_none():
 def test_a_float16_input_still_runs_in_float32_when_nothing_is_declared_low():
     """The step's declared output says nothing of float16; its argument does, at run time. ReduceL2 of
     [300, 400] squares in float16 to inf (past 65504); in float32, rounded once at the end: 500."""
-    session = Session(_model([helper.make_node("ReduceL2", ["x"], ["y"], keepdims=0, name="norm")],
-                             [helper.make_tensor_value_info("x", TensorProto.FLOAT16, None)],
-                             [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)]))
+    session = Session(
+        _model(
+            [helper.make_node("ReduceL2", ["x"], ["y"], keepdims=0, name="norm")],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT16, None)],
+            [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)],
+        )
+    )
     assert not session.steps[0].low_precision
     x = np.array([300, 400], np.float16)
     with np.errstate(over="ignore"):
@@ -74,12 +87,18 @@ def test_a_float16_input_still_runs_in_float32_when_nothing_is_declared_low():
 
 def _reshape_and_reduce():
     """y = ReduceSum(Reshape(x, shape), axes); shape and axes are inputs, so they may change per run."""
-    return _model([helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
-                   helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0, name="sum")],
-                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
-                   helper.make_tensor_value_info("shape", TensorProto.INT64, [None]),
-                   helper.make_tensor_value_info("axes", TensorProto.INT64, [None])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return _model(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["r"], name="reshape"),
+            helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0, name="sum"),
+        ],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [None]),
+            helper.make_tensor_value_info("axes", TensorProto.INT64, [None]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
 
 
 def test_cached_reshape_targets_and_axes_follow_their_inputs_and_errors_repeat():

@@ -59,10 +59,34 @@ def test_train_gives_a_falling_loss_a_log_and_a_checkpoint(tmp_path, mlp_data, c
     train, evaluation = mlp_data
     ckpt = tmp_path / "run"
     before = MLP.read_bytes()
-    code, out, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--optimizer", "adamw",
-                             "--lr", "0.01", "--steps", "120", "--eval-data", evaluation, "--eval-every", "40",
-                             "--checkpoint-dir", ckpt, "--checkpoint-every", "50", "--schedule", "cosine",
-                             "--warmup-steps", "10", "--clip-norm", "1.0")
+    code, out, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        MLP,
+        "--data",
+        train,
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--steps",
+        "120",
+        "--eval-data",
+        evaluation,
+        "--eval-every",
+        "40",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "50",
+        "--schedule",
+        "cosine",
+        "--warmup-steps",
+        "10",
+        "--clip-norm",
+        "1.0",
+    )
     assert code == 0, err
     assert MLP.read_bytes() == before
     rows = log_rows(ckpt / "log.csv")
@@ -99,8 +123,24 @@ def test_resume_is_bit_identical(tmp_path, cnn_data, capsys, monkeypatch, optimi
     With a constant rate the first half is a plain --steps 50 run; a decaying schedule depends on
     --steps, so there the first half is a --steps 100 run stopped by Ctrl-C after step 50.
     """
-    common = ["--data", cnn_data, "--optimizer", optimizer, "--lr", "0.01", "--seed", "7", "--accumulate", "2",
-              "--schedule", schedule, "--clip-norm", "2.0", "--checkpoint-every", "30"]
+    common = [
+        "--data",
+        cnn_data,
+        "--optimizer",
+        optimizer,
+        "--lr",
+        "0.01",
+        "--seed",
+        "7",
+        "--accumulate",
+        "2",
+        "--schedule",
+        schedule,
+        "--clip-norm",
+        "2.0",
+        "--checkpoint-every",
+        "30",
+    ]
     if optimizer == "sgd":
         common += ["--momentum", "0.9", "--nesterov", "--weight-decay", "1e-3"]
     whole, halves = tmp_path / "whole", tmp_path / "halves"
@@ -110,8 +150,7 @@ def test_resume_is_bit_identical(tmp_path, cnn_data, capsys, monkeypatch, optimi
         assert code == 0, err
     else:
         _interrupted_after_50(capsys, monkeypatch, common, halves)
-    code, out, err = run_cli(capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir",
-                             halves, "--resume")
+    code, out, err = run_cli(capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir", halves, "--resume")
     assert code == 0, err
     assert "resuming from" in err and "trained steps 51 to 100" in out
     assert "schedule differs" not in err
@@ -135,8 +174,7 @@ def _interrupted_after_50(capsys, monkeypatch, common, directory) -> None:
 
     monkeypatch.setattr(Trainer, "train_step", stop_after_50)
     try:
-        code, _, err = run_cli(capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir",
-                               directory)
+        code, _, err = run_cli(capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir", directory)
     finally:
         monkeypatch.setattr(Trainer, "train_step", original)
     assert code == 130 and "interrupted after step 50; checkpoint saved" in err, err
@@ -145,8 +183,12 @@ def _interrupted_after_50(capsys, monkeypatch, common, directory) -> None:
 def test_export_runs_in_onnxruntime(tmp_path, cnn_data, capsys, monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     ckpt = tmp_path / "run"
-    assert run_cli(capsys, monkeypatch, "train", CNN, "--data", cnn_data, "--lr", "0.01", "--steps", "20",
-                   "--checkpoint-dir", ckpt)[0] == 0
+    assert (
+        run_cli(capsys, monkeypatch, "train", CNN, "--data", cnn_data, "--lr", "0.01", "--steps", "20", "--checkpoint-dir", ckpt)[
+            0
+        ]
+        == 0
+    )
     out = tmp_path / "cnn_trained.onnx"
     code, stdout, err = run_cli(capsys, monkeypatch, "export", CNN, "--checkpoint", ckpt, "-o", out)
     assert code == 0, err
@@ -179,8 +221,21 @@ def test_bad_data_is_a_one_line_error(tmp_path, cnn_data, capsys, monkeypatch):
     for name, (bad, extra, words) in cases.items():
         path = tmp_path / f"{name}.npz"
         np.savez(path, **bad)
-        code, out, err = run_cli(capsys, monkeypatch, "train", CNN, "--data", path, "--lr", "0.1", "--steps", "3",
-                                 "--checkpoint-dir", tmp_path / name, *extra)
+        code, out, err = run_cli(
+            capsys,
+            monkeypatch,
+            "train",
+            CNN,
+            "--data",
+            path,
+            "--lr",
+            "0.1",
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            tmp_path / name,
+            *extra,
+        )
         assert code in (2, 4) and words in err, (name, err)
         assert len(err.strip().splitlines()[-1:]) == 1 and err.strip().splitlines()[-1].startswith("error: ")
         assert not (tmp_path / name / "checkpoint.npz").exists()
@@ -189,35 +244,81 @@ def test_bad_data_is_a_one_line_error(tmp_path, cnn_data, capsys, monkeypatch):
 def test_checkpoints_are_never_lost(tmp_path, mlp_data, cnn_data, capsys, monkeypatch):
     train, _ = mlp_data
     ckpt = tmp_path / "run"
-    assert run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5",
-                   "--checkpoint-dir", ckpt)[0] == 0
+    assert (
+        run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5", "--checkpoint-dir", ckpt)[0]
+        == 0
+    )
     before = (ckpt / "checkpoint.npz").read_bytes()
     # Training again into the same directory without --resume would overwrite it: refused.
-    code, _, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5",
-                           "--checkpoint-dir", ckpt)
+    code, _, err = run_cli(
+        capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5", "--checkpoint-dir", ckpt
+    )
     assert code == 2 and "pass --resume" in err
     # Another model's checkpoint: refused on --resume and by export.
-    code, _, err = run_cli(capsys, monkeypatch, "train", CNN, "--data", cnn_data, "--lr", "0.01", "--steps", "9",
-                           "--checkpoint-dir", ckpt, "--resume")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        CNN,
+        "--data",
+        cnn_data,
+        "--lr",
+        "0.01",
+        "--steps",
+        "9",
+        "--checkpoint-dir",
+        ckpt,
+        "--resume",
+    )
     assert code == 2 and "from another model" in err
     code, _, err = run_cli(capsys, monkeypatch, "export", CNN, "--checkpoint", ckpt, "-o", tmp_path / "x.onnx")
     assert code == 2 and "from another model" in err and not (tmp_path / "x.onnx").exists()
     # Another optimizer or data order on --resume: refused.
-    code, _, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "9",
-                           "--checkpoint-dir", ckpt, "--resume", "--optimizer", "sgd")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        MLP,
+        "--data",
+        train,
+        "--lr",
+        "0.01",
+        "--steps",
+        "9",
+        "--checkpoint-dir",
+        ckpt,
+        "--resume",
+        "--optimizer",
+        "sgd",
+    )
     assert code == 2 and "holds adamw state" in err
-    code, _, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "9",
-                           "--checkpoint-dir", ckpt, "--resume", "--seed", "1")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        MLP,
+        "--data",
+        train,
+        "--lr",
+        "0.01",
+        "--steps",
+        "9",
+        "--checkpoint-dir",
+        ckpt,
+        "--resume",
+        "--seed",
+        "1",
+    )
     assert code == 2 and "--seed 0 -> 1" in err
     assert (ckpt / "checkpoint.npz").read_bytes() == before
     # An unwritable checkpoint directory (under a file): refused before any work, nothing created.
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    code, out, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5",
-                             "--checkpoint-dir", blocker / "sub")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5", "--checkpoint-dir", blocker / "sub"
+    )
     assert code == 2 and "cannot create it" in err and "building" not in err
-    code, _, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5",
-                           "--resume")
+    code, _, err = run_cli(capsys, monkeypatch, "train", MLP, "--data", train, "--lr", "0.01", "--steps", "5", "--resume")
     assert code == 2 and "--resume needs --checkpoint-dir" in err
 
 
@@ -233,8 +334,24 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_state(tmp_path, 
     batches = islice(ShuffledBatches(arrays, 3, seed=0), 100)
     bad_step = next(i for i, b in enumerate(batches, start=1) if np.isnan(b["x"]).any())
     ckpt = tmp_path / "run"
-    code, out, err = run_cli(capsys, monkeypatch, "train", CNN, "--data", data, "--lr", "0.01", "--steps", "100",
-                             "--optimizer", "sgd", "--checkpoint-dir", ckpt, "--checkpoint-every", "1000")
+    code, out, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        CNN,
+        "--data",
+        data,
+        "--lr",
+        "0.01",
+        "--steps",
+        "100",
+        "--optimizer",
+        "sgd",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "1000",
+    )
     assert code == 4
     assert f"error: step {bad_step}: the loss is nan" in err and str(ckpt / "checkpoint.npz") in err
     params, meta = checkpoint_arrays(ckpt / "checkpoint.npz")
@@ -248,9 +365,28 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, mlp_data):
     ckpt = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradgen", "train", str(MLP), "--data", str(train), "--lr", "0.001",
-         "--steps", "1000000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "gradgen",
+            "train",
+            str(MLP),
+            "--data",
+            str(train),
+            "--lr",
+            "0.001",
+            "--steps",
+            "1000000",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "1000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     log = ckpt / "log.csv"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) > 20):
@@ -273,36 +409,88 @@ def test_added_loss_frozen_scalars_and_export(tmp_path, capsys, monkeypatch):
     rng = np.random.default_rng(2)
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["x", "W", "b"], ["h"]), helper.make_node("Mul", ["h", "scale"], ["pred"])],
-        "scaled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        "scaled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("pred", TensorProto.FLOAT, ["N", 2])],
-        initializer=[numpy_helper.from_array(rng.standard_normal((3, 2)).astype(np.float32), "W"),
-                     numpy_helper.from_array(np.zeros(2, np.float32), "b"),
-                     numpy_helper.from_array(np.array(0.5, np.float32), "scale")])
+        initializer=[
+            numpy_helper.from_array(rng.standard_normal((3, 2)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.zeros(2, np.float32), "b"),
+            numpy_helper.from_array(np.array(0.5, np.float32), "scale"),
+        ],
+    )
     model = tmp_path / "scaled.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model))
     x = rng.standard_normal((32, 3)).astype(np.float32)
     data = tmp_path / "data.npz"
     np.savez(data, x=x, y=(x @ rng.standard_normal((3, 2))).astype(np.float32))
-    common = ["--data", data, "--lr", "0.05", "--steps", "60", "--batch-size", "8", "--add-loss", "mse",
-              "--loss-output", "pred", "--target", "y"]
+    common = [
+        "--data",
+        data,
+        "--lr",
+        "0.05",
+        "--steps",
+        "60",
+        "--batch-size",
+        "8",
+        "--add-loss",
+        "mse",
+        "--loss-output",
+        "pred",
+        "--target",
+        "y",
+    ]
     code, out, err = run_cli(capsys, monkeypatch, "train", model, *common, "--checkpoint-dir", tmp_path / "a")
     assert code == 0, err
     assert "note: training single-value initializer(s) 'scale'" in err
-    code, out, err = run_cli(capsys, monkeypatch, "train", model, *common, "--freeze", "scale",
-                             "--checkpoint-dir", tmp_path / "b")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "train", model, *common, "--freeze", "scale", "--checkpoint-dir", tmp_path / "b"
+    )
     assert code == 0 and "single-value" not in err, err
     losses = [float(r["loss"]) for r in log_rows(tmp_path / "b" / "log.csv")]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
-    code, out, err = run_cli(capsys, monkeypatch, "export", model, "--checkpoint", tmp_path / "b",
-                             "-o", tmp_path / "trained.onnx")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "export", model, "--checkpoint", tmp_path / "b", "-o", tmp_path / "trained.onnx"
+    )
     assert code == 0 and "inputs: x" in out and "outputs: pred" in out, err
     trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
     assert trained["scale"] == np.float32(0.5)
     assert not np.allclose(trained["W"], numpy_helper.to_array(graph.initializer[0]))
     # Missing --loss-output, or --loss with --add-loss: usage errors.
-    code, _, err = run_cli(capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--steps", "2",
-                           "--batch-size", "8", "--add-loss", "mse")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        model,
+        "--data",
+        data,
+        "--lr",
+        "0.1",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--add-loss",
+        "mse",
+    )
     assert code == 2 and "--loss-output" in err
-    code, _, err = run_cli(capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--steps", "2",
-                           "--batch-size", "8", "--add-loss", "mse", "--loss-output", "pred", "--loss", "pred")
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "train",
+        model,
+        "--data",
+        data,
+        "--lr",
+        "0.1",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--add-loss",
+        "mse",
+        "--loss-output",
+        "pred",
+        "--loss",
+        "pred",
+    )
     assert code == 2 and "use one of them" in err

@@ -22,9 +22,12 @@ F = torch.nn.functional
 
 def identity_model(shape, dtype=TensorProto.DOUBLE, opset=17) -> ir.Model:
     """z -> Identity -> logits, so that the gradient reaching z is the loss's gradient."""
-    graph = helper.make_graph([helper.make_node("Identity", ["z"], ["logits"])], "g",
-                              [helper.make_tensor_value_info("z", dtype, shape)],
-                              [helper.make_tensor_value_info("logits", dtype, shape)])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["z"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("z", dtype, shape)],
+        [helper.make_tensor_value_info("logits", dtype, shape)],
+    )
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
 
 
@@ -32,11 +35,15 @@ def linear_model(n=4, d=5, c=3) -> onnx.ModelProto:
     """x @ W + b -> logits (float32), for finite-difference checks of a loss through a layer."""
     rng = np.random.default_rng(7)
     graph = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "W", "b"], ["logits"])], "linear",
+        [helper.make_node("Gemm", ["x", "W", "b"], ["logits"])],
+        "linear",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, d])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [n, c])],
-        initializer=[numpy_helper.from_array(rng.standard_normal((d, c)).astype(np.float32), "W"),
-                     numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b")])
+        initializer=[
+            numpy_helper.from_array(rng.standard_normal((d, c)).astype(np.float32), "W"),
+            numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b"),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -82,15 +89,20 @@ def test_cross_entropy_matches_torch(shape, options):
 
     zt = torch.tensor(z, requires_grad=True)
     logits = zt if axis == 1 else zt.movedim(axis, 1)
-    ref = F.cross_entropy(logits, torch.tensor(labels), ignore_index=-100 if ignore is None else ignore,
-                          label_smoothing=options.get("label_smoothing", 0.0))
+    ref = F.cross_entropy(
+        logits,
+        torch.tensor(labels),
+        ignore_index=-100 if ignore is None else ignore,
+        label_smoothing=options.get("label_smoothing", 0.0),
+    )
     ref.backward()
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-12)
     np.testing.assert_allclose(grad, zt.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("kind, torch_loss", [("mse", F.mse_loss), ("l1", F.l1_loss),
-                                              ("bce_with_logits", F.binary_cross_entropy_with_logits)])
+@pytest.mark.parametrize(
+    "kind, torch_loss", [("mse", F.mse_loss), ("l1", F.l1_loss), ("bce_with_logits", F.binary_cross_entropy_with_logits)]
+)
 def test_regression_losses_match_torch(kind, torch_loss):
     rng = np.random.default_rng(3)
     shape = [4, 3]
@@ -107,8 +119,10 @@ def test_regression_losses_match_torch(kind, torch_loss):
     np.testing.assert_allclose(grad, zt.grad.numpy(), rtol=1e-10, atol=1e-15)
 
 
-@pytest.mark.parametrize("kind, options", [("cross_entropy", {"label_smoothing": 0.1, "ignore_index": 1}),
-                                           ("mse", {}), ("l1", {}), ("bce_with_logits", {})])
+@pytest.mark.parametrize(
+    "kind, options",
+    [("cross_entropy", {"label_smoothing": 0.1, "ignore_index": 1}), ("mse", {}), ("l1", {}), ("bce_with_logits", {})],
+)
 def test_losses_through_a_layer_match_finite_differences(kind, options):
     model = ir.from_proto(linear_model())
     adder = add_loss(model, LossSpec(kind, "logits", **options))
@@ -137,12 +151,15 @@ def test_target_names_and_types():
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
 
 
-@pytest.mark.parametrize("spec, error, words", [
-    (LossSpec("mse", "nope"), UsageError, ["'nope'", "logits"]),
-    (LossSpec("mse", "logits", target="z"), UsageError, ["'z'", "already"]),
-    (LossSpec("cross_entropy", "logits", class_axis=0), UsageError, ["class axis 0"]),
-    (LossSpec("mse", None), UsageError, ["mse loss names no output"]),
-])
+@pytest.mark.parametrize(
+    "spec, error, words",
+    [
+        (LossSpec("mse", "nope"), UsageError, ["'nope'", "logits"]),
+        (LossSpec("mse", "logits", target="z"), UsageError, ["'z'", "already"]),
+        (LossSpec("cross_entropy", "logits", class_axis=0), UsageError, ["class axis 0"]),
+        (LossSpec("mse", None), UsageError, ["mse loss names no output"]),
+    ],
+)
 def test_bad_specs_name_what_is_wrong(spec, error, words):
     with pytest.raises(error) as info:
         add_loss(identity_model([3, 4]), spec)
@@ -168,8 +185,11 @@ def test_build_backward_add_loss_on_the_command_line(tmp_path, capsys, monkeypat
     source = tmp_path / "linear.onnx"
     onnx.save(linear_model(), str(source))
     out = tmp_path / "linear_grad.onnx"
-    monkeypatch.setattr(sys, "argv", ["gradgen", "build-backward", str(source), "-o", str(out),
-                                      "--add-loss", "cross-entropy", "--loss-output", "logits"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["gradgen", "build-backward", str(source), "-o", str(out), "--add-loss", "cross-entropy", "--loss-output", "logits"],
+    )
     with pytest.raises(SystemExit) as exit_info:
         main()
     stdout, _ = capsys.readouterr()

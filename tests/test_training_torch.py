@@ -95,7 +95,7 @@ def train_torch(name, make_optimizer, batches, lr, *, clip_norm=None, accumulati
             group["lr"] = schedule(step)
         optimizer.zero_grad()
         micro_losses = []
-        for batch in batches[(step - 1) * accumulation:step * accumulation]:
+        for batch in batches[(step - 1) * accumulation : step * accumulation]:
             loss = module(**{k: torch.from_numpy(v) for k, v in batch.items()})[0]
             (loss / accumulation).backward()
             micro_losses.append(loss.item())
@@ -145,8 +145,9 @@ def test_fifty_steps_match_pytorch(name, kind):
         make = lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
     program, trainer, losses, norms = train_gradgen(name, optimizer, batches, lr)
     theirs = train_torch(name, make, batches, lr)
-    assert_same_training(name, program, trainer, (losses, norms), theirs,
-                         ignore=GPT_KEY_BIAS if name == "gpt" and kind == "adamw" else None)
+    assert_same_training(
+        name, program, trainer, (losses, norms), theirs, ignore=GPT_KEY_BIAS if name == "gpt" and kind == "adamw" else None
+    )
 
 
 def test_sgd_options_match_pytorch():
@@ -155,10 +156,12 @@ def test_sgd_options_match_pytorch():
     batches = batches_for("cnn", STEPS, accumulation=2)
     options = {"clip_norm": 0.5, "accumulation": 2, "freeze": ["conv1.bias"]}
     program, trainer, losses, norms = train_gradgen(
-        "cnn", SGD(momentum=0.8, nesterov=True, weight_decay=1e-2), batches, schedule, **options)
+        "cnn", SGD(momentum=0.8, nesterov=True, weight_decay=1e-2), batches, schedule, **options
+    )
     assert "conv1.bias" not in program.params and program.accumulate is not None
-    theirs = train_torch("cnn", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, weight_decay=1e-2),
-                         batches, schedule, **options)
+    theirs = train_torch(
+        "cnn", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True, weight_decay=1e-2), batches, schedule, **options
+    )
     assert_same_training("cnn", program, trainer, (losses, norms), theirs)
 
 
@@ -168,8 +171,14 @@ def test_adamw_options_match_pytorch():
     batches = batches_for("mlp", STEPS, accumulation=3)
     options = {"clip_norm": 0.05, "accumulation": 3, "freeze": ["fc2.weight"]}
     program, trainer, losses, norms = train_gradgen(
-        "mlp", AdamW(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), batches, schedule, **options)
-    theirs = train_torch("mlp", lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-                         batches, schedule, **options)
+        "mlp", AdamW(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), batches, schedule, **options
+    )
+    theirs = train_torch(
+        "mlp",
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        batches,
+        schedule,
+        **options,
+    )
     assert_same_training("mlp", program, trainer, (losses, norms), theirs)
     assert "fc2.weight" not in program.params and "fc2.weight" in program.train.graph.initializers

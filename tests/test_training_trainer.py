@@ -122,7 +122,7 @@ def test_trainer_takes_a_torch_dataloader_and_calls_back():
     eval_batches = [{k: v[:4] for k, v in arrays.items()}]
     from_torch = trainer.fit(loader, steps=10, eval_batches=eval_batches, eval_every=2)
     assert count.calls == ["begin", 1, 2, ("eval", 2), 3, 4, ("eval", 4), "end"]  # the loader ran out at 4
-    numpy_batches = [{k: v[i:i + 4] for k, v in arrays.items()} for i in range(0, 16, 4)]
+    numpy_batches = [{k: v[i : i + 4] for k, v in arrays.items()} for i in range(0, 16, 4)]
     again = Trainer(program, lr=0.1).fit(numpy_batches, steps=4)
     assert [r.loss for r in from_torch] == [r.loss for r in again]
 
@@ -150,7 +150,7 @@ def test_shuffled_batches_resume_anywhere_and_cover_each_epoch():
     for x, y in zip(fresh[5:], resumed):
         assert np.array_equal(x["a"], y["a"]) and np.array_equal(x["b"], y["b"])
     for epoch in range(3):  # 3 full batches an epoch, no repeated sample within one
-        rows = np.concatenate([b["a"][:, 0] for b in fresh[epoch * 3:(epoch + 1) * 3]])
+        rows = np.concatenate([b["a"][:, 0] for b in fresh[epoch * 3 : (epoch + 1) * 3]])
         assert len(set(rows)) == 9
         assert all(np.array_equal(b["b"], b["a"][:, 0] * 2) for b in fresh)
     other = list(itertools.islice(ShuffledBatches(arrays, 3, seed=5), 3))
@@ -185,9 +185,12 @@ def test_schedules():
     values = [cosine(s) for s in range(1, 101)]
     assert all(a >= b for a, b in zip(values, values[1:]))
     assert cosine(25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
-    for kwargs, words in [({"kind": "step"}, "unknown schedule"), ({"lr": 0.0}, "learning rate"),
-                          ({"kind": "cosine", "warmup_steps": 5, "total_steps": 5}, "greater than the warm-up"),
-                          ({"min_lr": 2.0, "lr": 1.0}, "minimum learning rate")]:
+    for kwargs, words in [
+        ({"kind": "step"}, "unknown schedule"),
+        ({"lr": 0.0}, "learning rate"),
+        ({"kind": "cosine", "warmup_steps": 5, "total_steps": 5}, "greater than the warm-up"),
+        ({"min_lr": 2.0, "lr": 1.0}, "minimum learning rate"),
+    ]:
         with pytest.raises(UsageError, match=words):
             Schedule(**kwargs)
 

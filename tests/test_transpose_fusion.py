@@ -24,21 +24,30 @@ def linear_model(x_shape=(2, 5, 4), out=3, vector_weight_product=False):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((out, x_shape[-1])).astype(np.float32)
     b = rng.standard_normal(out).astype(np.float32)
-    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0], name="t"),
-             helper.make_node("MatMul", ["x", "Wt"], ["xw"], name="mm"),
-             helper.make_node("Add", ["xw", "b"], ["y"], name="add"),
-             helper.make_node("Mul", ["y", "y"], ["y2"], name="sq"),
-             helper.make_node("ReduceSum", ["y2"], ["loss0"], keepdims=0, name="sum")]
+    nodes = [
+        helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0], name="t"),
+        helper.make_node("MatMul", ["x", "Wt"], ["xw"], name="mm"),
+        helper.make_node("Add", ["xw", "b"], ["y"], name="add"),
+        helper.make_node("Mul", ["y", "y"], ["y2"], name="sq"),
+        helper.make_node("ReduceSum", ["y2"], ["loss0"], keepdims=0, name="sum"),
+    ]
     inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")]
     loss = "loss0"
     if vector_weight_product:
         inits.append(numpy_helper.from_array(rng.standard_normal(out).astype(np.float32), "v"))
-        nodes += [helper.make_node("MatMul", ["Wt", "v"], ["wv"], name="mv"),
-                  helper.make_node("ReduceSum", ["wv"], ["loss1"], keepdims=0, name="sum1"),
-                  helper.make_node("Add", ["loss0", "loss1"], ["loss"], name="total")]
+        nodes += [
+            helper.make_node("MatMul", ["Wt", "v"], ["wv"], name="mv"),
+            helper.make_node("ReduceSum", ["wv"], ["loss1"], keepdims=0, name="sum1"),
+            helper.make_node("Add", ["loss0", "loss1"], ["loss"], name="total"),
+        ]
         loss = "loss"
-    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", F32, list(x_shape))],
-                              [helper.make_tensor_value_info(loss, F32, [])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", F32, list(x_shape))],
+        [helper.make_tensor_value_info(loss, F32, [])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w, b
 
 
@@ -88,15 +97,22 @@ def test_a_transposed_matrix_times_a_vector_keeps_its_transpose():
 
 
 def test_gemm_with_c_and_graph_outputs_are_left_alone():
-    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["g"], name="g"),
-             helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 0], name="t1"),
-             helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0], name="t2"),
-             helper.make_node("Gemm", ["at", "b"], ["h"], name="h")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F32, s) for n, s in
-                                           (("a", [3, 4]), ("b", [4, 5]), ("c", [5]))],
-                              [helper.make_tensor_value_info("gt", F32, [5, 3]),
-                               helper.make_tensor_value_info("at", F32, [4, 3]),
-                               helper.make_tensor_value_info("h", F32, None)])
+    nodes = [
+        helper.make_node("Gemm", ["a", "b", "c"], ["g"], name="g"),
+        helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 0], name="t1"),
+        helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0], name="t2"),
+        helper.make_node("Gemm", ["at", "b"], ["h"], name="h"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F32, s) for n, s in (("a", [3, 4]), ("b", [4, 5]), ("c", [5]))],
+        [
+            helper.make_tensor_value_info("gt", F32, [5, 3]),
+            helper.make_tensor_value_info("at", F32, [4, 3]),
+            helper.make_tensor_value_info("h", F32, None),
+        ],
+    )
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     TransposeFusionPass()(model)
     assert [n.op_type for n in model.graph] == ["Gemm", "Transpose", "Transpose", "Gemm"]

@@ -40,8 +40,12 @@ def test_resize_kernel_matches_onnx_reference(shape, given, attrs):
         inits.append(numpy_helper.from_array(np.array(given["sizes"], np.int64), "sizes"))
     names = ["x", "", "scales" if "scales" in given else ""] + (["sizes"] if "sizes" in given else [])
     node = helper.make_node("Resize", names, ["y"], **attrs)
-    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = _model(
+        [node],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
     want = ReferenceEvaluator(model).run(None, {"x": x})[0]
     got = Session(model).run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -64,9 +68,11 @@ def test_instance_norm_gradient_without_input_rank():
     x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
     scale, bias = rng.standard_normal(3).astype(np.float32), rng.standard_normal(3).astype(np.float32)
     inits = [numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(bias, "bias")]
-    nodes = [helper.make_node("Identity", ["x"], ["x_any"]),
-             helper.make_node("InstanceNormalization", ["x_any", "scale", "bias"], ["y"], epsilon=1e-5),
-             *_loss_tail("y")]
+    nodes = [
+        helper.make_node("Identity", ["x"], ["x_any"]),
+        helper.make_node("InstanceNormalization", ["x_any", "scale", "bias"], ["y"], epsilon=1e-5),
+        *_loss_tail("y"),
+    ]
     loss = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
     ranked = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)], loss, inits)
     unranked = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)], loss, inits)
@@ -82,12 +88,14 @@ def test_reflect_pad_with_pads_computed_from_constants():
     x = np.random.default_rng(2).standard_normal((1, 2, 4, 5)).astype(np.float32)
     pads = np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)
     const = helper.make_node("Constant", [], ["half"], value=numpy_helper.from_array(pads[:4].copy()))
-    computed = [const,
-                helper.make_node("Constant", [], ["rest"], value=numpy_helper.from_array(pads[4:].copy())),
-                helper.make_node("Concat", ["half", "rest"], ["joined"], axis=0),
-                helper.make_node("Shape", ["joined"], ["n"]),
-                helper.make_node("Slice", ["joined", "zero", "n"], ["pads_raw"]),
-                helper.make_node("Cast", ["pads_raw"], ["pads"], to=TensorProto.INT64)]
+    computed = [
+        const,
+        helper.make_node("Constant", [], ["rest"], value=numpy_helper.from_array(pads[4:].copy())),
+        helper.make_node("Concat", ["half", "rest"], ["joined"], axis=0),
+        helper.make_node("Shape", ["joined"], ["n"]),
+        helper.make_node("Slice", ["joined", "zero", "n"], ["pads_raw"]),
+        helper.make_node("Cast", ["pads_raw"], ["pads"], to=TensorProto.INT64),
+    ]
     pad = helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 4, 5])]
     loss = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
@@ -101,17 +109,26 @@ def test_reflect_pad_with_pads_computed_from_constants():
 def test_resize_sizes_from_shape_with_symbolic_batch():
     """Legacy F.interpolate(size=...) writes sizes = Concat(Slice(Shape(X), 0, 2), [h, w])."""
     x = np.random.default_rng(3).standard_normal((2, 3, 4, 4)).astype(np.float32)
-    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
-             helper.make_node("Slice", ["shape", "zero", "two"], ["nc"]),
-             helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
-             helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear",
-                              coordinate_transformation_mode="pytorch_half_pixel"),
-             *_loss_tail("y")]
-    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
-             numpy_helper.from_array(np.array([2], np.int64), "two"),
-             numpy_helper.from_array(np.array([6, 5], np.int64), "hw")]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
-                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Slice", ["shape", "zero", "two"], ["nc"]),
+        helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+        helper.make_node(
+            "Resize", ["x", "", "", "sizes"], ["y"], mode="linear", coordinate_transformation_mode="pytorch_half_pixel"
+        ),
+        *_loss_tail("y"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([2], np.int64), "two"),
+        numpy_helper.from_array(np.array([6, 5], np.int64), "hw"),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
     got = _grads(model, {"x": x}, wrt_inputs=True)["x_grad"]
     # d/dx sum(y^2) = 2 M^T y: compare with central differences on a few elements.
     session, eps = Session(model), 1e-2

@@ -54,51 +54,85 @@ def _lengths(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     from gradgen.bench.models import PRESETS
 
-    p = _Parser(prog="gradgen bench", description="Time gradgen against PyTorch and ONNX Runtime: GPU kernels, "
-                "real-size training steps (e2e), the CPU path (cpu).",
-                epilog="Examples: gradgen bench --only e2e --json e2e.json; "
-                       "gradgen bench --only e2e --model gpt2s --batch 2 --seq 64 --steps 5 (a quick try); "
-                       "gradgen bench --only cpu --threads 1",
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP",
-                   help=f"run only this group (repeatable): {', '.join(GROUPS)}; default: {', '.join(KERNEL_GROUPS)}")
+    p = _Parser(
+        prog="gradgen bench",
+        description="Time gradgen against PyTorch and ONNX Runtime: GPU kernels, "
+        "real-size training steps (e2e), the CPU path (cpu).",
+        epilog="Examples: gradgen bench --only e2e --json e2e.json; "
+        "gradgen bench --only e2e --model gpt2s --batch 2 --seq 64 --steps 5 (a quick try); "
+        "gradgen bench --only cpu --threads 1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=GROUPS,
+        metavar="GROUP",
+        help=f"run only this group (repeatable): {', '.join(GROUPS)}; default: {', '.join(KERNEL_GROUPS)}",
+    )
     e2e = p.add_argument_group("e2e and cpu: models")
-    e2e.add_argument("--model", action="append", choices=list(PRESETS), metavar="NAME",
-                     help=f"model (repeatable): {', '.join(PRESETS)}; e2e default: gpt2s and resnet18; "
-                          "cpu default: gpt2s at B=1, T=128 and resnet18 at B=4")
+    e2e.add_argument(
+        "--model",
+        action="append",
+        choices=list(PRESETS),
+        metavar="NAME",
+        help=f"model (repeatable): {', '.join(PRESETS)}; e2e default: gpt2s and resnet18; "
+        "cpu default: gpt2s at B=1, T=128 and resnet18 at B=4",
+    )
     e2e.add_argument("--batch", type=_positive, help="batch size for every selected model")
     e2e.add_argument("--seq", type=_positive, help="sequence length of the GPT-2 layouts")
     e2e.add_argument("--image", type=_positive, help="image side of ResNet-18")
     e2e.add_argument("--layers", type=_positive, help="number of blocks of the GPT-2 layouts")
     e2e.add_argument("--width", type=_positive, help="model width of the GPT-2 layouts")
     e2e.add_argument("--heads", type=_positive, help="attention heads of the GPT-2 layouts")
-    e2e.add_argument("--steps", type=_positive, help="timed steps (e2e: median of 30 by default; cpu: at most 20, "
-                                                     "within 10 s per measurement)")
+    e2e.add_argument(
+        "--steps", type=_positive, help="timed steps (e2e: median of 30 by default; cpu: at most 20, within 10 s per measurement)"
+    )
     e2e.add_argument("--warmup", type=int, help="warm-up steps before timing (e2e default 5, cpu 1)")
     e2e.add_argument("--json", type=Path, metavar="FILE", help="also write every e2e / cpu number to FILE (JSON)")
     e2e.add_argument("--keep", type=Path, metavar="DIR", help="keep the exported models and child results under DIR")
-    e2e.add_argument("--child-timeout", type=float, default=None, metavar="S",
-                     help="give up on one child process after S seconds (default 1800; cpu 3600)")
+    e2e.add_argument(
+        "--child-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up on one child process after S seconds (default 1800; cpu 3600)",
+    )
     e2e.add_argument("--debug", action="store_true", help="children print tracebacks of failures")
     g = p.add_argument_group("e2e only")
-    g.add_argument("--framework", action="append", choices=["eager", "compile", "gradgen"],
-                   help="frameworks to measure (repeatable; default all three)")
-    g.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="where the e2e group runs (cpu: a quick functional try without memory figures)")
+    g.add_argument(
+        "--framework",
+        action="append",
+        choices=["eager", "compile", "gradgen"],
+        help="frameworks to measure (repeatable; default all three)",
+    )
+    g.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="where the e2e group runs (cpu: a quick functional try without memory figures)",
+    )
     g.add_argument("--no-varlen", action="store_true", help="skip the variable-length loop of the GPT-2 layouts")
-    g.add_argument("--lengths", type=_lengths, metavar="T1,T2,...",
-                   help="sequence lengths of the loop (default: T, T-16, ..., T-112)")
+    g.add_argument(
+        "--lengths", type=_lengths, metavar="T1,T2,...", help="sequence lengths of the loop (default: T, T-16, ..., T-112)"
+    )
     g.add_argument("--passes", type=_positive, default=2, help="passes over the lengths (default 2)")
-    g.add_argument("--profile", action="store_true",
-                   help="also print the GPU time of one gradgen step by kernel and by op (torch.profiler)")
+    g.add_argument(
+        "--profile", action="store_true", help="also print the GPU time of one gradgen step by kernel and by op (torch.profiler)"
+    )
     c = p.add_argument_group("cpu only")
-    c.add_argument("--threads", action="append", type=_positive, metavar="N",
-                   help="thread counts (repeatable; default 1 and all cores)")
-    c.add_argument("--sample", action="append", metavar="NAME", help="bundled samples to time (repeatable; "
-                                                                        "default all)")
+    c.add_argument(
+        "--threads", action="append", type=_positive, metavar="N", help="thread counts (repeatable; default 1 and all cores)"
+    )
+    c.add_argument("--sample", action="append", metavar="NAME", help="bundled samples to time (repeatable; default all)")
     c.add_argument("--no-samples", action="store_true", help="skip the bundled samples")
-    c.add_argument("--build-layers", type=int, default=48, metavar="N",
-                   help="layers of the GPT-2 layout whose build-backward is timed (0: skip; default 48)")
+    c.add_argument(
+        "--build-layers",
+        type=int,
+        default=48,
+        metavar="N",
+        help="layers of the GPT-2 layout whose build-backward is timed (0: skip; default 48)",
+    )
     return p
 
 
@@ -117,10 +151,14 @@ def _override(spec, args):
     from gradgen.bench import models
 
     gpt2 = spec.kind == "gpt2"
-    return models.preset(spec.name, batch=args.batch or spec.batch,
-                         size=(args.seq if gpt2 else args.image) or spec.size,
-                         layers=args.layers if gpt2 else None, d=args.width if gpt2 else None,
-                         heads=args.heads if gpt2 else None)
+    return models.preset(
+        spec.name,
+        batch=args.batch or spec.batch,
+        size=(args.seq if gpt2 else args.image) or spec.size,
+        layers=args.layers if gpt2 else None,
+        d=args.width if gpt2 else None,
+        heads=args.heads if gpt2 else None,
+    )
 
 
 class _Results:
@@ -151,28 +189,46 @@ def run(argv: list[str] | None = None) -> None:
 
         reason = cuda_unavailable_reason()
         if reason is not None:
-            raise UsageError(f"gradgen bench --only {gpu_groups[0]} needs a usable GPU: {reason}"
-                             + (" (the e2e group runs on the CPU with --device cpu)" if "e2e" in gpu_groups else ""))
+            raise UsageError(
+                f"gradgen bench --only {gpu_groups[0]} needs a usable GPU: {reason}"
+                + (" (the e2e group runs on the CPU with --device cpu)" if "e2e" in gpu_groups else "")
+            )
     if any(g in KERNEL_GROUPS for g in groups):
         _run_kernel_groups([g for g in groups if g in KERNEL_GROUPS])
     if "e2e" in groups:
         from gradgen.bench import e2e, models
 
         options = e2e.E2EOptions(
-            specs=_specs(args, [models.preset("gpt2s"), models.preset("resnet18")]), device=args.device,
-            frameworks=tuple(dict.fromkeys(args.framework or e2e.FRAMEWORKS)), steps=args.steps or 30,
-            warmup=5 if args.warmup is None else args.warmup, varlen=not args.no_varlen, lengths=args.lengths,
-            passes=args.passes, child_timeout_s=args.child_timeout or 1800.0, keep_dir=_keep_dir(args.keep),
-            debug=args.debug, profile=args.profile, on_update=lambda report: results.update("e2e", report))
+            specs=_specs(args, [models.preset("gpt2s"), models.preset("resnet18")]),
+            device=args.device,
+            frameworks=tuple(dict.fromkeys(args.framework or e2e.FRAMEWORKS)),
+            steps=args.steps or 30,
+            warmup=5 if args.warmup is None else args.warmup,
+            varlen=not args.no_varlen,
+            lengths=args.lengths,
+            passes=args.passes,
+            child_timeout_s=args.child_timeout or 1800.0,
+            keep_dir=_keep_dir(args.keep),
+            debug=args.debug,
+            profile=args.profile,
+            on_update=lambda report: results.update("e2e", report),
+        )
         e2e.run(options)
     if "cpu" in groups:
         from gradgen.bench import cpu
 
         cpu_options = cpu.CpuOptions(
-            specs=_specs(args, cpu.default_specs()), samples=[] if args.no_samples else args.sample,
-            threads=args.threads, warmup=1 if args.warmup is None else args.warmup, steps=args.steps or 20,
-            build_layers=args.build_layers, child_timeout_s=args.child_timeout or 3600.0,
-            keep_dir=_keep_dir(args.keep), debug=args.debug, on_update=lambda report: results.update("cpu", report))
+            specs=_specs(args, cpu.default_specs()),
+            samples=[] if args.no_samples else args.sample,
+            threads=args.threads,
+            warmup=1 if args.warmup is None else args.warmup,
+            steps=args.steps or 20,
+            build_layers=args.build_layers,
+            child_timeout_s=args.child_timeout or 3600.0,
+            keep_dir=_keep_dir(args.keep),
+            debug=args.debug,
+            on_update=lambda report: results.update("cpu", report),
+        )
         cpu.run(cpu_options)
 
 
@@ -192,9 +248,12 @@ def _run_kernel_groups(groups: list[str]) -> None:
 
     print(f"device: {driver.Context.get_device().name()}; date: {datetime.date.today().isoformat()}")
     runners: dict[str, Callable[[], object]] = {
-        "slice": kernels.bench_slice_grad, "gather": kernels.bench_gather_grad,
-        "gather_elements": kernels.bench_gather_elements_grad, "reduce": kernels.bench_broadcast_reduction,
-        "bga": kernels.bench_broadcast_gradient_args, "conv": kernels.bench_conv_grad,
+        "slice": kernels.bench_slice_grad,
+        "gather": kernels.bench_gather_grad,
+        "gather_elements": kernels.bench_gather_elements_grad,
+        "reduce": kernels.bench_broadcast_reduction,
+        "bga": kernels.bench_broadcast_gradient_args,
+        "conv": kernels.bench_conv_grad,
         "step": lambda: (kernels.bench_full_step("cnn", 64), kernels.bench_full_step("transformer", 16)),
     }
     for group in groups:

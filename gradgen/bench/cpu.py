@@ -36,8 +36,14 @@ from gradgen.bench import models
 from gradgen.bench.measure import fmt_ms, fmt_ratio, median, run_child, table
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-                    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
 
 
 @dataclasses.dataclass
@@ -116,16 +122,23 @@ def _prepare_cases(options: CpuOptions, workdir: Path) -> list[dict]:
     script = SAMPLES_DIR / "make_samples.py"
     for directory in sample_dirs(options.samples):
         family = json.loads((directory / "meta.json").read_text())["family"]
-        case = {"name": f"sample {directory.name}", "inputs": str(directory / "inputs.npz"),
-                "steps": options.sample_steps, "torch": {"kind": "sample", "script": str(script), "family": family}}
+        case = {
+            "name": f"sample {directory.name}",
+            "inputs": str(directory / "inputs.npz"),
+            "steps": options.sample_steps,
+            "torch": {"kind": "sample", "script": str(script), "family": family},
+        }
         cases.append(case | _write_graphs(directory / "model.onnx", workdir, directory.name))
     for spec in options.specs:
         model = models.build_module(spec)
         inputs = models.make_inputs(spec)
         np.savez(workdir / f"{spec.name}-inputs.npz", **inputs)
         proto = models.export(model, inputs)
-        case = {"name": f"{spec.name} {spec.shape_text}", "inputs": str(workdir / f"{spec.name}-inputs.npz"),
-                "torch": {"kind": "spec", "spec": spec.to_json()}}
+        case = {
+            "name": f"{spec.name} {spec.shape_text}",
+            "inputs": str(workdir / f"{spec.name}-inputs.npz"),
+            "torch": {"kind": "spec", "spec": spec.to_json()},
+        }
         cases.append(case | _write_graphs(proto, workdir, spec.name, wrt=models.parameter_names(model)))
     return cases
 
@@ -150,8 +163,14 @@ def measure_build(layers: int, *, repeats: int = 3) -> dict:
         gradgen.build_backward(proto)
         times.append(time.perf_counter() - t0)
     nodes = len(proto.graph.node)
-    return {"layers": layers, "forward_nodes": nodes, "build_s": median(times), "times_s": times,
-            "us_per_forward_node": median(times) / nodes * 1e6, "width": spec.arch["d"]}
+    return {
+        "layers": layers,
+        "forward_nodes": nodes,
+        "build_s": median(times),
+        "times_s": times,
+        "us_per_forward_node": median(times) / nodes * 1e6,
+        "width": spec.arch["d"],
+    }
 
 
 def run(options: CpuOptions) -> dict:
@@ -161,24 +180,43 @@ def run(options: CpuOptions) -> dict:
     import torch
 
     threads = options.threads or sorted({1, all_cores()})
-    report = {"group": "cpu", "header": {"date": time.strftime("%Y-%m-%dT%H:%M"), "cpu": _cpu_name(),
-                                         "cores": all_cores(), "python": platform.python_version(),
-                                         "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
-                                         "torch": torch.__version__, "load_before": _load()}, "runs": {}}
+    report = {
+        "group": "cpu",
+        "header": {
+            "date": time.strftime("%Y-%m-%dT%H:%M"),
+            "cpu": _cpu_name(),
+            "cores": all_cores(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__,
+            "load_before": _load(),
+        },
+        "runs": {},
+    }
     h = report["header"]
-    print(f"cpu: {h['cpu']}, {h['cores']} cores; numpy {h['numpy']}, onnxruntime {h['onnxruntime']}, torch "
-          f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up; load average "
-          f"{h['load_before']} before", flush=True)
+    print(
+        f"cpu: {h['cpu']}, {h['cores']} cores; numpy {h['numpy']}, onnxruntime {h['onnxruntime']}, torch "
+        f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up; load average "
+        f"{h['load_before']} before",
+        flush=True,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="gradgen-bench-cpu-", dir=options.keep_dir))
     try:
         cases = _prepare_cases(options, workdir)
         report["build_backward_s"] = {c["name"]: c["build_s"] for c in cases}
         for n in threads:
             print(f"-- {n} thread(s)", flush=True)
-            task = {"label": f"cpu-{n}", "threads": n, "cases": cases, "warmup": options.warmup,
-                    "steps": options.steps, "budget_s": options.budget_s, "debug": options.debug}
-            report["runs"][str(n)] = run_child("cpu-threads", task, workdir, timeout_s=options.child_timeout_s,
-                                               env=thread_env(n))
+            task = {
+                "label": f"cpu-{n}",
+                "threads": n,
+                "cases": cases,
+                "warmup": options.warmup,
+                "steps": options.steps,
+                "budget_s": options.budget_s,
+                "debug": options.debug,
+            }
+            report["runs"][str(n)] = run_child("cpu-threads", task, workdir, timeout_s=options.child_timeout_s, env=thread_env(n))
             _save(options, report)
     finally:
         if options.keep_dir is None:
@@ -226,23 +264,37 @@ def format_report(report: dict) -> str:
         if method and method not in methods:
             methods.append(method)
         for name, r in run.get("cases", {}).items():
-            failures += [f"{name}, {n} thread(s), {k[:-len('_ms_error')]}: {v}" for k, v in r.items()
-                         if k.endswith("_error")]
-            rows.append([name, n, fmt_ms(r.get("torch_ms")), fmt_ms(r.get("ort_ms")), fmt_ms(r.get("gradgen_portable_ms")),
-                         fmt_ratio(r.get("gradgen_portable_ms"), r.get("ort_ms")),
-                         fmt_ratio(r.get("gradgen_portable_ms"), r.get("torch_ms")), fmt_ms(r.get("gradgen_ms"))])
-    lines = ["\nCPU step (ms); gradgen/ORT and gradgen/torch: gradgen on the portable graph ORT runs "
-             "(above 1: gradgen slower)",
-             table(["model", "threads", "torch eager", "ORT", "gradgen", "gradgen/ORT", "gradgen/torch",
-                    "gradgen default graph"], rows)]
+            failures += [f"{name}, {n} thread(s), {k[: -len('_ms_error')]}: {v}" for k, v in r.items() if k.endswith("_error")]
+            rows.append(
+                [
+                    name,
+                    n,
+                    fmt_ms(r.get("torch_ms")),
+                    fmt_ms(r.get("ort_ms")),
+                    fmt_ms(r.get("gradgen_portable_ms")),
+                    fmt_ratio(r.get("gradgen_portable_ms"), r.get("ort_ms")),
+                    fmt_ratio(r.get("gradgen_portable_ms"), r.get("torch_ms")),
+                    fmt_ms(r.get("gradgen_ms")),
+                ]
+            )
+    lines = [
+        "\nCPU step (ms); gradgen/ORT and gradgen/torch: gradgen on the portable graph ORT runs (above 1: gradgen slower)",
+        table(
+            ["model", "threads", "torch eager", "ORT", "gradgen", "gradgen/ORT", "gradgen/torch", "gradgen default graph"], rows
+        ),
+    ]
     lines += [f"  threads set by: {m}" for m in methods]
     h = report["header"]
-    lines.append(f"  1-minute load average: {h.get('load_before')} before, {h.get('load_after_steps')} after the steps "
-                 f"({h['cores']} cores; the benchmark itself adds about its thread count)")
+    lines.append(
+        f"  1-minute load average: {h.get('load_before')} before, {h.get('load_after_steps')} after the steps "
+        f"({h['cores']} cores; the benchmark itself adds about its thread count)"
+    )
     lines += [f"  failed: {f}" for f in failures]
     build = report.get("build")
     if build:
-        lines.append(f"build-backward, GPT-2 layout {build['layers']} layers (width {build['width']}): "
-                     f"{build['build_s']:.2f} s for {build['forward_nodes']} forward nodes "
-                     f"({build['us_per_forward_node']:.0f} us per node), in-process, median of {len(build['times_s'])}")
+        lines.append(
+            f"build-backward, GPT-2 layout {build['layers']} layers (width {build['width']}): "
+            f"{build['build_s']:.2f} s for {build['forward_nodes']} forward nodes "
+            f"({build['us_per_forward_node']:.0f} us per node), in-process, median of {len(build['times_s'])}"
+        )
     return "\n".join(lines)

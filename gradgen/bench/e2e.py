@@ -64,12 +64,21 @@ def header(device: str) -> dict:
 
     import torch
 
-    info = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "torch": torch.__version__,
-            "python": platform.python_version(), "device": device}
+    info = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }
     if device == "cuda":
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.splitlines()[0]
             name, driver, memory = (s.strip() for s in out.split(","))
             info.update(gpu=name, driver=driver, gpu_memory=memory)
         except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
@@ -84,9 +93,12 @@ def run(options: E2EOptions) -> dict:
     report = {"group": "e2e", "header": header(options.device), "settings": _settings(options), "models": {}}
     h = report["header"]
     gpu = f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
-    print(f"e2e: {gpu}; torch {h['torch']}; "
-          f"{h['date']}; fp32, TF32 off; step = batch from host memory, forward + backward, loss to host; "
-          f"median of {options.steps} after {options.warmup} warm-up steps", flush=True)
+    print(
+        f"e2e: {gpu}; torch {h['torch']}; "
+        f"{h['date']}; fp32, TF32 off; step = batch from host memory, forward + backward, loss to host; "
+        f"median of {options.steps} after {options.warmup} warm-up steps",
+        flush=True,
+    )
     for spec in options.specs:
         workdir = Path(tempfile.mkdtemp(prefix=f"gradgen-bench-{spec.name}-", dir=options.keep_dir))
         try:
@@ -100,8 +112,13 @@ def run(options: E2EOptions) -> dict:
 
 
 def _settings(options: E2EOptions) -> dict:
-    return {"frameworks": list(options.frameworks), "steps": options.steps, "warmup": options.warmup,
-            "varlen": options.varlen, "passes": options.passes}
+    return {
+        "frameworks": list(options.frameworks),
+        "steps": options.steps,
+        "warmup": options.warmup,
+        "varlen": options.varlen,
+        "passes": options.passes,
+    }
 
 
 def _save(options: E2EOptions, report: dict) -> None:
@@ -119,8 +136,7 @@ def _prepare(spec: models.ModelSpec, workdir: Path, *, dynamic_seq: bool = False
     tag = "varlen" if dynamic_seq else "fixed"
     model = models.build_module(spec)
     inputs = models.make_inputs(spec)
-    files = {"state": workdir / "state.pt", "inputs": workdir / f"inputs-{tag}.npz",
-             "model": workdir / f"model-{tag}-grad.onnx"}
+    files = {"state": workdir / "state.pt", "inputs": workdir / f"inputs-{tag}.npz", "model": workdir / f"model-{tag}-grad.onnx"}
     if not files["state"].exists():
         torch.save(model.state_dict(), files["state"])
     np.savez(files["inputs"], **inputs)
@@ -132,28 +148,44 @@ def _prepare(spec: models.ModelSpec, workdir: Path, *, dynamic_seq: bool = False
     built = gradgen.build_backward(proto, wrt=wrt)
     build_s = time.perf_counter() - t0
     save_model(built.model, files["model"])
-    info = {"export_s": export_s, "build_s": build_s, "forward_nodes": len(proto.graph.node),
-            "backward_model_nodes": len(list(built.model.graph)), "loss": built.loss, "wrt": wrt,
-            "parameters": int(sum(p.numel() for p in model.parameters()))}
+    info = {
+        "export_s": export_s,
+        "build_s": build_s,
+        "forward_nodes": len(proto.graph.node),
+        "backward_model_nodes": len(list(built.model.graph)),
+        "loss": built.loss,
+        "wrt": wrt,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+    }
     return {**{k: str(v) for k, v in files.items()}, **info}
 
 
 def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, entry: dict, report: dict) -> None:
     print(f"\n== {spec.name}: {spec.title}, {spec.shape_text}", flush=True)
     prepared = _prepare(spec, workdir)
-    entry["prepare"] = {k: prepared[k] for k in ("export_s", "build_s", "forward_nodes", "backward_model_nodes",
-                                                 "parameters")}
-    print(f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s "
-          f"({prepared['forward_nodes']} nodes), build-backward {prepared['build_s']:.1f} s "
-          f"({prepared['backward_model_nodes']} nodes)", flush=True)
-    common = {"spec": spec.to_json(), "device": options.device, "state": prepared["state"],
-              "inputs": prepared["inputs"], "steps": options.steps, "warmup": options.warmup, "debug": options.debug}
+    entry["prepare"] = {k: prepared[k] for k in ("export_s", "build_s", "forward_nodes", "backward_model_nodes", "parameters")}
+    print(
+        f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s "
+        f"({prepared['forward_nodes']} nodes), build-backward {prepared['build_s']:.1f} s "
+        f"({prepared['backward_model_nodes']} nodes)",
+        flush=True,
+    )
+    common = {
+        "spec": spec.to_json(),
+        "device": options.device,
+        "state": prepared["state"],
+        "inputs": prepared["inputs"],
+        "steps": options.steps,
+        "warmup": options.warmup,
+        "debug": options.debug,
+    }
     results = entry["frameworks"] = {}
     for framework in options.frameworks:
         task = {**common, "label": f"{spec.name}-{framework}", "framework": framework}
         if framework == "gradgen":
-            task.update(model=prepared["model"], loss=prepared["loss"], wrt=prepared["wrt"],
-                        grads=str(workdir / "grads-gradgen.npz"))
+            task.update(
+                model=prepared["model"], loss=prepared["loss"], wrt=prepared["wrt"], grads=str(workdir / "grads-gradgen.npz")
+            )
             job = "gradgen-step"
         else:
             job = "torch-step"
@@ -165,9 +197,12 @@ def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, entry
         print(f"   {framework}: {_one_line(result)}", flush=True)
         _save(options, report)
     if options.profile and "gradgen" in options.frameworks and options.device == "cuda":
-        entry["profile"] = run_child("gradgen-profile", {**common, "label": f"{spec.name}-profile",
-                                                         "model": prepared["model"], "loss": prepared["loss"]},
-                                     workdir, timeout_s=options.child_timeout_s)
+        entry["profile"] = run_child(
+            "gradgen-profile",
+            {**common, "label": f"{spec.name}-profile", "model": prepared["model"], "loss": prepared["loss"]},
+            workdir,
+            timeout_s=options.child_timeout_s,
+        )
         if entry["profile"].get("error"):
             print(f"   profile: failed: {entry['profile']['error']}", flush=True)
     if "eager" in options.frameworks and "gradgen" in options.frameworks:
@@ -188,8 +223,9 @@ def _one_line(result: dict) -> str:
 def compare_gradients(got_path: Path, want_path: Path) -> dict:
     """max |got - want| / max |want| per tensor; the worst one named. Missing files give an error entry."""
     if not (got_path.exists() and want_path.exists()):
-        return {"error": "no gradients from " + " and ".join(p.stem.split("-")[-1] for p in (got_path, want_path)
-                                                            if not p.exists())}
+        return {
+            "error": "no gradients from " + " and ".join(p.stem.split("-")[-1] for p in (got_path, want_path) if not p.exists())
+        }
     with np.load(got_path) as got, np.load(want_path) as want:
         missing = sorted(set(want.files) - set(got.files))
         per_tensor = {}
@@ -203,8 +239,13 @@ def compare_gradients(got_path: Path, want_path: Path) -> dict:
                 diff = float(np.abs(g - w).max()) if w.size else 0.0
                 per_tensor[name] = diff / scale if scale > 0 else diff
     worst = max(per_tensor, key=per_tensor.get) if per_tensor else None
-    return {"tensors": len(per_tensor), "missing": missing, "worst_tensor": worst,
-            "worst_rel_err": per_tensor.get(worst), "per_tensor": per_tensor}
+    return {
+        "tensors": len(per_tensor),
+        "missing": missing,
+        "worst_tensor": worst,
+        "worst_rel_err": per_tensor.get(worst),
+        "per_tensor": per_tensor,
+    }
 
 
 def _run_varlen(spec: models.ModelSpec, options: E2EOptions, workdir: Path, common: dict) -> dict:
@@ -222,8 +263,12 @@ def _run_varlen(spec: models.ModelSpec, options: E2EOptions, workdir: Path, comm
         job = "gradgen-varlen" if framework == "gradgen" else "torch-varlen"
         extra = {"model": prepared["model"], "loss": prepared["loss"]} if framework == "gradgen" else {}
         t0 = time.perf_counter()
-        result = run_child(job, {**task, **extra, "label": f"{spec.name}-varlen-{framework}",
-                                 "framework": framework}, workdir, timeout_s=options.child_timeout_s)
+        result = run_child(
+            job,
+            {**task, **extra, "label": f"{spec.name}-varlen-{framework}", "framework": framework},
+            workdir,
+            timeout_s=options.child_timeout_s,
+        )
         result["wall_s"] = time.perf_counter() - t0
         out[framework] = result
         print(f"   varlen {framework}: " + _varlen_line(result), flush=True)
@@ -236,8 +281,9 @@ def _varlen_line(result: dict) -> str:
     parts = []
     for p in result["passes"]:
         mean = sum(p["step_ms"]) / len(p["step_ms"]) if p["step_ms"] else None
-        parts.append(f"pass {p['pass']}: {len(p['step_ms'])} steps, {fmt_ms(mean)} ms/step, "
-                     f"max {fmt_mib(p['max_used_bytes'])} MiB")
+        parts.append(
+            f"pass {p['pass']}: {len(p['step_ms'])} steps, {fmt_ms(mean)} ms/step, max {fmt_mib(p['max_used_bytes'])} MiB"
+        )
     if result.get("failure"):
         f = result["failure"]
         what = "out of memory" if f["out_of_memory"] else "failed"
@@ -265,23 +311,37 @@ def format_model(entry: dict) -> str:
         first = f"{r['first_step_s']:.1f} s"
         if r.get("second_step_s") is not None:
             first += f" / {r['second_step_s']:.1f} s"
-        rows.append([framework, fmt_ms(r["median_ms"]), fmt_ratio(r["median_ms"], eager.get("median_ms")),
-                     fmt_mib(mem.get("used_after_bytes")),
-                     fmt_ratio(mem.get("used_after_bytes"), eager.get("memory", {}).get("used_after_bytes")),
-                     fmt_mib(own), first, f"{r['loss']:.6f}"])
-    lines.append(table(["framework", "step ms", "time/eager", "peak MiB", "mem/eager", "own MiB", "first steps",
-                        "loss"], rows))
-    lines.append("  peak MiB: driver-level used memory after the timed steps minus the baseline after context "
-                 "creation; own MiB: torch.cuda.max_memory_allocated, gradgen's pool (held bytes); first steps: "
-                 "the first (and, gradgen, the second: CUDA-graph recording) step's wall time")
+        rows.append(
+            [
+                framework,
+                fmt_ms(r["median_ms"]),
+                fmt_ratio(r["median_ms"], eager.get("median_ms")),
+                fmt_mib(mem.get("used_after_bytes")),
+                fmt_ratio(mem.get("used_after_bytes"), eager.get("memory", {}).get("used_after_bytes")),
+                fmt_mib(own),
+                first,
+                f"{r['loss']:.6f}",
+            ]
+        )
+    lines.append(table(["framework", "step ms", "time/eager", "peak MiB", "mem/eager", "own MiB", "first steps", "loss"], rows))
+    lines.append(
+        "  peak MiB: driver-level used memory after the timed steps minus the baseline after context "
+        "creation; own MiB: torch.cuda.max_memory_allocated, gradgen's pool (held bytes); first steps: "
+        "the first (and, gradgen, the second: CUDA-graph recording) step's wall time"
+    )
     gradgen, compiled = results.get("gradgen", {}), results.get("compile", {})
     if gradgen.get("median_ms") and compiled.get("median_ms"):
-        lines.append(f"  gradgen vs torch.compile: time {fmt_ratio(gradgen['median_ms'], compiled['median_ms'])}, "
-                     f"memory {fmt_ratio(gradgen['memory'].get('used_after_bytes'), compiled['memory'].get('used_after_bytes'))}")
+        lines.append(
+            f"  gradgen vs torch.compile: time {fmt_ratio(gradgen['median_ms'], compiled['median_ms'])}, "
+            f"memory {fmt_ratio(gradgen['memory'].get('used_after_bytes'), compiled['memory'].get('used_after_bytes'))}"
+        )
     if gradgen.get("plan_steps"):
         pool = gradgen.get("memory", {})
-        held = (f"; pool holds {fmt_mib(pool['pool_held_bytes'])} MiB ({fmt_mib(pool.get('pool_active_bytes'))} MiB "
-                "active)") if "pool_held_bytes" in pool else ""
+        held = (
+            (f"; pool holds {fmt_mib(pool['pool_held_bytes'])} MiB ({fmt_mib(pool.get('pool_active_bytes'))} MiB active)")
+            if "pool_held_bytes" in pool
+            else ""
+        )
         lines.append(f"  gradgen: {gradgen['plan_steps']} steps in its plan{held}")
     grads = entry.get("gradients")
     if grads:
@@ -289,8 +349,10 @@ def format_model(entry: dict) -> str:
             lines.append(f"  gradients: {grads['error']}")
         else:
             missing = f"; missing from gradgen: {', '.join(grads['missing'])}" if grads["missing"] else ""
-            lines.append(f"  gradients ({grads['tensors']} tensors): worst max|gradgen - eager| / max|eager| = "
-                         f"{grads['worst_rel_err']:.2e} ({grads['worst_tensor']}){missing}")
+            lines.append(
+                f"  gradients ({grads['tensors']} tensors): worst max|gradgen - eager| / max|eager| = "
+                f"{grads['worst_rel_err']:.2e} ({grads['worst_tensor']}){missing}"
+            )
     for framework, r in results.items():
         for note in r.get("notes", []):
             lines.append(f"  note ({framework}): {note}")
@@ -318,7 +380,8 @@ def _format_varlen(v: dict) -> str:
             if failure:
                 what = "OUT OF MEMORY" if failure["out_of_memory"] else "FAILED"
                 status = f"{what} at T={failure['length']} (step {failure['step']}): {failure['message'][:90]}"
-            rows.append([f"{framework} pass {p['pass']}", str(len(p["step_ms"])), fmt_ms(mean),
-                         fmt_mib(p["max_used_bytes"]), status])
+            rows.append(
+                [f"{framework} pass {p['pass']}", str(len(p["step_ms"])), fmt_ms(mean), fmt_mib(p["max_used_bytes"]), status]
+            )
     lines.append("    " + table(["", "steps", "ms/step (mean)", "peak MiB", ""], rows).replace("\n", "\n    "))
     return "\n".join(lines)

@@ -71,8 +71,7 @@ def _host_us(fn, *, reps: int = 50) -> float:
 def _detail(label: str, fn) -> None:
     gpu = _gpu_ms(fn)
     gpu_text = "n/a" if gpu is None else f"{gpu:.4f} ms"
-    print(f"  [{label}] GPU time with host overhead hidden {gpu_text}; host time per call {_host_us(fn):.1f} us",
-          flush=True)
+    print(f"  [{label}] GPU time with host overhead hidden {gpu_text}; host time per call {_host_us(fn):.1f} us", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +107,9 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
         conv.conv_grad(gdy, gx, gw, **attrs)
 
     def theirs(mask=(True, True, True)):
-        return lambda: torch.ops.aten.convolution_backward(tdy, tx, tw, [256], [1, 1], [1, 1], [1, 1], False, [0, 0],
-                                                           1, list(mask))
+        return lambda: torch.ops.aten.convolution_backward(
+            tdy, tx, tw, [256], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, list(mask)
+        )
 
     env_keys = ("GRADGEN_ALLOW_TF32", "GRADGEN_ALLOW_NONDETERMINISTIC", "GRADGEN_CUDNN_BENCHMARK")
     saved = {k: os.environ.get(k) for k in env_keys}
@@ -127,8 +127,13 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
         ("gradgen deterministic, pygraph execute", {}, True, False, False),
         ("gradgen deterministic, autotuned", {"GRADGEN_CUDNN_BENCHMARK": "1"}, True, False, True),
         ("gradgen non-deterministic allowed", {"GRADGEN_ALLOW_NONDETERMINISTIC": "1"}, True, False, True),
-        ("gradgen non-det., autotuned", {"GRADGEN_ALLOW_NONDETERMINISTIC": "1", "GRADGEN_CUDNN_BENCHMARK": "1"},
-         True, False, True),
+        (
+            "gradgen non-det., autotuned",
+            {"GRADGEN_ALLOW_NONDETERMINISTIC": "1", "GRADGEN_CUDNN_BENCHMARK": "1"},
+            True,
+            False,
+            True,
+        ),
     ]
     results, notes = {}, {}
     try:
@@ -149,8 +154,11 @@ def bench_conv_grad(warmup: int = 10, iters: int = 50, rounds: int = 3) -> dict:
             host = (time.perf_counter() - t0) / 20 * 1e3
             rt.synchronize()
             notes[label] = f"host {host:.3f} ms/call; "
-            notes[label] += "; ".join(f"{k[0]}: {p.name()} ({p.note}{', direct call' if p._native else ''})"
-                                       for k, p in conv._GRAPHS.items() if p is not None)
+            notes[label] += "; ".join(
+                f"{k[0]}: {p.name()} ({p.note}{', direct call' if p._native else ''})"
+                for k, p in conv._GRAPHS.items()
+                if p is not None
+            )
             if "autotune_error" in conv._STATE:
                 notes[label] += f"; autotune failed: {conv._STATE['autotune_error'][:300]}"
         conv.FAST_EXECUTE, conv.CONCURRENT, conv.NATIVE_EXECUTE = True, False, True
@@ -234,8 +242,10 @@ class _BenchLeNet:
     def inputs(batch, rng):
         import torch
 
-        return {"x": torch.from_numpy(rng.standard_normal((batch, 1, 14, 14)).astype("float32")),
-                "labels": torch.from_numpy(rng.integers(0, 10, batch).astype("int64"))}
+        return {
+            "x": torch.from_numpy(rng.standard_normal((batch, 1, 14, 14)).astype("float32")),
+            "labels": torch.from_numpy(rng.integers(0, 10, batch).astype("int64")),
+        }
 
 
 class _BenchTransformer:
@@ -263,8 +273,10 @@ class _BenchTransformer:
     def inputs(batch, rng, seq=128):
         import torch
 
-        return {"x": torch.from_numpy(rng.standard_normal((batch, seq, 16)).astype("float32")),
-                "labels": torch.from_numpy(rng.integers(0, 4, batch).astype("int64"))}
+        return {
+            "x": torch.from_numpy(rng.standard_normal((batch, seq, 16)).astype("float32")),
+            "labels": torch.from_numpy(rng.integers(0, 4, batch).astype("int64")),
+        }
 
 
 def bench_full_step(name: str = "cnn", batch: int | None = None, warmup: int = 5, iters: int = 50) -> dict:
@@ -300,9 +312,17 @@ def bench_full_step(name: str = "cnn", batch: int | None = None, warmup: int = 5
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, tuple(inputs.values()), buf, dynamo=False, opset_version=17,
-                          do_constant_folding=False, training=torch.onnx.TrainingMode.PRESERVE,
-                          input_names=list(inputs), output_names=["loss", "logits"])
+        torch.onnx.export(
+            model,
+            tuple(inputs.values()),
+            buf,
+            dynamo=False,
+            opset_version=17,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            input_names=list(inputs),
+            output_names=["loss", "logits"],
+        )
     built = gradgen.build_backward(onnx.load_from_string(buf.getvalue()))
     feeds = {k: v.numpy() for k, v in inputs.items()}
     with warnings.catch_warnings(record=True) as caught:
@@ -338,12 +358,13 @@ def bench_full_step(name: str = "cnn", batch: int | None = None, warmup: int = 5
     ms_ours = _timer(ours, reps=iters, warmup=warmup)
     ms_theirs = _timer(theirs, reps=iters, warmup=warmup)
     steps = len(session.steps)
-    print(f"full step {name} batch {batch}: gradgen {ms_ours:.3f} ms ({steps} steps), PyTorch eager {ms_theirs:.3f} ms, "
-          f"speed vs PyTorch {ms_theirs / ms_ours:.2f}x; max relative gradient difference {worst:.2e}")
+    print(
+        f"full step {name} batch {batch}: gradgen {ms_ours:.3f} ms ({steps} steps), PyTorch eager {ms_theirs:.3f} ms, "
+        f"speed vs PyTorch {ms_theirs / ms_ours:.2f}x; max relative gradient difference {worst:.2e}"
+    )
     for message in fallbacks:
         print(f"  fallback: {message}")
-    return {"gradgen_ms": ms_ours, "pytorch_ms": ms_theirs, "steps": steps, "max_rel_diff": worst,
-            "fallbacks": fallbacks}
+    return {"gradgen_ms": ms_ours, "pytorch_ms": ms_theirs, "steps": steps, "max_rel_diff": worst, "fallbacks": fallbacks}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,8 +378,14 @@ COPY_BANDWIDTH_GBS = 2965.0  # measured device-to-device copy bandwidth of the H
 
 def _row(work: str, variant: str, ms: float, nbytes: int, reference_ms: float | None = None) -> dict:
     floor = nbytes / (COPY_BANDWIDTH_GBS * 1e9) * 1e3
-    row = {"work": work, "variant": variant, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "floor_ms": floor,
-           "floor_ratio": floor / ms}
+    row = {
+        "work": work,
+        "variant": variant,
+        "ms": ms,
+        "GB/s": nbytes / (ms * 1e-3) / 1e9,
+        "floor_ms": floor,
+        "floor_ratio": floor / ms,
+    }
     if reference_ms is not None:
         row["speedup"] = reference_ms / ms
     return row
@@ -367,8 +394,11 @@ def _row(work: str, variant: str, ms: float, nbytes: int, reference_ms: float | 
 def _print(rows: list[dict]) -> None:
     for r in rows:
         extra = f"  speedup {r['speedup']:.2f}x" if "speedup" in r else ""
-        print(f"{r['work']:<20} {r['variant']:<34} {r['ms']:8.4f} ms  {r['GB/s']:7.0f} GB/s  "
-              f"floor {r['floor_ms']:.4f} ms ({100 * r['floor_ratio']:.0f}% of it){extra}", flush=True)
+        print(
+            f"{r['work']:<20} {r['variant']:<34} {r['ms']:8.4f} ms  {r['GB/s']:7.0f} GB/s  "
+            f"floor {r['floor_ms']:.4f} ms ({100 * r['floor_ratio']:.0f}% of it){extra}",
+            flush=True,
+        )
 
 
 def _torch():
@@ -387,8 +417,13 @@ def bench_slice_grad(reps: int = 50) -> list[dict]:
     shape = (64, 1024, 1024)
     dy_host = np.random.default_rng(0).standard_normal((64, 512, 512)).astype(np.float32)
     dy = rt.to_device(dy_host)
-    args = (np.array(shape, np.int64), np.array([256, 0], np.int64), np.array([768, 1024], np.int64),
-            np.array([1, 2], np.int64), np.array([1, 2], np.int64))
+    args = (
+        np.array(shape, np.int64),
+        np.array([256, 0], np.int64),
+        np.array([768, 1024], np.int64),
+        np.array([1, 2], np.int64),
+        np.array([1, 2], np.int64),
+    )
     nbytes = 4 * (np.prod(shape) + dy_host.size)
     rows, ref = [], None
     torch = _torch()
@@ -446,8 +481,10 @@ def bench_gather_grad(reps: int = 50) -> list[dict]:
     _print(rows)
     _detail("gradgen GatherGrad", lambda: gather_grad(shape, idx, dy))
     narrow = rt.to_device(dy_host[:, :1].copy())
-    _detail("gradgen GatherGrad, inner 1 (about the index scan alone)", lambda: gather_grad(np.array([vocab, 1], np.int64),
-                                                                                      idx, narrow))
+    _detail(
+        "gradgen GatherGrad, inner 1 (about the index scan alone)",
+        lambda: gather_grad(np.array([vocab, 1], np.int64), idx, narrow),
+    )
     if torch is not None:
         _detail("torch index_add_", lambda: torch.zeros(vocab, dim, device="cuda").index_add_(0, tids, tdy))
     return rows
@@ -467,8 +504,9 @@ def bench_gather_elements_grad(reps: int = 50) -> list[dict]:
     rows, ref = [], None
     torch = _torch()
     ours = gather_elements_grad(dy, shape, idx, axis=1, deterministic=True).get()
-    assert np.array_equal(ours, gather_elements_grad(dy, shape, idx, axis=1, deterministic=True).get()), \
+    assert np.array_equal(ours, gather_elements_grad(dy, shape, idx, axis=1, deterministic=True).get()), (
         "GatherElementsGrad is not bit-identical across runs"
+    )
     if torch is not None:
         tdy, tids = torch.from_numpy(dy_host).cuda(), torch.from_numpy(ids).cuda()
         ref = _timer(lambda: torch.zeros(4096, 4096, device="cuda").scatter_add_(1, tids, tdy), reps=reps)
@@ -479,11 +517,9 @@ def bench_gather_elements_grad(reps: int = 50) -> list[dict]:
         ms = _timer(lambda det=det: gather_elements_grad(dy, shape, idx, axis=1, deterministic=det), reps=reps)
         rows.append(_row("GatherElementsGrad", variant, ms, nbytes, ref))
     _print(rows)
-    _detail("gradgen GatherElementsGrad deterministic",
-            lambda: gather_elements_grad(dy, shape, idx, axis=1, deterministic=True))
+    _detail("gradgen GatherElementsGrad deterministic", lambda: gather_elements_grad(dy, shape, idx, axis=1, deterministic=True))
     if torch is not None:
-        _detail("torch zeros + scatter_add_",
-                lambda: torch.zeros(4096, 4096, device="cuda").scatter_add_(1, tids, tdy))
+        _detail("torch zeros + scatter_add_", lambda: torch.zeros(4096, 4096, device="cuda").scatter_add_(1, tids, tdy))
     return rows
 
 
@@ -531,11 +567,14 @@ def bench_broadcast_reduction(reps: int = 50) -> list[dict]:
         rows.append(_row("ReduceSum", "torch.sum (GPU time)", ref, x.nbytes))
         rows.append(_row("ReduceSum", "torch.sum (plain events)", _timer(theirs, reps=reps), x.nbytes))
         rows.append(_row("ReduceSum", "gradgen (GPU time)", _gpu_ms(ours, reps=reps), x.nbytes, ref))
-    rows.append(_row("ReduceSum", "gradgen (plain events)", _timer(ours, reps=reps), x.nbytes,
-                     None if torch is None else rows[1]["ms"]))
+    rows.append(
+        _row("ReduceSum", "gradgen (plain events)", _timer(ours, reps=reps), x.nbytes, None if torch is None else rows[1]["ms"])
+    )
     _print(rows)
-    print(f"  [ReduceSum] host time per call: gradgen {_host_us(ours):.1f} us"
-          + ("" if torch is None else f", torch {_host_us(theirs):.1f} us"))
+    print(
+        f"  [ReduceSum] host time per call: gradgen {_host_us(ours):.1f} us"
+        + ("" if torch is None else f", torch {_host_us(theirs):.1f} us")
+    )
     if torch is None:
         return rows
     cases = []
@@ -544,24 +583,36 @@ def bench_broadcast_reduction(reps: int = 50) -> list[dict]:
     hd, gd, bd = rt.to_device(h), rt.to_device(g), rt.to_device(b)
     ht, gt, bt = torch.from_numpy(h).cuda(), torch.from_numpy(g).cuda(), torch.from_numpy(b).cuda()
     ln = cuda("LayerNormalization")
-    cases.append(("LayerNormalization (8192,768)", lambda: ln(hd, gd, bd, axis=-1, epsilon=1e-5),
-                  lambda: torch.nn.functional.layer_norm(ht, (768,), gt, bt, 1e-5), 2 * h.nbytes))
+    cases.append(
+        (
+            "LayerNormalization (8192,768)",
+            lambda: ln(hd, gd, bd, axis=-1, epsilon=1e-5),
+            lambda: torch.nn.functional.layer_norm(ht, (768,), gt, bt, 1e-5),
+            2 * h.nbytes,
+        )
+    )
     sm = rng.standard_normal((8192, 1024), dtype=np.float32)
     smd, smt = rt.to_device(sm), torch.from_numpy(sm).cuda()
     softmax = cuda("Softmax")
-    cases.append(("Softmax (8192,1024) last axis", lambda: softmax(smd, axis=-1, _opset=13),
-                  lambda: torch.softmax(smt, -1), 2 * sm.nbytes))
+    cases.append(
+        ("Softmax (8192,1024) last axis", lambda: softmax(smd, axis=-1, _opset=13), lambda: torch.softmax(smt, -1), 2 * sm.nbytes)
+    )
     bgd, bgt = rt.to_device(h), ht
     ax0 = np.array([0], np.int64)
-    cases.append(("ReduceSum (8192,768) axis 0", lambda: reduce_sum(bgd, ax0, keepdims=0), lambda: bgt.sum(0),
-                  h.nbytes))
+    cases.append(("ReduceSum (8192,768) axis 0", lambda: reduce_sum(bgd, ax0, keepdims=0), lambda: bgt.sum(0), h.nbytes))
     logits = rng.standard_normal((2048, 50257), dtype=np.float32)
     labels = rng.integers(0, 50257, 2048).astype(np.int64)
     ld, lbd = rt.to_device(logits), rt.to_device(labels)
     lt, lbt = torch.from_numpy(logits).cuda(), torch.from_numpy(labels).cuda()
     sce = cuda("SoftmaxCrossEntropyLoss")
-    cases.append(("SoftmaxCrossEntropyLoss (2048,50257)", lambda: sce(ld, lbd, reduction="mean"),
-                  lambda: torch.nn.functional.cross_entropy(lt, lbt), logits.nbytes))
+    cases.append(
+        (
+            "SoftmaxCrossEntropyLoss (2048,50257)",
+            lambda: sce(ld, lbd, reduction="mean"),
+            lambda: torch.nn.functional.cross_entropy(lt, lbt),
+            logits.nbytes,
+        )
+    )
     add = cuda("Add")
     cb = rng.standard_normal((256, 1, 1), dtype=np.float32)
     cbd, cbt = rt.to_device(cb), torch.from_numpy(cb).cuda()
@@ -571,8 +622,10 @@ def bench_broadcast_reduction(reps: int = 50) -> list[dict]:
     for name, ours_fn, torch_fn, nbytes in cases:
         try:
             theirs_ms = _gpu_ms(torch_fn, reps=reps)
-            case_rows = [_row(name, "torch (GPU time)", theirs_ms, nbytes),
-                         _row(name, "gradgen (GPU time)", _gpu_ms(ours_fn, reps=reps), nbytes, theirs_ms)]
+            case_rows = [
+                _row(name, "torch (GPU time)", theirs_ms, nbytes),
+                _row(name, "gradgen (GPU time)", _gpu_ms(ours_fn, reps=reps), nbytes, theirs_ms),
+            ]
             _print(case_rows)
             print(f"  [{name}] host time per call: gradgen {_host_us(ours_fn):.1f} us, torch {_host_us(torch_fn):.1f} us")
             rows += case_rows

@@ -19,8 +19,7 @@ from typing import Callable
 MIB = 1 << 20
 
 
-def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
-               after: Callable[[], object] | None = None) -> list[float]:
+def time_steps(step: Callable[[], object], *, warmup: int, steps: int, after: Callable[[], object] | None = None) -> list[float]:
     """Wall-clock milliseconds of ``steps`` calls of ``step`` after ``warmup`` calls.
 
     ``step`` must return only when its work is done (it reads the loss back, or synchronises), so
@@ -38,8 +37,7 @@ def time_steps(step: Callable[[], object], *, warmup: int, steps: int,
     return times
 
 
-def time_adaptive(step: Callable[[], object], *, warmup: int, max_steps: int, budget_s: float,
-                  min_steps: int = 3) -> list[float]:
+def time_adaptive(step: Callable[[], object], *, warmup: int, max_steps: int, budget_s: float, min_steps: int = 3) -> list[float]:
     """Like ``time_steps``, but stops early once ``budget_s`` seconds are spent (at least ``min_steps``)."""
     for _ in range(warmup):
         step()
@@ -119,8 +117,9 @@ def run_child(job: str, task: dict, workdir: Path, *, timeout_s: float, env: dic
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
     sys.stdout.flush()
     try:
-        proc = subprocess.run([sys.executable, "-m", "gradgen.bench.worker", str(task_path)], env=child_env,
-                              timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "gradgen.bench.worker", str(task_path)], env=child_env, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     if result_path.exists():

@@ -29,17 +29,42 @@ import numpy as np
 
 # Standard layouts: name -> (kind, architecture, default batch, default sequence / image size).
 PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2s": {"kind": "gpt2", "arch": {"layers": 12, "d": 768, "heads": 12, "vocab": 50257, "max_len": 1024},
-              "batch": 8, "size": 256, "title": "GPT-2 small layout (12 x 768, 12 heads, vocab 50257 tied)"},
-    "gpt2m": {"kind": "gpt2", "arch": {"layers": 24, "d": 1024, "heads": 16, "vocab": 50257, "max_len": 1024},
-              "batch": 4, "size": 512, "title": "GPT-2 medium layout (24 x 1024, 16 heads, vocab 50257 tied)"},
-    "resnet18": {"kind": "resnet18", "arch": {"classes": 1000, "width": 64}, "batch": 32, "size": 224,
-                 "title": "ResNet-18 (eval-mode BatchNorm, 1000 classes)"},
+    "gpt2s": {
+        "kind": "gpt2",
+        "arch": {"layers": 12, "d": 768, "heads": 12, "vocab": 50257, "max_len": 1024},
+        "batch": 8,
+        "size": 256,
+        "title": "GPT-2 small layout (12 x 768, 12 heads, vocab 50257 tied)",
+    },
+    "gpt2m": {
+        "kind": "gpt2",
+        "arch": {"layers": 24, "d": 1024, "heads": 16, "vocab": 50257, "max_len": 1024},
+        "batch": 4,
+        "size": 512,
+        "title": "GPT-2 medium layout (24 x 1024, 16 heads, vocab 50257 tied)",
+    },
+    "resnet18": {
+        "kind": "resnet18",
+        "arch": {"classes": 1000, "width": 64},
+        "batch": 32,
+        "size": 224,
+        "title": "ResNet-18 (eval-mode BatchNorm, 1000 classes)",
+    },
     # Tiny layouts for a quick try and for the tests (same code paths, seconds on a CPU).
-    "gpt2-tiny": {"kind": "gpt2", "arch": {"layers": 2, "d": 32, "heads": 2, "vocab": 97, "max_len": 32},
-                  "batch": 2, "size": 16, "title": "GPT-2 layout, tiny (2 x 32, 2 heads, vocab 97 tied)"},
-    "resnet18-tiny": {"kind": "resnet18", "arch": {"classes": 10, "width": 4}, "batch": 2, "size": 32,
-                      "title": "ResNet-18 layout, tiny (width 4, 10 classes)"},
+    "gpt2-tiny": {
+        "kind": "gpt2",
+        "arch": {"layers": 2, "d": 32, "heads": 2, "vocab": 97, "max_len": 32},
+        "batch": 2,
+        "size": 16,
+        "title": "GPT-2 layout, tiny (2 x 32, 2 heads, vocab 97 tied)",
+    },
+    "resnet18-tiny": {
+        "kind": "resnet18",
+        "arch": {"classes": 10, "width": 4},
+        "batch": 2,
+        "size": 32,
+        "title": "ResNet-18 layout, tiny (width 4, 10 classes)",
+    },
 }
 
 
@@ -68,8 +93,15 @@ class ModelSpec:
         return f"B={self.batch}, {self.size}x{self.size}"
 
 
-def preset(name: str, *, batch: int | None = None, size: int | None = None, layers: int | None = None,
-           d: int | None = None, heads: int | None = None) -> ModelSpec:
+def preset(
+    name: str,
+    *,
+    batch: int | None = None,
+    size: int | None = None,
+    layers: int | None = None,
+    d: int | None = None,
+    heads: int | None = None,
+) -> ModelSpec:
     """A ``ModelSpec`` from a preset name, with optional overrides (smaller sizes for a quick try)."""
     from gradgen.errors import UsageError
 
@@ -89,8 +121,9 @@ def preset(name: str, *, batch: int | None = None, size: int | None = None, laye
             raise UsageError(f"model width {arch['d']} is not a multiple of the head count {arch['heads']}")
         if size is not None and size > arch["max_len"]:
             arch["max_len"] = size
-    spec = ModelSpec(name=name, kind=base["kind"], arch=arch, batch=batch or base["batch"],
-                     size=size or base["size"], title=base["title"])
+    spec = ModelSpec(
+        name=name, kind=base["kind"], arch=arch, batch=batch or base["batch"], size=size or base["size"], title=base["title"]
+    )
     if spec.batch < 1 or spec.size < 2:
         raise UsageError(f"{name}: batch must be at least 1 and the sequence/image size at least 2")
     if [k for k, v in overrides.items() if v is not None] or size or batch:
@@ -287,12 +320,22 @@ def export(model, inputs: dict[str, np.ndarray], *, dynamic_seq: bool = False):
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, tensors, buf, dynamo=False, opset_version=17, do_constant_folding=False,
-                          training=torch.onnx.TrainingMode.PRESERVE, input_names=names, output_names=["loss"],
-                          dynamic_axes=dynamic_axes)
+        torch.onnx.export(
+            model,
+            tensors,
+            buf,
+            dynamo=False,
+            opset_version=17,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            input_names=names,
+            output_names=["loss"],
+            dynamic_axes=dynamic_axes,
+        )
     proto = onnx.load_from_string(buf.getvalue())
     missing = sorted(set(parameter_names(model)) - {t.name for t in proto.graph.initializer})
     if missing:
-        raise RuntimeError(f"export of {type(model).__name__}: parameters without an initializer of the same "
-                           f"name: {', '.join(missing[:5])}")
+        raise RuntimeError(
+            f"export of {type(model).__name__}: parameters without an initializer of the same name: {', '.join(missing[:5])}"
+        )
     return proto

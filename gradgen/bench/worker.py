@@ -76,9 +76,12 @@ def _torch_step(torch, model, forward, host_inputs: dict, device: str):
 def _torch_memory(torch, memory: DeviceMemory | None) -> dict:
     if memory is None:
         return {}
-    return {"used_after_bytes": memory.sample(), "max_sampled_bytes": memory.max_seen,
-            "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "torch_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+    return {
+        "used_after_bytes": memory.sample(),
+        "max_sampled_bytes": memory.max_seen,
+        "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "torch_max_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
 
 
 def _device_info_torch(torch, device: str) -> dict:
@@ -98,14 +101,22 @@ def job_torch_step(task: dict) -> dict:
     t0 = time.perf_counter()
     loss = step()
     first_s = time.perf_counter() - t0
-    times = time_steps(step, warmup=max(0, task["warmup"] - 1), steps=task["steps"],
-                       after=None if memory is None else memory.sample)
-    result = {"framework": task["framework"], "loss": loss, "first_step_s": first_s, "step_ms": times,
-              "median_ms": median(times), "memory": _torch_memory(torch, memory),
-              "info": _device_info_torch(torch, device)}
+    times = time_steps(
+        step, warmup=max(0, task["warmup"] - 1), steps=task["steps"], after=None if memory is None else memory.sample
+    )
+    result = {
+        "framework": task["framework"],
+        "loss": loss,
+        "first_step_s": first_s,
+        "step_ms": times,
+        "median_ms": median(times),
+        "memory": _torch_memory(torch, memory),
+        "info": _device_info_torch(torch, device),
+    }
     if task.get("grads"):
-        np.savez(task["grads"], **{name: p.grad.detach().cpu().numpy() for name, p in model.named_parameters()
-                                   if p.grad is not None})
+        np.savez(
+            task["grads"], **{name: p.grad.detach().cpu().numpy() for name, p in model.named_parameters() if p.grad is not None}
+        )
     return result
 
 
@@ -121,8 +132,13 @@ def _run_lengths(step_for_length, lengths: list[int], passes: int, memory: Devic
             try:
                 step_for_length(length)
             except Exception as exc:  # noqa: BLE001 - the failure is the measurement
-                record["failure"] = {"pass": p + 1, "length": length, "step": len(record["step_ms"]) + 1,
-                                     "out_of_memory": is_out_of_memory(exc), "message": error_text(exc)}
+                record["failure"] = {
+                    "pass": p + 1,
+                    "length": length,
+                    "step": len(record["step_ms"]) + 1,
+                    "out_of_memory": is_out_of_memory(exc),
+                    "message": error_text(exc),
+                }
                 if memory is not None:
                     record["max_used_bytes"] = memory.max_seen
                 return {"passes": done, "failure": record["failure"]}
@@ -146,8 +162,7 @@ def job_torch_varlen(task: dict) -> dict:
     forward = torch.compile(model, dynamic=True) if task["framework"] == "compile" else model
     steps = {t: _torch_step(torch, model, forward, batch, device) for t, batch in _length_batches(task).items()}
     result = _run_lengths(lambda t: steps[t](), task["lengths"], task["passes"], memory)
-    result.update(framework=task["framework"], memory=_torch_memory(torch, memory),
-                  info=_device_info_torch(torch, device))
+    result.update(framework=task["framework"], memory=_torch_memory(torch, memory), info=_device_info_torch(torch, device))
     return result
 
 
@@ -174,9 +189,12 @@ def gradgen_memory(session, memory: DeviceMemory | None) -> dict:
     from gradgen.cuda import runtime as rt
 
     pool = rt.memory_pool()
-    figures = {"used_after_bytes": memory.sample(), "max_sampled_bytes": memory.max_seen,
-               "pool_held_bytes": int(getattr(pool, "managed_bytes", 0)),
-               "pool_active_bytes": int(getattr(pool, "active_bytes", 0))}
+    figures = {
+        "used_after_bytes": memory.sample(),
+        "max_sampled_bytes": memory.max_seen,
+        "pool_held_bytes": int(getattr(pool, "managed_bytes", 0)),
+        "pool_active_bytes": int(getattr(pool, "active_bytes", 0)),
+    }
     stats = getattr(session, "memory_stats", None)
     if callable(stats):
         figures["session"] = {k: v for k, v in stats().items() if isinstance(v, (int, float, str))}
@@ -211,12 +229,21 @@ def job_gradgen_step(task: dict) -> dict:
         t0 = time.perf_counter()
         loss = step()
         firsts.append(time.perf_counter() - t0)
-    times = time_steps(step, warmup=max(0, task["warmup"] - 2), steps=task["steps"],
-                       after=None if memory is None else memory.sample)
-    result = {"framework": "gradgen", "loss": loss, "setup_s": setup_s, "first_step_s": firsts[0],
-              "second_step_s": firsts[1] if len(firsts) > 1 else None, "step_ms": times,
-              "median_ms": median(times), "plan_steps": len(session.steps),
-              "memory": gradgen_memory(session, memory), "info": _device_info_gradgen(device)}
+    times = time_steps(
+        step, warmup=max(0, task["warmup"] - 2), steps=task["steps"], after=None if memory is None else memory.sample
+    )
+    result = {
+        "framework": "gradgen",
+        "loss": loss,
+        "setup_s": setup_s,
+        "first_step_s": firsts[0],
+        "second_step_s": firsts[1] if len(firsts) > 1 else None,
+        "step_ms": times,
+        "median_ms": median(times),
+        "plan_steps": len(session.steps),
+        "memory": gradgen_memory(session, memory),
+        "info": _device_info_gradgen(device),
+    }
     if task.get("grads"):
         names = task["wrt"]
         out = session.run(feeds, outputs=[f"{n}_grad" for n in names])
@@ -232,10 +259,13 @@ def job_gradgen_varlen(task: dict) -> dict:
     session = Session(task["model"], device=device)
     batches = _length_batches(task)
     loss_name = task["loss"]
-    result = _run_lengths(lambda t: session.run(batches[t], outputs=[loss_name]), task["lengths"], task["passes"],
-                          memory)
-    result.update(framework="gradgen", plan_steps=len(session.steps), memory=gradgen_memory(session, memory),
-                  info=_device_info_gradgen(device))
+    result = _run_lengths(lambda t: session.run(batches[t], outputs=[loss_name]), task["lengths"], task["passes"], memory)
+    result.update(
+        framework="gradgen",
+        plan_steps=len(session.steps),
+        memory=gradgen_memory(session, memory),
+        info=_device_info_gradgen(device),
+    )
     return result
 
 
@@ -273,20 +303,31 @@ def job_gradgen_profile(task: dict) -> dict:
         name = "self_device_time_total" if own else "device_time_total"
         return getattr(e, name, getattr(e, name.replace("device", "cuda"), 0))
 
-    kernels = sorted(((e.key, e.count, device_us(e, True) / 1e3) for e in events
-                      if device_us(e, True) > 0 and not e.key.startswith("onnx::")), key=lambda r: -r[2])
-    by_op = sorted(((e.key[len("onnx::"):], e.count, device_us(e, False) / 1e3) for e in events
-                    if e.key.startswith("onnx::")), key=lambda r: -r[2])
+    kernels = sorted(
+        ((e.key, e.count, device_us(e, True) / 1e3) for e in events if device_us(e, True) > 0 and not e.key.startswith("onnx::")),
+        key=lambda r: -r[2],
+    )
+    by_op = sorted(
+        ((e.key[len("onnx::") :], e.count, device_us(e, False) / 1e3) for e in events if e.key.startswith("onnx::")),
+        key=lambda r: -r[2],
+    )
     total = sum(ms for _, _, ms in kernels)
-    print(f"  gradgen profile (one eager step, {len(session.steps)} steps): GPU kernel time {total:.1f} ms, "
-          f"wall {wall_ms:.1f} ms", flush=True)
+    print(
+        f"  gradgen profile (one eager step, {len(session.steps)} steps): GPU kernel time {total:.1f} ms, wall {wall_ms:.1f} ms",
+        flush=True,
+    )
     for title, rows in (("by ONNX op (kernels launched inside the node)", by_op), ("by kernel", kernels)):
         if rows and rows[0][2] > 0:
             print(f"  {title}:", flush=True)
             for name, count, ms in rows[:20]:
                 print(f"    {ms:9.2f} ms {100 * ms / total:5.1f}%  x{count:<5d} {name[:90]}", flush=True)
-    return {"framework": "gradgen", "gpu_kernel_ms": total, "wall_ms": wall_ms,
-            "by_kernel": [list(r) for r in kernels[:60]], "by_op": [list(r) for r in by_op]}
+    return {
+        "framework": "gradgen",
+        "gpu_kernel_ms": total,
+        "wall_ms": wall_ms,
+        "by_kernel": [list(r) for r in kernels[:60]],
+        "by_op": [list(r) for r in by_op],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +386,7 @@ def _cpu_case(case: dict, threads: int, task: dict) -> dict:
         def make():
             session = Session(path, device="cpu")
             return lambda: session.run(feeds)
+
         return make
 
     measure("ort_ms", ort_step)
@@ -403,8 +445,13 @@ def main(argv: list[str] | None = None) -> int:
             if task.get("debug"):
                 traceback.print_exc()
             result = {"error": error_text(exc), "out_of_memory": is_out_of_memory(exc)}
-    notes = sorted({str(w.message).splitlines()[0][:300] for w in caught
-                    if w.category is not DeprecationWarning and "gradgen" in (w.filename or "") + str(w.message)})
+    notes = sorted(
+        {
+            str(w.message).splitlines()[0][:300]
+            for w in caught
+            if w.category is not DeprecationWarning and "gradgen" in (w.filename or "") + str(w.message)
+        }
+    )
     if notes:
         result["notes"] = notes
     write_json_atomic(result_path, result)

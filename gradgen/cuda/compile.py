@@ -132,8 +132,9 @@ class NvrtcCompiler(Compiler):
         return [str(source.path.parent), *self.include_path]
 
     def compile(self, source: Source, arch: str) -> bytes:
-        options = self._core.ProgramOptions(name=source.path.name, arch=arch, std=STD, pre_include=NVRTC_PRELUDE,
-                                            include_path=self._include_path(source))
+        options = self._core.ProgramOptions(
+            name=source.path.name, arch=arch, std=STD, pre_include=NVRTC_PRELUDE, include_path=self._include_path(source)
+        )
         program = self._core.Program(source.text, "c++", options=options)
         return self._run("NVRTC", source, arch, lambda: _code_bytes(program.compile("cubin")))
 
@@ -142,8 +143,12 @@ class NvrtcCompiler(Compiler):
         it could load the result, and here no GPU may be present (a Docker build)."""
         from cuda.bindings import nvrtc
 
-        options = [f"--gpu-architecture={arch}", f"--std={STD}", f"--pre-include={NVRTC_PRELUDE}",
-                   *(f"--include-path={d}" for d in self._include_path(source))]
+        options = [
+            f"--gpu-architecture={arch}",
+            f"--std={STD}",
+            f"--pre-include={NVRTC_PRELUDE}",
+            *(f"--include-path={d}" for d in self._include_path(source)),
+        ]
         err, program = nvrtc.nvrtcCreateProgram(source.text.encode(), source.path.name.encode(), 0, [], [])
         _nvrtc_check(err, source, arch, self.version, program=None)
         try:
@@ -159,8 +164,14 @@ class NvrtcCompiler(Compiler):
 
     def assemble(self, ptx: str, arch: str, source: Source) -> bytes:
         core = self._core
-        return self._run("nvJitLink", source, arch, lambda: _code_bytes(
-            core.Linker(core.ObjectCode.from_ptx(ptx.encode()), options=core.LinkerOptions(arch=arch)).link("cubin")))
+        return self._run(
+            "nvJitLink",
+            source,
+            arch,
+            lambda: _code_bytes(
+                core.Linker(core.ObjectCode.from_ptx(ptx.encode()), options=core.LinkerOptions(arch=arch)).link("cubin")
+            ),
+        )
 
     def _run(self, what: str, source: Source, arch: str, action) -> bytes:
         try:
@@ -197,8 +208,8 @@ def split_ptx(ptx: str) -> tuple[str, dict[str, str]]:
         if match.start() < at:
             continue
         end = ptx.index("\n}", ptx.index("{", match.end())) + 2
-        common.append(ptx[at:match.start()])
-        kernels[match.group(1)] = ptx[match.start():end] + "\n"
+        common.append(ptx[at : match.start()])
+        kernels[match.group(1)] = ptx[match.start() : end] + "\n"
         at = end
     common.append(ptx[at:])
     return "".join(common), kernels
@@ -217,8 +228,20 @@ class NvccCompiler(Compiler):
     def compile(self, source: Source, arch: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix="gradgen-nvcc-") as tmp:
             out = Path(tmp) / f"{source.name}.cubin"
-            result = subprocess.run([self.nvcc, "-cubin", f"-arch={arch}", *self.options, f"-I{source.path.parent}",
-                                     "-o", str(out), str(source.path)], capture_output=True, text=True)
+            result = subprocess.run(
+                [
+                    self.nvcc,
+                    "-cubin",
+                    f"-arch={arch}",
+                    *self.options,
+                    f"-I{source.path.parent}",
+                    "-o",
+                    str(out),
+                    str(source.path),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if result.returncode != 0:
                 raise KernelError(_compile_failure(source, arch, "nvcc", result.stderr))
             return out.read_bytes()
@@ -327,5 +350,7 @@ def compiler(preferred: str | None = None) -> Compiler:
         if found is not None:
             return found
         reasons.append(why)
-    raise KernelError("no CUDA compiler for gradgen's kernels (" + "; ".join(reasons) + "): install "
-                      "gradgen[cuda] (NVRTC through cuda-core and nvidia-cuda-nvrtc) or a CUDA toolkit with nvcc")
+    raise KernelError(
+        "no CUDA compiler for gradgen's kernels (" + "; ".join(reasons) + "): install "
+        "gradgen[cuda] (NVRTC through cuda-core and nvidia-cuda-nvrtc) or a CUDA toolkit with nvcc"
+    )

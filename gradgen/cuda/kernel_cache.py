@@ -125,8 +125,7 @@ def write_build(stem: Path, build: Build) -> None:
     atomic_write(_index(stem), index)  # last: the build is complete
 
 
-def compile_build(source: Source, arch: str, using: Compiler, links: Executor | None = None,
-                  split: bool = True) -> Build:
+def compile_build(source: Source, arch: str, using: Compiler, links: Executor | None = None, split: bool = True) -> Build:
     """Compile ``source``: split into kernel groups linked on ``links`` (a thread pool) where the
     compiler can and ``split`` allows, else whole."""
     if not (split and using.can_split):
@@ -143,8 +142,9 @@ def compile_build(source: Source, arch: str, using: Compiler, links: Executor | 
     return [(names, future.result()) for names, future in zip(groups, futures)]
 
 
-def load_or_build(source: Source, arch: str, using: Compiler, directory: Path | None,
-                  links: Executor | None = None, split: bool = True) -> Build:
+def load_or_build(
+    source: Source, arch: str, using: Compiler, directory: Path | None, links: Executor | None = None, split: bool = True
+) -> Build:
     """The build of ``source`` for ``arch``: from the cache, else compiled (once across processes)
     and stored. With ``directory`` None (the cache cannot be written) it is only compiled."""
     if directory is None:
@@ -174,14 +174,18 @@ def _usable_dir() -> Path | None:
         probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-")
         probe.close()
     except OSError as exc:
-        print(f"gradgen: the CUDA kernel cache {directory} is not writable ({exc.strerror}); compiling "
-              "without it (set GRADGEN_CUDA_CACHE to a writable directory)", file=sys.stderr)
+        print(
+            f"gradgen: the CUDA kernel cache {directory} is not writable ({exc.strerror}); compiling "
+            "without it (set GRADGEN_CUDA_CACHE to a writable directory)",
+            file=sys.stderr,
+        )
         return None
     return directory
 
 
-def builds(arch: str, names: list[str] | None = None, *, using: Compiler | None = None,
-           workers: int | None = None, on_done=None) -> dict[str, Build | KernelError]:
+def builds(
+    arch: str, names: list[str] | None = None, *, using: Compiler | None = None, workers: int | None = None, on_done=None
+) -> dict[str, Build | KernelError]:
     """Builds of the named sources (default: all) for ``arch``, compiling the missing ones at once.
 
     A source that fails to compile maps to its KernelError rather than failing the others: only
@@ -208,8 +212,11 @@ def builds(arch: str, names: list[str] | None = None, *, using: Compiler | None 
 
     # Two pools: a thread per source (its compile, or its PTX then waiting on its groups, or waiting
     # on another process's lock) and the workers that assemble kernel groups, so no wait blocks work.
-    with progress, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-ptxas") as links, \
-            ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source:
+    with (
+        progress,
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-ptxas") as links,
+        ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source,
+    ):
         list(per_source.map(lambda source: one(source, links), sources))
     return {name: results[name] for name in names}
 
@@ -234,8 +241,12 @@ class _Progress:
         with self._lock:
             self.said = True
             where = f"into {self.directory}" if self.directory else "(no cache)"
-            print(f"gradgen: compiling {self.total} CUDA source(s) for {self.arch} with {self.using.kind} "
-                  f"{self.using.version} {where} (first use; later runs load them)...", file=sys.stderr, flush=True)
+            print(
+                f"gradgen: compiling {self.total} CUDA source(s) for {self.arch} with {self.using.kind} "
+                f"{self.using.version} {where} (first use; later runs load them)...",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def done(self, compiled: bool) -> None:
         if compiled:
@@ -247,6 +258,9 @@ class _Progress:
             self.timer.cancel()
         with self._lock:
             if self.said:
-                print(f"gradgen: compiled {self.count} CUDA source(s) in {time.perf_counter() - self.start:.1f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"gradgen: compiled {self.count} CUDA source(s) in {time.perf_counter() - self.start:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return False

@@ -45,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradgen.cuda.precompile", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", type=_arch, help="GPU architecture (repeatable; default: GPU 0's)")
     parser.add_argument("--compiler", choices=COMPILERS, help="default: NVRTC where installed, else nvcc")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="kernel groups assembled at once in split builds (default: one per CPU core); "
-                             "whole sources all compile at once")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="kernel groups assembled at once in split builds (default: one per CPU core); whole sources all compile at once",
+    )
     args = parser.parse_args(argv)
     try:
         using = compiler(args.compiler)
@@ -59,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(result, Exception):
                     failed += 1
                     print(f"{name}.cu: {result}", file=sys.stderr)
-            print(f"{arch}: {len(results) - failed} of {len(results)} CUDA sources ready in {kernel_cache.cache_dir()} "
-                  f"({using.kind} {using.version}, {time.perf_counter() - start:.1f} s)")
+            print(
+                f"{arch}: {len(results) - failed} of {len(results)} CUDA sources ready in {kernel_cache.cache_dir()} "
+                f"({using.kind} {using.version}, {time.perf_counter() - start:.1f} s)"
+            )
     except GradgenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

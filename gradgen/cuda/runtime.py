@@ -436,8 +436,7 @@ def capture(run) -> CapturedGraph:
 
     synchronize()
     handle = stream().handle
-    _check_cu(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-              "cuStreamBeginCapture")
+    _check_cu(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture")
     CAPTURE.active, CAPTURE.keep, CAPTURE.deferred = True, [], []
     failure = None
     try:

@@ -51,8 +51,27 @@ _EAGER = "eager"  # a signature whose run could not be recorded
 # over an input that dies at that step. Value: the input positions that may be overwritten.
 _ANY = None
 IN_PLACE_OPS = {
-    **{op: _ANY for op in ("Add", "Sub", "Mul", "Div", "Sum", "Neg", "Abs", "Relu", "Sqrt", "Reciprocal", "Exp",
-                           "Log", "Tanh", "Sigmoid", "Softplus", "Erf")},
+    **{
+        op: _ANY
+        for op in (
+            "Add",
+            "Sub",
+            "Mul",
+            "Div",
+            "Sum",
+            "Neg",
+            "Abs",
+            "Relu",
+            "Sqrt",
+            "Reciprocal",
+            "Exp",
+            "Log",
+            "Tanh",
+            "Sigmoid",
+            "Softplus",
+            "Erf",
+        )
+    },
     "Where": (1, 2),
     "ScatterElements": (0,),
 }
@@ -159,15 +178,18 @@ class CudaBackend:
     def _record_ahead(self, run_steps) -> None:
         """Record every planned signature that has no graph yet (the newest last, so the LRU cache
         keeps it), with zero feeds of its shapes."""
-        waiting = [key for key in self.memory.plans if key not in self._graphs][-self.max_graphs:]
+        waiting = [key for key in self.memory.plans if key not in self._graphs][-self.max_graphs :]
         for key in waiting:
             feeds = {name: np.zeros(shape, np.dtype(dtype)) for name, shape, dtype in key}
             try:
                 self._record(run_steps, feeds, key)
             except Exception as exc:  # noqa: BLE001 - the run itself succeeded: its next call runs eagerly
                 self._graphs[key] = _EAGER
-                _note_once(("record-ahead",), f"could not record a CUDA graph ahead for these input shapes "
-                                              f"({type(exc).__name__}: {exc}); running them without one")
+                _note_once(
+                    ("record-ahead",),
+                    f"could not record a CUDA graph ahead for these input shapes "
+                    f"({type(exc).__name__}: {exc}); running them without one",
+                )
 
     def _record(self, run_steps, feeds, key, attempt: int = 0):
         memory = self.memory.begin(key, self.num_steps)
@@ -269,12 +291,18 @@ class CudaBackend:
         most device memory the pool and the arena held during a run (bytes); outputs planned over a
         dying input (``in_place``, the most in one plan)."""
         arena = self.memory.host.arena
-        return {"planned_bytes": self.memory.planned_bytes, "peak_live_bytes": self.memory.peak_live_bytes,
-                "arena_bytes": arena.nbytes if arena is not None else 0, "peak_held_bytes": self.memory.peak_held,
-                "graphs": sum(isinstance(s, _Replay) for s in self._graphs.values()), "leaks": self.memory.leaks,
-                "in_place": self.memory.in_place_outputs,
-                "served": self.memory.served, "fallbacks": self.memory.fallbacks,
-                "fallback_log": list(self.memory.fallback_log)}
+        return {
+            "planned_bytes": self.memory.planned_bytes,
+            "peak_live_bytes": self.memory.peak_live_bytes,
+            "arena_bytes": arena.nbytes if arena is not None else 0,
+            "peak_held_bytes": self.memory.peak_held,
+            "graphs": sum(isinstance(s, _Replay) for s in self._graphs.values()),
+            "leaks": self.memory.leaks,
+            "in_place": self.memory.in_place_outputs,
+            "served": self.memory.served,
+            "fallbacks": self.memory.fallbacks,
+            "fallback_log": list(self.memory.fallback_log),
+        }
 
     def close(self) -> None:
         """Drop the recorded graphs, the plans, the uploads and this Session's share of the arena."""
@@ -314,12 +342,10 @@ def _note_in_place(memory, op_type: str, args: list, result) -> None:
     """Tell a traced run which of the step's float outputs may overwrite which inputs (whole,
     contiguous arrays of the output's size; the plan keeps the pairs whose input dies here)."""
     positions = IN_PLACE_OPS[op_type]
-    outputs = [(int(r.gpudata), r.nbytes) for r in (result if isinstance(result, tuple) else (result,))
-               if _whole_float(r)]
+    outputs = [(int(r.gpudata), r.nbytes) for r in (result if isinstance(result, tuple) else (result,)) if _whole_float(r)]
     if not outputs:
         return
-    inputs = [(int(a.gpudata), a.nbytes) for i, a in enumerate(args)
-              if (positions is None or i in positions) and _whole_float(a)]
+    inputs = [(int(a.gpudata), a.nbytes) for i, a in enumerate(args) if (positions is None or i in positions) and _whole_float(a)]
     if inputs:
         memory.note_in_place(outputs, inputs)
 
@@ -372,7 +398,10 @@ def _refuse_bfloat16(step, args: list) -> None:
     error, named by the executor after the node, rather than a launch on the wrong element size."""
     from gradgen.errors import KernelError
 
-    if any(a is not None and np.dtype(a.dtype).name == "bfloat16" for a in args) or \
-            any(d is not None and d.name == "bfloat16" for d in (step.output_dtypes or ())):
-        raise KernelError("bfloat16 tensors are not supported by gradgen's CUDA kernels yet; run this "
-                          "bf16 graph with --device cpu (or build it with --precision fp16)")
+    if any(a is not None and np.dtype(a.dtype).name == "bfloat16" for a in args) or any(
+        d is not None and d.name == "bfloat16" for d in (step.output_dtypes or ())
+    ):
+        raise KernelError(
+            "bfloat16 tensors are not supported by gradgen's CUDA kernels yet; run this "
+            "bf16 graph with --device cpu (or build it with --precision fp16)"
+        )

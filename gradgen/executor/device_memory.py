@@ -91,8 +91,10 @@ class Arena:
         try:
             self.allocation = device.reserve(self.nbytes)
         except Exception as exc:  # noqa: BLE001 - the driver's out-of-memory error, whatever its type
-            raise RunError(f"could not allocate the {self.nbytes / 2**20:.0f} MiB device arena the memory plan "
-                           f"of these input shapes needs: {type(exc).__name__}: {exc}") from exc
+            raise RunError(
+                f"could not allocate the {self.nbytes / 2**20:.0f} MiB device arena the memory plan "
+                f"of these input shapes needs: {type(exc).__name__}: {exc}"
+            ) from exc
         self.base = int(self.allocation)
 
 
@@ -151,8 +153,7 @@ class SignaturePlan:
     def extended(self, keys) -> "SignaturePlan":
         """The plan again, with the requests ``keys`` alive until the end of the run."""
         keys = set(keys)
-        entries = [(key, nbytes, first, self.num_steps if key in keys else last)
-                   for key, nbytes, first, last in self.entries]
+        entries = [(key, nbytes, first, self.num_steps if key in keys else last) for key, nbytes, first, last in self.entries]
         return build_plan(entries, self.num_steps, self.alignment, self.in_place)
 
 
@@ -166,10 +167,21 @@ def build_plan(trace, num_steps: int, alignment: int, in_place=()) -> SignatureP
     aliases = _aliases(done, in_place, alignment)
     joined, member_of = merge_aliases(buffers, aliases)
     plan = plan_offsets(joined, alignment)
-    slots = {key: Slot(plan.offsets[group], plan.offsets[group] + aligned(nbytes, alignment), last)
-             for (key, nbytes, _first, last), group in zip(done, member_of)}
-    return SignaturePlan(slots, plan.size, peak_live_bytes(joined, alignment), len(trace), tuple(done), num_steps,
-                         alignment, tuple(in_place), len(aliases))
+    slots = {
+        key: Slot(plan.offsets[group], plan.offsets[group] + aligned(nbytes, alignment), last)
+        for (key, nbytes, _first, last), group in zip(done, member_of)
+    }
+    return SignaturePlan(
+        slots,
+        plan.size,
+        peak_live_bytes(joined, alignment),
+        len(trace),
+        tuple(done),
+        num_steps,
+        alignment,
+        tuple(in_place),
+        len(aliases),
+    )
 
 
 def _aliases(done, in_place, alignment: int) -> list[tuple[int, int]]:

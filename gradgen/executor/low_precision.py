@@ -70,8 +70,7 @@ def run_in_fp32(kernel, op_type: str, args: list, attributes: dict, out_dtypes: 
     their declared element types (the narrowest 16-bit input type where none is declared)."""
     low = [a.dtype for a in args if a is not None and is_low_precision(getattr(a, "dtype", None))]
     fallback = low[0] if low else None
-    wide = [a.astype(np.float32) if a is not None and is_low_precision(getattr(a, "dtype", None)) else a
-            for a in args]
+    wide = [a.astype(np.float32) if a is not None and is_low_precision(getattr(a, "dtype", None)) else a for a in args]
     attrs = dict(attributes)
     if op_type == "Cast":
         target = int(attrs.get("to", 0))
@@ -93,8 +92,13 @@ def _round(result, out_dtypes: list | None, fallback):
         if want is None:
             want = fallback
         array = np.asarray(value) if value is not None else None
-        if array is not None and want is not None and is_float_dtype(array.dtype) and is_float_dtype(want) \
-                and array.dtype != want:
+        if (
+            array is not None
+            and want is not None
+            and is_float_dtype(array.dtype)
+            and is_float_dtype(want)
+            and array.dtype != want
+        ):
             array = array.astype(want)
         rounded.append(array)
     return tuple(rounded) if isinstance(result, tuple) else rounded[0]

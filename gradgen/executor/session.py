@@ -127,9 +127,7 @@ class Session:
             self.backend = CpuBackend()
         self.opsets = {registry.normalize_domain(d): v for d, v in self.model.opset_imports.items()}
         self.initializers = {
-            name: value.const_value.numpy()
-            for name, value in self.graph.initializers.items()
-            if value.const_value is not None
+            name: value.const_value.numpy() for name, value in self.graph.initializers.items() if value.const_value is not None
         }
         self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
         self.output_names = [v.name for v in self.graph.outputs]
@@ -166,18 +164,20 @@ class Session:
                 attrs["_opset"] = self.opsets.get(registry.normalize_domain(node.domain), 1)
             if entry.wants_wanted:
                 attrs["_wanted"] = tuple(bool(v.name) for v in node.outputs)
-            steps.append(Step(
-                node_name=node.name or "<unnamed>",
-                domain=registry.normalize_domain(node.domain),
-                op_type=node.op_type,
-                kernel=entry.cpu,
-                entry=entry,
-                inputs=[v.name if v is not None else None for v in node.inputs],
-                outputs=[v.name for v in node.outputs],
-                attributes=attrs,
-                free_after=[],
-                output_dtypes=low_precision.declared_dtypes(node),
-            ))
+            steps.append(
+                Step(
+                    node_name=node.name or "<unnamed>",
+                    domain=registry.normalize_domain(node.domain),
+                    op_type=node.op_type,
+                    kernel=entry.cpu,
+                    entry=entry,
+                    inputs=[v.name if v is not None else None for v in node.inputs],
+                    outputs=[v.name for v in node.outputs],
+                    attributes=attrs,
+                    free_after=[],
+                    output_dtypes=low_precision.declared_dtypes(node),
+                )
+            )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
         for index, step in enumerate(steps):
             step.index = index
@@ -201,8 +201,9 @@ class Session:
         known = self._known_outputs
         unknown = [n for n in wanted if n not in known] if outputs is not None else None
         if unknown:
-            raise UsageError(f"unknown output name(s): {', '.join(unknown)}; the model's outputs are "
-                             f"{', '.join(self.output_names)}")
+            raise UsageError(
+                f"unknown output name(s): {', '.join(unknown)}; the model's outputs are {', '.join(self.output_names)}"
+            )
         if self.closed:
             raise UsageError("this Session is closed")
         checked = check_feeds(self._feed_specs, feeds)
@@ -256,8 +257,7 @@ class Session:
                 if self.device == "cuda":
                     shapes += " on cuda"
                 raise RunError(
-                    f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): "
-                    f"{type(exc).__name__}: {exc}"
+                    f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): {type(exc).__name__}: {exc}"
                 ) from exc
             if isinstance(result, tuple):
                 for name, value in zip(step.outputs, result):
@@ -291,8 +291,9 @@ def _topological_order(nodes: list[ir.Node], graph: ir.Graph) -> list[ir.Node]:
             if value is None or not value.name or value.name in available:
                 continue
             if value.name not in producers:
-                raise ModelError(f"{node_label(node)}: input {value.name!r} is produced by no node and is not "
-                                 "a graph input or initializer")
+                raise ModelError(
+                    f"{node_label(node)}: input {value.name!r} is produced by no node and is not a graph input or initializer"
+                )
             needs.add(value.name)
         waiting_on.append(needs)
         for name in needs:
@@ -400,10 +401,14 @@ class FeedSpec:
 
 
 def feed_specs(input_values: list[ir.Value]) -> list[FeedSpec]:
-    return [FeedSpec(v.name, numpy_dtype(v.dtype) if v.dtype is not None else None,
-                     tuple(d if isinstance(d, int) else (d.value or "?") for d in v.shape)
-                     if v.shape is not None else None)
-            for v in input_values]
+    return [
+        FeedSpec(
+            v.name,
+            numpy_dtype(v.dtype) if v.dtype is not None else None,
+            tuple(d if isinstance(d, int) else (d.value or "?") for d in v.shape) if v.shape is not None else None,
+        )
+        for v in input_values
+    ]
 
 
 def check_feeds(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -68,8 +68,17 @@ def grad_rule(*op_types: str, domain: str = "", broadcast: bool = False, nondiff
 
     def register(fn: Callable) -> Callable:
         for op_type in op_types:
-            _add(GradRule(normalize_domain(domain), op_type, fn, broadcast, frozenset(nondiff_inputs),
-                          frozenset(unsupported_inputs), fn.__module__))
+            _add(
+                GradRule(
+                    normalize_domain(domain),
+                    op_type,
+                    fn,
+                    broadcast,
+                    frozenset(nondiff_inputs),
+                    frozenset(unsupported_inputs),
+                    fn.__module__,
+                )
+            )
         return fn
 
     return register

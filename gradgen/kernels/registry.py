@@ -30,8 +30,20 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "TopK"): "no CUDA launcher yet",
 }
 
-__all__ = ["CPU_FAMILIES", "CUDA_FALLBACKS", "CUDA_FAMILIES", "MICROSOFT", "ONNX_DOMAIN", "KernelEntry", "all_kernels",
-           "cpu_kernel", "cuda_kernel", "load_cuda_kernels", "lookup", "normalize_domain"]
+__all__ = [
+    "CPU_FAMILIES",
+    "CUDA_FALLBACKS",
+    "CUDA_FAMILIES",
+    "MICROSOFT",
+    "ONNX_DOMAIN",
+    "KernelEntry",
+    "all_kernels",
+    "cpu_kernel",
+    "cuda_kernel",
+    "load_cuda_kernels",
+    "lookup",
+    "normalize_domain",
+]
 
 
 def lookup(domain: str, op_type: str) -> KernelEntry | None:

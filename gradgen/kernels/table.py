@@ -29,8 +29,7 @@ ONNX_DOMAIN = ""
 
 Kernel = Callable[..., object]
 
-__all__ = ["KERNELS", "MICROSOFT", "ONNX_DOMAIN", "Kernel", "KernelEntry", "cpu_kernel", "cuda_kernel",
-           "normalize_domain"]
+__all__ = ["KERNELS", "MICROSOFT", "ONNX_DOMAIN", "Kernel", "KernelEntry", "cpu_kernel", "cuda_kernel", "normalize_domain"]
 
 
 @dataclasses.dataclass

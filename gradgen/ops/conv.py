@@ -21,8 +21,9 @@ def effective_kernel(kernel: Sequence[int], dilations: Sequence[int]) -> list[in
     return [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
 
 
-def same_pads(spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
-              auto_pad: str) -> tuple[list[int], list[int], list[int]]:
+def same_pads(
+    spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int], auto_pad: str
+) -> tuple[list[int], list[int], list[int]]:
     """(begin, end, out) of SAME_UPPER / SAME_LOWER padding: out = ceil(n / s), the odd unit of
     padding at the end (UPPER) or the beginning (LOWER)."""
     out = [-(-n // s) for n, s in zip(spatial, strides)]
@@ -33,8 +34,7 @@ def same_pads(spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[i
     return begin, end, out
 
 
-def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
-                  pads=None, strides=None):
+def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     """Check a Conv's shapes and attributes; return (pads_begin, pads_end, strides, dilations, out_shape)."""
     auto_pad = text(auto_pad, "NOTSET")
     x_shape, w_shape = tuple(x_shape), tuple(w_shape)
@@ -52,8 +52,10 @@ def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=
         raise KernelError(f"strides {strides} and dilations {dilations} must be >= 1")
     channels, filters = x_shape[1], w_shape[0]
     if group < 1 or channels != w_shape[1] * group or filters % group:
-        raise KernelError(f"group {group} does not fit X {list(x_shape)} and W {list(w_shape)}: X's channels must be "
-                          f"W.shape[1] * group and W.shape[0] a multiple of group")
+        raise KernelError(
+            f"group {group} does not fit X {list(x_shape)} and W {list(w_shape)}: X's channels must be "
+            f"W.shape[1] * group and W.shape[0] a multiple of group"
+        )
     spatial = x_shape[2:]
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begin, end, _ = same_pads(spatial, kernel, strides, dilations, auto_pad)
@@ -69,8 +71,10 @@ def conv_geometry(x_shape, w_shape, *, auto_pad="NOTSET", dilations=None, group=
     span = effective_kernel(kernel, dilations)
     out = [(n + b + e - sp) // s + 1 for n, b, e, sp, s in zip(spatial, begin, end, span, strides)]
     if min(out) < 1:
-        raise KernelError(f"Conv output would be empty: X {list(x_shape)}, W {list(w_shape)}, pads {begin + end}, "
-                          f"strides {strides}, dilations {dilations}")
+        raise KernelError(
+            f"Conv output would be empty: X {list(x_shape)}, W {list(w_shape)}, pads {begin + end}, "
+            f"strides {strides}, dilations {dilations}"
+        )
     return begin, end, strides, dilations, (x_shape[0], filters, *out)
 
 

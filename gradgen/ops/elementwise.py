@@ -26,8 +26,9 @@ def broadcast_gradient_axes(a_shape: Sequence[int], b_shape: Sequence[int]) -> t
             elif b[j] == 1:
                 b_axes.append(k)
             else:
-                raise KernelError(f"broadcast is not possible between shapes {a} and {b} "
-                                  f"(dimension {a[i]} against {b[j]} at output axis {k})")
+                raise KernelError(
+                    f"broadcast is not possible between shapes {a} and {b} (dimension {a[i]} against {b[j]} at output axis {k})"
+                )
         i, j, k = i - 1, j - 1, k - 1
     (a_axes if i < 0 else b_axes).extend(range(k, -1, -1))
     return a_axes, b_axes

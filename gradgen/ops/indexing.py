@@ -21,7 +21,8 @@ def normalize_indices(indices, size: int, axis: int, what: str = "index", suffix
         value = int(idx[where])
         raise KernelError(
             f"{what} {value} (at position {list(where + suffix)} of the indices) is out of range for axis {axis} "
-            f"of size {size} (valid range [{-size}, {size - 1}])")
+            f"of size {size} (valid range [{-size}, {size - 1}])"
+        )
     np.add(idx, size, out=idx, where=idx < 0)
     return idx
 
@@ -33,9 +34,11 @@ def check_gather_elements_grad(dy_shape, dims, indices_shape, axis: int) -> None
     if dy_shape != indices_shape:
         raise KernelError(f"dY has shape {dy_shape}, but indices have shape {indices_shape}; they must match")
     if len(indices_shape) != len(dims):
-        raise KernelError(f"indices have rank {len(indices_shape)} (shape {indices_shape}), but the data shape "
-                          f"{dims} has rank {len(dims)}")
+        raise KernelError(
+            f"indices have rank {len(indices_shape)} (shape {indices_shape}), but the data shape {dims} has rank {len(dims)}"
+        )
     for d, (n, m) in enumerate(zip(indices_shape, dims)):
         if d != axis and n > m:
-            raise KernelError(f"indices shape {indices_shape} exceeds the data shape {dims} on axis {d} "
-                              f"(only axis {axis} may be longer)")
+            raise KernelError(
+                f"indices shape {indices_shape} exceeds the data shape {dims} on axis {d} (only axis {axis} may be longer)"
+            )

@@ -40,8 +40,9 @@ def check_fused_ranks(rank_a: int, rank_b: int, trans_batch_a: bool, trans_batch
     if rank_a < 1 or rank_b < 1:
         raise KernelError(f"FusedMatMul inputs must have rank >= 1, got ranks {rank_a} and {rank_b}")
     if (trans_batch_a or trans_batch_b) and not (rank_a == rank_b and rank_a >= 3):
-        raise KernelError(f"FusedMatMul with transBatchA or transBatchB needs inputs of one rank >= 3, "
-                          f"got ranks {rank_a} and {rank_b}")
+        raise KernelError(
+            f"FusedMatMul with transBatchA or transBatchB needs inputs of one rank >= 3, got ranks {rank_a} and {rank_b}"
+        )
 
 
 def _broadcast_dim(a, b):
@@ -76,9 +77,9 @@ def matmul_output_dims(a_dims: Sequence, b_dims: Sequence) -> list:
     return out
 
 
-def fused_matmul_output_dims(a_dims: Sequence, b_dims: Sequence, *, transA=0, transB=0, transBatchA=0,
-                             transBatchB=0) -> list:
+def fused_matmul_output_dims(a_dims: Sequence, b_dims: Sequence, *, transA=0, transB=0, transBatchA=0, transBatchB=0) -> list:
     """FusedMatMul's output dims (alpha does not change them); KernelError when they cannot fit."""
     check_fused_ranks(len(a_dims), len(b_dims), bool(transBatchA), bool(transBatchB))
-    return matmul_output_dims(fused_operand_dims(a_dims, bool(transA), bool(transBatchA)),
-                              fused_operand_dims(b_dims, bool(transB), bool(transBatchB)))
+    return matmul_output_dims(
+        fused_operand_dims(a_dims, bool(transA), bool(transBatchA)), fused_operand_dims(b_dims, bool(transB), bool(transBatchB))
+    )

@@ -49,9 +49,7 @@ def spatial_geometry(x_shape, kernel, strides, dilations, pads, auto_pad, ceil_m
     for size, s, e, b, en in zip(spatial, strides, effective, begin, end):
         span = size + b + en - e
         if span < 0:
-            raise KernelError(
-                f"the kernel (effective size {e}) is larger than the padded input ({size + b + en})"
-            )
+            raise KernelError(f"the kernel (effective size {e}) is larger than the padded input ({size + b + en})")
         o = span // s + 1
         if ceil_mode:
             o = -(-span // s) + 1
@@ -70,8 +68,15 @@ def pool_geometry(x_shape, attrs):
     dropped (as PyTorch and ONNX Runtime do; ONNX's shape inference before opset 22 keeps it).
     """
     get = attrs.get
-    return spatial_geometry(x_shape, get("kernel_shape"), get("strides"), get("dilations"), get("pads"),
-                            get("auto_pad", "NOTSET"), get("ceil_mode", 0))
+    return spatial_geometry(
+        x_shape,
+        get("kernel_shape"),
+        get("strides"),
+        get("dilations"),
+        get("pads"),
+        get("auto_pad", "NOTSET"),
+        get("ceil_mode", 0),
+    )
 
 
 def declared_pads(auto_pad, pads, begin, end) -> list[int]:
@@ -94,6 +99,7 @@ def pool_output_shape(x_shape, attrs) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------
 # Resize
+
 
 def resize_geometry(x_shape, scales=None, sizes=None, *, axes=None, keep_aspect_ratio_policy="stretch"):
     """(output shape, per-axis scale) of a Resize; ``scales``/``sizes`` cover ``axes`` (all by default)."""
@@ -129,8 +135,7 @@ def resize_geometry(x_shape, scales=None, sizes=None, *, axes=None, keep_aspect_
     return out, factor
 
 
-def _resize_coeffs(ratios: np.ndarray, scale: float, mode: str, nearest_mode: str, a: float,
-                   antialias: bool) -> np.ndarray:
+def _resize_coeffs(ratios: np.ndarray, scale: float, mode: str, nearest_mode: str, a: float, antialias: bool) -> np.ndarray:
     """(n_out, taps) interpolation coefficients for ratios in (0, 1] (1 when the source coordinate is
     an integer), as ONNX's reference computes them."""
     r = ratios[:, None]
@@ -157,10 +162,13 @@ def _resize_coeffs(ratios: np.ndarray, scale: float, mode: str, nearest_mode: st
         coeffs = np.clip(1 - np.abs((taps - r) * s), 0, 1)
         return coeffs / coeffs.sum(axis=1, keepdims=True)
     if mode == "cubic":
+
         def kernel(x):
             x = np.abs(x)
-            return np.where(x <= 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                            np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0))
+            return np.where(
+                x <= 1, ((a + 2) * x - (a + 3)) * x * x + 1, np.where(x < 2, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0)
+            )
+
         if not antialias:
             return kernel(np.concatenate([r + 1, r, 1 - r, 2 - r], axis=1))
         s = min(scale, 1.0)
@@ -171,9 +179,19 @@ def _resize_coeffs(ratios: np.ndarray, scale: float, mode: str, nearest_mode: st
     raise KernelError(f"unknown Resize mode {mode!r}")
 
 
-def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
-                       coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_floor",
-                       cubic_coeff_a=-0.75, exclude_outside=0, antialias=0, roi=None):
+def resize_axis_matrix(
+    n_in: int,
+    n_out: int,
+    scale: float,
+    *,
+    mode="nearest",
+    coordinate_transformation_mode="half_pixel",
+    nearest_mode="round_prefer_floor",
+    cubic_coeff_a=-0.75,
+    exclude_outside=0,
+    antialias=0,
+    roi=None,
+):
     """One axis of ONNX Resize as ``(M, outside)``: the (n_out, n_in) float64 matrix with
     y = M x along the axis, and for tf_crop_and_resize the output positions that take
     extrapolation_value instead (their rows of M are zero; None otherwise). A vectorised port of
@@ -198,8 +216,9 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
         if roi is None:
             raise KernelError("Resize with tf_crop_and_resize needs roi")
         lo, hi = float(roi[0]), float(roi[1])
-        xo = (np.full(n_out, (hi - lo) * (n_in - 1) / 2) if n_out == 1
-              else y * (hi - lo) * (n_in - 1) / (width - 1)) + lo * (n_in - 1)
+        xo = (np.full(n_out, (hi - lo) * (n_in - 1) / 2) if n_out == 1 else y * (hi - lo) * (n_in - 1) / (width - 1)) + lo * (
+            n_in - 1
+        )
         outside = (xo < 0) | (xo > n_in - 1)
     elif ctm == "pytorch_half_pixel":
         xo = np.zeros(n_out) if n_out == 1 else (y + 0.5) / scale - 0.5
@@ -214,8 +233,7 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
         return m, outside
     floor = np.floor(xo)
     ratios = np.where(xo == floor, 1.0, xo - floor)
-    coeffs = _resize_coeffs(ratios, scale, mode, nearest_mode, float(cubic_coeff_a),
-                            bool(int(antialias)) and mode != "nearest")
+    coeffs = _resize_coeffs(ratios, scale, mode, nearest_mode, float(cubic_coeff_a), bool(int(antialias)) and mode != "nearest")
     taps = coeffs.shape[1]
     pad = int(np.ceil(taps / 2))
     padded = xo + pad
@@ -243,8 +261,7 @@ def resize_axis_matrix(n_in: int, n_out: int, scale: float, *, mode="nearest",
 def resize_matrices(x_shape, out_shape, factors, attrs: dict, roi=None, axes=None) -> dict:
     """Axis -> (M, outside) for every axis Resize changes (identity axes are left out). ``roi``
     is the Resize roi input (starts then ends, over ``axes`` or all axes)."""
-    keys = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
-            "antialias")
+    keys = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside", "antialias")
     kwargs = {k: attrs[k] for k in keys if attrs.get(k) is not None}
     rank = len(x_shape)
     roi_axes = list(range(rank)) if axes is None else [int(a) % rank for a in axes]

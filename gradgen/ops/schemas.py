@@ -34,6 +34,7 @@ def normalize_domain(domain: str) -> str:
     """The default domain as "" (ONNX spells it "" or "ai.onnx"); any other domain as it is."""
     return "" if domain in ("", "ai.onnx") else domain
 
+
 DT = ir.DataType
 FLOATS = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE, DT.BFLOAT16})
 FLOATS_NO_BF16 = frozenset({DT.FLOAT16, DT.FLOAT, DT.DOUBLE})
@@ -141,8 +142,9 @@ def schema(op_type: str) -> Schema:
     try:
         return SCHEMAS[op_type]
     except KeyError:
-        raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type} is not one of the ops gradgen knows "
-                         f"({', '.join(sorted(SCHEMAS))})") from None
+        raise ModelError(
+            f"{MICROSOFT_DOMAIN}::{op_type} is not one of the ops gradgen knows ({', '.join(sorted(SCHEMAS))})"
+        ) from None
 
 
 def check_node(op_type: str, num_inputs: int, num_outputs: int, attributes=(), where: str = "") -> Schema:
@@ -155,11 +157,14 @@ def check_node(op_type: str, num_inputs: int, num_outputs: int, attributes=(), w
     sch = schema(op_type)
     label = f"{MICROSOFT_DOMAIN}::{op_type}" + (f" {where}" if where else "")
     if not sch.min_inputs <= num_inputs <= len(sch.inputs):
-        raise ModelError(f"{label} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
-                         f"({', '.join(f.name for f in sch.inputs)}), got {num_inputs}")
+        raise ModelError(
+            f"{label} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
+            f"({', '.join(f.name for f in sch.inputs)}), got {num_inputs}"
+        )
     if not 1 <= num_outputs <= len(sch.outputs):
-        raise ModelError(f"{label} has at most {len(sch.outputs)} outputs "
-                         f"({', '.join(f.name for f in sch.outputs)}), got {num_outputs}")
+        raise ModelError(
+            f"{label} has at most {len(sch.outputs)} outputs ({', '.join(f.name for f in sch.outputs)}), got {num_outputs}"
+        )
     known = {a.name for a in sch.attributes}
     unknown = sorted(set(attributes) - known)
     if unknown:
@@ -180,8 +185,9 @@ Shape = tuple | None
 OutputType = tuple[ir.DataType | None, Shape]
 
 
-def output_types(op_type: str, input_types_and_shapes: Sequence[Any],
-                 attributes: dict[str, Any] | None = None) -> list[OutputType]:
+def output_types(
+    op_type: str, input_types_and_shapes: Sequence[Any], attributes: dict[str, Any] | None = None
+) -> list[OutputType]:
     """(dtype, shape) of every output the schema declares, in order, from what is known of the inputs.
 
     ``input_types_and_shapes`` holds, per input in schema order, a ``TensorInfo`` or a tuple
@@ -191,16 +197,19 @@ def output_types(op_type: str, input_types_and_shapes: Sequence[Any],
     sch = schema(op_type)
     infos = [_info(x) for x in input_types_and_shapes]
     if not sch.min_inputs <= len(infos) <= len(sch.inputs):
-        raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
-                         f"({', '.join(f.name for f in sch.inputs)}), got {len(infos)}")
+        raise ModelError(
+            f"{MICROSOFT_DOMAIN}::{op_type} takes {sch.min_inputs} to {len(sch.inputs)} inputs "
+            f"({', '.join(f.name for f in sch.inputs)}), got {len(infos)}"
+        )
     for formal, info in zip(sch.inputs, infos):
         if info is None:
             if not formal.optional:
                 raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} is required")
         elif formal.types is not None and info.dtype is not None and info.dtype not in formal.types:
             allowed = ", ".join(sorted(t.name for t in formal.types))
-            raise ModelError(f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} has type "
-                             f"{_type_name(info.dtype)}; allowed: {allowed}")
+            raise ModelError(
+                f"{MICROSOFT_DOMAIN}::{op_type}: input {formal.name!r} has type {_type_name(info.dtype)}; allowed: {allowed}"
+            )
     attrs = {**sch.defaults(), **(attributes or {})}
     assert sch.infer is not None  # declare() refuses a schema without it
     return sch.infer(infos, attrs)

@@ -29,8 +29,10 @@ def slice_geometry(dims: Sequence[int], starts, ends, axes=None, steps=None) -> 
     axes = list(range(len(starts))) if axes is None else int_list(axes, "axes")
     steps = [1] * len(starts) if steps is None else int_list(steps, "steps")
     if not len(axes) == len(steps) == len(starts):
-        raise KernelError(f"starts, ends, axes and steps must have one value per sliced axis; "
-                          f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
+        raise KernelError(
+            f"starts, ends, axes and steps must have one value per sliced axis; "
+            f"got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}"
+        )
     for a in axes:
         if not -rank <= a < rank:
             raise KernelError(f"axes value {a} is out of range for rank {rank} (valid range [{-rank}, {rank - 1}])")

@@ -48,18 +48,45 @@ BF16_OPSET = 22  # Conv, ConvTranspose, MaxPool, AveragePool, GlobalAveragePool,
 LOWER_PRECISION_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "PRelu"})
 # torch.autocast's fp32 and fp32_set_opt_dtype lists, as ONNX ops, and the accumulating reductions
 # and normalizations (see the module docstring)
-FLOAT32_OPS = frozenset({
-    "Exp", "Log", "Pow", "Reciprocal", "Softplus", "Acos", "Asin", "Cosh", "Sinh", "Tan",
-    "Softmax", "LogSoftmax", "LayerNormalization", "GroupNormalization", "BatchNormalization",
-    "InstanceNormalization", "LpNormalization", "MeanVarianceNormalization",
-    "ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
-    "ReduceLogSumExp", "CumSum", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "Resize", "Upsample",
-})
+FLOAT32_OPS = frozenset(
+    {
+        "Exp",
+        "Log",
+        "Pow",
+        "Reciprocal",
+        "Softplus",
+        "Acos",
+        "Asin",
+        "Cosh",
+        "Sinh",
+        "Tan",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "GroupNormalization",
+        "BatchNormalization",
+        "InstanceNormalization",
+        "LpNormalization",
+        "MeanVarianceNormalization",
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceProd",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "CumSum",
+        "SoftmaxCrossEntropyLoss",
+        "NegativeLogLikelihoodLoss",
+        "Resize",
+        "Upsample",
+    }
+)
 # ops whose output type is not their inputs' (or that accept anything): left as they are
 _UNTOUCHED_OPS = frozenset({"Cast", "CastLike", "Shape", "Size", "Identity"})
 _AUTOCAST_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-_TYPE_STR = {ir.DataType.FLOAT: "tensor(float)", ir.DataType.FLOAT16: "tensor(float16)",
-             ir.DataType.BFLOAT16: "tensor(bfloat16)"}
+_TYPE_STR = {ir.DataType.FLOAT: "tensor(float)", ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
 _WIDTH = {ir.DataType.FLOAT16: 1, ir.DataType.BFLOAT16: 1, ir.DataType.FLOAT: 2}
 
 
@@ -129,8 +156,11 @@ def _convert_opset(model: ir.Model, opset: int) -> ir.Model:
     try:
         converted = onnx.version_converter.convert_version(ir.to_proto(model), opset)
     except Exception as exc:  # noqa: BLE001 - the converter's errors are of many kinds
-        warnings.warn(f"bf16: the model's opset {_opset(model)} has no bfloat16 Conv / pooling / Einsum and "
-                      f"converting it to opset {opset} failed ({exc}); those ops run in float32", stacklevel=3)
+        warnings.warn(
+            f"bf16: the model's opset {_opset(model)} has no bfloat16 Conv / pooling / Einsum and "
+            f"converting it to opset {opset} failed ({exc}); those ops run in float32",
+            stacklevel=3,
+        )
         return model
     model.graph = ir.from_proto(converted).graph  # the graph holds the opset imports
     ShapeInferencePass()(model)
@@ -171,8 +201,11 @@ class _Rewriter:
         self.casts: dict[tuple[int, ir.DataType], ir.Value] = {}
         self.lowered: set[int] = set()  # ids of values made by a lowered op
         self.original_outputs = [(v, v.dtype) for v in self.graph.outputs]
-        self.taken = {v.name for v in self.graph.inputs} | set(self.graph.initializers) | {
-            o.name for n in self.graph.all_nodes() for o in n.outputs if o.name}
+        self.taken = (
+            {v.name for v in self.graph.inputs}
+            | set(self.graph.initializers)
+            | {o.name for n in self.graph.all_nodes() for o in n.outputs if o.name}
+        )
 
     def run(self) -> None:
         for node in list(self.graph):
@@ -232,14 +265,22 @@ class _Rewriter:
         values = [node.inputs[i] for i in indices]
         followers = [v for v in values if _is_rank0(v) or self.is_linear_bias(node, v, values)]
         leaders = [v for v in values if v not in followers] or values
-        return max((v.dtype for v in leaders), key=lambda d: _WIDTH[d]) if len({v.dtype for v in leaders}) == 1 \
+        return (
+            max((v.dtype for v in leaders), key=lambda d: _WIDTH[d])
+            if len({v.dtype for v in leaders}) == 1
             else ir.DataType.FLOAT
+        )
 
     def is_linear_bias(self, node: ir.Node, value: ir.Value, values: list[ir.Value]) -> bool:
         """The 1-D initializer added to a lowered MatMul's output: ``nn.Linear``'s bias."""
-        return (node.op_type == "Add" and len(values) == 2 and value.name in self.graph.initializers
-                and value.shape is not None and value.shape.rank() == 1
-                and any(id(other) in self.lowered for other in values if other is not value))
+        return (
+            node.op_type == "Add"
+            and len(values) == 2
+            and value.name in self.graph.initializers
+            and value.shape is not None
+            and value.shape.rank() == 1
+            and any(id(other) in self.lowered for other in values if other is not value)
+        )
 
     def to_float32(self, node: ir.Node) -> None:
         for index, value in enumerate(node.inputs):
@@ -255,8 +296,14 @@ class _Rewriter:
             suffix = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}[dtype]
             name = self.fresh(f"{value.name}.{suffix}")
             out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape.copy() if value.shape else None)
-            node = ir.Node("", "Cast", inputs=[value], attributes=[ir.AttrInt64("to", int(dtype))], outputs=[out],
-                           name=self.fresh(f"gradgen_autocast/{name}"))
+            node = ir.Node(
+                "",
+                "Cast",
+                inputs=[value],
+                attributes=[ir.AttrInt64("to", int(dtype))],
+                outputs=[out],
+                name=self.fresh(f"gradgen_autocast/{name}"),
+            )
             self.graph.insert_before(before, node)
             self.casts[key] = out
         return self.casts[key]
@@ -273,8 +320,11 @@ class _Rewriter:
                 for inner in _subgraph_nodes(attr):
                     for index, value in enumerate(inner.inputs):
                         producer = value.producer() if value is not None else None
-                        if producer is not None and producer.graph is self.graph and \
-                                value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+                        if (
+                            producer is not None
+                            and producer.graph is self.graph
+                            and value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+                        ):
                             inner.replace_input_with(index, self.cast(node, value, ir.DataType.FLOAT))
 
     def restore_outputs(self) -> None:
@@ -285,8 +335,14 @@ class _Rewriter:
             name = value.name
             value.name = self.fresh(f"{name}.{'bf16' if value.dtype == ir.DataType.BFLOAT16 else 'fp16'}")
             out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape.copy() if value.shape else None)
-            node = ir.Node("", "Cast", inputs=[value], attributes=[ir.AttrInt64("to", int(dtype))], outputs=[out],
-                           name=self.fresh(f"gradgen_autocast/{name}"))
+            node = ir.Node(
+                "",
+                "Cast",
+                inputs=[value],
+                attributes=[ir.AttrInt64("to", int(dtype))],
+                outputs=[out],
+                name=self.fresh(f"gradgen_autocast/{name}"),
+            )
             self.graph.append(node)
             self.graph.outputs[position] = out
 

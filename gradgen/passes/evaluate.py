@@ -73,9 +73,12 @@ def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
 
 
 def _replace_with_initializer(graph: ir.Graph, value: ir.Value, array: np.ndarray) -> None:
-    constant = ir.Value(name=value.name, shape=ir.Shape(array.shape),
-                        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                        const_value=ir.Tensor(array, name=value.name))
+    constant = ir.Value(
+        name=value.name,
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        const_value=ir.Tensor(array, name=value.name),
+    )
     value.replace_all_uses_with(constant)
     value.name = None
     graph.register_initializer(constant)
@@ -119,8 +122,7 @@ def inline_constant_ifs(graph: ir.Graph) -> bool:
 
 
 def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
-    taken_names = {v.name for v in graph.inputs} | set(graph.initializers) | {
-        o.name for n in graph for o in n.outputs if o.name}
+    taken_names = {v.name for v in graph.inputs} | set(graph.initializers) | {o.name for n in graph for o in n.outputs if o.name}
     for name in list(branch.initializers):
         value = branch.initializers.pop(name)
         while value.name in taken_names:

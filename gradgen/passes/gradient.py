@@ -51,10 +51,13 @@ def choose_loss(graph: ir.Graph, loss: str | None) -> ir.Value:
         return scalars[0]
     described = ", ".join(f"{v.name} {v.dtype} {list(v.shape) if v.shape is not None else '?'}" for v in graph.outputs)
     if not scalars:
-        raise ModelError(f"the model has no scalar float output to use as the loss (outputs: {described}); "
-                         "name one with --loss (a non-scalar output gives a vector-Jacobian product)")
-    raise ModelError(f"the model has several scalar float outputs ({', '.join(v.name for v in scalars)}); "
-                     "choose the loss with --loss")
+        raise ModelError(
+            f"the model has no scalar float output to use as the loss (outputs: {described}); "
+            "name one with --loss (a non-scalar output gives a vector-Jacobian product)"
+        )
+    raise ModelError(
+        f"the model has several scalar float outputs ({', '.join(v.name for v in scalars)}); choose the loss with --loss"
+    )
 
 
 def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[ir.Value]:
@@ -79,8 +82,9 @@ def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[i
         raise UsageError(f"--freeze names no float initializer or input: {', '.join(sorted(unknown_frozen))}")
     chosen = [v for v in chosen if v.name not in frozen]
     if not chosen:
-        raise UsageError("nothing to differentiate with respect to: no float initializer feeds the loss "
-                         "(use --wrt NAME or --wrt-inputs)")
+        raise UsageError(
+            "nothing to differentiate with respect to: no float initializer feeds the loss (use --wrt NAME or --wrt-inputs)"
+        )
     return chosen
 
 
@@ -118,8 +122,9 @@ class GradientPass(ir.passes.InPlacePass):
             if all(g is None for g in output_grads):
                 continue
             rule = rules[node]
-            wanted = [v is not None and v.name in requires and i not in _no_gradient_positions(rule)
-                      for i, v in enumerate(node.inputs)]
+            wanted = [
+                v is not None and v.name in requires and i not in _no_gradient_positions(rule) for i, v in enumerate(node.inputs)
+            ]
             builder.prefix = f"{node.name or node.op_type}_Grad"
             input_grads = rule.fn(GradContext(builder, node, output_grads, wanted))
             _record(builder, grads, node, rule, input_grads, wanted)
@@ -168,8 +173,7 @@ class _Contributions:
     def _is_fresh(self, value: ir.Value) -> bool:
         """Emitted by a rule and not yet given a final name (so renaming it is safe)."""
         producer = value.producer()
-        return (producer is not None and producer in self.b.node_set
-                and value not in self._final and not value.is_graph_output())
+        return producer is not None and producer in self.b.node_set and value not in self._final and not value.is_graph_output()
 
 
 def _copy_type(value: ir.Value, like: ir.Value) -> None:
@@ -197,16 +201,19 @@ def _seed(builder: GraphBuilder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
 
 def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
     if not isinstance(input_grads, (list, tuple)) or len(input_grads) > len(node.inputs):
-        raise RuntimeError(f"gradient rule of {node.op_type} returned {input_grads!r}; "
-                           f"expected a list of at most {len(node.inputs)} entries")
+        raise RuntimeError(
+            f"gradient rule of {node.op_type} returned {input_grads!r}; expected a list of at most {len(node.inputs)} entries"
+        )
     differentiable = [i for i, w in enumerate(wanted) if w]
     for i in differentiable:
         grad = input_grads[i] if i < len(input_grads) else None
         x = node.inputs[i]
         if grad is None:  # a zero here would be a silent wrong gradient: the rule must say why instead
-            raise ModelError(f"node {node.name or '<unnamed>'!r} ({node.op_type}): its gradient rule gives no "
-                             f"gradient for input {i} ({x.name!r}), which the loss depends on; "
-                             "this is a gradgen bug, please report it")
+            raise ModelError(
+                f"node {node.name or '<unnamed>'!r} ({node.op_type}): its gradient rule gives no "
+                f"gradient for input {i} ({x.name!r}), which the loss depends on; "
+                "this is a gradgen bug, please report it"
+            )
         if rule.broadcast:
             partner = None
             if len(node.inputs) == 2:
@@ -319,8 +326,10 @@ def _refuse_unsupported_inputs(nodes: list[ir.Node], ancestors: set[str], requir
             if value is not None and value.name in requires:
                 offenders.append(f"input {i} ({value.name!r}) of {node.op_type} node {node.name or '<unnamed>'!r}")
     if offenders:
-        raise ModelError(f"gradgen has no gradient for {'; '.join(offenders)}, and it depends on a tensor being "
-                         "differentiated; leave that tensor out of --wrt or --freeze it")
+        raise ModelError(
+            f"gradgen has no gradient for {'; '.join(offenders)}, and it depends on a tensor being "
+            "differentiated; leave that tensor out of --wrt or --freeze it"
+        )
 
 
 def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:

@@ -23,8 +23,9 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
         try:
             converted = onnx.version_converter.convert_version(ir.to_proto(model), UPGRADE_TO)
         except Exception as exc:
-            raise ModelError(f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to "
-                             f"{UPGRADE_TO}: {exc}") from None
+            raise ModelError(
+                f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
+            ) from None
         _exact_shape_reshapes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
@@ -35,8 +36,12 @@ def _exact_shape_reshapes(graph: onnx.GraphProto) -> None:
     without allowzero=1 a 0 in that shape (an empty tensor) reads as "copy this dimension"."""
     shapes = {out for node in graph.node if node.op_type == "Shape" for out in node.output}
     for node in graph.node:
-        if node.op_type == "Reshape" and len(node.input) > 1 and node.input[1] in shapes and \
-                not any(a.name == "allowzero" for a in node.attribute):
+        if (
+            node.op_type == "Reshape"
+            and len(node.input) > 1
+            and node.input[1] in shapes
+            and not any(a.name == "allowzero" for a in node.attribute)
+        ):
             node.attribute.append(onnx.helper.make_attribute("allowzero", 1))
 
 
@@ -61,8 +66,7 @@ class ShapeInferencePass(ir.passes.InPlacePass):
             if value.type is None and elem_type:
                 value.type = ir.TensorType(ir.DataType(elem_type))
                 modified = True
-            if shape is not None and (value.shape is None or info.name in corrected
-                                      or _more_specific(shape, value.shape)):
+            if shape is not None and (value.shape is None or info.name in corrected or _more_specific(shape, value.shape)):
                 value.shape = shape
                 modified = True
         modified = _types_from_schemas(model) or modified
@@ -101,8 +105,11 @@ _SHAPE_RULE_OPS = (*_POOL_OPS, "ConvTranspose")
 
 
 def _static_dims(tensor_type) -> list[int] | None:
-    if tensor_type is None or not tensor_type.HasField("shape") or \
-            not all(d.HasField("dim_value") for d in tensor_type.shape.dim):
+    if (
+        tensor_type is None
+        or not tensor_type.HasField("shape")
+        or not all(d.HasField("dim_value") for d in tensor_type.shape.dim)
+    ):
         return None
     return [d.dim_value for d in tensor_type.shape.dim]
 
@@ -154,8 +161,9 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
     for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
         try:
-            inferred = onnx.shape_inference.infer_shapes(_declare(proto, corrected.values()), check_type=False,
-                                                         strict_mode=False, data_prop=True)
+            inferred = onnx.shape_inference.infer_shapes(
+                _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=True
+            )
         except Exception as exc:
             raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
         fixes = _pool_shape_fixes(inferred)
@@ -192,10 +200,10 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     from gradgen.ops.pool import pool_output_shape
 
     graph = inferred.graph
-    types = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]
-             if v.type.HasField("tensor_type")}
-    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
-                  for t in graph.initializer})
+    types = {
+        v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output] if v.type.HasField("tensor_type")
+    }
+    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type for t in graph.initializer})
     fixes = []
     for node in graph.node:
         if node.op_type not in _SHAPE_RULE_OPS or node.domain not in ("", "ai.onnx") or not node.input:
@@ -206,8 +214,11 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         try:
             if node.op_type == "ConvTranspose":
-                if static[1] is None or len(static[1]) != len(static[0]) or not (
-                        "output_shape" in attrs or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
+                if (
+                    static[1] is None
+                    or len(static[1]) != len(static[0])
+                    or not ("output_shape" in attrs or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"))
+                ):
                     continue
                 group = int(attrs.get("group", 1))
                 out = conv_transpose_geometry(static[0], static[1], attrs)[2]
@@ -218,11 +229,17 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
             continue
         for k, name in enumerate(node.output[:2]):
             have = types.get(name)
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in have.shape.dim] \
-                if have is not None and have.HasField("shape") else None
+            dims = (
+                [d.dim_value if d.HasField("dim_value") else None for d in have.shape.dim]
+                if have is not None and have.HasField("shape")
+                else None
+            )
             if name and dims != want:
-                elem = onnx.TensorProto.INT64 if k == 1 else (have.elem_type if have is not None and have.elem_type
-                                                              else types[node.input[0]].elem_type)
+                elem = (
+                    onnx.TensorProto.INT64
+                    if k == 1
+                    else (have.elem_type if have is not None and have.elem_type else types[node.input[0]].elem_type)
+                )
                 fixes.append(onnx.helper.make_tensor_value_info(name, elem, want))
     return fixes
 
@@ -241,7 +258,8 @@ def _more_specific(new: ir.Shape, old: ir.Shape) -> bool:
     if len(new) != len(old):
         return False
     return any(isinstance(n, int) and not isinstance(o, int) for n, o in zip(new, old)) or any(
-        not isinstance(n, int) and n.value and not isinstance(o, int) and not o.value for n, o in zip(new, old))
+        not isinstance(n, int) and n.value and not isinstance(o, int) and not o.value for n, o in zip(new, old)
+    )
 
 
 class NameNodesPass(ir.passes.InPlacePass):

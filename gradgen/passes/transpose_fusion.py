@@ -48,8 +48,7 @@ def _is_matrix_transpose(node: ir.Node) -> bool:
 
 def _is_plain_product(node: ir.Node) -> bool:
     """A Gemm without C whose one output only this pass's caller reads."""
-    return (node.op_type == "Gemm" and node.domain in ("", "ai.onnx")
-            and (len(node.inputs) < 3 or node.inputs[2] is None))
+    return node.op_type == "Gemm" and node.domain in ("", "ai.onnx") and (len(node.inputs) < 3 or node.inputs[2] is None)
 
 
 class TransposeFusionPass(ir.passes.InPlacePass):
@@ -83,8 +82,16 @@ class TransposeFusionPass(ir.passes.InPlacePass):
                     continue
                 inputs = [w, reader.inputs[1]] if index == 0 else [reader.inputs[0], w]
                 flag = "transA" if index == 0 else "transB"
-                self._replace(reader, ir.Node(MICROSOFT_DOMAIN, "FusedMatMul", inputs, [ir.AttrInt64(flag, 1)],
-                                              name=unique_name(f"{reader.name or 'MatMul'}/fused_transpose", self._names)))
+                self._replace(
+                    reader,
+                    ir.Node(
+                        MICROSOFT_DOMAIN,
+                        "FusedMatMul",
+                        inputs,
+                        [ir.AttrInt64(flag, 1)],
+                        name=unique_name(f"{reader.name or 'MatMul'}/fused_transpose", self._names),
+                    ),
+                )
                 model.opset_imports.setdefault(MICROSOFT_DOMAIN, MICROSOFT_OPSET)
                 changed = True
         if changed and not out.uses():
@@ -99,8 +106,10 @@ class TransposeFusionPass(ir.passes.InPlacePass):
         if len(made.uses()) != 1:
             return False
         a, b = product.inputs[0], product.inputs[1]
-        attrs = [ir.AttrInt64("transA", 1 - _int_attr(product, "transB")),
-                 ir.AttrInt64("transB", 1 - _int_attr(product, "transA"))]
+        attrs = [
+            ir.AttrInt64("transA", 1 - _int_attr(product, "transB")),
+            ir.AttrInt64("transB", 1 - _int_attr(product, "transA")),
+        ]
         alpha = product.attributes.get("alpha")
         if alpha is not None:
             attrs.append(ir.AttrFloat32("alpha", float(alpha.value)))

@@ -94,11 +94,14 @@ class TrainingArtifacts:
         notes = []
         opset = opset_of(self.training)
         if opset > ORT_TRAINING_MAX_OPSET:
-            notes.append(f"the models use opset {opset}; ONNX Runtime training 1.19.2 reads opsets up to "
-                         f"{ORT_TRAINING_MAX_OPSET}")
+            notes.append(
+                f"the models use opset {opset}; ONNX Runtime training 1.19.2 reads opsets up to {ORT_TRAINING_MAX_OPSET}"
+            )
         if (self.training.ir_version or 0) > ORT_TRAINING_MAX_IR_VERSION:
-            notes.append(f"the models have IR version {self.training.ir_version}; ONNX Runtime training 1.19.2 reads "
-                         f"IR versions up to {ORT_TRAINING_MAX_IR_VERSION}")
+            notes.append(
+                f"the models have IR version {self.training.ir_version}; ONNX Runtime training 1.19.2 reads "
+                f"IR versions up to {ORT_TRAINING_MAX_IR_VERSION}"
+            )
         return notes
 
 
@@ -152,13 +155,20 @@ def generate_artifacts(
         built.ir_version = ir_version
     if optimizer_model is not None:
         optimizer_model.ir_version = ir_version
-    user_inputs = [name for name in value_names(training.graph.inputs)
-                   if name not in values and not name.endswith(BUFFER_SUFFIX) and name != RESET_GRAD]
+    user_inputs = [
+        name
+        for name in value_names(training.graph.inputs)
+        if name not in values and not name.endswith(BUFFER_SUFFIX) and name != RESET_GRAD
+    ]
     return TrainingArtifacts(
-        training=training, eval=evaluation, optimizer=optimizer_model,
+        training=training,
+        eval=evaluation,
+        optimizer=optimizer_model,
         requires_grad=requires,
         frozen={name: values[name] for name in order if name not in trainable_set},
-        loss=loss_name, user_inputs=user_inputs)
+        loss=loss_name,
+        user_inputs=user_inputs,
+    )
 
 
 def _initializer_tensor(value: ir.Value) -> ir.TensorProtocol:
@@ -181,8 +191,9 @@ def _add_loss(forward: ir.Model, loss: LossSpec | None) -> str | None:
     return adder.loss_name
 
 
-def optimizer_for(kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float | None = None) -> SGD | AdamW | None:
+def optimizer_for(
+    kind: str, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float | None = None
+) -> SGD | AdamW | None:
     """The optimizer of ``--optimizer KIND`` (adamw, sgd or none) and its options."""
     if len(betas) != 2:
         raise UsageError(f"betas {tuple(betas)}: expected two values (beta1, beta2)")
@@ -207,8 +218,7 @@ def _loss_output(spec: LossSpec, graph: ir.Graph) -> str:
         return spec.output
     names = value_names(graph.outputs)
     if len(names) != 1:
-        raise UsageError(f"the model has {len(names)} outputs ({', '.join(names)}): "
-                         "name the one the loss reads with --output")
+        raise UsageError(f"the model has {len(names)} outputs ({', '.join(names)}): name the one the loss reads with --output")
     return names[0]
 
 
@@ -230,16 +240,21 @@ def _copy(model: ir.Model) -> ir.Model:
 
 def _check_optimizer(optimizer: SGD | AdamW | None) -> None:
     if isinstance(optimizer, SGD) and (optimizer.momentum or optimizer.weight_decay or optimizer.nesterov):
-        raise UsageError("ONNX Runtime's SGD optimizer (SGDOptimizerV2) is plain SGD: no momentum, Nesterov or "
-                         "weight decay; use --optimizer adamw, or plain sgd")
+        raise UsageError(
+            "ONNX Runtime's SGD optimizer (SGDOptimizerV2) is plain SGD: no momentum, Nesterov or "
+            "weight decay; use --optimizer adamw, or plain sgd"
+        )
     if optimizer is not None and not isinstance(optimizer, (SGD, AdamW)):
         raise UsageError(f"unknown optimizer {optimizer!r}: use SGD() or AdamW()")
 
 
 def _check_loss_depends_on(graph: ir.Graph, loss: str | None, params: list[str]) -> None:
     """Every parameter to train feeds the loss (else its gradient would be zero: refused)."""
-    outputs = [v for v in graph.outputs if v.name == loss] if loss else \
-        [v for v in graph.outputs if v.shape is not None and v.shape.rank() == 0 and v.dtype in _FLOAT]
+    outputs = (
+        [v for v in graph.outputs if v.name == loss]
+        if loss
+        else [v for v in graph.outputs if v.shape is not None and v.shape.rank() == 0 and v.dtype in _FLOAT]
+    )
     seen, stack = set(), list(outputs)
     while stack:
         value = stack.pop()
@@ -250,14 +265,21 @@ def _check_loss_depends_on(graph: ir.Graph, loss: str | None, params: list[str])
         if node is not None:
             stack.extend(v for v in node.inputs if v is not None)
             for attr in node.attributes.values():  # values a subgraph reads from this graph
-                graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else \
-                    attr.value if attr.type == ir.AttributeType.GRAPHS else []
+                graphs = (
+                    [attr.value]
+                    if attr.type == ir.AttributeType.GRAPH
+                    else attr.value
+                    if attr.type == ir.AttributeType.GRAPHS
+                    else []
+                )
                 for sub in graphs:
                     stack.extend(v for n in sub.all_nodes() for v in n.inputs if v is not None and v.graph is graph)
     unused = [name for name in params if name not in seen]
     if unused:
-        raise UsageError(f"--requires-grad {', '.join(map(repr, unused))}: the loss does not depend on "
-                         f"{'it' if len(unused) == 1 else 'them'} (the gradient would be zero)")
+        raise UsageError(
+            f"--requires-grad {', '.join(map(repr, unused))}: the loss does not depend on "
+            f"{'it' if len(unused) == 1 else 'them'} (the gradient would be zero)"
+        )
 
 
 def _check_has_loss(graph: ir.Graph) -> None:
@@ -265,18 +287,22 @@ def _check_has_loss(graph: ir.Graph) -> None:
     floats = [v for v in graph.outputs if v.dtype in _FLOAT]
     scalars = [v for v in floats if v.shape is not None and v.shape.rank() == 0]
     unknown = [v for v in floats if v.shape is None]
-    outputs = ", ".join(f"{v.name} {v.dtype.name if v.dtype else '?'} {list(v.shape) if v.shape is not None else '?'}"
-                        for v in graph.outputs)
+    outputs = ", ".join(
+        f"{v.name} {v.dtype.name if v.dtype else '?'} {list(v.shape) if v.shape is not None else '?'}" for v in graph.outputs
+    )
     if not scalars and not unknown:
-        raise ModelError(f"the model has no scalar float output to use as the loss (outputs: {outputs}); add a loss "
-                         "with --loss KIND (cross_entropy, mse, l1, bce_with_logits) and --output NAME")
+        raise ModelError(
+            f"the model has no scalar float output to use as the loss (outputs: {outputs}); add a loss "
+            "with --loss KIND (cross_entropy, mse, l1, bce_with_logits) and --output NAME"
+        )
     if len(scalars) > 1:
-        raise ModelError(f"the model has several scalar float outputs ({', '.join(value_names(scalars))}); "
-                         "training artifacts need one loss: keep only that output, or add a loss with --loss KIND")
+        raise ModelError(
+            f"the model has several scalar float outputs ({', '.join(value_names(scalars))}); "
+            "training artifacts need one loss: keep only that output, or add a loss with --loss KIND"
+        )
 
 
-def _check_names(graph: ir.Graph, requires_grad: Sequence[str] | None,
-                 frozen: list[str]) -> tuple[list[str] | None, list[str]]:
+def _check_names(graph: ir.Graph, requires_grad: Sequence[str] | None, frozen: list[str]) -> tuple[list[str] | None, list[str]]:
     """The named parameters exist as float initializers and are either trainable or frozen."""
     floats = [name for name, value in graph.initializers.items() if value.dtype in _FLOAT]
     if not floats:
@@ -286,15 +312,18 @@ def _check_names(graph: ir.Graph, requires_grad: Sequence[str] | None,
     for option, names in (("--requires-grad", requires_grad or []), ("--frozen", frozen)):
         unknown = [name for name in names if name not in known]
         if unknown:
-            raise UsageError(f"{option} names no float initializer of the model: {', '.join(map(repr, unknown))} "
-                             f"(its float initializers: {listed})")
+            raise UsageError(
+                f"{option} names no float initializer of the model: {', '.join(map(repr, unknown))} "
+                f"(its float initializers: {listed})"
+            )
     if requires_grad is not None:
         if not requires_grad:
             raise UsageError("--requires-grad: name at least one parameter to train")
         both = sorted(set(requires_grad) & set(frozen))
         if both:
-            raise UsageError(f"{', '.join(map(repr, both))}: a parameter is either trainable (--requires-grad) or "
-                             "frozen (--frozen), not both")
+            raise UsageError(
+                f"{', '.join(map(repr, both))}: a parameter is either trainable (--requires-grad) or frozen (--frozen), not both"
+            )
         return list(dict.fromkeys(requires_grad)), list(dict.fromkeys(frozen))
     return None, list(dict.fromkeys(frozen))
 
@@ -311,8 +340,10 @@ def _training_model(model: ir.Model, loss: str, trainable: list[str], order: lis
     if RESET_GRAD in taken:
         clashes.append(RESET_GRAD)
     if clashes:
-        raise ModelError(f"the model already has tensor(s) named {', '.join(map(repr, clashes))}, which ONNX Runtime's "
-                         "training API reserves for its gradient buffers")
+        raise ModelError(
+            f"the model already has tensor(s) named {', '.join(map(repr, clashes))}, which ONNX Runtime's "
+            "training API reserves for its gradient buffers"
+        )
     reset = ir.Value(name=RESET_GRAD, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
     accumulated = []
     for index, name in enumerate(trainable):
@@ -320,8 +351,11 @@ def _training_model(model: ir.Model, loss: str, trainable: list[str], order: lis
         buffer = ir.Value(name=name + BUFFER_SUFFIX, type=param.type, shape=param.shape)
         graph.inputs.append(buffer)
         out = ir.Value(name=name + ACCUMULATED_SUFFIX, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
-        graph.append(ir.Node(MICROSOFT, "InPlaceAccumulatorV2", [buffer, grads[name], reset], outputs=[out],
-                             name=f"GradientAccumulator{index}"))
+        graph.append(
+            ir.Node(
+                MICROSOFT, "InPlaceAccumulatorV2", [buffer, grads[name], reset], outputs=[out], name=f"GradientAccumulator{index}"
+            )
+        )
         accumulated.append(out)
     graph.inputs.append(reset)
     graph.outputs.extend(accumulated)
@@ -360,42 +394,66 @@ def _ir_version_for_ort(model: ir.Model) -> int:
     return max(needed, min(version, ORT_TRAINING_MAX_IR_VERSION)) if needed <= ORT_TRAINING_MAX_IR_VERSION else version
 
 
-def _optimizer_model(optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProtocol], opset: int,
-                     clip_norm: float | None) -> onnx.ModelProto:
+def _optimizer_model(
+    optimizer: SGD | AdamW, trainable: dict[str, ir.TensorProtocol], opset: int, clip_norm: float | None
+) -> onnx.ModelProto:
     """onnxblock's optimizer graph: sequences of parameters, gradients and moments in, an update flag out."""
     not_float32 = [name for name, value in trainable.items() if value.dtype != ir.DataType.FLOAT]
     if not_float32:
-        raise UsageError(f"ONNX Runtime's optimizer ops update float32 parameters only; {', '.join(map(repr, not_float32))} "
-                         "are not float32 (write no optimizer model with --optimizer none)")
+        raise UsageError(
+            f"ONNX Runtime's optimizer ops update float32 parameters only; {', '.join(map(repr, not_float32))} "
+            "are not float32 (write no optimizer model with --optimizer none)"
+        )
     h = onnx.helper
     float_seq = onnx.TensorProto.FLOAT
-    inputs = [h.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, [1]),
-              h.make_tensor_value_info("step", onnx.TensorProto.INT64, [1])]
+    inputs = [
+        h.make_tensor_value_info("learning_rate", onnx.TensorProto.FLOAT, [1]),
+        h.make_tensor_value_info("step", onnx.TensorProto.INT64, [1]),
+    ]
     sequences = ["params", "gradients", "first_order_moments"]
     if isinstance(optimizer, AdamW):
         sequences.append("second_order_moments")
     inputs += [h.make_tensor_sequence_value_info(name, float_seq, None) for name in sequences]
     nodes, value_info, gradients = [], [], "gradients"
     if clip_norm is not None:
-        nodes.append(h.make_node("InplaceClipGradNorm", ["gradients"], ["clip_grad_norm_output"],
-                                 name="InplaceClipGradNorm", domain=MICROSOFT, max_norm=float(clip_norm)))
+        nodes.append(
+            h.make_node(
+                "InplaceClipGradNorm",
+                ["gradients"],
+                ["clip_grad_norm_output"],
+                name="InplaceClipGradNorm",
+                domain=MICROSOFT,
+                max_norm=float(clip_norm),
+            )
+        )
         value_info.append(h.make_tensor_sequence_value_info("clip_grad_norm_output", float_seq, None))
         gradients = "clip_grad_norm_output"
     if isinstance(optimizer, AdamW):
         flag = "adamw.updated_flag"
-        nodes.append(h.make_node(
-            "AdamWOptimizer", ["learning_rate", "step", "params", gradients, "first_order_moments",
-                               "second_order_moments"], [flag], name="AdamWOptimizer", domain=MICROSOFT,
-            alpha=float(optimizer.betas[0]), beta=float(optimizer.betas[1]), epsilon=float(optimizer.eps),
-            weight_decay=float(optimizer.weight_decay), correct_bias=int(optimizer.bias_correction), adam_mode=0))
+        nodes.append(
+            h.make_node(
+                "AdamWOptimizer",
+                ["learning_rate", "step", "params", gradients, "first_order_moments", "second_order_moments"],
+                [flag],
+                name="AdamWOptimizer",
+                domain=MICROSOFT,
+                alpha=float(optimizer.betas[0]),
+                beta=float(optimizer.betas[1]),
+                epsilon=float(optimizer.eps),
+                weight_decay=float(optimizer.weight_decay),
+                correct_bias=int(optimizer.bias_correction),
+                adam_mode=0,
+            )
+        )
     else:
         flag = "update_completed"
-        nodes.append(h.make_node("SGDOptimizerV2", ["learning_rate", "params", gradients], [flag],
-                                 name="SGDOptimizerV2", domain=MICROSOFT))
-    graph = h.make_graph(nodes, "optimizer", inputs, [h.make_tensor_value_info(flag, onnx.TensorProto.BOOL, [1])],
-                         value_info=value_info)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid(MICROSOFT, 1), h.make_opsetid("", opset)],
-                         producer_name="gradgen")
+        nodes.append(
+            h.make_node("SGDOptimizerV2", ["learning_rate", "params", gradients], [flag], name="SGDOptimizerV2", domain=MICROSOFT)
+        )
+    graph = h.make_graph(
+        nodes, "optimizer", inputs, [h.make_tensor_value_info(flag, onnx.TensorProto.BOOL, [1])], value_info=value_info
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid(MICROSOFT, 1), h.make_opsetid("", opset)], producer_name="gradgen")
     return model
 
 
@@ -431,8 +489,7 @@ def output_directory(directory: str | os.PathLike, *sources: str | os.PathLike) 
         raise
 
 
-def save_artifacts(artifacts: TrainingArtifacts, directory: str | os.PathLike,
-                   *sources: str | os.PathLike) -> list[Path]:
+def save_artifacts(artifacts: TrainingArtifacts, directory: str | os.PathLike, *sources: str | os.PathLike) -> list[Path]:
     """Write the artifacts into ``directory`` (see ``output_directory``): all of them, or (on any error) none.
 
     Each file is written into a temporary directory inside ``directory`` first and renamed into
@@ -446,8 +503,11 @@ def save_artifacts(artifacts: TrainingArtifacts, directory: str | os.PathLike,
         except OSError as exc:
             raise output_error(directory, exc) from exc
         try:
-            for name, model in ((TRAINING_MODEL, artifacts.training), (EVAL_MODEL, artifacts.eval),
-                                (OPTIMIZER_MODEL, artifacts.optimizer)):
+            for name, model in (
+                (TRAINING_MODEL, artifacts.training),
+                (EVAL_MODEL, artifacts.eval),
+                (OPTIMIZER_MODEL, artifacts.optimizer),
+            ):
                 if model is not None:
                     save_model(model, staging / name)
             with open(staging / CHECKPOINT, "wb") as stream:

@@ -74,8 +74,7 @@ class CsvLog(Callback):
             self._pending = None
 
     def _write(self, r: StepResult, eval_loss: float | None) -> None:
-        self._writer.writerow([r.step, repr(r.loss), repr(r.lr), repr(r.grad_norm),
-                               "" if eval_loss is None else repr(eval_loss)])
+        self._writer.writerow([r.step, repr(r.loss), repr(r.lr), repr(r.grad_norm), "" if eval_loss is None else repr(eval_loss)])
         self._file.flush()
 
 
@@ -116,8 +115,11 @@ class Progress(Callback):
             return
         self._last = now
         eta = (self.total - result.step) / rate if rate > 0 else math.inf
-        self._say(f"step {result.step}/{self.total}  loss {result.loss:.6g}  lr {result.lr:.3g}  "
-                  f"{rate:.1f} step/s  ETA {_duration(eta)}", final=last)
+        self._say(
+            f"step {result.step}/{self.total}  loss {result.loss:.6g}  lr {result.lr:.3g}  "
+            f"{rate:.1f} step/s  ETA {_duration(eta)}",
+            final=last,
+        )
 
     def on_train_end(self, trainer: Trainer) -> None:
         if self.tty:
@@ -166,8 +168,7 @@ def plot_loss_curve(log: str | Path, out: str | Path) -> Path:
     axes.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label="training loss", linewidth=1)
     evaluated = [r for r in rows if r["eval_loss"]]
     if evaluated:
-        axes.plot([int(r["step"]) for r in evaluated], [float(r["eval_loss"]) for r in evaluated], "o-",
-                  label="evaluation loss")
+        axes.plot([int(r["step"]) for r in evaluated], [float(r["eval_loss"]) for r in evaluated], "o-", label="evaluation loss")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.grid(True, alpha=0.3)

@@ -32,8 +32,9 @@ def checkpoint_path(path: str | os.PathLike) -> Path:
     return path / FILE_NAME if path.is_dir() else path
 
 
-def save_checkpoint(path: str | os.PathLike, program: TrainingProgram, state: TrainState,
-                    extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike, program: TrainingProgram, state: TrainState, extra: dict[str, Any] | None = None
+) -> Path:
     """Write ``state`` atomically to ``path``; ``extra`` (JSON-able) joins the record."""
     from gradgen.model_io import atomic_output
 
@@ -78,19 +79,18 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[TrainState, dict[str, Any]
     return TrainState(params, states, int(meta["step"])), meta
 
 
-def check_checkpoint(path: str | os.PathLike, meta: dict[str, Any], state: TrainState,
-                     program: TrainingProgram) -> None:
+def check_checkpoint(path: str | os.PathLike, meta: dict[str, Any], state: TrainState, program: TrainingProgram) -> None:
     """The checkpoint belongs to this model, optimizer and loss; one line naming the mismatch if not."""
     where = checkpoint_path(path)
     if meta["fingerprint"] != program.fingerprint:
-        raise UsageError(f"{where}: the checkpoint is from another model (fingerprint {meta['fingerprint']}, "
-                         f"this model's is {program.fingerprint})")
+        raise UsageError(
+            f"{where}: the checkpoint is from another model (fingerprint {meta['fingerprint']}, "
+            f"this model's is {program.fingerprint})"
+        )
     if meta["optimizer"] != program.optimizer.kind:
-        raise UsageError(f"{where}: the checkpoint holds {meta['optimizer']} state; this run uses "
-                         f"{program.optimizer.kind}")
+        raise UsageError(f"{where}: the checkpoint holds {meta['optimizer']} state; this run uses {program.optimizer.kind}")
     if meta["loss"] != program.loss:
-        raise UsageError(f"{where}: the checkpoint was trained on loss {meta['loss']!r}, this run on "
-                         f"{program.loss!r}")
+        raise UsageError(f"{where}: the checkpoint was trained on loss {meta['loss']!r}, this run on {program.loss!r}")
     try:
         check_state(program, state)
     except Exception as exc:

@@ -26,71 +26,128 @@ def loss_kind(value: Optional[str]) -> Optional[str]:
 
 def train(
     model: Path = typer.Argument(..., help="Forward ONNX model: it computes a scalar loss, or use --add-loss."),
-    data: Path = typer.Option(..., "--data", help=".npz of training data: one array per data input of the model "
-                              "(named after it), samples along the first axis."),
+    data: Path = typer.Option(
+        ...,
+        "--data",
+        help=".npz of training data: one array per data input of the model (named after it), samples along the first axis.",
+    ),
     optimizer: str = typer.Option("adamw", "--optimizer", help="sgd or adamw."),
     lr: float = typer.Option(..., "--lr", help="Peak learning rate."),
-    steps: int = typer.Option(..., "--steps", min=1, help="Train until this optimizer step (with --resume: the "
-                              "total, counting the checkpoint's steps)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Samples per micro-batch. Default: "
-                                             "the model's fixed batch dimension."),
-    accumulate: int = typer.Option(1, "--accumulate", min=1, help="Micro-batches per optimizer step (their "
-                                   "gradients are averaged)."),
+    steps: int = typer.Option(
+        ..., "--steps", min=1, help="Train until this optimizer step (with --resume: the total, counting the checkpoint's steps)."
+    ),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", min=1, help="Samples per micro-batch. Default: the model's fixed batch dimension."
+    ),
+    accumulate: int = typer.Option(
+        1, "--accumulate", min=1, help="Micro-batches per optimizer step (their gradients are averaged)."
+    ),
     momentum: float = typer.Option(0.0, "--momentum", help="SGD momentum."),
     nesterov: bool = typer.Option(False, "--nesterov", help="SGD with Nesterov momentum."),
-    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="SGD: L2 penalty added to the "
-                                                 "gradient (default 0); AdamW: decoupled decay (default 0.01)."),
+    weight_decay: Optional[float] = typer.Option(
+        None, "--weight-decay", help="SGD: L2 penalty added to the gradient (default 0); AdamW: decoupled decay (default 0.01)."
+    ),
     beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
     beta2: float = typer.Option(0.999, "--beta2", help="AdamW beta2."),
     eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
     clip_norm: Optional[float] = typer.Option(None, "--clip-norm", help="Clip the global gradient norm to this."),
-    schedule: str = typer.Option("constant", "--schedule", help="Learning-rate schedule after warm-up: constant, "
-                                 "linear or cosine (decay to --min-lr at --steps)."),
+    schedule: str = typer.Option(
+        "constant",
+        "--schedule",
+        help="Learning-rate schedule after warm-up: constant, linear or cosine (decay to --min-lr at --steps).",
+    ),
     warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Linear warm-up from 0 over these steps."),
     min_lr: float = typer.Option(0.0, "--min-lr", help="Learning rate at the end of a linear or cosine decay."),
-    loss: Optional[str] = typer.Option(None, "--loss", help="The model's loss output. Default: its only scalar "
-                                       "float output."),
-    add_loss: Optional[str] = typer.Option(None, "--add-loss", help=f"Append a loss ({_LOSS_KINDS}) to the "
-                                           "output named by --loss-output; its target becomes a data input."),
-    loss_output: Optional[str] = typer.Option(None, "--loss-output", help="With --add-loss: the output (logits, "
-                                              "predictions) the loss reads."),
-    target: Optional[str] = typer.Option(None, "--target", help="With --add-loss: the name of the target input "
-                                         "(default labels for cross_entropy, target otherwise)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="The model's loss output. Default: its only scalar float output."),
+    add_loss: Optional[str] = typer.Option(
+        None,
+        "--add-loss",
+        help=f"Append a loss ({_LOSS_KINDS}) to the output named by --loss-output; its target becomes a data input.",
+    ),
+    loss_output: Optional[str] = typer.Option(
+        None, "--loss-output", help="With --add-loss: the output (logits, predictions) the loss reads."
+    ),
+    target: Optional[str] = typer.Option(
+        None,
+        "--target",
+        help="With --add-loss: the name of the target input (default labels for cross_entropy, target otherwise).",
+    ),
     ignore_index: int = typer.Option(-100, "--ignore-index", help="cross_entropy: label value to ignore."),
     label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
     class_axis: int = typer.Option(-1, "--class-axis", help="cross_entropy: the classes' axis of the logits."),
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Keep this parameter fixed (repeatable)."),
-    eval_data: Optional[Path] = typer.Option(None, "--eval-data", help=".npz of evaluation data (as --data); its "
-                                             "mean loss is reported at the end and every --eval-every steps."),
+    eval_data: Optional[Path] = typer.Option(
+        None,
+        "--eval-data",
+        help=".npz of evaluation data (as --data); its mean loss is reported at the end and every --eval-every steps.",
+    ),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="Evaluate every this many steps."),
-    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Write checkpoint.npz (and "
-                                                  "log.csv, loss.png) here: every --checkpoint-every steps, at "
-                                                  "the end, on Ctrl-C and before a NaN step."),
+    checkpoint_dir: Optional[Path] = typer.Option(
+        None,
+        "--checkpoint-dir",
+        help="Write checkpoint.npz (and "
+        "log.csv, loss.png) here: every --checkpoint-every steps, at "
+        "the end, on Ctrl-C and before a NaN step.",
+    ),
     checkpoint_every: int = typer.Option(100, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --checkpoint-dir."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the data order."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32, tf32, bf16 or fp16 (as build-backward "
-                                  "--precision; parameters and optimizer states stay float32); fp16 uses dynamic "
-                                  "loss scaling."),
-    log: Optional[Path] = typer.Option(None, "--log", help="CSV log (step, loss, lr, grad_norm, eval_loss). "
-                                       "Default: log.csv in --checkpoint-dir."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Loss-curve PNG (needs matplotlib: the plot extra). "
-                                        "Default: loss.png in --checkpoint-dir."),
+    precision: str = typer.Option(
+        "fp32",
+        "--precision",
+        help="fp32, tf32, bf16 or fp16 (as build-backward "
+        "--precision; parameters and optimizer states stay float32); fp16 uses dynamic "
+        "loss scaling.",
+    ),
+    log: Optional[Path] = typer.Option(
+        None, "--log", help="CSV log (step, loss, lr, grad_norm, eval_loss). Default: log.csv in --checkpoint-dir."
+    ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Loss-curve PNG (needs matplotlib: the plot extra). Default: loss.png in --checkpoint-dir."
+    ),
 ) -> None:
     """Train MODEL on DATA with gradgen's executor; checkpoints, a CSV log and a loss curve."""
     from gradgen.cli import _warnings_as_notes
     from gradgen.training import command
 
     options = command.TrainOptions(
-        model=model, data=data, optimizer=optimizer, lr=lr, steps=steps, batch_size=batch_size,
-        accumulate=accumulate, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, beta1=beta1,
-        beta2=beta2, eps=eps, clip_norm=clip_norm, schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr,
-        loss=loss, add_loss=loss_kind(add_loss), loss_output=loss_output, target=target,
-        ignore_index=ignore_index, label_smoothing=label_smoothing, class_axis=class_axis, freeze=list(freeze or []),
-        eval_data=eval_data, eval_every=eval_every, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, resume=resume, seed=seed, device=device, log=log, plot=plot,
-        precision=precision)
+        model=model,
+        data=data,
+        optimizer=optimizer,
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+        accumulate=accumulate,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        clip_norm=clip_norm,
+        schedule=schedule,
+        warmup_steps=warmup_steps,
+        min_lr=min_lr,
+        loss=loss,
+        add_loss=loss_kind(add_loss),
+        loss_output=loss_output,
+        target=target,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        class_axis=class_axis,
+        freeze=list(freeze or []),
+        eval_data=eval_data,
+        eval_every=eval_every,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        seed=seed,
+        device=device,
+        log=log,
+        plot=plot,
+        precision=precision,
+    )
     with _warnings_as_notes():
         summary = command.run_training(options, say=lambda m: typer.echo(m, err=True))
     for line in summary:
@@ -121,32 +178,49 @@ def export(
 
 def artifacts(
     model: Path = typer.Argument(..., help="Forward ONNX model: it computes a scalar loss, or use --loss KIND."),
-    directory: Path = typer.Option(..., "-o", "--artifact-dir", help="Directory to write training_model.onnx, "
-                                   "eval_model.onnx, optimizer_model.onnx and checkpoint into (created if missing; "
-                                   "existing artifacts are replaced)."),
-    requires_grad: Optional[List[str]] = typer.Option(None, "--requires-grad", help="Train this float initializer "
-                                                      "(repeatable). Default: every float initializer the loss depends "
-                                                      "on, less --frozen."),
-    frozen: Optional[List[str]] = typer.Option(None, "--frozen", help="A float initializer the checkpoint holds but "
-                                               "training keeps fixed (repeatable)."),
-    loss: Optional[str] = typer.Option(None, "--loss", help=f"Append a loss ({_LOSS_KINDS}) to the output named by "
-                                       "--output; its target becomes an input. Default: the model's only scalar float "
-                                       "output is the loss."),
-    output: Optional[str] = typer.Option(None, "--output", help="With --loss: the output (logits, predictions) the "
-                                         "loss reads. Default: the model's only output."),
-    target: Optional[str] = typer.Option(None, "--target", help="With --loss: the name of the target input "
-                                         "(default labels for cross_entropy, target otherwise)."),
+    directory: Path = typer.Option(
+        ...,
+        "-o",
+        "--artifact-dir",
+        help="Directory to write training_model.onnx, "
+        "eval_model.onnx, optimizer_model.onnx and checkpoint into (created if missing; "
+        "existing artifacts are replaced).",
+    ),
+    requires_grad: Optional[List[str]] = typer.Option(
+        None,
+        "--requires-grad",
+        help="Train this float initializer (repeatable). Default: every float initializer the loss depends on, less --frozen.",
+    ),
+    frozen: Optional[List[str]] = typer.Option(
+        None, "--frozen", help="A float initializer the checkpoint holds but training keeps fixed (repeatable)."
+    ),
+    loss: Optional[str] = typer.Option(
+        None,
+        "--loss",
+        help=f"Append a loss ({_LOSS_KINDS}) to the output named by "
+        "--output; its target becomes an input. Default: the model's only scalar float "
+        "output is the loss.",
+    ),
+    output: Optional[str] = typer.Option(
+        None, "--output", help="With --loss: the output (logits, predictions) the loss reads. Default: the model's only output."
+    ),
+    target: Optional[str] = typer.Option(
+        None, "--target", help="With --loss: the name of the target input (default labels for cross_entropy, target otherwise)."
+    ),
     ignore_index: int = typer.Option(-100, "--ignore-index", help="cross_entropy: label value to ignore."),
     label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw (AdamWOptimizer, PyTorch's AdamW), sgd "
-                                  "(SGDOptimizerV2, plain SGD) or none (no optimizer model)."),
+    optimizer: str = typer.Option(
+        "adamw",
+        "--optimizer",
+        help="adamw (AdamWOptimizer, PyTorch's AdamW), sgd (SGDOptimizerV2, plain SGD) or none (no optimizer model).",
+    ),
     beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
     beta2: float = typer.Option(0.999, "--beta2", help="AdamW beta2."),
     eps: float = typer.Option(1e-8, "--eps", help="AdamW epsilon."),
-    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW decoupled weight decay "
-                                                 "(default 0.01)."),
-    clip_norm: Optional[float] = typer.Option(None, "--clip-norm", help="Clip the global gradient norm to this "
-                                              "(InplaceClipGradNorm in the optimizer model)."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW decoupled weight decay (default 0.01)."),
+    clip_norm: Optional[float] = typer.Option(
+        None, "--clip-norm", help="Clip the global gradient norm to this (InplaceClipGradNorm in the optimizer model)."
+    ),
 ) -> None:
     """Write ONNX Runtime training's artifacts for MODEL (what its generate_artifacts writes), for its
     Module / Optimizer / CheckpointState API."""
@@ -161,12 +235,16 @@ def artifacts(
     chosen = optimizer_for(optimizer, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
     if loss is None and (output or target):
         raise UsageError("--output and --target go with --loss")
-    spec = LossSpec(loss_kind(loss), output, target=target, ignore_index=ignore_index,
-                    label_smoothing=label_smoothing) if loss is not None else None
+    spec = (
+        LossSpec(loss_kind(loss), output, target=target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+        if loss is not None
+        else None
+    )
     with output_directory(directory, model):
         with _warnings_as_notes():
-            made = generate_artifacts(model, requires_grad=requires_grad or None, frozen=frozen or (), loss=spec,
-                                      optimizer=chosen, clip_norm=clip_norm)
+            made = generate_artifacts(
+                model, requires_grad=requires_grad or None, frozen=frozen or (), loss=spec, optimizer=chosen, clip_norm=clip_norm
+            )
         for note in made.compatibility_notes():
             typer.echo(f"note: {note}", err=True)
         paths = save_artifacts(made, directory, model)

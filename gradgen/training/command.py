@@ -90,8 +90,14 @@ def make_loss_spec(o: TrainOptions) -> LossSpec | None:
         raise UsageError("--loss names the model's own loss; --add-loss adds one: use one of them")
     if not o.loss_output:
         raise UsageError("--add-loss needs --loss-output NAME: the output (logits, predictions) the loss reads")
-    return LossSpec(o.add_loss, o.loss_output, target=o.target, ignore_index=o.ignore_index,
-                    label_smoothing=o.label_smoothing, class_axis=o.class_axis)
+    return LossSpec(
+        o.add_loss,
+        o.loss_output,
+        target=o.target,
+        ignore_index=o.ignore_index,
+        label_smoothing=o.label_smoothing,
+        class_axis=o.class_axis,
+    )
 
 
 def prepare_checkpoint_dir(o: TrainOptions) -> Path | None:
@@ -114,8 +120,10 @@ def prepare_checkpoint_dir(o: TrainOptions) -> Path | None:
     if o.resume and not path.exists():
         raise UsageError(f"--resume: {directory} holds no {FILE_NAME} to continue from")
     if not o.resume and path.exists():
-        raise UsageError(f"{path} exists: pass --resume to continue that training, or choose another "
-                         "--checkpoint-dir (it would be overwritten)")
+        raise UsageError(
+            f"{path} exists: pass --resume to continue that training, or choose another "
+            "--checkpoint-dir (it would be overwritten)"
+        )
     return path
 
 
@@ -132,8 +140,13 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     """Train per ``o``; return the summary lines."""
     optimizer = make_optimizer(o)
     add_loss = make_loss_spec(o)
-    schedule = Schedule(o.schedule, lr=o.lr, warmup_steps=o.warmup_steps,
-                        total_steps=o.steps if o.schedule != "constant" else None, min_lr=o.min_lr)
+    schedule = Schedule(
+        o.schedule,
+        lr=o.lr,
+        warmup_steps=o.warmup_steps,
+        total_steps=o.steps if o.schedule != "constant" else None,
+        min_lr=o.min_lr,
+    )
     checkpoint = prepare_checkpoint_dir(o)
     directory = o.checkpoint_dir
     log_path = o.log or (directory / "log.csv" if directory else None)
@@ -141,13 +154,23 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     _check_writable(o, log_path, plot_path)
 
     say(f"building the training graphs of {o.model}")
-    program = build_training(o.model, optimizer=optimizer, loss=o.loss, add_loss=add_loss, freeze=o.freeze,
-                             clip_norm=o.clip_norm, accumulation=o.accumulate, precision=o.precision)
+    program = build_training(
+        o.model,
+        optimizer=optimizer,
+        loss=o.loss,
+        add_loss=add_loss,
+        freeze=o.freeze,
+        clip_norm=o.clip_norm,
+        accumulation=o.accumulate,
+        precision=o.precision,
+    )
     scalars = [name for name in program.params if program.initial_params[name].size == 1]
     if scalars:
-        say(f"note: training single-value initializer(s) {', '.join(map(repr, scalars[:5]))}"
+        say(
+            f"note: training single-value initializer(s) {', '.join(map(repr, scalars[:5]))}"
             f"{' and more' if len(scalars) > 5 else ''}; exporters store constants as initializers too: "
-            "--freeze those that are not parameters")
+            "--freeze those that are not parameters"
+        )
     arrays = load_arrays(o.data, "--data")
     batch_size = o.batch_size or default_batch_size(program.data_inputs)
     if batch_size is None:
@@ -165,8 +188,10 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         check_checkpoint(checkpoint, meta, state, program)
         _check_same_data_order(checkpoint, meta.get("data", {}), data_record)
         if meta.get("schedule") != dataclasses.asdict(schedule):
-            say(f"note: the learning-rate schedule differs from the checkpoint's ({_describe(meta.get('schedule'))} "
-                f"-> {_describe(dataclasses.asdict(schedule))}); the run continues with the new one")
+            say(
+                f"note: the learning-rate schedule differs from the checkpoint's ({_describe(meta.get('schedule'))} "
+                f"-> {_describe(dataclasses.asdict(schedule))}); the run continues with the new one"
+            )
         trainer.load_state(state)
         start = state.step
         if start >= o.steps:
@@ -176,8 +201,11 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     def save() -> None:
         assert checkpoint is not None  # called only with --checkpoint-dir
         state = trainer.state
-        extra = {"data": data_record, "rng": _rng_record(o.seed, state.step * o.accumulate),
-                 "schedule": dataclasses.asdict(schedule)}
+        extra = {
+            "data": data_record,
+            "rng": _rng_record(o.seed, state.step * o.accumulate),
+            "schedule": dataclasses.asdict(schedule),
+        }
         save_checkpoint(checkpoint, program, state, extra)
 
     csv_log = CsvLog(log_path, start_step=start) if log_path else None
@@ -185,8 +213,10 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     if checkpoint is not None:
         trainer.callbacks.append(PeriodicCheckpoint(o.checkpoint_every, save))
     batches = ShuffledBatches(arrays, batch_size, o.seed, start=start * o.accumulate)
-    say(f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
-        f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else ""))
+    say(
+        f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
+        f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else "")
+    )
     started = time.perf_counter()
     try:
         trainer.fit(batches, o.steps - start, eval_batches=eval_batches, eval_every=o.eval_every)
@@ -208,8 +238,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     seconds = time.perf_counter() - started
     if checkpoint is not None:
         save()
-    return _summary(o, history, start, seconds, trainer.runner.device, checkpoint, log_path,
-                    _plot(log_path, plot_path, say))
+    return _summary(o, history, start, seconds, trainer.runner.device, checkpoint, log_path, _plot(log_path, plot_path, say))
 
 
 def _check_writable(o: TrainOptions, *paths: Path | None) -> None:
@@ -230,17 +259,23 @@ def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, sa
     batches = sequential_batches(arrays, batch_size)
     count = len(next(iter(arrays.values())))
     if count % batch_size:
-        say(f"note: evaluation uses {len(batches) * batch_size} of the {count} samples of {o.eval_data} "
-            f"(whole batches of {batch_size})")
+        say(
+            f"note: evaluation uses {len(batches) * batch_size} of the {count} samples of {o.eval_data} "
+            f"(whole batches of {batch_size})"
+        )
     return batches
 
 
 def _check_same_data_order(checkpoint: Path, saved: dict, now: dict) -> None:
-    changed = [f"--{k.replace('_', '-') if k != 'accumulation' else 'accumulate'} {saved.get(k)} -> {now[k]}"
-               for k in now if saved.get(k) != now[k]]
+    changed = [
+        f"--{k.replace('_', '-') if k != 'accumulation' else 'accumulate'} {saved.get(k)} -> {now[k]}"
+        for k in now
+        if saved.get(k) != now[k]
+    ]
     if changed:
-        raise UsageError(f"{checkpoint}: resuming with another data order ({', '.join(changed)}); use the "
-                         "checkpoint's settings to continue it")
+        raise UsageError(
+            f"{checkpoint}: resuming with another data order ({', '.join(changed)}); use the checkpoint's settings to continue it"
+        )
 
 
 def _describe(schedule: dict | None) -> str:
@@ -251,8 +286,7 @@ def _describe(schedule: dict | None) -> str:
 
 def _rng_record(seed: int, batches_drawn: int) -> dict:
     """The data order's random state: epoch e is numpy.random.default_rng([seed, e]).permutation(n)."""
-    return {"generator": "numpy.random.default_rng([seed, epoch]).permutation", "seed": seed,
-            "batches_drawn": batches_drawn}
+    return {"generator": "numpy.random.default_rng([seed, epoch]).permutation", "seed": seed, "batches_drawn": batches_drawn}
 
 
 def _plot(log_path: Path | None, plot_path: Path | None, say) -> Path | None:

@@ -43,8 +43,7 @@ def default_batch_size(inputs: list[ir.Value]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch_size: int,
-                 where: str = "--data") -> None:
+def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch_size: int, where: str = "--data") -> None:
     """The arrays fit the model's data inputs: same names, dtypes and per-sample shapes, enough samples."""
     wanted = [v.name for v in inputs]
     missing = [n for n in wanted if n not in arrays]
@@ -73,15 +72,21 @@ def _check_one(array: np.ndarray, value: ir.Value, batch_size: int, where: str) 
         return
     declared = [d if isinstance(d, int) else (d.value or "?") for d in value.shape]
     if array.ndim != len(declared):
-        raise RunError(f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the model's "
-                       f"input has shape {declared} (batch first)")
+        raise RunError(
+            f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the model's "
+            f"input has shape {declared} (batch first)"
+        )
     if isinstance(declared[0], int) and declared[0] != batch_size:
-        raise RunError(f"batch size {batch_size}: the model's input {name!r} has a fixed batch dimension of "
-                       f"{declared[0]} (shape {declared}); use --batch-size {declared[0]}")
+        raise RunError(
+            f"batch size {batch_size}: the model's input {name!r} has a fixed batch dimension of "
+            f"{declared[0]} (shape {declared}); use --batch-size {declared[0]}"
+        )
     for axis, (size, dim) in enumerate(zip(array.shape[1:], declared[1:]), start=1):
         if isinstance(dim, int) and size != dim:
-            raise RunError(f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the "
-                           f"model's input has shape {declared} (dimension {axis} is {dim})")
+            raise RunError(
+                f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the "
+                f"model's input has shape {declared} (dimension {axis} is {dim})"
+            )
 
 
 class ShuffledBatches:
@@ -106,7 +111,7 @@ class ShuffledBatches:
         epoch, index = divmod(self.position, self.per_epoch)
         if epoch != self._epoch or self._order is None:
             self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.count)
-        rows = self._order[index * self.batch_size:(index + 1) * self.batch_size]
+        rows = self._order[index * self.batch_size : (index + 1) * self.batch_size]
         self.position += 1
         return {name: array[rows] for name, array in self.arrays.items()}
 
@@ -114,5 +119,4 @@ class ShuffledBatches:
 def sequential_batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
     """Every full batch in order (evaluation data); a remainder smaller than a batch is left out."""
     count = len(next(iter(arrays.values())))
-    return [{name: a[i:i + batch_size] for name, a in arrays.items()}
-            for i in range(0, count - batch_size + 1, batch_size)]
+    return [{name: a[i : i + batch_size] for name, a in arrays.items()} for i in range(0, count - batch_size + 1, batch_size)]

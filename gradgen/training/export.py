@@ -30,8 +30,9 @@ def export_trained(model: ModelLike, checkpoint: str | os.PathLike, *, keep_loss
     where = checkpoint_path(checkpoint)
     fingerprint = model_fingerprint(forward)
     if meta["fingerprint"] != fingerprint:
-        raise UsageError(f"{where}: the checkpoint is from another model (fingerprint {meta['fingerprint']}, "
-                         f"this model's is {fingerprint})")
+        raise UsageError(
+            f"{where}: the checkpoint is from another model (fingerprint {meta['fingerprint']}, this model's is {fingerprint})"
+        )
     set_initializers(forward.graph, state.params, where)
     if not keep_loss and not meta["added_loss"]:
         remove_output(forward, meta["loss"])
@@ -45,8 +46,10 @@ def set_initializers(graph: ir.Graph, params, where) -> None:
             raise UsageError(f"{where}: parameter {name!r} is no initializer of the model")
         old = initializer.const_value
         if old is not None and (tuple(old.shape) != value.shape or old.dtype.numpy() != value.dtype):
-            raise UsageError(f"{where}: parameter {name!r} is {value.dtype}{list(value.shape)}, the model's "
-                             f"initializer is {old.dtype.numpy()}{list(old.shape)}")
+            raise UsageError(
+                f"{where}: parameter {name!r} is {value.dtype}{list(value.shape)}, the model's "
+                f"initializer is {old.dtype.numpy()}{list(old.shape)}"
+            )
         initializer.const_value = ir.Tensor(np.ascontiguousarray(value), name=name)
 
 
@@ -62,8 +65,9 @@ def remove_output(model: ir.Model, name: str) -> None:
     if len(outputs) == len(graph.outputs):
         return
     if not outputs:
-        raise ModelError(f"the model's only output is its loss {name!r}: nothing would be left to export "
-                         "(keep it with --keep-loss)")
+        raise ModelError(
+            f"the model's only output is its loss {name!r}: nothing would be left to export (keep it with --keep-loss)"
+        )
     graph.outputs.clear()
     graph.outputs.extend(outputs)
     Pipeline(EvaluateConstantsPass(), RemoveUnusedNodesPass())(model)

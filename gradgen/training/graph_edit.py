@@ -52,8 +52,10 @@ def gradient_outputs(graph: ir.Graph, params: list[str]) -> dict[str, ir.Value]:
     outputs = {v.name: v for v in graph.outputs}
     missing = [p for p in params if f"{p}_grad" not in outputs]
     if missing:
-        raise ModelError(f"the model has no gradient output for {', '.join(map(repr, missing))} "
-                         "(expected <name>_grad outputs, as build-backward writes them)")
+        raise ModelError(
+            f"the model has no gradient output for {', '.join(map(repr, missing))} "
+            "(expected <name>_grad outputs, as build-backward writes them)"
+        )
     return {p: outputs[f"{p}_grad"] for p in params}
 
 

@@ -40,7 +40,7 @@ FOUND_INF = "found_inf"  # output: True when the step was skipped
 class LossScaling:
     """``torch.amp.GradScaler``'s parameters (and defaults)."""
 
-    init_scale: float = 2.0 ** 16
+    init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
@@ -56,8 +56,10 @@ class LossScaling:
             raise UsageError(f"loss scaling: growth interval {self.growth_interval} is not >= 1")
 
     def initial_states(self, counts_updates: bool) -> dict[tuple[str, str], np.ndarray]:
-        states: dict[tuple[str, str], np.ndarray] = {(LOSS_SCALING, "scale"): np.array(self.init_scale, np.float32),
-                  (LOSS_SCALING, "good_steps"): np.array(0, np.int64)}
+        states: dict[tuple[str, str], np.ndarray] = {
+            (LOSS_SCALING, "scale"): np.array(self.init_scale, np.float32),
+            (LOSS_SCALING, "good_steps"): np.array(0, np.int64),
+        }
         if counts_updates:
             states[(LOSS_SCALING, "updates")] = np.array(0, np.int64)
         return states
@@ -95,8 +97,7 @@ class ScaleGradientsPass(ir.passes.InPlacePass):
             unscaled = b.op("Mul", grad, factor)
             unscaled.type, unscaled.shape = grad.type, grad.shape
             bad = b.op("Cast", b.op("Or", b.op("IsInf", unscaled), b.op("IsNaN", unscaled)), to=ir.DataType.FLOAT)
-            flags.append(b.op("Greater", b.reduce("ReduceMax", bad, None, keepdims=0),
-                              b.const(np.array(0.0, np.float32))))
+            flags.append(b.op("Greater", b.reduce("ReduceMax", bad, None, keepdims=0), b.const(np.array(0.0, np.float32))))
             out_name = grad.name
             grad.name = b.unique(f"{out_name}.scaled")
             unscaled.name = out_name
@@ -144,24 +145,39 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         zero = b.const(np.array(0, np.int64))
         good_next = b.op("Where", found, zero, b.op("Add", good, one))
         grown = b.op("Mul", self.scale, b.const(np.array(s.growth_factor, np.float32)))
-        grow = b.op("And", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))),
-                    b.op("Not", b.op("IsInf", grown)))
+        grow = b.op(
+            "And", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))), b.op("Not", b.op("IsInf", grown))
+        )
         backed_off = b.op("Mul", self.scale, b.const(np.array(s.backoff_factor, np.float32)))
         scale_next = b.op("Where", found, backed_off, b.op("Where", grow, grown, self.scale))
-        good_next = b.op("Where", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))),
-                         zero, good_next)
-        slots = [StateSlot(LOSS_SCALING, "scale", value_name(self.scale),
-                           value_name(as_output(b, scale_next, f"{LOSS_SCALING}.scale.next", like=self.scale))),
-                 StateSlot(LOSS_SCALING, "good_steps", value_name(good),
-                           value_name(as_output(b, good_next, f"{LOSS_SCALING}.good_steps.next", like=good)))]
+        good_next = b.op("Where", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))), zero, good_next)
+        slots = [
+            StateSlot(
+                LOSS_SCALING,
+                "scale",
+                value_name(self.scale),
+                value_name(as_output(b, scale_next, f"{LOSS_SCALING}.scale.next", like=self.scale)),
+            ),
+            StateSlot(
+                LOSS_SCALING,
+                "good_steps",
+                value_name(good),
+                value_name(as_output(b, good_next, f"{LOSS_SCALING}.good_steps.next", like=good)),
+            ),
+        ]
         if self.layout.step is not None:  # the optimizer's step: updates applied so far, + 1
             step = inputs[self.layout.step]
             updates = scalar_input(b, f"{LOSS_SCALING}.updates", ir.DataType.INT64)
             step.replace_all_uses_with(b.op("Add", updates, one))
             updates_next = b.op("Where", found, updates, b.op("Add", updates, one))
-            slots.append(StateSlot(LOSS_SCALING, "updates", value_name(updates),
-                                   value_name(as_output(b, updates_next, f"{LOSS_SCALING}.updates.next",
-                                                        like=updates))))
+            slots.append(
+                StateSlot(
+                    LOSS_SCALING,
+                    "updates",
+                    value_name(updates),
+                    value_name(as_output(b, updates_next, f"{LOSS_SCALING}.updates.next", like=updates)),
+                )
+            )
             self.layout.step = None
         flag = as_output(b, b.op("Identity", found), FOUND_INF)
         flag.type, flag.shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])

@@ -74,11 +74,11 @@ class AddLossPass(ir.passes.InPlacePass):
         graph = model.graph
         opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
         if opset < 13:
-            raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} "
-                             "(run UpgradeOpsetPass first)")
+            raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} (run UpgradeOpsetPass first)")
         if self.spec.output is None:
-            raise UsageError(f"the {self.spec.kind} loss names no output to read: name the model output "
-                             "(logits, predictions) it applies to")
+            raise UsageError(
+                f"the {self.spec.kind} loss names no output to read: name the model output (logits, predictions) it applies to"
+            )
         output = _chosen_output(graph, self.spec.output)
         builder = GraphBuilder(graph, opset)
         builder.prefix = f"gradgen_loss/{self.spec.kind}"
@@ -139,8 +139,9 @@ def _new_target(builder: GraphBuilder, graph: ir.Graph, spec: LossSpec, output: 
     if spec.kind == "cross_entropy":
         dims = list(output.shape)
         if len(dims) < 2:
-            raise ModelError(f"cross-entropy needs logits of rank 2 or more (batch, classes, ...); output "
-                             f"{output.name!r} has shape {dims}")
+            raise ModelError(
+                f"cross-entropy needs logits of rank 2 or more (batch, classes, ...); output {output.name!r} has shape {dims}"
+            )
         del dims[_class_axis(spec, len(dims))]
         target = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(dims))
     else:
@@ -152,8 +153,7 @@ def _new_target(builder: GraphBuilder, graph: ir.Graph, spec: LossSpec, output: 
 def _class_axis(spec: LossSpec, rank: int) -> int:
     axis = spec.class_axis + rank if spec.class_axis < 0 else spec.class_axis
     if not 1 <= axis < rank:
-        raise UsageError(f"class axis {spec.class_axis} does not fit logits of rank {rank} "
-                         "(axis 0 is the batch)")
+        raise UsageError(f"class axis {spec.class_axis} does not fit logits of rank {rank} (axis 0 is the batch)")
     return axis
 
 
@@ -207,11 +207,9 @@ def _cross_entropy(b: GraphBuilder, logits: ir.Value, labels: ir.Value, spec: Lo
         smooth_loss = _mean(b, smooth)
     else:
         kept = b.cast_like(b.op("Not", b.op("Equal", labels, b.const(np.array(ignore, dtype=np.int64)))), typed)
-        smooth_loss = b.op("Div", b.reduce_sum(b.op("Mul", smooth, kept), None, keepdims=0),
-                           b.reduce_sum(kept, None, keepdims=0))
+        smooth_loss = b.op("Div", b.reduce_sum(b.op("Mul", smooth, kept), None, keepdims=0), b.reduce_sum(kept, None, keepdims=0))
     eps = spec.label_smoothing
-    return b.op("Add", b.op("Mul", nll, b.const_like(typed, 1.0 - eps)),
-                b.op("Mul", smooth_loss, b.const_like(typed, eps)))
+    return b.op("Add", b.op("Mul", nll, b.const_like(typed, 1.0 - eps)), b.op("Mul", smooth_loss, b.const_like(typed, eps)))
 
 
 _EMITTERS = {"cross_entropy": _cross_entropy, "mse": _mse, "l1": _l1, "bce_with_logits": _bce_with_logits}

@@ -144,8 +144,7 @@ class AdamW:
             p = b.op("Mul", p, e.scalar("decay", like))
         m, v = states["exp_avg"], states["exp_avg_sq"]
         m = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.const_like(like, 1.0 - b1)))  # torch's lerp
-        v = b.op("Add", b.op("Mul", v, b.const_like(like, b2)),
-                 b.op("Mul", b.op("Mul", g, g), b.const_like(like, 1.0 - b2)))
+        v = b.op("Add", b.op("Mul", v, b.const_like(like, b2)), b.op("Mul", b.op("Mul", g, g), b.const_like(like, 1.0 - b2)))
         root = b.op("Sqrt", v)
         if self.bias_correction:
             root = b.op("Div", root, e.scalar("bc2_sqrt", like))
@@ -209,8 +208,9 @@ class OptimizerPass(ir.passes.InPlacePass):
     value; the gradient outputs and other forward outputs are dropped.
     """
 
-    def __init__(self, optimizer: Optimizer, params: list[str], loss: str, *, clip_norm: float | None = None,
-                 accumulation: int = 1):
+    def __init__(
+        self, optimizer: Optimizer, params: list[str], loss: str, *, clip_norm: float | None = None, accumulation: int = 1
+    ):
         super().__init__()
         _check(clip_norm is None or clip_norm > 0, f"clip norm {clip_norm} is not > 0")
         _check(accumulation >= 1, f"gradient accumulation over {accumulation} micro-batches: need at least 1")
@@ -237,15 +237,20 @@ class OptimizerPass(ir.passes.InPlacePass):
             for name in self.params:
                 acc = new_input(b, f"{name}.grad_accum", params[name])
                 accumulated[name] = value_name(acc)
-                grads[name] = b.op("Mul", b.op("Add", acc, grads[name]),
-                                   b.const_like(params[name], 1.0 / self.accumulation))
+                grads[name] = b.op("Mul", b.op("Add", acc, grads[name]), b.const_like(params[name], 1.0 / self.accumulation))
         norm = global_norm(b, list(grads.values()), [params[n] for n in grads])
         grad_norm = as_output(b, norm, "grad_norm")
         grad_norm.type, grad_norm.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
         if self.clip_norm is not None:
-            coef = b.op("Min", b.op("Div", b.const(np.array(self.clip_norm, np.float32)),
-                                    b.op("Add", norm, b.const(np.array(CLIP_EPS, np.float32)))),
-                        b.const(np.array(1.0, np.float32)))
+            coef = b.op(
+                "Min",
+                b.op(
+                    "Div",
+                    b.const(np.array(self.clip_norm, np.float32)),
+                    b.op("Add", norm, b.const(np.array(CLIP_EPS, np.float32))),
+                ),
+                b.const(np.array(1.0, np.float32)),
+            )
             for name, g in grads.items():
                 p = params[name]
                 factor = coef if p.dtype == ir.DataType.FLOAT else b.op("Cast", coef, to=p.dtype)
@@ -263,9 +268,14 @@ class OptimizerPass(ir.passes.InPlacePass):
             for kind, value in new_states.items():
                 out = as_output(b, value, f"{name}.{kind}.next", like=p)
                 slots.append(StateSlot(name, kind, value_name(states[kind]), value_name(out)))
-        self.layout = UpdateLayout(lr=value_name(lr), step=value_name(step) if step is not None else None,
-                                   grad_norm=value_name(grad_norm), params=new_params, states=slots,
-                                   accumulated=accumulated)
+        self.layout = UpdateLayout(
+            lr=value_name(lr),
+            step=value_name(step) if step is not None else None,
+            grad_norm=value_name(grad_norm),
+            params=new_params,
+            states=slots,
+            accumulated=accumulated,
+        )
         return ir.passes.PassResult(model, modified=True)
 
 

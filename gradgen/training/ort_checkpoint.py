@@ -49,8 +49,7 @@ _OPTIMIZER_GROUP = {"group_name": 0, "step": 1, "initial_learning_rate": 2, "opt
 _PARAMETER_STATE = {"param_name": 0, "momentums": 1}
 _PROPERTY_BAG = {"ints": 0, "floats": 1, "strings": 2}
 _PROPERTY = {"name": 0, "value": 1}
-_TENSOR = {"name": 0, "doc_string": 1, "dims": 2, "data_type": 3, "raw_data": 4, "string_data": 5,
-           "external_data_offset": 6}
+_TENSOR = {"name": 0, "doc_string": 1, "dims": 2, "data_type": 3, "raw_data": 4, "string_data": 5, "external_data_offset": 6}
 
 
 @dataclasses.dataclass
@@ -88,8 +87,10 @@ def require_flatbuffers():
 # ---------------------------------------------------------------- writing
 
 
-def encode_checkpoint(requires_grad: Mapping[str, ir.TensorProtocol | np.ndarray],
-                      frozen: Mapping[str, ir.TensorProtocol | np.ndarray] | None = None) -> bytes:
+def encode_checkpoint(
+    requires_grad: Mapping[str, ir.TensorProtocol | np.ndarray],
+    frozen: Mapping[str, ir.TensorProtocol | np.ndarray] | None = None,
+) -> bytes:
     """The checkpoint file's bytes for these parameters, as ``generate_artifacts`` writes them."""
     frozen = frozen or {}
     tensors = [*requires_grad.items(), *frozen.items()]
@@ -99,8 +100,10 @@ def encode_checkpoint(requires_grad: Mapping[str, ir.TensorProtocol | np.ndarray
         raise UsageError(f"parameter(s) {', '.join(map(repr, repeated))} are both trainable and frozen")
     size = sum(_as_tensor(name, value).nbytes for name, value in tensors)
     if size > _FLATBUFFER_LIMIT - (1 << 20):
-        raise UsageError(f"the parameters take {size / 2**30:.2f} GiB, past the 2 GiB a flatbuffer checkpoint holds "
-                         "(ONNX Runtime's external-data checkpoints are not written by gradgen)")
+        raise UsageError(
+            f"the parameters take {size / 2**30:.2f} GiB, past the 2 GiB a flatbuffer checkpoint holds "
+            "(ONNX Runtime's external-data checkpoints are not written by gradgen)"
+        )
     flatbuffers = require_flatbuffers()
     builder = flatbuffers.Builder(max(1024, size + 1024 * (len(tensors) + 1)))
     trainable = _table_vector(builder, [_write_tensor(builder, n, v) for n, v in requires_grad.items()])
@@ -176,8 +179,7 @@ class _Table:
         if not offset:
             return None
         start = self._table.Vector(offset)
-        return [_Table(self._table.Bytes, self._table.Indirect(start + 4 * i))
-                for i in range(self._table.VectorLen(offset))]
+        return [_Table(self._table.Bytes, self._table.Indirect(start + 4 * i)) for i in range(self._table.VectorLen(offset))]
 
     def strings(self, slot: int) -> list[str]:
         offset = self._offset(slot)
@@ -225,17 +227,19 @@ def _decode(buf: bytes, path: Path) -> OrtCheckpoint:
         for state in group.tables(_OPTIMIZER_GROUP["optimizer_states"]) or []:
             momentums = [_read_tensor(t, external, False) for t in state.tables(_PARAMETER_STATE["momentums"]) or []]
             states[state.string(_PARAMETER_STATE["param_name"]) or ""] = dict(momentums)
-        checkpoint.optimizer_groups.append(OptimizerGroup(
-            name=group.string(_OPTIMIZER_GROUP["group_name"]) or "",
-            step=group.scalar(_OPTIMIZER_GROUP["step"], n.Int64Flags, 0),
-            initial_learning_rate=group.scalar(_OPTIMIZER_GROUP["initial_learning_rate"], n.Float32Flags, 0.0),
-            states=states))
+        checkpoint.optimizer_groups.append(
+            OptimizerGroup(
+                name=group.string(_OPTIMIZER_GROUP["group_name"]) or "",
+                step=group.scalar(_OPTIMIZER_GROUP["step"], n.Int64Flags, 0),
+                initial_learning_rate=group.scalar(_OPTIMIZER_GROUP["initial_learning_rate"], n.Float32Flags, 0.0),
+                states=states,
+            )
+        )
     bag = root.table(_CHECKPOINT["property_bag"])
     if bag is not None:
         for kind, flags in (("ints", n.Int64Flags), ("floats", n.Float32Flags), ("strings", None)):
             for prop in bag.tables(_PROPERTY_BAG[kind]) or []:
-                value = (prop.string(_PROPERTY["value"]) or "") if flags is None \
-                    else prop.scalar(_PROPERTY["value"], flags, 0)
+                value = (prop.string(_PROPERTY["value"]) or "") if flags is None else prop.scalar(_PROPERTY["value"], flags, 0)
                 checkpoint.properties[prop.string(_PROPERTY["name"]) or ""] = value
     return checkpoint
 
@@ -254,7 +258,7 @@ class _ExternalData:
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         if offset + nbytes > len(self._data):
             raise ValueError(f"tensor {name!r} lies past the end of {self.path}")
-        return np.array(self._data[offset:offset + nbytes])
+        return np.array(self._data[offset : offset + nbytes])
 
 
 def _read_tensor(table: _Table, external: _ExternalData, nominal: bool) -> tuple[str, np.ndarray]:
@@ -284,7 +288,6 @@ def _read_tensor(table: _Table, external: _ExternalData, nominal: bool) -> tuple
                 return name, np.zeros(shape, dtype=numpy_dtype)
             raise ValueError(f"tensor {name!r} has no data")
     if len(raw) != nbytes:
-        raise ValueError(f"tensor {name!r} of shape {list(shape)} and type {dtype.name} holds {len(raw)} bytes, "
-                         f"not {nbytes}")
+        raise ValueError(f"tensor {name!r} of shape {list(shape)} and type {dtype.name} holds {len(raw)} bytes, not {nbytes}")
     array = np.frombuffer(raw.tobytes(), dtype=numpy_dtype).reshape(shape)
     return name, array.byteswap() if sys.byteorder == "big" else array

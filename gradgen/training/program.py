@@ -58,8 +58,11 @@ class TrainingProgram:
 
     def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
         """Every optimizer state at the start, zeros, by (parameter, kind); the loss scaler's."""
-        states = {(slot.param, slot.kind): np.zeros_like(self.initial_params[slot.param])
-                  for slot in self.layout.states if slot.param in self.initial_params}
+        states = {
+            (slot.param, slot.kind): np.zeros_like(self.initial_params[slot.param])
+            for slot in self.layout.states
+            if slot.param in self.initial_params
+        }
         if self.loss_scaling is not None:
             states.update(self.loss_scaling.initial_states(counts_updates=self.optimizer.uses_step))
         return states
@@ -136,8 +139,9 @@ def build_training(
         scale = ScaleGradientsPass(params, loss)
         run_pipeline(Pipeline(scale, update), backward)
         assert scale.scale is not None and scale.found_inf is not None and update.layout is not None  # set by the passes
-        run_pipeline(Pipeline(SkipOverflowPass(loss_scaling, scale.scale, scale.found_inf, update.layout),
-                              CleanupPass()), backward)
+        run_pipeline(
+            Pipeline(SkipOverflowPass(loss_scaling, scale.scale, scale.found_inf, update.layout), CleanupPass()), backward
+        )
     remove_unused_inputs(backward.graph, keep=set(params))
 
     evaluate = _evaluation_model(forward, params, loss)
@@ -150,10 +154,25 @@ def build_training(
     reserved |= set(layout.accumulated.values())
     data_inputs = [v for v in backward.graph.inputs if v.name not in reserved]
     return TrainingProgram(
-        source=source, train=backward, accumulate=accumulate, evaluate=evaluate, loss=loss, added_loss=add_loss,
-        params=params, frozen=frozen, initial_params=as_inputs.initial_values, layout=layout,
-        accumulated=accumulated, data_inputs=data_inputs, optimizer=optimizer, clip_norm=clip_norm,
-        accumulation=accumulation, fingerprint=fingerprint, precision=precision, loss_scaling=loss_scaling)
+        source=source,
+        train=backward,
+        accumulate=accumulate,
+        evaluate=evaluate,
+        loss=loss,
+        added_loss=add_loss,
+        params=params,
+        frozen=frozen,
+        initial_params=as_inputs.initial_values,
+        layout=layout,
+        accumulated=accumulated,
+        data_inputs=data_inputs,
+        optimizer=optimizer,
+        clip_norm=clip_norm,
+        accumulation=accumulation,
+        fingerprint=fingerprint,
+        precision=precision,
+        loss_scaling=loss_scaling,
+    )
 
 
 def _evaluation_model(forward: ir.Model, params: list[str], loss: str) -> ir.Model:

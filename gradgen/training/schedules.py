@@ -39,8 +39,10 @@ class Schedule:
             raise UsageError(f"warm-up steps {self.warmup_steps} is negative")
         if self.kind != "constant":
             if self.total_steps is None or self.total_steps <= self.warmup_steps:
-                raise UsageError(f"a {self.kind} decay needs total steps ({self.total_steps}) greater than the "
-                                 f"warm-up steps ({self.warmup_steps})")
+                raise UsageError(
+                    f"a {self.kind} decay needs total steps ({self.total_steps}) greater than the "
+                    f"warm-up steps ({self.warmup_steps})"
+                )
 
     def __call__(self, step: int) -> float:
         if step < 1:

@@ -34,8 +34,7 @@ class NonFiniteLossError(RunError):
 
     def __init__(self, step: int, what: str, value: float):
         self.step = step
-        super().__init__(f"step {step}: the {what} is {value}; training stopped, the parameters are those "
-                         f"after step {step - 1}")
+        super().__init__(f"step {step}: the {what} is {value}; training stopped, the parameters are those after step {step - 1}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +141,15 @@ class HostStepRunner:
 class Trainer:
     """Trains a ``TrainingProgram``: ``lr`` is a float or a ``Schedule`` of the 1-based step."""
 
-    def __init__(self, program: TrainingProgram, *, lr: float | Schedule, device: str = "cpu",
-                 callbacks: Sequence[Callback] = (), runner: StepRunner | None = None):
+    def __init__(
+        self,
+        program: TrainingProgram,
+        *,
+        lr: float | Schedule,
+        device: str = "cpu",
+        callbacks: Sequence[Callback] = (),
+        runner: StepRunner | None = None,
+    ):
         self.program = program
         self.schedule = lr if isinstance(lr, Schedule) else Schedule("constant", lr=float(lr))
         self.callbacks = list(callbacks)
@@ -179,8 +185,14 @@ class Trainer:
         loss, grad_norm = self.runner.step(batches, lr)
         return StepResult(self.step, loss, lr, grad_norm, time.perf_counter() - started)
 
-    def fit(self, batches: Iterable[Mapping], steps: int, *, eval_batches: Sequence[Mapping] | None = None,
-            eval_every: int | None = None) -> list[StepResult]:
+    def fit(
+        self,
+        batches: Iterable[Mapping],
+        steps: int,
+        *,
+        eval_batches: Sequence[Mapping] | None = None,
+        eval_every: int | None = None,
+    ) -> list[StepResult]:
         """Take ``steps`` optimizer steps (fewer if ``batches`` runs out); evaluate on ``eval_batches``
         every ``eval_every`` steps and at the end. Returns the results of the steps taken."""
         results = []
@@ -226,8 +238,9 @@ class Trainer:
                 problems.append(f"missing {', '.join(repr(n) for n in self._data_names if n not in names)}")
             if names - wanted:
                 problems.append(f"unknown {', '.join(repr(n) for n in sorted(names - wanted))}")
-            raise RunError(f"batch arrays: {'; '.join(problems)}; the model's data inputs are "
-                           f"{', '.join(map(repr, self._data_names))}")
+            raise RunError(
+                f"batch arrays: {'; '.join(problems)}; the model's data inputs are {', '.join(map(repr, self._data_names))}"
+            )
         return {name: _as_numpy(value) for name, value in batch.items()}
 
 
@@ -240,8 +253,9 @@ def check_state(program: TrainingProgram, state: TrainState) -> None:
         if value is None:
             problems.append(f"no parameter {name!r}")
         elif value.shape != initial.shape or value.dtype != initial.dtype:
-            problems.append(f"parameter {name!r} is {value.dtype}{list(value.shape)}, the model's is "
-                            f"{initial.dtype}{list(initial.shape)}")
+            problems.append(
+                f"parameter {name!r} is {value.dtype}{list(value.shape)}, the model's is {initial.dtype}{list(initial.shape)}"
+            )
     extra = sorted(set(state.params) - set(expected))
     if extra:
         problems.append(f"parameters the model does not train: {', '.join(map(repr, extra))}")

@@ -17,12 +17,30 @@ pytestmark = pytest.mark.cuda
 def test_run_on_cuda_matches_the_reference(tmp_path, name):
     sample = next(p for p in SAMPLE_DIRS if p.name == name)
     built = tmp_path / "grad.onnx"
-    subprocess.run([sys.executable, "-m", "gradgen", "build-backward", str(sample / "model.onnx"), "-o", str(built),
-                    "--wrt-inputs"],
-                   check=True, capture_output=True, timeout=300)
-    result = subprocess.run([sys.executable, "-m", "gradgen", "run", str(built), "--inputs", str(sample / "inputs.npz"),
-                             "--device", "cuda", "--compare", str(sample / "reference.npz")],
-                            capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "gradgen", "build-backward", str(sample / "model.onnx"), "-o", str(built), "--wrt-inputs"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradgen",
+            "run",
+            str(built),
+            "--inputs",
+            str(sample / "inputs.npz"),
+            "--device",
+            "cuda",
+            "--compare",
+            str(sample / "reference.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "ran on cuda" in result.stdout and "match the reference" in result.stdout
     memory = next(line for line in result.stdout.splitlines() if line.startswith("device memory: planned arena"))
@@ -43,7 +61,8 @@ def test_a_script_holding_a_session_in_a_global_exits_cleanly(tmp_path):
         "inputs = dict(np.load('samples/cnn/inputs.npz'))\n"
         "for _ in range(3):\n"
         "    grads = session.run(inputs)\n"
-        "print('ran', len(grads))\n")
+        "print('ran', len(grads))\n"
+    )
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root)
     assert result.returncode == 0 and "ran" in result.stdout, result.stderr

@@ -28,8 +28,7 @@ def check(got, want, dtype=None, scale=None):
     ref = np.abs(want.astype(np.float64))
     scale = float(ref.max()) if scale is None and ref.size else (scale or 1.0)
     assert not np.isnan(got).any() or np.isnan(want).any()
-    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol * 10,
-                               atol=tol * max(scale, 1.0) * 10)
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol * 10, atol=tol * max(scale, 1.0) * 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,17 +36,17 @@ def check(got, want, dtype=None, scale=None):
 
 # (x shape, w shape, attributes, with bias)
 CONV_CASES = [
-    ((2, 4, 17), (6, 4, 3), dict(strides=[2], dilations=[2]), True),                     # 1-D strided dilated
-    ((2, 6, 10), (6, 1, 3), dict(group=6), True),                                         # 1-D depthwise
-    ((2, 6, 9), (4, 3, 4), dict(group=2, auto_pad="SAME_UPPER"), True),                    # 1-D SAME_UPPER, groups
+    ((2, 4, 17), (6, 4, 3), dict(strides=[2], dilations=[2]), True),  # 1-D strided dilated
+    ((2, 6, 10), (6, 1, 3), dict(group=6), True),  # 1-D depthwise
+    ((2, 6, 9), (4, 3, 4), dict(group=2, auto_pad="SAME_UPPER"), True),  # 1-D SAME_UPPER, groups
     ((2, 6, 9), (4, 3, 4), dict(group=2, auto_pad="SAME_LOWER"), False),
-    ((2, 4, 9, 9), (8, 4, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), True),           # 2-D strided
+    ((2, 4, 9, 9), (8, 4, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2]), True),  # 2-D strided
     ((2, 8, 5, 5), (8, 1, 3, 3), dict(group=8, pads=[2, 1, 1, 0], dilations=[2, 2]), False),  # depthwise, asym pads
-    ((2, 8, 4, 2), (4, 4, 3, 2), dict(group=2, pads=[1, 0, 1, 1]), True),                  # groups, asym pads
+    ((2, 8, 4, 2), (4, 4, 3, 2), dict(group=2, pads=[1, 0, 1, 1]), True),  # groups, asym pads
     ((2, 4, 4, 2), (2, 4, 2, 3), dict(pads=[0, 1, 0, 1], strides=[2, 1]), True),
     ((2, 3, 7, 6), (4, 3, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2]), True),
     ((2, 3, 7, 6), (4, 3, 3, 3), dict(auto_pad="VALID", strides=[1, 2]), False),
-    ((1, 1, 1, 1), (1, 1, 1, 1), dict(), True),                                           # size-1 everything
+    ((1, 1, 1, 1), (1, 1, 1, 1), dict(), True),  # size-1 everything
     ((2, 2, 5, 7, 7), (4, 2, 3, 3, 3), dict(pads=[1, 0, 1, 1, 0, 1], strides=[1, 2, 2]), True),  # 3-D
     ((2, 4, 5, 3, 4), (4, 1, 3, 3, 3), dict(group=4, pads=[1, 2, 0, 1, 0, 1], dilations=[1, 2, 1]), False),
     ((2, 4, 5, 1, 3), (2, 4, 3, 3, 3), dict(pads=[1, 1, 1, 1, 1, 1]), True),
@@ -161,9 +160,16 @@ def test_conv_no_nan_in_fresh_outputs(rt):
 # whole models
 
 
-@pytest.mark.parametrize("name", ["samples/cnn", "tests/fixtures/models/resnet_block_legacy",
-                                  "tests/fixtures/models/conv2d_dynamo", "tests/fixtures/models/conv1d_legacy",
-                                  "tests/fixtures/models/conv3d_dynamo"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "samples/cnn",
+        "tests/fixtures/models/resnet_block_legacy",
+        "tests/fixtures/models/conv2d_dynamo",
+        "tests/fixtures/models/conv1d_legacy",
+        "tests/fixtures/models/conv3d_dynamo",
+    ],
+)
 def test_backward_model_matches_cpu(name):
     from pathlib import Path
 
@@ -176,8 +182,7 @@ def test_backward_model_matches_cpu(name):
     want = Session(built.model, device="cpu").run(inputs)
     got = Session(built.model, device="cuda").run(inputs)
     for key, value in want.items():
-        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(value).max())),
-                                   err_msg=key)
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(value).max())), err_msg=key)
 
 
 @pytest.mark.parametrize("case", [CONV_CASES[4], CONV_CASES[6], CONV_CASES[2]], ids=_conv_ids)
@@ -192,8 +197,7 @@ def test_conv_grad_streams_and_execute_forms_agree(rt, case):
     dy = rand(rng, cpu_conv.conv(x, w, **attrs).shape)
     args = [rt.to_device(a) for a in (dy, x, w)]
     outs = []
-    combos = ((True, True, True), (False, True, True), (False, True, False), (False, False, False),
-              (True, False, False))
+    combos = ((True, True, True), (False, True, True), (False, True, False), (False, False, False), (True, False, False))
     try:
         for concurrent, fast, native in combos:
             conv.CONCURRENT, conv.FAST_EXECUTE, conv.NATIVE_EXECUTE = concurrent, fast, native

@@ -106,13 +106,18 @@ def rand(rng, shape, dtype, lo=-3.0, hi=3.0):
 
 def one_node(op, inputs: dict, consts: dict, attrs: dict, num_outputs: int = 1):
     """A model of one ``op`` node: ``inputs`` as graph inputs, ``consts`` as initializers."""
-    graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
-                    for n, a in inputs.items()]
+    graph_inputs = [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for n, a in inputs.items()
+    ]
     outputs = [f"y{k}" for k in range(num_outputs)]
     node = helper.make_node(op, list(inputs) + list(consts), outputs, **attrs)
-    graph = helper.make_graph([node], op, graph_inputs,
-                              [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs],
-                              initializer=[numpy_helper.from_array(a, n) for n, a in consts.items()])
+    graph = helper.make_graph(
+        [node],
+        op,
+        graph_inputs,
+        [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs],
+        initializer=[numpy_helper.from_array(a, n) for n, a in consts.items()],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -242,9 +247,17 @@ def test_a_strided_input_is_read_as_strided(op, extra):
 
 
 @pytest.mark.parametrize("dtype", FLOATS + [np.int64, np.int32, np.bool_, np.int8])
-@pytest.mark.parametrize("shapes", [((2, 3, 4), (2, 3, 4), (2, 3, 4)), ((2, 1, 4), (3, 1), ()),
-                                    ((1, 1, 8, 8), (2, 1, 1, 8), (1,)), ((5,), (0, 5), (1, 5)),
-                                    ((3, 1, 1), (1, 4, 1), (1, 1, 5))], ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 3, 4), (2, 3, 4), (2, 3, 4)),
+        ((2, 1, 4), (3, 1), ()),
+        ((1, 1, 8, 8), (2, 1, 1, 8), (1,)),
+        ((5,), (0, 5), (1, 5)),
+        ((3, 1, 1), (1, 4, 1), (1, 1, 5)),
+    ],
+    ids=str,
+)
 def test_where(dtype, shapes):
     rng = np.random.default_rng(9)
     c = rng.random(shapes[0]) < 0.5
@@ -296,16 +309,41 @@ def test_sum_of_empty_tensors():
 # -- unary ----------------------------------------------------------------------------------------
 
 UNARY = [
-    ("Neg", {}, (-3, 3)), ("Abs", {}, (-3, 3)), ("Sqrt", {}, (0, 4)), ("Reciprocal", {}, (0.5, 4)),
-    ("Exp", {}, (-5, 5)), ("Log", {}, (0.01, 5)), ("Tanh", {}, (-4, 4)), ("Sigmoid", {}, (-30, 30)),
-    ("Relu", {}, (-3, 3)), ("LeakyRelu", {"alpha": 0.1}, (-3, 3)), ("Softplus", {}, (-30, 30)),
-    ("Erf", {}, (-3, 3)), ("Gelu", {}, (-4, 4)), ("Gelu", {"approximate": "tanh"}, (-4, 4)),
-    ("Sign", {}, (-3, 3)), ("Floor", {}, (-3, 3)), ("Ceil", {}, (-3, 3)), ("Round", {}, (-3, 3)),
-    ("Sin", {}, (-3, 3)), ("Cos", {}, (-3, 3)), ("Atan", {}, (-3, 3)), ("Sinh", {}, (-3, 3)),
-    ("Cosh", {}, (-3, 3)), ("Asin", {}, (-0.9, 0.9)), ("Acos", {}, (-0.9, 0.9)), ("Asinh", {}, (-3, 3)),
-    ("Acosh", {}, (1.1, 4)), ("Atanh", {}, (-0.9, 0.9)), ("Elu", {"alpha": 0.7}, (-3, 3)),
-    ("Selu", {}, (-3, 3)), ("Celu", {"alpha": 1.3}, (-3, 3)), ("Softsign", {}, (-3, 3)),
-    ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, (-4, 4)), ("HardSwish", {}, (-5, 5)), ("Mish", {}, (-4, 4)),
+    ("Neg", {}, (-3, 3)),
+    ("Abs", {}, (-3, 3)),
+    ("Sqrt", {}, (0, 4)),
+    ("Reciprocal", {}, (0.5, 4)),
+    ("Exp", {}, (-5, 5)),
+    ("Log", {}, (0.01, 5)),
+    ("Tanh", {}, (-4, 4)),
+    ("Sigmoid", {}, (-30, 30)),
+    ("Relu", {}, (-3, 3)),
+    ("LeakyRelu", {"alpha": 0.1}, (-3, 3)),
+    ("Softplus", {}, (-30, 30)),
+    ("Erf", {}, (-3, 3)),
+    ("Gelu", {}, (-4, 4)),
+    ("Gelu", {"approximate": "tanh"}, (-4, 4)),
+    ("Sign", {}, (-3, 3)),
+    ("Floor", {}, (-3, 3)),
+    ("Ceil", {}, (-3, 3)),
+    ("Round", {}, (-3, 3)),
+    ("Sin", {}, (-3, 3)),
+    ("Cos", {}, (-3, 3)),
+    ("Atan", {}, (-3, 3)),
+    ("Sinh", {}, (-3, 3)),
+    ("Cosh", {}, (-3, 3)),
+    ("Asin", {}, (-0.9, 0.9)),
+    ("Acos", {}, (-0.9, 0.9)),
+    ("Asinh", {}, (-3, 3)),
+    ("Acosh", {}, (1.1, 4)),
+    ("Atanh", {}, (-0.9, 0.9)),
+    ("Elu", {"alpha": 0.7}, (-3, 3)),
+    ("Selu", {}, (-3, 3)),
+    ("Celu", {"alpha": 1.3}, (-3, 3)),
+    ("Softsign", {}, (-3, 3)),
+    ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, (-4, 4)),
+    ("HardSwish", {}, (-5, 5)),
+    ("Mish", {}, (-4, 4)),
     ("ThresholdedRelu", {"alpha": 0.5}, (-2, 2)),
 ]
 
@@ -332,7 +370,7 @@ def _table_cases():
     cases = []
     for op in UNARY_TABLE:
         spec = UNARY_SPECS.get(op)
-        for attrs in (spec.attrs if spec else ({},)):
+        for attrs in spec.attrs if spec else ({},):
             cases.append((op, attrs, (spec.low, spec.high) if spec else (-3, 3)))
     return cases
 
@@ -397,8 +435,7 @@ def test_clip(dtype):
 
 
 CAST_TYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_]
-ONNX_CODE = {np.float16: 10, np.float32: 1, np.float64: 11, np.int8: 3, np.uint8: 2, np.int32: 6, np.int64: 7,
-             np.bool_: 9}
+ONNX_CODE = {np.float16: 10, np.float32: 1, np.float64: 11, np.int8: 3, np.uint8: 2, np.int32: 6, np.int64: 7, np.bool_: 9}
 
 
 @pytest.mark.parametrize("src", CAST_TYPES)

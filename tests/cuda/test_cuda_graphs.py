@@ -37,11 +37,17 @@ def test_replay_matches_eager(path, monkeypatch):
 
 def gather_square_model(table: np.ndarray):
     """y = table[ids] ** 2 for 5 int64 ids: a model whose runs can hit an out-of-range index."""
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
-             helper.make_node("Mul", ["rows", "rows"], ["y"], name="square")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [5])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
-                              initializer=[numpy_helper.from_array(table, "table")])
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
+        helper.make_node("Mul", ["rows", "rows"], ["y"], name="square"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
+        initializer=[numpy_helper.from_array(table, "table")],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -61,11 +67,17 @@ def test_replay_sees_new_inputs_and_reports_bad_indices(monkeypatch):
 def test_a_run_that_cannot_be_recorded_stays_eager(monkeypatch):
     """Hardmax has no CUDA launcher: its CPU fallback downloads data, which a graph cannot hold."""
     monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
-    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"], name="square"),
-             helper.make_node("Hardmax", ["sq"], ["h"], axis=1, name="hardmax"),
-             helper.make_node("Add", ["h", "x"], ["y"], name="add")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])])
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["sq"], name="square"),
+        helper.make_node("Hardmax", ["sq"], ["h"], axis=1, name="hardmax"),
+        helper.make_node("Add", ["h", "x"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     session, cpu = Session(model, device="cuda"), Session(model)
     for seed in range(4):
@@ -82,14 +94,19 @@ def test_replay_of_gathergrad_over_many_positions_rezeroes_its_workspace(monkeyp
     rng = np.random.default_rng(0)
     table = rng.standard_normal((97, 8)).astype(np.float32)
     weights = rng.standard_normal((40000, 8)).astype(np.float32)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
-             helper.make_node("Mul", ["rows", "w"], ["prod"], name="weigh"),
-             helper.make_node("ReduceSum", ["prod"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [40000])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weights, "w")])
-    built = gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-                                   wrt=["table"]).model
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0, name="gather"),
+        helper.make_node("Mul", ["rows", "w"], ["prod"], name="weigh"),
+        helper.make_node("ReduceSum", ["prod"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [40000])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weights, "w")],
+    )
+    built = gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), wrt=["table"]).model
     session = Session(built, device="cuda")
     for seed in range(4):
         ids = np.random.default_rng(seed).integers(-97, 97, 40000).astype(np.int64)

@@ -23,8 +23,10 @@ TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64])
-@pytest.mark.parametrize("shape,axis,ishape", [((5, 4), 0, (7,)), ((5, 4), 1, (2, 3)), ((3, 6, 8), -2, ()),
-                                               ((3, 6, 8), 1, (0,)), ((10, 12), 0, (4,)), ((7,), 0, (3, 2))])
+@pytest.mark.parametrize(
+    "shape,axis,ishape",
+    [((5, 4), 0, (7,)), ((5, 4), 1, (2, 3)), ((3, 6, 8), -2, ()), ((3, 6, 8), 1, (0,)), ((10, 12), 0, (4,)), ((7,), 0, (3, 2))],
+)
 def test_gather(rt, itype, dtype, shape, axis, ishape):
     size = shape[axis]
     idx = RNG.integers(-size, size, size=ishape).astype(itype)
@@ -81,8 +83,11 @@ def test_scatter_elements(rt, reduction, axis, dtype):
 def test_scatter_nd(rt, reduction, k):
     data = rand((5, 4, 3))
     count = 12
-    idx = np.stack([RNG.integers(-d, d, count) for d in data.shape[:k]], axis=-1).astype(np.int64) if k else \
-        np.zeros((count, 0), np.int64)
+    idx = (
+        np.stack([RNG.integers(-d, d, count) for d in data.shape[:k]], axis=-1).astype(np.int64)
+        if k
+        else np.zeros((count, 0), np.int64)
+    )
     upd = rand((count,) + data.shape[k:])
     got, want = run(rt, "ScatterND", [data, idx, upd], reduction=reduction)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
@@ -104,15 +109,25 @@ def test_scatter_nd_many_repeats_deterministic(rt):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-@pytest.mark.parametrize("shape,axis,ishape", [((10, 4), 0, (7,)), ((5, 4), 1, (2, 3)), ((3, 6, 8), -2, ()),
-                                               ((3, 6, 8), 1, (0,)), ((50, 12), 0, (300,)), ((9,), 0, (3, 5)),
-                                               ((6, 40), 0, (5000,)), ((2, 3, 2), -1, (4,))])
+@pytest.mark.parametrize(
+    "shape,axis,ishape",
+    [
+        ((10, 4), 0, (7,)),
+        ((5, 4), 1, (2, 3)),
+        ((3, 6, 8), -2, ()),
+        ((3, 6, 8), 1, (0,)),
+        ((50, 12), 0, (300,)),
+        ((9,), 0, (3, 5)),
+        ((6, 40), 0, (5000,)),
+        ((2, 3, 2), -1, (4,)),
+    ],
+)
 def test_gather_grad(rt, dtype, itype, shape, axis, ishape):
     size = shape[axis]
     idx = RNG.integers(-size, size, size=ishape).astype(itype)
     dims = list(shape)
     ax = axis % len(dims)
-    dy = RNG.standard_normal(dims[:ax] + list(ishape) + dims[ax + 1:]).astype(dtype)
+    dy = RNG.standard_normal(dims[:ax] + list(ishape) + dims[ax + 1 :]).astype(dtype)
     e = entry("GatherGrad")
     args = [np.array(shape, np.int64), idx, dy]
     got = compare(rt, "GatherGrad", args, tol=TOL[dtype] * (10 if ishape == (5000,) else 1), axis=axis)
@@ -141,10 +156,18 @@ def test_gather_grad_huge_segments_deterministic(rt):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-@pytest.mark.parametrize("shape,axis,count,hot", [((300, 768), 0, 16384, 20), ((300, 24), 0, 32769, 5),
-                                                  ((3, 200, 16), 1, 4000, 3), ((1000, 3), 0, 2000, 1),
-                                                  ((64, 8), -2, 32768, 64), ((5, 7), 1, 1, 1),
-                                                  ((20000, 8), 0, 9000, 2)])
+@pytest.mark.parametrize(
+    "shape,axis,count,hot",
+    [
+        ((300, 768), 0, 16384, 20),
+        ((300, 24), 0, 32769, 5),
+        ((3, 200, 16), 1, 4000, 3),
+        ((1000, 3), 0, 2000, 1),
+        ((64, 8), -2, 32768, 64),
+        ((5, 7), 1, 1, 1),
+        ((20000, 8), 0, 9000, 2),
+    ],
+)
 def test_gather_grad_segments(rt, dtype, itype, shape, axis, count, hot):
     # Hot ids give long segments; 32768 positions is the one-launch path's limit (its shared list holds
     # 4096, so 32768 also folds rows in rounds), 32769 takes the CSR path; inner 3 and 24 (float16)
@@ -154,7 +177,7 @@ def test_gather_grad_segments(rt, dtype, itype, shape, axis, count, hot):
     idx = np.where(RNG.random(count) < 0.5, RNG.choice(hot_ids, count), RNG.integers(-size, size, count)).astype(itype)
     dims = list(shape)
     ax = axis % len(dims)
-    dy = RNG.standard_normal(dims[:ax] + [count] + dims[ax + 1:]).astype(dtype)
+    dy = RNG.standard_normal(dims[:ax] + [count] + dims[ax + 1 :]).astype(dtype)
     e = entry("GatherGrad")
     args = [np.array(shape, np.int64), idx, dy]
     got = compare(rt, "GatherGrad", args, tol=TOL[dtype] * (20 if dtype != np.float64 else 1), axis=axis)
@@ -193,17 +216,24 @@ def test_gather_grad_out_of_range_message(rt):
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-@pytest.mark.parametrize("shape,axis,ishape", [((4, 5, 6), 0, (9, 5, 6)), ((4, 5, 6), 1, (3, 12, 2)),
-                                               ((4, 5, 6), -1, (4, 5, 20)), ((7,), 0, (30,)),
-                                               ((3, 9000), 1, (2, 3000)), ((2, 4), 0, (0, 4)),
-                                               ((2, 3), 1, (2, 1))])
+@pytest.mark.parametrize(
+    "shape,axis,ishape",
+    [
+        ((4, 5, 6), 0, (9, 5, 6)),
+        ((4, 5, 6), 1, (3, 12, 2)),
+        ((4, 5, 6), -1, (4, 5, 20)),
+        ((7,), 0, (30,)),
+        ((3, 9000), 1, (2, 3000)),
+        ((2, 4), 0, (0, 4)),
+        ((2, 3), 1, (2, 1)),
+    ],
+)
 def test_gather_elements_grad(rt, deterministic, dtype, itype, shape, axis, ishape):
     size = shape[axis]
     idx = RNG.integers(-size, size, size=ishape).astype(itype)
     dy = RNG.standard_normal(ishape).astype(dtype)
     args = [dy, np.array(shape, np.int64), idx]
-    got = compare(rt, "GatherElementsGrad", args, tol=TOL[dtype], cuda_attrs={"deterministic": deterministic},
-                  axis=axis)
+    got = compare(rt, "GatherElementsGrad", args, tol=TOL[dtype], cuda_attrs={"deterministic": deterministic}, axis=axis)
     if deterministic:
         e = entry("GatherElementsGrad")
         again = e.cuda(*on_device(rt, e, args), axis=axis, deterministic=True).get()
@@ -263,18 +293,28 @@ def test_executor_runs_gradient_ops_on_device(rt):
         helper.make_node("SliceGrad", ["dy", "s", "st", "en", "ax"], ["dx"], domain=MICROSOFT),
         helper.make_node("GatherGrad", ["s", "idx", "dg"], ["gx"], domain=MICROSOFT, axis=0),
     ]
-    inits = [helper.make_tensor("st", TensorProto.INT64, [1], [1]), helper.make_tensor("en", TensorProto.INT64, [1], [3]),
-             helper.make_tensor("ax", TensorProto.INT64, [1], [0]),
-             helper.make_tensor("idx", TensorProto.INT64, [3], [0, -1, 0])]
+    inits = [
+        helper.make_tensor("st", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("en", TensorProto.INT64, [1], [3]),
+        helper.make_tensor("ax", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("idx", TensorProto.INT64, [3], [0, -1, 0]),
+    ]
     graph = helper.make_graph(
-        nodes, "g",
+        nodes,
+        "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("x", [4, 3]), ("dy", [2, 3]), ("dg", [3, 3]))],
-        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 3]),
-         helper.make_tensor_value_info("gx", TensorProto.FLOAT, [4, 3])],
-        initializer=inits)
+        [
+            helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 3]),
+            helper.make_tensor_value_info("gx", TensorProto.FLOAT, [4, 3]),
+        ],
+        initializer=inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MICROSOFT, 1)])
-    feeds = {"x": np.zeros((4, 3), np.float32), "dy": RNG.standard_normal((2, 3)).astype(np.float32),
-             "dg": RNG.standard_normal((3, 3)).astype(np.float32)}
+    feeds = {
+        "x": np.zeros((4, 3), np.float32),
+        "dy": RNG.standard_normal((2, 3)).astype(np.float32),
+        "dg": RNG.standard_normal((3, 3)).astype(np.float32),
+    }
     want = Session(model).run(feeds)
     got = Session(model, device="cuda").run(feeds)
     for name in ("dx", "gx"):

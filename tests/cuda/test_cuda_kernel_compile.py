@@ -49,8 +49,7 @@ def test_kernels_compile_with_nvrtc_alone_and_are_cached():
     assert out["y"] == pytest.approx(out["want"], rel=1e-5)
     directory = kernel_cache.cache_dir()
     for name in cc.source_names():  # every source was fetched at the first use, compiled or cached
-        build = kernel_cache.read_build(kernel_cache.build_stem(directory, cc.find_source(name), out["arch"],
-                                                                nvrtc.identity))
+        build = kernel_cache.read_build(kernel_cache.build_stem(directory, cc.find_source(name), out["arch"], nvrtc.identity))
         assert build and all(cubin[:4] == b"\x7fELF" for _, cubin in build), name
 
     again = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)

@@ -34,8 +34,9 @@ def test_fused_matmul_against_cpu(rt, case, dtype):
         assert got.dtype == want.dtype and got.shape == want.shape, (flags, got.shape, want.shape)
         exact = reference(a, b, attrs)
         scale = max(1.0, float(np.abs(exact).max(initial=0)))
-        np.testing.assert_allclose(got.astype(np.float64), exact, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale,
-                                   err_msg=f"{case} {attrs}")
+        np.testing.assert_allclose(
+            got.astype(np.float64), exact, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10 * scale, err_msg=f"{case} {attrs}"
+        )
 
 
 def test_fused_matmul_float32_is_exact_fp32(rt, monkeypatch):
@@ -84,8 +85,7 @@ def test_fused_matmul_deterministic_and_errors(rt):
     with pytest.raises(KernelError, match="inner dimensions differ"):
         matmul.fused_matmul(a, b, transBatchA=1, transA=1)
     with pytest.raises(KernelError, match="needs inputs of one rank >= 3"):
-        matmul.fused_matmul(rt.to_device(np.zeros((3, 4), np.float32)), rt.to_device(np.zeros((4, 5), np.float32)),
-                            transBatchB=1)
+        matmul.fused_matmul(rt.to_device(np.zeros((3, 4), np.float32)), rt.to_device(np.zeros((4, 5), np.float32)), transBatchB=1)
 
 
 def test_matmul_strided_views_and_outer_broadcast(rt):
@@ -111,15 +111,15 @@ MATMUL_SHAPES = [
     ((4,), (4, 5)),
     ((3, 4), (4,)),
     ((4,), (4,)),
-    ((2, 3, 4), (4, 5)),          # B shared: folded into one GEMM
-    ((4, 5), (2, 5, 6)),          # A broadcast over B's batch (stride 0)
-    ((2, 3, 4), (2, 4, 5)),       # both full
-    ((2, 1, 3, 4), (3, 4, 5)),    # batch broadcast on both sides: materialised
+    ((2, 3, 4), (4, 5)),  # B shared: folded into one GEMM
+    ((4, 5), (2, 5, 6)),  # A broadcast over B's batch (stride 0)
+    ((2, 3, 4), (2, 4, 5)),  # both full
+    ((2, 1, 3, 4), (3, 4, 5)),  # batch broadcast on both sides: materialised
     ((1, 3, 4), (2, 1, 4, 6)),
     ((5,), (2, 5, 3)),
     ((2, 3, 5), (5,)),
-    ((0, 4), (4, 5)),             # empty
-    ((3, 0), (0, 5)),             # K = 0: zeros
+    ((0, 4), (4, 5)),  # empty
+    ((3, 0), (0, 5)),  # K = 0: zeros
     ((2, 0, 3, 4), (4, 2)),
     ((1, 1), (1, 1)),
     ((65, 130), (130, 33)),

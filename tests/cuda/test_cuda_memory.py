@@ -24,14 +24,20 @@ def _mlp(rows="n", hidden=64, seed=0):
     rng = np.random.default_rng(seed)
     w1 = rng.standard_normal((16, hidden)).astype(np.float32)
     w2 = rng.standard_normal((hidden, 8)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
-             helper.make_node("Mul", ["y", "y"], ["sq"], name="square"),
-             helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 16])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
+        helper.make_node("Mul", ["y", "y"], ["sq"], name="square"),
+        helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 16])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return gradgen.build_backward(model, wrt_inputs=True).model
 
@@ -203,19 +209,31 @@ def _in_place_model(rows=64, cols=128):
     w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
     c = rng.standard_normal((cols,)).astype(np.float32)
     idx = rng.integers(0, cols, size=(rows, 4)).astype(np.int64)
-    nodes = [helper.make_node("Add", ["x", "w"], ["t"], name="add"),
-             helper.make_node("Exp", ["t"], ["e"], name="exp"),
-             helper.make_node("Mul", ["e", "c"], ["m"], name="mul"),
-             helper.make_node("Tanh", ["m"], ["h"], name="tanh"),
-             helper.make_node("Sub", ["x", "w"], ["d"], name="data"),
-             helper.make_node("Slice", ["h", "zero", "four", "one"], ["upd"], name="updates"),
-             helper.make_node("ScatterElements", ["d", "idx", "upd"], ["s"], axis=1, name="scatter"),
-             helper.make_node("Sub", ["s", "h"], ["y"], name="out")]
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c"), numpy_helper.from_array(idx, "idx"),
-             numpy_helper.from_array(np.array([0], np.int64), "zero"), numpy_helper.from_array(np.array([4], np.int64), "four"),
-             numpy_helper.from_array(np.array([1], np.int64), "one")]
-    graph = helper.make_graph(nodes, "in_place", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cols])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, cols])], initializer=inits)
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["t"], name="add"),
+        helper.make_node("Exp", ["t"], ["e"], name="exp"),
+        helper.make_node("Mul", ["e", "c"], ["m"], name="mul"),
+        helper.make_node("Tanh", ["m"], ["h"], name="tanh"),
+        helper.make_node("Sub", ["x", "w"], ["d"], name="data"),
+        helper.make_node("Slice", ["h", "zero", "four", "one"], ["upd"], name="updates"),
+        helper.make_node("ScatterElements", ["d", "idx", "upd"], ["s"], axis=1, name="scatter"),
+        helper.make_node("Sub", ["s", "h"], ["y"], name="out"),
+    ]
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(c, "c"),
+        numpy_helper.from_array(idx, "idx"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([4], np.int64), "four"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "in_place",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cols])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, cols])],
+        initializer=inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.cuda
 # -- normalization --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,axis", [((2, 5, 16), -1), ((2, 8, 768), -1), ((3, 4, 6), 1), ((4, 3), 0),
-                                        ((5, 3000), 1), ((1, 1, 1), -1)], ids=str)
+@pytest.mark.parametrize(
+    "shape,axis", [((2, 5, 16), -1), ((2, 8, 768), -1), ((3, 4, 6), 1), ((4, 3), 0), ((5, 3000), 1), ((1, 1, 1), -1)], ids=str
+)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_layer_norm(shape, axis, dtype, with_bias):
@@ -38,8 +39,12 @@ def test_batch_norm_inference(shape, dtype):
     rng = np.random.default_rng(9)
     c = shape[1]
     x = rng.standard_normal(shape).astype(dtype)
-    params = [rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype),
-              rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)]
+    params = [
+        rng.standard_normal(c).astype(dtype),
+        rng.standard_normal(c).astype(dtype),
+        rng.standard_normal(c).astype(dtype),
+        rng.uniform(0.5, 2, c).astype(dtype),
+    ]
     cpu, cuda = kernels("BatchNormalization")
     want = cpu(x, *params, epsilon=1e-5)
     poison(want.nbytes)

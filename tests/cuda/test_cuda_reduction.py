@@ -16,8 +16,18 @@ from tests.cuda.test_cuda_elementwise import check, dev, host, kernels, one_node
 pytestmark = pytest.mark.cuda
 
 FLOATS = [np.float16, np.float32, np.float64]
-REDUCE_OPS = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceL1",
-              "ReduceLogSumExp", "ReduceProd", "ReduceLogSum"]
+REDUCE_OPS = [
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceSumSquare",
+    "ReduceL2",
+    "ReduceL1",
+    "ReduceLogSumExp",
+    "ReduceProd",
+    "ReduceLogSum",
+]
 
 
 def sum_tol(op, dtype, count):
@@ -43,10 +53,24 @@ def run_reduce(op, x, axes, keepdims=1, noop=0, as_input=True):
 
 
 AXES_CASES = [
-    ((4, 6, 5, 7), None), ((4, 6, 5, 7), [0]), ((4, 6, 5, 7), [-1]), ((4, 6, 5, 7), [1, 2]),
-    ((4, 6, 5, 7), [0, 2]), ((4, 6, 5, 7), [1, 3]), ((4, 6, 5, 7), [0, 2, 3]), ((4, 6, 5, 7), [-4, -2]),
-    ((4, 1, 5, 1), [1, 3]), ((4, 1, 5, 1), [1]), ((1, 1), [0]), ((3, 1, 4), [0, 1]), ((), None),
-    ((5,), [0]), ((2, 0, 3), [1]), ((2, 0, 3), [0]), ((0, 4), [1]), ((2, 3, 4, 5, 6), [0, 2, 4]),
+    ((4, 6, 5, 7), None),
+    ((4, 6, 5, 7), [0]),
+    ((4, 6, 5, 7), [-1]),
+    ((4, 6, 5, 7), [1, 2]),
+    ((4, 6, 5, 7), [0, 2]),
+    ((4, 6, 5, 7), [1, 3]),
+    ((4, 6, 5, 7), [0, 2, 3]),
+    ((4, 6, 5, 7), [-4, -2]),
+    ((4, 1, 5, 1), [1, 3]),
+    ((4, 1, 5, 1), [1]),
+    ((1, 1), [0]),
+    ((3, 1, 4), [0, 1]),
+    ((), None),
+    ((5,), [0]),
+    ((2, 0, 3), [1]),
+    ((2, 0, 3), [0]),
+    ((0, 4), [1]),
+    ((2, 3, 4, 5, 6), [0, 2, 4]),
 ]
 
 
@@ -107,15 +131,19 @@ def test_reduce_axes_forms_and_noop():
         cuda(dev(x), np.array([1, -2], np.int64))
 
 
-@pytest.mark.parametrize("shape,axes", [
-    ((3, 100003), [1]),          # rows, split, odd length (no vector loads)
-    ((5, 65536), [1]),           # rows, split, vector loads
-    ((100003, 3), [0]),          # cols, split, 3 columns
-    ((8192, 768), [0]),          # bias gradient
-    ((16, 64, 28, 28), [0, 2, 3]),  # broadcast reduction to (1, C, 1, 1)
-    ((7, 300, 40), [0, 2]),
-    ((2, 40000, 2, 3), [1, 3]),
-], ids=str)
+@pytest.mark.parametrize(
+    "shape,axes",
+    [
+        ((3, 100003), [1]),  # rows, split, odd length (no vector loads)
+        ((5, 65536), [1]),  # rows, split, vector loads
+        ((100003, 3), [0]),  # cols, split, 3 columns
+        ((8192, 768), [0]),  # bias gradient
+        ((16, 64, 28, 28), [0, 2, 3]),  # broadcast reduction to (1, C, 1, 1)
+        ((7, 300, 40), [0, 2]),
+        ((2, 40000, 2, 3), [1, 3]),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceLogSumExp"])
 def test_large_reductions_split_and_are_deterministic(shape, axes, op):
     rng = np.random.default_rng(4)
@@ -152,10 +180,23 @@ def test_reduce_nan_propagates():
 
 
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
-@pytest.mark.parametrize("shape,axis", [
-    ((2, 3, 4, 5), -1), ((2, 3, 4, 5), 1), ((2, 3, 4, 5), 0), ((12, 5), 1), ((4, 50257), -1), ((3, 1024), 1),
-    ((7,), 0), ((2, 0, 3), 1), ((6, 1), -1), ((2, 2, 8, 8), -1), ((3, 40), -2),
-], ids=str)
+@pytest.mark.parametrize(
+    "shape,axis",
+    [
+        ((2, 3, 4, 5), -1),
+        ((2, 3, 4, 5), 1),
+        ((2, 3, 4, 5), 0),
+        ((12, 5), 1),
+        ((4, 50257), -1),
+        ((3, 1024), 1),
+        ((7,), 0),
+        ((2, 0, 3), 1),
+        ((6, 1), -1),
+        ((2, 2, 8, 8), -1),
+        ((3, 40), -2),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_softmax(op, shape, axis, dtype):
     rng = np.random.default_rng(6)
@@ -195,14 +236,23 @@ def test_graph_with_reductions_norms_and_loss():
         helper.make_node("Reshape", ["x", "shape2d"], ["x2"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["x2", "labels"], ["loss"], reduction="mean"),
     ]
-    inits = [numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "g"),
-             numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
-             numpy_helper.from_array(np.array([0, -1], np.int64), "axes"),
-             numpy_helper.from_array(np.array([-1, 6], np.int64), "shape2d"),
-             numpy_helper.from_array(rng.integers(0, 6, 12).astype(np.int64), "labels")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 6])],
-                              [helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)], initializer=inits)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "g"),
+        numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "b"),
+        numpy_helper.from_array(np.array([0, -1], np.int64), "axes"),
+        numpy_helper.from_array(np.array([-1, 6], np.int64), "shape2d"),
+        numpy_helper.from_array(rng.integers(0, 6, 12).astype(np.int64), "labels"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 6])],
+        [
+            helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("loss", TensorProto.FLOAT, None),
+        ],
+        initializer=inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = rng.standard_normal((3, 4, 6)).astype(np.float32)
     want = Session(model).run({"x": x})
@@ -216,13 +266,13 @@ def test_graph_with_reductions_norms_and_loss():
 # (``colsv``) and without (``cols``), bit-identical from run to run
 
 COLUMN_CASES = [
-    ((2048, 768), [0]),            # GPT-2 small's bias gradients: colsv, split over rows
-    ((8, 256, 3072), [0, 1]),      # the same as the rule emits it (leading axes merged)
-    ((8, 768 * 64), [0]),          # few rows, many columns: no split
-    ((6, 40, 3, 64), [0, 2]),      # two reduced groups (strided offsets), an outer kept axis
-    ((3, 500, 12), [1]),           # outer kept axis, C = 12
-    ((1000, 6), [0]),              # C not a multiple of 4: cols (float32), colsv (float64)
-    ((999, 7), [0]),               # odd C: cols
+    ((2048, 768), [0]),  # GPT-2 small's bias gradients: colsv, split over rows
+    ((8, 256, 3072), [0, 1]),  # the same as the rule emits it (leading axes merged)
+    ((8, 768 * 64), [0]),  # few rows, many columns: no split
+    ((6, 40, 3, 64), [0, 2]),  # two reduced groups (strided offsets), an outer kept axis
+    ((3, 500, 12), [1]),  # outer kept axis, C = 12
+    ((1000, 6), [0]),  # C not a multiple of 4: cols (float32), colsv (float64)
+    ((999, 7), [0]),  # odd C: cols
 ]
 
 

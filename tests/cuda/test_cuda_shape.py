@@ -87,9 +87,18 @@ DTYPES = [np.float16, np.float32, np.float64, np.int64, np.int32, np.bool_]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,perm", [((2, 3, 4), (2, 0, 1)), ((2, 3, 4), None), ((1, 5, 1, 7), (3, 1, 0, 2)),
-                                        ((0, 3), (1, 0)), ((64, 33), (1, 0)), ((4, 8, 16), (0, 2, 1)),
-                                        ((5,), (0,))])
+@pytest.mark.parametrize(
+    "shape,perm",
+    [
+        ((2, 3, 4), (2, 0, 1)),
+        ((2, 3, 4), None),
+        ((1, 5, 1, 7), (3, 1, 0, 2)),
+        ((0, 3), (1, 0)),
+        ((64, 33), (1, 0)),
+        ((4, 8, 16), (0, 2, 1)),
+        ((5,), (0,)),
+    ],
+)
 def test_transpose(rt, dtype, shape, perm):
     x = rand(shape, dtype)
     check(rt, "Transpose", [x], **({} if perm is None else {"perm": list(perm)}))
@@ -113,23 +122,38 @@ SLICES = [
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
 def test_slice(rt, dtype, case, itype):
     shape, starts, ends, axes, steps = case
-    args = [rand(shape, dtype), np.array(starts, itype), np.array(ends, itype),
-            None if axes is None else np.array(axes, itype), None if steps is None else np.array(steps, itype)]
+    args = [
+        rand(shape, dtype),
+        np.array(starts, itype),
+        np.array(ends, itype),
+        None if axes is None else np.array(axes, itype),
+        None if steps is None else np.array(steps, itype),
+    ]
     while args[-1] is None and len(args) > 3:
         args.pop()
     check(rt, "Slice", args)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
-@pytest.mark.parametrize("shape,target", [((3, 1), (2, 3, 5)), ((1,), (4,)), ((2, 1, 4), (2, 3, 4)), ((4,), (0, 4)),
-                                          ((1, 1), (1, 1))])
+@pytest.mark.parametrize(
+    "shape,target", [((3, 1), (2, 3, 5)), ((1,), (4,)), ((2, 1, 4), (2, 3, 4)), ((4,), (0, 4)), ((1, 1), (1, 1))]
+)
 def test_expand(rt, dtype, shape, target):
     check(rt, "Expand", [rand(shape, dtype), np.array(target, np.int64)])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
-@pytest.mark.parametrize("shape,reps", [((2, 3), (2, 3)), ((3,), (4,)), ((2, 1, 3), (1, 5, 2)), ((2, 3), (0, 2)),
-                                        ((2, 2, 2, 2, 2), (2, 2, 2, 2, 2)), ((4, 8), (1, 1))])
+@pytest.mark.parametrize(
+    "shape,reps",
+    [
+        ((2, 3), (2, 3)),
+        ((3,), (4,)),
+        ((2, 1, 3), (1, 5, 2)),
+        ((2, 3), (0, 2)),
+        ((2, 2, 2, 2, 2), (2, 2, 2, 2, 2)),
+        ((4, 8), (1, 1)),
+    ],
+)
 def test_tile(rt, dtype, shape, reps):
     check(rt, "Tile", [rand(shape, dtype), np.array(reps, np.int64)])
 
@@ -254,8 +278,12 @@ SLICE_GRAD_CASES = [
 def test_slice_grad(rt, dtype, case, itype):
     shape, starts, ends, axes, steps = case
     fwd = registry.lookup("", "Slice").cpu
-    sl = [np.array(starts, itype), np.array(ends, itype), None if axes is None else np.array(axes, itype),
-          None if steps is None else np.array(steps, itype)]
+    sl = [
+        np.array(starts, itype),
+        np.array(ends, itype),
+        None if axes is None else np.array(axes, itype),
+        None if steps is None else np.array(steps, itype),
+    ]
     while sl[-1] is None:
         sl.pop()
     dy = RNG.standard_normal(fwd(np.zeros(shape, dtype), *sl).shape).astype(dtype)
@@ -264,5 +292,4 @@ def test_slice_grad(rt, dtype, case, itype):
 
 def test_slice_grad_shape_mismatch(rt):
     with pytest.raises(KernelError):
-        entry("SliceGrad").cuda(rt.to_device(np.zeros((3,), np.float32)), np.array([5], np.int64),
-                                np.array([0]), np.array([2]))
+        entry("SliceGrad").cuda(rt.to_device(np.zeros((3,), np.float32)), np.array([5], np.int64), np.array([0]), np.array([2]))

@@ -23,8 +23,14 @@ def pos(*shape, low=0.5, high=2.0):
 
 
 BROADCAST_SHAPES = [
-    ((2, 3, 2, 3), (2, 3, 2, 3)), ((2, 3, 2, 3), ()), ((), (2, 3, 2, 3)), ((2, 3, 2, 3), (3,)),
-    ((2, 3), (2, 3, 2, 3)), ((1, 2, 3), (2, 3, 1, 1)), ((3, 2, 1, 3), (2, 1, 1)), ((2, 1, 1, 3), (1, 3, 2, 1)),
+    ((2, 3, 2, 3), (2, 3, 2, 3)),
+    ((2, 3, 2, 3), ()),
+    ((), (2, 3, 2, 3)),
+    ((2, 3, 2, 3), (3,)),
+    ((2, 3), (2, 3, 2, 3)),
+    ((1, 2, 3), (2, 3, 1, 1)),
+    ((3, 2, 1, 3), (2, 1, 1)),
+    ((2, 1, 1, 3), (1, 3, 2, 1)),
 ]
 
 CASES = []
@@ -49,8 +55,9 @@ CASES += [
     GradCase("Div", [r(2, 3), away_from_zero(2, 3)], const=(0,), name="Div_only_b"),
     GradCase("Sub", [r(2, 3), r(3)], const=(0,), name="Sub_only_b"),
     # Mod (fmod=1, float): away from the jumps.
-    GradCase("Mod", [np.array([[3.7, -3.7, 5.2], [-1.3, 2.9, 7.4]]), np.array([1.5, 2.0, -2.5])],
-             attrs={"fmod": 1}, name="Mod_fmod"),
+    GradCase(
+        "Mod", [np.array([[3.7, -3.7, 5.2], [-1.3, 2.9, 7.4]]), np.array([1.5, 2.0, -2.5])], attrs={"fmod": 1}, name="Mod_fmod"
+    ),
 ]
 
 # Unary ops: (op, input, attrs)
@@ -120,8 +127,13 @@ def _torch_shrink(x, lambd=0.5, bias=0.0):
 
 
 UNARY_SPECS = {
-    "Shrink": UnarySpec(-2.0, 2.0, ({}, {"lambd": 1.0, "bias": 0.3}, {"lambd": 0.2, "bias": -0.4}),
-                        kinks=lambda a: (-a.get("lambd", 0.5), a.get("lambd", 0.5)), torch=_torch_shrink),
+    "Shrink": UnarySpec(
+        -2.0,
+        2.0,
+        ({}, {"lambd": 1.0, "bias": 0.3}, {"lambd": 0.2, "bias": -0.4}),
+        kinks=lambda a: (-a.get("lambd", 0.5), a.get("lambd", 0.5)),
+        torch=_torch_shrink,
+    ),
 }
 
 
@@ -165,8 +177,9 @@ CASES += [
     GradCase("Max", [np.array([1.0, 2.0, -0.5]), np.array([1.0, 0.5, 0.7])], name="Max_tie"),
     GradCase("Min", [np.array([1.0, 2.0, -0.5]), np.array([1.0, 0.5, 0.7])], name="Min_tie"),
     # Clip: both bounds, one bound (the other omitted), none; values away from the bounds.
-    GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9, -1.2]), np.array(-1.0), np.array(1.0)], const=(1, 2),
-             name="Clip_both"),
+    GradCase(
+        "Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9, -1.2]), np.array(-1.0), np.array(1.0)], const=(1, 2), name="Clip_both"
+    ),
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), np.array(0.0)], const=(1,), name="Clip_min"),
     GradCase("Clip", [np.array([-2.0, -0.7, 0.1, 0.6, 1.9]), None, np.array(0.5)], const=(2,), name="Clip_max"),
     GradCase("Clip", [r(2, 3)], name="Clip_none"),

@@ -29,24 +29,37 @@ CASES = [
     GradCase("Gather", [r(3, 4), i64(1, 1, 1, -3, shape=(2, 2))], attrs={"axis": 1}, name="Gather_repeated_2d"),
     # GatherElements on dims 0, 1, -1 with repeated indices.
     GradCase("GatherElements", [r(3, 4), i64(0, 2, 2, 1, -1, 0, 0, 0, shape=(2, 4))], name="GatherElements_0"),
-    GradCase("GatherElements", [r(3, 4), i32(3, 3, -1, 0, 1, 1, 2, 0, 0, shape=(3, 3))], attrs={"axis": 1},
-             name="GatherElements_1_i32"),
-    GradCase("GatherElements", [r(2, 2, 3), i64(0, 0, 2, 1, -1, 1, 2, 2, shape=(2, 2, 2))], attrs={"axis": -1},
-             name="GatherElements_-1"),
+    GradCase(
+        "GatherElements", [r(3, 4), i32(3, 3, -1, 0, 1, 1, 2, 0, 0, shape=(3, 3))], attrs={"axis": 1}, name="GatherElements_1_i32"
+    ),
+    GradCase(
+        "GatherElements",
+        [r(2, 2, 3), i64(0, 0, 2, 1, -1, 1, 2, 2, shape=(2, 2, 2))],
+        attrs={"axis": -1},
+        name="GatherElements_-1",
+    ),
     GradCase("GatherElements", [r(2, 3), i64(1, 0, 1, 1, 1, 0, 0, 1, shape=(4, 2))], name="GatherElements_longer"),
     # GatherND: full and partial index tuples, repeated and negative.
     GradCase("GatherND", [r(3, 4), i64(0, 1, 2, -1, 0, 1, shape=(3, 2))], name="GatherND_elements"),
     GradCase("GatherND", [r(3, 2, 2), i64(2, -1, 2, 0, shape=(2, 2, 1))], name="GatherND_slices"),
-    GradCase("GatherND", [r(2, 3, 2), i64(1, 1, 2, -1, 0, 0, shape=(2, 3, 1))], attrs={"batch_dims": 1},
-             name="GatherND_batch1"),
-    GradCase("GatherND", [r(2, 2, 3, 2), i64(1, 0, 2, 1, 2, 1, 0, 0, shape=(2, 2, 1, 2))], attrs={"batch_dims": 2},
-             name="GatherND_batch2"),
+    GradCase("GatherND", [r(2, 3, 2), i64(1, 1, 2, -1, 0, 0, shape=(2, 3, 1))], attrs={"batch_dims": 1}, name="GatherND_batch1"),
+    GradCase(
+        "GatherND",
+        [r(2, 2, 3, 2), i64(1, 0, 2, 1, 2, 1, 0, 0, shape=(2, 2, 1, 2))],
+        attrs={"batch_dims": 2},
+        name="GatherND_batch2",
+    ),
     # Scatter*: reduction none (distinct indices) and add (repeated).
-    GradCase("ScatterElements", [r(3, 4), i64(1, 0, 2, 3, 2, 1, shape=(2, 3)), r(2, 3)], attrs={"axis": 1},
-             name="ScatterElements_none"),
-    GradCase("ScatterElements", [r(3, 4), i64(0, 0, -1, 2, 0, 1, shape=(2, 3)), r(2, 3)],
-             attrs={"reduction": "add"}, opset=18, name="ScatterElements_add"),
+    GradCase(
+        "ScatterElements", [r(3, 4), i64(1, 0, 2, 3, 2, 1, shape=(2, 3)), r(2, 3)], attrs={"axis": 1}, name="ScatterElements_none"
+    ),
+    GradCase(
+        "ScatterElements",
+        [r(3, 4), i64(0, 0, -1, 2, 0, 1, shape=(2, 3)), r(2, 3)],
+        attrs={"reduction": "add"},
+        opset=18,
+        name="ScatterElements_add",
+    ),
     GradCase("ScatterND", [r(4, 3), i64(1, -1, shape=(2, 1)), r(2, 3)], name="ScatterND_none"),
-    GradCase("ScatterND", [r(3, 3), i64(0, 1, 0, 1, 2, 2, shape=(3, 2)), r(3)], attrs={"reduction": "add"},
-             name="ScatterND_add"),
+    GradCase("ScatterND", [r(3, 3), i64(0, 1, 0, 1, 2, 2, shape=(3, 2)), r(3)], attrs={"reduction": "add"}, name="ScatterND_add"),
 ]

@@ -37,14 +37,25 @@ for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
                 opset = 13 if weighted and ignore == 2 else 17
                 for num_outputs in outs:
                     tag = f"{reduction}-ign{ignore}-w{int(weighted)}-out{num_outputs}-op{opset}"
-                    CASES.append(GradCase(op, inputs, attrs, num_outputs=num_outputs, opset=opset,
-                                          name=f"{op}{scores_shape}-{tag}"))
+                    CASES.append(
+                        GradCase(op, inputs, attrs, num_outputs=num_outputs, opset=opset, name=f"{op}{scores_shape}-{tag}")
+                    )
 
 CASES += [
     # int32 labels, constant (non-trained) weights.
-    GradCase("SoftmaxCrossEntropyLoss", [r(4, 3), np.array([1, 0, 2, 1], dtype=np.int32), rng.uniform(0.3, 1.5, (3,))],
-             {"reduction": "mean", "ignore_index": 0}, const=(2,), name="SoftmaxCrossEntropyLoss-int32-constweights"),
-    GradCase("NegativeLogLikelihoodLoss", [r(4, 3, 2, low=-3.0, high=-0.1), labels((4, 2), 3, dtype=np.int32)],
-             {"reduction": "sum"}, opset=18, name="NegativeLogLikelihoodLoss-int32"),
+    GradCase(
+        "SoftmaxCrossEntropyLoss",
+        [r(4, 3), np.array([1, 0, 2, 1], dtype=np.int32), rng.uniform(0.3, 1.5, (3,))],
+        {"reduction": "mean", "ignore_index": 0},
+        const=(2,),
+        name="SoftmaxCrossEntropyLoss-int32-constweights",
+    ),
+    GradCase(
+        "NegativeLogLikelihoodLoss",
+        [r(4, 3, 2, low=-3.0, high=-0.1), labels((4, 2), 3, dtype=np.int32)],
+        {"reduction": "sum"},
+        opset=18,
+        name="NegativeLogLikelihoodLoss-int32",
+    ),
     GradCase("SoftmaxCrossEntropyLoss", [r(3, 5), labels((3,), 5)], name="SoftmaxCrossEntropyLoss-default"),
 ]

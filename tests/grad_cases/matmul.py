@@ -12,10 +12,19 @@ def r(*shape):
 
 
 MATMUL_SHAPES = [
-    ((3, 4), (4, 2)), ((4,), (4, 2)), ((3, 4), (4,)), ((4,), (4,)),
-    ((2, 3, 4), (4, 2)), ((3, 4), (2, 4, 2)), ((2, 3, 4), (2, 4, 2)),
-    ((2, 1, 3, 4), (3, 4, 2)), ((1, 3, 4), (2, 1, 4, 2)), ((4,), (2, 3, 4, 2)), ((2, 2, 3, 4), (4,)),
-    ((1, 1, 2, 3), (1, 3, 2)), ((2, 1, 3, 4), (1, 2, 4, 3)),
+    ((3, 4), (4, 2)),
+    ((4,), (4, 2)),
+    ((3, 4), (4,)),
+    ((4,), (4,)),
+    ((2, 3, 4), (4, 2)),
+    ((3, 4), (2, 4, 2)),
+    ((2, 3, 4), (2, 4, 2)),
+    ((2, 1, 3, 4), (3, 4, 2)),
+    ((1, 3, 4), (2, 1, 4, 2)),
+    ((4,), (2, 3, 4, 2)),
+    ((2, 2, 3, 4), (4,)),
+    ((1, 1, 2, 3), (1, 3, 2)),
+    ((2, 1, 3, 4), (1, 2, 4, 3)),
 ]
 
 CASES = [GradCase("MatMul", [r(*a), r(*b)], name=f"MatMul{a}{b}") for a, b in MATMUL_SHAPES]
@@ -36,17 +45,17 @@ for ta in (0, 1):
 
 EINSUM = [
     ("ij,jk->ik", [(3, 4), (4, 2)]),
-    ("ij,jk", [(3, 4), (4, 2)]),                 # implicit output
+    ("ij,jk", [(3, 4), (4, 2)]),  # implicit output
     ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
     ("ij,kj->ik", [(3, 4), (2, 4)]),
-    ("i,j->ij", [(3,), (4,)]),                   # outer product
-    ("i,i->", [(4,), (4,)]),                     # dot
+    ("i,j->ij", [(3,), (4,)]),  # outer product
+    ("i,i->", [(4,), (4,)]),  # dot
     ("ij,j->i", [(3, 4), (4,)]),
     ("ijk,k->ij", [(2, 3, 4), (4,)]),
-    ("ij,k->k", [(3, 4), (2,)]),                 # i, j summed within operand 0 alone
-    ("abc,cd->bd", [(2, 3, 4), (4, 2)]),         # a summed within operand 0 alone
+    ("ij,k->k", [(3, 4), (2,)]),  # i, j summed within operand 0 alone
+    ("abc,cd->bd", [(2, 3, 4), (4, 2)]),  # a summed within operand 0 alone
     ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 2, 4)]),
-    ("ij->ji", [(3, 4)]),                        # one operand
+    ("ij->ji", [(3, 4)]),  # one operand
     ("ij->i", [(3, 4)]),
     ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),  # three operands
     ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 2)]),
@@ -54,5 +63,6 @@ EINSUM = [
     ("...ij,jk->...ik", [(2, 2, 3, 4), (4, 2)]),
     ("... i j , j k -> ... i k", [(2, 3, 4), (4, 2)]),  # spaces
 ]
-CASES += [GradCase("Einsum", [r(*s) for s in shapes], {"equation": eq}, name=f"Einsum-{eq.replace(' ', '')}")
-          for eq, shapes in EINSUM]
+CASES += [
+    GradCase("Einsum", [r(*s) for s in shapes], {"equation": eq}, name=f"Einsum-{eq.replace(' ', '')}") for eq, shapes in EINSUM
+]

@@ -53,23 +53,32 @@ for op, make in DATA.items():
     for opset in (17, 18):
         for axes, keepdims in ((None, 1), (None, 0), ([1], 1), ([-1], 0), ([0, 2], 0), ([2, 0], 1), ([-3, 1, 2], 0)):
             tail, attrs = axes_forms(op, axes, keepdims, opset)
-            CASES.append(GradCase(op, [make()] + tail, attrs, opset=opset,
-                                  name=f"{op}-op{opset}-axes{axes}-k{keepdims}"))
+            CASES.append(GradCase(op, [make()] + tail, attrs, opset=opset, name=f"{op}-op{opset}-axes{axes}-k{keepdims}"))
     # noop_with_empty_axes (axes as an input: ReduceSum from opset 13, the others from 18): no axes
     # means "reduce nothing" (the elementwise part alone); an empty axes tensor without it, "all".
     input_opset = 17 if op == "ReduceSum" else 18
-    CASES.append(GradCase(op, [make()], {"noop_with_empty_axes": 1, "keepdims": 0}, opset=input_opset,
-                          name=f"{op}-noop"))
-    CASES.append(GradCase(op, [make(), np.zeros((0,), np.int64)], {"noop_with_empty_axes": 0, "keepdims": 0},
-                          opset=input_opset, name=f"{op}-emptyaxes-all"))
+    CASES.append(GradCase(op, [make()], {"noop_with_empty_axes": 1, "keepdims": 0}, opset=input_opset, name=f"{op}-noop"))
+    CASES.append(
+        GradCase(
+            op,
+            [make(), np.zeros((0,), np.int64)],
+            {"noop_with_empty_axes": 0, "keepdims": 0},
+            opset=input_opset,
+            name=f"{op}-emptyaxes-all",
+        )
+    )
 
 CASES += [
     # Finite differences at a tie are one-sided; compare the even split on a shifted copy instead
     # (no ties) here, and check the tie split exactly in test_rules_vs_torch.
     GradCase("ReduceMax", [distinct(3, 4)], {"axes": [1], "keepdims": 1}, name="ReduceMax-2d"),
     # ReduceProd with one zero in a slice and two zeros in another (exact gradient, not P / x).
-    GradCase("ReduceProd", [np.array([[0.0, 1.5, -2.0, 0.7], [0.0, 0.0, 1.2, 0.9], [1.1, -0.8, 1.3, 0.6]])],
-             {"axes": [1], "keepdims": 0}, name="ReduceProd-zeros"),
+    GradCase(
+        "ReduceProd",
+        [np.array([[0.0, 1.5, -2.0, 0.7], [0.0, 0.0, 1.2, 0.9], [1.1, -0.8, 1.3, 0.6]])],
+        {"axes": [1], "keepdims": 0},
+        name="ReduceProd-zeros",
+    ),
 ]
 
 for axis, opset in ((None, 13), (-1, 17), (1, 17), (0, 18), (-2, 17)):
@@ -81,14 +90,27 @@ for axis, opset in ((None, 13), (-1, 17), (1, 17), (0, 18), (-2, 17)):
 for axis in (0, 1, -1):
     for exclusive in (0, 1):
         for reverse in (0, 1):
-            CASES.append(GradCase("CumSum", [r(3, 4), np.array(axis, dtype=np.int64)],
-                                  {"exclusive": exclusive, "reverse": reverse},
-                                  name=f"CumSum-axis{axis}-ex{exclusive}-rev{reverse}"))
+            CASES.append(
+                GradCase(
+                    "CumSum",
+                    [r(3, 4), np.array(axis, dtype=np.int64)],
+                    {"exclusive": exclusive, "reverse": reverse},
+                    name=f"CumSum-axis{axis}-ex{exclusive}-rev{reverse}",
+                )
+            )
 CASES.append(GradCase("CumSum", [r(2, 3, 2), np.array([1], dtype=np.int32)], name="CumSum-int32axis"))
 
 for axis, largest, k, opset in ((-1, 1, 2, 17), (1, 0, 3, 17), (0, 1, 1, 13), (2, 1, 4, 18), (-2, 0, 2, 15)):
-    CASES.append(GradCase("TopK", [distinct(3, 4, 5), np.array([k], dtype=np.int64)],
-                          {"axis": axis, "largest": largest}, num_outputs=2, opset=opset,
-                          name=f"TopK-axis{axis}-largest{largest}-k{k}-op{opset}"))
-CASES.append(GradCase("TopK", [distinct(3, 5), np.array([3], dtype=np.int64)], {"sorted": 0}, num_outputs=2,
-                      name="TopK-unsorted"))
+    CASES.append(
+        GradCase(
+            "TopK",
+            [distinct(3, 4, 5), np.array([k], dtype=np.int64)],
+            {"axis": axis, "largest": largest},
+            num_outputs=2,
+            opset=opset,
+            name=f"TopK-axis{axis}-largest{largest}-k{k}-op{opset}",
+        )
+    )
+CASES.append(
+    GradCase("TopK", [distinct(3, 5), np.array([3], dtype=np.int64)], {"sorted": 0}, num_outputs=2, name="TopK-unsorted")
+)

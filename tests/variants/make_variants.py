@@ -24,6 +24,7 @@ Usage::
     python tests/variants/make_variants.py [--only NAME]... [--exporter legacy|dynamo]
                                            [--save NAME]... [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,7 +133,7 @@ class ClsLosses(nn.Module):
         # label_smoothing written out: the legacy exporter refuses it and the dynamo exporter
         # silently drops it (its SoftmaxCrossEntropyLoss has no smoothing)
         loss = loss + 0.9 * F.nll_loss(lsm, labels) - 0.1 * lsm.mean(-1).mean()
-        loss = loss + F.cross_entropy(logits, labels_ign)           # ignore_index=-100
+        loss = loss + F.cross_entropy(logits, labels_ign)  # ignore_index=-100
         loss = loss + F.kl_div(lsm, target_prob, reduction="batchmean")
         loss = loss + (1 - F.cosine_similarity(logits, target_prob, dim=-1)).mean()
         return loss, logits
@@ -140,11 +141,17 @@ class ClsLosses(nn.Module):
 
 def build_cls_losses():
     n = 6
-    return ms.Case(ClsLosses(), {
-        "x": randn(n, 8), "labels": torch.tensor([0, 4, 4, 2, 1, 3]),
-        "labels_ign": torch.tensor([1, -100, 4, -100, 0, 0]),
-        "target_prob": torch.softmax(randn(n, 5), -1)},
-        batch_dim=["x", "labels", "labels_ign", "target_prob"], extra_outputs=["logits"])
+    return ms.Case(
+        ClsLosses(),
+        {
+            "x": randn(n, 8),
+            "labels": torch.tensor([0, 4, 4, 2, 1, 3]),
+            "labels_ign": torch.tensor([1, -100, 4, -100, 0, 0]),
+            "target_prob": torch.softmax(randn(n, 5), -1),
+        },
+        batch_dim=["x", "labels", "labels_ign", "target_prob"],
+        extra_outputs=["logits"],
+    )
 
 
 class CnnPools(nn.Module):
@@ -172,8 +179,12 @@ class CnnPools(nn.Module):
 
 
 def build_cnn_pools():
-    return ms.Case(CnnPools(), {"x": randn(2, 3, 11, 11), "labels": torch.tensor([3, 1])},
-                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        CnnPools(),
+        {"x": randn(2, 3, 11, 11), "labels": torch.tensor([3, 1])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 class Pools1d3d(nn.Module):
@@ -185,12 +196,11 @@ class Pools1d3d(nn.Module):
         self.w = nn.Parameter(torch.randn(4, 1))
 
     def forward(self, x):  # (N, 2, 12, 12)
-        h = torch.tanh(self.conv(x))                                   # (N,4,10,10)
-        a = F.max_pool2d(h, 3, stride=2, dilation=2, padding=1)       # (N,4,4,4)
-        b = F.max_pool1d(h.flatten(2), 4, stride=3, ceil_mode=True)    # (N,4,34)
+        h = torch.tanh(self.conv(x))  # (N,4,10,10)
+        a = F.max_pool2d(h, 3, stride=2, dilation=2, padding=1)  # (N,4,4,4)
+        b = F.max_pool1d(h.flatten(2), 4, stride=3, ceil_mode=True)  # (N,4,34)
         c = F.avg_pool1d(h.flatten(2), 5, stride=4, padding=2, count_include_pad=True)
-        d = F.avg_pool3d(h.unsqueeze(1), (2, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1),
-                         count_include_pad=False)
+        d = F.avg_pool3d(h.unsqueeze(1), (2, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1), count_include_pad=False)
         e = F.adaptive_max_pool2d(h, 1)
         loss = (a * a).mean() + (b * self.w).sum() * 0.1 + c.pow(2).sum() + d.mean() + e.sum()
         return loss
@@ -210,24 +220,23 @@ class ConvVariants(nn.Module):
         self.up = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1)
 
     def forward(self, x, y):  # x: (N, 3, 20), y: (N, 4, 7, 7)
-        a = self.c1(x)                                     # (N,4,6)
+        a = self.c1(x)  # (N,4,6)
         z = y + a.unsqueeze(-1)[..., :1, :].mean()
         if self.legacy:  # legacy writes dilated 'same' as auto_pad=SAME_UPPER, which onnxruntime refuses
             h = torch.relu(F.conv2d(z, self.dw.weight, None, padding=2, dilation=2, groups=4))
         else:
             h = torch.relu(self.dw(z))
         h = self.refl(h)
-        h = torch.tanh(self.repl(h))                       # (N,4,7,9)
-        h = F.pad(h, (-1, 0, 1, -2))                       # crop + pad
+        h = torch.tanh(self.repl(h))  # (N,4,7,9)
+        h = F.pad(h, (-1, 0, 1, -2))  # crop + pad
         h = F.pad(h, (2, 1, 1, 1), mode="reflect")
         h = self.circ(h)
         u = self.up(h)
-        return (u * u).mean() + (a ** 2).mean()
+        return (u * u).mean() + (a**2).mean()
 
 
 def build_conv_variants():
-    return ms.Case(ConvVariants(), {"x": randn(2, 3, 20), "y": randn(2, 4, 7, 7)},
-                   batch_dim=["x", "y"])
+    return ms.Case(ConvVariants(), {"x": randn(2, 3, 20), "y": randn(2, 4, 7, 7)}, batch_dim=["x", "y"])
 
 
 class Upsample(nn.Module):
@@ -240,7 +249,7 @@ class Upsample(nn.Module):
 
     def forward(self, x):  # (N, 2, 4, 4)
         a = F.interpolate(x, scale_factor=2, mode="nearest")
-        b = F.pixel_shuffle(self.conv(x), 2)                 # (N,2,8,8)
+        b = F.pixel_shuffle(self.conv(x), 2)  # (N,2,8,8)
         c = F.interpolate(x, size=(6, 6), mode="bilinear", align_corners=False)
         d = self.ct(x.flatten(2))
         return (a * b).mean() + c.pow(2).mean() + torch.tanh(d).sum()
@@ -258,7 +267,7 @@ class TensorOps(nn.Module):
 
     def forward(self, x, mask):  # x: (N, 4, 6), mask: (N, 4, 4) bool
         h = x * self.w
-        e = torch.einsum("nij,kjl->nkil", h, self.m)                 # (N,2,4,5)
+        e = torch.einsum("nij,kjl->nkil", h, self.m)  # (N,2,4,5)
         b = torch.bmm(h, h.transpose(1, 2)).masked_fill(mask, -1.5)  # (N,4,4)
         t = torch.tril(b) + torch.triu(b, 1) * 0.5 + torch.triu(b, -1) * 0.1
         r = torch.rsqrt(h.var(dim=-1, keepdim=True) + 1.0) + h.std(dim=1).mean()
@@ -266,15 +275,14 @@ class TensorOps(nn.Module):
         c = torch.cumsum(h, dim=2) + torch.cumsum(h.flip(1), dim=1).flip(1)
         tk = torch.topk(h, 2, dim=-1).values.sum() + torch.topk(h, 3, dim=1, largest=False).values.mean()
         ro = torch.roll(h, shifts=1, dims=2) + torch.roll(h, (2, -1), (1, 2))
-        rp = self.s.repeat(2, 3)                                      # (2, 15)
+        rp = self.s.repeat(2, 3)  # (2, 15)
         lse = torch.logsumexp(e, dim=-1).mean() + e.amax(dim=(1, 3)).sum() + h.min(dim=-1).values.sum()
         loss = (e * e).mean() + (t * t).sum() * 0.1 + (r * n).sum() + (c * ro).mean()
         return loss + tk + (rp * rp).sum() + lse + (h.repeat(1, 2, 1)[:, 3:6] ** 3).mean()
 
 
 def build_tensor_ops():
-    return ms.Case(TensorOps(), {"x": randn(2, 4, 6), "mask": torch.rand(2, 4, 4) > 0.6},
-                   batch_dim=["x", "mask"])
+    return ms.Case(TensorOps(), {"x": randn(2, 4, 6), "mask": torch.rand(2, 4, 4) > 0.6}, batch_dim=["x", "mask"])
 
 
 class Indexing2(nn.Module):
@@ -291,29 +299,37 @@ class Indexing2(nn.Module):
         if self.legacy:  # legacy flattens multi-axis indices wrongly when they are negative
             a = h[:, i1.remainder(5), i2.remainder(6)]
         else:
-            a = h[:, i1, i2]                               # (N, K) multi-axis
-        b = h[:, :, i2]                                    # negative ids on axis 2
-        c = self.table[idx2d]                              # (2, 3, 3) from a 2-D index
-        d = torch.index_select(h, -1, tidx.clamp(min=0))   # dim -1
+            a = h[:, i1, i2]  # (N, K) multi-axis
+        b = h[:, :, i2]  # negative ids on axis 2
+        c = self.table[idx2d]  # (2, 3, 3) from a 2-D index
+        d = torch.index_select(h, -1, tidx.clamp(min=0))  # dim -1
         eidx = tidx.clamp(min=0).view(1, 1, -1).expand(h.shape[0], 5, -1)
         # the legacy exporter has no aten::take_along_dim
         e = torch.gather(h, 2, eidx) if self.legacy else torch.take_along_dim(h, eidx, dim=2)
         # the legacy exporter refuses index_add with repeated indices
         f_idx = torch.tensor([4, 0, 3, 1, 2] if self.legacy else [0, 3, 3, 1, 0])
         f = torch.zeros(h.shape[0], 5, 6).index_add(1, f_idx, h)
-        g = torch.zeros(h.shape[0], 5, 3).scatter_add(2, tidx.clamp(min=0).remainder(3)
-                                                       .view(1, 1, -1).expand(h.shape[0], 5, -1)[..., :6], h)
+        g = torch.zeros(h.shape[0], 5, 3).scatter_add(
+            2, tidx.clamp(min=0).remainder(3).view(1, 1, -1).expand(h.shape[0], 5, -1)[..., :6], h
+        )
         p = h.movedim(2, 1).unflatten(1, (2, 3)).permute(0, 3, 1, 2)  # (N,5,2,3)
         q1, q2, q3 = p.flatten(2).chunk(3, dim=-1)
-        loss = (a * a).sum() + b.mean() + (c ** 2).sum() + (d * e).sum() + (f * f).mean()
-        return loss + (g ** 2).sum() + (q1 * q3).sum() + q2.mean()
+        loss = (a * a).sum() + b.mean() + (c**2).sum() + (d * e).sum() + (f * f).mean()
+        return loss + (g**2).sum() + (q1 * q3).sum() + q2.mean()
 
 
 def build_indexing2():
-    return ms.Case(Indexing2(), {
-        "x": randn(3, 5, 6), "i1": torch.tensor([4, -1, 0, 2]), "i2": torch.tensor([-6, 5, 5, -2]),
-        "idx2d": torch.tensor([[0, 6, 6], [2, 0, 1]]), "tidx": torch.tensor([5, 0, 5, 2, 1, 1])},
-        batch_dim=["x"])
+    return ms.Case(
+        Indexing2(),
+        {
+            "x": randn(3, 5, 6),
+            "i1": torch.tensor([4, -1, 0, 2]),
+            "i2": torch.tensor([-6, 5, 5, -2]),
+            "idx2d": torch.tensor([[0, 6, 6], [2, 0, 1]]),
+            "tidx": torch.tensor([5, 0, 5, 2, 1, 1]),
+        },
+        batch_dim=["x"],
+    )
 
 
 class BroadcastMore(nn.Module):
@@ -328,8 +344,8 @@ class BroadcastMore(nn.Module):
         self.expo = nn.Parameter(torch.rand(1, 3, 1, 1) + 0.5)
 
     def forward(self, x, u):  # x: (N, 3, 2, 5), u: (N, 1)
-        a = u * self.row - self.row / (u.abs() + 1.0)                  # (N,5)
-        h = x / self.chan + a[:, None, None, :] * self.scale          # (N,3,2,5)
+        a = u * self.row - self.row / (u.abs() + 1.0)  # (N,5)
+        h = x / self.chan + a[:, None, None, :] * self.scale  # (N,3,2,5)
         m = torch.maximum(h, self.row) + torch.minimum(h, self.chan * 0.1)
         p = (h.abs() + 0.5) ** self.expo + torch.reciprocal(self.chan + h.pow(2))
         em1 = torch.exp(h * 0.2) - 1 if self.legacy else torch.expm1(h * 0.2)  # legacy: no expm1
@@ -365,13 +381,14 @@ class EmbPad(nn.Module):
         keep = (ids != 2).to(h.dtype).unsqueeze(-1)
         pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
         logits = self.head(pooled)
-        return F.cross_entropy(logits, labels) + (h ** 2).mean() * 0.1, logits
+        return F.cross_entropy(logits, labels) + (h**2).mean() * 0.1, logits
 
 
 def build_emb_pad():
     ids = torch.tensor([[2, 3, 3, 9, 2], [5, 5, 2, 1, 0], [7, 7, 7, 2, 2]])
-    return ms.Case(EmbPad(), {"ids": ids, "labels": torch.tensor([2, 0, 2])},
-                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        EmbPad(), {"ids": ids, "labels": torch.tensor([2, 0, 2])}, batch_dim=["ids", "labels"], extra_outputs=["logits"]
+    )
 
 
 class DynMlp(nn.Module):
@@ -391,8 +408,12 @@ class DynMlp(nn.Module):
 
 
 def build_dyn_mlp():
-    return ms.Case(DynMlp(), {"x": randn(3, 6), "target": (torch.rand(3, 2) > 0.5).float()},
-                   batch_dim=["x", "target"], extra_outputs=["logits"])
+    return ms.Case(
+        DynMlp(),
+        {"x": randn(3, 6), "target": (torch.rand(3, 2) > 0.5).float()},
+        batch_dim=["x", "target"],
+        extra_outputs=["logits"],
+    )
 
 
 class DynCnn(nn.Module):
@@ -411,8 +432,9 @@ class DynCnn(nn.Module):
 
 
 def build_dyn_cnn():
-    return ms.Case(DynCnn(), {"x": randn(3, 2, 7, 7), "labels": torch.tensor([0, 3, 1])},
-                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        DynCnn(), {"x": randn(3, 2, 7, 7), "labels": torch.tensor([0, 3, 1])}, batch_dim=["x", "labels"], extra_outputs=["logits"]
+    )
 
 
 class F64Mlp(nn.Module):
@@ -432,8 +454,9 @@ class F64Mlp(nn.Module):
 
 def build_f64():
     m = F64Mlp().double()
-    return ms.Case(m, {"x": randn(2, 2, 8).double(), "target": torch.rand(2, 4).double()},
-                   batch_dim=["x", "target"], extra_outputs=["probs"])
+    return ms.Case(
+        m, {"x": randn(2, 2, 8).double(), "target": torch.rand(2, 4).double()}, batch_dim=["x", "target"], extra_outputs=["probs"]
+    )
 
 
 class MultiOut(nn.Module):
@@ -451,8 +474,7 @@ class MultiOut(nn.Module):
 
 
 def build_multi_out():
-    return ms.Case(MultiOut(), {"x": randn(4, 4), "labels": torch.tensor([2, 0, 1, 2])},
-                   batch_dim=["x", "labels"])
+    return ms.Case(MultiOut(), {"x": randn(4, 4), "labels": torch.tensor([2, 0, 1, 2])}, batch_dim=["x", "labels"])
 
 
 class TransformerVar(nn.Module):
@@ -460,8 +482,7 @@ class TransformerVar(nn.Module):
 
     def __init__(self, d=12, classes=3):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d, nhead=3, dim_feedforward=20, dropout=0.1,
-                                           activation="gelu", norm_first=True)
+        layer = nn.TransformerEncoderLayer(d, nhead=3, dim_feedforward=20, dropout=0.1, activation="gelu", norm_first=True)
         self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(d, classes)
 
@@ -474,8 +495,13 @@ class TransformerVar(nn.Module):
 
 
 def build_transformer_var():
-    return ms.Case(TransformerVar(), {"x": randn(4, 2, 12), "labels": torch.tensor([2, 0])},
-                   batch_dim=[], extra_outputs=["logits"], notes="sequence-first input; no batch axis 0")
+    return ms.Case(
+        TransformerVar(),
+        {"x": randn(4, 2, 12), "labels": torch.tensor([2, 0])},
+        batch_dim=[],
+        extra_outputs=["logits"],
+        notes="sequence-first input; no batch axis 0",
+    )
 
 
 class HfGpt2Var(nn.Module):
@@ -485,15 +511,25 @@ class HfGpt2Var(nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=1, n_embd=24, n_head=3, vocab_size=40, n_positions=16,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                            bos_token_id=0, eos_token_id=0, activation_function="gelu",
-                            attn_implementation="eager")
+        config = GPT2Config(
+            n_layer=1,
+            n_embd=24,
+            n_head=3,
+            vocab_size=40,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            activation_function="gelu",
+            attn_implementation="eager",
+        )
         self.gpt = GPT2LMHeadModel(config)
 
     def forward(self, input_ids, attention_mask, labels):
-        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                       use_cache=False)
+        out = self.gpt(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
         return out.loss, out.logits
 
 
@@ -503,8 +539,12 @@ def build_gpt2_hf_var():
     mask[0, :2] = 0
     labels = ids.clone()
     labels[0, :2] = -100
-    return ms.Case(HfGpt2Var(), {"input_ids": ids, "attention_mask": mask, "labels": labels},
-                   batch_dim=["input_ids", "attention_mask", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        HfGpt2Var(),
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        batch_dim=["input_ids", "attention_mask", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 class ResnetDown(nn.Module):
@@ -533,20 +573,29 @@ class ResnetDown(nn.Module):
 
 
 def build_resnet_down():
-    return ms.Case(ResnetDown(), {"x": randn(2, 3, 8, 8), "labels": torch.tensor([4, 0])},
-                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        ResnetDown(),
+        {"x": randn(2, 3, 8, 8), "labels": torch.tensor([4, 0])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 def simple(model_cls, inputs, batch_dim, extra=()):
-    return lambda: ms.Case(model_cls(), {k: v() for k, v in inputs.items()}, batch_dim=batch_dim,
-                           extra_outputs=list(extra))
+    return lambda: ms.Case(model_cls(), {k: v() for k, v in inputs.items()}, batch_dim=batch_dim, extra_outputs=list(extra))
 
 
 VARIANTS: dict[str, Variant] = {
-    "acts_smooth": Variant(simple(ActsSmooth, {"x": lambda: randn(5, 7), "target": lambda: randn(5, 3)},
-                                  ["x", "target"], ["pred"]), 101, ["loss", "pred"]),
-    "acts_piecewise": Variant(simple(ActsPiecewise, {"x": lambda: randn(6, 5), "target": lambda: randn(6, 4)},
-                                     ["x", "target"], ["pred"]), 102, ["loss", "pred"]),
+    "acts_smooth": Variant(
+        simple(ActsSmooth, {"x": lambda: randn(5, 7), "target": lambda: randn(5, 3)}, ["x", "target"], ["pred"]),
+        101,
+        ["loss", "pred"],
+    ),
+    "acts_piecewise": Variant(
+        simple(ActsPiecewise, {"x": lambda: randn(6, 5), "target": lambda: randn(6, 4)}, ["x", "target"], ["pred"]),
+        102,
+        ["loss", "pred"],
+    ),
     "cls_losses": Variant(build_cls_losses, 103, ["loss", "logits"]),
     "cnn_pools": Variant(build_cnn_pools, 104, ["loss", "logits"]),
     "pools_1d3d": Variant(simple(Pools1d3d, {"x": lambda: randn(2, 2, 12, 12)}, ["x"]), 105),
@@ -593,8 +642,7 @@ def build_sdpa():
     n, t = 2, 5
     bmask = torch.rand(n, 1, t, t) > 0.4
     bmask[..., 0] = True  # every row attends somewhere
-    return ms.Case(Sdpa(), {"x": randn(n, t, 8), "fmask": randn(n, 1, t, t), "bmask": bmask},
-                   batch_dim=["x", "fmask", "bmask"])
+    return ms.Case(Sdpa(), {"x": randn(n, t, 8), "fmask": randn(n, 1, t, t), "bmask": bmask}, batch_dim=["x", "fmask", "bmask"])
 
 
 class Mha(nn.Module):
@@ -616,10 +664,15 @@ class Mha(nn.Module):
 
 
 def build_mha():
-    pad = torch.tensor([[False, False, False, True, True], [False, False, False, False, False],
-                        [False, True, False, False, True]])
-    return ms.Case(Mha(), {"x": randn(3, 5, 8), "pad": pad, "labels": torch.tensor([2, 0, 1])},
-                   batch_dim=["x", "pad", "labels"], extra_outputs=["logits"])
+    pad = torch.tensor(
+        [[False, False, False, True, True], [False, False, False, False, False], [False, True, False, False, True]]
+    )
+    return ms.Case(
+        Mha(),
+        {"x": randn(3, 5, 8), "pad": pad, "labels": torch.tensor([2, 0, 1])},
+        batch_dim=["x", "pad", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 def rotate_half(x):
@@ -676,8 +729,9 @@ class LlamaLite(nn.Module):
 
 def build_llama_lite():
     ids = torch.randint(0, 20, (2, 6))
-    return ms.Case(LlamaLite(), {"ids": ids, "labels": torch.roll(ids, -1, 1)},
-                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        LlamaLite(), {"ids": ids, "labels": torch.roll(ids, -1, 1)}, batch_dim=["ids", "labels"], extra_outputs=["logits"]
+    )
 
 
 class GptDynSeq(nn.Module):
@@ -711,8 +765,9 @@ class GptDynSeq(nn.Module):
 
 def build_gpt_dynseq():
     ids = torch.randint(0, 16, (2, 5))
-    return ms.Case(GptDynSeq(), {"ids": ids, "labels": torch.randint(0, 16, (2, 5))},
-                   batch_dim=["ids", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        GptDynSeq(), {"ids": ids, "labels": torch.randint(0, 16, (2, 5))}, batch_dim=["ids", "labels"], extra_outputs=["logits"]
+    )
 
 
 class MobileSE(nn.Module):
@@ -745,8 +800,12 @@ class MobileSE(nn.Module):
 
 
 def build_mobile_se():
-    return ms.Case(MobileSE(), {"x": randn(2, 3, 10, 10), "labels": torch.tensor([4, 1])},
-                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        MobileSE(),
+        {"x": randn(2, 3, 10, 10), "labels": torch.tensor([4, 1])},
+        batch_dim=["x", "labels"],
+        extra_outputs=["logits"],
+    )
 
 
 class UnetLite(nn.Module):
@@ -765,10 +824,10 @@ class UnetLite(nn.Module):
         self.d2 = nn.Conv2d(8, 1, 1)
 
     def forward(self, x, target):  # x: (N, 2, 8, 8), target: (N, 1, 8, 8)
-        s1 = F.relu(self.e1(x))          # 8x8
-        s2 = F.relu(self.e2(s1))         # 4x4
-        b = F.relu(self.e3(s2))          # 2x2
-        u = self.up1(b)                  # 4x4
+        s1 = F.relu(self.e1(x))  # 8x8
+        s2 = F.relu(self.e2(s1))  # 4x4
+        b = F.relu(self.e3(s2))  # 2x2
+        u = self.up1(b)  # 4x4
         u = F.relu(self.d1(torch.cat([u, s2], 1)))
         u = self.up2(u) + self.up3(u) * 0.5  # 8x8
         y = self.d2(torch.cat([u, s1], 1))
@@ -776,8 +835,12 @@ class UnetLite(nn.Module):
 
 
 def build_unet_lite():
-    return ms.Case(UnetLite(), {"x": randn(2, 2, 8, 8), "target": (torch.rand(2, 1, 8, 8) > 0.5).float()},
-                   batch_dim=["x", "target"], extra_outputs=["logits"])
+    return ms.Case(
+        UnetLite(),
+        {"x": randn(2, 2, 8, 8), "target": (torch.rand(2, 1, 8, 8) > 0.5).float()},
+        batch_dim=["x", "target"],
+        extra_outputs=["logits"],
+    )
 
 
 class Losses2(nn.Module):
@@ -790,7 +853,7 @@ class Losses2(nn.Module):
         self.emb = nn.Linear(6, 5)
 
     def forward(self, x, seq_labels, p_target, y_pm, labels):  # x: (N, L, 6)
-        logits = self.fc(x)                                  # (N, L, 4)
+        logits = self.fc(x)  # (N, L, 4)
         loss = F.cross_entropy(logits.transpose(1, 2), seq_labels)
         probs = torch.sigmoid(logits)
         if self.legacy:  # the legacy exporter has no aten::binary_cross_entropy
@@ -798,7 +861,7 @@ class Losses2(nn.Module):
         else:
             loss = loss + F.binary_cross_entropy(probs, p_target)
         loss = loss + F.mse_loss(logits.mean(1), p_target.mean(1), reduction="sum") * 0.1
-        e = self.emb(x)                                      # (N, L, 5)
+        e = self.emb(x)  # (N, L, 5)
         a, p, n_ = e[:, 0], e[:, 1], e[:, 2]
         if self.legacy:  # the legacy exporter has neither aten::cosine_embedding_loss nor triplet_margin_loss
             cos = F.cosine_similarity(a, p, dim=-1)
@@ -816,11 +879,17 @@ class Losses2(nn.Module):
 
 def build_losses2():
     n = 4
-    return ms.Case(Losses2(), {
-        "x": randn(n, 3, 6), "seq_labels": torch.randint(0, 4, (n, 3)),
-        "p_target": torch.rand(n, 3, 4), "y_pm": torch.tensor([1.0, -1.0, 1.0, -1.0]),
-        "labels": torch.tensor([3, 0, 0, 2])},
-        batch_dim=["x", "seq_labels", "p_target", "y_pm", "labels"])
+    return ms.Case(
+        Losses2(),
+        {
+            "x": randn(n, 3, 6),
+            "seq_labels": torch.randint(0, 4, (n, 3)),
+            "p_target": torch.rand(n, 3, 4),
+            "y_pm": torch.tensor([1.0, -1.0, 1.0, -1.0]),
+            "labels": torch.tensor([3, 0, 0, 2]),
+        },
+        batch_dim=["x", "seq_labels", "p_target", "y_pm", "labels"],
+    )
 
 
 class MiscOps(nn.Module):
@@ -835,30 +904,29 @@ class MiscOps(nn.Module):
         self.w = nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x, cls):  # x: (N, 3, 4), cls: (N,) int64
-        oh = F.one_hot(cls, 5).to(x.dtype)                  # (N, 5)
-        e = oh @ self.table                                  # (N, 4)
-        h = x @ self.w + e.unsqueeze(1)                      # (N, 3, 4)
-        best = h.sum(-1).argmax(dim=1)                       # (N,) non-differentiable path
-        picked = h[torch.arange(h.shape[0]), best]           # (N, 4)
+        oh = F.one_hot(cls, 5).to(x.dtype)  # (N, 5)
+        e = oh @ self.table  # (N, 4)
+        h = x @ self.w + e.unsqueeze(1)  # (N, 3, 4)
+        best = h.sum(-1).argmax(dim=1)  # (N,) non-differentiable path
+        picked = h[torch.arange(h.shape[0]), best]  # (N, 4)
         m = torch.maximum(h, self.floor) + h.clamp_min(0.1) * 0.5
         w = torch.where(h > 0, 1.0, -0.5) * h + torch.where(h < 0.3, h, 0.0)
-        s = m.sum(dim=(1, 2))                                # (N,)
+        s = m.sum(dim=(1, 2))  # (N,)
         c = (h - h.mean(-1, keepdim=True)).mean(-1, keepdim=True).mean(-2, keepdim=True) + h.mean(-1, keepdim=True)
-        v = h.reshape(-1, 4)                                 # (N*3, 4)
+        v = h.reshape(-1, 4)  # (N*3, 4)
         ex = self.floor.expand_as(h) * h
-        st = torch.stack([h, w, ex], dim=1)                  # (N, 3, 3, 4)
+        st = torch.stack([h, w, ex], dim=1)  # (N, 3, 3, 4)
         u0, u1, u2 = h.unbind(1)
         # uneven when the batch is odd; torch.export cannot keep a chunked batch dynamic (it
         # specializes the batch), so the dynamo export chunks the last (static) dim instead
         cs = x.chunk(3, dim=-1) if not self.legacy else x.chunk(2, dim=0)
-        loss = (picked ** 2).mean() + s.pow(2).mean() * 0.1 + (c * c).sum() + (v @ self.w).tanh().mean()
-        loss = loss + (st ** 2).mean() + (u0 * u2 - u1).mean() + (cs[0] ** 2).sum() * 0.1 + cs[-1].mean()
+        loss = (picked**2).mean() + s.pow(2).mean() * 0.1 + (c * c).sum() + (v @ self.w).tanh().mean()
+        loss = loss + (st**2).mean() + (u0 * u2 - u1).mean() + (cs[0] ** 2).sum() * 0.1 + cs[-1].mean()
         return loss
 
 
 def build_misc_ops():
-    return ms.Case(MiscOps(), {"x": randn(4, 3, 4), "cls": torch.tensor([0, 4, 4, 2])},
-                   batch_dim=["x", "cls"])
+    return ms.Case(MiscOps(), {"x": randn(4, 3, 4), "cls": torch.tensor([0, 4, 4, 2])}, batch_dim=["x", "cls"])
 
 
 class F64Idx32(nn.Module):
@@ -870,18 +938,24 @@ class F64Idx32(nn.Module):
         self.fc = nn.Linear(4, 3)
 
     def forward(self, ids, sel, x):  # ids: (N, 3) int32, sel: (2,) int32, x: (N, 3, 4) float64
-        h = self.emb(ids) * x                               # (N, 3, 4)
-        a = torch.index_select(h, 1, sel)                   # (N, 2, 4)
+        h = self.emb(ids) * x  # (N, 3, 4)
+        a = torch.index_select(h, 1, sel)  # (N, 2, 4)
         g = torch.gather(h, 2, ids.remainder(4).unsqueeze(-1).expand(-1, -1, 2).to(torch.int64))
-        y = torch.tanh(self.fc(a)).sum() + (g ** 2).mean()
+        y = torch.tanh(self.fc(a)).sum() + (g**2).mean()
         return y + (self.fc(h.mean(1)) ** 2).mean()
 
 
 def build_f64_idx32():
     m = F64Idx32().double()
-    return ms.Case(m, {"ids": torch.tensor([[1, 6, 6], [0, 3, 2]], dtype=torch.int32),
-                       "sel": torch.tensor([2, 0], dtype=torch.int32), "x": randn(2, 3, 4).double()},
-                   batch_dim=["ids", "x"])
+    return ms.Case(
+        m,
+        {
+            "ids": torch.tensor([[1, 6, 6], [0, 3, 2]], dtype=torch.int32),
+            "sel": torch.tensor([2, 0], dtype=torch.int32),
+            "x": randn(2, 3, 4).double(),
+        },
+        batch_dim=["ids", "x"],
+    )
 
 
 class Recurrent(nn.Module):
@@ -893,21 +967,23 @@ class Recurrent(nn.Module):
 
     def forward(self, x):
         h, _ = self.rnn(x)
-        return (h ** 2).mean()
+        return (h**2).mean()
 
 
-VARIANTS.update({
-    "sdpa": Variant(build_sdpa, 201),
-    "mha": Variant(build_mha, 202, ["loss", "logits"]),
-    "llama_lite": Variant(build_llama_lite, 203, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
-    "gpt_dynseq": Variant(build_gpt_dynseq, 204, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
-    "mobile_se": Variant(build_mobile_se, 205, ["loss", "logits"]),
-    "unet_lite": Variant(build_unet_lite, 206, ["loss", "logits"]),
-    "losses2": Variant(build_losses2, 207),
-    "misc_ops": Variant(build_misc_ops, 208, dynamic=True),
-    "f64_idx32": Variant(build_f64_idx32, 209),
-    "gru": Variant(simple(Recurrent, {"x": lambda: randn(2, 3, 4)}, ["x"]), 210, expect_error="GRU"),
-})
+VARIANTS.update(
+    {
+        "sdpa": Variant(build_sdpa, 201),
+        "mha": Variant(build_mha, 202, ["loss", "logits"]),
+        "llama_lite": Variant(build_llama_lite, 203, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
+        "gpt_dynseq": Variant(build_gpt_dynseq, 204, ["loss", "logits"], dynamic=True, seq_dim={"ids": 1, "labels": 1}),
+        "mobile_se": Variant(build_mobile_se, 205, ["loss", "logits"]),
+        "unet_lite": Variant(build_unet_lite, 206, ["loss", "logits"]),
+        "losses2": Variant(build_losses2, 207),
+        "misc_ops": Variant(build_misc_ops, 208, dynamic=True),
+        "f64_idx32": Variant(build_f64_idx32, 209),
+        "gru": Variant(simple(Recurrent, {"x": lambda: randn(2, 3, 4)}, ["x"]), 210, expect_error="GRU"),
+    }
+)
 
 
 class SdpaDynSeq(nn.Module):
@@ -943,17 +1019,20 @@ class AttnMore(nn.Module):
     def forward(self, x, mem_k, mem_v, amask):  # x: (N, T, 8), mem_k: (N, S, 6), mem_v: (N, S, 5), amask: (T, S)
         h, w = self.mha(x, mem_k, mem_v, attn_mask=amask, need_weights=True, average_attn_weights=True)
         n, t, _ = x.shape
-        q = self.q(h).view(n, t, 4, 2).transpose(1, 2)                   # (N,4,T,2)
-        k, v = self.kv(x).view(n, t, 2, 2, 2).permute(3, 0, 2, 1, 4)      # (N,2,T,2) each
+        q = self.q(h).view(n, t, 4, 2).transpose(1, 2)  # (N,4,T,2)
+        k, v = self.kv(x).view(n, t, 2, 2, 2).permute(3, 0, 2, 1, 4)  # (N,2,T,2) each
         k = k.repeat_interleave(2, dim=1)
         v = v.repeat_interleave(2, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, scale=0.3)
-        return (a ** 2).mean() + (w * w).sum() + (h * x).mean()
+        return (a**2).mean() + (w * w).sum() + (h * x).mean()
 
 
 def build_attn_more():
-    return ms.Case(AttnMore(), {"x": randn(2, 4, 8), "mem_k": randn(2, 3, 6), "mem_v": randn(2, 3, 5),
-                                "amask": randn(4, 3)}, batch_dim=["x", "mem_k", "mem_v"])
+    return ms.Case(
+        AttnMore(),
+        {"x": randn(2, 4, 8), "mem_k": randn(2, 3, 6), "mem_v": randn(2, 3, 5), "amask": randn(4, 3)},
+        batch_dim=["x", "mem_k", "mem_v"],
+    )
 
 
 class Losses3(nn.Module):
@@ -970,9 +1049,9 @@ class Losses3(nn.Module):
         t01 = bits.to(x.dtype)  # targets from an int input: torch has no target gradient for several losses
         ypm = t01 * 2 - 1
         cw = torch.tensor([1.0, 2.0, 0.5, 1.5])  # class weights: constants (torch has no weight grads)
-        logits = self.conv(x)                                          # (N,4,3,3)
+        logits = self.conv(x)  # (N,4,3,3)
         loss = F.cross_entropy(logits, seg, weight=cw, ignore_index=1)
-        z = self.fc(logits.mean((2, 3)))                               # (N,3)
+        z = self.fc(logits.mean((2, 3)))  # (N,3)
         lsm = F.log_softmax(z, -1)
         loss = loss + F.nll_loss(lsm, lab, weight=cw[:3], reduction="sum") * 0.1
         p = torch.sigmoid(z)
@@ -1001,10 +1080,16 @@ def build_losses3():
     n = 3
     seg = torch.randint(0, 4, (n, 3, 3))
     seg[0, 0, 0] = 1
-    return ms.Case(Losses3(), {
-        "x": randn(n, 2, 3, 3), "seg": seg, "lab": torch.tensor([2, 0, 2]),
-        "bits": torch.tensor([[1, 0, 1], [0, 0, 1], [1, 1, 0]])},
-        batch_dim=["x", "seg", "lab", "bits"])
+    return ms.Case(
+        Losses3(),
+        {
+            "x": randn(n, 2, 3, 3),
+            "seg": seg,
+            "lab": torch.tensor([2, 0, 2]),
+            "bits": torch.tensor([[1, 0, 1], [0, 0, 1], [1, 1, 0]]),
+        },
+        batch_dim=["x", "seg", "lab", "bits"],
+    )
 
 
 class TensorOps2(nn.Module):
@@ -1019,13 +1104,13 @@ class TensorOps2(nn.Module):
 
     def forward(self, x, idx):  # x: (N, 4, 4), idx: (2,) int64
         h = torch.baddbmm(x, x, self.w.expand(x.shape[0], 4, 4), beta=0.5, alpha=0.7)
-        a = torch.addmm(self.b, h[:, 0], self.w)                    # (N,4)
+        a = torch.addmm(self.b, h[:, 0], self.w)  # (N,4)
         f = h.flip(-1) * h
         # cumprod / prod: the legacy exporter has no aten::cumprod, the dynamo one no prims.prod
         cp = torch.exp(torch.cumsum(torch.log(torch.sigmoid(h) + 0.5), dim=-1))
         pr = torch.exp(torch.log(torch.sigmoid(h) + 0.5).sum(dim=1))
         so = torch.sort(h, dim=-1, descending=True).values
-        g = F.glu(h, dim=-1)                                          # (N,4,2)
+        g = F.glu(h, dim=-1)  # (N,4,2)
         o = torch.outer(self.v, self.b)
         if self.legacy:  # legacy writes diagonal with an If (empty-diagonal check), has no aten::trace
             eye = torch.eye(4)
@@ -1038,8 +1123,8 @@ class TensorOps2(nn.Module):
         ip[:, idx] = self.v.expand(ip.shape[0], 2, 4) if self.legacy else self.v
         sc = h.scatter(2, idx.view(1, 1, 2).expand(h.shape[0], 4, 2), g)
         sg = torch.sign(h).detach() * h + torch.round(h * 2.0) * self.b
-        loss = (a ** 2).mean() + f.mean() + cp.mean() + pr.mean() + (so * self.v).sum() * 0.1
-        return loss + (g ** 2).sum() + (dg ** 2).mean() + tr + (ip ** 2).mean() + (sc ** 2).mean() + sg.mean()
+        loss = (a**2).mean() + f.mean() + cp.mean() + pr.mean() + (so * self.v).sum() * 0.1
+        return loss + (g**2).sum() + (dg**2).mean() + tr + (ip**2).mean() + (sc**2).mean() + sg.mean()
 
 
 def build_tensor_ops2():
@@ -1066,22 +1151,33 @@ class ConvDynHw(nn.Module):
 
 
 def build_conv_dyn_hw():
-    return ms.Case(ConvDynHw(), {"x": randn(2, 2, 6, 5), "labels": torch.tensor([2, 1])},
-                   batch_dim=["x", "labels"], extra_outputs=["logits"])
+    return ms.Case(
+        ConvDynHw(), {"x": randn(2, 2, 6, 5), "labels": torch.tensor([2, 1])}, batch_dim=["x", "labels"], extra_outputs=["logits"]
+    )
 
 
-VARIANTS.update({
-    "attn_more": Variant(build_attn_more, 211),
-    "losses3": Variant(build_losses3, 212),
-    "tensor_ops2": Variant(build_tensor_ops2, 213),
-    "mha_dynseq": Variant(build_mha, 215, ["loss", "logits"], dynamic=True, seq_dim={"x": 1, "pad": 1},
-                          notes="nn.MultiheadAttention (batch_first, key_padding_mask; seq-first self-attention) "
-                                "with the batch and sequence dims dynamic",
-                          skip={"legacy": "the legacy exporter bakes the sequence length into "
-                                          "MultiheadAttention's Reshapes; onnxruntime fails at seq+1 too"}),
-    "sdpa_dynseq": Variant(build_sdpa_dynseq, 216, dynamic=True, seq_dim={"x": 1, "bmask": 3}),
-    "conv_dyn_hw": Variant(build_conv_dyn_hw, 214, ["loss", "logits"], dynamic=True, seq_dim={"x": 2}),
-})
+VARIANTS.update(
+    {
+        "attn_more": Variant(build_attn_more, 211),
+        "losses3": Variant(build_losses3, 212),
+        "tensor_ops2": Variant(build_tensor_ops2, 213),
+        "mha_dynseq": Variant(
+            build_mha,
+            215,
+            ["loss", "logits"],
+            dynamic=True,
+            seq_dim={"x": 1, "pad": 1},
+            notes="nn.MultiheadAttention (batch_first, key_padding_mask; seq-first self-attention) "
+            "with the batch and sequence dims dynamic",
+            skip={
+                "legacy": "the legacy exporter bakes the sequence length into "
+                "MultiheadAttention's Reshapes; onnxruntime fails at seq+1 too"
+            },
+        ),
+        "sdpa_dynseq": Variant(build_sdpa_dynseq, 216, dynamic=True, seq_dim={"x": 1, "bmask": 3}),
+        "conv_dyn_hw": Variant(build_conv_dyn_hw, 214, ["loss", "logits"], dynamic=True, seq_dim={"x": 2}),
+    }
+)
 
 
 # --------------------------------------------------------------------------
@@ -1106,34 +1202,46 @@ def torch_reference(model: nn.Module, inputs: dict, loss_index: int) -> ms.Torch
     float_inputs = [k for k, v in args.items() if v.is_floating_point()]
     wrt += [args[k] for k in float_inputs]
     grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-    grads = [np.zeros_like(t.detach().numpy()) if g is None else g.detach().numpy()
-             for t, g in zip(wrt, grads)]
+    grads = [np.zeros_like(t.detach().numpy()) if g is None else g.detach().numpy() for t, g in zip(wrt, grads)]
     n = len(canonical)
-    return ms.TorchReference(loss=loss.item(),
-                             values={k: v.detach().numpy() for k, v in tensors.items()}, owner=owner,
-                             grads=dict(zip(canonical.values(), grads[:n])),
-                             input_grads=dict(zip(float_inputs, grads[n:])))
+    return ms.TorchReference(
+        loss=loss.item(),
+        values={k: v.detach().numpy() for k, v in tensors.items()},
+        owner=owner,
+        grads=dict(zip(canonical.values(), grads[:n])),
+        input_grads=dict(zip(float_inputs, grads[n:])),
+    )
 
 
 # --------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------
-def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool, optimize: bool = True,
-           seq_dim: dict[str, int] | None = None):
+def export(
+    case: ms.Case,
+    exporter: str,
+    output_names: list[str],
+    dynamic: bool,
+    optimize: bool = True,
+    seq_dim: dict[str, int] | None = None,
+):
     seq_dim = seq_dim or {}
     args = tuple(case.inputs.values())
     if exporter == "legacy":
-        settings = dict(dynamo=False, opset_version=ms.LEGACY_OPSET, do_constant_folding=False,
-                        training=torch.onnx.TrainingMode.PRESERVE, export_params=True,
-                        keep_initializers_as_inputs=False)
+        settings = dict(
+            dynamo=False,
+            opset_version=ms.LEGACY_OPSET,
+            do_constant_folding=False,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            export_params=True,
+            keep_initializers_as_inputs=False,
+        )
         if dynamic:
             settings["dynamic_axes"] = {k: {0: "batch"} for k in case.batch_dim}
             for k, axis in seq_dim.items():
                 settings["dynamic_axes"].setdefault(k, {})[axis] = "seq"
         buf = io.BytesIO()
         with ms.quiet():
-            torch.onnx.export(case.model, args, buf, input_names=list(case.inputs),
-                              output_names=output_names, **settings)
+            torch.onnx.export(case.model, args, buf, input_names=list(case.inputs), output_names=output_names, **settings)
         settings["training"] = "PRESERVE"
         return onnx.load_from_string(buf.getvalue()), settings
     settings = dict(dynamo=True, optimize=optimize)
@@ -1142,19 +1250,16 @@ def export(case: ms.Case, exporter: str, output_names: list[str], dynamic: bool,
         batch = torch.export.Dim("batch", min=2, max=1024)
         seq = torch.export.Dim("seq", min=2, max=12)
         kwargs["dynamic_shapes"] = tuple(
-            ({0: batch} if k in case.batch_dim else {}) | ({seq_dim[k]: seq} if k in seq_dim else {}) or None
-            for k in case.inputs)
+            ({0: batch} if k in case.batch_dim else {}) | ({seq_dim[k]: seq} if k in seq_dim else {}) or None for k in case.inputs
+        )
         settings["dynamic_shapes"] = "batch axis 0 = torch.export.Dim('batch')"
         if seq_dim:
-            settings["dynamic_shapes"] += ", " + ", ".join(
-                f"{k} axis {a} = torch.export.Dim('seq')" for k, a in seq_dim.items())
+            settings["dynamic_shapes"] += ", " + ", ".join(f"{k} axis {a} = torch.export.Dim('seq')" for k, a in seq_dim.items())
     with ms.quiet():
-        program = torch.onnx.export(case.model, args, input_names=list(case.inputs),
-                                    output_names=output_names, **kwargs)
+        program = torch.onnx.export(case.model, args, input_names=list(case.inputs), output_names=output_names, **kwargs)
     if optimize:
         return program.model_proto, settings
-    params = set(ms.named_float_tensors(case.model)) | {
-        n for n, _ in case.model.named_buffers(remove_duplicate=False)}
+    params = set(ms.named_float_tensors(case.model)) | {n for n, _ in case.model.named_buffers(remove_duplicate=False)}
     model = ms.initializers_to_constants(program.model_proto, keep=params)
     model = ms.initializers_to_constants(ms.fold_constants_keeping_params(model), keep=params)
     settings["post_process"] = "initializers_to_constants + fold_constants_keeping_params"
@@ -1198,17 +1303,20 @@ def check_forward_ort(model, feeds, where):
     want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     got = Session(model).run(feeds)
     for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-4,
-                                   atol=1e-5 * max(1.0, float(np.abs(value).max(initial=0))),
-                                   err_msg=f"{where}: output {name}")
+        np.testing.assert_allclose(
+            got[name],
+            value,
+            rtol=1e-4,
+            atol=1e-5 * max(1.0, float(np.abs(value).max(initial=0))),
+            err_msg=f"{where}: output {name}",
+        )
 
 
 def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Path | None) -> str:
     where = f"{name}_{exporter}"
     loss_index = variant.outputs.index("loss")
     try:
-        model, mapping, settings = export_checked(case, exporter, ref, variant.outputs, variant.dynamic,
-                                                  variant.seq_dim)
+        model, mapping, settings = export_checked(case, exporter, ref, variant.outputs, variant.dynamic, variant.seq_dim)
     except Exception as exc:  # noqa: BLE001
         return f"skip (export: {type(exc).__name__}: {str(exc).splitlines()[0][:150]})"
     feeds = feeds_of(model, case.inputs)
@@ -1244,21 +1352,28 @@ def run_one(name: str, variant: Variant, exporter: str, case, ref, save_dir: Pat
         _check_gradients(model, feeds2, ms.reference_arrays(ref2, mapping, feeds2), where + " (batch+1)")
         extra = ", batch+1 ok"
     if variant.seq_dim:  # sequence + 1 (the new position repeats the first one)
-        longer = {k: torch.cat([v, v.narrow(a, 0, 1)], a) if (a := variant.seq_dim.get(k)) is not None else v
-                  for k, v in case.inputs.items()}
+        longer = {
+            k: torch.cat([v, v.narrow(a, 0, 1)], a) if (a := variant.seq_dim.get(k)) is not None else v
+            for k, v in case.inputs.items()
+        }
         ref3 = torch_reference(case.model, longer, loss_index)
         feeds3 = feeds_of(model, longer)
         _check_gradients(model, feeds3, ms.reference_arrays(ref3, mapping, feeds3), where + " (seq+1)")
         extra += ", seq+1 ok"
     if save_dir is not None:
         meta = {
-            "family": name, "exporter": exporter, "opset": ms.opset_of(model),
+            "family": name,
+            "exporter": exporter,
+            "opset": ms.opset_of(model),
             "inputs": {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()},
-            "outputs": [o.name for o in model.graph.output], "ops": ms.op_list(model),
-            "torch": torch.__version__.split("+")[0], "onnx": onnx.__version__,
+            "outputs": [o.name for o in model.graph.output],
+            "ops": ms.op_list(model),
+            "torch": torch.__version__.split("+")[0],
+            "onnx": onnx.__version__,
             "batch_dim": batch_dim,
             "batch_symbolic_ok": ms.check_symbolic_batch(loss_first_view(model), feeds, batch_dim),
-            "export_settings": settings, "initializer_to_torch": mapping,
+            "export_settings": settings,
+            "initializer_to_torch": mapping,
             "notes": (variant.notes or (type(case.model).__doc__ or "").strip().replace("\n", " ")),
         }
         ms.save_dir(save_dir / where, model, feeds, arrays, meta)
@@ -1270,8 +1385,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append")
     parser.add_argument("--exporter", choices=ms.EXPORTERS, action="append")
-    parser.add_argument("--save", action="append", default=[],
-                        help="variant or variant_exporter to save as a fixture directory")
+    parser.add_argument("--save", action="append", default=[], help="variant or variant_exporter to save as a fixture directory")
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "models")
     parser.add_argument("--traceback", action="store_true")
     args = parser.parse_args(argv)

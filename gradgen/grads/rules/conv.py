@@ -83,8 +83,10 @@ def _explicit_transpose_pads(g, attrs: dict) -> dict:
     x, w = g.x(0), g.x(1)
     xd, wd = dims_of(x), dims_of(w)
     if xd is None or wd is None or not is_static(xd[2:]) or not is_static(wd[2:]):
-        raise ModelError(f"{node_where(g)}: ConvTranspose with output_shape or auto_pad SAME_* needs static spatial "
-                         "dims of X and W for its gradient")
+        raise ModelError(
+            f"{node_where(g)}: ConvTranspose with output_shape or auto_pad SAME_* needs static spatial "
+            "dims of X and W for its gradient"
+        )
     nd = len(xd) - 2
     strides = attrs.get("strides", [1] * nd)
     dilations = attrs.get("dilations", [1] * nd)
@@ -113,8 +115,7 @@ def _crop_negative_pads(g, dy, conv_attrs: dict):
         return dy
     out = dims_of(g.y())
     if out is None or not is_static(out[2:]):
-        raise ModelError(f"{node_where(g)}: an output past ConvTranspose's full result needs static output dims for "
-                         "its gradient")
+        raise ModelError(f"{node_where(g)}: an output past ConvTranspose's full result needs static output dims for its gradient")
     axes = [2 + i for i in range(nd) if pads[i] < 0 or pads[nd + i] < 0]
     starts = [max(0, -pads[a - 2]) for a in axes]
     ends = [out[a] - max(0, -pads[nd + a - 2]) for a in axes]

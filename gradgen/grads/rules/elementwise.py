@@ -72,8 +72,7 @@ def sub(g):
 @grad_rule("Mul", broadcast=True)
 def mul(g):
     a, b = g.x(0), g.x(1)
-    return [g.op("Mul", g.dy(), b) if g.needs(0) else None,
-            g.op("Mul", g.dy(), a) if g.needs(1) else None]
+    return [g.op("Mul", g.dy(), b) if g.needs(0) else None, g.op("Mul", g.dy(), a) if g.needs(1) else None]
 
 
 @grad_rule("Div", broadcast=True)
@@ -263,12 +262,10 @@ def gelu(g, x, y, dy):
         t = g.op("Tanh", u)
         du = g.op("Add", _c(g, x, k), g.op("Mul", x2, _c(g, x, 3.0 * 0.044715 * k)))
         one_minus_t2 = g.op("Sub", _c(g, x, 1.0), g.op("Mul", t, t))
-        d = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, x, 1.0)), _c(g, x, 0.5)),
-                 _mul(g, x, _c(g, x, 0.5), one_minus_t2, du))
+        d = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, x, 1.0)), _c(g, x, 0.5)), _mul(g, x, _c(g, x, 0.5), one_minus_t2, du))
         return g.op("Mul", dy, d)
     # y = x * Phi(x): dy/dx = Phi(x) + x * phi(x)
-    cdf = g.op("Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, x, 1.0 / math.sqrt(2.0)))), _c(g, x, 1.0)),
-               _c(g, x, 0.5))
+    cdf = g.op("Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, x, 1.0 / math.sqrt(2.0)))), _c(g, x, 1.0)), _c(g, x, 0.5))
     pdf = g.op("Mul", g.op("Exp", _mul(g, x, x, _c(g, x, -0.5))), _c(g, x, 1.0 / math.sqrt(2.0 * math.pi)))
     return g.op("Mul", dy, g.op("Add", cdf, g.op("Mul", x, pdf)))
 
@@ -366,9 +363,7 @@ def piecewise_constant(g):
 def where(g):
     cond, dy = g.x(0), g.dy()
     zero = _c(g, g.y(), 0.0)
-    return [None,
-            g.op("Where", cond, dy, zero) if g.needs(1) else None,
-            g.op("Where", cond, zero, dy) if g.needs(2) else None]
+    return [None, g.op("Where", cond, dy, zero) if g.needs(1) else None, g.op("Where", cond, zero, dy) if g.needs(2) else None]
 
 
 @grad_rule("Max", "Min", broadcast=True)
@@ -414,7 +409,7 @@ def clip(g):
         if crossed is not None:
             hi_decides = g.op("Or", hi_decides, crossed)
         result[2] = g.reshape_like(g.reduce_sum(_mask(g, hi_decides, dy), None, keepdims=0), hi)
-    return result[:len(g.node.inputs)]
+    return result[: len(g.node.inputs)]
 
 
 # -- variadic sums ---------------------------------------------------------------------------
@@ -458,12 +453,16 @@ def dropout(g):
     ratio = g.input_const(1) if g.x(1) is not None and g.x(1).name else np.array(0.5)
     name = g.node.name or "<unnamed>"
     if training is None:
-        raise ModelError(f"Dropout node {name!r}: training_mode is not a constant; gradgen differentiates "
-                         "inference-mode Dropout only (export the model in eval mode)")
+        raise ModelError(
+            f"Dropout node {name!r}: training_mode is not a constant; gradgen differentiates "
+            "inference-mode Dropout only (export the model in eval mode)"
+        )
     if bool(np.asarray(training).reshape(-1)[0]):
         if ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0:
-            raise ModelError(f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
-                             "gradgen differentiates inference-mode Dropout only (export the model in eval mode)")
+            raise ModelError(
+                f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
+                "gradgen differentiates inference-mode Dropout only (export the model in eval mode)"
+            )
     return [g.dy()] + [None] * (len(g.node.inputs) - 1)
 
 
@@ -471,7 +470,26 @@ def dropout(g):
 # operations and random samples. Mod is not among them: float Mod (fmod=1) is differentiable (its
 # rule is above; integer Mod never reaches a rule).
 non_differentiable(
-    "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf",
-    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseNot", "BitwiseXor",
-    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial",
+    "Equal",
+    "Less",
+    "LessOrEqual",
+    "Greater",
+    "GreaterOrEqual",
+    "Not",
+    "And",
+    "Or",
+    "Xor",
+    "IsNaN",
+    "IsInf",
+    "BitShift",
+    "BitwiseAnd",
+    "BitwiseOr",
+    "BitwiseNot",
+    "BitwiseXor",
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
 )

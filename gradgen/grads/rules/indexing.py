@@ -63,8 +63,7 @@ def gather_nd(g):
 
 def _need_scatter_reduction(g) -> None:
     if g.opset < 16:
-        raise ModelError(f"{_where(g)}: its gradient needs Scatter reduction='add' (opset >= 16); "
-                         f"the model has opset {g.opset}")
+        raise ModelError(f"{_where(g)}: its gradient needs Scatter reduction='add' (opset >= 16); the model has opset {g.opset}")
 
 
 def _reduction(g) -> str:
@@ -83,8 +82,7 @@ def scatter_elements(g):
     _data, indices, updates = g.x(0), g.x(1), g.x(2)
     d_data = d_updates = None
     if g.needs(0):
-        d_data = g.dy() if reduction == "add" else \
-            g.op("ScatterElements", g.dy(), indices, g.zeros_like(updates), axis=axis)
+        d_data = g.dy() if reduction == "add" else g.op("ScatterElements", g.dy(), indices, g.zeros_like(updates), axis=axis)
     if g.needs(2):
         d_updates = g.op("GatherElements", g.dy(), indices, axis=axis)
     return [d_data, None, d_updates]

@@ -63,8 +63,7 @@ def _loss_backward(g, logp: ir.Value, like: ir.Value):
         coef = g.op("Neg", c if w is None else g.op("Mul", c, w))
         if w is None and reduction != "none":
             coef = g.expand_like(coef, labels)
-        dlogp = g.op("ScatterElements", g.zeros_like(g.x(0)), index,
-                     g.unsqueeze(coef, [1]), axis=1)
+        dlogp = g.op("ScatterElements", g.zeros_like(g.x(0)), index, g.unsqueeze(coef, [1]), axis=1)
     dweights = None
     if weights is not None and g.needs(2):
         picked = g.squeeze(g.op("GatherElements", logp, index, axis=1), [1])
@@ -82,8 +81,9 @@ def _scatter_add_1d(g, data: ir.Value, indices: ir.Value, updates: ir.Value) -> 
     """Zeros like the 1-D ``data`` with ``updates`` added at ``indices`` (any shape, repeated ok)."""
     if g.opset >= 16:
         flat = g.ints([-1])
-        return g.op("ScatterElements", g.zeros_like(data), g.reshape(indices, flat), g.reshape(updates, flat),
-                    axis=0, reduction="add")
+        return g.op(
+            "ScatterElements", g.zeros_like(data), g.reshape(indices, flat), g.reshape(updates, flat), axis=0, reduction="add"
+        )
     out = g.op("GatherGrad", g.shape_of(data), indices, updates, domain="com.microsoft", axis=0)
     return g.set_type_like(out, data)
 
@@ -95,7 +95,7 @@ def _int_dtype(v: ir.Value):
 @grad_rule("NegativeLogLikelihoodLoss", nondiff_inputs=(1,))
 def negative_log_likelihood_loss(g):
     dinput, dweights = _loss_backward(g, g.x(0), g.x(0))
-    return [dinput if g.needs(0) else None, None, dweights][:len(g.node.inputs)]
+    return [dinput if g.needs(0) else None, None, dweights][: len(g.node.inputs)]
 
 
 @grad_rule("SoftmaxCrossEntropyLoss", nondiff_inputs=(1,))
@@ -110,4 +110,4 @@ def softmax_cross_entropy_loss(g):
         total = g.sum(parts)
         # LogSoftmax over axis 1: dx = dlogp - softmax * sum_c dlogp
         dscores = g.op("Sub", total, g.op("Mul", g.op("Exp", logp), g.reduce_sum(total, [1], keepdims=1)))
-    return [dscores, None, dweights][:len(g.node.inputs)]
+    return [dscores, None, dweights][: len(g.node.inputs)]

@@ -88,8 +88,10 @@ def matmul(g):
     a, b, dy = g.x(0), g.x(1), g.dy()
     ra, rb = g.rank(a), g.rank(b)
     if ra is None or rb is None:
-        raise ModelError(f"MatMul node {g.node.name!r}: the ranks of its inputs are unknown; "
-                         "its gradient needs them (run shape inference or give the inputs shapes)")
+        raise ModelError(
+            f"MatMul node {g.node.name!r}: the ranks of its inputs are unknown; "
+            "its gradient needs them (run shape inference or give the inputs shapes)"
+        )
     if ra >= 3 and rb == 2:
         return _matmul_with_matrix(g, a, b, dy, ra)
     a2 = g.unsqueeze(a, [0]) if ra == 1 else a
@@ -141,10 +143,11 @@ def gemm(g):
     if c is not None and g.needs(2):
         dc = dy if beta == 1.0 else g.op("Mul", dy, g.const_like(c, beta))
         grads[2] = g.unbroadcast(dc, c, g.y(), None)
-    return grads[:len(g.node.inputs)]
+    return grads[: len(g.node.inputs)]
 
 
 # -- Einsum -----------------------------------------------------------------------------------
+
 
 def _parse_einsum(g) -> tuple[list[str], str]:
     """(operand subscripts, output subscripts), explicit; '...' kept as is."""
@@ -155,17 +158,22 @@ def _parse_einsum(g) -> tuple[list[str], str]:
         lhs, out = equation, None
     terms = lhs.split(",")
     if len(terms) != len(g.node.inputs):
-        raise ModelError(f"Einsum node {g.node.name!r}: equation {equation!r} has {len(terms)} operand(s) "
-                         f"but the node has {len(g.node.inputs)} input(s)")
+        raise ModelError(
+            f"Einsum node {g.node.name!r}: equation {equation!r} has {len(terms)} operand(s) "
+            f"but the node has {len(g.node.inputs)} input(s)"
+        )
     if out is None:  # implicit output: letters used once, sorted; '...' first
         letters = "".join(t.replace("...", "") for t in terms)
         out = ("..." if any("..." in t for t in terms) else "") + "".join(
-            sorted(ch for ch in set(letters) if letters.count(ch) == 1))
+            sorted(ch for ch in set(letters) if letters.count(ch) == 1)
+        )
     for term in terms + [out]:
         letters = term.replace("...", "")
         if len(set(letters)) != len(letters) or term.count("...") > 1 or "." in letters:
-            raise ModelError(f"Einsum node {g.node.name!r}: equation {equation!r} repeats an index within one "
-                             "term (a diagonal); its gradient is not supported")
+            raise ModelError(
+                f"Einsum node {g.node.name!r}: equation {equation!r} repeats an index within one "
+                "term (a diagonal); its gradient is not supported"
+            )
     return terms, out
 
 
@@ -200,8 +208,10 @@ def einsum(g):
         x = g.x(i)
         labels = _letters(term)
         if "..." in labels and (labels[0] != "..." or "..." not in out):
-            raise ModelError(f"Einsum node {g.node.name!r}: equation {g.attr('equation')!r}: an ellipsis that is not "
-                             "leading, or that is summed away, is not supported by its gradient")
+            raise ModelError(
+                f"Einsum node {g.node.name!r}: equation {g.attr('equation')!r}: an ellipsis that is not "
+                "leading, or that is summed away, is not supported by its gradient"
+            )
         others = [t for j, t in enumerate(terms) if j != i]
         available = set(_letters(out))
         for t in others:
@@ -220,8 +230,7 @@ def einsum(g):
                 if lead > 0:
                     grad = g.reduce_sum(grad, list(range(lead)), keepdims=0)
             else:
-                raise ModelError(f"Einsum node {g.node.name!r}: the rank of its output is unknown; "
-                                 "its gradient needs it")
+                raise ModelError(f"Einsum node {g.node.name!r}: the rank of its output is unknown; its gradient needs it")
         if missing:
             # positions counted from the end (an ellipsis has a run-time length)
             grad = g.unsqueeze(grad, [k - len(labels) for k in missing])

@@ -27,8 +27,10 @@ from gradgen.grads.table import grad_rule
 def _rank(g, x) -> int:
     rank = g.rank(x)
     if rank is None:
-        raise ModelError(f"{g.node.op_type} node {g.node.name!r}: the rank of its input {x.name!r} is unknown; "
-                         "its gradient needs it (run shape inference or give the input a shape)")
+        raise ModelError(
+            f"{g.node.op_type} node {g.node.name!r}: the rank of its input {x.name!r} is unknown; "
+            "its gradient needs it (run shape inference or give the input a shape)"
+        )
     return rank
 
 
@@ -94,8 +96,9 @@ def _batch_norm_training(g, rank, axes, eps):
     momentum = float(g.attr("momentum", 0.9))
     dy, drm, drv = g.dy(0), g.dy(1), g.dy(2)
     if len(g.node.outputs) > 3 and any(g.dy(i) is not None for i in (3, 4)):
-        raise ModelError(f"BatchNormalization node {g.node.name!r}: gradients through the saved mean/var "
-                         "outputs are not supported")
+        raise ModelError(
+            f"BatchNormalization node {g.node.name!r}: gradients through the saved mean/var outputs are not supported"
+        )
     grads = [None] * 5
     xhat, rstd, centered = _stats(g, x, axes, eps)
     parts = []
@@ -210,8 +213,9 @@ def _layer_norm_grad_op(g, axis, rank, with_bias):
     mean, inv_std = _saved_statistics(g, axis, rank)
     y = g.y(0).name
     names = [f"{y}_dX", f"{y}_dscale" if g.needs(1) else "", f"{y}_dbias" if with_bias else ""]
-    dx, dscale, dbias = g.op_multi("LayerNormalizationGrad", [g.dy(0), x, scale, mean, inv_std], 3,
-                                   domain=MICROSOFT, output_names=names, axis=axis)
+    dx, dscale, dbias = g.op_multi(
+        "LayerNormalizationGrad", [g.dy(0), x, scale, mean, inv_std], 3, domain=MICROSOFT, output_names=names, axis=axis
+    )
     g.set_type_like(dx, x)
     for out in (dscale, dbias):
         if out.name:

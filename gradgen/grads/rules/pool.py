@@ -28,8 +28,9 @@ def max_pool(g):
     """
     x = g.x(0)
     if g.opset < 16:
-        raise ModelError(f"{node_where(g)}: its gradient needs ScatterElements reduction='add' (opset >= 16); "
-                         f"the model has opset {g.opset}")
+        raise ModelError(
+            f"{node_where(g)}: its gradient needs ScatterElements reduction='add' (opset >= 16); the model has opset {g.opset}"
+        )
     attrs = forward_attrs(g)
     has_indices = len(g.node.outputs) > 1 and g.node.outputs[1].name
     if has_indices and attrs.get("storage_order", 0) == 0:
@@ -43,8 +44,7 @@ def max_pool(g):
     by_plane = g.reshape(g.zeros_like(x), g.cat(lines, plane), exact=True)
     y_lines = g.cat(lines, g.prod(y_shape, 2))
     plane_indices = g.op("Mod", g.reshape(indices, y_lines, exact=True), plane)
-    dx = g.op("ScatterElements", by_plane, plane_indices, g.reshape(g.dy(), y_lines, exact=True),
-              axis=1, reduction="add")
+    dx = g.op("ScatterElements", by_plane, plane_indices, g.reshape(g.dy(), y_lines, exact=True), axis=1, reduction="add")
     return [g.reshape_like(dx, x)]
 
 
@@ -89,8 +89,7 @@ def average_pool(g):
     if not padded or (include_pad and not ceil_mode):
         scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
     else:
-        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]),
-                    value=_tensor(np.ones((1,), dtype=dtype)))
+        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]), value=_tensor(np.ones((1,), dtype=dtype)))
         counts = g.op("Conv", ones, ones_kernel, **geometry)  # taps inside the input, per window
         if include_pad:
             # divisor = counts / AveragePool(ones), whatever the divisor convention at the border
@@ -148,8 +147,10 @@ def resize(g):
     if xd is None:
         raise ModelError(f"{node_where(g)}: the rank of {x.name!r} is unknown; its gradient needs it")
     rank = len(xd)
-    attrs = {k: g.attr(k) for k in ("mode", "coordinate_transformation_mode", "nearest_mode",
-                                    "cubic_coeff_a", "exclude_outside", "antialias")}
+    attrs = {
+        k: g.attr(k)
+        for k in ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside", "antialias")
+    }
     if g.opset < 11:
         scales, sizes = folded_const(g, 1), None
         attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")
@@ -166,14 +167,14 @@ def resize(g):
     else:
         sizes = None
     if sizes is None and (scales is None or not np.asarray(scales).size):
-        raise ModelError(f"{node_where(g)}: Resize needs constant scales or sizes (or a static output shape) "
-                         "for its gradient")
+        raise ModelError(f"{node_where(g)}: Resize needs constant scales or sizes (or a static output shape) for its gradient")
     policy = as_text(g.attr("keep_aspect_ratio_policy", "stretch"))
     blocks = {}  # symbolic axis -> integer factor whose transpose is a block sum
     if sizes is not None and policy != "stretch":
         if not is_static(xd) or not is_static(sizes):
-            raise ModelError(f"{node_where(g)}: Resize with keep_aspect_ratio_policy={policy!r} needs static "
-                             "shapes for its gradient")
+            raise ModelError(
+                f"{node_where(g)}: Resize with keep_aspect_ratio_policy={policy!r} needs static shapes for its gradient"
+            )
         shape_in = list(xd)
         shape_out, factors = resize_geometry(shape_in, None, sizes, axes=chosen, keep_aspect_ratio_policy=policy)
     else:
@@ -183,20 +184,20 @@ def resize(g):
             k = chosen.index(a) if a in chosen else None
             n_out = n_in if k is None else (sizes[k] if sizes is not None else None)
             if k is not None and sizes is None:
-                n_out = math.floor(n_in * scale_list[k]) if isinstance(n_in, int) else (
-                    n_in if scale_list[k] == 1.0 else None)
-            identity = n_out is not None and same_dim(n_in, n_out) and (
-                sizes is not None or k is None or scale_list[k] == 1.0)
+                n_out = math.floor(n_in * scale_list[k]) if isinstance(n_in, int) else (n_in if scale_list[k] == 1.0 else None)
+            identity = n_out is not None and same_dim(n_in, n_out) and (sizes is not None or k is None or scale_list[k] == 1.0)
             # Exporters write interpolate's sizes as the whole output shape, batch and channels
             # included, as constants at the export batch size: a symbolic batch/channel axis with a
             # constant size is taken as kept (the model only runs where it is).
-            identity = identity or (a < 2 and sizes is not None and not isinstance(n_in, int)
-                                    and isinstance(n_out, int))
+            identity = identity or (a < 2 and sizes is not None and not isinstance(n_in, int) and isinstance(n_out, int))
             if identity and not isinstance(n_in, int):
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)
                 continue
-            block = _block_factor(scale_list[k], attrs, roi) if (
-                k is not None and sizes is None and not isinstance(n_in, int)) else None
+            block = (
+                _block_factor(scale_list[k], attrs, roi)
+                if (k is not None and sizes is None and not isinstance(n_in, int))
+                else None
+            )
             if block is not None:
                 blocks[a] = block
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)

@@ -243,8 +243,7 @@ def pad(g):
     grad = dy
     for axis, begin, end in zip(axes, pads[:n], pads[n:]):
         if begin or end:
-            grad = _fold_wrap(g, grad, x, axis, begin, rank) if mode == "wrap" else \
-                _fold_border(g, grad, axis, begin, end, mode)
+            grad = _fold_wrap(g, grad, x, axis, begin, rank) if mode == "wrap" else _fold_border(g, grad, axis, begin, end, mode)
     return [grad]
 
 
@@ -281,13 +280,15 @@ def _fold_border(g, dy, axis: int, b: int, e: int, mode: str):
         if b:
             left = slice_axis(g, dy, b - 1, INT64_MIN, axis, -1)
             middle = g.op("Add", slice_axis(g, center, 1, b + 1, axis), left)
-            center = g.op("Concat", slice_axis(g, center, 0, 1, axis), middle,
-                          slice_axis(g, center, b + 1, INT64_MAX, axis), axis=axis)
+            center = g.op(
+                "Concat", slice_axis(g, center, 0, 1, axis), middle, slice_axis(g, center, b + 1, INT64_MAX, axis), axis=axis
+            )
         if e:
             right = slice_axis(g, dy, -1, -(e + 1), axis, -1)
             middle = g.op("Add", slice_axis(g, center, -(e + 1), -1, axis), right)
-            center = g.op("Concat", slice_axis(g, center, 0, -(e + 1), axis), middle,
-                          slice_axis(g, center, -1, INT64_MAX, axis), axis=axis)
+            center = g.op(
+                "Concat", slice_axis(g, center, 0, -(e + 1), axis), middle, slice_axis(g, center, -1, INT64_MAX, axis), axis=axis
+            )
         return center
     if mode == "wrap":
         # output i < b copies input n - b + i; output n + b + j copies input j.

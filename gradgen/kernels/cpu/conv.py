@@ -31,9 +31,11 @@ from gradgen.ops.schemas import FLOATS_NO_BF16, Attribute, Formal, Schema, Tenso
 def _conv_grad_types(infos: list, attrs: dict) -> list:
     """(dtype, shape) of dX (X's), dW (W's) and dB (W's output channels); a missing dtype is dY's."""
     dy, x, w = infos
-    return [(x.dtype if x.dtype is not None else dy.dtype, x.shape),
-            (w.dtype if w.dtype is not None else dy.dtype, w.shape),
-            (dy.dtype if dy.dtype is not None else w.dtype, (_dim(w, 0),))]
+    return [
+        (x.dtype if x.dtype is not None else dy.dtype, x.shape),
+        (w.dtype if w.dtype is not None else dy.dtype, w.shape),
+        (dy.dtype if dy.dtype is not None else w.dtype, (_dim(w, 0),)),
+    ]
 
 
 def _dim(info: TensorInfo | None, axis: int):
@@ -42,26 +44,45 @@ def _dim(info: TensorInfo | None, axis: int):
     return info.shape[axis]
 
 
-CONV_GRAD = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc); the node keeps the forward Conv's
-    # attributes verbatim, which ORT's schema does not declare.
-    "ConvGrad",
-    inputs=(Formal("dY", FLOATS_NO_BF16), Formal("X", FLOATS_NO_BF16), Formal("W", FLOATS_NO_BF16)),
-    outputs=(Formal("dX", FLOATS_NO_BF16, optional=True), Formal("dW", FLOATS_NO_BF16, optional=True),
-             Formal("dB", FLOATS_NO_BF16, optional=True)),
-    attributes=(Attribute("auto_pad", "string", "NOTSET", declared=False),
-                Attribute("dilations", "ints", declared=False),
-                Attribute("group", "int", 1, declared=False),
-                Attribute("kernel_shape", "ints", declared=False),
-                Attribute("pads", "ints", declared=False),
-                Attribute("strides", "ints", declared=False)),
-    infer=_conv_grad_types,
-))
+CONV_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc); the node keeps the forward Conv's
+        # attributes verbatim, which ORT's schema does not declare.
+        "ConvGrad",
+        inputs=(Formal("dY", FLOATS_NO_BF16), Formal("X", FLOATS_NO_BF16), Formal("W", FLOATS_NO_BF16)),
+        outputs=(
+            Formal("dX", FLOATS_NO_BF16, optional=True),
+            Formal("dW", FLOATS_NO_BF16, optional=True),
+            Formal("dB", FLOATS_NO_BF16, optional=True),
+        ),
+        attributes=(
+            Attribute("auto_pad", "string", "NOTSET", declared=False),
+            Attribute("dilations", "ints", declared=False),
+            Attribute("group", "int", 1, declared=False),
+            Attribute("kernel_shape", "ints", declared=False),
+            Attribute("pads", "ints", declared=False),
+            Attribute("strides", "ints", declared=False),
+        ),
+        infer=_conv_grad_types,
+    )
+)
 
 
 @cpu_kernel("ConvGrad", domain=MICROSOFT)
-def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None,
-              strides=None, _num_outputs=3, _wanted=None):
+def conv_grad(
+    dY,
+    X,
+    W,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+    _num_outputs=3,
+    _wanted=None,
+):
     """(dX, dW, dB) of Conv(X, W[, B]) by im2col and batched matmuls, one per group.
 
     Outputs the node leaves unnamed (``_wanted`` False) are not computed (None in their place).
@@ -71,8 +92,15 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     if not dY.dtype == X.dtype == W.dtype:
         raise KernelError(f"dY, X and W must have one dtype; got {dY.dtype}, {X.dtype}, {W.dtype}")
     begin, end, strides, dilations, y_shape = conv_geometry(
-        X.shape, W.shape, auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape,
-        pads=pads, strides=strides)
+        X.shape,
+        W.shape,
+        auto_pad=auto_pad,
+        dilations=dilations,
+        group=group,
+        kernel_shape=kernel_shape,
+        pads=pads,
+        strides=strides,
+    )
     if dY.shape != y_shape:
         raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(y_shape)}")
     acc = accumulation_dtype(X.dtype)
@@ -105,9 +133,11 @@ def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
         xp = np.pad(X.astype(acc, copy=False), [(0, 0), (0, 0)] + list(zip(begin, end)))
         span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
         view = sliding_window_view(xp, span, axis=spatial_axes)
-        view = view[(slice(None), slice(None))
-                    + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
-                    + tuple(slice(None, None, d) for d in dilations)]
+        view = view[
+            (slice(None), slice(None))
+            + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
+            + tuple(slice(None, None, d) for d in dilations)
+        ]
         # im2col: (N, G, Cg, *out, *kernel) -> (G, Cg*K, N*P), one copy with the output positions
         # innermost (they run along X's rows, which keeps the copy fast).
         view = view.reshape(n, g, cg, *view.shape[2:])
@@ -187,9 +217,18 @@ def conv_transpose(
         raise KernelError(f"kernel_shape {list(kernel_shape)} differs from W's spatial shape {kernel}")
     s = per_axis(strides, ns, 1, "strides")
     d = per_axis(dilations, ns, 1, "dilations")
-    full, begin, out = conv_transpose_geometry(x.shape, w.shape, dict(
-        auto_pad=auto_pad, dilations=dilations, output_padding=output_padding, output_shape=output_shape, pads=pads,
-        strides=strides))
+    full, begin, out = conv_transpose_geometry(
+        x.shape,
+        w.shape,
+        dict(
+            auto_pad=auto_pad,
+            dilations=dilations,
+            output_padding=output_padding,
+            output_shape=output_shape,
+            pads=pads,
+            strides=strides,
+        ),
+    )
     ct = float_compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     wc = w.astype(ct, copy=False)
@@ -207,8 +246,7 @@ def conv_transpose(
     buf = np.zeros((n_batch, m) + tuple(size), dtype=ct)
     for taps in np.ndindex(*kernel):
         target = (slice(None), slice(None)) + tuple(
-            slice(lw + t * di, lw + t * di + (n_in - 1) * si + 1, si)
-            for lw, t, di, n_in, si in zip(lo, taps, d, spatial, s)
+            slice(lw + t * di, lw + t * di + (n_in - 1) * si + 1, si) for lw, t, di, n_in, si in zip(lo, taps, d, spatial, s)
         )
         buf[target] += cols[(slice(None), slice(None)) + taps]
     crop = (slice(None), slice(None)) + tuple(slice(lw + bg, lw + bg + o) for lw, bg, o in zip(lo, begin, out))

@@ -37,9 +37,21 @@ ONNX_TO_NUMPY = {
     13: np.dtype(np.uint64),
 }
 _UNSUPPORTED_TYPE_NAMES = {
-    0: "UNDEFINED", 8: "STRING", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16",
-    17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "FLOAT8E5M2FNUZ",
-    21: "UINT4", 22: "INT4", 23: "FLOAT4E2M1", 24: "FLOAT8E8M0", 25: "UINT2", 26: "INT2",
+    0: "UNDEFINED",
+    8: "STRING",
+    14: "COMPLEX64",
+    15: "COMPLEX128",
+    16: "BFLOAT16",
+    17: "FLOAT8E4M3FN",
+    18: "FLOAT8E4M3FNUZ",
+    19: "FLOAT8E5M2",
+    20: "FLOAT8E5M2FNUZ",
+    21: "UINT4",
+    22: "INT4",
+    23: "FLOAT4E2M1",
+    24: "FLOAT8E8M0",
+    25: "UINT2",
+    26: "INT2",
 }
 
 
@@ -61,9 +73,7 @@ def _same_type(*xs: np.ndarray) -> None:
     """ONNX's binary and variadic ops take one type T; numpy would silently promote mixes."""
     first = xs[0].dtype
     if any(x.dtype != first for x in xs[1:]):
-        raise KernelError(
-            f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
-        )
+        raise KernelError(f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type")
 
 
 def _unary(fn):
@@ -280,9 +290,18 @@ def log(x):
 
 
 for _op, _fn in (
-    ("Tanh", np.tanh), ("Sin", np.sin), ("Cos", np.cos), ("Tan", np.tan), ("Asin", np.arcsin),
-    ("Acos", np.arccos), ("Atan", np.arctan), ("Sinh", np.sinh), ("Cosh", np.cosh),
-    ("Asinh", np.arcsinh), ("Acosh", np.arccosh), ("Atanh", np.arctanh),
+    ("Tanh", np.tanh),
+    ("Sin", np.sin),
+    ("Cos", np.cos),
+    ("Tan", np.tan),
+    ("Asin", np.arcsin),
+    ("Acos", np.arccos),
+    ("Atan", np.arctan),
+    ("Sinh", np.sinh),
+    ("Cosh", np.cosh),
+    ("Asinh", np.arcsinh),
+    ("Acosh", np.arccosh),
+    ("Atanh", np.arctanh),
 ):
     cpu_kernel(_op)(_unary(_fn))
 
@@ -313,9 +332,18 @@ def erf_array(x: np.ndarray) -> np.ndarray:
     small = _TWO_OVER_SQRT_PI * series
     # |x| > 0.5: Chebyshev fit of erfc (fractional error < 1.2e-7, Numerical Recipes).
     t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277))))))))
+    poly = -1.26551223 + t * (
+        1.00002368
+        + t
+        * (
+            0.37409196
+            + t
+            * (
+                0.09678418
+                + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))
+            )
+        )
+    )
     erfc = t * np.exp(-a * a + poly)
     large = np.sign(z) * (1.0 - erfc)
     return np.where(a <= 0.5, small, large).astype(x.dtype)
@@ -572,13 +600,15 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
 # ---------------------------------------------------------------------------------------------
 # BroadcastGradientArgs (com.microsoft): the reduction axes of a broadcasting op's gradients
 
-BROADCAST_GRADIENT_ARGS = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc).
-    "BroadcastGradientArgs",
-    inputs=(Formal("a_shape", INT64), Formal("b_shape", INT64)),
-    outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
-    infer=lambda i, a: [(schemas.DT.INT64, (None,)), (schemas.DT.INT64, (None,))],
-))
+BROADCAST_GRADIENT_ARGS = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "BroadcastGradientArgs",
+        inputs=(Formal("a_shape", INT64), Formal("b_shape", INT64)),
+        outputs=(Formal("a_axes", INT64, optional=True), Formal("b_axes", INT64, optional=True)),
+        infer=lambda i, a: [(schemas.DT.INT64, (None,)), (schemas.DT.INT64, (None,))],
+    )
+)
 
 
 @cpu_kernel("BroadcastGradientArgs", domain=MICROSOFT)

@@ -67,10 +67,7 @@ def nd_tuple(data_shape, idx: np.ndarray, first_axis: int) -> tuple[np.ndarray, 
     """Split the last dimension of GatherND/ScatterND indices into one normalised array per axis
     (indices[..., j] indexes data axis first_axis + j)."""
     k = idx.shape[-1]
-    return tuple(
-        normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j, suffix=(j,))
-        for j in range(k)
-    )
+    return tuple(normalize_indices(idx[..., j], data_shape[first_axis + j], first_axis + j, suffix=(j,)) for j in range(k))
 
 
 @cpu_kernel("GatherND")
@@ -93,7 +90,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     parts = tuple(p.reshape((batch,) + p.shape[b:]) for p in parts)
     bidx = np.arange(batch).reshape((batch,) + (1,) * (indices.ndim - 1 - b))
     out = d[(bidx,) + parts]
-    return out.reshape(indices.shape[:-1] + data.shape[b + k:])
+    return out.reshape(indices.shape[:-1] + data.shape[b + k :])
 
 
 @cpu_kernel("ScatterElements", "Scatter")  # Scatter: the deprecated (opset 9-10) name
@@ -196,23 +193,27 @@ def compress(data, condition, *, axis=None):
 # ---------------------------------------------------------------------------------------------
 # GatherGrad, GatherElementsGrad (com.microsoft, ONNX Runtime training's input orders)
 
-GATHER_GRAD = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc).
-    "GatherGrad",
-    inputs=(Formal("shape", INT64), Formal("indices", INDICES), Formal("dY", FLOATS)),
-    outputs=(Formal("dX", FLOATS),),
-    attributes=(Attribute("axis", "int", 0),),
-    infer=lambda i, a: [(i[2].dtype, schemas.shape_from_input(i[0]))],
-))
+GATHER_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "GatherGrad",
+        inputs=(Formal("shape", INT64), Formal("indices", INDICES), Formal("dY", FLOATS)),
+        outputs=(Formal("dX", FLOATS),),
+        attributes=(Attribute("axis", "int", 0),),
+        infer=lambda i, a: [(i[2].dtype, schemas.shape_from_input(i[0]))],
+    )
+)
 
-GATHER_ELEMENTS_GRAD = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc).
-    "GatherElementsGrad",
-    inputs=(Formal("dY", FLOATS), Formal("shape", INT64), Formal("indices", INDICES)),
-    outputs=(Formal("dX", FLOATS),),
-    attributes=(Attribute("axis", "int", 0),),
-    infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
-))
+GATHER_ELEMENTS_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "GatherElementsGrad",
+        inputs=(Formal("dY", FLOATS), Formal("shape", INT64), Formal("indices", INDICES)),
+        outputs=(Formal("dX", FLOATS),),
+        attributes=(Attribute("axis", "int", 0),),
+        infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
+    )
+)
 
 
 @cpu_kernel("GatherGrad", domain=MICROSOFT)
@@ -225,11 +226,13 @@ def gather_grad(shape, indices, dY, *, axis=0):
     size = dims[axis]
     idx = normalize_indices(indices, size, axis)
     dY = np.asarray(dY)
-    want = tuple(dims[:axis]) + idx.shape + tuple(dims[axis + 1:])
+    want = tuple(dims[:axis]) + idx.shape + tuple(dims[axis + 1 :])
     if dY.shape != want:
-        raise KernelError(f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
-                          f"{list(idx.shape)} along axis {axis} gives {list(want)}")
-    outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1:]), idx.size
+        raise KernelError(
+            f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
+            f"{list(idx.shape)} along axis {axis} gives {list(want)}"
+        )
+    outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1 :]), idx.size
     acc = accumulation_dtype(dY.dtype)
     dX = np.zeros((outer, size, inner), dtype=acc)
     if count and outer and inner:
@@ -252,7 +255,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0):
     dY, indices = np.asarray(dY), np.asarray(indices)
     check_gather_elements_grad(dY.shape, dims, indices.shape, axis)
     idx = normalize_indices(indices, dims[axis], axis)
-    strides = [math.prod(dims[d + 1:]) for d in range(len(dims))]
+    strides = [math.prod(dims[d + 1 :]) for d in range(len(dims))]
     target = idx * strides[axis]
     for d, n in enumerate(indices.shape):
         if d != axis:

@@ -83,8 +83,9 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
 
 
 @cpu_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)
-def softmax_cross_entropy_loss_grad(dY, log_prob, label, weight=None, ignore_index_input=None, *,
-                                    ignore_index=-100, reduction="mean"):
+def softmax_cross_entropy_loss_grad(
+    dY, log_prob, label, weight=None, ignore_index_input=None, *, ignore_index=-100, reduction="mean"
+):
     """d_logits = (exp(log_prob) - onehot(label)) * w, with ORT's reductions.
 
     ``log_prob`` is (N, C, D1, ...) and ``label`` (N, D1, ...). ``dY`` is the loss gradient: a

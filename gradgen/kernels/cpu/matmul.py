@@ -24,15 +24,11 @@ def check_matmul_shapes(a_shape, b_shape) -> None:
     k_a = a_shape[-1]
     k_b = b_shape[0] if len(b_shape) == 1 else b_shape[-2]
     if k_a != k_b:
-        raise KernelError(
-            f"inner dimensions differ: A {list(a_shape)} has {k_a} columns, B {list(b_shape)} has {k_b} rows"
-        )
+        raise KernelError(f"inner dimensions differ: A {list(a_shape)} has {k_a} columns, B {list(b_shape)} has {k_b} rows")
     try:
         np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
     except ValueError:
-        raise KernelError(
-            f"batch dimensions of A {list(a_shape)} and B {list(b_shape)} are not broadcastable"
-        ) from None
+        raise KernelError(f"batch dimensions of A {list(a_shape)} and B {list(b_shape)} are not broadcastable") from None
 
 
 @cpu_kernel("MatMul")
@@ -49,8 +45,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     b2 = b.T if transB else b
     if a2.shape[1] != b2.shape[0]:
         raise KernelError(
-            f"inner dimensions differ: op(A) is {list(a2.shape)}, op(B) is {list(b2.shape)} "
-            f"(transA={transA}, transB={transB})"
+            f"inner dimensions differ: op(A) is {list(a2.shape)}, op(B) is {list(b2.shape)} (transA={transA}, transB={transB})"
         )
     dtype = a.dtype
     out = a2 @ b2
@@ -98,20 +93,26 @@ def _fused_matmul_types(infos, attrs):
     try:
         dims = fused_matmul_output_dims(a.shape, b.shape, **flags)
     except KernelError as exc:
-        raise ModelError(f"com.microsoft::FusedMatMul of shapes {list(a.shape)} and {list(b.shape)} ({flags}): "
-                         f"{exc}") from None
+        raise ModelError(f"com.microsoft::FusedMatMul of shapes {list(a.shape)} and {list(b.shape)} ({flags}): {exc}") from None
     return [(dtype, tuple(dims))]
 
 
-FUSED_MATMUL = schemas.declare(Schema(
-    # ONNX Runtime's contract (contrib_defs.cc); its CPU provider runs it for float32.
-    "FusedMatMul",
-    inputs=(Formal("A", FLOATS), Formal("B", FLOATS)),
-    outputs=(Formal("Y", FLOATS),),
-    attributes=(Attribute("alpha", "float", 1.0), Attribute("transA", "int", 0), Attribute("transB", "int", 0),
-                Attribute("transBatchA", "int", 0), Attribute("transBatchB", "int", 0)),
-    infer=_fused_matmul_types,
-))
+FUSED_MATMUL = schemas.declare(
+    Schema(
+        # ONNX Runtime's contract (contrib_defs.cc); its CPU provider runs it for float32.
+        "FusedMatMul",
+        inputs=(Formal("A", FLOATS), Formal("B", FLOATS)),
+        outputs=(Formal("Y", FLOATS),),
+        attributes=(
+            Attribute("alpha", "float", 1.0),
+            Attribute("transA", "int", 0),
+            Attribute("transB", "int", 0),
+            Attribute("transBatchA", "int", 0),
+            Attribute("transBatchB", "int", 0),
+        ),
+        infer=_fused_matmul_types,
+    )
+)
 
 
 @cpu_kernel("FusedMatMul", domain=MICROSOFT)
@@ -124,8 +125,10 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
     try:
         check_matmul_shapes(a.shape, b.shape)
     except KernelError as exc:
-        raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} (transA={transA}, transB={transB}, "
-                          f"transBatchA={transBatchA}, transBatchB={transBatchB}): {exc}") from None
+        raise KernelError(
+            f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} (transA={transA}, transB={transB}, "
+            f"transBatchA={transBatchA}, transBatchB={transBatchB}): {exc}"
+        ) from None
     ct = accumulation_dtype(A.dtype)
     y = np.asarray(np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
     if float(alpha) != 1.0:

@@ -42,8 +42,13 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     y = y.astype(x.dtype, copy=False)
     if int(training_mode) == 1:
         return y, running_mean.astype(input_mean.dtype), running_var.astype(input_var.dtype)
-    return (y, running_mean.astype(input_mean.dtype), running_var.astype(input_var.dtype),
-            batch_mean.astype(input_mean.dtype), batch_var.astype(input_var.dtype))
+    return (
+        y,
+        running_mean.astype(input_mean.dtype),
+        running_var.astype(input_var.dtype),
+        batch_mean.astype(input_mean.dtype),
+        batch_var.astype(input_var.dtype),
+    )
 
 
 def _stash_dtype(x_dtype, stash_type: int) -> np.dtype:
@@ -197,19 +202,31 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     return tuple(outputs)
 
 
-LAYER_NORMALIZATION_GRAD = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc); its gradient builder copies the forward
-    # node's attributes, so epsilon and stash_type come along undeclared.
-    "LayerNormalizationGrad",
-    inputs=(Formal("Y_grad", FLOATS), Formal("X", FLOATS), Formal("scale", FLOATS),
+LAYER_NORMALIZATION_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc); its gradient builder copies the forward
+        # node's attributes, so epsilon and stash_type come along undeclared.
+        "LayerNormalizationGrad",
+        inputs=(
+            Formal("Y_grad", FLOATS),
+            Formal("X", FLOATS),
+            Formal("scale", FLOATS),
             Formal("mean", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16})),
-            Formal("inv_std_var", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16}))),
-    outputs=(Formal("X_grad", FLOATS), Formal("scale_grad", FLOATS, optional=True),
-             Formal("bias_grad", FLOATS, optional=True)),
-    attributes=(Attribute("axis", "int", -1), Attribute("epsilon", "float", declared=False),
-                Attribute("stash_type", "int", declared=False)),
-    infer=lambda i, a: [(i[1].dtype, i[1].shape), (i[2].dtype, i[2].shape), (i[2].dtype, i[2].shape)],
-))
+            Formal("inv_std_var", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16})),
+        ),
+        outputs=(
+            Formal("X_grad", FLOATS),
+            Formal("scale_grad", FLOATS, optional=True),
+            Formal("bias_grad", FLOATS, optional=True),
+        ),
+        attributes=(
+            Attribute("axis", "int", -1),
+            Attribute("epsilon", "float", declared=False),
+            Attribute("stash_type", "int", declared=False),
+        ),
+        infer=lambda i, a: [(i[1].dtype, i[1].shape), (i[2].dtype, i[2].shape), (i[2].dtype, i[2].shape)],
+    )
+)
 
 
 @cpu_kernel("LayerNormalizationGrad", domain=MICROSOFT)

@@ -36,8 +36,9 @@ def in_place_accumulator_v2(buffer, value, overwrite_flag=None, *, _num_outputs=
         try:
             result = np.add(buffer, value, dtype=buffer.dtype)
         except ValueError:
-            raise KernelError(f"value of shape {list(value.shape)} does not broadcast to the buffer's shape "
-                              f"{list(buffer.shape)}") from None
+            raise KernelError(
+                f"value of shape {list(value.shape)} does not broadcast to the buffer's shape {list(buffer.shape)}"
+            ) from None
         if result.shape != buffer.shape:
             raise KernelError(f"value of shape {list(value.shape)} does not broadcast to the buffer's shape {list(buffer.shape)}")
     if buffer.flags.writeable:

@@ -171,8 +171,10 @@ def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, s
     idx = indices.astype(np.int64).reshape(-1)
     bad = (idx < 0) | (idx >= size)
     if bad.any():
-        raise KernelError(f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; "
-                          f"valid range is [0, {size - 1}]")
+        raise KernelError(
+            f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; "
+            f"valid range is [0, {size - 1}]"
+        )
     flat = np.zeros(size, dtype=x.dtype)
     flat[idx] = x.reshape(-1)
     result = np.zeros(shape, dtype=x.dtype)
@@ -189,17 +191,34 @@ def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, s
 
 
 @cpu_kernel("Resize")
-def resize(x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None,
-           coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
-           extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest",
-           nearest_mode="round_prefer_floor", _opset=13):
+def resize(
+    x,
+    roi=None,
+    scales=None,
+    sizes=None,
+    *,
+    antialias=0,
+    axes=None,
+    coordinate_transformation_mode="half_pixel",
+    cubic_coeff_a=-0.75,
+    exclude_outside=0,
+    extrapolation_value=0.0,
+    keep_aspect_ratio_policy="stretch",
+    mode="nearest",
+    nearest_mode="round_prefer_floor",
+    _opset=13,
+):
     if _opset < 11:  # Resize-10: (X, scales), asymmetric coordinates
         scales, roi, coordinate_transformation_mode, nearest_mode = roi, None, "asymmetric", "floor"
-    out, factors = resize_geometry(x.shape, scales, sizes, axes=axes,
-                                   keep_aspect_ratio_policy=keep_aspect_ratio_policy)
-    attrs = dict(mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
-                 nearest_mode=nearest_mode, cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
-                 antialias=antialias)
+    out, factors = resize_geometry(x.shape, scales, sizes, axes=axes, keep_aspect_ratio_policy=keep_aspect_ratio_policy)
+    attrs = dict(
+        mode=mode,
+        coordinate_transformation_mode=coordinate_transformation_mode,
+        nearest_mode=nearest_mode,
+        cubic_coeff_a=cubic_coeff_a,
+        exclude_outside=exclude_outside,
+        antialias=antialias,
+    )
     y = x.astype(np.float64)
     for axis, (m, outside) in resize_matrices(x.shape, out, factors, attrs, roi, axes).items():
         y = np.moveaxis(np.tensordot(m, y, axes=([1], [axis])), 0, axis)
@@ -255,8 +274,9 @@ def _pool_input_shape(dy_shape, kernel_shape, strides, dilations, pads, auto_pad
 
 
 @cpu_kernel("MaxPoolGrad")
-def max_pool_grad(dY, Indices, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
-                  storage_order=0, strides=None):
+def max_pool_grad(
+    dY, Indices, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0, strides=None
+):
     """dX: dY added at MaxPool's Indices (flat positions in X, batch and channel included)."""
     same_shape(dY, Indices, "dY", "Indices")
     shape, _, _, _, _ = _pool_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
@@ -264,16 +284,19 @@ def max_pool_grad(dY, Indices, *, auto_pad="NOTSET", ceil_mode=0, dilations=None
     idx = Indices.astype(np.int64).reshape(shape[0] * shape[1], -1)
     owner = np.arange(shape[0] * shape[1], dtype=np.int64)[:, None]
     if idx.size and ((idx < owner * plane) | (idx >= (owner + 1) * plane)).any():
-        raise KernelError(f"MaxPool indices fall outside the input shape {shape} that the pooling windows cover: "
-                          f"X was larger (windows leave its end uncovered), which dY alone does not tell")
+        raise KernelError(
+            f"MaxPool indices fall outside the input shape {shape} that the pooling windows cover: "
+            f"X was larger (windows leave its end uncovered), which dY alone does not tell"
+        )
     ct = accumulation_dtype(dY.dtype)
     flat = np.bincount(idx.reshape(-1), weights=dY.astype(np.float64).reshape(-1), minlength=math.prod(shape))
     return flat.reshape(shape).astype(ct).astype(dY.dtype)
 
 
 @cpu_kernel("AveragePoolGrad")
-def average_pool_grad(dY, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None,
-                      pads=None, strides=None):
+def average_pool_grad(
+    dY, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None
+):
     """dX: each dY spread evenly over its window (clipped to X), divided by the kernel size
     (count_include_pad) or by the clipped window's size. ORT supports 1-3 spatial axes."""
     shape, begin, kernel, s, d = _pool_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)

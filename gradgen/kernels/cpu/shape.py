@@ -257,8 +257,17 @@ def constant_of_shape(shape, *, value=None):
 
 
 @cpu_kernel("Constant")
-def constant(*, value=None, value_float=None, value_floats=None, value_int=None, value_ints=None,
-             value_string=None, value_strings=None, sparse_value=None):
+def constant(
+    *,
+    value=None,
+    value_float=None,
+    value_floats=None,
+    value_int=None,
+    value_ints=None,
+    value_string=None,
+    value_strings=None,
+    sparse_value=None,
+):
     if value is not None:
         out = np.asarray(value)
         if out.dtype.kind not in "biuf":
@@ -328,14 +337,22 @@ def space_to_depth(x, *, blocksize, mode="DCR"):
 # ---------------------------------------------------------------------------------------------
 # SliceGrad (com.microsoft)
 
-SLICE_GRAD = schemas.declare(Schema(
-    # ONNX Runtime training's contract (training_op_defs.cc).
-    "SliceGrad",
-    inputs=(Formal("dY", ANY), Formal("shape", INT64), Formal("starts", INDICES), Formal("ends", INDICES),
-            Formal("axes", INDICES, optional=True), Formal("steps", INDICES, optional=True)),
-    outputs=(Formal("dX", ANY),),
-    infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
-))
+SLICE_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "SliceGrad",
+        inputs=(
+            Formal("dY", ANY),
+            Formal("shape", INT64),
+            Formal("starts", INDICES),
+            Formal("ends", INDICES),
+            Formal("axes", INDICES, optional=True),
+            Formal("steps", INDICES, optional=True),
+        ),
+        outputs=(Formal("dX", ANY),),
+        infer=lambda i, a: [(i[0].dtype, schemas.shape_from_input(i[1]))],
+    )
+)
 
 
 @cpu_kernel("SliceGrad", domain=MICROSOFT)

@@ -49,8 +49,9 @@ CONCURRENT = False
 _STATE: dict = {}
 _GRAPHS: dict = {}
 SPATIAL = 3  # spatial axes the direct kernels handle (conv.cu's GG_SP)
-CONV_GEOM = np.dtype([(f, np.int64) for f in ("n", "c", "m", "g")]
-                     + [(f, np.int64, SPATIAL) for f in ("inp", "out", "k", "s", "d", "pb")])
+CONV_GEOM = np.dtype(
+    [(f, np.int64) for f in ("n", "c", "m", "g")] + [(f, np.int64, SPATIAL) for f in ("inp", "out", "k", "s", "d", "pb")]
+)
 
 
 def _flag(name: str) -> bool:
@@ -129,12 +130,14 @@ class _Plan:
         backend = self.handle.backend_handle if self.handle is not None else _cudnn()[1].backend_handle
         uids = (int(self.a.uid), int(self.b.uid), int(self.out.uid))
         if index is None:
+
             def call(a_ptr, b_ptr, out_ptr, ws):
                 lowered._execute(dict(zip(uids, (a_ptr, b_ptr, out_ptr))), ws, backend, None, None, None)
         else:
+
             def call(a_ptr, b_ptr, out_ptr, ws):
-                lowered._execute_plan_at_index(dict(zip(uids, (a_ptr, b_ptr, out_ptr))), ws, index, backend,
-                                               None, None, None)
+                lowered._execute_plan_at_index(dict(zip(uids, (a_ptr, b_ptr, out_ptr))), ws, index, backend, None, None, None)
+
         return call
 
     def run(self, out_ptr: int, a_ptr: int, b_ptr: int, keep: list | None = None) -> None:
@@ -183,8 +186,14 @@ def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=compute, compute_data_type=compute, handle=handle)
     a = graph.tensor(name="A", dim=list(a_dims), stride=runtime().contiguous_strides(a_dims), data_type=io)
     b = graph.tensor(name="B", dim=list(b_dims), stride=runtime().contiguous_strides(b_dims), data_type=io)
-    conv = dict(pre_padding=list(pads), post_padding=list(pads), stride=list(strides), dilation=list(dilations),
-                compute_data_type=compute, name=kind)
+    conv = dict(
+        pre_padding=list(pads),
+        post_padding=list(pads),
+        stride=list(strides),
+        dilation=list(dilations),
+        compute_data_type=compute,
+        name=kind,
+    )
     if kind == "fprop":
         out = graph.conv_fprop(image=a, weight=b, **conv)
     elif kind == "dgrad":
@@ -244,8 +253,15 @@ def _autotune(graph, a, b, out, ptrs, handle, stream):
         graph.select_plan(best[1])
         graph.build_plans()
         rt.synchronize()
-        return _Plan(graph, a, b, out, int(graph.get_workspace_size()), handle=handle,
-                     note=f"autotuned: plan {best[1]} of {graph.get_execution_plan_count()}, {best[0] / 3:.3f} ms")
+        return _Plan(
+            graph,
+            a,
+            b,
+            out,
+            int(graph.get_workspace_size()),
+            handle=handle,
+            note=f"autotuned: plan {best[1]} of {graph.get_execution_plan_count()}, {best[0] / 3:.3f} ms",
+        )
     except Exception as exc:  # noqa: BLE001
         _STATE["autotune_error"] = f"{type(exc).__name__}: {exc}"
         return None
@@ -254,21 +270,33 @@ def _autotune(graph, a, b, out, ptrs, handle, stream):
 def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs, lane=0):
     """The cached cuDNN plan for this convolution, or None where cuDNN declines it."""
     tf32, nondet = _flag("GRADGEN_ALLOW_TF32"), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
-    key = (kind, np.dtype(dtype).str, tuple(a_dims), tuple(b_dims), tuple(out_dims), tuple(pads), tuple(strides),
-           tuple(dilations), tf32, nondet, lane)
+    key = (
+        kind,
+        np.dtype(dtype).str,
+        tuple(a_dims),
+        tuple(b_dims),
+        tuple(out_dims),
+        tuple(pads),
+        tuple(strides),
+        tuple(dilations),
+        tf32,
+        nondet,
+        lane,
+    )
     if key not in _GRAPHS:
         bench = ptrs if _flag("GRADGEN_CUDNN_BENCHMARK") else None
         try:
-            _GRAPHS[key] = _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench,
-                                  lane)
+            _GRAPHS[key] = _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench, lane)
         except ImportError as exc:
             _GRAPHS[key] = None
             _warn("cudnn-import", f"cuDNN is not available ({exc}); convolutions run on gradgen's direct kernels")
         except Exception as exc:  # noqa: BLE001 - cuDNN declined: the direct kernels serve it
             _GRAPHS[key] = None
-            _warn(f"cudnn-{kind}-{np.dtype(dtype)}",
-                  f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
-                  f"running gradgen's direct convolution kernel for it")
+            _warn(
+                f"cudnn-{kind}-{np.dtype(dtype)}",
+                f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
+                f"running gradgen's direct convolution kernel for it",
+            )
     return _GRAPHS[key]
 
 
@@ -306,8 +334,17 @@ def window_copy(src, out_shape, shift=None, view_strides=None, view_shape=None, 
         out_shape_desc = out_shape
     shift = [0] * rank if shift is None else [int(s) for s in shift]
     kernel = kernel_of("conv", f"window_copy_{require_suffix(src.dtype)}")
-    launch(kernel, out.size, out, src, rt.desc(out_shape_desc), rt.desc(view_shape, view_strides),
-           rt.desc(shift), np.int64(out.size), stream=stream)
+    launch(
+        kernel,
+        out.size,
+        out,
+        src,
+        rt.desc(out_shape_desc),
+        rt.desc(view_shape, view_strides),
+        rt.desc(shift),
+        np.int64(out.size),
+        stream=stream,
+    )
     return out
 
 
@@ -333,9 +370,17 @@ def channel_sum(x, out=None, stream=None, keep=None):
     if keep is not None:
         keep.append(partial)
     sfx = require_suffix(x.dtype)
-    kernel_of("conv", f"channel_partial_{sfx}")(partial, x, np.int64(outer), np.int64(c), np.int64(inner),
-                                                  np.int64(splits), block=(256, 1, 1),
-                                                  grid=(min(c * splits, 1 << 20), 1), stream=stream)
+    kernel_of("conv", f"channel_partial_{sfx}")(
+        partial,
+        x,
+        np.int64(outer),
+        np.int64(c),
+        np.int64(inner),
+        np.int64(splits),
+        block=(256, 1, 1),
+        grid=(min(c * splits, 1 << 20), 1),
+        stream=stream,
+    )
     launch(kernel_of("conv", f"channel_finish_{sfx}"), c, out, partial, np.int64(c), np.int64(splits), stream=stream)
     return out
 
@@ -361,9 +406,15 @@ class _Geometry:
 
         group = int(attrs.get("group", 1) or 1)
         self.begin, self.end, self.strides, self.dilations, self.y_shape = conv_geometry(
-            x_shape, w_shape, auto_pad=attrs.get("auto_pad", "NOTSET") or "NOTSET",
-            dilations=attrs.get("dilations"), group=group, kernel_shape=attrs.get("kernel_shape"),
-            pads=attrs.get("pads"), strides=attrs.get("strides"))
+            x_shape,
+            w_shape,
+            auto_pad=attrs.get("auto_pad", "NOTSET") or "NOTSET",
+            dilations=attrs.get("dilations"),
+            group=group,
+            kernel_shape=attrs.get("kernel_shape"),
+            pads=attrs.get("pads"),
+            strides=attrs.get("strides"),
+        )
         self.begin, self.end = [int(v) for v in self.begin], [int(v) for v in self.end]
         self.strides, self.dilations = [int(v) for v in self.strides], [int(v) for v in self.dilations]
         self.x_shape, self.w_shape, self.group = tuple(int(d) for d in x_shape), tuple(int(d) for d in w_shape), group
@@ -399,6 +450,7 @@ _GEOMETRIES: dict = {}
 
 def _geometry(x_shape, w_shape, attrs) -> _Geometry:
     """_Geometry, cached per shapes and attributes (it is resolved on every call otherwise)."""
+
     def frozen(v):
         return tuple(int(i) for i in v) if isinstance(v, (list, tuple, np.ndarray)) else v
 
@@ -412,8 +464,7 @@ def _geometry(x_shape, w_shape, attrs) -> _Geometry:
 
 
 def _attrs(auto_pad, dilations, group, kernel_shape, pads, strides):
-    return dict(auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape, pads=pads,
-                strides=strides)
+    return dict(auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape, pads=pads, strides=strides)
 
 
 def _use_cudnn(geom, dtype) -> bool:
@@ -441,9 +492,17 @@ def _fprop(x, w, geom):
         return y
     if _use_cudnn(geom, x.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
-        plan = _plan("fprop", x.dtype, geom.lifted(xs.shape), geom.lifted(geom.w_shape), geom.lifted(geom.y_shape),
-                     geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
-                     (y.gpudata, xs.gpudata, w.gpudata))
+        plan = _plan(
+            "fprop",
+            x.dtype,
+            geom.lifted(xs.shape),
+            geom.lifted(geom.w_shape),
+            geom.lifted(geom.y_shape),
+            geom.lift(pads, 0),
+            geom.lift(geom.strides, 1),
+            geom.lift(geom.dilations, 1),
+            (y.gpudata, xs.gpudata, w.gpudata),
+        )
         if plan is not None:
             plan.run(y.gpudata, xs.gpudata, w.gpudata)
             return y
@@ -469,9 +528,18 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
             target, pads = dx, geom.begin
         else:
             target, pads = rt.empty(geom.padded_x_shape(), dy.dtype), [0] * geom.nd
-        plan = _plan("dgrad", dy.dtype, geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
-                     geom.lifted(target.shape), geom.lift(pads, 0), geom.lift(geom.strides, 1),
-                     geom.lift(geom.dilations, 1), (target.gpudata, dy.gpudata, w.gpudata), lane)
+        plan = _plan(
+            "dgrad",
+            dy.dtype,
+            geom.lifted(geom.y_shape),
+            geom.lifted(geom.w_shape),
+            geom.lifted(target.shape),
+            geom.lift(pads, 0),
+            geom.lift(geom.strides, 1),
+            geom.lift(geom.dilations, 1),
+            (target.gpudata, dy.gpudata, w.gpudata),
+            lane,
+        )
         if plan is not None:
             plan.run(target.gpudata, dy.gpudata, w.gpudata, keep)
             if target is dx:
@@ -498,15 +566,23 @@ def _wgrad(dy, x, geom, lane=0, keep=None):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom, stream), [0] * geom.nd)
         if keep is not None and xs is not x:
             keep.append(xs)
-        plan = _plan("wgrad", dy.dtype, geom.lifted(xs.shape), geom.lifted(geom.y_shape), geom.lifted(geom.w_shape),
-                     geom.lift(pads, 0), geom.lift(geom.strides, 1), geom.lift(geom.dilations, 1),
-                     (dw.gpudata, xs.gpudata, dy.gpudata), lane)
+        plan = _plan(
+            "wgrad",
+            dy.dtype,
+            geom.lifted(xs.shape),
+            geom.lifted(geom.y_shape),
+            geom.lifted(geom.w_shape),
+            geom.lift(pads, 0),
+            geom.lift(geom.strides, 1),
+            geom.lift(geom.dilations, 1),
+            (dw.gpudata, xs.gpudata, dy.gpudata),
+            lane,
+        )
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
     kernel = kernel_of("conv", f"conv_wgrad_{require_suffix(dy.dtype)}")
-    kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1),
-           stream=stream)
+    kernel(dw, x, dy, geom.direct_geom(), np.int64(dw.size), block=(256, 1, 1), grid=(min(dw.size, 1 << 20), 1), stream=stream)
     return dw
 
 
@@ -525,8 +601,9 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
     _check_ranks(x, w)
     if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
-        raise KernelError(f"X, W (and B) must have one dtype; got {x.dtype}, {w.dtype}"
-                          + (f", {b.dtype}" if b is not None else ""))
+        raise KernelError(
+            f"X, W (and B) must have one dtype; got {x.dtype}, {w.dtype}" + (f", {b.dtype}" if b is not None else "")
+        )
     geom = _geometry(x.shape, w.shape, attrs)
     if b is not None and tuple(b.shape) != (geom.w_shape[0],):
         raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
@@ -539,8 +616,20 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
 
 
 @cuda_kernel("ConvGrad", domain=MICROSOFT)
-def conv_grad(dY, X, W, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
-              _num_outputs=3, _wanted=None):
+def conv_grad(
+    dY,
+    X,
+    W,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+    _num_outputs=3,
+    _wanted=None,
+):
     """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned, and outputs
     the node leaves unnamed (``_wanted`` False) are not computed."""
     wanted = _wanted or (True,) * _num_outputs

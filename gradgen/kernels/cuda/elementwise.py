@@ -35,7 +35,6 @@ from gradgen.kernels.table import MICROSOFT, cuda_kernel
 # -- shared helpers (the other launcher modules use them too) ------------------------------------
 
 
-
 def broadcast_descs(out_shape, *in_shapes):
     """(shape desc, one strides desc per input) for inputs broadcast to ``out_shape``."""
     from gradgen.cuda import runtime as rt
@@ -50,10 +49,6 @@ def broadcast_shape(*shapes):
     except ValueError:
         listed = " and ".join(str(list(s)) for s in shapes)
         raise KernelError(f"shapes {listed} do not broadcast") from None
-
-
-
-
 
 
 def _null():
@@ -97,8 +92,17 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
     vec = quads is not None and all(int(t.gpudata) % 16 == 0 for t in (a, b, out))
     n, descs = quads if vec else plain
     flag = rt.zeros((1,), np.int64) if error else None
-    launch(kernel_of("elementwise", entry), n, out, a, b, flag if flag is not None else _null(), *descs,
-              np.int64(n), np.int64(1 if vec else 0))
+    launch(
+        kernel_of("elementwise", entry),
+        n,
+        out,
+        a,
+        b,
+        flag if flag is not None else _null(),
+        *descs,
+        np.int64(n),
+        np.int64(1 if vec else 0),
+    )
     if flag is not None:
         rt.check_flag(flag, lambda _v: error)
     return out
@@ -228,8 +232,7 @@ def where(condition, x, y):
     if size not in (1, 2, 4, 8):
         return cpu_fallback("Where", condition, x, y)
     shape, (cv, xv, yv) = broadcast_descs(out_shape, condition.shape, x.shape, y.shape)
-    launch(kernel_of("elementwise", f"where_{size}"), out.size, out, condition, x, y, shape, cv, xv, yv,
-              np.int64(out.size))
+    launch(kernel_of("elementwise", f"where_{size}"), out.size, out, condition, x, y, shape, cv, xv, yv, np.int64(out.size))
     return out
 
 
@@ -292,8 +295,7 @@ def unary(entry: str, x, out_dtype=None, alpha: float = 0.0, beta: float = 0.0):
 
     x = contiguous(x)
     out = rt.empty(x.shape, out_dtype if out_dtype is not None else x.dtype)
-    launch(kernel_of("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta),
-              np.int64(out.size))
+    launch(kernel_of("elementwise", entry), out.size, out, x, np.float64(alpha), np.float64(beta), np.int64(out.size))
     return out
 
 
@@ -314,11 +316,31 @@ def _register_unary(op_type: str, name: str, suffixes=FLOATS, out_dtype=None, at
 
 
 for _op, _name in (
-    ("Sqrt", "sqrt"), ("Reciprocal", "reciprocal"), ("Exp", "exp"), ("Log", "log"), ("Tanh", "tanh"),
-    ("Sigmoid", "sigmoid"), ("Softplus", "softplus"), ("Erf", "erf"), ("Floor", "floor"), ("Ceil", "ceil"),
-    ("Round", "round"), ("Sin", "sin"), ("Cos", "cos"), ("Tan", "tan"), ("Asin", "asin"), ("Acos", "acos"),
-    ("Atan", "atan"), ("Sinh", "sinh"), ("Cosh", "cosh"), ("Asinh", "asinh"), ("Acosh", "acosh"),
-    ("Atanh", "atanh"), ("Softsign", "softsign"), ("HardSwish", "hard_swish"), ("Mish", "mish"),
+    ("Sqrt", "sqrt"),
+    ("Reciprocal", "reciprocal"),
+    ("Exp", "exp"),
+    ("Log", "log"),
+    ("Tanh", "tanh"),
+    ("Sigmoid", "sigmoid"),
+    ("Softplus", "softplus"),
+    ("Erf", "erf"),
+    ("Floor", "floor"),
+    ("Ceil", "ceil"),
+    ("Round", "round"),
+    ("Sin", "sin"),
+    ("Cos", "cos"),
+    ("Tan", "tan"),
+    ("Asin", "asin"),
+    ("Acos", "acos"),
+    ("Atan", "atan"),
+    ("Sinh", "sinh"),
+    ("Cosh", "cosh"),
+    ("Asinh", "asinh"),
+    ("Acosh", "acosh"),
+    ("Atanh", "atanh"),
+    ("Softsign", "softsign"),
+    ("HardSwish", "hard_swish"),
+    ("Mish", "mish"),
 ):
     _register_unary(_op, _name)
 for _op, _name in (("Neg", "neg"), ("Abs", "abs"), ("Sign", "sign"), ("Relu", "relu")):
@@ -356,7 +378,8 @@ def table_source() -> str:
                 f"        const C x = gg_load(in + i);\n"
                 f"        gg_store(out + i, (C)({op.cuda}));\n"
                 f"    }}\n"
-                f"}}\n")
+                f"}}\n"
+            )
     return "\n".join(parts)
 
 
@@ -431,8 +454,7 @@ def clip(x, lo=None, hi=None, **attrs):
 
     x = contiguous(x)
     out = rt.empty(x.shape, x.dtype)
-    launch(kernel_of("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi),
-              np.int64(out.size))
+    launch(kernel_of("elementwise", f"clip_{s}"), out.size, out, x, as_device(lo), as_device(hi), np.int64(out.size))
     return out
 
 

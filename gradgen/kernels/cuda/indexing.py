@@ -150,13 +150,10 @@ def _clear_sticky(flag) -> None:
     rt.synchronize()
 
 
-
-
 # ---------------------------------------------------------------- row scatter (GatherGrad, ScatterND)
 
 
-def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, sizes, multipliers, *, init=None,
-                mode: int = 0):
+def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, sizes, multipliers, *, init=None, mode: int = 0):
     """dX (outer, rows, inner): dX[o, key(p)] = init (+)= dY[o, p] over positions p (mode 0 add, 1 last wins).
 
     key(p) = sum_t normalise(indices[p, t], sizes[t]) * multipliers[t]. Returns (dX, flag) with flag a
@@ -191,12 +188,33 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
         idx = _dev(indices)
         tiles = -(-count // _TILE)
         kernel_of("indexing", f"csr_tile_sort_{_index_suffix(idx)}")(
-            _addr(idx), keys, pos, rank, counts, flag_addr, sync, desc(sizes, multipliers), np.int64(count),
-            np.int64(sentinel), np.int64(end_bit), block=(256, 1, 1), grid=(tiles, 1))
-    kernel_of("indexing", "csr_scan")(counts, rowptr, row_slot, chunk_map, long_rows, meta, np.int64(rows),
-                                         np.int64(chunk), block=(_SCAN_THREADS, 1, 1), grid=(1, 1))
-    launch(kernel_of("indexing", "csr_place"), count, keys, pos, rank, rowptr, spos, np.int64(count),
-              np.int64(sentinel))
+            _addr(idx),
+            keys,
+            pos,
+            rank,
+            counts,
+            flag_addr,
+            sync,
+            desc(sizes, multipliers),
+            np.int64(count),
+            np.int64(sentinel),
+            np.int64(end_bit),
+            block=(256, 1, 1),
+            grid=(tiles, 1),
+        )
+    kernel_of("indexing", "csr_scan")(
+        counts,
+        rowptr,
+        row_slot,
+        chunk_map,
+        long_rows,
+        meta,
+        np.int64(rows),
+        np.int64(chunk),
+        block=(_SCAN_THREADS, 1, 1),
+        grid=(1, 1),
+    )
+    launch(kernel_of("indexing", "csr_place"), count, keys, pos, rank, rowptr, spos, np.int64(count), np.int64(sentinel))
     v = _VEC[name]
     arrays = [dX, dy] + ([init] if init is not None else [])
     if inner % v or any(int(a.gpudata) % 16 for a in arrays if a.size):
@@ -216,15 +234,45 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     suffix = f"{require_suffix(dtype)}_v{v}"
     grid = min(outer * (rows + xbound), 2**31 - 1)
     kernel_of("indexing", f"csr_rows_{suffix}")(
-        dX, _addr(dy), _addr(init), spos, rowptr, row_slot, chunk_map, meta, _addr(partial), np.int64(outer),
-        np.int64(rows), np.int64(count), np.int64(inner_v), np.int64(chunk), np.int64(xbound), np.int64(maxslots),
-        np.int64(col_lanes), np.int64(mode), block=(block, 1, 1), grid=(grid, 1),
-        shared=block * v * acc if lanes > 1 else 0)
+        dX,
+        _addr(dy),
+        _addr(init),
+        spos,
+        rowptr,
+        row_slot,
+        chunk_map,
+        meta,
+        _addr(partial),
+        np.int64(outer),
+        np.int64(rows),
+        np.int64(count),
+        np.int64(inner_v),
+        np.int64(chunk),
+        np.int64(xbound),
+        np.int64(maxslots),
+        np.int64(col_lanes),
+        np.int64(mode),
+        block=(block, 1, 1),
+        grid=(grid, 1),
+        shared=block * v * acc if lanes > 1 else 0,
+    )
     if long_bound:
         kernel_of("indexing", f"csr_long_{suffix}")(
-            dX, _addr(init), _addr(partial), rowptr, long_rows, row_slot, meta, np.int64(outer), np.int64(rows),
-            np.int64(inner_v), np.int64(chunk), np.int64(maxslots), block=(256, 1, 1),
-            grid=(min(outer * long_bound, 2**31 - 1), 1))
+            dX,
+            _addr(init),
+            _addr(partial),
+            rowptr,
+            long_rows,
+            row_slot,
+            meta,
+            np.int64(outer),
+            np.int64(rows),
+            np.int64(inner_v),
+            np.int64(chunk),
+            np.int64(maxslots),
+            block=(256, 1, 1),
+            grid=(min(outer * long_bound, 2**31 - 1), 1),
+        )
     return dX, flag
 
 
@@ -263,11 +311,15 @@ def gather_grad(shape, indices, dY, *, axis=0):
         idx = _dev(indices)
         dX = rt.empty((outer, size, inner), dY.dtype)
         aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
-        kernel, grid, tail = plan_cache(_GO_PLANS, key + (aligned,), lambda: _gather_grad_own_plan(
-            outer, size, inner, count, dY.dtype, _index_suffix(indices), aligned))
+        kernel, grid, tail = plan_cache(
+            _GO_PLANS,
+            key + (aligned,),
+            lambda: _gather_grad_own_plan(outer, size, inner, count, dY.dtype, _index_suffix(indices), aligned),
+        )
         flag = _sticky_flag()
-        launch_packed(kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata),
-                                                        int(flag.gpudata)) + tail)
+        launch_packed(
+            kernel, grid, 256, _PTRS4.pack(int(dX.gpudata), int(dy.gpudata), int(idx.gpudata), int(flag.gpudata)) + tail
+        )
 
         def on_error(_value):
             _clear_sticky(flag)
@@ -288,11 +340,13 @@ def _gather_grad_check(shape, indices, dY, axis):
     axis = normalize_axis(axis, len(dims))
     _index_suffix(indices)
     _float_dtype(dY)
-    want = tuple(dims[:axis]) + tuple(indices.shape) + tuple(dims[axis + 1:])
+    want = tuple(dims[:axis]) + tuple(indices.shape) + tuple(dims[axis + 1 :])
     if tuple(dY.shape) != want:
-        raise KernelError(f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
-                          f"{list(indices.shape)} along axis {axis} gives {list(want)}")
-    return (tuple(dims), axis, math.prod(dims[:axis]), math.prod(dims[axis + 1:]), math.prod(indices.shape))
+        raise KernelError(
+            f"dY has shape {list(dY.shape)}, but data shape {dims} gathered with indices of shape "
+            f"{list(indices.shape)} along axis {axis} gives {list(want)}"
+        )
+    return (tuple(dims), axis, math.prod(dims[:axis]), math.prod(dims[axis + 1 :]), math.prod(indices.shape))
 
 
 # ---------------------------------------------------------------- line scatter (GatherElementsGrad, ScatterElements)
@@ -320,8 +374,19 @@ def _line_scatter_plan(out_shape, ishape, axis, dtype, itype, mode, vec_ok, plai
     tail += bytes(memoryview(desc([ishape[d] for d in others], [istrides[d] for d in others])))
     pad = mode == 0 and plain  # a sum from zeros: padding may sort as +0 at the last target (no sentinel bit)
     end_bit = max(1, (s - 1 if pad else s).bit_length())
-    tail += struct.pack("=10q", s, ostrides[axis], n, istrides[axis], nlines, end_bit, mode,
-                        1 if shared_line else 0, 1 if vec else 0, s - 1 if pad else -1)
+    tail += struct.pack(
+        "=10q",
+        s,
+        ostrides[axis],
+        n,
+        istrides[axis],
+        nlines,
+        end_bit,
+        mode,
+        1 if shared_line else 0,
+        1 if vec else 0,
+        s - 1 if pad else -1,
+    )
     return kernel, max(1, min(nlines, 2**20)), s * _ACC[name] if shared_line else 0, tail
 
 
@@ -341,11 +406,17 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
     itype = _index_suffix(indices)
     plain = init is None
     key = (out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain)
-    kernel, grid, shared, tail = plan_cache(_LS_PLANS, key, lambda: _line_scatter_plan(
-        out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain))
+    kernel, grid, shared, tail = plan_cache(
+        _LS_PLANS, key, lambda: _line_scatter_plan(out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain)
+    )
     idx = _dev(indices) if indices.size else None
-    launch_packed(kernel, grid, 256, _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)),
-                                                    int(_addr(init)), int(flag.gpudata)) + tail, shared)
+    launch_packed(
+        kernel,
+        grid,
+        256,
+        _PTRS5.pack(int(out.gpudata), int(_addr(dy)), int(_addr(idx)), int(_addr(init)), int(flag.gpudata)) + tail,
+        shared,
+    )
     return out, flag
 
 
@@ -380,11 +451,23 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
         if dy.size and dX.size:
             idx = _dev(indices)
             small = dX.size < 2**31 and dy.size < 2**31
-            kernel = kernel_of("indexing", f"ge_atomic{'32' if small else ''}_{require_suffix(dY.dtype)}_"
-                                              f"{_index_suffix(indices)}")
-            launch(kernel, dy.size, dX, dy, idx, flag, desc(indices.shape, rt.contiguous_strides(dims)),
-                      np.int64(axis), np.int64(dims[axis]), np.int64(dy.size))
+            kernel = kernel_of(
+                "indexing", f"ge_atomic{'32' if small else ''}_{require_suffix(dY.dtype)}_{_index_suffix(indices)}"
+            )
+            launch(
+                kernel,
+                dy.size,
+                dX,
+                dy,
+                idx,
+                flag,
+                desc(indices.shape, rt.contiguous_strides(dims)),
+                np.int64(axis),
+                np.int64(dims[axis]),
+                np.int64(dy.size),
+            )
     if indices.size and dX.size:
+
         def on_error(_value):
             _clear_sticky(flag)
             raise_index_error(indices, dims[axis], axis)
@@ -398,8 +481,6 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
 # ---------------------------------------------------------------- Gather, GatherElements, GatherND, Scatter*
 
 _MODES = {"add": 0, "none": 1, "mul": 2, "max": 3, "min": 4}
-
-
 
 
 def _word(esize: int, inner: int, arrays) -> tuple[int, int]:
@@ -423,7 +504,7 @@ def gather(data, indices, *, axis=0):
     axis = normalize_axis(axis, rank, allow_scalar=True)
     suffix = _index_suffix(indices)
     size = data.shape[axis]
-    out_shape = tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:])
+    out_shape = tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1 :])
     out = rt.empty(out_shape, data.dtype)
     if out.size == 0:
         if indices.size and size == 0:  # every index is out of range
@@ -431,12 +512,22 @@ def gather(data, indices, *, axis=0):
         return out
     x = contiguous(data)
     idx = _dev(indices)
-    inner, count = math.prod(data.shape[axis + 1:]), indices.size
+    inner, count = math.prod(data.shape[axis + 1 :]), indices.size
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     n = out.size // r
     flag = rt.zeros((1,), np.int64)
-    launch(kernel_of("indexing", f"gather_w{w}_{suffix}"), n, out, x, idx, flag, np.int64(count),
-              np.int64(size), np.int64(inner // r), np.int64(n))
+    launch(
+        kernel_of("indexing", f"gather_w{w}_{suffix}"),
+        n,
+        out,
+        x,
+        idx,
+        flag,
+        np.int64(count),
+        np.int64(size),
+        np.int64(inner // r),
+        np.int64(n),
+    )
     _check(flag, indices, size, axis)
     return out
 
@@ -462,8 +553,18 @@ def gather_elements(data, indices, *, axis=0):
     idx = _dev(indices)
     flag = rt.zeros((1,), np.int64)
     kernel = kernel_of("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
-    launch(kernel, out.size, out, x, idx, flag, desc(indices.shape, rt.contiguous_strides(data.shape)),
-              np.int64(axis), np.int64(size), np.int64(out.size))
+    launch(
+        kernel,
+        out.size,
+        out,
+        x,
+        idx,
+        flag,
+        desc(indices.shape, rt.contiguous_strides(data.shape)),
+        np.int64(axis),
+        np.int64(size),
+        np.int64(out.size),
+    )
     _check(flag, indices, size, axis)
     return out
 
@@ -475,8 +576,7 @@ def _nd_check(data_shape, indices_shape, b):
     if b + k > len(data_shape):
         raise KernelError(f"indices.shape[-1] ({k}) + batch_dims ({b}) exceeds data rank {len(data_shape)}")
     if tuple(data_shape[:b]) != tuple(indices_shape[:b]):
-        raise KernelError(f"the first {b} (batch) dimensions of data {list(data_shape)} and indices "
-                          f"{list(indices_shape)} differ")
+        raise KernelError(f"the first {b} (batch) dimensions of data {list(data_shape)} and indices {list(indices_shape)} differ")
     return k
 
 
@@ -492,25 +592,36 @@ def gather_nd(data, indices, *, batch_dims=0):
     b = int(batch_dims)
     suffix = _index_suffix(indices)
     k = _nd_check(data.shape, indices.shape, b)
-    out_shape = tuple(indices.shape[:-1]) + tuple(data.shape[b + k:])
+    out_shape = tuple(indices.shape[:-1]) + tuple(data.shape[b + k :])
     out = rt.empty(out_shape, data.dtype)
     if out.size == 0:
-        if indices.size and 0 in data.shape[b:b + k]:
+        if indices.size and 0 in data.shape[b : b + k]:
             _nd_error(indices, data.shape, b)
         return out
     x = contiguous(data)
     idx = _dev(indices)
-    inner = math.prod(data.shape[b + k:])
+    inner = math.prod(data.shape[b + k :])
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     strides = rt.contiguous_strides(data.shape)
     batch = math.prod(data.shape[:b])
     M = math.prod(indices.shape[b:-1])
-    kd = desc(data.shape[b:b + k], [s // r for s in strides[b:b + k]])
+    kd = desc(data.shape[b : b + k], [s // r for s in strides[b : b + k]])
     batch_stride = (strides[b - 1] if b else x.size) // r
     n = out.size // r
     flag = rt.zeros((1,), np.int64)
-    launch(kernel_of("indexing", f"gather_nd_w{w}_{suffix}"), n, out, x, idx if k else np.uintp(0), flag, kd,
-              np.int64(M), np.int64(inner // r), np.int64(batch_stride), np.int64(n))
+    launch(
+        kernel_of("indexing", f"gather_nd_w{w}_{suffix}"),
+        n,
+        out,
+        x,
+        idx if k else np.uintp(0),
+        flag,
+        kd,
+        np.int64(M),
+        np.int64(inner // r),
+        np.int64(batch_stride),
+        np.int64(n),
+    )
     if batch == 0:
         return out
     rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, b))
@@ -524,8 +635,9 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
     rank = len(data.shape)
     axis = normalize_axis(axis, rank, allow_scalar=True)
     if tuple(indices.shape) != tuple(updates.shape) or len(indices.shape) != rank:
-        raise KernelError(f"indices {list(indices.shape)} and updates {list(updates.shape)} must have the same shape "
-                          f"and data's rank {rank}")
+        raise KernelError(
+            f"indices {list(indices.shape)} and updates {list(updates.shape)} must have the same shape and data's rank {rank}"
+        )
     for d, (n, m) in enumerate(zip(indices.shape, data.shape)):
         if d != axis and n > m:
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
@@ -553,8 +665,11 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     want = tuple(indices.shape[:-1]) + tuple(data.shape[k:])
     if tuple(updates.shape) != want:
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
-    if (reduction not in ("none", "add") or np.dtype(data.dtype).name not in ("float16", "float32", "float64")
-            or updates.dtype != data.dtype):
+    if (
+        reduction not in ("none", "add")
+        or np.dtype(data.dtype).name not in ("float16", "float32", "float64")
+        or updates.dtype != data.dtype
+    ):
         return cpu_fallback("ScatterND", data, indices, updates, reduction=reduction)
     if data.size == 0:
         if indices.size and 0 in data.shape[:k]:
@@ -565,8 +680,18 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     rows, inner = math.prod(data.shape[:k]), math.prod(data.shape[k:])
     count = math.prod(indices.shape[:-1])
     idx = _dev(indices) if indices.size else indices
-    out, flag = row_scatter(upd, idx, 1, rows, inner, count, list(data.shape[:k]),
-                               rt.contiguous_strides(data.shape[:k]), init=x, mode=0 if reduction == "add" else 1)
+    out, flag = row_scatter(
+        upd,
+        idx,
+        1,
+        rows,
+        inner,
+        count,
+        list(data.shape[:k]),
+        rt.contiguous_strides(data.shape[:k]),
+        init=x,
+        mode=0 if reduction == "add" else 1,
+    )
     if count:
         rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, 0))
     return out.reshape(tuple(data.shape))

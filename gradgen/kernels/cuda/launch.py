@@ -33,9 +33,14 @@ NUMBERS = FLOATS + ("i32", "i64")
 CASTABLE = FLOATS + ("i8", "u8", "i32", "i64", "b8")
 # The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
 _SUFFIX = {
-    np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
-    np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.bool_): "b8",
-    np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
+    np.dtype(np.float16): "f16",
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float64): "f64",
+    np.dtype(np.int32): "i32",
+    np.dtype(np.int64): "i64",
+    np.dtype(np.bool_): "b8",
+    np.dtype(np.int8): "i8",
+    np.dtype(np.uint8): "u8",
 }
 
 
@@ -235,8 +240,14 @@ def strided_copy(dst, dst_strides, dst_off, src, src_strides, src_off, shape) ->
         r = w // esize
         if w <= esize or w % esize:
             continue
-        if (ss[-1] == 1 and ds[-1] == 1 and shape[-1] % r == 0 and src_addr % w == 0 and dst_addr % w == 0
-                and all(s % r == 0 for s in ss[:-1] + ds[:-1])):
+        if (
+            ss[-1] == 1
+            and ds[-1] == 1
+            and shape[-1] % r == 0
+            and src_addr % w == 0
+            and dst_addr % w == 0
+            and all(s % r == 0 for s in ss[:-1] + ds[:-1])
+        ):
             shape = shape[:-1] + [shape[-1] // r]
             ss = [s // r for s in ss[:-1]] + [1]
             ds = [s // r for s in ds[:-1]] + [1]
@@ -247,8 +258,9 @@ def strided_copy(dst, dst_strides, dst_off, src, src_strides, src_off, shape) ->
     n = math.prod(shape)
     small = n <= INT32_LIMIT and extent(shape, ss) <= INT32_LIMIT and extent(shape, ds) <= INT32_LIMIT
     kernel = kernel_of("shape", f"strided_copy_w{width}_{'i32' if small else 'i64'}")
-    launch(kernel, n, np.uintp(dst_addr), np.uintp(src_addr), desc(shape, ss), desc(shape, ds),
-           np.int64(0), np.int64(0), np.int64(n))
+    launch(
+        kernel, n, np.uintp(dst_addr), np.uintp(src_addr), desc(shape, ss), desc(shape, ds), np.int64(0), np.int64(0), np.int64(n)
+    )
 
 
 def copy_into(dst, src, shape, src_strides, src_off=0) -> None:
@@ -295,9 +307,7 @@ def same_type(*xs) -> None:
     """A KernelError unless every array has the same dtype."""
     dtypes = {np.dtype(x.dtype) for x in xs}
     if len(dtypes) > 1:
-        raise KernelError(
-            f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type"
-        )
+        raise KernelError(f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type")
 
 
 def fill_bits(value, dtype) -> np.int64:

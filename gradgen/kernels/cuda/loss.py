@@ -16,8 +16,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.table import cuda_kernel
 
-_ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64),
-                  ("has_ignore", np.int64)])
+_ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64), ("has_ignore", np.int64)])
 
 
 def _check(x, target, weight, reduction, what: str):
@@ -27,8 +26,7 @@ def _check(x, target, weight, reduction, what: str):
     expected = (n,) + tuple(int(v) for v in x.shape[2:])
     if tuple(int(v) for v in target.shape) != expected:
         raise KernelError(
-            f"target shape {list(target.shape)} does not match input shape {list(x.shape)} "
-            f"(expected {list(expected)})"
+            f"target shape {list(target.shape)} does not match input shape {list(x.shape)} (expected {list(expected)})"
         )
     if np.dtype(target.dtype).kind not in "iu":
         raise KernelError(f"target must be an integer tensor, got {target.dtype}")
@@ -62,39 +60,55 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
     if total:
         if d == 1 and not log_input:
             threads = min(1024, max(32, 1 << (max(1, math.ceil(c / 8)) - 1).bit_length()))
-            kernel_of("loss", f"sce_rows_{s}_{ls}")(none_ptr, lossbuf, wbuf, flag, x, target, weight_ptr, args,
-                                                      block=(threads, 1, 1), grid=(n, 1))
+            kernel_of("loss", f"sce_rows_{s}_{ls}")(
+                none_ptr, lossbuf, wbuf, flag, x, target, weight_ptr, args, block=(threads, 1, 1), grid=(n, 1)
+            )
         else:
-            launch(kernel_of("loss", f"loss_cols_{s}_{ls}"), total, none_ptr, lossbuf, wbuf, flag, x, target,
-                      weight_ptr, args, np.int64(1 if log_input else 0))
+            launch(
+                kernel_of("loss", f"loss_cols_{s}_{ls}"),
+                total,
+                none_ptr,
+                lossbuf,
+                wbuf,
+                flag,
+                x,
+                target,
+                weight_ptr,
+                args,
+                np.int64(1 if log_input else 0),
+            )
 
         def message(value: int) -> str:
             pos = total - value
             labels = rt.to_host(target).reshape(-1)
             where = [int(i) for i in np.unravel_index(pos, tuple(target.shape))]
             extra = f" and is not ignore_index ({int(ignore_index)})" if ignore_index is not None else ""
-            return (f"target value {int(labels[pos])} at position {where} is out of range for the class axis "
-                    f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}")
+            return (
+                f"target value {int(labels[pos])} at position {where} is out of range for the class axis "
+                f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}"
+            )
 
         rt.check_flag(flag, message)
     if reduction != "none":
-        kernel_of("loss", f"loss_reduce_{s}")(out, lossbuf, wbuf, np.int64(total),
-                                                np.int64(1 if reduction == "mean" else 0),
-                                                block=(1024, 1, 1), grid=(1, 1))
+        kernel_of("loss", f"loss_reduce_{s}")(
+            out, lossbuf, wbuf, np.int64(total), np.int64(1 if reduction == "mean" else 0), block=(1024, 1, 1), grid=(1, 1)
+        )
     return out
 
 
 def _supported(x, target, weight) -> bool:
-    return (dtype_suffix(x.dtype) in ("f16", "f32", "f64") and dtype_suffix(target.dtype) in ("i32", "i64")
-            and (weight is None or weight.dtype == x.dtype))
+    return (
+        dtype_suffix(x.dtype) in ("f16", "f32", "f64")
+        and dtype_suffix(target.dtype) in ("i32", "i64")
+        and (weight is None or weight.dtype == x.dtype)
+    )
 
 
 @cuda_kernel("NegativeLogLikelihoodLoss")
 def negative_log_likelihood_loss(input, target, weight=None, *, ignore_index=None, reduction="mean"):
     _check(input, target, weight, reduction, "input")
     if not _supported(input, target, weight) or (input.size == 0 and target.size):
-        return cpu_fallback("NegativeLogLikelihoodLoss", input, target, weight, ignore_index=ignore_index,
-                            reduction=reduction)
+        return cpu_fallback("NegativeLogLikelihoodLoss", input, target, weight, ignore_index=ignore_index, reduction=reduction)
     return _loss(input, target, weight, ignore_index, reduction, log_input=True)
 
 
@@ -103,8 +117,15 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
     """Returns loss, and log_prob (log-softmax of scores over axis 1) when the node asks for it."""
     _check(scores, labels, weights, reduction, "scores")
     if not _supported(scores, labels, weights) or (scores.size == 0 and labels.size):
-        return cpu_fallback("SoftmaxCrossEntropyLoss", scores, labels, weights, ignore_index=ignore_index,
-                            reduction=reduction, _num_outputs=_num_outputs)
+        return cpu_fallback(
+            "SoftmaxCrossEntropyLoss",
+            scores,
+            labels,
+            weights,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            _num_outputs=_num_outputs,
+        )
     loss = _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
     if _num_outputs > 1:
         from gradgen.kernels.cuda.reduction import softmax_3d

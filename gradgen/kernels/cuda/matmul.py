@@ -83,8 +83,26 @@ def _types(dtype):
     raise KernelError(f"dtype {dtype} is not supported by the cuBLAS launchers")
 
 
-def gemm_rowmajor(c, a, b, m, n, k, *, trans_a=False, trans_b=False, a_cols=None, b_cols=None, alpha=1.0, beta=0.0,
-                  batch=1, stride_a=0, stride_b=0, stride_c=0, dtype=None) -> None:
+def gemm_rowmajor(
+    c,
+    a,
+    b,
+    m,
+    n,
+    k,
+    *,
+    trans_a=False,
+    trans_b=False,
+    a_cols=None,
+    b_cols=None,
+    alpha=1.0,
+    beta=0.0,
+    batch=1,
+    stride_a=0,
+    stride_b=0,
+    stride_c=0,
+    dtype=None,
+) -> None:
     """C (m, n) = alpha * op(A) @ op(B) + beta * C on row-major device buffers (addresses or GPUArrays).
 
     ``a_cols``/``b_cols`` are the row lengths of A and B as stored; strides are in elements.
@@ -107,15 +125,53 @@ def gemm_rowmajor(c, a, b, m, n, k, *, trans_a=False, trans_b=False, a_cols=None
     lda, ldb, ldc = max(1, int(b_cols)), max(1, int(a_cols)), max(1, int(n))
     algo = -1  # CUBLAS_GEMM_DEFAULT
     if batch == 1:
-        cublas.gemm_ex(handle, op_b, op_a, int(n), int(m), int(k), alpha_h.ctypes.data, b_ptr, data_type, lda,
-                       a_ptr, data_type, ldb, beta_h.ctypes.data, c_ptr, data_type, ldc, compute, algo)
+        cublas.gemm_ex(
+            handle,
+            op_b,
+            op_a,
+            int(n),
+            int(m),
+            int(k),
+            alpha_h.ctypes.data,
+            b_ptr,
+            data_type,
+            lda,
+            a_ptr,
+            data_type,
+            ldb,
+            beta_h.ctypes.data,
+            c_ptr,
+            data_type,
+            ldc,
+            compute,
+            algo,
+        )
     else:
-        cublas.gemm_strided_batched_ex(handle, op_b, op_a, int(n), int(m), int(k), alpha_h.ctypes.data, b_ptr,
-                                       data_type, lda, int(stride_b), a_ptr, data_type, ldb, int(stride_a),
-                                       beta_h.ctypes.data, c_ptr, data_type, ldc, int(stride_c), int(batch),
-                                       compute, algo)
-
-
+        cublas.gemm_strided_batched_ex(
+            handle,
+            op_b,
+            op_a,
+            int(n),
+            int(m),
+            int(k),
+            alpha_h.ctypes.data,
+            b_ptr,
+            data_type,
+            lda,
+            int(stride_b),
+            a_ptr,
+            data_type,
+            ldb,
+            int(stride_a),
+            beta_h.ctypes.data,
+            c_ptr,
+            data_type,
+            ldc,
+            int(stride_c),
+            int(batch),
+            compute,
+            algo,
+        )
 
 
 # -- batched products of strided views ----------------------------------------------------------
@@ -250,9 +306,24 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
     size = np.dtype(a.dtype).itemsize
     a_ptr, b_ptr, c_ptr = int(a.gpudata), int(b.gpudata), int(out.gpudata)
     for c in calls:
-        gemm_rowmajor(c_ptr + c.c_off * size, a_ptr + c.a_off * size, b_ptr + c.b_off * size, c.m, c.n, c.k,
-                      trans_a=c.trans_a, trans_b=c.trans_b, a_cols=c.lda, b_cols=c.ldb, alpha=alpha, batch=c.batch,
-                      stride_a=c.stride_a, stride_b=c.stride_b, stride_c=c.stride_c, dtype=a.dtype)
+        gemm_rowmajor(
+            c_ptr + c.c_off * size,
+            a_ptr + c.a_off * size,
+            b_ptr + c.b_off * size,
+            c.m,
+            c.n,
+            c.k,
+            trans_a=c.trans_a,
+            trans_b=c.trans_b,
+            a_cols=c.lda,
+            b_cols=c.ldb,
+            alpha=alpha,
+            batch=c.batch,
+            stride_a=c.stride_a,
+            stride_b=c.stride_b,
+            stride_c=c.stride_c,
+            dtype=a.dtype,
+        )
     return out.reshape(final)
 
 
@@ -282,8 +353,10 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
     if A.dtype != B.dtype or not is_float(A.dtype):
         return cpu_fallback("FusedMatMul", A, B, domain=MICROSOFT, alpha=alpha, **flags)
     try:
-        matmul_output_dims(fused_operand_dims(list(A.shape), bool(transA), bool(transBatchA)),
-                           fused_operand_dims(list(B.shape), bool(transB), bool(transBatchB)))
+        matmul_output_dims(
+            fused_operand_dims(list(A.shape), bool(transA), bool(transBatchA)),
+            fused_operand_dims(list(B.shape), bool(transB), bool(transBatchB)),
+        )
     except KernelError as exc:
         raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} ({flags}): {exc}") from None
     a_view = _view(A, fused_operand_perm(len(A.shape), bool(transA), bool(transBatchA)))
@@ -300,8 +373,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     m, k = (a.shape[1], a.shape[0]) if transA else a.shape
     k_b, n = (b.shape[1], b.shape[0]) if transB else b.shape
     if k != k_b:
-        raise KernelError(
-            f"inner dimensions differ: op(A) is {[m, k]}, op(B) is {[k_b, n]} (transA={transA}, transB={transB})")
+        raise KernelError(f"inner dimensions differ: op(A) is {[m, k]}, op(B) is {[k_b, n]} (transA={transA}, transB={transB})")
     use_c = c is not None and beta != 0
     if use_c:
         try:
@@ -322,7 +394,19 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if k == 0 and not use_c:
         rt.memset_zero(out)
         return out
-    gemm_rowmajor(out, a if k else out, b if k else out, int(m), int(n), int(k), trans_a=bool(transA), trans_b=bool(transB),
-                  a_cols=int(a.shape[1]), b_cols=int(b.shape[1]), alpha=float(alpha), beta=float(beta) if use_c else 0.0,
-                  dtype=a.dtype)
+    gemm_rowmajor(
+        out,
+        a if k else out,
+        b if k else out,
+        int(m),
+        int(n),
+        int(k),
+        trans_a=bool(transA),
+        trans_b=bool(transB),
+        a_cols=int(a.shape[1]),
+        b_cols=int(b.shape[1]),
+        alpha=float(alpha),
+        beta=float(beta) if use_c else 0.0,
+        dtype=a.dtype,
+    )
     return out

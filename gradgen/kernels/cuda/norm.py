@@ -42,8 +42,18 @@ def _stash(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: int = 1, groups: int = 1,
-              spatial: int = 1, epsilon: float = 1e-5):
+def norm_rows(
+    x,
+    scale,
+    bias,
+    rows: int,
+    length: int,
+    mode: int = 0,
+    channels: int = 1,
+    groups: int = 1,
+    spatial: int = 1,
+    epsilon: float = 1e-5,
+):
     """(y, mean[rows], inv_std[rows]) of ``x`` normalized over rows of ``length``."""
     from gradgen.cuda import runtime as rt
 
@@ -57,13 +67,37 @@ def norm_rows(x, scale, bias, rows: int, length: int, mode: int = 0, channels: i
     elif rows and mode == 0 and length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
         kernel = kernel_of("norm", f"norm_warp{lanes}_{dtype_suffix(x.dtype)}")
-        kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(rows), np.int64(length),
-               np.float64(epsilon), block=(128, 1, 1), grid=(-(-rows // 4), 1))
+        kernel(
+            y,
+            mean,
+            inv,
+            x,
+            scale,
+            bias if bias is not None else np.intp(0),
+            np.int64(rows),
+            np.int64(length),
+            np.float64(epsilon),
+            block=(128, 1, 1),
+            grid=(-(-rows // 4), 1),
+        )
     elif rows:
         kernel = kernel_of("norm", f"norm_rows_{dtype_suffix(x.dtype)}")
-        kernel(y, mean, inv, x, scale, bias if bias is not None else np.intp(0), np.int64(length), np.int64(mode),
-               np.int64(channels), np.int64(groups), np.int64(spatial), np.float64(epsilon),
-               block=(_threads(length), 1, 1), grid=(rows, 1))
+        kernel(
+            y,
+            mean,
+            inv,
+            x,
+            scale,
+            bias if bias is not None else np.intp(0),
+            np.int64(length),
+            np.int64(mode),
+            np.int64(channels),
+            np.int64(groups),
+            np.int64(spatial),
+            np.float64(epsilon),
+            block=(_threads(length), 1, 1),
+            grid=(rows, 1),
+        )
     return y, mean, inv
 
 
@@ -76,8 +110,12 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
     norm_shape = tuple(int(d) for d in x.shape[axis:])
     length = int(np.prod(norm_shape, dtype=np.int64))
     exact = all(
-        t is None or (t.dtype == x.dtype and tuple(int(d) for d in t.shape) == norm_shape[len(norm_shape) - len(t.shape):]
-                      and t.size == length)
+        t is None
+        or (
+            t.dtype == x.dtype
+            and tuple(int(d) for d in t.shape) == norm_shape[len(norm_shape) - len(t.shape) :]
+            and t.size == length
+        )
         for t in (scale, bias)
     )
     if not is_float(x.dtype) or not exact:
@@ -111,8 +149,7 @@ def group_normalization(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_
         raise KernelError("GroupNormalization needs the num_groups attribute")
     g = int(num_groups)
     if len(x.shape) < 2:
-        return cpu_fallback("GroupNormalization", x, scale, bias, epsilon=epsilon, num_groups=num_groups,
-                            stash_type=stash_type)
+        return cpu_fallback("GroupNormalization", x, scale, bias, epsilon=epsilon, num_groups=num_groups, stash_type=stash_type)
     n, c = (int(d) for d in x.shape[:2])
     if g < 1 or c % g:
         raise KernelError(f"num_groups={g} does not divide the {c} channels")
@@ -125,30 +162,55 @@ def group_normalization(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_
     else:
         raise KernelError(f"scale has {scale.size} entries; expected {c} (channels) or {g} (groups)")
     if not is_float(x.dtype) or not _channel_params_ok(x, scale.size, scale, bias):
-        return cpu_fallback("GroupNormalization", x, scale, bias, epsilon=epsilon, num_groups=num_groups,
-                            stash_type=stash_type)
+        return cpu_fallback("GroupNormalization", x, scale, bias, epsilon=epsilon, num_groups=num_groups, stash_type=stash_type)
     spatial = int(np.prod(x.shape[2:], dtype=np.int64))
-    return norm_rows(x, scale, bias, n * g, (c // g) * spatial, mode=mode, channels=c, groups=g, spatial=spatial,
-                     epsilon=epsilon)[0]
+    return norm_rows(
+        x, scale, bias, n * g, (c // g) * spatial, mode=mode, channels=c, groups=g, spatial=spatial, epsilon=epsilon
+    )[0]
 
 
 @cuda_kernel("BatchNormalization")
-def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0,
-                        _num_outputs=1):
+def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0, _num_outputs=1):
     from gradgen.cuda import runtime as rt
 
     training = int(training_mode) == 1 or _num_outputs > 1
     channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
-    if (training or len(x.shape) < 2 or not is_float(x.dtype)
-            or not _channel_params_ok(x, channels, scale, bias, input_mean, input_var)):
-        return cpu_fallback("BatchNormalization", x, scale, bias, input_mean, input_var, epsilon=epsilon,
-                            momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
+    if (
+        training
+        or len(x.shape) < 2
+        or not is_float(x.dtype)
+        or not _channel_params_ok(x, channels, scale, bias, input_mean, input_var)
+    ):
+        return cpu_fallback(
+            "BatchNormalization",
+            x,
+            scale,
+            bias,
+            input_mean,
+            input_var,
+            epsilon=epsilon,
+            momentum=momentum,
+            training_mode=training_mode,
+            _num_outputs=_num_outputs,
+        )
     x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, scale, bias, input_mean, input_var))
     same_type(x, scale, bias, input_mean, input_var)
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
-    launch(kernel_of("norm", f"batch_norm_{dtype_suffix(x.dtype)}"), y.size, y, x, scale, bias, input_mean, input_var,
-              np.int64(channels), np.int64(inner), np.float64(epsilon), np.int64(y.size))
+    launch(
+        kernel_of("norm", f"batch_norm_{dtype_suffix(x.dtype)}"),
+        y.size,
+        y,
+        x,
+        scale,
+        bias,
+        input_mean,
+        input_var,
+        np.int64(channels),
+        np.int64(inner),
+        np.float64(epsilon),
+        np.int64(y.size),
+    )
     return y
 
 
@@ -279,24 +341,53 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
     ax = axis + rank if -rank <= axis < 0 else axis
     rows = int(np.prod(X.shape[:ax], dtype=np.int64)) if 0 <= ax < rank else -1
     cols = int(np.prod(X.shape[ax:], dtype=np.int64)) if 0 <= ax < rank else -1
-    fits = (is_float(X.dtype) and dY.dtype == X.dtype == scale.dtype and tuple(dY.shape) == tuple(X.shape)
-            and mean.dtype == inv_std_var.dtype == np.float32 and rows >= 1 and cols > 1
-            and scale.size == cols and mean.size == rows and inv_std_var.size == rows)
+    fits = (
+        is_float(X.dtype)
+        and dY.dtype == X.dtype == scale.dtype
+        and tuple(dY.shape) == tuple(X.shape)
+        and mean.dtype == inv_std_var.dtype == np.float32
+        and rows >= 1
+        and cols > 1
+        and scale.size == cols
+        and mean.size == rows
+        and inv_std_var.size == rows
+    )
     if not fits:
-        return cpu_fallback("LayerNormalizationGrad", dY, X, scale, mean, inv_std_var, domain=MICROSOFT, axis=axis,
-                            epsilon=epsilon, stash_type=stash_type)
+        return cpu_fallback(
+            "LayerNormalizationGrad",
+            dY,
+            X,
+            scale,
+            mean,
+            inv_std_var,
+            domain=MICROSOFT,
+            axis=axis,
+            epsilon=epsilon,
+            stash_type=stash_type,
+        )
     dY, X, scale, mean, inv_std_var = (contiguous(t) for t in (dY, X, scale, mean, inv_std_var))
     s = dtype_suffix(X.dtype)
     dx = rt.empty(X.shape, X.dtype)
     dscale, dbias = rt.empty(scale.shape, scale.dtype), rt.empty(scale.shape, scale.dtype)
-    _grad_kernel(f"ln_grad_rows_{s}")(dx, dY, X, scale, mean, inv_std_var, np.int64(cols),
-                                      block=(_threads(cols), 1, 1), grid=(rows, 1), stream=stream())
+    _grad_kernel(f"ln_grad_rows_{s}")(
+        dx, dY, X, scale, mean, inv_std_var, np.int64(cols), block=(_threads(cols), 1, 1), grid=(rows, 1), stream=stream()
+    )
     chunks, per_chunk = grad_chunks(rows)
     acc = np.float64 if s == "f64" else np.float32
     part_scale, part_bias = rt.empty((chunks, cols), acc), rt.empty((chunks, cols), acc)
-    _grad_kernel(f"ln_grad_partials_{s}")(part_scale, part_bias, dY, X, mean, inv_std_var, np.int64(rows),
-                                          np.int64(cols), np.int64(per_chunk),
-                                          block=(BLOCK, 1, 1), grid=(-(-cols // BLOCK), chunks), stream=stream())
-    launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks),
-           np.int64(cols))
+    _grad_kernel(f"ln_grad_partials_{s}")(
+        part_scale,
+        part_bias,
+        dY,
+        X,
+        mean,
+        inv_std_var,
+        np.int64(rows),
+        np.int64(cols),
+        np.int64(per_chunk),
+        block=(BLOCK, 1, 1),
+        grid=(-(-cols // BLOCK), chunks),
+        stream=stream(),
+    )
+    launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks), np.int64(cols))
     return dx, dscale, dbias

@@ -20,28 +20,15 @@ from gradgen.ops.pool import declared_pads, spatial_geometry
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
 
-POOL_GEOM = np.dtype([("nc", np.int64)] + [(f, np.int64, SPATIAL) for f in ("inp", "out", "k", "s", "d", "pb", "lo", "hi")]
-                     + [("storage_order", np.int64)])
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+POOL_GEOM = np.dtype(
+    [("nc", np.int64)]
+    + [(f, np.int64, SPATIAL) for f in ("inp", "out", "k", "s", "d", "pb", "lo", "hi")]
+    + [("storage_order", np.int64)]
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # pooling
-
 
 
 def _pool_geom(x_shape, kernel, strides, dilations, begin, out, lo, hi, storage_order=0):
@@ -65,11 +52,29 @@ def _gpu_poolable(x) -> bool:
 
 
 @cuda_kernel("MaxPool")
-def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0,
-             strides=None, _num_outputs=1):
+def max_pool(
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    dilations=None,
+    kernel_shape=None,
+    pads=None,
+    storage_order=0,
+    strides=None,
+    _num_outputs=1,
+):
     from gradgen.cuda import runtime as rt
-    attrs = dict(auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, pads=pads,
-                 storage_order=storage_order, strides=strides)
+
+    attrs = dict(
+        auto_pad=auto_pad,
+        ceil_mode=ceil_mode,
+        dilations=dilations,
+        kernel_shape=kernel_shape,
+        pads=pads,
+        storage_order=storage_order,
+        strides=strides,
+    )
     if kernel_shape is None:
         raise KernelError("MaxPool needs the kernel_shape attribute")
     if not _gpu_poolable(x):
@@ -87,11 +92,20 @@ def max_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=
 
 
 @cuda_kernel("AveragePool")
-def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None,
-                 pads=None, strides=None):
+def average_pool(
+    x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None
+):
     from gradgen.cuda import runtime as rt
-    attrs = dict(auto_pad=auto_pad, ceil_mode=ceil_mode, count_include_pad=count_include_pad, dilations=dilations,
-                 kernel_shape=kernel_shape, pads=pads, strides=strides)
+
+    attrs = dict(
+        auto_pad=auto_pad,
+        ceil_mode=ceil_mode,
+        count_include_pad=count_include_pad,
+        dilations=dilations,
+        kernel_shape=kernel_shape,
+        pads=pads,
+        strides=strides,
+    )
     if kernel_shape is None:
         raise KernelError("AveragePool needs the kernel_shape attribute")
     if not _gpu_poolable(x):

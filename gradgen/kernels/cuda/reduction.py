@@ -95,9 +95,13 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
         chunk = -(-total // splits)
         chunk = -(-chunk // v) * v
         splits = -(-total // chunk)
-        args = (rt.desc([k[0] for k in kept], [k[1] for k in kept]),
-                rt.desc([r[0] for r in outer_red], [r[1] for r in outer_red]),
-                np.int64(length), np.int64(total), np.int64(chunk))
+        args = (
+            rt.desc([k[0] for k in kept], [k[1] for k in kept]),
+            rt.desc([r[0] for r in outer_red], [r[1] for r in outer_red]),
+            np.int64(length),
+            np.int64(total),
+            np.int64(chunk),
+        )
         return kernel, args, (threads, 1, 1), (out_size, splits), splits, total
     c = groups[-1][0]  # innermost group kept: cols
     outer_kept = kept[:-1]
@@ -113,9 +117,14 @@ def _plan(op: str, s: str, itemsize: int, shape: tuple, axes: tuple, aligned: bo
     splits = max(1, min(capacity // blocks, total // (by * 8), 65535))
     chunk = -(-total // splits)
     splits = -(-total // chunk)
-    args = (rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
-            rt.desc([r[0] for r in red], [r[1] for r in red]),
-            np.int64(c), np.int64(tiles), np.int64(total), np.int64(chunk))
+    args = (
+        rt.desc([k[0] for k in outer_kept], [k[1] for k in outer_kept]),
+        rt.desc([r[0] for r in red], [r[1] for r in red]),
+        np.int64(c),
+        np.int64(tiles),
+        np.int64(total),
+        np.int64(chunk),
+    )
     return kernel, args, (32, by, 1), (blocks, splits), splits, total
 
 
@@ -138,19 +147,20 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
         # Reducing an empty axis: every output is the reducer's identity (0, -inf, NaN for mean...).
         from gradgen.kernels import registry
 
-        host = registry.lookup("", op_type).cpu(np.empty(shape, x.dtype), np.asarray(axes, np.int64),
-                                                 keepdims=int(keepdims))
+        host = registry.lookup("", op_type).cpu(np.empty(shape, x.dtype), np.asarray(axes, np.int64), keepdims=int(keepdims))
         return rt.to_device(np.asarray(host, dtype=x.dtype).reshape(out_shape))
     if total == 1:
         launch(kernel_of("reduction", f"map_{op}_{s}"), out.size, out, x, np.int64(out.size))
         return out
-    kernel, args, block, grid, splits, total = _plan(op, s, np.dtype(x.dtype).itemsize, shape, tuple(axes),
-                                                     int(x.gpudata) % 16 == 0)
+    kernel, args, block, grid, splits, total = _plan(
+        op, s, np.dtype(x.dtype).itemsize, shape, tuple(axes), int(x.gpudata) % 16 == 0
+    )
     partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8) if splits > 1 else None
     kernel(out, partial if partial is not None else np.intp(0), x, *args, block=block, grid=grid)
     if partial is not None:
-        launch(kernel_of("reduction", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size),
-                  np.int64(splits), np.int64(total))
+        launch(
+            kernel_of("reduction", f"fin_{op}_{s}"), out.size, out, partial, np.int64(out.size), np.int64(splits), np.int64(total)
+        )
     return out
 
 
@@ -171,9 +181,16 @@ def _register_reduce(op_type: str, op: str):
 
 
 for _op_type, _op in (
-    ("ReduceSum", "sum"), ("ReduceMean", "mean"), ("ReduceSumSquare", "sum_square"), ("ReduceL1", "l1"),
-    ("ReduceL2", "l2"), ("ReduceLogSum", "log_sum"), ("ReduceMax", "max"), ("ReduceMin", "min"),
-    ("ReduceProd", "prod"), ("ReduceLogSumExp", "log_sum_exp"),
+    ("ReduceSum", "sum"),
+    ("ReduceMean", "mean"),
+    ("ReduceSumSquare", "sum_square"),
+    ("ReduceL1", "l1"),
+    ("ReduceL2", "l2"),
+    ("ReduceLogSum", "log_sum"),
+    ("ReduceMax", "max"),
+    ("ReduceMin", "min"),
+    ("ReduceProd", "prod"),
+    ("ReduceLogSumExp", "log_sum_exp"),
 ):
     _register_reduce(_op_type, _op)
 
@@ -193,14 +210,16 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
     name = "log_softmax" if log else "softmax"
     if inner == 1 and 8 < length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
-        kernel_of("reduction", f"{name}_warp{lanes}_{s}")(out, x, np.int64(outer), np.int64(length),
-                                                          block=(128, 1, 1), grid=(-(-outer // 4), 1))
+        kernel_of("reduction", f"{name}_warp{lanes}_{s}")(
+            out, x, np.int64(outer), np.int64(length), block=(128, 1, 1), grid=(-(-outer // 4), 1)
+        )
     elif inner == 1 and length > 8:
         threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
         kernel_of("reduction", f"{name}_rows_{s}")(out, x, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
     else:
-        launch(kernel_of("reduction", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer),
-                  np.int64(length), np.int64(inner))
+        launch(
+            kernel_of("reduction", f"{name}_cols_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length), np.int64(inner)
+        )
     return out
 
 
@@ -211,7 +230,7 @@ def _softmax(op_type: str, x, axis, opset: int, log: bool):
     if opset >= 13:
         ax = normalize_axis(-1 if axis is None else axis, len(shape))
         outer = int(np.prod(shape[:ax], dtype=np.int64))
-        inner = int(np.prod(shape[ax + 1:], dtype=np.int64))
+        inner = int(np.prod(shape[ax + 1 :], dtype=np.int64))
         return softmax_3d(x, outer, shape[ax], inner, log)
     ax = normalize_axis(1 if axis is None else axis, len(shape)) if shape else 0
     outer = int(np.prod(shape[:ax], dtype=np.int64))
@@ -240,8 +259,17 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
     ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
     x = contiguous(x)
-    outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1:])
+    outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1 :])
     out = rt.empty(x.shape, x.dtype)
-    launch(kernel_of("reduction", f"cumsum_{s}"), outer * inner, out, x, np.int64(outer), np.int64(length),
-              np.int64(inner), np.int64(1 if exclusive else 0), np.int64(1 if reverse else 0))
+    launch(
+        kernel_of("reduction", f"cumsum_{s}"),
+        outer * inner,
+        out,
+        x,
+        np.int64(outer),
+        np.int64(length),
+        np.int64(inner),
+        np.int64(1 if exclusive else 0),
+        np.int64(1 if reverse else 0),
+    )
     return out

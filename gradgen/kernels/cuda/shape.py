@@ -57,10 +57,6 @@ def _magic(d: int) -> tuple[int, int] | None:
     return (m, shift) if 0 < m < (1 << 32) else None
 
 
-
-
-
-
 _PTRS2 = struct.Struct("=QQ")
 
 
@@ -86,8 +82,10 @@ def lattice_plan(shape, esize: int, starts, steps, counts, src_strides, fill, al
     small = size <= INT32_LIMIT and extent(counts, src_strides) <= INT32_LIMIT and None not in magic
     pairs = [p for p in magic if p is not None] if small else [(0, 0)] * len(shape)
     kernel = kernel_of("shape", f"lattice_w{esize}_v{v}_{'int32' if small else 'int64'}")
-    tail = b"".join(bytes(memoryview(d)) for d in (desc(shape), desc(counts, src_strides), desc(starts, steps),
-                                                    desc([m for m, _ in pairs], [s for _, s in pairs])))
+    tail = b"".join(
+        bytes(memoryview(d))
+        for d in (desc(shape), desc(counts, src_strides), desc(starts, steps), desc([m for m, _ in pairs], [s for _, s in pairs]))
+    )
     tail += struct.pack("=qq", int(fill), n)
     return kernel, grid_for(n), tail
 
@@ -98,11 +96,9 @@ def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None
     if out.size == 0:
         return
     esize = out.dtype.itemsize
-    kernel, grid, tail = lattice_plan(out.shape, esize, starts, steps, counts, src_strides, fill,
-                                      int(out.gpudata) % 16 == 0)
+    kernel, grid, tail = lattice_plan(out.shape, esize, starts, steps, counts, src_strides, fill, int(out.gpudata) % 16 == 0)
     src_addr = 0 if math.prod(counts) == 0 else int(src.gpudata) + int(src_off) * esize
     launch_packed(kernel, grid, 256, _PTRS2.pack(int(out.gpudata), src_addr) + tail)
-
 
 
 def _view(x, shape):
@@ -240,7 +236,7 @@ def tile(x, repeats):
         if r == 1:
             continue
         cur_shape = list(current.shape)
-        nxt = rt.empty(cur_shape[:k] + [cur_shape[k] * r] + cur_shape[k + 1:], x.dtype)
+        nxt = rt.empty(cur_shape[:k] + [cur_shape[k] * r] + cur_shape[k + 1 :], x.dtype)
         view = cur_shape[:k] + [r] + cur_shape[k:]
         st = element_strides(current)
         copy_into(nxt, current, view, st[:k] + [0] + st[k:])
@@ -261,8 +257,10 @@ def concat(*inputs, axis):
             raise KernelError(f"input {i} has rank {len(x.shape)}, input 0 has rank {rank}")
         for d in range(rank):
             if d != ax and x.shape[d] != arrays[0].shape[d]:
-                raise KernelError(f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
-                                  f"they must agree on every axis but {ax}")
+                raise KernelError(
+                    f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
+                    f"they must agree on every axis but {ax}"
+                )
         if x.dtype != arrays[0].dtype:
             raise KernelError(f"input {i} has dtype {x.dtype}, input 0 has {arrays[0].dtype}; Concat needs one type")
     out_shape = list(arrays[0].shape)
@@ -337,8 +335,17 @@ def trilu(x, k=None, *, upper=1):
     out = rt.empty(x.shape, x.dtype)
     if out.size:
         rows, cols = x.shape[-2:]
-        launch(kernel_of("shape", f"trilu_w{x.dtype.itemsize}"), out.size, out, x, np.int64(rows),
-                  np.int64(cols), np.int64(kk), np.int64(1 if upper else 0), np.int64(out.size))
+        launch(
+            kernel_of("shape", f"trilu_w{x.dtype.itemsize}"),
+            out.size,
+            out,
+            x,
+            np.int64(rows),
+            np.int64(cols),
+            np.int64(kk),
+            np.int64(1 if upper else 0),
+            np.int64(out.size),
+        )
     return out
 
 
@@ -392,8 +399,9 @@ def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=
         raise KernelError(f"dY has shape {list(dy_shape)}, but the slice of shape {dims} has shape {counts}")
     if math.prod(dims) == 0:
         return tuple(dims), None, 0, b""
-    kernel, grid, tail = lattice_plan(dims, np.dtype(dtype).itemsize, lat_start, lat_step, counts,
-                                         runtime().contiguous_strides(counts), np.int64(0), aligned)
+    kernel, grid, tail = lattice_plan(
+        dims, np.dtype(dtype).itemsize, lat_start, lat_step, counts, runtime().contiguous_strides(counts), np.int64(0), aligned
+    )
     return tuple(dims), raw(kernel), grid, tail
 
 
@@ -401,10 +409,10 @@ def _slice_grad_plan(dy_shape, dtype, shape, starts, ends, axes, steps, aligned=
 def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
     """One pass over dX (the lattice kernel with fill 0): every element written once, no memset."""
     rt = runtime()
-    key = (dY.shape, dY.dtype, host_key(shape), host_key(starts), host_key(ends), host_key(axes),
-           host_key(steps))
+    key = (dY.shape, dY.dtype, host_key(shape), host_key(starts), host_key(ends), host_key(axes), host_key(steps))
     dims, kernel, grid, tail = plan_cache(
-        _SG_PLANS, key, lambda: _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps))
+        _SG_PLANS, key, lambda: _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps)
+    )
     dX = rt.empty(dims, dY.dtype)
     if kernel is None:
         return dX

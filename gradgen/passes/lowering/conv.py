@@ -37,8 +37,7 @@ def _conv_pads(e: GraphBuilder, node: ir.Node, x: ir.Value, kernel, kernel_value
     if kernel is not None:
         span_vec = e.ints([(k - 1) * d + 1 for k, d in zip(kernel, dilations)])
     else:
-        span_vec = e.op("Add", e.op("Mul", e.op("Sub", kernel_value, e.ints([1] * nd)), e.ints(dilations)),
-                        e.ints([1] * nd))
+        span_vec = e.op("Add", e.op("Mul", e.op("Sub", kernel_value, e.ints([1] * nd)), e.ints(dilations)), e.ints([1] * nd))
     out = e.op("Div", e.op("Add", n, e.ints([s - 1 for s in strides])), s_vec)
     reach = e.op("Add", e.op("Mul", e.op("Sub", out, e.ints([1] * nd)), s_vec), span_vec)
     total = e.op("Max", e.op("Sub", reach, n), e.ints([0] * nd))
@@ -81,9 +80,17 @@ def lower_conv_grad(e: GraphBuilder, node: ir.Node):
             if static_spatial and kernel is not None:
                 span = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
                 output_padding = [(n + b + f - sp) % s for n, b, f, sp, s in zip(spatial, begin, end, span, strides)]
-            results[0] = e.op("ConvTranspose", dy, w, strides=strides, dilations=dilations, group=group,
-                              pads=begin + end, kernel_shape=kernel,
-                              output_padding=output_padding if any(output_padding) else None)
+            results[0] = e.op(
+                "ConvTranspose",
+                dy,
+                w,
+                strides=strides,
+                dilations=dilations,
+                group=group,
+                pads=begin + end,
+                kernel_shape=kernel,
+                output_padding=output_padding if any(output_padding) else None,
+            )
         else:
             # Unpadded ConvTranspose covers padded-X positions [0, L); dX is positions
             # [begin, begin + X) of the padded X, zero past L.
@@ -101,27 +108,32 @@ def lower_conv_grad(e: GraphBuilder, node: ir.Node):
         if not static_pads:
             xs = e.op("Pad", x, _pads_vector(e, begin, end))
         if group == 1:
-            xt = e.op("Transpose", xs, perm=lead)      # (C, N, *spatial)
-            dyt = e.op("Transpose", dy, perm=lead)     # (M, N, *out)
+            xt = e.op("Transpose", xs, perm=lead)  # (C, N, *spatial)
+            dyt = e.op("Transpose", dy, perm=lead)  # (M, N, *out)
         else:
             x_shape, dy_shape, w_shape = e.shape_of(xs), e.shape_of(dy), e.shape_of(w)
             cg, filters = e.part(w_shape, 1, 2), e.part(w_shape, 0, 1)
-            per_group = e.ints([w_dims[0] // group]) if w_dims is not None and isinstance(w_dims[0], int) \
+            per_group = (
+                e.ints([w_dims[0] // group])
+                if w_dims is not None and isinstance(w_dims[0], int)
                 else e.op("Div", filters, e.ints([group]))
+            )
             rest = list(range(3, 3 + nd))
             # X (N, G*Cg, *sp) -> (Cg, G*N, *sp): batch Cg, G groups of N channels.
             xg = e.op("Reshape", xs, e.cat(e.part(x_shape, 0, 1), e.ints([group]), cg, e.part(x_shape, 2, 2 + nd)))
-            xt = e.op("Reshape", e.op("Transpose", xg, perm=[2, 1, 0] + rest),
-                      e.cat(cg, e.ints([-1]), e.part(x_shape, 2, 2 + nd)))
+            xt = e.op(
+                "Reshape", e.op("Transpose", xg, perm=[2, 1, 0] + rest), e.cat(cg, e.ints([-1]), e.part(x_shape, 2, 2 + nd))
+            )
             # dY (N, G*Mg, *out) -> (G*Mg, N, *out): G groups of Mg filters over N channels.
-            dyg = e.op("Reshape", dy, e.cat(e.part(dy_shape, 0, 1), e.ints([group]), per_group,
-                                             e.part(dy_shape, 2, 2 + nd)))
-            dyt = e.op("Reshape", e.op("Transpose", dyg, perm=[1, 2, 0] + rest),
-                       e.cat(filters, e.ints([-1]), e.part(dy_shape, 2, 2 + nd)))
+            dyg = e.op("Reshape", dy, e.cat(e.part(dy_shape, 0, 1), e.ints([group]), per_group, e.part(dy_shape, 2, 2 + nd)))
+            dyt = e.op(
+                "Reshape",
+                e.op("Transpose", dyg, perm=[1, 2, 0] + rest),
+                e.cat(filters, e.ints([-1]), e.part(dy_shape, 2, 2 + nd)),
+            )
         full = e.op("Conv", xt, dyt, strides=dilations, dilations=strides, pads=conv_pads, group=group)
-        dw = e.op("Transpose", full, perm=lead)       # (M, Cg, *k')
-        if not (static_pads and kernel is not None
-                and _crop_is_noop(x_dims, dy_dims, kernel, begin, end, strides, dilations)):
+        dw = e.op("Transpose", full, perm=lead)  # (M, Cg, *k')
+        if not (static_pads and kernel is not None and _crop_is_noop(x_dims, dy_dims, kernel, begin, end, strides, dilations)):
             dw = e.op("Slice", dw, e.ints([0] * nd), kernel_value, e.ints(spatial_axes))
         results[1] = dw
 
@@ -139,8 +151,10 @@ def _conv_spatial_rank(node: ir.Node, *dims) -> int:
     for d in dims:
         if d is not None:
             return len(d) - 2
-    raise ModelError(f"{node_where(node)}: the number of spatial axes is unknown (no kernel_shape, strides, dilations "
-                     "or pads attribute, and X, W and dY have unknown ranks)")
+    raise ModelError(
+        f"{node_where(node)}: the number of spatial axes is unknown (no kernel_shape, strides, dilations "
+        "or pads attribute, and X, W and dY have unknown ranks)"
+    )
 
 
 def _crop_is_noop(x_dims, dy_dims, kernel, begin, end, strides, dilations) -> bool:

@@ -71,9 +71,15 @@ class LowerToStandardPass(ir.passes.InPlacePass):
         for node in targets:
             if node.op_type in schemas.SCHEMAS and normalize_domain(node.domain) == MICROSOFT:
                 schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_where(node))
-            builder = GraphBuilder(node.graph, _opset(model), names=names, constants=constants.setdefault(id(node.graph), {}),
-                                   prefix=f"{node.name or node.op_type}/lowered", const_prefix="gradgen/lower_const",
-                                   append=False)
+            builder = GraphBuilder(
+                node.graph,
+                _opset(model),
+                names=names,
+                constants=constants.setdefault(id(node.graph), {}),
+                prefix=f"{node.name or node.op_type}/lowered",
+                const_prefix="gradgen/lower_const",
+                append=False,
+            )
             lowering = lookup_lowering(node.domain, node.op_type)
             splice(builder, node, list(lowering.fn(builder, node)))
         _drop_unused_microsoft(model)
@@ -105,8 +111,10 @@ def _convert_opset(model: ir.Model, target: int) -> None:
     try:
         converted = onnx.version_converter.convert_version(ir.to_proto(model), target)
     except Exception as exc:  # noqa: BLE001 (the converter raises many kinds)
-        raise ModelError(f"portable mode needs opset {target} (the model has {current}) and ONNX's version converter "
-                         f"could not convert the model: {exc}") from None
+        raise ModelError(
+            f"portable mode needs opset {target} (the model has {current}) and ONNX's version converter "
+            f"could not convert the model: {exc}"
+        ) from None
     converted.ir_version = max(converted.ir_version, _ir_version_for(target))
     fresh = ir.from_proto(converted)
     model.graph = fresh.graph
@@ -143,8 +151,10 @@ def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | No
         if not is_needed(old):
             continue
         if new is None:
-            raise ModelError(f"lowering {node.op_type} node {node.name!r}: output {old.name!r} is used "
-                             "but the lowering produced nothing for it")
+            raise ModelError(
+                f"lowering {node.op_type} node {node.name!r}: output {old.name!r} is used "
+                "but the lowering produced nothing for it"
+            )
         if new.producer() is None or new.producer() not in builder.node_set:
             new = builder.op("Identity", new)
         olds.append(old)

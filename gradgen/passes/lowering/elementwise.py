@@ -45,4 +45,3 @@ def lower_broadcast_gradient_args(e: GraphBuilder, node: ir.Node):
         take = e.op("Or", e.op("Less", k, lead_b), e.op("And", b_one, e.op("Not", a_one)))
         results[1] = e.op("Compress", k, take, axis=0)
     return results
-

@@ -34,8 +34,10 @@ def lower_fused_matmul(e: GraphBuilder, node: ir.Node):
     except KernelError as exc:
         raise ModelError(f"{node_where(node)}: {exc}") from None
     operands = []
-    for x, rank, trans, batch in ((a, ranks[0], flags["transA"], flags["transBatchA"]),
-                                  (b, ranks[1], flags["transB"], flags["transBatchB"])):
+    for x, rank, trans, batch in (
+        (a, ranks[0], flags["transA"], flags["transBatchA"]),
+        (b, ranks[1], flags["transB"], flags["transBatchB"]),
+    ):
         perm = fused_operand_perm(rank, bool(trans), bool(batch))
         operands.append(x if perm is None else e.transpose(x, perm))
     y = e.op("MatMul", *operands)

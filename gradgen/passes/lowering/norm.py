@@ -24,9 +24,10 @@ def _to_type_of(e: GraphBuilder, value: ir.Value, like: ir.Value) -> ir.Value:
     return value if value.dtype == like.dtype else e.op("Cast", value, to=like.dtype)
 
 
-@register_lowering("LayerNormalizationGrad",
-                   min_opset=lambda node: CASTLIKE_OPSET if node_input(node, 1) is None or node.inputs[1].dtype is None
-                   else BASE_OPSET)
+@register_lowering(
+    "LayerNormalizationGrad",
+    min_opset=lambda node: CASTLIKE_OPSET if node_input(node, 1) is None or node.inputs[1].dtype is None else BASE_OPSET,
+)
 def lower_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
     """xhat = (X - mean) * inv_std_var in X's type; dX = inv_std_var * (dxhat - mean(dxhat) -
     xhat * mean(dxhat * xhat)) over the normalized axes with dxhat = Y_grad * scale; scale_grad and

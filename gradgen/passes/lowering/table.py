@@ -72,13 +72,16 @@ def node_where(node: ir.Node) -> str:
 
 def zeros_opset(like_position: int) -> Callable[[ir.Node], int]:
     """The opset for a lowering that only needs zeros like input ``like_position``."""
+
     def need(node: ir.Node) -> int:
         like = node_input(node, like_position)
         return CASTLIKE_OPSET if like is None or like.dtype is None else BASE_OPSET
+
     return need
 
 
 def scatter_add_opset(like_position: int) -> Callable[[ir.Node], int]:
     def need(node: ir.Node) -> int:
         return max(SCATTER_ADD_OPSET, zeros_opset(like_position)(node))
+
     return need
