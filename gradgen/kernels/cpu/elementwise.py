@@ -85,26 +85,33 @@ def _unary(fn):
     return kernel
 
 
+def _as_is(fn):
+    """A one-input kernel that is numpy's ``fn`` itself: its result has the type ONNX specifies."""
+
+    def kernel(x):
+        return fn(x)
+
+    return kernel
+
+
+def _binary(fn, *, one_type: bool = True):
+    """A two-input kernel that is numpy's ``fn`` with broadcasting; ``one_type``: the op takes
+    ONNX's single type T, so mixed dtypes are refused rather than promoted."""
+
+    def kernel(a, b):
+        if one_type:
+            _same_type(a, b)
+        return fn(a, b)
+
+    return kernel
+
+
 # ---------------------------------------------------------------------------------------------
 # arithmetic
 
 
-@cpu_kernel("Add")
-def add(a, b):
-    _same_type(a, b)
-    return a + b
-
-
-@cpu_kernel("Sub")
-def sub(a, b):
-    _same_type(a, b)
-    return a - b
-
-
-@cpu_kernel("Mul")
-def mul(a, b):
-    _same_type(a, b)
-    return a * b
+for _op, _fn in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply)):
+    cpu_kernel(_op)(_binary(_fn))
 
 
 @cpu_kernel("Div")
@@ -146,39 +153,16 @@ def pow_(x, y):
     return np.power(x.astype(np.float64), y.astype(np.float64)).astype(x.dtype)
 
 
-@cpu_kernel("Neg")
-def neg(x):
-    return np.negative(x)
-
-
-@cpu_kernel("Abs")
-def abs_(x):
-    return np.abs(x)
-
-
-@cpu_kernel("Reciprocal")
-def reciprocal(x):
-    return np.reciprocal(x)
-
-
-@cpu_kernel("Sign")
-def sign(x):
-    return np.sign(x)
-
-
-@cpu_kernel("Floor")
-def floor(x):
-    return np.floor(x)
-
-
-@cpu_kernel("Ceil")
-def ceil(x):
-    return np.ceil(x)
-
-
-@cpu_kernel("Round")
-def round_(x):
-    return np.round(x)  # round half to even, like the spec
+for _op, _fn in (
+    ("Neg", np.negative),
+    ("Abs", np.abs),
+    ("Reciprocal", np.reciprocal),
+    ("Sign", np.sign),
+    ("Floor", np.floor),
+    ("Ceil", np.ceil),
+    ("Round", np.round),  # round half to even, like the spec
+):
+    cpu_kernel(_op)(_as_is(_fn))
 
 
 def _variadic(fn, name):
@@ -274,20 +258,8 @@ def shrink(x, *, bias=0.0, lambd=0.5):
 # unary float math
 
 
-@cpu_kernel("Sqrt")
-def sqrt(x):
-    return np.sqrt(x)
-
-
-@cpu_kernel("Exp")
-def exp(x):
-    return np.exp(x)
-
-
-@cpu_kernel("Log")
-def log(x):
-    return np.log(x)
-
+for _op, _fn in (("Sqrt", np.sqrt), ("Exp", np.exp), ("Log", np.log)):
+    cpu_kernel(_op)(_as_is(_fn))
 
 for _op, _fn in (
     ("Tanh", np.tanh),
@@ -435,59 +407,20 @@ def gelu(x, *, approximate="none"):
 # comparison and logic (all give bool)
 
 
-@cpu_kernel("Equal")
-def equal(a, b):
-    _same_type(a, b)
-    return np.equal(a, b)
+for _op, _fn in (
+    ("Equal", np.equal),
+    ("Less", np.less),
+    ("LessOrEqual", np.less_equal),
+    ("Greater", np.greater),
+    ("GreaterOrEqual", np.greater_equal),
+):
+    cpu_kernel(_op)(_binary(_fn))
 
+for _op, _fn in (("And", np.logical_and), ("Or", np.logical_or), ("Xor", np.logical_xor)):
+    cpu_kernel(_op)(_binary(_fn, one_type=False))
 
-@cpu_kernel("Less")
-def less(a, b):
-    _same_type(a, b)
-    return np.less(a, b)
-
-
-@cpu_kernel("LessOrEqual")
-def less_or_equal(a, b):
-    _same_type(a, b)
-    return np.less_equal(a, b)
-
-
-@cpu_kernel("Greater")
-def greater(a, b):
-    _same_type(a, b)
-    return np.greater(a, b)
-
-
-@cpu_kernel("GreaterOrEqual")
-def greater_or_equal(a, b):
-    _same_type(a, b)
-    return np.greater_equal(a, b)
-
-
-@cpu_kernel("Not")
-def not_(x):
-    return np.logical_not(x)
-
-
-@cpu_kernel("And")
-def and_(a, b):
-    return np.logical_and(a, b)
-
-
-@cpu_kernel("Or")
-def or_(a, b):
-    return np.logical_or(a, b)
-
-
-@cpu_kernel("Xor")
-def xor(a, b):
-    return np.logical_xor(a, b)
-
-
-@cpu_kernel("IsNaN")
-def is_nan(x):
-    return np.isnan(x)
+for _op, _fn in (("Not", np.logical_not), ("IsNaN", np.isnan)):
+    cpu_kernel(_op)(_as_is(_fn))
 
 
 @cpu_kernel("IsInf")
@@ -508,27 +441,10 @@ def where(condition, x, y):
     return np.where(condition, x, y)
 
 
-@cpu_kernel("BitwiseAnd")
-def bitwise_and(a, b):
-    _same_type(a, b)
-    return np.bitwise_and(a, b)
+for _op, _fn in (("BitwiseAnd", np.bitwise_and), ("BitwiseOr", np.bitwise_or), ("BitwiseXor", np.bitwise_xor)):
+    cpu_kernel(_op)(_binary(_fn))
 
-
-@cpu_kernel("BitwiseOr")
-def bitwise_or(a, b):
-    _same_type(a, b)
-    return np.bitwise_or(a, b)
-
-
-@cpu_kernel("BitwiseXor")
-def bitwise_xor(a, b):
-    _same_type(a, b)
-    return np.bitwise_xor(a, b)
-
-
-@cpu_kernel("BitwiseNot")
-def bitwise_not(x):
-    return np.bitwise_not(x)
+cpu_kernel("BitwiseNot")(_as_is(np.bitwise_not))
 
 
 @cpu_kernel("BitShift")
