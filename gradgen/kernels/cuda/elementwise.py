@@ -108,27 +108,28 @@ def binary(entry: str, a, b, out_dtype, error: str | None = None):
     return out
 
 
-def _arith(op: str, op_type: str, a, b, **attrs):
-    same_type(a, b)
-    s = dtype_suffix(a.dtype)
-    if s not in NUMBERS:
-        return cpu_fallback(op_type, a, b, **attrs)
-    return binary(f"{op}_{s}", a, b, a.dtype)
+def _register_binary(op_type: str, name: str, suffixes, out_dtype=None, one_type: bool = True):
+    """Register ``op_type`` as kernel ``name`` for operands of one dtype whose suffix is in
+    ``suffixes`` (others run the CPU kernel); ``out_dtype``: None for the operands' dtype;
+    ``one_type``: the op takes ONNX's single type T, so mixed dtypes are refused."""
+
+    def launcher(a, b):
+        if one_type:
+            same_type(a, b)
+        s = dtype_suffix(a.dtype)
+        if s not in suffixes or dtype_suffix(b.dtype) != s:
+            return cpu_fallback(op_type, a, b)
+        return binary(f"{name}_{s}", a, b, a.dtype if out_dtype is None else out_dtype)
+
+    launcher.__name__ = name
+    launcher.__qualname__ = name
+    cuda_kernel(op_type)(launcher)
+    return launcher
 
 
-@cuda_kernel("Add")
-def add(a, b):
-    return _arith("add", "Add", a, b)
-
-
-@cuda_kernel("Sub")
-def sub(a, b):
-    return _arith("sub", "Sub", a, b)
-
-
-@cuda_kernel("Mul")
-def mul(a, b):
-    return _arith("mul", "Mul", a, b)
+add = _register_binary("Add", "add", NUMBERS)
+sub = _register_binary("Sub", "sub", NUMBERS)
+mul = _register_binary("Mul", "mul", NUMBERS)
 
 
 @cuda_kernel("Div")
@@ -159,58 +160,17 @@ def pow_(x, y):
     return binary(f"pow_{sx}_{sy}", x, y, x.dtype)
 
 
-def _compare(op: str, op_type: str, a, b):
-    same_type(a, b)
-    s = dtype_suffix(a.dtype)
-    if s not in NUMBERS + ("b8",):
-        return cpu_fallback(op_type, a, b)
-    return binary(f"{op}_{s}", a, b, np.bool_)
+_COMPARABLE = NUMBERS + ("b8",)
+equal = _register_binary("Equal", "equal", _COMPARABLE, np.bool_)
+less = _register_binary("Less", "less", _COMPARABLE, np.bool_)
+less_or_equal = _register_binary("LessOrEqual", "less_equal", _COMPARABLE, np.bool_)
+greater = _register_binary("Greater", "greater", _COMPARABLE, np.bool_)
+greater_or_equal = _register_binary("GreaterOrEqual", "greater_equal", _COMPARABLE, np.bool_)
 
-
-@cuda_kernel("Equal")
-def equal(a, b):
-    return _compare("equal", "Equal", a, b)
-
-
-@cuda_kernel("Less")
-def less(a, b):
-    return _compare("less", "Less", a, b)
-
-
-@cuda_kernel("LessOrEqual")
-def less_or_equal(a, b):
-    return _compare("less_equal", "LessOrEqual", a, b)
-
-
-@cuda_kernel("Greater")
-def greater(a, b):
-    return _compare("greater", "Greater", a, b)
-
-
-@cuda_kernel("GreaterOrEqual")
-def greater_or_equal(a, b):
-    return _compare("greater_equal", "GreaterOrEqual", a, b)
-
-
-def _logic(op: str, op_type: str, a, b):
-    if a.dtype != np.bool_ or b.dtype != np.bool_:
-        return cpu_fallback(op_type, a, b)
-    return binary(f"{op}_b8", a, b, np.bool_)
-
-
-@cuda_kernel("And")
-def and_(a, b):
-    return _logic("and", "And", a, b)
-
-
-@cuda_kernel("Or")
-def or_(a, b):
-    return _logic("or", "Or", a, b)
-
-
-@cuda_kernel("Xor")
-def xor(a, b):
-    return _logic("xor", "Xor", a, b)
+# logic: the kernels take bool operands (other dtypes run the CPU kernel)
+and_ = _register_binary("And", "and", ("b8",), np.bool_, one_type=False)
+or_ = _register_binary("Or", "or", ("b8",), np.bool_, one_type=False)
+xor = _register_binary("Xor", "xor", ("b8",), np.bool_, one_type=False)
 
 
 # -- Where ----------------------------------------------------------------------------------------
