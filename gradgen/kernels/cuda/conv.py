@@ -481,28 +481,43 @@ def _pad_x(x, geom, stream=None):
 # (0: the default one); ``keep`` collects temporaries that must outlive a concurrent section.
 
 
-def _fprop(x, w, geom):
+def _pass_output(shape, dtype, *operands):
+    """A pass's output buffer, and whether it is already final: when it is empty, or when an
+    operand is empty (a sum of nothing: zeros)."""
     from gradgen.cuda import runtime as rt
 
-    y = rt.empty(geom.y_shape, x.dtype)
-    if y.size == 0:
-        return y
-    if math.prod(geom.w_shape[1:]) == 0 or x.size == 0:
-        rt.memset_zero(y)
+    out = rt.empty(shape, dtype)
+    if out.size == 0:
+        return out, True
+    if any(t.size == 0 for t in operands):
+        rt.memset_zero(out)
+        return out, True
+    return out, False
+
+
+def _pass_plan(kind, dtype, geom, a_shape, b_shape, out_shape, pads, ptrs, lane=0):
+    """``_plan`` for a pass of this geometry: shapes and pads lifted to cuDNN's rank."""
+    return _plan(
+        kind,
+        dtype,
+        geom.lifted(a_shape),
+        geom.lifted(b_shape),
+        geom.lifted(out_shape),
+        geom.lift(pads, 0),
+        geom.lift(geom.strides, 1),
+        geom.lift(geom.dilations, 1),
+        ptrs,
+        lane,
+    )
+
+
+def _fprop(x, w, geom):
+    y, final = _pass_output(geom.y_shape, x.dtype, x, w)
+    if final:
         return y
     if _use_cudnn(geom, x.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
-        plan = _plan(
-            "fprop",
-            x.dtype,
-            geom.lifted(xs.shape),
-            geom.lifted(geom.w_shape),
-            geom.lifted(geom.y_shape),
-            geom.lift(pads, 0),
-            geom.lift(geom.strides, 1),
-            geom.lift(geom.dilations, 1),
-            (y.gpudata, xs.gpudata, w.gpudata),
-        )
+        plan = _pass_plan("fprop", x.dtype, geom, xs.shape, geom.w_shape, geom.y_shape, pads, (y.gpudata, xs.gpudata, w.gpudata))
         if plan is not None:
             plan.run(y.gpudata, xs.gpudata, w.gpudata)
             return y
@@ -517,29 +532,16 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
     from gradgen.cuda import runtime as rt
 
     stream = _lane(lane)[0] if lane else None
-    dx = rt.empty(geom.x_shape, dy.dtype)
-    if dx.size == 0:
-        return dx
-    if dy.size == 0 or w.size == 0:
-        rt.memset_zero(dx)
+    dx, final = _pass_output(geom.x_shape, dy.dtype, dy, w)
+    if final:
         return dx
     if _use_cudnn(geom, dy.dtype):
         if geom.symmetric:
             target, pads = dx, geom.begin
         else:
             target, pads = rt.empty(geom.padded_x_shape(), dy.dtype), [0] * geom.nd
-        plan = _plan(
-            "dgrad",
-            dy.dtype,
-            geom.lifted(geom.y_shape),
-            geom.lifted(geom.w_shape),
-            geom.lifted(target.shape),
-            geom.lift(pads, 0),
-            geom.lift(geom.strides, 1),
-            geom.lift(geom.dilations, 1),
-            (target.gpudata, dy.gpudata, w.gpudata),
-            lane,
-        )
+        ptrs = (target.gpudata, dy.gpudata, w.gpudata)
+        plan = _pass_plan("dgrad", dy.dtype, geom, geom.y_shape, geom.w_shape, target.shape, pads, ptrs, lane)
         if plan is not None:
             plan.run(target.gpudata, dy.gpudata, w.gpudata, keep)
             if target is dx:
@@ -553,31 +555,16 @@ def _dgrad(dy, w, geom, lane=0, keep=None):
 
 
 def _wgrad(dy, x, geom, lane=0, keep=None):
-    from gradgen.cuda import runtime as rt
-
     stream = _lane(lane)[0] if lane else None
-    dw = rt.empty(geom.w_shape, dy.dtype)
-    if dw.size == 0:
-        return dw
-    if dy.size == 0 or x.size == 0:
-        rt.memset_zero(dw)
+    dw, final = _pass_output(geom.w_shape, dy.dtype, dy, x)
+    if final:
         return dw
     if _use_cudnn(geom, dy.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom, stream), [0] * geom.nd)
         if keep is not None and xs is not x:
             keep.append(xs)
-        plan = _plan(
-            "wgrad",
-            dy.dtype,
-            geom.lifted(xs.shape),
-            geom.lifted(geom.y_shape),
-            geom.lifted(geom.w_shape),
-            geom.lift(pads, 0),
-            geom.lift(geom.strides, 1),
-            geom.lift(geom.dilations, 1),
-            (dw.gpudata, xs.gpudata, dy.gpudata),
-            lane,
-        )
+        ptrs = (dw.gpudata, xs.gpudata, dy.gpudata)
+        plan = _pass_plan("wgrad", dy.dtype, geom, xs.shape, geom.y_shape, geom.w_shape, pads, ptrs, lane)
         if plan is not None:
             plan.run(dw.gpudata, xs.gpudata, dy.gpudata, keep)
             return dw
