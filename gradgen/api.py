@@ -22,6 +22,7 @@ from gradgen.passes import (
     ShapeInferencePass,
     TopologicalSortPass,
     TransposeFusionPass,
+    UnrollRecurrentPass,
     UpgradeOpsetPass,
 )
 from gradgen.passes.autocast import check_precision
@@ -44,13 +45,14 @@ class BackwardModel:
 
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
-    """The default pipeline: prepare the forward graph, add the backward graph, fold matrix transposes
-    into GEMM flags (``TransposeFusionPass``), clean up.
+    """The default pipeline: prepare the forward graph (LSTM / GRU / RNN unrolled into standard ops by
+    ``UnrollRecurrentPass``), add the backward graph, fold matrix transposes into GEMM flags
+    (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
     the gradient pass, which then differentiates through its casts."""
     gradient = GradientPass(spec)
-    prepare = [UpgradeOpsetPass(), NameNodesPass(), TopologicalSortPass(), EvaluateConstantsPass()]
+    prepare = [UpgradeOpsetPass(), NameNodesPass(), TopologicalSortPass(), EvaluateConstantsPass(), UnrollRecurrentPass()]
     if precision != "fp32":
         prepare.append(AutocastPass(precision))
     pipeline = Pipeline(*prepare, gradient, TransposeFusionPass(), CleanupPass())

@@ -11,7 +11,19 @@ from __future__ import annotations
 from gradgen.kernels.table import KERNELS, MICROSOFT, ONNX_DOMAIN, KernelEntry, cpu_kernel, cuda_kernel, normalize_domain
 from gradgen.registration import Families
 
-CPU_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "optimizer", "pool", "reduction", "shape")
+CPU_FAMILIES = (
+    "conv",
+    "elementwise",
+    "indexing",
+    "loss",
+    "matmul",
+    "norm",
+    "optimizer",
+    "pool",
+    "recurrent",
+    "reduction",
+    "shape",
+)
 CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "reduction", "shape")
 
 _KERNELS = KERNELS  # the table itself, under its former name
@@ -28,6 +40,11 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
+    # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
+    # launchers; only a forward model run as it is holds them
+    ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",
+    ("", "LSTM"): "no CUDA launcher: backward graphs hold their unrolled form",
+    ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
 }
 
 __all__ = [

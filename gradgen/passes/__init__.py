@@ -8,6 +8,7 @@ from gradgen.passes.autocast import AutocastPass
 from gradgen.passes.evaluate import EvaluateConstantsPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
+from gradgen.passes.recurrent import UnrollRecurrentPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,
@@ -42,5 +43,6 @@ __all__ = [
     "ShapeInferencePass",
     "TopologicalSortPass",
     "TransposeFusionPass",
+    "UnrollRecurrentPass",
     "UpgradeOpsetPass",
 ]

@@ -35,9 +35,12 @@ def _case_model(op_type: str):
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
     "Einsum": lambda: _case_model("Einsum"),
+    "GRU": lambda: _case_model("GRU"),
+    "LSTM": lambda: _case_model("LSTM"),
     "Mean": lambda: _case_model("Mean"),
     "Range": _range_model,
     "Resize": lambda: _case_model("Resize"),
+    "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
 }
 
