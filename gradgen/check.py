@@ -31,6 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gradgen.errors import RunError, UsageError
 from gradgen.model_io import ModelLike, external_tensors_inline, load_model
 from gradgen.names import unique_name, value_names
+from gradgen.text_table import format_table
 
 ELEMENTWISE_LIMIT = 64
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
@@ -262,10 +263,7 @@ class CheckReport:
             )
             for t in self.tensors
         ]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(header, rows)
 
 
 def check_gradients(

@@ -366,10 +366,9 @@ def _format_table(results) -> str:
         stats = _stats(value)
         shown = [f"{x:.6g}" for x in stats] if stats else ["-"] * 4
         rows.append((name, str(list(value.shape)), str(value.dtype), *shown))
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    from gradgen.text_table import format_table
+
+    return format_table(header, rows)
 
 
 def _stats(value, chunk: int = 1 << 20) -> Optional[tuple[float, float, float, float]]:

@@ -33,6 +33,7 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError, RunError
 from gradgen.names import value_name
 from gradgen.passes.autocast import METADATA_KEY
+from gradgen.text_table import format_table
 
 # Non-smooth ops: input positions compared with a switching point (0 for one input; each other for two).
 _KINK_AT_ZERO = {"Relu", "LeakyRelu", "PRelu", "Abs", "ThresholdedRelu"}
@@ -91,10 +92,7 @@ class Comparison:
             )
             for r in self.rows
         ]
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(header, rows)
 
 
 def match_reference(

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from gradgen.text_table import format_table
+
 MIB = 1 << 20
 
 
@@ -163,9 +165,4 @@ def fmt_ratio(num: float | None, den: float | None) -> str:
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A plain fixed-width table (first column left-aligned, the others right-aligned)."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells):
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    return format_table(headers, rows, figures=True)
