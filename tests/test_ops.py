@@ -160,3 +160,18 @@ def test_depth_space_plans_reject_bad_shapes_and_modes():
         shape.space_to_depth_plan((1, 1, 3, 4), 2)
     with pytest.raises(KernelError, match="unknown mode 'XYZ'"):
         shape.space_to_depth_plan((1, 1, 2, 2), 2, "XYZ")
+
+
+def test_concat_shape_sums_the_axis_and_checks_the_rest():
+    f32 = np.dtype(np.float32)
+    assert shape.concat_shape([(2, 3, 4), (2, 5, 4)], [f32, f32], -2) == (1, [2, 8, 4])
+    with pytest.raises(KernelError, match="needs at least one input"):
+        shape.concat_shape([], [], 0)
+    with pytest.raises(KernelError, match="input 1 has rank 2, input 0 has rank 3"):
+        shape.concat_shape([(2, 3, 4), (2, 3)], [f32, f32], 1)
+    with pytest.raises(KernelError, match=r"input 1 has shape \[2, 3, 5\], input 0 has \[2, 3, 4\]: .* every axis but 1"):
+        shape.concat_shape([(2, 3, 4), (2, 3, 5)], [f32, f32], 1)
+    with pytest.raises(KernelError, match="input 1 has dtype float64, input 0 has float32; Concat needs one type"):
+        shape.concat_shape([(2, 3), (2, 3)], [f32, np.dtype(np.float64)], 0)
+    with pytest.raises(KernelError, match="axis 3 is out of range for rank 2"):
+        shape.concat_shape([(2, 3)], [f32], 3)

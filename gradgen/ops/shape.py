@@ -7,7 +7,7 @@ import math
 from typing import Sequence
 
 from gradgen.errors import KernelError
-from gradgen.ops.axes import int_list
+from gradgen.ops.axes import int_list, normalize_axis
 
 
 def shape_bounds(rank: int, start: int = 0, end: int | None = None) -> tuple[int, int]:
@@ -115,6 +115,26 @@ def reshape_dims(in_shape, dims, allowzero=0) -> list[int]:
     if math.prod(out) != total:
         raise KernelError(f"cannot reshape input of shape {in_shape} ({total} elements) to {dims}")
     return out
+
+
+def concat_shape(shapes: Sequence[Sequence[int]], dtypes: Sequence[object], axis) -> tuple[int, list[int]]:
+    """Concat's (normalised axis, output shape) for inputs of these shapes and dtypes (None inputs
+    left out); KernelError unless they have one rank, one dtype and the same dims off the axis."""
+    if not shapes:
+        raise KernelError("Concat needs at least one input")
+    first = list(shapes[0])
+    rank = len(first)
+    ax = normalize_axis(axis, rank)
+    for i, (shape, dtype) in enumerate(zip(shapes[1:], dtypes[1:]), 1):
+        if len(shape) != rank:
+            raise KernelError(f"input {i} has rank {len(shape)}, input 0 has rank {rank}")
+        if any(shape[d] != first[d] for d in range(rank) if d != ax):
+            raise KernelError(f"input {i} has shape {list(shape)}, input 0 has {first}: they must agree on every axis but {ax}")
+        if dtype != dtypes[0]:
+            raise KernelError(f"input {i} has dtype {dtype}, input 0 has {dtypes[0]}; Concat needs one type")
+    out = list(first)
+    out[ax] = sum(int(shape[ax]) for shape in shapes)
+    return ax, out
 
 
 BlockRearrangement = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]

@@ -21,6 +21,7 @@ from gradgen.ops import schemas
 from gradgen.ops.axes import int_list, normalize_axis
 from gradgen.ops.schemas import ANY, INDICES, INT64, Formal, Schema
 from gradgen.ops.shape import (
+    concat_shape,
     depth_to_space_plan,
     reshape_dims,
     shape_bounds,
@@ -106,21 +107,7 @@ def unsqueeze(data, axes=None):
 @cpu_kernel("Concat")
 def concat(*inputs, axis):
     arrays = [x for x in inputs if x is not None]
-    if not arrays:
-        raise KernelError("Concat needs at least one input")
-    rank = arrays[0].ndim
-    ax = normalize_axis(axis, rank)
-    for i, x in enumerate(arrays[1:], 1):
-        if x.ndim != rank:
-            raise KernelError(f"input {i} has rank {x.ndim}, input 0 has rank {rank}")
-        for d in range(rank):
-            if d != ax and x.shape[d] != arrays[0].shape[d]:
-                raise KernelError(
-                    f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
-                    f"they must agree on every axis but {ax}"
-                )
-        if x.dtype != arrays[0].dtype:
-            raise KernelError(f"input {i} has dtype {x.dtype}, input 0 has {arrays[0].dtype}; Concat needs one type")
+    ax, _ = concat_shape([x.shape for x in arrays], [x.dtype for x in arrays], axis)
     return np.concatenate(arrays, axis=ax)
 
 

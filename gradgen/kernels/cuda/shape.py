@@ -45,7 +45,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import int_list, normalize_axes, normalize_axis
-from gradgen.ops.shape import depth_to_space_plan, reshape_dims, shape_bounds, slice_geometry, space_to_depth_plan
+from gradgen.ops.shape import concat_shape, depth_to_space_plan, reshape_dims, shape_bounds, slice_geometry, space_to_depth_plan
 
 _VECTOR = {2: 8, 4: 4, 8: 2}
 
@@ -248,23 +248,7 @@ def tile(x, repeats):
 def concat(*inputs, axis):
     rt = runtime()
     arrays = [x for x in inputs if x is not None]
-    if not arrays:
-        raise KernelError("Concat needs at least one input")
-    rank = len(arrays[0].shape)
-    ax = normalize_axis(axis, rank)
-    for i, x in enumerate(arrays[1:], 1):
-        if len(x.shape) != rank:
-            raise KernelError(f"input {i} has rank {len(x.shape)}, input 0 has rank {rank}")
-        for d in range(rank):
-            if d != ax and x.shape[d] != arrays[0].shape[d]:
-                raise KernelError(
-                    f"input {i} has shape {list(x.shape)}, input 0 has {list(arrays[0].shape)}: "
-                    f"they must agree on every axis but {ax}"
-                )
-        if x.dtype != arrays[0].dtype:
-            raise KernelError(f"input {i} has dtype {x.dtype}, input 0 has {arrays[0].dtype}; Concat needs one type")
-    out_shape = list(arrays[0].shape)
-    out_shape[ax] = sum(x.shape[ax] for x in arrays)
+    ax, out_shape = concat_shape([x.shape for x in arrays], [x.dtype for x in arrays], axis)
     out = rt.empty(out_shape, arrays[0].dtype)
     out_strides = rt.contiguous_strides(out_shape)
     offset = 0
