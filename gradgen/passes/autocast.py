@@ -294,19 +294,22 @@ class _Rewriter:
         key = (id(value), dtype)
         if key not in self.casts:
             suffix = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}[dtype]
-            name = self.fresh(f"{value.name}.{suffix}")
-            out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape.copy() if value.shape else None)
-            node = ir.Node(
-                "",
-                "Cast",
-                inputs=[value],
-                attributes=[ir.AttrInt64("to", int(dtype))],
-                outputs=[out],
-                name=self.fresh(f"gradgen_autocast/{name}"),
-            )
+            node = self.cast_node(value, dtype, self.fresh(f"{value.name}.{suffix}"))
             self.graph.insert_before(before, node)
-            self.casts[key] = out
+            self.casts[key] = node.outputs[0]
         return self.casts[key]
+
+    def cast_node(self, value: ir.Value, dtype: ir.DataType, name: str) -> ir.Node:
+        """A new Cast node (not yet in the graph) of ``value`` to ``dtype``, its output named ``name``."""
+        out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape.copy() if value.shape else None)
+        return ir.Node(
+            "",
+            "Cast",
+            inputs=[value],
+            attributes=[ir.AttrInt64("to", int(dtype))],
+            outputs=[out],
+            name=self.fresh(f"gradgen_autocast/{name}"),
+        )
 
     def fresh(self, name: str) -> str:
         return unique_name(name, self.taken)
@@ -334,17 +337,9 @@ class _Rewriter:
                 continue
             name = value.name
             value.name = self.fresh(f"{name}.{'bf16' if value.dtype == ir.DataType.BFLOAT16 else 'fp16'}")
-            out = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape.copy() if value.shape else None)
-            node = ir.Node(
-                "",
-                "Cast",
-                inputs=[value],
-                attributes=[ir.AttrInt64("to", int(dtype))],
-                outputs=[out],
-                name=self.fresh(f"gradgen_autocast/{name}"),
-            )
+            node = self.cast_node(value, dtype, name)
             self.graph.append(node)
-            self.graph.outputs[position] = out
+            self.graph.outputs[position] = node.outputs[0]
 
 
 def _is_rank0(value: ir.Value) -> bool:
