@@ -146,6 +146,51 @@ def test_split_ptx_keeps_the_common_part_and_cuts_each_entry():
     assert sorted(filter(None, pieces.splitlines())) == sorted(filter(None, ptx.splitlines()))  # nothing lost
 
 
+class FakePartCompiler(FakeCompiler):
+    """Compiles a source of '// part k: names' lines: part p's 'cubin' holds a code section
+    (.text.<name>) for each name of the lines with k % parts == p; whole: every name."""
+
+    identity = "fake-parts 1.0"
+
+    def compile(self, source, arch, part=None):
+        if self.barrier is not None:
+            self.barrier.wait(timeout=30)  # the parts compile at the same time, or this times out
+        names = []
+        for line in source.text.splitlines():
+            if line.startswith("// part "):
+                k, listed = line[len("// part ") :].split(":")
+                if part is None or int(k) % source.parts == part:
+                    names += listed.split()
+        return b"\x7fELF" + b"".join(b".text." + n.encode() + b"\x00" for n in names)
+
+
+def test_a_source_in_parts_compiles_them_side_by_side_one_cubin_each(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.cu").write_text(
+        "#define GG_PARTS 3  // a comment may follow\n// part 0: a b\n// part 1: c\n// part 2: d\n// part 3: e f\n"
+    )
+    source = cc.find_source("big", src)
+    assert source.parts == 3
+    (tmp_path / "cache").mkdir()
+    with ThreadPoolExecutor(3) as links:
+        build = kernel_cache.load_or_build(
+            source, "sm_90", FakePartCompiler(barrier=threading.Barrier(3)), tmp_path / "cache", links
+        )
+    assert [names for names, _ in build] == [["a", "b", "e", "f"], ["c"], ["d"]]
+    assert kernel_cache.load_or_build(source, "sm_90", FakePartCompiler(), tmp_path / "cache") == build  # from the cache
+    whole = kernel_cache.load_or_compile(source, "sm_90", FakePartCompiler(), tmp_path / "cache")
+    assert cc.cubin_kernels(whole) == ["a", "b", "c", "d", "e", "f"]  # a whole build holds every part
+
+
+def test_a_source_without_parts_is_one_part():
+    assert cc.Source("a", Path("a.cu"), "// no parts\n#define GG_PARTS_OF_SOMETHING 4\n", "0").parts == 1
+
+
+def test_cubin_kernels_reads_the_code_sections():
+    assert cc.cubin_kernels(b"\x7fELF.text.k2\x00.nv.info.k2\x00.text.k1\x00.text.k2\x00") == ["k1", "k2"]
+
+
 def test_groups_deal_names_round_robin():
     assert kernel_cache.groups_of(["a", "b", "c", "d", "e"], size=2) == [["a", "d"], ["b", "e"], ["c"]]
     assert kernel_cache.groups_of(["a"], size=12) == [["a"]]
@@ -303,6 +348,21 @@ def test_a_real_compile_error_names_the_source_and_line(kind, tmp_path):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { undeclared_thing(); }\n')
     with pytest.raises(KernelError, match=r"(?s)broken\.cu does not compile .*\n.*undeclared_thing"):
         using.compile(cc.find_source("broken", tmp_path), "sm_90")
+
+
+@pytest.mark.parametrize("kind", ["nvrtc", "nvcc"])
+def test_a_real_compiler_builds_each_part_with_its_own_kernels(kind, tmp_path):
+    using = _real(kind)
+    (tmp_path / "common.h").write_text((cc.CUDA_SOURCES / "common.h").read_text())
+    blocks = "".join(
+        f'#if GG_PART({k})\nextern "C" __global__ void kern{k}(float* out) {{ out[threadIdx.x] = {k}.0f; }}\n#endif\n'
+        for k in range(3)
+    )
+    (tmp_path / "parted.cu").write_text('#define GG_PARTS 2\n#include "common.h"\n' + blocks)
+    source = cc.find_source("parted", tmp_path)
+    build = kernel_cache.compile_build(source, "sm_90", using)
+    assert [names for names, _ in build] == [["kern0", "kern2"], ["kern1"]]
+    assert cc.cubin_kernels(using.compile(source, "sm_90")) == ["kern0", "kern1", "kern2"]
 
 
 def test_nvrtc_splits_a_source_into_kernel_groups(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -117,3 +118,43 @@ def test_there_are_cuda_sources():
 def test_the_record_names_only_existing_sources():
     known = {s.name for s in SOURCES} | set(GENERATED)
     assert set(recorded_hashes()) <= known, "tests/cuda_sources.sha256 names a removed source"
+
+
+PARTED = [source for source in SOURCES if re.search(r"^#define GG_PARTS \d+", source.read_text(), re.MULTILINE)]
+_GUARD = re.compile(r"^#if GG_PART\((\d+)\)$")
+_INSTANCE = re.compile(r'^(GG_[A-Z0-9_]+\(|extern "C" __global__)')
+
+
+def guarded_blocks(text: str) -> tuple[list[int], list[str]]:
+    """The k of each ``#if GG_PART(k)`` in order, and the top-level kernel definitions outside them
+    (a macro instantiation or an ``extern "C"`` kernel at column 0, not inside a #define)."""
+    numbers, outside, inside, continued = [], [], False, False
+    for line in text.splitlines():
+        guard = _GUARD.match(line)
+        if guard:
+            numbers.append(int(guard.group(1)))
+            inside = True
+        elif line.startswith("#endif") and inside:
+            inside = False
+        elif not inside and not continued and _INSTANCE.match(line) and not line.startswith("GG_REDUCER("):
+            outside.append(line)
+        continued = line.rstrip().endswith("\\")
+    return numbers, outside
+
+
+@pytest.mark.parametrize("source", PARTED, ids=lambda p: p.name)
+def test_a_source_in_parts_guards_every_kernel_and_fills_every_part(source):
+    """Part p keeps the blocks with k % GG_PARTS == p (common.h): the blocks must be numbered 0, 1, 2, ...
+    so that no part is empty, and no kernel may stand outside a block (it would compile in every part)."""
+    text = source.read_text()
+    parts = int(re.search(r"^#define GG_PARTS (\d+)", text, re.MULTILINE).group(1))
+    numbers, outside = guarded_blocks(text)
+    assert numbers == list(range(len(numbers))), f"{source.name}: GG_PART blocks numbered {numbers}"
+    assert len(numbers) >= parts, f"{source.name}: {parts} parts but {len(numbers)} blocks"
+    assert outside == [], f"{source.name}: kernels outside a GG_PART block: {outside[:3]}"
+    assert text.index("#define GG_PARTS") < text.index('#include "common.h"')
+
+
+def test_the_guard_check_finds_an_unguarded_kernel():
+    text = "#define GG_PARTS 2\n#if GG_PART(0)\nGG_A(x)\n#endif\n#define GG_B(x) \\\n    GG_A(x)\nGG_A(y)\n"
+    assert guarded_blocks(text) == ([0], ["GG_A(y)"])

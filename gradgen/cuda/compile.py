@@ -31,6 +31,8 @@ NVRTC_PRELUDE = "gradgen_nvrtc.h"
 STD = "c++17"
 COMPILERS = ("nvrtc", "nvcc")
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+_PARTS = re.compile(r"^\s*#\s*define\s+GG_PARTS\s+(\d+)\b", re.MULTILINE)
+_KERNEL_SECTION = re.compile(rb"\.text\.([A-Za-z_$][\w$]*)\x00")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,14 @@ class Source:
     path: Path
     text: str
     digest: str
+
+    @property
+    def parts(self) -> int:
+        """How many parts the source is compiled in (``#define GG_PARTS n``; 1 when it says none).
+        Part ``p`` keeps the kernel instantiations guarded by ``#if GG_PART(k)`` with ``k % n == p``
+        (see common.h); the parts compile at once, so one large source does not bound the cold start."""
+        found = _PARTS.search(self.text)
+        return max(1, int(found.group(1))) if found else 1
 
 
 def local_headers(text: str, directories: tuple[Path, ...]) -> list[Path]:
@@ -96,7 +106,8 @@ class Compiler:
     identity = ""
     can_split = False
 
-    def compile(self, source: Source, arch: str) -> bytes:
+    def compile(self, source: Source, arch: str, part: int | None = None) -> bytes:
+        """The cubin of ``source`` (with ``part``: only that part's kernels, see ``Source.parts``)."""
         raise NotImplementedError
 
     def ptx(self, source: Source, arch: str) -> str:
@@ -131,9 +142,14 @@ class NvrtcCompiler(Compiler):
     def _include_path(self, source: Source) -> list[str]:
         return [str(source.path.parent), *self.include_path]
 
-    def compile(self, source: Source, arch: str) -> bytes:
+    def compile(self, source: Source, arch: str, part: int | None = None) -> bytes:
         options = self._core.ProgramOptions(
-            name=source.path.name, arch=arch, std=STD, pre_include=NVRTC_PRELUDE, include_path=self._include_path(source)
+            name=source.path.name,
+            arch=arch,
+            std=STD,
+            pre_include=NVRTC_PRELUDE,
+            include_path=self._include_path(source),
+            define_macro=part_defines(part) or None,
         )
         program = self._core.Program(source.text, "c++", options=options)
         return self._run("NVRTC", source, arch, lambda: _code_bytes(program.compile("cubin")))
@@ -225,7 +241,7 @@ class NvccCompiler(Compiler):
         self.options = [f"-std={STD}", "-O3"]
         self.identity = f"nvcc {self.version}; {self.options}"
 
-    def compile(self, source: Source, arch: str) -> bytes:
+    def compile(self, source: Source, arch: str, part: int | None = None) -> bytes:
         with tempfile.TemporaryDirectory(prefix="gradgen-nvcc-") as tmp:
             out = Path(tmp) / f"{source.name}.cubin"
             result = subprocess.run(
@@ -234,6 +250,7 @@ class NvccCompiler(Compiler):
                     "-cubin",
                     f"-arch={arch}",
                     *self.options,
+                    *(f"-D{name}={value}" for name, value in part_defines(part)),
                     f"-I{source.path.parent}",
                     "-o",
                     str(out),
@@ -245,6 +262,17 @@ class NvccCompiler(Compiler):
             if result.returncode != 0:
                 raise KernelError(_compile_failure(source, arch, "nvcc", result.stderr))
             return out.read_bytes()
+
+
+def part_defines(part: int | None) -> list[tuple[str, str]]:
+    """The macro that selects one part of a source compiled in parts (none: the whole source)."""
+    return [] if part is None else [("GG_PART_INDEX", str(int(part)))]
+
+
+def cubin_kernels(cubin: bytes) -> list[str]:
+    """The functions a cubin holds code for, from its ELF section names (``.text.<name>``): the
+    kernels, and any device function left out of line."""
+    return sorted({name.decode() for name in _KERNEL_SECTION.findall(cubin)})
 
 
 def _compile_failure(source: Source, arch: str, compiler: str, log: str) -> str:

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
-from gradgen.cuda.compile import Compiler, Source, compiler, find_source, source_names, split_ptx
+from gradgen.cuda.compile import Compiler, Source, compiler, cubin_kernels, find_source, source_names, split_ptx
 from gradgen.errors import KernelError
 
 try:
@@ -126,8 +126,11 @@ def write_build(stem: Path, build: Build) -> None:
 
 
 def compile_build(source: Source, arch: str, using: Compiler, links: Executor | None = None, split: bool = True) -> Build:
-    """Compile ``source``: split into kernel groups linked on ``links`` (a thread pool) where the
-    compiler can and ``split`` allows, else whole."""
+    """Compile ``source``: with ``split``, a source written in parts (``Source.parts``) compiles
+    its parts side by side on ``links`` (a thread pool), one cubin each; any other source splits
+    into kernel groups linked on ``links`` where the compiler can; else the source compiles whole."""
+    if split and source.parts > 1:
+        return _compile_parts(source, arch, using, links)
     if not (split and using.can_split):
         return [(None, using.compile(source, arch))]
     common, kernels = split_ptx(using.ptx(source, arch))
@@ -140,6 +143,20 @@ def compile_build(source: Source, arch: str, using: Compiler, links: Executor | 
         return [(names, assemble(names)) for names in groups]
     futures = [links.submit(assemble, names) for names in groups]
     return [(names, future.result()) for names, future in zip(groups, futures)]
+
+
+def _compile_parts(source: Source, arch: str, using: Compiler, links: Executor | None) -> Build:
+    """One cubin per part of ``source``, each listed with the kernels it holds (from its sections),
+    so a module finds a kernel's cubin without asking the driver."""
+
+    def part(index: int) -> tuple[list[str] | None, bytes]:
+        cubin = using.compile(source, arch, part=index)
+        return cubin_kernels(cubin) or None, cubin
+
+    if links is None:
+        return [part(index) for index in range(source.parts)]
+    futures = [links.submit(part, index) for index in range(source.parts)]
+    return [future.result() for future in futures]
 
 
 def load_or_build(

@@ -262,13 +262,21 @@ class Module:
         except driver.Error as exc:
             raise KernelError(f"CUDA module {name}.cu ({_arch()}) does not load: {exc}") from exc
         self._where = {kernel: i for i, (kernels, _) in enumerate(build) if kernels is not None for kernel in kernels}
-        self._whole = len(build) == 1 and build[0][0] is None  # one cubin of every kernel (nvcc)
+        self._unlisted = [i for i, (kernels, _) in enumerate(build) if kernels is None]  # e.g. one whole cubin
 
     def get_function(self, entry: str):
-        if entry in self._where:
-            return self._modules[self._where[entry]].get_function(entry)
-        if self._whole:
-            return self._modules[0].get_function(entry)
+        if entry not in self._where:
+            self._where[entry] = self._search(entry)
+        return self._modules[self._where[entry]].get_function(entry)
+
+    def _search(self, entry: str) -> int:
+        """The cubin holding ``entry`` among those whose kernels the build does not list."""
+        for index in self._unlisted:
+            try:
+                self._modules[index].get_function(entry)
+            except driver.Error:
+                continue
+            return index
         raise KernelError(f"no kernel {entry} in {self.name}.cu")
 
 

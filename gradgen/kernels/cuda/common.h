@@ -5,6 +5,15 @@
 
 #define GG_MAX_RANK 8
 
+// A large source compiles in parts, side by side (gradgen/cuda/compile.py, Source.parts): it defines
+// GG_PARTS n before including this header and guards its kernel instantiations with #if GG_PART(k),
+// k = 0, 1, 2, ... in order. Part p (GG_PART_INDEX = p) keeps the blocks with k % n == p, so every
+// kernel lands in exactly one part; a whole build (no GG_PART_INDEX) keeps them all.
+#ifndef GG_PART_INDEX
+#define GG_PART_INDEX -1
+#endif
+#define GG_PART(k) (GG_PART_INDEX < 0 || (k) % GG_PARTS == GG_PART_INDEX)
+
 // A tensor's shape and element strides, passed by value (mirrors runtime.DESC_DTYPE).
 struct TensorDesc {
     int64_t rank;

@@ -2,6 +2,7 @@
 // Entry points: extern "C" <op>_<dtype suffix>, e.g. add_f32, equal_f32 (bool out), pow_f32_i64,
 // cast_f32_i64. The launchers (elementwise.py) drop size-1 dims and merge dims that are contiguous
 // for every operand first, so the common same-shape case is rank 1 and needs no index arithmetic.
+#define GG_PARTS 8  // compiled as 8 parts at once (common.h: GG_PART)
 #include "common.h"
 
 // numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.
@@ -114,19 +115,27 @@ __device__ __forceinline__ void binary(TO* out, const TA* a, const TB* b, int64_
     GG_BIN(op##_f64, double, double, bool, expr) GG_BIN(op##_i32, int32_t, int32_t, bool, expr)    \
     GG_BIN(op##_i64, int64_t, int64_t, bool, expr) GG_BIN(op##_b8, bool, bool, bool, expr)
 
+#if GG_PART(0)
 GG_BIN_FLOATS(add, x + y)
 GG_BIN_FLOATS(sub, x - y)
 GG_BIN_FLOATS(mul, x * y)
 GG_BIN_FLOATS(div, x / y)
+#endif
+#if GG_PART(1)
 GG_BIN_FLOATS(max, gg_max(x, y))
 GG_BIN_FLOATS(min, gg_min(x, y))
 GG_BIN_INTS(add, (decltype(x))((unsigned long long)x + (unsigned long long)y))
 GG_BIN_INTS(sub, (decltype(x))((unsigned long long)x - (unsigned long long)y))
+#endif
+#if GG_PART(2)
 GG_BIN_INTS(mul, (decltype(x))((unsigned long long)x * (unsigned long long)y))
 GG_BIN_INTS(max, x < y ? y : x)
 GG_BIN_INTS(min, y < x ? y : x)
+#endif
 // Integer division truncates toward zero (C semantics, like the CPU kernel); y == 0 sets the flag.
+#if GG_PART(3)
 GG_BIN_INTS(div, y == 0 ? (*flag = 1, decltype(x)(0)) : (y == -1 ? (decltype(x))(0ull - (unsigned long long)x) : x / y))
+#endif
 
 // Mod: fmod=1 takes the dividend's sign (C fmod); fmod=0 the divisor's (numpy/Python %).
 __device__ __forceinline__ float gg_pymod(float x, float y) {
@@ -151,14 +160,18 @@ template <typename T> __device__ __forceinline__ T gg_int_fmod(T x, T y, int64_t
     if (y == -1) return 0;
     return x % y;
 }
+#if GG_PART(4)
 GG_BIN(mod_f16, __half, __half, __half, gg_pymod(x, y))
 GG_BIN(mod_f32, float, float, float, gg_pymod(x, y))
 GG_BIN(mod_f64, double, double, double, gg_pymod(x, y))
 GG_BIN(fmod_f16, __half, __half, __half, fmodf(x, y))
+#endif
+#if GG_PART(5)
 GG_BIN(fmod_f32, float, float, float, fmodf(x, y))
 GG_BIN(fmod_f64, double, double, double, fmod(x, y))
 GG_BIN_INTS(mod, gg_int_pymod(x, y, flag))
 GG_BIN_INTS(fmod, gg_int_fmod(x, y, flag))
+#endif
 
 // Pow: the output has the base's type; computed in double when either side is double.
 __device__ __forceinline__ float gg_pow(float x, float y) { return y == 2.0f ? x * x : powf(x, y); }
@@ -170,26 +183,36 @@ template <typename T> __device__ __forceinline__ T gg_ipow(T x, long long y) {
     return (T)result;
 }
 #define GG_POW_F(sa, TA, sb, TB, C) GG_BIN(pow_##sa##_##sb, TA, TB, TA, (decltype(x))gg_pow((C)x, (C)y))
+#if GG_PART(6)
 GG_POW_F(f16, __half, f16, __half, float) GG_POW_F(f16, __half, f32, float, float) GG_POW_F(f16, __half, f64, double, double)
 GG_POW_F(f16, __half, i32, int32_t, float) GG_POW_F(f16, __half, i64, int64_t, float)
 GG_POW_F(f32, float, f16, __half, float) GG_POW_F(f32, float, f32, float, float) GG_POW_F(f32, float, f64, double, double)
 GG_POW_F(f32, float, i32, int32_t, float) GG_POW_F(f32, float, i64, int64_t, float)
+#endif
+#if GG_PART(7)
 GG_POW_F(f64, double, f16, __half, double) GG_POW_F(f64, double, f32, float, double) GG_POW_F(f64, double, f64, double, double)
 GG_POW_F(f64, double, i32, int32_t, double) GG_POW_F(f64, double, i64, int64_t, double)
 GG_BIN(pow_i32_i32, int32_t, int32_t, int32_t, gg_ipow<int32_t>(x, y))
 GG_BIN(pow_i32_i64, int32_t, int64_t, int32_t, gg_ipow<int32_t>(x, y))
+#endif
+#if GG_PART(8)
 GG_BIN(pow_i64_i32, int64_t, int32_t, int64_t, gg_ipow<int64_t>(x, y))
 GG_BIN(pow_i64_i64, int64_t, int64_t, int64_t, gg_ipow<int64_t>(x, y))
+#endif
 
 // Comparisons (bool out) and logic.
+#if GG_PART(9)
 GG_CMP(equal, x == y)
 GG_CMP(less, x < y)
 GG_CMP(less_equal, x <= y)
 GG_CMP(greater, x > y)
+#endif
+#if GG_PART(10)
 GG_CMP(greater_equal, x >= y)
 GG_BIN(and_b8, bool, bool, bool, x && y)
 GG_BIN(or_b8, bool, bool, bool, x || y)
 GG_BIN(xor_b8, bool, bool, bool, x != y)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Where: out[i] = cond ? x : y with 3-way broadcasting; the value type only matters by its size.
@@ -207,10 +230,12 @@ __device__ __forceinline__ void where(T* out, const bool* c, const T* x, const T
                                     TensorDesc cv, TensorDesc xv, TensorDesc yv, int64_t n) {          \
         where(out, c, x, y, shape, cv, xv, yv, n);                                                     \
     }
+#if GG_PART(11)
 GG_WHERE(where_1, uint8_t)
 GG_WHERE(where_2, uint16_t)
 GG_WHERE(where_4, uint32_t)
 GG_WHERE(where_8, uint64_t)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Variadic Sum/Max/Min over up to 8 same-shape inputs, folded left to right like the CPU kernel.
@@ -233,9 +258,11 @@ GG_WHERE(where_8, uint64_t)
     GG_VARIADIC(op##_n_f16, __half, expr) GG_VARIADIC(op##_n_f32, float, expr)                         \
     GG_VARIADIC(op##_n_f64, double, expr) GG_VARIADIC(op##_n_i32, int32_t, expr)                       \
     GG_VARIADIC(op##_n_i64, int64_t, expr)
+#if GG_PART(12)
 GG_VARIADIC_ALL(sum, x + y)
 GG_VARIADIC_ALL(max, gg_max(x, y))
 GG_VARIADIC_ALL(min, gg_min(x, y))
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // unary: out[i] = op(x[i]) with up to two float attributes (alpha, beta).
@@ -269,51 +296,75 @@ template <typename C> __device__ __forceinline__ C gg_sign(C x) {
     return x > C(0) ? C(1) : (x < C(0) ? C(-1) : x);  // NaN and +-0 pass through
 }
 
+#if GG_PART(13)
 GG_UN_FLOATS(neg, -x)
 GG_UN_FLOATS(abs, fabs(x))
 GG_UN_FLOATS(sqrt, sqrt(x))
 GG_UN_FLOATS(reciprocal, C(1) / x)
+#endif
+#if GG_PART(14)
 GG_UN_FLOATS(exp, exp(x))
 GG_UN_FLOATS(log, log(x))
 GG_UN_FLOATS(tanh, tanh(x))
 GG_UN_FLOATS(sigmoid, gg_sigmoid(x))
+#endif
+#if GG_PART(15)
 GG_UN_FLOATS(relu, x < C(0) ? C(0) : x)
 GG_UN_FLOATS(leaky_relu, x < C(0) ? x * C(alpha) : x)
 GG_UN_FLOATS(softplus, gg_softplus(x))
 GG_UN_FLOATS(erf, erf(x))
+#endif
+#if GG_PART(16)
 GG_UN_FLOATS(gelu, C(0.5) * x * (C(1) + erf(x * C(0.70710678118654752440))))
 GG_UN_FLOATS(gelu_tanh, C(0.5) * x * (C(1) + tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))))
 GG_UN_FLOATS(sign, gg_sign(x))
 GG_UN_FLOATS(floor, floor(x))
+#endif
+#if GG_PART(17)
 GG_UN_FLOATS(ceil, ceil(x))
 GG_UN_FLOATS(round, rint(x))
 GG_UN_FLOATS(sin, sin(x))
 GG_UN_FLOATS(cos, cos(x))
+#endif
+#if GG_PART(18)
 GG_UN_FLOATS(tan, tan(x))
 GG_UN_FLOATS(asin, asin(x))
 GG_UN_FLOATS(acos, acos(x))
 GG_UN_FLOATS(atan, atan(x))
+#endif
+#if GG_PART(19)
 GG_UN_FLOATS(sinh, sinh(x))
 GG_UN_FLOATS(cosh, cosh(x))
 GG_UN_FLOATS(asinh, asinh(x))
 GG_UN_FLOATS(acosh, acosh(x))
+#endif
+#if GG_PART(20)
 GG_UN_FLOATS(atanh, atanh(x))
 GG_UN_FLOATS(elu, x < C(0) ? C(alpha) * expm1(x) : x)
 GG_UN_FLOATS(selu, C(beta) * (x > C(0) ? x : C(alpha) * expm1(x < C(0) ? x : C(0))))
 GG_UN_FLOATS(celu, (x > C(0) ? x : C(0)) + fmin(C(0), C(alpha) * expm1((x < C(0) ? x : C(0)) / C(alpha))))
+#endif
+#if GG_PART(21)
 GG_UN_FLOATS(softsign, x / (C(1) + fabs(x)))
 GG_UN_FLOATS(hard_sigmoid, fmin(fmax(C(alpha) * x + C(beta), C(0)), C(1)))
 GG_UN_FLOATS(hard_swish, x * fmin(fmax(x / C(6) + C(0.5), C(0)), C(1)))
 GG_UN_FLOATS(mish, x * tanh(gg_softplus(x)))
+#endif
+#if GG_PART(22)
 GG_UN_FLOATS(thresholded_relu, x > C(alpha) ? x : C(0))
 GG_UN(isnan_f16, __half, bool, x != x)
 GG_UN(isnan_f32, float, bool, x != x)
 GG_UN(isnan_f64, double, bool, x != x)
+#endif
+#if GG_PART(23)
 GG_UN_INTS(neg, (C)(0ull - (unsigned long long)x))
 GG_UN_INTS(abs, x < 0 ? (C)(0ull - (unsigned long long)x) : x)
 GG_UN_INTS(sign, x > 0 ? C(1) : (x < 0 ? C(-1) : C(0)))
 GG_UN_INTS(relu, x < 0 ? C(0) : x)
+#endif
+#if GG_PART(24)
 GG_UN(not_b8, bool, bool, !x)
+#endif
 
 // Clip with optional device scalars lo/hi (null: no bound); NaN in x stays NaN.
 #define GG_CLIP(name, T)                                                                               \
@@ -328,11 +379,15 @@ GG_UN(not_b8, bool, bool, !x)
             gg_store(out + i, v);                                                                      \
         }                                                                                              \
     }
+#if GG_PART(25)
 GG_CLIP(clip_f16, __half)
 GG_CLIP(clip_f32, float)
 GG_CLIP(clip_f64, double)
 GG_CLIP(clip_i32, int32_t)
+#endif
+#if GG_PART(26)
 GG_CLIP(clip_i64, int64_t)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
@@ -367,11 +422,15 @@ template <> struct Conv<bool, __half> {
     GG_CAST(sa, TA, f16, __half) GG_CAST(sa, TA, f32, float) GG_CAST(sa, TA, f64, double)              \
     GG_CAST(sa, TA, i8, int8_t) GG_CAST(sa, TA, u8, uint8_t) GG_CAST(sa, TA, i32, int32_t)             \
     GG_CAST(sa, TA, i64, int64_t) GG_CAST(sa, TA, b8, bool)
+#if GG_PART(27)
 GG_CAST_FROM(f16, __half)
 GG_CAST_FROM(f32, float)
 GG_CAST_FROM(f64, double)
 GG_CAST_FROM(i8, int8_t)
+#endif
+#if GG_PART(28)
 GG_CAST_FROM(u8, uint8_t)
 GG_CAST_FROM(i32, int32_t)
 GG_CAST_FROM(i64, int64_t)
 GG_CAST_FROM(b8, bool)
+#endif

@@ -29,6 +29,7 @@
 // GatherGrad (up to GO_MAX positions, see gg_own below): one launch; blocks own row ranges, scan the
 // indices in order and sum each row's positions in position order; the CSR kernels above serve larger
 // position counts and ScatterND.
+#define GG_PARTS 4  // compiled as 4 parts at once (common.h: GG_PART)
 #include "common.h"
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
@@ -138,6 +139,7 @@ __device__ void csr_tile_sort(const IDX* __restrict__ idx, uint32_t* keys_out, u
     }
 }
 
+#if GG_PART(0)
 extern "C" __global__ void csr_tile_sort_i32(const int32_t* idx, uint32_t* keys, uint32_t* pos, uint32_t* rank,
                                              uint32_t* counts, long long* flag, unsigned int* sync, TensorDesc kd,
                                              int64_t count, int64_t sentinel, int64_t end_bit) {
@@ -148,6 +150,7 @@ extern "C" __global__ void csr_tile_sort_i64(const int64_t* idx, uint32_t* keys,
                                              int64_t count, int64_t sentinel, int64_t end_bit) {
     csr_tile_sort(idx, keys, pos, rank, counts, flag, sync, kd, count, sentinel, end_bit);
 }
+#endif
 
 struct ScanPrefix {
     uint32_t running;
@@ -165,6 +168,7 @@ constexpr int SC_THREADS = 1024, SC_ITEMS = 8;
 // gets a run of partial-sum slots from row_slot[row] on. meta (zeroed): {extra chunks, slots, long
 // rows}. Where in these lists a long row lands does not change any sum (chunks and their order are
 // fixed by the positions), so plain integer atomics hand them out.
+#if GG_PART(1)
 extern "C" __global__ void __launch_bounds__(SC_THREADS) csr_scan(const uint32_t* counts, uint32_t* rowptr,
         uint32_t* row_slot, uint32_t* chunk_map, uint32_t* long_rows, uint32_t* meta, int64_t R, int64_t C) {
     using Scan = cub::BlockScan<uint32_t, SC_THREADS>;
@@ -199,7 +203,9 @@ extern "C" __global__ void __launch_bounds__(SC_THREADS) csr_scan(const uint32_t
     }
     if (threadIdx.x == 0) rowptr[R] = prefix.running;
 }
+#endif
 
+#if GG_PART(2)
 extern "C" __global__ void csr_place(const uint32_t* keys, const uint32_t* pos, const uint32_t* rank,
                                      const uint32_t* rowptr, uint32_t* sorted_pos, int64_t count, int64_t sentinel) {
     GG_GRID_STRIDE(i, count) {
@@ -207,6 +213,7 @@ extern "C" __global__ void csr_place(const uint32_t* keys, const uint32_t* pos, 
         if (key != (uint32_t)sentinel) sorted_pos[rowptr[key] + rank[i]] = pos[i];
     }
 }
+#endif
 
 template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
@@ -364,12 +371,16 @@ __device__ void csr_long(T* __restrict__ dx, const T* __restrict__ init, const t
         csr_long<T, V>(dx, init, partial, rowptr, long_rows, row_slot, meta, outer, R, inner_v, C, maxslots);  \
     }
 
+#if GG_PART(3)
 GG_CSR(f16, __half, 1)
 GG_CSR(f16, __half, 8)
 GG_CSR(f32, float, 1)
+#endif
+#if GG_PART(4)
 GG_CSR(f32, float, 4)
 GG_CSR(f64, double, 1)
 GG_CSR(f64, double, 2)
+#endif
 
 
 constexpr int GR_COLS = 8;  // vectors per lane per pass over a row (GatherGrad)
@@ -517,12 +528,16 @@ __device__ void gg_own(T* __restrict__ dx, const T* __restrict__ dy, const IDX* 
         gg_own<T, V, IDX>(dx, dy, idx, flag, outer, R, count, inner_v, RB, rotate);                            \
     }
 #define GG_OWN_I(sfx, T, V) GG_OWN(sfx, T, V, i32, int32_t) GG_OWN(sfx, T, V, i64, int64_t)
+#if GG_PART(5)
 GG_OWN_I(f16, __half, 1)
 GG_OWN_I(f16, __half, 8)
 GG_OWN_I(f32, float, 1)
+#endif
+#if GG_PART(6)
 GG_OWN_I(f32, float, 4)
 GG_OWN_I(f64, double, 1)
 GG_OWN_I(f64, double, 2)
+#endif
 
 // ------------------------------------------------------------------ line scatter
 
@@ -690,9 +705,11 @@ __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict
     }
 
 #define GG_LINE_T(sfx, T) GG_LINE(sfx, T, i32, int32_t) GG_LINE(sfx, T, i64, int64_t)
+#if GG_PART(7)
 GG_LINE_T(f16, __half)
 GG_LINE_T(f32, float)
 GG_LINE_T(f64, double)
+#endif
 
 // ------------------------------------------------------------------ gathers
 template <int W> struct Word;
@@ -783,8 +800,12 @@ __device__ void gather_nd(E* __restrict__ out, const E* __restrict__ data, const
     }
 
 #define GG_INDEXING_W(W) GG_INDEXING(W, i32, int32_t) GG_INDEXING(W, i64, int64_t)
+#if GG_PART(8)
 GG_INDEXING_W(1)
 GG_INDEXING_W(2)
 GG_INDEXING_W(4)
+#endif
+#if GG_PART(9)
 GG_INDEXING_W(8)
 GG_INDEXING_W(16)
+#endif

@@ -10,6 +10,7 @@
 //   16 bytes of neighbouring columns and keeps four rows' loads in flight;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
+#define GG_PARTS 10  // compiled as 10 parts at once (common.h: GG_PART)
 #include "common.h"
 #include <math_constants.h>
 
@@ -311,20 +312,48 @@ __device__ void reduce_map(T* out, const T* x, int64_t n) {
 #define GG_REDUCE_INTS(op, Red) GG_REDUCE(op, Red, i32, int32_t) GG_REDUCE(op, Red, i64, int64_t) \
     GG_REDUCE_V(op, Red, i32, int32_t) GG_REDUCE_V(op, Red, i64, int64_t)
 
+#if GG_PART(0)
 GG_REDUCE_FLOATS(sum, RSum)
+#endif
+#if GG_PART(1)
 GG_REDUCE_FLOATS(mean, RMean)
+#endif
+#if GG_PART(2)
 GG_REDUCE_FLOATS(sum_square, RSumSquare)
+#endif
+#if GG_PART(3)
 GG_REDUCE_FLOATS(l1, RL1)
+#endif
+#if GG_PART(4)
 GG_REDUCE_FLOATS(l2, RL2)
+#endif
+#if GG_PART(5)
 GG_REDUCE_FLOATS(log_sum, RLogSum)
+#endif
+#if GG_PART(6)
 GG_REDUCE_FLOATS(max, RMax)
+#endif
+#if GG_PART(7)
 GG_REDUCE_FLOATS(min, RMin)
+#endif
+#if GG_PART(8)
 GG_REDUCE_FLOATS(prod, RProd)
+#endif
+#if GG_PART(9)
 GG_REDUCE_FLOATS(log_sum_exp, RLogSumExp)
+#endif
+#if GG_PART(10)
 GG_REDUCE_INTS(sum, RSum)
+#endif
+#if GG_PART(11)
 GG_REDUCE_INTS(max, RMax)
+#endif
+#if GG_PART(12)
 GG_REDUCE_INTS(min, RMin)
+#endif
+#if GG_PART(13)
 GG_REDUCE_INTS(prod, RProd)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Softmax / LogSoftmax over an axis of length L: x viewed as (outer, L, inner).
@@ -408,9 +437,11 @@ __device__ void softmax_warp(T* out, const T* __restrict__ x, int64_t rows, int6
     }
 #define GG_SOFTMAX_WARPS(s, T) GG_SOFTMAX_WARP(1, s, T) GG_SOFTMAX_WARP(2, s, T) GG_SOFTMAX_WARP(4, s, T) \
     GG_SOFTMAX_WARP(8, s, T) GG_SOFTMAX_WARP(16, s, T) GG_SOFTMAX_WARP(32, s, T)
+#if GG_PART(14)
 GG_SOFTMAX_WARPS(f16, __half)
 GG_SOFTMAX_WARPS(f32, float)
 GG_SOFTMAX_WARPS(f64, double)
+#endif
 
 #define GG_SOFTMAX(s, T)                                                                                    \
     extern "C" __global__ void softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, false>(out, x, L); } \
@@ -421,9 +452,11 @@ GG_SOFTMAX_WARPS(f64, double)
     extern "C" __global__ void log_softmax_cols_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner) { \
         softmax_cols<T, true>(out, x, outer, L, inner);                                                    \
     }
+#if GG_PART(15)
 GG_SOFTMAX(f16, __half)
 GG_SOFTMAX(f32, float)
 GG_SOFTMAX(f64, double)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // CumSum along one axis: one thread per line of the (outer, L, inner) view, summing in order
@@ -454,8 +487,10 @@ __device__ void cumsum_lines(T* out, const T* x, int64_t outer, int64_t L, int64
                                           int64_t exclusive, int64_t reverse) {                            \
         cumsum_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                       \
     }
+#if GG_PART(16)
 GG_CUMSUM(f16, __half)
 GG_CUMSUM(f32, float)
 GG_CUMSUM(f64, double)
 GG_CUMSUM(i32, int32_t)
 GG_CUMSUM(i64, int64_t)
+#endif
