@@ -175,3 +175,14 @@ def test_concat_shape_sums_the_axis_and_checks_the_rest():
         shape.concat_shape([(2, 3), (2, 3)], [f32, np.dtype(np.float64)], 0)
     with pytest.raises(KernelError, match="axis 3 is out of range for rank 2"):
         shape.concat_shape([(2, 3)], [f32], 3)
+
+
+@pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool", "LpPool"])
+def test_pool_window_needs_kernel_shape(op_type):
+    from gradgen.kernels.registry import lookup
+
+    assert pool.pool_window(op_type, (1, 1, 5), [2], [2], None, None, "NOTSET") == ([2], [2], [1], [0], [0], [2])
+    with pytest.raises(KernelError, match=f"{op_type} needs the kernel_shape attribute"):
+        pool.pool_window(op_type, (1, 1, 5), None, None, None, None, "NOTSET")
+    with pytest.raises(KernelError, match=f"{op_type} needs the kernel_shape attribute"):
+        lookup("", op_type).cpu(np.zeros((1, 1, 5), np.float32))

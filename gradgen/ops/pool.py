@@ -60,6 +60,14 @@ def spatial_geometry(x_shape, kernel, strides, dilations, pads, auto_pad, ceil_m
     return kernel, strides, dilations, begin, end, out
 
 
+def pool_window(op_type: str, x_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode=0):
+    """``spatial_geometry`` of a pooling kernel's arguments; KernelError when the required
+    kernel_shape attribute is missing."""
+    if kernel_shape is None:
+        raise KernelError(f"{op_type} needs the kernel_shape attribute")
+    return spatial_geometry(x_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+
+
 def pool_geometry(x_shape, attrs):
     """``spatial_geometry`` from a pool node's attributes (a mapping of plain values): the one
     pooled-shape rule that the CPU and CUDA kernels, the pooling gradients and shape inference share.

@@ -25,7 +25,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, same_shape, sliding_windows
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.axes import per_axis
-from gradgen.ops.pool import declared_pads, resize_geometry, resize_matrices, spatial_geometry
+from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices
 
 # ---------------------------------------------------------------------------------------------
 # pooling
@@ -49,9 +49,7 @@ def max_pool(
     strides=None,
     _num_outputs=1,
 ):
-    if kernel_shape is None:
-        raise KernelError("MaxPool needs the kernel_shape attribute")
-    kernel, s, d, begin, end, out = spatial_geometry(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, end, out = pool_window("MaxPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
     xp = pad_spatial(x, begin, end, _lowest(x.dtype))
     win = sliding_windows(xp, kernel, s, d, out)
@@ -97,9 +95,9 @@ def average_pool(
     pads=None,
     strides=None,
 ):
-    if kernel_shape is None:
-        raise KernelError("AveragePool needs the kernel_shape attribute")
-    kernel, s, d, begin, end, out = spatial_geometry(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, end, out = pool_window(
+        "AveragePool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
     ns = len(kernel)
     ct = float_compute_dtype(x.dtype)
     xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
@@ -139,9 +137,7 @@ def global_max_pool(x):
 @cpu_kernel("LpPool")
 def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
     """(sum over the window of |x|^p)^(1/p); padding contributes zeros."""
-    if kernel_shape is None:
-        raise KernelError("LpPool needs the kernel_shape attribute")
-    kernel, s, d, begin, end, out = spatial_geometry(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, end, out = pool_window("LpPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
     ct = float_compute_dtype(x.dtype)
     powered = np.abs(x.astype(ct, copy=False)) ** ct.type(p)

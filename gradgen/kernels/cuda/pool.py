@@ -13,10 +13,9 @@ import math
 
 import numpy as np
 
-from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad, require_suffix
 from gradgen.kernels.table import cuda_kernel
-from gradgen.ops.pool import declared_pads, spatial_geometry
+from gradgen.ops.pool import declared_pads, pool_window
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
 
@@ -75,11 +74,9 @@ def max_pool(
         storage_order=storage_order,
         strides=strides,
     )
-    if kernel_shape is None:
-        raise KernelError("MaxPool needs the kernel_shape attribute")
+    kernel, s, d, begin, _end, out = pool_window("MaxPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     if not _gpu_poolable(x):
         return cpu_fallback("MaxPool", x, _num_outputs=_num_outputs, **attrs)
-    kernel, s, d, begin, _end, out = spatial_geometry(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     x = contiguous(x)
     y_shape = tuple(x.shape[:2]) + tuple(out)
     y = rt.empty(y_shape, x.dtype)
@@ -106,11 +103,11 @@ def average_pool(
         pads=pads,
         strides=strides,
     )
-    if kernel_shape is None:
-        raise KernelError("AveragePool needs the kernel_shape attribute")
+    kernel, s, d, begin, end, out = pool_window(
+        "AveragePool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
     if not _gpu_poolable(x):
         return cpu_fallback("AveragePool", x, **attrs)
-    kernel, s, d, begin, end, out = spatial_geometry(x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
     declared = declared_pads(auto_pad, pads, begin, end)
     spatial = list(x.shape[2:])
