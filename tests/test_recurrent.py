@@ -1,0 +1,238 @@
+"""LSTM, GRU and RNN: the CPU kernels and the unrolled form (UnrollRecurrentPass) against ONNX Runtime
+on the original node, errors, and gradients of PyTorch-exported nn.LSTM / nn.GRU / nn.RNN against
+PyTorch's autograd. The finite-difference cases are in tests/grad_cases/recurrent.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+import gradgen
+from gradgen.errors import ModelError
+from gradgen.executor import Session
+from gradgen.passes import EvaluateConstantsPass, GradientPass, GradientSpec, Pipeline, UnrollRecurrentPass
+from tests.grad_cases.recurrent import LENS, inputs
+
+INPUT_NAMES = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"]
+
+
+def _node_model(op_type, arrays, attrs, num_outputs, time_dim=None):
+    names, graph_inputs, feeds = [], [], {}
+    for name, array in zip(INPUT_NAMES, arrays):
+        if array is None:
+            names.append("")
+            continue
+        names.append(name)
+        shape = list(array.shape)
+        if name == "X" and time_dim is not None:
+            shape[attrs.get("layout", 0)] = time_dim
+        graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), shape))
+        feeds[name] = array
+    outputs = ["Y", "Y_h", "Y_c"][:num_outputs]
+    node = helper.make_node(op_type, names, outputs, name="rec", **attrs)
+    graph = helper.make_graph(
+        [node], "g", graph_inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8), feeds
+
+
+def _ort_reference(op_type, arrays, attrs, num_outputs):
+    """ONNX Runtime's outputs; it has no layout 1, so that runs as layout 0 on transposed data."""
+    import onnxruntime as ort
+
+    layout = attrs.get("layout", 0)
+    if layout:
+        arrays = [a.transpose(1, 0, 2) if a is not None and k in (0, 5, 6) else a for k, a in enumerate(arrays)]
+        attrs = {**attrs, "layout": 0}
+    model, feeds = _node_model(op_type, arrays, attrs, num_outputs)
+    outs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    if layout:
+        outs = [o.transpose(2, 0, 1, 3) if o.ndim == 4 else o.transpose(1, 0, 2) for o in outs]
+    return outs
+
+
+def _unrolled(model):
+    forward = ir.from_proto(model)
+    Pipeline(EvaluateConstantsPass(), UnrollRecurrentPass())(forward)
+    assert not [n.op_type for n in forward.graph if n.op_type in ("LSTM", "GRU", "RNN")]
+    return forward
+
+
+H = 2
+FORWARD_CASES = [
+    ("LSTM", {}, {}),
+    ("LSTM", {"direction": "reverse"}, {"lens": LENS}),
+    ("LSTM", {"direction": "bidirectional", "layout": 1}, {"lens": LENS, "peepholes": True}),
+    ("LSTM", {"direction": "bidirectional"}, {"initial": False, "bias": False}),
+    ("LSTM", {"clip": 0.5, "input_forget": 1}, {"peepholes": True}),
+    ("LSTM", {"activations": ["HardSigmoid", "Tanh", "Softsign"], "activation_alpha": [0.3], "activation_beta": [0.4]}, {}),
+    ("GRU", {}, {}),
+    ("GRU", {"linear_before_reset": 1, "direction": "bidirectional"}, {"lens": LENS}),
+    ("GRU", {"direction": "reverse", "layout": 1}, {"lens": LENS, "initial": False}),
+    ("GRU", {"clip": 0.7, "linear_before_reset": 1}, {"bias": False}),
+    ("GRU", {"activations": ["LeakyRelu", "Elu"], "activation_alpha": [0.2, 0.6]}, {}),
+    ("GRU", {"activations": ["Sigmoid", "ScaledTanh"], "activation_alpha": [1.5], "activation_beta": [0.5]}, {}),
+    ("RNN", {}, {}),
+    ("RNN", {"direction": "bidirectional", "layout": 1, "activations": ["Relu", "Tanh"]}, {"lens": LENS}),
+    ("RNN", {"activations": ["Affine"], "activation_alpha": [0.5], "activation_beta": [0.2]}, {"initial": False}),
+    ("RNN", {"activations": ["ThresholdedRelu"], "activation_alpha": [0.1], "clip": 1.0}, {}),
+]
+
+
+@pytest.mark.parametrize("op_type,attrs,kw", FORWARD_CASES, ids=lambda v: str(v))
+def test_kernel_and_unrolled_form_match_onnxruntime(op_type, attrs, kw):
+    attrs = {"hidden_size": H, **attrs}
+    directions = 2 if attrs.get("direction") == "bidirectional" else 1
+    arrays = [
+        a if a is None or a.dtype.kind != "f" else a.astype(np.float32)
+        for a in inputs(op_type, directions, attrs.get("layout", 0), **kw)
+    ]
+    num_outputs = 3 if op_type == "LSTM" else 2
+    want = _ort_reference(op_type, arrays, attrs, num_outputs)
+    model, feeds = _node_model(op_type, arrays, attrs, num_outputs)
+    for got in (Session(model).run(feeds), Session(_unrolled(model)).run(feeds)):
+        for name, ref in zip(["Y", "Y_h", "Y_c"], want):
+            assert got[name].shape == ref.shape, name
+            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_only_the_outputs_read_are_unrolled_and_names_are_kept():
+    arrays = [a.astype(np.float32) if a is not None and a.dtype.kind == "f" else a for a in inputs("LSTM")]
+    model, feeds = _node_model("LSTM", arrays, {"hidden_size": H}, 3)
+    del model.graph.output[0]  # Y is not read
+    forward = _unrolled(model)
+    assert [v.name for v in forward.graph.outputs] == ["Y_h", "Y_c"]
+    assert not any(n.op_type == "Concat" for n in forward.graph)  # Y would concatenate the steps
+    got = Session(forward).run(feeds)
+    want = _ort_reference("LSTM", arrays, {"hidden_size": H}, 3)
+    np.testing.assert_allclose(got["Y_h"], want[1], rtol=1e-5, atol=1e-5)
+
+
+def _loss_model(op_type, attrs, time_dim=None):
+    arrays = inputs(op_type)
+    model, _ = _node_model(op_type, arrays, {"hidden_size": H, **attrs}, 2, time_dim)
+    graph = model.graph
+    graph.node.append(helper.make_node("ReduceSum", ["Y_h"], ["loss"], keepdims=0))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("loss", TensorProto.DOUBLE, []))
+    return model
+
+
+def test_a_sequence_length_that_is_not_static_is_a_model_error():
+    with pytest.raises(ModelError, match=r"node 'rec' \(GRU\): the sequence length .* is not static"):
+        gradgen.build_backward(_loss_model("GRU", {}, time_dim="T"), wrt_inputs=True)
+
+
+@pytest.mark.parametrize(
+    "attrs,message",
+    [
+        ({"activations": ["Affine"]}, r"activation Affine needs its values in activation_alpha and activation_beta"),
+        ({"activations": ["Gelu"]}, r"activation 'Gelu' is not supported"),
+        ({"activations": ["Tanh", "Tanh"]}, r"2 activations for 1 direction\(s\); RNN takes 1 per direction"),
+        ({"direction": "sideways"}, r"direction 'sideways'"),
+    ],
+)
+def test_unsupported_attributes_are_one_line_model_errors(attrs, message):
+    with pytest.raises(ModelError, match=message) as info:
+        gradgen.build_backward(_loss_model("RNN", attrs), wrt_inputs=True)
+    assert "\n" not in str(info.value) and "node 'rec' (RNN)" in str(info.value)
+
+
+def test_a_pipeline_without_the_unrolling_names_the_pass():
+    model = ir.from_proto(_loss_model("LSTM", {}))
+    with pytest.raises(ModelError, match=r"node 'rec' \(LSTM\).*run gradgen.passes.UnrollRecurrentPass before GradientPass"):
+        gradgen.api.run_pipeline(Pipeline(GradientPass(GradientSpec(wrt_inputs=True))), model)
+
+
+def test_check_passes_on_a_recurrent_model():
+    report = gradgen.check.check_gradients(_loss_model("GRU", {"linear_before_reset": 1}), random_inputs=True, wrt_inputs=True)
+    assert report.passed, report.format()
+
+
+# -- PyTorch ------------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+# ONNX's gate order, as indices of PyTorch's gate chunks (LSTM: torch i f g o, ONNX i o f c;
+# GRU: torch r z n, ONNX z r h)
+GATE_ORDER = {"LSTM": [0, 3, 1, 2], "GRU": [1, 0, 2], "RNN": [0]}
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, kind, **options):
+        super().__init__()
+        self.rnn = getattr(torch.nn, kind)(3, 4, **options)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum()
+
+
+def _reorder(kind, grad):
+    return np.concatenate([np.split(grad, len(GATE_ORDER[kind]))[k] for k in GATE_ORDER[kind]])
+
+
+def _expected_onnx_gradients(kind, net, graph):
+    """The gradients of the W, R, B inputs of each recurrent node (layer k) from PyTorch's."""
+    nodes = [n for n in graph.node if n.op_type == kind]
+    params = dict(net.rnn.named_parameters())
+    expected = {}
+    for layer, node in enumerate(nodes):
+        suffixes = ["", "_reverse"] if net.rnn.bidirectional else [""]
+        grads = {what: [] for what in ("W", "R", "B")}
+        for sfx in suffixes:
+            g = {name: params[f"{name}_l{layer}{sfx}"].grad.numpy() for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+            grads["W"].append(_reorder(kind, g["weight_ih"]))
+            grads["R"].append(_reorder(kind, g["weight_hh"]))
+            grads["B"].append(np.concatenate([_reorder(kind, g["bias_ih"]), _reorder(kind, g["bias_hh"])]))
+        for position, what in ((1, "W"), (2, "R"), (3, "B")):
+            expected[node.input[position]] = np.stack(grads[what])
+    return expected
+
+
+EXPORTS = [
+    ("LSTM", {"num_layers": 2, "bidirectional": True, "batch_first": True}),
+    ("LSTM", {"num_layers": 1}),
+    ("GRU", {"num_layers": 2, "bidirectional": True}),
+    ("GRU", {"num_layers": 1, "batch_first": True}),
+    ("RNN", {"num_layers": 2, "nonlinearity": "relu", "bidirectional": True}),
+    ("RNN", {"num_layers": 1, "batch_first": True}),
+]
+
+
+@pytest.mark.parametrize("dynamo", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["legacy", "dynamo"])
+@pytest.mark.parametrize("kind,options", EXPORTS, ids=lambda v: str(v))
+def test_exported_torch_layers_match_torch_autograd(kind, options, dynamo, tmp_path):
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    net = _Net(kind, **options).double()
+    x = torch.randn((2, 5, 3) if options.get("batch_first") else (5, 2, 3), dtype=torch.float64, requires_grad=True)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporters' advice on batch sizes and on the legacy exporter
+        torch.onnx.export(net, (x,), str(path), dynamo=dynamo, input_names=["x"], output_names=["loss"])
+    loss = net(x)
+    loss.backward()
+    model = onnx.load(str(path))
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    got = Session(built.model).run({"x": x.detach().numpy()})
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-10)
+    np.testing.assert_allclose(got["x_grad"], x.grad.numpy(), rtol=1e-9, atol=1e-10)
+    if any(n.op_type == kind for n in model.graph.node):
+        expected = _expected_onnx_gradients(kind, net, model.graph)
+        assert all(f"{name}_grad" in got for name in expected)
+    else:
+        # The exporter decomposed the layer (dynamo, nn.RNN) and folded the first step's use of
+        # bias_hh into a constant, so the parameters' gradients differ from PyTorch's by design:
+        # check them by finite differences.
+        report = gradgen.check.check_gradients(model, inputs={"x": x.detach().numpy()})
+        assert report.passed, report.format()
+        expected = {}
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[f"{name}_grad"], want, rtol=1e-9, atol=1e-10, err_msg=name)
