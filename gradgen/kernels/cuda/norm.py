@@ -62,18 +62,14 @@ def norm_rows(
     y = rt.empty(x.shape, x.dtype)
     mean = rt.empty((rows,), st)
     inv = rt.empty((rows,), st)
+    operands = (y, mean, inv, x, scale, bias if bias is not None else np.intp(0))  # both kernels' first arguments
     if rows and length == 0:  # empty rows: mean 0/0 and its inverse deviation are NaN, as on the CPU
         mean, inv = rt.to_device(np.full((rows,), np.nan, st)), rt.to_device(np.full((rows,), np.nan, st))
     elif rows and mode == 0 and length <= 1024:
         lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
         kernel = kernel_of("norm", f"norm_warp{lanes}_{dtype_suffix(x.dtype)}")
         kernel(
-            y,
-            mean,
-            inv,
-            x,
-            scale,
-            bias if bias is not None else np.intp(0),
+            *operands,
             np.int64(rows),
             np.int64(length),
             np.float64(epsilon),
@@ -83,12 +79,7 @@ def norm_rows(
     elif rows:
         kernel = kernel_of("norm", f"norm_rows_{dtype_suffix(x.dtype)}")
         kernel(
-            y,
-            mean,
-            inv,
-            x,
-            scale,
-            bias if bias is not None else np.intp(0),
+            *operands,
             np.int64(length),
             np.int64(mode),
             np.int64(channels),
