@@ -124,54 +124,14 @@ def gemm_rowmajor(
     a_ptr, b_ptr, c_ptr = (int(x) if isinstance(x, (int, np.integer)) else int(x.gpudata) for x in (a, b, c))
     lda, ldb, ldc = max(1, int(b_cols)), max(1, int(a_cols)), max(1, int(n))
     algo = -1  # CUBLAS_GEMM_DEFAULT
+    # Row-major C = A @ B is column-major C^T = B^T @ A^T: B goes first.
+    head = (handle, op_b, op_a, int(n), int(m), int(k), alpha_h.ctypes.data)
+    b_, a_, c_ = (b_ptr, data_type, lda), (a_ptr, data_type, ldb), (c_ptr, data_type, ldc)
     if batch == 1:
-        cublas.gemm_ex(
-            handle,
-            op_b,
-            op_a,
-            int(n),
-            int(m),
-            int(k),
-            alpha_h.ctypes.data,
-            b_ptr,
-            data_type,
-            lda,
-            a_ptr,
-            data_type,
-            ldb,
-            beta_h.ctypes.data,
-            c_ptr,
-            data_type,
-            ldc,
-            compute,
-            algo,
-        )
+        cublas.gemm_ex(*head, *b_, *a_, beta_h.ctypes.data, *c_, compute, algo)
     else:
-        cublas.gemm_strided_batched_ex(
-            handle,
-            op_b,
-            op_a,
-            int(n),
-            int(m),
-            int(k),
-            alpha_h.ctypes.data,
-            b_ptr,
-            data_type,
-            lda,
-            int(stride_b),
-            a_ptr,
-            data_type,
-            ldb,
-            int(stride_a),
-            beta_h.ctypes.data,
-            c_ptr,
-            data_type,
-            ldc,
-            int(stride_c),
-            int(batch),
-            compute,
-            algo,
-        )
+        strided = (*b_, int(stride_b), *a_, int(stride_a), beta_h.ctypes.data, *c_, int(stride_c), int(batch))
+        cublas.gemm_strided_batched_ex(*head, *strided, compute, algo)
 
 
 # -- batched products of strided views ----------------------------------------------------------
