@@ -7,7 +7,8 @@
 # to every test file with CUDA tests (their `-m "cuda and not slow"` tests). Under a sanitizer the suite
 # runs about ten times slower, so -j JOBS splits the files into JOBS groups run side by side (every
 # tool and group at once; the GPU is shared). Logs: $LOGDIR/sanitizer-TOOL-gK.log (LOGDIR defaults to
-# the current directory). Exit status 1 when a tool reported an error or a test failed.
+# the current directory). SANITIZER_OPTIONS adds options to every compute-sanitizer call. Exit status 1
+# when a tool reported an error or a test failed.
 set -u
 jobs=1
 tools=()
@@ -43,7 +44,9 @@ run_one() {  # tool group files...
     start=$(date +%s)
     # API errors are left out: cuda-python probes driver entry points this driver lacks (cuGetProcAddress
     # answers CUDA_ERROR_INVALID_VALUE by design); gradgen checks the result of every call it makes.
+    # shellcheck disable=SC2086  # SANITIZER_OPTIONS: extra options, split on blanks
     "$sanitizer" --tool "$tool" --report-api-errors no --target-processes all --error-exitcode 99 --print-limit 50 \
+        ${SANITIZER_OPTIONS:-} \
         python3 -m pytest -q -rfE -p no:cacheprovider -m "cuda and not slow" "$@" >"$log" 2>&1
     rc=$?
     echo "$tool g$group: exit $rc in $(( $(date +%s) - start )) s; $(grep -E "[0-9]+ (passed|failed|skipped|error)" "$log" | grep -v "=========" | tail -1)"
