@@ -44,8 +44,12 @@ run_one() {  # tool group files...
     start=$(date +%s)
     # API errors are left out: cuda-python probes driver entry points this driver lacks (cuGetProcAddress
     # answers CUDA_ERROR_INVALID_VALUE by design); gradgen checks the result of every call it makes.
+    # Host backtraces are off (--show-backtrace device): the sanitizer captures the Python frames of every
+    # launch for them and keeps them, so the arrays they hold outlive each run and the executor never
+    # sees a lifetime to plan its memory from (the planned path would go unchecked).
     # shellcheck disable=SC2086  # SANITIZER_OPTIONS: extra options, split on blanks
     "$sanitizer" --tool "$tool" --report-api-errors no --target-processes all --error-exitcode 99 --print-limit 50 \
+        --show-backtrace device \
         ${SANITIZER_OPTIONS:-} \
         python3 -m pytest -q -rfE -p no:cacheprovider -m "cuda and not slow" "$@" >"$log" 2>&1
     rc=$?
