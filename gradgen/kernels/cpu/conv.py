@@ -170,22 +170,17 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     ct = float_compute_dtype(x.dtype)
     xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
     win = sliding_windows(xp, kernel, s, d, out)  # (N, C, *out, *k)
-    ns = len(kernel)
-    wc = w.astype(ct, copy=False)
-    k_axes = list(range(2 + ns, 2 + 2 * ns))
-    if group == 1:
-        y = np.tensordot(win, wc, axes=([1] + k_axes, [1] + list(range(2, 2 + ns))))  # (N, *out, M)
-        y = np.moveaxis(y, -1, 1)
-    else:
-        win_g = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
-        w_g = wc.reshape((group, m // group, c_per_group) + tuple(kernel))
-        letters = "abcdefghijklmnopqrstuvw"
-        o_l, k_l = letters[:ns], letters[ns : 2 * ns]
-        y = np.einsum(f"NGC{o_l}{k_l},GMC{k_l}->NGM{o_l}", win_g, w_g, optimize=True)
-        y = y.reshape((n_batch, m) + tuple(out))
+    ns, k, p = len(kernel), math.prod(kernel), math.prod(out)
+    # im2col: (N, G, Cg, *out, *k) -> (G, Cg*K, N*P), one copy with the output positions innermost
+    # (they run along X's rows), then one GEMM per group: (Mg, Cg*K) @ (Cg*K, N*P).
+    win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
+    order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
+    cols = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
+    y = np.matmul(w.astype(ct, copy=False).reshape(group, m // group, c_per_group * k), cols)  # (G, Mg, N*P)
+    y = y.reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
     if b is not None:
-        y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
-    return np.ascontiguousarray(y, dtype=x.dtype)
+        y = y + b.astype(ct, copy=False).reshape(-1, 1)
+    return np.ascontiguousarray(y, dtype=x.dtype).reshape((n_batch, m) + tuple(out))
 
 
 @cpu_kernel("ConvTranspose")
@@ -232,25 +227,25 @@ def conv_transpose(
     ct = float_compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     wc = w.astype(ct, copy=False)
-    cg, _mg = channels // group, m // group
-    # cols: (N, M, *kernel, *in) -- every input pixel times every kernel tap
-    parts = []
-    for g in range(group):
-        part = np.tensordot(xc[:, g * cg : (g + 1) * cg], wc[g * cg : (g + 1) * cg], axes=([1], [0]))
-        parts.append(part)  # (N, *in, M/G, *k)
-    cols = np.concatenate(parts, axis=1 + ns) if group > 1 else parts[0]
-    cols = np.moveaxis(cols, list(range(1, 1 + ns)), list(range(2 + ns, 2 + 2 * ns)))
-    # The buffer covers both the full (uncropped) result and the requested window onto it.
+    cg, mg = channels // group, m // group
+    # cols: (M, *kernel, N, *in), contiguous -- every input pixel times every kernel tap, one GEMM
+    # per group: (Mg*K, Cg) @ (Cg, N*P_in).
+    k, p_in = math.prod(kernel), math.prod(spatial)
+    w_t = wc.reshape(group, cg, mg * k).transpose(0, 2, 1)
+    x_t = xc.reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
+    cols = np.matmul(w_t, x_t).reshape((m, *kernel, n_batch, *spatial))
+    # col2im into a (M, N, ...) buffer that covers both the full (uncropped) result and the
+    # requested window onto it.
     lo = [max(0, -bg) for bg in begin]
     size = [max(f, bg + o) + lw for f, bg, o, lw in zip(full, begin, out, lo)]
-    buf = np.zeros((n_batch, m) + tuple(size), dtype=ct)
+    buf = np.zeros((m, n_batch) + tuple(size), dtype=ct)
     for taps in np.ndindex(*kernel):
         target = (slice(None), slice(None)) + tuple(
             slice(lw + t * di, lw + t * di + (n_in - 1) * si + 1, si) for lw, t, di, n_in, si in zip(lo, taps, d, spatial, s)
         )
-        buf[target] += cols[(slice(None), slice(None)) + taps]
+        buf[target] += cols[(slice(None),) + taps]
     crop = (slice(None), slice(None)) + tuple(slice(lw + bg, lw + bg + o) for lw, bg, o in zip(lo, begin, out))
-    y = buf[crop]
+    y = buf[crop].transpose(1, 0, *range(2, 2 + ns))
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)

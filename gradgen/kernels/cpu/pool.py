@@ -17,6 +17,7 @@ KernelError otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -53,27 +54,79 @@ def max_pool(
     ns = len(kernel)
     xp = pad_spatial(x, begin, end, _lowest(x.dtype))
     win = sliding_windows(xp, kernel, s, d, out)
-    k_axes = tuple(range(2 + ns, 2 + 2 * ns))
-    y = np.ascontiguousarray(win.max(axis=k_axes), dtype=x.dtype)
     if _num_outputs < 2:
-        return y
+        return _window_max(win, kernel)[0]
     # Indices: position of the (first) maximum in the flattened unpadded input tensor.
+    nan_aware = x.dtype.kind == "f" and bool(np.isnan(x).any())
+    y, tap = _window_max(win, kernel, want_tap=True, nan_aware=nan_aware)
     if y.size == 0:
         return y, np.zeros(y.shape, dtype=np.int64)
-    flat = win.reshape(win.shape[: 2 + ns] + (int(np.prod(kernel)),))
-    tap = np.argmax(flat, axis=-1)
-    taps = np.unravel_index(tap, kernel)
     spatial = x.shape[2:]
+    order = "F" if int(storage_order) == 1 else "C"
+    table = _tap_positions(tuple(spatial), tuple(kernel), tuple(s), tuple(d), tuple(begin), tuple(out), order)
+    p = math.prod(out)
+    flat = tap.reshape(-1, p).astype(np.intp)
+    flat *= p
+    flat += np.arange(p)
+    pos = np.take(table, flat).reshape(y.shape)
+    nc = np.arange(x.shape[0] * x.shape[1], dtype=np.int64).reshape(x.shape[0], x.shape[1], *([1] * ns))
+    pos += nc * math.prod(spatial)
+    return y, pos
+
+
+@functools.lru_cache(maxsize=64)
+def _tap_positions(spatial, kernel, strides, dilations, begin, out, order) -> np.ndarray:
+    """The flat position in an (unpadded) input plane that each kernel tap (in ``np.ndindex``
+    order) reads at each output position: int64 of shape (taps * prod(out),), positions in the
+    padding clipped to the nearest input element."""
+    ns = len(kernel)
     coords = []
     for axis in range(ns):
-        o = np.arange(out[axis]).reshape((-1,) + (1,) * (ns - 1 - axis)) * s[axis]
-        coords.append(o + taps[axis] * d[axis] - begin[axis])
+        o = np.arange(out[axis]) * strides[axis] - begin[axis]
+        t = np.arange(kernel[axis]) * dilations[axis]
+        # tap axes first, then output axes: (*kernel, *out)
+        grid = t.reshape(_axis_shape(2 * ns, axis, kernel[axis])) + o.reshape(_axis_shape(2 * ns, ns + axis, out[axis]))
+        coords.append(np.clip(grid, 0, spatial[axis] - 1))
     coords = np.broadcast_arrays(*coords)
-    order = "F" if int(storage_order) == 1 else "C"
-    pos = np.ravel_multi_index(tuple(np.clip(c, 0, n - 1) for c, n in zip(coords, spatial)), spatial, order=order)
-    nc = np.arange(x.shape[0] * x.shape[1]).reshape(x.shape[0], x.shape[1], *([1] * ns))
-    indices = nc * int(np.prod(spatial)) + pos
-    return y, indices.astype(np.int64)
+    table = np.ravel_multi_index(tuple(coords), spatial, order=order).astype(np.int64).reshape(-1)
+    table.flags.writeable = False  # cached and shared between calls
+    return table
+
+
+def _axis_shape(rank: int, axis: int, size: int) -> list[int]:
+    shape = [1] * rank
+    shape[axis] = size
+    return shape
+
+
+def _window_max(win, kernel, want_tap: bool = False, nan_aware: bool = False):
+    """The max over each window of ``win`` (N, C, *out, *kernel), and with ``want_tap`` the flat
+    kernel tap (``np.ndindex`` order) of its first occurrence, else None; with ``nan_aware`` NaN
+    counts as the largest, as in ``np.argmax``.
+
+    One pass of ``np.maximum`` per kernel tap over (N, C, *out) strided views: numpy's reduction
+    over the small trailing window axes of a strided view is several times slower. Taps come in
+    increasing order, so the tap of the first maximum is ``max(tap, better * index)``."""
+    lead = (slice(None),) * (win.ndim - len(kernel))
+    count = math.prod(kernel)
+    tap_dtype = np.uint8 if count <= 256 else np.int64
+    best = tap = better = scaled = None
+    for index, taps in enumerate(np.ndindex(*kernel)):
+        value = win[lead + taps]
+        if best is None:
+            best = np.array(value)  # a C-ordered copy
+            if want_tap:
+                tap = np.zeros(best.shape, dtype=tap_dtype)
+                better = np.empty(best.shape, dtype=bool)
+                scaled = np.empty(best.shape, dtype=tap_dtype)
+            continue
+        if want_tap:
+            np.greater(value, best, out=better)
+            if nan_aware:
+                better |= np.isnan(value) & ~np.isnan(best)
+            np.maximum(tap, np.multiply(better, index, out=scaled, dtype=tap_dtype), out=tap)
+        np.maximum(best, value, out=best)
+    return best, tap
 
 
 def _window_counts(size, kernel, stride, dilation, begin, n_out, lo, hi):
