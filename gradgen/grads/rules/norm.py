@@ -113,21 +113,19 @@ def _batch_norm_training(g, rank, axes, eps):
     # running_mean = m * input_mean + (1 - m) * batch_mean; running_var likewise with the
     # biased batch variance.
     rest = g.const_like(x, 1.0 - momentum)
-    if drm is not None:
-        if g.needs(3):
-            grads[3] = g.op("Mul", drm, g.const_like(mean_in, momentum))
+    for i, d, stat_in in ((3, drm, mean_in), (4, drv, var_in)):
+        if d is None:
+            continue
+        if g.needs(i):
+            grads[i] = g.op("Mul", d, g.const_like(stat_in, momentum))
         if g.needs(0):
-            share = g.op("Mul", _per_channel(g, drm, rank), rest)
+            share = g.op("Mul", _per_channel(g, d, rank), rest)
             count = _count_like(g, x, scale)
-            parts.append(g.expand_like(g.op("Div", share, count), x))
-    if drv is not None:
-        if g.needs(4):
-            grads[4] = g.op("Mul", drv, g.const_like(var_in, momentum))
-        if g.needs(0):
-            share = g.op("Mul", _per_channel(g, drv, rank), rest)
-            count = _count_like(g, x, scale)
-            two = g.const_like(x, 2.0)
-            parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
+            if i == 3:  # the batch mean: share / count for every element
+                parts.append(g.expand_like(g.op("Div", share, count), x))
+            else:  # the biased batch variance: share * 2 / count * (x - mean)
+                two = g.const_like(x, 2.0)
+                parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
     if g.needs(0) and parts:
         grads[0] = g.sum(parts)
     # Y normalises with the batch statistics: without a running-stat output in the loss, the input
