@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, numpy_dtype_of
+from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.recurrent import RECURRENT_OPS, Activation, RecurrentSpec, recurrent_spec
@@ -38,21 +38,17 @@ class UnrollRecurrentPass(ir.passes.InPlacePass):
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
-        names: set[str] = set()
+        # shared by the nodes' builders: no two new names collide, and equal constants are made once
+        names = graph_names(graph)
+        constants: dict = {}
         for node in nodes:
-            names = names or _taken_names(graph)
-            builder = GraphBuilder(graph, opset, names=names, prefix=node.name or node.op_type, append=False)
+            prefix = node.name or node.op_type
+            builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=prefix, append=False)
             outputs = _Unroller(node, builder).outputs()
             graph.insert_before(node, builder.nodes)
             _replace_outputs(graph, node, outputs)
         ShapeInferencePass()(model)
         return ir.passes.PassResult(model, modified=True)
-
-
-def _taken_names(graph: ir.Graph) -> set[str]:
-    from gradgen.builder import graph_names
-
-    return graph_names(graph)
 
 
 def _replace_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value | None]) -> None:
