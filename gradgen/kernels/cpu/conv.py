@@ -171,13 +171,20 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
     win = sliding_windows(xp, kernel, s, d, out)  # (N, C, *out, *k)
     ns, k, p = len(kernel), math.prod(kernel), math.prod(out)
-    # im2col: (N, G, Cg, *out, *k) -> (G, Cg*K, N*P), one copy with the output positions innermost
-    # (they run along X's rows), then one GEMM per group: (Mg, Cg*K) @ (Cg*K, N*P).
     win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
-    order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
-    cols = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
-    y = np.matmul(w.astype(ct, copy=False).reshape(group, m // group, c_per_group * k), cols)  # (G, Mg, N*P)
-    y = y.reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
+    w_g = w.astype(ct, copy=False).reshape(group, m // group, c_per_group * k)
+    # im2col, one copy whose innermost axis is the longer of the output positions and the kernel
+    # taps (both run along X's rows; a weight gradient lowered to a Conv has a kernel as large as
+    # the image), then one GEMM per group.
+    if p >= k:
+        order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
+        cols = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
+        y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
+    else:
+        order = (1, 0, *range(3, 3 + ns), 2, *range(3 + ns, 3 + 2 * ns))
+        cols = win.transpose(order).reshape(group, n_batch * p, c_per_group * k)
+        y = np.matmul(cols, w_g.transpose(0, 2, 1))  # (G, N*P, Mg)
+        y = y.reshape(group, n_batch, p, m // group).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape(-1, 1)
     return np.ascontiguousarray(y, dtype=x.dtype).reshape((n_batch, m) + tuple(out))
