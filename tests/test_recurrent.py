@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import gradgen
-from gradgen.errors import ModelError
+from gradgen.errors import ModelError, RunError
 from gradgen.executor import Session
 from gradgen.passes import EvaluateConstantsPass, GradientPass, GradientSpec, Pipeline, UnrollRecurrentPass
 from tests.grad_cases.recurrent import LENS, inputs
@@ -69,6 +69,7 @@ FORWARD_CASES = [
     ("LSTM", {"direction": "reverse"}, {"lens": LENS}),
     ("LSTM", {"direction": "bidirectional", "layout": 1}, {"lens": LENS, "peepholes": True}),
     ("LSTM", {"direction": "bidirectional"}, {"initial": False, "bias": False}),
+    ("LSTM", {"direction": "bidirectional"}, {"lens": np.array([0, 3], dtype=np.int32)}),  # an empty sequence
     ("LSTM", {"clip": 0.5, "input_forget": 1}, {"peepholes": True}),
     ("LSTM", {"activations": ["HardSigmoid", "Tanh", "Softsign"], "activation_alpha": [0.3], "activation_beta": [0.4]}, {}),
     ("GRU", {}, {}),
@@ -111,6 +112,13 @@ def test_only_the_outputs_read_are_unrolled_and_names_are_kept():
     got = Session(forward).run(feeds)
     want = _ort_reference("LSTM", arrays, {"hidden_size": H}, 3)
     np.testing.assert_allclose(got["Y_h"], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_lengths_beyond_the_sequence_are_a_run_error():
+    arrays = [a.astype(np.float32) if a is not None and a.dtype.kind == "f" else a for a in inputs("RNN", lens=LENS)]
+    model, feeds = _node_model("RNN", arrays, {"hidden_size": H}, 2)
+    with pytest.raises(RunError, match=r"sequence_lens \[2, 5\]: expected 2 lengths within \[0, 3\]"):
+        Session(model).run({**feeds, "sequence_lens": np.array([2, 5], dtype=np.int32)})
 
 
 def _loss_model(op_type, attrs, time_dim=None):

@@ -5,7 +5,8 @@ run them with the kernels they have.
 Per direction: one MatMul projects every time step's input at once (biases folded in), then each
 step is a Gemm with the recurrent weights and the gates' elementwise ops. A missing initial state
 is zero, so the first step leaves its recurrent terms out (no batch size is needed). With
-``sequence_lens``, a Where per step keeps the state of a finished sequence and zeroes its outputs.
+``sequence_lens``, a Where per step keeps the state of a finished sequence and zeroes its outputs
+(the final state of an empty sequence is 0, not the initial state, as ONNX Runtime computes it).
 The node's outputs keep their names; attributes are read by ``gradgen.ops.recurrent``.
 """
 
@@ -299,6 +300,9 @@ class _Unroller:
             h = ys[t] if h is None else self._keep(live, h_new, h)
             if self.node.op_type == "LSTM":
                 c = self._keep(live, c_new, c)
+        if self.lens is not None:  # an empty sequence ends in state 0, as in ONNX Runtime
+            h = self._keep(self._live(0), h, None)
+            c = None if c is None else self._keep(self._live(0), c, None)
         return ys, h, c
 
     def outputs(self) -> list[ir.Value | None]:

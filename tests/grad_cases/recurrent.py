@@ -49,6 +49,7 @@ CASES = [
     case("LSTM", "reverse-layout1", {"direction": "reverse", "layout": 1}),
     case("LSTM", "bidirectional-lens-peepholes", {"direction": "bidirectional"}, lens=LENS, peepholes=True),
     case("LSTM", "reverse-lens-layout1", {"direction": "reverse", "layout": 1}, lens=LENS),
+    case("LSTM", "empty-sequence", {"direction": "bidirectional"}, lens=np.array([0, 3], dtype=np.int32)),
     case("LSTM", "clip-input_forget", {"clip": 0.8, "input_forget": 1}, peepholes=True),
     case("LSTM", "no-initial-no-bias", initial=False, bias=False),
     case("LSTM", "only-Y", {"direction": "bidirectional"}, num_outputs=1),

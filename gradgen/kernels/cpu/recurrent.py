@@ -3,13 +3,15 @@ gradgen/passes/recurrent.py, and differentiates those).
 
 Semantics as ONNX Runtime computes them: gates as in the ONNX spec, ``clip`` applied to every
 activation's input, ``sequence_lens`` ending each batch entry's sequence (its outputs past the end
-are 0 and its Y_h / Y_c are those of its last valid step; a reverse direction starts at that step).
+are 0 and its Y_h / Y_c are those of its last valid step, 0 for an empty one; a reverse direction
+starts at that step).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gradgen.errors import KernelError
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.recurrent import Activation, RecurrentSpec, recurrent_spec
 
@@ -100,6 +102,8 @@ def _run(op_type, x, w, r, b, seq_lens, h0, c0, p, attrs, wanted):
     hidden = r.shape[-1]
     dtype = x.dtype
     lens = np.full(batch, steps) if seq_lens is None else np.asarray(seq_lens).astype(np.int64)
+    if lens.shape != (batch,) or np.any(lens < 0) or np.any(lens > steps):
+        raise KernelError(f"sequence_lens {lens.tolist()}: expected {batch} lengths within [0, {steps}] (the sequence length)")
     ys, hs, cs = [], [], []
     for d, direction in enumerate(spec.directions):
         h = np.zeros((batch, hidden), dtype) if h0 is None else h0[d]
@@ -115,9 +119,10 @@ def _run(op_type, x, w, r, b, seq_lens, h0, c0, p, attrs, wanted):
             live = (t < lens)[:, None]
             y[t] = np.where(live, h_new, 0)
             h, c = np.where(live, h_new, h), np.where(live, c_new, c)
+        empty = (lens == 0)[:, None]  # an empty sequence's final state is 0, as ONNX Runtime gives it
         ys.append(y)
-        hs.append(h)
-        cs.append(c)
+        hs.append(np.where(empty, 0, h))
+        cs.append(np.where(empty, 0, c))
     y_all, h_all, c_all = np.stack(ys, 1), np.stack(hs), np.stack(cs)
     if spec.layout == 1:
         y_all, h_all, c_all = y_all.transpose(2, 0, 1, 3), h_all.transpose(1, 0, 2), c_all.transpose(1, 0, 2)
