@@ -301,7 +301,7 @@ class _Unroller:
             if self.node.op_type == "LSTM":
                 c = self._keep(live, c_new, c)
         if self.lens is not None:  # an empty sequence ends in state 0, as in ONNX Runtime
-            h = self._keep(self._live(0), h, None)
+            h = None if h is None else self._keep(self._live(0), h, None)
             c = None if c is None else self._keep(self._live(0), c, None)
         return ys, h, c
 
