@@ -40,3 +40,18 @@ def unique_name(name: str, taken: set[str]) -> str:
         candidate = f"{name}_{n}"
     taken.add(candidate)
     return candidate
+
+
+def quoted(names: Iterable[str]) -> str:
+    """``'a', 'b'``: names as messages list them."""
+    return ", ".join(map(repr, names))
+
+
+def name_mismatch(wanted: Iterable[str], given: Iterable[str], missing: str, unknown: str) -> str:
+    """What keeps ``given`` from naming exactly ``wanted`` ("" when nothing does): ``missing`` and
+    ``unknown`` phrase the wanted names not given and the given names not wanted (sorted), with
+    ``{}`` where the quoted names go; "; " joins the two."""
+    wanted, given = list(wanted), set(given)
+    lacking = [name for name in wanted if name not in given]
+    extra = sorted(given - set(wanted))
+    return "; ".join(phrase.format(quoted(names)) for phrase, names in ((missing, lacking), (unknown, extra)) if names)

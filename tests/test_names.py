@@ -22,3 +22,11 @@ def test_an_unnamed_output_names_its_producer():
 def test_an_unnamed_value_without_producer_is_a_model_error():
     with pytest.raises(ModelError, match="a value with no producer has no name"):
         value_name(ir.Value(name=None))
+
+
+def test_name_mismatch_lists_missing_then_unknown_names():
+    from gradgen.names import name_mismatch
+
+    assert name_mismatch(["a", "b"], {"b": 1, "a": 2}, "missing {}", "unknown {}") == ""
+    assert name_mismatch(["a", "b", "c"], ["z", "b", "y"], "missing {}", "unknown {}") == "missing 'a', 'c'; unknown 'y', 'z'"
+    assert name_mismatch(["a"], ["a", "x"], "no {}", "{} extra") == "'x' extra"

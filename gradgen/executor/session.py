@@ -16,6 +16,7 @@ from gradgen.errors import GradgenError, KernelError, ModelError, RunError, Unsu
 from gradgen.executor import low_precision
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, load_model
+from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
 
@@ -429,14 +430,8 @@ def check_feeds(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> dict[
 
 def _refuse_names(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> None:
     declared = [spec.name for spec in specs]
-    unknown = sorted(set(feeds) - set(declared))
-    missing = [name for name in declared if name not in feeds]
-    problems = []
-    if missing:
-        problems.append(f"missing input(s) {', '.join(map(repr, missing))}")
-    if unknown:
-        problems.append(f"unknown input name(s) {', '.join(map(repr, unknown))}")
-    raise RunError(f"{'; '.join(problems)}; the model's inputs are {', '.join(map(repr, declared))}")
+    problems = name_mismatch(declared, feeds, "missing input(s) {}", "unknown input name(s) {}")
+    raise RunError(f"{problems}; the model's inputs are {quoted(declared)}")
 
 
 def _check_shape(name: str, got: tuple[int, ...], dims: tuple, symbols: dict[str, tuple[int, str]]) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import RunError, UsageError
-from gradgen.names import value_name
+from gradgen.names import name_mismatch, quoted, value_name
 
 
 def load_arrays(path: str | Path, what: str = "--data") -> dict[str, np.ndarray]:
@@ -46,15 +46,9 @@ def default_batch_size(inputs: list[ir.Value]) -> int | None:
 def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch_size: int, where: str = "--data") -> None:
     """The arrays fit the model's data inputs: same names, dtypes and per-sample shapes, enough samples."""
     wanted = [v.name for v in inputs]
-    missing = [n for n in wanted if n not in arrays]
-    unknown = [n for n in arrays if n not in wanted]
-    if missing or unknown:
-        problems = []
-        if missing:
-            problems.append(f"no array for input(s) {', '.join(map(repr, missing))}")
-        if unknown:
-            problems.append(f"array(s) {', '.join(map(repr, unknown))} name no data input")
-        raise RunError(f"{where}: {'; '.join(problems)}; the model's data inputs are {', '.join(map(repr, wanted))}")
+    problems = name_mismatch(wanted, arrays, "no array for input(s) {}", "array(s) {} name no data input")
+    if problems:
+        raise RunError(f"{where}: {problems}; the model's data inputs are {quoted(wanted)}")
     for value in inputs:
         _check_one(arrays[value_name(value)], value, batch_size, where)
     count = len(next(iter(arrays.values())))
