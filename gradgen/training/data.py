@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import RunError, UsageError
-from gradgen.names import name_mismatch, quoted, value_name
+from gradgen.names import name_mismatch, quoted, value_name, value_names
 
 
 def load_arrays(path: str | Path, what: str = "--data") -> dict[str, np.ndarray]:
@@ -45,7 +45,7 @@ def default_batch_size(inputs: list[ir.Value]) -> int | None:
 
 def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch_size: int, where: str = "--data") -> None:
     """The arrays fit the model's data inputs: same names, dtypes and per-sample shapes, enough samples."""
-    wanted = [v.name for v in inputs]
+    wanted = value_names(inputs)
     problems = name_mismatch(wanted, arrays, "no array for input(s) {}", "array(s) {} name no data input")
     if problems:
         raise RunError(f"{where}: {problems}; the model's data inputs are {quoted(wanted)}")
