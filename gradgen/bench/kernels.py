@@ -9,8 +9,9 @@ import time
 import numpy as np
 
 
-def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event timings (default stream) after ``warmup`` calls."""
+def _timer(fn, *, reps: int = 50, warmup: int = 5, before=None) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event timings (default stream) after ``warmup``
+    calls; ``before()``, when given, runs before each start event."""
     from pycuda import driver
 
     from gradgen.cuda import runtime as rt  # noqa: F401  (makes the primary context current)
@@ -21,6 +22,8 @@ def _timer(fn, *, reps: int = 50, warmup: int = 5) -> float:
     start, end = driver.Event(), driver.Event()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
@@ -36,21 +39,7 @@ def _gpu_ms(fn, *, reps: int = 50, warmup: int = 5) -> float | None:
     torch = _torch()
     if torch is None:
         return None
-    from pycuda import driver
-
-    for _ in range(warmup):
-        fn()
-    driver.Context.synchronize()
-    start, end = driver.Event(), driver.Event()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(2_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.time_till(end))
-    return statistics.median(times)
+    return _timer(fn, reps=reps, warmup=warmup, before=lambda: torch.cuda._sleep(2_000_000))
 
 
 def _host_us(fn, *, reps: int = 50) -> float:
