@@ -461,6 +461,11 @@ EINSUM = [  # (equation, operand shapes as letters)
     "ijk->kj",
     "ij,kj->ik",
     "abc,cd->abd",
+    "ii->i",  # diagonals
+    "ii",
+    "bii->b",
+    "iij,jk->ik",
+    "...ii->...i",
 ]
 
 

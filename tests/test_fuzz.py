@@ -783,7 +783,6 @@ def test_regression_average_pool_valid_ceil_mode_counts_no_padding():
 @pytest.mark.parametrize(
     "case,message",
     [
-        (fo.OpCase("Einsum", [np.ones((2, 2))], {"equation": "ii->i"}, graph_inputs=frozenset({0})), "diagonal"),
         (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "max"}), "reduction='max'"),
         (fo.OpCase("ScatterND", [np.ones(3), np.array([[1]]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
         (

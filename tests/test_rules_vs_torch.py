@@ -336,18 +336,29 @@ def test_instance_norm_vs_torch():
         ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
         ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 2)]),
         ("...ij,jk->...i", [(2, 3, 4), (4, 5)]),
+        ("bii->b", [(2, 3, 3)]),
+        ("ii", [(4, 4)]),
+        ("iij->j", [(3, 3, 2)]),
+        ("bij,bjj->bi", [(2, 3, 4), (2, 4, 4)]),
+        ("i...i", [(3, 2, 3)]),
+        ("...i->i", [(2, 3, 4)]),
+        ("ij,ij->i", [(3, 4), (1, 4)]),
     ],
 )
 def test_einsum_vs_torch(equation, shapes):
     inputs = {f"x{i}": rng.normal(size=s) for i, s in enumerate(shapes)}
-    out_shape = np.einsum(equation, *inputs.values()).shape
-    got, w = run_gradgen("Einsum", inputs, {}, {"equation": equation}, [out_shape], opset=17)
+    out_shape = torch.einsum(equation, *[torch.tensor(v) for v in inputs.values()]).shape
+    got, w = run_gradgen("Einsum", inputs, {}, {"equation": equation}, [tuple(out_shape)], opset=17)
     assert_close(got, torch_grads(lambda **kw: torch.einsum(equation, *kw.values()), inputs, w))
 
 
-def test_einsum_diagonal_is_refused_by_name():
-    with pytest.raises(ModelError, match="'node'"):
-        run_gradgen("Einsum", {"x": rng.normal(size=(3, 3))}, {}, {"equation": "ii->i"}, [(3,)])
+@pytest.mark.parametrize(
+    "equation,message",
+    [("ij,jk->ik", "2 operand"), ("ij->ii", "more than once"), ("ij->k", "in no operand"), ("i1->i", "not a label")],
+)
+def test_einsum_malformed_equation_is_refused_by_name(equation, message):
+    with pytest.raises(ModelError, match=f"'node'.*{message}"):
+        run_gradgen("Einsum", {"x": rng.normal(size=(3, 3))}, {}, {"equation": equation}, [(3,)])
 
 
 @pytest.fixture(autouse=True)

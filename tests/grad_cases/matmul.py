@@ -62,6 +62,22 @@ EINSUM = [
     ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 2)]),  # broadcast ellipsis
     ("...ij,jk->...ik", [(2, 2, 3, 4), (4, 2)]),
     ("... i j , j k -> ... i k", [(2, 3, 4), (4, 2)]),  # spaces
+    ("ii->i", [(3, 3)]),  # diagonal
+    ("ii", [(3, 3)]),  # trace (implicit output)
+    ("bii->b", [(2, 3, 3)]),
+    ("iij->j", [(3, 3, 2)]),
+    ("iii->i", [(2, 2, 2)]),
+    ("iij,jk->ik", [(3, 3, 2), (2, 4)]),
+    ("ii,ij->ij", [(3, 3), (3, 2)]),  # diagonal against a kept label
+    ("ij,jj->i", [(3, 2), (2, 2)]),
+    ("bij,bkk->bij", [(2, 3, 2), (2, 4, 4)]),  # the trace summed within operand 1
+    ("...ii->...i", [(2, 3, 3)]),
+    ("i...i", [(3, 2, 3)]),  # ellipsis in the middle, implicit output
+    ("...i->i", [(2, 3, 4)]),  # the ellipsis summed away
+    ("i...,i...->...", [(3, 2), (3, 1)]),  # trailing ellipsis, broadcast
+    ("ij,ij->ij", [(3, 4), (3, 1)]),  # a named label broadcast
+    ("ij,ij->i", [(3, 4), (1, 4)]),  # broadcast label summed: its gradient expanded
+    ("Ba,aB", [(2, 3), (3, 2)]),  # upper case sorts first
 ]
 CASES += [
     GradCase("Einsum", [r(*s) for s in shapes], {"equation": eq}, name=f"Einsum-{eq.replace(' ', '')}") for eq, shapes in EINSUM

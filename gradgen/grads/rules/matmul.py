@@ -10,11 +10,13 @@ op; lowered back to Transpose + MatMul in portable mode), as Gemm's flags serve 
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import MICROSOFT, dims_of, same_dim
-from gradgen.errors import ModelError
+from gradgen.builder import MICROSOFT, dims_of, numpy_dtype_of, same_dim
+from gradgen.errors import KernelError, ModelError
 from gradgen.grads.table import grad_rule
+from gradgen.ops.einsum import ELLIPSIS, Equation, explicit_equation, fresh_letters, parse_equation
 
 _ABSENT = object()
 
@@ -148,97 +150,152 @@ def gemm(g):
 
 # -- Einsum -----------------------------------------------------------------------------------
 
+# A diagonal's identity matrix up to this many elements is a constant; a larger one is built at run time.
+_CONST_IDENTITY_ELEMENTS = 4096
 
-def _parse_einsum(g) -> tuple[list[str], str]:
-    """(operand subscripts, output subscripts), explicit; '...' kept as is."""
-    equation = g.attr("equation").replace(" ", "")
-    if "->" in equation:
-        lhs, out = equation.split("->")
-    else:
-        lhs, out = equation, None
-    terms = lhs.split(",")
-    if len(terms) != len(g.node.inputs):
-        raise ModelError(
-            f"Einsum node {g.node.name!r}: equation {equation!r} has {len(terms)} operand(s) "
-            f"but the node has {len(g.node.inputs)} input(s)"
-        )
-    if out is None:  # implicit output: letters used once, sorted; '...' first
-        letters = "".join(t.replace("...", "") for t in terms)
-        out = ("..." if any("..." in t for t in terms) else "") + "".join(
-            sorted(ch for ch in set(letters) if letters.count(ch) == 1)
-        )
-    for term in terms + [out]:
-        letters = term.replace("...", "")
-        if len(set(letters)) != len(letters) or term.count("...") > 1 or "." in letters:
+
+def _explicit_einsum(g) -> Equation:
+    """The node's equation with its output explicit and its ellipsis spelled out in fresh letters
+    (which needs the operands' ranks)."""
+    equation = g.attr("equation")
+    try:
+        parsed = parse_equation(equation, len(g.node.inputs))
+        if not any(ELLIPSIS in t for t in (*parsed.inputs, parsed.output)):
+            return parsed
+        ranks = [g.rank(x) for x in g.node.inputs]
+        unknown = [k for k, r in enumerate(ranks) if r is None]
+        if unknown:
             raise ModelError(
-                f"Einsum node {g.node.name!r}: equation {equation!r} repeats an index within one "
-                "term (a diagonal); its gradient is not supported"
+                f"Einsum node {g.node.name!r}: equation {equation!r} has an ellipsis and the rank of input "
+                f"{unknown[0]} is unknown; its gradient needs every operand's rank"
             )
-    return terms, out
+        return explicit_equation(parsed, ranks)
+    except KernelError as exc:
+        raise ModelError(f"Einsum node {g.node.name!r}: {exc}") from None
 
 
-def _letters(term: str) -> list[str]:
-    """The term as a list of labels, '...' being one label."""
-    out, i = [], 0
-    while i < len(term):
-        if term.startswith("...", i):
-            out.append("...")
-            i += 3
-        else:
-            out.append(term[i])
-            i += 1
-    return out
+def _broadcast_dim(dims: list):
+    """The size numpy's broadcasting gives a label seen with these dims (int, symbol or None)."""
+    big = {d for d in dims if d != 1}
+    if not big:
+        return 1
+    known = {d for d in big if isinstance(d, int)}
+    if len(known) == 1:
+        return known.pop()
+    return big.pop() if len(big) == 1 else None
 
 
 @grad_rule("Einsum")
 def einsum(g):
-    """dX_i = einsum(dY, the other operands -> X_i's subscripts).
+    """dX_i = einsum(dY, the other operands -> X_i's own labels), laid out as X_i's term.
 
-    A label of X_i found neither in the output nor in another operand (summed within X_i alone) is
-    left out of that product and restored by Unsqueeze + Expand. An ellipsis must lead the
-    operand's subscripts (its broadcast dims are then summed back like any broadcast).
+    Any equation: the ellipsis becomes fresh letters and the output is made explicit first. A label
+    repeated within X_i (a diagonal, 'bii->b') puts the gradient on that diagonal: one more Einsum
+    with an identity matrix per extra occurrence. A label found only in X_i (summed within it) is
+    restored by Unsqueeze + Expand. Dims that X_i broadcast (size 1 against a larger size) are
+    summed back; dims broadcast against X_i are expanded.
     """
-    terms, out = _parse_einsum(g)
-    dy = g.dy()
-    grads = []
-    for i, term in enumerate(terms):
-        if not g.needs(i):
-            grads.append(None)
-            continue
-        x = g.x(i)
-        labels = _letters(term)
-        if "..." in labels and (labels[0] != "..." or "..." not in out):
-            raise ModelError(
-                f"Einsum node {g.node.name!r}: equation {g.attr('equation')!r}: an ellipsis that is not "
-                "leading, or that is summed away, is not supported by its gradient"
-            )
-        others = [t for j, t in enumerate(terms) if j != i]
-        available = set(_letters(out))
-        for t in others:
-            available.update(_letters(t))
-        kept = [lab for lab in labels if lab in available]
-        missing = [k for k, lab in enumerate(labels) if lab not in available]
-        # numpy (and so ONNX) cannot sum an ellipsis away in explicit mode: keep it, then sum it.
-        sum_ellipsis = "..." in out and "..." not in labels
-        result = ("..." if sum_ellipsis else "") + "".join(kept)
-        equation = ",".join([out] + others) + "->" + result
-        grad = g.op("Einsum", dy, *[g.x(j) for j in range(len(terms)) if j != i], equation=equation)
-        if sum_ellipsis:
-            out_rank = g.rank(g.y())
-            if out_rank is not None:
-                lead = out_rank - (len(_letters(out)) - 1)
-                if lead > 0:
-                    grad = g.reduce_sum(grad, list(range(lead)), keepdims=0)
+    equation = _explicit_einsum(g)
+    term_dims = []  # per operand: its dims (int, symbol or None), one per label
+    for term, x in zip(equation.inputs, g.node.inputs):
+        x_dims = dims_of(x)
+        term_dims.append(x_dims if x_dims is not None and len(x_dims) == len(term) else [None] * len(term))
+    return [_einsum_operand_grad(g, equation, term_dims, i) if g.needs(i) else None for i in range(len(equation.inputs))]
+
+
+def _einsum_operand_grad(g, equation: Equation, term_dims: list[list], i: int) -> ir.Value:
+    x, term = g.x(i), equation.inputs[i]
+    others = [t for j, t in enumerate(equation.inputs) if j != i]
+    available = set(equation.output).union(*others)
+    kept = [lab for lab in dict.fromkeys(term) if lab in available]
+
+    def size(lab: str):
+        """The label's size in the contraction: the broadcast of every operand's dims for an output
+        label (that is dY's), else of the other operands' dims."""
+        seen = [
+            d
+            for j, t in enumerate(equation.inputs)
+            if j != i or lab in equation.output
+            for lab2, d in zip(t, term_dims[j])
+            if lab2 == lab
+        ]
+        return _broadcast_dim(seen)
+
+    if not others and kept == list(equation.output):
+        grad = g.dy()
+    else:
+        contraction = Equation((equation.output, *others), tuple(kept))
+        grad = g.op("Einsum", g.dy(), *[g.x(j) for j in range(len(equation.inputs)) if j != i], equation=str(contraction))
+    grad, sizes = _lay_out_as_term(g, equation, i, grad, kept, {lab: size(lab) for lab in kept}, term_dims[i])
+    return _fit_to_operand(g, x, grad, sizes, term_dims[i])
+
+
+def _lay_out_as_term(g, equation: Equation, i: int, grad: ir.Value, kept: list[str], kept_sizes: dict, x_dims: list):
+    """``grad`` (labelled ``kept``) laid out as X_i's term: on the diagonal of a repeated label
+    (times an identity matrix per extra occurrence), with a unit axis for a label found only in
+    X_i. Returns it and its dims per axis (int, symbol or None)."""
+    term = equation.inputs[i]
+    x = g.x(i)
+    extra = [k for k, lab in enumerate(term) if lab in term[:k]]
+    fresh = dict(zip(extra, fresh_letters(equation.letters(), len(extra), equation))) if extra else {}
+    layout, sizes, unit_axes, identities = [], [], [], []
+    for k, lab in enumerate(term):
+        first = term.index(lab)
+        if lab in kept_sizes:
+            dim = kept_sizes[lab]
+        else:  # found only in X_i: its own size
+            dim = _broadcast_dim([d for lab2, d in zip(term, x_dims) if lab2 == lab])
+        if k != first:
+            if lab in kept_sizes and not isinstance(dim, int):
+                n = g.part(g.shape_of(grad), kept.index(lab), kept.index(lab) + 1)
+            elif not isinstance(dim, int):
+                n = g.part(g.shape_of(x), first, first + 1)
             else:
-                raise ModelError(f"Einsum node {g.node.name!r}: the rank of its output is unknown; its gradient needs it")
-        if missing:
-            # positions counted from the end (an ellipsis has a run-time length)
-            grad = g.unsqueeze(grad, [k - len(labels) for k in missing])
-        if "..." in labels:
-            if missing:
-                grad = g.op("Expand", grad, g.shape_of(x))
-            grad = g.unbroadcast(grad, x, grad, None)
-        elif missing:
-            grad = g.expand_like(grad, x)
-        grads.append(grad)
-    return grads
+                n = dim
+            identities.append((lab + fresh[k], _identity(g, n, x)))
+            layout.append(fresh[k])
+        elif lab in kept_sizes or term.count(lab) > 1:
+            layout.append(lab)
+        else:
+            unit_axes.append(k)
+            dim = 1
+        sizes.append(dim)
+    if identities:
+        embed = Equation((tuple(kept), *(tuple(t) for t, _ in identities)), tuple(layout))
+        grad = g.op("Einsum", grad, *[v for _, v in identities], equation=str(embed))
+    if unit_axes:
+        grad = g.unsqueeze(grad, unit_axes)
+    return grad, sizes
+
+
+def _identity(g, n: int | ir.Value, like: ir.Value) -> ir.Value:
+    """An n x n identity matrix of like's element type (n an int or a 1-element int64 vector)."""
+    dtype = numpy_dtype_of(like)
+    if isinstance(n, int) and n * n <= _CONST_IDENTITY_ELEMENTS:
+        return g.const(np.eye(n, dtype=dtype))
+    count = g.scalar(n) if isinstance(n, int) else g.reshape(n, [])
+    steps = g.op("Range", g.scalar(0), count, g.scalar(1))
+    same = g.op("Equal", g.unsqueeze(steps, [1]), g.unsqueeze(steps, [0]))
+    return g.op("Cast", same, to=ir.DataType.from_numpy(dtype))
+
+
+def _fit_to_operand(g, x: ir.Value, grad: ir.Value, sizes: list, x_dims: list) -> ir.Value:
+    """Sum the axes X broadcast (its size 1 against a larger one), expand those broadcast against
+    it; decided from the dims where they tell, else at run time (BroadcastGradientArgs)."""
+    reduce_axes, expand, dynamic = [], False, False
+    for k, (d, s) in enumerate(zip(x_dims, sizes)):
+        if same_dim(d, s):
+            continue
+        if d == 1:
+            reduce_axes.append(k)
+        elif s == 1 or isinstance(d, int):  # grad's size is 1 or d: Expand makes it d
+            expand = True
+        else:
+            dynamic = True
+    if dynamic:
+        axes = g.op_multi("BroadcastGradientArgs", [g.shape_of(x), g.shape_of(grad)], 2, domain=MICROSOFT)[0]
+        axes.type, axes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([None])
+        return g.expand_like(g.reduce_sum(grad, axes, keepdims=1, noop_with_empty_axes=1), x)
+    if reduce_axes:
+        grad = g.reduce_sum(grad, reduce_axes, keepdims=1)
+    return g.expand_like(grad, x) if expand else grad

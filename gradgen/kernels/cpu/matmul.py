@@ -12,6 +12,7 @@ from gradgen.errors import KernelError, ModelError
 from gradgen.kernels.numeric import accumulation_dtype
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
+from gradgen.ops.einsum import explicit_equation, parse_equation
 from gradgen.ops.matmul import check_fused_ranks, fused_matmul_output_dims, fused_operand_perm
 from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
@@ -63,20 +64,15 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
 
 @cpu_kernel("Einsum")
 def einsum(*inputs, equation):
-    equation = equation.replace(" ", "")
-    lhs = equation.split("->")[0]
-    terms = lhs.split(",")
-    if len(terms) != len(inputs):
-        raise KernelError(f"equation {equation!r} has {len(terms)} operand(s), the node has {len(inputs)} input(s)")
-    for i, (term, x) in enumerate(zip(terms, inputs)):
-        letters = len(term.replace("...", ""))
-        if ("..." in term and letters > x.ndim) or ("..." not in term and letters != x.ndim):
-            raise KernelError(f"operand {i} of equation {equation!r} ({term!r}) does not fit its shape {list(x.shape)}")
+    """Any equation (diagonals, ellipsis anywhere, implicit output: gradgen.ops.einsum), run by numpy
+    in its explicit form; the result never shares memory with an input (numpy's diagonal is a view)."""
+    explicit = explicit_equation(parse_equation(equation, len(inputs)), [x.ndim for x in inputs])
     try:
-        out = np.einsum(equation, *inputs)
+        out = np.einsum(str(explicit), *inputs)
     except ValueError as exc:
         raise KernelError(f"equation {equation!r} with shapes {[list(x.shape) for x in inputs]}: {exc}") from None
-    return np.asarray(out).astype(np.result_type(*inputs), copy=False)
+    out = np.asarray(out).astype(np.result_type(*inputs), copy=False)
+    return out.copy() if any(np.may_share_memory(out, x) for x in inputs) else out
 
 
 # ---------------------------------------------------------------------------------------------
