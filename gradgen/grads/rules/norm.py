@@ -19,7 +19,7 @@ import math
 
 import onnx_ir as ir
 
-from gradgen.builder import MICROSOFT, dims_of
+from gradgen.builder import INT64_MAX, MICROSOFT, dims_of
 from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule
 
@@ -267,9 +267,16 @@ def _instance_normalization_any_rank(g):
     flat = g.ints([0, 0, -1])
     x3, dy3 = g.reshape(x, flat), g.reshape(g.dy(), flat)
     xhat, rstd, _ = _stats(g, x3, [2], eps, like=x)
+    return _rows_affine_grads(g, x, dy3, scale, [1], xhat, rstd)
+
+
+def _rows_affine_grads(g, x, dy3, scale, scale_axes, xhat, rstd):
+    """[dX, dScale, dBias] of Y = xhat * scale + bias with X viewed as (N, K, L), normalised over
+    L (xhat, rstd), scale and bias per K (``g.unsqueeze(scale, scale_axes)`` broadcasts it); dY is
+    ``dy3`` in that view, dX comes back in X's shape."""
     grads = [None] * 3
     if g.needs(0):
-        dxhat = g.op("Mul", dy3, g.unsqueeze(scale, [1]))
+        dxhat = g.op("Mul", dy3, g.unsqueeze(scale, scale_axes))
         grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
     if g.needs(1):
         grads[1] = g.reduce_sum(g.op("Mul", dy3, xhat), [0, 2], keepdims=0)
@@ -294,17 +301,9 @@ def group_normalization(g):
     grouped_shape = g.ints([0, groups, -1])
     xg = g.reshape(x, grouped_shape)
     xhat, rstd, _ = _stats(g, xg, [2], eps, like=x)
-    grads = [None] * 3
     if per_group:
-        dyg = g.reshape(dy, grouped_shape)
-        if g.needs(0):
-            dxhat = g.op("Mul", dyg, g.unsqueeze(scale, [0, 2]))
-            grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
-        if g.needs(1):
-            grads[1] = g.reduce_sum(g.op("Mul", dyg, xhat), [0, 2], keepdims=0)
-        if g.needs(2):
-            grads[2] = g.reduce_sum(dyg, [0, 2], keepdims=0)
-        return grads
+        return _rows_affine_grads(g, x, g.reshape(dy, grouped_shape), scale, [0, 2], xhat, rstd)
+    grads = [None] * 3
     channel_axes = [0] + list(range(2, rank))
     if g.needs(0):
         dxhat = g.reshape(g.op("Mul", dy, _per_channel(g, scale, rank)), grouped_shape)
@@ -325,3 +324,99 @@ def _per_group_form(g, x, scale, groups) -> bool:
     if isinstance(length, int) and length != groups:
         return False
     return g.opset < 21
+
+
+def _trailing_axes(g, x, axis: int) -> list[int]:
+    """The axes from ``axis`` to the last: negative ones when ``axis`` is negative (no rank needed)."""
+    if axis < 0:
+        return list(range(axis, 0))
+    return list(range(axis, _rank(g, x)))
+
+
+@grad_rule("RMSNormalization")
+def rms_normalization(g):
+    """y = x * rstd * scale, rstd = (mean(x^2) + eps)^-1/2 over the axes from ``axis``:
+    dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * scale (statistics recomputed
+    in x's type)."""
+    x, scale = g.x(0), g.x(1)
+    axes = _trailing_axes(g, x, int(g.attr("axis", -1)))
+    eps = float(g.attr("epsilon", 1e-5))
+    dy = g.dy()
+    mean_square = g.reduce("ReduceMean", g.op("Mul", x, x), axes, keepdims=1)
+    rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean_square, g.const_like(x, eps))))
+    xhat = g.op("Mul", x, rstd)
+    grads = [None, None]
+    if g.needs(0):
+        dxhat = g.op("Mul", dy, scale)
+        mean_dx = g.reduce("ReduceMean", g.op("Mul", dxhat, xhat), axes, keepdims=1)
+        grads[0] = g.op("Mul", rstd, g.op("Sub", dxhat, g.op("Mul", xhat, mean_dx)))
+    if g.needs(1):
+        grads[1] = g.unbroadcast(g.op("Mul", dy, xhat), scale, g.y(0), None)
+    return grads
+
+
+@grad_rule("LpNormalization")
+def lp_normalization(g):
+    """y = x / n along ``axis``, n = sum|x| (p=1) or sqrt(sum x^2) (p=2); y = 0 where n = 0:
+    dx = (dy - d|x|^p/dx-direction * sum(dy * y)) / n with that direction sign(x) (p=1) or y (p=2),
+    and 0 where n = 0 (as y is)."""
+    x, y, dy = g.x(0), g.y(0), g.dy()
+    axis, p = int(g.attr("axis", -1)), int(g.attr("p", 2))
+    if p not in (1, 2):
+        raise ModelError(f"LpNormalization node {g.node.name!r}: p must be 1 or 2, got {p}")
+    if p == 1:
+        norm, direction = g.reduce_sum(g.op("Abs", x), [axis], keepdims=1), g.op("Sign", x)
+    else:
+        norm, direction = g.op("Sqrt", g.reduce_sum(g.op("Mul", x, x), [axis], keepdims=1)), y
+    zero = g.op("Equal", norm, g.const_like(x, 0.0))
+    inv = g.op("Where", zero, g.const_like(x, 0.0), g.op("Reciprocal", g.op("Where", zero, g.const_like(x, 1.0), norm)))
+    along = g.reduce_sum(g.op("Mul", dy, y), [axis], keepdims=1)
+    return [g.op("Mul", g.op("Sub", dy, g.op("Mul", direction, along)), inv)]
+
+
+@grad_rule("MeanVarianceNormalization")
+def mean_variance_normalization(g):
+    """y = c / d, c = x - mean, d = sqrt(mean(x^2) - mean^2) + 1e-9 (ONNX's function body) over
+    ``axes``: dx = (dy - mean(dy)) / d - c * mean(dy * c) / (d^2 * s), s = d - 1e-9."""
+    x, dy = g.x(0), g.dy()
+    axes = [int(a) for a in g.attr("axes", [0, 2, 3])]
+    mean = g.reduce("ReduceMean", x, axes, keepdims=1)
+    centered = g.op("Sub", x, mean)
+    variance = g.op("Sub", g.reduce("ReduceMean", g.op("Mul", x, x), axes, keepdims=1), g.op("Mul", mean, mean))
+    std = g.op("Sqrt", variance)
+    denom = g.op("Add", std, g.const_like(x, 1e-9))
+    first = g.op("Div", g.op("Sub", dy, g.reduce("ReduceMean", dy, axes, keepdims=1)), denom)
+    spread = g.reduce("ReduceMean", g.op("Mul", dy, centered), axes, keepdims=1)
+    second = g.op("Div", g.op("Mul", centered, spread), g.op("Mul", g.op("Mul", denom, denom), std))
+    return [g.op("Sub", first, second)]
+
+
+def _channel_window_sum(g, v, rank: int, front: int, back: int, size: int):
+    """sum_{t < size} v_pad[:, c + t] along axis 1, v_pad = v padded with ``front`` / ``back`` zero
+    channels: LRN's window sum (front = (size-1)//2) and its transpose (front and back swapped)."""
+    pads = [0] * (2 * rank)
+    pads[1], pads[rank + 1] = front, back
+    padded = g.op("Pad", v, g.ints(pads)) if front or back else v
+    parts = []
+    for t in range(size):
+        end = -(size - 1 - t) if t < size - 1 else INT64_MAX
+        parts.append(g.op("Slice", padded, g.ints([t]), g.ints([end]), g.ints([1])))
+    return g.sum(parts)
+
+
+@grad_rule("LRN")
+def lrn(g):
+    """y = x * D^-beta, D = bias + alpha / size * S, S_c the sum of x^2 over the channels
+    [c - (size-1)//2, c + ceil((size-1)/2)]: dx = dy * D^-beta - 2 alpha beta / size * x * T, T the
+    sum of u = dy * y / D over the transposed window."""
+    x, y, dy = g.x(0), g.y(0), g.dy()
+    rank = _rank(g, x)
+    size = int(g.attr("size"))
+    alpha, beta, bias = float(g.attr("alpha", 1e-4)), float(g.attr("beta", 0.75)), float(g.attr("bias", 1.0))
+    before, after = (size - 1) // 2, size // 2
+    square_sum = _channel_window_sum(g, g.op("Mul", x, x), rank, before, after, size)
+    denom = g.op("Add", g.const_like(x, bias), g.op("Mul", g.const_like(x, alpha / size), square_sum))
+    direct = g.op("Mul", dy, g.op("Pow", denom, g.const_like(x, -beta)))
+    u = g.op("Div", g.op("Mul", dy, y), denom)
+    spread = _channel_window_sum(g, u, rank, after, before, size)
+    return [g.op("Sub", direct, g.op("Mul", g.const_like(x, 2 * alpha * beta / size), g.op("Mul", x, spread)))]
