@@ -35,6 +35,10 @@ class GradCase:
     atol: float = 1e-6  # relative to the largest |gradient| (or 1)
     eps: float = 1e-6
     symbolic: bool = True  # also check with every input dimension symbolic
+    # False where ONNX's own shape inference rejects the forward node in float64 (the float
+    # constants of MeanVarianceNormalization's function body): the backward graph is then checked
+    # without it
+    full_check: bool = True
 
     @property
     def id(self) -> str:
@@ -130,7 +134,7 @@ def check_case(case: GradCase, symbolic: bool = False) -> None:
     model, feeds, diff = case_model(case, symbolic)
     built = gradgen.build_backward(model, wrt=diff)
     proto = gradgen.api.ir.to_proto(built.model)
-    onnx.checker.check_model(proto, full_check=True)
+    onnx.checker.check_model(proto, full_check=case.full_check)
     got = Session(built.model).run(feeds)
     forward = Session(model)
     for name in diff:

@@ -1,4 +1,5 @@
-"""Finite-difference cases: BatchNormalization, LayerNormalization, InstanceNormalization, GroupNormalization."""
+"""Finite-difference cases: BatchNormalization, LayerNormalization, InstanceNormalization, GroupNormalization,
+RMSNormalization, LpNormalization, MeanVarianceNormalization, LRN."""
 
 import numpy as np
 
@@ -118,4 +119,51 @@ for shape, groups in (((2, 4, 3), 2), ((2, 6, 2, 2), 3), ((1, 4, 3), 1), ((2, 4,
             opset=21,
             name=f"GroupNormalization-op21{shape}-g{groups}",
         )
+    )
+
+# RMSNormalization (opset 23): axis, epsilon, a scale of the normalized shape or broadcast to it.
+for shape, axis, scale_shape in (
+    ((2, 3, 4), -1, (4,)),
+    ((2, 3, 4), 1, (3, 4)),
+    ((2, 3, 4), -2, (1, 4)),
+    ((3, 5), 0, (3, 5)),
+    ((2, 2, 3), 2, (1,)),
+):
+    CASES.append(
+        GradCase(
+            "RMSNormalization",
+            [r(*shape), r(*scale_shape)],
+            {"axis": axis, "epsilon": 1e-3},
+            opset=23,
+            name=f"RMSNormalization{shape}-axis{axis}-scale{scale_shape}",
+        )
+    )
+
+# LpNormalization: p 1 and 2, several axes (a row of zeros, where y jumps, is in tests/test_norm_rules.py).
+for shape, axis, p in (((3, 4), -1, 2), ((2, 3, 4), 1, 2), ((2, 3, 4), 0, 1), ((3, 5), -1, 1)):
+    CASES.append(GradCase("LpNormalization", [r(*shape)], {"axis": axis, "p": p}, name=f"LpNormalization{shape}-axis{axis}-p{p}"))
+CASES.append(GradCase("LpNormalization", [r(2, 3)], {"p": 2}, opset=22, name="LpNormalization-op22"))
+
+# MeanVarianceNormalization: the default axes (N, H, W) and others.
+for shape, axes in (((2, 3, 2, 2), None), ((2, 3, 4), [1]), ((2, 3, 4), [0, 2]), ((3, 4), [-1])):
+    CASES.append(
+        GradCase(
+            "MeanVarianceNormalization",
+            [r(*shape)],
+            {} if axes is None else {"axes": axes},
+            opset=13,
+            full_check=False,  # ONNX's function body adds a float epsilon to double data
+            name=f"MeanVarianceNormalization{shape}-axes{axes}",
+        )
+    )
+
+# LRN: odd and even window sizes, windows wider than the channels.
+for shape, size, attrs in (
+    ((2, 5, 3), 3, {}),
+    ((1, 4, 2, 2), 2, {"alpha": 0.5, "beta": 0.6, "bias": 2.0}),
+    ((2, 3, 2), 5, {"alpha": 0.3, "beta": 1.2}),
+    ((1, 6), 4, {"alpha": 0.2, "bias": 1.5}),
+):
+    CASES.append(
+        GradCase("LRN", [r(*shape)], {"size": size, **attrs}, opset=13, name=f"LRN{shape}-size{size}-{sorted(attrs.items())}")
     )

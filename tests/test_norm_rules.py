@@ -1,0 +1,104 @@
+"""RMSNormalization, LpNormalization, MeanVarianceNormalization and LRN: gradgen's gradients against
+torch.autograd (float64), and LpNormalization at a zero norm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import gradgen
+from gradgen.executor import Session
+from tests.test_rules_vs_torch import assert_close, run_gradgen, torch_grads
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+rng = np.random.default_rng(515)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("shape,axis", [((2, 3, 8), -1), ((2, 3, 4), 1), ((4, 6), 0)])
+def test_rms_norm_vs_torch(shape, axis, symbolic):
+    norm_shape = shape[axis % len(shape) :]
+    inputs = {"x": rng.normal(size=shape), "scale": rng.normal(size=norm_shape)}
+    eps = 1e-4
+    got, w = run_gradgen("RMSNormalization", inputs, {}, {"axis": axis, "epsilon": eps}, [shape], opset=23, symbolic=symbolic)
+    want = torch_grads(lambda x, scale: F.rms_norm(x, norm_shape, scale, eps), inputs, w)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("shape,axis", [((3, 5), -1), ((2, 4, 3), 1)])
+def test_lp_normalization_vs_torch(shape, axis, p, symbolic):
+    inputs = {"x": rng.normal(size=shape)}
+    got, w = run_gradgen("LpNormalization", inputs, {}, {"axis": axis, "p": p}, [shape], symbolic=symbolic)
+    assert_close(got, torch_grads(lambda x: F.normalize(x, p=p, dim=axis, eps=0.0), inputs, w))
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_normalization_zero_norm_gets_a_zero_gradient(p):
+    """y is 0 on a zero row (the kernel's and ONNX Runtime's choice); its gradient there is 0, not NaN."""
+    x = rng.normal(size=(3, 4))
+    x[1] = 0.0
+    got, _ = run_gradgen("LpNormalization", {"x": x}, {}, {"axis": 1, "p": p}, [x.shape])
+    assert np.isfinite(got["x"]).all()
+    np.testing.assert_array_equal(got["x"][1], 0.0)
+    assert np.abs(got["x"][[0, 2]]).min() > 0
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("shape,axes", [((2, 3, 4, 2), None), ((2, 3, 5), [1]), ((2, 3, 4), [0, 2])])
+def test_mean_variance_normalization_vs_torch(shape, axes, symbolic):
+    inputs = {"x": rng.normal(size=shape)}
+    attrs = {} if axes is None else {"axes": axes}
+    dims = tuple(axes or (0, 2, 3))
+    got, w = run_gradgen("MeanVarianceNormalization", inputs, {}, attrs, [shape], opset=13, symbolic=symbolic)
+
+    def mvn(x):  # ONNX's function body
+        mean = x.mean(dim=dims, keepdim=True)
+        return (x - mean) / (torch.sqrt((x * x).mean(dim=dims, keepdim=True) - mean * mean) + 1e-9)
+
+    assert_close(got, torch_grads(mvn, inputs, w))
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("shape,size", [((2, 7, 3, 3), 5), ((2, 4, 5), 3), ((1, 3, 2, 2), 7)])
+def test_lrn_vs_torch(shape, size, symbolic):
+    """Odd sizes only: for an even size torch puts the longer half of the window before the channel,
+    ONNX after it (the finite-difference cases check even sizes)."""
+    inputs = {"x": rng.normal(size=shape)}
+    alpha, beta, bias = 0.375, 0.625, 1.25  # exact in float32, the attributes' type
+    attrs = {"size": size, "alpha": alpha, "beta": beta, "bias": bias}
+    got, w = run_gradgen("LRN", inputs, {}, attrs, [shape], opset=13, symbolic=symbolic)
+    want = torch_grads(lambda x: F.local_response_norm(x, size, alpha=alpha, beta=beta, k=bias), inputs, w)
+    assert_close(got, want)
+
+
+def test_lrn_kernel_vs_torch_forward():
+    x = rng.normal(size=(2, 6, 3, 3))
+    node = helper.make_node("LRN", ["x"], ["y"], size=5, alpha=0.375, beta=0.625, bias=1.25)
+    graph = helper.make_graph(
+        [node],
+        "lrn",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, x.shape)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    got = Session(model).run({"x": x})["y"]
+    want = F.local_response_norm(torch.tensor(x), 5, alpha=0.375, beta=0.625, k=1.25).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_lp_normalization_bad_p_is_a_model_error():
+    node = helper.make_node("LpNormalization", ["x"], ["y"], p=3)
+    graph = helper.make_graph(
+        [node, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+        "lp",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(gradgen.ModelError, match="LpNormalization node .*p must be 1 or 2, got 3"):
+        gradgen.build_backward(model, wrt_inputs=True)
