@@ -40,11 +40,12 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
-    # differentiated by rules of standard ops (grads/rules/norm.py); the forward op itself has no launcher
+    # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpNormalization"): "no CUDA launcher yet",
     ("", "MeanVarianceNormalization"): "no CUDA launcher yet",
     ("", "RMSNormalization"): "no CUDA launcher yet",
+    ("", "RotaryEmbedding"): "no CUDA launcher yet",
     # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
     # launchers; only a forward model run as it is holds them
     ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",

@@ -41,6 +41,7 @@ MODELS = {
     "LpNormalization": lambda: _case_model("LpNormalization"),
     "MeanVarianceNormalization": lambda: _case_model("MeanVarianceNormalization"),
     "RMSNormalization": lambda: _case_model("RMSNormalization"),
+    "RotaryEmbedding": lambda: _case_model("RotaryEmbedding"),
     "Mean": lambda: _case_model("Mean"),
     "Range": _range_model,
     "Resize": lambda: _case_model("Resize"),

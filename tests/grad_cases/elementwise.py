@@ -205,3 +205,28 @@ CASES += [
     GradCase("Dropout", [r(2, 3), np.array(0.3)], const=(1,), num_outputs=2, name="Dropout_mask"),
     GradCase("Dropout", [r(2, 3), np.array(0.0), np.array(True)], const=(1,), name="Dropout_train_ratio0"),
 ]
+
+# RotaryEmbedding (opset 23): 4-D and 3-D X, halves and interleaved pairs, a partial rotary
+# dimension; caches per position, or rows picked by position_ids (repeated ids add up, unused rows
+# get 0).
+_POSITIONS = np.array([[0, 2, 2], [4, 1, 0]], dtype=np.int64)
+for x_shape, attrs, with_ids in (
+    ((2, 2, 3, 4), {}, False),
+    ((2, 2, 3, 4), {"interleaved": 1}, True),
+    ((2, 3, 8), {"num_heads": 2}, True),
+    ((2, 2, 3, 6), {"rotary_embedding_dim": 4}, True),
+    ((2, 3, 8), {"num_heads": 2, "rotary_embedding_dim": 2, "interleaved": 1}, False),
+):
+    head_size = x_shape[3] if len(x_shape) == 4 else x_shape[2] // attrs["num_heads"]
+    half = (attrs.get("rotary_embedding_dim") or head_size) // 2
+    cache_shape = (5, half) if with_ids else (2, 3, half)
+    CASES.append(
+        GradCase(
+            "RotaryEmbedding",
+            [r(*x_shape), r(*cache_shape), r(*cache_shape)] + ([_POSITIONS] if with_ids else []),
+            attrs,
+            opset=23,
+            full_check=False,  # ONNX types RotaryEmbedding for float32, float16 and bfloat16 only
+            name=f"RotaryEmbedding{x_shape}-{sorted(attrs.items())}-ids{with_ids}",
+        )
+    )

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from gradgen.builder import MICROSOFT
 from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule, non_differentiable
 
@@ -464,6 +465,51 @@ def dropout(g):
                 "gradgen differentiates inference-mode Dropout only (export the model in eval mode)"
             )
     return [g.dy()] + [None] * (len(g.node.inputs) - 1)
+
+
+@grad_rule("RotaryEmbedding", nondiff_inputs=(3,))
+def rotary_embedding(g):
+    """A rotation's transpose is the rotation by the opposite angle: dX = RotaryEmbedding(dY, cos,
+    -sin). Per position and pair (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos), so the caches get
+    the sums over heads of dy1 x1 + dy2 x2 (cos) and dy2 x1 - dy1 x2 (sin): as they are without
+    position_ids, else added into the rows position_ids picked (GatherGrad, Gather's gradient)."""
+    x, cos, sin, positions, dy = g.x(0), g.x(1), g.x(2), g.x(3), g.dy()
+    attrs = {name: g.attr(name) for name in ("interleaved", "num_heads", "rotary_embedding_dim")}
+    grads: list = [None] * len(g.node.inputs)
+    if g.needs(0):
+        grads[0] = g.op("RotaryEmbedding", dy, cos, g.op("Neg", sin), positions, **attrs)
+    if not (g.needs(1) or g.needs(2)):
+        return grads
+    x1, x2 = _rotary_pairs(g, x, attrs)
+    d1, d2 = _rotary_pairs(g, dy, attrs)
+    per_position = {
+        1: g.op("Add", g.op("Mul", d1, x1), g.op("Mul", d2, x2)),
+        2: g.op("Sub", g.op("Mul", d2, x1), g.op("Mul", d1, x2)),
+    }
+    for i, cache in ((1, cos), (2, sin)):
+        if g.needs(i):
+            used = g.reduce_sum(per_position[i], [2], keepdims=0)  # over the heads: (batch, seq, dim / 2)
+            if positions is not None:
+                used = g.set_type_like(g.op("GatherGrad", g.shape_of(cache), positions, used, domain=MICROSOFT, axis=0), cache)
+            grads[i] = used
+    return grads
+
+
+def _rotary_pairs(g, v, attrs):
+    """The two members of RotaryEmbedding's pairs in ``v`` (X's layout), each (batch, seq, heads, dim / 2)."""
+    rank = g.rank(g.x(0))
+    if rank not in (3, 4):
+        raise ModelError(
+            f"RotaryEmbedding node {g.node.name!r}: the gradient of its caches needs X's rank (3 or 4), "
+            f"which is {'unknown' if rank is None else rank}"
+        )
+    heads = g.transpose(v, [0, 2, 1, 3]) if rank == 4 else g.reshape(v, [0, 0, int(attrs["num_heads"] or 0), -1])
+    dim = int(attrs["rotary_embedding_dim"] or 0)
+    rotated = g.op("Slice", heads, g.ints([0]), g.ints([dim]), g.ints([3])) if dim else heads
+    # pairs of adjacent features (interleaved), or of the two halves
+    shape, axis = ([0, 0, 0, -1, 2], 4) if int(attrs["interleaved"] or 0) else ([0, 0, 0, 2, -1], 3)
+    pairs = g.reshape(rotated, shape)
+    return g.op("Gather", pairs, g.scalar(0), axis=axis), g.op("Gather", pairs, g.scalar(1), axis=axis)
 
 
 # Ops whose outputs never carry a gradient: bool outputs (comparisons, logic), integer bit

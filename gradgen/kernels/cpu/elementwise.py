@@ -623,3 +623,54 @@ def scale(input, scale_value, *, scale_down=0):
     if int(scale_down):
         factor = np.float32(1.0) / np.float32(factor)
     return (input * input.dtype.type(factor)).astype(input.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# RotaryEmbedding (opset 23)
+
+
+def _rotary_heads(x, num_heads: int):
+    """X as (batch, seq, heads, head_size): a 4-D X is (batch, heads, seq, head_size), a 3-D one
+    (batch, seq, hidden) with hidden = num_heads * head_size."""
+    if x.ndim == 4:
+        return x.transpose(0, 2, 1, 3)
+    if x.ndim != 3:
+        raise KernelError(f"X must be 3-D or 4-D, got shape {list(x.shape)}")
+    if num_heads <= 0 or x.shape[2] % num_heads:
+        raise KernelError(f"a 3-D X (shape {list(x.shape)}) needs num_heads dividing its last dimension, got {num_heads}")
+    return x.reshape(x.shape[0], x.shape[1], num_heads, x.shape[2] // num_heads)
+
+
+@cpu_kernel("RotaryEmbedding")
+def rotary_embedding(x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, num_heads=0, rotary_embedding_dim=0):
+    """Rotates the first rotary_embedding_dim (default: all) features of each head by the angles
+    whose cosines and sines the caches hold: per position (batch, seq, dim / 2), or rows picked by
+    position_ids (batch, seq) from (max_position, dim / 2). Pairs are the two halves, or adjacent
+    features with interleaved=1 (ONNX's reference semantics)."""
+    heads = _rotary_heads(x, int(num_heads))
+    batch, seq, _, head_size = heads.shape
+    dim = int(rotary_embedding_dim) or head_size
+    if dim % 2 or dim > head_size:
+        raise KernelError(f"rotary_embedding_dim {dim} must be even and at most the head size {head_size}")
+    if position_ids is not None:
+        if position_ids.shape != (batch, seq):
+            raise KernelError(f"position_ids must have shape {[batch, seq]}, got {list(position_ids.shape)}")
+        for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+            if cache.ndim != 2:
+                raise KernelError(f"with position_ids, {name} must be 2-D (max_position, dim / 2), got {list(cache.shape)}")
+            bad = (position_ids < 0) | (position_ids >= cache.shape[0])
+            if bad.any():
+                raise KernelError(f"position id {int(position_ids[bad][0])} is out of range for {name} of {cache.shape[0]} rows")
+        cos, sin = cos_cache[position_ids], sin_cache[position_ids]
+    else:
+        cos, sin = cos_cache, sin_cache
+    for name, cache in (("cos_cache", cos), ("sin_cache", sin)):
+        if cache.shape != (batch, seq, dim // 2):
+            raise KernelError(f"{name} gives shape {list(cache.shape)} per position; expected {[batch, seq, dim // 2]}")
+    cos, sin = cos[:, :, None, :].astype(x.dtype, copy=False), sin[:, :, None, :].astype(x.dtype, copy=False)
+    first, second = (slice(0, dim, 2), slice(1, dim, 2)) if int(interleaved) else (slice(0, dim // 2), slice(dim // 2, dim))
+    x1, x2 = heads[..., first], heads[..., second]
+    out = heads.copy()
+    out[..., first] = cos * x1 - sin * x2
+    out[..., second] = sin * x1 + cos * x2
+    return out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
