@@ -8,6 +8,7 @@ from gradgen.errors import GradgenError, KernelError, ModelError, RunError, Unsu
 __version__ = "0.1.0"
 
 _FROM_API = {"BackwardModel", "Session", "backward_pipeline", "build_backward"}
+_FROM_CUSTOM_OPS = {"register_gradient", "register_kernel", "unregister"}
 
 
 def __getattr__(name: str):
@@ -15,7 +16,23 @@ def __getattr__(name: str):
         from gradgen import api
 
         return getattr(api, name)
-    if name in {"api", "passes", "check", "executor", "kernels", "grads", "inputs", "model_io", "support", "training"}:
+    if name in _FROM_CUSTOM_OPS:
+        from gradgen import custom_ops
+
+        return getattr(custom_ops, name)
+    if name in {
+        "api",
+        "custom_ops",
+        "passes",
+        "check",
+        "executor",
+        "kernels",
+        "grads",
+        "inputs",
+        "model_io",
+        "support",
+        "training",
+    }:
         import importlib
 
         return importlib.import_module(f"gradgen.{name}")
@@ -33,4 +50,7 @@ __all__ = [
     "UsageError",
     "backward_pipeline",
     "build_backward",
+    "register_gradient",
+    "register_kernel",
+    "unregister",
 ]

@@ -6,6 +6,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_common
 
+from gradgen import custom_ops
 from gradgen.errors import ModelError
 
 # The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
@@ -70,6 +71,8 @@ class ShapeInferencePass(ir.passes.InPlacePass):
                 value.shape = shape
                 modified = True
         modified = _types_from_schemas(model) or modified
+        if custom_ops.type_custom_outputs(model.graph):  # registered custom ops: infer once more past them
+            return ir.passes.PassResult(self.call(model).model, modified=True)
         return ir.passes.PassResult(model, modified=modified)
 
 
