@@ -102,5 +102,6 @@ def scatter_nd(g):
 
 
 # Ops whose outputs never carry a gradient: indices. OneHot is not among them: its float
-# ``values`` input (off/on) carries a gradient.
-non_differentiable("NonZero")
+# ``values`` input (off/on) carries a gradient. TfIdfVectorizer's output counts integer or string
+# n-grams (weighted by an attribute): no float input.
+non_differentiable("NonZero", "TfIdfVectorizer")

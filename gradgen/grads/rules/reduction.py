@@ -195,5 +195,6 @@ def top_k(g):
     return [dx, None]
 
 
-# Ops whose outputs never carry a gradient: indices.
-non_differentiable("ArgMax", "ArgMin")
+# Ops whose outputs never carry a gradient: indices, and Hardmax's one-hot of the arg-max, piecewise
+# constant in its input (its gradient is zero wherever it exists).
+non_differentiable("ArgMax", "ArgMin", "Hardmax")
