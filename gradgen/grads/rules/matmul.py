@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from gradgen.builder import MICROSOFT, dims_of, numpy_dtype_of, same_dim
 from gradgen.errors import KernelError, ModelError
-from gradgen.grads.table import grad_rule
+from gradgen.grads.table import grad_rule, non_differentiable
 from gradgen.ops.einsum import ELLIPSIS, Equation, explicit_equation, fresh_letters, parse_equation
 
 _ABSENT = object()
@@ -299,3 +299,8 @@ def _fit_to_operand(g, x: ir.Value, grad: ir.Value, sizes: list, x_dims: list) -
     if reduce_axes:
         grad = g.reduce_sum(grad, reduce_axes, keepdims=1)
     return g.expand_like(grad, x) if expand else grad
+
+
+# QLinearMatMul's output is an integer (quantized) tensor: no gradient leaves it, so none reaches its
+# float scales.
+non_differentiable("QLinearMatMul")
