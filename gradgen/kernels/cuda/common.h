@@ -36,6 +36,26 @@ __device__ __forceinline__ int64_t gg_offset(int64_t i, const TensorDesc& shape,
 #define GG_GRID_STRIDE(i, n) \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)blockDim.x * gridDim.x)
 
+// C-order 3-D grids of extent e[0..2] (the spatial axes of conv.cu and pool.cu): the number of
+// points, the flat index of point (c0, c1, c2), and the point of flat index r.
+__device__ __forceinline__ int64_t gg_volume3(const int64_t* e) { return e[0] * e[1] * e[2]; }
+__device__ __forceinline__ int64_t gg_ravel3(int64_t c0, int64_t c1, int64_t c2, const int64_t* e) {
+    return (c0 * e[1] + c1) * e[2] + c2;
+}
+__device__ __forceinline__ void gg_unravel3(int64_t r, const int64_t* e, int64_t& c0, int64_t& c1, int64_t& c2) {
+    c2 = r % e[2];
+    c1 = (r / e[2]) % e[1];
+    c0 = r / (e[2] * e[1]);
+}
+
+// The unsigned type of a W-byte element (W = 1, 2, 4, 8, 16), for kernels that move bits, not numbers.
+template <int W> struct Word;
+template <> struct Word<1> { using type = uint8_t; };
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = unsigned long long; };
+template <> struct Word<16> { using type = uint4; };
+
 // Load/store helpers so one template serves float16 (computed in float32), float and double.
 template <typename T> struct Acc { using type = T; };
 template <> struct Acc<__half> { using type = float; };

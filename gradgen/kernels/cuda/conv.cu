@@ -13,20 +13,27 @@ struct ConvGeom {
     int64_t in[GG_SP], out[GG_SP], k[GG_SP], s[GG_SP], d[GG_SP], pb[GG_SP];
 };
 
+// What the direct kernels derive from a geometry: channels and filters per group, the input and
+// output plane sizes, the taps of a filter.
+struct ConvSizes {
+    int64_t cg, mg, plane_in, plane_out, taps;
+};
+__device__ __forceinline__ ConvSizes conv_sizes(const ConvGeom& g) {
+    return {g.c / g.g, g.m / g.g, gg_volume3(g.in), gg_volume3(g.out), gg_volume3(g.k)};
+}
+
 // ------------------------------------------------------------------------------ direct convolution
 // Used where cuDNN declines a configuration (and for float64 when it does). y: one thread per output.
 template <typename T>
 __device__ void conv_fwd(T* y, const T* x, const T* w, const ConvGeom& g, int64_t n) {
     using A = typename Acc<T>::type;
-    const int64_t cg = g.c / g.g, mg = g.m / g.g;
-    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
-    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
-    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    const auto [cg, mg, plane_in, plane_out, taps] = conv_sizes(g);
     GG_GRID_STRIDE(i, n) {
         int64_t r = i % plane_out;
         int64_t m = (i / plane_out) % g.m;
         int64_t b = i / (plane_out * g.m);
-        int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+        int64_t o0, o1, o2;
+        gg_unravel3(r, g.out, o0, o1, o2);
         int64_t group = m / mg;
         A acc = 0;
         for (int64_t cc = 0; cc < cg; ++cc) {
@@ -41,8 +48,7 @@ __device__ void conv_fwd(T* y, const T* x, const T* w, const ConvGeom& g, int64_
                     for (int64_t c = 0; c < g.k[2]; ++c) {
                         int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
                         if (p2 < 0 || p2 >= g.in[2]) continue;
-                        acc += gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2) *
-                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                        acc += gg_load(xp + gg_ravel3(p0, p1, p2, g.in)) * gg_load(wp + gg_ravel3(a, bb, c, g.k));
                     }
                 }
             }
@@ -55,15 +61,13 @@ __device__ void conv_fwd(T* y, const T* x, const T* w, const ConvGeom& g, int64_
 template <typename T>
 __device__ void conv_dgrad(T* dx, const T* dy, const T* w, const ConvGeom& g, int64_t n) {
     using A = typename Acc<T>::type;
-    const int64_t cg = g.c / g.g, mg = g.m / g.g;
-    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
-    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
-    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    const auto [cg, mg, plane_in, plane_out, taps] = conv_sizes(g);
     GG_GRID_STRIDE(i, n) {
         int64_t r = i % plane_in;
         int64_t ch = (i / plane_in) % g.c;
         int64_t b = i / (plane_in * g.c);
-        int64_t i2 = r % g.in[2], i1 = (r / g.in[2]) % g.in[1], i0 = r / (g.in[2] * g.in[1]);
+        int64_t i0, i1, i2;
+        gg_unravel3(r, g.in, i0, i1, i2);
         int64_t group = ch / cg, cc = ch % cg;
         A acc = 0;
         for (int64_t mm = 0; mm < mg; ++mm) {
@@ -85,8 +89,7 @@ __device__ void conv_dgrad(T* dx, const T* dy, const T* w, const ConvGeom& g, in
                         if (q2 < 0 || q2 % g.s[2]) continue;
                         q2 /= g.s[2];
                         if (q2 >= g.out[2]) continue;
-                        acc += gg_load(dyp + (q0 * g.out[1] + q1) * g.out[2] + q2) *
-                               gg_load(wp + (a * g.k[1] + bb) * g.k[2] + c);
+                        acc += gg_load(dyp + gg_ravel3(q0, q1, q2, g.out)) * gg_load(wp + gg_ravel3(a, bb, c, g.k));
                     }
                 }
             }
@@ -100,27 +103,26 @@ template <typename T>
 __device__ void conv_wgrad(T* dw, const T* x, const T* dy, const ConvGeom& g, int64_t n) {
     using A = typename Acc<T>::type;
     __shared__ A shared[256];
-    const int64_t cg = g.c / g.g, mg = g.m / g.g;
-    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
-    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
-    const int64_t taps = g.k[0] * g.k[1] * g.k[2];
+    const auto [cg, mg, plane_in, plane_out, taps] = conv_sizes(g);
     const int64_t total = g.n * plane_out;
     for (int64_t e = blockIdx.x; e < n; e += gridDim.x) {
         int64_t tap = e % taps;
         int64_t cc = (e / taps) % cg;
         int64_t m = e / (taps * cg);
         int64_t group = m / mg;
-        int64_t kc = tap % g.k[2], kb = (tap / g.k[2]) % g.k[1], ka = tap / (g.k[2] * g.k[1]);
+        int64_t ka, kb, kc;
+        gg_unravel3(tap, g.k, ka, kb, kc);
         A acc = 0;
         for (int64_t j = threadIdx.x; j < total; j += blockDim.x) {
             int64_t b = j / plane_out, r = j % plane_out;
-            int64_t o2 = r % g.out[2], o1 = (r / g.out[2]) % g.out[1], o0 = r / (g.out[2] * g.out[1]);
+            int64_t o0, o1, o2;
+            gg_unravel3(r, g.out, o0, o1, o2);
             int64_t p0 = o0 * g.s[0] - g.pb[0] + ka * g.d[0];
             int64_t p1 = o1 * g.s[1] - g.pb[1] + kb * g.d[1];
             int64_t p2 = o2 * g.s[2] - g.pb[2] + kc * g.d[2];
             if (p0 < 0 || p0 >= g.in[0] || p1 < 0 || p1 >= g.in[1] || p2 < 0 || p2 >= g.in[2]) continue;
             acc += gg_load(dy + (b * g.m + m) * plane_out + r) *
-                   gg_load(x + (b * g.c + group * cg + cc) * plane_in + (p0 * g.in[1] + p1) * g.in[2] + p2);
+                   gg_load(x + (b * g.c + group * cg + cc) * plane_in + gg_ravel3(p0, p1, p2, g.in));
         }
         shared[threadIdx.x] = acc;
         __syncthreads();

@@ -712,24 +712,6 @@ GG_LINE_T(f64, double)
 #endif
 
 // ------------------------------------------------------------------ gathers
-template <int W> struct Word;
-template <> struct Word<1> { using type = uint8_t; };
-template <> struct Word<2> { using type = uint16_t; };
-template <> struct Word<4> { using type = uint32_t; };
-template <> struct Word<8> { using type = unsigned long long; };
-template <> struct Word<16> { using type = uint4; };
-
-template <typename IDX>
-__device__ __forceinline__ bool ix_norm(IDX v, int64_t size, int64_t& out) {
-    int64_t x = (int64_t)v;
-    if (x < 0) x += size;
-    out = x;
-    return x >= 0 && x < size;
-}
-
-__device__ __forceinline__ void ix_flag(long long* flag, int64_t position) {
-    atomicCAS(reinterpret_cast<unsigned long long*>(flag), 0ull, (unsigned long long)(position + 1));
-}
 
 // out (outer, count, inner) = data (outer, size, inner) at idx along the middle axis.
 template <typename E, typename IDX>
@@ -739,8 +721,8 @@ __device__ void gather(E* __restrict__ out, const E* __restrict__ data, const ID
         const int64_t c = i % inner, rest = i / inner;
         const int64_t j = rest % count, o = rest / count;
         int64_t x;
-        if (ix_norm(idx[j], size, x)) out[i] = data[(o * size + x) * inner + c];
-        else ix_flag(flag, j);
+        if (gg_norm(idx[j], size, x)) out[i] = data[(o * size + x) * inner + c];
+        else gg_set_flag(flag, j);
     }
 }
 
@@ -754,11 +736,11 @@ __device__ void gather_elements(E* __restrict__ out, const E* __restrict__ data,
         for (int k = (int)d.rank - 1; k >= 0; --k) {
             int64_t c = rest % d.shape[k];
             rest /= d.shape[k];
-            if (k == axis) ok = ix_norm(idx[i], size, c);
+            if (k == axis) ok = gg_norm(idx[i], size, c);
             off += c * d.strides[k];
         }
         if (ok) out[i] = data[off];
-        else ix_flag(flag, i);
+        else gg_set_flag(flag, i);
     }
 }
 
@@ -774,11 +756,11 @@ __device__ void gather_nd(E* __restrict__ out, const E* __restrict__ data, const
         bool ok = true;
         for (int t = 0; t < k; ++t) {
             int64_t x;
-            ok = ix_norm(idx[bm * k + t], kd.shape[t], x) && ok;
+            ok = gg_norm(idx[bm * k + t], kd.shape[t], x) && ok;
             off += x * kd.strides[t];
         }
         if (ok) out[i] = data[off];
-        else ix_flag(flag, bm * k);
+        else gg_set_flag(flag, bm * k);
     }
 }
 

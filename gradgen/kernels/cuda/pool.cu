@@ -23,21 +23,26 @@ template <> __device__ __forceinline__ double gg_lowest<double>() { return -INFI
 
 template <typename A> __device__ __forceinline__ bool gg_isnan(A v) { return v != v; }
 
+// Output element i of a pooling: its (N*C) plane nc, its coordinates (o0, o1, o2) in the output
+// plane, and (returned) where its input plane starts in x.
+template <typename T>
+__device__ __forceinline__ const T* pool_position(const T* x, int64_t i, const PoolGeom& g, int64_t plane_in,
+                                                  int64_t plane_out, int64_t& nc, int64_t& o0, int64_t& o1, int64_t& o2) {
+    nc = i / plane_out;
+    gg_unravel3(i % plane_out, g.out, o0, o1, o2);
+    return x + nc * plane_in;
+}
+
 // ------------------------------------------------------------------------------ MaxPool
 // y[nc, o] = max over the window; idx (when not null) = flat position of the first maximum in X
 // (batch and channel included), taps in the padding counting as -inf at their clipped position.
 template <typename T>
 __device__ void max_pool(T* y, int64_t* idx, const T* x, const PoolGeom& g, int64_t n) {
     using A = typename Acc<T>::type;
-    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
-    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t plane_in = gg_volume3(g.in), plane_out = gg_volume3(g.out);
     GG_GRID_STRIDE(i, n) {
-        int64_t nc = i / plane_out;
-        int64_t r = i % plane_out;
-        int64_t o2 = r % g.out[2];
-        int64_t o1 = (r / g.out[2]) % g.out[1];
-        int64_t o0 = r / (g.out[2] * g.out[1]);
-        const T* xp = x + nc * plane_in;
+        int64_t nc, o0, o1, o2;
+        const T* xp = pool_position(x, i, g, plane_in, plane_out, nc, o0, o1, o2);
         A best = 0;
         int64_t best_pos = 0;
         bool first = true;
@@ -53,11 +58,11 @@ __device__ void max_pool(T* y, int64_t* idx, const T* x, const PoolGeom& g, int6
                     int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
                     bool in2 = p2 >= 0 && p2 < g.in[2];
                     int64_t c2 = p2 < 0 ? 0 : (p2 >= g.in[2] ? g.in[2] - 1 : p2);
-                    A v = (in0 && in1 && in2) ? gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2) : gg_lowest<T>();
+                    A v = (in0 && in1 && in2) ? gg_load(xp + gg_ravel3(p0, p1, p2, g.in)) : gg_lowest<T>();
                     bool take = first || (!gg_isnan(best) && (gg_isnan(v) || v > best));
                     if (take) {
                         best = v;
-                        best_pos = g.storage_order ? (c2 * g.in[1] + c1) * g.in[0] + c0 : (c0 * g.in[1] + c1) * g.in[2] + c2;
+                        best_pos = g.storage_order ? (c2 * g.in[1] + c1) * g.in[0] + c0 : gg_ravel3(c0, c1, c2, g.in);
                         first = false;
                     }
                 }
@@ -72,15 +77,10 @@ __device__ void max_pool(T* y, int64_t* idx, const T* x, const PoolGeom& g, int6
 template <typename T>
 __device__ void avg_pool(T* y, const T* x, const PoolGeom& g, int64_t n) {
     using A = typename Acc<T>::type;
-    const int64_t plane_in = g.in[0] * g.in[1] * g.in[2];
-    const int64_t plane_out = g.out[0] * g.out[1] * g.out[2];
+    const int64_t plane_in = gg_volume3(g.in), plane_out = gg_volume3(g.out);
     GG_GRID_STRIDE(i, n) {
-        int64_t nc = i / plane_out;
-        int64_t r = i % plane_out;
-        int64_t o2 = r % g.out[2];
-        int64_t o1 = (r / g.out[2]) % g.out[1];
-        int64_t o0 = r / (g.out[2] * g.out[1]);
-        const T* xp = x + nc * plane_in;
+        int64_t nc, o0, o1, o2;
+        const T* xp = pool_position(x, i, g, plane_in, plane_out, nc, o0, o1, o2);
         A total = 0;
         int64_t count = 0;
         for (int64_t a = 0; a < g.k[0]; ++a) {
@@ -95,7 +95,7 @@ __device__ void avg_pool(T* y, const T* x, const PoolGeom& g, int64_t n) {
                     int64_t p2 = o2 * g.s[2] - g.pb[2] + c * g.d[2];
                     bool in2 = p2 >= 0 && p2 < g.in[2];
                     bool n2 = p2 >= g.lo[2] && p2 < g.hi[2];
-                    if (in0 && in1 && in2) total += gg_load(xp + (p0 * g.in[1] + p1) * g.in[2] + p2);
+                    if (in0 && in1 && in2) total += gg_load(xp + gg_ravel3(p0, p1, p2, g.in));
                     if (n0 && n1 && n2) ++count;
                 }
             }

@@ -114,29 +114,37 @@ __device__ __forceinline__ void vload(const T* p, typename Acc<T>::type* v) {
     for (int k = 0; k < V; ++k) v[k] = gg_load(&q.v[k]);
 }
 
-// Folds x[base + off(r)] for r = start + tid*V, stepping blockDim.x*V, into acc in increasing r
-// (four loads in flight per thread; the fold order is the same as a plain loop's).
-template <typename T, typename R, int V, typename Off>
-__device__ __forceinline__ typename R::S rows_loop(const T* __restrict__ base, int64_t start, int64_t end, Off off,
-                                                   typename R::S acc) {
+// state = fold(state, V consecutive elements at x[base + off(r)]) for r = first, first + step, ...
+// < end, in increasing r, with four loads in flight per thread (the fold order is a plain loop's).
+template <typename T, int V, typename Off, typename State, typename Fold>
+__device__ __forceinline__ State packs_loop(const T* __restrict__ base, int64_t r, int64_t step, int64_t end, Off off,
+                                            State state, Fold fold) {
     using A = typename Acc<T>::type;
-    const int64_t step = (int64_t)blockDim.x * V;
-    int64_t r = start + (int64_t)threadIdx.x * V;
     A v[4][V];
     for (; r + 3 * step < end; r += 4 * step) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) vload<T, V>(base + off(r + u * step), v[u]);
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-#pragma unroll
-            for (int k = 0; k < V; ++k) acc = R::comb(acc, R::pre(v[u][k]));
+        for (int u = 0; u < 4; ++u) state = fold(state, v[u]);
     }
     for (; r < end; r += step) {
         vload<T, V>(base + off(r), v[0]);
-#pragma unroll
-        for (int k = 0; k < V; ++k) acc = R::comb(acc, R::pre(v[0][k]));
+        state = fold(state, v[0]);
     }
-    return acc;
+    return state;
+}
+
+// Folds x[base + off(r)] for r = start + tid*V, stepping blockDim.x*V, into acc in increasing r.
+template <typename T, typename R, int V, typename Off>
+__device__ __forceinline__ typename R::S rows_loop(const T* __restrict__ base, int64_t start, int64_t end, Off off,
+                                                   typename R::S acc) {
+    using S = typename R::S;
+    return packs_loop<T, V>(base, start + (int64_t)threadIdx.x * V, (int64_t)blockDim.x * V, end, off, acc,
+                            [](S a, const typename Acc<T>::type* v) {
+#pragma unroll
+                                for (int k = 0; k < V; ++k) a = R::comb(a, R::pre(v[k]));
+                                return a;
+                            });
 }
 
 // rows: output o = blockIdx.x reduces x[base(o) + roff(r / L) + r % L] for r in its chunk.
@@ -202,28 +210,17 @@ __device__ void reduce_cols(T* out, typename R::S* partial, const T* __restrict_
 }
 
 // Folds x[base + off(r)] for rows r = start + threadIdx.y, stepping blockDim.y, into acc[0..V) (V
-// neighbouring columns, one 16-byte load per row when V > 1), four rows in flight per thread; each
-// column folds its rows in increasing order, as a plain loop would.
+// neighbouring columns, one 16-byte load per row when V > 1); each column folds its rows in
+// increasing order, as a plain loop would.
 template <typename T, typename R, int V, typename Off>
 __device__ __forceinline__ void cols_loop(const T* __restrict__ base, int64_t start, int64_t end, Off off,
                                           typename R::S* acc) {
-    using A = typename Acc<T>::type;
-    const int64_t step = blockDim.y;
-    int64_t r = start + threadIdx.y;
-    A v[4][V];
-    for (; r + 3 * step < end; r += 4 * step) {
+    using S = typename R::S;
+    packs_loop<T, V>(base, start + threadIdx.y, blockDim.y, end, off, acc, [](S* a, const typename Acc<T>::type* v) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) vload<T, V>(base + off(r + u * step), v[u]);
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-#pragma unroll
-            for (int k = 0; k < V; ++k) acc[k] = R::comb(acc[k], R::pre(v[u][k]));
-    }
-    for (; r < end; r += step) {
-        vload<T, V>(base + off(r), v[0]);
-#pragma unroll
-        for (int k = 0; k < V; ++k) acc[k] = R::comb(acc[k], R::pre(v[0][k]));
-    }
+        for (int k = 0; k < V; ++k) a[k] = R::comb(a[k], R::pre(v[k]));
+        return a;
+    });
 }
 
 // colsv: as cols, each thread owning V neighbouring columns (C % V == 0, x 16-byte aligned), so a

@@ -13,13 +13,6 @@
 //   fill, trilu:  the obvious.
 #include "common.h"
 
-template <int W> struct Word;
-template <> struct Word<1> { using type = uint8_t; };
-template <> struct Word<2> { using type = uint16_t; };
-template <> struct Word<4> { using type = uint32_t; };
-template <> struct Word<8> { using type = unsigned long long; };
-template <> struct Word<16> { using type = uint4; };
-
 template <typename E, typename I>
 __device__ __forceinline__ void strided_copy(E* __restrict__ dst, const E* __restrict__ src, const TensorDesc& s,
                                              const TensorDesc& d, int64_t src_off, int64_t dst_off, int64_t n) {
