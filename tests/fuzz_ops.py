@@ -1077,6 +1077,65 @@ def loss_cases(draw, op):
 
 # -- the table ----------------------------------------------------------------------------------
 
+# -- recurrent -----------------------------------------------------------------------------------
+
+# activations without a kink (clip and the piecewise ones are in tests/grad_cases/recurrent.py)
+SMOOTH_ACTIVATIONS = {"Sigmoid": 0, "Tanh": 0, "Softsign": 0, "Softplus": 0, "Affine": 2, "ScaledTanh": 2}
+
+
+@st.composite
+def recurrent_cases(draw, op):
+    """LSTM / GRU / RNN: direction, layout, sequence_lens, optional B / initial states / peepholes,
+    input_forget, linear_before_reset, activations; a static sequence length (it is unrolled)."""
+    rng = _rng(draw)
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+    steps, batch, size, hidden = (draw(st.integers(1, n)) for n in (3, 2, 3, 2))
+    direction = draw(st.sampled_from(["forward", "reverse", "bidirectional"]))
+    d = 2 if direction == "bidirectional" else 1
+    layout = draw(st.integers(0, 1))
+    attrs = {"hidden_size": hidden, "direction": direction, "layout": layout}
+    state = (batch, d, hidden) if layout else (d, batch, hidden)
+
+    def maybe(shape):
+        return rng.uniform(-0.8, 0.8, shape) if draw(st.booleans()) else None
+
+    lens = rng.integers(0, steps + 1, batch).astype(np.int32) if draw(st.booleans()) else None
+    inputs = [
+        rng.uniform(-1.5, 1.5, (batch, steps, size) if layout else (steps, batch, size)),
+        rng.uniform(-0.8, 0.8, (d, gates * hidden, size)),
+        rng.uniform(-0.8, 0.8, (d, gates * hidden, hidden)),
+        maybe((d, 2 * gates * hidden)),
+        lens,
+        maybe(state),
+    ]
+    if op == "LSTM":
+        inputs += [maybe(state), maybe((d, 3 * hidden))]
+        attrs["input_forget"] = draw(st.integers(0, 1))
+    if op == "GRU":
+        attrs["linear_before_reset"] = draw(st.integers(0, 1))
+    if draw(st.booleans()):
+        names = [draw(st.sampled_from(sorted(SMOOTH_ACTIVATIONS))) for _ in range(d * {"LSTM": 3, "GRU": 2, "RNN": 1}[op])]
+        values = [float(v) for n in names for v in rng.uniform(0.5, 1.5, SMOOTH_ACTIVATIONS[n] // 2)]
+        attrs.update(activations=names, activation_alpha=values or None, activation_beta=values or None)
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+    while inputs[-1] is None:
+        inputs.pop()
+    present = [i for i, a in enumerate(inputs) if a is not None]
+    case = OpCase(
+        op,
+        inputs,
+        attrs,
+        opset=14,
+        graph_inputs=placement(draw, present),
+        num_outputs=3 if op == "LSTM" else 2,
+        ort="ONNX Runtime has no layout 1" if layout else "",
+    )
+    case = finish(draw, case, symbolic_ok=False)
+    if case.dtype == np.float64:
+        case.ort = case.ort or f"ONNX Runtime's {op} has no double kernel"
+    return case
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1130,6 +1189,8 @@ for _op in ["BatchNormalization", "LayerNormalization", "InstanceNormalization",
     GENERATORS[_op] = norm_cases
 for _op in ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]:
     GENERATORS[_op] = loss_cases
+for _op in ["LSTM", "GRU", "RNN"]:
+    GENERATORS[_op] = recurrent_cases
 
 OPS = sorted(GENERATORS)
 
