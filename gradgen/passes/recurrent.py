@@ -103,6 +103,7 @@ class _Unroller:
         self.hidden = self._hidden_size()
         self._constants: dict[float, ir.Value] = {}
         self._masks: dict[int, ir.Value] = {}
+        self._derived: dict[tuple, list[ir.Value]] = {}
         self.lens = self._sequence_lengths()
 
     # -- inputs ------------------------------------------------------------------------------
@@ -157,11 +158,16 @@ class _Unroller:
         return found
 
     # -- helpers -----------------------------------------------------------------------------
-    def _gate_split(self, value: ir.Value, sizes: list[int]) -> list[ir.Value]:
-        """Split the last axis of ``value`` into pieces of the given sizes (in units of H)."""
+    def _gate_split(self, value: ir.Value, sizes: list[int], axis: int = -1) -> list[ir.Value]:
+        """Split ``value`` along ``axis`` into pieces of the given sizes (in units of H), once per
+        value (the steps of a direction share the pieces of its weights)."""
         if len(sizes) == 1:
             return [value]
-        return self.b.op_multi("Split", [value, self.b.ints([s * self.hidden for s in sizes])], len(sizes), axis=-1)
+        key = (id(value), tuple(sizes), axis)
+        if key not in self._derived:
+            split = self.b.ints([s * self.hidden for s in sizes])
+            self._derived[key] = self.b.op_multi("Split", [value, split], len(sizes), axis=axis)
+        return self._derived[key]
 
     def _const(self, number: float) -> ir.Value:
         """A float scalar of X's type, as a Constant node (an initializer would read as a parameter)."""
@@ -271,7 +277,7 @@ class _Unroller:
 
     def _gate_split_rows(self, weight: ir.Value) -> list[ir.Value]:
         """GRU's [3H, n] weights as the z, r rows [2H, n] and the h rows [H, n]."""
-        return self.b.op_multi("Split", [weight, self.b.ints([2 * self.hidden, self.hidden])], 2, axis=0)
+        return self._gate_split(weight, [2, 1], axis=0)
 
     def _inputs_per_step(self, d: _Direction):
         """What each step adds from X: [B, gates*H] (GRU: the zr and h parts apart)."""
