@@ -41,7 +41,10 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
     # differentiated by rules of standard ops; the forward op itself has no launcher
+    ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "LRN"): "no CUDA launcher yet",
+    ("", "LpPool"): "no CUDA launcher yet",
+    ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "LpNormalization"): "no CUDA launcher yet",
     ("", "MeanVarianceNormalization"): "no CUDA launcher yet",
     ("", "RMSNormalization"): "no CUDA launcher yet",

@@ -252,3 +252,45 @@ for _name, _scales, _attrs in [
             name=f"Resize_{_name}",
         )
     )
+
+# LpPool and GlobalLpPool: p 1, 2 and 3, padding, ceil_mode, 1-D and 2-D windows.
+CASES += [
+    GradCase("LpPool", [r(1, 2, 4, 5)], attrs={"kernel_shape": [2, 2], "p": 2}, name="LpPool_p2"),
+    GradCase(
+        "LpPool",
+        [r(2, 2, 5, 4)],
+        attrs={"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 1, 1], "p": 1},
+        name="LpPool_p1_stride_pad",
+    ),
+    GradCase(
+        "LpPool",
+        [r(1, 2, 5)],
+        attrs={"kernel_shape": [2], "strides": [2], "ceil_mode": 1, "p": 3},
+        opset=18,
+        symbolic=False,
+        name="LpPool_p3_ceil_1d",
+    ),
+    GradCase("LpPool", [r(1, 1, 4, 4)], attrs={"kernel_shape": [2, 2], "dilations": [2, 2]}, opset=18, name="LpPool_dilated"),
+    GradCase("GlobalLpPool", [r(2, 3, 4, 3)], name="GlobalLpPool_p2"),
+    GradCase("GlobalLpPool", [r(2, 2, 5)], attrs={"p": 1}, name="GlobalLpPool_p1"),
+    GradCase("GlobalLpPool", [r(1, 2, 2, 3)], attrs={"p": 3}, name="GlobalLpPool_p3"),
+]
+
+# MaxUnpool: X scattered at distinct flat indices of the inferred shape (as MaxPool's are); an
+# output_shape only adds room after it.
+_unpool_indices = rng.permutation(2 * 16)[:8].reshape(1, 2, 2, 2).astype(np.int64)
+CASES += [
+    GradCase("MaxUnpool", [r(1, 2, 2, 2), _unpool_indices], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, name="MaxUnpool"),
+    GradCase(
+        "MaxUnpool",
+        [r(1, 2, 2, 2), _unpool_indices, np.array([1, 2, 5, 6], dtype=np.int64)],
+        attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
+        name="MaxUnpool_output_shape",
+    ),
+    GradCase(
+        "MaxUnpool",
+        [r(1, 1, 3), rng.permutation(5)[:3].reshape(1, 1, 3).astype(np.int64)],
+        attrs={"kernel_shape": [3], "strides": [2], "pads": [1, 1]},
+        name="MaxUnpool_1d_pads",
+    ),
+]

@@ -51,41 +51,17 @@ def max_pool(g):
 @grad_rule("AveragePool")
 def average_pool(g):
     """dX = S^T(dY / divisor), S the window sum: ConvGrad with a ones kernel on (N*C, 1, spatial)."""
-    from gradgen.ops.pool import pool_geometry
-
     x, y, dy = g.x(0), g.y(), g.dy()
     attrs = forward_attrs(g)
     kernel = attrs["kernel_shape"]
-    nd = len(kernel)
-    auto_pad = as_text(attrs.get("auto_pad", "NOTSET"))
-    strides = attrs.get("strides", [1] * nd)
-    dilations = attrs.get("dilations", [1] * nd)
-    pads = list(attrs.get("pads", [0] * (2 * nd)))
     ceil_mode = int(attrs.get("ceil_mode", 0))
     include_pad = int(attrs.get("count_include_pad", 0))
-    if ceil_mode and auto_pad in ("NOTSET", "VALID"):
-        if auto_pad == "VALID":
-            pads = [0] * (2 * nd)
-        spatial = (dims_of(x) or [None] * (nd + 2))[2:]
-        if not is_static(spatial):
-            raise ModelError(f"{node_where(g)}: AveragePool with ceil_mode=1 needs static spatial dims for its gradient")
-        # ceil_mode windows as explicit end padding, from the pooled-shape rule the kernels use
-        try:
-            _, _, _, begin, end, _ = pool_geometry([1, 1, *spatial], {**attrs, "pads": pads})
-        except KernelError as exc:
-            raise ModelError(f"{node_where(g)}: {exc}") from None
-        pads = list(begin) + list(end)
-        auto_pad = "NOTSET"
-    geometry = {"strides": strides, "dilations": dilations}
-    if auto_pad == "NOTSET":
-        geometry["pads"] = pads
-    else:
-        geometry["auto_pad"] = auto_pad
+    geometry = _window_geometry(g, attrs)
     dtype = numpy_dtype_of(x)
     ones_kernel = g.const(np.ones([1, 1, *kernel], dtype=dtype))
     x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
     dy1 = g.reshape(dy, concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
-    padded = auto_pad in ("SAME_UPPER", "SAME_LOWER") or (auto_pad == "NOTSET" and any(pads))
+    padded = "auto_pad" in geometry or any(geometry["pads"])
     if not padded or (include_pad and not ceil_mode):
         scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
     else:
@@ -101,8 +77,115 @@ def average_pool(g):
     return [g.reshape_like(dx1, x)]
 
 
+def _window_geometry(g, attrs: dict) -> dict:
+    """The strides, dilations and pads (or SAME auto_pad) of a pool's windows, for a Conv / ConvGrad
+    with a ones kernel: ceil_mode windows become explicit end padding (from the pooled-shape rule
+    the kernels use, which needs static spatial dims)."""
+    from gradgen.ops.pool import pool_geometry
+
+    x = g.x(0)
+    nd = len(attrs["kernel_shape"])
+    auto_pad = as_text(attrs.get("auto_pad", "NOTSET"))
+    pads = list(attrs.get("pads", [0] * (2 * nd)))
+    if int(attrs.get("ceil_mode", 0)) and auto_pad in ("NOTSET", "VALID"):
+        if auto_pad == "VALID":
+            pads = [0] * (2 * nd)
+        spatial = (dims_of(x) or [None] * (nd + 2))[2:]
+        if not is_static(spatial):
+            raise ModelError(f"{node_where(g)}: {g.node.op_type} with ceil_mode=1 needs static spatial dims for its gradient")
+        try:
+            _, _, _, begin, end, _ = pool_geometry([1, 1, *spatial], {**attrs, "pads": pads})
+        except KernelError as exc:
+            raise ModelError(f"{node_where(g)}: {exc}") from None
+        pads = list(begin) + list(end)
+        auto_pad = "NOTSET"
+    geometry = {"strides": attrs.get("strides", [1] * nd), "dilations": attrs.get("dilations", [1] * nd)}
+    if auto_pad == "NOTSET":
+        geometry["pads"] = pads
+    else:
+        geometry["auto_pad"] = auto_pad
+    return geometry
+
+
 def _tensor(array):
     return ir.tensor(array)
+
+
+def _lp_input_factor(g, x, p: int):
+    """d|x|^p / dx divided by p: sign(x) |x|^(p-1)."""
+    if p == 1:
+        return g.op("Sign", x)
+    if p == 2:
+        return x
+    return g.op("Mul", g.op("Sign", x), g.op("Pow", g.op("Abs", x), g.const_like(x, p - 1.0)))
+
+
+def _lp_output_factor(g, dy, y, p: int):
+    """dY * dy/dz * p for y = z^(1/p): dY * y^(1-p), and 0 where y = 0 (every |x| in the window is
+    0, where d|x|^p/dx is 0 for p > 1; the subgradient 0 for p = 1)."""
+    if p == 1:
+        return dy
+    zero = g.op("Equal", y, g.const_like(y, 0.0))
+    safe = g.op("Where", zero, g.const_like(y, 1.0), y)
+    power = safe if p == 2 else g.op("Pow", safe, g.const_like(y, p - 1.0))
+    return g.op("Where", zero, g.const_like(y, 0.0), g.op("Div", dy, power))
+
+
+def _lp_order(g) -> int:
+    p = int(g.attr("p", 2))
+    if p < 1:
+        raise ModelError(f"{node_where(g)}: p must be at least 1, got {p}")
+    return p
+
+
+@grad_rule("LpPool")
+def lp_pool(g):
+    """y = z^(1/p), z the window sum of |x|^p (padding adds 0): dX = sign(x) |x|^(p-1) * S^T(dY *
+    y^(1-p)), S the window sum, transposed by ConvGrad with a ones kernel on (N*C, 1, spatial) as for
+    AveragePool."""
+    x, y = g.x(0), g.y()
+    p = _lp_order(g)
+    attrs = forward_attrs(g)
+    geometry = _window_geometry(g, attrs)
+    ones_kernel = g.const(np.ones([1, 1, *attrs["kernel_shape"]], dtype=numpy_dtype_of(x)))
+    x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
+    dz1 = g.reshape(_lp_output_factor(g, g.dy(), y, p), concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
+    spread = g.reshape_like(emit_conv_grad(g, dz1, x1, ones_kernel, [True], [x1], **geometry)[0], x)
+    return [g.op("Mul", _lp_input_factor(g, x, p), spread)]
+
+
+@grad_rule("GlobalLpPool")
+def global_lp_pool(g):
+    """y = (sum over the spatial axes of |x|^p)^(1/p): dX = sign(x) |x|^(p-1) * dY * y^(1-p)."""
+    x = g.x(0)
+    p = _lp_order(g)
+    return [g.op("Mul", _lp_input_factor(g, x, p), _lp_output_factor(g, g.dy(), g.y(), p))]
+
+
+@grad_rule("MaxUnpool", nondiff_inputs=(1, 2))
+def max_unpool(g):
+    """Y is zeros with X scattered at MaxPool's flat indices (into the inferred shape, which an
+    output_shape only pads at the end): dX = Gather(the inferred part of dY, flattened, indices)."""
+    x, indices, dy = g.x(0), g.x(1), g.dy()
+    if g.x(2) is not None:
+        dy = g.op("Slice", dy, g.ints([0] * known_rank(g, x)), _unpool_inferred_shape(g))
+    return [g.op("Gather", g.reshape(dy, [-1]), indices, axis=0)]
+
+
+def _unpool_inferred_shape(g):
+    """MaxUnpool's inferred output shape, N, C, then (in - 1) * stride - pads + kernel per axis."""
+    x = g.x(0)
+    kernel = [int(k) for k in g.attr("kernel_shape")]
+    nd = len(kernel)
+    strides = [int(v) for v in g.attr("strides", [1] * nd)]
+    pads = [int(v) for v in g.attr("pads", [0] * (2 * nd))]
+    dims = dims_of(x)
+    if dims is not None and is_static(dims):
+        spatial = [(dims[2 + i] - 1) * strides[i] - pads[i] - pads[nd + i] + kernel[i] for i in range(nd)]
+        return g.ints([*dims[:2], *spatial])
+    offsets = [kernel[i] - strides[i] - pads[i] - pads[nd + i] for i in range(nd)]
+    spatial = g.op("Add", g.op("Mul", dims_value(g, x, 2), g.ints(strides)), g.ints(offsets))
+    return concat_ints(g, [dims_value(g, x, 0, 2), spatial])
 
 
 @grad_rule("GlobalAveragePool")

@@ -198,6 +198,15 @@ def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=N
     return np.ascontiguousarray(total ** ct.type(1.0 / p), dtype=x.dtype)
 
 
+@cpu_kernel("GlobalLpPool")
+def global_lp_pool(x, *, p=2):
+    """(sum over the spatial axes of |x|^p)^(1/p), keeping them as 1s."""
+    ct = float_compute_dtype(x.dtype)
+    powered = np.abs(x.astype(ct, copy=False)) ** ct.type(p)
+    total = powered.sum(axis=tuple(range(2, x.ndim)), keepdims=True)
+    return np.ascontiguousarray(total ** ct.type(1.0 / p), dtype=x.dtype)
+
+
 @cpu_kernel("MaxUnpool")
 def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):
     """Scatter X into zeros at MaxPool's flattened indices. The indices address the inferred
