@@ -87,8 +87,7 @@ def _tap_positions(spatial, kernel, strides, dilations, begin, out, order) -> np
         # tap axes first, then output axes: (*kernel, *out)
         grid = t.reshape(_axis_shape(2 * ns, axis, kernel[axis])) + o.reshape(_axis_shape(2 * ns, ns + axis, out[axis]))
         coords.append(np.clip(grid, 0, spatial[axis] - 1))
-    coords = np.broadcast_arrays(*coords)
-    table = np.ravel_multi_index(tuple(coords), spatial, order=order).astype(np.int64).reshape(-1)
+    table = np.ravel_multi_index(tuple(np.broadcast_arrays(*coords)), spatial, order=order).astype(np.int64).reshape(-1)
     table.flags.writeable = False  # cached and shared between calls
     return table
 
@@ -108,19 +107,15 @@ def _window_max(win, kernel, want_tap: bool = False, nan_aware: bool = False):
     over the small trailing window axes of a strided view is several times slower. Taps come in
     increasing order, so the tap of the first maximum is ``max(tap, better * index)``."""
     lead = (slice(None),) * (win.ndim - len(kernel))
-    count = math.prod(kernel)
-    tap_dtype = np.uint8 if count <= 256 else np.int64
-    best = tap = better = scaled = None
-    for index, taps in enumerate(np.ndindex(*kernel)):
-        value = win[lead + taps]
-        if best is None:
-            best = np.array(value)  # a C-ordered copy
-            if want_tap:
-                tap = np.zeros(best.shape, dtype=tap_dtype)
-                better = np.empty(best.shape, dtype=bool)
-                scaled = np.empty(best.shape, dtype=tap_dtype)
-            continue
-        if want_tap:
+    tap_dtype = np.uint8 if math.prod(kernel) <= 256 else np.int64
+    taps = list(np.ndindex(*kernel))
+    best = np.array(win[lead + taps[0]])  # a C-ordered copy
+    tap = np.zeros(best.shape, dtype=tap_dtype) if want_tap else None
+    better = np.empty(best.shape, dtype=bool)
+    scaled = np.empty(best.shape, dtype=tap_dtype)
+    for index in range(1, len(taps)):
+        value = win[lead + taps[index]]
+        if tap is not None:
             np.greater(value, best, out=better)
             if nan_aware:
                 better |= np.isnan(value) & ~np.isnan(best)
