@@ -244,3 +244,40 @@ def test_exported_torch_layers_match_torch_autograd(kind, options, dynamo, tmp_p
         expected = {}
     for name, want in expected.items():
         np.testing.assert_allclose(got[f"{name}_grad"], want, rtol=1e-9, atol=1e-10, err_msg=name)
+
+
+class _WithStates(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = getattr(torch.nn, kind)(3, 4, num_layers=2, bidirectional=True)
+
+    def forward(self, x, *states):
+        y, last = self.rnn(x, states if len(states) > 1 else states[0])
+        last = last if isinstance(last, tuple) else (last,)
+        return y.pow(2).mean() + sum((s * s).sum() * 0.5 for s in last)
+
+
+@pytest.mark.parametrize("dynamo", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["legacy", "dynamo"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_exported_initial_states_and_final_states_match_torch_autograd(kind, dynamo, tmp_path):
+    """Given initial states (graph inputs) and a loss reading Y, Y_h and Y_c."""
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    torch.manual_seed(1)
+    net = _WithStates(kind).double()
+    tensors = {"x": torch.randn(5, 2, 3, dtype=torch.float64), "h0": torch.randn(4, 2, 4, dtype=torch.float64)}
+    if kind == "LSTM":
+        tensors["c0"] = torch.randn(4, 2, 4, dtype=torch.float64)
+    for t in tensors.values():
+        t.requires_grad_(True)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net, tuple(tensors.values()), str(path), dynamo=dynamo, input_names=list(tensors), output_names=["loss"]
+        )
+    net(*tensors.values()).backward()
+    built = gradgen.build_backward(str(path), wrt_inputs=True)
+    got = Session(built.model).run({name: t.detach().numpy() for name, t in tensors.items()})
+    for name, t in tensors.items():
+        np.testing.assert_allclose(got[f"{name}_grad"], t.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
