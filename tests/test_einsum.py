@@ -109,3 +109,27 @@ def test_large_diagonal_builds_its_identity_at_run_time():
     x = np.random.default_rng(1).normal(size=(2, 65, 65))
     got, w = run_gradgen("Einsum", {"x": x}, {}, {"equation": "bii->b"}, [(2,)])
     assert_close(got, torch_grads(lambda x: torch.einsum("bii->b", x), {"x": x}, w))
+
+
+@pytest.mark.parametrize("equation", ["i.j->i", "i-j", "ij->k"])
+def test_a_malformed_equation_is_one_error_before_shape_inference(equation, tmp_path, capsys, monkeypatch):
+    """ONNX's shape inference never returns on some malformed equations ('i.j->i'): gradgen checks
+    the equation first and names the node, in the API and as the CLI's one-line error (exit 3)."""
+    from onnx import TensorProto, helper
+
+    from tests.test_cli import run_cli
+
+    graph = helper.make_graph(
+        [helper.make_node("Einsum", ["x"], ["y"], equation=equation, name="bad_einsum")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(gradgen.errors.ModelError, match="bad_einsum"):
+        gradgen.build_backward(model)
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, path)
+    code, out, err = run_cli(capsys, monkeypatch, "build-backward", path, "-o", tmp_path / "out.onnx")
+    assert code == 3 and "bad_einsum" in err and "Traceback" not in err, (code, err)
+    assert not (tmp_path / "out.onnx").exists()

@@ -7,7 +7,8 @@ import onnx_ir as ir
 from onnx_ir.passes import common as ir_common
 
 from gradgen import custom_ops
-from gradgen.errors import ModelError
+from gradgen.errors import KernelError, ModelError
+from gradgen.ops.einsum import parse_equation
 
 # The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
 MIN_OPSET = 14
@@ -160,6 +161,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     built from these shapes) sees the shape the kernels produce.
     Returns the inferred model and the names of the corrected values.
     """
+    _check_einsum_equations(proto.graph)
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
     for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
@@ -174,6 +176,23 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
             break
         corrected.update((info.name, info) for info in fixes)
     return inferred, set(corrected)
+
+
+def _check_einsum_equations(graph: onnx.GraphProto) -> None:
+    """A malformed Einsum equation is a ModelError naming the node: ONNX's shape inference loops
+    forever on some (a stray '.' or '-', as in 'i.j->i')."""
+    for node in graph.node:
+        if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
+            equation = next((a.s.decode(errors="replace") for a in node.attribute if a.name == "equation"), None)
+            if equation is None:
+                raise ModelError(f"Einsum node {node.name!r} has no equation attribute")
+            try:
+                parse_equation(equation, len(node.input))
+            except KernelError as exc:
+                raise ModelError(f"Einsum node {node.name!r}: {exc}") from None
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                _check_einsum_equations(subgraph)
 
 
 def _declare(proto: onnx.ModelProto, infos) -> onnx.ModelProto:
