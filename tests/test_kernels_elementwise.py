@@ -1,0 +1,71 @@
+"""CPU elementwise kernels registered from tables: each is its numpy ufunc, and ONNX's one-type ops
+refuse operands of different dtypes instead of letting numpy promote them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradgen.errors import KernelError
+from gradgen.kernels.registry import lookup
+
+ONE_TYPE = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Equal": np.equal,
+    "Less": np.less,
+    "LessOrEqual": np.less_equal,
+    "Greater": np.greater,
+    "GreaterOrEqual": np.greater_equal,
+    "BitwiseAnd": np.bitwise_and,
+    "BitwiseOr": np.bitwise_or,
+    "BitwiseXor": np.bitwise_xor,
+}
+LOGIC = {"And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor}
+UNARY = {
+    "Neg": np.negative,
+    "Abs": np.abs,
+    "Sign": np.sign,
+    "Floor": np.floor,
+    "Ceil": np.ceil,
+    "Round": np.round,
+    "Sqrt": np.sqrt,
+    "Exp": np.exp,
+    "Log": np.log,
+    "Reciprocal": np.reciprocal,
+    "Not": np.logical_not,
+    "IsNaN": np.isnan,
+    "BitwiseNot": np.bitwise_not,
+}
+
+
+def kernel(op_type):
+    return lookup("", op_type).cpu
+
+
+@pytest.mark.parametrize("op_type", sorted(ONE_TYPE))
+def test_one_type_binary_ops_are_their_ufunc_and_refuse_mixed_dtypes(op_type):
+    a = np.array([[1, 6, 3]], dtype=np.int32)
+    b = np.array([[3], [6]], dtype=np.int32)
+    got = kernel(op_type)(a, b)
+    np.testing.assert_array_equal(got, ONE_TYPE[op_type](a, b))
+    assert got.dtype == ONE_TYPE[op_type](a, b).dtype
+    with pytest.raises(KernelError, match="inputs have different dtypes"):
+        kernel(op_type)(a, b.astype(np.int64))
+
+
+@pytest.mark.parametrize("op_type", sorted(LOGIC))
+def test_logic_ops_are_their_ufunc(op_type):
+    a, b = np.array([True, False, True]), np.array([[True], [False]])
+    np.testing.assert_array_equal(kernel(op_type)(a, b), LOGIC[op_type](a, b))
+
+
+@pytest.mark.parametrize("op_type", sorted(UNARY))
+def test_unary_ops_are_their_ufunc(op_type):
+    special = {"Not": np.array([True, False]), "BitwiseNot": np.array([-2, 3], np.int64)}
+    x = special.get(op_type, np.array([-1.5, 0.25, 2.5, np.nan], np.float32))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        got, want = kernel(op_type)(x), UNARY[op_type](x)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == want.dtype
