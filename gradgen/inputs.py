@@ -9,6 +9,7 @@ must name symbolic dims of the model's inputs). Each is drawn within its consume
   Reshape, Unsqueeze and the like); for ScatterElements / ScatterND with reduction='none', distinct
   (repeated indices are undefined there), or a usage error when they cannot be;
 - labels of SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss: in [0, number of classes);
+- sequence_lens of LSTM / GRU / RNN: in [0, sequence length];
 - integers that are an op's shape, axes or count (Reshape's shape, Slice's starts, TopK's k, ...):
   refused with a usage error (random values would be meaningless);
 - any other integer input: in [0, 10). Bools are fair coin flips.
@@ -369,6 +370,9 @@ def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
             bounds.append(_dim_size(data, axis, dims))
         elif _LABEL_CONSUMERS.get(node.op_type) == position:
             bounds.append(_dim_size(node.inputs[0], 1, dims))
+        elif node.op_type in ("LSTM", "GRU", "RNN") and position == 4:  # sequence_lens: in [0, seq_length]
+            steps = _dim_size(node.inputs[0], node.attributes["layout"].value if "layout" in node.attributes else 0, dims)
+            bounds.append(None if steps is None else steps + 1)
     known = [b for b in bounds if b is not None and np.all(np.asarray(b) > 0)]
     if not known:
         return None

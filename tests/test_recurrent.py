@@ -121,6 +121,15 @@ def test_sequence_lengths_beyond_the_sequence_are_a_run_error():
         Session(model).run({**feeds, "sequence_lens": np.array([2, 5], dtype=np.int32)})
 
 
+def test_random_sequence_lengths_are_within_the_sequence():
+    from gradgen.inputs import random_feeds
+
+    arrays = [a.astype(np.float32) if a is not None and a.dtype.kind == "f" else a for a in inputs("GRU", layout=1, lens=LENS)]
+    model, _ = _node_model("GRU", arrays, {"hidden_size": H, "layout": 1}, 2)
+    drawn = np.concatenate([random_feeds(ir.from_proto(model), seed=seed)["sequence_lens"] for seed in range(40)])
+    assert drawn.min() >= 0 and drawn.max() == 3  # T = 3, inclusive
+
+
 def _loss_model(op_type, attrs, time_dim=None):
     arrays = inputs(op_type)
     model, _ = _node_model(op_type, arrays, {"hidden_size": H, **attrs}, 2, time_dim)
