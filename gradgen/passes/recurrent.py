@@ -247,14 +247,19 @@ class _Unroller:
         if d.p is not None:
             p_i, p_o, p_f = self._gate_split(d.p, [1, 1, 1])
         gates = self._gemm(h, d.r, steps_in)
-        i_pre, o_pre, f_pre, c_pre = self._gate_split(gates, [1, 1, 1, 1])
-        i = self._activate(self._clip(self._add(i_pre, self._mul(p_i, c))), f_act)
+        if d.p is None:  # i, o, f are one activation of the first 3H gates (no peephole tells them apart)
+            iof_pre, c_pre = self._gate_split(gates, [3, 1])
+            i, o, f = self._gate_split(self._activate(self._clip(iof_pre), f_act), [1, 1, 1])
+        else:
+            i_pre, o_pre, f_pre, c_pre = self._gate_split(gates, [1, 1, 1, 1])
+            i = self._activate(self._clip(self._add(i_pre, self._mul(p_i, c))), f_act)
+            if not self.spec.input_forget:
+                f = self._activate(self._clip(self._add(f_pre, self._mul(p_f, c))), f_act)
         if self.spec.input_forget:
             f = self.b.op("Sub", self._const(1.0), i)
-        else:
-            f = self._activate(self._clip(self._add(f_pre, self._mul(p_f, c))), f_act)
         c_new = self._add(self.b.op("Mul", i, self._activate(self._clip(c_pre), g_act)), self._mul(f, c))
-        o = self._activate(self._clip(self._add(o_pre, self._mul(p_o, c_new))), f_act)
+        if d.p is not None:
+            o = self._activate(self._clip(self._add(o_pre, self._mul(p_o, c_new))), f_act)
         return self.b.op("Mul", o, self._activate(c_new, h_act)), c_new
 
     def _gru(self, d: _Direction, acts, steps_in, h, c):
