@@ -13,6 +13,7 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.passes import (
     AutocastPass,
     CleanupPass,
+    DecomposePass,
     EvaluateConstantsPass,
     GradientPass,
     GradientSpec,
@@ -46,13 +47,20 @@ class BackwardModel:
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
     """The default pipeline: prepare the forward graph (LSTM / GRU / RNN unrolled into standard ops by
-    ``UnrollRecurrentPass``), add the backward graph, fold matrix transposes into GEMM flags
-    (``TransposeFusionPass``), clean up.
+    ``UnrollRecurrentPass``, GridSample rewritten into them by ``DecomposePass``), add the backward
+    graph, fold matrix transposes into GEMM flags (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
     the gradient pass, which then differentiates through its casts."""
     gradient = GradientPass(spec)
-    prepare = [UpgradeOpsetPass(), NameNodesPass(), TopologicalSortPass(), EvaluateConstantsPass(), UnrollRecurrentPass()]
+    prepare = [
+        UpgradeOpsetPass(),
+        NameNodesPass(),
+        TopologicalSortPass(),
+        EvaluateConstantsPass(),
+        UnrollRecurrentPass(),
+        DecomposePass(),
+    ]
     if precision != "fp32":
         prepare.append(AutocastPass(precision))
     pipeline = Pipeline(*prepare, gradient, TransposeFusionPass(), CleanupPass())

@@ -5,6 +5,7 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 import onnx_ir as ir
 
 from gradgen.passes.autocast import AutocastPass
+from gradgen.passes.decompose import DecomposePass
 from gradgen.passes.evaluate import EvaluateConstantsPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
@@ -31,6 +32,7 @@ __all__ = [
     "AutocastPass",
     "CleanupPass",
     "CommonSubexpressionEliminationPass",
+    "DecomposePass",
     "EvaluateConstantsPass",
     "FoldShapeArithmeticPass",
     "InlineConstantIfPass",

@@ -38,6 +38,7 @@ MODELS = {
     "GRU": lambda: _case_model("GRU"),
     "LSTM": lambda: _case_model("LSTM"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),
+    "GridSample": lambda: _case_model("GridSample"),
     "LRN": lambda: _case_model("LRN"),
     "LpPool": lambda: _case_model("LpPool"),
     "MaxUnpool": lambda: _case_model("MaxUnpool"),

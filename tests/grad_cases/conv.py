@@ -294,3 +294,36 @@ CASES += [
         name="MaxUnpool_1d_pads",
     ),
 ]
+
+# GridSample (differentiated in its standard-op form, gradgen.passes.DecomposePass): X and the grid,
+# every mode and padding mode, both corner conventions, 1-D to 3-D; grid points beyond [-1, 1]
+# (padding) and far enough to reflect more than once.
+for _mode, _pad, _ac, _x_shape, _out in (
+    ("linear", "zeros", 0, (1, 2, 4, 5), (3, 2)),
+    ("linear", "border", 1, (2, 1, 3, 4), (2, 3)),
+    ("linear", "reflection", 0, (1, 2, 4, 3), (3, 3)),
+    ("cubic", "zeros", 1, (1, 1, 5, 4), (2, 2)),
+    ("cubic", "border", 0, (1, 1, 4, 4), (2, 3)),
+    ("cubic", "reflection", 1, (1, 2, 3, 4), (2, 2)),
+    ("nearest", "reflection", 0, (1, 2, 4, 4), (2, 3)),
+    ("linear", "zeros", 1, (1, 2, 5), (4,)),
+    ("linear", "reflection", 1, (1, 1, 3, 2, 3), (2, 1, 2)),
+):
+    CASES.append(
+        GradCase(
+            "GridSample",
+            [r(*_x_shape), rng.uniform(-1.6, 1.6, (_x_shape[0], *_out, len(_x_shape) - 2))],
+            attrs={"mode": _mode, "padding_mode": _pad, "align_corners": _ac},
+            opset=20,
+            name=f"GridSample_{_mode}_{_pad}_ac{_ac}_{len(_x_shape) - 2}d",
+        )
+    )
+CASES.append(
+    GradCase(
+        "GridSample",
+        [r(1, 2, 3, 4), rng.uniform(-1.2, 1.2, (1, 2, 2, 2))],
+        attrs={"mode": "bilinear", "padding_mode": "border"},
+        opset=16,
+        name="GridSample_op16_bilinear",
+    )
+)

@@ -209,6 +209,17 @@ def global_max_pool(g):
     return [g.op("Mul", mask, g.op("Div", g.dy(), count))]
 
 
+@grad_rule("GridSample")
+def grid_sample(g):
+    """GridSample is differentiated in its standard-op form (gradgen.passes.DecomposePass, in
+    build_backward's pipeline): this entry makes it known as differentiable and turns a pipeline
+    that left it in place into a one-line error."""
+    raise ModelError(
+        f"{node_where(g)} reached the gradient pass: GridSample is differentiated in its standard-op form; "
+        "run gradgen.passes.DecomposePass before GradientPass (build_backward's pipeline does)"
+    )
+
+
 @grad_rule("Resize", nondiff_inputs=(3,), unsupported_inputs=(1, 2))
 def resize(g):
     """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,

@@ -18,6 +18,7 @@ KernelError otherwise.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -26,6 +27,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, same_shape, sliding_windows
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.axes import per_axis
+from gradgen.ops.grid_sample import TAP_OFFSETS, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices
 
 # ---------------------------------------------------------------------------------------------
@@ -377,3 +379,75 @@ def average_pool_grad(
         value = dy[(slice(None), slice(None)) + position] / ct.type(count)
         dx[window] += value.reshape(value.shape + (1,) * ns)
     return dx.astype(dY.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# GridSample
+
+
+def _reflect(x, lo: float, hi: float):
+    """x reflected at lo and hi, as often as it takes, into [lo, hi]."""
+    span = hi - lo
+    if span <= 0:
+        return np.full_like(x, lo)
+    below, above = lo - x, x - hi
+    out = x.copy()
+    for distance, outside, near, far in ((below, below > 0, lo, hi), (above, above > 0, hi, lo)):
+        d = distance[outside]
+        turns = np.floor(d / span)
+        rest = d - turns * span
+        out[outside] = np.where(turns % 2 == 0, near + np.sign(far - near) * rest, far - np.sign(far - near) * rest)
+    return out
+
+
+@cpu_kernel("GridSample")
+def grid_sample(x, grid, *, align_corners=0, mode=None, padding_mode=None):
+    """Y[n, c, *o] = X[n, c] sampled at grid[n, *o] (gradgen.ops.grid_sample has the rule): the taps
+    of every output position gathered at once, per tap offset combination."""
+    spec = grid_sample_spec(mode, padding_mode, align_corners)
+    nd = x.ndim - 2
+    if nd < 1 or grid.ndim != nd + 2 or grid.shape[0] != x.shape[0] or grid.shape[-1] != nd:
+        raise KernelError(
+            f"grid of shape {list(grid.shape)} does not fit X of shape {list(x.shape)}: "
+            f"expected (N, *out, {nd}) with N = {x.shape[0]}"
+        )
+    n, c, dims = x.shape[0], x.shape[1], x.shape[2:]
+    out_dims = grid.shape[1:-1]
+    ct = float_compute_dtype(x.dtype)
+    g = grid.astype(ct, copy=False).reshape(n, -1, nd)
+    coords, bases, weights = [], [], []
+    for axis, size in enumerate(dims):
+        normalized = g[:, :, nd - 1 - axis]
+        pixel = (normalized + 1) / 2 * (size - 1) if spec.align_corners else ((normalized + 1) * size - 1) / 2
+        if spec.mode == "nearest":
+            pixel = np.rint(pixel)
+        lo, hi = spec.bounds(size)
+        outside = (pixel < lo) | (pixel > hi)
+        if spec.padding_mode == "border" and spec.mode != "cubic":
+            pixel = np.where(outside, np.clip(pixel, 0, size - 1), pixel)
+        elif spec.padding_mode == "reflection":
+            pixel = np.where(outside, _reflect(pixel, lo, hi), pixel)
+        base = np.trunc(pixel) if spec.mode == "nearest" else np.floor(pixel)
+        t = pixel - base
+        coords.append(pixel)
+        bases.append(base)
+        weights.append({"nearest": (np.ones_like(t),), "linear": (1 - t, t), "cubic": cubic_weights(t)}[spec.mode])
+    flat_x = x.astype(ct, copy=False).reshape(n, c, -1)
+    total = np.zeros((n, c, g.shape[1]), dtype=ct)
+    offsets = TAP_OFFSETS[spec.mode]
+    for taps in itertools.product(range(len(offsets)), repeat=nd):
+        flat = np.zeros(bases[0].shape, dtype=np.int64)
+        weight = np.ones_like(bases[0])
+        for axis, (size, k) in enumerate(zip(dims, taps)):
+            position = bases[axis] + offsets[k]
+            weight = weight * weights[axis][k]
+            if spec.padding_mode == "zeros":
+                weight = np.where((position >= 0) & (position < size), weight, 0)
+                position = np.clip(position, 0, size - 1)
+            elif spec.padding_mode == "border":
+                position = np.clip(position, 0, size - 1)
+            else:
+                position = np.clip(np.trunc(_reflect(position, *spec.bounds(size))), 0, size - 1)
+            flat = flat * size + position.astype(np.int64)
+        total += weight[:, None, :] * np.take_along_axis(flat_x, np.broadcast_to(flat[:, None, :], total.shape), axis=2)
+    return total.reshape(n, c, *out_dims).astype(x.dtype, copy=False)

@@ -1,0 +1,251 @@
+"""DecomposePass: rewrite ops whose gradient is easiest had through their standard-op form, before
+the gradient pass, so that the rules of those ops differentiate them (every input, every mode)
+and both executors run them with the kernels they have. Today: GridSample.
+
+GridSample becomes, per tap offset combination (2 per axis for linear, 4 for cubic, 1 for nearest),
+a GatherElements of X (N, C, prod(spatial)) at the taps' flat indices times the taps' weights, so
+its gradient reaches X (GatherElementsGrad) and the grid (through the weights: the interpolation
+polynomials of x - floor(x), and the border / reflection mapping of the coordinates), as PyTorch's
+grid_sampler backward computes it. The sampling rule is gradgen.ops.grid_sample's, as in the CPU
+kernel (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.builder import GraphBuilder, dims_of, graph_names, numpy_dtype_of
+from gradgen.errors import KernelError, ModelError
+from gradgen.ops.attributes import node_attributes
+from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
+
+__all__ = ["DecomposePass"]
+
+_STANDARD = ("", "ai.onnx")
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+class DecomposePass(ir.passes.InPlacePass):
+    """Replace every float GridSample node of the main graph by its standard-op form (in place);
+    shape inference runs afterwards when something was rewritten."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from gradgen.passes.standard import ShapeInferencePass
+
+        graph = model.graph
+        nodes = [
+            n
+            for n in graph
+            if n.domain in _STANDARD and n.op_type == "GridSample" and n.inputs[0] is not None and n.inputs[0].dtype in _FLOATS
+        ]
+        if not nodes:
+            return ir.passes.PassResult(model, modified=False)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        names = graph_names(graph)
+        constants: dict = {}
+        for node in nodes:
+            builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False)
+            output = _GridSample(node, builder).output()
+            graph.insert_before(node, builder.nodes)
+            replace_node_outputs(graph, node, [output])
+        ShapeInferencePass()(model)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value]) -> None:
+    """Give ``outputs`` the node's output values' names, types and uses, then drop the node."""
+    renames = []
+    for old, new in zip(node.outputs, outputs):
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        new.type, new.shape = old.type, old.shape
+        renames.append((new, old.name))
+        old.name = None
+    graph.remove(node, safe=True)
+    for new, name in renames:
+        new.name = name
+
+
+class _Emitted:
+    """An emitted float value with + - * (python floats become constants of its type), so that
+    formulas written for numpy arrays (gradgen.ops.grid_sample.cubic_weights) emit nodes."""
+
+    def __init__(self, b: GraphBuilder, value: ir.Value, dtype: np.dtype):
+        self.b, self.value, self.dtype = b, value, dtype
+
+    def _lift(self, other) -> ir.Value:
+        if isinstance(other, _Emitted):
+            return other.value
+        if isinstance(other, ir.Value):
+            return other
+        return self.b.const(np.array(other, dtype=self.dtype))
+
+    def _new(self, op: str, a, b) -> _Emitted:
+        return _Emitted(self.b, self.b.op(op, self._lift(a), self._lift(b)), self.dtype)
+
+    def __add__(self, other):
+        return self._new("Add", self, other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._new("Sub", self, other)
+
+    def __rsub__(self, other):
+        return self._new("Sub", other, self)
+
+    def __mul__(self, other):
+        return self._new("Mul", self, other)
+
+    __rmul__ = __mul__
+
+
+class _GridSample:
+    """The standard-op form of one GridSample node (see the module docstring)."""
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        self.node, self.b = node, b
+        self.where = f"node {node.name!r} (GridSample)"
+        try:
+            self.spec: GridSampleSpec = grid_sample_spec(**node_attributes(node))
+        except KernelError as exc:
+            raise ModelError(f"{self.where}: {exc}") from None
+        x, grid = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+        if x is None or grid is None:
+            raise ModelError(f"{self.where}: X and grid are required inputs")
+        self.x, self.grid = x, grid
+        x_dims = dims_of(x)
+        if x_dims is None or len(x_dims) < 3:
+            raise ModelError(f"{self.where}: its standard-op form (for the gradient) needs the rank of X; it is not known")
+        self.nd = len(x_dims) - 2
+        self.spatial = x_dims[2:]
+        self.dtype = numpy_dtype_of(self.grid)
+
+    # -- sizes, static where known --------------------------------------------------------------
+    def _size_int(self, axis: int) -> ir.Value:
+        """Spatial axis ``axis`` of X as a rank-0 int64 value."""
+        size = self.spatial[axis]
+        if isinstance(size, int):
+            return self.b.const(np.array(size, dtype=np.int64))
+        return self.b.op("Gather", self.b.shape_of(self.x), self.b.scalar(2 + axis), axis=0)
+
+    def _size(self, axis: int, offset: float = 0.0):
+        """That size plus ``offset`` in the grid's type: a python float when static, else emitted."""
+        size = self.spatial[axis]
+        if isinstance(size, int):
+            return float(size) + offset
+        as_float = _Emitted(self.b, self.b.op("CastLike", self._size_int(axis), self.grid), self.dtype)
+        return as_float + offset if offset else as_float
+
+    def _value(self, v) -> ir.Value:
+        return v.value if isinstance(v, _Emitted) else self.b.const(np.array(v, dtype=self.dtype))
+
+    def _wrap(self, value: ir.Value) -> _Emitted:
+        return _Emitted(self.b, value, self.dtype)
+
+    # -- coordinates --------------------------------------------------------------------------------
+    def _pixel(self, axis: int) -> _Emitted:
+        """Grid coordinate of spatial axis ``axis`` in pixels, (N, 1, P), after the padding mode's
+        mapping of coordinates outside [lo, hi]."""
+        b = self.b
+        by_point = b.reshape(self.grid, [0, 1, -1, self.nd])
+        normalized = self._wrap(b.op("Gather", by_point, b.scalar(self.nd - 1 - axis), axis=3)) + 1.0
+        if self.spec.align_corners:
+            pixel = normalized * (self._size(axis, -1.0) * 0.5)
+        else:
+            pixel = (normalized * self._size(axis) - 1.0) * 0.5
+        if self.spec.mode == "nearest":
+            pixel = self._wrap(b.op("Round", pixel.value))
+        lo, hi = self._bounds(axis)
+        if self.spec.padding_mode == "reflection":
+            return self._reflect(pixel, lo, hi)
+        if self.spec.padding_mode == "border" and self.spec.mode != "cubic":  # cubic clamps its taps only
+            outside = b.op("Or", b.op("Less", pixel.value, self._value(lo)), b.op("Greater", pixel.value, self._value(hi)))
+            return self._wrap(b.op("Where", outside, self._clip(pixel, axis).value, pixel.value))
+        return pixel
+
+    def _clip(self, v: _Emitted, axis: int) -> _Emitted:
+        last = self._size(axis, -1.0)
+        return self._wrap(self.b.op("Clip", v.value, self._value(0.0), self._value(last)))
+
+    def _reflect(self, v: _Emitted, lo, hi) -> _Emitted:
+        """v reflected at lo and hi into [lo, hi] (unchanged inside)."""
+        b = self.b
+        span = self._value(hi - lo)
+
+        def folded(distance: _Emitted, near, far, sign: float) -> ir.Value:
+            turns = self._wrap(b.op("Floor", b.op("Div", distance.value, span)))
+            rest = distance - turns * self._wrap(span)
+            parity = turns - self._wrap(b.op("Floor", (turns * 0.5).value)) * 2.0
+            even = b.op("Equal", parity.value, self._value(0.0))
+            return b.op("Where", even, (rest * sign + near).value, (rest * -sign + far).value)
+
+        below = b.op("Less", v.value, self._value(lo))
+        above = b.op("Greater", v.value, self._value(hi))
+        from_below = folded(v * -1.0 + lo, lo, hi, 1.0)
+        from_above = folded(v - hi, hi, lo, -1.0)
+        return self._wrap(b.op("Where", below, from_below, b.op("Where", above, from_above, v.value)))
+
+    # -- taps --------------------------------------------------------------------------------------
+    def _tap_index(self, position: _Emitted, axis: int) -> tuple[ir.Value, ir.Value | None]:
+        """(the tap's int64 index along ``axis``, its in-range mask in the grid's type or None)."""
+        b = self.b
+        valid = None
+        if self.spec.padding_mode == "zeros":
+            inside = b.op(
+                "And",
+                b.op("GreaterOrEqual", position.value, self._value(0.0)),
+                b.op("Less", position.value, self._value(self._size(axis))),
+            )
+            valid = b.op("CastLike", inside, self.grid)
+        elif self.spec.padding_mode == "reflection":
+            position = self._reflect(position, *self._bounds(axis))
+        return b.op("Cast", self._clip(position, axis).value, to=ir.DataType.INT64), valid
+
+    def _bounds(self, axis: int):
+        """(lo, hi) of gradgen.ops.grid_sample, hi emitted when the size is not static."""
+        size = self.spatial[axis]
+        if isinstance(size, int):
+            return self.spec.bounds(size)
+        lo = 0.0 if self.spec.align_corners else -0.5
+        return lo, self._size(axis, -1.0 if self.spec.align_corners else -0.5)
+
+    def output(self) -> ir.Value:
+        b, nd = self.b, self.nd
+        offsets = TAP_OFFSETS[self.spec.mode]
+        bases: list[_Emitted] = []
+        weights: list[tuple] = []
+        for axis in range(nd):
+            pixel = self._pixel(axis)
+            if self.spec.mode == "nearest":
+                bases.append(pixel)
+                weights.append((None,))
+                continue
+            base = self._wrap(b.op("Floor", pixel.value))
+            t = pixel - base
+            bases.append(base)
+            weights.append((1.0 - t, t) if self.spec.mode == "linear" else cubic_weights(t))
+        x_shape = b.shape_of(self.x)
+        flat_x = b.reshape(self.x, [0, 0, -1])
+        channels = b.op("Concat", b.ints([1]), b.part(x_shape, 1, 2), b.ints([1]), axis=0)
+        terms = []
+        for taps in itertools.product(range(len(offsets)), repeat=nd):
+            flat, weight = None, None
+            for axis, k in enumerate(taps):
+                index, valid = self._tap_index(bases[axis] + float(offsets[k]), axis)
+                flat = index if flat is None else b.op("Add", b.op("Mul", flat, self._size_int(axis)), index)
+                for factor in (weights[axis][k], valid):
+                    if factor is not None:
+                        value = factor.value if isinstance(factor, _Emitted) else factor
+                        weight = value if weight is None else b.op("Mul", weight, value)
+            gathered = b.op("GatherElements", flat_x, b.op("Expand", flat, channels), axis=2)
+            if weight is not None:
+                if self.x.dtype != self.grid.dtype:
+                    weight = b.op("CastLike", weight, self.x)
+                gathered = b.op("Mul", gathered, weight)
+            terms.append(gathered)
+        total = b.sum(terms)
+        out_shape = b.op("Concat", b.part(x_shape, 0, 2), b.part(b.shape_of(self.grid), 1, -1), axis=0)
+        return b.reshape(total, out_shape, exact=True)

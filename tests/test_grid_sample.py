@@ -1,0 +1,145 @@
+"""GridSample: the CPU kernel against ONNX Runtime, PyTorch and ONNX's reference evaluator; its
+standard-op form (gradgen.passes.DecomposePass) against the kernel; gradients against
+torch.autograd (finite differences: tests/grad_cases/conv.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+import gradgen
+from gradgen.executor import Session
+from gradgen.passes import DecomposePass, GradientPass, GradientSpec, Pipeline
+from tests.test_rules_vs_torch import assert_close, run_gradgen, torch_grads
+
+rng = np.random.default_rng(16)
+MODES = ("nearest", "linear", "cubic")
+PADDINGS = ("zeros", "border", "reflection")
+TORCH_MODES = {"nearest": "nearest", "linear": "bilinear", "cubic": "bicubic"}
+
+
+def _model(x_shape, grid_shape, attrs, dtype=TensorProto.FLOAT, opset=20):
+    node = helper.make_node("GridSample", ["x", "grid"], ["y"], name="sample", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "grid_sample",
+        [helper.make_tensor_value_info("x", dtype, x_shape), helper.make_tensor_value_info("grid", dtype, grid_shape)],
+        [helper.make_tensor_value_info("y", dtype, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _inputs(nd, dtype=np.float32, reach=1.8):
+    x_shape = [2, 3, *[5, 4, 3][:nd]]
+    grid_shape = [2, *[4, 3, 2][:nd], nd]
+    return {"x": rng.normal(size=x_shape).astype(dtype), "grid": rng.uniform(-reach, reach, grid_shape).astype(dtype)}
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("mode,padding,align", list(itertools.product(MODES, PADDINGS, (0, 1))))
+def test_kernel_matches_onnxruntime(mode, padding, align, nd):
+    if nd == 3 and mode == "cubic":
+        pytest.skip("cubic is 2-D only in ONNX Runtime and PyTorch")
+    ort = pytest.importorskip("onnxruntime")
+    feeds = _inputs(nd)
+    model = _model(
+        list(feeds["x"].shape), list(feeds["grid"].shape), {"mode": mode, "padding_mode": padding, "align_corners": align}
+    )
+    got = Session(model).run(feeds)["y"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,padding", [(m, p) for m in MODES for p in PADDINGS if (m, p) != ("cubic", "border")])
+def test_kernel_matches_the_reference_evaluator_in_1d(mode, padding):
+    """1-D (ONNX Runtime takes 2-D and 3-D only). Cubic with border padding is left out: the
+    reference clamps the coordinate before taking the taps, ONNX Runtime and PyTorch clamp each
+    tap, and gradgen follows them."""
+    feeds = _inputs(1)
+    model = _model(list(feeds["x"].shape), list(feeds["grid"].shape), {"mode": mode, "padding_mode": padding})
+    got = Session(model).run(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,padding,align", list(itertools.product(MODES, PADDINGS, (0, 1))))
+def test_kernel_matches_torch_in_float64(mode, padding, align):
+    torch = pytest.importorskip("torch")
+    feeds = _inputs(2, np.float64, reach=2.6)
+    model = _model(
+        list(feeds["x"].shape),
+        list(feeds["grid"].shape),
+        {"mode": mode, "padding_mode": padding, "align_corners": align},
+        TensorProto.DOUBLE,
+    )
+    got = Session(model).run(feeds)["y"]
+    want = torch.nn.functional.grid_sample(
+        torch.tensor(feeds["x"]), torch.tensor(feeds["grid"]), TORCH_MODES[mode], padding, bool(align)
+    )
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("mode,padding,align", list(itertools.product(MODES, PADDINGS, (0, 1))))
+def test_standard_op_form_equals_the_kernel(mode, padding, align, nd, symbolic):
+    if nd == 3 and mode == "cubic":
+        pytest.skip("64 taps: covered in 1-D and 2-D")
+    feeds = _inputs(nd, np.float64, reach=2.6)  # beyond one reflection
+    x_dims = [f"x{i}" for i in range(nd + 2)] if symbolic else list(feeds["x"].shape)
+    grid_dims = [f"g{i}" for i in range(nd + 1)] + [nd] if symbolic else list(feeds["grid"].shape)
+    model = _model(x_dims, grid_dims, {"mode": mode, "padding_mode": padding, "align_corners": align}, TensorProto.DOUBLE)
+    want = Session(model).run(feeds)["y"]
+    decomposed = ir.from_proto(model)
+    DecomposePass()(decomposed)
+    assert not [n for n in decomposed.graph if n.op_type == "GridSample"]
+    np.testing.assert_array_equal(Session(decomposed).run(feeds)["y"], want)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("mode,padding,align", list(itertools.product(MODES, PADDINGS, (0, 1))))
+def test_gradients_match_torch(mode, padding, align, symbolic):
+    torch = pytest.importorskip("torch")
+    feeds = _inputs(2, np.float64, reach=2.2)
+    inputs = {"x": feeds["x"], "grid": feeds["grid"]}
+    attrs = {"mode": mode, "padding_mode": padding, "align_corners": align}
+    out_shape = (2, 3, 4, 3)
+    got, w = run_gradgen("GridSample", inputs, {}, attrs, [out_shape], opset=20, symbolic=symbolic)
+
+    def sample(x, grid):
+        return torch.nn.functional.grid_sample(x, grid, TORCH_MODES[mode], padding, bool(align))
+
+    assert_close(got, torch_grads(sample, inputs, w), rtol=1e-9, atol=1e-10)
+
+
+def test_gradients_match_torch_in_3d():
+    torch = pytest.importorskip("torch")
+    feeds = _inputs(3, np.float64, reach=1.5)
+    got, w = run_gradgen("GridSample", feeds, {}, {"padding_mode": "border"}, [(2, 3, 4, 3, 2)], opset=20)
+
+    def sample(x, grid):
+        return torch.nn.functional.grid_sample(x, grid, "bilinear", "border", False)
+
+    assert_close(got, torch_grads(sample, feeds, w), rtol=1e-9, atol=1e-10)
+
+
+def test_gradient_pass_without_the_decomposition_names_the_pass():
+    feeds = _inputs(2, np.float64)
+    model = _model(list(feeds["x"].shape), list(feeds["grid"].shape), {}, TensorProto.DOUBLE)
+    graph = model.graph
+    graph.node.append(helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("loss", TensorProto.DOUBLE, []))
+    with pytest.raises(gradgen.ModelError, match="node 'sample' .*run gradgen.passes.DecomposePass before GradientPass"):
+        gradgen.api.run_pipeline(Pipeline(GradientPass(GradientSpec(wrt_inputs=True))), ir.from_proto(model))
+
+
+def test_bad_mode_is_a_model_error_naming_the_node():
+    feeds = _inputs(2, np.float64)
+    model = _model(list(feeds["x"].shape), list(feeds["grid"].shape), {"mode": "quartic"}, TensorProto.DOUBLE)
+    with pytest.raises(gradgen.ModelError, match="node 'sample' \\(GridSample\\): mode 'quartic' is not one of"):
+        DecomposePass()(ir.from_proto(model))
