@@ -121,3 +121,34 @@ def _crop_negative_pads(g, dy, conv_attrs: dict):
     ends = [out[a] - max(0, -pads[nd + a - 2]) for a in axes]
     conv_attrs["pads"] = [max(0, p) for p in pads]
     return g.op("Slice", dy, g.ints(starts), g.ints(ends), g.ints(axes))
+
+
+@grad_rule("ConvGrad", domain=MICROSOFT)
+def conv_grad(g):
+    """ConvGrad(dY, X, W) -> (dX, dW, dB) is bilinear: dX = C_W^T(dY), dW pairs dY with X, dB sums dY
+    (C_W: the Conv with kernel W). With incoming gradients P, Q, R of dX, dW, dB (a backward graph
+    differentiated again):
+
+        d dY = Conv(P, W) + Conv(X, Q, R)     (R alone: broadcast over batch and space)
+        d X  = ConvGrad(dY, X, Q).dX          (the input gradient of a Conv with kernel Q)
+        d W  = ConvGrad(dY, P, W).dW          (the kernel gradient of a Conv of input P)
+    """
+    dy, x, w = g.x(0), g.x(1), g.x(2)
+    p, q, r = g.dy(0), g.dy(1), g.dy(2)
+    attrs = forward_attrs(g)
+    grads = [None, None, None]
+    if g.needs(0):
+        parts = []
+        if p is not None:
+            parts.append(g.op("Conv", p, w, **attrs))
+        if q is not None:
+            parts.append(g.op("Conv", x, q, *([r] if r is not None else []), **attrs))
+        elif r is not None:
+            rank = known_rank(g, dy)
+            parts.append(g.expand_like(g.unsqueeze(r, [0, *range(2, rank)]), dy))
+        grads[0] = g.set_type_like(g.sum(parts), dy)
+    if g.needs(1):
+        grads[1] = emit_conv_grad(g, dy, x, q, [True], [x], **attrs)[0] if q is not None else g.zeros_like(x)
+    if g.needs(2):
+        grads[2] = emit_conv_grad(g, dy, p, w, [False, True], [None, w], **attrs)[1] if p is not None else g.zeros_like(w)
+    return grads

@@ -539,3 +539,7 @@ non_differentiable(
     "Bernoulli",
     "Multinomial",
 )
+
+# BroadcastGradientArgs (a gradient op gradgen emits) computes int64 reduction axes from two shapes:
+# integer data, no gradient.
+non_differentiable("BroadcastGradientArgs", domain=MICROSOFT)

@@ -105,3 +105,19 @@ def scatter_nd(g):
 # ``values`` input (off/on) carries a gradient. TfIdfVectorizer's output counts integer or string
 # n-grams (weighted by an attribute): no float input.
 non_differentiable("NonZero", "TfIdfVectorizer")
+
+
+@grad_rule("GatherGrad", domain=MICROSOFT, nondiff_inputs=(0, 1))
+def gather_grad(g):
+    """GatherGrad(shape, indices, dY) scatter-adds dY at the indices: linear in dY, whose gradient is
+    the Gather of the incoming gradient at the same indices."""
+    dy = g.x(2)
+    return [None, None, g.set_type_like(g.op("Gather", g.dy(), g.x(1), axis=g.attr("axis", 0)), dy)]
+
+
+@grad_rule("GatherElementsGrad", domain=MICROSOFT, nondiff_inputs=(1, 2))
+def gather_elements_grad(g):
+    """GatherElementsGrad(dY, shape, indices) scatter-adds dY at the indices: linear in dY, whose
+    gradient is the GatherElements of the incoming gradient at the same indices."""
+    dy = g.x(0)
+    return [g.set_type_like(g.op("GatherElements", g.dy(), g.x(2), axis=g.attr("axis", 0)), dy)]

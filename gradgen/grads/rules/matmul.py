@@ -304,3 +304,38 @@ def _fit_to_operand(g, x: ir.Value, grad: ir.Value, sizes: list, x_dims: list) -
 # QLinearMatMul's output is an integer (quantized) tensor: no gradient leaves it, so none reaches its
 # float scales.
 non_differentiable("QLinearMatMul")
+
+
+@grad_rule("FusedMatMul", domain=MICROSOFT)
+def fused_matmul(g):
+    """Y = alpha op(A) op(B), op a transpose of the last two axes where transA / transB ask (the op
+    gradgen's own MatMul gradients emit, so a backward graph can be differentiated again):
+
+        dA = alpha (transA ? op(B) dY^T : dY op(B)^T),   dB = alpha (transB ? dY^T op(A) : op(A)^T dY)
+
+    each a FusedMatMul again, summed over broadcast batch dims as MatMul's are."""
+    a, b, dy = g.x(0), g.x(1), g.dy()
+    ta, tb = int(g.attr("transA", 0)), int(g.attr("transB", 0))
+    ra, rb = g.rank(a), g.rank(b)
+    if int(g.attr("transBatchA", 0)) or int(g.attr("transBatchB", 0)):
+        raise ModelError(f"FusedMatMul node {g.node.name!r}: no gradient for transBatchA / transBatchB")
+    if ra is None or rb is None or ra < 2 or rb < 2:
+        raise ModelError(
+            f"FusedMatMul node {g.node.name!r}: its gradient needs both inputs of known rank >= 2 (ranks {ra}, {rb})"
+        )
+    alpha = float(g.attr("alpha", 1.0))
+    batch_a, batch_b = dims_of(a)[:-2], dims_of(b)[:-2]
+    shape_a, shape_b = g.shape_of(a), g.shape_of(b)
+    grads = [None, None]
+    if g.needs(0):
+        da = _product(g, b, dy, trans_a=tb, trans_b=1) if ta else _product(g, dy, b, trans_b=1 - tb)
+        grads[0] = _sum_to(g, _scaled(g, da, alpha), a, ra, batch_a, batch_b, shape_a, shape_b)
+    if g.needs(1):
+        db = _product(g, dy, a, trans_a=1, trans_b=ta) if tb else _product(g, a, dy, trans_a=1 - ta)
+        grads[1] = _sum_to(g, _scaled(g, db, alpha), b, rb, batch_b, batch_a, shape_b, shape_a)
+    return grads
+
+
+def _scaled(g, x, alpha: float):
+    """x * alpha, in the type of the node's inputs."""
+    return x if alpha == 1.0 else g.op("Mul", x, g.const_like(g.x(0), alpha))

@@ -420,3 +420,67 @@ def lrn(g):
     u = g.op("Div", g.op("Mul", dy, y), denom)
     spread = _channel_window_sum(g, u, rank, after, before, size)
     return [g.op("Sub", direct, g.op("Mul", g.const_like(x, 2 * alpha * beta / size), g.op("Mul", x, spread)))]
+
+
+@grad_rule("LayerNormalizationGrad", domain=MICROSOFT)
+def layer_normalization_grad(g):
+    """LayerNormalizationGrad(dY, X, scale, mean, inv_std) -> (dX, dScale, dBias), differentiated
+    again (a backward graph's gradient). With s = inv_std, xhat = (X - mean) s, h = dY scale over the
+    normalized axes R and the leading axes L:
+
+        dX = s (h - mean_R(h) - xhat mean_R(h xhat)),  dScale = sum_L(dY xhat),  dBias = sum_L(dY)
+
+    It is linear in dY but not in X, mean or s: this is its vector-Jacobian product written out,
+    for incoming gradients P, Q, B of dX, dScale, dBias. mean and inv_std are inputs in their own
+    right (LayerNormalization's rule carries their gradients on to X)."""
+    dy, x, scale, mean, inv_std = (g.x(i) for i in range(5))
+    p, q, b = g.dy(0), g.dy(1), g.dy(2)
+    rank = _rank(g, x)
+    axis = int(g.attr("axis", -1)) % rank
+    norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
+    s = g.cast_like(inv_std, x)
+    centered = g.op("Sub", x, g.cast_like(mean, x))
+    xhat = g.op("Mul", centered, s)
+    h = g.op("Mul", dy, scale)
+    d_dy, d_h, d_xhat, d_s = [], [], [], []
+    if b is not None:
+        d_dy.append(b)
+    if q is not None:
+        d_dy.append(g.op("Mul", q, xhat))
+        d_xhat.append(g.op("Mul", q, dy))
+    if p is not None:
+        mean_h = g.reduce("ReduceMean", h, norm_axes, keepdims=1)
+        mean_hx = g.reduce("ReduceMean", g.op("Mul", h, xhat), norm_axes, keepdims=1)
+        ps = g.op("Mul", p, s)
+        d_h.append(normalize_backward(g, p, xhat, s, norm_axes))
+        mean_psx = g.reduce("ReduceMean", g.op("Mul", ps, xhat), norm_axes, keepdims=1)
+        d_xhat.append(g.op("Neg", g.op("Add", g.op("Mul", ps, mean_hx), g.op("Mul", mean_psx, h))))
+        inner = g.op("Sub", g.op("Sub", h, mean_h), g.op("Mul", xhat, mean_hx))
+        d_s.append(g.reduce_sum(g.op("Mul", p, inner), norm_axes, keepdims=1))
+    grads: list = [None] * 5
+    if d_h:  # h = dY scale
+        grad_h = d_h[0]
+        d_dy.append(g.op("Mul", grad_h, scale))
+        if g.needs(2):
+            summed = g.op("Mul", grad_h, dy)
+            summed = g.reduce_sum(summed, lead_axes, keepdims=0) if lead_axes else summed
+            grads[2] = g.reshape_like(summed, scale)
+    elif g.needs(2):
+        grads[2] = g.zeros_like(scale)
+    if g.needs(0):
+        grads[0] = g.sum(d_dy) if len(d_dy) > 1 or b is None else g.expand_like(b, dy)  # B alone: scale's shape
+    grad_xhat = g.sum(d_xhat) if d_xhat else None
+    grad_x = g.op("Mul", grad_xhat, s) if grad_xhat is not None else None  # xhat = (X - mean) s
+    if g.needs(1):
+        grads[1] = grad_x if grad_x is not None else g.zeros_like(x)
+    if g.needs(3):
+        grads[3] = (
+            g.cast_like(g.op("Neg", g.reduce_sum(grad_x, norm_axes, keepdims=1)), mean)
+            if grad_x is not None
+            else g.zeros_like(mean)
+        )
+    if g.needs(4):
+        if grad_xhat is not None:
+            d_s.append(g.reduce_sum(g.op("Mul", grad_xhat, centered), norm_axes, keepdims=1))
+        grads[4] = g.cast_like(g.sum(d_s), inv_std) if d_s else g.zeros_like(inv_std)
+    return grads

@@ -338,3 +338,13 @@ non_differentiable("Shape", "Size", "ConstantOfShape", "EyeLike")
 # Signal-processing tables: the windows depend on an integer size only; MelWeightMatrix's float
 # edge frequencies only move its integer bin boundaries, so it is piecewise constant in them.
 non_differentiable("BlackmanWindow", "HammingWindow", "HannWindow", "MelWeightMatrix")
+
+
+@grad_rule("SliceGrad", domain=MICROSOFT, nondiff_inputs=(1, 2, 3, 4, 5))
+def slice_grad(g):
+    """SliceGrad writes dY where Slice reads: linear in dY, so dY's gradient is that Slice of the
+    incoming gradient (a backward graph differentiated again)."""
+    rest = list(g.node.inputs[2:])
+    while rest and rest[-1] is None:
+        rest.pop()
+    return [g.set_type_like(g.op("Slice", g.dy(), *rest), g.x(0))]

@@ -1,0 +1,86 @@
+"""Finite-difference cases: the com.microsoft gradient ops gradgen emits, differentiated again (a
+backward graph's own gradient: Hessian-vector products, gradient penalties)."""
+
+import numpy as np
+
+from tests.gradcheck import GradCase
+
+MS = "com.microsoft"
+rng = np.random.default_rng(15)
+
+
+def r(*shape):
+    return rng.uniform(-2.0, 2.0, shape)
+
+
+def i64(*values, shape=None):
+    a = np.array(values, dtype=np.int64)
+    return a.reshape(shape) if shape is not None else a
+
+
+CASES = [
+    # SliceGrad(dY, shape, starts, ends[, axes[, steps]]): a window with a step, and a negative step.
+    GradCase("SliceGrad", [r(2, 3), i64(4, 5), i64(1, 0), i64(3, 5), i64(0, 1), i64(1, 2)], domain=MS, name="SliceGrad_steps"),
+    GradCase("SliceGrad", [r(3, 2), i64(3, 4), i64(-1), i64(-5), i64(1), i64(-2)], domain=MS, name="SliceGrad_negative_step"),
+    GradCase("SliceGrad", [r(2, 4), i64(5, 4), i64(1), i64(3)], domain=MS, name="SliceGrad_no_axes"),
+    # GatherGrad(shape, indices, dY) and GatherElementsGrad(dY, shape, indices): repeated, negative.
+    GradCase("GatherGrad", [i64(5, 3), i64(0, 2, 2, -1), r(4, 3)], domain=MS, name="GatherGrad_axis0"),
+    GradCase("GatherGrad", [i64(2, 4, 3), i64(3, -4, 1, 1, shape=(2, 2)), r(2, 2, 2, 3)], attrs={"axis": 1}, domain=MS),
+    GradCase(
+        "GatherElementsGrad",
+        [r(2, 4), i64(3, 4), i64(0, 2, 2, 1, -1, 0, 0, 0, shape=(2, 4))],
+        domain=MS,
+        name="GatherElementsGrad_0",
+    ),
+    GradCase(
+        "GatherElementsGrad",
+        [r(3, 3), i64(3, 4), i64(3, 3, -1, 0, 1, 1, 2, 0, 0, shape=(3, 3))],
+        attrs={"axis": 1},
+        domain=MS,
+        name="GatherElementsGrad_1",
+    ),
+    # ConvGrad(dY, X, W) -> (dX, dW, dB): grouped and strided with pads; dilated 1-D; dX and dW only.
+    GradCase(
+        "ConvGrad",
+        [r(2, 4, 3, 3), r(2, 4, 5, 5), r(4, 2, 3, 3)],
+        attrs={"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1], "kernel_shape": [3, 3]},
+        domain=MS,
+        num_outputs=3,
+        name="ConvGrad_group_stride",
+    ),
+    GradCase(
+        "ConvGrad",
+        [r(1, 2, 4), r(1, 3, 7), r(2, 3, 2)],
+        attrs={"dilations": [3], "kernel_shape": [2]},
+        domain=MS,
+        num_outputs=2,
+        name="ConvGrad_dilated_1d",
+    ),
+    # LayerNormalizationGrad(dY, X, scale, mean, inv_std): five independent inputs (its rule's
+    # gradients of mean and inv_std reach X through LayerNormalization's rule).
+    GradCase(
+        "LayerNormalizationGrad",
+        [r(2, 3, 4), r(2, 3, 4), r(4), r(2, 3, 1), rng.uniform(0.5, 2.0, (2, 3, 1))],
+        domain=MS,
+        num_outputs=3,
+        name="LayerNormalizationGrad_last",
+    ),
+    GradCase(
+        "LayerNormalizationGrad",
+        [r(2, 3, 2), r(2, 3, 2), r(3, 2), r(2, 1, 1), rng.uniform(0.5, 2.0, (2, 1, 1))],
+        attrs={"axis": 1},
+        domain=MS,
+        num_outputs=2,
+        name="LayerNormalizationGrad_axis1",
+    ),
+    # FusedMatMul: each transpose flag, alpha, broadcast batch dims.
+    GradCase("FusedMatMul", [r(2, 3, 4), r(5, 4)], attrs={"transB": 1, "alpha": 0.5}, domain=MS, name="FusedMatMul_transB"),
+    GradCase("FusedMatMul", [r(4, 3), r(2, 4, 5)], attrs={"transA": 1}, domain=MS, name="FusedMatMul_transA"),
+    GradCase(
+        "FusedMatMul",
+        [r(1, 4, 3), r(3, 5, 4)],
+        attrs={"transA": 1, "transB": 1, "alpha": -2.0},
+        domain=MS,
+        name="FusedMatMul_both",
+    ),
+]
