@@ -1,6 +1,6 @@
-"""GridSample: the CPU kernel against ONNX Runtime, PyTorch and ONNX's reference evaluator; its
-standard-op form (gradgen.passes.DecomposePass) against the kernel; gradients against
-torch.autograd (finite differences: tests/grad_cases/conv.py)."""
+"""GridSample and AffineGrid: the CPU kernels against ONNX Runtime, PyTorch and ONNX's reference
+evaluator; GridSample's standard-op form (gradgen.passes.DecomposePass) against its kernel;
+gradients against torch.autograd (finite differences: tests/grad_cases/conv.py)."""
 
 from __future__ import annotations
 
@@ -143,3 +143,99 @@ def test_bad_mode_is_a_model_error_naming_the_node():
     model = _model(list(feeds["x"].shape), list(feeds["grid"].shape), {"mode": "quartic"}, TensorProto.DOUBLE)
     with pytest.raises(gradgen.ModelError, match="node 'sample' \\(GridSample\\): mode 'quartic' is not one of"):
         DecomposePass()(ir.from_proto(model))
+
+
+# -- AffineGrid ------------------------------------------------------------------------------------
+
+
+def _affine_model(size, align, symbolic=False, dtype=TensorProto.DOUBLE):
+    nd = len(size) - 2
+    theta_dims = ["n", nd, nd + 1] if symbolic else [size[0], nd, nd + 1]
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align)
+    graph = helper.make_graph(
+        [node],
+        "affine_grid",
+        [helper.make_tensor_value_info("theta", dtype, theta_dims)],
+        [helper.make_tensor_value_info("grid", dtype, None)],
+        initializer=[helper.make_tensor("size", TensorProto.INT64, [len(size)], list(size))],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 1, 3, 4, 2)])
+def test_affine_grid_kernel_matches_onnxruntime_and_torch(size, align):
+    ort = pytest.importorskip("onnxruntime")
+    torch = pytest.importorskip("torch")
+    nd = len(size) - 2
+    theta = rng.normal(size=(size[0], nd, nd + 1)).astype(np.float32)
+    model = _affine_model(size, align, dtype=TensorProto.FLOAT)
+    got = Session(model).run({"theta": theta})["grid"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"theta": theta})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    torch_grid = torch.nn.functional.affine_grid(torch.tensor(theta), list(size), align_corners=bool(align)).numpy()
+    np.testing.assert_allclose(got, torch_grid, rtol=1e-6, atol=1e-6)
+
+
+def test_affine_grid_axis_of_one_pixel_is_at_zero_as_in_torch():
+    """ONNX's reference puts it at -1 (dividing by zero), ONNX Runtime elsewhere again."""
+    torch = pytest.importorskip("torch")
+    theta = rng.normal(size=(1, 2, 3))
+    got = Session(_affine_model((1, 1, 1, 3), 1)).run({"theta": theta})["grid"]
+    with pytest.warns(UserWarning):  # torch warns that unit-size grids changed in 1.3
+        want = torch.nn.functional.affine_grid(torch.tensor(theta), [1, 1, 1, 3], align_corners=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 1, 3, 4, 2)])
+def test_affine_grid_gradient_matches_torch(size, align, symbolic):
+    torch = pytest.importorskip("torch")
+    nd = len(size) - 2
+    theta = rng.normal(size=(size[0], nd, nd + 1))
+    model = _affine_model(size, align, symbolic)
+    w = rng.uniform(0.5, 1.5, (size[0], *size[2:], nd))
+    graph = model.graph
+    graph.initializer.append(helper.make_tensor("w", TensorProto.DOUBLE, w.shape, w.reshape(-1)))
+    graph.node.extend([helper.make_node("Mul", ["grid", "w"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)])
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("loss", TensorProto.DOUBLE, []))
+    got = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"theta": theta})["theta_grad"]
+    want = torch_grads(
+        lambda theta: torch.nn.functional.affine_grid(theta, list(size), align_corners=bool(align)), {"theta": theta}, [w]
+    )
+    assert_close({"theta": got}, want)
+
+
+def test_spatial_transformer_gradients_match_torch():
+    """AffineGrid feeding GridSample (a spatial transformer): gradients of X and theta."""
+    torch = pytest.importorskip("torch")
+    x, theta = rng.normal(size=(2, 3, 5, 6)), rng.normal(scale=0.6, size=(2, 2, 3))
+    w = rng.uniform(0.5, 1.5, (2, 3, 4, 4))
+    graph = helper.make_graph(
+        [
+            helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=0),
+            helper.make_node("GridSample", ["x", "grid"], ["y"], mode="linear", padding_mode="zeros"),
+            helper.make_node("Mul", ["y", "w"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        ],
+        "stn",
+        [
+            helper.make_tensor_value_info("x", TensorProto.DOUBLE, x.shape),
+            helper.make_tensor_value_info("theta", TensorProto.DOUBLE, theta.shape),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[
+            helper.make_tensor("size", TensorProto.INT64, [4], [2, 3, 4, 4]),
+            helper.make_tensor("w", TensorProto.DOUBLE, w.shape, w.reshape(-1)),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    got = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"x": x, "theta": theta})
+
+    def stn(x, theta):
+        grid = torch.nn.functional.affine_grid(theta, [2, 3, 4, 4], align_corners=False)
+        return torch.nn.functional.grid_sample(x, grid, "bilinear", "zeros", False)
+
+    assert_close({n: got[f"{n}_grad"] for n in ("x", "theta")}, torch_grads(stn, {"x": x, "theta": theta}, [w]))

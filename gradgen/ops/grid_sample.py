@@ -1,5 +1,6 @@
 """GridSample's attributes and sampling rule, shared by the CPU kernel and the standard-op form
-that build_backward differentiates (gradgen/passes/decompose.py).
+that build_backward differentiates (gradgen/passes/decompose.py); AffineGrid's untransformed grid,
+shared by its kernel and its gradient.
 
 ONNX's rule (its reference implementation, PyTorch's CPU grid_sampler): grid[..., i] is the
 normalized coordinate of spatial axis ``rank - 1 - i`` (x first). A coordinate is mapped to pixels
@@ -15,6 +16,8 @@ cubic interpolation with border padding clamps each tap, not the coordinate.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.ops.attributes import text
@@ -58,3 +61,19 @@ def cubic_weights(t):
         ((a + 2.0) * s - (a + 3.0)) * s * s + 1.0,
         ((a * (s + 1.0) - 5.0 * a) * (s + 1.0) + 8.0 * a) * (s + 1.0) - 4.0 * a,
     )
+
+
+def affine_base_grid(spatial, align_corners, dtype) -> np.ndarray:
+    """AffineGrid's grid before the transform: (prod(spatial), nd + 1) rows of normalized homogeneous
+    coordinates (x, y, [z,] 1), x along the last spatial axis; pixel centres (align_corners=0) or
+    the corner pixels at -1 and 1 (align_corners=1), as ONNX's reference and PyTorch's affine_grid.
+    An axis of one pixel is at 0 either way, as in PyTorch (the reference divides by zero there)."""
+    axes = []
+    for size in spatial:
+        if bool(int(align_corners or 0)) and size > 1:
+            axes.append(np.linspace(-1.0, 1.0, size))
+        else:
+            axes.append((np.arange(size) * 2.0 + 1.0) / size - 1.0)
+    mesh = np.meshgrid(*axes, indexing="ij")  # one array per spatial axis, first axis first
+    columns = [m.reshape(-1) for m in reversed(mesh)] + [np.ones(int(np.prod(spatial)))]
+    return np.stack(columns, axis=1).astype(dtype)

@@ -37,6 +37,7 @@ MODELS = {
     "Einsum": lambda: _case_model("Einsum"),
     "GRU": lambda: _case_model("GRU"),
     "LSTM": lambda: _case_model("LSTM"),
+    "AffineGrid": lambda: _case_model("AffineGrid"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),
     "GridSample": lambda: _case_model("GridSample"),
     "LRN": lambda: _case_model("LRN"),

@@ -327,3 +327,16 @@ CASES.append(
         name="GridSample_op16_bilinear",
     )
 )
+
+# AffineGrid: 2-D and 3-D, both corner conventions, an axis of one pixel.
+for _size, _ac in (((2, 3, 4, 5), 0), ((1, 2, 3, 2), 1), ((2, 1, 2, 3, 2), 0), ((1, 1, 3, 1), 1)):
+    _nd = len(_size) - 2
+    CASES.append(
+        GradCase(
+            "AffineGrid",
+            [r(_size[0], _nd, _nd + 1), np.array(_size, dtype=np.int64)],
+            attrs={"align_corners": _ac},
+            opset=20,
+            name=f"AffineGrid{_size}_ac{_ac}",
+        )
+    )

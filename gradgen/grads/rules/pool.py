@@ -16,6 +16,7 @@ from gradgen.errors import KernelError, ModelError
 from gradgen.grads.rules.conv import as_text, emit_conv_grad, forward_attrs, known_rank, node_where
 from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
 from gradgen.grads.table import grad_rule
+from gradgen.ops.grid_sample import affine_base_grid
 
 
 @grad_rule("MaxPool")
@@ -207,6 +208,24 @@ def global_max_pool(g):
     mask = g.cast_like(g.op("Equal", x, g.y()), x)
     count = g.reduce_sum(mask, list(range(2, known_rank(g, x))), keepdims=1)
     return [g.op("Mul", mask, g.op("Div", g.dy(), count))]
+
+
+@grad_rule("AffineGrid", nondiff_inputs=(1,))
+def affine_grid(g):
+    """grid (N, P, nd) = base (P, nd + 1) @ theta^T: dTheta = dGrid^T @ base, per batch entry; the
+    base grid (gradgen.ops.grid_sample) is a constant of the spatial sizes, which must be static."""
+    theta = g.x(0)
+    size = folded_const(g, 1)
+    if size is not None:
+        spatial = [int(v) for v in np.asarray(size).reshape(-1)[2:]]
+    else:
+        dims = dims_of(g.y())
+        spatial = dims[1:-1] if dims is not None and is_static(dims[1:-1]) else None
+    if spatial is None:
+        raise ModelError(f"{node_where(g)}: the gradient of theta needs the output's spatial sizes, which are not static")
+    base = affine_base_grid(spatial, g.attr("align_corners", 0), numpy_dtype_of(theta))
+    rows = g.reshape(g.dy(), [0, base.shape[0], len(spatial)])
+    return [g.op("MatMul", g.transpose(rows, [0, 2, 1]), g.const(base)), None]
 
 
 @grad_rule("GridSample")

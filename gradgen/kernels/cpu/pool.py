@@ -27,7 +27,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, same_shape, sliding_windows
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.axes import per_axis
-from gradgen.ops.grid_sample import TAP_OFFSETS, cubic_weights, grid_sample_spec
+from gradgen.ops.grid_sample import TAP_OFFSETS, affine_base_grid, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices
 
 # ---------------------------------------------------------------------------------------------
@@ -451,3 +451,22 @@ def grid_sample(x, grid, *, align_corners=0, mode=None, padding_mode=None):
             flat = flat * size + position.astype(np.int64)
         total += weight[:, None, :] * np.take_along_axis(flat_x, np.broadcast_to(flat[:, None, :], total.shape), axis=2)
     return total.reshape(n, c, *out_dims).astype(x.dtype, copy=False)
+
+
+@cpu_kernel("AffineGrid")
+def affine_grid(theta, size, *, align_corners=0):
+    """grid[n, *o, :] = theta[n] @ (x, y, [z,] 1) at output position o: theta (N, 2, 3) with size
+    (N, C, H, W), or (N, 3, 4) with (N, C, D, H, W)."""
+    dims = [int(v) for v in np.asarray(size).reshape(-1)]
+    nd = len(dims) - 2
+    if nd not in (2, 3) or theta.shape != (dims[0], nd, nd + 1):
+        raise KernelError(
+            f"theta of shape {list(theta.shape)} does not fit size {dims}: expected (N, 2, 3) with 4 sizes "
+            "or (N, 3, 4) with 5, N the first size"
+        )
+    if min(dims[2:]) < 1:
+        raise KernelError(f"size {dims} has an empty spatial dimension")
+    ct = float_compute_dtype(theta.dtype)
+    base = affine_base_grid(dims[2:], align_corners, ct)
+    grid = np.einsum("pk,njk->npj", base, theta.astype(ct, copy=False))
+    return grid.reshape(dims[0], *dims[2:], nd).astype(theta.dtype, copy=False)
