@@ -184,10 +184,12 @@ class _Net(torch.nn.Module):
     def __init__(self, kind, **options):
         super().__init__()
         self.rnn = getattr(torch.nn, kind)(3, 4, **options)
+        # a weight per output feature, a buffer so that it is exported in the model's float type
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4 * (2 if options.get("bidirectional") else 1)))
 
     def forward(self, x):
         y, _ = self.rnn(x)
-        return (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum()
+        return (y * self.scale).sum()
 
 
 def _reorder(kind, grad):
@@ -290,3 +292,23 @@ def test_exported_initial_states_and_final_states_match_torch_autograd(kind, dyn
     got = Session(built.model).run({name: t.detach().numpy() for name, t in tensors.items()})
     for name, t in tensors.items():
         np.testing.assert_allclose(got[f"{name}_grad"], t.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_a_symbolic_batch_is_unrolled_and_a_symbolic_length_is_refused(tmp_path):
+    """Exports with dynamic axes: the batch may vary (no step needs its size); the length may not."""
+    torch.manual_seed(2)
+    net = _Net("GRU", num_layers=2, bidirectional=True).double()
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    paths = {}
+    for name, axes in (("batch", {1: "batch"}), ("length", {0: "T", 1: "batch"})):
+        paths[name] = tmp_path / f"{name}.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(net, (x,), str(paths[name]), dynamo=False, input_names=["x"], dynamic_axes={"x": axes})
+    built = gradgen.build_backward(str(paths["batch"]), wrt_inputs=True)
+    other = torch.randn(5, 7, 3, dtype=torch.float64, requires_grad=True)  # another batch size
+    net(other).backward()
+    got = Session(built.model).run({"x": other.detach().numpy()})
+    np.testing.assert_allclose(got["x_grad"], other.grad.numpy(), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ModelError, match=r"\(GRU\): the sequence length \(dimension 0 of X, T\) is not static"):
+        gradgen.build_backward(str(paths["length"]), wrt_inputs=True)
