@@ -82,3 +82,15 @@ EINSUM = [
 CASES += [
     GradCase("Einsum", [r(*s) for s in shapes], {"equation": eq}, name=f"Einsum-{eq.replace(' ', '')}") for eq, shapes in EINSUM
 ]
+
+# Det: 1x1 to 4x4, a batch of matrices, a singular matrix (its gradient, the cofactors, is not 0).
+# The rule needs the matrix size static (tests/test_linalg_rules.py checks the error otherwise).
+_singular = rng.uniform(-1, 1, (3, 3))
+_singular[2] = _singular[0] + 2 * _singular[1]
+CASES += [
+    GradCase("Det", [rng.uniform(-1, 1, (1, 1))], symbolic=False, name="Det_1x1"),
+    GradCase("Det", [rng.uniform(-1, 1, (2, 2))], symbolic=False, name="Det_2x2"),
+    GradCase("Det", [rng.uniform(-1, 1, (2, 3, 3))], symbolic=False, name="Det_batch_3x3"),
+    GradCase("Det", [rng.uniform(-1, 1, (4, 4))], symbolic=False, name="Det_4x4"),
+    GradCase("Det", [_singular], symbolic=False, name="Det_singular"),
+]

@@ -339,3 +339,26 @@ def fused_matmul(g):
 def _scaled(g, x, alpha: float):
     """x * alpha, in the type of the node's inputs."""
     return x if alpha == 1.0 else g.op("Mul", x, g.const_like(g.x(0), alpha))
+
+
+@grad_rule("Det")
+def det(g):
+    """d det(A) / dA is A's cofactor matrix, C[i, j] = (-1)^(i+j) det(A without row i and column
+    j): the minors are gathered (static M) and given to Det, which stays exact for a singular A,
+    unlike det(A) * inverse(A)^T."""
+    a = g.x(0)
+    dims = dims_of(a)
+    size = dims[-1] if dims is not None and len(dims) >= 2 else None
+    if not isinstance(size, int):
+        raise ModelError(f"Det node {g.node.name!r}: its gradient needs the matrix size (the last dimension of X) static")
+    spread = g.unsqueeze(g.dy(), [-2, -1])
+    if size == 1:
+        return [spread]
+    batch = len(dims) - 2
+    others = g.const(np.array([[k for k in range(size) if k != i] for i in range(size)], dtype=np.int64))
+    rows = g.op("Gather", a, others, axis=-2)  # (..., i, M-1, M)
+    minors = g.op("Gather", rows, others, axis=-1)  # (..., i, M-1, j, M-1)
+    minors = g.transpose(minors, [*range(batch), batch, batch + 2, batch + 1, batch + 3])
+    signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)], dtype=numpy_dtype_of(a))
+    cofactors = g.op("Mul", g.op("Det", minors), g.const(signs))
+    return [g.op("Mul", spread, cofactors)]

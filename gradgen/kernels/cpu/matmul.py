@@ -136,3 +136,12 @@ def fused_operand(X, trans, trans_batch):
     """op(X) as a view of X (``gradgen.ops.matmul.fused_operand_perm``)."""
     perm = fused_operand_perm(X.ndim, bool(trans), bool(trans_batch))
     return X if perm is None else X.transpose(perm)
+
+
+@cpu_kernel("Det")
+def det(x):
+    """Determinants of the trailing square matrices of X (..., M, M)."""
+    if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+        raise KernelError(f"X must end in square matrices, got shape {list(x.shape)}")
+    ct = accumulation_dtype(x.dtype)
+    return np.asarray(np.linalg.det(x.astype(ct, copy=False))).astype(x.dtype, copy=False)
