@@ -38,6 +38,7 @@ MODELS = {
     "GRU": lambda: _case_model("GRU"),
     "LSTM": lambda: _case_model("LSTM"),
     "AffineGrid": lambda: _case_model("AffineGrid"),
+    "CenterCropPad": lambda: _case_model("CenterCropPad"),
     "Det": lambda: _case_model("Det"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),
     "GridSample": lambda: _case_model("GridSample"),

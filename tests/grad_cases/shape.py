@@ -69,3 +69,16 @@ CASES = [
     GradCase("Trilu", [r(2, 3, 4), np.array(1, dtype=np.int64)], attrs={"upper": 0}, name="Trilu_lower_k1"),
     GradCase("Trilu", [r(4, 3), np.array(-1, dtype=np.int64)], name="Trilu_upper_k-1"),
 ]
+
+# CenterCropPad: crop and pad, odd and even differences, on all or some (negative) axes.
+CASES += [
+    GradCase("CenterCropPad", [r(5, 6), np.array([3, 9], dtype=np.int64)], opset=18, name="CenterCropPad_all_axes"),
+    GradCase(
+        "CenterCropPad",
+        [r(2, 5, 4), np.array([2, 7], dtype=np.int64)],
+        {"axes": [1, -1]},
+        opset=18,
+        name="CenterCropPad_axes",
+    ),
+    GradCase("CenterCropPad", [r(3, 4), np.array([4], dtype=np.int64)], {"axes": [0]}, opset=18, name="CenterCropPad_pad_odd"),
+]

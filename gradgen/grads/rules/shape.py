@@ -348,3 +348,19 @@ def slice_grad(g):
     while rest and rest[-1] is None:
         rest.pop()
     return [g.set_type_like(g.op("Slice", g.dy(), *rest), g.x(0))]
+
+
+@grad_rule("CenterCropPad", nondiff_inputs=(1,))
+def center_crop_pad(g):
+    """A centred crop and the centred pad back put the same floor(|difference| / 2) elements
+    before, so each is the other's transpose: dX = CenterCropPad(dY, X's sizes on the same axes)."""
+    x = g.x(0)
+    axes = g.attr("axes")
+    dims = dims_of(x)
+    if axes is None:
+        sizes = g.shape_of(x)
+    elif dims is not None and all(isinstance(dims[a], int) for a in axes):
+        sizes = g.ints([dims[a] for a in axes])
+    else:
+        sizes = g.op("Gather", g.shape_of(x), g.ints(axes), axis=0)
+    return [g.op("CenterCropPad", g.dy(), sizes, axes=axes), None]

@@ -358,3 +358,27 @@ def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
     # ORT checks only the element count (its tests feed dY of shape (2,) for a (1, 2) slice).
     dX[tuple(slices)] = dY.reshape(window.shape)
     return dX
+
+
+@cpu_kernel("CenterCropPad")
+def center_crop_pad(x, shape, *, axes=None):
+    """X cropped or zero-padded to ``shape`` along ``axes`` (default: all), centred: the first
+    floor(|difference| / 2) elements are cut or added before, the rest after."""
+    axes_list = [normalize_axis(a, x.ndim) for a in axes] if axes is not None else list(range(x.ndim))
+    sizes = [int(v) for v in np.asarray(shape).reshape(-1)]
+    if len(sizes) != len(axes_list) or len(set(axes_list)) != len(axes_list) or min(sizes, default=0) < 0:
+        raise KernelError(f"shape {sizes} must give one size >= 0 for each of the distinct axes {axes_list}")
+    out_shape = list(x.shape)
+    source = [slice(None)] * x.ndim
+    target = [slice(None)] * x.ndim
+    for axis, size in zip(axes_list, sizes):
+        have = x.shape[axis]
+        out_shape[axis] = size
+        begin = abs(have - size) // 2
+        if size < have:
+            source[axis] = slice(begin, begin + size)
+        elif size > have:
+            target[axis] = slice(begin, begin + have)
+    out = np.zeros(out_shape, dtype=x.dtype)
+    out[tuple(target)] = x[tuple(source)]
+    return out
