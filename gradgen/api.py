@@ -34,15 +34,13 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class BackwardModel:
-    """A forward + backward model, with the loss and the tensors it differentiates."""
+    """A forward + backward model, with the loss, the tensors it differentiates and the names of
+    their gradient outputs (``<x>_grad``; ``<x>_grad2``, ... where the model held that name)."""
 
     model: ir.Model
     loss: str
     wrt: list[str]
-
-    @property
-    def gradient_names(self) -> list[str]:
-        return [f"{name}_grad" for name in self.wrt]
+    gradient_names: list[str]
 
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
@@ -119,7 +117,7 @@ def build_backward(
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)
     assert gradient.loss_name is not None  # the gradient pass sets it when it runs
-    return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names)
+    return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names, gradient.gradient_names)
 
 
 def _add_loss(forward: ir.Model, spec, loss: str | None) -> str:

@@ -342,9 +342,9 @@ def check_gradients(
         return float(np.sum(y * cotangent)) if cotangent is not None else float(np.sum(y))
 
     checks = []
-    for name in wrt_names:
+    for name, grad_name in zip(wrt_names, built.gradient_names):
         x = np.asarray(base[name], dtype=np.float64)
-        got = np.asarray(results[f"{name}_grad"])
+        got = np.asarray(results[grad_name])
         if got.shape != x.shape:
             checks.append(
                 TensorCheck(name, x.shape, "-", float("inf"), float("inf"), 0.0, False, f"gradient shape {list(got.shape)}")

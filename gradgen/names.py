@@ -32,14 +32,22 @@ def value_names(values: Iterable[ir.Value]) -> list[str]:
     return [value_name(v) for v in values]
 
 
-def unique_name(name: str, taken: set[str]) -> str:
-    """``name``, or ``name_1``, ``name_2``, ... : the first not in ``taken``, which it joins."""
-    candidate, n = name, 0
+def unique_name(name: str, taken: set[str], *, sep: str = "_", first: int = 1) -> str:
+    """``name``, or ``name_1``, ``name_2``, ... : the first not in ``taken``, which it joins
+    (``sep`` and ``first`` spell the numbered ones: ``name2``, ``name3``, ... with "" and 2)."""
+    candidate, n = name, first - 1
     while candidate in taken:
         n += 1
-        candidate = f"{name}_{n}"
+        candidate = f"{name}{sep}{n}"
     taken.add(candidate)
     return candidate
+
+
+def gradient_name(name: str, taken: set[str]) -> str:
+    """The name of the gradient of tensor ``name``: ``<name>_grad``, or where the model already holds
+    that (a backward graph differentiated again) ``<name>_grad2``, ``<name>_grad3``, ...: the first
+    not in ``taken``, which it joins."""
+    return unique_name(f"{name}_grad", taken, sep="", first=2)
 
 
 def quoted(names: Iterable[str]) -> str:

@@ -3,7 +3,9 @@
 The walker visits, in reverse topological order, the nodes that lie between the wrt tensors and
 the loss. For each it sums the gradient contributions of the node's outputs, asks the op's rule
 for the inputs' gradients, undoes broadcasting for broadcasting ops, and records contributions.
-Every wrt tensor ``x`` gets a graph output ``x_grad`` with x's shape and dtype.
+Every wrt tensor ``x`` gets a graph output ``x_grad`` with x's shape and dtype; where the model
+already holds that name (a backward graph differentiated again), ``x_grad2``, ``x_grad3``, ...
+(``gradgen.names.gradient_name``), and the loss seed likewise.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, numpy_dtype_of
+from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
 from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
+from gradgen.names import gradient_name
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
@@ -89,12 +92,13 @@ def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[i
 
 
 class GradientPass(ir.passes.InPlacePass):
-    """Appends the backward graph; adds ``<x>_grad`` outputs for the wrt tensors."""
+    """Appends the backward graph; adds ``<x>_grad`` outputs for the wrt tensors (``gradient_names``)."""
 
     def __init__(self, spec: GradientSpec | None = None):
         super().__init__()
         self.spec = spec or GradientSpec()
         self.wrt_names: list[str] = []
+        self.gradient_names: list[str] = []  # the output of each wrt tensor's gradient, in order
         self.loss_name: str | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -111,11 +115,14 @@ class GradientPass(ir.passes.InPlacePass):
         rules = _rules_for(active)
         _refuse_unsupported_inputs(nodes, ancestors, requires)
 
-        builder = GraphBuilder(graph, opset)
+        taken = graph_names(graph)
+        seed_name = gradient_name(loss.name, taken)
+        self.gradient_names = [gradient_name(name, taken) for name in self.wrt_names]
+        builder = GraphBuilder(graph, opset, names=taken)
         if "com.microsoft" not in model.opset_imports:
             model.opset_imports["com.microsoft"] = 1
-        grads = _Contributions(builder)
-        grads.add(loss, _seed(builder, graph, loss))
+        grads = _Contributions(builder, taken, dict(zip(self.wrt_names, self.gradient_names)))
+        grads.add(loss, _seed(graph, loss, seed_name))
 
         for node in reversed(active):
             output_grads = [grads.total(o) if o.name in requires else None for o in node.outputs]
@@ -129,17 +136,22 @@ class GradientPass(ir.passes.InPlacePass):
             input_grads = rule.fn(GradContext(builder, node, output_grads, wanted))
             _record(builder, grads, node, rule, input_grads, wanted)
 
-        for x in wrt:
-            graph.outputs.append(_gradient_output(builder, grads, x))
+        for x, name in zip(wrt, self.gradient_names):
+            graph.outputs.append(_gradient_output(builder, grads, x, name))
         _drop_unused_opset(model)
         return ir.passes.PassResult(model, modified=True)
 
 
 class _Contributions:
-    """Gradient parts per forward value; summed (and named ``x_grad``) when first read."""
+    """Gradient parts per forward value; summed (and named ``x_grad``) when first read.
 
-    def __init__(self, builder: GraphBuilder):
+    ``outputs`` maps each wrt tensor to its gradient output's name, chosen (and so held in ``taken``,
+    the builder's names) before any node is emitted; ``claim`` gives a value that name."""
+
+    def __init__(self, builder: GraphBuilder, taken: set[str], outputs: dict[str, str]):
         self.b = builder
+        self.taken = taken
+        self.outputs = outputs
         self.parts: dict[str, list[ir.Value]] = {}
         self.totals: dict[str, ir.Value] = {}
         self._final: set[ir.Value] = set()  # values already named as some tensor's total gradient
@@ -155,20 +167,27 @@ class _Contributions:
         parts = self.parts.get(x.name)
         if not parts:
             return None
+        name = self.outputs.get(x.name, f"{x.name}_grad")
         if len(parts) == 1:
             total = parts[0]
             if self._is_fresh(total):
-                self.b.rename(total, f"{x.name}_grad")
+                self.claim(total, name)
         else:
             for i, part in enumerate(parts):
                 if self._is_fresh(part):
-                    self.b.rename(part, f"{x.name}_grad_{i}")
+                    self.b.rename(part, f"{name}_{i}")
             total = self.b.op("Sum", *parts)
-            self.b.rename(total, f"{x.name}_grad")
+            self.claim(total, name)
         _copy_type(total, x)
         self.totals[x.name] = total
         self._final.add(total)
         return total
+
+    def claim(self, value: ir.Value, name: str) -> None:
+        """Name ``value`` ``name``; a gradient output's reserved name is released to it."""
+        if name in self.outputs.values() and value.name != name:
+            self.taken.discard(name)
+        self.b.rename(value, name)
 
     def _is_fresh(self, value: ir.Value) -> bool:
         """Emitted by a rule and not yet given a final name (so renaming it is safe)."""
@@ -183,12 +202,9 @@ def _copy_type(value: ir.Value, like: ir.Value) -> None:
         value.shape = like.shape
 
 
-def _seed(builder: GraphBuilder, graph: ir.Graph, loss: ir.Value) -> ir.Value:
-    """d loss / d loss: 1 for a scalar loss, else a graph input ``<loss>_grad`` (a VJP)."""
-    name = f"{loss.name}_grad"
-    if not builder.name_is_free(name):
-        raise ModelError(f"cannot name the loss seed {name!r}: the model already has a tensor of that name")
-    builder.reserve(name)
+def _seed(graph: ir.Graph, loss: ir.Value, name: str) -> ir.Value:
+    """d loss / d loss: 1 for a scalar loss, else a graph input ``<loss>_grad`` (a VJP); ``name``
+    is the fresh name chosen for it."""
     if loss.shape is not None and loss.shape.rank() == 0:
         array = np.ones((), dtype=numpy_dtype_of(loss))
         seed = ir.Value(name=name, shape=ir.Shape([]), type=loss.type, const_value=ir.Tensor(array, name=name))
@@ -222,9 +238,8 @@ def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
         grads.add(x, grad)
 
 
-def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value) -> ir.Value:
-    """The graph output ``x_grad``: the summed gradient, zeros if the loss ignores x."""
-    name = f"{x.name}_grad"
+def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value, name: str) -> ir.Value:
+    """The graph output ``name`` (``x_grad``): the summed gradient, zeros if the loss ignores x."""
     builder.prefix = f"{x.name}_Grad"
     total = grads.total(x)
     if total is None:
@@ -233,7 +248,7 @@ def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value) 
         if total.name == name:
             builder.rename(total, f"{name}_part")
         total = builder.op("Identity", total)
-        builder.rename(total, name)
+        grads.claim(total, name)
     if total.name != name:
         raise ModelError(f"cannot name the gradient output {name!r}: the model already has a tensor of that name")
     total.type = x.type

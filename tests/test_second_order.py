@@ -1,0 +1,232 @@
+"""Gradients of gradients: a backward graph gradgen writes is differentiated again.
+
+For each model, the first backward graph gives the parameter gradients; a second loss
+``loss2 = sum_p sum(p_grad ** 2)`` (a gradient penalty) is appended to it with onnx.helper and
+differentiated with respect to the same parameters. The second-order gradients are checked against
+float64 central differences of loss2 (computed from the first-order graph) and against
+torch.autograd.grad(create_graph=True). The parameters are graph inputs, so the finite differences
+feed perturbed values. The second gradient outputs cannot be named ``<p>_grad`` (the first ones
+hold that name): they are ``<p>_grad2``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.executor import Session
+from gradgen.names import gradient_name
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+DT = {np.dtype(np.float64): TensorProto.DOUBLE, np.dtype(np.float32): TensorProto.FLOAT}
+
+
+def _model(nodes, params: dict, consts: dict, opset: int = 18) -> onnx.ModelProto:
+    """Parameters as graph inputs (fed, so finite differences can perturb them), constants as
+    initializers, one scalar output ``loss``."""
+    inputs = [helper.make_tensor_value_info(n, DT[a.dtype], list(a.shape)) for n, a in params.items()]
+    dtype = DT[next(iter(params.values())).dtype]
+    graph = helper.make_graph(
+        nodes,
+        "model",
+        inputs,
+        [helper.make_tensor_value_info("loss", dtype, [])],
+        initializer=[numpy_helper.from_array(a, n) for n, a in consts.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _with_gradient_penalty(built: gradgen.BackwardModel) -> onnx.ModelProto:
+    """The first backward model plus ``loss2 = sum_p sum(p_grad ** 2)`` as an output."""
+    proto = gradgen.api.ir.to_proto(built.model)
+    terms = []
+    for k, grad in enumerate(built.gradient_names):
+        proto.graph.node.extend(
+            [
+                helper.make_node("Mul", [grad, grad], [f"penalty_sq{k}"]),
+                helper.make_node("ReduceSum", [f"penalty_sq{k}"], [f"penalty{k}"], keepdims=0),
+            ]
+        )
+        terms.append(f"penalty{k}")
+    proto.graph.node.append(helper.make_node("Sum", terms, ["loss2"]))
+    loss_type = next(o.type.tensor_type.elem_type for o in proto.graph.output if o.name == "loss")
+    proto.graph.output.append(helper.make_tensor_value_info("loss2", loss_type, []))
+    return proto
+
+
+def _second_order(model: onnx.ModelProto, params: dict, through: set[str]) -> tuple[dict, onnx.ModelProto, list[str]]:
+    """The second-order gradients d loss2 / d p (by name of p), the model computing loss2, and the
+    names of the second gradient outputs. ``through``: the com.microsoft gradient ops the first
+    backward graph must hold (so their rules are what the second one exercises)."""
+    first = gradgen.build_backward(model, wrt=list(params))
+    assert first.gradient_names == [f"{p}_grad" for p in params]
+    assert through <= {n.op_type for n in first.model.graph if n.domain == "com.microsoft"}
+    penalised = _with_gradient_penalty(first)
+    second = gradgen.build_backward(penalised, loss="loss2", wrt=list(params))
+    got = Session(second.model).run(params)
+    return {p: got[name] for p, name in zip(params, second.gradient_names)}, penalised, second.gradient_names
+
+
+def _finite_differences(model: onnx.ModelProto, params: dict, eps: float = 1e-6) -> dict:
+    session = Session(model)
+    grads = {}
+    for name, base in params.items():
+        grad = np.zeros_like(base)
+        for j in range(base.size):
+            values = []
+            for step in (eps, -eps):
+                shifted = base.copy().reshape(-1)
+                shifted[j] += step
+                feeds = {**params, name: shifted.reshape(base.shape)}
+                values.append(float(session.run(feeds, outputs=["loss2"])["loss2"]))
+            grad.reshape(-1)[j] = (values[0] - values[1]) / (2 * eps)
+        grads[name] = grad
+    return grads
+
+
+def _torch_second_order(loss_fn, params: dict) -> dict:
+    tensors = {n: torch.tensor(a.astype(np.float64), requires_grad=True) for n, a in params.items()}
+    loss = loss_fn(**tensors)
+    firsts = torch.autograd.grad(loss, list(tensors.values()), create_graph=True)
+    loss2 = sum((g * g).sum() for g in firsts)
+    seconds = torch.autograd.grad(loss2, list(tensors.values()))
+    return {n: s.detach().numpy() for n, s in zip(tensors, seconds)}
+
+
+def _check(model, params, loss_fn, through: set[str], *, fd=True, rtol=1e-6, atol=1e-8):
+    got, penalised, names = _second_order(model, params, through)
+    assert names == [f"{p}_grad2" for p in params]
+    want = _torch_second_order(loss_fn, params)
+    for p in params:
+        scale = max(1.0, float(np.abs(want[p]).max()))
+        np.testing.assert_allclose(got[p], want[p], rtol=rtol, atol=atol * scale, err_msg=f"{p}: against torch")
+    if fd:
+        numeric = _finite_differences(penalised, params)
+        for p in params:
+            scale = max(1.0, float(np.abs(numeric[p]).max()))
+            np.testing.assert_allclose(got[p], numeric[p], rtol=1e-5, atol=1e-6 * scale, err_msg=f"{p}: finite differences")
+
+
+def _rand(rng, *shape, dtype=np.float64):
+    return rng.uniform(-1.0, 1.0, shape).astype(dtype)
+
+
+def test_mlp_relu_softmax_cross_entropy():
+    rng = np.random.default_rng(0)
+    x, labels = _rand(rng, 4, 3), np.array([0, 2, 1, 2], np.int64)
+    params = {"W1": _rand(rng, 3, 5), "b1": _rand(rng, 5), "W2": _rand(rng, 5, 3), "b2": _rand(rng, 3)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["z0"]),
+        helper.make_node("Add", ["z0", "b2"], ["z"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["z", "labels"], ["loss"]),
+    ]
+    model = _model(nodes, params, {"x": x, "labels": labels})
+    xt, lt = torch.tensor(x), torch.tensor(labels)
+    _check(model, params, lambda W1, b1, W2, b2: F.cross_entropy(torch.relu(xt @ W1 + b1) @ W2 + b2, lt), {"FusedMatMul"})
+
+
+def test_cnn_conv_maxpool():
+    rng = np.random.default_rng(1)
+    x, labels = _rand(rng, 2, 1, 7, 7), np.array([1, 0], np.int64)
+    params = {"Wc": _rand(rng, 2, 1, 3, 3), "bc": _rand(rng, 2), "Wf": _rand(rng, 8, 3)}
+    nodes = [
+        helper.make_node("Conv", ["x", "Wc", "bc"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Tanh", ["c"], ["a"]),
+        helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("MatMul", ["f", "Wf"], ["z"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["z", "labels"], ["loss"]),
+    ]
+    model = _model(nodes, params, {"x": x, "labels": labels})
+    xt, lt = torch.tensor(x), torch.tensor(labels)
+
+    def loss_fn(Wc, bc, Wf):
+        pooled = F.max_pool2d(torch.tanh(F.conv2d(xt, Wc, bc, stride=2, padding=1)), 2)
+        return F.cross_entropy(pooled.flatten(1) @ Wf, lt)
+
+    _check(model, params, loss_fn, {"ConvGrad", "FusedMatMul"})
+
+
+def _layer_norm_block(dtype):
+    rng = np.random.default_rng(2)
+    x = _rand(rng, 3, 4, dtype=dtype)
+    params = {"gamma": 1.0 + _rand(rng, 4, dtype=dtype), "beta": _rand(rng, 4, dtype=dtype), "W": _rand(rng, 4, 2, dtype=dtype)}
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], epsilon=1e-5),
+        helper.make_node("MatMul", ["n", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("Mul", ["t", "t"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["loss"], keepdims=0),
+    ]
+    xt = torch.tensor(x.astype(np.float64))
+
+    def loss_fn(gamma, beta, W):
+        return (torch.tanh(F.layer_norm(xt, (4,), gamma, beta, eps=1e-5) @ W) ** 2).sum()
+
+    return _model(nodes, params, {"x": x}), params, loss_fn
+
+
+def test_layer_norm_block_float64():
+    """float64: LayerNormalization's gradient in standard ops (the saved float32 statistics would
+    cost it its precision), so the finite differences are exact to 1e-6."""
+    _check(*_layer_norm_block(np.float64), {"FusedMatMul"})
+
+
+def test_layer_norm_block_float32_through_layer_normalization_grad():
+    """float32: the first backward graph holds com.microsoft LayerNormalizationGrad, whose rule the
+    second one differentiates (float32 results against torch in float64)."""
+    _check(*_layer_norm_block(np.float32), {"LayerNormalizationGrad"}, fd=False, rtol=2e-4, atol=2e-5)
+
+
+def test_gather_slice_model():
+    rng = np.random.default_rng(3)
+    idx = np.array([[0, 3], [5, 3]], np.int64)
+    params = {"emb": _rand(rng, 6, 4), "W": _rand(rng, 3, 2)}
+    consts = {"idx": idx, "starts": np.array([1], np.int64), "ends": np.array([4], np.int64), "axes": np.array([2], np.int64)}
+    nodes = [
+        helper.make_node("Gather", ["emb", "idx"], ["e"]),
+        helper.make_node("Slice", ["e", "starts", "ends", "axes"], ["s"]),
+        helper.make_node("MatMul", ["s", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("Mul", ["t", "t"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["loss"], keepdims=0),
+    ]
+    model = _model(nodes, params, consts)
+    it = torch.tensor(idx)
+    _check(model, params, lambda emb, W: (torch.tanh(emb[it][..., 1:4] @ W) ** 2).sum(), {"GatherGrad", "SliceGrad"})
+
+
+def test_second_gradients_are_listed_by_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from gradgen.cli import app
+
+    rng = np.random.default_rng(4)
+    params = {"W": _rand(rng, 3, 2)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+    ]
+    model = _model(nodes, params, {"x": _rand(rng, 4, 3)})
+    first = tmp_path / "first.onnx"
+    onnx.save(_with_gradient_penalty(gradgen.build_backward(model, wrt=["W"])), first)
+    out = tmp_path / "second.onnx"
+    result = CliRunner().invoke(app, ["build-backward", str(first), "-o", str(out), "--loss", "loss2", "--wrt", "W"])
+    assert result.exit_code == 0, result.output
+    assert "gradients (1): W_grad2" in result.output
+    assert [o.name for o in onnx.load(out).graph.output] == ["loss", "W_grad", "loss2", "W_grad2"]
+
+
+def test_gradient_name_takes_the_first_free_order():
+    taken = {"w_grad", "w_grad2", "w_grad_1"}
+    assert gradient_name("w", taken) == "w_grad3" and "w_grad3" in taken
+    assert gradient_name("v", taken) == "v_grad"
