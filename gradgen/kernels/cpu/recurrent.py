@@ -130,101 +130,20 @@ def _run(op_type, x, w, r, b, seq_lens, h0, c0, p, attrs, wanted):
     return tuple(out if want else None for out, want in zip(outputs, wanted))
 
 
-def _attrs(**attrs):
-    return {k: v for k, v in attrs.items() if v is not None}
-
-
 @cpu_kernel("LSTM")
 def lstm(
-    x,
-    w,
-    r,
-    b=None,
-    sequence_lens=None,
-    initial_h=None,
-    initial_c=None,
-    p=None,
-    *,
-    activation_alpha=None,
-    activation_beta=None,
-    activations=None,
-    clip=None,
-    direction="forward",
-    hidden_size=None,
-    input_forget=0,
-    layout=0,
-    _wanted=(True, True, True),
+    x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None, *, _wanted=(True, True, True), **attributes
 ):
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        input_forget=input_forget,
-        layout=layout,
-    )
-    return _run("LSTM", x, w, r, b, sequence_lens, initial_h, initial_c, p, attrs, _wanted)
+    """The node's attributes go to ``recurrent_spec`` (gradgen/ops/recurrent.py), which holds their
+    defaults and checks, for the three ops alike."""
+    return _run("LSTM", x, w, r, b, sequence_lens, initial_h, initial_c, p, attributes, _wanted)
 
 
 @cpu_kernel("GRU")
-def gru(
-    x,
-    w,
-    r,
-    b=None,
-    sequence_lens=None,
-    initial_h=None,
-    *,
-    activation_alpha=None,
-    activation_beta=None,
-    activations=None,
-    clip=None,
-    direction="forward",
-    hidden_size=None,
-    layout=0,
-    linear_before_reset=0,
-    _wanted=(True, True),
-):
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-        linear_before_reset=linear_before_reset,
-    )
-    return _run("GRU", x, w, r, b, sequence_lens, initial_h, None, None, attrs, _wanted)
+def gru(x, w, r, b=None, sequence_lens=None, initial_h=None, *, _wanted=(True, True), **attributes):
+    return _run("GRU", x, w, r, b, sequence_lens, initial_h, None, None, attributes, _wanted)
 
 
 @cpu_kernel("RNN")
-def rnn(
-    x,
-    w,
-    r,
-    b=None,
-    sequence_lens=None,
-    initial_h=None,
-    *,
-    activation_alpha=None,
-    activation_beta=None,
-    activations=None,
-    clip=None,
-    direction="forward",
-    hidden_size=None,
-    layout=0,
-    _wanted=(True, True),
-):
-    attrs = _attrs(
-        activation_alpha=activation_alpha,
-        activation_beta=activation_beta,
-        activations=activations,
-        clip=clip,
-        direction=direction,
-        hidden_size=hidden_size,
-        layout=layout,
-    )
-    return _run("RNN", x, w, r, b, sequence_lens, initial_h, None, None, attrs, _wanted)
+def rnn(x, w, r, b=None, sequence_lens=None, initial_h=None, *, _wanted=(True, True), **attributes):
+    return _run("RNN", x, w, r, b, sequence_lens, initial_h, None, None, attributes, _wanted)
