@@ -43,6 +43,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "AffineGrid"): "no CUDA launcher yet",
     ("", "CenterCropPad"): "no CUDA launcher yet",
+    ("", "Col2Im"): "no CUDA launcher yet",
     ("", "Det"): "no CUDA launcher yet",
     ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",

@@ -112,3 +112,24 @@ def conv_transpose_geometry(x_shape, w_shape, attrs):
     if min(out) < 1:
         raise KernelError(f"the output spatial shape {out} is empty")
     return full, begin, out
+
+
+def col2im_geometry(image, block, *, dilations=None, pads=None, strides=None):
+    """Col2Im's (image, block, dilations, pads, strides, blocks per axis), checked: the input's L is
+    the product of the blocks per axis, (image + pads - dilated block) // stride + 1 each."""
+    image, block = [int(v) for v in image], [int(v) for v in block]
+    n = len(image)
+    if n == 0 or len(block) != n:
+        raise KernelError(f"image_shape {image} and block_shape {block} must have the same, non-zero length")
+    dilations = per_axis(dilations, n, 1, "dilations")
+    strides = per_axis(strides, n, 1, "strides")
+    pads = per_axis(pads, 2 * n, 0, "pads")
+    if min(dilations) < 1 or min(strides) < 1 or min(block) < 1 or min(pads) < 0:
+        raise KernelError("block_shape, dilations and strides must be positive and pads not negative")
+    counts = []
+    for i in range(n):
+        room = image[i] + pads[i] + pads[n + i] - effective_kernel([block[i]], [dilations[i]])[0]
+        if room < 0:
+            raise KernelError(f"the block {block} does not fit the padded image {image} along axis {i}")
+        counts.append(room // strides[i] + 1)
+    return image, block, dilations, pads, strides, counts

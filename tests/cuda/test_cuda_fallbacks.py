@@ -39,6 +39,7 @@ MODELS = {
     "LSTM": lambda: _case_model("LSTM"),
     "AffineGrid": lambda: _case_model("AffineGrid"),
     "CenterCropPad": lambda: _case_model("CenterCropPad"),
+    "Col2Im": lambda: _case_model("Col2Im"),
     "Det": lambda: _case_model("Det"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),
     "GridSample": lambda: _case_model("GridSample"),

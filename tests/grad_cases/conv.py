@@ -340,3 +340,23 @@ for _size, _ac in (((2, 3, 4, 5), 0), ((1, 2, 3, 2), 1), ((2, 1, 2, 3, 2), 0), (
             name=f"AffineGrid{_size}_ac{_ac}",
         )
     )
+
+# Col2Im: 1-D to 3-D, strides, asymmetric pads, dilations (image_shape and block_shape constant).
+for _image, _block, _attrs in (
+    ([4, 5], [2, 3], {}),
+    ([6, 5], [3, 2], {"strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}),
+    ([7], [3], {"strides": [2]}),
+    ([3, 3, 2], [2, 2, 1], {}),
+):
+    _nd = len(_image)
+    _d, _s, _p = _attrs.get("dilations", [1] * _nd), _attrs.get("strides", [1] * _nd), _attrs.get("pads", [0] * 2 * _nd)
+    _count = int(np.prod([(_image[i] + _p[i] + _p[_nd + i] - _d[i] * (_block[i] - 1) - 1) // _s[i] + 1 for i in range(_nd)]))
+    CASES.append(
+        GradCase(
+            "Col2Im",
+            [r(1, 2 * int(np.prod(_block)), _count), np.array(_image, dtype=np.int64), np.array(_block, dtype=np.int64)],
+            attrs=_attrs,
+            opset=18,
+            name=f"Col2Im{_image}_block{_block}_{sorted(_attrs)}",
+        )
+    )

@@ -1,4 +1,4 @@
-"""Gradient rules: convolution.
+"""Gradient rules: convolution, and Col2Im (its transpose is a Conv with one-hot kernels).
 
 Conv emits one com.microsoft ConvGrad(dY, X, W) carrying the forward attributes verbatim, as ONNX
 Runtime training does. ConvTranspose is the input-gradient of a Conv, so its gradients are a Conv
@@ -7,9 +7,13 @@ Runtime training does. ConvTranspose is the input-gradient of a Conv, so its gra
 
 from __future__ import annotations
 
-from gradgen.builder import MICROSOFT, dims_of, is_static
-from gradgen.errors import ModelError
+import numpy as np
+
+from gradgen.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
+from gradgen.errors import KernelError, ModelError
+from gradgen.grads.rules.shape import folded_const
 from gradgen.grads.table import grad_rule
+from gradgen.ops.conv import col2im_geometry
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
@@ -152,3 +156,26 @@ def conv_grad(g):
     if g.needs(2):
         grads[2] = emit_conv_grad(g, dy, p, w, [False, True], [None, w], **attrs)[1] if p is not None else g.zeros_like(w)
     return grads
+
+
+@grad_rule("Col2Im", nondiff_inputs=(1, 2))
+def col2im(g):
+    """Col2Im sums blocks into an image; its transpose cuts them out again (im2col): a Conv of dY,
+    as (N * C, 1, *image), with one one-hot kernel per block position, same pads, strides and
+    dilations, gives (N * C, prod(block), *blocks per axis), which is dX's layout. image_shape and
+    block_shape must be constant."""
+    x = g.x(0)
+    image, block = folded_const(g, 1), folded_const(g, 2)
+    if image is None or block is None:
+        raise ModelError(f"{node_where(g)}: its gradient needs image_shape and block_shape constant")
+    try:
+        image, block, dilations, pads, strides, _ = col2im_geometry(
+            np.asarray(image).reshape(-1), np.asarray(block).reshape(-1), **forward_attrs(g, ("dilations", "pads", "strides"))
+        )
+    except KernelError as exc:
+        raise ModelError(f"{node_where(g)}: {exc}") from None
+    taps = int(np.prod(block))
+    one_hot = np.eye(taps, dtype=numpy_dtype_of(x)).reshape(taps, 1, *block)
+    planes = g.reshape(g.dy(), [-1, 1, *image])
+    columns = g.op("Conv", planes, g.const(one_hot), dilations=dilations, pads=pads, strides=strides)
+    return [g.reshape_like(columns, x), None, None]

@@ -21,7 +21,7 @@ from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import per_axis
-from gradgen.ops.conv import conv_geometry, conv_transpose_geometry
+from gradgen.ops.conv import col2im_geometry, conv_geometry, conv_transpose_geometry
 from gradgen.ops.pool import spatial_geometry
 from gradgen.ops.schemas import FLOATS_NO_BF16, Attribute, Formal, Schema, TensorInfo
 
@@ -256,3 +256,30 @@ def conv_transpose(
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+@cpu_kernel("Col2Im")
+def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
+    """Sums the columns of X (N, C * prod(block), L) into an image (N, C, *image_shape): column l
+    holds the block at the l-th sliding position (row-major), C outer in the second axis."""
+    image, block, dil, pads, strides, counts = col2im_geometry(
+        np.asarray(image_shape).reshape(-1), np.asarray(block_shape).reshape(-1), dilations=dilations, pads=pads, strides=strides
+    )
+    nd, taps = len(image), math.prod(block)
+    if x.ndim != 3 or x.shape[1] % taps or x.shape[2] != math.prod(counts):
+        raise KernelError(
+            f"input of shape {list(x.shape)} does not fit: expected (N, C * {taps}, {math.prod(counts)}) for "
+            f"blocks {block} over the image {image}"
+        )
+    n, c = x.shape[0], x.shape[1] // taps
+    ct = accumulation_dtype(x.dtype)
+    columns = x.astype(ct, copy=False).reshape(n, c, *block, *counts)
+    padded = np.zeros((n, c, *[image[i] + pads[i] + pads[nd + i] for i in range(nd)]), dtype=ct)
+    for tap in np.ndindex(*block):
+        window = tuple(slice(tap[i] * dil[i], tap[i] * dil[i] + (counts[i] - 1) * strides[i] + 1, strides[i]) for i in range(nd))
+        padded[_ALL2 + window] += columns[_ALL2 + tuple(tap)]
+    inside = tuple(slice(pads[i], pads[i] + image[i]) for i in range(nd))
+    return np.ascontiguousarray(padded[_ALL2 + inside]).astype(x.dtype, copy=False)
+
+
+_ALL2 = (slice(None), slice(None))  # the batch and channel axes, whole
