@@ -68,15 +68,17 @@ def pool_window(op_type: str, x_shape, kernel_shape, strides, dilations, pads, a
     return spatial_geometry(x_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
 
 
-def pool_geometry(x_shape, attrs):
-    """``spatial_geometry`` from a pool node's attributes (a mapping of plain values): the one
-    pooled-shape rule that the CPU and CUDA kernels, the pooling gradients and shape inference share.
+def pool_geometry(x_shape, attrs, op_type: str = "pooling"):
+    """``pool_window`` from a pool node's attributes (a mapping of plain values, the ONNX defaults
+    for the absent ones): the one pooled-shape rule that the CPU and CUDA kernels, the pooling
+    gradients and shape inference share.
 
     With ``ceil_mode=1`` a last window that would start past the input and its begin padding is
     dropped (as PyTorch and ONNX Runtime do; ONNX's shape inference before opset 22 keeps it).
     """
     get = attrs.get
-    return spatial_geometry(
+    return pool_window(
+        op_type,
         x_shape,
         get("kernel_shape"),
         get("strides"),

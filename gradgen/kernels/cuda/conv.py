@@ -463,10 +463,6 @@ def _geometry(x_shape, w_shape, attrs) -> _Geometry:
     return geom
 
 
-def _attrs(auto_pad, dilations, group, kernel_shape, pads, strides):
-    return dict(auto_pad=auto_pad, dilations=dilations, group=group, kernel_shape=kernel_shape, pads=pads, strides=strides)
-
-
 def _use_cudnn(geom, dtype) -> bool:
     return not FORCE_DIRECT and is_float(dtype) and 1 <= geom.nd <= 3
 
@@ -583,9 +579,8 @@ def _check_ranks(x, w):
 
 
 @cuda_kernel("Conv")
-def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
-
-    attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
+def conv(x, w, b=None, **attrs):
+    """``attrs``: the node's attributes, read with their ONNX defaults by gradgen.ops.conv (see _Geometry)."""
     _check_ranks(x, w)
     if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
         raise KernelError(
@@ -603,25 +598,11 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
 
 
 @cuda_kernel("ConvGrad", domain=MICROSOFT)
-def conv_grad(
-    dY,
-    X,
-    W,
-    *,
-    auto_pad="NOTSET",
-    dilations=None,
-    group=1,
-    kernel_shape=None,
-    pads=None,
-    strides=None,
-    _num_outputs=3,
-    _wanted=None,
-):
-    """(dX, dW, dB) of Conv(X, W[, B]); only the first ``_num_outputs`` are returned, and outputs
-    the node leaves unnamed (``_wanted`` False) are not computed."""
+def conv_grad(dY, X, W, *, _num_outputs=3, _wanted=None, **attrs):
+    """(dX, dW, dB) of Conv(X, W[, B]) with Conv's attributes ``attrs``; only the first
+    ``_num_outputs`` are returned, and outputs the node leaves unnamed (``_wanted`` False) are not
+    computed."""
     wanted = _wanted or (True,) * _num_outputs
-
-    attrs = _attrs(auto_pad, dilations, group, kernel_shape, pads, strides)
     if not dY.dtype == X.dtype == W.dtype:
         raise KernelError(f"dY, X and W must have one dtype; got {dY.dtype}, {X.dtype}, {W.dtype}")
     geom = _geometry(X.shape, W.shape, attrs)

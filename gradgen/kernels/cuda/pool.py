@@ -15,7 +15,7 @@ import numpy as np
 
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad, require_suffix
 from gradgen.kernels.table import cuda_kernel
-from gradgen.ops.pool import declared_pads, pool_window
+from gradgen.ops.pool import declared_pads, pool_geometry
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
 
@@ -51,37 +51,19 @@ def _gpu_poolable(x) -> bool:
 
 
 @cuda_kernel("MaxPool")
-def max_pool(
-    x,
-    *,
-    auto_pad="NOTSET",
-    ceil_mode=0,
-    dilations=None,
-    kernel_shape=None,
-    pads=None,
-    storage_order=0,
-    strides=None,
-    _num_outputs=1,
-):
+def max_pool(x, *, _num_outputs=1, **attrs):
+    """``attrs``: the node's attributes, read with their ONNX defaults by gradgen.ops.pool (as the
+    CPU kernel and the CPU fallback read them)."""
     from gradgen.cuda import runtime as rt
 
-    attrs = dict(
-        auto_pad=auto_pad,
-        ceil_mode=ceil_mode,
-        dilations=dilations,
-        kernel_shape=kernel_shape,
-        pads=pads,
-        storage_order=storage_order,
-        strides=strides,
-    )
-    kernel, s, d, begin, _end, out = pool_window("MaxPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    kernel, s, d, begin, _end, out = pool_geometry(x.shape, attrs, "MaxPool")
     if not _gpu_poolable(x):
         return cpu_fallback("MaxPool", x, _num_outputs=_num_outputs, **attrs)
     x = contiguous(x)
     y_shape = tuple(x.shape[:2]) + tuple(out)
     y = rt.empty(y_shape, x.dtype)
     idx = rt.empty(y_shape, np.int64) if _num_outputs >= 2 else None
-    geom = _pool_geom(x.shape, kernel, s, d, begin, out, [0] * len(out), x.shape[2:], storage_order)
+    geom = _pool_geom(x.shape, kernel, s, d, begin, out, [0] * len(out), x.shape[2:], int(attrs.get("storage_order", 0)))
     fn = kernel_of("pool", f"max_pool_{require_suffix(x.dtype)}")
     if y.size and x.size:
         launch(fn, y.size, y, idx if idx is not None else np.uint64(0), x, geom, np.int64(y.size))
@@ -89,29 +71,17 @@ def max_pool(
 
 
 @cuda_kernel("AveragePool")
-def average_pool(
-    x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None
-):
+def average_pool(x, **attrs):
+    """``attrs``: the node's attributes, read with their ONNX defaults (gradgen.ops.pool)."""
     from gradgen.cuda import runtime as rt
 
-    attrs = dict(
-        auto_pad=auto_pad,
-        ceil_mode=ceil_mode,
-        count_include_pad=count_include_pad,
-        dilations=dilations,
-        kernel_shape=kernel_shape,
-        pads=pads,
-        strides=strides,
-    )
-    kernel, s, d, begin, end, out = pool_window(
-        "AveragePool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
-    )
+    kernel, s, d, begin, end, out = pool_geometry(x.shape, attrs, "AveragePool")
     if not _gpu_poolable(x):
         return cpu_fallback("AveragePool", x, **attrs)
     ns = len(kernel)
-    declared = declared_pads(auto_pad, pads, begin, end)
+    declared = declared_pads(attrs.get("auto_pad", "NOTSET"), attrs.get("pads"), begin, end)
     spatial = list(x.shape[2:])
-    if int(count_include_pad):
+    if int(attrs.get("count_include_pad", 0)):
         lo = [-b for b in begin]
         hi = [size + declared[ns + a] for a, size in enumerate(spatial)]
     else:
