@@ -289,3 +289,20 @@ def resize_matrices(x_shape, out_shape, factors, attrs: dict, roi=None, axes=Non
             continue
         mats[axis] = (m, outside)
     return mats
+
+
+def roi_align_spec(
+    coordinate_transformation_mode=None, mode=None, output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0
+):
+    """RoiAlign's attributes as plain values: (half_pixel, mode, output (h, w), sampling_ratio,
+    spatial_scale); the opset 16 default half_pixel for the coordinate mode."""
+    coordinates = text(coordinate_transformation_mode, "half_pixel") or "half_pixel"
+    pooling = (text(mode, "avg") or "avg").lower()
+    if coordinates not in ("half_pixel", "output_half_pixel"):
+        raise KernelError(f"coordinate_transformation_mode {coordinates!r} is not half_pixel or output_half_pixel")
+    if pooling not in ("avg", "max"):
+        raise KernelError(f"mode {pooling!r} is not avg or max")
+    height, width = int(output_height), int(output_width)
+    if height < 1 or width < 1 or int(sampling_ratio) < 0:
+        raise KernelError("output_height and output_width must be positive and sampling_ratio not negative")
+    return coordinates == "half_pixel", pooling, (height, width), int(sampling_ratio), float(spatial_scale)

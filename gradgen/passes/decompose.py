@@ -1,6 +1,7 @@
 """DecomposePass: rewrite ops whose gradient is easiest had through their standard-op form, before
 the gradient pass, so that the rules of those ops differentiate them (every input, every mode)
-and both executors run them with the kernels they have. Today: GridSample.
+and both executors run them with the kernels they have. Today: GridSample, and RoiAlign with a
+fixed sampling_ratio (its gradient reaches X and the rois; torchvision gives the rois none).
 
 GridSample becomes, per tap offset combination (2 per axis for linear, 4 for cubic, 1 for nearest),
 a GatherElements of X (N, C, prod(spatial)) at the taps' flat indices times the taps' weights, so
@@ -21,6 +22,7 @@ from gradgen.builder import GraphBuilder, dims_of, graph_names, numpy_dtype_of
 from gradgen.errors import KernelError, ModelError
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
+from gradgen.ops.pool import roi_align_spec
 
 __all__ = ["DecomposePass"]
 
@@ -29,18 +31,15 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataTy
 
 
 class DecomposePass(ir.passes.InPlacePass):
-    """Replace every float GridSample node of the main graph by its standard-op form (in place);
-    shape inference runs afterwards when something was rewritten."""
+    """Replace every float GridSample node, and every float RoiAlign node with a fixed
+    sampling_ratio, of the main graph by its standard-op form (in place); shape inference runs
+    afterwards when something was rewritten."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from gradgen.passes.standard import ShapeInferencePass
 
         graph = model.graph
-        nodes = [
-            n
-            for n in graph
-            if n.domain in _STANDARD and n.op_type == "GridSample" and n.inputs[0] is not None and n.inputs[0].dtype in _FLOATS
-        ]
+        nodes = [n for n in graph if n.domain in _STANDARD and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)]
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
@@ -48,7 +47,7 @@ class DecomposePass(ir.passes.InPlacePass):
         constants: dict = {}
         for node in nodes:
             builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False)
-            output = _GridSample(node, builder).output()
+            output = _FORMS[node.op_type](node, builder).output()
             graph.insert_before(node, builder.nodes)
             replace_node_outputs(graph, node, [output])
         ShapeInferencePass()(model)
@@ -102,19 +101,19 @@ class _Emitted:
     __rmul__ = __mul__
 
 
-class _GridSample:
-    """The standard-op form of one GridSample node (see the module docstring)."""
+class _Form:
+    """What the standard-op forms share: X (N, C, *spatial) and its sizes, static where known, and
+    float values of ``self.grid``'s type (the coordinates' tensor: GridSample's grid, RoiAlign's
+    rois)."""
+
+    op_type = ""
 
     def __init__(self, node: ir.Node, b: GraphBuilder):
         self.node, self.b = node, b
-        self.where = f"node {node.name!r} (GridSample)"
-        try:
-            self.spec: GridSampleSpec = grid_sample_spec(**node_attributes(node))
-        except KernelError as exc:
-            raise ModelError(f"{self.where}: {exc}") from None
+        self.where = f"node {node.name!r} ({self.op_type})"
         x, grid = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if x is None or grid is None:
-            raise ModelError(f"{self.where}: X and grid are required inputs")
+            raise ModelError(f"{self.where}: its first two inputs are required")
         self.x, self.grid = x, grid
         x_dims = dims_of(x)
         if x_dims is None or len(x_dims) < 3:
@@ -122,6 +121,13 @@ class _GridSample:
         self.nd = len(x_dims) - 2
         self.spatial = x_dims[2:]
         self.dtype = numpy_dtype_of(self.grid)
+
+    @staticmethod
+    def applies(node: ir.Node) -> bool:
+        return bool(node.inputs) and node.inputs[0] is not None and node.inputs[0].dtype in _FLOATS
+
+    def output(self) -> ir.Value:
+        raise NotImplementedError
 
     # -- sizes, static where known --------------------------------------------------------------
     def _size_int(self, axis: int) -> ir.Value:
@@ -144,6 +150,25 @@ class _GridSample:
 
     def _wrap(self, value: ir.Value) -> _Emitted:
         return _Emitted(self.b, value, self.dtype)
+
+    def _gather_taps(self, planes: ir.Value, flat: ir.Value) -> ir.Value:
+        """planes (B, C, S) at the flat indices ``flat`` (B, 1, P), for every channel: (B, C, P)."""
+        b = self.b
+        channels = b.op("Concat", b.ints([1]), b.part(b.shape_of(self.x), 1, 2), b.ints([1]), axis=0)
+        return b.op("GatherElements", planes, b.op("Expand", flat, channels), axis=2)
+
+
+class _GridSample(_Form):
+    """The standard-op form of one GridSample node (see the module docstring)."""
+
+    op_type = "GridSample"
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        super().__init__(node, b)
+        try:
+            self.spec: GridSampleSpec = grid_sample_spec(**node_attributes(node))
+        except KernelError as exc:
+            raise ModelError(f"{self.where}: {exc}") from None
 
     # -- coordinates --------------------------------------------------------------------------------
     def _pixel(self, axis: int) -> _Emitted:
@@ -229,7 +254,6 @@ class _GridSample:
             weights.append((1.0 - t, t) if self.spec.mode == "linear" else cubic_weights(t))
         x_shape = b.shape_of(self.x)
         flat_x = b.reshape(self.x, [0, 0, -1])
-        channels = b.op("Concat", b.ints([1]), b.part(x_shape, 1, 2), b.ints([1]), axis=0)
         terms = []
         for taps in itertools.product(range(len(offsets)), repeat=nd):
             flat, weight = None, None
@@ -240,7 +264,8 @@ class _GridSample:
                     if factor is not None:
                         value = factor.value if isinstance(factor, _Emitted) else factor
                         weight = value if weight is None else b.op("Mul", weight, value)
-            gathered = b.op("GatherElements", flat_x, b.op("Expand", flat, channels), axis=2)
+            assert flat is not None  # nd >= 1
+            gathered = self._gather_taps(flat_x, flat)
             if weight is not None:
                 if self.x.dtype != self.grid.dtype:
                     weight = b.op("CastLike", weight, self.x)
@@ -249,3 +274,89 @@ class _GridSample:
         total = b.sum(terms)
         out_shape = b.op("Concat", b.part(x_shape, 0, 2), b.part(b.shape_of(self.grid), 1, -1), axis=0)
         return b.reshape(total, out_shape, exact=True)
+
+
+class _RoiAlign(_Form):
+    """The standard-op form of one RoiAlign node with a fixed sampling_ratio s: X's planes gathered
+    by batch_indices (R, C, H * W); per roi, the s x s samples of every bin along each axis, with
+    the kernel's edge rule (gradgen/kernels/cpu/pool.py); four weighted corner taps per sample;
+    their sum (avg) or largest term (max), pooled per bin by ReduceMean / ReduceMax."""
+
+    op_type = "RoiAlign"
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        super().__init__(node, b)
+        try:
+            self.half_pixel, self.mode, self.bins, self.ratio, self.scale = roi_align_spec(**node_attributes(node))
+        except KernelError as exc:
+            raise ModelError(f"{self.where}: {exc}") from None
+        if self.nd != 2 or len(node.inputs) < 3 or node.inputs[2] is None:
+            raise ModelError(f"{self.where}: X must be (N, C, H, W) and batch_indices given")
+        self.batch_indices = node.inputs[2]
+
+    @staticmethod
+    def applies(node: ir.Node) -> bool:
+        """Float X and a fixed sampling ratio: an adaptive one (0) takes a number of samples per roi
+        known only at run time (the rule entry then explains why there is no gradient)."""
+        attr = node.attributes.get("sampling_ratio")
+        return _Form.applies(node) and attr is not None and int(attr.value) > 0
+
+    def _corner(self, box: ir.Value, k: int) -> _Emitted:
+        """Column k of the scaled, shifted rois, (R, 1)."""
+        b = self.b
+        column = self._wrap(b.op("Slice", box, b.ints([k]), b.ints([k + 1]), b.ints([1])))
+        return column * self.scale - (0.5 if self.half_pixel else 0.0)
+
+    def _axis_taps(self, start: _Emitted, end: _Emitted, axis: int):
+        """(low, high, weight of high, in range) of the samples along spatial axis ``axis``,
+        (R, bins * s), sample j of bin i at i * s + j."""
+        b, s, bins = self.b, self.ratio, self.bins[axis]
+        size = end - start
+        if not self.half_pixel:
+            size = self._wrap(b.op("Max", size.value, self._value(1.0)))
+        steps = np.array([i + (j + 0.5) / s for i in range(bins) for j in range(s)], dtype=self.dtype)
+        points = start + size * (1.0 / bins) * self._wrap(b.const(steps))
+        extent, last = self._size(axis), self._size(axis, -1.0)
+        inside = b.op(
+            "And",
+            b.op("GreaterOrEqual", points.value, self._value(-1.0)),
+            b.op("LessOrEqual", points.value, self._value(extent)),
+        )
+        points = self._wrap(b.op("Max", points.value, self._value(0.0)))
+        low = self._wrap(b.op("Floor", points.value))
+        top = b.op("GreaterOrEqual", low.value, self._value(last))
+        high = b.op("Where", top, self._value(last), (low + 1.0).value)
+        low_index = b.op("Where", top, self._value(last), low.value)
+        frac = b.op("Where", top, self._value(0.0), (points - low).value)
+        as_int = [b.op("Cast", v, to=ir.DataType.INT64) for v in (low_index, high)]
+        return as_int[0], as_int[1], self._wrap(frac), inside
+
+    def output(self) -> ir.Value:
+        b = self.b
+        box = self.grid
+        x1, y1, x2, y2 = (self._corner(box, k) for k in range(4))
+        y_low, y_high, ly, y_in = self._axis_taps(y1, y2, 0)
+        x_low, x_high, lx, x_in = self._axis_taps(x1, x2, 1)
+        rows = [b.unsqueeze(v, [2]) for v in (y_low, y_high, ly.value, y_in)]  # (R, Ay, 1)
+        cols = [b.unsqueeze(v, [1]) for v in (x_low, x_high, lx.value, x_in)]  # (R, 1, Ax)
+        valid = b.op("CastLike", b.op("And", rows[3], cols[3]), box)
+        ly_, lx_ = self._wrap(rows[2]), self._wrap(cols[2])
+        planes = b.op("Gather", b.reshape(self.x, [0, 0, -1]), self.batch_indices, axis=0)  # (R, C, H * W)
+        width = self._size_int(1)
+        terms = []
+        for row, col, weight in (
+            (rows[0], cols[0], (1.0 - ly_) * (1.0 - lx_)),
+            (rows[0], cols[1], (1.0 - ly_) * lx_),
+            (rows[1], cols[0], ly_ * (1.0 - lx_)),
+            (rows[1], cols[1], ly_ * lx_),
+        ):
+            flat = b.reshape(b.op("Add", b.op("Mul", row, width), col), [0, 1, -1])
+            scaled = b.reshape((weight * valid).value, [0, 1, -1])
+            terms.append(b.op("Mul", self._gather_taps(planes, flat), scaled))
+        samples = b.op("Max", *terms) if self.mode == "max" else b.sum(terms)
+        (out_h, out_w), s = self.bins, self.ratio
+        per_bin = b.reshape(samples, [0, 0, out_h, s, out_w, s])
+        return b.reduce("ReduceMax" if self.mode == "max" else "ReduceMean", per_bin, [3, 5], keepdims=0)
+
+
+_FORMS: dict[str, type[_Form]] = {"GridSample": _GridSample, "RoiAlign": _RoiAlign}

@@ -53,6 +53,7 @@ MODELS = {
     "Mean": lambda: _case_model("Mean"),
     "Range": _range_model,
     "Resize": lambda: _case_model("Resize"),
+    "RoiAlign": lambda: _case_model("RoiAlign"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
 }

@@ -360,3 +360,22 @@ for _image, _block, _attrs in (
             name=f"Col2Im{_image}_block{_block}_{sorted(_attrs)}",
         )
     )
+
+# RoiAlign with a fixed sampling_ratio (differentiated in its standard-op form): X and the rois,
+# avg and max, both coordinate modes, rois partly outside the image.
+_ROIS = np.array([[0.3, 0.2, 4.6, 3.7], [1.4, 2.1, 3.3, 4.6], [-1.6, -0.7, 2.2, 1.3]])
+_BATCH = np.array([0, 1, 1], dtype=np.int64)
+for _attrs in (
+    {"sampling_ratio": 2, "output_height": 2, "output_width": 2},
+    {"sampling_ratio": 1, "output_height": 3, "output_width": 2, "mode": "max"},
+    {"sampling_ratio": 2, "coordinate_transformation_mode": "output_half_pixel", "spatial_scale": 0.75},
+):
+    CASES.append(
+        GradCase(
+            "RoiAlign",
+            [r(2, 2, 5, 6), _ROIS + rng.uniform(-0.05, 0.05, _ROIS.shape), _BATCH],
+            attrs=_attrs,
+            opset=16,
+            name=f"RoiAlign_{sorted(_attrs.items())}",
+        )
+    )

@@ -239,6 +239,22 @@ def grid_sample(g):
     )
 
 
+@grad_rule("RoiAlign", nondiff_inputs=(2,))
+def roi_align(g):
+    """RoiAlign with a fixed sampling_ratio is differentiated in its standard-op form
+    (gradgen.passes.DecomposePass, in build_backward's pipeline), for X and the rois; an adaptive
+    one (0, the default) samples each roi a number of times known only at run time."""
+    if int(g.attr("sampling_ratio", 0)) <= 0:
+        raise ModelError(
+            f"{node_where(g)}: gradgen differentiates RoiAlign with a fixed sampling_ratio (> 0) only; this node "
+            "samples adaptively (sampling_ratio 0), a number of points per roi known only at run time"
+        )
+    raise ModelError(
+        f"{node_where(g)} reached the gradient pass: RoiAlign is differentiated in its standard-op form; "
+        "run gradgen.passes.DecomposePass before GradientPass (build_backward's pipeline does)"
+    )
+
+
 @grad_rule("Resize", nondiff_inputs=(3,), unsupported_inputs=(1, 2))
 def resize(g):
     """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,

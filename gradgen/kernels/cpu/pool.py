@@ -28,7 +28,7 @@ from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.axes import per_axis
 from gradgen.ops.grid_sample import TAP_OFFSETS, affine_base_grid, cubic_weights, grid_sample_spec
-from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices
+from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices, roi_align_spec
 
 # ---------------------------------------------------------------------------------------------
 # pooling
@@ -470,3 +470,65 @@ def affine_grid(theta, size, *, align_corners=0):
     base = affine_base_grid(dims[2:], align_corners, ct)
     grid = np.einsum("pk,njk->npj", base, theta.astype(ct, copy=False))
     return grid.reshape(dims[0], *dims[2:], nd).astype(theta.dtype, copy=False)
+
+
+def _roi_axis_taps(start, size, bins: int, grid: int, extent: int):
+    """One roi's sample taps along one axis: (low, high, weight of high, in range) per bin and
+    sample, (bins, grid), with RoiAlign's edge rule (ONNX's reference, ONNX Runtime)."""
+    bin_size = size / bins
+    points = start + np.arange(bins)[:, None] * bin_size + (np.arange(grid)[None, :] + 0.5) * bin_size / grid
+    inside = (points >= -1.0) & (points <= extent)
+    points = np.maximum(points, 0.0)
+    low = np.floor(points)
+    top = low >= extent - 1
+    low = np.where(top, extent - 1, low)
+    high = np.where(top, extent - 1, low + 1)
+    frac = np.where(top, 0.0, points - low)
+    return low.astype(np.int64), high.astype(np.int64), frac, inside
+
+
+@cpu_kernel("RoiAlign")
+def roi_align(x, rois, batch_indices, **attrs):
+    """Y[r, c] pools each of output_height x output_width bins of roi r (x1, y1, x2, y2, scaled by
+    spatial_scale) of X[batch_indices[r], c]: the mean (avg) or max of bilinear samples on a
+    sampling_ratio^2 grid per bin (adaptive: ceil(roi size / bins) per axis when 0). Max takes the
+    largest weighted corner of each sample, as ONNX Runtime does."""
+    half_pixel, mode, (out_h, out_w), ratio, scale = roi_align_spec(**attrs)
+    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4 or batch_indices.shape != (rois.shape[0],):
+        raise KernelError(
+            f"expected X (N, C, H, W), rois (R, 4) and batch_indices (R,), got {list(x.shape)}, "
+            f"{list(rois.shape)} and {list(batch_indices.shape)}"
+        )
+    n, c, height, width = x.shape
+    bad = (batch_indices < 0) | (batch_indices >= n)
+    if bad.any():
+        raise KernelError(f"batch index {int(batch_indices[bad][0])} is out of range for {n} images")
+    ct = float_compute_dtype(x.dtype)
+    y = np.zeros((rois.shape[0], c, out_h, out_w), dtype=ct)
+    offset = 0.5 if half_pixel else 0.0
+    for r, (box, b) in enumerate(zip(rois.astype(ct, copy=False), batch_indices)):
+        x1, y1, x2, y2 = (v * ct.type(scale) - ct.type(offset) for v in box)
+        roi_w, roi_h = x2 - x1, y2 - y1
+        if not half_pixel:
+            roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+        grid_h = ratio or int(np.ceil(roi_h / out_h))
+        grid_w = ratio or int(np.ceil(roi_w / out_w))
+        if grid_h <= 0 or grid_w <= 0:
+            continue  # an empty roi (half_pixel): no samples, 0
+        yl, yh, ly, y_in = _roi_axis_taps(y1, roi_h, out_h, grid_h, height)
+        xl, xh, lx, x_in = _roi_axis_taps(x1, roi_w, out_w, grid_w, width)
+        # (out_h, grid_h, 1, 1) against (1, 1, out_w, grid_w)
+        yl, yh, ly, y_in = (v[:, :, None, None] for v in (yl, yh, ly, y_in))
+        valid = (y_in & x_in[None, None]).astype(ct)
+        plane = x[b].astype(ct, copy=False)
+        corners = [
+            (1 - ly) * (1 - lx) * valid * plane[:, yl, xl],
+            (1 - ly) * lx * valid * plane[:, yl, xh],
+            ly * (1 - lx) * valid * plane[:, yh, xl],
+            ly * lx * valid * plane[:, yh, xh],
+        ]  # each (C, out_h, grid_h, out_w, grid_w)
+        if mode == "avg":
+            y[r] = sum(corners).sum(axis=(2, 4)) / (grid_h * grid_w)
+        else:
+            y[r] = np.maximum.reduce(corners).max(axis=(2, 4))
+    return y.astype(x.dtype, copy=False)
