@@ -31,6 +31,12 @@ def _case_model(op_type: str):
     return model, feeds
 
 
+def _microsoft_case_model(op_type: str):
+    case = next(c for c in CASES if c.op_type == op_type and c.domain == "com.microsoft")
+    model, feeds, _ = case_model(case)
+    return model, feeds
+
+
 # op -> a forward model holding it, and its feeds
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
@@ -56,6 +62,9 @@ MODELS = {
     "RoiAlign": lambda: _case_model("RoiAlign"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
+    "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),
+    "SoftmaxGrad_13": lambda: _microsoft_case_model("SoftmaxGrad_13"),
+    "LogSoftmaxGrad_13": lambda: _microsoft_case_model("LogSoftmaxGrad_13"),
 }
 
 

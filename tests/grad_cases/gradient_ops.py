@@ -84,3 +84,28 @@ CASES = [
         name="FusedMatMul_both",
     ),
 ]
+
+# ONNX Runtime training's gradient ops that gradgen runs: ReluGrad (X away from the kink),
+# SoftmaxGrad_13 / LogSoftmaxGrad_13 (Y a real (log-)softmax output, on two axes).
+_x = r(3, 4)
+_x[np.abs(_x) < 0.1] = 0.5
+
+
+def _softmax(x, axis):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+CASES += [
+    GradCase("ReluGrad", [r(3, 4), _x], domain=MS, name="ReluGrad"),
+    GradCase("SoftmaxGrad_13", [r(2, 3, 4), _softmax(r(2, 3, 4), -1)], domain=MS, name="SoftmaxGrad_13_last"),
+    GradCase("SoftmaxGrad_13", [r(2, 3, 4), _softmax(r(2, 3, 4), 1)], attrs={"axis": 1}, domain=MS, name="SoftmaxGrad_13_axis1"),
+    GradCase("LogSoftmaxGrad_13", [r(2, 3, 4), np.log(_softmax(r(2, 3, 4), -1))], domain=MS, name="LogSoftmaxGrad_13_last"),
+    GradCase(
+        "LogSoftmaxGrad_13",
+        [r(3, 5), np.log(_softmax(r(3, 5), 0))],
+        attrs={"axis": 0},
+        domain=MS,
+        name="LogSoftmaxGrad_13_axis0",
+    ),
+]

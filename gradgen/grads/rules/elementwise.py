@@ -543,3 +543,14 @@ non_differentiable(
 # BroadcastGradientArgs (a gradient op gradgen emits) computes int64 reduction axes from two shapes:
 # integer data, no gradient.
 non_differentiable("BroadcastGradientArgs", domain=MICROSOFT)
+
+
+@grad_rule("ReluGrad", domain=MICROSOFT)
+def relu_grad(g):
+    """ReluGrad(dY, X) = dY where X > 0 (ONNX Runtime training's, differentiated again): linear in dY,
+    whose gradient is the same mask of the incoming one; piecewise constant in X (zero gradient, as
+    Relu's own second derivative)."""
+    x = g.x(1)
+    zero = _c(g, x, 0.0)  # dY and X have one type
+    d_dy = g.op("Where", g.op("Greater", x, zero), g.dy(), zero) if g.needs(0) else None
+    return [d_dy, g.zeros_like(x) if g.needs(1) else None]

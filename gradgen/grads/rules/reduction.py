@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import dims_of, is_static
+from gradgen.builder import MICROSOFT, dims_of, is_static
 from gradgen.grads.table import grad_rule, non_differentiable
 
 _ALL = "all"
@@ -198,3 +198,31 @@ def top_k(g):
 # Ops whose outputs never carry a gradient: indices, and Hardmax's one-hot of the arg-max, piecewise
 # constant in its input (its gradient is zero wherever it exists).
 non_differentiable("ArgMax", "ArgMin", "Hardmax")
+
+
+@grad_rule("SoftmaxGrad_13", domain=MICROSOFT)
+def softmax_grad_13(g):
+    """dX = Y (dY - s), s = sum(dY Y) over the axis (ONNX Runtime training's, differentiated again).
+    With P the incoming gradient and t = sum(P Y): d dY = Y (P - t), self-adjoint in dY;
+    d Y = P (dY - s) - dY t."""
+    dy, y, p = g.x(0), g.x(1), g.dy()
+    axes = _softmax_axes(g)
+    t = g.reduce_sum(g.op("Mul", p, y), axes, keepdims=1)
+    d_dy = g.op("Mul", y, g.op("Sub", p, t)) if g.needs(0) else None
+    d_y = None
+    if g.needs(1):
+        s = g.reduce_sum(g.op("Mul", dy, y), axes, keepdims=1)
+        d_y = g.op("Sub", g.op("Mul", p, g.op("Sub", dy, s)), g.op("Mul", dy, t))
+    return [d_dy, d_y]
+
+
+@grad_rule("LogSoftmaxGrad_13", domain=MICROSOFT)
+def log_softmax_grad_13(g):
+    """dX = dY - exp(Y) sum(dY) over the axis, Y LogSoftmax's output (ONNX Runtime training's,
+    differentiated again). With P the incoming gradient: d dY = P - sum(P exp(Y)); d Y = -P exp(Y) sum(dY)."""
+    dy, y, p = g.x(0), g.x(1), g.dy()
+    axes = _softmax_axes(g)
+    e = g.op("Exp", y)
+    d_dy = g.op("Sub", p, g.reduce_sum(g.op("Mul", p, e), axes, keepdims=1)) if g.needs(0) else None
+    d_y = g.op("Neg", g.op("Mul", g.op("Mul", p, e), g.reduce_sum(dy, axes, keepdims=1))) if g.needs(1) else None
+    return [d_dy, d_y]

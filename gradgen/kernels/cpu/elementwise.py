@@ -19,7 +19,7 @@ from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
 from gradgen.ops.elementwise import broadcast_gradient_axes
-from gradgen.ops.schemas import INT64, Formal, Schema
+from gradgen.ops.schemas import FLOATS, INT64, Formal, Schema
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
 ONNX_TO_NUMPY = {
@@ -535,6 +535,17 @@ def broadcast_gradient_args(a_shape, b_shape):
 
 # ---------------------------------------------------------------------------------------------
 # ONNX Runtime training's activation gradients (com.microsoft)
+
+
+RELU_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "ReluGrad",
+        inputs=(Formal("dY", FLOATS), Formal("X", FLOATS)),
+        outputs=(Formal("dX", FLOATS),),
+        infer=lambda i, a: [(i[0].dtype, i[0].shape)],
+    )
+)
 
 
 @cpu_kernel("ReluGrad", domain=MICROSOFT)

@@ -15,7 +15,9 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
+from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
 
 def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
@@ -260,6 +262,24 @@ def _log_softmax_grad(dY, Y, axis, opset13):
 def softmax_grad(dY, Y, *, axis=1):
     """Softmax (opset < 13) gradient: the input is coerced to 2-D at ``axis``."""
     return _softmax_grad(dY, Y, axis, opset13=False)
+
+
+def _softmax_grad_13_schema(op_type: str) -> Schema:
+    """ONNX Runtime training's contract (training_op_defs.cc) of SoftmaxGrad_13 / LogSoftmaxGrad_13:
+    dY and the forward output Y, one axis."""
+    return schemas.declare(
+        Schema(
+            op_type,
+            inputs=(Formal("dY", FLOATS), Formal("Y", FLOATS)),
+            outputs=(Formal("dX", FLOATS),),
+            attributes=(Attribute("axis", "int", -1),),
+            infer=lambda i, a: [(i[0].dtype, i[0].shape)],
+        )
+    )
+
+
+SOFTMAX_GRAD_13 = _softmax_grad_13_schema("SoftmaxGrad_13")
+LOG_SOFTMAX_GRAD_13 = _softmax_grad_13_schema("LogSoftmaxGrad_13")
 
 
 @cpu_kernel("SoftmaxGrad_13", domain=MICROSOFT)

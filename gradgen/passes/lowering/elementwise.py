@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
-from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering
+from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering, zeros_opset
 
 
 @register_lowering("BroadcastGradientArgs")
@@ -45,3 +45,12 @@ def lower_broadcast_gradient_args(e: GraphBuilder, node: ir.Node):
         take = e.op("Or", e.op("Less", k, lead_b), e.op("And", b_one, e.op("Not", a_one)))
         results[1] = e.op("Compress", k, take, axis=0)
     return results
+
+
+@register_lowering("ReluGrad", min_opset=lambda node: max(zeros_opset(0)(node), zeros_opset(1)(node)))
+def lower_relu_grad(e: GraphBuilder, node: ir.Node):
+    """dX = dY where X > 0, else 0."""
+    dy, x = node_input(node, 0), node_input(node, 1)
+    if dy is None or x is None:
+        raise ModelError(f"{node_where(node)} lacks one of its inputs dY, X")
+    return [e.op("Where", e.op("Greater", x, e.zeros(e.ints([]), x)), dy, e.zeros(e.ints([]), dy))]
