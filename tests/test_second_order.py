@@ -41,21 +41,21 @@ def _model(nodes, params: dict, consts: dict, opset: int = 18) -> onnx.ModelProt
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def _with_gradient_penalty(built: gradgen.BackwardModel) -> onnx.ModelProto:
-    """The first backward model plus ``loss2 = sum_p sum(p_grad ** 2)`` as an output."""
+def _with_gradient_penalty(built: gradgen.BackwardModel, name: str = "loss2") -> onnx.ModelProto:
+    """The backward model plus ``name = sum_p sum(p_grad ** 2)`` (its gradient outputs) as an output."""
     proto = gradgen.api.ir.to_proto(built.model)
     terms = []
     for k, grad in enumerate(built.gradient_names):
         proto.graph.node.extend(
             [
-                helper.make_node("Mul", [grad, grad], [f"penalty_sq{k}"]),
-                helper.make_node("ReduceSum", [f"penalty_sq{k}"], [f"penalty{k}"], keepdims=0),
+                helper.make_node("Mul", [grad, grad], [f"{name}_sq{k}"]),
+                helper.make_node("ReduceSum", [f"{name}_sq{k}"], [f"{name}_term{k}"], keepdims=0),
             ]
         )
-        terms.append(f"penalty{k}")
-    proto.graph.node.append(helper.make_node("Sum", terms, ["loss2"]))
+        terms.append(f"{name}_term{k}")
+    proto.graph.node.append(helper.make_node("Sum", terms, [name]))
     loss_type = next(o.type.tensor_type.elem_type for o in proto.graph.output if o.name == "loss")
-    proto.graph.output.append(helper.make_tensor_value_info("loss2", loss_type, []))
+    proto.graph.output.append(helper.make_tensor_value_info(name, loss_type, []))
     return proto
 
 
@@ -224,6 +224,46 @@ def test_second_gradients_are_listed_by_the_cli(tmp_path):
     assert result.exit_code == 0, result.output
     assert "gradients (1): W_grad2" in result.output
     assert [o.name for o in onnx.load(out).graph.output] == ["loss", "W_grad", "loss2", "W_grad2"]
+
+
+def _tanh_model(rng):
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+    ]
+    x = _rand(rng, 4, 3)
+    return _model(nodes, {"W": _rand(rng, 3, 2)}, {"x": x}), x
+
+
+def test_third_order_gradients_are_named_grad3():
+    rng = np.random.default_rng(5)
+    model, x = _tanh_model(rng)
+    params = {"W": _rand(rng, 3, 2)}
+    first = gradgen.build_backward(model, wrt=["W"])
+    second = gradgen.build_backward(_with_gradient_penalty(first, "loss2"), loss="loss2", wrt=["W"])
+    third = gradgen.build_backward(_with_gradient_penalty(second, "loss3"), loss="loss3", wrt=["W"])
+    assert (first.gradient_names, second.gradient_names, third.gradient_names) == (["W_grad"], ["W_grad2"], ["W_grad3"])
+    got = Session(third.model).run(params)
+
+    w = torch.tensor(params["W"], requires_grad=True)
+    (g1,) = torch.autograd.grad(torch.tanh(torch.tensor(x) @ w).sum(), [w], create_graph=True)
+    (g2,) = torch.autograd.grad((g1 * g1).sum(), [w], create_graph=True)
+    (g3,) = torch.autograd.grad((g2 * g2).sum(), [w])
+    for name, want in (("W_grad", g1), ("W_grad2", g2), ("W_grad3", g3)):
+        np.testing.assert_allclose(got[name], want.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_gradgen_check_verifies_second_order_gradients():
+    """``gradgen check`` on a backward model with a gradient penalty: it reads the second gradient
+    outputs by their names (``W_grad2``), not ``W_grad``, which holds the first-order gradient."""
+    from gradgen.check import check_gradients
+
+    rng = np.random.default_rng(6)
+    model, _ = _tanh_model(rng)
+    penalised = _with_gradient_penalty(gradgen.build_backward(model, wrt=["W"]))
+    report = check_gradients(penalised, loss="loss2", wrt=["W"], inputs={"W": _rand(rng, 3, 2)})
+    assert [c.name for c in report.tensors] == ["W"] and all(c.passed for c in report.tensors), report
 
 
 def test_gradient_name_takes_the_first_free_order():
