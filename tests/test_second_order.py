@@ -254,6 +254,22 @@ def test_third_order_gradients_are_named_grad3():
         np.testing.assert_allclose(got[name], want.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+def test_hessian_vector_product():
+    """Differentiating the gradient output itself (a non-scalar loss) is a vector-Jacobian product
+    of the gradient: the seed input ``W_grad_grad`` takes v, the output ``W_grad2`` is H v."""
+    rng = np.random.default_rng(7)
+    model, x = _tanh_model(rng)
+    w, v = _rand(rng, 3, 2), _rand(rng, 3, 2)
+    hvp = gradgen.build_backward(gradgen.build_backward(model, wrt=["W"]).model, loss="W_grad", wrt=["W"])
+    assert hvp.gradient_names == ["W_grad2"] and [i.name for i in hvp.model.graph.inputs] == ["W", "W_grad_grad"]
+    got = Session(hvp.model).run({"W": w, "W_grad_grad": v})["W_grad2"]
+
+    wt = torch.tensor(w, requires_grad=True)
+    (g1,) = torch.autograd.grad(torch.tanh(torch.tensor(x) @ wt).sum(), [wt], create_graph=True)
+    (want,) = torch.autograd.grad(g1, [wt], grad_outputs=torch.tensor(v))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-9, atol=1e-12)
+
+
 def test_gradgen_check_verifies_second_order_gradients():
     """``gradgen check`` on a backward model with a gradient penalty: it reads the second gradient
     outputs by their names (``W_grad2``), not ``W_grad``, which holds the first-order gradient."""
