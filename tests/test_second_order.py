@@ -302,3 +302,28 @@ def test_onnx_runtime_gradient_ops_lower_to_what_their_kernels_compute(op_type):
         lowered = LowerToStandardPass()(gradgen.api.ir.from_proto(model)).model
         assert all(n.domain in ("", "ai.onnx") for n in lowered.graph), case.id
         np.testing.assert_allclose(Session(lowered).run(feeds)["loss"], want, rtol=1e-12, err_msg=case.id)
+
+
+def test_default_wrt_of_a_second_pass_skips_the_first_loss_seed():
+    """The first pass's seed ``loss_grad`` (the constant 1) is a float initializer that loss2 depends
+    on, but no parameter: the model's metadata lists it, and the default --wrt leaves it out."""
+    rng = np.random.default_rng(8)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "model",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(_rand(rng, 3, 2), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    first = gradgen.build_backward(model)
+    assert first.wrt == ["W"] and "loss_grad" in first.model.graph.initializers
+    second = gradgen.build_backward(_with_gradient_penalty(first), loss="loss2")
+    assert second.wrt == ["W"] and second.gradient_names == ["W_grad2"]
+    named = gradgen.build_backward(_with_gradient_penalty(first), loss="loss2", wrt=["W", "loss_grad"])
+    assert named.gradient_names == ["W_grad2", "loss_grad_grad"]  # still a tensor one may name

@@ -11,6 +11,7 @@ already holds that name (a backward graph differentiated again), ``x_grad2``, ``
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import onnx_ir as ir
@@ -21,6 +22,11 @@ from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
 from gradgen.names import gradient_name
+
+# The model metadata that lists the float initializers gradient passes added (a scalar loss's seed 1,
+# the backward graph's constants), a JSON list of names: no parameters, so a later pass (a backward
+# graph differentiated again) leaves them out of its default --wrt.
+ADDED_KEY = "gradgen.added_constants"
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
@@ -63,8 +69,9 @@ def choose_loss(graph: ir.Graph, loss: str | None) -> ir.Value:
     )
 
 
-def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[ir.Value]:
-    """The tensors to differentiate with respect to, in graph order, per the spec."""
+def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str], added: set[str] | None = None) -> list[ir.Value]:
+    """The tensors to differentiate with respect to, in graph order, per the spec; by default none
+    of the constants an earlier gradient pass ``added``."""
     initializers = [v for v in graph.initializers.values() if is_float(v)]
     float_inputs = [v for v in graph.inputs if is_float(v) and v.name not in graph.initializers]
     by_name = {v.name: v for v in initializers + float_inputs}
@@ -76,7 +83,7 @@ def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str]) -> list[i
             raise UsageError(f"--wrt names nothing differentiable: {', '.join(reasons)}")
         chosen = [by_name[n] for n in dict.fromkeys(spec.wrt)]
     else:
-        chosen = [v for v in initializers if v.name in depends]
+        chosen = [v for v in initializers if v.name in depends and v.name not in (added or set())]
     if spec.wrt_inputs:
         chosen += [v for v in float_inputs if v not in chosen]
     frozen = set(spec.freeze)
@@ -107,7 +114,9 @@ class GradientPass(ir.passes.InPlacePass):
         loss = choose_loss(graph, self.spec.loss)
         nodes = list(graph)
         ancestors = _ancestor_values(loss, nodes)
-        wrt = choose_wrt(graph, self.spec, _ancestor_values(loss, nodes, differentiable_only=True))
+        added = _recorded_constants(model)
+        before = set(graph.initializers)
+        wrt = choose_wrt(graph, self.spec, _ancestor_values(loss, nodes, differentiable_only=True), added)
         self.loss_name, self.wrt_names = loss.name, [v.name for v in wrt]
 
         requires = _values_requiring_grad(wrt, nodes)
@@ -138,6 +147,8 @@ class GradientPass(ir.passes.InPlacePass):
 
         for x, name in zip(wrt, self.gradient_names):
             graph.outputs.append(_gradient_output(builder, grads, x, name))
+        added |= {name for name, v in graph.initializers.items() if name not in before and is_float(v)}
+        model.metadata_props[ADDED_KEY] = json.dumps(sorted(added))
         _drop_unused_opset(model)
         return ir.passes.PassResult(model, modified=True)
 
@@ -213,6 +224,16 @@ def _seed(graph: ir.Graph, loss: ir.Value, name: str) -> ir.Value:
     seed = ir.Value(name=name, shape=loss.shape, type=loss.type)
     graph.inputs.append(seed)
     return seed
+
+
+def _recorded_constants(model: ir.Model) -> set[str]:
+    """The float initializers earlier gradient passes added (ADDED_KEY); none where the entry is not
+    a JSON list of names."""
+    try:
+        names = json.loads(model.metadata_props.get(ADDED_KEY, "[]"))
+    except ValueError:
+        return frozenset()
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
 def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
