@@ -327,3 +327,33 @@ def test_default_wrt_of_a_second_pass_skips_the_first_loss_seed():
     assert second.wrt == ["W"] and second.gradient_names == ["W_grad2"]
     named = gradgen.build_backward(_with_gradient_penalty(first), loss="loss2", wrt=["W", "loss_grad"])
     assert named.gradient_names == ["W_grad2", "loss_grad_grad"]  # still a tensor one may name
+
+
+def test_conv_transpose_average_pool_grouped_conv():
+    """The other ConvGrad emitters: ConvTranspose (ConvGrad with X and dY exchanged), AveragePool (a
+    ones kernel) and a grouped, dilated Conv with SAME padding."""
+    rng = np.random.default_rng(9)
+    x = _rand(rng, 2, 2, 5, 5)
+    params = {"Wt": _rand(rng, 2, 3, 2, 2), "Wg": _rand(rng, 4, 1, 3, 3), "bg": _rand(rng, 4)}
+    nodes = [
+        helper.make_node("ConvTranspose", ["x", "Wt"], ["u"], strides=[2, 2], pads=[0, 0, 1, 1]),
+        helper.make_node("Tanh", ["u"], ["a"]),
+        helper.make_node("AveragePool", ["a"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Slice", ["p", "c0", "c4", "c1"], ["p4"]),
+        helper.make_node("Concat", ["p", "p4"], ["q"], axis=1),
+        helper.make_node("Conv", ["q", "Wg", "bg"], ["c"], group=4, dilations=[2, 2], auto_pad="SAME_UPPER"),
+        helper.make_node("Tanh", ["c"], ["t"]),
+        helper.make_node("Mul", ["t", "t"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["loss"], keepdims=0),
+    ]
+    consts = {"x": x, "c0": np.array([0], np.int64), "c4": np.array([1], np.int64), "c1": np.array([1], np.int64)}
+    model = _model(nodes, params, consts)
+    xt = torch.tensor(x)
+
+    def loss_fn(Wt, Wg, bg):
+        u = F.conv_transpose2d(xt, Wt, stride=2)[:, :, :-1, :-1]
+        p = F.avg_pool2d(torch.tanh(u), 3, stride=2, padding=1, count_include_pad=False)
+        q = torch.cat([p, p[:, :1]], dim=1)
+        return (torch.tanh(F.conv2d(q, Wg, bg, dilation=2, groups=4, padding=2)) ** 2).sum()
+
+    _check(model, params, loss_fn, {"ConvGrad"})
