@@ -1136,6 +1136,199 @@ def recurrent_cases(draw, op):
     return case
 
 
+# -- normalizations, pooling, sampling and the rest without their own family above ----------------
+
+_F32 = (0.25, 0.5, 0.75, 1.25)  # attribute values exact in float32, the attributes' type
+
+
+@st.composite
+def normalization_cases(draw, op):
+    """RMSNormalization, LpNormalization, MeanVarianceNormalization, LRN."""
+    rng = _rng(draw)
+    attrs: dict[str, Any] = {}
+    opset, ort = 18, ""
+    if op == "RMSNormalization":
+        x = rng.uniform(-2, 2, shape(draw, rank_min=1, rank_max=3))
+        axis = draw(st.integers(-x.ndim, x.ndim - 1))
+        inputs = [x, rng.uniform(0.5, 1.5, x.shape[axis % x.ndim :])]
+        attrs, opset = {"axis": axis, "epsilon": draw(st.sampled_from([1e-5, 0.1]))}, 23
+    elif op == "LpNormalization":
+        x = away(rng, shape(draw, rank_min=1, rank_max=3), kinks=(0,))
+        attrs = {"axis": draw(st.integers(-x.ndim, x.ndim - 1)), "p": draw(st.sampled_from([1, 2]))}
+        inputs = [x]
+    elif op == "MeanVarianceNormalization":
+        x = rng.uniform(-2, 2, dims(draw, draw(st.integers(2, 4)), 1, 3))
+        axes = sorted(draw(st.sets(st.integers(0, x.ndim - 1), min_size=1, max_size=x.ndim)))
+        assume(int(np.prod([x.shape[a] for a in axes])) >= 2)  # one element has no spread
+        attrs, opset = {"axes": axes}, 13
+        inputs = [x]
+    else:  # LRN
+        x = rng.uniform(-2, 2, (draw(st.integers(1, 2)), draw(st.integers(1, 5))) + dims(draw, draw(st.integers(0, 2)), 1, 3))
+        attrs = {"size": draw(st.integers(1, 5)), "alpha": draw(st.sampled_from(_F32)), "beta": draw(st.sampled_from(_F32))}
+        attrs["bias"] = draw(st.sampled_from([1.0, 2.0]))
+        opset = 13
+        inputs = [x]
+    case = finish(draw, OpCase(op, inputs, attrs, opset=opset, graph_inputs=placement(draw, list(range(len(inputs))))))
+    if op == "MeanVarianceNormalization" and case.dtype == np.float64:
+        ort = "ONNX's function body adds a float epsilon to double data"
+    elif op == "LRN" and (inputs[0].ndim != 4 or attrs["size"] % 2 == 0):
+        ort = "ONNX Runtime's LRN takes 4-D inputs and odd sizes only"
+    case.ort = ort
+    return case
+
+
+@st.composite
+def lp_pool_cases(draw, op):
+    """LpPool, GlobalLpPool and MaxUnpool."""
+    rng = _rng(draw)
+    n, c = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    spatial = dims(draw, draw(st.integers(1, 2)), 2, 4)
+    if op == "MaxUnpool":
+        kernel = [draw(st.integers(1, min(2, s))) for s in spatial]
+        strides = [draw(st.integers(1, 2)) for _ in spatial]
+        pooled = [(s - k) // st_ + 1 for s, k, st_ in zip(spatial, kernel, strides)]
+        inferred = [(p - 1) * st_ + k for p, st_, k in zip(pooled, strides, kernel)]
+        count = n * c * int(np.prod(pooled))
+        indices = rng.permutation(n * c * int(np.prod(inferred)))[:count].reshape(n, c, *pooled).astype(np.int64)
+        inputs = [rng.uniform(-2, 2, (n, c, *pooled)), indices]
+        attrs = {"kernel_shape": kernel, "strides": strides}
+        case = OpCase(op, inputs, attrs, graph_inputs=placement(draw, [0, 1]))
+        return finish(draw, case)
+    attrs: dict[str, Any] = {"p": draw(st.sampled_from([1, 2, 3]))}
+    if op == "LpPool":
+        kernel, strides, dilations = _window(draw, len(spatial))
+        attrs.update(kernel_shape=list(kernel), strides=list(strides), dilations=list(dilations))
+        _pads_attrs(draw, kernel, attrs, allow_same=False)
+        spatial = tuple((k - 1) * d + 1 + draw(st.integers(0, 3)) for k, d in zip(kernel, dilations))
+    x = away(rng, (n, c, *spatial), kinks=(0,), margin=0.1)
+    case = finish(draw, OpCase(op, [x], attrs, graph_inputs=placement(draw, [0])))
+    if case.dtype == np.float64:
+        case.ort = f"ONNX Runtime's {op} has no double kernel"
+    return case
+
+
+@st.composite
+def sampling_cases(draw, op):
+    """GridSample, AffineGrid and RoiAlign (fixed sampling_ratio: the form gradgen differentiates)."""
+    rng = _rng(draw)
+    n, c = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    if op == "AffineGrid":
+        nd = draw(st.sampled_from([2, 3]))
+        size = [n, c, *dims(draw, nd, 1, 4)]
+        attrs = {"align_corners": draw(st.integers(0, 1))}
+        inputs = [rng.uniform(-1, 1, (n, nd, nd + 1)), np.array(size, dtype=np.int64)]
+        case = finish(draw, OpCase(op, inputs, attrs, opset=20, graph_inputs=placement(draw, [0])))
+        if attrs["align_corners"] and 1 in size[2:]:
+            case.ort = "an axis of one pixel: gradgen puts it at 0 as PyTorch does, ONNX Runtime elsewhere"
+        return case
+    if op == "GridSample":
+        nd = draw(st.sampled_from([1, 2, 2, 3]))
+        mode = draw(st.sampled_from(["nearest", "linear", "cubic"] if nd < 3 else ["nearest", "linear"]))
+        attrs = {
+            "mode": mode,
+            "padding_mode": draw(st.sampled_from(["zeros", "border", "reflection"])),
+            "align_corners": draw(st.integers(0, 1)),
+        }
+        x = rng.uniform(-2, 2, (n, c, *dims(draw, nd, 1, 4)))
+        grid = rng.uniform(-1.6, 1.6, (n, *dims(draw, nd, 1, 3), nd))
+        case = finish(draw, OpCase(op, [x, grid], attrs, opset=20, graph_inputs=placement(draw, [0, 1])))
+        if nd == 1:
+            case.ort = "ONNX Runtime's GridSample takes 2-D and 3-D inputs only"
+        return case
+    height, width = draw(st.integers(2, 5)), draw(st.integers(2, 5))
+    rois_count = draw(st.integers(1, 3))
+    corner = rng.uniform(-1, [width - 1, height - 1], (rois_count, 2))
+    rois = np.concatenate([corner, corner + rng.uniform(0.5, 3, (rois_count, 2))], axis=1)
+    attrs = {
+        "sampling_ratio": draw(st.integers(1, 2)),
+        "output_height": draw(st.integers(1, 2)),
+        "output_width": draw(st.integers(1, 2)),
+        "mode": draw(st.sampled_from(["avg", "max"])),
+        "coordinate_transformation_mode": draw(st.sampled_from(["half_pixel", "output_half_pixel"])),
+    }
+    inputs = [rng.uniform(-2, 2, (n, c, height, width)), rois, rng.integers(0, n, rois_count).astype(np.int64)]
+    case = finish(draw, OpCase(op, inputs, attrs, opset=16, graph_inputs=placement(draw, [0, 1, 2])))
+    if attrs["mode"] == "max":
+        case.ort = "ONNX Runtime warns that its max mode will change (gradgen follows today's)"
+    return case
+
+
+@st.composite
+def linear_map_cases(draw, op):
+    """Det, CenterCropPad, Col2Im, RotaryEmbedding."""
+    rng = _rng(draw)
+    opset, ort = 18, ""
+    attrs: dict[str, Any] = {}
+    if op == "Det":
+        size = draw(st.integers(1, 4))
+        inputs = [rng.uniform(-1, 1, (*dims(draw, draw(st.integers(0, 2)), 1, 2), size, size))]
+        opset = 17
+        case = finish(draw, OpCase(op, inputs, opset=opset, graph_inputs=placement(draw, [0])), symbolic_ok=False)
+        case.ort = "ONNX Runtime's Det has no double kernel" if case.dtype == np.float64 else ""
+        return case
+    if op == "CenterCropPad":
+        x = rng.uniform(-2, 2, dims(draw, draw(st.integers(1, 3)), 1, 4))
+        axes = sorted(draw(st.sets(st.integers(0, x.ndim - 1), min_size=1, max_size=x.ndim)))
+        if draw(st.booleans()):
+            attrs["axes"] = [a - x.ndim if draw(st.booleans()) else a for a in axes]
+        else:
+            axes = list(range(x.ndim))
+        sizes = np.array([draw(st.integers(1, 5)) for _ in axes], dtype=np.int64)
+        inputs = [x, sizes]
+    elif op == "Col2Im":
+        nd = draw(st.integers(1, 2))
+        block = list(dims(draw, nd, 1, 2))
+        strides = [draw(st.integers(1, 2)) for _ in range(nd)]
+        dilations = [draw(st.integers(1, 2)) for _ in range(nd)]
+        pads = [draw(st.integers(0, 1)) for _ in range(2 * nd)]
+        image = [
+            draw(st.integers(max(1, d * (b - 1) + 1 - pads[i] - pads[nd + i]), 5))
+            for i, (b, d) in enumerate(zip(block, dilations))
+        ]
+        count = int(
+            np.prod(
+                [(image[i] + pads[i] + pads[nd + i] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1 for i in range(nd)]
+            )
+        )
+        channels = draw(st.integers(1, 2))
+        attrs = {"strides": strides, "dilations": dilations, "pads": pads}
+        if nd == 1:  # seen: image 3, block 2, dilation 2 (the reference and torch's fold agree with gradgen)
+            ort = "ONNX Runtime's 1-D Col2Im puts the blocks of the second channel on the first"
+        inputs = [
+            rng.uniform(-2, 2, (draw(st.integers(1, 2)), channels * int(np.prod(block)), count)),
+            np.array(image, dtype=np.int64),
+            np.array(block, dtype=np.int64),
+        ]
+    else:  # RotaryEmbedding
+        batch, seq, heads, half = (
+            draw(st.integers(1, 2)),
+            draw(st.integers(1, 3)),
+            draw(st.integers(1, 2)),
+            draw(st.integers(1, 2)),
+        )
+        head = 2 * half + draw(st.sampled_from([0, 2]))
+        attrs = {"interleaved": draw(st.integers(0, 1))}
+        if head != 2 * half:
+            attrs["rotary_embedding_dim"] = 2 * half
+        with_ids = draw(st.booleans())
+        if draw(st.booleans()):
+            x = rng.uniform(-2, 2, (batch, heads, seq, head))
+        else:
+            x = rng.uniform(-2, 2, (batch, seq, heads * head))
+            attrs["num_heads"] = heads
+        cache = (5, half) if with_ids else (batch, seq, half)
+        inputs = [x, rng.uniform(-1, 1, cache), rng.uniform(-1, 1, cache)]
+        if with_ids:
+            inputs.append(rng.integers(0, 5, (batch, seq)).astype(np.int64))
+        opset = 23
+    fed = [0] if op == "Col2Im" else list(range(len(inputs)))  # Col2Im's gradient needs its sizes constant
+    case = finish(draw, OpCase(op, inputs, attrs, opset=opset, graph_inputs=placement(draw, fed)))
+    if op == "RotaryEmbedding" and case.dtype == np.float64:
+        ort = "ONNX types RotaryEmbedding for float32, float16 and bfloat16 only"
+    case.ort = ort
+    return case
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1191,6 +1384,14 @@ for _op in ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]:
     GENERATORS[_op] = loss_cases
 for _op in ["LSTM", "GRU", "RNN"]:
     GENERATORS[_op] = recurrent_cases
+for _op in ["RMSNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN"]:
+    GENERATORS[_op] = normalization_cases
+for _op in ["LpPool", "GlobalLpPool", "MaxUnpool"]:
+    GENERATORS[_op] = lp_pool_cases
+for _op in ["GridSample", "AffineGrid", "RoiAlign"]:
+    GENERATORS[_op] = sampling_cases
+for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding"]:
+    GENERATORS[_op] = linear_map_cases
 
 OPS = sorted(GENERATORS)
 

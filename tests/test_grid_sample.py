@@ -239,3 +239,19 @@ def test_spatial_transformer_gradients_match_torch():
         return torch.nn.functional.grid_sample(x, grid, "bilinear", "zeros", False)
 
     assert_close({n: got[f"{n}_grad"] for n in ("x", "theta")}, torch_grads(stn, {"x": x, "theta": theta}, [w]))
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_pixel_axis_with_reflection_and_corners_aligned(mode, symbolic):
+    """Reflection into [0, 0] (found by the op fuzzer): the standard-op form must not divide by the
+    zero span, and gradients stay finite."""
+    feeds = {"x": rng.normal(size=(1, 2, 1, 3)), "grid": rng.uniform(-1.6, 1.6, (1, 2, 2, 2))}
+    attrs = {"mode": mode, "padding_mode": "reflection", "align_corners": 1}
+    x_dims = ["n", "c", "h", "w"] if symbolic else [1, 2, 1, 3]
+    model = _model(x_dims, [1, 2, 2, 2], attrs, TensorProto.DOUBLE)
+    decomposed = ir.from_proto(model)
+    DecomposePass()(decomposed)
+    np.testing.assert_array_equal(Session(decomposed).run(feeds)["y"], Session(model).run(feeds)["y"])
+    got, _ = run_gradgen("GridSample", feeds, {}, attrs, [(1, 2, 2, 2)], opset=20, symbolic=symbolic)
+    assert all(np.isfinite(g).all() for g in got.values())

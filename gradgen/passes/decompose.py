@@ -196,9 +196,16 @@ class _GridSample(_Form):
         return self._wrap(self.b.op("Clip", v.value, self._value(0.0), self._value(last)))
 
     def _reflect(self, v: _Emitted, lo, hi) -> _Emitted:
-        """v reflected at lo and hi into [lo, hi] (unchanged inside)."""
+        """v reflected at lo and hi into [lo, hi] (unchanged inside); lo itself when the two meet
+        (one pixel with align_corners), as the kernel does."""
         b = self.b
-        span = self._value(hi - lo)
+        width = hi - lo
+        if not isinstance(width, _Emitted) and width <= 0:
+            return v * 0.0 + lo
+        span = self._value(width)
+        if isinstance(width, _Emitted):  # a size known at run time: guard the division
+            empty = b.op("LessOrEqual", span, self._value(0.0))
+            span = b.op("Where", empty, self._value(1.0), span)
 
         def folded(distance: _Emitted, near, far, sign: float) -> ir.Value:
             turns = self._wrap(b.op("Floor", b.op("Div", distance.value, span)))
@@ -211,7 +218,10 @@ class _GridSample(_Form):
         above = b.op("Greater", v.value, self._value(hi))
         from_below = folded(v * -1.0 + lo, lo, hi, 1.0)
         from_above = folded(v - hi, hi, lo, -1.0)
-        return self._wrap(b.op("Where", below, from_below, b.op("Where", above, from_above, v.value)))
+        reflected = b.op("Where", below, from_below, b.op("Where", above, from_above, v.value))
+        if isinstance(width, _Emitted):
+            reflected = b.op("Where", empty, (v * 0.0 + lo).value, reflected)
+        return self._wrap(reflected)
 
     # -- taps --------------------------------------------------------------------------------------
     def _tap_index(self, position: _Emitted, axis: int) -> tuple[ir.Value, ir.Value | None]:
