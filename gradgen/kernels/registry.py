@@ -62,6 +62,8 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SoftmaxGrad_13"): "no CUDA launcher yet",
     ("com.microsoft", "LogSoftmaxGrad_13"): "no CUDA launcher yet",
 }

@@ -63,6 +63,8 @@ MODELS = {
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
     "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),
+    "SigmoidGrad": lambda: _microsoft_case_model("SigmoidGrad"),
+    "TanhGrad": lambda: _microsoft_case_model("TanhGrad"),
     "SoftmaxGrad_13": lambda: _microsoft_case_model("SoftmaxGrad_13"),
     "LogSoftmaxGrad_13": lambda: _microsoft_case_model("LogSoftmaxGrad_13"),
 }

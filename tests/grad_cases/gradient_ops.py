@@ -85,7 +85,8 @@ CASES = [
     ),
 ]
 
-# ONNX Runtime training's gradient ops that gradgen runs: ReluGrad (X away from the kink),
+# ONNX Runtime training's gradient ops that gradgen runs: ReluGrad (X away from the kink), SigmoidGrad
+# and TanhGrad (Y a real Sigmoid / Tanh output),
 # SoftmaxGrad_13 / LogSoftmaxGrad_13 (Y a real (log-)softmax output, on two axes).
 _x = r(3, 4)
 _x[np.abs(_x) < 0.1] = 0.5
@@ -98,6 +99,8 @@ def _softmax(x, axis):
 
 CASES += [
     GradCase("ReluGrad", [r(3, 4), _x], domain=MS, name="ReluGrad"),
+    GradCase("SigmoidGrad", [r(3, 4), 1 / (1 + np.exp(-r(3, 4)))], domain=MS, name="SigmoidGrad"),
+    GradCase("TanhGrad", [r(3, 4), np.tanh(r(3, 4))], domain=MS, name="TanhGrad"),
     GradCase("SoftmaxGrad_13", [r(2, 3, 4), _softmax(r(2, 3, 4), -1)], domain=MS, name="SoftmaxGrad_13_last"),
     GradCase("SoftmaxGrad_13", [r(2, 3, 4), _softmax(r(2, 3, 4), 1)], attrs={"axis": 1}, domain=MS, name="SoftmaxGrad_13_axis1"),
     GradCase("LogSoftmaxGrad_13", [r(2, 3, 4), np.log(_softmax(r(2, 3, 4), -1))], domain=MS, name="LogSoftmaxGrad_13_last"),

@@ -554,3 +554,24 @@ def relu_grad(g):
     zero = _c(g, x, 0.0)  # dY and X have one type
     d_dy = g.op("Where", g.op("Greater", x, zero), g.dy(), zero) if g.needs(0) else None
     return [d_dy, g.zeros_like(x) if g.needs(1) else None]
+
+
+@grad_rule("SigmoidGrad", domain=MICROSOFT)
+def sigmoid_grad(g):
+    """SigmoidGrad(dY, Y) = dY Y (1 - Y), Y Sigmoid's output (ONNX Runtime training's, differentiated
+    again): d dY = P Y (1 - Y); d Y = P dY (1 - 2 Y)."""
+    dy, y, p = g.x(0), g.x(1), g.dy()
+    one = _c(g, y, 1.0)
+    d_dy = g.op("Mul", g.op("Mul", p, y), g.op("Sub", one, y)) if g.needs(0) else None
+    d_y = g.op("Mul", g.op("Mul", p, dy), g.op("Sub", one, g.op("Add", y, y))) if g.needs(1) else None
+    return [d_dy, d_y]
+
+
+@grad_rule("TanhGrad", domain=MICROSOFT)
+def tanh_grad(g):
+    """TanhGrad(dY, Y) = dY (1 - Y^2), Y Tanh's output (ONNX Runtime training's, differentiated
+    again): d dY = P (1 - Y^2); d Y = -2 P dY Y."""
+    dy, y, p = g.x(0), g.x(1), g.dy()
+    d_dy = g.op("Mul", p, g.op("Sub", _c(g, y, 1.0), g.op("Mul", y, y))) if g.needs(0) else None
+    d_y = g.op("Mul", g.op("Mul", p, dy), g.op("Mul", y, _c(g, y, -2.0))) if g.needs(1) else None
+    return [d_dy, d_y]

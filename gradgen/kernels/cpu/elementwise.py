@@ -537,15 +537,22 @@ def broadcast_gradient_args(a_shape, b_shape):
 # ONNX Runtime training's activation gradients (com.microsoft)
 
 
-RELU_GRAD = schemas.declare(
-    Schema(
-        # ONNX Runtime training's contract (training_op_defs.cc).
-        "ReluGrad",
-        inputs=(Formal("dY", FLOATS), Formal("X", FLOATS)),
-        outputs=(Formal("dX", FLOATS),),
-        infer=lambda i, a: [(i[0].dtype, i[0].shape)],
+def _activation_grad_schema(op_type: str, forward: str) -> Schema:
+    """ONNX Runtime training's contract (training_op_defs.cc) of an activation's gradient op:
+    (dY, the forward input or output) -> dX."""
+    return schemas.declare(
+        Schema(
+            op_type,
+            inputs=(Formal("dY", FLOATS), Formal(forward, FLOATS)),
+            outputs=(Formal("dX", FLOATS),),
+            infer=lambda i, a: [(i[0].dtype, i[0].shape)],
+        )
     )
-)
+
+
+RELU_GRAD = _activation_grad_schema("ReluGrad", "X")
+SIGMOID_GRAD = _activation_grad_schema("SigmoidGrad", "Y")
+TANH_GRAD = _activation_grad_schema("TanhGrad", "Y")
 
 
 @cpu_kernel("ReluGrad", domain=MICROSOFT)

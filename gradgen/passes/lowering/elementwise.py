@@ -54,3 +54,29 @@ def lower_relu_grad(e: GraphBuilder, node: ir.Node):
     if dy is None or x is None:
         raise ModelError(f"{node_where(node)} lacks one of its inputs dY, X")
     return [e.op("Where", e.op("Greater", x, e.zeros(e.ints([]), x)), dy, e.zeros(e.ints([]), dy))]
+
+
+def _dy_and_y(node: ir.Node) -> tuple[ir.Value, ir.Value]:
+    dy, y = node_input(node, 0), node_input(node, 1)
+    if dy is None or y is None:
+        raise ModelError(f"{node_where(node)} lacks one of its inputs dY, Y")
+    return dy, y
+
+
+def _one_like(e: GraphBuilder, y: ir.Value) -> ir.Value:
+    """1 in Y's type (CastLike where that type is unknown: the lowerings' min_opset, zeros_opset(1))."""
+    return e.const_like(y, 1.0) if y.dtype is not None else e.op("CastLike", e.const(np.array(1.0, np.float32)), y)
+
+
+@register_lowering("SigmoidGrad", min_opset=zeros_opset(1))
+def lower_sigmoid_grad(e: GraphBuilder, node: ir.Node):
+    """dX = dY * Y * (1 - Y), Y Sigmoid's output."""
+    dy, y = _dy_and_y(node)
+    return [e.op("Mul", e.op("Mul", dy, y), e.op("Sub", _one_like(e, y), y))]
+
+
+@register_lowering("TanhGrad", min_opset=zeros_opset(1))
+def lower_tanh_grad(e: GraphBuilder, node: ir.Node):
+    """dX = dY * (1 - Y * Y), Y Tanh's output."""
+    dy, y = _dy_and_y(node)
+    return [e.op("Mul", dy, e.op("Sub", _one_like(e, y), e.op("Mul", y, y)))]
