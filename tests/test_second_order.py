@@ -357,3 +357,28 @@ def test_conv_transpose_average_pool_grouped_conv():
         return (torch.tanh(F.conv2d(q, Wg, bg, dilation=2, groups=4, padding=2)) ** 2).sum()
 
     _check(model, params, loss_fn, {"ConvGrad"})
+
+
+def test_symbolic_batch_through_broadcast_gradient_args():
+    """Symbolic batch dims: the first backward graph sums the broadcast batch through
+    BroadcastGradientArgs (non-differentiable: int64 axes), which the second pass walks past."""
+    rng = np.random.default_rng(3)
+    w, x = _rand(rng, 1, 3, 2), _rand(rng, 4, 5, 3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("Mul", ["t", "t"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["loss"], keepdims=0),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["B", "T", 3]),
+        helper.make_tensor_value_info("W", TensorProto.DOUBLE, ["one", 3, 2]),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    first = gradgen.build_backward(model, wrt=["W"])
+    assert "BroadcastGradientArgs" in {n.op_type for n in first.model.graph}
+    second = gradgen.build_backward(_with_gradient_penalty(first), loss="loss2", wrt=["W"])
+    got = Session(second.model).run({"x": x, "W": w})["W_grad2"]
+    want = _torch_second_order(lambda W: (torch.tanh(torch.tensor(x) @ W) ** 2).sum(), {"W": w})["W"]
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
