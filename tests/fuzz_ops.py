@@ -1255,10 +1255,12 @@ def sampling_cases(draw, op):
 
 @st.composite
 def linear_map_cases(draw, op):
-    """Det, CenterCropPad, Col2Im, RotaryEmbedding."""
+    """Det, CenterCropPad, Col2Im, RotaryEmbedding, DFT."""
     rng = _rng(draw)
     opset, ort = 18, ""
     attrs: dict[str, Any] = {}
+    if op == "DFT":
+        return draw(dft_cases(op))
     if op == "Det":
         size = draw(st.integers(1, 4))
         inputs = [rng.uniform(-1, 1, (*dims(draw, draw(st.integers(0, 2)), 1, 2), size, size))]
@@ -1329,6 +1331,26 @@ def linear_map_cases(draw, op):
     return case
 
 
+@st.composite
+def dft_cases(draw, op):
+    """Forward, inverse, one-sided (forward of real X, inverse of complex X), dft_length padding or
+    truncating; static lengths and a constant dft_length and axis, which the rule needs."""
+    rng = _rng(draw)
+    inverse, onesided = draw(st.booleans()), draw(st.booleans())
+    parts = 2 if inverse and onesided else 1 if onesided else draw(st.sampled_from([1, 2]))
+    x = rng.uniform(-1, 1, (*dims(draw, draw(st.integers(1, 2)), 1, 2), draw(st.integers(1, 5)), parts))
+    axis = x.ndim - 2
+    inputs = [x, None, np.array(axis - x.ndim if draw(st.booleans()) else axis, dtype=np.int64)]
+    if draw(st.booleans()):
+        inputs[1] = np.array(draw(st.integers(1, 6)), dtype=np.int64)
+    assume(not (inverse and onesided and inputs[1] is None and x.shape[axis] == 1))  # n = 2 * (1 - 1) = 0
+    attrs = {"inverse": int(inverse), "onesided": int(onesided)}
+    case = finish(draw, OpCase(op, inputs, attrs, opset=20, graph_inputs=placement(draw, [0])), symbolic_ok=False)
+    if inverse and onesided:
+        case.ort = "ONNX Runtime's one-sided inverse DFT differs from numpy's irfft (the reference) on some lengths"
+    return case
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1390,7 +1412,7 @@ for _op in ["LpPool", "GlobalLpPool", "MaxUnpool"]:
     GENERATORS[_op] = lp_pool_cases
 for _op in ["GridSample", "AffineGrid", "RoiAlign"]:
     GENERATORS[_op] = sampling_cases
-for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding"]:
+for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding", "DFT"]:
     GENERATORS[_op] = linear_map_cases
 
 OPS = sorted(GENERATORS)

@@ -45,6 +45,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
     ("", "Det"): "no CUDA launcher yet",
+    ("", "DFT"): "no CUDA launcher yet",
     ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",

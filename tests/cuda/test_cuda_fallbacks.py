@@ -47,6 +47,7 @@ MODELS = {
     "CenterCropPad": lambda: _case_model("CenterCropPad"),
     "Col2Im": lambda: _case_model("Col2Im"),
     "Det": lambda: _case_model("Det"),
+    "DFT": lambda: _case_model("DFT"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),
     "GridSample": lambda: _case_model("GridSample"),
     "LRN": lambda: _case_model("LRN"),

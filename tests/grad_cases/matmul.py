@@ -94,3 +94,30 @@ CASES += [
     GradCase("Det", [rng.uniform(-1, 1, (4, 4))], symbolic=False, name="Det_4x4"),
     GradCase("Det", [_singular], symbolic=False, name="Det_singular"),
 ]
+
+# DFT: real and complex X, forward and inverse, one-sided, dft_length padding and truncating, the
+# axis as an attribute (opset 17) and as an input (opset 20); ONNX wants one-sided forward transforms
+# of real X and one-sided inverse ones of complex X. The rule needs static lengths.
+_DFT_AXIS = np.array(1, dtype=np.int64)
+for _x_shape, _attrs, _length, _opset in (
+    ((2, 5, 1), {}, None, 20),
+    ((2, 4, 2), {}, None, 20),
+    ((2, 6, 1), {"onesided": 1}, None, 20),
+    ((2, 5, 1), {"onesided": 1}, None, 20),
+    ((2, 5, 2), {"inverse": 1}, None, 20),
+    ((2, 4, 2), {"inverse": 1, "onesided": 1}, None, 20),
+    ((1, 3, 2), {"inverse": 1, "onesided": 1}, 5, 20),
+    ((1, 4, 2), {"inverse": 1, "onesided": 1}, 4, 20),
+    ((2, 6, 2), {}, 4, 20),
+    ((2, 3, 1), {"onesided": 1}, 6, 20),
+    ((3, 2, 4, 2), {"axis": 2}, None, 17),
+):
+    _inputs = [rng.uniform(-1, 1, _x_shape)]
+    if _length is not None:
+        _inputs.append(np.array(_length, dtype=np.int64))
+    if _opset >= 20:
+        _inputs += [None] if _length is None else []
+        _inputs.append(_DFT_AXIS)
+    CASES.append(
+        GradCase("DFT", _inputs, _attrs, opset=_opset, symbolic=False, name=f"DFT{_x_shape}_{sorted(_attrs.items())}_n{_length}")
+    )

@@ -362,3 +362,90 @@ def det(g):
     signs = np.array([[(-1.0) ** (i + j) for j in range(size)] for i in range(size)], dtype=numpy_dtype_of(a))
     cofactors = g.op("Mul", g.op("Det", minors), g.const(signs))
     return [g.op("Mul", spread, cofactors)]
+
+
+@grad_rule("DFT", nondiff_inputs=(1, 2))
+def dft(g):
+    """DFT is real-linear in X; its transpose, per form (n the transform length, F the forward DFT,
+    F^H = n * inverse DFT):
+
+    - forward: dX = F^H dY, with dY zero-padded to n first when onesided;
+    - inverse (F^H / n): dX = F dY / n;
+    - inverse onesided (irfft): dX = c / n * rfft(dY), c = 1 at frequency 0 (and n / 2 for an even
+      n), 2 elsewhere: the Hermitian halves that irfft adds up;
+
+    then the real part for a real X, and back to X's length along the axis (the transpose of the
+    padding or truncation to n). dft_length and the axis must be constant, the length static."""
+    x, dy = g.x(0), g.dy()
+    dims = dims_of(x)
+    if dims is None:
+        raise ModelError(f"DFT node {g.node.name!r}: its gradient needs the rank of X")
+    rank = len(dims)
+    axis, n, size = _dft_geometry(g, dims)
+    inverse, onesided = bool(g.attr("inverse", 0)), bool(g.attr("onesided", 0))
+    kept = n // 2 + 1  # frequencies of a one-sided spectrum
+    if inverse and onesided:
+        weights = np.full(kept, 2.0)
+        weights[0] = 1.0
+        if n % 2 == 0:
+            weights[-1] = 1.0
+        shape = [1] * (rank - 1)
+        shape[axis] = kept
+        spectrum = _emit_dft(g, dy, n, axis, inverse=False, onesided=True)
+        dx = g.op("Mul", spectrum, g.const((weights / n).reshape(*shape, 1).astype(numpy_dtype_of(x))))
+        dx = _dft_fit_length(g, dx, axis, kept, size, rank)
+    else:
+        if onesided:  # forward one-sided: the dropped frequencies got no gradient
+            dy = _dft_fit_length(g, dy, axis, kept, n, rank)
+        dx = _emit_dft(g, dy, n, axis, inverse=not inverse, onesided=False)
+        dx = g.op("Mul", dx, g.const_like(x, float(n) if not inverse else 1.0 / n))
+        dx = _dft_fit_length(g, dx, axis, n, size, rank)
+    if dims[-1] == 1:
+        dx = g.op("Slice", dx, g.ints([0]), g.ints([1]), g.ints([-1]))
+    return [dx] + [None] * (len(g.node.inputs) - 1)
+
+
+def _dft_geometry(g, dims) -> tuple[int, int, int]:
+    """(axis, transform length, X's length along the axis), all static."""
+    where = f"DFT node {g.node.name!r}"
+    rank = len(dims)
+    if len(g.node.inputs) > 2 and g.x(2) is not None:
+        axis_value = g.input_const(2)
+        if axis_value is None:
+            raise ModelError(f"{where}: its gradient needs the axis input constant")
+        axis = int(np.asarray(axis_value).reshape(-1)[0])
+    else:
+        axis = int(g.attr("axis", 1 if g.opset < 20 else -2))
+    axis %= rank
+    size = dims[axis]
+    if g.x(1) is not None:
+        length = g.input_const(1)
+        if length is None:
+            raise ModelError(f"{where}: its gradient needs dft_length constant")
+        n = int(np.asarray(length).reshape(-1)[0])
+    elif isinstance(size, int):
+        n = 2 * (size - 1) if g.attr("inverse", 0) and g.attr("onesided", 0) else size
+    else:
+        n = None
+    if n is None or not isinstance(size, int):
+        raise ModelError(f"{where}: its gradient needs the length of X along axis {axis} static")
+    return axis, n, size
+
+
+def _emit_dft(g, v, n: int, axis: int, *, inverse: bool, onesided: bool):
+    """DFT(v) of length n along ``axis``, in the model's opset's form (axis an input from 20)."""
+    attrs = {"inverse": int(inverse), "onesided": int(onesided)}
+    if g.opset >= 20:
+        return g.op("DFT", v, g.scalar(n), g.scalar(axis), **attrs)
+    return g.op("DFT", v, g.scalar(n), axis=axis, **attrs)
+
+
+def _dft_fit_length(g, v, axis: int, have: int, want: int, rank: int):
+    """v (length ``have`` along axis) zero-padded at the end or cut to length ``want``."""
+    if have == want:
+        return v
+    if have > want:
+        return g.op("Slice", v, g.ints([0]), g.ints([want]), g.ints([axis]))
+    pads = [0] * (2 * rank)
+    pads[rank + axis] = want - have
+    return g.op("Pad", v, g.ints(pads))
