@@ -288,7 +288,20 @@ def test_gradient_name_takes_the_first_free_order():
     assert gradient_name("v", taken) == "v_grad"
 
 
-@pytest.mark.parametrize("op_type", ["ReluGrad", "SigmoidGrad", "TanhGrad", "SoftmaxGrad_13", "LogSoftmaxGrad_13"])
+@pytest.mark.parametrize(
+    "op_type",
+    [
+        "ReluGrad",
+        "SigmoidGrad",
+        "TanhGrad",
+        "GeluGrad",
+        "FastGeluGrad",
+        "BiasGeluGrad_dX",
+        "BiasFastGeluGrad_dX",
+        "SoftmaxGrad_13",
+        "LogSoftmaxGrad_13",
+    ],
+)
 def test_onnx_runtime_gradient_ops_lower_to_what_their_kernels_compute(op_type):
     """The lowerings of the ORT training gradient ops gradgen now differentiates (``--portable``, and
     what a backward graph of them holds in standard ops) agree with their CPU kernels."""

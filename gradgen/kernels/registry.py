@@ -49,7 +49,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
@@ -66,6 +65,10 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",
     ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "GeluGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "FastGeluGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",
+    ("com.microsoft", "BiasFastGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "SoftmaxGrad_13"): "no CUDA launcher yet",
     ("com.microsoft", "LogSoftmaxGrad_13"): "no CUDA launcher yet",
 }

@@ -255,20 +255,35 @@ def mish(g, x, y, dy):
 
 @_unary("Gelu")
 def gelu(g, x, y, dy):
-    if g.attr("approximate", "none") == "tanh":
-        # y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2 / pi)
-        k = math.sqrt(2.0 / math.pi)
-        x2 = g.op("Mul", x, x)
-        u = _mul(g, g.op("Add", _c(g, x, 1.0), g.op("Mul", x2, _c(g, x, 0.044715))), x, _c(g, x, k))
+    return g.op("Mul", dy, gelu_slopes(g, x, g.attr("approximate", "none") == "tanh", x)[0])
+
+
+def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
+    """(Gelu'(x), Gelu''(x) or None) in standard ops, constants in like's type: the exact Gelu
+    y = x Phi(x) (Phi' = phi, phi' = -x phi), or the tanh one y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3),
+    k = sqrt(2 / pi)."""
+    x2 = g.op("Mul", x, x)
+    if tanh:
+        k, c = math.sqrt(2.0 / math.pi), 0.044715
+        u = _mul(g, g.op("Add", _c(g, like, 1.0), g.op("Mul", x2, _c(g, like, c))), x, _c(g, like, k))
         t = g.op("Tanh", u)
-        du = g.op("Add", _c(g, x, k), g.op("Mul", x2, _c(g, x, 3.0 * 0.044715 * k)))
-        one_minus_t2 = g.op("Sub", _c(g, x, 1.0), g.op("Mul", t, t))
-        d = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, x, 1.0)), _c(g, x, 0.5)), _mul(g, x, _c(g, x, 0.5), one_minus_t2, du))
-        return g.op("Mul", dy, d)
-    # y = x * Phi(x): dy/dx = Phi(x) + x * phi(x)
-    cdf = g.op("Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, x, 1.0 / math.sqrt(2.0)))), _c(g, x, 1.0)), _c(g, x, 0.5))
-    pdf = g.op("Mul", g.op("Exp", _mul(g, x, x, _c(g, x, -0.5))), _c(g, x, 1.0 / math.sqrt(2.0 * math.pi)))
-    return g.op("Mul", dy, g.op("Add", cdf, g.op("Mul", x, pdf)))
+        du = g.op("Add", _c(g, like, k), g.op("Mul", x2, _c(g, like, 3.0 * c * k)))
+        one_minus_t2 = g.op("Sub", _c(g, like, 1.0), g.op("Mul", t, t))
+        half_x = g.op("Mul", x, _c(g, like, 0.5))
+        d1 = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, like, 1.0)), _c(g, like, 0.5)), _mul(g, half_x, one_minus_t2, du))
+        if not second:
+            return d1, None
+        # y'' = (1 - t^2) (u' + x/2 (u'' - 2 t u'^2)), u'' = 6 c k x
+        ddu = g.op("Mul", x, _c(g, like, 6.0 * c * k))
+        inner = g.op("Sub", ddu, _mul(g, t, du, du, _c(g, like, 2.0)))
+        return d1, g.op("Mul", one_minus_t2, g.op("Add", du, g.op("Mul", half_x, inner)))
+    cdf = g.op(
+        "Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, like, 1.0 / math.sqrt(2.0)))), _c(g, like, 1.0)), _c(g, like, 0.5)
+    )
+    pdf = g.op("Mul", g.op("Exp", g.op("Mul", x2, _c(g, like, -0.5))), _c(g, like, 1.0 / math.sqrt(2.0 * math.pi)))
+    d1 = g.op("Add", cdf, g.op("Mul", x, pdf))
+    # y' = Phi + x phi, y'' = 2 phi - x^2 phi
+    return d1, (g.op("Mul", pdf, g.op("Sub", _c(g, like, 2.0), x2)) if second else None)
 
 
 @_unary("Erf")
@@ -575,3 +590,23 @@ def tanh_grad(g):
     d_dy = g.op("Mul", p, g.op("Sub", _c(g, y, 1.0), g.op("Mul", y, y))) if g.needs(0) else None
     d_y = g.op("Mul", g.op("Mul", p, dy), g.op("Mul", y, _c(g, y, -2.0))) if g.needs(1) else None
     return [d_dy, d_y]
+
+
+@grad_rule("GeluGrad", "FastGeluGrad", "BiasGeluGrad_dX", "BiasFastGeluGrad_dX", domain=MICROSOFT)
+def gelu_grad(g):
+    """ONNX Runtime training's Gelu gradients, differentiated again: dX = dY Gelu'(X [+ B]) (Fast*:
+    the tanh Gelu; Bias*: B added along the last axis). With P the incoming gradient:
+    d dY = P Gelu'(X + B), d X = P dY Gelu''(X + B), d B = that summed over the leading axes."""
+    dy, x, bias, p = g.x(0), g.x(1), g.x(2), g.dy()
+    tanh = "Fast" in g.node.op_type
+    z = g.op("Add", x, bias) if bias is not None else x
+    wants_x = g.needs(1) or (bias is not None and g.needs(2))
+    d1, d2 = gelu_slopes(g, z, tanh, x, second=wants_x)
+    grads = [g.op("Mul", p, d1) if g.needs(0) else None, None, None][: len(g.node.inputs)]
+    if wants_x:
+        dz = _mul(g, p, dy, d2)
+        if g.needs(1):
+            grads[1] = dz
+        if bias is not None and g.needs(2):
+            grads[2] = g.unbroadcast(dz, bias, x, None)
+    return grads

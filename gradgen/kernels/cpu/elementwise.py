@@ -537,13 +537,13 @@ def broadcast_gradient_args(a_shape, b_shape):
 # ONNX Runtime training's activation gradients (com.microsoft)
 
 
-def _activation_grad_schema(op_type: str, forward: str) -> Schema:
+def _activation_grad_schema(op_type: str, *forward: str) -> Schema:
     """ONNX Runtime training's contract (training_op_defs.cc) of an activation's gradient op:
-    (dY, the forward input or output) -> dX."""
+    (dY, the forward input or output[, the bias]) -> dX."""
     return schemas.declare(
         Schema(
             op_type,
-            inputs=(Formal("dY", FLOATS), Formal(forward, FLOATS)),
+            inputs=(Formal("dY", FLOATS), *(Formal(name, FLOATS) for name in forward)),
             outputs=(Formal("dX", FLOATS),),
             infer=lambda i, a: [(i[0].dtype, i[0].shape)],
         )
@@ -553,6 +553,10 @@ def _activation_grad_schema(op_type: str, forward: str) -> Schema:
 RELU_GRAD = _activation_grad_schema("ReluGrad", "X")
 SIGMOID_GRAD = _activation_grad_schema("SigmoidGrad", "Y")
 TANH_GRAD = _activation_grad_schema("TanhGrad", "Y")
+GELU_GRAD = _activation_grad_schema("GeluGrad", "X")
+FAST_GELU_GRAD = _activation_grad_schema("FastGeluGrad", "X")
+BIAS_GELU_GRAD_DX = _activation_grad_schema("BiasGeluGrad_dX", "X", "B")
+BIAS_FAST_GELU_GRAD_DX = _activation_grad_schema("BiasFastGeluGrad_dX", "X", "B")
 
 
 @cpu_kernel("ReluGrad", domain=MICROSOFT)

@@ -8,6 +8,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
+from gradgen.grads.rules.elementwise import gelu_slopes
 from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering, zeros_opset
 
 
@@ -80,3 +81,18 @@ def lower_tanh_grad(e: GraphBuilder, node: ir.Node):
     """dX = dY * (1 - Y * Y), Y Tanh's output."""
     dy, y = _dy_and_y(node)
     return [e.op("Mul", dy, e.op("Sub", _one_like(e, y), e.op("Mul", y, y)))]
+
+
+def _lower_gelu_grad(e: GraphBuilder, node: ir.Node):
+    """dX = dY Gelu'(X [+ B]): the derivative the Gelu rule spells (gradgen.grads.rules.elementwise)."""
+    biased = node.op_type.startswith("Bias")
+    dy, x = node_input(node, 0), node_input(node, 1)
+    bias = node_input(node, 2) if biased else None
+    if dy is None or x is None or (biased and bias is None):
+        raise ModelError(f"{node_where(node)} lacks one of its inputs dY, X{', B' if biased else ''}")
+    z = e.op("Add", x, bias) if bias is not None else x
+    return [e.op("Mul", dy, gelu_slopes(e, z, "Fast" in node.op_type, x)[0])]
+
+
+for _op_type in ("GeluGrad", "FastGeluGrad", "BiasGeluGrad_dX", "BiasFastGeluGrad_dX"):
+    register_lowering(_op_type)(_lower_gelu_grad)
