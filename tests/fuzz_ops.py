@@ -1351,6 +1351,22 @@ def dft_cases(draw, op):
     return case
 
 
+@st.composite
+def stft_cases(draw, op):
+    """A real or complex signal, frames every frame_step samples, with or without a window."""
+    rng = _rng(draw)
+    width, step = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    onesided = draw(st.integers(0, 1))
+    signal = rng.uniform(
+        -1, 1, (draw(st.integers(1, 2)), width + draw(st.integers(0, 5)), 1 if onesided else draw(st.integers(1, 2)))
+    )
+    inputs = [signal, np.array(step, dtype=np.int64)]
+    inputs += [rng.uniform(0.2, 1, width)] if draw(st.booleans()) else [None, np.array(width, dtype=np.int64)]
+    fed = [0, 2] if inputs[2] is not None else [0]
+    case = OpCase(op, inputs, {"onesided": onesided}, opset=17, graph_inputs=placement(draw, fed))
+    return finish(draw, case, symbolic_ok=False)
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1370,6 +1386,7 @@ GENERATORS.update(
         "Slice": slice_cases,
         "Pad": pad_cases,
         "Resize": resize_cases,
+        "STFT": stft_cases,
     }
 )
 for _op in ["Add", "Sub", "Mul", "Div", "Pow", "Mod", "PRelu", "Max", "Min", "Sum", "Mean"]:

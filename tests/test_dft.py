@@ -66,3 +66,53 @@ def test_kernel_matches_the_reference_and_torch(x_shape, attrs, length, fn):
     np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-12, atol=1e-12)
     n = length or (2 * (x_shape[1] - 1) if attrs.get("inverse") and attrs.get("onesided") else x_shape[1])
     np.testing.assert_allclose(got, fn(torch.tensor(x), n).numpy(), rtol=1e-12, atol=1e-12)
+
+
+# -- STFT ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("onesided", [0, 1])
+@pytest.mark.parametrize("length,step,width", [(16, 4, 8), (11, 3, 5)])
+def test_stft_kernel_and_gradients_match_torch(length, step, width, onesided):
+    inputs = {"signal": rng.normal(size=(2, length, 1)), "window": rng.uniform(0.2, 1.0, width)}
+
+    def torch_stft(signal, window):
+        spectrum = torch.stft(
+            signal[..., 0], width, hop_length=step, window=window, center=False, onesided=bool(onesided), return_complex=True
+        )
+        return torch.view_as_real(spectrum.transpose(1, 2))  # (batch, frames, bins, 2)
+
+    want_y = torch_stft(torch.tensor(inputs["signal"]), torch.tensor(inputs["window"]))
+    consts = {"step": np.array(step, dtype=np.int64)}
+    order = ["signal", "step", "window"]
+    graph = helper.make_graph(
+        [helper.make_node("STFT", order, ["y"], onesided=onesided)],
+        "stft",
+        [helper.make_tensor_value_info(n, TensorProto.DOUBLE, v.shape) for n, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)],
+        initializer=[helper.make_tensor("step", TensorProto.INT64, [], [step])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    got_y = Session(model).run(inputs)["y"]
+    np.testing.assert_allclose(got_y, want_y.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_y, ReferenceEvaluator(model).run(None, inputs)[0], rtol=1e-12, atol=1e-12)
+    got, w = run_gradgen("STFT", inputs, consts, {"onesided": onesided}, [tuple(want_y.shape)], opset=17, order=order)
+    assert_close(got, torch_grads(torch_stft, inputs, w), rtol=1e-9, atol=1e-10)
+
+
+def test_stft_of_a_signal_of_unknown_length_is_left_in_place_and_its_gradient_refused():
+    import gradgen
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("STFT", ["signal", "step"], ["y"], name="spectrum"),
+            helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+        ],
+        "stft",
+        [helper.make_tensor_value_info("signal", TensorProto.DOUBLE, [1, "samples", 1])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[helper.make_tensor("step", TensorProto.INT64, [], [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(gradgen.ModelError, match="STFT node 'spectrum' .*static signal length"):
+        gradgen.build_backward(model, wrt_inputs=True)

@@ -49,6 +49,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
+    ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",

@@ -1,7 +1,8 @@
 """DecomposePass: rewrite ops whose gradient is easiest had through their standard-op form, before
 the gradient pass, so that the rules of those ops differentiate them (every input, every mode)
-and both executors run them with the kernels they have. Today: GridSample, and RoiAlign with a
-fixed sampling_ratio (its gradient reaches X and the rois; torchvision gives the rois none).
+and both executors run them with the kernels they have. Today: GridSample, RoiAlign with a fixed
+sampling_ratio (its gradient reaches X and the rois; torchvision gives the rois none), and STFT
+(frames gathered, windowed, then DFT, which has a rule).
 
 GridSample becomes, per tap offset combination (2 per axis for linear, 4 for cubic, 1 for nearest),
 a GatherElements of X (N, C, prod(spatial)) at the taps' flat indices times the taps' weights, so
@@ -31,7 +32,7 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataTy
 
 
 class DecomposePass(ir.passes.InPlacePass):
-    """Replace every float GridSample node, and every float RoiAlign node with a fixed
+    """Replace every float GridSample and STFT node, and every float RoiAlign node with a fixed
     sampling_ratio, of the main graph by its standard-op form (in place); shape inference runs
     afterwards when something was rewritten."""
 
@@ -101,15 +102,30 @@ class _Emitted:
     __rmul__ = __mul__
 
 
-class _Form:
-    """What the standard-op forms share: X (N, C, *spatial) and its sizes, static where known, and
+class _Rewrite:
+    """One node's standard-op form: ``applies(node)`` says whether the pass rewrites it, ``output()``
+    emits the form through the builder and returns the value that replaces the node's output."""
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        self.node, self.b = node, b
+
+    @staticmethod
+    def applies(node: ir.Node) -> bool:
+        return bool(node.inputs) and node.inputs[0] is not None and node.inputs[0].dtype in _FLOATS
+
+    def output(self) -> ir.Value:
+        raise NotImplementedError
+
+
+class _Form(_Rewrite):
+    """What the sampling forms share: X (N, C, *spatial) and its sizes, static where known, and
     float values of ``self.grid``'s type (the coordinates' tensor: GridSample's grid, RoiAlign's
     rois)."""
 
     op_type = ""
 
     def __init__(self, node: ir.Node, b: GraphBuilder):
-        self.node, self.b = node, b
+        super().__init__(node, b)
         self.where = f"node {node.name!r} ({self.op_type})"
         x, grid = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if x is None or grid is None:
@@ -121,13 +137,6 @@ class _Form:
         self.nd = len(x_dims) - 2
         self.spatial = x_dims[2:]
         self.dtype = numpy_dtype_of(self.grid)
-
-    @staticmethod
-    def applies(node: ir.Node) -> bool:
-        return bool(node.inputs) and node.inputs[0] is not None and node.inputs[0].dtype in _FLOATS
-
-    def output(self) -> ir.Value:
-        raise NotImplementedError
 
     # -- sizes, static where known --------------------------------------------------------------
     def _size_int(self, axis: int) -> ir.Value:
@@ -369,4 +378,73 @@ class _RoiAlign(_Form):
         return b.reduce("ReduceMax" if self.mode == "max" else "ReduceMean", per_bin, [3, 5], keepdims=0)
 
 
-_FORMS: dict[str, type[_Form]] = {"GridSample": _GridSample, "RoiAlign": _RoiAlign}
+class _Stft(_Rewrite):
+    """The standard-op form of one STFT node: the frames gathered from the signal by a constant
+    index table (frames, window), times the window, then one DFT over the window axis, whose rule
+    differentiates it. Only for a static signal length, a constant frame_step and a known frame
+    length (the rule entry explains the others, when a gradient reaches them)."""
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        super().__init__(node, b)
+        geometry = stft_geometry(node)
+        assert geometry is not None  # applies() checked it
+        self.signal, self.window = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
+        self.samples, self.step, self.width = geometry
+
+    @staticmethod
+    def applies(node: ir.Node) -> bool:
+        return _Rewrite.applies(node) and stft_geometry(node) is not None
+
+    def output(self) -> ir.Value:
+        b = self.b
+        starts = np.arange(1 + (self.samples - self.width) // self.step) * self.step
+        table = (starts[:, None] + np.arange(self.width)[None, :]).astype(np.int64)
+        frames = b.op("Gather", self.signal, b.const(table), axis=1)  # (batch, frames, width, 1 or 2)
+        if self.window is not None:
+            frames = b.op("Mul", frames, b.reshape(self.window, [1, 1, -1, 1]))
+        onesided = int(self.node.attributes["onesided"].value) if "onesided" in self.node.attributes else 1
+        length = b.const(np.array(self.width, dtype=np.int64))
+        if b.opset >= 20:
+            return b.op("DFT", frames, length, b.const(np.array(2, dtype=np.int64)), onesided=onesided)
+        return b.op("DFT", frames, length, axis=2, onesided=onesided)
+
+
+_FORMS: dict[str, type[_Rewrite]] = {"GridSample": _GridSample, "RoiAlign": _RoiAlign, "STFT": _Stft}
+
+
+def stft_geometry(node: ir.Node) -> tuple[int, int, int] | None:
+    """(signal length, frame_step, frame length) of an STFT node when all are known before running
+    it: a static length, constant frame_step and frame_length (or a window of static length)."""
+    inputs = list(node.inputs) + [None] * (4 - len(node.inputs))
+    signal, step, window, length = inputs[:4]
+    dims = dims_of(signal) if signal is not None else None
+    step_value, length_value = _constant(step), _constant(length)
+    if dims is None or len(dims) != 3 or not isinstance(dims[1], int) or step_value is None:
+        return None
+    window_dims = dims_of(window) if window is not None else None
+    if length_value is not None:
+        width = int(length_value.reshape(-1)[0])
+    elif window is None:
+        width = dims[1]
+    elif window_dims is not None and isinstance(window_dims[0], int):
+        width = window_dims[0]
+    else:
+        return None
+    return dims[1], int(step_value.reshape(-1)[0]), width
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    """An initializer's or a Constant node's value (EvaluateConstantsPass has folded what it can)."""
+    if value is None:
+        return None
+    if value.const_value is not None and not value.is_graph_input():
+        return value.const_value.numpy()
+    producer = value.producer()
+    if (
+        producer is not None
+        and producer.op_type == "Constant"
+        and producer.domain in _STANDARD
+        and "value" in producer.attributes
+    ):
+        return producer.attributes["value"].value.numpy()
+    return None

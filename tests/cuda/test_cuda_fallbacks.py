@@ -61,6 +61,7 @@ MODELS = {
     "Range": _range_model,
     "Resize": lambda: _case_model("Resize"),
     "RoiAlign": lambda: _case_model("RoiAlign"),
+    "STFT": lambda: _case_model("STFT"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
     "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),

@@ -121,3 +121,18 @@ for _x_shape, _attrs, _length, _opset in (
     CASES.append(
         GradCase("DFT", _inputs, _attrs, opset=_opset, symbolic=False, name=f"DFT{_x_shape}_{sorted(_attrs.items())}_n{_length}")
     )
+
+# STFT (differentiated in its standard-op form: Gather, Mul, DFT): the signal and the window, real
+# and complex signals, one- and two-sided, no window.
+for _length, _parts, _step, _window, _onesided in ((9, 1, 2, 4, 1), (8, 2, 3, 3, 0), (7, 1, 2, None, 1)):
+    _inputs = [rng.uniform(-1, 1, (2, _length, _parts)), np.array(_step, dtype=np.int64)]
+    _inputs += [rng.uniform(0.2, 1, _window)] if _window else [None, np.array(4, dtype=np.int64)]
+    CASES.append(
+        GradCase(
+            "STFT",
+            _inputs,
+            {"onesided": _onesided},
+            symbolic=False,
+            name=f"STFT_len{_length}_parts{_parts}_step{_step}_window{_window}_onesided{_onesided}",
+        )
+    )

@@ -449,3 +449,15 @@ def _dft_fit_length(g, v, axis: int, have: int, want: int, rank: int):
     pads = [0] * (2 * rank)
     pads[rank + axis] = want - have
     return g.op("Pad", v, g.ints(pads))
+
+
+@grad_rule("STFT", nondiff_inputs=(1, 3))
+def stft(g):
+    """STFT is differentiated in its standard-op form (gradgen.passes.DecomposePass): framing by a
+    Gather, the window by a Mul, then DFT, whose rule differentiates the signal and the window. The
+    pass leaves in place a node whose frames are not known before running it."""
+    raise ModelError(
+        f"STFT node {g.node.name!r} reached the gradient pass: gradgen differentiates STFT in its standard-op "
+        "form, which gradgen.passes.DecomposePass (in build_backward's pipeline) makes for a static signal length, "
+        "a constant frame_step and a known frame length only"
+    )

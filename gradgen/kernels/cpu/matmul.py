@@ -173,3 +173,27 @@ def dft(x, dft_length=None, axis_value=None, *, axis=None, inverse=0, onesided=0
     if onesided:
         out = np.take(out, np.arange(n // 2 + 1), axis=chosen)
     return np.stack([out.real, out.imag], axis=-1).astype(x.dtype)
+
+
+@cpu_kernel("STFT")
+def stft(signal, frame_step, window=None, frame_length=None, *, onesided=1):
+    """Short-time Fourier transform of signal (batch, length, 1 or 2): frames of the window's
+    length every frame_step samples, times the window, each transformed (DFT) over frame_length
+    (the window's length when both are given; default: the signal's), one-sided by default (ONNX's
+    reference)."""
+    if signal.ndim != 3 or signal.shape[-1] not in (1, 2):
+        raise KernelError(f"signal must be (batch, length, 1 or 2), got shape {list(signal.shape)}")
+    step = int(np.asarray(frame_step).reshape(-1)[0])
+    length = signal.shape[1]
+    n = int(np.asarray(frame_length).reshape(-1)[0]) if frame_length is not None else None
+    width = window.shape[0] if window is not None else n if n is not None else length
+    if n is not None and n != width:
+        raise KernelError(f"the window has {width} samples but frame_length is {n}; ONNX wants them equal")
+    n = width
+    if step < 1 or width < 1 or width > length:
+        raise KernelError(f"frame_step {step} and a window of {width} do not fit a signal of {length} samples")
+    starts = np.arange(1 + (length - width) // step) * step
+    frames = signal[:, starts[:, None] + np.arange(width)[None, :]]  # (batch, frames, width, 1 or 2)
+    if window is not None:
+        frames = frames * window.reshape(1, 1, width, 1)
+    return dft(frames, np.array(n), np.array(2), onesided=int(onesided))
