@@ -16,14 +16,14 @@ standard ONNX ops with the same meaning, so the graph runs anywhere ONNX runs:
 - BroadcastGradientArgs -> constant axes when both shapes are known, else shape arithmetic
                         (Concat, Equal, Less, Compress), axes in descending order.
 - FusedMatMul        -> Transpose of each flagged operand, MatMul, Mul by alpha (when not 1).
-- ReluGrad, SigmoidGrad, TanhGrad, SoftmaxGrad_13, LogSoftmaxGrad_13 (ONNX Runtime training's,
-                        which gradgen runs and differentiates) -> their formulas in Where, Mul,
-                        Sub, Exp and ReduceSum.
+- ReluGrad, SigmoidGrad, TanhGrad, GeluGrad, FastGeluGrad, BiasGeluGrad_dX, BiasFastGeluGrad_dX,
+  SoftmaxGrad_13, LogSoftmaxGrad_13 (ONNX Runtime training's, which gradgen runs and differentiates)
+                     -> their formulas in Where, Mul, Sub, Exp, Erf, Tanh and ReduceSum.
 
 Lowerings live in a table keyed by (domain, op_type) (``register_lowering``), one module per op
 family: shape.py (SliceGrad), indexing.py (GatherGrad, GatherElementsGrad), conv.py (ConvGrad),
-elementwise.py (BroadcastGradientArgs, ReluGrad, SigmoidGrad, TanhGrad), matmul.py (FusedMatMul), reduction.py
-(SoftmaxGrad_13, LogSoftmaxGrad_13); the table in table.py, the pass and the splicing in core.py;
+elementwise.py (BroadcastGradientArgs and the activation gradients), matmul.py (FusedMatMul),
+reduction.py (SoftmaxGrad_13, LogSoftmaxGrad_13); the table in table.py, the pass and the splicing in core.py;
 lowerings build with gradgen.builder.GraphBuilder. The scatters with reduction="add" need opset 16:
 a model below the opset its lowerings need is converted with ONNX's version converter to exactly
 that opset (the smallest that works) before lowering; a model at or above it keeps its opset, so no
