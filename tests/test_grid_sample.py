@@ -255,3 +255,33 @@ def test_one_pixel_axis_with_reflection_and_corners_aligned(mode, symbolic):
     np.testing.assert_array_equal(Session(decomposed).run(feeds)["y"], Session(model).run(feeds)["y"])
     got, _ = run_gradgen("GridSample", feeds, {}, attrs, [(1, 2, 2, 2)], opset=20, symbolic=symbolic)
     assert all(np.isfinite(g).all() for g in got.values())
+
+
+def test_default_parameters_are_the_models_not_the_standard_op_forms_constants():
+    """The rewritten forms' float constants are Constant nodes: an initializer would read as a
+    parameter, and build_backward differentiates every float initializer the loss depends on."""
+    from onnx import numpy_helper
+
+    rois = np.array([[0.5, 0.5, 3.5, 2.5]], dtype=np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "gain"], ["scaled"]),
+            helper.make_node("GridSample", ["scaled", "grid"], ["sampled"], mode="cubic", padding_mode="reflection"),
+            helper.make_node("RoiAlign", ["sampled", "rois", "batch"], ["pooled"], sampling_ratio=2),
+            helper.make_node("ReduceSum", ["pooled"], ["loss"], keepdims=0),
+        ],
+        "forms",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 5]),
+            helper.make_tensor_value_info("grid", TensorProto.FLOAT, [1, 4, 4, 2]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[
+            numpy_helper.from_array(np.array([1.5], dtype=np.float32), "gain"),
+            numpy_helper.from_array(rois, "rois"),
+            numpy_helper.from_array(np.array([0], dtype=np.int64), "batch"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    built = gradgen.build_backward(model)
+    assert built.gradient_names == ["gain_grad", "rois_grad"]

@@ -68,22 +68,32 @@ def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value]
         new.name = name
 
 
+def float_constant(b: GraphBuilder, array: np.ndarray, cache: dict) -> ir.Value:
+    """A float constant of a rewritten forward graph, as a Constant node: an initializer would read
+    as a parameter (build_backward differentiates every float initializer the loss depends on).
+    One node per value in ``cache``."""
+    key = (array.dtype.str, array.shape, array.tobytes())
+    if key not in cache:
+        cache[key] = b.op("Constant", value=ir.tensor(array))
+    return cache[key]
+
+
 class _Emitted:
     """An emitted float value with + - * (python floats become constants of its type), so that
     formulas written for numpy arrays (gradgen.ops.grid_sample.cubic_weights) emit nodes."""
 
-    def __init__(self, b: GraphBuilder, value: ir.Value, dtype: np.dtype):
-        self.b, self.value, self.dtype = b, value, dtype
+    def __init__(self, b: GraphBuilder, value: ir.Value, dtype: np.dtype, floats: dict):
+        self.b, self.value, self.dtype, self.floats = b, value, dtype, floats
 
     def _lift(self, other) -> ir.Value:
         if isinstance(other, _Emitted):
             return other.value
         if isinstance(other, ir.Value):
             return other
-        return self.b.const(np.array(other, dtype=self.dtype))
+        return float_constant(self.b, np.array(other, dtype=self.dtype), self.floats)
 
     def _new(self, op: str, a, b) -> _Emitted:
-        return _Emitted(self.b, self.b.op(op, self._lift(a), self._lift(b)), self.dtype)
+        return _Emitted(self.b, self.b.op(op, self._lift(a), self._lift(b)), self.dtype, self.floats)
 
     def __add__(self, other):
         return self._new("Add", self, other)
@@ -108,6 +118,7 @@ class _Rewrite:
 
     def __init__(self, node: ir.Node, b: GraphBuilder):
         self.node, self.b = node, b
+        self.floats: dict = {}  # float constants made, by value (float_constant)
 
     @staticmethod
     def applies(node: ir.Node) -> bool:
@@ -151,14 +162,14 @@ class _Form(_Rewrite):
         size = self.spatial[axis]
         if isinstance(size, int):
             return float(size) + offset
-        as_float = _Emitted(self.b, self.b.op("CastLike", self._size_int(axis), self.grid), self.dtype)
+        as_float = self._wrap(self.b.op("CastLike", self._size_int(axis), self.grid))
         return as_float + offset if offset else as_float
 
     def _value(self, v) -> ir.Value:
-        return v.value if isinstance(v, _Emitted) else self.b.const(np.array(v, dtype=self.dtype))
+        return v.value if isinstance(v, _Emitted) else float_constant(self.b, np.array(v, dtype=self.dtype), self.floats)
 
     def _wrap(self, value: ir.Value) -> _Emitted:
-        return _Emitted(self.b, value, self.dtype)
+        return _Emitted(self.b, value, self.dtype, self.floats)
 
     def _gather_taps(self, planes: ir.Value, flat: ir.Value) -> ir.Value:
         """planes (B, C, S) at the flat indices ``flat`` (B, 1, P), for every channel: (B, C, P)."""
@@ -334,7 +345,7 @@ class _RoiAlign(_Form):
         if not self.half_pixel:
             size = self._wrap(b.op("Max", size.value, self._value(1.0)))
         steps = np.array([i + (j + 0.5) / s for i in range(bins) for j in range(s)], dtype=self.dtype)
-        points = start + size * (1.0 / bins) * self._wrap(b.const(steps))
+        points = start + size * (1.0 / bins) * self._wrap(float_constant(b, steps, self.floats))
         extent, last = self._size(axis), self._size(axis, -1.0)
         inside = b.op(
             "And",
