@@ -1367,6 +1367,34 @@ def stft_cases(draw, op):
     return finish(draw, case, symbolic_ok=False)
 
 
+@st.composite
+def deform_conv_cases(draw, op):
+    """2-D, static shapes (the form gradgen differentiates): groups, offset groups, strides, pads,
+    dilations, optional B and mask."""
+    rng = _rng(draw)
+    group, offset_group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    channels = group * offset_group * draw(st.integers(1, 2)) // (2 if group == offset_group == 2 else 1)
+    kernel = dims(draw, 2, 1, 2)
+    strides, dilations = dims(draw, 2, 1, 2), dims(draw, 2, 1, 2)
+    size = [(k - 1) * d + 1 + draw(st.integers(0, 2)) for k, d in zip(kernel, dilations)]
+    out = [(s - ((k - 1) * d + 1)) // st_ + 1 for s, k, d, st_ in zip(size, kernel, dilations, strides)]
+    n, taps = draw(st.integers(1, 2)), kernel[0] * kernel[1]
+    inputs = [
+        rng.uniform(-2, 2, (n, channels, *size)),
+        rng.uniform(-1, 1, (group * draw(st.integers(1, 2)), channels // group, *kernel)),
+        rng.uniform(-0.8, 0.8, (n, 2 * offset_group * taps, *out)),
+        None,
+    ]
+    if draw(st.booleans()):
+        inputs[3] = rng.uniform(-1, 1, inputs[1].shape[0])
+    if draw(st.booleans()):
+        inputs.append(rng.uniform(0.2, 1, (n, offset_group * taps, *out)))
+    attrs = {"group": group, "offset_group": offset_group, "strides": list(strides), "dilations": list(dilations)}
+    present = [i for i, a in enumerate(inputs) if a is not None]
+    case = OpCase(op, inputs, attrs, opset=19, graph_inputs=placement(draw, present))
+    return finish(draw, case, symbolic_ok=False)
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1387,6 +1415,7 @@ GENERATORS.update(
         "Pad": pad_cases,
         "Resize": resize_cases,
         "STFT": stft_cases,
+        "DeformConv": deform_conv_cases,
     }
 )
 for _op in ["Add", "Sub", "Mul", "Div", "Pow", "Mod", "PRelu", "Max", "Min", "Sum", "Mean"]:

@@ -44,6 +44,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "AffineGrid"): "no CUDA launcher yet",
     ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
+    ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "Det"): "no CUDA launcher yet",
     ("", "DFT"): "no CUDA launcher yet",
     ("", "GlobalLpPool"): "no CUDA launcher yet",

@@ -133,3 +133,46 @@ def col2im_geometry(image, block, *, dilations=None, pads=None, strides=None):
             raise KernelError(f"the block {block} does not fit the padded image {image} along axis {i}")
         counts.append(room // strides[i] + 1)
     return image, block, dilations, pads, strides, counts
+
+
+def deform_conv_geometry(
+    x_shape, w_shape, offset_shape, *, dilations=None, group=1, kernel_shape=None, offset_group=1, pads=None, strides=None
+):
+    """DeformConv's geometry, checked (2-D): (kernel, strides, dilations, pads, output (oH, oW),
+    group, offset_group); the output size is the offsets' spatial size, which must be the
+    convolution's."""
+    if len(x_shape) != 4 or len(w_shape) != 4 or len(offset_shape) != 4:
+        raise KernelError(
+            f"gradgen's DeformConv is 2-D: X, W and offset must be 4-D, "
+            f"got {list(x_shape)}, {list(w_shape)}, {list(offset_shape)}"
+        )
+    kernel = per_axis(kernel_shape if kernel_shape is not None else w_shape[2:], 2, 1, "kernel_shape")
+    strides, dilations, pads = (
+        per_axis(strides, 2, 1, "strides"),
+        per_axis(dilations, 2, 1, "dilations"),
+        per_axis(pads, 4, 0, "pads"),
+    )
+    group, offset_group = int(group or 1), int(offset_group or 1)
+    channels, out_channels = x_shape[1], w_shape[0]
+    if channels != w_shape[1] * group or out_channels % group or channels % offset_group:
+        raise KernelError(f"X's {channels} channels, W {list(w_shape)}, group {group} and offset_group {offset_group} do not fit")
+    taps = kernel[0] * kernel[1]
+    if offset_shape[1] != 2 * offset_group * taps:
+        raise KernelError(f"offset has {offset_shape[1]} channels; expected 2 * {offset_group} * {taps}")
+    out = [
+        (x_shape[2 + i] + pads[i] + pads[2 + i] - effective_kernel([kernel[i]], [dilations[i]])[0]) // strides[i] + 1
+        for i in range(2)
+    ]
+    if list(offset_shape[2:]) != out:
+        raise KernelError(f"offset's spatial size {list(offset_shape[2:])} is not the convolution's output size {out}")
+    return kernel, strides, dilations, pads, out, group, offset_group
+
+
+def deform_conv_positions(kernel, strides, dilations, pads, out):
+    """The undeformed sampling positions (h, w) of every kernel tap and output position, as two
+    (taps, oH * oW) arrays: tap (i, j) of output (y, x) reads (y * stride - pad + i * dilation, ...)."""
+    import numpy as np
+
+    taps_h, taps_w = np.meshgrid(np.arange(kernel[0]) * dilations[0], np.arange(kernel[1]) * dilations[1], indexing="ij")
+    out_h, out_w = np.meshgrid(np.arange(out[0]) * strides[0] - pads[0], np.arange(out[1]) * strides[1] - pads[1], indexing="ij")
+    return taps_h.reshape(-1, 1) + out_h.reshape(1, -1), taps_w.reshape(-1, 1) + out_w.reshape(1, -1)

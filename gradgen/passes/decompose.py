@@ -19,9 +19,10 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, dims_of, graph_names, numpy_dtype_of
+from gradgen.builder import GraphBuilder, dims_of, graph_names, is_static, numpy_dtype_of
 from gradgen.errors import KernelError, ModelError
 from gradgen.ops.attributes import node_attributes
+from gradgen.ops.conv import deform_conv_geometry, deform_conv_positions
 from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import roi_align_spec
 
@@ -32,27 +33,34 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataTy
 
 
 class DecomposePass(ir.passes.InPlacePass):
-    """Replace every float GridSample and STFT node, and every float RoiAlign node with a fixed
-    sampling_ratio, of the main graph by its standard-op form (in place); shape inference runs
-    afterwards when something was rewritten."""
+    """Replace every float node of the main graph that has a standard-op form here (GridSample;
+    RoiAlign with a fixed sampling_ratio; STFT and DeformConv with static frames / shapes) by that
+    form (in place); shape inference runs after each round of rewrites."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from gradgen.passes.standard import ShapeInferencePass
 
         graph = model.graph
-        nodes = [n for n in graph if n.domain in _STANDARD and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)]
-        if not nodes:
-            return ir.passes.PassResult(model, modified=False)
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
-        names = graph_names(graph)
-        constants: dict = {}
-        for node in nodes:
-            builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False)
-            output = _FORMS[node.op_type](node, builder).output()
-            graph.insert_before(node, builder.nodes)
-            replace_node_outputs(graph, node, [output])
-        ShapeInferencePass()(model)
-        return ir.passes.PassResult(model, modified=True)
+        modified = False
+        # rounds: a form may hold another rewritable op (DeformConv's GridSample), typed by the
+        # shape inference that ends each round
+        for _ in range(3):
+            nodes = [n for n in graph if n.domain in _STANDARD and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)]
+            if not nodes:
+                break
+            names = graph_names(graph)
+            constants: dict = {}
+            for node in nodes:
+                builder = GraphBuilder(
+                    graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False
+                )
+                output = _FORMS[node.op_type](node, builder).output()
+                graph.insert_before(node, builder.nodes)
+                replace_node_outputs(graph, node, [output])
+            ShapeInferencePass()(model)
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
 
 
 def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value]) -> None:
@@ -420,7 +428,67 @@ class _Stft(_Rewrite):
         return b.op("DFT", frames, length, axis=2, onesided=onesided)
 
 
-_FORMS: dict[str, type[_Rewrite]] = {"GridSample": _GridSample, "RoiAlign": _RoiAlign, "STFT": _Stft}
+class _DeformConv(_Rewrite):
+    """The standard-op form of one 2-D DeformConv node, as its kernel computes it: the sampling
+    positions (constant base positions plus the offsets) normalized for a GridSample (linear, zeros,
+    align_corners 0) of X with the offset groups folded into the batch, which the pass rewrites in
+    its next round; the mask multiplied in; then a grouped MatMul with W, plus B. Static shapes
+    only (the rule entry explains the others, when a gradient reaches them)."""
+
+    def __init__(self, node: ir.Node, b: GraphBuilder):
+        super().__init__(node, b)
+        inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+        x, w, offset = inputs[:3]
+        assert x is not None and w is not None and offset is not None  # applies() checked their shapes
+        self.x, self.w, self.offset, self.bias, self.mask = x, w, offset, inputs[3], inputs[4]
+        geometry = deform_conv_static_geometry(node)
+        assert geometry is not None  # applies() checked it
+        self.geometry, self.x_shape = geometry
+
+    @staticmethod
+    def applies(node: ir.Node) -> bool:
+        return _Rewrite.applies(node) and deform_conv_static_geometry(node) is not None
+
+    def output(self) -> ir.Value:
+        b = self.b
+        kernel, strides, dilations, pads, out, group, offset_group = self.geometry
+        n, channels, height, width = self.x_shape
+        taps, points = kernel[0] * kernel[1], out[0] * out[1]
+        dtype = numpy_dtype_of(self.offset)
+        base_h, base_w = deform_conv_positions(kernel, strides, dilations, pads, out)
+        shifts = b.reshape(self.offset, [n * offset_group, taps, 2, points])
+        rows = b.op("Add", b.op("Gather", shifts, b.scalar(0), axis=2), float_constant(b, base_h.astype(dtype), self.floats))
+        cols = b.op("Add", b.op("Gather", shifts, b.scalar(1), axis=2), float_constant(b, base_w.astype(dtype), self.floats))
+
+        def normalized(v, size):  # pixel p -> (2p + 1) / size - 1, GridSample's align_corners=0
+            scaled = b.op("Mul", v, float_constant(b, np.array(2.0 / size, dtype=dtype), self.floats))
+            return b.op("Add", scaled, float_constant(b, np.array(1.0 / size - 1.0, dtype=dtype), self.floats))
+
+        grid = b.op("Concat", b.unsqueeze(normalized(cols, width), [3]), b.unsqueeze(normalized(rows, height), [3]), axis=3)
+        planes = b.reshape(self.x, [n * offset_group, channels // offset_group, height, width])
+        samples = b.op("GridSample", planes, grid, mode="linear", padding_mode="zeros", align_corners=0)
+        if self.mask is not None:
+            samples = b.op("Mul", samples, b.reshape(self.mask, [n * offset_group, 1, taps, points]))
+        columns = b.reshape(samples, [n, group, (channels // group) * taps, points])
+        weights = b.reshape(self.w, [group, -1, (channels // group) * taps])
+        y = b.reshape(b.op("MatMul", weights, columns), [n, -1, *out])
+        if self.bias is not None:
+            y = b.op("Add", y, b.reshape(self.bias, [1, -1, 1, 1]))
+        return y
+
+
+def deform_conv_static_geometry(node: ir.Node):
+    """(DeformConv's geometry, X's shape) when X, W and offset have static shapes, else None."""
+    shapes = [dims_of(v) if v is not None else None for v in list(node.inputs)[:3]]
+    if len(shapes) < 3 or any(s is None or not is_static(s) for s in shapes):
+        return None
+    try:
+        return deform_conv_geometry(*shapes, **node_attributes(node)), shapes[0]
+    except KernelError:
+        return None  # the kernel says what is wrong when it runs
+
+
+_FORMS: dict[str, type[_Rewrite]] = {"GridSample": _GridSample, "RoiAlign": _RoiAlign, "STFT": _Stft, "DeformConv": _DeformConv}
 
 
 def stft_geometry(node: ir.Node) -> tuple[int, int, int] | None:

@@ -46,6 +46,7 @@ MODELS = {
     "AffineGrid": lambda: _case_model("AffineGrid"),
     "CenterCropPad": lambda: _case_model("CenterCropPad"),
     "Col2Im": lambda: _case_model("Col2Im"),
+    "DeformConv": lambda: _case_model("DeformConv"),
     "Det": lambda: _case_model("Det"),
     "DFT": lambda: _case_model("DFT"),
     "GlobalLpPool": lambda: _case_model("GlobalLpPool"),

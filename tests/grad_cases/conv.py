@@ -379,3 +379,24 @@ for _attrs in (
             name=f"RoiAlign_{sorted(_attrs.items())}",
         )
     )
+
+# DeformConv (differentiated in its standard-op form): X, W, the offsets, B and the mask; groups,
+# offset groups, pads, strides, dilations.
+for _x_shape, _w_shape, _attrs, _bias, _mask in (
+    ((1, 2, 4, 4), (2, 2, 2, 2), {}, True, False),
+    ((1, 4, 4, 3), (2, 2, 2, 2), {"group": 2, "offset_group": 2, "pads": [1, 0, 0, 1]}, False, True),
+    ((1, 1, 5, 4), (1, 1, 2, 2), {"strides": [2, 1], "dilations": [1, 2]}, True, True),
+):
+    _og = _attrs.get("offset_group", 1)
+    _s, _d, _p = _attrs.get("strides", [1, 1]), _attrs.get("dilations", [1, 1]), _attrs.get("pads", [0, 0, 0, 0])
+    _out = [(_x_shape[2 + i] + _p[i] + _p[2 + i] - _d[i] * (_w_shape[2 + i] - 1) - 1) // _s[i] + 1 for i in range(2)]
+    _taps = _w_shape[2] * _w_shape[3]
+    _inputs = [r(*_x_shape), r(*_w_shape), rng.uniform(-0.8, 0.8, (_x_shape[0], 2 * _og * _taps, *_out))]
+    _inputs.append(r(_w_shape[0]) if _bias else None)
+    if _mask:
+        _inputs.append(rng.uniform(0.2, 1.0, (_x_shape[0], _og * _taps, *_out)))
+    CASES.append(
+        GradCase(
+            "DeformConv", _inputs, attrs=_attrs, opset=19, symbolic=False, name=f"DeformConv{_x_shape}_{sorted(_attrs.items())}"
+        )
+    )

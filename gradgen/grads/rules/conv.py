@@ -179,3 +179,14 @@ def col2im(g):
     planes = g.reshape(g.dy(), [-1, 1, *image])
     columns = g.op("Conv", planes, g.const(one_hot), dilations=dilations, pads=pads, strides=strides)
     return [g.reshape_like(columns, x), None, None]
+
+
+@grad_rule("DeformConv")
+def deform_conv(g):
+    """DeformConv is differentiated in its standard-op form (gradgen.passes.DecomposePass: a
+    GridSample of X at the offset positions, the mask, a grouped MatMul with W), for X, W, the
+    offsets, B and the mask; the pass leaves in place a node whose shapes are not static."""
+    raise ModelError(
+        f"{node_where(g)} reached the gradient pass: gradgen differentiates DeformConv in its standard-op form, which "
+        "gradgen.passes.DecomposePass (in build_backward's pipeline) makes for static shapes of X, W and offset only"
+    )

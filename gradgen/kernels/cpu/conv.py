@@ -21,7 +21,7 @@ from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import per_axis
-from gradgen.ops.conv import col2im_geometry, conv_geometry, conv_transpose_geometry
+from gradgen.ops.conv import col2im_geometry, conv_geometry, conv_transpose_geometry, deform_conv_geometry, deform_conv_positions
 from gradgen.ops.pool import spatial_geometry
 from gradgen.ops.schemas import FLOATS_NO_BF16, Attribute, Formal, Schema, TensorInfo
 
@@ -283,3 +283,31 @@ def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=No
 
 
 _ALL2 = (slice(None), slice(None))  # the batch and channel axes, whole
+
+
+@cpu_kernel("DeformConv")
+def deform_conv(x, w, offset, b=None, mask=None, **attrs):
+    """2-D deformable convolution (ONNX's reference): each kernel tap of each output position reads
+    X bilinearly (0 outside) at its position plus its offset (per offset group), times the mask;
+    then the grouped convolution sum with W, plus B."""
+    from gradgen.kernels.cpu.pool import grid_sample
+
+    kernel, strides, dilations, pads, out, group, offset_group = deform_conv_geometry(x.shape, w.shape, offset.shape, **attrs)
+    n, channels, height, width = x.shape
+    taps, points = kernel[0] * kernel[1], out[0] * out[1]
+    ct = accumulation_dtype(x.dtype)
+    base_h, base_w = deform_conv_positions(kernel, strides, dilations, pads, out)
+    shifts = offset.astype(ct, copy=False).reshape(n * offset_group, taps, 2, points)
+    rows, cols = base_h + shifts[:, :, 0], base_w + shifts[:, :, 1]  # (N * og, taps, points)
+    # normalized for GridSample with align_corners=0: pixel p -> (2p + 1) / size - 1
+    grid = np.stack([(2 * cols + 1) / width - 1, (2 * rows + 1) / height - 1], axis=-1)
+    planes = x.astype(ct, copy=False).reshape(n * offset_group, channels // offset_group, height, width)
+    samples = grid_sample(planes, grid, mode="linear", padding_mode="zeros", align_corners=0)  # (N * og, C / og, taps, points)
+    if mask is not None:
+        samples = samples * mask.astype(ct, copy=False).reshape(n * offset_group, 1, taps, points)
+    columns = samples.reshape(n, group, (channels // group) * taps, points)
+    weights = w.astype(ct, copy=False).reshape(group, w.shape[0] // group, -1)
+    y = np.matmul(weights, columns).reshape(n, w.shape[0], *out)
+    if b is not None:
+        y = y + b.astype(ct, copy=False).reshape(1, -1, 1, 1)
+    return y.astype(x.dtype, copy=False)
