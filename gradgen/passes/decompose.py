@@ -19,16 +19,16 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, dims_of, graph_names, is_static, numpy_dtype_of
+from gradgen.builder import GraphBuilder, dims_of, is_static, numpy_dtype_of
 from gradgen.errors import KernelError, ModelError
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.conv import deform_conv_geometry, deform_conv_positions
 from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import roi_align_spec
+from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
 
 __all__ = ["DecomposePass"]
 
-_STANDARD = ("", "ai.onnx")
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
@@ -38,52 +38,17 @@ class DecomposePass(ir.passes.InPlacePass):
     form (in place); shape inference runs after each round of rewrites."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from gradgen.passes.standard import ShapeInferencePass
-
-        graph = model.graph
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
         modified = False
         # rounds: a form may hold another rewritable op (DeformConv's GridSample), typed by the
         # shape inference that ends each round
         for _ in range(3):
-            nodes = [n for n in graph if n.domain in _STANDARD and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)]
-            if not nodes:
+            nodes = [
+                n for n in model.graph if n.domain in STANDARD_DOMAINS and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)
+            ]
+            if not rewrite_nodes(model, nodes, lambda node, builder: [_FORMS[node.op_type](node, builder).output()]):
                 break
-            names = graph_names(graph)
-            constants: dict = {}
-            for node in nodes:
-                builder = GraphBuilder(
-                    graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False
-                )
-                output = _FORMS[node.op_type](node, builder).output()
-                graph.insert_before(node, builder.nodes)
-                replace_node_outputs(graph, node, [output])
-            ShapeInferencePass()(model)
             modified = True
         return ir.passes.PassResult(model, modified=modified)
-
-
-def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value]) -> None:
-    """Give ``outputs`` the node's output values' names, types and uses, then drop the node."""
-    renames = []
-    for old, new in zip(node.outputs, outputs):
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        new.type, new.shape = old.type, old.shape
-        renames.append((new, old.name))
-        old.name = None
-    graph.remove(node, safe=True)
-    for new, name in renames:
-        new.name = name
-
-
-def float_constant(b: GraphBuilder, array: np.ndarray, cache: dict) -> ir.Value:
-    """A float constant of a rewritten forward graph, as a Constant node: an initializer would read
-    as a parameter (build_backward differentiates every float initializer the loss depends on).
-    One node per value in ``cache``."""
-    key = (array.dtype.str, array.shape, array.tobytes())
-    if key not in cache:
-        cache[key] = b.op("Constant", value=ir.tensor(array))
-    return cache[key]
 
 
 class _Emitted:
@@ -522,7 +487,7 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     if (
         producer is not None
         and producer.op_type == "Constant"
-        and producer.domain in _STANDARD
+        and producer.domain in STANDARD_DOMAINS
         and "value" in producer.attributes
     ):
         return producer.attributes["value"].value.numpy()

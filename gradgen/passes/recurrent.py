@@ -17,14 +17,13 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
+from gradgen.builder import GraphBuilder, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.recurrent import RECURRENT_OPS, Activation, RecurrentSpec, recurrent_spec
+from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
 
 __all__ = ["UnrollRecurrentPass"]
-
-_STANDARD = ("", "ai.onnx")
 
 
 class UnrollRecurrentPass(ir.passes.InPlacePass):
@@ -32,38 +31,9 @@ class UnrollRecurrentPass(ir.passes.InPlacePass):
     inference runs afterwards when something was unrolled."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from gradgen.passes.standard import ShapeInferencePass
-
-        graph = model.graph
-        nodes = [n for n in graph if n.domain in _STANDARD and n.op_type in RECURRENT_OPS]
-        if not nodes:
-            return ir.passes.PassResult(model, modified=False)
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
-        # shared by the nodes' builders: no two new names collide, and equal constants are made once
-        names = graph_names(graph)
-        constants: dict = {}
-        for node in nodes:
-            prefix = node.name or node.op_type
-            builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=prefix, append=False)
-            outputs = _Unroller(node, builder).outputs()
-            graph.insert_before(node, builder.nodes)
-            _replace_outputs(graph, node, outputs)
-        ShapeInferencePass()(model)
-        return ir.passes.PassResult(model, modified=True)
-
-
-def _replace_outputs(graph: ir.Graph, node: ir.Node, outputs: list[ir.Value | None]) -> None:
-    """Give the unrolled outputs the node's output values' names and uses, then drop the node."""
-    renames = []
-    for old, new in zip(node.outputs, outputs):
-        if new is None:
-            continue
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        renames.append((new, old.name))
-        old.name = None
-    graph.remove(node, safe=True)
-    for new, name in renames:
-        new.name = name
+        nodes = [n for n in model.graph if n.domain in STANDARD_DOMAINS and n.op_type in RECURRENT_OPS]
+        modified = rewrite_nodes(model, nodes, lambda node, builder: _Unroller(node, builder).outputs())
+        return ir.passes.PassResult(model, modified=modified)
 
 
 @dataclasses.dataclass
@@ -101,7 +71,7 @@ class _Unroller:
         self.x, self.steps, self.time_axis = x, steps, time_axis
         self.dtype = numpy_dtype_of(x)
         self.hidden = self._hidden_size()
-        self._constants: dict[float, ir.Value] = {}
+        self._constants: dict = {}  # float_constant's cache
         self._masks: dict[int, ir.Value] = {}
         self._derived: dict[tuple, list[ir.Value]] = {}
         self.lens = self._sequence_lengths()
@@ -171,10 +141,7 @@ class _Unroller:
 
     def _const(self, number: float) -> ir.Value:
         """A float scalar of X's type, as a Constant node (an initializer would read as a parameter)."""
-        if number not in self._constants:
-            tensor = ir.tensor(np.asarray(number, dtype=self.dtype))
-            self._constants[number] = self.b.op("Constant", value=tensor)
-        return self._constants[number]
+        return float_constant(self.b, np.asarray(number, dtype=self.dtype), self._constants)
 
     def _add(self, first: ir.Value, *terms: ir.Value | None) -> ir.Value:
         """first + the terms that are present."""

@@ -1,0 +1,66 @@
+"""Replacing nodes of the main graph by standard-op forms: the one scaffold of the passes that
+rewrite ops before the gradient pass (UnrollRecurrentPass, DecomposePass), so that the rules of
+the ops they emit differentiate them and both executors run them with the kernels they have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.builder import GraphBuilder, graph_names
+
+STANDARD_DOMAINS = ("", "ai.onnx")
+
+# build(node, builder) -> the values that replace the node's outputs, in order (None: an output
+# the form leaves unbuilt; it must have no use)
+BuildForm = Callable[[ir.Node, GraphBuilder], Sequence[ir.Value | None]]
+
+
+def rewrite_nodes(model: ir.Model, nodes: Sequence[ir.Node], build: BuildForm) -> bool:
+    """Replace each of ``nodes`` (of the main graph) by the form ``build`` emits with a GraphBuilder
+    of its own; the builders share one name set and one constant cache, so no two new names
+    collide and equal constants are made once. Shape inference runs after. False when ``nodes``
+    is empty (nothing changed)."""
+    from gradgen.passes.standard import ShapeInferencePass
+
+    if not nodes:
+        return False
+    graph = model.graph
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+    names = graph_names(graph)
+    constants: dict = {}
+    for node in nodes:
+        builder = GraphBuilder(graph, opset, names=names, constants=constants, prefix=node.name or node.op_type, append=False)
+        outputs = build(node, builder)
+        graph.insert_before(node, builder.nodes)
+        replace_node_outputs(graph, node, outputs)
+    ShapeInferencePass()(model)
+    return True
+
+
+def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: Sequence[ir.Value | None]) -> None:
+    """Give ``outputs`` the node's output values' names, types and uses, then drop the node."""
+    renames = []
+    for old, new in zip(node.outputs, outputs):
+        if new is None:
+            continue
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        new.type, new.shape = old.type, old.shape
+        renames.append((new, old.name))
+        old.name = None
+    graph.remove(node, safe=True)
+    for new, name in renames:
+        new.name = name
+
+
+def float_constant(b: GraphBuilder, array: np.ndarray, cache: dict) -> ir.Value:
+    """A float constant of a rewritten forward graph, as a Constant node: an initializer would read
+    as a parameter (build_backward differentiates every float initializer the loss depends on).
+    One node per value in ``cache``."""
+    key = (array.dtype.str, array.shape, array.tobytes())
+    if key not in cache:
+        cache[key] = b.op("Constant", value=ir.tensor(array))
+    return cache[key]
