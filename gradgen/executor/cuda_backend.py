@@ -41,6 +41,7 @@ from gradgen.cuda import runtime as rt
 from gradgen.errors import UsageError
 from gradgen.executor.device_memory import MemoryManager, release_frames
 from gradgen.kernels import registry
+from gradgen.kernels.cuda.launch import math_mode
 
 _WARNED: set[tuple[str, str]] = set()
 _EAGER = "eager"  # a signature whose run could not be recorded
@@ -100,8 +101,9 @@ class CudaDevice:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self, tf32: bool = False):
         registry.load_cuda_kernels()
+        self.tf32 = tf32  # float32 GEMMs and convolutions may use TF32 (launch.math_mode around every run)
         self.use_graphs = os.environ.get("GRADGEN_CUDA_GRAPHS", "1") != "0"
         self.max_graphs = _positive_int("GRADGEN_CUDA_GRAPH_CACHE", 8)
         self.num_steps = 0  # set by the Session once it has planned its steps
@@ -151,7 +153,7 @@ class CudaBackend:
             self._many_shapes = True
         self._memory = memory
         try:
-            with rt.allocation_hook(memory.allocate):
+            with rt.allocation_hook(memory.allocate), math_mode(self.tf32):
                 values = run_steps(self.place_feeds(feeds))
                 memory.end_of_steps()
         except BaseException as exc:
@@ -201,7 +203,7 @@ class CudaBackend:
 
         self._memory = memory
         try:
-            with rt.allocation_hook(memory.allocate):
+            with rt.allocation_hook(memory.allocate), math_mode(self.tf32):
                 placed = self.place_feeds(feeds)
                 graph = rt.capture(steps)
         except rt.CaptureError as exc:

@@ -22,6 +22,7 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
+from gradgen.passes.autocast import METADATA_KEY
 
 
 @dataclasses.dataclass
@@ -155,7 +156,8 @@ class Session:
             from gradgen.cuda import runtime
             from gradgen.executor.cuda_backend import CudaBackend
 
-            self.backend = CudaBackend()
+            # a model built with --precision tf32 asks for TF32 GEMMs and convolutions (AutocastPass's metadata)
+            self.backend = CudaBackend(tf32=self.model.metadata_props.get(METADATA_KEY) == "tf32")
             runtime.close_at_exit(self)  # its device constants and arena go before the context does
         else:
             self.backend = CpuBackend()

@@ -198,3 +198,44 @@ def test_gemm_bad_c(rt):
     b = rt.to_device(np.zeros((4, 5), np.float32))
     with pytest.raises(KernelError, match="does not broadcast"):
         matmul.gemm(a, b, rt.to_device(np.zeros((3, 2), np.float32)))
+
+
+def _matmul_model(precision: str | None):
+    """y = a @ b for a (64, 4096) and b (4096, 64) fed as inputs; the ``gradgen.precision``
+    metadata that ``--precision`` writes, when given."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")],
+        "mm",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [64, 4096]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [4096, 64]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if precision is not None:
+        helper.set_model_props(model, {"gradgen.precision": precision})
+    return model
+
+
+def test_a_tf32_model_gets_tf32_gemms_and_an_fp32_model_does_not(rt, monkeypatch):
+    """--precision tf32 is honoured on the GPU: its float32 GEMMs carry TF32's rounding (a 10-bit
+    mantissa: about 1e-3 relative per product), while an fp32 model in the same process, before and
+    after it, stays within float32's; GRADGEN_ALLOW_TF32 is not needed."""
+    from gradgen.executor import Session
+
+    monkeypatch.delenv("GRADGEN_ALLOW_TF32", raising=False)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((64, 4096)).astype(np.float32), "b": rng.standard_normal((4096, 64)).astype(np.float32)}
+    want = feeds["a"].astype(np.float64) @ feeds["b"].astype(np.float64)
+
+    def relative_error(precision):
+        with Session(_matmul_model(precision), device="cuda") as session:
+            got = [session.run(feeds)["y"] for _ in range(3)]  # traced, recorded, replayed
+        return [float(np.abs(g - want).max() / np.abs(want).max()) for g in got]
+
+    before, tf32, after = relative_error(None), relative_error("tf32"), relative_error("fp32")
+    assert max(before + after) < 1e-5, (before, after)
+    assert all(1e-4 < e < 1e-2 for e in tf32), tf32

@@ -36,6 +36,7 @@ from gradgen.kernels.cuda.launch import (
     left_pad,
     require_suffix,
     runtime,
+    tf32_allowed,
     warn_once,
 )
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
@@ -269,7 +270,7 @@ def _autotune(graph, a, b, out, ptrs, handle, stream):
 
 def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs, lane=0):
     """The cached cuDNN plan for this convolution, or None where cuDNN declines it."""
-    tf32, nondet = _flag("GRADGEN_ALLOW_TF32"), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
+    tf32, nondet = tf32_allowed(), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
     key = (
         kind,
         np.dtype(dtype).str,

@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+import threading
 import warnings
 
 import numpy as np
@@ -127,6 +130,31 @@ def require_suffix(dtype) -> str:
     if suffix is None:
         raise KernelError(f"dtype {np.dtype(dtype)} is not supported by the CUDA kernels")
     return suffix
+
+
+# ---------------------------------------------------------------------------------------------
+# math mode
+
+
+_MATH = threading.local()
+
+
+def tf32_allowed() -> bool:
+    """Whether float32 GEMMs and convolutions may use TF32 tensor cores: a Session running a model
+    built with ``--precision tf32`` asks for it (``math_mode``), or GRADGEN_ALLOW_TF32=1 for all."""
+    return getattr(_MATH, "tf32", False) or os.environ.get("GRADGEN_ALLOW_TF32", "") == "1"
+
+
+@contextlib.contextmanager
+def math_mode(tf32: bool):
+    """TF32 allowed (or not) for the float32 GEMMs and convolutions launched in this thread inside
+    the block (CUDA graphs recorded inside it keep that choice)."""
+    previous = getattr(_MATH, "tf32", False)
+    _MATH.tf32 = tf32
+    try:
+        yield
+    finally:
+        _MATH.tf32 = previous
 
 
 # ---------------------------------------------------------------------------------------------

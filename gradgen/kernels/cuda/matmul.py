@@ -19,12 +19,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import broadcast_to, coalesce, contiguous, copy_into, cpu_fallback, element_strides, is_float
+from gradgen.kernels.cuda.launch import (
+    broadcast_to,
+    coalesce,
+    contiguous,
+    copy_into,
+    cpu_fallback,
+    element_strides,
+    is_float,
+    tf32_allowed,
+)
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.matmul import check_fused_ranks, fused_operand_dims, fused_operand_perm, matmul_output_dims
 
@@ -33,10 +41,6 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends on Hopper
 
 # cudaDataType_t values
 _CUDA_R_16F, _CUDA_R_32F, _CUDA_R_64F = 2, 0, 1
-
-
-def allow_tf32() -> bool:
-    return os.environ.get("GRADGEN_ALLOW_TF32", "") == "1"
 
 
 def _drop_cublas() -> None:
@@ -75,7 +79,7 @@ def _types(dtype):
     ct = cublas.ComputeType
     dtype = np.dtype(dtype)
     if dtype == np.float32:
-        return _CUDA_R_32F, int(ct.COMPUTE_32F_FAST_TF32 if allow_tf32() else ct.COMPUTE_32F), np.float32
+        return _CUDA_R_32F, int(ct.COMPUTE_32F_FAST_TF32 if tf32_allowed() else ct.COMPUTE_32F), np.float32
     if dtype == np.float64:
         return _CUDA_R_64F, int(ct.COMPUTE_64F), np.float64
     if dtype == np.float16:
