@@ -101,6 +101,13 @@ _PROGRESS = typer.Option(
     None, "--progress/--no-progress", help="Say what is being done on stderr. Default: only when stderr is a terminal."
 )
 _SEED = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs.")
+_THREADS = typer.Option(
+    None,
+    "--threads",
+    min=1,
+    help="CPU: threads of numpy's BLAS (the only thread pool of the CPU executor). Default: what the BLAS "
+    "chose, all available cores unless OMP_NUM_THREADS and co. say otherwise.",
+)
 _DIM = typer.Option(
     None, "--dim", help="NAME=VALUE for a symbolic dimension of the model's inputs, with --random-inputs (repeatable)."
 )
@@ -248,16 +255,19 @@ def run(
     skip_unmatched: bool = typer.Option(
         False, "--skip-unmatched", help="--compare: reference keys that name no output are listed but not an error."
     ),
+    threads: Optional[int] = _THREADS,
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Run MODEL on gradgen's executor and print a table of its outputs."""
 
     from gradgen.errors import UsageError
     from gradgen.executor import Session
+    from gradgen.executor.threads import check_threads, cpu_threads
     from gradgen.inputs import load_npz, random_feeds, save_npz
     from gradgen.model_io import check_output_path
 
     _set_progress(progress)
+    check_threads(threads)
     if out is not None:
         check_output_path(out, model, *(p for p in (inputs, compare) if p is not None))
     dims = _dims(dim, random_inputs)
@@ -274,7 +284,7 @@ def run(
         raise UsageError(f"the model has inputs ({', '.join(session.input_names)}); pass --inputs FILE.npz or --random-inputs")
     _progress(f"running on {session.device}")
     started = time.perf_counter()
-    with _warnings_as_notes():
+    with _warnings_as_notes(), cpu_threads(threads):
         results = session.run(feeds)
     seconds = time.perf_counter() - started
     typer.echo(_format_table(results))

@@ -260,3 +260,37 @@ def test_ctrl_c_exits_130_and_says_so(tiny, capsys, monkeypatch):
     assert code == 130
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not (tiny.parent / "out.onnx").exists()
+
+
+def test_run_threads_limits_the_blas_during_the_run(tiny, capsys, monkeypatch):
+    """--threads N: numpy's BLAS pool has N threads while the model runs, and its own count after."""
+    from threadpoolctl import threadpool_info
+
+    from gradgen.executor import Session
+
+    def blas_threads():
+        return sorted({info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"})
+
+    outside = blas_threads()
+    seen = []
+    real_run = Session.run
+
+    def recording_run(self, feeds):
+        seen.append(blas_threads())
+        return real_run(self, feeds)
+
+    monkeypatch.setattr(Session, "run", recording_run)
+    code, out, err = run_cli(
+        capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=2", "--device", "cpu", "--threads", "1"
+    )
+    assert code == 0, err
+    assert seen == [[1]] or (seen == [[]] and outside == []), seen  # [] only where numpy has no BLAS pool
+    assert blas_threads() == outside
+
+
+@pytest.mark.parametrize("threads", ["0", "100000"])
+def test_run_threads_out_of_range_is_a_usage_error(tiny, capsys, monkeypatch, threads):
+    code, out, err = run_cli(
+        capsys, monkeypatch, "run", tiny, "--random-inputs", "--dim", "N=2", "--device", "cpu", "--threads", threads
+    )
+    assert code == 2 and "--threads" in err and "Traceback" not in err, (code, err)

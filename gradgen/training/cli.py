@@ -106,10 +106,16 @@ def train(
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Loss-curve PNG (needs matplotlib: the plot extra). Default: loss.png in --checkpoint-dir."
     ),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="CPU: threads of numpy's BLAS (as gradgen run --threads). Default: the BLAS's choice."
+    ),
 ) -> None:
     """Train MODEL on DATA with gradgen's executor; checkpoints, a CSV log and a loss curve."""
     from gradgen.cli import _warnings_as_notes
+    from gradgen.executor.threads import check_threads, cpu_threads
     from gradgen.training import command
+
+    check_threads(threads)
 
     options = command.TrainOptions(
         model=model,
@@ -148,7 +154,7 @@ def train(
         plot=plot,
         precision=precision,
     )
-    with _warnings_as_notes():
+    with _warnings_as_notes(), cpu_threads(threads):
         summary = command.run_training(options, say=lambda m: typer.echo(m, err=True))
     for line in summary:
         typer.echo(line)
