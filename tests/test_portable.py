@@ -162,6 +162,15 @@ RUN_NOT_EMITTED = {
     "BiasFastGeluGrad_dX",
     "SoftmaxGrad_13",
     "LogSoftmaxGrad_13",
+    # ONNX Runtime's forward ops of models optimized for its inference, rewritten into standard ops
+    # before the gradient pass (gradgen.passes.decompose.LOWERED_FORWARD_OPS)
+    "Gelu",
+    "FastGelu",
+    "BiasGelu",
+    "QuickGelu",
+    "BiasDropout",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
 }
 
 

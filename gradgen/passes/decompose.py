@@ -15,6 +15,7 @@ kernel (tests compare the two).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -25,6 +26,7 @@ from gradgen.ops.attributes import node_attributes
 from gradgen.ops.conv import deform_conv_geometry, deform_conv_positions
 from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import roi_align_spec
+from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
 from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
 
 __all__ = ["DecomposePass"]
@@ -38,17 +40,76 @@ class DecomposePass(ir.passes.InPlacePass):
     form (in place); shape inference runs after each round of rewrites."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from gradgen.passes.standard import ShapeInferencePass
+
         modified = False
+        if any((normalize_domain(n.domain), n.op_type) in LOWERED_FORWARD_OPS for n in model.graph):
+            ShapeInferencePass()(model)  # the lowered forms read their inputs' types and ranks
         # rounds: a form may hold another rewritable op (DeformConv's GridSample), typed by the
         # shape inference that ends each round
-        for _ in range(3):
+        for _ in range(3 + sum(1 for n in model.graph if (normalize_domain(n.domain), n.op_type) in LOWERED_FORWARD_OPS)):
             nodes = [
-                n for n in model.graph if n.domain in STANDARD_DOMAINS and n.op_type in _FORMS and _FORMS[n.op_type].applies(n)
+                n
+                for n in model.graph
+                if (n.domain in STANDARD_DOMAINS and n.op_type in _FORMS and _FORMS[n.op_type].applies(n))
+                or ((normalize_domain(n.domain), n.op_type) in LOWERED_FORWARD_OPS and _typed_input(n))
             ]
-            if not rewrite_nodes(model, nodes, lambda node, builder: [_FORMS[node.op_type](node, builder).output()]):
+            if not rewrite_nodes(model, nodes, _build_form):
                 break
             modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _build_form(node: ir.Node, builder: GraphBuilder) -> Sequence[ir.Value | None]:
+    if (normalize_domain(node.domain), node.op_type) in LOWERED_FORWARD_OPS:
+        return _lowered_form(node, builder)
+    return [_FORMS[node.op_type](node, builder).output()]
+
+
+# ONNX Runtime's forward ops of models optimized for its inference (com.microsoft, and its
+# SimplifiedLayerNormalization of the ONNX domain): compositions of standard ops, whose standard
+# form is their lowering (gradgen/passes/lowering; their kernels and schemas are in
+# gradgen/kernels/cpu), so the rules of those ops differentiate every float input
+LOWERED_FORWARD_OPS = frozenset(
+    {
+        *((MICROSOFT_DOMAIN, op) for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasDropout")),
+        *((MICROSOFT_DOMAIN, op) for op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")),
+        ("", "SimplifiedLayerNormalization"),
+    }
+)
+
+
+def _typed_input(node: ir.Node) -> bool:
+    """Whether the node's first input has a known type and rank (a lowered form in a chain waits
+    for the shape inference that ends the round which rewrote its producer)."""
+    first = node.inputs[0] if node.inputs else None
+    return first is not None and first.dtype is not None and dims_of(first) is not None
+
+
+def _lowered_form(node: ir.Node, b: GraphBuilder) -> list[ir.Value | None]:
+    """The node's lowering, its float constants made Constant nodes (float_constant's reason)."""
+    from gradgen.passes.lowering import lookup_lowering
+
+    lowering = lookup_lowering(node.domain, node.op_type)
+    assert lowering is not None  # every op of LOWERED_FORWARD_OPS has one (tests/test_transformer_ops.py)
+    first = node.inputs[0] if node.inputs else None
+    for k in (0, 3):  # Y and SkipLayerNormalization's sum take the input's type; a form in a chain reads it
+        if k < len(node.outputs) and node.outputs[k].type is None and first is not None:
+            node.outputs[k].type, node.outputs[k].shape = first.type, first.shape
+    before = set(b.graph.initializers)
+    outputs = list(lowering.fn(b, node))
+    cache = b._constants  # the builders' shared constant cache: a converted value leaves it
+    for name in [n for n in b.graph.initializers if n not in before]:
+        value = b.graph.initializers[name]
+        if value.dtype not in _FLOATS or value.const_value is None:
+            continue
+        constant = b.op("Constant", value=ir.tensor(value.const_value.numpy()))
+        b.nodes.insert(0, b.nodes.pop())  # before its users
+        ir.convenience.replace_all_uses_with(value, constant)
+        del b.graph.initializers[name]
+        for key in [k for k, v in cache.items() if v is value]:
+            del cache[key]
+    return outputs
 
 
 class _Emitted:

@@ -230,3 +230,23 @@ for x_shape, attrs, with_ids in (
             name=f"RotaryEmbedding{x_shape}-{sorted(attrs.items())}-ids{with_ids}",
         )
     )
+
+# ONNX Runtime's transformer activations and BiasDropout in inference mode (differentiated in
+# their standard-op form, DecomposePass): every float input.
+_MS = "com.microsoft"
+CASES += [
+    GradCase("Gelu", [r(2, 3)], domain=_MS, name="Gelu_com.microsoft"),
+    GradCase("FastGelu", [r(2, 3, 4), r(4)], domain=_MS, name="FastGelu_bias"),
+    GradCase("FastGelu", [r(3, 4)], domain=_MS, name="FastGelu_no_bias"),
+    GradCase("BiasGelu", [r(2, 3, 4), r(4)], domain=_MS, name="BiasGelu"),
+    GradCase("QuickGelu", [r(2, 5)], {"alpha": 1.5}, domain=_MS, name="QuickGelu"),
+    GradCase("BiasDropout", [r(2, 3, 4), r(4), r(2, 3, 4)], domain=_MS, name="BiasDropout_residual"),
+    GradCase(
+        "BiasDropout",
+        [r(2, 4), r(4), None, np.array(0.0), np.array(True)],
+        domain=_MS,
+        const=(3,),
+        num_outputs=2,
+        name="BiasDropout_training_ratio0",
+    ),
+]

@@ -167,3 +167,30 @@ for shape, size, attrs in (
     CASES.append(
         GradCase("LRN", [r(*shape)], {"size": size, **attrs}, opset=13, name=f"LRN{shape}-size{size}-{sorted(attrs.items())}")
     )
+
+# ONNX Runtime's fused normalizations (differentiated in their standard-op form, DecomposePass):
+# every float input and output (mean, inv_std_var, input_skip_bias_sum), skip broadcast.
+_MS = "com.microsoft"
+CASES += [
+    GradCase(
+        "SkipLayerNormalization",
+        [r(2, 3, 4), r(2, 3, 4), r(4), r(4), r(4)],
+        {"epsilon": 1e-5},
+        domain=_MS,
+        num_outputs=4,
+        name="SkipLayerNormalization_all",
+    ),
+    GradCase(
+        "SkipLayerNormalization", [r(2, 3, 4), r(3, 4), r(4)], domain=_MS, num_outputs=2, name="SkipLayerNormalization_2d_skip"
+    ),
+    GradCase(
+        "SkipSimplifiedLayerNormalization",
+        [r(2, 3, 4), r(1, 3, 4), r(4), r(4)],
+        {"epsilon": 1e-5},
+        domain=_MS,
+        num_outputs=4,
+        name="SkipSimplifiedLayerNormalization_all",
+    ),
+    GradCase("SimplifiedLayerNormalization", [r(2, 3, 4), r(4)], num_outputs=2, name="SimplifiedLayerNormalization"),
+    GradCase("SimplifiedLayerNormalization", [r(2, 3, 4), r(3, 4)], {"axis": 1}, name="SimplifiedLayerNormalization_axis1"),
+]

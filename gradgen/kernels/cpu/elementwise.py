@@ -19,7 +19,7 @@ from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
 from gradgen.ops.elementwise import broadcast_gradient_axes
-from gradgen.ops.schemas import FLOATS, INT64, Formal, Schema
+from gradgen.ops.schemas import DT, FLOATS, INT64, Attribute, Formal, Schema
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
 ONNX_TO_NUMPY = {
@@ -696,3 +696,104 @@ def rotary_embedding(x, cos_cache, sin_cache, position_ids=None, *, interleaved=
     out[..., first] = cos * x1 - sin * x2
     out[..., second] = sin * x1 + cos * x2
     return out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime's transformer activations and BiasDropout (com.microsoft, contrib_defs.cc /
+# bert_defs.cc): forward ops of models optimized for ORT inference. build_backward rewrites them
+# into standard ops first (gradgen.passes.DecomposePass, with their lowerings as the form).
+
+
+def _same_as_first_output(infos, attrs):
+    return [(infos[0].dtype, infos[0].shape)]
+
+
+def _activation_schema(op_type: str, *inputs: Formal, attributes=()) -> Schema:
+    return schemas.declare(
+        Schema(op_type, inputs=inputs, outputs=(Formal("Y", FLOATS),), attributes=attributes, infer=_same_as_first_output)
+    )
+
+
+MS_GELU = _activation_schema("Gelu", Formal("X", FLOATS))
+FAST_GELU = _activation_schema("FastGelu", Formal("X", FLOATS), Formal("bias", FLOATS, optional=True))
+BIAS_GELU = _activation_schema("BiasGelu", Formal("A", FLOATS), Formal("B", FLOATS))
+QUICK_GELU = _activation_schema("QuickGelu", Formal("X", FLOATS), attributes=(Attribute("alpha", "float", 1.702),))
+
+
+def _plus_bias(X, bias, op_type: str):
+    """X + bias, bias 1-D over X's last axis (ORT's contract)."""
+    if bias is None:
+        return X
+    if bias.ndim != 1 or X.ndim < 1 or X.shape[-1] != bias.shape[0]:
+        raise KernelError(
+            f"{op_type}: bias (shape {list(bias.shape)}) must be 1-D and match the last dimension of X {list(X.shape)}"
+        )
+    return X + bias
+
+
+@cpu_kernel("Gelu", domain=MICROSOFT)
+def ms_gelu(X):
+    """The exact (erf) Gelu, as ONNX's Gelu."""
+    return gelu(X)
+
+
+@cpu_kernel("FastGelu", domain=MICROSOFT)
+def fast_gelu(X, bias=None):
+    """The tanh approximation of Gelu of X [+ bias]."""
+    return gelu(_plus_bias(X, bias, "FastGelu"), approximate="tanh")
+
+
+@cpu_kernel("BiasGelu", domain=MICROSOFT)
+def bias_gelu(A, B):
+    """The exact Gelu of A + B."""
+    return gelu(_plus_bias(A, B, "BiasGelu"))
+
+
+@cpu_kernel("QuickGelu", domain=MICROSOFT)
+def quick_gelu(X, *, alpha=1.702):
+    """X * Sigmoid(alpha * X)."""
+    ct = accumulation_dtype(X.dtype)
+    x = X.astype(ct, copy=False)
+    return (x / (ct.type(1) + np.exp(-ct.type(alpha) * x))).astype(X.dtype, copy=False)
+
+
+def _bias_dropout_types(infos, attrs):
+    return [(infos[0].dtype, infos[0].shape), (DT.BOOL, infos[0].shape)]
+
+
+BIAS_DROPOUT = schemas.declare(
+    Schema(
+        "BiasDropout",
+        inputs=(
+            Formal("data", FLOATS),
+            Formal("bias", FLOATS),
+            Formal("residual", FLOATS, optional=True),
+            Formal("ratio", FLOATS, optional=True),
+            Formal("training_mode", frozenset({DT.BOOL}), optional=True),
+        ),
+        outputs=(Formal("output", FLOATS), Formal("mask", frozenset({DT.BOOL}), optional=True)),
+        attributes=(Attribute("seed", "int"),),
+        infer=_bias_dropout_types,
+    )
+)
+
+
+def bias_dropout_is_training(ratio, training_mode) -> bool:
+    """Whether a BiasDropout with these (constant) inputs drops anything: training_mode true and
+    ratio > 0 (ratio defaults to 0.5)."""
+    training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
+    rate = 0.5 if ratio is None or not np.size(ratio) else float(np.asarray(ratio).reshape(-1)[0])
+    return training and rate > 0
+
+
+@cpu_kernel("BiasDropout", domain=MICROSOFT)
+def bias_dropout(data, bias, residual=None, ratio=None, training_mode=None, *, seed=None, _num_outputs=1):
+    """Inference form: (data + bias [+ residual], an all-true mask); training mode with ratio > 0
+    (a random mask) is refused."""
+    if bias_dropout_is_training(ratio, training_mode):
+        raise KernelError("BiasDropout in training mode with ratio > 0 is not supported (gradgen runs it in inference mode only)")
+    y = _plus_bias(data, bias, "BiasDropout")
+    if residual is not None:
+        y = y + residual
+    y = y.astype(data.dtype, copy=False)
+    return (y, np.ones(y.shape, dtype=bool)) if _num_outputs >= 2 else y

@@ -12,7 +12,7 @@ from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_com
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
-from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
+from gradgen.ops.schemas import DT, FLOATS, Attribute, Formal, Schema
 
 
 @cpu_kernel("BatchNormalization")
@@ -239,3 +239,110 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
 def simplified_layer_normalization_grad(dY, X, scale, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
     """(dX, dScale) of SimplifiedLayerNormalization (RMS norm) from its saved InvStdDev."""
     return _layer_norm_grad(dY, X, scale, None, inv_std_var, axis, simplified=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime's fused normalizations (bert_defs.cc; SimplifiedLayerNormalization is registered
+# in the ONNX domain): forward ops of models optimized for ORT inference. build_backward rewrites
+# them into standard ops first (gradgen.passes.DecomposePass, with their lowerings as the form).
+# Statistics are computed and returned in float32 for 16-bit inputs, in X's type otherwise.
+
+
+def normalize_last(x, scale, bias, epsilon, simplified: bool, axis: int = -1):
+    """(Y, mean or zeros, inv_std_var) of a layer norm (RMS norm when ``simplified``) of x over
+    the axes from ``axis``, statistics kept with size-1 normalized axes."""
+    st = float_compute_dtype(x.dtype)
+    xc = x.astype(st, copy=False)
+    axes = tuple(range(normalize_axis(axis, x.ndim), x.ndim))
+    mean = np.zeros(xc.mean(axis=axes, keepdims=True).shape, dtype=st) if simplified else xc.mean(axis=axes, keepdims=True)
+    centered = xc - mean
+    inv_std = 1 / np.sqrt((centered * centered).mean(axis=axes, keepdims=True) + st.type(epsilon))
+    y = centered * inv_std * scale.astype(st, copy=False)
+    if bias is not None:
+        y = y + bias.astype(st, copy=False)
+    return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+def _skip_sum(op_type, input, skip, bias):
+    """input + skip [+ bias]: skip broadcasts over input's leading axes (ORT takes (B, S, H),
+    (1, S, H) or (S, H)), bias is 1-D over the hidden axis."""
+    if (
+        input.ndim != 3
+        or skip.ndim not in (2, 3)
+        or skip.shape[-2:] != input.shape[-2:]
+        or skip.ndim == 3
+        and skip.shape[0] not in (1, input.shape[0])
+    ):
+        raise KernelError(
+            f"{op_type}: input must be (batch, sequence, hidden) and skip broadcast to it; "
+            f"got {list(input.shape)} and {list(skip.shape)}"
+        )
+    total = input + skip
+    if bias is not None:
+        if bias.shape != input.shape[-1:]:
+            raise KernelError(f"{op_type}: bias (shape {list(bias.shape)}) must be 1-D of the hidden size {input.shape[-1]}")
+        total = total + bias
+    return total.astype(input.dtype, copy=False)
+
+
+def _check_hidden(op_type, name, value, hidden):
+    if value is not None and value.shape != (hidden,):
+        raise KernelError(f"{op_type}: {name} (shape {list(value.shape)}) must be 1-D of the hidden size {hidden}")
+
+
+@cpu_kernel("SkipLayerNormalization", domain=MICROSOFT)
+def skip_layer_normalization(input, skip, gamma, beta=None, bias=None, *, epsilon=1e-12):
+    """(output, mean, inv_std_var, input_skip_bias_sum): LayerNormalization over the hidden axis
+    of input + skip [+ bias], times gamma [plus beta]."""
+    total = _skip_sum("SkipLayerNormalization", input, skip, bias)
+    for name, value in (("gamma", gamma), ("beta", beta)):
+        _check_hidden("SkipLayerNormalization", name, value, input.shape[-1])
+    y, mean, inv_std = normalize_last(total, gamma, beta, epsilon, simplified=False)
+    return y, mean, inv_std, total
+
+
+@cpu_kernel("SkipSimplifiedLayerNormalization", domain=MICROSOFT)
+def skip_simplified_layer_normalization(input, skip, gamma, bias=None, *, epsilon=1e-12):
+    """(output, mean (zeros, as ONNX Runtime writes it), inv_std_var, input_skip_bias_sum): RMS
+    normalization over the hidden axis of input + skip [+ bias], times gamma."""
+    total = _skip_sum("SkipSimplifiedLayerNormalization", input, skip, bias)
+    _check_hidden("SkipSimplifiedLayerNormalization", "gamma", gamma, input.shape[-1])
+    y, mean, inv_std = normalize_last(total, gamma, None, epsilon, simplified=True)
+    return y, mean, inv_std, total
+
+
+@cpu_kernel("SimplifiedLayerNormalization")
+def simplified_layer_normalization(X, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """(Y, inv_std_var): RMS normalization over the axes from ``axis``, times scale (ONNX
+    Runtime's contrib op of the ONNX domain, the RMSNormalization of opset 23)."""
+    _stash_dtype(X.dtype, stash_type)
+    y, _, inv_std = normalize_last(X, scale, None, epsilon, simplified=True, axis=axis)
+    return y, inv_std
+
+
+def _skip_norm_types(infos, attrs):
+    x = infos[0]
+    stats = DT.FLOAT if x.dtype in (DT.FLOAT16, DT.BFLOAT16) else x.dtype
+    stat_shape = None if x.shape is None else (*x.shape[:-1], 1)
+    return [(x.dtype, x.shape), (stats, stat_shape), (stats, stat_shape), (x.dtype, x.shape)]
+
+
+def _skip_norm_schema(op_type: str, *inputs: str) -> Schema:
+    return schemas.declare(
+        Schema(
+            op_type,
+            inputs=tuple(Formal(name, FLOATS, optional=k >= 3) for k, name in enumerate(inputs)),
+            outputs=(
+                Formal("output", FLOATS),
+                Formal("mean", FLOATS, optional=True),
+                Formal("inv_std_var", FLOATS, optional=True),
+                Formal("input_skip_bias_sum", FLOATS, optional=True),
+            ),
+            attributes=(Attribute("epsilon", "float", 1e-12),),
+            infer=_skip_norm_types,
+        )
+    )
+
+
+SKIP_LAYER_NORMALIZATION = _skip_norm_schema("SkipLayerNormalization", "input", "skip", "gamma", "beta", "bias")
+SKIP_SIMPLIFIED_LAYER_NORMALIZATION = _skip_norm_schema("SkipSimplifiedLayerNormalization", "input", "skip", "gamma", "bias")

@@ -96,3 +96,81 @@ def _lower_gelu_grad(e: GraphBuilder, node: ir.Node):
 
 for _op_type in ("GeluGrad", "FastGeluGrad", "BiasGeluGrad_dX", "BiasFastGeluGrad_dX"):
     register_lowering(_op_type)(_lower_gelu_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime's transformer activations and BiasDropout (forward ops): their standard-op forms,
+# which are also what DecomposePass differentiates (gradgen/kernels/cpu/elementwise.py has their
+# kernels and schemas)
+
+
+def _required(node: ir.Node, *positions: int) -> list[ir.Value]:
+    values = [node_input(node, i) for i in positions]
+    if any(v is None for v in values):
+        raise ModelError(f"{node_where(node)} lacks one of its required inputs")
+    return values  # type: ignore[return-value]
+
+
+def _biased_input(e: GraphBuilder, node: ir.Node) -> ir.Value:
+    """X [+ bias]: the second input, where present, is a bias over the last axis."""
+    (x,) = _required(node, 0)
+    bias = node_input(node, 1)
+    return e.op("Add", x, bias) if bias is not None else x
+
+
+def _exact_gelu(e: GraphBuilder, z: ir.Value, like: ir.Value) -> ir.Value:
+    """z Phi(z) = z / 2 (1 + erf(z / sqrt 2)), constants in like's type."""
+    cdf = e.op("Add", e.op("Erf", e.op("Mul", z, e.const_like(like, 1.0 / np.sqrt(2.0)))), e.const_like(like, 1.0))
+    return e.op("Mul", e.op("Mul", z, e.const_like(like, 0.5)), cdf)
+
+
+@register_lowering("Gelu")
+@register_lowering("BiasGelu")
+def lower_gelu(e: GraphBuilder, node: ir.Node):
+    """Y = Gelu(X) or Gelu(A + B), the exact (erf) one."""
+    if node.op_type == "BiasGelu":
+        _required(node, 0, 1)
+    return [_exact_gelu(e, _biased_input(e, node), _required(node, 0)[0])]
+
+
+@register_lowering("FastGelu")
+def lower_fast_gelu(e: GraphBuilder, node: ir.Node):
+    """Y = z / 2 (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))), z = X [+ bias]."""
+    z, like = _biased_input(e, node), _required(node, 0)[0]
+    cube = e.op("Mul", e.op("Mul", z, z), z)
+    inner = e.op("Add", z, e.op("Mul", cube, e.const_like(like, 0.044715)))
+    t = e.op("Tanh", e.op("Mul", inner, e.const_like(like, float(np.sqrt(2.0 / np.pi)))))
+    return [e.op("Mul", e.op("Mul", z, e.const_like(like, 0.5)), e.op("Add", t, e.const_like(like, 1.0)))]
+
+
+@register_lowering("QuickGelu")
+def lower_quick_gelu(e: GraphBuilder, node: ir.Node):
+    """Y = X Sigmoid(alpha X)."""
+    (x,) = _required(node, 0)
+    alpha = node.attributes["alpha"].value if "alpha" in node.attributes else 1.702
+    return [e.op("Mul", x, e.op("Sigmoid", e.op("Mul", x, e.const_like(x, float(alpha)))))]
+
+
+@register_lowering("BiasDropout")
+def lower_bias_dropout(e: GraphBuilder, node: ir.Node):
+    """Inference form: data + bias [+ residual], and an all-true mask. Training mode with ratio
+    > 0 (or not known before running) is refused: its random mask is not this form."""
+    from gradgen.kernels.cpu.elementwise import bias_dropout_is_training
+
+    data, bias = _required(node, 0, 1)
+    residual, ratio, training = (node_input(node, i) for i in (2, 3, 4))
+    training_value = e.value_of(training) if training is not None else None
+    ratio_value = e.value_of(ratio) if ratio is not None else None
+    unknown = training is not None and (training_value is None or (ratio is not None and ratio_value is None))
+    if unknown or bias_dropout_is_training(ratio_value, training_value):
+        raise ModelError(
+            f"{node_where(node)}: BiasDropout in training mode with ratio > 0 (or training_mode / ratio not "
+            "constant) is not supported; gradgen runs it in inference mode only (a seeded dropout mask is not implemented)"
+        )
+    y = e.op("Add", data, bias)
+    if residual is not None:
+        y = e.op("Add", y, residual)
+    mask = None
+    if len(node.outputs) > 1 and is_needed(node.outputs[1]):
+        mask = e.op("ConstantOfShape", e.shape_of(data), value=ir.tensor(np.array([True])))
+    return [y, mask]

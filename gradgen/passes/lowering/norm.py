@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of
@@ -55,3 +56,75 @@ def lower_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
             summed = e.reduce_sum(term(), lead_axes, keepdims=0) if lead_axes else term()
             outputs[i] = e.reshape_like(summed, scale)
     return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime's fused normalizations (forward ops): their standard-op forms, which are also what
+# DecomposePass differentiates (gradgen/kernels/cpu/norm.py has their kernels and schemas)
+
+
+def _normalize(e: GraphBuilder, node: ir.Node, x: ir.Value, scale: ir.Value, bias, simplified: bool, axis: int = -1):
+    """(Y, mean or zeros, inv_std_var) of a layer norm (RMS norm when ``simplified``) over the
+    axes from ``axis``, as the kernels compute them: statistics in float32 for 16-bit X."""
+    first = node.inputs[0]
+    dims = dims_of(first)
+    if dims is None or not dims or first.dtype is None:
+        raise ModelError(f"{node_where(node)}: its standard-op form needs the type and rank of its input; they are not known")
+    rank = len(dims)
+    axes = list(range(axis % rank, rank))
+    eps = (
+        node.attributes["epsilon"].value if "epsilon" in node.attributes else (1e-5 if node.domain in ("", "ai.onnx") else 1e-12)
+    )
+    wide = first.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    stats = np.dtype(np.float32) if wide else np.dtype(first.dtype.numpy())
+    xs = e.op("Cast", x, to=ir.DataType.FLOAT) if wide else x
+    if simplified:
+        mean, centered = None, xs
+    else:
+        mean = e.reduce("ReduceMean", xs, axes, keepdims=1)
+        centered = e.op("Sub", xs, mean)
+    var = e.reduce("ReduceMean", e.op("Mul", centered, centered), axes, keepdims=1)
+    inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.const(np.array(eps, dtype=stats)))))
+    y = e.op("Mul", e.op("Mul", centered, inv_std), e.op("Cast", scale, to=ir.DataType.FLOAT) if wide else scale)
+    if bias is not None:
+        y = e.op("Add", y, e.op("Cast", bias, to=ir.DataType.FLOAT) if wide else bias)
+    if wide:
+        y = e.op("Cast", y, to=first.dtype)
+    if mean is None and len(node.outputs) > 1 and is_needed(node.outputs[1]) and node.op_type.startswith("Skip"):
+        mean = e.op("Mul", inv_std, e.const(np.array(0.0, dtype=stats)))  # ONNX Runtime writes zeros
+    return y, mean, inv_std
+
+
+def _skip_inputs(node: ir.Node, names: tuple[str, ...]) -> dict:
+    values = {name: node_input(node, i) for i, name in enumerate(names)}
+    for name in ("input", "skip", "gamma"):
+        if values[name] is None:
+            raise ModelError(f"{node_where(node)} lacks its input {name!r}")
+    return values
+
+
+@register_lowering("SkipLayerNormalization", min_opset=BASE_OPSET)
+@register_lowering("SkipSimplifiedLayerNormalization", min_opset=BASE_OPSET)
+def lower_skip_layer_normalization(e: GraphBuilder, node: ir.Node):
+    """(output, mean, inv_std_var, input_skip_bias_sum): the (RMS) layer norm of input + skip [+ bias]."""
+    simplified = node.op_type == "SkipSimplifiedLayerNormalization"
+    names = ("input", "skip", "gamma", "bias") if simplified else ("input", "skip", "gamma", "beta", "bias")
+    v = _skip_inputs(node, names)
+    total = e.op("Add", v["input"], v["skip"])
+    if v["bias"] is not None:
+        total = e.op("Add", total, v["bias"])
+    y, mean, inv_std = _normalize(e, node, total, v["gamma"], v.get("beta"), simplified)
+    return [y, mean, inv_std, total]
+
+
+@register_lowering("SimplifiedLayerNormalization", domain="", min_opset=BASE_OPSET)
+def lower_simplified_layer_normalization(e: GraphBuilder, node: ir.Node):
+    """(Y, inv_std_var): RMS normalization over the axes from ``axis``, times scale."""
+    x, scale = node_input(node, 0), node_input(node, 1)
+    if x is None or scale is None:
+        raise ModelError(f"{node_where(node)} lacks one of its inputs X, scale")
+    if "stash_type" in node.attributes and int(node.attributes["stash_type"].value) != 1:
+        raise ModelError(f"{node_where(node)}: stash_type {node.attributes['stash_type'].value} is not supported (only 1)")
+    axis = int(node.attributes["axis"].value) if "axis" in node.attributes else -1
+    y, _, inv_std = _normalize(e, node, x, scale, None, simplified=True, axis=axis)
+    return [y, inv_std]
