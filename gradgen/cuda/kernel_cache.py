@@ -13,8 +13,10 @@ moved into place with ``os.replace``, the index last, so a reader sees a whole b
 building one key holds an exclusive ``fcntl`` lock on ``<key>.lock``, so processes that need the
 same kernels at once build each source once and the others wait for it.
 
-Speed: ``builds`` builds every missing source at once in threads (NVRTC releases the GIL), so
-the cold start costs the longest source's compile, not the sum. With
+Speed: ``builds`` builds every missing source at once, on one pool of compile threads, one per
+core (NVRTC releases the GIL); a source written in parts (compile.py, ``Source.parts``) compiles
+its parts as separate jobs, so the cold start is about the total compile work over the cores,
+not the largest source's compile. With
 ``GRADGEN_CUDA_SPLIT_COMPILE=1`` (opt-in, see compile.py) NVRTC writes each source's PTX once and
 its kernels assemble in groups of about ``GROUP_SIZE`` on a shared pool, so that the largest
 source's assembly spreads over the cores too. (Kernels of one source must then not share a
@@ -132,7 +134,9 @@ def compile_build(source: Source, arch: str, using: Compiler, links: Executor | 
     if split and source.parts > 1:
         return _compile_parts(source, arch, using, links)
     if not (split and using.can_split):
-        return [(None, using.compile(source, arch))]
+        if links is None:
+            return [(None, using.compile(source, arch))]
+        return [(None, links.submit(using.compile, source, arch).result())]  # on the pool: one compile per core
     common, kernels = split_ptx(using.ptx(source, arch))
     groups = groups_of(list(kernels))
 
@@ -227,14 +231,17 @@ def builds(
         if on_done is not None:
             on_done(source.name, time.perf_counter() - start, source in missing)
 
-    # Two pools: a thread per source (its compile, or its PTX then waiting on its groups, or waiting
-    # on another process's lock) and the workers that assemble kernel groups, so no wait blocks work.
+    # Two pools: a thread per source (its cache lookup, then waiting on its compiles, or on another
+    # process's lock) and the workers that compile (whole sources, parts, kernel groups): one per
+    # core, so compiles never oversubscribe the machine. The largest sources start first, so their
+    # parts queue ahead of the small sources' compiles (longest jobs first keeps the end short).
+    sources_by_size = sorted(sources, key=lambda source: -len(source.text))
     with (
         progress,
         ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-ptxas") as links,
         ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source,
     ):
-        list(per_source.map(lambda source: one(source, links), sources))
+        list(per_source.map(lambda source: one(source, links), sources_by_size))
     return {name: results[name] for name in names}
 
 

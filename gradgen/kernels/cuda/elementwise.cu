@@ -2,7 +2,7 @@
 // Entry points: extern "C" <op>_<dtype suffix>, e.g. add_f32, equal_f32 (bool out), pow_f32_i64,
 // cast_f32_i64. The launchers (elementwise.py) drop size-1 dims and merge dims that are contiguous
 // for every operand first, so the common same-shape case is rank 1 and needs no index arithmetic.
-#define GG_PARTS 8  // compiled as 8 parts at once (common.h: GG_PART)
+#define GG_PARTS 12  // compiled as 12 parts at once (common.h: GG_PART)
 #include "common.h"
 
 // numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.

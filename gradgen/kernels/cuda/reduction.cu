@@ -10,7 +10,7 @@
 //   16 bytes of neighbouring columns and keeps four rows' loads in flight;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
-#define GG_PARTS 10  // compiled as 10 parts at once (common.h: GG_PART)
+#define GG_PARTS 17  // compiled as 17 parts at once (common.h: GG_PART)
 #include "common.h"
 #include <math_constants.h>
 
