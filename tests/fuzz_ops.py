@@ -1143,15 +1143,20 @@ _F32 = (0.25, 0.5, 0.75, 1.25)  # attribute values exact in float32, the attribu
 
 @st.composite
 def normalization_cases(draw, op):
-    """RMSNormalization, LpNormalization, MeanVarianceNormalization, LRN."""
+    """RMSNormalization, SimplifiedLayerNormalization (ONNX Runtime's, with its inv_std_var output),
+    LpNormalization, MeanVarianceNormalization, LRN."""
     rng = _rng(draw)
     attrs: dict[str, Any] = {}
-    opset, ort = 18, ""
-    if op == "RMSNormalization":
+    opset, ort, num_outputs = 18, "", 1
+    if op in ("RMSNormalization", "SimplifiedLayerNormalization"):
         x = rng.uniform(-2, 2, shape(draw, rank_min=1, rank_max=3))
         axis = draw(st.integers(-x.ndim, x.ndim - 1))
         inputs = [x, rng.uniform(0.5, 1.5, x.shape[axis % x.ndim :])]
-        attrs, opset = {"axis": axis, "epsilon": draw(st.sampled_from([1e-5, 0.1]))}, 23
+        attrs = {"axis": axis, "epsilon": draw(st.sampled_from([1e-5, 0.1]))}
+        if op == "RMSNormalization":
+            opset = 23
+        else:
+            num_outputs = draw(st.integers(1, 2))
     elif op == "LpNormalization":
         x = away(rng, shape(draw, rank_min=1, rank_max=3), kinks=(0,))
         attrs = {"axis": draw(st.integers(-x.ndim, x.ndim - 1)), "p": draw(st.sampled_from([1, 2]))}
@@ -1168,7 +1173,8 @@ def normalization_cases(draw, op):
         attrs["bias"] = draw(st.sampled_from([1.0, 2.0]))
         opset = 13
         inputs = [x]
-    case = finish(draw, OpCase(op, inputs, attrs, opset=opset, graph_inputs=placement(draw, list(range(len(inputs))))))
+    present = list(range(len(inputs)))
+    case = finish(draw, OpCase(op, inputs, attrs, opset=opset, num_outputs=num_outputs, graph_inputs=placement(draw, present)))
     if op == "MeanVarianceNormalization" and case.dtype == np.float64:
         ort = "ONNX's function body adds a float epsilon to double data"
     elif op == "LRN" and (inputs[0].ndim != 4 or attrs["size"] % 2 == 0):
@@ -1452,7 +1458,7 @@ for _op in ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]:
     GENERATORS[_op] = loss_cases
 for _op in ["LSTM", "GRU", "RNN"]:
     GENERATORS[_op] = recurrent_cases
-for _op in ["RMSNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN"]:
+for _op in ["RMSNormalization", "SimplifiedLayerNormalization", "LpNormalization", "MeanVarianceNormalization", "LRN"]:
     GENERATORS[_op] = normalization_cases
 for _op in ["LpPool", "GlobalLpPool", "MaxUnpool"]:
     GENERATORS[_op] = lp_pool_cases

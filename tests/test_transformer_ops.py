@@ -192,3 +192,25 @@ def test_bert_block_with_fused_ops_has_the_gradients_of_its_standard_form():
     assert set(fused) == set(standard)
     for name in fused:
         np.testing.assert_allclose(fused[name], standard[name], rtol=1e-9, atol=1e-10, err_msg=name)
+
+
+def test_bias_dropout_with_a_run_time_training_mode_is_refused_naming_the_node():
+    model, _ = _model("BiasDropout", MS, [r(2, 4), r(4), None, np.array(0.0, np.float32), np.array(True)], 1, {})
+    model.graph.node.append(helper.make_node("ReduceSum", ["o0"], ["loss"], keepdims=0))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    with pytest.raises(ModelError, match="'node'.*not constant"):
+        gradgen.build_backward(model, wrt=["i0"])
+
+
+@pytest.mark.parametrize("domain,op", sorted(LOWERED_FORWARD_OPS))
+def test_a_node_left_in_place_reaching_the_gradient_pass_is_a_one_line_error(domain, op):
+    from types import SimpleNamespace
+
+    from gradgen.grads.registry import lookup_rule
+
+    rule = lookup_rule(domain, op)
+    assert rule is not None and rule.differentiable
+    with pytest.raises(ModelError, match=rf"^{op} node 'n' reached the gradient pass: .*DecomposePass") as caught:
+        rule.fn(SimpleNamespace(node=SimpleNamespace(op_type=op, name="n")))
+    assert "\n" not in str(caught.value)

@@ -63,6 +63,21 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",
     ("", "LSTM"): "no CUDA launcher: backward graphs hold their unrolled form",
     ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
+    # ONNX Runtime's forward ops of models optimized for its inference: build_backward rewrites them
+    # into standard ops (passes/decompose.py); only a forward model run as it is holds them
+    ("", "SimplifiedLayerNormalization"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
+    **{
+        ("com.microsoft", op): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)"
+        for op in (
+            "Gelu",
+            "FastGelu",
+            "BiasGelu",
+            "QuickGelu",
+            "BiasDropout",
+            "SkipLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+        )
+    },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",

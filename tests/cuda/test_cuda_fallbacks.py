@@ -65,6 +65,19 @@ MODELS = {
     "STFT": lambda: _case_model("STFT"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
+    "SimplifiedLayerNormalization": lambda: _case_model("SimplifiedLayerNormalization"),
+    **{
+        op: (lambda op=op: _microsoft_case_model(op))
+        for op in (
+            "Gelu",
+            "FastGelu",
+            "BiasGelu",
+            "QuickGelu",
+            "BiasDropout",
+            "SkipLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+        )
+    },
     "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),
     "SigmoidGrad": lambda: _microsoft_case_model("SigmoidGrad"),
     "TanhGrad": lambda: _microsoft_case_model("TanhGrad"),

@@ -191,6 +191,7 @@ CASES += [
         num_outputs=4,
         name="SkipSimplifiedLayerNormalization_all",
     ),
-    GradCase("SimplifiedLayerNormalization", [r(2, 3, 4), r(4)], num_outputs=2, name="SimplifiedLayerNormalization"),
+    # (its inv_std_var is float32 also for double X, as ONNX Runtime gives it: not finite-differenced)
+    GradCase("SimplifiedLayerNormalization", [r(2, 3, 4), r(4)], name="SimplifiedLayerNormalization"),
     GradCase("SimplifiedLayerNormalization", [r(2, 3, 4), r(3, 4)], {"axis": 1}, name="SimplifiedLayerNormalization_axis1"),
 ]

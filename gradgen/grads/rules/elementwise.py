@@ -610,3 +610,28 @@ def gelu_grad(g):
         if bias is not None and g.needs(2):
             grads[2] = g.unbroadcast(dz, bias, x, None)
     return grads
+
+
+def left_in_place(g, why: str = "") -> ModelError:
+    """The error of an ONNX Runtime forward op that reached the gradient pass: build_backward's
+    DecomposePass rewrites it into standard ops first (gradgen.passes.decompose.LOWERED_FORWARD_OPS),
+    when its first input's type and rank are known."""
+    where = f"{g.node.op_type} node {g.node.name or '<unnamed>'!r}"
+    return ModelError(
+        f"{where} reached the gradient pass: it is differentiated in its standard-op form, which "
+        "gradgen.passes.DecomposePass (in build_backward's pipeline) makes when its first input's type and rank "
+        f"are known{why}"
+    )
+
+
+@grad_rule("Gelu", "FastGelu", "BiasGelu", "QuickGelu", domain=MICROSOFT)
+def transformer_activation(g):
+    """ONNX Runtime's Gelu family: differentiated in its standard-op form (left_in_place)."""
+    raise left_in_place(g)
+
+
+@grad_rule("BiasDropout", domain=MICROSOFT, nondiff_inputs=(3, 4))
+def bias_dropout(g):
+    """BiasDropout in inference mode (data + bias [+ residual]): differentiated in its standard-op
+    form (left_in_place); training mode with ratio > 0 is refused by that form."""
+    raise left_in_place(g)

@@ -484,3 +484,13 @@ def layer_normalization_grad(g):
             d_s.append(g.reduce_sum(g.op("Mul", grad_xhat, centered), norm_axes, keepdims=1))
         grads[4] = g.cast_like(g.sum(d_s), inv_std) if d_s else g.zeros_like(inv_std)
     return grads
+
+
+@grad_rule("SkipLayerNormalization", "SkipSimplifiedLayerNormalization", domain=MICROSOFT)
+@grad_rule("SimplifiedLayerNormalization")
+def fused_layer_normalization(g):
+    """ONNX Runtime's fused normalizations: differentiated in their standard-op form
+    (gradgen.grads.rules.elementwise.left_in_place)."""
+    from gradgen.grads.rules.elementwise import left_in_place
+
+    raise left_in_place(g)

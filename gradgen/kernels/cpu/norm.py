@@ -314,10 +314,11 @@ def skip_simplified_layer_normalization(input, skip, gamma, bias=None, *, epsilo
 @cpu_kernel("SimplifiedLayerNormalization")
 def simplified_layer_normalization(X, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     """(Y, inv_std_var): RMS normalization over the axes from ``axis``, times scale (ONNX
-    Runtime's contrib op of the ONNX domain, the RMSNormalization of opset 23)."""
+    Runtime's contrib op of the ONNX domain, the RMSNormalization of opset 23). inv_std_var is
+    float32 (stash_type 1) as ONNX Runtime gives it, also for double X (computed in double)."""
     _stash_dtype(X.dtype, stash_type)
     y, _, inv_std = normalize_last(X, scale, None, epsilon, simplified=True, axis=axis)
-    return y, inv_std
+    return y, inv_std.astype(np.float32, copy=False)
 
 
 def _skip_norm_types(infos, attrs):

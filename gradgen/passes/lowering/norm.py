@@ -127,4 +127,6 @@ def lower_simplified_layer_normalization(e: GraphBuilder, node: ir.Node):
         raise ModelError(f"{node_where(node)}: stash_type {node.attributes['stash_type'].value} is not supported (only 1)")
     axis = int(node.attributes["axis"].value) if "axis" in node.attributes else -1
     y, _, inv_std = _normalize(e, node, x, scale, None, simplified=True, axis=axis)
+    if x.dtype == ir.DataType.DOUBLE:
+        inv_std = e.op("Cast", inv_std, to=ir.DataType.FLOAT)  # float32, as the kernel and ONNX Runtime give it
     return [y, inv_std]
