@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import gradgen
 from gradgen.errors import GradgenError, ModelError
 from gradgen.executor import Session
-from gradgen.passes.decompose import LOWERED_FORWARD_OPS
+from gradgen.ops.schemas import LOWERED_FORWARD_OPS
 from gradgen.passes.lowering import lookup_lowering
 
 ort = pytest.importorskip("onnxruntime")

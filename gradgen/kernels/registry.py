@@ -9,6 +9,7 @@ module; the first lookup imports the CPU families, the first request for CUDA th
 from __future__ import annotations
 
 from gradgen.kernels.table import KERNELS, MICROSOFT, ONNX_DOMAIN, KernelEntry, cpu_kernel, cuda_kernel, normalize_domain
+from gradgen.ops.schemas import LOWERED_FORWARD_OPS
 from gradgen.registration import Families
 
 CPU_FAMILIES = (
@@ -65,19 +66,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
     # ONNX Runtime's forward ops of models optimized for its inference: build_backward rewrites them
     # into standard ops (passes/decompose.py); only a forward model run as it is holds them
-    ("", "SimplifiedLayerNormalization"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    **{
-        ("com.microsoft", op): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)"
-        for op in (
-            "Gelu",
-            "FastGelu",
-            "BiasGelu",
-            "QuickGelu",
-            "BiasDropout",
-            "SkipLayerNormalization",
-            "SkipSimplifiedLayerNormalization",
-        )
-    },
+    **{op: "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)" for op in LOWERED_FORWARD_OPS},
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",

@@ -30,6 +30,20 @@ MICROSOFT_DOMAIN = "com.microsoft"
 MICROSOFT_OPSET = 1
 
 
+# ONNX Runtime's forward ops of models optimized for its inference (com.microsoft, and its
+# SimplifiedLayerNormalization of the ONNX domain): compositions of standard ops, whose standard
+# form is their lowering (gradgen/passes/lowering; their kernels and schemas are in
+# gradgen/kernels/cpu), which DecomposePass applies before the gradient pass, so the rules of
+# those ops differentiate every float input; no CUDA launcher (kernels/registry.py)
+LOWERED_FORWARD_OPS = frozenset(
+    {
+        *((MICROSOFT_DOMAIN, op) for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasDropout")),
+        *((MICROSOFT_DOMAIN, op) for op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")),
+        ("", "SimplifiedLayerNormalization"),
+    }
+)
+
+
 def normalize_domain(domain: str) -> str:
     """The default domain as "" (ONNX spells it "" or "ai.onnx"); any other domain as it is."""
     return "" if domain in ("", "ai.onnx") else domain

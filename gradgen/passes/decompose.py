@@ -26,7 +26,7 @@ from gradgen.ops.attributes import node_attributes
 from gradgen.ops.conv import deform_conv_geometry, deform_conv_positions
 from gradgen.ops.grid_sample import TAP_OFFSETS, GridSampleSpec, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import roi_align_spec
-from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
+from gradgen.ops.schemas import LOWERED_FORWARD_OPS, normalize_domain
 from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
 
 __all__ = ["DecomposePass"]
@@ -64,19 +64,6 @@ def _build_form(node: ir.Node, builder: GraphBuilder) -> Sequence[ir.Value | Non
     if (normalize_domain(node.domain), node.op_type) in LOWERED_FORWARD_OPS:
         return _lowered_form(node, builder)
     return [_FORMS[node.op_type](node, builder).output()]
-
-
-# ONNX Runtime's forward ops of models optimized for its inference (com.microsoft, and its
-# SimplifiedLayerNormalization of the ONNX domain): compositions of standard ops, whose standard
-# form is their lowering (gradgen/passes/lowering; their kernels and schemas are in
-# gradgen/kernels/cpu), so the rules of those ops differentiate every float input
-LOWERED_FORWARD_OPS = frozenset(
-    {
-        *((MICROSOFT_DOMAIN, op) for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasDropout")),
-        *((MICROSOFT_DOMAIN, op) for op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")),
-        ("", "SimplifiedLayerNormalization"),
-    }
-)
 
 
 def _typed_input(node: ir.Node) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from gradgen.executor import Session
+from gradgen.ops.schemas import LOWERED_FORWARD_OPS
 from tests.gradcheck import case_model
 from tests.test_grad_rules import CASES
 
@@ -65,18 +66,9 @@ MODELS = {
     "STFT": lambda: _case_model("STFT"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
-    "SimplifiedLayerNormalization": lambda: _case_model("SimplifiedLayerNormalization"),
     **{
-        op: (lambda op=op: _microsoft_case_model(op))
-        for op in (
-            "Gelu",
-            "FastGelu",
-            "BiasGelu",
-            "QuickGelu",
-            "BiasDropout",
-            "SkipLayerNormalization",
-            "SkipSimplifiedLayerNormalization",
-        )
+        op: (lambda op=op: _microsoft_case_model(op)) if domain else (lambda op=op: _case_model(op))
+        for domain, op in LOWERED_FORWARD_OPS
     },
     "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),
     "SigmoidGrad": lambda: _microsoft_case_model("SigmoidGrad"),

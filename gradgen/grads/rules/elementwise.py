@@ -614,7 +614,7 @@ def gelu_grad(g):
 
 def left_in_place(g, why: str = "") -> ModelError:
     """The error of an ONNX Runtime forward op that reached the gradient pass: build_backward's
-    DecomposePass rewrites it into standard ops first (gradgen.passes.decompose.LOWERED_FORWARD_OPS),
+    DecomposePass rewrites it into standard ops first (gradgen.ops.schemas.LOWERED_FORWARD_OPS),
     when its first input's type and rank are known."""
     where = f"{g.node.op_type} node {g.node.name or '<unnamed>'!r}"
     return ModelError(
