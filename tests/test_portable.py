@@ -25,6 +25,7 @@ from gradgen.ops.schemas import LOWERED_FORWARD_OPS, MICROSOFT_DOMAIN
 from gradgen.passes import LowerToStandardPass, ShapeInferencePass
 from tests.model_dirs import ALL_DIRS, dir_id, load, with_symbolic_batch
 from tests.test_cli import run_cli, tiny_model
+from tests.test_microsoft_ops import BGA_CASES, SLICE_CASES  # the cases of CASES.md, run here on the lowered forms
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -222,31 +223,6 @@ def test_cli_portable_on_a_model_without_gradient_ops(tmp_path, capsys, monkeypa
 
 
 # ====================================================================== SliceGrad
-
-SLICE_CASES = [  # dY, shape, starts, ends, axes, steps, flattened dX (CASES.md)
-    ([5, 7], [2, 4], [1, 0], [2, 3], [0, 1], [1, 2], [0, 0, 0, 0, 5, 0, 7, 0]),
-    (np.arange(1, 9).reshape(2, 4), [2, 4], [0, 0], [2, 4], [0, 1], [1, 1], list(range(1, 9))),
-    (np.arange(1, 5).reshape(1, 1, 2, 2), [2, 2, 2, 2], [1, 1], [0, 2], [0, 1], [-1, 1], [0] * 12 + [1, 2, 3, 4]),
-    (
-        np.arange(1, 9).reshape(1, 2, 1, 2, 2),
-        [1, 2, 2, 2, 2],
-        [1],
-        [INT64_MAX],
-        [2],
-        [1],
-        [0, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 5, 6, 7, 8],
-    ),
-    (
-        np.arange(1, 5).reshape(1, 1, 2, 1, 2),
-        [1, 2, 2, 2, 2],
-        [1, 1],
-        [INT64_MAX, 2],
-        [1, 3],
-        [1, 1],
-        [0] * 10 + [1, 2, 0, 0, 3, 4],
-    ),
-    ([[[1]]], [1, 1, 1], [0], [INT64_MAX], [1], [1], [1]),
-]
 
 
 def slice_grad_model(dy, shape, starts, ends, axes, steps, const, mode="static", index_dtype=np.int64):
@@ -563,17 +539,6 @@ def test_conv_grad_optional_outputs(outputs):
 
 
 # ====================================================================== BroadcastGradientArgs
-
-BGA_CASES = [
-    ([2, 16, 1024, 1024], [1, 1, 1024, 1024], [], [1, 0]),
-    ([2, 16, 1, 1024], [1, 1, 1024, 1024], [2], [1, 0]),
-    ([2, 3, 4, 5], [2, 3, 4, 5], [], []),
-    ([2, 3, 4, 5], [], [], [3, 2, 1, 0]),
-    ([2, 3, 4, 5], [5], [], [2, 1, 0]),
-    ([4, 5], [2, 3, 4, 5], [1, 0], []),
-    ([1, 4, 5], [2, 3, 1, 1], [1, 0], [3, 2]),
-    ([3, 4, 5], [2, 1, 1, 1], [0], [3, 2, 1]),
-]
 
 
 def bga_model(a, b, *, const=(), mode="symbolic", outputs=("a_axes", "b_axes")):
