@@ -184,29 +184,6 @@ def test_python_dash_m_is_the_same_program(tiny):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
-def test_unsupported_ops_are_all_listed(tmp_path, capsys, monkeypatch):
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-        helper.make_node("Foo", ["h"], ["a"], name="foo1", domain="custom"),
-        helper.make_node("Foo", ["a"], ["b"], name="foo2", domain="custom"),
-        helper.make_node("Bar", ["b"], ["c"], name="bar", domain="custom"),
-        helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="sum"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
-    path = tmp_path / "m.onnx"
-    onnx.save(model, str(path))
-    code, _, err = run_cli(capsys, monkeypatch, "build-backward", path, "-o", tmp_path / "g.onnx")
-    assert code == 3
-    assert "custom::Foo" in err and "'foo1'" in err and "'foo2'" in err and "custom::Bar" in err
-
-
 def test_random_inputs_are_valid_for_every_sample(tmp_path, capsys, monkeypatch):
     """Integer inputs feeding Gather-like ops and loss labels are drawn within their valid ranges."""
     from tests.model_dirs import SAMPLE_DIRS
