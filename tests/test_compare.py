@@ -15,6 +15,11 @@ MLP = next(p for p in SAMPLE_DIRS if p.name == "mlp")
 CNN = next(p for p in SAMPLE_DIRS if p.name == "cnn")
 
 
+def _compare(capsys, monkeypatch, model, inputs, reference, *options):
+    """``gradgen run MODEL --inputs INPUTS --compare REFERENCE --device cpu [options]``: (code, out, err)."""
+    return run_cli(capsys, monkeypatch, "run", model, "--inputs", inputs, "--compare", reference, "--device", "cpu", *options)
+
+
 def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error: ")]
 
@@ -31,9 +36,7 @@ def mlp_fc1(tmp_path_factory):
 
 
 def test_unmatched_reference_keys_fail_and_are_named(mlp_fc1, capsys, monkeypatch):
-    code, out, err = run_cli(
-        capsys, monkeypatch, "run", mlp_fc1, "--inputs", MLP / "inputs.npz", "--compare", MLP / "reference.npz", "--device", "cpu"
-    )
+    code, out, err = _compare(capsys, monkeypatch, mlp_fc1, MLP / "inputs.npz", MLP / "reference.npz")
     assert code == 4, err
     skipped = ["fc1.bias_grad", "fc2.weight_grad", "fc2.bias_grad", "fc3.weight_grad", "fc3.bias_grad", "x_grad", "target_grad"]
     [line] = _error_lines(err)
@@ -45,19 +48,7 @@ def test_unmatched_reference_keys_fail_and_are_named(mlp_fc1, capsys, monkeypatc
 
 
 def test_skip_unmatched_lists_what_was_not_compared(mlp_fc1, capsys, monkeypatch):
-    code, out, err = run_cli(
-        capsys,
-        monkeypatch,
-        "run",
-        mlp_fc1,
-        "--inputs",
-        MLP / "inputs.npz",
-        "--compare",
-        MLP / "reference.npz",
-        "--device",
-        "cpu",
-        "--skip-unmatched",
-    )
+    code, out, err = _compare(capsys, monkeypatch, mlp_fc1, MLP / "inputs.npz", MLP / "reference.npz", "--skip-unmatched")
     assert code == 0, err
     assert "not compared (no output of that name): fc1.bias_grad" in out
     assert "all 2 compared output(s) match the reference" in out and "7 reference key(s) not compared" in out
@@ -88,18 +79,7 @@ def test_pytorch_names_only_when_asked(tmp_path, capsys, monkeypatch):
 
 def test_a_reference_naming_no_output_fails(tmp_path, capsys, monkeypatch):
     np.savez(tmp_path / "ref.npz", nothing=np.zeros(3))
-    code, _, err = run_cli(
-        capsys,
-        monkeypatch,
-        "run",
-        MLP / "model.onnx",
-        "--inputs",
-        MLP / "inputs.npz",
-        "--compare",
-        tmp_path / "ref.npz",
-        "--device",
-        "cpu",
-    )
+    code, _, err = _compare(capsys, monkeypatch, MLP / "model.onnx", MLP / "inputs.npz", tmp_path / "ref.npz")
     assert code == 4
     [line] = _error_lines(err)
     assert "reference's keys (nothing) name none of the model's outputs (loss" in line
@@ -109,18 +89,7 @@ def test_a_mismatch_fails_naming_the_output(tmp_path, capsys, monkeypatch):
     reference = dict(np.load(MLP / "reference.npz"))
     reference["loss"] = reference["loss"] * 1.01
     np.savez(tmp_path / "ref.npz", loss=reference["loss"])
-    code, out, err = run_cli(
-        capsys,
-        monkeypatch,
-        "run",
-        MLP / "model.onnx",
-        "--inputs",
-        MLP / "inputs.npz",
-        "--compare",
-        tmp_path / "ref.npz",
-        "--device",
-        "cpu",
-    )
+    code, out, err = _compare(capsys, monkeypatch, MLP / "model.onnx", MLP / "inputs.npz", tmp_path / "ref.npz")
     assert code == 4
     assert "1 output(s) differ from the reference: loss" in _error_lines(err)[0]
 
@@ -184,9 +153,7 @@ def test_a_mismatch_at_a_kink_decided_by_rounding_says_so(tmp_path, capsys, monk
     np.savez(tmp_path / "in.npz", x=np.array([1e8, 1e8, 1.0], np.float32))
     # the reference computed in float64 (as a double-precision PyTorch run would): relu'(1) = 1
     np.savez(tmp_path / "ref.npz", w_grad=np.ones(3))
-    code, out, err = run_cli(
-        capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz", "--compare", tmp_path / "ref.npz", "--device", "cpu"
-    )
+    code, out, err = _compare(capsys, monkeypatch, built, tmp_path / "in.npz", tmp_path / "ref.npz")
     assert code == 4
     notes = [line for line in err.splitlines() if line.startswith("note: ")]
     assert any(
@@ -203,9 +170,7 @@ def test_a_mismatch_without_kinks_says_they_are_not_the_cause(tmp_path, capsys, 
     assert run_cli(capsys, monkeypatch, "build-backward", tmp_path / "m.onnx", "-o", built)[0] == 0
     np.savez(tmp_path / "in.npz", x=np.array([1.0, 2.0, 3.0], np.float32))
     np.savez(tmp_path / "ref.npz", w_grad=np.full(3, 2.0))  # wrong by a factor 2
-    code, _, err = run_cli(
-        capsys, monkeypatch, "run", built, "--inputs", tmp_path / "in.npz", "--compare", tmp_path / "ref.npz", "--device", "cpu"
-    )
+    code, _, err = _compare(capsys, monkeypatch, built, tmp_path / "in.npz", tmp_path / "ref.npz")
     assert code == 4
     assert "do not come from kinks decided by rounding" in err
 
@@ -218,18 +183,7 @@ def test_kinks_are_found_in_an_untyped_forward_model_with_external_data(tmp_path
     np.savez(tmp_path / "in.npz", x=np.array([1e8, 1e8, 1.0], np.float32))
     np.savez(tmp_path / "ref.npz", loss=np.array(3.0))
     monkeypatch.chdir(tmp_path.parent)
-    code, _, err = run_cli(
-        capsys,
-        monkeypatch,
-        "run",
-        tmp_path / "m.onnx",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--compare",
-        tmp_path / "ref.npz",
-        "--device",
-        "cpu",
-    )
+    code, _, err = _compare(capsys, monkeypatch, tmp_path / "m.onnx", tmp_path / "in.npz", tmp_path / "ref.npz")
     assert code == 4
     assert "(Relu node 'relu': 2)" in err and "the float64 run of this graph matches the reference for loss" in err
 
@@ -252,20 +206,7 @@ def cnn_builds(tmp_path_factory):
 
 
 def _run_compare(capsys, monkeypatch, model, reference, *options):
-    return run_cli(
-        capsys,
-        monkeypatch,
-        "run",
-        model,
-        "--inputs",
-        CNN / "inputs.npz",
-        "--compare",
-        reference,
-        "--device",
-        "cpu",
-        "--skip-unmatched",
-        *options,
-    )
+    return _compare(capsys, monkeypatch, model, CNN / "inputs.npz", reference, "--skip-unmatched", *options)
 
 
 @pytest.mark.parametrize("precision,tolerance", [("bf16", "rtol=0.01, atol=0.05*scale"), ("fp16", "rtol=0.001, atol=0.01*scale")])
