@@ -301,9 +301,9 @@ def test_an_ignored_sighup_stays_ignored(tmp_path, tiny):
 # -- external data ----------------------------------------------------------------------------------
 
 
-def _external_model(path: Path, rows: int, location: str | None = None) -> np.ndarray:
-    """loss = sum(x @ w) with w (rows x 64, float32) in an external data file next to the model."""
-    w = np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32)
+def matmul_sum_model(w: TensorProto) -> onnx.ModelProto:
+    """loss = sum(x @ w) for the float32 initializer ``w`` (dims [rows, cols]; its data inline or
+    external), x of shape [2, rows]."""
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
         helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
@@ -311,11 +311,17 @@ def _external_model(path: Path, rows: int, location: str | None = None) -> np.nd
     graph = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, int(w.dims[0])])],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(w, "w")],
+        initializer=[w],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _external_model(path: Path, rows: int, location: str | None = None) -> np.ndarray:
+    """loss = sum(x @ w) with w (rows x 64, float32) in an external data file next to the model."""
+    w = np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32)
+    model = matmul_sum_model(numpy_helper.from_array(w, "w"))
     onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=0, location=location or f"{path.name}.data")
     return w
 
@@ -421,18 +427,7 @@ def _sparse_external_model(path: Path, nbytes: int) -> int:
     for key, value in (("location", data.name), ("offset", "0"), ("length", str(rows * cols * 4))):
         entry = w.external_data.add()
         entry.key, entry.value = key, value
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-        helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, rows])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[w],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(matmul_sum_model(w), str(path))
     return rows
 
 

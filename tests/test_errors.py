@@ -21,6 +21,7 @@ from gradgen.api import build_backward
 from gradgen.errors import ModelError, UsageError
 from gradgen.executor import Session
 from tests.test_cli import run_cli, tiny_model
+from tests.test_cli_files import matmul_sum_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -409,18 +410,7 @@ def test_failed_save_leaves_nothing_and_keeps_the_old_output(tmp_path, monkeypat
 def _big_model(path: Path, external: bool) -> np.ndarray:
     """loss = sum(x @ w) with a 64x64 weight (16 KiB), optionally saved with external data."""
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-        helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0, name="sum"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(w, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = matmul_sum_model(numpy_helper.from_array(w, "w"))
     if external:
         onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=0, location="weights.bin")
     else:
