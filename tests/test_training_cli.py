@@ -456,41 +456,8 @@ def test_added_loss_frozen_scalars_and_export(tmp_path, capsys, monkeypatch):
     assert trained["scale"] == np.float32(0.5)
     assert not np.allclose(trained["W"], numpy_helper.to_array(graph.initializer[0]))
     # Missing --loss-output, or --loss with --add-loss: usage errors.
-    code, _, err = run_cli(
-        capsys,
-        monkeypatch,
-        "train",
-        model,
-        "--data",
-        data,
-        "--lr",
-        "0.1",
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--add-loss",
-        "mse",
-    )
+    short = ["train", model, "--data", data, "--lr", "0.1", "--steps", "2", "--batch-size", "8", "--add-loss", "mse"]
+    code, _, err = run_cli(capsys, monkeypatch, *short)
     assert code == 2 and "--loss-output" in err
-    code, _, err = run_cli(
-        capsys,
-        monkeypatch,
-        "train",
-        model,
-        "--data",
-        data,
-        "--lr",
-        "0.1",
-        "--steps",
-        "2",
-        "--batch-size",
-        "8",
-        "--add-loss",
-        "mse",
-        "--loss-output",
-        "pred",
-        "--loss",
-        "pred",
-    )
+    code, _, err = run_cli(capsys, monkeypatch, *short, "--loss-output", "pred", "--loss", "pred")
     assert code == 2 and "use one of them" in err
