@@ -74,9 +74,9 @@ def batches_for(name: str, steps: int, accumulation: int = 1):
     return list(itertools.islice(ShuffledBatches(arrays, batch_size, seed=3), steps * accumulation))
 
 
-def train_gradgen(name, optimizer, batches, lr, **options):
+def train_gradgen(name, optimizer, batches, lr, device="cpu", **options):
     program = build_training(ROOT / MODELS[name][0] / "model.onnx", optimizer=optimizer, **options)
-    trainer = Trainer(program, lr=lr)
+    trainer = Trainer(program, lr=lr, device=device)
     results = trainer.fit(batches, STEPS)
     assert len(results) == STEPS
     return program, trainer, np.array([r.loss for r in results]), np.array([r.grad_norm for r in results])
@@ -135,7 +135,9 @@ GPT_KEY_BIAS = {f"blocks.{i}.attn.qkv.bias": slice(16, 32) for i in (0, 1)}
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_fifty_steps_match_pytorch(name, kind):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fifty_steps_match_pytorch(name, kind, device):
+    """On the GPU the trainer's runner is the DeviceStepRunner (state in device memory)."""
     batches = batches_for(name, STEPS)
     if kind == "sgd":
         optimizer, lr = SGD(momentum=0.9), 0.05
@@ -143,7 +145,8 @@ def test_fifty_steps_match_pytorch(name, kind):
     else:
         optimizer, lr = AdamW(), 3e-3
         make = lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
-    program, trainer, losses, norms = train_gradgen(name, optimizer, batches, lr)
+    program, trainer, losses, norms = train_gradgen(name, optimizer, batches, lr, device)
+    assert type(trainer.runner).__name__ == ("DeviceStepRunner" if device == "cuda" else "HostStepRunner")
     theirs = train_torch(name, make, batches, lr)
     assert_same_training(
         name, program, trainer, (losses, norms), theirs, ignore=GPT_KEY_BIAS if name == "gpt" and kind == "adamw" else None

@@ -111,6 +111,7 @@ class CudaBackend:
         self._small_uploads: dict[tuple, rt.GPUArray] = {}
         self._uploaded: dict[int, rt.GPUArray] = {}  # device copies of host constants, by id
         self._host_constants: dict[int, np.ndarray] = {}
+        self._commits = _CommitCopies(self.use_graphs)
         self._memory = None  # the RunMemory of the run in progress (eager or being recorded)
         self._run = None  # (RunMemory, signature, run_steps) of the eager run to finish
         self._many_shapes = False  # more than one signature seen: record ahead (see the module docstring)
@@ -129,9 +130,40 @@ class CudaBackend:
         return placed
 
     def place_feeds(self, feeds: dict[str, np.ndarray]) -> dict:
+        """Upload host feeds; device arrays (bound state) are used where they are."""
         if self.use_graphs:  # a graph can only replay inputs that live in device buffers
-            return {name: rt.to_device(a) for name, a in feeds.items()}
-        return {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in feeds.items()}
+            return {name: a if rt.is_device(a) else rt.to_device(a) for name, a in feeds.items()}
+        return {name: rt.to_device(a) if not rt.is_device(a) and a.dtype.kind == "f" else a for name, a in feeds.items()}
+
+    def place_state(self, state: dict, values: dict[str, np.ndarray]) -> dict:
+        """Bound state on the device, outside any run's arena: uploaded into the buffers ``state``
+        already has where shape and type agree (recorded graphs read those addresses)."""
+        placed = {}
+        for name, value in values.items():
+            current = state.get(name)
+            if rt.is_device(current) and current.shape == value.shape and current.dtype == value.dtype:
+                if current.nbytes:
+                    rt.driver.memcpy_htod(current.gpudata, np.ascontiguousarray(value))
+                placed[name] = current
+            else:
+                with rt.persistent():
+                    placed[name] = rt.to_device(value)
+        return placed
+
+    def commit_state(self, state: dict, new: dict) -> dict:
+        """Copy each bound output into its input's buffer on the stream (no host copy, no sync);
+        an output already in that buffer (an in-place update) needs nothing."""
+        copies = []
+        for name, dst in state.items():
+            src = new[name]
+            if not rt.is_device(src):
+                if dst.nbytes:
+                    rt.driver.memcpy_htod(dst.gpudata, np.ascontiguousarray(src))
+            elif int(src.gpudata) != int(dst.gpudata) and dst.nbytes:
+                copies.append((int(dst.gpudata), int(src.gpudata), dst.nbytes))
+        if copies:
+            self._commits.run(tuple(copies))
+        return state
 
     def execute(self, run_steps, feeds: dict[str, np.ndarray]) -> dict:
         """Replay the signature's graph; or record one (its second run); or run eagerly, traced on
@@ -316,6 +348,7 @@ class CudaBackend:
             self._graphs.clear()
             self._small_uploads.clear()
             self._uploaded.clear()
+            self._commits.close()
             self.memory.close()
 
 
@@ -330,14 +363,60 @@ class _Replay:
     def run(self, feeds: dict[str, np.ndarray]) -> dict:
         for name, array in feeds.items():
             target = self.inputs[name]
-            if target.nbytes:
+            if not target.nbytes:
+                continue
+            if not rt.is_device(array):
                 rt.driver.memcpy_htod_async(target.gpudata, np.ascontiguousarray(array), rt.stream())
+            elif int(array.gpudata) != int(target.gpudata):  # bound state whose buffer changed
+                rt.copy_device(target, array)
         self.graph.replay()
         return self.values
 
     def close(self) -> None:
         self.graph.close()
         self.inputs, self.values = {}, {}
+
+
+class _CommitCopies:
+    """The device-to-device copies that commit bound state after a run. A set of copies seen
+    twice (a replayed run's outputs sit at fixed addresses) is recorded as a CUDA graph: one
+    launch instead of one per tensor. The few most recent sets are kept."""
+
+    KEEP = 4
+
+    def __init__(self, use_graphs: bool):
+        self.use_graphs = use_graphs
+        self.graphs: collections.OrderedDict = collections.OrderedDict()  # copies -> CapturedGraph or None (seen once)
+
+    def run(self, copies: tuple) -> None:
+        graph = self.graphs.get(copies)
+        if graph is None and self.use_graphs and copies in self.graphs:
+            try:
+                graph = self.graphs[copies] = rt.capture(lambda: self._copy(copies))
+            except rt.CaptureError:
+                self.use_graphs = False
+        if graph is not None:
+            self.graphs.move_to_end(copies)
+            graph.replay()
+            return
+        self.graphs[copies] = None
+        while len(self.graphs) > self.KEEP:
+            dropped = self.graphs.popitem(last=False)[1]
+            if dropped is not None:
+                dropped.close()
+        self._copy(copies)
+
+    @staticmethod
+    def _copy(copies: tuple) -> None:
+        stream = rt.stream()
+        for dst, src, nbytes in copies:
+            rt.driver.memcpy_dtod_async(dst, src, nbytes, stream)
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            if graph is not None:
+                graph.close()
+        self.graphs.clear()
 
 
 def _note_in_place(memory, op_type: str, args: list, result) -> None:

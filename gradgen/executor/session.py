@@ -66,6 +66,13 @@ class CpuBackend:
     def finish_run(self, failed: bool = False) -> None:
         pass
 
+    def place_state(self, state: dict, values: dict[str, np.ndarray]) -> dict:
+        return {name: np.array(value) for name, value in values.items()}  # copies: the caller's arrays stay theirs
+
+    def commit_state(self, state: dict, new: dict) -> dict:
+        """The outputs are fresh arrays of this run: they become the state as they are."""
+        return {name: np.asarray(new[name]) for name in state}
+
     def lock(self):
         return contextlib.nullcontext()  # numpy kernels share no state: CPU runs may overlap
 
@@ -146,9 +153,17 @@ class Session:
     runs of every Session in the process take turns under one lock; on the CPU they run side by
     side. ``close()`` (or leaving a ``with Session(...) as sess:`` block, or dropping the last
     reference) releases the Session's device memory and recorded CUDA graphs.
+
+    State: ``Session(model, device, state={input: output})`` binds graph inputs that carry a value
+    from run to run (a training step's parameters and optimizer states). They are set once with
+    ``write_state`` and are not fed to ``run``; after each run the bound output becomes the input's
+    next value, on the device, with no host copy (copied into the input's own buffer, so a recorded
+    CUDA graph keeps reading the same address). ``run(..., commit=f)`` commits only when
+    ``f(results)`` is true (a step whose loss is not finite leaves the state as it was);
+    ``read_state`` downloads the values.
     """
 
-    def __init__(self, model: ModelLike, device: str = "cpu"):
+    def __init__(self, model: ModelLike, device: str = "cpu", state: Mapping[str, str] | None = None):
         self.model = load_model(model)
         self.graph = self.model.graph
         self.device = resolve_device(device)
@@ -171,7 +186,10 @@ class Session:
         self.backend.num_steps = len(self.steps)
         self.constants = self.backend.place_constants(self.initializers)
         self._known_outputs = frozenset(self.output_names) | frozenset(self.constants) | frozenset(self.input_names)
-        self._feed_specs = feed_specs(self.input_values)
+        self.state_bindings = _checked_bindings(dict(state or {}), self.input_names, self.output_names)
+        self._state: dict[str, Any] = {}  # bound input -> its current value, placed by the backend
+        self._state_specs = feed_specs([v for v in self.input_values if v.name in self.state_bindings])
+        self._feed_specs = feed_specs([v for v in self.input_values if v.name not in self.state_bindings])
         self.closed = False
 
     @property
@@ -231,8 +249,9 @@ class Session:
                 kept.append(step)
         return kept
 
-    def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays."""
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None, *, commit=None) -> dict[str, np.ndarray]:
+        """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays.
+        With bound state, its next values are committed unless ``commit(results)`` is false."""
         wanted = outputs if outputs is not None else self.output_names
         known = self._known_outputs
         unknown = [n for n in wanted if n not in known] if outputs is not None else None
@@ -243,10 +262,16 @@ class Session:
         if self.closed:
             raise UsageError("this Session is closed")
         checked = check_feeds(self._feed_specs, feeds)
+        if self.state_bindings:
+            if not self._state:
+                raise UsageError("this Session's state is not set: call write_state() before the first run")
+            checked.update(self._state)
         with self.backend.lock():
             try:
                 values = self.backend.execute(self._execute, checked)
                 results = {name: self.backend.to_host(values[name]) for name in wanted}
+                if self.state_bindings and (commit is None or commit(results)):
+                    self._state = self.backend.commit_state(self._state, self._next_state(values))
             except BaseException:
                 values = None
                 self.backend.finish_run(failed=True)
@@ -254,6 +279,37 @@ class Session:
             values = None  # the run's device buffers die here, before the backend checks its plan
             self.backend.finish_run()
         return results
+
+    def _next_state(self, values: dict) -> dict:
+        """The bound outputs of a run, which must keep their inputs' shapes and element types."""
+        new = {}
+        for name, out in self.state_bindings.items():
+            value, current = values[out], self._state[name]
+            if value.shape != current.shape or value.dtype != current.dtype:
+                raise RunError(
+                    f"state output {out!r} is {value.dtype}{list(value.shape)}, but its input {name!r} "
+                    f"is {current.dtype}{list(current.shape)}"
+                )
+            new[name] = value
+        return new
+
+    def write_state(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set every bound input's value (at the start, or to resume): one upload, into the buffers
+        the state already has where the shapes agree."""
+        if not self.state_bindings:
+            raise UsageError("this Session binds no state (Session(..., state={input: output}))")
+        if self.closed:
+            raise UsageError("this Session is closed")
+        checked = check_feeds(self._state_specs, values)
+        with self.backend.lock():
+            self._state = self.backend.place_state(self._state, checked)
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        """The bound inputs' current values, as host copies."""
+        if self.closed:
+            raise UsageError("this Session is closed")
+        with self.backend.lock():
+            return {name: np.array(self.backend.to_host(value)) for name, value in self._state.items()}
 
     def memory_stats(self) -> dict | None:
         """On the GPU: the planned arena size and the peak device memory held (bytes); see
@@ -266,6 +322,7 @@ class Session:
             self.closed = True
             self.backend.close()
             self.constants = {}
+            self._state = {}
             self._known_outputs = frozenset(self.output_names) | frozenset(self.input_names)
 
     def __enter__(self) -> "Session":
@@ -305,6 +362,17 @@ class Session:
             for name in step.free_after:
                 env.pop(name, None)
         return env
+
+
+def _checked_bindings(bindings: dict[str, str], inputs: list[str], outputs: list[str]) -> dict[str, str]:
+    """State bindings pair a graph input (not an initializer) with a graph output, one to one."""
+    bad = [f"{name!r} is not a graph input" for name in bindings if name not in inputs]
+    bad += [f"{out!r} (for {name!r}) is not a graph output" for name, out in bindings.items() if out not in outputs]
+    if len(set(bindings.values())) != len(bindings):
+        bad.append("two inputs are bound to the same output")
+    if bad:
+        raise UsageError(f"state bindings: {'; '.join(bad[:4])}")
+    return bindings
 
 
 def _qualified(step: Step) -> str:

@@ -6,10 +6,11 @@
 
 A torch ``DataLoader`` whose batches are dicts of tensors works too (they are turned into numpy
 arrays). Where parameters live between steps is the business of a ``StepRunner``: the
-``HostStepRunner`` here keeps them in host memory and feeds them to the executor's ``Session``
-each step (on the CPU that is all there is). A runner that binds them as persistent device state,
-updated in place, plugs in through the same interface: ``TrainingProgram.state_bindings()`` names
-each state input and the output that replaces it.
+``HostStepRunner`` keeps them in host memory and feeds them to the executor's ``Session`` each
+step (the CPU's runner); the ``DeviceStepRunner`` binds them as the training Session's state
+(``TrainingProgram.state_bindings()``), so on the GPU they stay in device memory and each step
+updates them there, with only the batch going up and the loss and gradient norm coming back
+(the GPU's runner, ``default_runner``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from gradgen.errors import RunError
+from gradgen.errors import RunError, UsageError
 from gradgen.training.program import TrainingProgram
 from gradgen.training.schedules import Schedule
 
@@ -138,6 +139,107 @@ class HostStepRunner:
         return float(self.evaluator.run({**batch, **self._state.params})[self.program.loss])
 
 
+class DeviceStepRunner:
+    """Parameters and optimizer states bound as the training Session's state: on the GPU they live
+    in device memory between steps and each step's update is committed there (``Session(...,
+    state=...)``), only when the loss and gradient norm it read back are finite. ``snapshot``
+    downloads them (once per step, when something reads them: checkpoints, evaluation)."""
+
+    def __init__(self, program: TrainingProgram, device: str = "cuda"):
+        from gradgen.executor import Session
+
+        if program.accumulation > 1:
+            raise UsageError("the device step runner takes one micro-batch per step: use HostStepRunner for accumulation")
+        self.program = program
+        self.train = Session(program.train, device=device, state=program.state_bindings())
+        self.evaluator = Session(program.evaluate, device=device)
+        self.device = self.train.device
+        layout = program.layout
+        self._outputs = [program.loss, layout.grad_norm] + ([layout.found_inf] if layout.found_inf is not None else [])
+        self._step = 0
+        self._snapshot: TrainState | None = None
+        self.load(TrainState(program.initial_params, program.initial_states(), 0))
+
+    def load(self, state: TrainState) -> None:
+        values = {name: state.params[name] for name in self.program.layout.params}
+        values.update({slot.input: state.states[(slot.param, slot.kind)] for slot in self.program.layout.states})
+        self.train.write_state(values)
+        self._step, self._snapshot = state.step, None
+
+    def snapshot(self) -> TrainState:
+        if self._snapshot is None or self._snapshot.step != self._step:
+            layout, download = self.program.layout, _StateDownload(self.train)
+            params = _LazyMapping(download, {name: name for name in layout.params})
+            states = _LazyMapping(download, {(slot.param, slot.kind): slot.input for slot in layout.states})
+            self._snapshot = TrainState(params, states, self._step)
+        return self._snapshot
+
+    def step(self, micro_batches, lr: float) -> tuple[float, float]:
+        program, layout = self.program, self.program.layout
+        step = self._step + 1
+        feeds = {**micro_batches[-1], layout.lr: np.asarray(lr, dtype=np.float32)}
+        if layout.step is not None:
+            feeds[layout.step] = np.asarray(step, dtype=np.int64)
+        failure: list[tuple[str, float]] = []
+
+        def finite(results) -> bool:
+            skipped = layout.found_inf is not None and bool(results[layout.found_inf])
+            checks = [("loss", float(results[program.loss]))]
+            if not skipped:
+                checks.append(("gradient norm", float(results[layout.grad_norm])))
+            failure.extend((what, value) for what, value in checks if not math.isfinite(value))
+            return not failure
+
+        out = self.train.run(feeds, outputs=self._outputs, commit=finite)
+        if failure:
+            raise NonFiniteLossError(step, *failure[0])
+        self._step = step
+        return float(out[program.loss]), float(out[layout.grad_norm])
+
+    def evaluate(self, batch) -> float:
+        return float(self.evaluator.run({**batch, **self.snapshot().params})[self.program.loss])
+
+
+class _StateDownload:
+    """The bound state of a Session, downloaded the first time a snapshot's value is read."""
+
+    def __init__(self, session):
+        self.session = session
+        self.values: dict[str, np.ndarray] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self.values is None:
+            self.values = self.session.read_state()
+        return self.values[name]
+
+
+class _LazyMapping(Mapping):
+    """key -> a state input's value, read through a shared ``_StateDownload``."""
+
+    def __init__(self, download: _StateDownload, names: dict):
+        self._download, self._names = download, names
+
+    def __getitem__(self, key):
+        return self._download[self._names[key]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def default_runner(program: TrainingProgram, device: str) -> StepRunner:
+    """On the GPU the device runner (state stays in device memory); on the CPU, or with gradient
+    accumulation, the host runner."""
+    from gradgen.executor.session import resolve_device
+
+    device = resolve_device(device)
+    if device == "cuda" and program.accumulation == 1:
+        return DeviceStepRunner(program, device)
+    return HostStepRunner(program, device)
+
+
 class Trainer:
     """Trains a ``TrainingProgram``: ``lr`` is a float or a ``Schedule`` of the 1-based step."""
 
@@ -153,7 +255,7 @@ class Trainer:
         self.program = program
         self.schedule = lr if isinstance(lr, Schedule) else Schedule("constant", lr=float(lr))
         self.callbacks = list(callbacks)
-        self.runner = runner if runner is not None else HostStepRunner(program, device=device)
+        self.runner = runner if runner is not None else default_runner(program, device)
         self._data_names = program.data_names
 
     # -- state -------------------------------------------------------------------------
