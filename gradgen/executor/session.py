@@ -44,6 +44,7 @@ class Step:
     gather: Any = None  # env -> the tuple of this step's arguments (None for an absent optional input)
     first_output: str | None = None  # the name of output 0 ('' / None: not wanted)
     low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
+    call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
 
 
 class CpuBackend:
@@ -85,7 +86,7 @@ class CpuBackend:
     def run_step(self, step: "Step", args):
         if step.low_precision or low_precision.reads_low_precision(args):
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
-        return step.kernel(*args, **step.attributes)
+        return step.call(*args)
 
     wrap = staticmethod(np.asarray)  # a kernel's result as an array (the run loop calls it per output)
 
@@ -236,7 +237,7 @@ class Session:
         for index, step in enumerate(steps):
             step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
-        _prepare_steps(steps)
+        _prepare_steps(steps, self.initializers)
         return steps
 
     def _fold_constant_nodes(self, steps: list[Step]) -> list[Step]:
@@ -450,10 +451,12 @@ def _hoist_shape_reads(steps: list[Step]) -> list[Step]:
     return order
 
 
-def _prepare_steps(steps: list[Step]) -> None:
+def _prepare_steps(steps: list[Step], constants: dict[str, np.ndarray]) -> None:
     """Resolve per step what does not depend on the values: how to fetch its arguments, where its
-    single output goes, whether it always runs in float32."""
+    single output goes, whether it always runs in float32, its prepared CPU call."""
     for step in steps:
+        known = tuple(constants.get(name, registry.RUNTIME) if name else None for name in step.inputs)
+        step.call = registry.prepared_cpu_call(step.entry, step.attributes, known)
         step.gather = _gatherer(step.inputs)
         step.first_output = step.outputs[0] if step.outputs else None
         step.low_precision = low_precision.always_fp32(step.op_type, step.attributes, step.output_dtypes)

@@ -14,11 +14,20 @@ A kernel that needs to know how many outputs the node has (Split, optional outpu
 keyword-only parameter ``_num_outputs``; one that can skip outputs the node leaves unnamed
 declares ``_wanted`` (a tuple of bools, one per output); one that needs the opset of its domain
 declares ``_opset``. The registry passes them only to kernels that declare them.
+
+A CPU kernel may also have a *preparer* (``cpu_prepare``): called once when a Session plans the
+node, with the node's attributes and the values of the inputs that are constant at plan time
+(initializers, folded Constant nodes), it returns a callable that takes the kernel's positional
+arguments and gives the kernel's result, with the attribute parsing, axis normalisation and
+shape arithmetic done once (per input shape, where that is what they depend on), or None where
+it has nothing better than the kernel. A prepared call gives the kernel's result bit for bit; for
+inputs it was not prepared for it calls the kernel, so errors read the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable
 
@@ -29,7 +38,19 @@ ONNX_DOMAIN = ""
 
 Kernel = Callable[..., object]
 
-__all__ = ["KERNELS", "MICROSOFT", "ONNX_DOMAIN", "Kernel", "KernelEntry", "cpu_kernel", "cuda_kernel", "normalize_domain"]
+__all__ = [
+    "KERNELS",
+    "MICROSOFT",
+    "ONNX_DOMAIN",
+    "RUNTIME",
+    "Kernel",
+    "KernelEntry",
+    "cpu_kernel",
+    "cpu_prepare",
+    "cuda_kernel",
+    "normalize_domain",
+    "prepared_cpu_call",
+]
 
 
 @dataclasses.dataclass
@@ -43,6 +64,8 @@ class KernelEntry:
     wants_wanted: bool = False
     # Input positions the CUDA launcher wants as host numpy arrays (shapes, axes, starts, ...).
     cuda_host_inputs: frozenset[int] = frozenset()
+    # (constants, attributes) -> a callable of the kernel's positional arguments, or None; see the module docstring
+    cpu_prepare: Callable[[tuple, dict], Kernel | None] | None = None
 
     @property
     def cpu_family(self) -> str | None:
@@ -76,6 +99,48 @@ def cpu_kernel(*op_types: str, domain: str = ONNX_DOMAIN):
         return fn
 
     return register
+
+
+def cpu_prepare(*op_types: str, domain: str = ONNX_DOMAIN):
+    """Register the preparer of the CPU kernel of one or more op types (see the module docstring):
+    ``fn(constants, attributes)`` where ``constants`` holds, per node input, its plan-time value,
+    ``RUNTIME`` for an input computed at run time, None for an absent one."""
+
+    def register(fn):
+        for op_type in op_types:
+            entry = _entry(domain, op_type)
+            if entry.cpu_prepare is not None:
+                raise RuntimeError(f"duplicate CPU preparer for {domain}::{op_type}")
+            entry.cpu_prepare = fn
+        return fn
+
+    return register
+
+
+class _Runtime:
+    """The placeholder ``cpu_prepare`` preparers see for an input computed at run time."""
+
+    def __repr__(self) -> str:
+        return "RUNTIME"
+
+
+RUNTIME = _Runtime()
+
+
+def prepared_cpu_call(entry: KernelEntry, attributes: dict, constants: tuple) -> Kernel | None:
+    """The callable a CPU step runs: its preparer's, or the kernel with the attributes bound. A
+    preparer that fails leaves the kernel in place (it raises, with the node's context, at run time)."""
+    if entry.cpu_prepare is not None:
+        try:
+            call = entry.cpu_prepare(constants, attributes)
+        except Exception:  # noqa: BLE001 -- the kernel reports the problem when the step runs
+            call = None
+        if call is not None:
+            return call
+    kernel = entry.cpu
+    if kernel is None or not attributes:
+        return kernel  # None for a CUDA-only op, which a CPU step never runs
+    return functools.partial(kernel, **attributes)
 
 
 def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=()):

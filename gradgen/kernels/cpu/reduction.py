@@ -13,8 +13,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
@@ -53,6 +54,34 @@ def _reducer(name: str, fn, pre=None, post=None):
 
     kernel.__name__ = name
     return kernel
+
+
+def _reducer_preparer(fn, pre=None, post=None):
+    """The preparer of a ``_reducer`` kernel: its axes (constant input or attribute) normalised once
+    per input rank; then the same calls as the kernel."""
+
+    def prepare(constants: tuple, attrs: dict):
+        given = constant_inputs(constants, 1)
+        if given is None:
+            return None
+        axes = given[0] if given[0] is not None else attrs.get("axes")
+        keepdims, noop = bool(attrs.get("keepdims", 1)), attrs.get("noop_with_empty_axes", 0)
+
+        def axes_for(shape: tuple) -> tuple | None:
+            return reduce_axes(np.empty((0,) * len(shape)), axes, noop)
+
+        over = per_shape(axes_for)
+
+        def run(data, axes=None):
+            x = pre(data) if pre is not None else data
+            out = fn(x, over(data.shape), keepdims)
+            if post is not None:
+                out = post(out)
+            return np.asarray(out).astype(data.dtype, copy=False)
+
+        return run
+
+    return prepare
 
 
 def _identity_for(dtype: np.dtype, largest: bool):
@@ -107,16 +136,22 @@ def _square(x):
     return x * x
 
 
-reduce_sum = cpu_kernel("ReduceSum")(_reducer("reduce_sum", _sum))
-reduce_mean = cpu_kernel("ReduceMean")(_reducer("reduce_mean", _mean))
-reduce_max = cpu_kernel("ReduceMax")(_reducer("reduce_max", _max))
-reduce_min = cpu_kernel("ReduceMin")(_reducer("reduce_min", _min))
-reduce_prod = cpu_kernel("ReduceProd")(_reducer("reduce_prod", _prod))
-reduce_l1 = cpu_kernel("ReduceL1")(_reducer("reduce_l1", _sum, pre=np.abs))
-reduce_l2 = cpu_kernel("ReduceL2")(_reducer("reduce_l2", _sum, pre=_square, post=np.sqrt))
-reduce_sum_square = cpu_kernel("ReduceSumSquare")(_reducer("reduce_sum_square", _sum, pre=_square))
-reduce_log_sum = cpu_kernel("ReduceLogSum")(_reducer("reduce_log_sum", _sum, post=np.log))
-reduce_log_sum_exp = cpu_kernel("ReduceLogSumExp")(_reducer("reduce_log_sum_exp", _log_sum_exp))
+def _reduction(op_type: str, name: str, fn, pre=None, post=None):
+    """Register a Reduce* op's kernel and its preparer."""
+    cpu_prepare(op_type)(_reducer_preparer(fn, pre, post))
+    return cpu_kernel(op_type)(_reducer(name, fn, pre, post))
+
+
+reduce_sum = _reduction("ReduceSum", "reduce_sum", _sum)
+reduce_mean = _reduction("ReduceMean", "reduce_mean", _mean)
+reduce_max = _reduction("ReduceMax", "reduce_max", _max)
+reduce_min = _reduction("ReduceMin", "reduce_min", _min)
+reduce_prod = _reduction("ReduceProd", "reduce_prod", _prod)
+reduce_l1 = _reduction("ReduceL1", "reduce_l1", _sum, pre=np.abs)
+reduce_l2 = _reduction("ReduceL2", "reduce_l2", _sum, pre=_square, post=np.sqrt)
+reduce_sum_square = _reduction("ReduceSumSquare", "reduce_sum_square", _sum, pre=_square)
+reduce_log_sum = _reduction("ReduceLogSum", "reduce_log_sum", _sum, post=np.log)
+reduce_log_sum_exp = _reduction("ReduceLogSumExp", "reduce_log_sum_exp", _log_sum_exp)
 
 
 def _arg(fn, data, axis, keepdims, select_last_index):

@@ -15,8 +15,9 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu.elementwise import onnx_dtype
+from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import shape_arg
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list, normalize_axis
 from gradgen.ops.schemas import ANY, INDICES, INT64, Formal, Schema
@@ -56,6 +57,20 @@ def reshape(data, shape=None, *, allowzero=0):
     return data.reshape(_reshape_target(data.shape, tuple(int_list(shape, "shape")), allowzero))
 
 
+@cpu_prepare("Reshape")
+def prepare_reshape(constants: tuple, attrs: dict):
+    shape = constant_inputs(constants, 1)
+    if shape is None or shape[0] is None:
+        return None
+    dims, allowzero = tuple(int_list(shape[0], "shape")), attrs.get("allowzero", 0)
+    target = per_shape(lambda in_shape: _reshape_target(in_shape, dims, allowzero))
+
+    def run(data, shape=None):
+        return data.reshape(target(data.shape))
+
+    return run
+
+
 @functools.lru_cache(maxsize=4096)
 def _reshape_target(in_shape: tuple, dims: tuple, allowzero: int) -> tuple:
     """Reshape's target, worked out once per (input shape, shape input); errors are not cached."""
@@ -81,6 +96,64 @@ def transpose(data, *, perm=None):
     if sorted(perm) != list(range(data.ndim)):
         raise KernelError(f"perm {perm} is not a permutation of the {data.ndim} axes")
     return np.transpose(data, perm)
+
+
+@cpu_prepare("Transpose")
+def prepare_transpose(constants: tuple, attrs: dict):
+    perm = attrs.get("perm")
+    if perm is None:
+        return None
+    perm = tuple(int(p) for p in perm)
+    if sorted(perm) != list(range(len(perm))):
+        return None  # the kernel says why
+
+    def run(data):
+        return data.transpose(perm) if data.ndim == len(perm) else transpose(data, perm=perm)
+
+    return run
+
+
+def _squeezed_shape(shape: tuple, axes: list) -> tuple:
+    """Squeeze's output shape (the checks of ``squeeze``)."""
+    normalised = _unique_axes(axes, len(shape))
+    for a in normalised:
+        if shape[a] != 1:
+            raise KernelError(f"cannot squeeze axis {a} of size {shape[a]} (shape {list(shape)})")
+    return tuple(d for i, d in enumerate(shape) if i not in normalised)
+
+
+def _unsqueezed_shape(shape: tuple, axes: list) -> tuple:
+    """Unsqueeze's output shape (the checks of ``unsqueeze``)."""
+    rank = len(shape) + len(axes)
+    normalised = set(_unique_axes(axes, rank))
+    rest = iter(shape)
+    return tuple(1 if i in normalised else next(rest) for i in range(rank))
+
+
+def _prepare_axes_reshape(shape_of):
+    """A preparer for Squeeze / Unsqueeze with constant axes (input 1 or the attribute of older
+    opsets): a reshape to the target shape, the view numpy's squeeze / expand_dims give."""
+
+    def prepare(constants: tuple, attrs: dict):
+        given = constant_inputs(constants, 1)
+        if given is None:
+            return None
+        axes = given[0] if given[0] is not None else attrs.get("axes")
+        if axes is None:
+            return None
+        axes = int_list(axes, "axes")
+        target = per_shape(lambda in_shape: shape_of(in_shape, axes))
+
+        def run(data, axes=None):
+            return data.reshape(target(data.shape))
+
+        return run
+
+    return prepare
+
+
+cpu_prepare("Squeeze")(_prepare_axes_reshape(_squeezed_shape))
+cpu_prepare("Unsqueeze")(_prepare_axes_reshape(_unsqueezed_shape))
 
 
 @cpu_kernel("Squeeze")
@@ -142,6 +215,50 @@ def split(x, split=None, *, axis=0, num_outputs=None, _num_outputs=1):
     return tuple(np.split(x, bounds, axis=ax))
 
 
+@cpu_prepare("Split")
+def prepare_split(constants: tuple, attrs: dict):
+    given = constant_inputs(constants, 1)
+    if given is None:
+        return None
+    split = given[0] if given[0] is not None else attrs.get("split")  # the attribute of opsets < 13
+    axis, num_outputs, outputs = attrs.get("axis", 0), attrs.get("num_outputs"), attrs.get("_num_outputs", 1)
+
+    def indices(shape: tuple) -> list:
+        ax = normalize_axis(axis, len(shape))
+        sizes = split_sizes(shape[ax], ax, split, num_outputs, outputs)
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        return [(slice(None),) * ax + (slice(int(a), int(b)),) for a, b in zip(starts[:-1], starts[1:])]
+
+    parts = per_shape(indices)
+
+    def run(x, split=None):
+        return tuple([x[index] for index in parts(x.shape)])
+
+    return run
+
+
+@cpu_prepare("Slice")
+def prepare_slice(constants: tuple, attrs: dict):
+    given = constant_inputs(constants, 1, 2, 3, 4)
+    if given is None:
+        return None
+    starts, ends, axes, steps = given
+    if starts is None:  # opsets < 10: attributes
+        starts, ends, axes = attrs.get("starts"), attrs.get("ends"), attrs.get("axes")
+    if starts is None or ends is None:
+        return None
+
+    def index_for(shape: tuple) -> tuple:
+        return slice_index(slice_geometry(shape, starts, ends, axes, steps))
+
+    window = per_shape(index_for)
+
+    def run(data, *rest):
+        return data[window(data.shape)]
+
+    return run
+
+
 @cpu_kernel("Slice")
 def slice_(data, starts=None, ends=None, axes=None, steps=None):
     if starts is None or ends is None:
@@ -161,6 +278,43 @@ def expand(x, shape):
     dims = int_list(shape, "shape")
     target = broadcast_shape(x.shape, tuple(dims), "Expand")
     return np.array(np.broadcast_to(x, target))
+
+
+@cpu_prepare("Expand")
+def prepare_expand(constants: tuple, attrs: dict):
+    shape = constant_inputs(constants, 1)
+    if shape is None or shape[0] is None:
+        return None
+    dims = tuple(int_list(shape[0], "shape"))
+    layouts: dict = {}  # (input shape, input strides, dtype) -> (shape in memory order, transpose back) or None
+
+    def run(x, shape=None):
+        key = (x.shape, x.strides, x.dtype)
+        layout = layouts.get(key, False)
+        if layout is False:
+            if len(layouts) >= 64:
+                layouts.clear()
+            out = expand(x, dims)
+            layouts[key] = _layout_of(out)
+            return out
+        if layout is None:
+            return expand(x, dims)
+        out = np.empty(layout[0], dtype=x.dtype).transpose(layout[1])
+        np.copyto(out, x)
+        return out
+
+    return run
+
+
+def _layout_of(array: np.ndarray) -> tuple | None:
+    """(shape in memory order, transpose back) that recreate ``array``'s strides from a fresh
+    C-ordered array (``expand`` keeps the broadcast view's axis order, which is not always C's), or
+    None when no such transpose has the very same strides."""
+    order = sorted(range(array.ndim), key=lambda a: -array.strides[a])
+    back = tuple(int(i) for i in np.argsort(order))
+    stored = tuple(array.shape[a] for a in order)
+    made = np.empty(stored, dtype=array.dtype).transpose(back)
+    return (stored, back) if made.strides == array.strides else None
 
 
 @cpu_kernel("Tile")

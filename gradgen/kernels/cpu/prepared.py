@@ -1,0 +1,40 @@
+"""What the CPU kernels' preparers share (see gradgen/kernels/table.py, ``cpu_prepare``).
+
+A preparer resolves at plan time what the node's attributes and constant inputs fix; what depends on
+the input shapes (a reshape target, slice bounds, a reduction's count) it works out on the first
+call with each shape and keeps, so the steps that follow cost a dict lookup and the numpy call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, TypeVar
+
+from gradgen.kernels.table import RUNTIME
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+_LIMIT = 64  # shapes kept per node; a model whose shapes change every run starts over past this
+
+
+def per_shape(compute: Callable[[K], T]) -> Callable[[K], T]:
+    """``key -> compute(key)``, computed once per key (a shape, or a tuple of shapes) and kept;
+    errors are raised again on the next call, not kept."""
+    cache: dict = {}
+
+    def lookup(key: K) -> T:
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= _LIMIT:
+                cache.clear()
+            found = cache[key] = compute(key)
+        return found
+
+    return lookup
+
+
+def constant_inputs(constants: tuple, *indices: int) -> list | None:
+    """The plan-time values of the inputs at ``indices`` (None for an absent one), or None when one
+    of them is computed at run time."""
+    values = [constants[i] if i < len(constants) else None for i in indices]
+    return None if any(v is RUNTIME for v in values) else values

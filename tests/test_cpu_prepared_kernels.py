@@ -1,0 +1,132 @@
+"""Kernels prepared at plan time (kernels/table.py, ``cpu_prepare``): with their constant inputs
+resolved once and their shape arithmetic kept per input shape, a step must give what the kernel
+gives, bit for bit and with the same memory layout (a later GEMM rounds by it), for every input
+shape that comes, and fail as the kernel fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradgen.errors import RunError
+from gradgen.executor import Session
+from gradgen.kernels import registry
+
+
+def _session(op: str, x_shape, constants: dict, attrs: dict | None = None, opset: int = 18, outputs: int = 1) -> Session:
+    """One ``op`` node on x (dynamic dims: None) and the named constant inputs (None: absent)."""
+    names = ["x"] + [name if value is not None else "" for name, value in constants.items()]
+    out_names = [f"y{i}" for i in range(outputs)]
+    node = helper.make_node(op, names, out_names, name="node", **(attrs or {}))
+    graph = helper.make_graph(
+        [node],
+        "prepared",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in out_names],
+        initializer=[numpy_helper.from_array(np.asarray(v), name) for name, v in constants.items() if v is not None],
+    )
+    return Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def _kernel_result(session: Session, x: np.ndarray):
+    step = session.steps[0]
+    args = [x] + [session.initializers.get(n) if n else None for n in step.inputs[1:]]
+    return step.kernel(*args, **step.attributes)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
+    assert a.tobytes() == b.tobytes()
+
+
+I64 = np.int64
+CASES = [
+    ("Reshape", {"shape": np.array([0, -1], I64)}, {}),
+    ("Reshape", {"shape": np.array([-1, 2], I64)}, {}),
+    ("Unsqueeze", {"axes": np.array([0, -1], I64)}, {}),
+    ("Squeeze", {"axes": np.array([1], I64)}, {}),
+    ("Transpose", {}, {"perm": [2, 0, 1]}),
+    ("Expand", {"shape": np.array([3, 1, 1, 1], I64)}, {}),
+    ("Expand", {"shape": np.array([1, 1, 4], I64)}, {}),
+    (
+        "Slice",
+        {
+            "starts": np.array([1, -1], I64),
+            "ends": np.array([100, -5], I64),
+            "axes": np.array([0, 2], I64),
+            "steps": np.array([1, -1], I64),
+        },
+        {},
+    ),
+    ("Slice", {"starts": np.array([0], I64), "ends": np.array([2], I64), "axes": None, "steps": None}, {}),
+    ("ReduceSum", {"axes": np.array([0, -1], I64)}, {"keepdims": 0}),
+    ("ReduceSum", {"axes": np.array([], I64)}, {"keepdims": 1}),
+    ("ReduceMean", {"axes": np.array([2], I64)}, {"keepdims": 1}),
+    ("ReduceMax", {"axes": np.array([1], I64)}, {"keepdims": 0}),
+    ("ReduceL2", {"axes": None}, {"keepdims": 0}),
+]
+
+
+@pytest.mark.parametrize(("op", "constants", "attrs"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_prepared_step_is_the_kernel_for_every_shape(op, constants, attrs):
+    session = _session(op, [None, 1, None], constants, attrs)
+    entry = registry.lookup("", op)
+    assert entry.cpu_prepare is not None and session.steps[0].call is not entry.cpu  # the prepared call runs
+    rng = np.random.default_rng(0)
+    for shape in [(2, 1, 4), (6, 1, 4), (2, 1, 4), (4, 1, 8)]:  # a shape seen before comes from the cache
+        x = rng.standard_normal(shape).astype(np.float32)
+        for source in (x, x.transpose(2, 1, 0).copy().transpose(2, 1, 0)):  # C and F layouts
+            try:
+                want = _kernel_result(session, source)
+            except Exception as exc:  # noqa: BLE001 -- then the step must fail with the same words
+                with pytest.raises(RunError) as info:
+                    session.run({"x": source})
+                assert str(exc) in str(info.value)
+                continue
+            _same(session.run({"x": source})["y0"], np.asarray(want))
+
+
+def test_prepared_split_gives_the_kernels_parts():
+    session = _session("Split", [None, 6], {"split": np.array([1, 2, 3], I64)}, {"axis": -1}, outputs=3)
+    for rows in (2, 5, 2):
+        x = np.arange(rows * 6, dtype=np.float32).reshape(rows, 6)
+        got = session.run({"x": x})
+        for index, want in enumerate(_kernel_result(session, x)):
+            _same(got[f"y{index}"], want)
+
+
+def test_prepared_steps_fail_as_the_kernel_fails():
+    reshape = _session("Reshape", [None, 3], {"shape": np.array([4, -1], I64)})
+    _same(reshape.run({"x": np.ones((4, 3), np.float32)})["y0"], np.ones((4, 3), np.float32))
+    with pytest.raises(Exception) as kernel_error:
+        _kernel_result(reshape, np.ones((5, 3), np.float32))  # 15 elements do not make rows of 4
+    with pytest.raises(RunError) as step_error:
+        reshape.run({"x": np.ones((5, 3), np.float32)})
+    assert str(step_error.value) == f"node 'node' (Reshape): {kernel_error.value}"
+    squeeze = _session("Squeeze", [None, None], {"axes": np.array([1], I64)})
+    with pytest.raises(RunError, match="cannot squeeze axis 1 of size 3"):
+        squeeze.run({"x": np.ones((2, 3), np.float32)})
+    _same(squeeze.run({"x": np.ones((2, 1), np.float32)})["y0"], np.ones(2, np.float32))
+    expand = _session("Expand", [None], {"shape": np.array([2, 3], I64)})
+    with pytest.raises(RunError, match="not broadcastable"):
+        expand.run({"x": np.ones(2, np.float32)})
+
+
+def test_a_run_time_input_leaves_the_kernel_in_place():
+    """A shape computed at run time (here a graph input) is not prepared: the kernel runs."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"], name="node")],
+        "runtime",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    kernel = registry.lookup("", "Reshape").cpu
+    assert getattr(session.steps[0].call, "func", session.steps[0].call) is kernel
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for shape in ([3, 2], [6, 1]):
+        _same(session.run({"x": x, "shape": np.array(shape, I64)})["y"], x.reshape(shape))
