@@ -232,3 +232,25 @@ def test_cli_bench_help_lists_the_groups(capsys, monkeypatch):
     assert exc.value.code in (0, None)
     out = capsys.readouterr().out
     assert "e2e" in out and "cpu" in out and "--json" in out
+
+
+@pytest.mark.slow
+def test_train_group_on_cpu_tiny():
+    """The train group in child processes (a few seconds): eager and gradgen take the same AdamW steps."""
+    from gradgen.bench import train
+
+    spec = models.preset("gpt2-tiny")
+    updates = []
+    report = train.run(
+        train.TrainOptions(
+            specs=[spec], device="cpu", frameworks=("eager", "gradgen"), steps=3, warmup=2, on_update=updates.append
+        )
+    )
+    entry = report["models"]["gpt2-tiny"]
+    eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
+    assert "error" not in eager and "error" not in ours, (eager, ours)
+    assert len(eager["losses"]) == len(ours["losses"]) == 5 and len(ours["step_ms"]) == 3
+    assert eager["losses"][-1] < eager["losses"][0]  # it trained
+    assert entry["loss_agreement"]["gradgen"] < 1e-5
+    assert updates and updates[-1] is report
+    assert "DeviceStepRunner" in train.format_model(entry)

@@ -6,6 +6,8 @@ Groups (``--only``, repeatable; without it the GPU kernel groups and the small `
 - step: a training step of the small cnn and transformer samples on the GPU (``kernels.py``);
 - e2e: real-size training steps, PyTorch eager / torch.compile / gradgen, each in its own process,
   with device memory, gradient agreement and a variable-length loop (``e2e.py``);
+- train: a full AdamW training step (forward, backward, update), PyTorch eager and torch.compile
+  with fused AdamW / gradgen's DeviceStepRunner, each in its own process (``train.py``);
 - cpu: gradgen's CPU step against ONNX Runtime and PyTorch eager at 1 thread and all cores, and
   build-backward time (``cpu.py``).
 
@@ -23,7 +25,7 @@ from typing import Any
 from gradgen.errors import GradgenError, UsageError
 
 KERNEL_GROUPS = ("slice", "gather", "gather_elements", "reduce", "bga", "conv", "step")
-GROUPS = (*KERNEL_GROUPS, "e2e", "cpu")
+GROUPS = (*KERNEL_GROUPS, "e2e", "train", "cpu")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GROUP",
         help=f"run only this group (repeatable): {', '.join(GROUPS)}; default: {', '.join(KERNEL_GROUPS)}",
     )
-    e2e = p.add_argument_group("e2e and cpu: models")
+    e2e = p.add_argument_group("e2e, train and cpu: models")
     e2e.add_argument(
         "--model",
         action="append",
         choices=list(PRESETS),
         metavar="NAME",
-        help=f"model (repeatable): {', '.join(PRESETS)}; e2e default: gpt2s and resnet18; "
+        help=f"model (repeatable): {', '.join(PRESETS)}; e2e and train default: gpt2s and resnet18; "
         "cpu default: gpt2s at B=1, T=128 and resnet18 at B=4",
     )
     e2e.add_argument("--batch", type=_positive, help="batch size for every selected model")
@@ -86,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--width", type=_positive, help="model width of the GPT-2 layouts")
     e2e.add_argument("--heads", type=_positive, help="attention heads of the GPT-2 layouts")
     e2e.add_argument(
-        "--steps", type=_positive, help="timed steps (e2e: median of 30 by default; cpu: at most 20, within 10 s per measurement)"
+        "--steps",
+        type=_positive,
+        help="timed steps (e2e: median of 30 by default; train: 20; cpu: at most 20, within 10 s per measurement)",
     )
     e2e.add_argument("--warmup", type=int, help="warm-up steps before timing (e2e default 5, cpu 1)")
-    e2e.add_argument("--json", type=Path, metavar="FILE", help="also write every e2e / cpu number to FILE (JSON)")
+    e2e.add_argument("--json", type=Path, metavar="FILE", help="also write every e2e / train / cpu number to FILE (JSON)")
     e2e.add_argument("--keep", type=Path, metavar="DIR", help="keep the exported models and child results under DIR")
     e2e.add_argument(
         "--child-timeout",
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up on one child process after S seconds (default 1800; cpu 3600)",
     )
     e2e.add_argument("--debug", action="store_true", help="children print tracebacks of failures")
-    g = p.add_argument_group("e2e only")
+    g = p.add_argument_group("e2e (and train: --framework, --device)")
     g.add_argument(
         "--framework",
         action="append",
@@ -183,7 +187,7 @@ def run(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     groups = args.only or list(KERNEL_GROUPS)
     results = _Results(args.json)
-    gpu_groups = [g for g in groups if g in KERNEL_GROUPS or (g == "e2e" and args.device == "cuda")]
+    gpu_groups = [g for g in groups if g in KERNEL_GROUPS or (g in ("e2e", "train") and args.device == "cuda")]
     if gpu_groups:
         from gradgen.executor.cuda_probe import cuda_unavailable_reason
 
@@ -191,7 +195,7 @@ def run(argv: list[str] | None = None) -> None:
         if reason is not None:
             raise UsageError(
                 f"gradgen bench --only {gpu_groups[0]} needs a usable GPU: {reason}"
-                + (" (the e2e group runs on the CPU with --device cpu)" if "e2e" in gpu_groups else "")
+                + (" (the e2e and train groups run on the CPU with --device cpu)" if {"e2e", "train"} & set(gpu_groups) else "")
             )
     if any(g in KERNEL_GROUPS for g in groups):
         _run_kernel_groups([g for g in groups if g in KERNEL_GROUPS])
@@ -214,6 +218,22 @@ def run(argv: list[str] | None = None) -> None:
             on_update=lambda report: results.update("e2e", report),
         )
         e2e.run(options)
+    if "train" in groups:
+        from gradgen.bench import models, train
+
+        train.run(
+            train.TrainOptions(
+                specs=_specs(args, [models.preset("gpt2s"), models.preset("resnet18")]),
+                device=args.device,
+                frameworks=tuple(dict.fromkeys(args.framework or train.FRAMEWORKS)),
+                steps=args.steps or 20,
+                warmup=5 if args.warmup is None else args.warmup,
+                child_timeout_s=args.child_timeout or 1800.0,
+                keep_dir=_keep_dir(args.keep),
+                debug=args.debug,
+                on_update=lambda report: results.update("train", report),
+            )
+        )
     if "cpu" in groups:
         from gradgen.bench import cpu
 

@@ -9,6 +9,8 @@ Jobs:
   optionally the gradients are saved for the parent's comparison.
 - ``torch-varlen`` / ``gradgen-varlen``: the variable-length loop (a new sequence length each
   step, several passes over the lengths).
+- ``torch-train`` / ``gradgen-train``: the train group's full AdamW step (forward, backward,
+  update), timed, with every step's loss;
 - ``gradgen-profile``: GPU time of one gradgen step by kernel and by op (torch.profiler);
 - ``cpu-threads``: the CPU group at one thread count (PyTorch eager, ONNX Runtime, gradgen).
 
@@ -166,6 +168,47 @@ def job_torch_varlen(task: dict) -> dict:
     return result
 
 
+def job_torch_train(task: dict) -> dict:
+    """The train group's PyTorch side: forward, backward and ``AdamW(fused=True)`` (on the GPU) per step."""
+    device = task["device"]
+    torch, memory = _torch_setup(device)
+    model = _torch_model(task, torch, device)
+    forward = torch.compile(model) if task["framework"] == "compile" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=task["lr"], fused=device == "cuda")
+    tensors = [torch.from_numpy(np.ascontiguousarray(v)) for v in np.load(task["inputs"]).values()]
+    losses: list[float] = []
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward(*(t.to(device) for t in tensors))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return _train_result(task, step, losses, memory, lambda: _torch_memory(torch, memory), _device_info_torch(torch, device))
+
+
+def _train_result(task: dict, step, losses: list[float], memory, memory_figures, info: dict) -> dict:
+    t0 = time.perf_counter()
+    step()
+    first_s = time.perf_counter() - t0
+    times = time_steps(
+        step, warmup=max(0, task["warmup"] - 1), steps=task["steps"], after=None if memory is None else memory.sample
+    )
+    return {
+        "framework": task["framework"],
+        "loss": losses[-1],
+        "losses": losses,
+        "first_step_s": first_s,
+        "step_ms": times,
+        "median_ms": median(times),
+        "memory": memory_figures(),
+        "info": info,
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # gradgen
 
@@ -266,6 +309,29 @@ def job_gradgen_varlen(task: dict) -> dict:
         memory=gradgen_memory(session, memory),
         info=_device_info_gradgen(device),
     )
+    return result
+
+
+def job_gradgen_train(task: dict) -> dict:
+    """The train group's gradgen side: ``build_training(model, optimizer=AdamW())`` stepped by the
+    ``DeviceStepRunner`` (parameters and optimizer states stay on the device)."""
+    from gradgen.training import AdamW, DeviceStepRunner, Trainer, build_training
+
+    device = task["device"]
+    memory = _gradgen_setup(device)
+    t0 = time.perf_counter()
+    program = build_training(task["model"], optimizer=AdamW(weight_decay=0.01))
+    build_s = time.perf_counter() - t0
+    runner = DeviceStepRunner(program, device)
+    trainer = Trainer(program, lr=task["lr"], runner=runner)
+    batch = dict(np.load(task["inputs"]))
+    losses: list[float] = []
+
+    def step():
+        losses.append(trainer.train_step([batch]).loss)
+
+    result = _train_result(task, step, losses, memory, lambda: gradgen_memory(runner.train, memory), _device_info_gradgen(device))
+    result.update(build_s=build_s, plan_steps=len(runner.train.steps))
     return result
 
 
@@ -429,6 +495,8 @@ JOBS = {
     "gradgen-step": job_gradgen_step,
     "gradgen-varlen": job_gradgen_varlen,
     "gradgen-profile": job_gradgen_profile,
+    "torch-train": job_torch_train,
+    "gradgen-train": job_gradgen_train,
     "cpu-threads": job_cpu_threads,
 }
 

@@ -1,0 +1,192 @@
+"""The train group: a full AdamW training step (forward, backward, update), gradgen against PyTorch.
+
+For each model (``models.PRESETS``; GPT-2 small at B=8, T=256 and ResNet-18 at B=32 by default):
+export it with its loss as e2e does, then, each in its own child process (``worker.py``):
+
+- eager: PyTorch eager with ``torch.optim.AdamW(fused=True)``;
+- compile: ``torch.compile`` of the model, the same fused AdamW;
+- gradgen: ``build_training(model, optimizer=AdamW())`` stepped by ``DeviceStepRunner``
+  (parameters and optimizer states stay in device memory; the step replays as a CUDA graph).
+
+Every framework takes the same steps on the same batch (from host memory each step) from the same
+initial weights, with the same hyper-parameters (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight
+decay 0.01), and reads the loss back to the host each step. Reported: the median step time, device
+memory as e2e measures it, and the loss of the first steps of each, side by side (they must agree:
+the same training). fp32, TF32 off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gradgen.bench import models
+from gradgen.bench.e2e import header
+from gradgen.bench.measure import fmt_mib, fmt_ms, fmt_ratio, run_child, table
+
+FRAMEWORKS = ("eager", "compile", "gradgen")
+LR = 1e-4
+SHOWN_LOSSES = 5  # the first steps' losses printed side by side
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    specs: list[models.ModelSpec]
+    device: str = "cuda"
+    frameworks: tuple[str, ...] = FRAMEWORKS
+    steps: int = 20
+    warmup: int = 5
+    on_update: Callable[[dict], None] | None = None
+    child_timeout_s: float = 1800.0
+    keep_dir: Path | None = None
+    debug: bool = False
+
+
+def run(options: TrainOptions) -> dict:
+    """Run the group; print one table per model; return the report (every number)."""
+    report: dict[str, Any] = {"group": "train", "header": header(options.device), "settings": _settings(options), "models": {}}
+    h = report["header"]
+    gpu = f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
+    print(
+        f"train: {gpu}; torch {h['torch']}; {h['date']}; fp32, TF32 off; step = batch from host memory, "
+        f"forward + backward + AdamW update (lr {LR}), loss to host; median of {options.steps} after "
+        f"{options.warmup} warm-up steps",
+        flush=True,
+    )
+    for spec in options.specs:
+        workdir = Path(tempfile.mkdtemp(prefix=f"gradgen-train-{spec.name}-", dir=options.keep_dir))
+        try:
+            report["models"][spec.name] = entry = {"spec": spec.to_json()}
+            _run_model(spec, options, workdir, entry)
+        finally:
+            if options.keep_dir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if options.on_update is not None:
+            options.on_update(report)
+    return report
+
+
+def _settings(options: TrainOptions) -> dict:
+    return {"frameworks": list(options.frameworks), "steps": options.steps, "warmup": options.warmup, "lr": LR}
+
+
+def _prepare(spec: models.ModelSpec, workdir: Path) -> dict:
+    """Export the forward model with its loss; save the initial weights and the batch."""
+    import torch
+
+    from gradgen.model_io import save_model
+
+    model = models.build_module(spec)
+    inputs = models.make_inputs(spec)
+    files = {"state": workdir / "state.pt", "inputs": workdir / "inputs.npz", "model": workdir / "model.onnx"}
+    torch.save(model.state_dict(), files["state"])
+    np.savez(files["inputs"], **inputs)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    save_model(models.export(model, inputs), files["model"])
+    return {
+        **{k: str(v) for k, v in files.items()},
+        "export_s": time.perf_counter() - t0,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+    }
+
+
+def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, entry: dict) -> None:
+    print(f"\n== {spec.name}: {spec.title}, {spec.shape_text}", flush=True)
+    prepared = _prepare(spec, workdir)
+    entry["prepare"] = {k: prepared[k] for k in ("export_s", "parameters")}
+    print(f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s", flush=True)
+    common = {
+        "spec": spec.to_json(),
+        "device": options.device,
+        "state": prepared["state"],
+        "inputs": prepared["inputs"],
+        "model": prepared["model"],
+        "steps": options.steps,
+        "warmup": options.warmup,
+        "lr": LR,
+        "debug": options.debug,
+    }
+    results = entry["frameworks"] = {}
+    for framework in options.frameworks:
+        job = "gradgen-train" if framework == "gradgen" else "torch-train"
+        task = {**common, "label": f"{spec.name}-train-{framework}", "framework": framework}
+        t0 = time.perf_counter()
+        results[framework] = result = run_child(job, task, workdir, timeout_s=options.child_timeout_s)
+        result["wall_s"] = time.perf_counter() - t0
+        print(f"   {framework}: {_one_line(result)}", flush=True)
+    entry["loss_agreement"] = loss_agreement(results)
+    print(format_model(entry), flush=True)
+
+
+def _one_line(result: dict) -> str:
+    if result.get("error"):
+        return "failed: " + result["error"]
+    mem = result.get("memory", {}).get("used_after_bytes")
+    text = f"{fmt_ms(result['median_ms'])} ms/step, first step {result['first_step_s']:.1f} s"
+    return text + (f", {fmt_mib(mem)} MiB used" if mem is not None else "") + f" ({result['wall_s']:.0f} s in all)"
+
+
+def loss_agreement(results: dict) -> dict:
+    """Per framework, the largest relative difference of its per-step losses from eager's (over the
+    steps both took)."""
+    eager = results.get("eager", {}).get("losses")
+    out: dict[str, float | None] = {}
+    if not eager:
+        return out
+    for framework, r in results.items():
+        losses = r.get("losses")
+        if framework == "eager" or not losses:
+            continue
+        n = min(len(losses), len(eager))
+        ours, theirs = np.array(losses[:n]), np.array(eager[:n])
+        out[framework] = float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(theirs), 1e-30))) if n else None
+    return out
+
+
+def format_model(entry: dict) -> str:
+    spec = models.ModelSpec.from_json(entry["spec"])
+    results = entry.get("frameworks", {})
+    eager = results.get("eager", {})
+    eager_mem = eager.get("memory", {}).get("used_after_bytes")
+    rows = []
+    for framework, r in results.items():
+        if r.get("error"):
+            what = "out of memory" if r.get("out_of_memory") else "failed"
+            rows.append([framework, f"{what}: {r['error'][:80]}", "", "", "", "", ""])
+            continue
+        used = r.get("memory", {}).get("used_after_bytes")
+        shown = ", ".join(f"{v:.6f}" for v in r.get("losses", [])[:SHOWN_LOSSES])
+        rows.append(
+            [
+                framework,
+                fmt_ms(r["median_ms"]),
+                fmt_ratio(r["median_ms"], eager.get("median_ms")),
+                fmt_mib(used),
+                fmt_ratio(used, eager_mem),
+                f"{r['first_step_s']:.1f} s",
+                shown,
+            ]
+        )
+    lines = [f"\n{spec.name}: {spec.title}, {spec.shape_text}, AdamW"]
+    lines.append(
+        table(
+            ["framework", "step ms", "time/eager", "peak MiB", "mem/eager", "first step", f"loss, steps 1-{SHOWN_LOSSES}"], rows
+        )
+    )
+    lines.append(
+        "  peak MiB: driver-level used memory after the timed steps minus the baseline after context creation; "
+        "eager and compile: torch.optim.AdamW(fused=True); gradgen: DeviceStepRunner"
+    )
+    for framework, worst in entry.get("loss_agreement", {}).items():
+        if worst is not None:
+            lines.append(f"  {framework} vs eager: largest relative loss difference over the steps taken {worst:.2e}")
+    for framework, r in results.items():
+        for note in r.get("notes", []):
+            lines.append(f"  note ({framework}): {note}")
+    return "\n".join(lines)
