@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import per_axis
 from gradgen.ops.conv import col2im_geometry, conv_geometry, conv_transpose_geometry, deform_conv_geometry, deform_conv_positions
@@ -190,6 +190,89 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     return np.ascontiguousarray(y, dtype=x.dtype).reshape((n_batch, m) + tuple(out))
 
 
+SMALL_CONV_COLUMNS = 1 << 17  # im2col elements up to which a prepared Conv gathers by a kept index (1 MiB of it)
+
+
+@cpu_prepare("Conv")
+def prepare_conv(constants: tuple, attrs: dict):
+    """Conv with its geometry worked out once per (X, W) shape and, for small images (where numpy's
+    padding and window views cost more than the arithmetic), im2col as one gather by a kept flat
+    index: the same columns, so the same GEMM and the same bits as ``conv``. A shape seen for the
+    first time, and large convolutions, run ``conv`` itself."""
+    plans: dict = {}
+
+    def run(x, w, b=None):
+        key = (x.shape, w.shape, x.dtype, w.dtype)
+        plan = plans.get(key)
+        if plan is None:
+            y = conv(x, w, b, **attrs)  # errors as the kernel's; then keep the plan for this shape
+            if len(plans) >= 16:  # shapes kept per node (each plan holds up to 1 MiB of index)
+                plans.clear()
+            plans[key] = _conv_plan(x.shape, w.shape, x.dtype, attrs)
+            return y
+        if plan is False:
+            return conv(x, w, b, **attrs)
+        ct, padded, interior, index, group, w_shape, cols_first, y_shape, out_shape = plan
+        if padded is None:
+            flat = x.astype(ct, copy=False).reshape(-1)
+        else:
+            xp = np.zeros(padded, dtype=ct)
+            xp[interior] = x
+            flat = xp.reshape(-1)
+        cols = flat[index]
+        w_g = w.astype(ct, copy=False).reshape(w_shape)
+        n_batch, m, p, mg = y_shape
+        if cols_first:
+            y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)
+        else:
+            y = np.matmul(cols, w_g.transpose(0, 2, 1))
+            y = y.reshape(group, n_batch, p, mg).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape(-1, 1)
+        return np.ascontiguousarray(y, dtype=x.dtype).reshape(out_shape)
+
+    return run
+
+
+def _conv_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
+    """What ``prepare_conv``'s fast path needs for these shapes (``conv`` has checked them), or
+    False when the columns are too many to gather by index."""
+    group = int(attrs.get("group", 1))
+    n_batch, m, c_per_group = x_shape[0], w_shape[0], w_shape[1]
+    kernel, s, d, begin, end, out = spatial_geometry(
+        x_shape, w_shape[2:], attrs.get("strides"), attrs.get("dilations"), attrs.get("pads"), attrs.get("auto_pad", "NOTSET")
+    )
+    ns, k, p = len(kernel), math.prod(kernel), math.prod(out)
+    if c_per_group * k * n_batch * p * group > SMALL_CONV_COLUMNS:
+        return False
+    ct = float_compute_dtype(dtype)
+    padded_shape = tuple(x_shape[:2]) + tuple(n + bg + e for n, bg, e in zip(x_shape[2:], begin, end))
+    # the kernel's own window view and im2col layout, over the positions of the padded image
+    positions = np.arange(math.prod(padded_shape), dtype=np.intp).reshape(padded_shape)
+    win = sliding_windows(positions, kernel, s, d, out)
+    win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
+    cols_first = p >= k
+    if cols_first:
+        order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
+        index = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
+    else:
+        order = (1, 0, *range(3, 3 + ns), 2, *range(3 + ns, 3 + 2 * ns))
+        index = win.transpose(order).reshape(group, n_batch * p, c_per_group * k)
+    has_pad = any(begin) or any(end)
+    interior = (slice(None), slice(None)) + tuple(slice(bg, bg + n) for bg, n in zip(begin, x_shape[2:]))
+    return (
+        ct,
+        padded_shape if has_pad else None,
+        interior,
+        np.ascontiguousarray(index),
+        group,
+        (group, m // group, c_per_group * k),
+        cols_first,
+        (n_batch, m, p, m // group),
+        (n_batch, m) + tuple(out),
+    )
+
+
 @cpu_kernel("ConvTranspose")
 def conv_transpose(
     x,
@@ -256,6 +339,74 @@ def conv_transpose(
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+@cpu_prepare("ConvTranspose")
+def prepare_conv_transpose(constants: tuple, attrs: dict):
+    """ConvTranspose with its col2im worked out once per (X, W) shape for small outputs: every output
+    element gathers its taps' products by a kept index, in the kernel's tap order, after a zero, and
+    one reduction over the taps adds them in that order -- the kernel's sums, bit for bit. A shape
+    seen for the first time, and large outputs, run ``conv_transpose`` itself."""
+    plans: dict = {}
+
+    def run(x, w, b=None):
+        key = (x.shape, w.shape, x.dtype, w.dtype)
+        plan = plans.get(key)
+        if plan is None:
+            y = conv_transpose(x, w, b, **attrs)
+            if len(plans) >= 16:
+                plans.clear()
+            plans[key] = _conv_transpose_plan(x.shape, w.shape, attrs)
+            return y
+        if plan is False:
+            return conv_transpose(x, w, b, **attrs)
+        group, cg, mg_k, p_in, table, y_shape, ns = plan
+        ct = float_compute_dtype(x.dtype)
+        n_batch = x.shape[0]
+        w_t = w.astype(ct, copy=False).reshape(group, cg, mg_k).transpose(0, 2, 1)
+        x_t = x.astype(ct, copy=False).reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
+        cols = np.matmul(w_t, x_t)
+        extended = np.zeros(cols.size + 1, dtype=ct)  # the last slot: the zero each sum starts from
+        extended[:-1] = cols.reshape(-1)
+        y = np.add.reduce(extended[table], axis=0).reshape(y_shape)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
+        return np.ascontiguousarray(y, dtype=x.dtype)
+
+    return run
+
+
+def _conv_transpose_plan(x_shape: tuple, w_shape: tuple, attrs: dict):
+    """(group, Cg, Mg*K, P_in, the (1 + K, output) gather table, output shape, spatial rank) for
+    ``prepare_conv_transpose``, replaying the kernel's col2im on positions; False when large."""
+    group = int(attrs.get("group", 1))
+    n_batch, channels = x_shape[:2]
+    m, ns = w_shape[1] * group, len(x_shape) - 2
+    spatial, kernel = list(x_shape[2:]), list(w_shape[2:])
+    s = per_axis(attrs.get("strides"), ns, 1, "strides")
+    d = per_axis(attrs.get("dilations"), ns, 1, "dilations")
+    geometry = {k: attrs.get(k) for k in ("auto_pad", "dilations", "output_padding", "output_shape", "pads", "strides")}
+    geometry["auto_pad"] = geometry["auto_pad"] or "NOTSET"
+    full, begin, out = conv_transpose_geometry(x_shape, w_shape, geometry)
+    k, p_in = math.prod(kernel), math.prod(spatial)
+    outputs = n_batch * m * math.prod(out)
+    if (k + 1) * outputs > SMALL_CONV_COLUMNS:
+        return False
+    cols = m * k * n_batch * p_in
+    positions = np.arange(cols, dtype=np.intp).reshape((m, *kernel, n_batch, *spatial))
+    lo = [max(0, -bg) for bg in begin]
+    size = [max(f, bg + o) + lw for f, bg, o, lw in zip(full, begin, out, lo)]
+    crop = (slice(None), slice(None)) + tuple(slice(lw + bg, lw + bg + o) for lw, bg, o in zip(lo, begin, out))
+    rows = [np.full(outputs, cols, dtype=np.intp)]  # the zero first
+    for taps in np.ndindex(*kernel):
+        source = np.full((m, n_batch) + tuple(size), cols, dtype=np.intp)
+        target = (slice(None), slice(None)) + tuple(
+            slice(lw + t * di, lw + t * di + (n_in - 1) * si + 1, si) for lw, t, di, n_in, si in zip(lo, taps, d, spatial, s)
+        )
+        source[target] = positions[(slice(None),) + taps]
+        rows.append(source[crop].transpose(1, 0, *range(2, 2 + ns)).reshape(-1))
+    cg, mg = channels // group, m // group
+    return group, cg, mg * k, p_in, np.stack(rows), (n_batch, m, *out), ns
 
 
 @cpu_kernel("Col2Im")
