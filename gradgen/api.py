@@ -23,6 +23,7 @@ from gradgen.passes import (
     ShapeInferencePass,
     TopologicalSortPass,
     TransposeFusionPass,
+    UnrollLoopsPass,
     UnrollRecurrentPass,
     UpgradeOpsetPass,
 )
@@ -44,8 +45,9 @@ class BackwardModel:
 
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
-    """The default pipeline: prepare the forward graph (LSTM / GRU / RNN unrolled into standard ops by
-    ``UnrollRecurrentPass``, GridSample rewritten into them by ``DecomposePass``), add the backward
+    """The default pipeline: prepare the forward graph (Loop / Scan of a static length unrolled by
+    ``UnrollLoopsPass``, LSTM / GRU / RNN unrolled into standard ops by ``UnrollRecurrentPass``,
+    GridSample rewritten into them by ``DecomposePass``), add the backward
     graph, fold matrix transposes into GEMM flags (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
@@ -56,6 +58,7 @@ def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipe
         NameNodesPass(),
         TopologicalSortPass(),
         EvaluateConstantsPass(),
+        UnrollLoopsPass(),
         UnrollRecurrentPass(),
         DecomposePass(),
     ]

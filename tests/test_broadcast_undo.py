@@ -2,7 +2,7 @@
 axes were broadcast, the dynamic path (Shape -> BroadcastGradientArgs) where they cannot.
 
 Also a few checks the one-node finite-difference cases cannot express: float32 Cast round trips,
-Celu (float32 only), training-mode Dropout, Pow's exponent gradient at non-positive bases, and the
+Celu (float32 only), Dropout with a run-time training_mode, Pow's exponent gradient at non-positive bases, and the
 elementwise chains PyTorch's exporters emit (GELU, BCE-with-logits, LayerNorm).
 """
 
@@ -191,13 +191,14 @@ def test_celu_float32():
 
 
 @pytest.mark.parametrize("opset", [13, 17])
-def test_dropout_training_mode_is_refused(opset):
+def test_dropout_training_mode_fed_at_run_time_is_refused(opset):
+    """A constant training_mode is differentiated (tests/test_control_flow.py); one fed at run time is not."""
     nodes = [
         helper.make_node("Dropout", ["x", "ratio", "train"], ["y"], name="drop1"),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
     ]
-    model = _model(nodes, [("x", [2, 3])], [("ratio", np.array(0.1)), ("train", np.array(True))], opset=opset)
-    with pytest.raises(ModelError, match="drop1"):
+    model = _model(nodes, [("x", [2, 3]), ("train", [], TensorProto.BOOL)], [("ratio", np.array(0.1))], opset=opset)
+    with pytest.raises(ModelError, match="Dropout node 'drop1': training_mode is not a constant"):
         gradgen.build_backward(model, wrt=["x"])
 
 

@@ -59,7 +59,9 @@ def _float_capable_inputs(op_type: str) -> set[int]:
 # Float inputs a rule may mark non-differentiable, each with why its gradient is zero.
 ZERO_BY_DEFINITION = {
     ("", "CastLike"): {1},  # only the element type of the target matters
-    ("", "Dropout"): {1},  # the ratio does not act in inference mode; training mode is refused
+    # the ratio does not act in inference mode; in training mode it draws the random mask (a step
+    # function of it), and neither ONNX Runtime training nor PyTorch differentiates it
+    ("", "Dropout"): {1},
 }
 
 

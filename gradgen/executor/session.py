@@ -22,6 +22,7 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
+from gradgen.ops.control_flow import outer_scope_values
 from gradgen.passes.autocast import METADATA_KEY
 
 
@@ -213,6 +214,9 @@ class Session:
             if registry.normalize_domain(node.domain) == schemas.MICROSOFT_DOMAIN and node.op_type in schemas.SCHEMAS:
                 schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_label(node))
             attrs = node_attributes(node)
+            captured = [v.name for v in outer_scope_values(node)]  # what an If / Loop / Scan body reads
+            if captured:
+                attrs["_captured"] = tuple(captured)
             if entry.wants_num_outputs:
                 attrs["_num_outputs"] = len(node.outputs)
             if entry.wants_opset:
@@ -226,7 +230,7 @@ class Session:
                     op_type=node.op_type,
                     kernel=entry.cpu,
                     entry=entry,
-                    inputs=[v.name if v is not None else None for v in node.inputs],
+                    inputs=[v.name if v is not None else None for v in node.inputs] + captured,
                     outputs=[v.name for v in node.outputs],
                     attributes=attrs,
                     free_after=[],
@@ -392,7 +396,7 @@ def _topological_order(nodes: list[ir.Node], graph: ir.Graph) -> list[ir.Node]:
     consumers: dict[str, list[int]] = {}
     for index, node in enumerate(nodes):
         needs = set()
-        for value in node.inputs:
+        for value in [*node.inputs, *outer_scope_values(node)]:
             if value is None or not value.name or value.name in available:
                 continue
             if value.name not in producers:

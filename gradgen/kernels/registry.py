@@ -24,6 +24,7 @@ from gradgen.ops.schemas import LOWERED_FORWARD_OPS
 from gradgen.registration import Families
 
 CPU_FAMILIES = (
+    "control",
     "conv",
     "elementwise",
     "indexing",
@@ -75,6 +76,11 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",
     ("", "LSTM"): "no CUDA launcher: backward graphs hold their unrolled form",
     ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
+    # control flow: a body runs as a CPU Session of its own; build_backward unrolls the loops it
+    # differentiates (passes/control_flow.py), so backward graphs hold their bodies' ops
+    ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
+    ("", "Loop"): "no CUDA launcher: its body runs as a CPU Session; backward graphs hold the unrolled form",
+    ("", "Scan"): "no CUDA launcher: its body runs as a CPU Session; backward graphs hold the unrolled form",
     # ONNX Runtime's forward ops of models optimized for its inference: build_backward rewrites them
     # into standard ops (passes/decompose.py); only a forward model run as it is holds them
     **{op: "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)" for op in LOWERED_FORWARD_OPS},

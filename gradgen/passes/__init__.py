@@ -5,6 +5,7 @@ compose them with ``Pipeline`` (an ``ir.passes.Sequential``) or ``ir.passes.Pass
 import onnx_ir as ir
 
 from gradgen.passes.autocast import AutocastPass
+from gradgen.passes.control_flow import UnrollLoopsPass
 from gradgen.passes.decompose import DecomposePass
 from gradgen.passes.evaluate import EvaluateConstantsPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
@@ -45,6 +46,7 @@ __all__ = [
     "ShapeInferencePass",
     "TopologicalSortPass",
     "TransposeFusionPass",
+    "UnrollLoopsPass",
     "UnrollRecurrentPass",
     "UpgradeOpsetPass",
 ]

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 from gradgen.executor import Session
 from gradgen.ops.schemas import LOWERED_FORWARD_OPS
+from tests.control_flow_models import if_model, loop_feeds, loop_model, scan_feeds, scan_model
 from tests.gradcheck import case_model
 from tests.test_grad_rules import CASES
 
@@ -70,6 +71,9 @@ MODELS = {
         op: (lambda op=op: _microsoft_case_model(op)) if domain else (lambda op=op: _case_model(op))
         for domain, op in LOWERED_FORWARD_OPS
     },
+    "If": lambda: (if_model("data"), {"x": np.random.default_rng(0).normal(size=(2, 4))}),
+    "Loop": lambda: (loop_model(), loop_feeds()),
+    "Scan": lambda: (scan_model(), scan_feeds(scan_model())),
     "ReluGrad": lambda: _microsoft_case_model("ReluGrad"),
     "SigmoidGrad": lambda: _microsoft_case_model("SigmoidGrad"),
     "TanhGrad": lambda: _microsoft_case_model("TanhGrad"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx_ir as ir
 
 from gradgen.builder import MICROSOFT
 from gradgen.errors import ModelError
@@ -464,22 +465,39 @@ def cast_like(g):
 
 @grad_rule("Dropout", nondiff_inputs=(1, 2))
 def dropout(g):
-    """Inference-mode Dropout is the identity; training mode (with ratio > 0) is refused."""
+    """Inference mode: the identity. Training mode (a constant training_mode true): dX = dY * mask /
+    (1 - ratio), as ONNX Runtime training's DropoutGrad computes it, with the mask the forward node
+    drew (its second output, which the node is given when it has none)."""
     training = g.input_const(2) if g.x(2) is not None and g.x(2).name else np.array(False)
     ratio = g.input_const(1) if g.x(1) is not None and g.x(1).name else np.array(0.5)
     name = g.node.name or "<unnamed>"
     if training is None:
         raise ModelError(
-            f"Dropout node {name!r}: training_mode is not a constant; gradgen differentiates "
-            "inference-mode Dropout only (export the model in eval mode)"
+            f"Dropout node {name!r}: training_mode is not a constant; gradgen differentiates Dropout whose "
+            "training_mode is a constant (true or false)"
         )
-    if bool(np.asarray(training).reshape(-1)[0]):
-        if ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0:
-            raise ModelError(
-                f"Dropout node {name!r} runs in training mode (training_mode=true, ratio > 0); "
-                "gradgen differentiates inference-mode Dropout only (export the model in eval mode)"
-            )
-    return [g.dy()] + [None] * (len(g.node.inputs) - 1)
+    rest = [None] * (len(g.node.inputs) - 1)
+    if not bool(np.asarray(training).reshape(-1)[0]) or (ratio is not None and float(np.asarray(ratio).reshape(-1)[0]) == 0):
+        return [g.dy()] + rest
+    kept = g.op("Mul", g.dy(), g.op("CastLike", _dropout_mask(g), g.dy()))
+    if ratio is not None:
+        scale = g.const_like(g.x(0), 1.0 / (1.0 - float(np.asarray(ratio).reshape(-1)[0])))
+        return [g.op("Mul", kept, scale)] + rest
+    keep = g.op("Sub", g.const_like(g.x(0), 1.0), g.op("CastLike", g.x(1), g.dy()))
+    return [g.op("Div", kept, keep)] + rest
+
+
+def _dropout_mask(g) -> ir.Value:
+    """The forward Dropout's mask output, which the node gets (named ``<Y>_mask``) when it has none,
+    so that the backward reads the mask the forward drew."""
+    node = g.node
+    if len(node.outputs) < 2 or not node.outputs[1].name:
+        node.resize_outputs(2)
+        mask = node.outputs[1]
+        mask.name = g.b.unique(f"{node.outputs[0].name}_mask")
+        mask.type = ir.TensorType(ir.DataType.BOOL)
+        mask.shape = node.outputs[0].shape
+    return node.outputs[1]
 
 
 @grad_rule("RotaryEmbedding", nondiff_inputs=(3,))

@@ -499,6 +499,17 @@ def identity(x):
 
 @cpu_kernel("Dropout")
 def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _num_outputs=1, **attrs):
+    drop = dropout_ratio(ratio, training_mode, is_test, attrs)
+    if drop:
+        y, mask = _training_dropout(data, drop, seed)
+        return (y, mask) if _num_outputs >= 2 else y
+    if _num_outputs >= 2:
+        return data, np.ones(data.shape, dtype=bool)
+    return data
+
+
+def dropout_ratio(ratio, training_mode, is_test, attrs: dict) -> float:
+    """The fraction a Dropout drops: its ratio in training mode, 0 in inference mode."""
     # opset < 12 (and the attribute forms of older opsets) put ratio in an attribute.
     if ratio is None:
         ratio = attrs.get("ratio", 0.5)
@@ -506,11 +517,21 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
     training = bool(np.asarray(training_mode).reshape(-1)[0]) if training_mode is not None else False
     if is_test is not None and not is_test:
         training = True
-    if training and ratio > 0:
-        raise KernelError("training-mode Dropout is not supported (gradgen runs Dropout in inference mode only)")
-    if _num_outputs >= 2:
-        return data, np.ones(data.shape, dtype=bool)
-    return data
+    if not training:
+        return 0.0
+    if not 0.0 <= ratio < 1.0:
+        raise KernelError(f"training-mode Dropout with ratio {ratio}: the ratio must be in [0, 1)")
+    return ratio
+
+
+def _training_dropout(data: np.ndarray, ratio: float, seed) -> tuple[np.ndarray, np.ndarray]:
+    """Y = X * mask / (1 - ratio) and the mask (True: kept), each element kept with probability
+    1 - ratio. With the ``seed`` attribute, every run draws the same mask (numpy's PCG64 from that
+    seed); without it, a fresh one."""
+    rng = np.random.default_rng(None if seed is None else int(seed))
+    mask = rng.random(data.shape) >= ratio
+    scale = np.asarray(1.0 / (1.0 - ratio), dtype=data.dtype)
+    return np.where(mask, data * scale, np.zeros((), data.dtype)).astype(data.dtype, copy=False), mask
 
 
 # ---------------------------------------------------------------------------------------------

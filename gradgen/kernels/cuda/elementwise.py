@@ -468,13 +468,16 @@ def prelu(x, slope):
 
 @cuda_kernel("Dropout", host_inputs=(1, 2))
 def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _num_outputs=1, **attrs):
-    """Inference mode: the input itself (and an all-true mask); training mode is refused as on the CPU."""
+    """Inference mode: the input itself (and an all-true mask); training mode draws the CPU kernel's
+    mask on the host (the same mask as on the CPU for a given seed)."""
     from gradgen.cuda import runtime as rt
     from gradgen.kernels.cpu import elementwise as cpu
     from gradgen.kernels.cuda.launch import fill
 
-    # The CPU kernel decides (and refuses training mode) on a stand-in of the same dtype.
-    cpu.dropout(np.zeros((), data.dtype), ratio, training_mode, seed=seed, is_test=is_test, **attrs)
+    if cpu.dropout_ratio(ratio, training_mode, is_test, attrs):
+        return rt.run_on_host(
+            cpu.dropout, data, ratio, training_mode, seed=seed, is_test=is_test, _num_outputs=_num_outputs, **attrs
+        )
     if _num_outputs >= 2:
         mask = rt.empty(data.shape, np.bool_)
         fill(mask, True)

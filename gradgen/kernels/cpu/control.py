@@ -1,0 +1,146 @@
+"""If, Loop and Scan on the CPU: each body runs as a Session of its own.
+
+The executor gives a node with subgraphs the outer-scope values they read as trailing arguments,
+named by ``_captured`` (gradgen/executor/session.py). A subgraph becomes a standalone model whose
+inputs are its own inputs plus those outer values (one copy per subgraph, planned once and cached
+for the subgraph's lifetime), so nested control flow and every kernel run as they do at top level.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir._cloner import Cloner
+
+from gradgen.errors import KernelError
+from gradgen.kernels.table import cpu_kernel
+from gradgen.ops.control_flow import graph_outer_values
+
+# subgraph -> {opset: (Session, names of its own inputs, names of the outer values it reads)}
+_SESSIONS: weakref.WeakKeyDictionary[ir.Graph, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def _standalone(graph: ir.Graph, opset: int) -> tuple[ir.Model, list[str]]:
+    """A copy of ``graph`` as a model whose inputs are its own, then the outer values it reads."""
+    outer = graph_outer_values(graph)
+    inputs = {v: ir.Value(name=v.name, type=v.type, shape=v.shape) for v in outer}
+    cloner = Cloner(attr_map={}, value_map=dict(inputs), metadata_props={}, allow_outer_scope_values=True)
+    copy = cloner.clone_graph(graph)
+    copy.inputs.extend(inputs.values())
+    copy.opset_imports[""] = opset
+    copy.opset_imports.setdefault("com.microsoft", 1)
+    return ir.Model(copy, ir_version=10), [v.name for v in outer if v.name]
+
+
+def _session(graph: ir.Graph, opset: int):
+    from gradgen.executor.session import Session
+
+    per_opset = _SESSIONS.setdefault(graph, {})
+    if opset not in per_opset:
+        model, outer = _standalone(graph, opset)
+        per_opset[opset] = (Session(model, device="cpu"), [v.name for v in graph.inputs], outer)
+    return per_opset[opset]
+
+
+def run_subgraph(graph: ir.Graph, inputs: list, scope: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
+    """The outputs of ``graph`` for its inputs (in order) and the outer values in ``scope``."""
+    session, names, outer = _session(graph, opset)
+    feeds = dict(zip(names, inputs))
+    feeds.update({name: scope[name] for name in outer})
+    results = session.run(feeds)
+    return [results[name] for name in session.output_names]
+
+
+def _split_scope(args: tuple, captured: tuple) -> tuple[list, dict[str, np.ndarray]]:
+    """The node's own arguments and the outer values (the trailing ``len(captured)`` arguments)."""
+    own = len(args) - len(captured)
+    return list(args[:own]), dict(zip(captured, args[own:]))
+
+
+def _truth(value) -> bool:
+    return bool(np.asarray(value).reshape(-1)[0])
+
+
+def _empty_like_declared(value: ir.Value) -> np.ndarray:
+    """A stack of zero elements of a scan output whose elements ``value`` declares."""
+    dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
+    dims = [d if isinstance(d, int) else 0 for d in value.shape] if value.shape is not None else []
+    return np.zeros((0, *dims), dtype=dtype)
+
+
+@cpu_kernel("If")
+def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
+    _, scope = _split_scope((cond, *args), _captured)
+    branch = then_branch if _truth(cond) else else_branch
+    return tuple(run_subgraph(branch, [], scope, _opset))
+
+
+@cpu_kernel("Loop")
+def loop(m, cond, *args, body, _captured=(), _opset=1):
+    initial, scope = _split_scope(args, _captured)
+    trip_count = None if m is None else int(np.asarray(m).reshape(-1)[0])
+    go_on = True if cond is None else _truth(cond)
+    states = list(initial)
+    num_scans = len(body.outputs) - 1 - len(states)
+    scans: list[list[np.ndarray]] = [[] for _ in range(num_scans)]
+    i = 0
+    while go_on and (trip_count is None or i < trip_count):
+        outputs = run_subgraph(body, [np.array(i, dtype=np.int64), np.array(go_on), *states], scope, _opset)
+        go_on = _truth(outputs[0])
+        states = outputs[1 : 1 + len(states)]
+        for k, element in enumerate(outputs[1 + len(states) :]):
+            scans[k].append(element)
+        i += 1
+    stacked = [
+        np.stack(series) if series else _empty_like_declared(body.outputs[1 + len(states) + k]) for k, series in enumerate(scans)
+    ]
+    return tuple(states + stacked)
+
+
+@cpu_kernel("Scan")
+def scan(
+    *args,
+    body,
+    num_scan_inputs,
+    scan_input_axes=None,
+    scan_input_directions=None,
+    scan_output_axes=None,
+    scan_output_directions=None,
+    _captured=(),
+    _opset=1,
+):
+    if _opset < 9:
+        raise KernelError("Scan below opset 9 (with a batch axis and sequence_lens) is not supported")
+    own, scope = _split_scope(args, _captured)
+    num_states = len(own) - num_scan_inputs
+    states, sequences = own[:num_states], own[num_states:]
+    in_axes = scan_input_axes or [0] * num_scan_inputs
+    in_reverse = scan_input_directions or [0] * num_scan_inputs
+    sequences = [np.moveaxis(x, axis, 0) for x, axis in zip(sequences, in_axes)]
+    lengths = {x.shape[0] for x in sequences}
+    if len(lengths) != 1:
+        raise KernelError(f"the scan inputs have different lengths along their scan axes ({sorted(lengths)})")
+    (length,) = lengths
+    num_outputs = len(body.outputs) - num_states
+    series: list[list[np.ndarray]] = [[] for _ in range(num_outputs)]
+    for t in range(length):
+        slices = [x[length - 1 - t] if rev else x[t] for x, rev in zip(sequences, in_reverse)]
+        outputs = run_subgraph(body, [*states, *slices], scope, _opset)
+        states = outputs[:num_states]
+        for k, element in enumerate(outputs[num_states:]):
+            series[k].append(element)
+    out_axes = scan_output_axes or [0] * num_outputs
+    out_reverse = scan_output_directions or [0] * num_outputs
+    stacked = []
+    for k in range(num_outputs):
+        elements = series[k][::-1] if out_reverse[k] else series[k]
+        if not elements:
+            stacked.append(_empty_like_declared(body.outputs[num_states + k]))
+            continue
+        whole = np.stack(elements)
+        axis = out_axes[k] + whole.ndim if out_axes[k] < 0 else out_axes[k]
+        stacked.append(np.moveaxis(whole, 0, axis))
+    return tuple(list(states) + stacked)

@@ -1,0 +1,196 @@
+"""UnrollLoopsPass: rewrite Loop and Scan nodes whose number of iterations the model fixes into
+their bodies' nodes, one copy per iteration, in the main graph, so that the ordinary gradient
+rules differentiate them (loop-carried state, scan outputs and the outer values the body reads
+alike) and both executors run them with the kernels they have.
+
+A Loop with a constant trip count M whose body passes its condition through (or sets it to a
+constant true) runs M times; a Scan runs over its scan inputs' static length. Each copy gets its
+iteration number (Loop) or its slices of the scan inputs (Scan) and the previous copy's state;
+scan outputs are stacked (Unsqueeze + Concat) along their axis, in their direction. After a round
+that unrolled something, ``EvaluateConstantsPass`` folds what the iteration numbers now fix (an If
+on the iteration number is inlined), and loops nested in the bodies, now in the main graph, unroll
+in the next round. Loops of a length known only at run time (and loops over more than
+``MAX_ITERATIONS``) stay in place: the executor runs them, and their gradient rule refuses them,
+naming the node and the reason (gradgen/grads/rules/control.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir._cloner import Cloner
+
+from gradgen.builder import GraphBuilder
+from gradgen.ops.attributes import get_attr
+from gradgen.ops.control_flow import loop_trip_count, scan_length, subgraphs
+from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
+
+__all__ = ["MAX_ITERATIONS", "UnrollLoopsPass", "unroll_reason"]
+
+MAX_ITERATIONS = 4096  # longer loops would make graphs too large to be worth unrolling
+FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def unroll_reason(node: ir.Node, opset: int) -> int | str:
+    """The number of iterations UnrollLoopsPass unrolls ``node`` into, or why it does not."""
+    if node.op_type == "Scan" and opset < 9:
+        return "Scan below opset 9 (with a batch axis) is not unrolled"
+    count = loop_trip_count(node) if node.op_type == "Loop" else scan_length(node)
+    if isinstance(count, str):
+        return count
+    if count > MAX_ITERATIONS:
+        return f"it runs {count} iterations, more than the {MAX_ITERATIONS} gradgen unrolls"
+    body = get_attr(node, "body")
+    first_scan = len(body.outputs) - (len(node.outputs) - _num_states(node))
+    if count == 0 and first_scan < len(body.outputs):
+        return "it runs zero iterations and has scan outputs (of a shape the model does not fix)"
+    return count
+
+
+class UnrollLoopsPass(ir.passes.InPlacePass):
+    """Unroll every Loop / Scan of the main graph that carries float values and has a static
+    number of iterations (in place, to a fixed point); shape inference and constant folding run
+    after each round that changed something."""
+
+    def __init__(self, max_rounds: int = 8):
+        super().__init__()
+        self.max_rounds = max_rounds
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from gradgen.passes.evaluate import EvaluateConstantsPass
+
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        modified = False
+        for _ in range(self.max_rounds):
+            counts = {}
+            for node in model.graph:
+                if node.domain in STANDARD_DOMAINS and node.op_type in ("Loop", "Scan") and _carries_floats(node):
+                    count = unroll_reason(node, opset)
+                    if isinstance(count, int):
+                        counts[node] = count
+            if not rewrite_nodes(model, list(counts), functools.partial(_unroll, counts=counts)):
+                break
+            EvaluateConstantsPass()(model)
+            modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def _carries_floats(node: ir.Node) -> bool:
+    return any(v.dtype in FLOAT_TYPES for v in node.outputs)
+
+
+def _num_states(node: ir.Node) -> int:
+    """How many loop-carried values the node has (its first outputs; the rest are scan outputs)."""
+    if node.op_type == "Loop":
+        return max(len(node.inputs) - 2, 0)
+    return len(node.inputs) - int(get_attr(node, "num_scan_inputs"))
+
+
+class _Copier:
+    """Copies a body into the main graph once per iteration, through one GraphBuilder (unique
+    names, shared constants); the body's initializers are placed once."""
+
+    def __init__(self, node: ir.Node, builder: GraphBuilder):
+        self.node, self.b = node, builder
+        self.body: ir.Graph = get_attr(node, "body")
+        self._constants: dict = {}
+        self.initializers = {value: self._place(value) for value in self.body.initializers.values()}
+        self._results: set[ir.Value] = set()
+
+    def _place(self, value: ir.Value) -> ir.Value:
+        assert value.const_value is not None  # an initializer
+        array = value.const_value.numpy()
+        if array.dtype.kind == "f":  # as a Constant node: an initializer would read as a parameter
+            return float_constant(self.b, array, self._constants)
+        return self.b.const(array)
+
+    def iteration(self, index: int, inputs: list[ir.Value]) -> list[ir.Value]:
+        """The body's outputs for one iteration whose body inputs are ``inputs``."""
+        value_map: dict[ir.Value, ir.Value | None] = dict(self.initializers)
+        value_map.update(zip(self.body.inputs, inputs))
+        cloner = Cloner(attr_map={}, value_map=value_map, metadata_props={}, allow_outer_scope_values=True)
+        prefix = f"{self.node.name or self.node.op_type}/iter{index}"
+        for body_node in self.body:
+            copy = cloner.clone_node(body_node)
+            self._rename(copy, prefix)
+            self.b.nodes.append(copy)
+            self.b.node_set.add(copy)
+        return [value_map.get(v, v) or v for v in self.body.outputs]
+
+    def _rename(self, node: ir.Node, prefix: str) -> None:
+        """Fresh names for a copied node, its outputs and everything in its subgraphs (a model's
+        names are unique across all of its graphs)."""
+        node.name = self.b.unique(f"{prefix}/{node.name or node.op_type}")
+        for value in node.outputs:
+            if value.name:
+                value.name = self.b.unique(f"{prefix}/{value.name}")
+        for graph in subgraphs(node):
+            for value in graph.inputs:
+                value.name = self.b.unique(f"{prefix}/{value.name}")
+            for inner in graph:
+                self._rename(inner, prefix)
+
+    def result(self, value: ir.Value) -> ir.Value:
+        """``value`` as a node output's replacement: made here, or passed through an Identity (an
+        outer value or an initial state, which must keep its own name)."""
+        producer = value.producer()
+        if value not in self._results and producer is not None and producer in self.b.node_set:
+            self._results.add(value)
+            return value
+        return self.b.op("Identity", value)
+
+    def stack(self, elements: list[ir.Value], axis: int) -> ir.Value:
+        """The per-iteration values stacked along a new ``axis`` (negative: from the end)."""
+        parts = [self.b.unsqueeze(e, [axis]) for e in elements]
+        return parts[0] if len(parts) == 1 else self.b.op("Concat", *parts, axis=axis)
+
+
+def _unroll(node: ir.Node, b: GraphBuilder, counts: dict[ir.Node, int]) -> list[ir.Value | None]:
+    count = counts[node]
+    return _unroll_loop(node, b, count) if node.op_type == "Loop" else _unroll_scan(node, b, count)
+
+
+def _unroll_loop(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | None]:
+    copier = _Copier(node, b)
+    states: list[ir.Value] = [v for v in node.inputs[2:] if v is not None]
+    scans: list[list[ir.Value]] = []
+    go_on = b.const(np.array(True))
+    for i in range(count):
+        outputs = copier.iteration(i, [b.scalar(i), go_on, *states])
+        states = outputs[1 : 1 + len(states)]
+        scans.append(outputs[1 + len(states) :])
+    finals: list[ir.Value | None] = [copier.result(s) for s in states]
+    stacked = [copier.stack([scan[k] for scan in scans], 0) for k in range(len(scans[0]))] if scans else []
+    return finals + stacked
+
+
+def _unroll_scan(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | None]:
+    copier = _Copier(node, b)
+    num_scan = int(get_attr(node, "num_scan_inputs"))
+    num_states = len(node.inputs) - num_scan
+    in_axes = get_attr(node, "scan_input_axes") or [0] * num_scan
+    in_reverse = get_attr(node, "scan_input_directions") or [0] * num_scan
+    slices = []
+    for k in range(num_scan):
+        x, axis = node.inputs[num_states + k], in_axes[k]
+        assert x is not None  # scan_length read its shape
+        parts = [x] if count == 1 else b.op_multi("Split", [x, b.ints([1] * count)], count, axis=axis)
+        per_step = [b.squeeze(p, [axis]) for p in parts]
+        slices.append(per_step[::-1] if in_reverse[k] else per_step)
+    states: list[ir.Value] = [v for v in node.inputs[:num_states] if v is not None]
+    elements: list[list[ir.Value]] = []
+    for i in range(count):
+        outputs = copier.iteration(i, [*states, *(s[i] for s in slices)])
+        states = outputs[:num_states]
+        elements.append(outputs[num_states:])
+    num_outputs = len(node.outputs) - num_states
+    out_axes = get_attr(node, "scan_output_axes") or [0] * num_outputs
+    out_reverse = get_attr(node, "scan_output_directions") or [0] * num_outputs
+    stacked = []
+    for k in range(num_outputs):
+        series = [e[k] for e in elements]
+        stacked.append(copier.stack(series[::-1] if out_reverse[k] else series, out_axes[k]))
+    finals: list[ir.Value | None] = [copier.result(s) for s in states]
+    return finals + stacked

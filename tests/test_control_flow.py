@@ -1,0 +1,222 @@
+"""If, Loop, Scan and training-mode Dropout: the CPU executor runs them as ONNX Runtime does;
+loops of a static length are unrolled and differentiated (finite differences in float64, PyTorch's
+autograd); an If chosen at run time and loops of a run-time length are one-line model errors
+naming the node; Dropout's gradient reads the mask the forward drew."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import gradgen
+from gradgen.check import check_gradients
+from gradgen.errors import RunError
+from gradgen.executor import Session
+from tests.control_flow_models import (
+    dropout_model,
+    dropout_weights,
+    if_model,
+    loop_feeds,
+    loop_model,
+    scan_feeds,
+    scan_model,
+    weights,
+)
+from tests.test_cli import run_cli
+
+SCANS = {
+    "forward": {},
+    "reversed in and out, axis 1 in, last axis out": dict(in_axis=1, in_reverse=1, out_axis=-1, out_reverse=1),
+    "axis 2 in, axis 1 out": dict(in_axis=2, out_axis=1),
+    "one step": dict(length=1),
+}
+
+
+def _ort(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["loss"], feeds)[0]
+
+
+@pytest.mark.parametrize(
+    "kw, steps",
+    [({}, 3), ({"trip_count": None}, 3), ({"condition": "computed"}, 3), ({"trip_count": 0}, 0), ({"scan_output": False}, 2)],
+)
+def test_loop_runs_as_onnxruntime_runs_it(kw, steps):
+    options = {"trip_count": steps} | kw
+    model = loop_model(**options)
+    feeds = loop_feeds(steps)
+    if options["trip_count"] is None:
+        feeds["M"] = np.array(steps, dtype=np.int64)
+    np.testing.assert_allclose(Session(model).run(feeds)["loss"], _ort(model, feeds), rtol=1e-12)
+
+
+@pytest.mark.parametrize("kw", list(SCANS.values()), ids=list(SCANS))
+def test_scan_runs_as_onnxruntime_runs_it(kw):
+    model = scan_model(**kw)
+    feeds = scan_feeds(model)
+    np.testing.assert_allclose(Session(model).run(feeds)["loss"], _ort(model, feeds), rtol=1e-12)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_if_runs_the_branch_its_condition_picks(sign):
+    model = if_model("data")
+    feeds = {"x": sign * (np.abs(np.random.default_rng(0).normal(size=(2, 4))) + 0.1)}
+    np.testing.assert_allclose(Session(model).run(feeds)["loss"], _ort(model, feeds), rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "model, feeds",
+    [
+        (loop_model(), loop_feeds()),
+        (loop_model(scan_output=False, trip_count=2), loop_feeds(2)),
+        *[(scan_model(**kw), scan_feeds(scan_model(**kw))) for kw in SCANS.values()],
+        (if_model("initializer"), {"x": np.random.default_rng(0).normal(size=(2, 4))}),
+    ],
+    ids=["loop", "loop without scan outputs", *[f"scan {k}" for k in SCANS], "if on an initializer"],
+)
+def test_static_control_flow_gradients_match_finite_differences(model, feeds):
+    report = check_gradients(model, inputs=feeds, wrt_inputs=True)
+    assert report.passed, report.format()
+    assert {t.name for t in report.tensors} >= {"x"}
+
+
+def test_unrolled_backward_graph_holds_no_loop_and_passes_the_checker():
+    built = gradgen.build_backward(loop_model(), wrt_inputs=True)
+    ops = {n.op_type for n in built.model.graph}
+    assert not ops & {"Loop", "Scan", "If"}
+    assert built.wrt == ["W", "x", "h0"]  # the body's own float initializers are no parameters
+    onnx.checker.check_model(ir.to_proto(built.model), full_check=True)
+
+
+def test_loop_gradients_match_torch_autograd():
+    torch = pytest.importorskip("torch")
+    feeds = loop_feeds()
+    w = torch.tensor(weights(), requires_grad=True)
+    x = torch.tensor(feeds["x"], requires_grad=True)
+    h = h0 = torch.tensor(feeds["h0"], requires_grad=True)
+    loss = 0
+    for i in range(3):
+        h = torch.tanh(h @ w + x[i] * (i + 1))
+        loss = loss + (2 * h).sum()
+    (loss + h.sum()).backward()
+    got = Session(gradgen.build_backward(loop_model(), wrt_inputs=True).model).run(feeds)
+    for name, tensor in (("W", w), ("x", x), ("h0", h0)):
+        np.testing.assert_allclose(got[f"{name}_grad"], tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (if_model("data"), "node 'choose' (If): its condition ('c') is computed at run time"),
+        (loop_model(trip_count=None), "node 'loop' (Loop): its trip count M ('M') is computed at run time"),
+        (loop_model(condition="computed"), "node 'loop' (Loop): its body computes the condition to go on at run time"),
+    ],
+    ids=["if", "loop trip count", "loop condition"],
+)
+def test_run_time_control_flow_is_a_one_line_model_error(tmp_path, capsys, monkeypatch, model, message):
+    path, out = tmp_path / "m.onnx", tmp_path / "g.onnx"
+    onnx.save(model, path)
+    code, _, err = run_cli(capsys, monkeypatch, "build-backward", path, "-o", out)
+    assert code == 3
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_scan_of_a_symbolic_length_is_a_model_error():
+    model = scan_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
+    with pytest.raises(gradgen.errors.ModelError, match=r"node 'scan' \(Scan\): its sequence length .* is not static"):
+        gradgen.build_backward(model, wrt_inputs=True)
+
+
+# -- Dropout in training mode --------------------------------------------------------------------
+
+X = np.random.default_rng(1).uniform(0.5, 1.5, (3, 5))
+
+
+def test_seeded_training_dropout_is_deterministic_and_its_mask_matches_its_values():
+    model = dropout_model(mask_output=True)
+    first, second = Session(model).run({"x": X}), Session(model).run({"x": X})
+    mask = first["mask"]
+    assert mask.dtype == bool and 0 < mask.sum() < mask.size
+    np.testing.assert_array_equal(second["mask"], mask)
+    np.testing.assert_allclose(first["y"], np.where(mask, X / 0.7, 0.0), rtol=1e-15)
+    other = Session(dropout_model(seed=8, mask_output=True)).run({"x": X})["mask"]
+    assert not np.array_equal(other, mask)
+
+
+def test_training_dropout_keeps_about_one_minus_ratio():
+    y = Session(_large_dropout(0.25)).run({"x": np.ones((1000, 100))})["y"]
+    assert abs((y != 0).mean() - 0.75) < 0.01
+    np.testing.assert_allclose(y[y != 0], 1 / 0.75)
+
+
+def _large_dropout(ratio: float) -> onnx.ModelProto:
+    model = dropout_model(ratio=ratio, seed=None)
+    for value in model.graph.input:
+        value.type.tensor_type.shape.dim[0].dim_value, value.type.tensor_type.shape.dim[1].dim_value = 1000, 100
+    model.graph.output[1].type.tensor_type.shape.dim[0].dim_value = 1000
+    model.graph.output[1].type.tensor_type.shape.dim[1].dim_value = 100
+    del model.graph.node[1:]
+    del model.graph.output[0]
+    return model
+
+
+def test_unseeded_training_dropout_draws_a_new_mask_each_run():
+    session = Session(_large_dropout(0.5))
+    x = np.ones((1000, 100))
+    assert not np.array_equal(session.run({"x": x})["y"], session.run({"x": x})["y"])
+
+
+@pytest.mark.parametrize("ratio", [0.3, None], ids=["constant ratio", "ratio fed at run time"])
+def test_training_dropout_gradient_is_dy_times_its_mask_over_keep(ratio):
+    built = gradgen.build_backward(dropout_model(ratio=ratio), wrt_inputs=True, loss="loss")
+    feeds = {"x": X} if ratio is not None else {"x": X, "ratio": np.array(0.4)}
+    keep = 0.7 if ratio is not None else 0.6
+    got = Session(built.model).run(feeds)
+    mask = got["y"] != 0  # x > 0 everywhere: an element is 0 exactly where it was dropped
+    assert 0 < mask.sum() < mask.size
+    np.testing.assert_allclose(got["x_grad"], dropout_weights() * mask / keep, rtol=1e-15)
+    np.testing.assert_allclose(got["w_grad"], got["y"], rtol=1e-15)
+    onnx.checker.check_model(ir.to_proto(built.model), full_check=True)
+
+
+@pytest.mark.parametrize("mask_output", [False, True])
+def test_training_dropout_gradients_match_finite_differences(mask_output):
+    report = check_gradients(dropout_model(mask_output=mask_output), inputs={"x": X}, wrt_inputs=True, loss="loss")
+    assert report.passed, report.format()
+
+
+def test_training_dropout_ratio_out_of_range_is_a_run_error():
+    model = dropout_model(ratio=None)
+    with pytest.raises(RunError, match=r"node 'drop' \(Dropout\).*ratio 1.0: the ratio must be in \[0, 1\)"):
+        Session(model).run({"x": X, "ratio": np.array(1.0)})
+
+
+@pytest.mark.cuda
+def test_training_dropout_and_its_gradient_on_the_gpu_match_the_cpu():
+    built = gradgen.build_backward(dropout_model(), wrt_inputs=True, loss="loss").model
+    want = Session(built).run({"x": X})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = Session(built, device="cuda")
+        for _ in range(3):  # eager, recorded, replayed: a host step keeps the run eager
+            got = session.run({"x": X})
+            for name, value in want.items():
+                np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "model, feeds", [(loop_model(), loop_feeds()), (scan_model(), scan_feeds(scan_model()))], ids=["loop", "scan"]
+)
+def test_unrolled_loop_gradients_on_the_gpu_match_the_cpu(model, feeds):
+    built = gradgen.build_backward(model, wrt_inputs=True).model
+    want = Session(built).run(feeds)
+    got = Session(built, device="cuda").run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
