@@ -169,3 +169,37 @@ def dropout_model(ratio: float | None = 0.3, seed: int | None = 7, mask_output: 
 
 def dropout_weights() -> np.ndarray:
     return np.random.default_rng(3).normal(size=(3, 5))
+
+
+def nested_loop_model() -> onnx.ModelProto:
+    """An outer Loop (M = 2) whose body runs an inner Loop (M = 2): h <- tanh(h @ W + x) four times,
+    W and x read from the main graph by the inner body; loss = sum(h)."""
+    inner = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["g_in", "W"], ["gw"]),
+            helper.make_node("Add", ["gw", "x"], ["gp"]),
+            helper.make_node("Tanh", ["gp"], ["g_out"]),
+            helper.make_node("Identity", ["d_in"], ["d_out"]),
+        ],
+        "inner",
+        [_info("j", TensorProto.INT64, []), _info("d_in", TensorProto.BOOL, []), _info("g_in", D, [2, 4])],
+        [_info("d_out", TensorProto.BOOL, []), _info("g_out", D, [2, 4])],
+    )
+    outer = helper.make_graph(
+        [
+            helper.make_node("Loop", ["M", "", "h_in"], ["h_mid"], body=inner, name="inner"),
+            helper.make_node("Identity", ["c_in"], ["c_out"]),
+        ],
+        "outer",
+        [_info("i", TensorProto.INT64, []), _info("c_in", TensorProto.BOOL, []), _info("h_in", D, [2, 4])],
+        [_info("c_out", TensorProto.BOOL, []), _info("h_mid", D, [2, 4])],
+    )
+    nodes = [
+        helper.make_node("Loop", ["M", "", "h0"], ["hT"], body=outer, name="outer"),
+        helper.make_node("ReduceSum", ["hT"], ["loss"], keepdims=0),
+    ]
+    inits = [numpy_helper.from_array(weights(), "W"), numpy_helper.from_array(np.array(2, dtype=np.int64), "M")]
+    graph = helper.make_graph(
+        nodes, "nested", [_info("x", D, [2, 4]), _info("h0", D, [2, 4])], [_info("loss", D, [])], initializer=inits
+    )
+    return helper.make_model(graph, opset_imports=OPSET)

@@ -23,6 +23,7 @@ from tests.control_flow_models import (
     if_model,
     loop_feeds,
     loop_model,
+    nested_loop_model,
     scan_feeds,
     scan_model,
     weights,
@@ -82,6 +83,16 @@ def test_static_control_flow_gradients_match_finite_differences(model, feeds):
     report = check_gradients(model, inputs=feeds, wrt_inputs=True)
     assert report.passed, report.format()
     assert {t.name for t in report.tensors} >= {"x"}
+
+
+def test_nested_loops_run_and_unroll_into_gradients_that_match_finite_differences():
+    model = nested_loop_model()
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(2, 4)), "h0": rng.normal(size=(2, 4))}
+    np.testing.assert_allclose(Session(model).run(feeds)["loss"], _ort(model, feeds), rtol=1e-12)
+    assert not {n.op_type for n in gradgen.build_backward(model, wrt_inputs=True).model.graph} & {"Loop"}
+    report = check_gradients(model, inputs=feeds, wrt_inputs=True)
+    assert report.passed, report.format()
 
 
 def test_unrolled_backward_graph_holds_no_loop_and_passes_the_checker():

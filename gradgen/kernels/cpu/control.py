@@ -109,11 +109,12 @@ def scan(
     scan_input_directions=None,
     scan_output_axes=None,
     scan_output_directions=None,
+    directions=None,
     _captured=(),
     _opset=1,
 ):
     if _opset < 9:
-        raise KernelError("Scan below opset 9 (with a batch axis and sequence_lens) is not supported")
+        return _scan_8(args, body, num_scan_inputs, directions, _captured)
     own, scope = _split_scope(args, _captured)
     num_states = len(own) - num_scan_inputs
     states, sequences = own[:num_states], own[num_states:]
@@ -144,3 +145,35 @@ def scan(
         axis = out_axes[k] + whole.ndim if out_axes[k] < 0 else out_axes[k]
         stacked.append(np.moveaxis(whole, 0, axis))
     return tuple(list(states) + stacked)
+
+
+def _scan_8(args: tuple, body: ir.Graph, num_scan_inputs: int, directions, captured: tuple) -> tuple:
+    """Scan-8: a batch axis first on every state and scan input, optional sequence_lens first (a
+    sequence's scan outputs are zero past its length); each batch entry runs as a Scan-9."""
+    (lens, *own), scope = _split_scope(args, captured)
+    scope_values = [scope[name] for name in captured]
+    num_states = len(own) - num_scan_inputs
+    batch = own[0].shape[0]
+    per_batch = []
+    for b in range(batch):
+        length = own[num_states].shape[1] if lens is None else int(np.asarray(lens).reshape(-1)[b])
+        entry = [x[b] for x in own[:num_states]] + [x[b, :length] for x in own[num_states:]]
+        per_batch.append(
+            scan(
+                *entry,
+                *scope_values,
+                body=body,
+                num_scan_inputs=num_scan_inputs,
+                scan_input_directions=directions,
+                _captured=captured,
+                _opset=9,
+            )
+        )
+    outputs = []
+    for k in range(len(per_batch[0])):
+        parts = [r[k] for r in per_batch]
+        if k >= num_states:  # scan outputs: pad each sequence to the longest
+            full = own[num_states].shape[1]
+            parts = [np.concatenate([p, np.zeros((full - p.shape[0], *p.shape[1:]), p.dtype)]) for p in parts]
+        outputs.append(np.stack(parts))
+    return tuple(outputs)
