@@ -110,8 +110,14 @@ class Compiler:
         """The cubin of ``source`` (with ``part``: only that part's kernels, see ``Source.parts``)."""
         raise NotImplementedError
 
-    def ptx(self, source: Source, arch: str) -> str:
+    def ptx(self, source: Source, arch: str, part: int | None = None) -> str:
+        """The PTX of ``source`` (or of one part) for a virtual architecture (``compute_80``), or, in
+        split builds, for ``sm_XY``."""
         raise NotImplementedError
+
+    def supported_archs(self) -> list[str] | None:
+        """The ``sm_XY`` architectures this compiler can target, or None where it cannot say."""
+        return None
 
     def assemble(self, ptx: str, arch: str, source: Source) -> bytes:
         raise NotImplementedError
@@ -154,7 +160,7 @@ class NvrtcCompiler(Compiler):
         program = self._core.Program(source.text, "c++", options=options)
         return self._run("NVRTC", source, arch, lambda: _code_bytes(program.compile("cubin")))
 
-    def ptx(self, source: Source, arch: str) -> str:
+    def ptx(self, source: Source, arch: str, part: int | None = None) -> str:
         """The source's PTX, through NVRTC's own API: cuda.core's PTX path asks the driver whether
         it could load the result, and here no GPU may be present (a Docker build)."""
         from cuda.bindings import nvrtc
@@ -164,6 +170,7 @@ class NvrtcCompiler(Compiler):
             f"--std={STD}",
             f"--pre-include={NVRTC_PRELUDE}",
             *(f"--include-path={d}" for d in self._include_path(source)),
+            *(f"--define-macro={name}={value}" for name, value in part_defines(part)),
         ]
         err, program = nvrtc.nvrtcCreateProgram(source.text.encode(), source.path.name.encode(), 0, [], [])
         _nvrtc_check(err, source, arch, self.version, program=None)
@@ -177,6 +184,12 @@ class NvrtcCompiler(Compiler):
         finally:
             nvrtc.nvrtcDestroyProgram(program)
         return buffer.rstrip(b"\0").decode()
+
+    def supported_archs(self) -> list[str] | None:
+        from cuda.bindings import nvrtc
+
+        result, archs = nvrtc.nvrtcGetSupportedArchs()
+        return [f"sm_{arch}" for arch in archs] if int(result) == 0 else None
 
     def assemble(self, ptx: str, arch: str, source: Source) -> bytes:
         core = self._core
@@ -242,12 +255,22 @@ class NvccCompiler(Compiler):
         self.identity = f"nvcc {self.version}; {self.options}"
 
     def compile(self, source: Source, arch: str, part: int | None = None) -> bytes:
+        return self._run(source, arch, part, "-cubin")
+
+    def ptx(self, source: Source, arch: str, part: int | None = None) -> str:
+        return self._run(source, arch, part, "-ptx").decode()
+
+    def supported_archs(self) -> list[str] | None:
+        result = subprocess.run([self.nvcc, "--list-gpu-code"], capture_output=True, text=True)
+        return result.stdout.split() if result.returncode == 0 else None
+
+    def _run(self, source: Source, arch: str, part: int | None, output: str) -> bytes:
         with tempfile.TemporaryDirectory(prefix="gradgen-nvcc-") as tmp:
-            out = Path(tmp) / f"{source.name}.cubin"
+            out = Path(tmp) / f"{source.name}.out"
             result = subprocess.run(
                 [
                     self.nvcc,
-                    "-cubin",
+                    output,
                     f"-arch={arch}",
                     *self.options,
                     *(f"-D{name}={value}" for name, value in part_defines(part)),

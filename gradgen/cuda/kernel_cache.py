@@ -32,10 +32,12 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
+from gradgen.cuda import compile_pool, prebuilt
 from gradgen.cuda.compile import Compiler, Source, compiler, cubin_kernels, find_source, source_names, split_ptx
+from gradgen.cuda.compile_pool import compile_one
 from gradgen.errors import KernelError
 
 try:
@@ -127,16 +129,19 @@ def write_build(stem: Path, build: Build) -> None:
     atomic_write(_index(stem), index)  # last: the build is complete
 
 
-def compile_build(source: Source, arch: str, using: Compiler, links: Executor | None = None, split: bool = True) -> Build:
+def compile_build(
+    source: Source, arch: str, using: Compiler, links: Executor | None = None, split: bool = True, output: str = "cubin"
+) -> Build:
     """Compile ``source``: with ``split``, a source written in parts (``Source.parts``) compiles
-    its parts side by side on ``links`` (a thread pool), one cubin each; any other source splits
-    into kernel groups linked on ``links`` where the compiler can; else the source compiles whole."""
+    its parts side by side on ``links`` (a compile pool, see compile_pool.py, or any executor),
+    one cubin each; any other source splits into kernel groups linked on ``links`` where the
+    compiler can; else the source compiles whole. ``output="ptx"``: the same of PTX texts."""
     if split and source.parts > 1:
-        return _compile_parts(source, arch, using, links)
-    if not (split and using.can_split):
+        return _compile_parts(source, arch, using, links, output)
+    if output == "ptx" or not (split and using.can_split):
         if links is None:
-            return [(None, using.compile(source, arch))]
-        return [(None, links.submit(using.compile, source, arch).result())]  # on the pool: one compile per core
+            return [(None, compile_one(using, source, arch, None, output))]
+        return [(None, _submit(links, using, source, arch, None, output).result())]  # on the pool: one compile per core
     common, kernels = split_ptx(using.ptx(source, arch))
     groups = groups_of(list(kernels))
 
@@ -149,25 +154,54 @@ def compile_build(source: Source, arch: str, using: Compiler, links: Executor | 
     return [(names, future.result()) for names, future in zip(groups, futures)]
 
 
-def _compile_parts(source: Source, arch: str, using: Compiler, links: Executor | None) -> Build:
-    """One cubin per part of ``source``, each listed with the kernels it holds (from its sections),
-    so a module finds a kernel's cubin without asking the driver."""
+def _submit(links: Executor, using: Compiler, source: Source, arch: str, part: int | None, output: str) -> Future:
+    """One compile on ``links``: through its ``compile`` where it is a compile pool (which may run it
+    in a worker process), else as a call on one of its threads."""
+    compile_on = getattr(links, "compile", None)
+    if compile_on is not None:
+        return compile_on(using, source, arch, part, output)
+    return links.submit(compile_one, using, source, arch, part, output)
 
-    def part(index: int) -> tuple[list[str] | None, bytes]:
-        cubin = using.compile(source, arch, part=index)
-        return cubin_kernels(cubin) or None, cubin
+
+def _compile_parts(source: Source, arch: str, using: Compiler, links: Executor | None, output: str) -> Build:
+    """One cubin (or PTX) per part of ``source``, each listed with the kernels it holds (from its
+    sections or entries), so a module finds a kernel's cubin without asking the driver."""
+
+    def listed(data: bytes) -> tuple[list[str] | None, bytes]:
+        names = cubin_kernels(data) if output == "cubin" else sorted(split_ptx(data.decode())[1])
+        return names or None, data
 
     if links is None:
-        return [part(index) for index in range(source.parts)]
-    futures = [links.submit(part, index) for index in range(source.parts)]
-    return [future.result() for future in futures]
+        return [listed(compile_one(using, source, arch, index, output)) for index in range(source.parts)]
+    futures = [_submit(links, using, source, arch, index, output) for index in range(source.parts)]
+    return [listed(future.result()) for future in futures]
 
 
 def load_or_build(
-    source: Source, arch: str, using: Compiler, directory: Path | None, links: Executor | None = None, split: bool = True
+    source: Source,
+    arch: str,
+    using: Compiler | None,
+    directory: Path | None,
+    links: Executor | None = None,
+    split: bool = True,
+    prebuilt_ok: bool = True,
 ) -> Build:
-    """The build of ``source`` for ``arch``: from the cache, else compiled (once across processes)
-    and stored. With ``directory`` None (the cache cannot be written) it is only compiled."""
+    """The build of ``source`` for ``arch``: shipped with the package (prebuilt.py), else from the
+    cache, else compiled (once across processes) and stored. With ``directory`` None (the cache
+    cannot be written) it is only compiled. ``using`` None: the default compiler, made only when
+    a compile is needed; where there is none, the shipped PTX if any."""
+    if prebuilt_ok:
+        found = prebuilt.lookup(source, arch, whole=not split)
+        if found is not None:
+            return found
+    if using is None:
+        try:
+            using = compiler()
+        except KernelError:
+            found = prebuilt.lookup_ptx(source, arch, whole=not split) if prebuilt_ok else None
+            if found is None:
+                raise
+            return found
     if directory is None:
         return compile_build(source, arch, using, links, split)
     stem = build_stem(directory, source, arch, using.identity + ("" if split else "; whole"))
@@ -182,9 +216,9 @@ def load_or_build(
         return build
 
 
-def load_or_compile(source: Source, arch: str, using: Compiler, directory: Path | None) -> bytes:
+def load_or_compile(source: Source, arch: str, using: Compiler | None, directory: Path | None) -> bytes:
     """One cubin of every kernel of ``source`` (for a module loaded whole, such as a source
-    generated at run time), from the cache or compiled once across processes."""
+    generated at run time), shipped, from the cache or compiled once across processes."""
     return load_or_build(source, arch, using, directory, split=False)[0][1]
 
 
@@ -205,40 +239,64 @@ def _usable_dir() -> Path | None:
 
 
 def builds(
-    arch: str, names: list[str] | None = None, *, using: Compiler | None = None, workers: int | None = None, on_done=None
+    arch: str,
+    names: list[str] | None = None,
+    *,
+    using: Compiler | None = None,
+    workers: int | None = None,
+    on_done=None,
+    prebuilt_ok: bool = True,
 ) -> dict[str, Build | KernelError]:
-    """Builds of the named sources (default: all) for ``arch``, compiling the missing ones at once.
+    """Builds of the named sources (default: all) for ``arch``: those shipped with the package
+    (prebuilt.py) first, the others from the cache, compiling the missing ones at once.
 
     A source that fails to compile maps to its KernelError rather than failing the others: only
-    the kernels it holds are unusable. ``on_done(name, seconds, compiled)`` hears of each source.
+    the kernels it holds are unusable. ``on_done(name, seconds, how)`` hears of each source
+    (``how``: "prebuilt", "cached" or "compiled"). ``prebuilt_ok=False`` ignores the shipped builds.
     """
     names = source_names() if names is None else list(names)
     sources = [find_source(name) for name in names]
-    directory = _usable_dir()
-    using = using or compiler()
-    missing = [s for s in sources if directory is None or not _index(build_stem(directory, s, arch, using.identity)).exists()]
     results: dict[str, Build | KernelError] = {}
+    for source in sources:
+        found = prebuilt.lookup(source, arch) if prebuilt_ok else None
+        if found is not None:
+            results[source.name] = found
+            if on_done is not None:
+                on_done(source.name, 0.0, "prebuilt")
+    sources = [s for s in sources if s.name not in results]
+    if not sources:
+        return {name: results[name] for name in names}
+    directory = _usable_dir()
+    try:
+        using = using or compiler()
+    except KernelError as exc:  # no compiler: the shipped PTX where there is some, else this error
+        for source in sources:
+            found = prebuilt.lookup_ptx(source, arch) if prebuilt_ok else None
+            results[source.name] = exc if found is None else found
+        return {name: results[name] for name in names}
+    missing = [s for s in sources if directory is None or not _index(build_stem(directory, s, arch, using.identity)).exists()]
     progress = _Progress(len(missing), arch, using, directory)
     workers = workers or os.cpu_count() or 1
 
     def one(source: Source, links: Executor) -> None:
         start = time.perf_counter()
         try:
-            results[source.name] = load_or_build(source, arch, using, directory, links)
+            results[source.name] = load_or_build(source, arch, using, directory, links, prebuilt_ok=False)
         except KernelError as exc:
             results[source.name] = exc
         progress.done(source in missing)
         if on_done is not None:
-            on_done(source.name, time.perf_counter() - start, source in missing)
+            on_done(source.name, time.perf_counter() - start, "compiled" if source in missing else "cached")
 
     # Two pools: a thread per source (its cache lookup, then waiting on its compiles, or on another
-    # process's lock) and the workers that compile (whole sources, parts, kernel groups): one per
-    # core, so compiles never oversubscribe the machine. The largest sources start first, so their
-    # parts queue ahead of the small sources' compiles (longest jobs first keeps the end short).
+    # process's lock) and the compile pool (whole sources, parts, kernel groups): one worker per
+    # core (a process for NVRTC, see compile_pool.py), so compiles never oversubscribe the machine.
+    # The largest sources start first, so their parts queue ahead of the small sources' compiles
+    # (longest jobs first keeps the end short).
     sources_by_size = sorted(sources, key=lambda source: -len(source.text))
     with (
         progress,
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradgen-ptxas") as links,
+        compile_pool.pool(using, workers) as links,  # its workers start at the first compile
         ThreadPoolExecutor(max_workers=max(1, len(sources)), thread_name_prefix="gradgen-cu") as per_source,
     ):
         list(per_source.map(lambda source: one(source, links), sources_by_size))

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import sys
 import threading
 import traceback
 import weakref
@@ -31,7 +32,7 @@ import pycuda.driver as driver
 import pycuda.gpuarray as gpuarray
 import pycuda.tools
 
-from gradgen.cuda import kernel_cache
+from gradgen.cuda import kernel_cache, prebuilt
 from gradgen.cuda.compile import CUDA_SOURCES, source_names  # noqa: F401  (CUDA_SOURCES: where the .cu files are)
 from gradgen.errors import KernelError
 
@@ -282,9 +283,23 @@ class Module:
 
 @functools.lru_cache(maxsize=None)
 def module(name: str) -> Module:
-    """The kernels of ``gradgen/kernels/cuda/<name>.cu``, compiled without nvcc by NVRTC where it
-    is installed (see gradgen/cuda/compile.py), once per process."""
-    return Module(name, _build(name))
+    """The kernels of ``gradgen/kernels/cuda/<name>.cu``: shipped with the package for this GPU
+    (gradgen/cuda/prebuilt.py), else compiled without nvcc by NVRTC where it is installed (see
+    gradgen/cuda/compile.py), once per process."""
+    build = _build(name)
+    try:
+        return Module(name, build)
+    except KernelError as exc:
+        if not isinstance(build, prebuilt.Prebuilt):
+            raise
+        print(f"gradgen: the prebuilt kernels of {name}.cu do not load ({exc}); compiling instead", file=sys.stderr)
+        prebuilt.disable(str(exc))
+        rebuilt = kernel_cache.builds(_arch(), [name], prebuilt_ok=False)[name]
+        if isinstance(rebuilt, Exception):
+            raise rebuilt from exc
+        with _BUILDS_LOCK:
+            _BUILDS[name] = rebuilt
+        return Module(name, rebuilt)
 
 
 class _Kernel:
