@@ -123,6 +123,13 @@ class CudaBackend:
     def lock(self):
         return rt.gpu_lock()
 
+    def fuse(self, steps: list, graph, keep: set[str]) -> list:
+        """The plan with its chains of elementwise steps fused (gradgen/executor/fusion.py), unless
+        GRADGEN_CUDA_FUSION=0."""
+        from gradgen.executor import fusion
+
+        return fusion.fuse_pointwise(steps, graph, keep) if fusion.enabled() else steps
+
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:
         with rt.gpu_lock():
             placed = {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in initializers.items()}

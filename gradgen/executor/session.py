@@ -238,6 +238,8 @@ class Session:
                 )
             )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
+        if self.device == "cuda":
+            steps = self.backend.fuse(steps, self.graph, keep=set(self.output_names))
         for index, step in enumerate(steps):
             step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))

@@ -4,20 +4,8 @@
 // for every operand first, so the common same-shape case is rank 1 and needs no index arithmetic.
 #define GG_PARTS 12  // compiled as 12 parts at once (common.h: GG_PART)
 #include "common.h"
+#include "pointwise.h"
 
-// numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.
-template <typename T> __device__ __forceinline__ bool gg_isnan(T x) { return x != x; }
-template <> __device__ __forceinline__ bool gg_isnan<int32_t>(int32_t) { return false; }
-template <> __device__ __forceinline__ bool gg_isnan<int64_t>(int64_t) { return false; }
-template <> __device__ __forceinline__ bool gg_isnan<bool>(bool) { return false; }
-
-// numpy's maximum/minimum: NaN in either operand gives NaN.
-template <typename T> __device__ __forceinline__ T gg_max(T x, T y) {
-    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (x < y ? y : x));
-}
-template <typename T> __device__ __forceinline__ T gg_min(T x, T y) {
-    return gg_isnan(x) ? x : (gg_isnan(y) ? y : (y < x ? y : x));
-}
 
 // Offsets of flat C-order index i of `shape` through several operand views (one division per dim).
 template <typename I, int K>
@@ -174,8 +162,6 @@ GG_BIN_INTS(fmod, gg_int_fmod(x, y, flag))
 #endif
 
 // Pow: the output has the base's type; computed in double when either side is double.
-__device__ __forceinline__ float gg_pow(float x, float y) { return y == 2.0f ? x * x : powf(x, y); }
-__device__ __forceinline__ double gg_pow(double x, double y) { return y == 2.0 ? x * x : pow(x, y); }
 template <typename T> __device__ __forceinline__ T gg_ipow(T x, long long y) {
     if (y < 0) return (T)pow((double)x, (double)y);
     unsigned long long result = 1, base = (unsigned long long)x;
@@ -284,14 +270,6 @@ __device__ __forceinline__ void unary(TO* out, const TI* in, int64_t n, Op op) {
     GG_UN(op##_f16, __half, __half, expr) GG_UN(op##_f32, float, float, expr) GG_UN(op##_f64, double, double, expr)
 #define GG_UN_INTS(op, expr) GG_UN(op##_i32, int32_t, int32_t, expr) GG_UN(op##_i64, int64_t, int64_t, expr)
 
-template <typename C> __device__ __forceinline__ C gg_sigmoid(C x) {
-    C e = exp(-fabs(x));
-    return x >= C(0) ? C(1) / (C(1) + e) : e / (C(1) + e);
-}
-template <typename C> __device__ __forceinline__ C gg_softplus(C x) {
-    // log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), as numpy's logaddexp(0, x).
-    return (x > C(0) ? x : C(0)) + log1p(exp(-fabs(x)));
-}
 template <typename C> __device__ __forceinline__ C gg_sign(C x) {
     return x > C(0) ? C(1) : (x < C(0) ? C(-1) : x);  // NaN and +-0 pass through
 }
@@ -315,8 +293,8 @@ GG_UN_FLOATS(softplus, gg_softplus(x))
 GG_UN_FLOATS(erf, erf(x))
 #endif
 #if GG_PART(16)
-GG_UN_FLOATS(gelu, C(0.5) * x * (C(1) + erf(x * C(0.70710678118654752440))))
-GG_UN_FLOATS(gelu_tanh, C(0.5) * x * (C(1) + tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x))))
+GG_UN_FLOATS(gelu, gg_gelu(x))
+GG_UN_FLOATS(gelu_tanh, gg_gelu_tanh(x))
 GG_UN_FLOATS(sign, gg_sign(x))
 GG_UN_FLOATS(floor, floor(x))
 #endif
@@ -392,27 +370,6 @@ GG_CLIP(clip_i64, int64_t)
 // ---------------------------------------------------------------------------------------------
 // Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
 
-template <typename To, typename From> struct Conv {
-    static __device__ __forceinline__ To go(From x) { return static_cast<To>(x); }
-};
-template <typename From> struct Conv<__half, From> {
-    static __device__ __forceinline__ __half go(From x) { return __float2half(static_cast<float>(x)); }
-};
-template <> struct Conv<__half, double> {
-    static __device__ __forceinline__ __half go(double x) { return __double2half(x); }
-};
-template <> struct Conv<__half, __half> {
-    static __device__ __forceinline__ __half go(__half x) { return x; }
-};
-template <typename To> struct Conv<To, __half> {
-    static __device__ __forceinline__ To go(__half x) { return Conv<To, float>::go(__half2float(x)); }
-};
-template <typename From> struct Conv<bool, From> {
-    static __device__ __forceinline__ bool go(From x) { return x != From(0); }
-};
-template <> struct Conv<bool, __half> {
-    static __device__ __forceinline__ bool go(__half x) { return __half2float(x) != 0.0f; }
-};
 
 #define GG_CAST(sa, TA, sb, TB)                                                                        \
     extern "C" __global__ void cast_##sa##_##sb(TB* out, const TA* in, int64_t n) {                   \

@@ -81,6 +81,18 @@ def generated_module(name: str, text: str):
     kernels, e.g. elementwise's). It compiles like the .cu files (the same compiler and persistent
     cache), from a copy written under the cache directory with common.h inlined, so that its
     #includes resolve anywhere. Kernels from it are launched with ``launch`` (gradgen's stream)."""
+    rt = runtime()
+    major, minor = rt.driver.Context.get_device().compute_capability()
+    cubin = generated_cubin(name, text, f"sm_{major}{minor}")
+    try:
+        return rt.driver.module_from_buffer(cubin)
+    except rt.driver.Error as exc:
+        raise KernelError(f"generated CUDA module {name} does not load: {exc}") from exc
+
+
+def generated_cubin(name: str, text: str, arch: str) -> bytes:
+    """The cubin of a generated source for ``arch``, from the persistent cache or compiled (needs
+    no GPU context: sources may compile on other threads while ``generated_module`` loads them)."""
     import hashlib
     import tempfile
     from pathlib import Path
@@ -88,7 +100,6 @@ def generated_module(name: str, text: str):
     from gradgen.cuda import compile as cuda_compile
     from gradgen.cuda import kernel_cache
 
-    rt = runtime()
     text = inline_common_header(text)
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     cache = kernel_cache.cache_dir()
@@ -102,13 +113,8 @@ def generated_module(name: str, text: str):
         directory = None
         path = Path(tempfile.mkdtemp(prefix="gradgen-generated-")) / f"{name}.cu"
         path.write_text(text)
-    major, minor = rt.driver.Context.get_device().compute_capability()
     source = cuda_compile.load_source(path)
-    cubin = kernel_cache.load_or_compile(source, f"sm_{major}{minor}", cuda_compile.compiler(), directory)
-    try:
-        return rt.driver.module_from_buffer(cubin)
-    except rt.driver.Error as exc:
-        raise KernelError(f"generated CUDA module {name} does not load: {exc}") from exc
+    return kernel_cache.load_or_compile(source, arch, cuda_compile.compiler(), directory)
 
 
 def inline_common_header(text: str) -> str:

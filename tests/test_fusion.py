@@ -1,0 +1,224 @@
+"""The CUDA executor's pointwise fusion pass, on the CPU: which steps group, the plan it makes
+(run with the members' numpy kernels it gives the unfused results), and the generated source
+(compiled with NVRTC where cuda.core is installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from gradgen.executor import Session, fusion
+from gradgen.executor import session as session_module
+from gradgen.kernels.cuda import fused
+
+F = TensorProto.FLOAT
+
+
+def make_model(nodes, inputs, outputs, opset=18):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def groups_of(model) -> list[list[str]]:
+    """The fused sets of the model's CPU plan, as lists of node names."""
+    sess = Session(model)
+    steps = sess.steps
+    found = fusion.find_groups(steps, fusion.plan_dtypes(steps, sess.graph), set(sess.output_names))
+    return [[steps[i].node_name for i in group] for group in found]
+
+
+def fused_plan(model):
+    """A CPU Session whose plan is the fused one (each fused step runs its members' numpy kernels)."""
+    sess = Session(model)
+    steps = fusion.fuse_pointwise(sess.steps, sess.graph, set(sess.output_names))
+    for index, step in enumerate(steps):
+        step.index, step.free_after = index, []
+    session_module._assign_lifetimes(steps, keep=set(sess.output_names) | set(sess.initializers))
+    session_module._prepare_steps(steps, sess.initializers)
+    sess.steps = steps
+    return sess
+
+
+def node(op, ins, outs, name, **attrs):
+    return helper.make_node(op, ins, outs, name=name, **attrs)
+
+
+def test_a_chain_of_elementwise_steps_is_one_group():
+    model = make_model(
+        [node("Mul", ["x", "s"], ["a"], "mul"), node("Add", ["a", "b"], ["c"], "add"), node("Tanh", ["c"], ["y"], "tanh")],
+        [("x", F, [2, 3, 4]), ("s", F, [4]), ("b", F, [3, 1])],
+        [("y", F, [2, 3, 4])],
+    )
+    assert groups_of(model) == [["mul", "add", "tanh"]]
+    sess = fused_plan(model)
+    (step,) = [s for s in sess.steps if s.op_type == fusion.OP_TYPE]
+    assert step.inputs == ["x", "s", "b"] and step.outputs == ["y"]
+    assert [m.node_name for m in step.entry.cuda.members] == ["mul", "add", "tanh"]
+
+
+def test_an_intermediate_read_outside_or_a_graph_output_is_written_out():
+    model = make_model(
+        [
+            node("Mul", ["x", "x"], ["sq"], "sq"),
+            node("MatMul", ["sq", "w"], ["mm"], "mm"),  # reads sq: sq must be written
+            node("Exp", ["sq"], ["e"], "exp"),
+            node("Neg", ["e"], ["ne"], "neg"),  # e is a graph output as well
+            node("Add", ["ne", "mm"], ["y"], "add"),
+        ],
+        [("x", F, [3, 3]), ("w", F, [3, 3])],
+        [("y", F, [3, 3]), ("e", F, [3, 3])],
+    )
+    assert groups_of(model) == [["sq", "exp", "neg"]]
+    sess = fused_plan(model)
+    (step,) = [s for s in sess.steps if s.op_type == fusion.OP_TYPE]
+    assert set(step.outputs) == {"sq", "e", "ne"}
+
+
+def test_a_path_through_a_non_elementwise_step_does_not_fuse_around_it():
+    # mul -> matmul -> add and mul -> add: fusing mul with add would need matmul inside the set
+    model = make_model(
+        [node("Mul", ["x", "x"], ["a"], "mul"), node("MatMul", ["a", "w"], ["b"], "mm"), node("Add", ["a", "b"], ["y"], "add")],
+        [("x", F, [3, 3]), ("w", F, [3, 3])],
+        [("y", F, [3, 3])],
+    )
+    assert groups_of(model) == []
+
+
+def test_non_elementwise_ops_split_chains():
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [6])
+    model = make_model(
+        [
+            helper.make_node("Constant", [], ["shp"], name="c", value=shape),
+            node("Mul", ["x", "x"], ["a"], "mul"),
+            node("Exp", ["a"], ["b"], "exp"),
+            node("Reshape", ["b", "shp"], ["r"], "reshape"),
+            node("Sigmoid", ["r"], ["s"], "sig"),
+            node("Sqrt", ["s"], ["y"], "sqrt"),
+        ],
+        [("x", F, [2, 3])],
+        [("y", F, [6])],
+    )
+    assert groups_of(model) == [["mul", "exp"], ["sig", "sqrt"]]
+
+
+def test_integer_shape_arithmetic_does_not_fuse_but_int_values_from_floats_do():
+    I64 = TensorProto.INT64
+    model = make_model(
+        [
+            node("Add", ["i", "j"], ["k"], "int_add"),  # integers only: host shape work
+            node("Mul", ["k", "j"], ["m"], "int_mul"),
+            node("Cast", ["x"], ["xi"], "cast", to=I64),  # from a float: joins
+            node("Less", ["xi", "m"], ["lt"], "less"),  # an int comparison of a fused value: joins
+            node("Not", ["lt"], ["nt"], "not"),
+            node("Where", ["nt", "x", "z"], ["y"], "where"),
+        ],
+        [("x", F, [4]), ("z", F, [4]), ("i", I64, [4]), ("j", I64, [4])],
+        [("y", F, [4])],
+    )
+    assert groups_of(model) == [["cast", "less", "not", "where"]]
+
+
+def test_a_fused_plan_computes_what_the_plan_computes():
+    model = make_model(
+        [
+            node("Mul", ["x", "s"], ["a"], "mul"),
+            node("Greater", ["a", "zero"], ["g"], "gt"),
+            node("Where", ["g", "a", "zero"], ["r"], "relu_like"),
+            node("MatMul", ["r", "w"], ["mm"], "mm"),
+            node("Pow", ["mm", "two"], ["p"], "pow"),
+            node("Sub", ["p", "b"], ["d"], "sub"),
+            node("Div", ["d", "s"], ["q"], "div"),
+            node("Sum", ["q", "mm", "x"], ["y"], "sum"),
+        ],
+        [("x", F, [2, 4, 4]), ("s", F, [4]), ("zero", F, []), ("w", F, [4, 4]), ("two", F, []), ("b", F, [4, 1])],
+        [("y", F, [2, 4, 4]), ("g", TensorProto.BOOL, [2, 4, 4])],
+    )
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((2, 4, 4)).astype(np.float32),
+        "s": rng.uniform(0.5, 2, 4).astype(np.float32),
+        "zero": np.float32(0),
+        "w": rng.standard_normal((4, 4)).astype(np.float32),
+        "two": np.float32(2),
+        "b": rng.standard_normal((4, 1)).astype(np.float32),
+    }
+    want = Session(model).run(feeds)
+    sess = fused_plan(model)
+    assert sum(s.op_type == fusion.OP_TYPE for s in sess.steps) == 2
+    got = sess.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_signature_dtype_rules():
+    add = (fused.FusedOp("Add", (0, 1)),)
+    assert fused.Signature(("f32", "f32"), add, (2,)).dtypes == ("f32", "f32", "f32")
+    for inputs, ops in (
+        (("i64", "i64"), add),  # integer arithmetic has no fused form
+        (("f32", "f64"), add),  # mixed types are the op's own error
+        (("f16", "f16"), (fused.FusedOp("Sum", (0, 1)),)),  # float16 Sum keeps float partial sums
+        (("f32", "f32", "f32"), (fused.FusedOp("Where", (0, 1, 2)),)),  # the condition must be bool
+    ):
+        with pytest.raises(fused.Unsupported):
+            fused.Signature(inputs, ops, (len(inputs),)).dtypes  # noqa: B018
+    cast = fused.Signature(("f32",), (fused.FusedOp("Cast", (0,), (("to", TensorProto.FLOAT16),)),), (1,))
+    assert cast.dtypes == ("f32", "f16")
+
+
+def test_generated_source_keeps_op_boundaries_exact():
+    sig = fused.Signature(
+        ("f32", "f32", "f16"),
+        (
+            fused.FusedOp("Mul", (0, 1)),
+            fused.FusedOp("Tanh", (3,)),
+            fused.FusedOp("Add", (4, 0)),
+            fused.FusedOp("Cast", (2,), (("to", TensorProto.FLOAT),)),
+            fused.FusedOp("Sub", (5, 6)),
+            fused.FusedOp("Cast", (7,), (("to", TensorProto.FLOAT16),)),
+        ),
+        (7, 8),
+    )
+    text = fused.kernel_source(sig)
+    assert "__fmul_rn(x0, x1)" in text and "__fadd_rn(t1, x0)" in text and "__fsub_rn(t2, t3)" in text
+    assert "gg_fence((tanh(t0)))" in text  # a libdevice result never contracts with its reader
+    assert "gg_round_half(" in text  # a float16 value is rounded as storing it would
+    assert f'extern "C" __global__ void {sig.name}(' in text
+    # the name is the signature's: sizes never enter it
+    assert fused.Signature(sig.inputs, sig.ops, sig.outputs).name == sig.name
+
+
+def test_generated_source_compiles_with_nvrtc(tmp_path):
+    pytest.importorskip("cuda.core")
+    from gradgen.cuda.compile import NvrtcCompiler, Source
+    from gradgen.kernels.cuda.launch import inline_common_header
+
+    try:
+        compiler = NvrtcCompiler()
+    except Exception as exc:  # noqa: BLE001 - cuda.core without libnvrtc
+        pytest.skip(f"no NVRTC: {exc}")
+    for name, text in fused.generated_sources().items():
+        path = tmp_path / f"{name}.cu"
+        path.write_text(inline_common_header(text))
+        assert compiler.compile(Source(name, path, path.read_text(), "test"), "sm_90")
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv(fusion.ENV, "0")
+    assert not fusion.enabled()
+    monkeypatch.setenv(fusion.ENV, "1")
+    assert fusion.enabled()
+    monkeypatch.delenv(fusion.ENV)
+    assert fusion.enabled()
+
+
+def test_dataclass_signature_is_hashable_and_value_equal():
+    a = fused.Signature(("f32",), (fused.FusedOp("Exp", (0,)),), (1,))
+    assert a == dataclasses.replace(a) and hash(a) == hash(dataclasses.replace(a))
