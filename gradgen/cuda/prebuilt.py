@@ -152,14 +152,11 @@ def build(into: Path, archs: list[str], ptx_arch: str | None, using: Compiler, w
     (the first KernelError is raised). ``on_done(source, arch)`` hears of each source.
     Returns (the index, a note about the generated sources, empty where they were built)."""
     from gradgen.cuda import compile_pool
-    from gradgen.cuda.kernel_cache import atomic_write, compile_build
+    from gradgen.cuda.kernel_cache import compile_build
 
-    into = into.resolve()
-    staging = Path(tempfile.mkdtemp(prefix=f".{into.name}.", dir=into.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would keep a shared directory unreadable
-    try:
+    with tempfile.TemporaryDirectory(prefix="gradgen-generated-") as staged:
         static = [find_source(name) for name in source_names(CUDA_SOURCES)]
-        generated, note = generated_sources(staging / "generated")
+        generated, note = generated_sources(Path(staged))
         targets = [(arch, "cubin") for arch in archs] + ([(ptx_arch, "ptx")] if ptx_arch else [])
         jobs = [(source, arch, output) for arch, output in targets for source in static + generated]
         lock = threading.Lock()
@@ -170,30 +167,41 @@ def build(into: Path, archs: list[str], ptx_arch: str | None, using: Compiler, w
             if on_done is not None:
                 with lock:
                     on_done(source, arch)
-            return job, built
+            return source, arch, built
 
         jobs.sort(key=lambda job: -len(job[0].text))  # the largest first: their parts queue ahead
         with compile_pool.pool(using, workers) as links, ThreadPoolExecutor(max_workers=len(jobs)) as waiting:
             results = list(waiting.map(one, jobs))
-        shutil.rmtree(staging / "generated", ignore_errors=True)
-        builds: dict = {}
-        for (source, arch, output), built in results:
-            suffix = "cubin" if output == "cubin" else "ptx"
+    return write(into, results, using.identity), note
+
+
+def write(into: Path, builds: list[tuple[Source, str, list]], compiler: str) -> dict:
+    """Write a prebuilt directory at ``into`` (replacing what it held) from ``(source, arch,
+    build)`` triples: cubins for ``sm_XY``, PTX for ``compute_XY``. Returns its index."""
+    from gradgen.cuda.kernel_cache import atomic_write
+
+    into = into.resolve()
+    staging = Path(tempfile.mkdtemp(prefix=f".{into.name}.", dir=into.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would keep a shared directory unreadable
+    try:
+        by_arch: dict = {}
+        for source, arch, built in builds:
+            ptx = arch.startswith("compute_")
             (staging / arch).mkdir(exist_ok=True)
             files = []
             for i, (_, data) in enumerate(built):
-                files.append(f"{arch}/{source.name}.{i}.{suffix}")
-                atomic_write(staging / files[-1], data if output == "cubin" else data + b"\0")  # PTX loads NUL-terminated
+                files.append(f"{arch}/{source.name}.{i}.{'ptx' if ptx else 'cubin'}")
+                atomic_write(staging / files[-1], data + b"\0" if ptx else data)  # PTX loads NUL-terminated
             entry = {"source": source.path.name, "groups": [names for names, _ in built], "files": files}
-            builds.setdefault(arch, {})[source.digest] = entry
-        index = {"format": FORMAT, "compiler": using.identity, "builds": builds}
+            by_arch.setdefault(arch, {})[source.digest] = entry
+        index = {"format": FORMAT, "compiler": compiler, "builds": by_arch}
         atomic_write(staging / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
         _replace_dir(staging, into)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     read_index.cache_clear()
-    return index, note
+    return index
 
 
 def _replace_dir(new: Path, target: Path) -> None:

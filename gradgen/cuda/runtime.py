@@ -292,14 +292,24 @@ def module(name: str) -> Module:
     except KernelError as exc:
         if not isinstance(build, prebuilt.Prebuilt):
             raise
-        print(f"gradgen: the prebuilt kernels of {name}.cu do not load ({exc}); compiling instead", file=sys.stderr)
-        prebuilt.disable(str(exc))
-        rebuilt = kernel_cache.builds(_arch(), [name], prebuilt_ok=False)[name]
-        if isinstance(rebuilt, Exception):
-            raise rebuilt from exc
-        with _BUILDS_LOCK:
-            _BUILDS[name] = rebuilt
-        return Module(name, rebuilt)
+        return Module(name, _rebuild_without_prebuilt(name, exc))
+
+
+def _rebuild_without_prebuilt(name: str, failure: KernelError) -> list:
+    """The build of ``name.cu`` when its prebuilt cubins did not load (a driver older than the
+    compiler that wrote them): no prebuilt build is used from now on, and every one fetched so far
+    is replaced at once, from the cache or compiled."""
+    with _BUILDS_LOCK:
+        if prebuilt.location() is not None:
+            print(f"gradgen: the prebuilt kernels of {name}.cu do not load ({failure}); compiling instead", file=sys.stderr)
+            prebuilt.disable(str(failure))
+        stale = [n for n, build in _BUILDS.items() if isinstance(build, prebuilt.Prebuilt)]
+        if stale:
+            _BUILDS.update(kernel_cache.builds(_arch(), stale, prebuilt_ok=False))
+        result = _BUILDS[name]
+    if isinstance(result, Exception):
+        raise result from failure
+    return result
 
 
 class _Kernel:
