@@ -15,6 +15,7 @@ from gradgen.passes import (
     CleanupPass,
     DecomposePass,
     EvaluateConstantsPass,
+    GeluFusionPass,
     GradientPass,
     GradientSpec,
     LowerToStandardPass,
@@ -47,7 +48,8 @@ class BackwardModel:
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
     """The default pipeline: prepare the forward graph (Loop / Scan of a static length unrolled by
     ``UnrollLoopsPass``, LSTM / GRU / RNN unrolled into standard ops by ``UnrollRecurrentPass``,
-    GridSample rewritten into them by ``DecomposePass``), add the backward
+    GridSample rewritten into them by ``DecomposePass``, exported GELU formulas fused into one node
+    by ``GeluFusionPass``), add the backward
     graph, fold matrix transposes into GEMM flags (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
@@ -61,6 +63,7 @@ def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipe
         UnrollLoopsPass(),
         UnrollRecurrentPass(),
         DecomposePass(),
+        GeluFusionPass(),
     ]
     if precision != "fp32":
         prepare.append(AutocastPass(precision))

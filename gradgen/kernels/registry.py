@@ -20,7 +20,7 @@ from gradgen.kernels.table import (
     normalize_domain,
     prepared_cpu_call,
 )
-from gradgen.ops.schemas import LOWERED_FORWARD_OPS
+from gradgen.ops.schemas import FUSED_FORWARD_OPS, LOWERED_FORWARD_OPS
 from gradgen.registration import Families
 
 CPU_FAMILIES = (
@@ -83,13 +83,14 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Scan"): "no CUDA launcher: its body runs as a CPU Session; backward graphs hold the unrolled form",
     # ONNX Runtime's forward ops of models optimized for its inference: build_backward rewrites them
     # into standard ops (passes/decompose.py); only a forward model run as it is holds them
-    **{op: "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)" for op in LOWERED_FORWARD_OPS},
+    **{
+        op: "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)"
+        for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
+    },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",
     ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
-    ("com.microsoft", "GeluGrad"): "no CUDA launcher yet",
-    ("com.microsoft", "FastGeluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "BiasFastGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "SoftmaxGrad_13"): "no CUDA launcher yet",

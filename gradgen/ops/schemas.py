@@ -44,6 +44,11 @@ LOWERED_FORWARD_OPS = frozenset(
 )
 
 
+# Of those, the ones gradgen's passes also make (GeluFusionPass: an exported GELU formula becomes one
+# node, differentiated by GeluGrad / FastGeluGrad): both executors run them.
+FUSED_FORWARD_OPS = frozenset({(MICROSOFT_DOMAIN, "Gelu"), (MICROSOFT_DOMAIN, "FastGelu")})
+
+
 def normalize_domain(domain: str) -> str:
     """The default domain as "" (ONNX spells it "" or "ai.onnx"); any other domain as it is."""
     return "" if domain in ("", "ai.onnx") else domain

@@ -8,6 +8,7 @@ from gradgen.passes.autocast import AutocastPass
 from gradgen.passes.control_flow import UnrollLoopsPass
 from gradgen.passes.decompose import DecomposePass
 from gradgen.passes.evaluate import EvaluateConstantsPass
+from gradgen.passes.gelu_fusion import GeluFusionPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
 from gradgen.passes.recurrent import UnrollRecurrentPass
@@ -35,6 +36,7 @@ __all__ = [
     "CommonSubexpressionEliminationPass",
     "DecomposePass",
     "EvaluateConstantsPass",
+    "GeluFusionPass",
     "FoldShapeArithmeticPass",
     "InlineConstantIfPass",
     "GradientPass",

@@ -92,3 +92,60 @@ def test_loss_is_deterministic():
     _, cuda = kernels("SoftmaxCrossEntropyLoss")
     xd, ld = dev(x), dev(labels)
     assert host(cuda(xd, ld)).tobytes() == host(cuda(xd, ld)).tobytes()
+
+
+# -- SoftmaxCrossEntropyLossGrad (com.microsoft, the gradient gradgen emits) ------------------------
+
+
+def _ms_kernels(op):
+    from gradgen.kernels import registry
+
+    registry.load_cuda_kernels()
+    entry = registry.lookup("com.microsoft", op)
+    assert entry is not None and entry.cuda is not None, f"no CUDA launcher for {op}"
+    return entry.cpu, entry.cuda
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (3, 50257), (2, 3, 4, 5), (1, 1)], ids=str)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_cross_entropy_loss_grad(shape, reduction, label_dtype, weighted, dtype):
+    rng = np.random.default_rng(13)
+    x, labels = _loss_inputs(rng, shape, label_dtype, -100, dtype)
+    log_prob = x - np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) - x.max(axis=1, keepdims=True)
+    weight = rng.uniform(0.5, 2, shape[1]).astype(dtype) if weighted else None
+    dy = rng.uniform(0.5, 2, labels.shape if reduction == "none" else ()).astype(dtype)
+    cpu, cuda = _ms_kernels("SoftmaxCrossEntropyLossGrad")
+    attrs = {"reduction": reduction, "ignore_index": -100}
+    want = cpu(dy, log_prob, labels, weight, **attrs)
+    poison(np.asarray(want).nbytes)
+    got = host(cuda(dev(dy), dev(log_prob), dev(labels), None if weight is None else dev(weight), **attrs))
+    t = 2e-6 if dtype == np.float32 else 1e-12
+    check(got, np.asarray(want), rtol=t, atol=t * max(1.0, float(np.abs(want).max())))
+
+
+def test_softmax_cross_entropy_loss_grad_all_ignored_and_bad_label():
+    cpu, cuda = _ms_kernels("SoftmaxCrossEntropyLossGrad")
+    log_prob = np.log(np.full((3, 4), 0.25, np.float32))
+    labels = np.full((3,), -100, np.int64)
+    dy = np.array(1.0, np.float32)
+    got = host(cuda(dev(dy), dev(log_prob), dev(labels)))
+    check(got, np.asarray(cpu(dy, log_prob, labels)))
+    assert not got.any()  # every label ignored: a zero gradient, not NaN
+    labels[1] = 4
+    with pytest.raises(KernelError, match="out of range"):
+        cuda(dev(dy), dev(log_prob), dev(labels))
+
+
+@pytest.mark.parametrize("op", ["GeluGrad", "FastGeluGrad"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_grads(op, dtype):
+    rng = np.random.default_rng(14)
+    dy, x = (rng.uniform(-5, 5, (64, 3072)).astype(dtype) for _ in range(2))
+    cpu, cuda = _ms_kernels(op)
+    want = cpu(dy, x)
+    got = host(cuda(dev(dy), dev(x)))
+    t = 2e-6 if dtype == np.float32 else 1e-13
+    check(got, np.asarray(want), rtol=t, atol=t * float(np.abs(want).max()))

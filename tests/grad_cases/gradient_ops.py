@@ -116,3 +116,39 @@ CASES += [
         name="LogSoftmaxGrad_13_axis0",
     ),
 ]
+
+# SoftmaxCrossEntropyLossGrad(dY, log_prob, label[, weight]): the gradient gradgen emits for
+# SoftmaxCrossEntropyLoss, differentiated again (dY and log_prob; the weights held constant), with
+# an ignored label, for each reduction and a (N, C, D) layout.
+CASES += [
+    GradCase(
+        "SoftmaxCrossEntropyLossGrad",
+        [np.array(1.3), np.log(_softmax(r(4, 5), 1)), i64(0, 3, -100, 2)],
+        attrs={"reduction": "mean", "ignore_index": -100},
+        domain=MS,
+        name="SoftmaxCrossEntropyLossGrad_mean",
+    ),
+    GradCase(
+        "SoftmaxCrossEntropyLossGrad",
+        [np.array(0.7), np.log(_softmax(r(3, 4, 2), 1)), i64(1, 3, 0, -1, 2, 2, shape=(3, 2)), r(4) + 3.0],
+        attrs={"reduction": "sum", "ignore_index": -1},
+        domain=MS,
+        const=(3,),
+        name="SoftmaxCrossEntropyLossGrad_sum_weights_3d",
+    ),
+    GradCase(
+        "SoftmaxCrossEntropyLossGrad",
+        [r(4), np.log(_softmax(r(4, 5), 1)), i64(4, 0, 1, 1)],
+        attrs={"reduction": "none"},
+        domain=MS,
+        name="SoftmaxCrossEntropyLossGrad_none",
+    ),
+    GradCase(
+        "SoftmaxCrossEntropyLossGrad",
+        [np.array(2.0), np.log(_softmax(r(3, 4), 1)), i64(1, 0, 3), r(4) + 3.0],
+        attrs={"reduction": "mean"},
+        domain=MS,
+        const=(3,),
+        name="SoftmaxCrossEntropyLossGrad_mean_weights",
+    ),
+]

@@ -256,7 +256,10 @@ def mish(g, x, y, dy):
 
 @_unary("Gelu")
 def gelu(g, x, y, dy):
-    return g.op("Mul", dy, gelu_slopes(g, x, g.attr("approximate", "none") == "tanh", x)[0])
+    tanh = g.attr("approximate", "none") == "tanh"
+    if x.dtype == ir.DataType.FLOAT:  # one fused node (ONNX Runtime training's op; --portable lowers it)
+        return gelu_grad_op(g, dy, x, tanh)
+    return g.op("Mul", dy, gelu_slopes(g, x, tanh, x)[0])
 
 
 def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
@@ -642,9 +645,27 @@ def left_in_place(g, why: str = "") -> ModelError:
     )
 
 
-@grad_rule("Gelu", "FastGelu", "BiasGelu", "QuickGelu", domain=MICROSOFT)
+@grad_rule("Gelu", "FastGelu", domain=MICROSOFT)
+def ms_gelu(g):
+    """ONNX Runtime's Gelu / FastGelu of one float32 input, as GeluFusionPass makes them from an
+    exported formula: one GeluGrad / FastGeluGrad node. Other forms (a FastGelu bias, other types)
+    are differentiated in their standard-op form (left_in_place)."""
+    x = g.x(0)
+    if len(g.node.inputs) > 1 and g.x(1) is not None or x.dtype != ir.DataType.FLOAT:
+        raise left_in_place(g)
+    return [gelu_grad_op(g, g.dy(), x, tanh=g.node.op_type == "FastGelu")]
+
+
+def gelu_grad_op(g, dy, x, tanh: bool):
+    """dY Gelu'(X) as one ONNX Runtime training GeluGrad / FastGeluGrad node."""
+    dx = g.op("FastGeluGrad" if tanh else "GeluGrad", dy, x, domain=MICROSOFT)
+    g.set_type_like(dx, x)
+    return dx
+
+
+@grad_rule("BiasGelu", "QuickGelu", domain=MICROSOFT)
 def transformer_activation(g):
-    """ONNX Runtime's Gelu family: differentiated in its standard-op form (left_in_place)."""
+    """ONNX Runtime's other Gelu forms: differentiated in their standard-op form (left_in_place)."""
     raise left_in_place(g)
 
 

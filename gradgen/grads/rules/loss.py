@@ -102,6 +102,8 @@ def negative_log_likelihood_loss(g):
 def softmax_cross_entropy_loss(g):
     scores = g.x(0)
     has_log_prob = len(g.node.outputs) > 1 and g.node.outputs[1].name != ""
+    if _fused_grad_fits(g, has_log_prob):
+        return [_fused_grad(g), None, None][: len(g.node.inputs)]
     logp = g.y(1) if has_log_prob else g.op("LogSoftmax", scores, axis=1)
     dlogp, dweights = _loss_backward(g, logp, scores)
     parts = [d for d in (dlogp, g.dy(1) if has_log_prob else None) if d is not None]
@@ -111,3 +113,85 @@ def softmax_cross_entropy_loss(g):
         # LogSoftmax over axis 1: dx = dlogp - softmax * sum_c dlogp
         dscores = g.op("Sub", total, g.op("Mul", g.op("Exp", logp), g.reduce_sum(total, [1], keepdims=1)))
     return [dscores, None, dweights][: len(g.node.inputs)]
+
+
+_FUSED_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
+
+
+def _fused_grad_fits(g, has_log_prob: bool) -> bool:
+    """Whether the scores' gradient is one SoftmaxCrossEntropyLossGrad node (ONNX Runtime training's
+    op; --portable lowers it): nothing flows into log_prob, the class weights want no gradient."""
+    weights = g.x(2)
+    return (
+        g.needs(0)
+        and g.dy(0) is not None
+        and not (has_log_prob and g.dy(1) is not None)
+        and (weights is None or not g.needs(2))
+        and g.x(0).dtype in _FUSED_TYPES
+    )
+
+
+def _fused_grad(g) -> ir.Value:
+    """d scores = (exp(log_prob) - onehot(label)) * w * c in one node, reading the forward node's
+    log_prob output (added when the node lacks it)."""
+    node, scores = g.node, g.x(0)
+    if len(node.outputs) < 2:
+        node.resize_outputs(2)
+    log_prob = node.outputs[1]
+    if not log_prob.name:
+        g.rename(log_prob, f"{node.name or g.y(0).name}_log_prob")
+    if log_prob.type is None:
+        log_prob.type, log_prob.shape = scores.type, scores.shape
+    ignore_index = g.attr("ignore_index")
+    inputs = [g.dy(0), log_prob, g.x(1)] + ([g.x(2)] if g.x(2) is not None else [])
+    dscores = g.op(
+        "SoftmaxCrossEntropyLossGrad",
+        *inputs,
+        domain="com.microsoft",
+        reduction=g.attr("reduction", "mean"),
+        ignore_index=-100 if ignore_index is None else int(ignore_index),  # a negative label is refused anyway
+    )
+    return g.set_type_like(dscores, scores)
+
+
+@grad_rule("SoftmaxCrossEntropyLossGrad", domain="com.microsoft", nondiff_inputs=(2, 4), unsupported_inputs=(3,))
+def softmax_cross_entropy_loss_grad(g):
+    """SoftmaxCrossEntropyLossGrad differentiated again. Its output is O = (E - onehot) * s with
+    E = exp(log_prob) and s = w * c per label position (c = dY, dY / sum w, or dY there); with P
+    the incoming gradient: d log_prob = P E s, d dY = sum over classes of P (E - onehot) * w, summed
+    over every position for "sum" and divided by sum w (where not 0) for "mean"."""
+    dy, log_prob, labels, weights, p = g.x(0), g.x(1), g.x(2), g.x(3), g.dy()
+    reduction = g.attr("reduction", "mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    ignore_index = g.attr("ignore_index", -100)
+    labels64 = g.to_int64(labels)
+    ignore = g.op("Equal", labels64, g.const(np.array(int(ignore_index), dtype=np.int64)))
+    safe = g.op("Where", ignore, g.const(np.array(0, dtype=np.int64)), labels64)
+    zero = g.const_like(log_prob, 0.0)
+    w = (
+        g.op("Where", ignore, zero, g.op("Gather", weights, safe, axis=0))
+        if weights is not None
+        else g.cast_like(g.op("Not", ignore), log_prob)
+    )
+    total = g.op("ReduceSum", w, keepdims=0) if reduction == "mean" else None
+    empty = g.op("Equal", total, zero) if total is not None else None
+    grads: list = [None] * len(g.node.inputs)
+    e = g.op("Exp", log_prob)
+    if g.needs(1):
+        c = dy
+        if total is not None:
+            c = g.op("Where", empty, dy, g.op("Div", dy, g.op("Where", empty, g.const_like(log_prob, 1.0), total)))
+        grads[1] = g.op("Mul", g.op("Mul", p, e), g.unsqueeze(g.op("Mul", w, c), [1]))
+    if g.needs(0):
+        index = g.unsqueeze(safe, [1])
+        # sum over classes of P (E - onehot) = sum_c P E - P[label]
+        per_position = g.op(
+            "Sub", g.reduce_sum(g.op("Mul", p, e), [1], keepdims=0), g.squeeze(g.op("GatherElements", p, index, axis=1), [1])
+        )
+        d_dy = g.op("Mul", per_position, w)
+        if reduction != "none":
+            d_dy = g.reshape_like(g.op("ReduceSum", d_dy, keepdims=0), dy)
+        if total is not None:
+            d_dy = g.op("Where", empty, d_dy, g.op("Div", d_dy, g.op("Where", empty, g.const_like(log_prob, 1.0), total)))
+        grads[0] = d_dy
+    return grads

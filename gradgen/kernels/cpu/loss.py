@@ -13,6 +13,8 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.ops import schemas
+from gradgen.ops.schemas import FLOATS, INDICES, INT64, Attribute, Formal, Schema
 
 
 def _nll(log_prob, target, weight, ignore_index, reduction, out_dtype):
@@ -80,6 +82,24 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
 
 # ---------------------------------------------------------------------------------------------
 # SoftmaxCrossEntropyLossGrad (com.microsoft, ONNX Runtime training)
+
+
+SOFTMAX_CROSS_ENTROPY_LOSS_GRAD = schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc).
+        "SoftmaxCrossEntropyLossGrad",
+        inputs=(
+            Formal("dY", FLOATS),
+            Formal("log_prob", FLOATS),
+            Formal("label", INDICES),
+            Formal("weight", FLOATS, optional=True),
+            Formal("ignore_index", INT64, optional=True),
+        ),
+        outputs=(Formal("d_logits", FLOATS),),
+        attributes=(Attribute("reduction", "string", "mean"), Attribute("ignore_index", "int")),
+        infer=lambda i, a: [(i[1].dtype, i[1].shape)],
+    )
+)
 
 
 @cpu_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)

@@ -295,6 +295,8 @@ GG_UN_FLOATS(erf, erf(x))
 #if GG_PART(16)
 GG_UN_FLOATS(gelu, gg_gelu(x))
 GG_UN_FLOATS(gelu_tanh, gg_gelu_tanh(x))
+GG_BIN_FLOATS(gelu_grad, x * gg_gelu_slope(y))  // (dY, X)
+GG_BIN_FLOATS(gelu_tanh_grad, x * gg_gelu_tanh_slope(y))
 GG_UN_FLOATS(sign, gg_sign(x))
 GG_UN_FLOATS(floor, floor(x))
 #endif

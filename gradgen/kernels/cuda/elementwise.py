@@ -387,6 +387,46 @@ def gelu(x, *, approximate="none"):
     return unary(f"{'gelu_tanh' if approximate == 'tanh' else 'gelu'}_{s}", x)
 
 
+@cuda_kernel("Gelu", domain=MICROSOFT)
+def ms_gelu(X):
+    """ONNX Runtime's Gelu: the exact (erf) one."""
+    return gelu(X)
+
+
+@cuda_kernel("FastGelu", domain=MICROSOFT)
+def fast_gelu(X, bias=None):
+    """ONNX Runtime's FastGelu: the tanh Gelu of X (+ bias along the last axis)."""
+    if bias is not None:
+        if len(bias.shape) != 1 or not X.shape or X.shape[-1] != bias.shape[0]:
+            raise KernelError(
+                f"FastGelu: bias (shape {list(bias.shape)}) must be 1-D and match the last dimension of X {list(X.shape)}"
+            )
+        X = add(X, bias)
+    return gelu(X, approximate="tanh")
+
+
+def _gelu_grad(name: str, op_type: str, dY, X):
+    same_type(dY, X)
+    if tuple(dY.shape) != tuple(X.shape):
+        raise KernelError(f"{op_type}: dY {list(dY.shape)} and X {list(X.shape)} must have one shape")
+    s = dtype_suffix(X.dtype)
+    if s not in FLOATS:
+        return cpu_fallback(op_type, dY, X, domain=MICROSOFT)
+    return binary(f"{name}_{s}", dY, X, X.dtype)
+
+
+@cuda_kernel("GeluGrad", domain=MICROSOFT)
+def gelu_grad(dY, X):
+    """dY Gelu'(X), the exact Gelu (ONNX Runtime training's GeluGrad)."""
+    return _gelu_grad("gelu_grad", "GeluGrad", dY, X)
+
+
+@cuda_kernel("FastGeluGrad", domain=MICROSOFT)
+def fast_gelu_grad(dY, X):
+    """dY Gelu'(X), the tanh Gelu (ONNX Runtime training's FastGeluGrad)."""
+    return _gelu_grad("gelu_tanh_grad", "FastGeluGrad", dY, X)
+
+
 @cuda_kernel("Identity")
 def identity(x):
     return copy(x)

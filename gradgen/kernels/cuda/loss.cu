@@ -128,3 +128,69 @@ __device__ void loss_reduce(T* out, const A* lossbuf, const A* wbuf, int64_t cou
 GG_LOSS_T(f16, __half, float)
 GG_LOSS_T(f32, float, float)
 GG_LOSS_T(f64, double, double)
+
+// SoftmaxCrossEntropyLossGrad (ONNX Runtime training's contract): d_logits[n, c, d] =
+// (exp(log_prob[n, c, d]) - [c == label[n, d]]) * w[n, d] * factor, w the label's weight (1 without
+// weights, 0 for ignore_index), factor dY (sum), dY / sum(w) (mean; dY where that sum is 0) or
+// dY[n, d] (none). Three kernels: the weights (and the label check, as the forward's), the factor
+// (one block, fixed order), then one pass over log_prob: a block row per label position.
+template <typename T, typename LT, typename A>
+__device__ void sce_grad_weights(A* wbuf, int64_t* flag, const LT* __restrict__ labels, const T* weight, LossArgs a) {
+    GG_GRID_STRIDE(p, a.n * a.d) {
+        const int64_t label = (int64_t)labels[p];
+        const bool used = !(a.has_ignore && label == a.ignore_index);
+        A w = A(0);
+        if (used && (label < 0 || label >= a.c))
+            atomicMax(reinterpret_cast<unsigned long long*>(flag), (unsigned long long)(a.n * a.d - p));
+        else if (used)
+            w = weight ? (A)gg_load(weight + label) : A(1);
+        wbuf[p] = w;
+    }
+}
+
+template <typename T, typename A>
+__device__ void sce_grad_factor(A* factor, const A* wbuf, const T* dy, int64_t count, int64_t mean) {
+    __shared__ A scratch[33];
+    A w = 0;
+    if (mean)
+        for (int64_t i = threadIdx.x; i < count; i += blockDim.x) w += wbuf[i];
+    w = block_sum(w, scratch);
+    if (threadIdx.x == 0) {
+        const A g = (A)gg_load(dy);
+        factor[0] = mean && w != A(0) ? g / w : g;
+    }
+}
+
+template <typename T, typename LT, typename A>
+__device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, const LT* __restrict__ labels,
+                         const A* __restrict__ wbuf, const A* factor, const T* dy_none, LossArgs a) {
+    for (int64_t p = blockIdx.y; p < a.n * a.d; p += gridDim.y) {
+        const int64_t n = p / a.d, base = n * a.c * a.d + (p - n * a.d);
+        const int64_t label = (int64_t)labels[p];
+        const A scale = wbuf[p] * (dy_none ? (A)gg_load(dy_none + p) : factor[0]);
+        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < a.c; c += (int64_t)blockDim.x * gridDim.x) {
+            const int64_t i = base + c * a.d;
+            const A prob = exp((A)gg_load(log_prob + i));
+            gg_store(out + i, (typename Acc<T>::type)((prob - (c == label ? A(1) : A(0))) * scale));
+        }
+    }
+}
+
+#define GG_SCE_GRAD(s, T, A, ls, LT)                                                                           \
+    extern "C" __global__ void sce_grad_weights_##s##_##ls(A* wbuf, int64_t* flag, const LT* labels,           \
+                                                           const T* weight, LossArgs a) {                      \
+        sce_grad_weights<T, LT, A>(wbuf, flag, labels, weight, a);                                             \
+    }                                                                                                          \
+    extern "C" __global__ void sce_grad_##s##_##ls(T* out, const T* log_prob, const LT* labels, const A* wbuf,   \
+                                                   const A* factor, const T* dy_none, LossArgs a) {             \
+        sce_grad<T, LT, A>(out, log_prob, labels, wbuf, factor, dy_none, a);                                   \
+    }
+#define GG_SCE_GRAD_T(s, T, A)                                                                                 \
+    GG_SCE_GRAD(s, T, A, i32, int32_t) GG_SCE_GRAD(s, T, A, i64, int64_t)                                      \
+    extern "C" __global__ void sce_grad_factor_##s(A* factor, const A* wbuf, const T* dy, int64_t count,        \
+                                                   int64_t mean) {                                             \
+        sce_grad_factor<T, A>(factor, wbuf, dy, count, mean);                                                  \
+    }
+GG_SCE_GRAD_T(f16, __half, float)
+GG_SCE_GRAD_T(f32, float, float)
+GG_SCE_GRAD_T(f64, double, double)

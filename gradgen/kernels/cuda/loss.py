@@ -14,7 +14,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
-from gradgen.kernels.table import cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 
 _ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64), ("has_ignore", np.int64)])
 
@@ -134,3 +134,79 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
         d = int(np.prod(scores.shape[2:], dtype=np.int64))
         return loss, softmax_3d(scores, n, c, d, log=True)
     return loss
+
+
+@cuda_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)
+def softmax_cross_entropy_loss_grad(
+    dY, log_prob, label, weight=None, ignore_index_input=None, *, ignore_index=-100, reduction="mean"
+):
+    """d_logits = (exp(log_prob) - onehot(label)) * w * (dY, dY / sum w, or dY per position), as the
+    CPU kernel (ONNX Runtime training's contract)."""
+    from gradgen.cuda import runtime as rt
+
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    _check(log_prob, label, weight, reduction, "log_prob")
+    args = (dY, log_prob, label, weight, ignore_index_input)
+    if not _supported(log_prob, label, weight) or dY.dtype != log_prob.dtype or ignore_index_input is not None:
+        return cpu_fallback(
+            "SoftmaxCrossEntropyLossGrad", *args, domain=MICROSOFT, ignore_index=ignore_index, reduction=reduction
+        )
+    expected_dy = tuple(int(v) for v in label.shape) if reduction == "none" else None
+    if (expected_dy is not None and tuple(int(v) for v in dY.shape) != expected_dy) or (expected_dy is None and dY.size != 1):
+        want = f"the label shape {list(label.shape)}" if expected_dy is not None else "a scalar"
+        raise KernelError(f"dY has shape {list(dY.shape)}, but reduction {reduction!r} needs {want}")
+    dY, log_prob, label, weight = (None if t is None else contiguous(t) for t in (dY, log_prob, label, weight))
+    s, ls = dtype_suffix(log_prob.dtype), dtype_suffix(label.dtype)
+    n, c = (int(v) for v in log_prob.shape[:2])
+    d = int(np.prod(log_prob.shape[2:], dtype=np.int64))
+    total = n * d
+    out = rt.empty(tuple(log_prob.shape), log_prob.dtype)
+    if out.size == 0:
+        return out
+    ct = np.float64 if s == "f64" else np.float32
+    wbuf = rt.empty((total,), ct)
+    factor = rt.empty((1,), ct)
+    flag = rt.zeros((1,), np.int64)
+    packed = np.zeros((), _ARGS)
+    packed["n"], packed["c"], packed["d"] = n, c, d
+    packed["ignore_index"], packed["has_ignore"] = int(ignore_index), 1
+    packed = packed[()]
+    launch(
+        kernel_of("loss", f"sce_grad_weights_{s}_{ls}"),
+        total,
+        wbuf,
+        flag,
+        label,
+        weight if weight is not None else np.intp(0),
+        packed,
+    )
+    rt.check_flag(flag, lambda value: _label_message(label, total - value, c, ignore_index))
+    if reduction != "none":
+        kernel_of("loss", f"sce_grad_factor_{s}")(
+            factor, wbuf, dY, np.int64(total), np.int64(reduction == "mean"), block=(1024, 1, 1), grid=(1, 1)
+        )
+    blocks_x = min(-(-c // 256), 64)
+    kernel_of("loss", f"sce_grad_{s}_{ls}")(
+        out,
+        log_prob,
+        label,
+        wbuf,
+        factor,
+        dY if reduction == "none" else np.intp(0),
+        packed,
+        block=(256, 1, 1),
+        grid=(blocks_x, min(total, 65535)),
+    )
+    return out
+
+
+def _label_message(label, pos: int, c: int, ignore_index) -> str:
+    from gradgen.cuda import runtime as rt
+
+    labels = rt.to_host(label).reshape(-1)
+    where = [int(i) for i in np.unravel_index(pos, tuple(label.shape))]
+    return (
+        f"label {int(labels[pos])} at position {where} is out of range for {c} classes (valid range [0, {c - 1}]) "
+        f"and is not ignore_index ({int(ignore_index)})"
+    )

@@ -37,6 +37,16 @@ template <typename C> __device__ __forceinline__ C gg_gelu(C x) {
 template <typename C> __device__ __forceinline__ C gg_gelu_tanh(C x) {
     return C(0.5) * x * (C(1) + tanh(C(0.79788456080286535588) * (x + C(0.044715) * x * x * x)));
 }
+// Gelu'(x), as ONNX Runtime training's GeluGrad / FastGeluGrad compute it (and the CPU kernels).
+template <typename C> __device__ __forceinline__ C gg_gelu_slope(C x) {
+    return C(0.5) * (erf(x * C(0.70710678118654752440)) + C(1)) + x * C(0.19947114020071633897) * exp(C(-0.5) * x * x);
+}
+template <typename C> __device__ __forceinline__ C gg_gelu_tanh_slope(C x) {
+    const C alpha = C(0.79788456080286535588), beta = C(0.044715 * 0.79788456080286535588 * 3.0);
+    const C cube = x * x * x;
+    const C t = tanh(alpha * x + alpha * C(0.044715) * cube);
+    return C(0.5) * (t + (C(1) - t * t) * (alpha * x + beta * cube) + C(1));
+}
 
 // Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
 template <typename To, typename From> struct Conv {
