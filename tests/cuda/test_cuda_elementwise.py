@@ -278,10 +278,11 @@ def test_where_needs_bool_condition():
 
 @pytest.mark.parametrize("op", ["Sum", "Max", "Min"])
 @pytest.mark.parametrize("count", [1, 2, 3, 8, 9, 17])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64])
-def test_variadic_same_shape(op, count, dtype):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64, np.int32])
+@pytest.mark.parametrize("shape", [(5, 7), (64, 36)], ids=["odd", "quads"])  # 4-byte types run in 16-byte words
+def test_variadic_same_shape(op, count, dtype, shape):
     rng = np.random.default_rng(count)
-    xs = [rand(rng, (5, 7), dtype) for _ in range(count)]
+    xs = [rand(rng, shape, dtype) for _ in range(count)]
     if np.dtype(dtype).kind == "f" and op != "Sum":
         xs[-1][0, 0] = np.nan
     got, want = run(op, *xs)

@@ -226,24 +226,61 @@ GG_WHERE(where_8, uint64_t)
 // ---------------------------------------------------------------------------------------------
 // Variadic Sum/Max/Min over up to 8 same-shape inputs, folded left to right like the CPU kernel.
 
-#define GG_VARIADIC(name, T, expr)                                                                     \
+// The pointer table is indexed by unrolled constants only, so it stays in registers (a run-time
+// index would put it in local memory). V: elements per thread, 4 in the 16-byte (Quad) variants the
+// launcher picks where every pointer is 16-byte aligned and n % 4 == 0.
+template <typename T, int V, typename Op>
+__device__ __forceinline__ void variadic(T* out, const T* const (&ps)[8], int64_t k, int64_t n, Op op) {
+    GG_GRID_STRIDE(i, n / V) {
+        typename Acc<T>::type x[V], y[V];
+        if constexpr (V == 4) {
+            const Quad<T> q = reinterpret_cast<const Quad<T>*>(ps[0])[i];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = q.v[e];
+        } else {
+            x[0] = gg_load(ps[0] + i);
+        }
+#pragma unroll
+        for (int j = 1; j < 8; ++j) {
+            if (j < k) {
+                if constexpr (V == 4) {
+                    const Quad<T> q = reinterpret_cast<const Quad<T>*>(ps[j])[i];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) y[e] = q.v[e];
+                } else {
+                    y[0] = gg_load(ps[j] + i);
+                }
+#pragma unroll
+                for (int e = 0; e < V; ++e) x[e] = op(x[e], y[e]);
+            }
+        }
+        if constexpr (V == 4) {
+            Quad<T> q;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) q.v[e] = x[e];
+            reinterpret_cast<Quad<T>*>(out)[i] = q;
+        } else {
+            gg_store(out + i, x[0]);
+        }
+    }
+}
+
+#define GG_VARIADIC_V(name, T, V, expr)                                                                \
     extern "C" __global__ void name(T* out, const T* p0, const T* p1, const T* p2, const T* p3,        \
                                     const T* p4, const T* p5, const T* p6, const T* p7, int64_t k,     \
                                     int64_t n) {                                                       \
-        const T* ps[8] = {p0, p1, p2, p3, p4, p5, p6, p7};                                             \
-        GG_GRID_STRIDE(i, n) {                                                                         \
-            typename Acc<T>::type x = gg_load(p0 + i);                                                 \
-            for (int j = 1; j < (int)k; ++j) {                                                         \
-                typename Acc<T>::type y = gg_load(ps[j] + i);                                          \
-                x = (expr);                                                                            \
-            }                                                                                          \
-            gg_store(out + i, x);                                                                      \
-        }                                                                                              \
+        const T* const ps[8] = {p0, p1, p2, p3, p4, p5, p6, p7};                                       \
+        variadic<T, V>(out, ps, k, n,                                                                  \
+                       [](typename Acc<T>::type x, typename Acc<T>::type y) -> typename Acc<T>::type { \
+                           return (expr);                                                              \
+                       });                                                                             \
     }
+#define GG_VARIADIC(name, T, expr) GG_VARIADIC_V(name, T, 1, expr)
 #define GG_VARIADIC_ALL(op, expr)                                                                      \
     GG_VARIADIC(op##_n_f16, __half, expr) GG_VARIADIC(op##_n_f32, float, expr)                         \
     GG_VARIADIC(op##_n_f64, double, expr) GG_VARIADIC(op##_n_i32, int32_t, expr)                       \
-    GG_VARIADIC(op##_n_i64, int64_t, expr)
+    GG_VARIADIC(op##_n_i64, int64_t, expr) GG_VARIADIC_V(op##_n_f32_q, float, 4, expr)                 \
+    GG_VARIADIC_V(op##_n_i32_q, int32_t, 4, expr)
 #if GG_PART(12)
 GG_VARIADIC_ALL(sum, x + y)
 GG_VARIADIC_ALL(max, gg_max(x, y))

@@ -221,12 +221,14 @@ def _variadic(op: str, binary_op: str, op_type: str, xs):
     out = rt.empty(out_shape, xs[0].dtype)
     if out.size == 0:
         return out
-    kernel = kernel_of("elementwise", f"{op}_n_{s}")
+    # 16-byte words where every operand allows (4-byte types, aligned, a multiple of 4 elements)
+    quads = s in ("f32", "i32") and out.size % 4 == 0 and all(int(t.gpudata) % 16 == 0 for t in (out, *xs))
+    kernel = kernel_of("elementwise", f"{op}_n_{s}_q" if quads else f"{op}_n_{s}")
     first, rest = xs[0], xs[1:]
     while True:
         chunk, rest = rest[:7], rest[7:]
         ptrs = [first] + chunk + [_null()] * (7 - len(chunk))
-        launch(kernel, out.size, out, *ptrs, np.int64(1 + len(chunk)), np.int64(out.size))
+        launch(kernel, out.size // 4 if quads else out.size, out, *ptrs, np.int64(1 + len(chunk)), np.int64(out.size))
         if not rest:
             return out
         first = out  # in place: each element reads its own inputs before writing
