@@ -335,13 +335,43 @@ def job_gradgen_train(task: dict) -> dict:
     return result
 
 
+def _kernel_time_by_op(events) -> list[tuple[str, int, float]]:
+    """(op, nodes, ms) of the kernels that ran inside each op's nodes, slowest op first.
+
+    Each node's ``record_function`` range also appears on the GPU timeline (a user annotation
+    spanning the kernels its launches started); a kernel belongs to the annotation whose interval
+    holds its start. (The profiler's per-range device totals attribute kernels by launch
+    correlation, which the driver-API launches of PyCUDA do not carry reliably.)"""
+    import bisect
+
+    from torch.autograd import DeviceType
+
+    spans, kernels = [], []
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        (spans if e.name.startswith("onnx::") else kernels).append(e)
+    spans.sort(key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in spans]
+    total: dict[str, float] = {}
+    nodes: dict[str, set] = {}
+    for k in kernels:
+        i = bisect.bisect_right(starts, k.time_range.start) - 1
+        if i < 0 or k.time_range.start > spans[i].time_range.end:
+            continue
+        op = spans[i].name[len("onnx::") :]
+        total[op] = total.get(op, 0.0) + (k.time_range.end - k.time_range.start) / 1e3
+        nodes.setdefault(op, set()).add(i)
+    return sorted(((op, len(nodes[op]), ms) for op, ms in total.items()), key=lambda r: -r[2])
+
+
 def job_gradgen_profile(task: dict) -> dict:
     """GPU time by kernel and by ONNX op of one gradgen step, through torch.profiler (CUPTI).
 
     CUDA graphs are off (``GRADGEN_CUDA_GRAPHS=0``), so every kernel is its own activity; kernel
     durations are those of the replayed step, the host time between them is not. Each node runs
-    inside a ``record_function`` range named after its op, so kernels are attributed to ops where
-    the profiler correlates the launches (the ``by_op`` table is empty where it does not).
+    inside a ``record_function`` range named after its op; ``_kernel_time_by_op`` attributes the
+    kernels to ops by the ranges' GPU-timeline intervals.
     """
     os.environ["GRADGEN_CUDA_GRAPHS"] = "0"
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -373,10 +403,7 @@ def job_gradgen_profile(task: dict) -> dict:
         ((e.key, e.count, device_us(e, True) / 1e3) for e in events if device_us(e, True) > 0 and not e.key.startswith("onnx::")),
         key=lambda r: -r[2],
     )
-    by_op = sorted(
-        ((e.key[len("onnx::") :], e.count, device_us(e, False) / 1e3) for e in events if e.key.startswith("onnx::")),
-        key=lambda r: -r[2],
-    )
+    by_op = _kernel_time_by_op(prof.events())
     total = sum(ms for _, _, ms in kernels)
     print(
         f"  gradgen profile (one eager step, {len(session.steps)} steps): GPU kernel time {total:.1f} ms, wall {wall_ms:.1f} ms",
