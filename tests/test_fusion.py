@@ -92,6 +92,33 @@ def test_a_path_through_a_non_elementwise_step_does_not_fuse_around_it():
     assert groups_of(model) == []
 
 
+def test_two_sets_that_would_feed_each_other_do_not_both_fuse():
+    # {mul, add} -> reduce -> {sqrt, mul2} and {sqrt, mul2} -> reshape -> {mul, add}: each set alone
+    # is schedulable, the two together make a cycle, so one stays unfused
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [1, 3])
+    model = make_model(
+        [
+            helper.make_node("Constant", [], ["shp"], name="c", value=shape),
+            node("Mul", ["x", "x"], ["p"], "mul"),
+            node("ReduceSum", ["p"], ["r"], "reduce", keepdims=0),
+            node("Sqrt", ["w"], ["s"], "sqrt"),
+            node("Reshape", ["s", "shp"], ["e"], "reshape"),
+            node("Add", ["p", "e"], ["t"], "add"),
+            node("Mul", ["s", "r"], ["z"], "mul2"),
+        ],
+        [("x", F, [2, 3]), ("w", F, [3])],
+        [("t", F, [2, 3]), ("z", F, [3])],
+    )
+    assert groups_of(model) == [["mul", "add"], ["sqrt", "mul2"]]
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "w": np.array([1, 4, 9], np.float32)}
+    want = Session(model).run(feeds)
+    sess = fused_plan(model)
+    assert sum(s.op_type == fusion.OP_TYPE for s in sess.steps) == 1
+    got = sess.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_non_elementwise_ops_split_chains():
     shape = helper.make_tensor("shape", TensorProto.INT64, [1], [6])
     model = make_model(

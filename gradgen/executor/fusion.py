@@ -12,7 +12,8 @@ Rules:
 - a step joins only if it is an op with a fused form, with one named output, that reads a float
   value or the result of a step that joins (integer and bool arithmetic of their own are shape
   work, which runs on the host);
-- a set stays schedulable as one step: no path leaves it and comes back (checked on merge);
+- a set stays schedulable as one step: no path leaves it and comes back (checked on merge; where
+  two sets would feed each other through outside steps, the smaller stays unfused);
 - at most ``fused.MAX_INPUTS`` external inputs and ``fused.MAX_OUTPUTS`` outputs.
 
 At run time the fused step computes the dtypes and shapes of its values; where no fused kernel
@@ -208,53 +209,60 @@ class FusedGroup:
 def fuse_pointwise(steps: list, graph: ir.Graph, keep: set[str]) -> list:
     """``steps`` with each fusable set replaced by one fused step, in an order that still respects
     every dependency (each fused step where its last member was)."""
-    from gradgen.executor.session import Step
-
     dtypes = plan_dtypes(steps, graph)
     groups = find_groups(steps, dtypes, keep)
-    if not groups:
-        return steps
     consumers: dict[str, set[int]] = {}
     for i, step in enumerate(steps):
         for name in step.inputs:
             if name:
                 consumers.setdefault(name, set()).add(i)
-    replaced: dict[int, Any] = {}  # last member's position -> the fused step
-    absorbed: set[int] = set()
+    while True:
+        fused_steps = {group[-1]: _fused_step([steps[i] for i in group], set(group), consumers, keep) for group in groups}
+        absorbed = {i for group in groups for i in group}
+        order = sorted([*fused_steps.items(), *((i, s) for i, s in enumerate(steps) if i not in absorbed)], key=lambda p: p[0])
+        placed, stuck = _stable_topological([s for _, s in order])
+        if not stuck:
+            break
+        # Each set alone is schedulable, but two sets can feed each other through outside steps
+        # (A -> x -> B and B -> y -> A): leave the smallest set caught in the cycle unfused.
+        caught = [g for g in groups if any(fused_steps[g[-1]] is x for x in stuck)]
+        groups.remove(min(caught, key=len))
     predicted = []
-    for group in groups:
-        inside = set(group)
-        members = [steps[i] for i in group]
-        made = {n for m in members for n in m.outputs}
-        inputs = list(dict.fromkeys(n for m in members for n in m.inputs if n not in made))
-        outputs = [n for m in members for n in m.outputs if n in keep or consumers.get(n, set()) - inside]
-        kernel = FusedGroup(members, inputs, outputs)
-        declared = {n: d for m in members for n, d in zip(m.outputs, m.output_dtypes or [None] * len(m.outputs))}
-        replaced[group[-1]] = Step(
-            node_name=f"{members[0].node_name} (+{len(members) - 1} fused)",
-            domain=DOMAIN,
-            op_type=OP_TYPE,
-            kernel=kernel.run_on_host,
-            entry=KernelEntry(DOMAIN, OP_TYPE, cpu=kernel.run_on_host, cuda=kernel),
-            inputs=list(inputs),
-            outputs=outputs,
-            attributes={},
-            free_after=[],
-            output_dtypes=[declared.get(n) for n in outputs],
-        )
-        absorbed |= inside
-        sig = kernel.signature(tuple(dtype_suffix(dtypes[n]) if n in dtypes else None for n in inputs))
+    for step in fused_steps.values():
+        kernel = step.entry.cuda
+        sig = kernel.signature(tuple(dtype_suffix(dtypes[n]) if n in dtypes else None for n in kernel.inputs))
         if sig is not None:
             predicted.append(sig)
     fused.prepare(predicted)
-    order = [(i, replaced[i]) for i in range(len(steps)) if i in replaced] + [
-        (i, s) for i, s in enumerate(steps) if i not in absorbed
-    ]
-    return _stable_topological([s for _, s in sorted(order, key=lambda pair: pair[0])])
+    return placed
 
 
-def _stable_topological(steps: list) -> list:
-    """``steps`` in dependency order, each as early in the given order as its inputs allow."""
+def _fused_step(members: list, inside: set[int], consumers: dict[str, set[int]], keep: set[str]):
+    """The step that runs ``members`` (plan positions ``inside``) as one kernel."""
+    from gradgen.executor.session import Step
+
+    made = {n for m in members for n in m.outputs}
+    inputs = list(dict.fromkeys(n for m in members for n in m.inputs if n not in made))
+    outputs = [n for m in members for n in m.outputs if n in keep or consumers.get(n, set()) - inside]
+    kernel = FusedGroup(members, inputs, outputs)
+    declared = {n: d for m in members for n, d in zip(m.outputs, m.output_dtypes or [None] * len(m.outputs))}
+    return Step(
+        node_name=f"{members[0].node_name} (+{len(members) - 1} fused)",
+        domain=DOMAIN,
+        op_type=OP_TYPE,
+        kernel=kernel.run_on_host,
+        entry=KernelEntry(DOMAIN, OP_TYPE, cpu=kernel.run_on_host, cuda=kernel),
+        inputs=list(inputs),
+        outputs=outputs,
+        attributes={},
+        free_after=[],
+        output_dtypes=[declared.get(n) for n in outputs],
+    )
+
+
+def _stable_topological(steps: list) -> tuple[list, list]:
+    """``steps`` in dependency order, each as early in the given order as its inputs allow; and
+    the steps a cycle keeps from being placed (empty when there is none)."""
     producer = {name: i for i, step in enumerate(steps) for name in step.outputs if name}
     waiting = [{producer[n] for n in step.inputs if n and n in producer and producer[n] != i} for i, step in enumerate(steps)]
     readers: dict[int, list[int]] = {}
@@ -271,6 +279,4 @@ def _stable_topological(steps: list) -> list:
             waiting[r].discard(i)
             if not waiting[r]:
                 heapq.heappush(ready, r)
-    if len(order) != len(steps):
-        raise AssertionError("pointwise fusion made a cycle")  # _schedulable rules it out
-    return order
+    return order, [steps[i] for i, needs in enumerate(waiting) if needs]
