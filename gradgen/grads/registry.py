@@ -11,7 +11,20 @@ from gradgen.grads.table import RULES, GradRule
 from gradgen.ops.schemas import normalize_domain
 from gradgen.registration import Families
 
-FAMILIES = ("control", "conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "recurrent", "reduction", "shape")
+FAMILIES = (
+    "attention",
+    "control",
+    "conv",
+    "elementwise",
+    "indexing",
+    "loss",
+    "matmul",
+    "norm",
+    "pool",
+    "recurrent",
+    "reduction",
+    "shape",
+)
 PACKAGE = "gradgen.grads.rules"
 _FAMILIES = Families(PACKAGE, FAMILIES)
 _RULES = RULES  # the table itself, under its former name (tests patch entries in it)

@@ -24,6 +24,7 @@ from gradgen.ops.schemas import FUSED_FORWARD_OPS, LOWERED_FORWARD_OPS
 from gradgen.registration import Families
 
 CPU_FAMILIES = (
+    "attention",
     "control",
     "conv",
     "elementwise",

@@ -40,6 +40,9 @@ LOWERED_FORWARD_OPS = frozenset(
         *((MICROSOFT_DOMAIN, op) for op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasDropout")),
         *((MICROSOFT_DOMAIN, op) for op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")),
         ("", "SimplifiedLayerNormalization"),
+        # attention (gradgen/passes/lowering/attention.py): ONNX's own Attention too
+        ("", "Attention"),
+        (MICROSOFT_DOMAIN, "MultiHeadAttention"),
     }
 )
 

@@ -38,7 +38,7 @@ def lowerable_ops() -> list[tuple[str, str]]:
     return sorted(LOWERINGS)
 
 
-FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "reduction", "shape")
+FAMILIES = ("attention", "conv", "elementwise", "indexing", "loss", "matmul", "norm", "reduction", "shape")
 
 
 _FAMILIES = Families("gradgen.passes.lowering", FAMILIES)
