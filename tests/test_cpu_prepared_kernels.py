@@ -158,3 +158,81 @@ def test_prepared_convolutions_are_the_kernel(op, x_shape, w_shape, attrs, bias)
         x = rng.standard_normal((batch, *x_shape[1:])).astype(np.float32)
         for _ in range(2):
             _same(session.run({"x": x})["y0"], _kernel_result(session, x))
+
+
+def _prepared_and_kernel(op: str, attrs: dict, constants: tuple = (), domain: str = ""):
+    """(the prepared call, the kernel with the attributes bound) of one op; ``constants`` holds the
+    plan-time values of the inputs (registry.RUNTIME for the computed ones)."""
+    entry = registry.lookup(domain, op)
+    call = entry.cpu_prepare(constants, dict(attrs))
+    assert call is not None, f"{op} was not prepared for {attrs}"
+    return call, lambda *args: entry.cpu(*args, **attrs)
+
+
+def _same_results(got, want) -> None:
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same(np.asarray(a), np.asarray(b))
+
+
+def _agree(call, kernel, *args) -> None:
+    """The prepared call gives the kernel's result on these arguments, on its first call and later,
+    and leaves them as they were; or fails as the kernel fails."""
+    before = [None if a is None else np.array(a, copy=True) for a in args]
+    try:
+        want = kernel(*args)
+    except Exception as error:  # noqa: BLE001 -- the prepared call must fail the same way
+        for _ in range(2):
+            with pytest.raises(type(error)) as raised:
+                call(*args)
+            assert str(raised.value) == str(error)
+        return
+    for _ in range(3):
+        _same_results(call(*args), want)
+    for a, b in zip(args, before):
+        if a is not None:
+            assert a.tobytes() == b.tobytes()
+
+
+RNG = np.random.default_rng(7)
+
+
+def _normal(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def _ints(low, high, *shape, dtype=I64):
+    return RNG.integers(low, high, shape).astype(dtype)
+
+
+INDEXING_CASES = [
+    ("Gather", {}, lambda: (_normal(12, 8), _ints(0, 12, 2, 6))),
+    ("Gather", {"axis": 1}, lambda: (_normal(3, 5, 2), _ints(-5, 5, 4, dtype=np.int32))),
+    ("Gather", {"axis": 0}, lambda: (_normal(3, 5, 2)[:, 1], np.array(2, I64))),  # a view, a scalar index
+    ("Gather", {}, lambda: (_normal(4, 2), np.array([1, 4], I64))),  # out of range
+    ("GatherElements", {"axis": 1}, lambda: (_normal(3, 4, 5), _ints(0, 4, 3, 6, 5))),
+    ("GatherElements", {"axis": -1}, lambda: (_normal(3, 4, 5).transpose(2, 0, 1), _ints(-4, 4, 2, 3, 7))),
+    ("GatherElements", {"axis": 0}, lambda: (_normal(3, 4), np.array([[0, 3]], I64))),  # out of range
+    ("ScatterElements", {"axis": 1}, lambda: (_normal(32, 97), _ints(0, 97, 32, 1), _normal(32, 1))),
+    ("ScatterElements", {"axis": 0}, lambda: (_normal(96), _ints(0, 96, 48), _normal(48))),  # repeats: last wins
+    ("ScatterElements", {"axis": 2, "reduction": "add"}, lambda: (_normal(3, 4, 5), _ints(0, 5, 3, 4, 7), _normal(3, 4, 7))),
+    ("ScatterElements", {"axis": 1, "reduction": "max"}, lambda: (_normal(4, 6).T, _ints(-4, 4, 5, 3), _normal(5, 3))),
+    ("ScatterElements", {"axis": 0, "reduction": "mul"}, lambda: (_normal(3, 2), np.array([[0, 3]], I64), _normal(1, 2))),
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(97, 32), _ints(0, 97, 32, 1), _normal(32, 32))),
+    (
+        "ScatterND",
+        {"reduction": "add"},
+        lambda: (_normal(3, 5, 2, 4), _ints(-3, 3, 2, 1), _normal(2, 5, 2, 4).transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2)),
+    ),
+    ("ScatterND", {"reduction": "min"}, lambda: (_normal(6), _ints(0, 6, 9, 1), _normal(9))),
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(4, 2), np.array([[1], [-5]], I64), _normal(2, 2))),  # out of range
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(4, 2).T, _ints(0, 2, 3, 1), _normal(3, 4))),  # a transposed data
+]
+
+
+@pytest.mark.parametrize(("op", "attrs", "make"), INDEXING_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(INDEXING_CASES)])
+def test_prepared_indexing_is_the_kernel(op, attrs, make):
+    call, kernel = _prepared_and_kernel(op, attrs)
+    for _ in range(2):  # fresh values, the kept plan
+        _agree(call, kernel, *make())

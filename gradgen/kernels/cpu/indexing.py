@@ -13,13 +13,16 @@ Conventions shared by every kernel here:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
@@ -32,6 +35,26 @@ def check_reduction(reduction: str) -> str:
     if reduction != "none" and reduction not in _REDUCTIONS:
         raise KernelError(f"unknown reduction {reduction!r}; expected none, add, mul, max or min")
     return reduction
+
+
+def _writable_copy(data: np.ndarray) -> np.ndarray:
+    """A C-ordered copy of ``data`` (the flat views of it that the scatters write through must be
+    views) with numpy's own instance of its dtype: ``ufunc.at`` takes a path 15x slower on an
+    array whose dtype is an equal but other instance ('<f4', as the tensors of a loaded ONNX model
+    come, and every array computed from them)."""
+    return data.astype(_canonical(data.dtype), order="C", copy=True)
+
+
+def _canonical(dtype: np.dtype) -> np.dtype:
+    return np.dtype(dtype.type) if dtype.kind in "biuf" and dtype.isnative else dtype
+
+
+def _as_dtype_of(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``values`` in ``out``'s dtype instance (a view where the dtypes are equal, see
+    ``_writable_copy``)."""
+    if values.dtype is out.dtype:
+        return values
+    return values.view(out.dtype) if values.dtype == out.dtype else values.astype(out.dtype)
 
 
 def _last_wins(flat_positions: np.ndarray) -> np.ndarray:
@@ -109,8 +132,8 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
     grid = list(np.indices(idx.shape, sparse=True))
     grid[axis] = idx
     target = tuple(grid)  # indexing broadcasts the sparse grid itself (np.broadcast_arrays: half the call)
-    out = np.array(data, copy=True)
-    upd = updates.astype(data.dtype, copy=False)
+    out = _writable_copy(data)
+    upd = _as_dtype_of(updates, out)
     flat = np.ravel_multi_index(target, data.shape).ravel()
     if reduction == "none":
         keep = _last_wins(flat)
@@ -134,8 +157,8 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     if updates.shape != want:
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
     parts = nd_tuple(data.shape, indices, 0)
-    out = np.array(data, copy=True)
-    upd = updates.astype(data.dtype, copy=False)
+    out = _writable_copy(data)
+    upd = _as_dtype_of(updates, out)
     if reduction == "none":
         lead = data.shape[:k]
         flat = np.ravel_multi_index(parts, lead) if k else np.zeros(indices.shape[:-1], np.int64)
@@ -267,3 +290,158 @@ def gather_elements_grad(dY, shape, indices, *, axis=0):
     # bincount adds in float64, sequentially in element order: deterministic, and exact for double.
     sums = np.bincount(target.reshape(-1), weights=dY.reshape(-1).astype(np.float64), minlength=math.prod(dims))
     return sums.reshape(dims).astype(dY.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared calls (kernels/table.py, ``cpu_prepare``) of the small-model indexing steps: the index
+# arithmetic is kept per (data, indices) shape and the indices are checked with one reduction; a
+# call whose indices are negative or out of range, or that the plan does not cover, runs the kernel
+# (which wraps the negatives, or names the bad index). The same elements are read and written in
+# the same order as by the kernels, so the results are the kernels' bit for bit.
+
+SMALL_INDICES = 1 << 16  # index arrays up to this size get a kept flat offset per element (512 KiB)
+
+
+def _all_below(indices: np.ndarray, size: int) -> bool:
+    """Every entry of the integer array ``indices`` in [0, size): one reduction (negative entries
+    read as huge unsigned ones)."""
+    if indices.size == 0:
+        return True
+    unsigned = indices if indices.dtype.kind == "u" else indices.view(f"u{indices.dtype.itemsize}")
+    return int(unsigned.max()) < size
+
+
+@dataclasses.dataclass(frozen=True)
+class _ElementsPlan:
+    """GatherElements / ScatterElements for one (data, indices) shape: the flat position in the
+    C-ordered data of element i is ``indices[i] * stride + base[i]``."""
+
+    size: int  # data's length along the axis
+    stride: int  # data's C stride along the axis, in elements
+    base: np.ndarray  # int64, the indices' shape: the flat offset of the other coordinates
+    distinct: bool  # one index per line along the axis: no two elements can hit the same target
+
+
+def _elements_plan(key: tuple, axis: int) -> _ElementsPlan | None:
+    """The plan for ``key`` = (data shape, indices shape), or None where the kernel must check."""
+    data_shape, idx_shape = key
+    rank = len(data_shape)
+    if len(idx_shape) != rank or not -rank <= axis < rank or math.prod(idx_shape) > SMALL_INDICES:
+        return None
+    axis %= rank
+    if any(n > m for d, (n, m) in enumerate(zip(idx_shape, data_shape)) if d != axis):
+        return None
+    strides = [math.prod(data_shape[d + 1 :]) for d in range(rank)]
+    base = np.zeros(idx_shape, dtype=np.int64)
+    for d, n in enumerate(idx_shape):
+        if d != axis:
+            base += (np.arange(n, dtype=np.int64) * strides[d]).reshape((n,) + (1,) * (rank - 1 - d))
+    base.flags.writeable = False
+    return _ElementsPlan(data_shape[axis], strides[axis], base, idx_shape[axis] == 1)
+
+
+def _flat_targets(plan: _ElementsPlan, indices: np.ndarray) -> np.ndarray | None:
+    """The flat positions the indices address, or None when one is negative or out of range."""
+    if indices.dtype.kind not in "iu" or not _all_below(indices, plan.size):
+        return None
+    flat = np.multiply(indices, plan.stride, dtype=np.int64)
+    flat += plan.base
+    return flat.reshape(-1)
+
+
+@cpu_prepare("Gather")
+def prepare_gather(constants: tuple, attrs: dict):
+    """np.take itself, which wraps negative indices as ONNX does and raises IndexError for the
+    others (then the kernel names the bad one)."""
+    axis = attrs.get("axis", 0)
+
+    def run(data, indices):
+        if indices.dtype.kind in "iu" and -data.ndim <= axis < data.ndim:
+            try:
+                return np.take(data, indices, axis=axis)
+            except IndexError:
+                pass
+        return gather(data, indices, axis=axis)
+
+    return run
+
+
+@cpu_prepare("GatherElements")
+def prepare_gather_elements(constants: tuple, attrs: dict):
+    axis = attrs.get("axis", 0)
+    plans = per_shape(functools.partial(_elements_plan, axis=axis))
+
+    def run(data, indices):
+        plan = plans((data.shape, indices.shape))
+        flat = _flat_targets(plan, indices) if plan is not None else None
+        if flat is None:
+            return gather_elements(data, indices, axis=axis)
+        return np.take(data.reshape(-1), flat).reshape(indices.shape)
+
+    return run
+
+
+@cpu_prepare("ScatterElements", "Scatter")
+def prepare_scatter_elements(constants: tuple, attrs: dict):
+    axis, reduction = attrs.get("axis", 0), attrs.get("reduction", "none")
+    if reduction != "none" and reduction not in _REDUCTIONS:
+        return None  # the kernel says why
+    plans = per_shape(functools.partial(_elements_plan, axis=axis))
+
+    def run(data, indices, updates):
+        plan = plans((data.shape, indices.shape)) if updates.shape == indices.shape else None
+        flat = _flat_targets(plan, indices) if plan is not None else None
+        if flat is None:
+            return scatter_elements(data, indices, updates, axis=axis, reduction=reduction)
+        out = _writable_copy(data)
+        upd = _as_dtype_of(updates, out).reshape(-1)
+        if reduction != "none":
+            _REDUCTIONS[reduction].at(out.reshape(-1), flat, upd)
+        elif plan.distinct:
+            out.reshape(-1)[flat] = upd
+        else:
+            keep = _last_wins(flat)
+            out.reshape(-1)[flat[keep]] = upd[keep]
+        return out
+
+    return run
+
+
+def _row_size(data_shape: tuple) -> int:
+    return math.prod(data_shape[1:])
+
+
+@cpu_prepare("ScatterND")
+def prepare_scatter_nd(constants: tuple, attrs: dict):
+    """ScatterND with a reduction and indices of one component (rows of the data, as an embedding's
+    gradient has them): ``ufunc.at`` on the flat positions of the rows' elements, which applies the
+    updates to each element in the kernel's order. A row index ``r`` in [-rows, rows) gives a flat
+    position that numpy wraps to row ``r % rows`` and any other raises IndexError, as ONNX wants."""
+    reduction = attrs.get("reduction", "none")
+    if reduction not in _REDUCTIONS:
+        return None
+    ufunc = _REDUCTIONS[reduction]
+    inner_size = per_shape(_row_size)
+
+    def run(data, indices, updates):
+        rows = indices.shape[:-1]
+        if (
+            indices.ndim >= 1
+            and indices.shape[-1] == 1
+            and data.ndim >= 1
+            and indices.dtype.kind == "i"
+            and updates.shape == rows + data.shape[1:]
+        ):
+            inner = inner_size(data.shape)
+            flat = np.multiply(indices, inner, dtype=np.int64)
+            if inner > 1:
+                flat = flat + np.arange(inner, dtype=np.int64)
+            out = _writable_copy(data)
+            try:
+                ufunc.at(out.reshape(-1), flat.reshape(-1), _as_dtype_of(updates, out).reshape(-1))
+                return out
+            except IndexError:
+                pass
+        return scatter_nd(data, indices, updates, reduction=reduction)
+
+    return run
