@@ -10,7 +10,7 @@ import operator
 import os
 import sys
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -46,6 +46,7 @@ class Step:
     first_output: str | None = None  # the name of output 0 ('' / None: not wanted)
     low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
     call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
+    metadata: dict[str, str] | None = None  # the node's metadata (the optimizer's tags: gradgen/training/optimizers.py)
 
 
 class CpuBackend:
@@ -163,9 +164,21 @@ class Session:
     CUDA graph keeps reading the same address). ``run(..., commit=f)`` commits only when
     ``f(results)`` is true (a step whose loss is not finite leaves the state as it was);
     ``read_state`` downloads the values.
+
+    ``state_guard=[names]`` (outputs, float32 scalars such as a training step's loss and gradient
+    norm): the state changes only in a run where all of them are finite. It lets the GPU update a
+    training step's parameters and optimizer states in place, in one fused multi-tensor step that
+    checks the guard on the device (gradgen/executor/fused_optimizer.py); such a Session takes no
+    ``commit`` callback (the guard decides), and ``updates_in_place`` says so.
     """
 
-    def __init__(self, model: ModelLike, device: str = "cpu", state: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        model: ModelLike,
+        device: str = "cpu",
+        state: Mapping[str, str] | None = None,
+        state_guard: Sequence[str] = (),
+    ):
         self.model = load_model(model)
         self.graph = self.model.graph
         self.device = resolve_device(device)
@@ -184,11 +197,13 @@ class Session:
         }
         self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
         self.output_names = [v.name for v in self.graph.outputs]
+        self.state_bindings = _checked_bindings(dict(state or {}), self.input_names, self.output_names)
+        self.state_guard = _checked_guard(list(state_guard), self.state_bindings, self.output_names)
         self.steps = self._plan()
+        self.updates_in_place = any(step.domain == "gradgen" and step.op_type == "FusedOptimizerUpdate" for step in self.steps)
         self.backend.num_steps = len(self.steps)
         self.constants = self.backend.place_constants(self.initializers)
         self._known_outputs = frozenset(self.output_names) | frozenset(self.constants) | frozenset(self.input_names)
-        self.state_bindings = _checked_bindings(dict(state or {}), self.input_names, self.output_names)
         self._state: dict[str, Any] = {}  # bound input -> its current value, placed by the backend
         self._state_specs = feed_specs([v for v in self.input_values if v.name in self.state_bindings])
         self._feed_specs = feed_specs([v for v in self.input_values if v.name not in self.state_bindings])
@@ -235,11 +250,12 @@ class Session:
                     attributes=attrs,
                     free_after=[],
                     output_dtypes=low_precision.declared_dtypes(node),
+                    metadata=dict(node.metadata_props) or None,
                 )
             )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
         if self.device == "cuda":
-            steps = self.backend.fuse(steps, self.graph, keep=set(self.output_names))
+            steps = self.backend.fuse(steps, self.graph, set(self.output_names), self.state_bindings, self.state_guard)
         for index, step in enumerate(steps):
             step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
@@ -268,6 +284,8 @@ class Session:
             )
         if self.closed:
             raise UsageError("this Session is closed")
+        if commit is not None and self.updates_in_place:
+            raise UsageError("this Session updates its state in place, guarded by state_guard: it takes no commit callback")
         checked = check_feeds(self._feed_specs, feeds)
         if self.state_bindings:
             if not self._state:
@@ -277,7 +295,7 @@ class Session:
             try:
                 values = self.backend.execute(self._execute, checked)
                 results = {name: self.backend.to_host(values[name]) for name in wanted}
-                if self.state_bindings and (commit is None or commit(results)):
+                if self.state_bindings and (commit is None or commit(results)) and self._guard_passed(values):
                     self._state = self.backend.commit_state(self._state, self._next_state(values))
             except BaseException:
                 values = None
@@ -286,6 +304,11 @@ class Session:
             values = None  # the run's device buffers die here, before the backend checks its plan
             self.backend.finish_run()
         return results
+
+    def _guard_passed(self, values: dict) -> bool:
+        """Every ``state_guard`` output of the run is finite (a fused in-place update checked the
+        same on the device, and wrote nothing when it failed)."""
+        return all(bool(np.all(np.isfinite(self.backend.to_host(values[name])))) for name in self.state_guard)
 
     def _next_state(self, values: dict) -> dict:
         """The bound outputs of a run, which must keep their inputs' shapes and element types."""
@@ -380,6 +403,16 @@ def _checked_bindings(bindings: dict[str, str], inputs: list[str], outputs: list
     if bad:
         raise UsageError(f"state bindings: {'; '.join(bad[:4])}")
     return bindings
+
+
+def _checked_guard(guard: list[str], bindings: dict[str, str], outputs: list[str]) -> list[str]:
+    """A state guard names graph outputs, and needs bound state to guard."""
+    if guard and not bindings:
+        raise UsageError("state_guard without state bindings: there is no state to guard")
+    unknown = [name for name in guard if name not in outputs]
+    if unknown:
+        raise UsageError(f"state_guard: {quoted(unknown)} are not graph outputs")
+    return guard
 
 
 def _qualified(step: Step) -> str:

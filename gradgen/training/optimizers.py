@@ -34,11 +34,23 @@ Relation to ONNX Runtime training's optimizer ops (com.microsoft, opset 1):
 The step graph does not use those ops (they take sequences; gradgen's executor has no kernels for
 them, and the standard-op form runs on any runtime); ``gradgen.training.artifacts`` emits them in
 the optimizer model it writes for ONNX Runtime's training API.
+
+Tags: the graph stays standard, but the pass records what its update nodes are, so that a backend
+may run them as one multi-tensor kernel (gradgen/executor/fused_optimizer.py on the GPU). The graph's
+metadata ``gradgen.optimizer`` holds the optimizer's settings (JSON); every node of one parameter's
+update (its clipping Mul included) carries node metadata ``gradgen.optimizer.param`` (the
+parameter), ``gradgen.optimizer.reads`` (per input position, the role of an input that comes from
+outside the update, comma-separated: ``param``, ``grad``, ``state:<kind>``, ``scalar:<name>``;
+empty for a value the update makes or a constant) and, on the node making a new value,
+``gradgen.optimizer.writes`` (``param`` or ``state:<kind>``). The scalars are float values of the
+parameter's type made once per step: ``lr`` (SGD), ``decay``, ``step_size``, ``bc2_sqrt`` (AdamW)
+and ``clip`` (the clipping factor).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import ClassVar
 
 import numpy as np
@@ -57,6 +69,10 @@ from gradgen.training.graph_edit import (
 )
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+CONFIG_KEY = "gradgen.optimizer"  # graph metadata: the optimizer's settings (see optimizer_config)
+PARAM_KEY = "gradgen.optimizer.param"  # node metadata, see the module docstring
+READS_KEY = "gradgen.optimizer.reads"
+WRITES_KEY = "gradgen.optimizer.writes"
 
 
 def _check(condition: bool, message: str) -> None:
@@ -192,6 +208,11 @@ class _Emitter:
     def set_scalars(self, scalars: dict[str, ir.Value]) -> None:
         self._scalars = scalars
 
+    @property
+    def casts(self) -> dict[tuple[str, ir.DataType], ir.Value]:
+        """The scalars cast so far, by (name, element type)."""
+        return self._cast
+
     def scalar(self, name: str, like: ir.Value) -> ir.Value:
         dtype = like.dtype
         assert dtype is not None  # parameters and their states are typed (see graph_edit)
@@ -238,6 +259,8 @@ class OptimizerPass(ir.passes.InPlacePass):
                 acc = new_input(b, f"{name}.grad_accum", params[name])
                 accumulated[name] = value_name(acc)
                 grads[name] = b.op("Mul", b.op("Add", acc, grads[name]), b.const_like(params[name], 1.0 / self.accumulation))
+        raw_grads = dict(grads)  # the gradients the updates read, before clipping
+        clip_factors: dict[str, ir.Value] = {}
         norm = global_norm(b, list(grads.values()), [params[n] for n in grads])
         grad_norm = as_output(b, norm, "grad_norm")
         grad_norm.type, grad_norm.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
@@ -255,19 +278,31 @@ class OptimizerPass(ir.passes.InPlacePass):
                 p = params[name]
                 factor = coef if p.dtype == ir.DataType.FLOAT else b.op("Cast", coef, to=p.dtype)
                 grads[name] = b.op("Mul", g, factor)
+                clip_factors[name] = factor
 
         emitter = _Emitter(b, lr, step)
         emitter.set_scalars(self.optimizer.scalars(emitter))
         new_params, slots = {}, []
+        graph.metadata_props[CONFIG_KEY] = optimizer_config(self.optimizer, self.clip_norm)
         for name in self.params:
             p = params[name]
             states = {kind: new_input(b, f"{name}.{kind}", p) for kind in self.optimizer.state_kinds}
             b.prefix = f"gradgen_optimizer/{name}"
+            first = len(b.nodes)
             new_p, new_states = self.optimizer.update(emitter, p, grads[name], states)
-            new_params[name] = value_name(as_output(b, new_p, f"{name}.next", like=p))
+            written = {"param": as_output(b, new_p, f"{name}.next", like=p)}
+            new_params[name] = value_name(written["param"])
             for kind, value in new_states.items():
-                out = as_output(b, value, f"{name}.{kind}.next", like=p)
+                out = written[f"state:{kind}"] = as_output(b, value, f"{name}.{kind}.next", like=p)
                 slots.append(StateSlot(name, kind, value_name(states[kind]), value_name(out)))
+            roles = {p: "param", raw_grads[name]: "grad", **{v: f"state:{k}" for k, v in states.items()}}
+            roles.update({value: f"scalar:{key[0]}" for key, value in emitter.casts.items()})
+            nodes = b.nodes[first:]
+            clip_node = grads[name].producer() if name in clip_factors else None
+            if clip_node is not None:
+                roles[clip_factors[name]] = "scalar:clip"
+                nodes = [clip_node, *nodes]
+            _tag_update(name, nodes, roles, written)
         self.layout = UpdateLayout(
             lr=value_name(lr),
             step=value_name(step) if step is not None else None,
@@ -277,6 +312,25 @@ class OptimizerPass(ir.passes.InPlacePass):
             accumulated=accumulated,
         )
         return ir.passes.PassResult(model, modified=True)
+
+
+def optimizer_config(optimizer: Optimizer, clip_norm: float | None) -> str:
+    """The settings a fused update needs, as the JSON kept in the graph's metadata."""
+    fields = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
+    return json.dumps({"kind": optimizer.kind, **fields, "clip_norm": clip_norm}, sort_keys=True)
+
+
+def _tag_update(param: str, nodes: list[ir.Node], roles: dict[ir.Value, str], written: dict[str, ir.Value]) -> None:
+    """Tag one parameter's update nodes (see the module docstring); the nodes that make a scalar
+    shared by every update (its Cast) are not part of it."""
+    makes = {value: role for role, value in written.items()}
+    for node in nodes:
+        if any(out in roles for out in node.outputs):
+            continue
+        node.metadata_props[PARAM_KEY] = param
+        node.metadata_props[READS_KEY] = ",".join(roles.get(v, "") if v is not None else "" for v in node.inputs)
+        if node.outputs[0] in makes:
+            node.metadata_props[WRITES_KEY] = makes[node.outputs[0]]
 
 
 def global_norm(b: GraphBuilder, grads: list[ir.Value], likes: list[ir.Value]) -> ir.Value:

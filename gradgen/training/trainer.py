@@ -142,8 +142,12 @@ class HostStepRunner:
 class DeviceStepRunner:
     """Parameters and optimizer states bound as the training Session's state: on the GPU they live
     in device memory between steps and each step's update is committed there (``Session(...,
-    state=...)``), only when the loss and gradient norm it read back are finite. ``snapshot``
-    downloads them (once per step, when something reads them: checkpoints, evaluation)."""
+    state=...)``), only when the loss and gradient norm are finite. Without loss scaling that rule
+    is the Session's ``state_guard``, so the GPU runs the update of every parameter as one fused
+    multi-tensor step written in place (gradgen/executor/fused_optimizer.py); with loss scaling (a
+    skipped step's gradient norm is not finite) the runner checks the values it read back.
+    ``snapshot`` downloads the state (once per step, when something reads it: checkpoints,
+    evaluation)."""
 
     def __init__(self, program: TrainingProgram, device: str = "cuda"):
         from gradgen.executor import Session
@@ -151,10 +155,11 @@ class DeviceStepRunner:
         if program.accumulation > 1:
             raise UsageError("the device step runner takes one micro-batch per step: use HostStepRunner for accumulation")
         self.program = program
-        self.train = Session(program.train, device=device, state=program.state_bindings())
+        layout = program.layout
+        guard = [program.loss, layout.grad_norm] if layout.found_inf is None else []
+        self.train = Session(program.train, device=device, state=program.state_bindings(), state_guard=guard)
         self.evaluator = Session(program.evaluate, device=device)
         self.device = self.train.device
-        layout = program.layout
         self._outputs = [program.loss, layout.grad_norm] + ([layout.found_inf] if layout.found_inf is not None else [])
         self._step = 0
         self._snapshot: TrainState | None = None
@@ -190,7 +195,11 @@ class DeviceStepRunner:
             failure.extend((what, value) for what, value in checks if not math.isfinite(value))
             return not failure
 
-        out = self.train.run(feeds, outputs=self._outputs, commit=finite)
+        if self.train.state_guard:  # the Session commits by the same rule
+            out = self.train.run(feeds, outputs=self._outputs)
+            finite(out)
+        else:
+            out = self.train.run(feeds, outputs=self._outputs, commit=finite)
         if failure:
             raise NonFiniteLossError(step, *failure[0])
         self._step = step

@@ -1,0 +1,190 @@
+"""The optimizer's tags and the fused multi-tensor update's plan (gradgen/executor/fused_optimizer.py),
+on the CPU: which nodes are tagged and with what roles, which steps the rewrite replaces, what it
+leaves alone, the launch arguments it packs, and the Session's state guard. The GPU tests
+(tests/cuda/test_cuda_fused_optimizer.py) run the kernel against the unfused steps and PyTorch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from gradgen.errors import UsageError
+from gradgen.executor import Session
+from gradgen.executor import fused_optimizer as fo
+from gradgen.training import SGD, AdamW, build_training
+from gradgen.training.loss_scaling import LossScaling
+from gradgen.training.optimizers import CONFIG_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMER = ROOT / "samples/transformer/model.onnx"
+OPTIMIZERS = [
+    (AdamW(), 1.0),
+    (AdamW(weight_decay=0.0, bias_correction=False), None),
+    (SGD(momentum=0.9, nesterov=True, weight_decay=0.1), 1.0),
+    (SGD(), None),
+]
+
+
+def _plan(program, guard=True):
+    """The training step's CPU plan (tags on its steps) and that plan with the update fused."""
+    guard_names = [program.loss, program.layout.grad_norm] if guard else []
+    session = Session(program.train, state=program.state_bindings(), state_guard=guard_names)
+    fused = fo.fuse_update(session.steps, session.graph, set(session.output_names), session.state_bindings, guard_names)
+    return session, fused
+
+
+@pytest.mark.parametrize("optimizer, clip", OPTIMIZERS)
+def test_every_update_node_is_tagged_with_its_parameter_and_roles(optimizer, clip):
+    program = build_training(TRANSFORMER, optimizer=optimizer, clip_norm=clip)
+    graph = ir.from_proto(ir.to_proto(program.train)).graph  # the tags survive saving
+    config = json.loads(graph.metadata_props[CONFIG_KEY])
+    assert config["kind"] == optimizer.kind and config["clip_norm"] == clip
+    inputs = {v.name for v in graph.inputs}
+    for param in program.params:
+        nodes = [n for n in graph if n.metadata_props.get(PARAM_KEY) == param]
+        reads = {}
+        for node in nodes:
+            roles = node.metadata_props[READS_KEY].split(",")
+            assert len(roles) == len(node.inputs)
+            for role, value in zip(roles, node.inputs):
+                if role:
+                    reads.setdefault(role, set()).add(value.name)
+                elif value.name not in graph.initializers:  # made by the update itself
+                    assert value.producer() in nodes, (param, node.name, value.name)
+        assert reads["param"] == {param}
+        assert reads["grad"] == {f"{param}_grad"}
+        for kind in optimizer.state_kinds:
+            assert reads[f"state:{kind}"] == {f"{param}.{kind}"} and f"{param}.{kind}" in inputs
+        assert ("scalar:clip" in reads) == (clip is not None)
+        writes = {n.metadata_props[WRITES_KEY]: n.outputs[0].name for n in nodes if WRITES_KEY in n.metadata_props}
+        assert writes == {"param": f"{param}.next", **{f"state:{k}": f"{param}.{k}.next" for k in optimizer.state_kinds}}
+
+
+@pytest.mark.parametrize("optimizer, clip", OPTIMIZERS)
+def test_the_plan_replaces_every_tagged_step_by_one_update_step_last(optimizer, clip):
+    program = build_training(TRANSFORMER, optimizer=optimizer, clip_norm=clip)
+    session, fused = _plan(program)
+    tagged = [s for s in session.steps if s.metadata and PARAM_KEY in s.metadata]
+    assert tagged and len(fused) == len(session.steps) - len(tagged) + 1
+    assert not any(s.metadata and PARAM_KEY in s.metadata for s in fused)
+    step = fused[-1]
+    assert (step.domain, step.op_type) == (fo.DOMAIN, fo.OP_TYPE)
+    assert step.inputs[:2] == [program.loss, program.layout.grad_norm]
+    assert sorted(step.outputs) == sorted(program.state_bindings().values())
+    for param in program.params:  # each parameter's tensors in the kernel's order
+        at = step.inputs.index(param)
+        want = [param, f"{param}_grad", *(f"{param}.{k}" for k in optimizer.state_kinds)]
+        assert step.inputs[at : at + len(want)] == want
+    made_before = {n for s in fused[:-1] for n in s.outputs} | set(session.input_names) | set(session.initializers)
+    assert all(n in made_before for n in step.inputs)
+    assert not any(n in step.outputs for s in fused[:-1] for n in s.inputs)  # nothing reads what it writes
+
+
+def test_without_a_guard_or_with_loss_scaling_nothing_is_fused():
+    program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0)
+    session, fused = _plan(program, guard=False)
+    assert fused == session.steps
+    scaled = build_training(TRANSFORMER, optimizer=AdamW(), loss_scaling=LossScaling())
+    session = Session(scaled.train, state=scaled.state_bindings(), state_guard=[scaled.loss])
+    # the new values go through the overflow's Where: read outside the update, so no update fuses
+    assert (
+        fo.fuse_update(session.steps, session.graph, set(session.output_names), session.state_bindings, [scaled.loss])
+        == session.steps
+    )
+
+
+def test_an_update_read_outside_or_unbound_keeps_its_steps():
+    program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0)
+    bindings = program.state_bindings()
+    first, second = program.params[:2]
+    del bindings[f"{first}.exp_avg"]  # not bound: written in place it would be lost
+    session = Session(program.train, state=bindings, state_guard=[program.loss])
+    steps = fo.fuse_update(session.steps, session.graph, set(session.output_names), session.state_bindings, [program.loss])
+    left = {s.metadata[PARAM_KEY] for s in steps if s.metadata and PARAM_KEY in s.metadata}
+    assert left == {first}
+    assert first not in steps[-1].inputs and second in steps[-1].inputs
+
+    updates, problems = fo.tagged_updates(session.steps)
+    assert not problems
+    kind = fo.kind_of(json.loads(session.graph.metadata_props[CONFIG_KEY]))
+    readers: dict[str, set[int]] = {}
+    for i, s in enumerate(session.steps):
+        for n in s.inputs:
+            readers.setdefault(n, set()).add(i)
+    update = updates[second]
+    inner = session.steps[update.members[2]].outputs[0]  # an intermediate value of the update
+    readers.setdefault(inner, set()).add(-1)  # ... read by a step outside it
+    context = fo._Context(readers, set(session.output_names), set(session.initializers), program.state_bindings(), {})
+    assert "read outside the update" in fo.check_update(update, kind, session.steps, context)
+
+
+class _FakeArray:
+    def __init__(self, address: int, size: int):
+        self.gpudata, self.size, self.dtype = address, size, np.dtype(np.float32)
+
+
+def test_packed_arguments_follow_the_kernels_layout():
+    """optimizer.cu's MultiTensorArgs: 6 pointers, 8 floats, 4 int64, first_chunk[65], numel[64], ptr[4][64]."""
+    assert fo.ARGS.itemsize == 8 * 6 + 4 * 8 + 8 * 4 + 8 * (fo.MAX_TENSORS + 1) + 8 * fo.MAX_TENSORS + 8 * 4 * fo.MAX_TENSORS
+    source = (ROOT / "gradgen/kernels/cuda/optimizer.cu").read_text()
+    assert f"#define GG_MT_MAX {fo.MAX_TENSORS}\n" in source
+    kind = fo.kind_of(
+        json.loads(build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0).train.graph.metadata_props[CONFIG_KEY])
+    )
+    assert kind is not None
+    sizes = [1, fo.CHUNK, fo.CHUNK + 1, 0, *([5] * 70)]
+    groups = [[_FakeArray(1000 * t + k, n) for k in range(4)] for t, n in enumerate(sizes)]
+    guard = [_FakeArray(7, 1), _FakeArray(9, 1)]
+    scalars = [_FakeArray(11 + k, 1) for k in range(4)]
+    launches = fo.MultiTensorUpdate(kind, 2, len(groups), [True] * 4).pack(guard, scalars, groups)
+    live = [g for g in groups if g[0].size]  # the empty tensor takes no chunk
+    assert len(launches) == 2
+    blocks = [np.frombuffer(buffer, fo.ARGS)[0] for _, buffer in launches]
+    assert [b["n_tensors"] for b in blocks] == [64, len(live) - 64]
+    first = blocks[0]
+    assert list(first["guard"]) == [7, 9] and list(first["scalar"]) == [11, 12, 13, 14]
+    np.testing.assert_array_equal(first["consts"][:4], np.float32([1 - 0.9, 0.999, 1 - 0.999, 1e-8]))
+    assert list(first["first_chunk"][:5]) == [0, 1, 2, 4, 5] and list(first["numel"][:3]) == [1, fo.CHUNK, fo.CHUNK + 1]
+    assert launches[0][0] == first["first_chunk"][64] and launches[1][0] == len(live) - 64
+    assert first["ptr"][2, 1] == 1002 and blocks[1]["ptr"][3, 0] == 1000 * (64 + 1) + 3
+
+
+def _guarded_accumulator():
+    """total.next = total + x; out = ReduceSum(total.next)."""
+    nodes = [
+        helper.make_node("Add", ["total", "x"], ["total.next"]),
+        helper.make_node("ReduceSum", ["total.next"], ["sum"], keepdims=0),
+    ]
+    shape = [2]
+    graph = helper.make_graph(
+        nodes,
+        "acc",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("total", TensorProto.FLOAT, shape),
+        ],
+        [
+            helper.make_tensor_value_info("sum", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("total.next", TensorProto.FLOAT, shape),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_the_state_guard_keeps_the_state_of_a_non_finite_run():
+    with Session(_guarded_accumulator(), state={"total": "total.next"}, state_guard=["sum"]) as session:
+        session.write_state({"total": np.float32([1, 2])})
+        session.run({"x": np.float32([1, 1])})
+        out = session.run({"x": np.float32([np.inf, 1])})
+        assert out["sum"] == np.inf
+        np.testing.assert_array_equal(session.read_state()["total"], [2, 3])
+        assert not session.updates_in_place  # only the GPU plan updates in place
+    with pytest.raises(UsageError, match="not graph outputs"):
+        Session(_guarded_accumulator(), state={"total": "total.next"}, state_guard=["nope"])
+    with pytest.raises(UsageError, match="no state to guard"):
+        Session(_guarded_accumulator(), state_guard=["sum"])
