@@ -212,12 +212,13 @@ INDEXING_CASES = [
     ("Gather", {"axis": 0}, lambda: (_normal(3, 5, 2)[:, 1], np.array(2, I64))),  # a view, a scalar index
     ("Gather", {}, lambda: (_normal(4, 2), np.array([1, 4], I64))),  # out of range
     ("GatherElements", {"axis": 1}, lambda: (_normal(3, 4, 5), _ints(0, 4, 3, 6, 5))),
-    ("GatherElements", {"axis": -1}, lambda: (_normal(3, 4, 5).transpose(2, 0, 1), _ints(-4, 4, 2, 3, 7))),
+    ("GatherElements", {"axis": -1}, lambda: (_normal(3, 4, 5).transpose(2, 0, 1), _ints(0, 4, 2, 3, 7))),
     ("GatherElements", {"axis": 0}, lambda: (_normal(3, 4), np.array([[0, 3]], I64))),  # out of range
+    ("GatherElements", {"axis": 1}, lambda: (_normal(3, 4), np.array([[0, -3]], I64))),  # negative: the kernel wraps
     ("ScatterElements", {"axis": 1}, lambda: (_normal(32, 97), _ints(0, 97, 32, 1), _normal(32, 1))),
     ("ScatterElements", {"axis": 0}, lambda: (_normal(96), _ints(0, 96, 48), _normal(48))),  # repeats: last wins
     ("ScatterElements", {"axis": 2, "reduction": "add"}, lambda: (_normal(3, 4, 5), _ints(0, 5, 3, 4, 7), _normal(3, 4, 7))),
-    ("ScatterElements", {"axis": 1, "reduction": "max"}, lambda: (_normal(4, 6).T, _ints(-4, 4, 5, 3), _normal(5, 3))),
+    ("ScatterElements", {"axis": 1, "reduction": "max"}, lambda: (_normal(4, 6).T, _ints(0, 4, 5, 3), _normal(5, 3))),
     ("ScatterElements", {"axis": 0, "reduction": "mul"}, lambda: (_normal(3, 2), np.array([[0, 3]], I64), _normal(1, 2))),
     ("ScatterND", {"reduction": "add"}, lambda: (_normal(97, 32), _ints(0, 97, 32, 1), _normal(32, 32))),
     (
@@ -236,3 +237,37 @@ def test_prepared_indexing_is_the_kernel(op, attrs, make):
     call, kernel = _prepared_and_kernel(op, attrs)
     for _ in range(2):  # fresh values, the kept plan
         _agree(call, kernel, *make())
+
+
+SCE = "SoftmaxCrossEntropyLoss"
+BN_PARAMS = (_normal(6), _normal(6), _normal(6), np.abs(_normal(6)))  # scale, bias, mean, var
+ARITHMETIC_CASES = [
+    (SCE, {"ignore_index": -100, "_num_outputs": 2}, (), lambda: (_normal(32, 97), _ints(0, 97, 32))),
+    (SCE, {"reduction": "sum"}, (), lambda: (_normal(5, 4, dtype=np.float64), _ints(0, 4, 5, dtype=np.int32))),
+    (SCE, {"reduction": "none", "_num_outputs": 2}, (), lambda: (_normal(6, 3).T, _ints(0, 6, 3))),
+    (SCE, {"ignore_index": 1}, (), lambda: (_normal(4, 3), np.array([0, 1, 2, 1], I64))),  # ignored labels
+    (SCE, {"ignore_index": -1}, (), lambda: (_normal(4, 3), np.array([0, -1, 2, 1], I64))),
+    (SCE, {}, (), lambda: (_normal(4, 3), np.array([0, 3, 2, 1], I64))),  # out of range
+    (SCE, {}, (), lambda: (_normal(2, 3, 4), _ints(0, 3, 2, 4))),  # (N, C, D)
+    (SCE, {"_num_outputs": 2}, (), lambda: (_normal(4, 3), _ints(0, 3, 4), _normal(3))),  # weights
+    ("LayerNormalization", {"epsilon": 1e-5}, (), lambda: (_normal(2, 16, 32), _normal(32), _normal(32))),
+    ("LayerNormalization", {"axis": 1}, (), lambda: (_normal(3, 4, 5, dtype=np.float64), _normal(4, 5, dtype=np.float64))),
+    ("LayerNormalization", {"axis": -2}, (), lambda: (_normal(5, 3, 4).transpose(1, 0, 2), _normal(5, 4), None)),
+    ("LayerNormalization", {}, (), lambda: (_normal(3, 8, dtype=np.float16), _normal(8, dtype=np.float16))),
+    ("BatchNormalization", {"epsilon": 1e-3}, (registry.RUNTIME, *BN_PARAMS), lambda: (_normal(2, 6, 5, 5), *BN_PARAMS)),
+    ("BatchNormalization", {}, (), lambda: (_normal(3, 6), *BN_PARAMS)),  # per-channel inputs at run time
+    ("BatchNormalization", {}, (registry.RUNTIME, *BN_PARAMS), lambda: (_normal(2, 6, 3, 4, 2, dtype=np.float64), *BN_PARAMS)),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs", "constants", "make"), ARITHMETIC_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(ARITHMETIC_CASES)]
+)
+def test_prepared_arithmetic_is_the_kernel(op, attrs, constants, make):
+    """Losses and normalizations: the kernel's ufuncs in its order, so its bits."""
+    args = make()
+    known = constants or tuple(registry.RUNTIME for _ in args)
+    call, kernel = _prepared_and_kernel(op, attrs, known)
+    for _ in range(2):
+        _agree(call, kernel, *args)
+        args = (args[0] * 3, *args[1:])

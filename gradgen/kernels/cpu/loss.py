@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.schemas import FLOATS, INDICES, INT64, Attribute, Formal, Schema
 
@@ -159,3 +160,42 @@ def softmax_cross_entropy_loss_grad(
         scale = w * scale_value
     result = grad * scale[..., None]
     return np.ascontiguousarray(np.moveaxis(result, -1, 1)).astype(log_prob.dtype, copy=False)
+
+
+@cpu_prepare("SoftmaxCrossEntropyLoss")
+def prepare_softmax_cross_entropy_loss(constants: tuple, attrs: dict):
+    """The kernel's arithmetic, ufunc by ufunc, for (N, C) float32 / float64 scores without
+    weights whose labels are all in [0, C) (none ignored): the label checks are one reduction,
+    the row numbers are kept per N and the temporaries are reused. Other calls run the kernel."""
+    ignore_index, reduction, outputs = attrs.get("ignore_index"), attrs.get("reduction", "mean"), attrs.get("_num_outputs", 1)
+    if reduction not in ("none", "sum", "mean"):
+        return None
+    rows = per_shape(np.arange)
+
+    def run(scores, labels, weights=None):
+        n, classes = scores.shape if scores.ndim == 2 else (0, 0)
+        fast = (
+            weights is None
+            and classes > 0
+            and scores.dtype.kind == "f"
+            and scores.dtype.itemsize >= 4
+            and labels.shape == (n,)
+            and labels.dtype.kind in "iu"
+            and (ignore_index is None or not 0 <= int(ignore_index) < classes)
+        )
+        if not fast or int(labels.view(f"u{labels.dtype.itemsize}").max(initial=0)) >= classes:
+            return softmax_cross_entropy_loss(scores, labels, weights, **attrs)
+        shifted = np.subtract(scores, np.maximum.reduce(scores, axis=1, keepdims=True))
+        total = np.add.reduce(np.exp(shifted), axis=1, keepdims=True)
+        log_prob = np.subtract(shifted, np.log(total, out=total), out=shifted)
+        loss = np.negative(log_prob[rows(n), labels])  # -picked * 1 for every used label
+        if reduction == "none":
+            result = loss
+        elif reduction == "sum":
+            result = np.asarray(loss.sum(), dtype=scores.dtype)
+        else:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                result = np.asarray(loss.sum() / scores.dtype.type(n), dtype=scores.dtype)
+        return (result, log_prob) if outputs > 1 else result
+
+    return run

@@ -8,8 +8,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, same_shape
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.schemas import DT, FLOATS, Attribute, Formal, Schema
@@ -347,3 +348,89 @@ def _skip_norm_schema(op_type: str, *inputs: str) -> Schema:
 
 SKIP_LAYER_NORMALIZATION = _skip_norm_schema("SkipLayerNormalization", "input", "skip", "gamma", "beta", "bias")
 SKIP_SIMPLIFIED_LAYER_NORMALIZATION = _skip_norm_schema("SkipSimplifiedLayerNormalization", "input", "skip", "gamma", "bias")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared calls (kernels/table.py, ``cpu_prepare``): the kernels' ufuncs in the kernels' order,
+# with the axes resolved once, numpy's reductions called directly and the temporaries reused.
+
+
+@cpu_prepare("LayerNormalization")
+def prepare_layer_normalization(constants: tuple, attrs: dict):
+    """For float32 / float64 inputs (their own stash type) with stash_type 1."""
+    axis, epsilon = attrs.get("axis", -1), attrs.get("epsilon", 1e-5)
+    if int(attrs.get("stash_type", 1)) != 1:
+        return None
+
+    def geometry(shape: tuple) -> tuple:
+        """The normalized axes and their element count (numpy's mean divides by it as an intp)."""
+        axes = tuple(range(normalize_axis(axis, len(shape)), len(shape)))
+        return axes, np.intp(math.prod(shape[a] for a in axes))
+
+    per_input = per_shape(geometry)
+
+    def _mean(x: np.ndarray, axes: tuple, count) -> np.ndarray:
+        """``mean_over(x, axes, True)`` (np.mean's steps) for a non-empty float ``x``."""
+        total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=True)
+        return np.true_divide(total, count, out=total, casting="unsafe")
+
+    def run(x, scale, bias=None):
+        if x.dtype.kind != "f" or x.dtype.itemsize < 4 or x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+            return layer_normalization(x, scale, bias, **attrs)
+        axes, count = per_input(x.shape)
+        if not count:
+            return layer_normalization(x, scale, bias, **attrs)
+        st = x.dtype
+        mean = _mean(x, axes, count)
+        centered = np.subtract(x, mean)
+        y = np.multiply(centered, centered)
+        inv_std = _mean(y, axes, count)
+        np.add(inv_std, st.type(epsilon), out=inv_std)
+        np.sqrt(inv_std, out=inv_std)
+        np.true_divide(1, inv_std, out=inv_std)
+        np.multiply(centered, inv_std, out=y)
+        np.multiply(y, scale.astype(st, copy=False), out=y)
+        if bias is not None:
+            np.add(y, bias.astype(st, copy=False), out=y)
+        return y, mean.astype(np.float32, copy=False), inv_std.astype(np.float32, copy=False)
+
+    return run
+
+
+@cpu_prepare("BatchNormalization")
+def prepare_batch_normalization(constants: tuple, attrs: dict):
+    """The inference form for float32 / float64 inputs: ``(x - mean) / sqrt(var + epsilon) * scale
+    + bias`` in place in one output array; with the four per-channel inputs constant, they are
+    reshaped (and the divisor worked out) once per rank."""
+    if int(attrs.get("training_mode", 0)) == 1 or attrs.get("_num_outputs", 1) > 1:
+        return None
+    epsilon = attrs.get("epsilon", 1e-5)
+    given = constant_inputs(constants, 1, 2, 3, 4)
+
+    def channels(key: tuple) -> tuple | None:
+        """(mean, divisor, scale, bias) shaped for the rank, from the constant inputs."""
+        rank, dtype = key
+        if given is None or any(v is None or v.ndim != 1 for v in given):
+            return None
+        shape = (-1,) + (1,) * (rank - 2)
+        sc, bc, mean, var = (np.asarray(v).astype(dtype, copy=False).reshape(shape) for v in given)
+        return mean, np.sqrt(var + dtype.type(epsilon)), sc, bc
+
+    kept = per_shape(channels)
+
+    def run(x, scale, bias, input_mean, input_var):
+        if x.dtype.kind != "f" or x.dtype.itemsize < 4 or x.ndim < 2:
+            return batch_normalization(x, scale, bias, input_mean, input_var, **attrs)
+        per_channel = kept((x.ndim, x.dtype))
+        if per_channel is None:
+            shape = channel_shape(x)
+            sc, bc, mean, var = (v.astype(x.dtype, copy=False).reshape(shape) for v in (scale, bias, input_mean, input_var))
+            per_channel = mean, np.sqrt(var + x.dtype.type(epsilon)), sc, bc
+        mean, divisor, sc, bc = per_channel
+        y = np.subtract(x, mean)
+        np.true_divide(y, divisor, out=y)
+        np.multiply(y, sc, out=y)
+        np.add(y, bc, out=y)
+        return y
+
+    return run

@@ -105,7 +105,7 @@ def _sum(x, axes, keepdims):
     return np.add.reduce(x, axis=axes, keepdims=keepdims, dtype=x.dtype)  # np.sum without its Python wrapper
 
 
-def _mean(x, axes, keepdims):
+def mean_over(x, axes, keepdims):
     count = math.prod(x.shape[a] for a in axes)
     if count == 0:
         return np.full(np.sum(x, axis=axes, keepdims=keepdims).shape, np.nan)
@@ -143,7 +143,7 @@ def _reduction(op_type: str, name: str, fn, pre=None, post=None):
 
 
 reduce_sum = _reduction("ReduceSum", "reduce_sum", _sum)
-reduce_mean = _reduction("ReduceMean", "reduce_mean", _mean)
+reduce_mean = _reduction("ReduceMean", "reduce_mean", mean_over)
 reduce_max = _reduction("ReduceMax", "reduce_max", _max)
 reduce_min = _reduction("ReduceMin", "reduce_min", _min)
 reduce_prod = _reduction("ReduceProd", "reduce_prod", _prod)
