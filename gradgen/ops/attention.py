@@ -16,10 +16,10 @@ query row that every key masks (all -inf) gives a zero output row, as the spec's
 Runtime say. Its qk_matmul_output follows the spec (mode 0: the scores before the softcap; ONNX's
 reference gives them after it, ONNX Runtime as the spec).
 
-MultiHeadAttention's bias (ONNX Runtime's CPU contract): a key masked by key_padding_mask (0 in a
-(batch, total) or (batch, sequence, total) mask, or at or past a key's length in a (batch,) one) or
-by ``unidirectional`` (causal, aligned bottom-right) gets ``mask_filter_value`` (default -10000,
-finite) instead of its score's bias, then attention_bias is added.
+MultiHeadAttention's bias (ONNX Runtime's CPU contract, checked against it): ``mask_filter_value``
+(default -10000, finite) where key_padding_mask masks a key (0 in a (batch, total) or (batch,
+sequence, total) mask, or at or past a key's length in a (batch,) one), plus attention_bias, plus
+-inf where ``unidirectional`` (causal, aligned bottom-right) masks it.
 """
 
 from __future__ import annotations

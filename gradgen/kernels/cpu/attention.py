@@ -45,6 +45,7 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
         k, v = np.concatenate([past_key, k], axis=2), np.concatenate([past_value, v], axis=2)
     present_key, present_value = k, v
     dtype = q.dtype
+    _check_broadcast("Attention", "attn_mask", attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     bias = None
     if spec.is_causal:
         bias = np.where(causal_allowed(q.shape[2], k.shape[2], past), dtype.type(0), dtype.type(-np.inf))
@@ -69,6 +70,18 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
     if Q.ndim == 3:
         y = merge_heads(y)
     return y, present_key, present_value, stages[QK_STAGES[spec.qk_mode]]
+
+
+def _check_broadcast(where: str, name: str, value, scores: tuple) -> None:
+    """KernelError unless ``value`` (when given) broadcasts to the scores' shape."""
+    if value is None:
+        return
+    try:
+        fits = np.broadcast_shapes(value.shape, scores) == scores
+    except ValueError:
+        fits = False
+    if not fits:
+        raise KernelError(f"{where}: {name} of shape {list(value.shape)} does not broadcast to the scores' shape {list(scores)}")
 
 
 # -- com.microsoft MultiHeadAttention (ONNX Runtime's contract; gradgen.ops.attention) --------------
@@ -107,13 +120,14 @@ def multi_head_attention(
         past = past_key.shape[2]
         k, v = np.concatenate([past_key, k], axis=2), np.concatenate([past_value, v], axis=2)
     masked = mha_masked(key_padding_mask, q.shape[0], q.shape[2], k.shape[2], where)
-    if unidirectional:
-        causal = ~causal_allowed(q.shape[2], k.shape[2], past)
-        masked = causal if masked is None else masked | causal
     dtype = q.dtype
     total = None if masked is None else np.where(masked, dtype.type(mask_filter_value), dtype.type(0))
+    _check_broadcast(where, "attention_bias", attention_bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
     if attention_bias is not None:
         total = attention_bias.astype(dtype, copy=False) if total is None else total + attention_bias
+    if unidirectional:
+        causal = np.where(causal_allowed(q.shape[2], k.shape[2], past), dtype.type(0), dtype.type(-np.inf))
+        total = causal if total is None else total + causal
     y, _ = attention_core(q, k, v, total, scale=scale)
     return merge_heads(y), k, v
 

@@ -38,6 +38,15 @@ class _Form:
             raise ModelError(f"{self.where}: its standard-op form needs the (float) type of its query; it is not known")
         self.dtype = np.dtype(query.dtype.numpy())
 
+        # the outputs' shapes are the form's to give (shape inference runs after the rewrite):
+        # ONNX infers 0 for a 3-D Attention's symbolic hidden size, and DecomposePass gives the
+        # query's shape to an output whose type is unknown (MultiHeadAttention's has V's hidden size)
+        for out in node.outputs:
+            if not out.is_graph_output():
+                out.shape = None
+            if out.type is None:
+                out.type = query.type
+
     def const(self, value) -> ir.Value:
         return self.b.const(np.asarray(value, dtype=self.dtype))
 
@@ -196,6 +205,8 @@ def lower_attention(b: GraphBuilder, node: ir.Node):
 @register_lowering("MultiHeadAttention", domain=MICROSOFT, min_opset=BASE_OPSET)
 def lower_multi_head_attention(b: GraphBuilder, node: ir.Node):
     """(output, present_key, present_value) of ONNX Runtime's MultiHeadAttention in standard ops."""
+    if node_input(node, 1) is None or node_input(node, 2) is None:
+        raise ModelError(f"{node_where(node)}: gradgen supports query, key and value given apart (no packed QKV / KV)")
     (query, q_dims), (key, k_dims), (value, v_dims) = (_ranked(node, i, name) for i, name in enumerate(("query", "key", "value")))
     bias, padding, attention_bias, past_k, past_v, past_len, indirection = (node_input(node, i) for i in range(3, 10))
     f = _Form(b, node, query)
@@ -240,16 +251,17 @@ def lower_multi_head_attention(b: GraphBuilder, node: ir.Node):
     total: Size = kv_len + past if isinstance(kv_len, int) and isinstance(past, int) else f.size(k, None, 2)
     q_len = f.size(query, q_dims, 1)
     masked = _padding_masked(f, padding, q_dims[0], q_len, total)
-    if int(attrs.get("unidirectional") or 0):
-        causal = b.op("Not", f.causal_allowed(q_len, total, past))
-        masked = causal if masked is None else b.op("Or", masked, causal)
-    bias_total = None
+    parts = []
     if masked is not None:
         fill = float(attrs.get("mask_filter_value", -10000.0))
-        bias_total = b.op("Where", masked, f.const(fill), f.const(0.0))
+        parts.append(b.op("Where", masked, f.const(fill), f.const(0.0)))
     if attention_bias is not None:
-        extra = f.as_type(attention_bias)
-        bias_total = extra if bias_total is None else b.op("Add", bias_total, extra)
+        parts.append(f.as_type(attention_bias))
+    if int(attrs.get("unidirectional") or 0):
+        parts.append(b.op("Where", f.causal_allowed(q_len, total, past), f.const(0.0), f.const(-np.inf)))
+    bias_total = None
+    for part in parts:
+        bias_total = part if bias_total is None else b.op("Add", bias_total, part)
     head_size: Size | None = k_dims[3] if len(k_dims) == 4 else (q_dims[2] // heads if isinstance(q_dims[2], int) else None)
     if not isinstance(head_size, int):
         head_size = f.size(q, None, 3)
