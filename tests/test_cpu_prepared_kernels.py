@@ -271,3 +271,30 @@ def test_prepared_arithmetic_is_the_kernel(op, attrs, constants, make):
     for _ in range(2):
         _agree(call, kernel, *args)
         args = (args[0] * 3, *args[1:])
+
+
+def _with_ties(*shape):
+    """Values with repeated maxima, signed zeros and a NaN, which MaxPool must resolve as the kernel does."""
+    x = RNG.integers(-2, 3, shape).astype(np.float32)
+    x[x == 0] = np.where(RNG.random(int((x == 0).sum())) < 0.5, -0.0, 0.0)
+    x.reshape(-1)[RNG.integers(0, x.size)] = np.nan
+    return x
+
+
+POOL_CASES = [
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}, (2, 4, 16, 16)),
+    ({"kernel_shape": [2, 2], "strides": [2, 2]}, (3, 4, 12, 12)),
+    ({"kernel_shape": [3, 2], "dilations": [2, 1], "pads": [2, 0, 1, 1], "ceil_mode": 1, "strides": [2, 3]}, (1, 2, 9, 8)),
+    ({"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER", "storage_order": 1}, (2, 3, 5, 4)),
+    ({"kernel_shape": [3], "strides": [2], "pads": [1, 1]}, (2, 3, 10)),
+    ({"kernel_shape": [2, 2, 2]}, (1, 2, 3, 4, 5)),
+    ({"kernel_shape": [5, 5]}, (1, 1, 3, 3)),  # larger than the image: the kernel's error
+]
+
+
+@pytest.mark.parametrize(("attrs", "shape"), POOL_CASES, ids=[str(i) for i in range(len(POOL_CASES))])
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_prepared_max_pool_is_the_kernel(attrs, shape, outputs):
+    call, kernel = _prepared_and_kernel("MaxPool", {**attrs, "_num_outputs": outputs})
+    for x in (_normal(*shape), _with_ties(*shape), _normal(*shape, dtype=np.float64), _with_ties(*shape).transpose()):
+        _agree(call, kernel, x)

@@ -24,8 +24,9 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, same_shape, sliding_windows
-from gradgen.kernels.table import cpu_kernel
+from gradgen.kernels.table import cpu_kernel, cpu_prepare
 from gradgen.ops.axes import per_axis
 from gradgen.ops.grid_sample import TAP_OFFSETS, affine_base_grid, cubic_weights, grid_sample_spec
 from gradgen.ops.pool import declared_pads, pool_window, resize_geometry, resize_matrices, roi_align_spec
@@ -532,3 +533,74 @@ def roi_align(x, rois, batch_indices, **attrs):
         else:
             y[r] = np.maximum.reduce(corners).max(axis=(2, 4))
     return y.astype(x.dtype, copy=False)
+
+
+SMALL_POOL_TAPS = 1 << 18  # window elements (taps x outputs) up to which MaxPool gathers by a kept index (2 MiB of it)
+
+
+@cpu_prepare("MaxPool")
+def prepare_max_pool(constants: tuple, attrs: dict):
+    """MaxPool of small float32 / float64 images as one gather by a kept index (each tap's value
+    at each output, -inf for a tap in the padding) and ``np.maximum.reduce`` over the taps, which
+    applies np.maximum tap after tap as the kernel does (the same bits); the indices output is the
+    first maximum's tap (``argmax``, NaN first as the kernel counts it) looked up in the kernel's
+    position table. Other inputs, and large ones, run the kernel."""
+    outputs = attrs.get("_num_outputs", 1)
+    plans = per_shape(lambda shape: _max_pool_plan(shape, attrs))
+
+    def run(x):
+        try:
+            # (the kernel's output keeps another input layout's axis order)
+            plan = plans(x.shape) if x.dtype.kind == "f" and x.dtype.itemsize >= 4 and x.flags.c_contiguous else None
+        except KernelError:
+            plan = None  # the kernel says why
+        if plan is None:
+            return max_pool(x, **attrs)
+        gather, sentinel, y_shape, positions = plan
+        flat = x.reshape(-1)
+        if sentinel:
+            flat = np.concatenate((flat, np.full(1, -np.inf, dtype=x.dtype)))
+        taps = flat[gather]
+        y = np.maximum.reduce(taps, axis=0).reshape(y_shape)
+        if outputs < 2:
+            return y
+        tap = np.argmax(taps, axis=0)
+        tap *= taps.shape[1]
+        tap += np.arange(taps.shape[1])
+        return y, positions[tap].reshape(y_shape)
+
+    return run
+
+
+def _max_pool_plan(shape: tuple, attrs: dict):
+    """(gather index (taps, outputs), whether it reads the -inf after the input, output shape, the
+    indices output's value per (tap, output)) for this input shape, or None for the kernel."""
+    window = {k: attrs.get(k) for k in ("kernel_shape", "strides", "dilations", "pads")}
+    kernel, s, d, begin, end, out = pool_window(
+        "MaxPool",
+        shape,
+        window["kernel_shape"],
+        window["strides"],
+        window["dilations"],
+        window["pads"],
+        attrs.get("auto_pad", "NOTSET"),
+        attrs.get("ceil_mode", 0),
+    )
+    ns, spatial = len(kernel), tuple(shape[2:])
+    planes, plane, p, k = shape[0] * shape[1], math.prod(spatial), math.prod(out), math.prod(kernel)
+    if not planes or not p or k * planes * p > SMALL_POOL_TAPS:
+        return None
+    inside = np.ones((1,) * (2 * ns), dtype=bool)
+    for axis in range(ns):
+        o = np.arange(out[axis]) * s[axis] - begin[axis]
+        t = np.arange(kernel[axis]) * d[axis]
+        coord = t.reshape(_axis_shape(2 * ns, axis, kernel[axis])) + o.reshape(_axis_shape(2 * ns, ns + axis, out[axis]))
+        inside = inside & (coord >= 0) & (coord < spatial[axis])
+    inside = inside.reshape(k, 1, p)
+    nc = (np.arange(planes, dtype=np.int64) * plane).reshape(1, planes, 1)
+    clipped = _tap_positions(spatial, tuple(kernel), tuple(s), tuple(d), tuple(begin), tuple(out), "C").reshape(k, 1, p)
+    gather = np.where(inside, clipped + nc, planes * plane).reshape(k, planes * p)
+    order = "F" if int(attrs.get("storage_order", 0)) == 1 else "C"
+    table = _tap_positions(spatial, tuple(kernel), tuple(s), tuple(d), tuple(begin), tuple(out), order).reshape(k, 1, p)
+    positions = (table + nc).reshape(-1)
+    return gather, not inside.all(), (shape[0], shape[1], *out), positions
