@@ -546,7 +546,7 @@ def prepare_max_pool(constants: tuple, attrs: dict):
     first maximum's tap (``argmax``, NaN first as the kernel counts it) looked up in the kernel's
     position table. Other inputs, and large ones, run the kernel."""
     outputs = attrs.get("_num_outputs", 1)
-    plans = per_shape(lambda shape: _max_pool_plan(shape, attrs))
+    plans = per_shape(functools.partial(_max_pool_plan, attrs=attrs))
 
     def run(x):
         try:
