@@ -113,7 +113,7 @@ def _model(spelling: str, dtype=np.float32, extra_outputs=()):
     graph = helper.make_graph(
         nodes, "gelu", [helper.make_tensor_value_info("x", tensor_type, [4, 6])], outputs, [numpy_helper.from_array(w, "W")]
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     feeds = {"x": rng.normal(0, 1.5, (4, 6)).astype(dtype)}
     return model, feeds
 

@@ -153,7 +153,8 @@ def test_portable_model_with_symbolic_batch(path):
         np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=atol, err_msg=f"{dir_id(path)}: {name}")
 
 
-# ONNX Runtime training's gradient ops, which gradgen runs and differentiates but never emits
+# ONNX Runtime training's gradient ops, which gradgen runs and differentiates but never emits, and
+# those it emits for ops these samples do not hold (GELU: tests/test_gelu_fusion.py)
 RUN_NOT_EMITTED = {
     "ReluGrad",
     "SigmoidGrad",
@@ -162,8 +163,6 @@ RUN_NOT_EMITTED = {
     "FastGeluGrad",
     "BiasGeluGrad_dX",
     "BiasFastGeluGrad_dX",
-    "SoftmaxGrad_13",
-    "LogSoftmaxGrad_13",
     # ONNX Runtime's forward ops of models optimized for its inference, rewritten into standard ops
     # before the gradient pass
     *(op for domain, op in LOWERED_FORWARD_OPS if domain == MICROSOFT_DOMAIN),

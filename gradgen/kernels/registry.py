@@ -94,8 +94,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
     ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "BiasFastGeluGrad_dX"): "no CUDA launcher yet",
-    ("com.microsoft", "SoftmaxGrad_13"): "no CUDA launcher yet",
-    ("com.microsoft", "LogSoftmaxGrad_13"): "no CUDA launcher yet",
 }
 
 __all__ = [

@@ -314,3 +314,29 @@ def test_cumsum(dtype, shape, axis, exclusive, reverse):
     x = (rng.standard_normal(shape) * 10).astype(dtype)
     model = one_node("CumSum", {"x": x}, {"axis": np.array(axis, np.int64)}, {"exclusive": exclusive, "reverse": reverse})
     same_on_both(model, {"x": x}, rtol=1e-5)
+
+
+# -- SoftmaxGrad_13 / LogSoftmaxGrad_13 (com.microsoft, the gradients gradgen emits) ---------------
+
+
+@pytest.mark.parametrize("op", ["SoftmaxGrad_13", "LogSoftmaxGrad_13"])
+@pytest.mark.parametrize("shape,axis", [((64, 256), -1), ((6, 1000), 1), ((3, 50257), -1), ((2, 5, 3), 1), ((4, 7), 0)], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_softmax_grads(op, shape, axis, dtype):
+    from gradgen.kernels import registry
+
+    registry.load_cuda_kernels()
+    entry = registry.lookup("com.microsoft", op)
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal(shape)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    y = e / e.sum(axis=axis, keepdims=True)
+    y = (np.log(y) if op.startswith("Log") else y).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    want = np.asarray(entry.cpu(dy, y, axis=axis))
+    got = host(entry.cuda(dev(dy), dev(y), axis=axis))
+    t = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}[dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(
+        got.astype(np.float64), want.astype(np.float64), rtol=t, atol=t * max(1.0, float(np.abs(want).max()))
+    )

@@ -163,8 +163,24 @@ def _softmax_axes(g) -> list[int]:
     return [int(g.attr("axis", -1))]
 
 
+_FUSED_SOFTMAX_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
+
+
+def _fused_softmax_grad(g, op_type: str) -> ir.Value | None:
+    """dX as one ONNX Runtime training SoftmaxGrad_13 / LogSoftmaxGrad_13 node (--portable lowers
+    it), for the float types its kernels take; None for others."""
+    y = g.y()
+    if y.dtype not in _FUSED_SOFTMAX_TYPES:
+        return None
+    dx = g.op(op_type, g.dy(), y, domain=MICROSOFT, axis=_softmax_axes(g)[0])
+    return g.set_type_like(dx, y)
+
+
 @grad_rule("Softmax")
 def softmax(g):
+    fused = _fused_softmax_grad(g, "SoftmaxGrad_13")
+    if fused is not None:
+        return [fused]
     y, dy = g.y(), g.dy()
     inner = g.reduce_sum(g.op("Mul", dy, y), _softmax_axes(g), keepdims=1)
     return [g.op("Mul", y, g.op("Sub", dy, inner))]
@@ -172,6 +188,9 @@ def softmax(g):
 
 @grad_rule("LogSoftmax")
 def log_softmax(g):
+    fused = _fused_softmax_grad(g, "LogSoftmaxGrad_13")
+    if fused is not None:
+        return [fused]
     y, dy = g.y(), g.dy()
     total = g.reduce_sum(dy, _softmax_axes(g), keepdims=1)
     return [g.op("Sub", dy, g.op("Mul", g.op("Exp", y), total))]

@@ -39,7 +39,7 @@ template <typename C> __device__ __forceinline__ C gg_gelu_tanh(C x) {
 }
 // Gelu'(x), as ONNX Runtime training's GeluGrad / FastGeluGrad compute it (and the CPU kernels).
 template <typename C> __device__ __forceinline__ C gg_gelu_slope(C x) {
-    return C(0.5) * (erf(x * C(0.70710678118654752440)) + C(1)) + x * C(0.19947114020071633897) * exp(C(-0.5) * x * x);
+    return C(0.5) * (erf(x * C(0.70710678118654752440)) + C(1)) + x * C(0.39894228040143267794) * exp(C(-0.5) * x * x);
 }
 template <typename C> __device__ __forceinline__ C gg_gelu_tanh_slope(C x) {
     const C alpha = C(0.79788456080286535588), beta = C(0.044715 * 0.79788456080286535588 * 3.0);

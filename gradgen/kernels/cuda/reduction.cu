@@ -456,6 +456,104 @@ GG_SOFTMAX(f64, double)
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// SoftmaxGrad_13 / LogSoftmaxGrad_13 (ONNX Runtime training's): with s = sum over the axis of
+// dY * Y (softmax) or of dY (log-softmax), dX = Y * (dY - s) or dY - exp(Y) * s; (outer, L, inner)
+// views as the forward's, the sums in a fixed order.
+
+template <bool LOG, typename A> __device__ __forceinline__ A softmax_grad_term(A g, A y) {
+    if constexpr (LOG) return g;
+    else return g * y;
+}
+template <bool LOG, typename A> __device__ __forceinline__ A softmax_grad_value(A g, A y, A s) {
+    if constexpr (LOG) return g - exp(y) * s;
+    else return y * (g - s);
+}
+
+// inner == 1, L <= 32 * N: one warp per row, dY and Y held in registers (one read of each).
+template <typename T, bool LOG, int N>
+__device__ void softmax_grad_warp(T* dx, const T* __restrict__ dy, const T* __restrict__ y, int64_t rows, int64_t L) {
+    using A = typename Acc<T>::type;
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    A g[N], v[N];
+    A s = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        g[k] = j < L ? (A)gg_load(dy + row * L + j) : A(0);
+        v[k] = j < L ? (A)gg_load(y + row * L + j) : A(0);
+        s += softmax_grad_term<LOG>(g[k], v[k]);
+    }
+    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int64_t j = k * 32 + lane;
+        if (j < L) gg_store(dx + row * L + j, softmax_grad_value<LOG>(g[k], v[k], s));
+    }
+}
+
+// inner == 1: one block per row (blockDim.x a multiple of 32).
+template <typename T, bool LOG>
+__device__ void softmax_grad_rows(T* dx, const T* __restrict__ dy, const T* __restrict__ y, int64_t L) {
+    using A = typename Acc<T>::type;
+    __shared__ A scratch[33];
+    const int64_t base = (int64_t)blockIdx.x * L;
+    A s = 0;
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) s += softmax_grad_term<LOG>((A)gg_load(dy + base + j), (A)gg_load(y + base + j));
+    s = block_sum(s, scratch);
+    for (int64_t j = threadIdx.x; j < L; j += blockDim.x)
+        gg_store(dx + base + j, softmax_grad_value<LOG>((A)gg_load(dy + base + j), (A)gg_load(y + base + j), s));
+}
+
+// inner > 1: one thread per (outer, inner) column.
+template <typename T, bool LOG>
+__device__ void softmax_grad_cols(T* dx, const T* __restrict__ dy, const T* __restrict__ y, int64_t outer, int64_t L, int64_t inner) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(col, outer * inner) {
+        const int64_t o = col / inner;
+        const int64_t base = o * L * inner + (col - o * inner);
+        A s = 0;
+        for (int64_t j = 0; j < L; ++j) s += softmax_grad_term<LOG>((A)gg_load(dy + base + j * inner), (A)gg_load(y + base + j * inner));
+        for (int64_t j = 0; j < L; ++j)
+            gg_store(dx + base + j * inner, softmax_grad_value<LOG>((A)gg_load(dy + base + j * inner), (A)gg_load(y + base + j * inner), s));
+    }
+}
+
+#define GG_SOFTMAX_GRAD_WARP(n, s, T)                                                                          \
+    extern "C" __global__ void softmax_grad_warp##n##_##s(T* dx, const T* dy, const T* y, int64_t rows, int64_t L) { \
+        softmax_grad_warp<T, false, n>(dx, dy, y, rows, L);                                                    \
+    }                                                                                                          \
+    extern "C" __global__ void log_softmax_grad_warp##n##_##s(T* dx, const T* dy, const T* y, int64_t rows,     \
+                                                               int64_t L) {                                     \
+        softmax_grad_warp<T, true, n>(dx, dy, y, rows, L);                                                     \
+    }
+#define GG_SOFTMAX_GRAD(s, T)                                                                                  \
+    GG_SOFTMAX_GRAD_WARP(1, s, T) GG_SOFTMAX_GRAD_WARP(2, s, T) GG_SOFTMAX_GRAD_WARP(4, s, T)                  \
+    GG_SOFTMAX_GRAD_WARP(8, s, T) GG_SOFTMAX_GRAD_WARP(16, s, T) GG_SOFTMAX_GRAD_WARP(32, s, T)                \
+    extern "C" __global__ void softmax_grad_rows_##s(T* dx, const T* dy, const T* y, int64_t L) {              \
+        softmax_grad_rows<T, false>(dx, dy, y, L);                                                             \
+    }                                                                                                          \
+    extern "C" __global__ void log_softmax_grad_rows_##s(T* dx, const T* dy, const T* y, int64_t L) {          \
+        softmax_grad_rows<T, true>(dx, dy, y, L);                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void softmax_grad_cols_##s(T* dx, const T* dy, const T* y, int64_t outer, int64_t L, \
+                                                     int64_t inner) {                                          \
+        softmax_grad_cols<T, false>(dx, dy, y, outer, L, inner);                                               \
+    }                                                                                                          \
+    extern "C" __global__ void log_softmax_grad_cols_##s(T* dx, const T* dy, const T* y, int64_t outer,        \
+                                                         int64_t L, int64_t inner) {                           \
+        softmax_grad_cols<T, true>(dx, dy, y, outer, L, inner);                                                \
+    }
+#if GG_PART(14)
+GG_SOFTMAX_GRAD(f32, float)
+#endif
+#if GG_PART(15)
+GG_SOFTMAX_GRAD(f16, __half)
+GG_SOFTMAX_GRAD(f64, double)
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // CumSum along one axis: one thread per line of the (outer, L, inner) view, summing in order
 // (reverse: from the end; exclusive: each element gets the sum before it). Deterministic.
 

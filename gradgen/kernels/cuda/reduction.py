@@ -21,7 +21,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
-from gradgen.kernels.table import cuda_kernel
+from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
 _FLOAT_OPS = ("sum", "mean", "sum_square", "l1", "l2", "log_sum", "max", "min", "prod", "log_sum_exp")
@@ -235,6 +235,58 @@ def _softmax(op_type: str, x, axis, opset: int, log: bool):
     ax = normalize_axis(1 if axis is None else axis, len(shape)) if shape else 0
     outer = int(np.prod(shape[:ax], dtype=np.int64))
     return softmax_3d(x, outer, int(np.prod(shape[ax:], dtype=np.int64)), 1, log)
+
+
+def _softmax_grad(op_type: str, dY, Y, axis, log: bool):
+    """SoftmaxGrad_13 / LogSoftmaxGrad_13 over one axis, viewed as (outer, L, inner) like the forward."""
+    from gradgen.cuda import runtime as rt
+
+    if tuple(dY.shape) != tuple(Y.shape) or dY.dtype != Y.dtype:
+        raise KernelError(f"{op_type}: dY {dY.dtype}{list(dY.shape)} and Y {Y.dtype}{list(Y.shape)} must have one shape and type")
+    s = dtype_suffix(Y.dtype)
+    if s not in ("f16", "f32", "f64"):
+        return cpu_fallback(op_type, dY, Y, domain=MICROSOFT, axis=axis)
+    dY, Y = contiguous(dY), contiguous(Y)
+    shape = [int(d) for d in Y.shape]
+    out = rt.empty(Y.shape, Y.dtype)
+    if out.size == 0:
+        return out
+    ax = normalize_axis(axis, len(shape))
+    outer, length = int(np.prod(shape[:ax], dtype=np.int64)), shape[ax]
+    inner = int(np.prod(shape[ax + 1 :], dtype=np.int64))
+    name = "log_softmax_grad" if log else "softmax_grad"
+    if inner == 1 and length <= 1024:
+        lanes = max(1, 1 << (-(-length // 32) - 1).bit_length())  # elements per lane: 1, 2, 4, ..., 32
+        kernel_of("reduction", f"{name}_warp{lanes}_{s}")(
+            out, dY, Y, np.int64(outer), np.int64(length), block=(128, 1, 1), grid=(-(-outer // 4), 1)
+        )
+    elif inner == 1:
+        threads = min(1024, max(32, _next_pow2(math.ceil(length / 8))))
+        kernel_of("reduction", f"{name}_rows_{s}")(out, dY, Y, np.int64(length), block=(threads, 1, 1), grid=(outer, 1))
+    else:
+        launch(
+            kernel_of("reduction", f"{name}_cols_{s}"),
+            outer * inner,
+            out,
+            dY,
+            Y,
+            np.int64(outer),
+            np.int64(length),
+            np.int64(inner),
+        )
+    return out
+
+
+@cuda_kernel("SoftmaxGrad_13", domain=MICROSOFT)
+def softmax_grad_13(dY, Y, *, axis=-1):
+    """dX = Y * (dY - sum(dY * Y, axis)) (ONNX Runtime training's SoftmaxGrad_13)."""
+    return _softmax_grad("SoftmaxGrad_13", dY, Y, axis, log=False)
+
+
+@cuda_kernel("LogSoftmaxGrad_13", domain=MICROSOFT)
+def log_softmax_grad_13(dY, Y, *, axis=-1):
+    """dX = dY - exp(Y) * sum(dY, axis) (ONNX Runtime training's LogSoftmaxGrad_13)."""
+    return _softmax_grad("LogSoftmaxGrad_13", dY, Y, axis, log=True)
 
 
 @cuda_kernel("Softmax")
