@@ -126,14 +126,14 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
             reduction=reduction,
             _num_outputs=_num_outputs,
         )
-    loss = _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
-    if _num_outputs > 1:
+    if _num_outputs > 1:  # the loss picks from log_prob (as the CPU kernel does): one pass over the scores fewer
         from gradgen.kernels.cuda.reduction import softmax_3d
 
         n, c = (int(v) for v in scores.shape[:2])
         d = int(np.prod(scores.shape[2:], dtype=np.int64))
-        return loss, softmax_3d(scores, n, c, d, log=True)
-    return loss
+        log_prob = softmax_3d(scores, n, c, d, log=True)
+        return _loss(log_prob, labels, weights, ignore_index, reduction, log_input=True), log_prob
+    return _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
 
 
 @cuda_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)
