@@ -34,7 +34,10 @@ def _mlp_batches(steps: int):
 
 
 def _train(program, batches, fused: bool, monkeypatch, lr=1e-2):
+    """Train on the GPU with the fused update or the standard-op one, each elementwise op its own
+    kernel (pointwise fusion, bit-exact with those kernels, is tested on its own)."""
     monkeypatch.setenv(fo.ENV, "1" if fused else "0")
+    monkeypatch.setenv("GRADGEN_CUDA_FUSION", "0")
     trainer = Trainer(program, lr=lr, runner=DeviceStepRunner(program, "cuda"))
     assert trainer.runner.train.updates_in_place == fused
     losses = [r.loss for r in trainer.fit(batches, len(batches))]
