@@ -156,5 +156,5 @@ def test_gpt2_tiny_backward(monkeypatch):
     inputs = models.make_inputs(spec)
     built = gradgen.build_backward(models.export(module, inputs), wrt=models.parameter_names(module))
     off, on, count = run_both(built.model, inputs, monkeypatch)
-    assert count >= 10
+    assert count >= 4  # the GELU itself is one FastGelu node (GeluFusionPass)
     assert_same_bits(on, off)
