@@ -298,3 +298,17 @@ def test_prepared_max_pool_is_the_kernel(attrs, shape, outputs):
     call, kernel = _prepared_and_kernel("MaxPool", {**attrs, "_num_outputs": outputs})
     for x in (_normal(*shape), _with_ties(*shape), _normal(*shape, dtype=np.float64), _with_ties(*shape).transpose()):
         _agree(call, kernel, x)
+
+
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_scatter_kernels_write_into_f_ordered_data(op):
+    """The kernels once wrote through a flat view of a copy that keeps the data's layout: an
+    F-ordered data input (a transposed value) came back without its updates."""
+    data = _normal(2, 2, 3)
+    if op == "ScatterND":
+        indices, updates = np.array([[1, 0], [0, 1]], I64), _normal(2, 3)
+    else:
+        indices, updates = _ints(0, 2, 2, 2, 3), _normal(2, 2, 3)
+    kernel = registry.lookup("", op).cpu
+    _same(kernel(np.asfortranarray(data), indices, updates), kernel(data, indices, updates))
+    assert not np.array_equal(kernel(data, indices, updates), data)
