@@ -545,10 +545,10 @@ __device__ void softmax_grad_cols(T* dx, const T* __restrict__ dy, const T* __re
                                                          int64_t L, int64_t inner) {                           \
         softmax_grad_cols<T, true>(dx, dy, y, outer, L, inner);                                                \
     }
-#if GG_PART(14)
+#if GG_PART(16)
 GG_SOFTMAX_GRAD(f32, float)
 #endif
-#if GG_PART(15)
+#if GG_PART(17)
 GG_SOFTMAX_GRAD(f16, __half)
 GG_SOFTMAX_GRAD(f64, double)
 #endif
@@ -582,7 +582,7 @@ __device__ void cumsum_lines(T* out, const T* x, int64_t outer, int64_t L, int64
                                           int64_t exclusive, int64_t reverse) {                            \
         cumsum_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                       \
     }
-#if GG_PART(16)
+#if GG_PART(18)
 GG_CUMSUM(f16, __half)
 GG_CUMSUM(f32, float)
 GG_CUMSUM(f64, double)
