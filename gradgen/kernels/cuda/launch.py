@@ -114,7 +114,7 @@ def generated_cubin(name: str, text: str, arch: str) -> bytes:
         path = Path(tempfile.mkdtemp(prefix="gradgen-generated-")) / f"{name}.cu"
         path.write_text(text)
     source = cuda_compile.load_source(path)
-    return kernel_cache.load_or_compile(source, arch, cuda_compile.compiler(), directory)
+    return kernel_cache.load_or_compile(source, arch, None, directory)  # the compiler only where nothing is shipped or cached
 
 
 def inline_common_header(text: str) -> str:
