@@ -156,7 +156,6 @@ def test_portable_model_with_symbolic_batch(path):
 # ONNX Runtime training's gradient ops, which gradgen runs and differentiates but never emits, and
 # those it emits for ops these samples do not hold (GELU: tests/test_gelu_fusion.py)
 RUN_NOT_EMITTED = {
-    "ReluGrad",
     "SigmoidGrad",
     "TanhGrad",
     "GeluGrad",

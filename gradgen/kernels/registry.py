@@ -89,7 +89,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
         for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
     },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
-    ("com.microsoft", "ReluGrad"): "no CUDA launcher yet",
     ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",
     ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
     ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",

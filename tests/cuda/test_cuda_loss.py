@@ -149,3 +149,24 @@ def test_gelu_grads(op, dtype):
     got = host(cuda(dev(dy), dev(x)))
     t = 2e-6 if dtype == np.float32 else 1e-13
     check(got, np.asarray(want), rtol=t, atol=t * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(4, 64, 56, 56), (3, 5), (7,), ()], ids=str)
+def test_relu_grad(dtype, shape):
+    """ReluGrad(dY, X): dY where X > 0, exactly (zeros, signed zeros and NaN in X give 0; NaN in dY
+    passes where X > 0), as the CPU kernel."""
+    rng = np.random.default_rng(15)
+    dy = rng.standard_normal(shape).astype(dtype)
+    x = rng.standard_normal(shape).astype(dtype)
+    if x.size >= 4:
+        flat_x, flat_dy = x.reshape(-1), dy.reshape(-1)
+        flat_x[:4] = [0.0, -0.0, np.nan, 1.0]
+        flat_dy[3] = np.nan
+    cpu, cuda = _ms_kernels("ReluGrad")
+    want = np.asarray(cpu(dy, x))
+    got = host(cuda(dev(dy), dev(x)))
+    check(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    with pytest.raises(KernelError, match="one shape"):
+        cuda(dev(np.ones((2, 3), dtype)), dev(np.ones((3, 2), dtype)))

@@ -169,8 +169,18 @@ def sigmoid(g, x, y, dy):
     return _mul(g, dy, y, g.op("Sub", _c(g, x, 1.0), y))
 
 
+# The types ONNX Runtime training's CPU ReluGrad kernel takes (float64 keeps the standard form, so
+# backward graphs stay loadable there, as for LayerNormalizationGrad)
+_FUSED_RELU_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
 @_unary("Relu")
 def relu(g, x, y, dy):
+    """One com.microsoft ReluGrad(dY, Y) node where its kernels take the type (--portable lowers it
+    to Where(Greater)): Y > 0 exactly where X > 0 (NaN neither), and Y, which the next layer's
+    gradient usually keeps anyway, lets X go early (ONNX Runtime training passes Y too)."""
+    if x.dtype in _FUSED_RELU_TYPES:
+        return g.set_type_like(g.op("ReluGrad", dy, y, domain=MICROSOFT), x)
     return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), dy)
 
 

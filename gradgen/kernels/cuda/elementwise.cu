@@ -334,6 +334,7 @@ GG_UN_FLOATS(gelu, gg_gelu(x))
 GG_UN_FLOATS(gelu_tanh, gg_gelu_tanh(x))
 GG_BIN_FLOATS(gelu_grad, x * gg_gelu_slope(y))  // (dY, X)
 GG_BIN_FLOATS(gelu_tanh_grad, x * gg_gelu_tanh_slope(y))
+GG_BIN_FLOATS(relu_grad, y > decltype(y)(0) ? x : decltype(x)(0))  // (dY, X): 0 where X <= 0 or NaN
 GG_UN_FLOATS(sign, gg_sign(x))
 GG_UN_FLOATS(floor, floor(x))
 #endif

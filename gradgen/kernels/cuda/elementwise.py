@@ -407,7 +407,7 @@ def fast_gelu(X, bias=None):
     return gelu(X, approximate="tanh")
 
 
-def _gelu_grad(name: str, op_type: str, dY, X):
+def _activation_grad(name: str, op_type: str, dY, X):
     same_type(dY, X)
     if tuple(dY.shape) != tuple(X.shape):
         raise KernelError(f"{op_type}: dY {list(dY.shape)} and X {list(X.shape)} must have one shape")
@@ -420,13 +420,19 @@ def _gelu_grad(name: str, op_type: str, dY, X):
 @cuda_kernel("GeluGrad", domain=MICROSOFT)
 def gelu_grad(dY, X):
     """dY Gelu'(X), the exact Gelu (ONNX Runtime training's GeluGrad)."""
-    return _gelu_grad("gelu_grad", "GeluGrad", dY, X)
+    return _activation_grad("gelu_grad", "GeluGrad", dY, X)
 
 
 @cuda_kernel("FastGeluGrad", domain=MICROSOFT)
 def fast_gelu_grad(dY, X):
     """dY Gelu'(X), the tanh Gelu (ONNX Runtime training's FastGeluGrad)."""
-    return _gelu_grad("gelu_tanh_grad", "FastGeluGrad", dY, X)
+    return _activation_grad("gelu_tanh_grad", "FastGeluGrad", dY, X)
+
+
+@cuda_kernel("ReluGrad", domain=MICROSOFT)
+def relu_grad(dY, X):
+    """dY where X > 0, else 0 (ONNX Runtime training's ReluGrad; X may be Relu's output)."""
+    return _activation_grad("relu_grad", "ReluGrad", dY, X)
 
 
 @cuda_kernel("Identity")

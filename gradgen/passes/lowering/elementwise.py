@@ -54,7 +54,12 @@ def lower_relu_grad(e: GraphBuilder, node: ir.Node):
     dy, x = node_input(node, 0), node_input(node, 1)
     if dy is None or x is None:
         raise ModelError(f"{node_where(node)} lacks one of its inputs dY, X")
-    return [e.op("Where", e.op("Greater", x, e.zeros(e.ints([]), x)), dy, e.zeros(e.ints([]), dy))]
+    return [e.op("Where", e.op("Greater", x, _zero_like(e, x)), dy, _zero_like(e, dy))]
+
+
+def _zero_like(e: GraphBuilder, v: ir.Value) -> ir.Value:
+    """A scalar 0 of v's type: a constant where the type is known, else ConstantOfShape(like v)."""
+    return e.const_like(v, 0.0) if v.dtype is not None else e.zeros(e.ints([]), v)
 
 
 def _dy_and_y(node: ir.Node) -> tuple[ir.Value, ir.Value]:
