@@ -223,14 +223,10 @@ def test_generated_source_keeps_op_boundaries_exact():
 
 
 def test_generated_source_compiles_with_nvrtc(tmp_path):
-    pytest.importorskip("cuda.core")
-    from gradgen.cuda.compile import NvrtcCompiler, Source
+    from gradgen.cuda.compile import Source
     from gradgen.kernels.cuda.launch import inline_common_header
 
-    try:
-        compiler = NvrtcCompiler()
-    except Exception as exc:  # noqa: BLE001 - cuda.core without libnvrtc
-        pytest.skip(f"no NVRTC: {exc}")
+    compiler = nvrtc_compiler()
     for name, text in fused.generated_sources().items():
         path = tmp_path / f"{name}.cu"
         path.write_text(inline_common_header(text))
@@ -249,3 +245,196 @@ def test_the_switch(monkeypatch):
 def test_dataclass_signature_is_hashable_and_value_equal():
     a = fused.Signature(("f32",), (fused.FusedOp("Exp", (0,)),), (1,))
     assert a == dataclasses.replace(a) and hash(a) == hash(dataclasses.replace(a))
+
+
+# -- com.microsoft Gelu ops ---------------------------------------------------------------------------
+
+
+def ms_node(op, ins, outs, name, **attrs):
+    return helper.make_node(op, ins, outs, name=name, domain="com.microsoft", **attrs)
+
+
+def gelu_ops_model(opset=18):
+    """FastGelu with a bias, Gelu, GeluGrad and FastGeluGrad (com.microsoft) around a MatMul."""
+    model = make_model(
+        [
+            node("MatMul", ["x", "w"], ["h"], "mm"),
+            ms_node("FastGelu", ["h", "b"], ["a"], "fast_gelu"),
+            node("Mul", ["a", "k"], ["y"], "mul"),
+            ms_node("Gelu", ["h"], ["e"], "gelu"),
+            ms_node("GeluGrad", ["dy", "e"], ["ge"], "gelu_grad"),
+            ms_node("FastGeluGrad", ["ge", "h"], ["z"], "fast_gelu_grad"),
+        ],
+        [("x", F, [6, 8]), ("w", F, [8, 12]), ("b", F, [12]), ("k", F, []), ("dy", F, [6, 12])],
+        [("y", F, [6, 12]), ("z", F, [6, 12])],
+        opset,
+    )
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def test_com_microsoft_gelu_ops_join_groups_and_compute_what_the_plan_computes():
+    model = gelu_ops_model()
+    assert groups_of(model) == [["fast_gelu", "mul"], ["gelu", "gelu_grad", "fast_gelu_grad"]]
+    rng = np.random.default_rng(7)
+    feeds = {
+        "x": rng.standard_normal((6, 8)).astype(np.float32),
+        "w": rng.standard_normal((8, 12)).astype(np.float32),
+        "b": rng.standard_normal(12).astype(np.float32),
+        "k": np.float32(1.5),
+        "dy": rng.standard_normal((6, 12)).astype(np.float32),
+    }
+    want = Session(model).run(feeds)
+    sess = fused_plan(model)
+    steps = [s for s in sess.steps if s.op_type == fusion.OP_TYPE]
+    assert [[op.op_type for op in s.entry.cuda.ops] for s in steps] == [
+        ["FastGelu", "Mul"],
+        ["Gelu", "GeluGrad", "FastGeluGrad"],
+    ]
+    got = sess.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_which_nodes_have_a_fused_form():
+    ms = "com.microsoft"
+    assert fused.rule_name(ms, "Gelu") == "Gelu" and fused.rule_name("", "Gelu") == "Gelu"
+    assert fused.rule_name(ms, "FastGeluGrad") == "FastGeluGrad"
+    assert fused.rule_name("", "FastGelu") is None  # not an ONNX op
+    assert fused.rule_name(ms, "Add") is None and fused.rule_name("other.domain", "Add") is None
+    assert fused.fusable_op("FastGelu", {}, 1, ms) and fused.fusable_op("FastGelu", {}, 2, ms)
+    assert not fused.fusable_op("FastGelu", {}, 3, ms)
+    assert fused.fusable_op("GeluGrad", {}, 2, ms) and not fused.fusable_op("GeluGrad", {}, 1, ms)
+    assert not fused.fusable_op("Gelu", {"approximate": "tanh"}, 1, ms)  # an attribute it does not have
+    assert fused.fusable_op("Gelu", {"approximate": "tanh"}, 1, "")
+
+
+def test_shapes_the_gelu_kernels_refuse_leave_the_group_to_them():
+    # value_shapes raises (layout then says no kernel, and the members' own kernels give the error)
+    def shapes(op, in_shapes):
+        sig = fused.Signature(("f32",) * len(in_shapes), (fused.FusedOp(op, tuple(range(len(in_shapes)))),), (len(in_shapes),))
+        return fused.value_shapes(sig, in_shapes)[-1]
+
+    assert shapes("FastGelu", [(2, 5), (5,)]) == (2, 5)
+    assert shapes("FastGelu", [(2, 5)]) == (2, 5)
+    assert shapes("GeluGrad", [(2, 5), (2, 5)]) == (2, 5)
+    for op, bad in (
+        ("FastGelu", [(2, 5), (1, 5)]),  # the bias must be 1-D
+        ("FastGelu", [(2, 5), (2,)]),  # over the last axis
+        ("FastGelu", [(), (1,)]),
+        ("GeluGrad", [(2, 5), (5,)]),  # dY and X of one shape: no broadcasting
+        ("FastGeluGrad", [(1, 5), (2, 5)]),
+    ):
+        with pytest.raises(ValueError):
+            shapes(op, bad)
+
+
+def test_gelu_sources_are_the_unfused_kernels_expressions():
+    sig = fused.Signature(
+        ("f16", "f16", "f32", "f32"),
+        (
+            fused.FusedOp("FastGelu", (0, 1)),
+            fused.FusedOp("FastGelu", (2,)),
+            fused.FusedOp("GeluGrad", (3, 5)),
+            fused.FusedOp("FastGeluGrad", (6, 2)),
+        ),
+        (4, 7),
+    )
+    text = fused.kernel_source(sig)
+    # the float16 sum is rounded before the Gelu, as storing it between two kernels does
+    assert "gg_round_half(gg_gelu_tanh(gg_round_half(__fadd_rn(x0, x1))))" in text
+    assert "gg_fence(gg_gelu_tanh(x2))" in text
+    assert "gg_fence((x3 * gg_gelu_slope(t1)))" in text  # elementwise.cu: x * gg_gelu_slope(y), (dY, X)
+    assert "gg_fence((t2 * gg_gelu_tanh_slope(x2)))" in text
+
+
+# -- the quad variant and in-place outputs -----------------------------------------------------------
+
+
+def test_index_modes_and_when_the_quad_variant_applies():
+    from gradgen.kernels.cuda.launch import coalesce
+
+    def modes(full, *strides):
+        shape, lists = coalesce(full, *strides)
+        return fused.index_modes(shape, lists)
+
+    # same shape (contiguous), a bias over the last axis, a column broadcast along it, a scalar
+    both = modes((6, 8), [8, 1], [0, 1], [1, 0], [0, 0])
+    assert both == (0 | 2 << 2 | 2 << 4 | 1 << 6, 0 | 2 << 2 | 3 << 4 | 1 << 6)
+    assert modes((6, 10), [10, 1], [0, 1])[1] is None  # innermost size not a multiple of 4
+    assert modes((6, 8), [8, 1])[1] == 0  # merged to one axis of 48
+    assert modes((3, 2, 2), [4, 2, 1])[1] == 0  # merged: 12 elements
+    assert modes((3, 2, 2), [0, 2, 1], [4, 2, 1])[1] == 2  # innermost merged axis of 4
+    assert modes((8, 3), [3, 1], [1, 0])[1] is None  # innermost 3
+    assert modes((1, 1), [1, 1])[1] is None  # nothing left: one element
+    assert modes((4, 4), [1, 4])[1] is None  # a transposed read along the innermost axis
+
+
+def test_in_place_candidates_are_whole_shape_inputs_of_the_output_element_size():
+    sig = fused.Signature(
+        ("f32", "f32", "f32", "f16", "b8"),
+        (
+            fused.FusedOp("Mul", (0, 1)),  # 5
+            fused.FusedOp("Add", (5, 2)),  # 6
+            fused.FusedOp("Cast", (6,), (("to", TensorProto.FLOAT16),)),  # 7
+            fused.FusedOp("Mul", (7, 3)),  # 8
+            fused.FusedOp("Where", (4, 6, 6)),  # 9
+            fused.FusedOp("Less", (6, 2)),  # 10
+        ),
+        (9, 8, 10),
+    )
+    full = (4, 8)
+    # x0: whole, f32; x1: broadcast (a bias); x2: a scalar; x3: whole, f16; x4: whole, bool
+    got = fused.in_place_candidates(sig, [full, (8,), (), full, full])
+    assert got == [(0, (0,)), (1, (3,)), (2, (4,))]
+    # the same count as one row, or an input of the group's shape with leading ones, reads element i
+    assert fused.in_place_candidates(sig, [(1, 8), (8,), (), (1, 8), (8,)]) == [(0, (0, 1)), (1, (3,)), (2, (4,))]
+    assert fused.in_place_candidates(sig, [(0, 8), (8,), (), (0, 8), (0, 8)]) == []  # nothing to write
+
+
+def test_generated_source_has_the_quad_variant_and_restricts_only_what_cannot_alias():
+    sig = fused.Signature(
+        ("f32", "b8", "f16"),
+        (
+            fused.FusedOp("Where", (1, 0, 0)),
+            fused.FusedOp("Cast", (2,), (("to", TensorProto.FLOAT),)),
+            fused.FusedOp("Add", (3, 4)),
+        ),
+        (5,),
+    )
+    text = fused.kernel_source(sig)
+    assert f"void {sig.name}(float* out0, const float* in0, const bool* __restrict__ in1, const __half* __restrict__ in2" in text
+    assert f"void {sig.name}{fused.QUAD}(float* out0, const float* in0," in text
+    assert "GgQuad<float> q0 = gg_load_quad(in0 + offs[0], modes >> 0);" in text
+    assert "GgQuad<__half> q2 = gg_load_quad(in2 + offs[2], modes >> 4);" in text
+    assert "*reinterpret_cast<GgQuad<float>*>(out0 + i) = r0;" in text
+    # one element's code, the same in both kernels
+    assert text.count("const float t2 = __fadd_rn(t0, t1);  // Add") == 2
+
+
+def nvrtc_compiler():
+    pytest.importorskip("cuda.core")
+    from gradgen.cuda.compile import NvrtcCompiler
+
+    try:
+        return NvrtcCompiler()
+    except Exception as exc:  # noqa: BLE001 - cuda.core without libnvrtc
+        pytest.skip(f"no NVRTC: {exc}")
+
+
+def test_the_quad_variant_moves_16_bytes_per_access(tmp_path):
+    from gradgen.cuda.compile import Source, split_ptx
+    from gradgen.kernels.cuda.launch import inline_common_header
+
+    compiler = nvrtc_compiler()
+    sig = fused.Signature(
+        ("f32", "f32", "f32"),
+        (fused.FusedOp("Mul", (0, 1)), fused.FusedOp("Tanh", (3,)), fused.FusedOp("Sub", (4, 2))),
+        (3, 5),
+    )
+    path = tmp_path / f"{sig.name}.cu"
+    path.write_text(inline_common_header(fused.kernel_source(sig)))
+    _common, kernels = split_ptx(compiler.ptx(Source(sig.name, path, path.read_text(), "test"), "sm_90"))
+    quad, element = kernels[sig.name + fused.QUAD], kernels[sig.name]
+    assert "ld.global.v4.f32" in quad and quad.count("st.global.v4.f32") >= 2
+    assert "v4" not in element

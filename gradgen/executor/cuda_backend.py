@@ -39,6 +39,7 @@ import numpy as np
 
 from gradgen.cuda import runtime as rt
 from gradgen.errors import UsageError
+from gradgen.executor import fusion
 from gradgen.executor.device_memory import MemoryManager, release_frames
 from gradgen.kernels import registry
 from gradgen.kernels.cuda.launch import math_mode
@@ -296,8 +297,11 @@ class CudaBackend:
                 for i, a in enumerate(args)
             ]
             result = entry.cuda(*call_args, **step.attributes)
-            if self._memory is not None and self._memory.tracing and not step.domain and step.op_type in IN_PLACE_OPS:
-                _note_in_place(self._memory, step.op_type, call_args, result)
+            if self._memory is not None and self._memory.tracing:
+                if not step.domain and step.op_type in IN_PLACE_OPS:
+                    _note_in_place(self._memory, step.op_type, call_args, result)
+                elif step.domain == fusion.DOMAIN and step.op_type == fusion.OP_TYPE:
+                    fusion.note_in_place(self._memory, entry.cuda, call_args, result)
             return result
         if entry.cpu is None:
             raise RuntimeError(f"{step.op_type} has no CPU kernel to fall back on")
@@ -431,14 +435,19 @@ class _CommitCopies:
 
 def _note_in_place(memory, op_type: str, args: list, result) -> None:
     """Tell a traced run which of the step's float outputs may overwrite which inputs (whole,
-    contiguous arrays of the output's size; the plan keeps the pairs whose input dies here)."""
+    contiguous arrays of the output's element count and size: a broadcast input is read at many
+    elements, so never one; the plan keeps the pairs whose input dies here)."""
     positions = IN_PLACE_OPS[op_type]
-    outputs = [(int(r.gpudata), r.nbytes) for r in (result if isinstance(result, tuple) else (result,)) if _whole_float(r)]
-    if not outputs:
-        return
-    inputs = [(int(a.gpudata), a.nbytes) for i, a in enumerate(args) if (positions is None or i in positions) and _whole_float(a)]
-    if inputs:
-        memory.note_in_place(outputs, inputs)
+    for r in result if isinstance(result, tuple) else (result,):
+        if not _whole_float(r):
+            continue
+        inputs = [
+            (int(a.gpudata), a.nbytes)
+            for i, a in enumerate(args)
+            if (positions is None or i in positions) and _whole_float(a) and a.size == r.size and a.nbytes == r.nbytes
+        ]
+        if inputs:
+            memory.note_in_place([(int(r.gpudata), r.nbytes)], inputs)
 
 
 def _whole_float(array) -> bool:

@@ -9,9 +9,10 @@ outside the set reads (or that are graph outputs): the intermediates never exist
 the memory plan never sees them.
 
 Rules:
-- a step joins only if it is an op with a fused form, with one named output, that reads a float
-  value or the result of a step that joins (integer and bool arithmetic of their own are shape
-  work, which runs on the host);
+- a step joins only if it is an op with a fused form (the default domain's elementwise ops, and
+  com.microsoft Gelu, FastGelu, GeluGrad and FastGeluGrad), with one named output, that reads a
+  float value or the result of a step that joins (integer and bool arithmetic of their own are
+  shape work, which runs on the host);
 - a set stays schedulable as one step: no path leaves it and comes back (checked on merge; where
   two sets would feed each other through outside steps, the smaller stays unfused);
 - at most ``fused.MAX_INPUTS`` external inputs and ``fused.MAX_OUTPUTS`` outputs.
@@ -19,6 +20,11 @@ Rules:
 At run time the fused step computes the dtypes and shapes of its values; where no fused kernel
 covers them (a dtype without a fused form, an output smaller than the set's shape) it runs its
 steps one by one with their own kernels, so its results are those of the unfused plan either way.
+In place: as a single elementwise step may, a fused step's output may take the buffer of an input
+that dies at that step (``note_in_place`` tells the traced run, whose memory plan decides), when
+the input has the group's whole shape (a broadcast input is read at many elements) and the
+output's element size, and only where the fused kernel ran.
+
 ``GRADGEN_CUDA_FUSION=0`` turns the pass off.
 """
 
@@ -77,9 +83,10 @@ def plan_dtypes(steps: list, graph: ir.Graph) -> dict[str, np.dtype]:
             continue
         known = [dtype_suffix(dtypes[n]) if n in dtypes else None for n in step.inputs if n]
         out = None
-        if not step.domain and step.op_type in fused.RULES and known and None not in known:
-            out = fused.RULES[step.op_type].out_dtype([k for k in known if k is not None], step.attributes)
-        elif step.op_type in KEEPS_DTYPE and known and known[0] is not None:
+        rule = fused.rule_name(step.domain, step.op_type)
+        if rule is not None and known and None not in known:
+            out = fused.RULES[rule].out_dtype([k for k in known if k is not None], step.attributes)
+        elif not step.domain and step.op_type in KEEPS_DTYPE and known and known[0] is not None:
             out = known[0]
         if out is not None:
             dtypes[step.outputs[0]] = np.dtype(fused.NUMPY[out])
@@ -89,7 +96,7 @@ def plan_dtypes(steps: list, graph: ir.Graph) -> dict[str, np.dtype]:
 def fusable(step, dtypes: dict[str, np.dtype], fused_values: frozenset | set = frozenset()) -> bool:
     """Whether ``step`` may join a fused set (see the module docstring): it reads a float value,
     or a value a fusable step makes (``fused_values``)."""
-    if step.domain or not fused.fusable_op(step.op_type, step.attributes, len(step.inputs)):
+    if not fused.fusable_op(step.op_type, step.attributes, len(step.inputs), step.domain):
         return False
     if len(step.outputs) != 1 or not step.outputs[0] or not all(step.inputs):
         return False
@@ -164,11 +171,9 @@ class FusedGroup:
         ids = {name: k for k, name in enumerate(inputs)}
         ops = []
         for member in members:
-            ops.append(
-                fused.FusedOp(
-                    member.op_type, tuple(ids[n] for n in member.inputs), fused.code_attrs(member.op_type, member.attributes)
-                )
-            )
+            rule = fused.rule_name(member.domain, member.op_type)
+            assert rule is not None, member.op_type  # fusable() let it in
+            ops.append(fused.FusedOp(rule, tuple(ids[n] for n in member.inputs), fused.code_attrs(rule, member.attributes)))
             ids[member.outputs[0]] = len(inputs) + len(ops) - 1
         self.ops = tuple(ops)
         self.output_ids = tuple(ids[n] for n in outputs)
@@ -194,6 +199,25 @@ class FusedGroup:
             results = self.run_members(args, lambda member: member.entry.cuda)
         return results[0] if len(results) == 1 else tuple(results)
 
+    def in_place(self, args: list, result) -> list[tuple[Any, list]]:
+        """The in-place candidates of the launch that gave ``result`` (fused.in_place_candidates):
+        (output array, the input arrays it may be written over), whole C-contiguous device arrays
+        only, which the kernel read where they are; none where the steps ran one by one."""
+        from gradgen.cuda import runtime as rt
+        from gradgen.kernels.cuda.launch import is_contiguous
+
+        sig = self.signature(tuple(dtype_suffix(a.dtype) for a in args))
+        shapes = tuple(tuple(int(d) for d in a.shape) for a in args)
+        if sig is None or fused.layout(sig, shapes) is None:
+            return []
+        results = result if isinstance(result, tuple) else (result,)
+        pairs = []
+        for j, positions in fused.in_place_candidates(sig, list(shapes)):
+            inputs = [args[k] for k in positions if rt.is_device(args[k]) and is_contiguous(args[k])]
+            if inputs:
+                pairs.append((results[j], inputs))
+        return pairs
+
     def run_on_host(self, *args):
         """The steps' numpy kernels, one by one (the backend's path for host integer inputs)."""
         results = self.run_members(args, lambda member: member.entry.cpu)
@@ -204,6 +228,14 @@ class FusedGroup:
         for member in self.members:
             env[member.outputs[0]] = kernel_of(member)(*[env[n] for n in member.inputs], **member.attributes)
         return [env[n] for n in self.outputs]
+
+
+def note_in_place(memory, kernel: FusedGroup, args: list, result) -> None:
+    """Tell a traced run (device_memory.RunMemory) which outputs of a fused step may be
+    written over which of its inputs (``FusedGroup.in_place``); its plan keeps the pairs whose
+    input dies at this step."""
+    for output, inputs in kernel.in_place(args, result):
+        memory.note_in_place([(int(output.gpudata), output.nbytes)], [(int(a.gpudata), a.nbytes) for a in inputs])
 
 
 def fuse_pointwise(steps: list, graph: ir.Graph, keep: set[str]) -> list:
