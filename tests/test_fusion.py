@@ -254,8 +254,9 @@ def ms_node(op, ins, outs, name, **attrs):
     return helper.make_node(op, ins, outs, name=name, domain="com.microsoft", **attrs)
 
 
-def gelu_ops_model(opset=18):
-    """FastGelu with a bias, Gelu, GeluGrad and FastGeluGrad (com.microsoft) around a MatMul."""
+def gelu_ops_model(elem=F, rows=6, cols=12, opset=18):
+    """FastGelu with a bias, Gelu, GeluGrad and FastGeluGrad (com.microsoft) around a MatMul
+    (x: rows x 8, the others rows x cols, of element type ``elem``)."""
     model = make_model(
         [
             node("MatMul", ["x", "w"], ["h"], "mm"),
@@ -265,8 +266,8 @@ def gelu_ops_model(opset=18):
             ms_node("GeluGrad", ["dy", "e"], ["ge"], "gelu_grad"),
             ms_node("FastGeluGrad", ["ge", "h"], ["z"], "fast_gelu_grad"),
         ],
-        [("x", F, [6, 8]), ("w", F, [8, 12]), ("b", F, [12]), ("k", F, []), ("dy", F, [6, 12])],
-        [("y", F, [6, 12]), ("z", F, [6, 12])],
+        [("x", elem, [rows, 8]), ("w", elem, [8, cols]), ("b", elem, [cols]), ("k", elem, []), ("dy", elem, [rows, cols])],
+        [("y", elem, [rows, cols]), ("z", elem, [rows, cols])],
         opset,
     )
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

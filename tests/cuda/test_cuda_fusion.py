@@ -8,7 +8,8 @@ from onnx import TensorProto, helper
 
 import gradgen
 from gradgen.executor import Session, fusion
-from tests.test_fusion import make_model, node
+from gradgen.kernels.cuda import fused
+from tests.test_fusion import gelu_ops_model, make_model, node
 
 pytestmark = pytest.mark.cuda
 
@@ -158,3 +159,224 @@ def test_gpt2_tiny_backward(monkeypatch):
     off, on, count = run_both(built.model, inputs, monkeypatch)
     assert count >= 4  # the GELU itself is one FastGelu node (GeluFusionPass)
     assert_same_bits(on, off)
+
+
+# -- the quad variant ----------------------------------------------------------------------------------
+
+NP = {F: np.float32, H: np.float16, TensorProto.DOUBLE: np.float64}
+
+
+@pytest.fixture
+def variants(monkeypatch):
+    """The variant of every fused launch (True: quads), in launch order."""
+    seen: list[bool] = []
+    real = fused._kernel
+
+    def spy(sig, quad=False):
+        seen.append(quad)
+        return real(sig, quad)
+
+    monkeypatch.setattr(fused, "_kernel", spy)
+    return seen
+
+
+def broadcast_chain(elem, rows: int, cols: int):
+    """x (rows x cols) with a bias over the last axis, a column broadcast along it and a scalar; a
+    Where on a bool of the same shape; two outputs (one a float16 Cast for float types)."""
+    model = make_model(
+        [
+            node("Mul", ["x", "s"], ["a"], "mul"),  # s: (cols,), contiguous along the innermost axis
+            node("Add", ["a", "c"], ["b"], "add"),  # c: (rows, 1), broadcast along it
+            node("Tanh", ["b"], ["t"], "tanh"),
+            node("Greater", ["x", "k"], ["g"], "gt"),  # k: a scalar
+            node("Where", ["g", "t", "x"], ["w"], "where"),
+            node("Sub", ["w", "k"], ["y"], "sub"),
+            node("Cast", ["y"], ["yh"], "cast", to=H),
+        ],
+        [("x", elem, [rows, cols]), ("s", elem, [cols]), ("c", elem, [rows, 1]), ("k", elem, [])],
+        [("y", elem, [rows, cols]), ("yh", H, [rows, cols]), ("g", B, [rows, cols])],
+    )
+    rng = np.random.default_rng(rows * 1000 + cols)
+    dt = NP[elem]
+    feeds = {
+        "x": rng.standard_normal((rows, cols)).astype(dt),
+        "s": rng.standard_normal(cols).astype(dt),
+        "c": rng.standard_normal((rows, 1)).astype(dt),
+        "k": dt(0.25),
+    }
+    return model, feeds
+
+
+@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize("rows, cols", [(64, 96), (3, 4), (5, 1028), (64, 95), (7, 6), (1, 3)])
+def test_quad_variant_gives_the_unfused_bits(elem, rows, cols, monkeypatch, variants):
+    """Innermost size a multiple of 4 (quads) or not (one element a thread); every input mode."""
+    model, feeds = broadcast_chain(elem, rows, cols)
+    off, on, count = run_both(model, feeds, monkeypatch)
+    assert count == 1
+    assert_same_bits(on, off)
+    assert variants and all(v == (cols % 4 == 0) for v in variants), variants
+
+
+def test_quad_variant_with_the_group_shape_merged_across_axes(monkeypatch, variants):
+    # (8, 3, 4) with a (3, 4) input: one merged innermost axis of 12 for both
+    model = make_model(
+        [node("Mul", ["x", "s"], ["a"], "mul"), node("Exp", ["a"], ["e"], "exp"), node("Add", ["e", "x"], ["y"], "add")],
+        [("x", F, [8, 3, 4]), ("s", F, [3, 4])],
+        [("y", F, [8, 3, 4])],
+    )
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal((8, 3, 4)).astype(np.float32), "s": rng.standard_normal((3, 4)).astype(np.float32)}
+    off, on, count = run_both(model, feeds, monkeypatch)
+    assert count == 1 and variants and all(variants)
+    assert_same_bits(on, off)
+
+
+def test_misaligned_views_run_one_element_a_thread(monkeypatch, variants):
+    """Inputs that start 4 bytes into their buffer (views) cannot move 16 bytes at a time: the
+    element variant runs, with the same bits as the quads on aligned copies and as the unfused ops."""
+    from gradgen.cuda import runtime as rt
+
+    n = 4096
+    model = make_model(
+        [node("Mul", ["x", "z"], ["a"], "mul"), node("Tanh", ["a"], ["t"], "tanh"), node("Sub", ["t", "z"], ["y"], "sub")],
+        [("x", F, [n]), ("z", F, [n])],
+        [("y", F, [n])],
+    )
+    rng = np.random.default_rng(12)
+    xs = rng.standard_normal(n + 1).astype(np.float32)
+    zs = rng.standard_normal(n + 1).astype(np.float32)
+    off, _on, _count = run_both(model, {"x": xs[1:], "z": zs[1:]}, monkeypatch)
+    monkeypatch.setenv(fusion.ENV, "1")
+    with Session(model, device="cuda") as sess:
+        (step,) = [s for s in sess.steps if s.op_type == fusion.OP_TYPE]
+        kernel = step.entry.cuda
+        x_view, z_view = rt.to_device(xs)[1:], rt.to_device(zs)[1:]
+        assert int(x_view.gpudata) % 16 == 4 and int(z_view.gpudata) % 16 == 4
+        del variants[:]
+        from_views = rt.to_host(kernel(x_view, z_view))
+        from_copies = rt.to_host(kernel(rt.to_device(xs[1:]), rt.to_device(zs[1:])))
+    assert variants == [False, True]
+    assert from_views.tobytes() == from_copies.tobytes() == off["y"].tobytes()
+
+
+# -- in place --------------------------------------------------------------------------------------
+
+
+def matmul_then_chain(rows: int, cols: int, bias_shape):
+    """h = x @ w (dies at the fused step), then y = tanh(h * s + b) - h: y may take h's buffer."""
+    model = make_model(
+        [
+            node("MatMul", ["x", "w"], ["h"], "mm"),
+            node("Mul", ["h", "s"], ["a"], "mul"),
+            node("Add", ["a", "b"], ["c"], "add"),
+            node("Tanh", ["c"], ["t"], "tanh"),
+            node("Sub", ["t", "h"], ["y"], "sub"),
+        ],
+        [("x", F, [rows, 16]), ("w", F, [16, cols]), ("s", F, [cols]), ("b", F, list(bias_shape))],
+        [("y", F, [rows, cols])],
+    )
+    rng = np.random.default_rng(rows + cols)
+    feeds = {
+        "x": rng.standard_normal((rows, 16)).astype(np.float32),
+        "w": rng.standard_normal((16, cols)).astype(np.float32),
+        "s": rng.standard_normal(cols).astype(np.float32),
+        "b": rng.standard_normal(bias_shape).astype(np.float32),
+    }
+    return model, feeds
+
+
+def runs_and_stats(model, feeds, runs: int = 4):
+    with Session(model, device="cuda") as sess:
+        outs = [sess.run(feeds) for _ in range(runs)]
+        return outs, sess.memory_stats()
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+@pytest.mark.parametrize("cols", [128, 130])
+def test_a_fused_output_over_a_dying_input_gives_the_traced_bits(graphs, cols, monkeypatch):
+    """The traced first run writes y to new memory; planned runs (eager or recorded and
+    replayed) write it over h, which dies at the fused step: the same bits, and fusion's."""
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", graphs)
+    model, feeds = matmul_then_chain(64, cols, (1, cols))
+    monkeypatch.setenv(fusion.ENV, "0")
+    (want, *_), _ = runs_and_stats(model, feeds, runs=1)
+    monkeypatch.setenv(fusion.ENV, "1")
+    outs, stats = runs_and_stats(model, feeds)
+    assert stats["in_place"] == 1 and stats["fallbacks"] == 0 and stats["leaks"] == 0, stats
+    for got in outs:
+        assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_a_broadcast_input_is_never_written_over(switch, monkeypatch):
+    """A dying input read at many elements (h: 4 x 1 under a 4 x 8 output, both within one
+    256-byte unit of the plan): no output is planned over it, fused or not."""
+    monkeypatch.setenv(fusion.ENV, switch)
+    axes = helper.make_tensor("axes", I64, [1], [1])
+    model = make_model(
+        [
+            helper.make_node("Constant", [], ["axes"], name="c", value=axes),
+            node("ReduceSum", ["x", "axes"], ["h"], "sum", keepdims=1),
+            node("Mul", ["z", "h"], ["a"], "mul"),  # a is an output: it never dies, Exp may not take it
+            node("Exp", ["a"], ["y"], "exp"),
+        ],
+        [("x", F, [4, 8]), ("z", F, [4, 8])],
+        [("y", F, [4, 8]), ("a", F, [4, 8])],
+    )
+    rng = np.random.default_rng(13)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "z": rng.standard_normal((4, 8)).astype(np.float32)}
+    want = Session(model).run(feeds)
+    outs, stats = runs_and_stats(model, feeds)
+    assert stats["in_place"] == 0, stats
+    for got in outs:
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+        assert_same_bits(got, outs[0])
+
+
+# -- com.microsoft Gelu ops ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize("cols", [12, 13])
+def test_gelu_ops_fused_give_their_kernels_bits(elem, cols, monkeypatch, variants):
+    model = gelu_ops_model(elem, rows=40, cols=cols)
+    dt = NP[elem]
+    rng = np.random.default_rng(cols)
+    feeds = {
+        "x": rng.standard_normal((40, 8)).astype(dt),
+        "w": (rng.standard_normal((8, cols)) * 0.5).astype(dt),
+        "b": rng.standard_normal(cols).astype(dt),
+        "k": dt(1.5),
+        "dy": rng.standard_normal((40, cols)).astype(dt),
+    }
+    off, on, count = run_both(model, feeds, monkeypatch)
+    assert count == 2  # [FastGelu, Mul] and [Gelu, GeluGrad, FastGeluGrad]
+    assert_same_bits(on, off)
+    assert variants and all(v == (cols % 4 == 0) for v in variants), variants
+
+
+def test_a_gelu_grad_of_mismatched_shapes_is_its_kernels_error(monkeypatch):
+    """Fused or not, GeluGrad's dY and X must have one shape (no broadcasting): one error."""
+    from gradgen.errors import GradgenError
+
+    model = make_model(
+        [
+            helper.make_node("Gelu", ["x"], ["e"], name="gelu", domain="com.microsoft"),
+            helper.make_node("GeluGrad", ["dy", "e"], ["z"], name="gelu_grad", domain="com.microsoft"),
+        ],
+        [("x", F, [4, 8]), ("dy", F, [8])],
+        [("z", F, [4, 8])],
+    )
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    feeds = {"x": np.ones((4, 8), np.float32), "dy": np.ones(8, np.float32)}
+    messages = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(fusion.ENV, switch)
+        with Session(model, device="cuda") as sess:
+            assert sum(s.op_type == fusion.OP_TYPE for s in sess.steps) == int(switch)
+            with pytest.raises(GradgenError) as caught:
+                sess.run(feeds)
+        messages.append(str(caught.value))
+    assert all("must have one shape" in m for m in messages), messages
