@@ -17,7 +17,38 @@ from __future__ import annotations
 _RANDOM_DROPOUT = "training-mode Dropout draws a random mask; gradgen's (numpy's PCG64) is not the expected output's"
 
 
+_BF16_ROUNDING = (
+    "bfloat16: gradgen computes in float32 and rounds once; the expected values round to bfloat16 after e"
+    "ach step (one bfloat16 ulp apart), and the harness compares bfloat16 exactly"
+)
+_NONPAD_KV = "Attention's nonpad_kv_seqlen input (opset 24): refused with a one-line error naming the node"
+_WINDOW = (
+    "sliding-window Attention (left_window_size / right_window_size, opset 25): refused with a one-line error naming the node"
+)
+
 EXCLUDED: dict[str, str] = {
+    "test_attention_4d_causal_bf16": _BF16_ROUNDING,
+    "test_attention_4d_padded_kv_bf16": _BF16_ROUNDING,
+    "test_attention_4d_causal_padded_kv_bf16": _BF16_ROUNDING,
+    "test_attention_4d_attn_mask_causal_bf16": _BF16_ROUNDING,
+    "test_attention_3d_causal_bf16": _BF16_ROUNDING,
+    "test_attention_4d_diff_heads_mask4d_padded_kv": _NONPAD_KV,
+    "test_attention_4d_gqa_causal_nonpad_decode": _NONPAD_KV,
+    "test_attention_4d_gqa_causal_nonpad_decode_fp16": _NONPAD_KV,
+    "test_attention_4d_causal_nonpad_continued_prefill": _NONPAD_KV,
+    "test_attention_4d_causal_nonpad_negative_offset_structural_empty": _NONPAD_KV,
+    "test_attention_4d_causal_nonpad_attn_mask_composition": _NONPAD_KV,
+    "test_attention_4d_causal_nonpad_batch_prefill": _NONPAD_KV,
+    "test_attention_local_window": _WINDOW,
+    "test_attention_bidirectional_window": _WINDOW,
+    "test_attention_local_window_rank1_boolean_mask": _WINDOW,
+    "test_attention_local_window_with_past": _WINDOW,
+    "test_attention_local_window_ext_cache_rank3_head_mask": _WINDOW,
+    "test_attention_local_window_ext_cache_rank4_batch_mask": _WINDOW,
+    "test_attention_local_window_ext_cache_rank2_mask": _WINDOW,
+    "test_attention_local_window_ext_cache_float16_mask": _WINDOW,
+    "test_attention_3d_local_window": _WINDOW,
+    "test_attention_local_window_gqa_rank4_mask": _WINDOW,
     "test_attention_3d_causal_bf16_expanded": "BFLOAT16 tensors: not a gradgen element type",
     "test_attention_4d_attn_mask_causal_bf16_expanded": "BFLOAT16 tensors: not a gradgen element type",
     "test_attention_4d_causal_bf16_expanded": "BFLOAT16 tensors: not a gradgen element type",

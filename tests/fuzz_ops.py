@@ -1338,6 +1338,36 @@ def linear_map_cases(draw, op):
 
 
 @st.composite
+def attention_cases(draw, op):
+    """ONNX Attention (opset 23), 4-D: grouped key/value heads, causal or not, a scale, a float or
+    bool mask over (S, T); differentiated through its standard-op form (DecomposePass)."""
+    rng = _rng(draw)
+    batch, kv_heads, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    q_len, kv_len, head, v_head = (draw(st.integers(1, 3)) for _ in range(4))
+    inputs = [
+        rng.uniform(-1, 1, (batch, kv_heads * groups, q_len, head)),
+        rng.uniform(-1, 1, (batch, kv_heads, kv_len, head)),
+        rng.uniform(-1, 1, (batch, kv_heads, kv_len, v_head)),
+    ]
+    attrs: dict[str, Any] = {}
+    if draw(st.booleans()):
+        attrs["is_causal"] = 1
+    if draw(st.booleans()):
+        attrs["scale"] = draw(st.sampled_from([0.5, 0.125, 2.0]))
+    mask = draw(st.sampled_from(["none", "float", "bool"]))
+    if mask == "float":
+        inputs.append(rng.uniform(-1, 1, (q_len, kv_len)))
+    elif mask == "bool":
+        keep = rng.random((q_len, kv_len)) < 0.7
+        keep[:, 0] = True  # no fully masked row
+        inputs.append(keep)
+    case = finish(draw, OpCase(op, inputs, attrs, opset=23, graph_inputs=placement(draw, list(range(len(inputs))))))
+    if case.dtype == np.float64:
+        case.ort = "ONNX Runtime's Attention has no double kernel"
+    return case
+
+
+@st.composite
 def dft_cases(draw, op):
     """Forward, inverse, one-sided (forward of real X, inverse of complex X), dft_length padding or
     truncating; static lengths and a constant dft_length and axis, which the rule needs."""
@@ -1466,6 +1496,7 @@ for _op in ["GridSample", "AffineGrid", "RoiAlign"]:
     GENERATORS[_op] = sampling_cases
 for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding", "DFT"]:
     GENERATORS[_op] = linear_map_cases
+GENERATORS["Attention"] = attention_cases
 
 OPS = sorted(GENERATORS)
 

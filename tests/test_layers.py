@@ -123,7 +123,11 @@ REGISTRIES = {
     # package of family modules: (the registry module, its family list, modules that are not families)
     "gradgen.grads.rules": ("gradgen.grads.registry", "FAMILIES", set()),
     "gradgen.kernels.cpu": ("gradgen.kernels.registry", "CPU_FAMILIES", {"prepared"}),
-    "gradgen.kernels.cuda": ("gradgen.kernels.registry", "CUDA_FAMILIES", {"launch"}),
+    "gradgen.kernels.cuda": (
+        "gradgen.kernels.registry",
+        "CUDA_FAMILIES",
+        {"launch", "fused"},
+    ),  # fused: the executor's generated kernels
     "gradgen.passes.lowering": ("gradgen.passes.lowering.core", "FAMILIES", {"core", "table"}),
 }
 

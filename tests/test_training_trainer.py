@@ -43,9 +43,12 @@ def mlp_adamw():
 
 
 def test_training_graph_is_standard_onnx_that_onnxruntime_runs(mlp_adamw):
-    """The whole step (forward, backward, clipping, AdamW) in standard ops: stock onnxruntime runs it
-    and computes what gradgen's executor computes."""
+    """With portable=True the whole step (forward, backward, clipping, AdamW) is in standard ops:
+    stock onnxruntime runs it and computes what gradgen's executor computes. (The default graph
+    holds ONNX Runtime training's gradient ops, ReluGrad and SoftmaxCrossEntropyLossGrad here.)"""
     ort = pytest.importorskip("onnxruntime")
+    assert {n.domain for n in mlp_adamw.train.graph} > {""}
+    mlp_adamw = build_training(MLP, optimizer=AdamW(), clip_norm=1.0, portable=True)
     proto = ir.to_proto(mlp_adamw.train)
     onnx.checker.check_model(proto, full_check=True)
     assert {n.domain for n in proto.graph.node} <= {"", "ai.onnx"}

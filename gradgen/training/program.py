@@ -27,7 +27,7 @@ from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import UsageError
 from gradgen.model_io import ModelLike, load_model
 from gradgen.names import value_name, value_names
-from gradgen.passes import CleanupPass, GradientSpec, Pipeline, UpgradeOpsetPass
+from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
@@ -90,12 +90,15 @@ def build_training(
     accumulation: int = 1,
     precision: str = "fp32",
     loss_scaling: LossScaling | None = None,
+    portable: bool = False,
 ) -> TrainingProgram:
     """Build the training graphs of ``model`` (not modified). ``loss`` names the loss output (default:
     the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None).
 
     ``precision`` (fp32, tf32, bf16, fp16) runs ``AutocastPass`` on the training and evaluation
-    graphs; fp16 steps use dynamic loss scaling (``loss_scaling``, default ``LossScaling()``)."""
+    graphs; fp16 steps use dynamic loss scaling (``loss_scaling``, default ``LossScaling()``).
+    ``portable=True`` lowers the com.microsoft gradient ops the backward graph holds to standard ONNX
+    ops (``LowerToStandardPass``), so that any ONNX runtime runs the training step."""
     if add_loss is not None and loss is not None:
         raise UsageError("name either the model's loss output or a loss to add, not both")
     check_precision(precision)
@@ -118,6 +121,8 @@ def build_training(
     backward = _copy(forward)
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen), precision)
     run_pipeline(pipeline, backward)
+    if portable:
+        run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass()), backward)
     assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     loss, params = gradient.loss_name, gradient.wrt_names
 
