@@ -18,8 +18,8 @@ _RANDOM_DROPOUT = "training-mode Dropout draws a random mask; gradgen's (numpy's
 
 
 _BF16_ROUNDING = (
-    "bfloat16: gradgen computes in float32 and rounds once; the expected values round to bfloat16 after e"
-    "ach step (one bfloat16 ulp apart), and the harness compares bfloat16 exactly"
+    "bfloat16: gradgen computes in float32 and rounds once; the expected values round to bfloat16 after "
+    "each step (one bfloat16 ulp apart), and the harness compares bfloat16 exactly"
 )
 _NONPAD_KV = "Attention's nonpad_kv_seqlen input (opset 24): refused with a one-line error naming the node"
 _WINDOW = (
