@@ -439,3 +439,36 @@ def test_the_quad_variant_moves_16_bytes_per_access(tmp_path):
     quad, element = kernels[sig.name + fused.QUAD], kernels[sig.name]
     assert "ld.global.v4.f32" in quad and quad.count("st.global.v4.f32") >= 2
     assert "v4" not in element
+
+
+def test_scalar_arithmetic_read_elsewhere_stays_apart_from_tensor_chains():
+    # an optimizer's step: d = 1 - lr * c (scalars) scales two parameters of different shapes;
+    # one set holding both would have outputs of three shapes, which no single kernel writes
+    model = make_model(
+        [
+            node("Mul", ["lr", "c"], ["m"], "mul"),
+            node("Sub", ["one", "m"], ["d"], "sub"),
+            node("Mul", ["w1", "d"], ["s1"], "scale1"),
+            node("Add", ["s1", "g1"], ["y1"], "add1"),
+            node("Mul", ["w2", "d"], ["y2"], "scale2"),
+        ],
+        [("lr", F, []), ("c", F, []), ("one", F, []), ("w1", F, [4, 8]), ("g1", F, [4, 8]), ("w2", F, [3, 5])],
+        [("y1", F, [4, 8]), ("y2", F, [3, 5])],
+    )
+    sess = Session(model)
+    shapes = fusion.static_shapes(sess.steps, sess.graph)
+    assert shapes["m"] == shapes["d"] == () and shapes["s1"] == (4, 8)
+    assert groups_of(model) == [["mul", "sub", "scale1", "add1", "scale2"]]  # without shapes
+    found = fusion.find_groups(sess.steps, fusion.plan_dtypes(sess.steps, sess.graph), set(sess.output_names), shapes)
+    assert [[sess.steps[i].node_name for i in g] for g in found] == [["mul", "sub"], ["scale1", "add1"]]
+    rng = np.random.default_rng(9)
+    feeds = {
+        n: rng.standard_normal(s).astype(np.float32)
+        for n, s in (("lr", ()), ("c", ()), ("one", ()), ("w1", (4, 8)), ("g1", (4, 8)), ("w2", (3, 5)))
+    }
+    want = Session(model).run(feeds)
+    plan = fused_plan(model)
+    assert sum(s.op_type == fusion.OP_TYPE for s in plan.steps) == 2
+    got = plan.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

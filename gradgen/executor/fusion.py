@@ -103,8 +103,37 @@ def fusable(step, dtypes: dict[str, np.dtype], fused_values: frozenset | set = f
     return any(n in fused_values or (n in dtypes and dtype_suffix(dtypes[n]) in FLOATS) for n in step.inputs)
 
 
-def find_groups(steps: list, dtypes: dict[str, np.dtype], keep: set[str]) -> list[list[int]]:
-    """The sets of step positions to fuse (two steps or more each), in plan order."""
+def static_shapes(steps: list, graph: ir.Graph) -> dict[str, tuple[int, ...]]:
+    """The shapes of the plan's values where every dimension is a number: those the graph
+    declares, and those of undeclared outputs of ops with a fused form whose inputs' shapes are
+    known (broadcasting, or the op's rule). Only a guide to grouping."""
+    found: dict[str, tuple[int, ...]] = {}
+    values = [*graph.inputs, *graph.initializers.values()]
+    for node in graph:
+        values.extend(node.outputs)
+    for value in values:
+        dims = value.shape
+        if value.name and dims is not None and all(isinstance(d, int) for d in dims):
+            found.setdefault(value.name, tuple(d for d in dims if isinstance(d, int)))
+    for step in steps:
+        rule = fused.rule_name(step.domain, step.op_type)
+        if rule is None or not step.outputs or step.outputs[0] in found or not all(n in found for n in step.inputs if n):
+            continue
+        operands = [found[n] for n in step.inputs if n]
+        try:
+            shape_of = fused.RULES[rule].shape
+            found[step.outputs[0]] = shape_of(operands) if shape_of else tuple(int(d) for d in np.broadcast_shapes(*operands))
+        except ValueError:
+            pass
+    return found
+
+
+def find_groups(
+    steps: list, dtypes: dict[str, np.dtype], keep: set[str], shapes: dict[str, tuple[int, ...]] | None = None
+) -> list[list[int]]:
+    """The sets of step positions to fuse (two steps or more each), in plan order. ``shapes``: the
+    values' static shapes where known (``static_shapes``), which keep apart sets that one kernel
+    could not compute (see ``_one_shape``)."""
     producer = {name: i for i, step in enumerate(steps) for name in step.outputs if name}
     consumers: dict[str, set[int]] = {}
     for i, step in enumerate(steps):
@@ -132,7 +161,11 @@ def find_groups(steps: list, dtypes: dict[str, np.dtype], keep: set[str]) -> lis
             if p is None or p not in group_of or group_of[p] == group_of[i]:
                 continue
             union = sorted(members[group_of[p]] + members[group_of[i]])
-            if _schedulable(union, ancestors) and _within_limits(union, steps, producer, consumers, keep):
+            if (
+                _schedulable(union, ancestors)
+                and _within_limits(union, steps, producer, consumers, keep)
+                and _one_shape(union, steps, consumers, keep, shapes or {})
+            ):
                 kept, gone = group_of[p], group_of[i]
                 for m in members.pop(gone):
                     group_of[m] = kept
@@ -151,6 +184,22 @@ def _schedulable(union: list[int], ancestors: list[int]) -> bool:
         if not (mask >> x) & 1 and (feeds >> x) & 1 and ancestors[x] & mask:
             return False
     return True
+
+
+def _one_shape(union: list[int], steps: list, consumers: dict, keep: set[str], shapes: dict) -> bool:
+    """Whether, as far as the static shapes tell, one kernel can compute the set: each of its
+    outputs has the shape of all its values (a smaller output, such as the scalar arithmetic of an
+    optimizer's step read by other parameters' updates, makes the whole set run step by step)."""
+    inside = set(union)
+    made = [n for m in union for n in steps[m].outputs if n in shapes]
+    outputs = {shapes[n] for n in made if n in keep or consumers.get(n, set()) - inside}
+    if not outputs:
+        return True
+    try:
+        full = tuple(int(d) for d in np.broadcast_shapes(*[shapes[n] for n in made]))
+    except ValueError:
+        return False
+    return outputs == {full}
 
 
 def _within_limits(union: list[int], steps: list, producer: dict, consumers: dict, keep: set[str]) -> bool:
@@ -242,7 +291,7 @@ def fuse_pointwise(steps: list, graph: ir.Graph, keep: set[str]) -> list:
     """``steps`` with each fusable set replaced by one fused step, in an order that still respects
     every dependency (each fused step where its last member was)."""
     dtypes = plan_dtypes(steps, graph)
-    groups = find_groups(steps, dtypes, keep)
+    groups = find_groups(steps, dtypes, keep, static_shapes(steps, graph))
     consumers: dict[str, set[int]] = {}
     for i, step in enumerate(steps):
         for name in step.inputs:
