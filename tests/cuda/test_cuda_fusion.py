@@ -354,7 +354,9 @@ def test_gelu_ops_fused_give_their_kernels_bits(elem, cols, monkeypatch, variant
     off, on, count = run_both(model, feeds, monkeypatch)
     assert count == 2  # [FastGelu, Mul] and [Gelu, GeluGrad, FastGeluGrad]
     assert_same_bits(on, off)
-    assert variants and all(v == (cols % 4 == 0) for v in variants), variants
+    # the (40, cols) group takes the 16-byte kernel only where cols % 4 == 0; the group over x (40, 8)
+    # always does
+    assert variants and any(variants) and all(variants) == (cols % 4 == 0), variants
 
 
 def test_a_gelu_grad_of_mismatched_shapes_is_its_kernels_error(monkeypatch):
