@@ -6,6 +6,7 @@ from __future__ import annotations
 from gradgen.grads import all_rules
 from gradgen.kernels import all_kernels
 from gradgen.ops import schemas
+from gradgen.ops.non_tensor import NON_TENSOR_OPS
 
 
 def supported_ops() -> list[dict]:
@@ -14,6 +15,7 @@ def supported_ops() -> list[dict]:
     rules = all_rules()
     kernels = all_kernels()
     declared = {(schemas.MICROSOFT_DOMAIN, op_type) for op_type in schemas.SCHEMAS}
+    declared |= {("", op_type) for op_type in NON_TENSOR_OPS}  # refused: gradgen runs tensors only
     rows = []
     for domain, op_type in sorted(set(rules) | set(kernels) | declared):
         rule = rules.get((domain, op_type))

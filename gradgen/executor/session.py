@@ -23,6 +23,7 @@ from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.control_flow import outer_scope_values
+from gradgen.ops.non_tensor import refuse_non_tensor_ops
 from gradgen.passes.autocast import METADATA_KEY
 
 
@@ -215,6 +216,7 @@ class Session:
 
     def _plan(self) -> list[Step]:
         nodes = list(self.graph)
+        refuse_non_tensor_ops(nodes)
         missing = []
         for node in nodes:
             entry = registry.lookup(node.domain, node.op_type)

@@ -54,6 +54,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
+    ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
     # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "AffineGrid"): "no CUDA launcher yet",
     ("", "CenterCropPad"): "no CUDA launcher yet",

@@ -22,6 +22,7 @@ from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
 from gradgen.names import gradient_name
+from gradgen.ops.non_tensor import refuse_non_tensor_ops
 
 # The model metadata that lists the float initializers gradient passes added (a scalar loss's seed 1,
 # the backward graph's constants), a JSON list of names: no parameters, so a later pass (a backward
@@ -370,6 +371,7 @@ def _refuse_unsupported_inputs(nodes: list[ir.Node], ancestors: set[str], requir
 
 def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
     """The rule of every active node; every missing one reported at once."""
+    refuse_non_tensor_ops(active)
     rules, missing = {}, []
     for node in active:
         rule = lookup_rule(node.domain, node.op_type)

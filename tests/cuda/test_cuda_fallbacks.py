@@ -39,6 +39,19 @@ def _microsoft_case_model(op_type: str):
     return model, feeds
 
 
+def _dynamic_quantize_model():
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])
+    outputs = [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)]
+    graph = helper.make_graph(
+        [node],
+        "dql",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs],
+    )
+    feeds = {"x": np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
 # op -> a forward model holding it, and its feeds
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
@@ -62,6 +75,7 @@ MODELS = {
     "RotaryEmbedding": lambda: _case_model("RotaryEmbedding"),
     "Mean": lambda: _case_model("Mean"),
     "Range": _range_model,
+    "DynamicQuantizeLinear": _dynamic_quantize_model,
     "Resize": lambda: _case_model("Resize"),
     "RoiAlign": lambda: _case_model("RoiAlign"),
     "STFT": lambda: _case_model("STFT"),

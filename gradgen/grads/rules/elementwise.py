@@ -684,3 +684,29 @@ def bias_dropout(g):
     """BiasDropout in inference mode (data + bias [+ residual]): differentiated in its standard-op
     form (left_in_place); training mode with ratio > 0 is refused by that form."""
     raise left_in_place(g)
+
+
+@grad_rule("DynamicQuantizeLinear")
+def dynamic_quantize_linear(g):
+    """DynamicQuantizeLinear(x) -> (y, y_scale, y_zero_point): no gradient, by decision.
+
+    y and y_zero_point are uint8: integer outputs carry no gradient (the walker never propagates
+    through them), and their true derivative is zero wherever it exists anyway (they are piecewise
+    constant in x, like Round). So a loss that reads only the integer outputs (say through a Cast)
+    does not depend on x through a differentiable path, as for any integer tensor: x is no parameter
+    by default and `--wrt x` is refused as for any other tensor the loss does not depend on. gradgen
+    does not substitute a straight-through estimator: that is a training recipe, not a gradient (a
+    model wanting one writes its fake quantization with float ops).
+
+    y_scale is float and does depend on x ((max(0, max x) - min(0, min x)) / 255), but a loss
+    reading it almost always reads the quantized y too (dequantization is y_scale * (y - zero
+    point)), and a gradient through y_scale alone would not be that loss's gradient. A gradient
+    reaching y_scale is therefore a model error naming the node, never a silent zero; this rule runs
+    only then (the only float output), so it always refuses.
+    """
+    raise ModelError(
+        f"DynamicQuantizeLinear node {g.node.name or '<unnamed>'!r}: a gradient reaches its y_scale output, "
+        "which depends on x only together with the "
+        "quantized (integer) y, whose gradient is none; gradgen does not differentiate DynamicQuantizeLinear "
+        "(--freeze the tensors that feed it, or quantize with float ops)"
+    )

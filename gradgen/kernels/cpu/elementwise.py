@@ -15,7 +15,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
 from gradgen.ops.elementwise import broadcast_gradient_axes
@@ -184,6 +184,62 @@ cpu_kernel("Min")(_variadic(np.minimum, "Min"))
 cpu_kernel("Sum")(_variadic(np.add, "Sum"))
 
 
+# ---------------------------------------------------------------------------------------------
+# in place: the same ufunc calls with ``out=`` an input that dies at the step (see ``cpu_into``)
+
+
+def fits_in(out: np.ndarray, *xs: np.ndarray) -> bool:
+    """``out`` can take the result of an elementwise op of ``xs`` (one of which it is), as the
+    kernel would make it: every input has out's dtype and broadcasts to out's shape, and each
+    input of out's whole shape is C-contiguous (so the fresh result would be C-contiguous too)."""
+    for x in xs:
+        if x.dtype != out.dtype or (x.shape == out.shape and not x.flags.c_contiguous):
+            return False
+    try:
+        return np.broadcast_shapes(*(x.shape for x in xs)) == out.shape
+    except ValueError:
+        return False  # the kernel reports it
+
+
+def _binary_into(fn):
+    def into(position, a, b):
+        out = (a, b)[position]
+        return fn(a, b, out=out) if fits_in(out, a, b) else None
+
+    return into
+
+
+def _variadic_into(fn):
+    """The kernel's left-to-right fold, each partial result written over the first or second input
+    (a later input cannot take it: the first partial result would overwrite it before it is read)."""
+
+    def into(position, *xs):
+        if position > 1 or len(xs) < 2 or any(x is None for x in xs):
+            return None
+        out = xs[position]
+        if not fits_in(out, *xs):
+            return None
+        fn(xs[0], xs[1], out=out)
+        for x in xs[2:]:
+            fn(out, x, out=out)
+        return out
+
+    return into
+
+
+for _op, _fn in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply)):
+    cpu_into(_op)(_binary_into(_fn))
+for _op, _fn in (("Max", np.maximum), ("Min", np.minimum), ("Sum", np.add)):
+    cpu_into(_op)(_variadic_into(_fn))
+
+
+@cpu_into("Div")
+def div_into(position, a, b):
+    if a.dtype.kind != "f":
+        return None  # integer division takes the kernel's own path
+    return _binary_into(np.true_divide)(position, a, b)
+
+
 @cpu_kernel("Mean")
 def mean(*xs):
     xs = [x for x in xs if x is not None]
@@ -329,6 +385,11 @@ def erf(x):
 @cpu_kernel("Relu")
 def relu(x):
     return np.maximum(x, np.zeros((), dtype=x.dtype))
+
+
+@cpu_into("Relu")
+def relu_into(position, x):
+    return np.maximum(x, np.zeros((), dtype=x.dtype), out=x)
 
 
 @cpu_kernel("LeakyRelu")
@@ -587,6 +648,20 @@ def relu_grad(dY, X):
     return np.where(X > 0, dY, np.zeros((), dtype=dY.dtype)).astype(dY.dtype, copy=False)
 
 
+@cpu_into("ReluGrad", domain=MICROSOFT)
+def relu_grad_into(position, dY, X):
+    """``relu_grad`` written over dY or X: dY's elements where X > 0, +0 elsewhere."""
+    if dY.shape != X.shape or dY.dtype != X.dtype or not X.flags.c_contiguous or not dY.flags.c_contiguous:
+        return None
+    keep = X > 0  # read before X may be overwritten
+    if position == 1:
+        np.copyto(X, dY, where=keep)
+    np.logical_not(keep, out=keep)
+    out = (dY, X)[position]
+    np.copyto(out, np.zeros((), dtype=out.dtype), where=keep)
+    return out
+
+
 @cpu_kernel("SigmoidGrad", domain=MICROSOFT)
 def sigmoid_grad(dY, Y):
     """dX = dY * Y * (1 - Y), from Sigmoid's output Y."""
@@ -818,3 +893,20 @@ def bias_dropout(data, bias, residual=None, ratio=None, training_mode=None, *, s
         y = y + residual
     y = y.astype(data.dtype, copy=False)
     return (y, np.ones(y.shape, dtype=bool)) if _num_outputs >= 2 else y
+
+
+@cpu_kernel("DynamicQuantizeLinear")
+def dynamic_quantize_linear(x):
+    """(y, y_scale, y_zero_point): x quantized to uint8 over [min(0, min x), max(0, max x)], as the
+    ONNX spec and ONNX Runtime compute it (rounding half to even)."""
+    if x.dtype != np.float32:
+        raise KernelError(f"DynamicQuantizeLinear takes float32 input, got {x.dtype}")
+    low = min(np.float32(0), x.min()) if x.size else np.float32(0)
+    high = max(np.float32(0), x.max()) if x.size else np.float32(0)
+    # an all-zero x: scale 1 (ONNX Runtime's, and the spec's C++ comment; the reference evaluator gives 1/255)
+    scale = np.float32(1) if high == low else np.float32((high - low) / np.float32(255))
+    if not np.isfinite(scale):
+        raise KernelError("DynamicQuantizeLinear: the input holds a NaN or an infinity")
+    zero_point = np.uint8(np.clip(np.rint(-low / scale), 0, 255))
+    y = np.clip(np.rint(x / scale) + zero_point.astype(np.float32), 0, 255).astype(np.uint8)
+    return y, np.array(scale, np.float32), np.array(zero_point, np.uint8)
