@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+import gc
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import onnx_ir as ir
 
@@ -84,6 +86,22 @@ def run_pipeline(pipeline: ir.passes.PassBase, model: ir.Model) -> ir.passes.Pas
         raise
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a graph is built (and back as it was after).
+
+    A build allocates a few objects per value and node and frees few of them; every so many
+    allocations the collector walked all of them again, a third of the build time of a 5,000-node
+    graph. The garbage the passes leave (removed nodes) is collected once it is back on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _copy_graph(model: ir.Model) -> ir.Model:
     """A copy of ``model`` sharing its tensors (onnx-ir >= 0.1.11 has ``clone``; older ones round-trip)."""
     clone = getattr(model, "clone", None)
@@ -112,6 +130,20 @@ def build_backward(
     the model's metadata for the GPU backend.
     """
     check_precision(precision)
+    with _collector_paused():
+        return _build_backward(model, loss, wrt, freeze, wrt_inputs, portable, add_loss, precision)
+
+
+def _build_backward(
+    model: ModelLike,
+    loss: str | None,
+    wrt: Sequence[str] | None,
+    freeze: Sequence[str],
+    wrt_inputs: bool,
+    portable: bool,
+    add_loss: LossSpec | None,
+    precision: str,
+) -> BackwardModel:
     # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
     # never change); a model loaded here is already our own.
     forward = _copy_graph(model) if isinstance(model, ir.Model) else load_model(model)

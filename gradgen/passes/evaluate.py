@@ -31,13 +31,21 @@ class EvaluateConstantsPass(ir.passes.InPlacePass):
         modified = False
         for round_ in range(self.max_rounds):
             changed = fold_graph(model.graph, ConstantEvaluator(opset, parameters=False))
-            changed = inline_constant_ifs(model.graph) or changed
+            inlined = inline_constant_ifs(model.graph)
+            changed = changed or inlined
             modified = modified or changed
             if self.shape_inference and (changed or round_ == 0):
                 ShapeInferencePass()(model)
-            if not changed and round_ > 0:
+            if (not changed and round_ > 0) or not (inlined or _has_shape_reads(model.graph)):
                 break
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _has_shape_reads(graph: ir.Graph) -> bool:
+    """Whether another round could fold more: one sweep folds every chain of constants of a graph in
+    topological order (ONNX's order), so only a Shape or Size whose input shape inference has since
+    made static (or the nodes of an inlined If) can start a new one."""
+    return any(node.op_type in ("Shape", "Size") and node.domain in STANDARD_DOMAINS for node in graph)
 
 
 def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
@@ -90,7 +98,10 @@ def _is_float(value: ir.Value) -> bool:
 
 def _replace_with_constant_node(graph: ir.Graph, node: ir.Node, value: ir.Value, array: np.ndarray) -> None:
     name, was_output = value.name, value.is_graph_output()
-    constant = ir.node("Constant", [], {"value": ir.tensor(array, name=name)}, name=f"{node.name or node.op_type}/folded")
+    # the constructors themselves: ir.node / ir.tensor test their arguments against runtime
+    # protocols, which cost more than the fold (one such node per folded float value)
+    tensor = ir.Tensor(np.asarray(array), name=name)
+    constant = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], name=f"{node.name or node.op_type}/folded")
     out = constant.outputs[0]
     graph.insert_before(node, constant)
     value.replace_all_uses_with(out, replace_graph_outputs=was_output)

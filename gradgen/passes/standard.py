@@ -222,14 +222,25 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     from gradgen.ops.pool import pool_output_shape
 
     graph = inferred.graph
+    rule_nodes = [n for n in graph.node if n.op_type in _SHAPE_RULE_OPS and n.domain in ("", "ai.onnx") and n.input]
+    if not rule_nodes:
+        return []
+    # the types of these nodes' inputs and outputs only (a whole-graph table cost more than inference)
+    wanted = {name for n in rule_nodes for name in [*n.input[:2], *n.output[:2]]}
     types = {
-        v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output] if v.type.HasField("tensor_type")
+        v.name: v.type.tensor_type
+        for v in [*graph.input, *graph.value_info, *graph.output]
+        if v.name in wanted and v.type.HasField("tensor_type")
     }
-    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type for t in graph.initializer})
+    types.update(
+        {
+            t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
+            for t in graph.initializer
+            if t.name in wanted
+        }
+    )
     fixes = []
-    for node in graph.node:
-        if node.op_type not in _SHAPE_RULE_OPS or node.domain not in ("", "ai.onnx") or not node.input:
-            continue
+    for node in rule_nodes:
         static = [_static_dims(types.get(name)) for name in node.input[:2]]
         if static[0] is None or len(static[0]) < 3:
             continue
