@@ -49,3 +49,126 @@ def test_second_run_reuses_freed_memory():
     assert value == plain_value == 2.0 * 16 * 1024 * 1024
     assert plain >= 32  # 64 MiB of fresh pages: 16,384 of 4 KiB, or 32 of 2 MiB (transparent huge pages)
     assert kept <= plain // 10
+
+
+# ---------------------------------------------------------------------------------------------
+# in place: elementwise steps write their result over an input that dies at the step
+
+import numpy as np  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+from gradgen.executor import session as session_module  # noqa: E402
+from gradgen.kernels import registry  # noqa: E402
+
+SPECIAL = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-40, -3.5, 2.25], dtype=np.float64)
+
+
+def _values(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    if x.dtype.kind == "f" and x.size >= SPECIAL.size:
+        x.reshape(-1)[: SPECIAL.size] = SPECIAL.astype(dtype)
+    return x if x.dtype.kind == "f" else (x * 1000).astype(dtype)
+
+
+INTO_CASES = [
+    # (domain, op, input shapes, dtype)
+    ("", "Add", [(3, 4, 5), (3, 4, 5)], np.float32),
+    ("", "Add", [(3, 4, 5), (4, 1)], np.float32),
+    ("", "Sub", [(5,), (2, 3, 5)], np.float64),
+    ("", "Mul", [(2, 3), (2, 3)], np.int64),
+    ("", "Div", [(6, 7), (7,)], np.float32),
+    ("", "Sum", [(4, 6), (4, 6), (6,), (1, 6)], np.float32),
+    ("", "Sum", [(1, 6), (4, 6), (4, 6)], np.float64),
+    ("", "Max", [(4, 6), (4, 6), (4, 6)], np.float32),
+    ("", "Min", [(4, 6), (6,)], np.float32),
+    ("", "Relu", [(3, 8)], np.float32),
+    ("com.microsoft", "ReluGrad", [(3, 8), (3, 8)], np.float32),
+]
+
+
+@pytest.mark.parametrize(("domain", "op", "shapes", "dtype"), INTO_CASES)
+def test_in_place_forms_give_the_kernels_result_bit_for_bit(domain, op, shapes, dtype):
+    entry = registry.lookup(domain, op)
+    full = np.broadcast_shapes(*shapes)
+    for position, shape in enumerate(shapes):
+        args = [_values(s, dtype, seed) for seed, s in enumerate(shapes)]
+        expected = np.asarray(entry.cpu(*args))
+        result = entry.cpu_into(position, *[a.copy() for a in args[:position]], args[position], *args[position + 1 :])
+        if shape != full or (op == "Sum" or op in ("Max", "Min")) and position > 1:
+            assert result is None, (op, position)  # nothing written: the kernel runs instead
+            continue
+        assert result is args[position]
+        assert result.dtype == expected.dtype and result.shape == expected.shape
+        assert result.flags.c_contiguous == expected.flags.c_contiguous
+        assert result.tobytes() == expected.tobytes()
+
+
+def test_in_place_forms_refuse_what_the_kernel_would_not_write_there():
+    a = np.ones((4, 4), np.float32)
+    assert registry.lookup("", "Add").cpu_into(0, a, np.ones((4, 4), np.float64)) is None  # another dtype
+    assert registry.lookup("", "Add").cpu_into(0, a, np.ones((4, 4), np.float32).T) is None  # not C-contiguous
+    assert registry.lookup("", "Mul").cpu_into(0, a, np.ones((5,), np.float32)) is None  # no broadcast: the kernel's error
+    assert registry.lookup("", "Div").cpu_into(0, np.ones(3, np.int32), np.ones(3, np.int32)) is None  # C division
+    assert registry.lookup("com.microsoft", "ReluGrad").cpu_into(0, a, np.ones((2, 8), np.float32)) is None
+    assert np.all(a == 1)
+
+
+def _model(nodes, inputs, outputs, initializers=()):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        list(initializers),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _reused_steps(sess, feeds):
+    """Run once; the op types whose result took an input's memory."""
+    reused = []
+    run_step = sess.backend.run_step
+
+    def watch(step, args):
+        result = run_step(step, args)
+        if any(result is a for a in args):
+            reused.append(step.op_type)
+        return result
+
+    sess.backend.run_step = watch
+    return sess.run(feeds), reused
+
+
+def test_a_step_writes_over_a_dying_intermediate_never_a_feed_a_constant_an_output_or_a_viewed_value():
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["t"]),  # x is the caller's: never written
+        helper.make_node("Add", ["t", "w"], ["u"]),  # t dies here: u takes its memory; w is a constant
+        helper.make_node("Relu", ["u"], ["r"]),  # u dies here, r takes its memory
+        helper.make_node("Shape", ["r"], ["shape"]),
+        helper.make_node("Reshape", ["r", "shape"], ["view"]),  # a view of r, read below
+        helper.make_node("Sub", ["r", "w"], ["s"]),  # r dies here but its view lives on: not overwritten
+        helper.make_node("Add", ["s", "view"], ["out1"]),  # s dies: out1 takes it
+        helper.make_node("Mul", ["out1", "x"], ["out2"]),  # out1 is a graph output: not overwritten
+    ]
+    model = _model(nodes, [("x", [3, 4])], ["out1", "out2"], [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())])
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    x_before = x.copy()
+    sess = session_module.Session(model)
+    for _ in range(2):  # the constant is unchanged by the first run
+        out, reused = _reused_steps(sess, {"x": x})
+        r = np.maximum(x * x + w, 0)
+        assert out["out1"].tobytes() == ((r - w) + r).tobytes()
+        assert out["out2"].tobytes() == (((r - w) + r) * x).tobytes()
+        assert reused == ["Add", "Relu", "Add"]
+        assert np.array_equal(x, x_before)
+
+
+def test_only_an_array_nothing_else_refers_to_counts_as_overwritable():
+    values = {"a": np.ones(3), "b": np.ones(3)}
+    args = (values["a"], values["b"])
+    assert session_module._overwritable(args, 0)
+    view = values["b"][1:]  # noqa: F841 -- a view keeps b's memory in use
+    assert not session_module._overwritable(args, 1)
+    assert not session_module._overwritable((values["a"][1:],), 0)  # a view owns no memory

@@ -48,6 +48,7 @@ class Step:
     low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
     call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
     metadata: dict[str, str] | None = None  # the node's metadata (the optimizer's tags: gradgen/training/optimizers.py)
+    reuse: tuple[int, ...] = ()  # CPU: input positions the step may write its result over (``_plan_reuse``)
 
 
 class CpuBackend:
@@ -89,12 +90,42 @@ class CpuBackend:
     def run_step(self, step: "Step", args):
         if step.low_precision or low_precision.reads_low_precision(args):
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
+        for position in step.reuse:
+            if _overwritable(args, position):
+                result = step.entry.cpu_into(position, *args)
+                if result is not None:
+                    return result
         return step.call(*args)
 
     wrap = staticmethod(np.asarray)  # a kernel's result as an array (the run loop calls it per output)
 
     def to_host(self, value) -> np.ndarray:
         return value
+
+
+def _references(args: tuple, position: int) -> int:
+    return sys.getrefcount(args[position])
+
+
+def _references_of_a_sole_value() -> int:
+    """What ``_references`` counts for an array that only the run's values and the step's
+    arguments hold (measured, so that it holds for any interpreter's counting)."""
+    values = {"x": np.empty(1)}
+    args = (values["x"],)
+    return _references(args, 0)
+
+
+_SOLE_REFERENCES = _references_of_a_sole_value()
+
+
+def _overwritable(args: tuple, position: int) -> bool:
+    """The argument at ``position`` (which dies at this step: ``Step.reuse``) may take the step's
+    result: an array that owns its memory, writable and C-contiguous, that nothing but the run's
+    values and these arguments refers to (no view of it, no kernel cache, no caller)."""
+    if _references(args, position) != _SOLE_REFERENCES:
+        return False
+    value = args[position]
+    return isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable and value.flags.c_contiguous
 
 
 _MEMORY_KEPT = False
@@ -262,6 +293,8 @@ class Session:
             step.index = index
         _assign_lifetimes(steps, keep=set(self.output_names) | set(self.initializers))
         _prepare_steps(steps, self.initializers)
+        if self.device == "cpu":
+            _plan_reuse(steps, protected=set(self.input_names) | set(self.initializers) | set(self.output_names))
         return steps
 
     def _fold_constant_nodes(self, steps: list[Step]) -> list[Step]:
@@ -501,6 +534,18 @@ def _prepare_steps(steps: list[Step], constants: dict[str, np.ndarray]) -> None:
         step.gather = _gatherer(step.inputs)
         step.first_output = step.outputs[0] if step.outputs else None
         step.low_precision = low_precision.always_fp32(step.op_type, step.attributes, step.output_dtypes)
+
+
+def _plan_reuse(steps: list[Step], protected: set[str]) -> None:
+    """Per CPU step with an in-place form (``KernelEntry.cpu_into``), the inputs it may write its
+    result over: those that die at the step, are read once by it, and are not graph inputs (the
+    caller's arrays), constants or outputs. The run checks the rest (``_overwritable``), so the
+    step's result takes a dying input's memory instead of new memory, with the same bits."""
+    for step in steps:
+        if step.entry is None or step.entry.cpu_into is None:
+            continue
+        dying = set(step.free_after) - protected
+        step.reuse = tuple(i for i, name in enumerate(step.inputs) if name in dying and step.inputs.count(name) == 1)
 
 
 def _gatherer(names: list[str | None]):

@@ -45,6 +45,7 @@ __all__ = [
     "RUNTIME",
     "Kernel",
     "KernelEntry",
+    "cpu_into",
     "cpu_kernel",
     "cpu_prepare",
     "cuda_kernel",
@@ -66,6 +67,8 @@ class KernelEntry:
     cuda_host_inputs: frozenset[int] = frozenset()
     # (constants, attributes) -> a callable of the kernel's positional arguments, or None; see the module docstring
     cpu_prepare: Callable[[tuple, dict], Kernel | None] | None = None
+    # (position, *args) -> the kernel's result written into args[position], or None; see ``cpu_into``
+    cpu_into: Callable[..., object] | None = None
 
     @property
     def cpu_family(self) -> str | None:
@@ -112,6 +115,23 @@ def cpu_prepare(*op_types: str, domain: str = ONNX_DOMAIN):
             if entry.cpu_prepare is not None:
                 raise RuntimeError(f"duplicate CPU preparer for {domain}::{op_type}")
             entry.cpu_prepare = fn
+        return fn
+
+    return register
+
+
+def cpu_into(*op_types: str, domain: str = ONNX_DOMAIN):
+    """Register the in-place form of the CPU kernel of one or more op types: ``fn(position, *args)``
+    writes the kernel's result, bit for bit, into ``args[position]`` (an input that dies at this
+    step and that nothing else holds: the executor checks) and returns it, or returns None, having
+    written nothing, where it cannot (another shape or dtype); the executor then calls the kernel."""
+
+    def register(fn):
+        for op_type in op_types:
+            entry = _entry(domain, op_type)
+            if entry.cpu_into is not None:
+                raise RuntimeError(f"duplicate in-place CPU kernel for {domain}::{op_type}")
+            entry.cpu_into = fn
         return fn
 
     return register
