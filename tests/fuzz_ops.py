@@ -1215,7 +1215,7 @@ def lp_pool_cases(draw, op):
 
 @st.composite
 def sampling_cases(draw, op):
-    """GridSample, AffineGrid and RoiAlign (fixed sampling_ratio: the form gradgen differentiates)."""
+    """GridSample, AffineGrid, RoiAlign (fixed sampling_ratio: the form gradgen differentiates) and MaxRoiPool."""
     rng = _rng(draw)
     n, c = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     if op == "AffineGrid":
@@ -1240,6 +1240,18 @@ def sampling_cases(draw, op):
         case = finish(draw, OpCase(op, [x, grid], attrs, opset=20, graph_inputs=placement(draw, [0, 1])))
         if nd == 1:
             case.ort = "ONNX Runtime's GridSample takes 2-D and 3-D inputs only"
+        return case
+    if op == "MaxRoiPool":  # X only: the rois get no gradient (piecewise constant)
+        height, width, rois_count = draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 3))
+        scale = draw(st.sampled_from([1.0, 0.5]))
+        corner = rng.uniform(-2, [width / scale, height / scale], (rois_count, 2))
+        boxes = np.concatenate([corner, corner + rng.uniform(0, 6 / scale, (rois_count, 2))], axis=1)
+        rois = np.concatenate([rng.integers(0, n, (rois_count, 1)), boxes], axis=1)
+        attrs = {"pooled_shape": [draw(st.integers(1, 3)), draw(st.integers(1, 3))], "spatial_scale": scale}
+        inputs = [rng.uniform(-2, 2, (n, c, height, width)), rois]
+        case = finish(draw, OpCase(op, inputs, attrs, opset=16, diff=(0,), graph_inputs=placement(draw, [0, 1])))
+        if case.dtype == np.float64:
+            case.ort = "ONNX Runtime's MaxRoiPool has no double kernel"
         return case
     height, width = draw(st.integers(2, 5)), draw(st.integers(2, 5))
     rois_count = draw(st.integers(1, 3))
@@ -1492,7 +1504,7 @@ for _op in ["RMSNormalization", "SimplifiedLayerNormalization", "LpNormalization
     GENERATORS[_op] = normalization_cases
 for _op in ["LpPool", "GlobalLpPool", "MaxUnpool"]:
     GENERATORS[_op] = lp_pool_cases
-for _op in ["GridSample", "AffineGrid", "RoiAlign"]:
+for _op in ["GridSample", "AffineGrid", "RoiAlign", "MaxRoiPool"]:
     GENERATORS[_op] = sampling_cases
 for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding", "DFT"]:
     GENERATORS[_op] = linear_map_cases

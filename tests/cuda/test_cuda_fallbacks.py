@@ -52,6 +52,18 @@ def _dynamic_quantize_model():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
 
 
+def _argmax_model():
+    node = helper.make_node("ArgMax", ["x"], ["y"], axis=-1, keepdims=0)
+    graph = helper.make_graph(
+        [node],
+        "argmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+    )
+    feeds = {"x": np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
 # op -> a forward model holding it, and its feeds
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
@@ -78,6 +90,8 @@ MODELS = {
     "DynamicQuantizeLinear": _dynamic_quantize_model,
     "Resize": lambda: _case_model("Resize"),
     "RoiAlign": lambda: _case_model("RoiAlign"),
+    "MaxRoiPool": lambda: _case_model("MaxRoiPool"),
+    "ArgMax": _argmax_model,
     "STFT": lambda: _case_model("STFT"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),

@@ -380,6 +380,14 @@ for _attrs in (
         )
     )
 
+# MaxRoiPool: X only (the rois get none); rois partly outside the image, overlapping, one empty bin
+# (the roi past the right edge), spatial_scale.
+_MAX_ROIS = np.array([[0, 0.4, 0.2, 4.6, 3.7], [1, 1.4, 2.1, 3.3, 4.6], [1, -1.6, -0.7, 2.2, 1.3], [0, 4.6, 1.0, 9.0, 3.0]])
+for _attrs in ({"pooled_shape": [2, 2]}, {"pooled_shape": [3, 2], "spatial_scale": 0.75}):
+    CASES.append(
+        GradCase("MaxRoiPool", [r(2, 2, 5, 6), _MAX_ROIS], attrs=_attrs, const=(1,), name=f"MaxRoiPool_{sorted(_attrs.items())}")
+    )
+
 # DeformConv (differentiated in its standard-op form): X, W, the offsets, B and the mask; groups,
 # offset groups, pads, strides, dilations.
 for _x_shape, _w_shape, _attrs, _bias, _mask in (

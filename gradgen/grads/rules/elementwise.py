@@ -693,10 +693,10 @@ def dynamic_quantize_linear(g):
     y and y_zero_point are uint8: integer outputs carry no gradient (the walker never propagates
     through them), and their true derivative is zero wherever it exists anyway (they are piecewise
     constant in x, like Round). So a loss that reads only the integer outputs (say through a Cast)
-    does not depend on x through a differentiable path, as for any integer tensor: x is no parameter
-    by default and `--wrt x` is refused as for any other tensor the loss does not depend on. gradgen
-    does not substitute a straight-through estimator: that is a training recipe, not a gradient (a
-    model wanting one writes its fake quantization with float ops).
+    gets zero gradients for the tensors feeding x, as through any integer tensor, and as Round's
+    rule gives: the true derivative wherever it exists. gradgen does not substitute a
+    straight-through estimator: that is a training recipe, not a gradient (a model wanting one
+    writes its fake quantization with float ops).
 
     y_scale is float and does depend on x ((max(0, max x) - min(0, min x)) / 255), but a loss
     reading it almost always reads the quantized y too (dequantization is y_scale * (y - zero

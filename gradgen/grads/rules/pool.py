@@ -373,3 +373,67 @@ def _block_factor(scale: float, attrs: dict, roi) -> int | None:
         if m.shape != want.shape or not np.array_equal(m, want):
             return None
     return s
+
+
+@grad_rule("MaxRoiPool", nondiff_inputs=(1,))
+def max_roi_pool(g):
+    """dX: each bin's dY added at its arg-max (the first maximum in row-major order, as the kernel
+    takes it), like MaxPool's; empty bins give nothing. The rois get no gradient: the bins are
+    rounded pixel ranges, so Y is piecewise constant in the rois (zero derivative wherever one
+    exists), as Floor's is in its input.
+
+    The arg-max is found in standard ops over a dense (rois, C, PH, PW, H * W) masked copy of the
+    rois' images: memory grows with rois x C x PH x PW x H x W (a ceiling for large detection
+    models), in exchange for no custom op."""
+    x, rois, dy = g.x(0), g.x(1), g.dy()
+    attrs = forward_attrs(g)
+    pooled_h, pooled_w = (int(v) for v in attrs["pooled_shape"])
+    scale = float(attrs.get("spatial_scale", 1.0))
+    f32 = lambda v: g.const(np.asarray(v, np.float32))  # noqa: E731
+    shape = g.shape_of(x)
+    coords = g.op(
+        "Mul", g.op("Cast", g.op("Slice", rois, g.ints([1]), g.ints([5]), g.ints([1])), to=ir.DataType.FLOAT), f32(scale)
+    )
+    coords = g.op("Mul", g.op("Sign", coords), g.op("Floor", g.op("Add", g.op("Abs", coords), f32(0.5))))  # round half away
+
+    def axis_mask(start_col: int, end_col: int, pooled: int, size_axis: int):
+        """(rois, pooled, size) bool: pixel i of the axis lies in bin p of roi r; and (rois, pooled) non-empty."""
+        start = g.op("Gather", coords, g.ints([start_col]), axis=1)  # (R, 1)
+        end = g.op("Gather", coords, g.ints([end_col]), axis=1)
+        step = g.op("Div", g.op("Max", g.op("Add", g.op("Sub", end, start), f32(1.0)), f32(1.0)), f32(float(pooled)))
+        bins = f32(np.arange(pooled, dtype=np.float32)[None, :])
+        size = g.op("Cast", g.part(shape, size_axis, size_axis + 1), to=ir.DataType.FLOAT)
+        lo = g.op("Min", g.op("Max", g.op("Add", g.op("Floor", g.op("Mul", bins, step)), start), f32(0.0)), size)
+        hi = g.op(
+            "Min", g.op("Max", g.op("Add", g.op("Ceil", g.op("Mul", g.op("Add", bins, f32(1.0)), step)), start), f32(0.0)), size
+        )
+        pixels = g.op("Range", f32(0.0), g.squeeze(size, [0]), f32(1.0))
+        inside = g.op("And", g.op("GreaterOrEqual", pixels, g.unsqueeze(lo, [2])), g.op("Less", pixels, g.unsqueeze(hi, [2])))
+        return inside, g.op("Greater", hi, lo)
+
+    rows, rows_full = axis_mask(1, 3, pooled_h, 2)  # (R, PH, H), (R, PH)
+    cols, cols_full = axis_mask(0, 2, pooled_w, 3)  # (R, PW, W), (R, PW)
+    mask = g.op("And", g.unsqueeze(rows, [2, 4]), g.unsqueeze(cols, [1, 3]))  # (R, PH, PW, H, W)
+    full = g.op("And", g.unsqueeze(rows_full, [2]), g.unsqueeze(cols_full, [1]))  # (R, PH, PW)
+    batch = g.op("Cast", g.op("Gather", rois, g.scalar(0), axis=1), to=ir.DataType.INT64)  # (R,)
+    images = g.unsqueeze(g.op("Gather", x, batch, axis=0), [2, 3])  # (R, C, 1, 1, H, W)
+    masked = g.op("Where", g.unsqueeze(mask, [1]), images, g.const_like(x, -np.inf))  # (R, C, PH, PW, H, W)
+    arg = g.op("ArgMax", g.reshape(masked, [0, 0, 0, 0, -1]), axis=-1, keepdims=0)  # (R, C, PH, PW)
+    plane = g.prod(shape, 2)
+    where = g.op("Add", g.op("Mul", g.unsqueeze(batch, [1, 2, 3]), plane), arg)  # index into (N * H * W) per channel
+    grads = g.op("Where", g.unsqueeze(full, [1]), dy, g.const_like(x, 0.0))
+    channels = g.part(shape, 1, 2)
+    lines = g.cat(channels, g.ints([-1]))
+    by_channel = g.reshape(
+        g.zeros(g.cat(channels, g.op("Mul", g.part(shape, 0, 1), plane)), like=x), g.cat(channels, g.ints([-1]))
+    )
+    dx = g.op(
+        "ScatterElements",
+        by_channel,
+        g.reshape(g.transpose(where, [1, 0, 2, 3]), lines),
+        g.reshape(g.transpose(grads, [1, 0, 2, 3]), lines),
+        axis=1,
+        reduction="add",
+    )
+    dx = g.reshape(dx, g.cat(channels, g.part(shape, 0, 1), g.part(shape, 2)), exact=True)
+    return [g.transpose(dx, [1, 0, 2, 3]), None]

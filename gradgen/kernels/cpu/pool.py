@@ -604,3 +604,46 @@ def _max_pool_plan(shape: tuple, attrs: dict):
     table = _tap_positions(spatial, tuple(kernel), tuple(s), tuple(d), tuple(begin), tuple(out), order).reshape(k, 1, p)
     positions = (table + nc).reshape(-1)
     return gather, not inside.all(), (shape[0], shape[1], *out), positions
+
+
+@cpu_kernel("MaxRoiPool")
+def max_roi_pool(x, rois, *, pooled_shape, spatial_scale=1.0):
+    """Y[r, c, ph, pw] = max of X[b_r, c] over roi r's bin (ph, pw), 0 for an empty bin; the rois
+    (batch index, x1, y1, x2, y2) are scaled and rounded half away from zero, each with one pixel
+    more than end - start, as ONNX Runtime, Caffe and torchvision's roi_pool compute it."""
+    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 5:
+        raise KernelError(f"MaxRoiPool takes X (N, C, H, W) and rois (num_rois, 5), got {x.shape} and {rois.shape}")
+    pooled_h, pooled_w = (int(v) for v in pooled_shape)
+    n, c, height, width = x.shape
+    y = np.zeros((rois.shape[0], c, pooled_h, pooled_w), dtype=x.dtype)
+    for r, (bins_h, bins_w, batch) in enumerate(max_roi_pool_bins(rois, pooled_h, pooled_w, spatial_scale, height, width)):
+        if not 0 <= batch < n:
+            raise KernelError(f"MaxRoiPool: roi {r} has batch index {batch}, out of range for {n} images")
+        for ph, (h0, h1) in enumerate(bins_h):
+            for pw, (w0, w1) in enumerate(bins_w):
+                if h1 > h0 and w1 > w0:
+                    y[r, :, ph, pw] = x[batch, :, h0:h1, w0:w1].max(axis=(1, 2))
+    return y
+
+
+def max_roi_pool_bins(rois, pooled_h: int, pooled_w: int, spatial_scale: float, height: int, width: int):
+    """Per roi: its row bins [(start, end)] * pooled_h, column bins * pooled_w, and batch index."""
+
+    def round_away(v):
+        return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+    for roi in np.asarray(rois, dtype=np.float64):
+        x1, y1, x2, y2 = (round_away(np.float32(v) * np.float32(spatial_scale)) for v in roi[1:])
+        bins = []
+        for start, end, pooled, size in ((y1, y2, pooled_h, height), (x1, x2, pooled_w, width)):
+            step = np.float32(max(end - start + 1, 1)) / np.float32(pooled)
+            bins.append(
+                [
+                    (
+                        int(min(max(np.floor(np.float32(p * step)) + start, 0), size)),
+                        int(min(max(np.ceil(np.float32((p + 1) * step)) + start, 0), size)),
+                    )
+                    for p in range(pooled)
+                ]
+            )
+        yield bins[0], bins[1], int(roi[0])
