@@ -4,6 +4,7 @@ checked (the groups are benchmarks, not timed tests)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -206,6 +207,24 @@ def test_cpu_group_tiny(tmp_path):
         assert all(row[k] > 0 for k in ("torch_ms", "ort_ms", "gradgen_ms", "gradgen_portable_ms"))
     assert "environment variables" in report["runs"]["1"]["thread_method"]
     assert report["build"]["layers"] == 2 and report["build"]["forward_nodes"] > 100
+
+
+def test_build_timing_without_ort_builder(monkeypatch):
+    """The build is timed in-process; an interpreter that cannot run ORT's builder is named, not raised."""
+    report = cpu.measure_build(1, repeats=1, ort_python="/nonexistent/python3")
+    assert report["build_s"] > 0 and report["forward_nodes"] > 50
+    assert "cannot run /nonexistent/python3" in report["ort_error"]
+    assert "not timed: cannot run" in cpu.format_report({"runs": {}, "header": {"cores": 1}, "build": report})
+    monkeypatch.setenv("GRADGEN_ORT_TRAINING_PYTHON", "/some/python")
+    assert cpu.ort_training_python() == "/some/python"
+
+
+@pytest.mark.skipif(not os.environ.get("GRADGEN_ORT_TRAINING_PYTHON"), reason="GRADGEN_ORT_TRAINING_PYTHON not set")
+def test_build_timing_with_ort_builder():
+    """ONNX Runtime training's C++ builder differentiates the same GPT-2 layout in its own process."""
+    report = cpu.measure_build(1, repeats=1)
+    assert "ort_error" not in report, report.get("ort_error")
+    assert report["ort"]["build_s"] > 0 and report["ort"]["nodes"] > report["forward_nodes"]
 
 
 def test_sample_selection():

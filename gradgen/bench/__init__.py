@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="layers of the GPT-2 layout whose build-backward is timed (0: skip; default 48)",
     )
+    c.add_argument(
+        "--ort-python",
+        metavar="PYTHON",
+        help="an interpreter with onnxruntime-training, whose C++ gradient builder is timed on the same model "
+        "(default $GRADGEN_ORT_TRAINING_PYTHON, else this one where it has the package)",
+    )
     return p
 
 
@@ -244,6 +250,7 @@ def run(argv: list[str] | None = None) -> None:
             warmup=1 if args.warmup is None else args.warmup,
             steps=args.steps or 20,
             build_layers=args.build_layers,
+            ort_python=args.ort_python,
             child_timeout_s=args.child_timeout or 3600.0,
             keep_dir=_keep_dir(args.keep),
             debug=args.debug,

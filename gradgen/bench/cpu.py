@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from gradgen.bench import models
-from gradgen.bench.measure import fmt_ms, fmt_ratio, median, run_child, table
+from gradgen.bench.measure import fmt_ms, fmt_ratio, run_child, table
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
 THREAD_VARIABLES = (
@@ -56,6 +57,7 @@ class CpuOptions:
     budget_s: float = 10.0  # ... and stop after this many seconds (at least 3 steps)
     sample_steps: int = 50
     build_layers: int = 48
+    ort_python: str | None = None  # an interpreter with onnxruntime-training, for its gradient builder
     on_update: Callable[[dict], None] | None = None  # called with the report as results come in
     child_timeout_s: float = 3600.0
     keep_dir: Path | None = None
@@ -149,8 +151,11 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
-def measure_build(layers: int, *, repeats: int = 3) -> dict:
-    """In-process build-backward time of a ``layers``-deep GPT-2 layout of small width (median of repeats)."""
+def measure_build(layers: int, *, repeats: int = 3, ort_python: str | None = None, workdir: Path | None = None) -> dict:
+    """In-process build-backward time of a ``layers``-deep GPT-2 layout of small width (the fastest
+    of ``repeats``), and ONNX Runtime training's C++ gradient builder on the same model and
+    parameters where an interpreter with it is found (``ort_training_python``): in its own process,
+    the same way (from the model in memory, the fastest of ``repeats``)."""
     import gradgen
 
     spec = models.preset("gpt2s", batch=1, size=32, layers=layers, d=64, heads=4)
@@ -160,17 +165,49 @@ def measure_build(layers: int, *, repeats: int = 3) -> dict:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        gradgen.build_backward(proto)
+        built = gradgen.build_backward(proto)
         times.append(time.perf_counter() - t0)
     nodes = len(proto.graph.node)
-    return {
+    report = {
         "layers": layers,
         "forward_nodes": nodes,
-        "build_s": median(times),
+        "build_s": min(times),
         "times_s": times,
-        "us_per_forward_node": median(times) / nodes * 1e6,
+        "us_per_forward_node": min(times) / nodes * 1e6,
         "width": spec.arch["d"],
     }
+    python = ort_training_python(ort_python)
+    if python is None:
+        report["ort_error"] = "no interpreter with onnxruntime-training (--ort-python or GRADGEN_ORT_TRAINING_PYTHON)"
+        return report
+    with tempfile.TemporaryDirectory(prefix="gradgen-bench-build-", dir=workdir) as tmp:
+        import onnx
+
+        paths = {k: Path(tmp) / f"{k}.json" for k in ("task", "result")}
+        onnx.save(proto, Path(tmp) / "model.onnx")
+        paths["task"].write_text(json.dumps({"loss": built.loss, "wrt": built.wrt, "repeats": repeats}))
+        script = Path(__file__).with_name("ort_builder.py")
+        command = [python, str(script), str(Path(tmp) / "model.onnx"), str(paths["task"]), str(paths["result"])]
+        try:
+            proc = subprocess.run(command, env=thread_env(1), capture_output=True, text=True, check=False)
+        except OSError as exc:
+            report["ort_error"] = f"cannot run {python}: {exc.strerror}"
+            return report
+        if proc.returncode != 0 or not paths["result"].exists():
+            lines = (proc.stderr or "").strip().splitlines()
+            report["ort_error"] = f"{python} exited with code {proc.returncode}: {lines[-1] if lines else 'no output'}"
+        else:
+            report["ort"] = json.loads(paths["result"].read_text())
+    return report
+
+
+def ort_training_python(given: str | None = None) -> str | None:
+    """An interpreter with onnxruntime-training: ``given``, else $GRADGEN_ORT_TRAINING_PYTHON, else
+    this one where it has the package."""
+    given = given or os.environ.get("GRADGEN_ORT_TRAINING_PYTHON")
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("onnxruntime.training") is not None else None
 
 
 def run(options: CpuOptions) -> dict:
@@ -224,7 +261,7 @@ def run(options: CpuOptions) -> dict:
     report["header"]["load_after_steps"] = _load()
     if options.build_layers:
         print(f"-- build-backward of a {options.build_layers}-layer GPT-2 layout", flush=True)
-        report["build"] = measure_build(options.build_layers)
+        report["build"] = measure_build(options.build_layers, ort_python=options.ort_python, workdir=options.keep_dir)
     _save(options, report)
     print(format_report(report), flush=True)
     return report
@@ -295,6 +332,15 @@ def format_report(report: dict) -> str:
         lines.append(
             f"build-backward, GPT-2 layout {build['layers']} layers (width {build['width']}): "
             f"{build['build_s']:.2f} s for {build['forward_nodes']} forward nodes "
-            f"({build['us_per_forward_node']:.0f} us per node), in-process, median of {len(build['times_s'])}"
+            f"({build['us_per_forward_node']:.0f} us per node), in-process, fastest of {len(build['times_s'])}"
         )
+        ort = build.get("ort")
+        if ort:
+            lines.append(
+                f"  ONNX Runtime training {ort['onnxruntime']}'s C++ gradient builder on the same model: {ort['build_s']:.2f} s "
+                f"(+ {ort['get_model_s']:.2f} s to serialize it), fastest of {len(ort['times_s'])}; "
+                f"gradgen/ORT {fmt_ratio(build['build_s'], ort['build_s'])}"
+            )
+        else:
+            lines.append(f"  ONNX Runtime's gradient builder not timed: {build.get('ort_error')}")
     return "\n".join(lines)
