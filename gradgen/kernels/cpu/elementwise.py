@@ -648,20 +648,6 @@ def relu_grad(dY, X):
     return np.where(X > 0, dY, np.zeros((), dtype=dY.dtype)).astype(dY.dtype, copy=False)
 
 
-@cpu_into("ReluGrad", domain=MICROSOFT)
-def relu_grad_into(position, dY, X):
-    """``relu_grad`` written over dY or X: dY's elements where X > 0, +0 elsewhere."""
-    if dY.shape != X.shape or dY.dtype != X.dtype or not X.flags.c_contiguous or not dY.flags.c_contiguous:
-        return None
-    keep = X > 0  # read before X may be overwritten
-    if position == 1:
-        np.copyto(X, dY, where=keep)
-    np.logical_not(keep, out=keep)
-    out = (dY, X)[position]
-    np.copyto(out, np.zeros((), dtype=out.dtype), where=keep)
-    return out
-
-
 @cpu_kernel("SigmoidGrad", domain=MICROSOFT)
 def sigmoid_grad(dY, Y):
     """dX = dY * Y * (1 - Y), from Sigmoid's output Y."""
