@@ -34,6 +34,7 @@ CPU_FAMILIES = (
     "norm",
     "optimizer",
     "pool",
+    "quantize",
     "recurrent",
     "reduction",
     "shape",

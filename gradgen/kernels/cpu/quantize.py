@@ -1,0 +1,111 @@
+"""CPU kernels: QuantizeLinear and DequantizeLinear (opsets 10-21), as ONNX Runtime and the ONNX
+reference evaluator compute them.
+
+The scale and zero point are per tensor (a scalar or a 1-element vector), per axis (a vector along
+``axis``) or, from opset 21, per block (x's shape with the ``axis`` dim divided into blocks of
+``block_size``). Quantized types: uint8, int8, uint16, int16 (and int32 for DequantizeLinear's
+input); the float8 and 4-bit types, which numpy cannot hold, are refused. Rounding is half to even,
+and the result saturates to the type's range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradgen.errors import KernelError
+from gradgen.kernels.table import cpu_kernel
+
+# TensorProto data type numbers of the integer types gradgen quantizes to (output_dtype's values)
+_OUTPUT_DTYPES = {2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16}
+_QUANTIZED = (np.uint8, np.int8, np.uint16, np.int16)
+
+
+def spread(value: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int, what: str) -> np.ndarray:
+    """A scale or zero point broadcastable to x's ``shape``: per tensor as it is, per axis reshaped
+    along ``axis``, per block repeated ``block_size`` times along it (the last block may be short)."""
+    if value.ndim == 0 or (value.ndim == 1 and value.size == 1 and not block_size):
+        return value.reshape(())
+    axis = _axis(axis, len(shape))
+    if not block_size:
+        if value.ndim != 1 or value.shape[0] != shape[axis]:
+            raise KernelError(
+                f"{what} of shape {list(value.shape)} is neither a scalar nor a vector of the {shape[axis]} "
+                f"elements of x's axis {axis} (x is {list(shape)})"
+            )
+        return value.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    if block_size < 0:
+        raise KernelError(f"block_size must be positive, got {block_size}")
+    blocks = -(-shape[axis] // block_size)
+    want = tuple(blocks if i == axis else d for i, d in enumerate(shape))
+    if value.shape != want:
+        raise KernelError(
+            f"{what} of shape {list(value.shape)} does not block x {list(shape)} along axis {axis} "
+            f"in blocks of {block_size} (expected {list(want)})"
+        )
+    return np.repeat(value, block_size, axis=axis).take(np.arange(shape[axis]), axis=axis)
+
+
+def _axis(axis: int, rank: int) -> int:
+    if rank == 0:
+        return 0
+    if not -rank <= axis < rank:
+        raise KernelError(f"axis {axis} is out of range for x of rank {rank}")
+    return axis % rank
+
+
+def _integer_type(dtype: np.dtype, what: str, allowed=_QUANTIZED) -> type:
+    for t in allowed:
+        if dtype == t:
+            return t
+    names = ", ".join(np.dtype(t).name for t in allowed)
+    raise KernelError(f"{what} has type {dtype}; gradgen quantizes to {names} only (no float8 or 4-bit types)")
+
+
+def _compute_dtype(dtype: np.dtype) -> type:
+    """float32 for float32 and the half types (ONNX Runtime's), float64 for float64."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+@cpu_kernel("QuantizeLinear")
+def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, saturate=1, block_size=0, output_dtype=0, precision=0):
+    """y = saturate(round_half_even(x / y_scale) + y_zero_point), uint8 when the zero point is absent
+    (or of ``output_dtype``, opset 21)."""
+    if precision:
+        raise KernelError("QuantizeLinear's precision attribute (opset 23) is not supported")
+    if x.dtype.kind != "f" or y_scale.dtype.kind != "f":
+        raise KernelError(f"QuantizeLinear takes a float x and y_scale, got {x.dtype} and {y_scale.dtype}")
+    if y_zero_point is not None:
+        out = _integer_type(y_zero_point.dtype, "y_zero_point")
+        if output_dtype and _OUTPUT_DTYPES.get(output_dtype) is not out:
+            raise KernelError(f"output_dtype {output_dtype} differs from y_zero_point's type {y_zero_point.dtype}")
+    elif output_dtype:
+        if output_dtype not in _OUTPUT_DTYPES:
+            raise KernelError(f"output_dtype {output_dtype} is not a type gradgen quantizes to (uint8, int8, uint16, int16)")
+        out = _OUTPUT_DTYPES[output_dtype]
+    else:
+        out = np.uint8
+    compute = _compute_dtype(x.dtype)
+    scale = spread(y_scale, x.shape, axis, block_size, "y_scale").astype(compute, copy=False)
+    q = np.rint(x.astype(compute, copy=False) / scale)
+    if y_zero_point is not None:
+        q = q + spread(y_zero_point, x.shape, axis, block_size, "y_zero_point").astype(compute)
+    info = np.iinfo(out)
+    return np.clip(q, info.min, info.max).astype(out)
+
+
+@cpu_kernel("DequantizeLinear")
+def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_dtype=0):
+    """y = (x - x_zero_point) * x_scale, of x_scale's type (the difference taken in integers)."""
+    if output_dtype:
+        raise KernelError("DequantizeLinear's output_dtype attribute (opset 23) is not supported")
+    kind = _integer_type(x.dtype, "x", (*_QUANTIZED, np.int32))
+    if x_scale.dtype.kind != "f":
+        raise KernelError(f"DequantizeLinear takes a float x_scale, got {x_scale.dtype}")
+    diff = x.astype(np.int64)
+    if x_zero_point is not None:
+        if x_zero_point.dtype != kind:
+            raise KernelError(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}: they must be one type")
+        diff = diff - spread(x_zero_point, x.shape, axis, block_size, "x_zero_point").astype(np.int64)
+    compute = _compute_dtype(x_scale.dtype)
+    scale = spread(x_scale, x.shape, axis, block_size, "x_scale").astype(compute, copy=False)
+    return (diff.astype(compute) * scale).astype(x_scale.dtype, copy=False)
