@@ -62,6 +62,9 @@ ZERO_BY_DEFINITION = {
     # the ratio does not act in inference mode; in training mode it draws the random mask (a step
     # function of it), and neither ONNX Runtime training nor PyTorch differentiates it
     ("", "Dropout"): {1},
+    # the rois are rounded to whole pixels before the bins are cut, so the output is piecewise
+    # constant in them (zero gradient almost everywhere; torchvision's roi_pool gives them none either)
+    ("", "MaxRoiPool"): {1},
 }
 
 
