@@ -1443,6 +1443,28 @@ def deform_conv_cases(draw, op):
     return finish(draw, case, symbolic_ok=False)
 
 
+@st.composite
+def dequantize_cases(draw, op):
+    """DequantizeLinear: the float scale (per tensor or per axis); x and the zero point are integers."""
+    rng = _rng(draw)
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank)))
+    axis = draw(st.integers(-rank, rank - 1))
+    dtype = draw(st.sampled_from([np.uint8, np.int8, np.int16, np.int32]))
+    per_axis = draw(st.booleans())
+    param_shape = (shape[axis],) if per_axis else draw(st.sampled_from([(), (1,)]))
+    low, high = (-100, 100) if dtype != np.uint8 else (0, 200)
+    x = rng.integers(low, high, shape).astype(dtype)
+    zero = None if dtype == np.int32 or draw(st.booleans()) else rng.integers(low, high, param_shape).astype(dtype)
+    attrs = {"axis": axis} if per_axis else {}
+    case = OpCase(op, [x, rng.uniform(0.05, 0.5, param_shape), zero], attrs, opset=21 if dtype == np.int16 else 19, diff=(1,))
+    case = finish(draw, case)
+    case.graph_inputs = frozenset([1]) if draw(st.booleans()) else frozenset()
+    if case.dtype == np.float64:
+        case.ort = "the spec and ONNX Runtime take float32 / float16 / bfloat16 scales only"
+    return case
+
+
 GENERATORS: dict[str, Callable] = {}
 for _op in [*UNARY, *UNARY_SPECS, "LeakyRelu", "Elu", "Celu", "Selu", "ThresholdedRelu", "HardSigmoid", "Gelu"]:
     GENERATORS[_op] = unary_cases
@@ -1509,6 +1531,7 @@ for _op in ["GridSample", "AffineGrid", "RoiAlign", "MaxRoiPool"]:
 for _op in ["Det", "CenterCropPad", "Col2Im", "RotaryEmbedding", "DFT"]:
     GENERATORS[_op] = linear_map_cases
 GENERATORS["Attention"] = attention_cases
+GENERATORS["DequantizeLinear"] = dequantize_cases
 
 OPS = sorted(GENERATORS)
 

@@ -11,7 +11,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from gradgen.errors import GradgenError
+import gradgen
+from gradgen.errors import GradgenError, ModelError
 from gradgen.executor import Session
 
 _TYPES = {np.uint8: TensorProto.UINT8, np.int8: TensorProto.INT8, np.uint16: TensorProto.UINT16, np.int16: TensorProto.INT16}
@@ -163,3 +164,88 @@ def test_bad_input_is_one_line_naming_the_node(op, feeds, out, opset, attrs, mes
         Session(_model(op, feeds, out, opset, **attrs)).run(feeds)
     text = str(info.value)
     assert "\n" not in text and "'q'" in text and message in text, text
+
+
+# -- gradients --------------------------------------------------------------------------------------
+
+
+def _qdq_model(share_scale: bool = True) -> onnx.ModelProto:
+    """loss = sum(MatMul(DQ(Q(a)), DQ(W_int8)) * r): an activation QDQ pair (its scale shared by Q
+    and DQ unless ``share_scale`` is off) feeding a layer with int8 weights and a float weight scale."""
+    rng = np.random.default_rng(3)
+    inits = [
+        onnx.numpy_helper.from_array(np.array(0.05, np.float32), "a_scale"),
+        onnx.numpy_helper.from_array(np.array(0.05, np.float32), "a_scale_dq"),
+        onnx.numpy_helper.from_array(np.array(3, np.int8), "a_zero"),
+        onnx.numpy_helper.from_array(rng.integers(-100, 100, (4, 3)).astype(np.int8), "w_q"),
+        onnx.numpy_helper.from_array(rng.uniform(0.01, 0.1, 3).astype(np.float32), "w_scale"),
+        onnx.numpy_helper.from_array(rng.uniform(0.5, 1.5, (2, 3)).astype(np.float32), "r"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["a", "a_scale", "a_zero"], ["a_q"], name="quant_a"),
+        helper.make_node(
+            "DequantizeLinear", ["a_q", "a_scale" if share_scale else "a_scale_dq", "a_zero"], ["a_dq"], name="deq_a"
+        ),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], axis=1, name="deq_w"),
+        helper.make_node("MatMul", ["a_dq", "w"], ["h"], name="mm"),
+        helper.make_node("Mul", ["h", "r"], ["p"], name="mul"),
+        helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "qdq",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+
+def _one_line_error(**kwargs) -> str:
+    with pytest.raises(ModelError) as info:
+        gradgen.build_backward(_qdq_model(kwargs.pop("share_scale", True)), **kwargs)
+    text = str(info.value)
+    assert "\n" not in text, text
+    return text
+
+
+def test_a_gradient_through_quantize_linear_is_refused_naming_the_node():
+    text = _one_line_error(wrt_inputs=True, wrt=["w_scale"])  # a reaches Q's x
+    assert "input 0 ('a') of QuantizeLinear node 'quant_a'" in text, text
+    # by default the shared activation scale is a parameter (DequantizeLinear's), and it reaches Q too
+    text = _one_line_error()
+    assert "input 1 ('a_scale') of QuantizeLinear node 'quant_a'" in text, text
+
+
+def test_the_weight_scale_gradient_is_dy_times_the_centred_integers():
+    a = np.random.default_rng(4).normal(size=(2, 4)).astype(np.float32)
+    for built in (
+        gradgen.build_backward(_qdq_model(), freeze=["a_scale"]),
+        gradgen.build_backward(_qdq_model(share_scale=False), wrt=["w_scale", "a_scale_dq"]),
+    ):
+        got = Session(built.model).run({"a": a})
+        feeds = {name: onnx.numpy_helper.to_array(t) for name, t in [(t.name, t) for t in _qdq_model().graph.initializer]}
+        a_q = np.clip(np.rint(a / np.float32(0.05)) + 3, -128, 127)
+        a_dq = ((a_q - 3) * np.float32(0.05)).astype(np.float32)
+        dw = a_dq.T.astype(np.float64) @ feeds["r"].astype(np.float64)  # dloss/dw, w = w_q * w_scale
+        np.testing.assert_allclose(got["w_scale_grad"], (dw * feeds["w_q"]).sum(axis=0), rtol=1e-5)
+        if "a_scale_dq_grad" in got:  # dloss/da_dq . (a_q - zero)
+            da = feeds["r"].astype(np.float64) @ (feeds["w_q"] * feeds["w_scale"]).T.astype(np.float64)
+            np.testing.assert_allclose(got["a_scale_dq_grad"], (da * (a_q - 3)).sum(), rtol=1e-5)
+    assert "a_scale_dq_grad" in got
+
+
+def test_block_quantization_gradient_is_refused_naming_the_node():
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["x", "s"], ["y"], axis=1, block_size=2, name="deq_blocks"),
+            helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+        ],
+        "blocks",
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[onnx.numpy_helper.from_array(np.ones((2, 4), np.int8), "x")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    with pytest.raises(ModelError, match="DequantizeLinear node 'deq_blocks': .*block"):
+        gradgen.build_backward(model, wrt_inputs=True)

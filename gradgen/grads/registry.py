@@ -21,6 +21,7 @@ FAMILIES = (
     "matmul",
     "norm",
     "pool",
+    "quantize",
     "recurrent",
     "reduction",
     "shape",

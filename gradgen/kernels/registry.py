@@ -56,6 +56,8 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
     ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
+    ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",
+    ("", "DequantizeLinear"): "no CUDA launcher yet",
     # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "AffineGrid"): "no CUDA launcher yet",
     ("", "CenterCropPad"): "no CUDA launcher yet",

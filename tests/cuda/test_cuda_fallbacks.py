@@ -64,6 +64,21 @@ def _argmax_model():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
 
 
+def _quantize_model():
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=0)
+    graph = helper.make_graph(
+        [node],
+        "quantize",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 4] if n == "x" else [3]) for n in ("x", "s")]
+        + [helper.make_tensor_value_info("z", TensorProto.INT8, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.INT8, None)],
+    )
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(3, 4)).astype(np.float32), "s": np.array([0.01, 0.02, 0.05], np.float32)}
+    feeds["z"] = np.array([-3, 0, 7], np.int8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), feeds
+
+
 # op -> a forward model holding it, and its feeds
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
@@ -88,6 +103,8 @@ MODELS = {
     "Mean": lambda: _case_model("Mean"),
     "Range": _range_model,
     "DynamicQuantizeLinear": _dynamic_quantize_model,
+    "QuantizeLinear": _quantize_model,
+    "DequantizeLinear": lambda: _case_model("DequantizeLinear"),
     "Resize": lambda: _case_model("Resize"),
     "RoiAlign": lambda: _case_model("RoiAlign"),
     "MaxRoiPool": lambda: _case_model("MaxRoiPool"),
