@@ -170,3 +170,57 @@ def test_only_an_array_nothing_else_refers_to_counts_as_overwritable():
     view = values["b"][1:]  # noqa: F841 -- a view keeps b's memory in use
     assert not session_module._overwritable(args, 1)
     assert not session_module._overwritable((values["a"][1:],), 0)  # a view owns no memory
+
+
+@pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
+def test_scatter_nd_in_place_gives_the_kernels_result_bit_for_bit(reduction):
+    entry = registry.lookup("", "ScatterND")
+    data = _values((7, 3, 4), np.float32, 0)
+    indices = np.array([[2], [-1], [2], [0], [6]], np.int64)  # a repeated row and a negative one
+    updates = _values((5, 3, 4), np.float32, 1)
+    target = data.copy()
+    with np.errstate(invalid="ignore"):  # max / min of the NaN in data
+        expected = entry.cpu(data, indices, updates, reduction=reduction)
+        result = entry.cpu_into(0, target, indices, updates, reduction=reduction)
+    assert result is target
+    assert result.dtype == expected.dtype and result.shape == expected.shape
+    assert result.tobytes() == expected.tobytes()
+
+
+def test_scatter_nd_in_place_refuses_what_it_cannot_write_whole():
+    into = registry.lookup("", "ScatterND").cpu_into
+    data = np.zeros((4, 3), np.float32)
+    updates = np.ones((2, 3), np.float32)
+    assert into(0, data, np.array([[1], [4]]), updates, reduction="add") is None  # out of range: the kernel says so
+    assert into(0, data, np.array([[1], [2]]), updates, reduction="none") is None  # the last write wins: the kernel's path
+    assert into(0, data, np.array([[1, 0], [2, 1]]), np.ones(2, np.float32), reduction="add") is None  # element indices
+    assert into(2, data, np.array([[1], [2]]), updates, reduction="add") is None  # not the data input
+    other = np.zeros((4, 3), np.dtype("<f4").newbyteorder("="))  # an equal dtype of another instance
+    if other.dtype is not np.dtype(np.float32):
+        assert into(0, other, np.array([[1], [2]]), updates, reduction="add") is None
+    assert not data.any()
+
+
+def test_an_embedding_gradient_scatters_into_its_zeros_in_place():
+    nodes = [
+        helper.make_node(
+            "ConstantOfShape",
+            ["shape"],
+            ["zeros"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]),
+        ),
+        helper.make_node("ScatterND", ["zeros", "rows", "u"], ["g"], reduction="add"),
+    ]
+    initializers = [
+        helper.make_tensor("shape", TensorProto.INT64, [2], [6, 3]),
+        helper.make_tensor("rows", TensorProto.INT64, [4, 1], [5, 0, 5, -2]),
+    ]
+    model = _model(nodes, [("u", [4, 3])], ["g"], initializers)
+    u = np.arange(12, dtype=np.float32).reshape(4, 3) / 3
+    sess = session_module.Session(model)
+    for _ in range(2):
+        out, reused = _reused_steps(sess, {"u": u})
+        expected = np.zeros((6, 3), np.float32)
+        np.add.at(expected, np.array([5, 0, 5, -2]), u)
+        assert out["g"].tobytes() == expected.tobytes()
+        assert reused == ["ScatterND"]

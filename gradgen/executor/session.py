@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import heapq
 import operator
 import os
@@ -49,6 +50,7 @@ class Step:
     call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
     metadata: dict[str, str] | None = None  # the node's metadata (the optimizer's tags: gradgen/training/optimizers.py)
     reuse: tuple[int, ...] = ()  # CPU: input positions the step may write its result over (``_plan_reuse``)
+    into: Any = None  # CPU: the in-place form, (position, *args) -> its result or None (``_plan_reuse``)
 
 
 class CpuBackend:
@@ -92,7 +94,7 @@ class CpuBackend:
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
         for position in step.reuse:
             if _overwritable(args, position):
-                result = step.entry.cpu_into(position, *args)
+                result = step.into(position, *args)
                 if result is not None:
                     return result
         return step.call(*args)
@@ -546,6 +548,8 @@ def _plan_reuse(steps: list[Step], protected: set[str]) -> None:
             continue
         dying = set(step.free_after) - protected
         step.reuse = tuple(i for i, name in enumerate(step.inputs) if name in dying and step.inputs.count(name) == 1)
+        into = step.entry.cpu_into
+        step.into = functools.partial(into, **step.attributes) if step.entry.cpu_into_attributes else into
 
 
 def _gatherer(names: list[str | None]):

@@ -69,6 +69,7 @@ class KernelEntry:
     cpu_prepare: Callable[[tuple, dict], Kernel | None] | None = None
     # (position, *args) -> the kernel's result written into args[position], or None; see ``cpu_into``
     cpu_into: Callable[..., object] | None = None
+    cpu_into_attributes: bool = False  # cpu_into takes the node's attributes as keywords
 
     @property
     def cpu_family(self) -> str | None:
@@ -124,7 +125,8 @@ def cpu_into(*op_types: str, domain: str = ONNX_DOMAIN):
     """Register the in-place form of the CPU kernel of one or more op types: ``fn(position, *args)``
     writes the kernel's result, bit for bit, into ``args[position]`` (an input that dies at this
     step and that nothing else holds: the executor checks) and returns it, or returns None, having
-    written nothing, where it cannot (another shape or dtype); the executor then calls the kernel."""
+    written nothing, where it cannot (another shape or dtype); the executor then calls the kernel.
+    A form with keyword-only parameters gets the node's attributes, as the kernel does."""
 
     def register(fn):
         for op_type in op_types:
@@ -132,6 +134,7 @@ def cpu_into(*op_types: str, domain: str = ONNX_DOMAIN):
             if entry.cpu_into is not None:
                 raise RuntimeError(f"duplicate in-place CPU kernel for {domain}::{op_type}")
             entry.cpu_into = fn
+            entry.cpu_into_attributes = any(p.kind is p.KEYWORD_ONLY for p in inspect.signature(fn).parameters.values())
         return fn
 
     return register

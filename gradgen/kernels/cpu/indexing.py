@@ -22,7 +22,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
-from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
+from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
@@ -445,3 +445,36 @@ def prepare_scatter_nd(constants: tuple, attrs: dict):
         return scatter_nd(data, indices, updates, reduction=reduction)
 
     return run
+
+
+@cpu_into("ScatterND")
+def scatter_nd_into(position, data, indices, updates, *, reduction="none"):
+    """ScatterND with a reduction written into ``data`` where it dies at the step (an embedding's
+    gradient: the zeros it starts from are not copied), for row indices all in range and a data
+    array of numpy's own dtype instance (``_writable_copy``); the kernel's ``ufunc.at`` call, so
+    the same bits. None (nothing written) otherwise."""
+    ufunc = _REDUCTIONS.get(reduction)
+    rows = indices.shape[:-1]
+    if (
+        position != 0
+        or ufunc is None
+        or indices.ndim < 1
+        or indices.shape[-1] != 1
+        or data.ndim < 1
+        or indices.dtype.kind != "i"
+        or updates.shape != rows + data.shape[1:]
+        or data.dtype is not _canonical(data.dtype)
+        or not _rows_in_range(indices, data.shape[0])
+    ):
+        return None
+    inner = _row_size(data.shape)
+    flat = np.multiply(indices, inner, dtype=np.int64)
+    if inner > 1:
+        flat = flat + np.arange(inner, dtype=np.int64)
+    ufunc.at(data.reshape(-1), flat.reshape(-1), _as_dtype_of(updates, data).reshape(-1))
+    return data
+
+
+def _rows_in_range(indices: np.ndarray, rows: int) -> bool:
+    """Every index in [-rows, rows) (checked before an in-place scatter writes anything)."""
+    return not indices.size or (-rows <= int(indices.min()) and int(indices.max()) < rows)

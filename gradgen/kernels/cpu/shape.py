@@ -394,7 +394,10 @@ def constant_of_shape(shape, *, value=None):
     value = np.asarray(value)
     if value.size != 1:
         raise KernelError(f"value must hold one element, got {value.size}")
-    return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
+    fill = value.reshape(-1)[0]
+    if value.dtype.kind in "biuf" and value.dtype.isnative and not fill and not (value.dtype.kind == "f" and np.signbit(fill)):
+        return np.zeros(dims, dtype=value.dtype.type)  # calloc'd zeros: no fill pass (not for -0.0)
+    return np.full(dims, fill, dtype=value.dtype)
 
 
 @cpu_kernel("Constant")
