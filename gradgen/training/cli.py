@@ -29,7 +29,8 @@ def train(
     data: Path = typer.Option(
         ...,
         "--data",
-        help=".npz of training data: one array per data input of the model (named after it), samples along the first axis.",
+        help=".npz of training data: one array per data input of the model (named after it), samples along the first axis; "
+        "or a directory of such .npz shards (read lazily, in the order of their names).",
     ),
     optimizer: str = typer.Option("adamw", "--optimizer", help="sgd or adamw."),
     lr: float = typer.Option(..., "--lr", help="Peak learning rate."),
@@ -79,7 +80,8 @@ def train(
     eval_data: Optional[Path] = typer.Option(
         None,
         "--eval-data",
-        help=".npz of evaluation data (as --data); its mean loss is reported at the end and every --eval-every steps.",
+        help=".npz or directory of .npz shards of evaluation data (as --data); "
+        "its mean loss is reported at the end and every --eval-every steps.",
     ),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="Evaluate every this many steps."),
     checkpoint_dir: Optional[Path] = typer.Option(

@@ -16,16 +16,19 @@ from gradgen.errors import RunError, UsageError
 from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_loss_curve
 from gradgen.training.checkpoint import FILE_NAME, check_checkpoint, load_checkpoint, save_checkpoint
 from gradgen.training.data import (
+    Dataset,
+    SequentialBatches,
     ShuffledBatches,
     check_arrays,
     default_batch_size,
-    load_arrays,
+    open_data,
     sequential_batches,
 )
 from gradgen.training.losses import LossSpec
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.program import TrainingProgram, build_training
 from gradgen.training.schedules import Schedule
+from gradgen.training.shards import NpzShards, ShardReadError
 from gradgen.training.trainer import Callback, NonFiniteLossError, Trainer
 
 
@@ -111,6 +114,9 @@ def prepare_checkpoint_dir(o: TrainOptions) -> Path | None:
     directory = o.checkpoint_dir
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"--checkpoint-dir {directory}: not a directory")
+    for what, data in (("--data", o.data), ("--eval-data", o.eval_data)):
+        if data is not None and data.is_dir() and directory.resolve() == data.resolve():
+            raise UsageError(f"--checkpoint-dir {directory} is the {what} directory: its checkpoint.npz would be read as a shard")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -171,13 +177,13 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
             f"{' and more' if len(scalars) > 5 else ''}; exporters store constants as initializers too: "
             "--freeze those that are not parameters"
         )
-    arrays = load_arrays(o.data, "--data")
+    data = _open_data(o.data, "--data", say)
     batch_size = o.batch_size or default_batch_size(program.data_inputs)
     if batch_size is None:
         raise UsageError("pass --batch-size: the model's data inputs have no common fixed batch dimension")
-    check_arrays(arrays, program.data_inputs, batch_size, f"--data {o.data}")
+    check_arrays(data, program.data_inputs, batch_size, f"--data {o.data}")
     eval_batches = _eval_batches(o, program, batch_size, say)
-    data_record = {"seed": o.seed, "batch_size": batch_size, "accumulation": o.accumulate}
+    data_record = {"seed": o.seed, "batch_size": batch_size, "accumulation": o.accumulate, "samples": data.count}
 
     history = History()
     trainer = Trainer(program, lr=schedule, device=o.device, callbacks=[history])
@@ -212,7 +218,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     trainer.callbacks += [c for c in (csv_log, Progress(o.steps)) if c is not None]
     if checkpoint is not None:
         trainer.callbacks.append(PeriodicCheckpoint(o.checkpoint_every, save))
-    batches = ShuffledBatches(arrays, batch_size, o.seed, start=start * o.accumulate)
+    batches = ShuffledBatches(data, batch_size, o.seed, start=start * o.accumulate)
     say(
         f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
         f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else "")
@@ -225,6 +231,11 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
             raise RunError(f"{exc} (no --checkpoint-dir: nothing saved)") from None
         save()
         raise RunError(f"{exc}, saved in {checkpoint}") from None
+    except ShardReadError as exc:
+        if checkpoint is None:
+            raise
+        save()
+        raise ShardReadError(f"{exc}; step {trainer.step} saved in {checkpoint}") from None
     except KeyboardInterrupt:
         if checkpoint is not None:
             save()
@@ -249,15 +260,15 @@ def _check_writable(o: TrainOptions, *paths: Path | None) -> None:
             check_output_path(path, o.model, o.data, *([o.eval_data] if o.eval_data else []))
 
 
-def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, say) -> list | None:
+def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, say) -> SequentialBatches | None:
     if o.eval_data is None:
         if o.eval_every:
             raise UsageError("--eval-every needs --eval-data")
         return None
-    arrays = load_arrays(o.eval_data, "--eval-data")
-    check_arrays(arrays, program.data_inputs, batch_size, f"--eval-data {o.eval_data}")
-    batches = sequential_batches(arrays, batch_size)
-    count = len(next(iter(arrays.values())))
+    data = _open_data(o.eval_data, "--eval-data", say)
+    check_arrays(data, program.data_inputs, batch_size, f"--eval-data {o.eval_data}")
+    batches = sequential_batches(data, batch_size)
+    count = data.count
     if count % batch_size:
         say(
             f"note: evaluation uses {len(batches) * batch_size} of the {count} samples of {o.eval_data} "
@@ -266,11 +277,31 @@ def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, sa
     return batches
 
 
+def _open_data(path: Path, what: str, say) -> Dataset:
+    """The dataset of --data / --eval-data (an .npz, or a directory of .npz shards); notes what a
+    directory holds besides its shards, and compressed shards larger than the cache."""
+    data = open_data(path, what)
+    if isinstance(data, NpzShards):
+        if data.ignored:
+            names = ", ".join(data.ignored[:5]) + (f" and {len(data.ignored) - 5} more" if len(data.ignored) > 5 else "")
+            say(f"note: {what} {path}: ignoring what is not an .npz shard: {names}")
+        if data.compressed_bytes > data.cache_bytes:
+            say(
+                f"note: {what} {path}: the compressed shards hold {data.compressed_bytes / 2**20:.0f} MiB, more than the "
+                f"{data.cache_bytes / 2**20:.0f} MiB cache: shuffled batches decompress shards again and again; "
+                "shards saved uncompressed (numpy.savez) are memory-mapped instead"
+            )
+    return data
+
+
 def _check_same_data_order(checkpoint: Path, saved: dict, now: dict) -> None:
+    """The data order the checkpoint recorded is this run's (a record without a sample count,
+    from before it was recorded, is not checked on it)."""
+    flags = {"accumulation": "--accumulate", "samples": "samples in --data"}
     changed = [
-        f"--{k.replace('_', '-') if k != 'accumulation' else 'accumulate'} {saved.get(k)} -> {now[k]}"
+        f"{flags.get(k, '--' + k.replace('_', '-'))} {saved.get(k)} -> {now[k]}"
         for k in now
-        if saved.get(k) != now[k]
+        if saved.get(k) != now[k] and (k in saved or k != "samples")
     ]
     if changed:
         raise UsageError(

@@ -6,12 +6,17 @@ batches in an order fixed by the seed alone: epoch ``e`` is a permutation drawn 
 ``numpy.random.default_rng([seed, e])``, each epoch yields its full batches (a remainder smaller
 than the batch is left out of that epoch), so the batch at any position is known without replaying
 the ones before it, and a resumed run sees exactly the batches an uninterrupted one would.
+
+Data is a ``Dataset``: ``ArrayDataset`` (arrays in memory, as ``load_arrays`` reads one .npz) or
+``NpzShards`` (a directory of .npz shards read lazily, see its docstring); ``open_data`` picks one
+from a path. The permutation runs over all samples of the dataset, so a directory of shards gives
+the batches of one .npz holding the same samples in the shards' order.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence, Union
 
 import numpy as np
 import onnx_ir as ir
@@ -43,31 +48,32 @@ def default_batch_size(inputs: list[ir.Value]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def check_arrays(arrays: Mapping[str, np.ndarray], inputs: list[ir.Value], batch_size: int, where: str = "--data") -> None:
-    """The arrays fit the model's data inputs: same names, dtypes and per-sample shapes, enough samples."""
+def check_arrays(data: Data, inputs: list[ir.Value], batch_size: int, where: str = "--data") -> None:
+    """The data fits the model's data inputs: same names, dtypes and per-sample shapes, enough samples."""
+    data = as_dataset(data)
     wanted = value_names(inputs)
-    problems = name_mismatch(wanted, arrays, "no array for input(s) {}", "array(s) {} name no data input")
+    problems = name_mismatch(wanted, data.specs, "no array for input(s) {}", "array(s) {} name no data input")
     if problems:
         raise RunError(f"{where}: {problems}; the model's data inputs are {quoted(wanted)}")
     for value in inputs:
-        _check_one(arrays[value_name(value)], value, batch_size, where)
-    count = len(next(iter(arrays.values())))
-    if count < batch_size:
-        raise RunError(f"{where}: {count} sample(s), fewer than one batch of {batch_size}")
+        dtype, sample_shape = data.specs[value_name(value)]
+        _check_one(dtype, sample_shape, value, batch_size, where)
+    if data.count < batch_size:
+        raise RunError(f"{where}: {data.count} sample(s), fewer than one batch of {batch_size}")
 
 
-def _check_one(array: np.ndarray, value: ir.Value, batch_size: int, where: str) -> None:
+def _check_one(dtype: np.dtype, sample_shape: tuple[int, ...], value: ir.Value, batch_size: int, where: str) -> None:
     name = value.name
     if value.dtype is not None:
         want = np.dtype(value.dtype.numpy())
-        if array.dtype != want:
-            raise RunError(f"{where}: array {name!r} is {array.dtype}, but the model's input is {want}")
+        if dtype != want:
+            raise RunError(f"{where}: array {name!r} is {dtype}, but the model's input is {want}")
     if value.shape is None:
         return
     declared = [d if isinstance(d, int) else (d.value or "?") for d in value.shape]
-    if array.ndim != len(declared):
+    if len(sample_shape) + 1 != len(declared):
         raise RunError(
-            f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the model's "
+            f"{where}: array {name!r} has samples of shape {list(sample_shape)}, but the model's "
             f"input has shape {declared} (batch first)"
         )
     if isinstance(declared[0], int) and declared[0] != batch_size:
@@ -75,23 +81,23 @@ def _check_one(array: np.ndarray, value: ir.Value, batch_size: int, where: str) 
             f"batch size {batch_size}: the model's input {name!r} has a fixed batch dimension of "
             f"{declared[0]} (shape {declared}); use --batch-size {declared[0]}"
         )
-    for axis, (size, dim) in enumerate(zip(array.shape[1:], declared[1:]), start=1):
+    for axis, (size, dim) in enumerate(zip(sample_shape, declared[1:]), start=1):
         if isinstance(dim, int) and size != dim:
             raise RunError(
-                f"{where}: array {name!r} has samples of shape {list(array.shape[1:])}, but the "
+                f"{where}: array {name!r} has samples of shape {list(sample_shape)}, but the "
                 f"model's input has shape {declared} (dimension {axis} is {dim})"
             )
 
 
 class ShuffledBatches:
-    """Endless seeded batches from ``arrays``, starting after ``start`` batches."""
+    """Endless seeded batches from ``data`` (arrays or a ``Dataset``), starting after ``start`` batches."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, seed: int, start: int = 0):
-        self.arrays = dict(arrays)
+    def __init__(self, data: Data, batch_size: int, seed: int, start: int = 0):
+        self.data = as_dataset(data)
         self.batch_size = batch_size
         self.seed = seed
         self.position = start
-        self.count = len(next(iter(self.arrays.values())))
+        self.count = self.data.count
         self.per_epoch = self.count // batch_size
         if self.per_epoch == 0:
             raise RunError(f"{self.count} sample(s), fewer than one batch of {batch_size}")
@@ -106,11 +112,75 @@ class ShuffledBatches:
         if epoch != self._epoch or self._order is None:
             self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.count)
         rows = self._order[index * self.batch_size : (index + 1) * self.batch_size]
+        batch = self.data.take(rows)
         self.position += 1
+        return batch
+
+
+class SequentialBatches(Sequence):
+    """Every full batch of ``data`` in order, drawn when read (evaluation data); a remainder smaller
+    than a batch is left out."""
+
+    def __init__(self, data: Data, batch_size: int):
+        self.data = as_dataset(data)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return self.data.count // self.batch_size
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        start = (index % len(self)) * self.batch_size
+        return self.data.take(np.arange(start, start + self.batch_size))
+
+
+def sequential_batches(data: Data, batch_size: int) -> SequentialBatches:
+    """Every full batch in order (evaluation data); a remainder smaller than a batch is left out."""
+    return SequentialBatches(data, batch_size)
+
+
+class Dataset:
+    """Samples along a leading axis under one name per data input, read by rows.
+
+    ``specs`` maps each name to its dtype and per-sample shape; ``count`` is the number of samples;
+    ``take(rows)`` returns ``{name: array}`` holding those samples in that order.
+    """
+
+    specs: dict[str, tuple[np.dtype, tuple[int, ...]]]
+    count: int
+
+    def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class ArrayDataset(Dataset):
+    """Arrays in memory that share their leading (sample) dimension."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self.arrays = dict(arrays)
+        self.specs = {name: (a.dtype, tuple(a.shape[1:])) for name, a in self.arrays.items()}
+        self.count = len(next(iter(self.arrays.values())))
+
+    def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         return {name: array[rows] for name, array in self.arrays.items()}
 
 
-def sequential_batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
-    """Every full batch in order (evaluation data); a remainder smaller than a batch is left out."""
-    count = len(next(iter(arrays.values())))
-    return [{name: a[i : i + batch_size] for name, a in arrays.items()} for i in range(0, count - batch_size + 1, batch_size)]
+Data = Union[Dataset, Mapping[str, np.ndarray]]
+
+
+def as_dataset(data: Data) -> Dataset:
+    return data if isinstance(data, Dataset) else ArrayDataset(data)
+
+
+def open_data(path: str | Path, what: str = "--data") -> Dataset:
+    """The dataset at ``path``: one .npz file (read into memory) or a directory of .npz shards
+    (``NpzShards``, read lazily)."""
+    path = Path(path)
+    if path.is_dir():
+        from gradgen.training.shards import NpzShards
+
+        return NpzShards(path, what)
+    return ArrayDataset(load_arrays(path, what))
