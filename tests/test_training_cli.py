@@ -100,7 +100,7 @@ def test_train_gives_a_falling_loss_a_log_and_a_checkpoint(tmp_path, mlp_data, c
     assert "trained steps 1 to 120" in out and "evaluation loss at step 120" in out
     assert "step/s" in err and "note: evaluation uses 16 of the 18 samples" in err
     arrays, meta = checkpoint_arrays(ckpt / "checkpoint.npz")
-    assert meta["step"] == 120 and meta["data"] == {"seed": 0, "batch_size": 4, "accumulation": 1}
+    assert meta["step"] == 120 and meta["data"] == {"seed": 0, "batch_size": 4, "accumulation": 1, "samples": 64}
     assert "param/fc1.weight" in arrays and "state/exp_avg/fc1.weight" in arrays
     if _has_matplotlib():
         assert (ckpt / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -124,7 +124,7 @@ class NpzShards(Dataset):
         """Every shard has the first one's names, dtypes and per-sample shapes."""
         first_path, first = self.files[0], self.members[0]
         for path, members in zip(self.files[1:], self.members[1:]):
-            where = f"{self.what}: shard {path.name} and {first_path.name} (in {self.directory})"
+            where = f"{self.what} {self.directory}: shards {path.name} and {first_path.name}"
             missing = [name for name in first if name not in members]
             extra = [name for name in members if name not in first]
             if missing or extra:
@@ -134,10 +134,12 @@ class NpzShards(Dataset):
             for name, want in first.items():
                 got = members[name]
                 if got.dtype != want.dtype:
-                    raise UsageError(f"{where}: array {name!r} is {got.dtype} in {path.name}, {want.dtype} in {first_path.name}")
+                    raise UsageError(
+                        f"{where} differ: array {name!r} is {got.dtype} in {path.name}, {want.dtype} in {first_path.name}"
+                    )
                 if got.shape[1:] != want.shape[1:]:
                     raise UsageError(
-                        f"{where}: array {name!r} has samples of shape {list(got.shape[1:])} in {path.name}, "
+                        f"{where} differ: array {name!r} has samples of shape {list(got.shape[1:])} in {path.name}, "
                         f"{list(want.shape[1:])} in {first_path.name}"
                     )
 
