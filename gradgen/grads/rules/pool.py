@@ -36,6 +36,8 @@ def max_pool(g):
     has_indices = len(g.node.outputs) > 1 and g.node.outputs[1].name
     if has_indices and attrs.get("storage_order", 0) == 0:
         indices = g.y(1)
+    elif attrs.get("storage_order", 0) == 0:  # the forward node computes them too: no second pooling pass
+        indices = _saved_indices(g)
     else:  # recompute, always row-major so the flat index matches Reshape(X, [-1])
         attrs.pop("storage_order", None)
         indices = g.op_multi("MaxPool", [x], 2, **attrs)[1]
@@ -47,6 +49,19 @@ def max_pool(g):
     plane_indices = g.op("Mod", g.reshape(indices, y_lines, exact=True), plane)
     dx = g.op("ScatterElements", by_plane, plane_indices, g.reshape(g.dy(), y_lines, exact=True), axis=1, reduction="add")
     return [g.reshape_like(dx, x)]
+
+
+def _saved_indices(g) -> ir.Value:
+    """The forward MaxPool's Indices output (int64, Y's shape), added to the node, which then
+    computes them in the pass that computes Y (a second MaxPool for them read X again)."""
+    node, y = g.node, g.y(0)
+    if len(node.outputs) < 2:
+        node.resize_outputs(2)
+    indices = node.outputs[1]
+    g.rename(indices, f"{node.name or y.name}_Indices")
+    indices.type = ir.TensorType(ir.DataType.INT64)
+    indices.shape = y.shape
+    return indices
 
 
 @grad_rule("AveragePool")
