@@ -104,49 +104,66 @@ def conv_grad(
     if dY.shape != y_shape:
         raise KernelError(f"dY has shape {list(dY.shape)}, but Conv's output shape is {list(y_shape)}")
     acc = accumulation_dtype(X.dtype)
-    n, c = X.shape[:2]
-    m, cg = W.shape[:2]
+    n, m = X.shape[0], W.shape[0]
     g, mg, nd = group, m // group, X.ndim - 2
-    kernel, out = W.shape[2:], y_shape[2:]
-    p, k = math.prod(out), math.prod(kernel)
+    out = y_shape[2:]
+    p = math.prod(out)
     spatial_axes = tuple(range(2, 2 + nd))
     dy = dY.astype(acc, copy=False)
     # dY as (G, Mg, N*P): one matrix per group.
     dy_g = dy.reshape(n, g, mg, p).transpose(1, 2, 0, 3).reshape(g, mg, n * p)
+    geometry = (g, begin, end, strides, dilations, out)
     results = []
-    if _num_outputs >= 1 and not wanted[0]:
-        results.append(None)
-    elif _num_outputs >= 1:
-        w_t = W.astype(acc, copy=False).reshape(g, mg, cg * k).transpose(0, 2, 1)
-        cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P)
-        cols = cols.reshape(g, cg, k, n, *out).transpose(2, 3, 0, 1, *range(4, 4 + nd)).reshape(k, n, c, *out)
-        padded = [s + b + e for s, b, e in zip(X.shape[2:], begin, end)]
-        dxp = np.zeros((n, c, *padded), dtype=acc)
-        for position, offset in enumerate(np.ndindex(*kernel)):
-            window = tuple(slice(o * d, o * d + (q - 1) * s + 1, s) for o, d, q, s in zip(offset, dilations, out, strides))
-            dxp[(slice(None), slice(None)) + window] += cols[position]
-        crop = tuple(slice(b, b + s) for b, s in zip(begin, X.shape[2:]))
-        results.append(dxp[(slice(None), slice(None)) + crop].astype(X.dtype))
-    if _num_outputs >= 2 and not wanted[1]:
-        results.append(None)
-    elif _num_outputs >= 2:
-        xp = np.pad(X.astype(acc, copy=False), [(0, 0), (0, 0)] + list(zip(begin, end)))
-        span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
-        view = sliding_window_view(xp, span, axis=spatial_axes)
-        view = view[
-            (slice(None), slice(None))
-            + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
-            + tuple(slice(None, None, d) for d in dilations)
-        ]
-        # im2col: (N, G, Cg, *out, *kernel) -> (G, Cg*K, N*P), one copy with the output positions
-        # innermost (they run along X's rows, which keeps the copy fast).
-        view = view.reshape(n, g, cg, *view.shape[2:])
-        order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
-        im2col = view.transpose(order).reshape(g, cg * k, n * p)
-        results.append(np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype))
+    # dX and dW in their own functions: each one's scratch (a GEMM result or im2col the size of
+    # (Cg*K, N*P)) is freed before the next is built
+    if _num_outputs >= 1:
+        results.append(_conv_grad_dx(dy_g, X, W, acc, geometry) if wanted[0] else None)
+    if _num_outputs >= 2:
+        results.append(_conv_grad_dw(dy_g, X, W, acc, geometry) if wanted[1] else None)
     if _num_outputs >= 3:
         results.append(dy.sum(axis=(0, *spatial_axes)).astype(dY.dtype))
     return tuple(results)
+
+
+def _conv_grad_dx(dy_g, X, W, acc, geometry):
+    """dX: W^T @ dY per group (the columns), then col2im, each tap added in the kernel's order."""
+    g, begin, end, strides, dilations, out = geometry
+    n, c = X.shape[:2]
+    mg, cg, kernel = W.shape[0] // g, W.shape[1], W.shape[2:]
+    k, nd = math.prod(kernel), len(kernel)
+    w_t = W.astype(acc, copy=False).reshape(g, mg, cg * k).transpose(0, 2, 1)
+    cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P)
+    # each tap's (N, C, *out) as a strided view of cols: col2im reads it in place (no reordered copy)
+    taps = cols.reshape(g, cg, k, n, *out).transpose(2, 3, 0, 1, *range(4, 4 + nd)).reshape(k, n, c, *out)
+    padded = [s + b + e for s, b, e in zip(X.shape[2:], begin, end)]
+    dxp = np.zeros((n, c, *padded), dtype=acc)
+    for position, offset in enumerate(np.ndindex(*kernel)):
+        window = tuple(slice(o * d, o * d + (q - 1) * s + 1, s) for o, d, q, s in zip(offset, dilations, out, strides))
+        dxp[(slice(None), slice(None)) + window] += taps[position]
+    crop = tuple(slice(b, b + s) for b, s in zip(begin, X.shape[2:]))
+    return dxp[(slice(None), slice(None)) + crop].astype(X.dtype)
+
+
+def _conv_grad_dw(dy_g, X, W, acc, geometry):
+    """dW: dY @ im2col(X)^T per group."""
+    g, begin, end, strides, dilations, out = geometry
+    n = X.shape[0]
+    cg, kernel = W.shape[1], W.shape[2:]
+    k, nd, p = math.prod(kernel), len(kernel), math.prod(out)
+    xp = np.pad(X.astype(acc, copy=False), [(0, 0), (0, 0)] + list(zip(begin, end)))
+    span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
+    view = sliding_window_view(xp, span, axis=tuple(range(2, 2 + nd)))
+    view = view[
+        (slice(None), slice(None))
+        + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
+        + tuple(slice(None, None, d) for d in dilations)
+    ]
+    # im2col: (N, G, Cg, *out, *kernel) -> (G, Cg*K, N*P), one copy with the output positions
+    # innermost (they run along X's rows, which keeps the copy fast).
+    view = view.reshape(n, g, cg, *view.shape[2:])
+    order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
+    im2col = view.transpose(order).reshape(g, cg * k, n * p)
+    return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
 
 
 # ---------------------------------------------------------------- Conv, ConvTranspose
