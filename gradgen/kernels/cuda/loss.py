@@ -79,12 +79,10 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
             )
 
         def message(value: int) -> str:
-            pos = total - value
-            labels = rt.to_host(target).reshape(-1)
-            where = [int(i) for i in np.unravel_index(pos, tuple(target.shape))]
+            label, where = _bad_label(target, total - value)
             extra = f" and is not ignore_index ({int(ignore_index)})" if ignore_index is not None else ""
             return (
-                f"target value {int(labels[pos])} at position {where} is out of range for the class axis "
+                f"target value {label} at position {where} is out of range for the class axis "
                 f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}"
             )
 
@@ -201,12 +199,17 @@ def softmax_cross_entropy_loss_grad(
     return out
 
 
-def _label_message(label, pos: int, c: int, ignore_index) -> str:
+def _bad_label(labels, pos: int) -> tuple[int, list[int]]:
+    """The label at flat position ``pos`` (a kernel's error flag names it) and its coordinates."""
     from gradgen.cuda import runtime as rt
 
-    labels = rt.to_host(label).reshape(-1)
-    where = [int(i) for i in np.unravel_index(pos, tuple(label.shape))]
+    value = int(rt.to_host(labels).reshape(-1)[pos])
+    return value, [int(i) for i in np.unravel_index(pos, tuple(labels.shape))]
+
+
+def _label_message(label, pos: int, c: int, ignore_index) -> str:
+    value, where = _bad_label(label, pos)
     return (
-        f"label {int(labels[pos])} at position {where} is out of range for {c} classes (valid range [0, {c - 1}]) "
+        f"label {value} at position {where} is out of range for {c} classes (valid range [0, {c - 1}]) "
         f"and is not ignore_index ({int(ignore_index)})"
     )
