@@ -57,6 +57,11 @@ def default_lengths(seq: int) -> tuple[int, ...]:
     return tuple(t for t in range(seq, seq - 8 * step, -step) if t >= 2)
 
 
+def gpu_line(h: dict) -> str:
+    """The device as a group's first line names it: the GPU with its driver and memory where known."""
+    return f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
+
+
 def header(device: str) -> dict:
     """Device name, driver, torch version and date (the GPU is asked through nvidia-smi, so the parent
     creates no CUDA context)."""
@@ -92,9 +97,8 @@ def run(options: E2EOptions) -> dict:
     """Run the group; print one table per model; return (and write, with --json) every number."""
     report = {"group": "e2e", "header": header(options.device), "settings": _settings(options), "models": {}}
     h = report["header"]
-    gpu = f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
     print(
-        f"e2e: {gpu}; torch {h['torch']}; "
+        f"e2e: {gpu_line(h)}; torch {h['torch']}; "
         f"{h['date']}; fp32, TF32 off; step = batch from host memory, forward + backward, loss to host; "
         f"median of {options.steps} after {options.warmup} warm-up steps",
         flush=True,

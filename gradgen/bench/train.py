@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gradgen.bench import models
-from gradgen.bench.e2e import header
+from gradgen.bench.e2e import gpu_line, header
 from gradgen.bench.measure import fmt_mib, fmt_ms, fmt_ratio, run_child, table
 
 FRAMEWORKS = ("eager", "compile", "gradgen")
@@ -52,9 +52,8 @@ def run(options: TrainOptions) -> dict:
     """Run the group; print one table per model; return the report (every number)."""
     report: dict[str, Any] = {"group": "train", "header": header(options.device), "settings": _settings(options), "models": {}}
     h = report["header"]
-    gpu = f"{h['gpu']} (driver {h['driver']}, {h['gpu_memory']})" if "driver" in h else h["gpu"]
     print(
-        f"train: {gpu}; torch {h['torch']}; {h['date']}; fp32, TF32 off; step = batch from host memory, "
+        f"train: {gpu_line(h)}; torch {h['torch']}; {h['date']}; fp32, TF32 off; step = batch from host memory, "
         f"forward + backward + AdamW update (lr {LR}), loss to host; median of {options.steps} after "
         f"{options.warmup} warm-up steps",
         flush=True,
