@@ -158,7 +158,7 @@ def test_e2e_group_on_cpu_tiny(tmp_path):
             on_update=updates.append,
         )
     )
-    entry = report["models"]["gpt2-tiny"]
+    entry = report["models"]["gpt2-tiny/fp32"]
     eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
     assert "error" not in eager and "error" not in ours, (eager, ours)
     assert len(eager["step_ms"]) == len(ours["step_ms"]) == 2
@@ -265,7 +265,7 @@ def test_train_group_on_cpu_tiny():
             specs=[spec], device="cpu", frameworks=("eager", "gradgen"), steps=3, warmup=2, on_update=updates.append
         )
     )
-    entry = report["models"]["gpt2-tiny"]
+    entry = report["models"]["gpt2-tiny/fp32"]
     eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
     assert "error" not in eager and "error" not in ours, (eager, ours)
     assert len(eager["losses"]) == len(ours["losses"]) == 5 and len(ours["step_ms"]) == 3

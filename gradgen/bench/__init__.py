@@ -11,6 +11,8 @@ Groups (``--only``, repeatable; without it the GPU kernel groups and the small `
 - cpu: gradgen's CPU step against ONNX Runtime and PyTorch eager at 1 thread and all cores, and
   build-backward time (``cpu.py``).
 
+e2e and train run at each precision of ``--precision`` (fp32, tf32, bf16, fp16; ``precision.py``).
+
 Results and what limits them are recorded in docs/BENCHMARKS.md.
 """
 
@@ -41,6 +43,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
     return value
+
+
+def _precision_list(text: str) -> list[str]:
+    from gradgen.bench.precision import parse_list
+
+    return parse_list(text)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -103,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up on one child process after S seconds (default 1800; cpu 3600)",
     )
     e2e.add_argument("--debug", action="store_true", help="children print tracebacks of failures")
-    g = p.add_argument_group("e2e (and train: --framework, --device)")
+    g = p.add_argument_group("e2e (and train: --framework, --device, --precision)")
     g.add_argument(
         "--framework",
         action="append",
@@ -115,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cuda", "cpu"],
         default="cuda",
         help="where the e2e group runs (cpu: a quick functional try without memory figures)",
+    )
+    g.add_argument(
+        "--precision",
+        action="append",
+        type=_precision_list,
+        metavar="P[,P...]",
+        help="fp32 (default; TF32 off), tf32, bf16 or fp16, repeatable or a comma list; each (model, precision) is its "
+        "own table; PyTorch: allow_tf32 / the forward under torch.autocast (train fp16: GradScaler); gradgen: "
+        "graphs built with the precision; below fp32 the gradients (e2e) and loss curve (train) are compared with fp32's",
     )
     g.add_argument("--no-varlen", action="store_true", help="skip the variable-length loop of the GPT-2 layouts")
     g.add_argument(
@@ -192,6 +209,11 @@ def run(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and run the chosen groups; errors are GradgenErrors (usage: exit 2)."""
     args = build_parser().parse_args(argv)
     groups = args.only or list(KERNEL_GROUPS)
+    if args.precision and not {"e2e", "train"} & set(groups):
+        raise UsageError("gradgen bench: --precision applies to the e2e and train groups (--only e2e, --only train)")
+    from gradgen.bench.precision import flatten
+
+    precisions = flatten(args.precision)
     results = _Results(args.json)
     gpu_groups = [g for g in groups if g in KERNEL_GROUPS or (g in ("e2e", "train") and args.device == "cuda")]
     if gpu_groups:
@@ -212,6 +234,7 @@ def run(argv: list[str] | None = None) -> None:
             specs=_specs(args, [models.preset("gpt2s"), models.preset("resnet18")]),
             device=args.device,
             frameworks=tuple(dict.fromkeys(args.framework or e2e.FRAMEWORKS)),
+            precisions=precisions,
             steps=args.steps or 30,
             warmup=5 if args.warmup is None else args.warmup,
             varlen=not args.no_varlen,
@@ -232,6 +255,7 @@ def run(argv: list[str] | None = None) -> None:
                 specs=_specs(args, [models.preset("gpt2s"), models.preset("resnet18")]),
                 device=args.device,
                 frameworks=tuple(dict.fromkeys(args.framework or train.FRAMEWORKS)),
+                precisions=precisions,
                 steps=args.steps or 20,
                 warmup=5 if args.warmup is None else args.warmup,
                 child_timeout_s=args.child_timeout or 1800.0,

@@ -9,8 +9,12 @@ gradgen's gradients are compared with PyTorch eager's: max |gradgen - torch| ove
 tensor, worst tensor named. For the GPT-2 layouts a variable-length loop follows (a dynamic-length
 export; a new sequence length each step; several passes), eager and gradgen.
 
-fp32 throughout; TF32 is off in PyTorch and ``GRADGEN_ALLOW_TF32`` is removed from the children's
-environment. The parent never touches the GPU (so it holds no device memory of its own).
+Each precision of ``--precision`` (``precision.py``: fp32 with TF32 off by default, tf32, bf16,
+fp16) is its own table: gradgen's backward graph built with it, PyTorch with its TF32 flags or the
+forward under ``torch.autocast``. Below fp32, one more child computes PyTorch eager's fp32
+gradients (the reference) and issue 14's criterion compares gradgen's and eager's errors against
+them per tensor. ``GRADGEN_ALLOW_TF32`` is removed from the children's environment (gradgen's
+tf32 comes from the graph). The parent never touches the GPU (so it holds no device memory of its own).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from gradgen.bench import models
+from gradgen.bench import models, precision
 from gradgen.bench.measure import fmt_mib, fmt_ms, fmt_ratio, run_child, table
 
 FRAMEWORKS = ("eager", "compile", "gradgen")
@@ -39,6 +43,7 @@ class E2EOptions:
     specs: list[models.ModelSpec]
     device: str = "cuda"
     frameworks: tuple[str, ...] = FRAMEWORKS
+    precisions: tuple[str, ...] = ("fp32",)
     steps: int = 30
     warmup: int = 5
     varlen: bool = True
@@ -99,15 +104,15 @@ def run(options: E2EOptions) -> dict:
     h = report["header"]
     print(
         f"e2e: {gpu_line(h)}; torch {h['torch']}; "
-        f"{h['date']}; fp32, TF32 off; step = batch from host memory, forward + backward, loss to host; "
+        f"{h['date']}; {'; '.join(precision.describe(p) for p in options.precisions)}; "
+        "step = batch from host memory, forward + backward, loss to host; "
         f"median of {options.steps} after {options.warmup} warm-up steps",
         flush=True,
     )
     for spec in options.specs:
         workdir = Path(tempfile.mkdtemp(prefix=f"gradgen-bench-{spec.name}-", dir=options.keep_dir))
         try:
-            report["models"][spec.name] = entry = {"spec": spec.to_json()}
-            _run_model(spec, options, workdir, entry, report)
+            _run_model(spec, options, workdir, report)
         finally:
             if options.keep_dir is None:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -118,6 +123,7 @@ def run(options: E2EOptions) -> dict:
 def _settings(options: E2EOptions) -> dict:
     return {
         "frameworks": list(options.frameworks),
+        "precisions": list(options.precisions),
         "steps": options.steps,
         "warmup": options.warmup,
         "varlen": options.varlen,
@@ -130,71 +136,103 @@ def _save(options: E2EOptions, report: dict) -> None:
         options.on_update(report)
 
 
-def _prepare(spec: models.ModelSpec, workdir: Path, *, dynamic_seq: bool = False) -> dict:
-    """Export the model, build its backward graph, save what the children need; return file names and times."""
-    import torch
+def entry_key(name: str, precision: str) -> str:
+    """The report's key of one (model, precision) table."""
+    return f"{name}/{precision}"
 
-    import gradgen
-    from gradgen.model_io import save_model
+
+def _export(spec: models.ModelSpec, workdir: Path, *, dynamic_seq: bool = False) -> dict:
+    """Export the model; save the weights and the batch the children read. Returns the forward
+    model (``proto``), file names and figures."""
+    import torch
 
     tag = "varlen" if dynamic_seq else "fixed"
     model = models.build_module(spec)
     inputs = models.make_inputs(spec)
-    files = {"state": workdir / "state.pt", "inputs": workdir / f"inputs-{tag}.npz", "model": workdir / f"model-{tag}-grad.onnx"}
+    files = {"state": workdir / "state.pt", "inputs": workdir / f"inputs-{tag}.npz"}
     if not files["state"].exists():
         torch.save(model.state_dict(), files["state"])
     np.savez(files["inputs"], **inputs)
     t0 = time.perf_counter()
     proto = models.export(model, inputs, dynamic_seq=dynamic_seq)
-    export_s = time.perf_counter() - t0
-    wrt = models.parameter_names(model)
-    t0 = time.perf_counter()
-    built = gradgen.build_backward(proto, wrt=wrt)
-    build_s = time.perf_counter() - t0
-    save_model(built.model, files["model"])
-    info = {
-        "export_s": export_s,
-        "build_s": build_s,
+    return {
+        **{k: str(v) for k, v in files.items()},
+        "proto": proto,
+        "tag": tag,
+        "export_s": time.perf_counter() - t0,
         "forward_nodes": len(proto.graph.node),
-        "backward_model_nodes": len(list(built.model.graph)),
-        "loss": built.loss,
-        "wrt": wrt,
+        "wrt": models.parameter_names(model),
         "parameters": int(sum(p.numel() for p in model.parameters())),
     }
-    return {**{k: str(v) for k, v in files.items()}, **info}
 
 
-def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, entry: dict, report: dict) -> None:
+def _build(exported: dict, workdir: Path, precision_name: str) -> dict:
+    """Build the backward graph of an exported model at a precision and save it for the children."""
+    import gradgen
+    from gradgen.model_io import save_model
+
+    t0 = time.perf_counter()
+    built = gradgen.build_backward(exported["proto"], wrt=exported["wrt"], precision=precision_name)
+    build_s = time.perf_counter() - t0
+    path = workdir / f"model-{exported['tag']}-{precision_name}-grad.onnx"
+    save_model(built.model, path)
+    return {"model": str(path), "loss": built.loss, "build_s": build_s, "backward_model_nodes": len(list(built.model.graph))}
+
+
+def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, report: dict) -> None:
     print(f"\n== {spec.name}: {spec.title}, {spec.shape_text}", flush=True)
-    prepared = _prepare(spec, workdir)
-    entry["prepare"] = {k: prepared[k] for k in ("export_s", "build_s", "forward_nodes", "backward_model_nodes", "parameters")}
+    exported = _export(spec, workdir)
     print(
-        f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s "
-        f"({prepared['forward_nodes']} nodes), build-backward {prepared['build_s']:.1f} s "
-        f"({prepared['backward_model_nodes']} nodes)",
+        f"   {exported['parameters']:,} parameters; export {exported['export_s']:.1f} s ({exported['forward_nodes']} nodes)",
+        flush=True,
+    )
+    for precision_name in options.precisions:
+        report["models"][entry_key(spec.name, precision_name)] = entry = {"spec": spec.to_json(), "precision": precision_name}
+        _run_precision(spec, precision_name, exported, options, workdir, entry, report)
+        _save(options, report)
+
+
+def _run_precision(
+    spec: models.ModelSpec, precision_name: str, exported: dict, options: E2EOptions, workdir: Path, entry: dict, report: dict
+) -> None:
+    """One (model, precision) table: build, each framework's child, the gradient comparisons, the loop."""
+    from gradgen.errors import GradgenError
+
+    try:
+        built = _build(exported, workdir, precision_name)
+    except GradgenError as exc:  # one precision that does not build is a result, not the end of the group
+        entry["error"] = f"build-backward --precision {precision_name} failed: {exc}"
+        print(f"-- {spec.name} {precision_name}: {entry['error']}", flush=True)
+        return
+    entry["prepare"] = {
+        **{k: exported[k] for k in ("export_s", "forward_nodes", "parameters")},
+        **{k: built[k] for k in ("build_s", "backward_model_nodes")},
+    }
+    print(
+        f"-- {spec.name} {precision_name}: build-backward {built['build_s']:.1f} s ({built['backward_model_nodes']} nodes)",
         flush=True,
     )
     common = {
         "spec": spec.to_json(),
         "device": options.device,
-        "state": prepared["state"],
-        "inputs": prepared["inputs"],
+        "precision": precision_name,
+        "state": exported["state"],
+        "inputs": exported["inputs"],
         "steps": options.steps,
         "warmup": options.warmup,
         "debug": options.debug,
     }
+    grads = {f: workdir / f"grads-{precision_name}-{f}.npz" for f in ("gradgen", "eager")}
     results = entry["frameworks"] = {}
     for framework in options.frameworks:
-        task = {**common, "label": f"{spec.name}-{framework}", "framework": framework}
+        task = {**common, "label": f"{spec.name}-{precision_name}-{framework}", "framework": framework}
         if framework == "gradgen":
-            task.update(
-                model=prepared["model"], loss=prepared["loss"], wrt=prepared["wrt"], grads=str(workdir / "grads-gradgen.npz")
-            )
+            task.update(model=built["model"], loss=built["loss"], wrt=exported["wrt"], grads=str(grads["gradgen"]))
             job = "gradgen-step"
         else:
             job = "torch-step"
             if framework == "eager":
-                task["grads"] = str(workdir / "grads-eager.npz")
+                task["grads"] = str(grads["eager"])
         t0 = time.perf_counter()
         results[framework] = result = run_child(job, task, workdir, timeout_s=options.child_timeout_s)
         result["wall_s"] = time.perf_counter() - t0
@@ -203,17 +241,52 @@ def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, entry
     if options.profile and "gradgen" in options.frameworks and options.device == "cuda":
         entry["profile"] = run_child(
             "gradgen-profile",
-            {**common, "label": f"{spec.name}-profile", "model": prepared["model"], "loss": prepared["loss"]},
+            {**common, "label": f"{spec.name}-{precision_name}-profile", "model": built["model"], "loss": built["loss"]},
             workdir,
             timeout_s=options.child_timeout_s,
         )
         if entry["profile"].get("error"):
             print(f"   profile: failed: {entry['profile']['error']}", flush=True)
     if "eager" in options.frameworks and "gradgen" in options.frameworks:
-        entry["gradients"] = compare_gradients(workdir / "grads-gradgen.npz", workdir / "grads-eager.npz")
+        entry["gradients"] = compare_gradients(grads["gradgen"], grads["eager"])
+    if precision_name != "fp32" and "gradgen" in options.frameworks:
+        entry["fp32_reference"] = _against_fp32(spec, grads, options, workdir, common)
     if options.varlen and spec.kind == "gpt2":
-        entry["varlen"] = _run_varlen(spec, options, workdir, common)
+        entry["varlen"] = _run_varlen(spec, options, workdir, common, exported)
     print(format_model(entry), flush=True)
+
+
+def _against_fp32(spec: models.ModelSpec, grads: dict[str, Path], options: E2EOptions, workdir: Path, common: dict) -> dict:
+    """Issue 14's gradient criterion: gradgen's and eager's gradients at the precision against
+    PyTorch eager's fp32 gradients (the fp32 table's, else one more child that computes only them)."""
+    reference = workdir / "grads-fp32-eager.npz"
+    if not reference.exists():
+        task = {
+            **common,
+            "precision": "fp32",
+            "framework": "eager",
+            "label": f"{spec.name}-fp32-reference",
+            "grads_only": True,
+            "grads": str(reference),
+        }
+        result = run_child("torch-step", task, workdir, timeout_s=options.child_timeout_s)
+        if result.get("error"):
+            return {"error": f"the fp32 reference (eager) failed: {result['error']}"}
+    if not grads["gradgen"].exists():
+        return {"error": "no gradients from gradgen"}
+    with np.load(reference) as ref, np.load(grads["gradgen"]) as ours:
+        gradgen_errors, missing = precision.relative_errors(ours, ref)
+        eager_errors = None
+        if grads["eager"].exists():
+            with np.load(grads["eager"]) as theirs:
+                eager_errors = precision.relative_errors(theirs, ref)[0]
+    return {
+        "reference": "eager fp32",
+        "missing": missing,
+        "gradgen": gradgen_errors,
+        "eager": eager_errors,
+        "criterion": precision.criterion(gradgen_errors, eager_errors),
+    }
 
 
 def _one_line(result: dict) -> str:
@@ -231,17 +304,7 @@ def compare_gradients(got_path: Path, want_path: Path) -> dict:
             "error": "no gradients from " + " and ".join(p.stem.split("-")[-1] for p in (got_path, want_path) if not p.exists())
         }
     with np.load(got_path) as got, np.load(want_path) as want:
-        missing = sorted(set(want.files) - set(got.files))
-        per_tensor = {}
-        for name in want.files:
-            if name in got.files:
-                w, g = want[name].astype(np.float64), got[name].astype(np.float64)
-                if w.shape != g.shape:
-                    per_tensor[name] = float("inf")
-                    continue
-                scale = float(np.abs(w).max()) if w.size else 0.0
-                diff = float(np.abs(g - w).max()) if w.size else 0.0
-                per_tensor[name] = diff / scale if scale > 0 else diff
+        per_tensor, missing = precision.relative_errors(got, want)
     worst = max(per_tensor, key=per_tensor.get) if per_tensor else None
     return {
         "tensors": len(per_tensor),
@@ -252,24 +315,30 @@ def compare_gradients(got_path: Path, want_path: Path) -> dict:
     }
 
 
-def _run_varlen(spec: models.ModelSpec, options: E2EOptions, workdir: Path, common: dict) -> dict:
+def _run_varlen(spec: models.ModelSpec, options: E2EOptions, workdir: Path, common: dict, exported: dict) -> dict:
+    """The variable-length loop at ``common["precision"]``; the dynamic-length export is made once
+    per model (kept in ``exported``, the fixed export's record)."""
     lengths = list(options.lengths or default_lengths(spec.size))
     out = {"lengths": lengths, "passes": options.passes}
+    precision_name = common["precision"]
     try:
-        prepared = _prepare(spec, workdir, dynamic_seq=True)
+        if "dynamic" not in exported:
+            exported["dynamic"] = _export(spec, workdir, dynamic_seq=True)
+        dynamic = exported["dynamic"]
+        built = _build(dynamic, workdir, precision_name)
     except Exception as exc:  # noqa: BLE001 - a failed dynamic export is a result, not the end of the group
         out["error"] = f"dynamic-length export/build failed: {type(exc).__name__}: {exc}"
         print("   varlen: " + out["error"], flush=True)
         return out
-    out["build_s"] = prepared["build_s"]
-    task = {**common, "inputs": prepared["inputs"], "lengths": lengths, "passes": options.passes}
+    out["build_s"] = built["build_s"]
+    task = {**common, "inputs": dynamic["inputs"], "lengths": lengths, "passes": options.passes}
     for framework in [f for f in options.frameworks if f != "compile"]:
         job = "gradgen-varlen" if framework == "gradgen" else "torch-varlen"
-        extra = {"model": prepared["model"], "loss": prepared["loss"]} if framework == "gradgen" else {}
+        extra = {"model": built["model"], "loss": built["loss"]} if framework == "gradgen" else {}
         t0 = time.perf_counter()
         result = run_child(
             job,
-            {**task, **extra, "label": f"{spec.name}-varlen-{framework}", "framework": framework},
+            {**task, **extra, "label": f"{spec.name}-{precision_name}-varlen-{framework}", "framework": framework},
             workdir,
             timeout_s=options.child_timeout_s,
         )
@@ -303,7 +372,10 @@ def format_model(entry: dict) -> str:
     spec = models.ModelSpec.from_json(entry["spec"])
     results = entry.get("frameworks", {})
     eager = results.get("eager", {})
-    lines = [f"\n{spec.name}: {spec.title}, {spec.shape_text}"]
+    precision_name = entry.get("precision", "fp32")
+    lines = [f"\n{spec.name} [{precision_name}]: {spec.title}, {spec.shape_text}"]
+    if entry.get("error"):
+        return "\n".join(lines + [f"  {entry['error']}"])
     rows = []
     for framework, r in results.items():
         if r.get("error"):
@@ -357,6 +429,8 @@ def format_model(entry: dict) -> str:
                 f"  gradients ({grads['tensors']} tensors): worst max|gradgen - eager| / max|eager| = "
                 f"{grads['worst_rel_err']:.2e} ({grads['worst_tensor']}){missing}"
             )
+    if "fp32_reference" in entry:
+        lines.append(precision.format_criterion(entry["fp32_reference"], precision_name))
     for framework, r in results.items():
         for note in r.get("notes", []):
             lines.append(f"  note ({framework}): {note}")

@@ -12,7 +12,13 @@ Every framework takes the same steps on the same batch (from host memory each st
 initial weights, with the same hyper-parameters (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight
 decay 0.01), and reads the loss back to the host each step. Reported: the median step time, device
 memory as e2e measures it, and the loss of the first steps of each, side by side (they must agree:
-the same training). fp32, TF32 off.
+the same training).
+
+Each precision of ``--precision`` (``precision.py``; default fp32, TF32 off) is its own table:
+PyTorch's forward under ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``), gradgen's
+training graphs built with the precision (fp16 with its dynamic loss scaling). Below fp32, gradgen's
+loss curve is compared with gradgen's fp32 curve (the fp32 table's, else one more child): same
+weights, same batch, same steps (``--steps 200`` for issue 14's 200-step criterion).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradgen.bench import models
-from gradgen.bench.e2e import gpu_line, header
+from gradgen.bench import models, precision
+from gradgen.bench.e2e import entry_key, gpu_line, header
 from gradgen.bench.measure import fmt_mib, fmt_ms, fmt_ratio, run_child, table
 
 FRAMEWORKS = ("eager", "compile", "gradgen")
@@ -40,6 +46,7 @@ class TrainOptions:
     specs: list[models.ModelSpec]
     device: str = "cuda"
     frameworks: tuple[str, ...] = FRAMEWORKS
+    precisions: tuple[str, ...] = ("fp32",)
     steps: int = 20
     warmup: int = 5
     on_update: Callable[[dict], None] | None = None
@@ -53,7 +60,8 @@ def run(options: TrainOptions) -> dict:
     report: dict[str, Any] = {"group": "train", "header": header(options.device), "settings": _settings(options), "models": {}}
     h = report["header"]
     print(
-        f"train: {gpu_line(h)}; torch {h['torch']}; {h['date']}; fp32, TF32 off; step = batch from host memory, "
+        f"train: {gpu_line(h)}; torch {h['torch']}; {h['date']}; "
+        f"{'; '.join(precision.describe(p, train=True) for p in options.precisions)}; step = batch from host memory, "
         f"forward + backward + AdamW update (lr {LR}), loss to host; median of {options.steps} after "
         f"{options.warmup} warm-up steps",
         flush=True,
@@ -61,18 +69,21 @@ def run(options: TrainOptions) -> dict:
     for spec in options.specs:
         workdir = Path(tempfile.mkdtemp(prefix=f"gradgen-train-{spec.name}-", dir=options.keep_dir))
         try:
-            report["models"][spec.name] = entry = {"spec": spec.to_json()}
-            _run_model(spec, options, workdir, entry)
+            _run_model(spec, options, workdir, report)
         finally:
             if options.keep_dir is None:
                 shutil.rmtree(workdir, ignore_errors=True)
-        if options.on_update is not None:
-            options.on_update(report)
     return report
 
 
 def _settings(options: TrainOptions) -> dict:
-    return {"frameworks": list(options.frameworks), "steps": options.steps, "warmup": options.warmup, "lr": LR}
+    return {
+        "frameworks": list(options.frameworks),
+        "precisions": list(options.precisions),
+        "steps": options.steps,
+        "warmup": options.warmup,
+        "lr": LR,
+    }
 
 
 def _prepare(spec: models.ModelSpec, workdir: Path) -> dict:
@@ -95,14 +106,33 @@ def _prepare(spec: models.ModelSpec, workdir: Path) -> dict:
     }
 
 
-def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, entry: dict) -> None:
+def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, report: dict) -> None:
     print(f"\n== {spec.name}: {spec.title}, {spec.shape_text}", flush=True)
     prepared = _prepare(spec, workdir)
-    entry["prepare"] = {k: prepared[k] for k in ("export_s", "parameters")}
     print(f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s", flush=True)
-    common = {
+    fp32_curve: list[float] | None = None  # gradgen's fp32 losses, the reference of the other precisions
+    for precision_name in options.precisions:
+        entry: dict[str, Any] = {"spec": spec.to_json(), "precision": precision_name}
+        report["models"][entry_key(spec.name, precision_name)] = entry
+        entry["prepare"] = {k: prepared[k] for k in ("export_s", "parameters")}
+        print(f"-- {spec.name} {precision_name}", flush=True)
+        _run_precision(spec, precision_name, prepared, options, workdir, entry)
+        ours = entry["frameworks"].get("gradgen", {})
+        if precision_name == "fp32" and ours.get("losses"):
+            fp32_curve = ours["losses"]
+        elif precision_name != "fp32" and "gradgen" in options.frameworks:
+            entry["fp32_curve"] = _against_fp32(spec, prepared, options, workdir, entry, fp32_curve)
+            fp32_curve = entry["fp32_curve"].get("fp32_losses", fp32_curve)  # one reference child per model
+        print(format_model(entry), flush=True)
+        if options.on_update is not None:
+            options.on_update(report)
+
+
+def _common_task(spec: models.ModelSpec, precision_name: str, prepared: dict, options: TrainOptions) -> dict:
+    return {
         "spec": spec.to_json(),
         "device": options.device,
+        "precision": precision_name,
         "state": prepared["state"],
         "inputs": prepared["inputs"],
         "model": prepared["model"],
@@ -111,16 +141,38 @@ def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, ent
         "lr": LR,
         "debug": options.debug,
     }
+
+
+def _run_precision(
+    spec: models.ModelSpec, precision_name: str, prepared: dict, options: TrainOptions, workdir: Path, entry: dict
+) -> None:
+    common = _common_task(spec, precision_name, prepared, options)
     results = entry["frameworks"] = {}
     for framework in options.frameworks:
         job = "gradgen-train" if framework == "gradgen" else "torch-train"
-        task = {**common, "label": f"{spec.name}-train-{framework}", "framework": framework}
+        task = {**common, "label": f"{spec.name}-train-{precision_name}-{framework}", "framework": framework}
         t0 = time.perf_counter()
         results[framework] = result = run_child(job, task, workdir, timeout_s=options.child_timeout_s)
         result["wall_s"] = time.perf_counter() - t0
         print(f"   {framework}: {_one_line(result)}", flush=True)
     entry["loss_agreement"] = loss_agreement(results)
-    print(format_model(entry), flush=True)
+
+
+def _against_fp32(
+    spec: models.ModelSpec, prepared: dict, options: TrainOptions, workdir: Path, entry: dict, fp32_curve: list[float] | None
+) -> dict:
+    """gradgen's loss curve at the entry's precision against gradgen's fp32 curve (one more child
+    when this run has no fp32 table)."""
+    ours = entry["frameworks"]["gradgen"]
+    if ours.get("error"):
+        return {"error": f"gradgen at {entry['precision']} failed"}
+    if fp32_curve is None:
+        task = {**_common_task(spec, "fp32", prepared, options), "label": f"{spec.name}-train-fp32-reference"}
+        reference = run_child("gradgen-train", {**task, "framework": "gradgen"}, workdir, timeout_s=options.child_timeout_s)
+        if reference.get("error"):
+            return {"error": f"the fp32 reference (gradgen) failed: {reference['error']}"}
+        fp32_curve = reference["losses"]
+    return {"reference": "gradgen fp32", "fp32_losses": fp32_curve, **precision.curve_difference(ours["losses"], fp32_curve)}
 
 
 def _one_line(result: dict) -> str:
@@ -172,7 +224,8 @@ def format_model(entry: dict) -> str:
                 shown,
             ]
         )
-    lines = [f"\n{spec.name}: {spec.title}, {spec.shape_text}, AdamW"]
+    precision_name = entry.get("precision", "fp32")
+    lines = [f"\n{spec.name} [{precision_name}]: {spec.title}, {spec.shape_text}, AdamW"]
     lines.append(
         table(
             ["framework", "step ms", "time/eager", "peak MiB", "mem/eager", "first step", f"loss, steps 1-{SHOWN_LOSSES}"], rows
@@ -182,6 +235,8 @@ def format_model(entry: dict) -> str:
         "  peak MiB: driver-level used memory after the timed steps minus the baseline after context creation; "
         "eager and compile: torch.optim.AdamW(fused=True); gradgen: DeviceStepRunner"
     )
+    if "fp32_curve" in entry:
+        lines.append(precision.format_curve(entry["fp32_curve"], precision_name))
     for framework, worst in entry.get("loss_agreement", {}).items():
         if worst is not None:
             lines.append(f"  {framework} vs eager: largest relative loss difference over the steps taken {worst:.2e}")

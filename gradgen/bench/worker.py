@@ -14,12 +14,16 @@ Jobs:
 - ``gradgen-profile``: GPU time of one gradgen step by kernel and by op (torch.profiler);
 - ``cpu-threads``: the CPU group at one thread count (PyTorch eager, ONNX Runtime, gradgen).
 
+A task's ``precision`` (fp32, tf32, bf16, fp16; ``precision.py`` says what each means) sets
+PyTorch's TF32 flags and autocast; gradgen's graphs are built with it (by the parent for a step).
+
 A step reads the loss back to the host, so its wall-clock time is the whole step; the batch is
 copied from host memory each step by every framework (gradgen's ``Session.run`` takes numpy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -32,18 +36,21 @@ import numpy as np
 
 from gradgen.bench.measure import DeviceMemory, error_text, is_out_of_memory, median, time_adaptive, time_steps, write_json_atomic
 from gradgen.bench.models import ModelSpec, build_module
+from gradgen.bench.precision import TORCH_DTYPES
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch
 
 
-def _torch_setup(device: str):
-    """Import torch with TF32 off everywhere; on CUDA create the context and return a memory probe."""
+def _torch_setup(device: str, precision: str = "fp32"):
+    """Import torch with TF32 off everywhere (on for ``precision="tf32"``); on CUDA create the context
+    and return a memory probe."""
     import torch
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
     if device != "cuda":
         return torch, None
     memory = DeviceMemory(torch.cuda.mem_get_info)  # the first call creates the context
@@ -57,15 +64,23 @@ def _torch_model(task: dict, torch, device: str):
     return model.to(device)
 
 
-def _torch_step(torch, model, forward, host_inputs: dict, device: str):
-    """forward + backward on a batch copied from host memory; returns the loss as a float."""
+def _autocast(torch, device: str, precision: str):
+    """The forward's context: ``torch.autocast`` for bf16 / fp16, nothing otherwise."""
+    dtype = TORCH_DTYPES.get(precision)
+    return torch.autocast(device, dtype=getattr(torch, dtype)) if dtype else contextlib.nullcontext()
+
+
+def _torch_step(torch, model, forward, host_inputs: dict, device: str, precision: str = "fp32"):
+    """forward (under autocast for bf16 / fp16) + backward on a batch copied from host memory;
+    returns the loss as a float."""
     params = list(model.parameters())
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in host_inputs.items()}
 
     def step():
         for p in params:
             p.grad = None
-        loss = forward(*(t.to(device) for t in tensors.values()))
+        with _autocast(torch, device, precision):
+            loss = forward(*(t.to(device) for t in tensors.values()))
         loss.backward()
         value = loss.item()
         if device == "cuda":
@@ -94,20 +109,25 @@ def _device_info_torch(torch, device: str) -> dict:
 
 
 def job_torch_step(task: dict) -> dict:
-    device = task["device"]
-    torch, memory = _torch_setup(device)
+    """One framework's timed steps; with ``grads_only`` (the fp32 reference) one step and its gradients."""
+    device, precision = task["device"], task.get("precision", "fp32")
+    torch, memory = _torch_setup(device, precision)
     model = _torch_model(task, torch, device)
     forward = torch.compile(model) if task["framework"] == "compile" else model
     inputs = dict(np.load(task["inputs"]))
-    step = _torch_step(torch, model, forward, inputs, device)
+    step = _torch_step(torch, model, forward, inputs, device, precision)
     t0 = time.perf_counter()
     loss = step()
     first_s = time.perf_counter() - t0
+    if task.get("grads_only"):
+        _save_torch_grads(task["grads"], model)
+        return {"framework": task["framework"], "precision": precision, "loss": loss, "first_step_s": first_s}
     times = time_steps(
         step, warmup=max(0, task["warmup"] - 1), steps=task["steps"], after=None if memory is None else memory.sample
     )
     result = {
         "framework": task["framework"],
+        "precision": precision,
         "loss": loss,
         "first_step_s": first_s,
         "step_ms": times,
@@ -116,10 +136,13 @@ def job_torch_step(task: dict) -> dict:
         "info": _device_info_torch(torch, device),
     }
     if task.get("grads"):
-        np.savez(
-            task["grads"], **{name: p.grad.detach().cpu().numpy() for name, p in model.named_parameters() if p.grad is not None}
-        )
+        _save_torch_grads(task["grads"], model)
     return result
+
+
+def _save_torch_grads(path: str, model) -> None:
+    """The parameters' gradients, as float32 (an autocast run leaves them float32 already)."""
+    np.savez(path, **{name: p.grad.detach().float().cpu().numpy() for name, p in model.named_parameters() if p.grad is not None})
 
 
 def _run_lengths(step_for_length, lengths: list[int], passes: int, memory: DeviceMemory | None) -> dict:
@@ -158,31 +181,39 @@ def _length_batches(task: dict) -> dict[int, dict[str, np.ndarray]]:
 
 
 def job_torch_varlen(task: dict) -> dict:
-    device = task["device"]
-    torch, memory = _torch_setup(device)
+    device, precision = task["device"], task.get("precision", "fp32")
+    torch, memory = _torch_setup(device, precision)
     model = _torch_model(task, torch, device)
     forward = torch.compile(model, dynamic=True) if task["framework"] == "compile" else model
-    steps = {t: _torch_step(torch, model, forward, batch, device) for t, batch in _length_batches(task).items()}
+    steps = {t: _torch_step(torch, model, forward, batch, device, precision) for t, batch in _length_batches(task).items()}
     result = _run_lengths(lambda t: steps[t](), task["lengths"], task["passes"], memory)
     result.update(framework=task["framework"], memory=_torch_memory(torch, memory), info=_device_info_torch(torch, device))
     return result
 
 
 def job_torch_train(task: dict) -> dict:
-    """The train group's PyTorch side: forward, backward and ``AdamW(fused=True)`` (on the GPU) per step."""
-    device = task["device"]
-    torch, memory = _torch_setup(device)
+    """The train group's PyTorch side: forward (under autocast for bf16 / fp16), backward and
+    ``AdamW(fused=True)`` (on the GPU) per step; fp16 through ``torch.amp.GradScaler``."""
+    device, precision = task["device"], task.get("precision", "fp32")
+    torch, memory = _torch_setup(device, precision)
     model = _torch_model(task, torch, device)
     forward = torch.compile(model) if task["framework"] == "compile" else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=task["lr"], fused=device == "cuda")
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
     tensors = [torch.from_numpy(np.ascontiguousarray(v)) for v in np.load(task["inputs"]).values()]
     losses: list[float] = []
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = forward(*(t.to(device) for t in tensors))
-        loss.backward()
-        optimizer.step()
+        with _autocast(torch, device, precision):
+            loss = forward(*(t.to(device) for t in tensors))
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         losses.append(loss.item())
         if device == "cuda":
             torch.cuda.synchronize()
@@ -199,6 +230,7 @@ def _train_result(task: dict, step, losses: list[float], memory, memory_figures,
     )
     return {
         "framework": task["framework"],
+        "precision": task.get("precision", "fp32"),
         "loss": losses[-1],
         "losses": losses,
         "first_step_s": first_s,
@@ -277,6 +309,7 @@ def job_gradgen_step(task: dict) -> dict:
     )
     result = {
         "framework": "gradgen",
+        "precision": task.get("precision", "fp32"),  # the parent built the graph with it
         "loss": loss,
         "setup_s": setup_s,
         "first_step_s": firsts[0],
@@ -313,14 +346,14 @@ def job_gradgen_varlen(task: dict) -> dict:
 
 
 def job_gradgen_train(task: dict) -> dict:
-    """The train group's gradgen side: ``build_training(model, optimizer=AdamW())`` stepped by the
-    ``DeviceStepRunner`` (parameters and optimizer states stay on the device)."""
+    """The train group's gradgen side: ``build_training(model, optimizer=AdamW(), precision=...)``
+    stepped by the ``DeviceStepRunner`` (parameters and optimizer states stay on the device)."""
     from gradgen.training import AdamW, DeviceStepRunner, Trainer, build_training
 
     device = task["device"]
     memory = _gradgen_setup(device)
     t0 = time.perf_counter()
-    program = build_training(task["model"], optimizer=AdamW(weight_decay=0.01))
+    program = build_training(task["model"], optimizer=AdamW(weight_decay=0.01), precision=task.get("precision", "fp32"))
     build_s = time.perf_counter() - t0
     runner = DeviceStepRunner(program, device)
     trainer = Trainer(program, lr=task["lr"], runner=runner)
