@@ -1,0 +1,194 @@
+"""gradgen bench --precision (e2e and train groups): option parsing, issue 14's gradient criterion and
+loss-curve comparison computed from arrays, the printed tables, and tiny runs on the CPU (slow)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+
+from gradgen.bench import build_parser, main
+from gradgen.bench import precision as bp
+
+
+def test_precision_choices_are_autocast_precisions():
+    from gradgen.passes.autocast import PRECISIONS
+
+    assert bp.CHOICES == PRECISIONS
+
+
+def test_parse_list_and_flatten():
+    assert bp.parse_list("bf16") == ["bf16"]
+    assert bp.parse_list("fp16, BF16") == ["fp16", "bf16"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown precision 'fp8'"):
+        bp.parse_list("bf16,fp8")
+    assert bp.flatten(None) == ("fp32",)
+    # fp32 first (the others' reference), each once, whatever the order given
+    assert bp.flatten([["bf16"], ["fp32", "bf16"], ["tf32"]]) == ("fp32", "tf32", "bf16")
+    args = build_parser().parse_args(["--only", "e2e", "--precision", "fp16", "--precision", "fp32,bf16"])
+    assert bp.flatten(args.precision) == ("fp32", "bf16", "fp16")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--only", "e2e", "--precision", "bf17"], "unknown precision 'bf17'"),
+        (["--only", "train", "--precision", "fp32,"], "unknown precision ''"),
+        (["--only", "cpu", "--precision", "bf16"], "--precision applies to the e2e and train groups"),
+        (["--precision", "bf16"], "--precision applies to the e2e and train groups"),
+    ],
+)
+def test_bad_precision_is_a_one_line_usage_error(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_relative_errors_per_tensor():
+    reference = {
+        "w": np.array([[1.0, -4.0], [2.0, 0.5]], np.float32),
+        "b": np.zeros(3, np.float32),
+        "shape": np.ones(4, np.float32),
+        "gone": np.ones(2, np.float32),
+    }
+    grads = {
+        "w": np.array([[1.0, -3.0], [2.5, 0.5]], np.float32),  # max |diff| 1 over max |ref| 4
+        "b": np.array([0.0, 1e-3, 0.0], np.float32),  # all-zero reference: the absolute difference
+        "shape": np.ones(5, np.float32),
+    }
+    errors, missing = bp.relative_errors(grads, reference)
+    assert errors["w"] == pytest.approx(0.25)
+    assert errors["b"] == pytest.approx(1e-3)
+    assert errors["shape"] == math.inf
+    assert missing == ["gone"]
+
+
+def test_criterion_counts_tensors_where_gradgen_is_worse():
+    gradgen = {"a": 2e-3, "b": 1e-3, "c": 5e-4, "d": 1e-4}
+    eager = {"a": 1e-3, "b": 2e-3, "c": 1e-4, "d": 1e-4}
+    c = bp.criterion(gradgen, eager)
+    assert c["tensors"] == 4
+    assert (c["gradgen_worst_tensor"], c["gradgen_worst"]) == ("a", 2e-3)
+    assert (c["eager_worst_tensor"], c["eager_worst"]) == ("b", 2e-3)
+    assert c["above_eager"] == 2  # a (2x) and c (5x); d is equal, not above
+    assert c["worst_factor_tensor"] == "c" and c["worst_factor"] == pytest.approx(5.0)
+    assert c["met"] is False
+    line = bp.format_criterion({"criterion": c, "missing": []}, "bf16")
+    assert "gradgen bf16 worst 2.00e-03 (a)" in line and "eager bf16 worst 2.00e-03 (b)" in line
+    assert "above eager's on 2 of 4 tensors, at most 5.00x (c)" in line
+
+
+def test_criterion_met_and_edge_cases():
+    met = bp.criterion({"a": 1e-3, "b": 1e-4}, {"a": 1e-3, "b": 2e-4})
+    assert met["met"] is True and met["above_eager"] == 0 and met["worst_factor"] is None
+    assert "at most eager's on every tensor" in bp.format_criterion({"criterion": met, "missing": ["x"]}, "fp16")
+    assert "missing from gradgen: x" in bp.format_criterion({"criterion": met, "missing": ["x"]}, "fp16")
+    exact = bp.criterion({"a": 1e-6}, {"a": 0.0})  # eager exact, gradgen not: an infinite factor
+    assert exact["above_eager"] == 1 and exact["worst_factor"] == math.inf
+    assert "at most inf (a)" in bp.format_criterion({"criterion": exact, "missing": []}, "tf32")
+    alone = bp.criterion({"a": 1e-3}, None)  # eager not measured
+    assert "met" not in alone and "eager bf16 not measured" in bp.format_criterion({"criterion": alone}, "bf16")
+    assert bp.format_criterion({"error": "no gradients from gradgen"}, "bf16").endswith("no gradients from gradgen")
+
+
+def test_curve_difference():
+    fp32 = [4.0, 3.0, 2.0, 1.0]
+    ours = [4.0, 3.1, 1.9, 1.05, 0.5]  # one step more: compared over the steps both took
+    d = bp.curve_difference(ours, fp32)
+    assert d["steps"] == 4
+    assert d["max_abs"] == pytest.approx(0.1) and d["max_abs_step"] in (2, 3)
+    assert d["max_rel"] == pytest.approx(0.05)  # step 3 (0.1 / 2) and step 4 (0.05 / 1)
+    assert (d["final"], d["final_fp32"]) == (1.05, 1.0)
+    text = bp.format_curve(d, "bf16")
+    assert "4 steps" in text and "relative 5.00e-02" in text and "final loss bf16 1.050000, fp32 1.000000" in text
+    assert bp.curve_difference([], fp32) == {"steps": 0}
+    assert "no steps" in bp.format_curve({"steps": 0}, "bf16")
+
+
+def _npz(path, **arrays):
+    np.savez(path, **{k: np.asarray(v, np.float32) for k, v in arrays.items()})
+
+
+def test_e2e_against_fp32_reads_the_reference_and_formats(tmp_path):
+    """With the fp32 reference on disk no child runs; the entry's table names the precision."""
+    from gradgen.bench import e2e, models
+
+    spec = models.preset("gpt2-tiny")
+    _npz(tmp_path / "grads-fp32-eager.npz", w=[1.0, 2.0], b=[4.0])
+    _npz(tmp_path / "grads-bf16-gradgen.npz", w=[1.0, 2.1], b=[4.0])
+    _npz(tmp_path / "grads-bf16-eager.npz", w=[1.0, 2.02], b=[4.1])
+    grads = {f: tmp_path / f"grads-bf16-{f}.npz" for f in ("gradgen", "eager")}
+    result = e2e._against_fp32(spec, grads, e2e.E2EOptions(specs=[spec], device="cpu"), tmp_path, {})
+    assert result["gradgen"] == pytest.approx({"w": 0.05, "b": 0.0}, abs=1e-6)
+    assert result["eager"] == pytest.approx({"w": 0.01, "b": 0.025}, abs=1e-6)
+    assert result["criterion"]["above_eager"] == 1 and result["criterion"]["worst_factor_tensor"] == "w"
+    entry = {"spec": spec.to_json(), "precision": "bf16", "frameworks": {}, "fp32_reference": result}
+    text = e2e.format_model(entry)
+    assert "gpt2-tiny [bf16]" in text and "above eager's on 1 of 2 tensors" in text
+    failed = {"spec": spec.to_json(), "precision": "fp16", "error": "build-backward --precision fp16 failed: x"}
+    assert e2e.format_model(failed).endswith("build-backward --precision fp16 failed: x")
+    grads["gradgen"].unlink()
+    assert e2e._against_fp32(spec, grads, e2e.E2EOptions(specs=[spec], device="cpu"), tmp_path, {}) == {
+        "error": "no gradients from gradgen"
+    }
+
+
+def test_train_against_fp32_with_a_reference_curve(tmp_path):
+    from gradgen.bench import models, train
+
+    spec = models.preset("gpt2-tiny")
+    ours = {"losses": [3.0, 2.5, 2.0], "median_ms": 1.5, "first_step_s": 0.1}
+    entry = {"spec": spec.to_json(), "precision": "fp16", "frameworks": {"gradgen": ours}}
+    options = train.TrainOptions(specs=[spec], device="cpu")
+    entry["fp32_curve"] = train._against_fp32(spec, {}, options, tmp_path, entry, [3.0, 2.4, 2.0])
+    assert entry["fp32_curve"]["max_abs"] == pytest.approx(0.1) and entry["fp32_curve"]["max_abs_step"] == 2
+    text = train.format_model(entry)
+    assert "gpt2-tiny [fp16]" in text and "loss curve vs gradgen fp32 (3 steps" in text
+    failed = {**entry, "frameworks": {"gradgen": {"error": "boom"}}}
+    assert "failed" in train._against_fp32(spec, {}, options, tmp_path, failed, [3.0])["error"]
+
+
+@pytest.mark.slow
+def test_e2e_group_bf16_on_cpu_tiny():
+    """e2e at bf16 in child processes (about 10 s): eager under autocast, gradgen's bf16 graph and
+    the fp32 reference child; both errors are those of bf16 (above fp32 rounding, below 5 %)."""
+    from gradgen.bench import e2e, models
+
+    spec = models.preset("gpt2-tiny")
+    report = e2e.run(
+        e2e.E2EOptions(
+            specs=[spec], device="cpu", frameworks=("eager", "gradgen"), precisions=("bf16",), steps=1, warmup=1, varlen=False
+        )
+    )
+    assert list(report["models"]) == ["gpt2-tiny/bf16"] and report["settings"]["precisions"] == ["bf16"]
+    entry = report["models"]["gpt2-tiny/bf16"]
+    assert all("error" not in r for r in entry["frameworks"].values()), entry["frameworks"]
+    assert entry["frameworks"]["eager"]["precision"] == entry["frameworks"]["gradgen"]["precision"] == "bf16"
+    reference = entry["fp32_reference"]
+    c = reference["criterion"]
+    n = len(list(models.build_module(spec).parameters()))
+    assert c["tensors"] == n and not reference["missing"]
+    assert 1e-4 < c["gradgen_worst"] < 5e-2 and 1e-4 < c["eager_worst"] < 5e-2
+    assert "vs eager fp32 gradients" in e2e.format_model(entry)
+
+
+@pytest.mark.slow
+def test_train_group_fp16_on_cpu_tiny():
+    """train at fp16 (about 10 s): eager with GradScaler, gradgen with its loss scaling, and
+    gradgen's fp32 reference curve; the fp16 curve tracks it."""
+    from gradgen.bench import models, train
+
+    spec = models.preset("gpt2-tiny")
+    report = train.run(
+        train.TrainOptions(specs=[spec], device="cpu", frameworks=("eager", "gradgen"), precisions=("fp16",), steps=6, warmup=2)
+    )
+    entry = report["models"]["gpt2-tiny/fp16"]
+    eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
+    assert "error" not in eager and "error" not in ours, (eager, ours)
+    assert eager["losses"][-1] < eager["losses"][0] and ours["losses"][-1] < ours["losses"][0]  # both trained
+    curve = entry["fp32_curve"]
+    assert curve["steps"] == 8 and len(curve["fp32_losses"]) == 8
+    assert 0 < curve["max_rel"] < 1e-3
+    assert entry["loss_agreement"]["gradgen"] < 1e-3
