@@ -1,4 +1,4 @@
-"""gradgen bench --precision (e2e and train groups): option parsing, issue 14's gradient criterion and
+"""gradgen bench --precision (e2e and train groups): option parsing, the mixed-precision gradient criterion and
 loss-curve comparison computed from arrays, the printed tables, and tiny runs on the CPU (slow)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ export; a new sequence length each step; several passes), eager and gradgen.
 Each precision of ``--precision`` (``precision.py``: fp32 with TF32 off by default, tf32, bf16,
 fp16) is its own table: gradgen's backward graph built with it, PyTorch with its TF32 flags or the
 forward under ``torch.autocast``. Below fp32, one more child computes PyTorch eager's fp32
-gradients (the reference) and issue 14's criterion compares gradgen's and eager's errors against
+gradients (the reference) and the mixed-precision criterion compares gradgen's and eager's errors against
 them per tensor. ``GRADGEN_ALLOW_TF32`` is removed from the children's environment (gradgen's
 tf32 comes from the graph). The parent never touches the GPU (so it holds no device memory of its own).
 """
@@ -257,7 +257,7 @@ def _run_precision(
 
 
 def _against_fp32(spec: models.ModelSpec, grads: dict[str, Path], options: E2EOptions, workdir: Path, common: dict) -> dict:
-    """Issue 14's gradient criterion: gradgen's and eager's gradients at the precision against
+    """The mixed-precision gradient criterion: gradgen's and eager's gradients at the precision against
     PyTorch eager's fp32 gradients (the fp32 table's, else one more child that computes only them)."""
     reference = workdir / "grads-fp32-eager.npz"
     if not reference.exists():

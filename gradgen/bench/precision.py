@@ -10,7 +10,7 @@ What each precision means on each side:
   with ``precision="bf16" | "fp16"`` (``AutocastPass``). In the train group fp16 steps scale the
   loss: ``torch.amp.GradScaler`` in PyTorch, gradgen's dynamic loss scaling (``LossScaling``).
 
-Issue 14's criteria, computed here from arrays so that they are tested without a GPU:
+The mixed-precision criteria, computed here from arrays so that they are tested without a GPU:
 
 - gradients: per parameter tensor the largest-element-relative error ``max|g - g_fp32| /
   max|g_fp32|`` against PyTorch eager's fp32 gradients, for gradgen's gradients and for eager's own
@@ -92,7 +92,7 @@ def _worst(errors: Mapping[str, float]) -> tuple[str | None, float | None]:
 
 
 def criterion(gradgen: Mapping[str, float], eager: Mapping[str, float] | None) -> dict:
-    """Issue 14's gradient criterion from the per-tensor errors against fp32 of gradgen's and of
+    """The mixed-precision gradient criterion from the per-tensor errors against fp32 of gradgen's and of
     eager's gradients: the worst of each, on how many tensors gradgen's error is above eager's and
     by what worst factor (inf where eager's is 0 and gradgen's is not). ``met``: on none."""
     out: dict = {"tensors": len(gradgen)}

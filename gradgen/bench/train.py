@@ -18,7 +18,7 @@ Each precision of ``--precision`` (``precision.py``; default fp32, TF32 off) is 
 PyTorch's forward under ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``), gradgen's
 training graphs built with the precision (fp16 with its dynamic loss scaling). Below fp32, gradgen's
 loss curve is compared with gradgen's fp32 curve (the fp32 table's, else one more child): same
-weights, same batch, same steps (``--steps 200`` for issue 14's 200-step criterion).
+weights, same batch, same steps (``--steps 200`` for a 200-step curve).
 """
 
 from __future__ import annotations
