@@ -1,10 +1,12 @@
-"""The optimizer's tags and the fused multi-tensor update's plan (gradgen/executor/fused_optimizer.py),
-on the CPU: which nodes are tagged and with what roles, which steps the rewrite replaces, what it
-leaves alone, the launch arguments it packs, and the Session's state guard. The GPU tests
+"""The optimizer's tags and the fused multi-tensor update's and gradient norm's plans
+(gradgen/executor/fused_optimizer.py), on the CPU: which nodes are tagged and with what roles, which
+steps the rewrites replace, what they leave alone, the launch arguments they pack, and the Session's
+state guard. The GPU tests
 (tests/cuda/test_cuda_fused_optimizer.py) run the kernel against the unfused steps and PyTorch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from gradgen.executor import Session
 from gradgen.executor import fused_optimizer as fo
 from gradgen.training import SGD, AdamW, build_training
 from gradgen.training.loss_scaling import LossScaling
-from gradgen.training.optimizers import CONFIG_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
+from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMER = ROOT / "samples/transformer/model.onnx"
@@ -129,8 +131,12 @@ class _FakeArray:
 
 
 def test_packed_arguments_follow_the_kernels_layout():
-    """optimizer.cu's MultiTensorArgs: 6 pointers, 8 floats, 4 int64, first_chunk[65], numel[64], ptr[4][64]."""
-    assert fo.ARGS.itemsize == 8 * 6 + 4 * 8 + 8 * 4 + 8 * (fo.MAX_TENSORS + 1) + 8 * fo.MAX_TENSORS + 8 * 4 * fo.MAX_TENSORS
+    """optimizer.cu's MultiTensorArgs: 6 pointers, 8 floats, flags, GgChunks (2 int64, first_chunk[65],
+    numel[64]), ptr[4][64]."""
+    chunks = 8 * 2 + 8 * (fo.MAX_TENSORS + 1) + 8 * fo.MAX_TENSORS
+    assert fo.CHUNKS.itemsize == chunks and fo.CHUNK % 4 == 0
+    assert fo.ARGS.itemsize == 8 * 6 + 4 * 8 + 8 + chunks + 8 * 4 * fo.MAX_TENSORS
+    assert fo.ARGS.fields["chunks"][1] == 8 * 6 + 4 * 8 + 8
     source = (ROOT / "gradgen/kernels/cuda/optimizer.cu").read_text()
     assert f"#define GG_MT_MAX {fo.MAX_TENSORS}\n" in source
     kind = fo.kind_of(
@@ -145,13 +151,116 @@ def test_packed_arguments_follow_the_kernels_layout():
     live = [g for g in groups if g[0].size]  # the empty tensor takes no chunk
     assert len(launches) == 2
     blocks = [np.frombuffer(buffer, fo.ARGS)[0] for _, buffer in launches]
-    assert [b["n_tensors"] for b in blocks] == [64, len(live) - 64]
+    assert [b["chunks"]["n_tensors"] for b in blocks] == [64, len(live) - 64]
     first = blocks[0]
     assert list(first["guard"]) == [7, 9] and list(first["scalar"]) == [11, 12, 13, 14]
     np.testing.assert_array_equal(first["consts"][:4], np.float32([1 - 0.9, 0.999, 1 - 0.999, 1e-8]))
-    assert list(first["first_chunk"][:5]) == [0, 1, 2, 4, 5] and list(first["numel"][:3]) == [1, fo.CHUNK, fo.CHUNK + 1]
-    assert launches[0][0] == first["first_chunk"][64] and launches[1][0] == len(live) - 64
+    table = first["chunks"]
+    assert table["chunk"] == fo.CHUNK
+    assert list(table["first_chunk"][:5]) == [0, 1, 2, 4, 5] and list(table["numel"][:3]) == [1, fo.CHUNK, fo.CHUNK + 1]
+    assert launches[0][0] == table["first_chunk"][64] and launches[1][0] == len(live) - 64
     assert first["ptr"][2, 1] == 1002 and blocks[1]["ptr"][3, 0] == 1000 * (64 + 1) + 3
+
+
+def test_norm_packed_arguments_follow_the_kernels_layout():
+    """optimizer.cu's SumSquaresArgs: the partials' pointer, GgChunks, ptr[1][64]; empty gradients take no block."""
+    assert fo.NORM_ARGS.itemsize == 8 + fo.CHUNKS.itemsize + 8 * fo.MAX_TENSORS
+    source = (ROOT / "gradgen/kernels/cuda/optimizer.cu").read_text()
+    assert "struct SumSquaresArgs {\n    double* partial;" in source
+    sizes = [fo.CHUNK + 1, 0, 3, *([fo.CHUNK] * 70)]
+    grads = [_FakeArray(100 * t, n) for t, n in enumerate(sizes)]
+    launches = fo.MultiTensorNorm.pack(grads)
+    assert [blocks for blocks, _ in launches] == [2 + 1 + 62, 8]
+    first, second = (args for _, args in launches)
+    assert first["chunks"]["n_tensors"] == 64 and second["chunks"]["n_tensors"] == 8
+    assert list(first["chunks"]["first_chunk"][:4]) == [0, 2, 3, 4]
+    assert list(first["ptr"][0, :3]) == [0, 200, 300] and second["ptr"][0, 0] == 100 * 65  # the empty one skipped
+
+
+def _norm_nodes(graph):
+    return {role: [n for n in graph if n.metadata_props.get(NORM_KEY) == role] for role in ("square", "sum", "sqrt")}
+
+
+@pytest.mark.parametrize("optimizer, clip", OPTIMIZERS[:3])
+def test_the_norm_nodes_are_tagged(optimizer, clip):
+    program = build_training(TRANSFORMER, optimizer=optimizer, clip_norm=clip)
+    graph = ir.from_proto(ir.to_proto(program.train)).graph  # the tags survive saving
+    nodes = _norm_nodes(graph)
+    assert [n.op_type for n in nodes["sqrt"]] == ["Sqrt"] and nodes["sqrt"][0].outputs[0].name == program.layout.grad_norm
+    assert [n.op_type for n in nodes["sum"]] == ["Sum"]
+    assert sorted(n.inputs[0].name for n in nodes["square"]) == sorted(f"{p}_grad" for p in program.params)
+    assert all(n.op_type == "ReduceSumSquare" for n in nodes["square"])
+    assert [v.producer() for v in nodes["sum"][0].inputs] == nodes["square"]
+    assert sum(NORM_KEY in n.metadata_props for n in graph) == len(program.params) + 2
+
+
+def _norm_step(steps):
+    found = [s for s in steps if (s.domain, s.op_type) == (fo.DOMAIN, fo.NORM_OP_TYPE)]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def test_the_plan_replaces_the_norm_by_one_step_in_its_sqrts_place():
+    program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0)
+    session = Session(program.train, state=program.state_bindings(), state_guard=[program.loss])
+    steps = session.steps
+    fused = fo.fuse_norm(steps, session.graph, set(session.output_names))
+    squares = [s for s in steps if s.op_type == "ReduceSumSquare"]
+    assert len(squares) == len(program.params) and len(fused) == len(steps) - len(squares) - 1
+    step = _norm_step(fused)
+    assert step is not None and step.outputs == [program.layout.grad_norm]
+    total = next(s for s in steps if s.metadata and s.metadata.get(NORM_KEY) == "sum")
+    assert step.inputs == [next(s.inputs[0] for s in squares if s.outputs[0] == name) for name in total.inputs]
+    assert not any(s.op_type == "ReduceSumSquare" or (s.metadata or {}).get(NORM_KEY) for s in fused if s is not step)
+    at = fused.index(step)
+    made_before = {n for s in fused[:at] for n in s.outputs} | set(session.input_names) | set(session.initializers)
+    assert all(n in made_before for n in step.inputs)
+    assert not any(n in step.outputs for s in fused[:at] for n in s.inputs)  # its readers come after it
+    # after the fused update: the update's step reads the norm (its guard and clipping) and stays last
+    both = fo.fuse_norm(
+        fo.fuse_update(steps, session.graph, set(session.output_names), session.state_bindings, [program.loss]),
+        session.graph,
+        set(session.output_names),
+    )
+    assert _norm_step(both) is not None and both[-1].op_type == fo.OP_TYPE
+
+
+def test_a_one_gradient_norm_has_no_sum_and_is_fused():
+    mlp = build_training(ROOT / "samples/mlp/model.onnx", optimizer=SGD())
+    program = build_training(ROOT / "samples/mlp/model.onnx", optimizer=SGD(), freeze=mlp.params[1:])
+    assert program.params == mlp.params[:1]
+    nodes = _norm_nodes(program.train.graph)
+    assert (len(nodes["square"]), len(nodes["sum"]), len(nodes["sqrt"])) == (1, 0, 1)
+    session = Session(program.train)
+    step = _norm_step(fo.fuse_norm(session.steps, session.graph, set(session.output_names)))
+    assert step is not None and step.inputs == [f"{program.params[0]}_grad"]
+
+
+def test_a_norm_whose_parts_are_read_elsewhere_keeps_its_steps():
+    program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0)
+    session = Session(program.train)
+    steps, keep = session.steps, set(session.output_names)
+    square = next(s for s in steps if s.op_type == "ReduceSumSquare")
+    total = next(s for s in steps if s.op_type == "Sum" and (s.metadata or {}).get(NORM_KEY))
+    assert fo.fuse_norm(steps, session.graph, keep | {square.outputs[0]}) == steps  # a graph output
+    assert fo.fuse_norm(steps, session.graph, keep | {total.outputs[0]}) == steps
+    reader = dataclasses.replace(steps[-1], inputs=[*steps[-1].inputs, square.outputs[0]])
+    assert fo.fuse_norm([*steps[:-1], reader], session.graph, keep) == [*steps[:-1], reader]
+    partial = dataclasses.replace(total, inputs=total.inputs[1:])  # a square not summed
+    changed = [partial if s is total else s for s in steps]
+    assert fo.fuse_norm(changed, session.graph, keep) == changed
+    kept = dataclasses.replace(square, attributes={"keepdims": 1})
+    changed = [kept if s is square else s for s in steps]
+    assert fo.fuse_norm(changed, session.graph, keep) == changed
+
+
+def test_the_norm_is_planned_only_where_switched_on(monkeypatch):
+    monkeypatch.setenv(fo.ENV, "0")
+    assert not fo.norm_enabled()
+    monkeypatch.setenv(fo.ENV, "1")
+    assert fo.norm_enabled()
+    monkeypatch.setenv(fo.NORM_ENV, "0")
+    assert not fo.norm_enabled() and fo.enabled()
 
 
 def _guarded_accumulator():

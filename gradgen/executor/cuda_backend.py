@@ -126,12 +126,15 @@ class CudaBackend:
 
     def fuse(self, steps: list, graph, keep: set[str], state: dict | None = None, guard: list | None = None) -> list:
         """The plan with a guarded training step's optimizer updates as one in-place multi-tensor
-        step (gradgen/executor/fused_optimizer.py; GRADGEN_CUDA_FUSED_OPTIMIZER=0 turns it off), and
+        step and its global gradient norm as one reduction (gradgen/executor/fused_optimizer.py;
+        GRADGEN_CUDA_FUSED_OPTIMIZER=0 turns them off), and
         its chains of elementwise steps fused (gradgen/executor/fusion.py), unless GRADGEN_CUDA_FUSION=0."""
         from gradgen.executor import fused_optimizer, fusion
 
         if state and guard and fused_optimizer.enabled():
             steps = fused_optimizer.fuse_update(steps, graph, keep, state, guard)
+        if fused_optimizer.norm_enabled():
+            steps = fused_optimizer.fuse_norm(steps, graph, keep)
         return fusion.fuse_pointwise(steps, graph, keep) if fusion.enabled() else steps
 
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:

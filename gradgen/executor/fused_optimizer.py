@@ -21,7 +21,18 @@ The step is planned only where it is exact and safe:
   else), the roles its settings need are all there, every tensor is declared float32, and the
   shared scalars are the same values for every parameter. A parameter that fails these keeps its
   standard nodes; the others are fused.
-``GRADGEN_CUDA_FUSED_OPTIMIZER=0`` turns the fused update off.
+
+The global gradient norm (``grad_norm``: one ReduceSumSquare per gradient, a Sum, a Sqrt, tagged by
+the pass) becomes one step too (``fuse_norm``): one launch per ``MAX_TENSORS`` gradients writes a
+float64 partial sum of squares per block of ``CHUNK`` elements (each thread sums its elements in
+order, then the block's threads are summed in a fixed tree), and one single-block launch sums the
+partials in a fixed order and rounds the square root once to float32. It is deterministic (the same
+bits every run) and at least as accurate as the nodes, but not bit for bit their result: they sum in
+float32, each reduction in its own order, then the per-gradient sums in the Sum's order. It is
+planned where every gradient is declared float32 and the squares and their Sum are read by nothing
+else; a norm over a Cast (a gradient of another float type) keeps its nodes.
+
+``GRADGEN_CUDA_FUSED_OPTIMIZER=0`` turns both off; ``GRADGEN_CUDA_FUSED_NORM=0`` the norm alone.
 """
 
 from __future__ import annotations
@@ -34,32 +45,46 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import KernelError
-from gradgen.training.optimizers import CONFIG_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
+from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
 
 ENV = "GRADGEN_CUDA_FUSED_OPTIMIZER"
+NORM_ENV = "GRADGEN_CUDA_FUSED_NORM"
 DOMAIN = "gradgen"
 OP_TYPE = "FusedOptimizerUpdate"
+NORM_OP_TYPE = "FusedGradientNorm"
 MAX_TENSORS = 64  # GG_MT_MAX of optimizer.cu: tensors per launch
-CHUNK = 8192  # elements per block
+CHUNK = 8192  # elements per block (a multiple of 4: a float4 chunk of an aligned tensor stays aligned)
 BLOCK = 256
+NORM_FINISH_BLOCK = 1024  # threads of the one block summing the norm's partials
+CHUNKS = np.dtype(  # optimizer.cu's GgChunks: which block takes which elements of which tensor
+    [
+        ("n_tensors", np.int64),
+        ("chunk", np.int64),
+        ("first_chunk", np.int64, MAX_TENSORS + 1),
+        ("numel", np.int64, MAX_TENSORS),
+    ]
+)
 ARGS = np.dtype(  # optimizer.cu's MultiTensorArgs, field for field
     [
         ("guard", np.uint64, 2),
         ("scalar", np.uint64, 4),
         ("consts", np.float32, 8),
         ("flags", np.int64),
-        ("n_tensors", np.int64),
-        ("chunk", np.int64),
-        ("reserved", np.int64),
-        ("first_chunk", np.int64, MAX_TENSORS + 1),
-        ("numel", np.int64, MAX_TENSORS),
+        ("chunks", CHUNKS),
         ("ptr", np.uint64, (4, MAX_TENSORS)),
     ]
+)
+NORM_ARGS = np.dtype(  # optimizer.cu's SumSquaresArgs
+    [("partial", np.uint64), ("chunks", CHUNKS), ("ptr", np.uint64, (1, MAX_TENSORS))]
 )
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
+
+
+def norm_enabled() -> bool:
+    return enabled() and os.environ.get(NORM_ENV, "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,23 +276,144 @@ class MultiTensorUpdate:
         """One argument block per launch of at most MAX_TENSORS tensors: (blocks, bytes)."""
         present = iter(scalars)
         slots = [int(next(present).gpudata) if used else 0 for used in self.scalar_slots]
-        live = [g for g in groups if g[0].size]
         launches = []
-        for start in range(0, len(live), MAX_TENSORS):
-            chunk = live[start : start + MAX_TENSORS]
-            args = np.zeros((), ARGS)
+        for chunk, args, blocks in _launches([g for g in groups if g[0].size], ARGS):
             args["guard"][: len(guard)] = [int(g.gpudata) for g in guard]
             args["scalar"][:] = slots
             args["consts"][: len(self.kind.consts)] = np.asarray(self.kind.consts, np.float32)
-            args["flags"], args["n_tensors"], args["chunk"] = self.kind.flags, len(chunk), CHUNK
-            sizes = np.array([g[0].size for g in chunk], np.int64)
-            first = np.concatenate([[0], np.cumsum(-(-sizes // CHUNK))])
-            args["first_chunk"][: len(first)] = first
-            args["numel"][: len(chunk)] = sizes
+            args["flags"] = self.kind.flags
             for t, group in enumerate(chunk):
                 for slot, array in enumerate(group):
                     args["ptr"][slot, t] = int(array.gpudata)
-            launches.append((int(first[-1]), args.tobytes()))
+            launches.append((blocks, args.tobytes()))
+        return launches
+
+
+def _launches(groups: list, layout: np.dtype):
+    """Per launch of at most MAX_TENSORS tensor groups (each of one size, group[0]'s, non-empty):
+    the groups, a zeroed argument record of ``layout`` with its chunk table filled, and its block count."""
+    for start in range(0, len(groups), MAX_TENSORS):
+        chunk = groups[start : start + MAX_TENSORS]
+        args = np.zeros((), layout)
+        sizes = np.array([g[0].size for g in chunk], np.int64)
+        first = np.concatenate([[0], np.cumsum(-(-sizes // CHUNK))])
+        table = args["chunks"]
+        table["n_tensors"], table["chunk"] = len(chunk), CHUNK
+        table["first_chunk"][: len(first)] = first
+        table["numel"][: len(chunk)] = sizes
+        yield chunk, args, int(first[-1])
+
+
+def _norm_parts(steps: list, keep: set[str]) -> tuple[list[int], list[str], int] | None:
+    """The tagged global norm of ``steps`` if it can run as one reduction: the positions of its
+    ReduceSumSquare and Sum steps, the gradients in the Sum's order, the Sqrt's position."""
+    roles: dict[str, list[int]] = {}
+    for i, step in enumerate(steps):
+        if step.metadata and NORM_KEY in step.metadata:
+            roles.setdefault(step.metadata[NORM_KEY], []).append(i)
+    squares, sums, roots = roles.get("square", []), roles.get("sum", []), roles.get("sqrt", [])
+    if len(roots) != 1 or len(sums) > 1 or not squares or set(roles) - {"square", "sum", "sqrt"}:
+        return None
+    made = {steps[i].outputs[0]: i for i in squares if len(steps[i].outputs) == 1}
+    for i in squares:
+        step = steps[i]
+        if step.op_type != "ReduceSumSquare" or step.domain or len(step.outputs) != 1 or len(step.inputs) != 1:
+            return None
+        if step.attributes.get("keepdims", 1) != 0 or step.attributes.get("noop_with_empty_axes", 0):
+            return None  # not a full reduction to a scalar
+    root = steps[roots[0]]
+    if root.op_type != "Sqrt" or root.domain or len(root.inputs) != 1:
+        return None
+    if sums:
+        total = steps[sums[0]]
+        if total.op_type != "Sum" or total.domain or len(total.outputs) != 1 or root.inputs != total.outputs:
+            return None
+        order = total.inputs
+    else:
+        order = root.inputs
+    if sorted(order, key=str) != sorted(made, key=str):  # every square summed once, nothing else
+        return None
+    inner = {*made, *(steps[i].outputs[0] for i in sums)}
+    allowed = {*sums, *roots}
+    for i, step in enumerate(steps):
+        if i not in allowed and any(name in inner for name in step.inputs):
+            return None  # a square or the sum is read outside the norm
+    if inner & keep:
+        return None
+    return [*squares, *sums], [steps[made[name]].inputs[0] for name in order], roots[0]
+
+
+def fuse_norm(steps: list, graph: ir.Graph, keep: set[str]) -> list:
+    """``steps`` with the tagged global gradient norm as one ``MultiTensorNorm`` step in its Sqrt's
+    place (see the module docstring), where every gradient is declared float32."""
+    from gradgen.executor.fusion import plan_dtypes
+    from gradgen.executor.session import Step
+    from gradgen.kernels.table import KernelEntry
+
+    parts = _norm_parts(steps, keep)
+    if parts is None:
+        return steps
+    absorbed, grads, at = parts
+    dtypes = plan_dtypes(steps, graph)
+    if any(dtypes.get(g) != np.float32 for g in grads):
+        return steps
+    root = steps[at]
+    step = Step(
+        node_name=f"fused gradient norm of {len(grads)} tensors",
+        domain=DOMAIN,
+        op_type=NORM_OP_TYPE,
+        kernel=None,
+        entry=KernelEntry(DOMAIN, NORM_OP_TYPE, cpu=None, cuda=MultiTensorNorm()),
+        inputs=list(grads),
+        outputs=list(root.outputs),
+        attributes={},
+        free_after=[],
+        output_dtypes=[np.dtype(np.float32)],
+    )
+    gone = set(absorbed)
+    return [step if i == at else s for i, s in enumerate(steps) if i not in gone]
+
+
+class MultiTensorNorm:
+    """The fused norm's launcher: float32 tensors -> sqrt(sum of their squares), a float32 scalar."""
+
+    def __init__(self):
+        self._packed: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+
+    def __call__(self, *grads):
+        from gradgen.cuda import runtime as rt
+        from gradgen.kernels.cuda.launch import kernel_of, launch_packed
+
+        for g in grads:
+            if g.dtype != np.float32 or not g.flags.c_contiguous:
+                raise KernelError(f"the fused gradient norm takes contiguous float32 tensors, got {g.dtype}{list(g.shape)}")
+        key = tuple(int(g.gpudata) for g in grads if g.size)
+        if key not in self._packed:
+            self._packed[key] = self.pack(grads)
+            if len(self._packed) > 16:  # addresses change with the memory plan; a few are live at once
+                self._packed.pop(next(iter(self._packed)))
+        launches = self._packed[key]
+        total = sum(blocks for blocks, _ in launches)
+        partial = rt.empty((max(total, 1),), np.float64)
+        out = rt.empty((), np.float32)
+        kernel = kernel_of("optimizer", "sum_squares_mt_f32")
+        offset = 0
+        for blocks, args in launches:
+            args["partial"] = int(partial.gpudata) + 8 * offset
+            launch_packed(kernel, blocks, BLOCK, args.tobytes())
+            offset += blocks
+        finish = np.array([int(out.gpudata), int(partial.gpudata), total], np.uint64)
+        launch_packed(kernel_of("optimizer", "sum_squares_sqrt"), 1, NORM_FINISH_BLOCK, finish.tobytes())
+        return out
+
+    @staticmethod
+    def pack(grads) -> list[tuple[int, np.ndarray]]:
+        """One argument record per launch of at most MAX_TENSORS tensors (``partial`` set per
+        call): (blocks, record)."""
+        launches = []
+        for chunk, args, blocks in _launches([(g,) for g in grads if g.size], NORM_ARGS):
+            args["ptr"][0, : len(chunk)] = [int(g.gpudata) for (g,) in chunk]
+            launches.append((blocks, args))
         return launches
 
 

@@ -44,7 +44,10 @@ outside the update, comma-separated: ``param``, ``grad``, ``state:<kind>``, ``sc
 empty for a value the update makes or a constant) and, on the node making a new value,
 ``gradgen.optimizer.writes`` (``param`` or ``state:<kind>``). The scalars are float values of the
 parameter's type made once per step: ``lr`` (SGD), ``decay``, ``step_size``, ``bc2_sqrt`` (AdamW)
-and ``clip`` (the clipping factor).
+and ``clip`` (the clipping factor). The global gradient norm's nodes carry ``gradgen.optimizer.norm``:
+``square`` on each gradient's ReduceSumSquare, ``sum`` on the Sum of the squares (absent for one
+gradient) and ``sqrt`` on the Sqrt making ``grad_norm`` (the CUDA plan runs them as one multi-tensor
+reduction, gradgen/executor/fused_optimizer.py's ``fuse_norm``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ CONFIG_KEY = "gradgen.optimizer"  # graph metadata: the optimizer's settings (se
 PARAM_KEY = "gradgen.optimizer.param"  # node metadata, see the module docstring
 READS_KEY = "gradgen.optimizer.reads"
 WRITES_KEY = "gradgen.optimizer.writes"
+NORM_KEY = "gradgen.optimizer.norm"  # node metadata of the global gradient norm's nodes, see the module docstring
 
 
 def _check(condition: bool, message: str) -> None:
@@ -334,12 +338,25 @@ def _tag_update(param: str, nodes: list[ir.Node], roles: dict[ir.Value, str], wr
 
 
 def global_norm(b: GraphBuilder, grads: list[ir.Value], likes: list[ir.Value]) -> ir.Value:
-    """sqrt(sum of squares of every gradient), in float32 (a float32 scalar)."""
+    """sqrt(sum of squares of every gradient), in float32 (a float32 scalar). Its nodes are tagged
+    (``NORM_KEY``: ``square``, ``sum``, ``sqrt``) so that a backend may run it as one reduction."""
     squares = []
     for g, like in zip(grads, likes):
         sq = b.reduce("ReduceSumSquare", g, None, keepdims=0)
+        _tag_norm(sq, "square")
         squares.append(sq if like.dtype == ir.DataType.FLOAT else b.op("Cast", sq, to=ir.DataType.FLOAT))
-    return b.op("Sqrt", b.sum(squares))
+    total = b.sum(squares)
+    if len(squares) > 1:
+        _tag_norm(total, "sum")
+    norm = b.op("Sqrt", total)
+    _tag_norm(norm, "sqrt")
+    return norm
+
+
+def _tag_norm(value: ir.Value, role: str) -> None:
+    node = value.producer()
+    assert node is not None  # made by the builder just now
+    node.metadata_props[NORM_KEY] = role
 
 
 class AccumulateGradientsPass(ir.passes.InPlacePass):
