@@ -6,6 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.evaluate import STANDARD_DOMAINS, ConstantEvaluator, direct_constant, foldable_op
+from gradgen.passes.rewrite import NodeRemoval
 
 __all__ = ["EvaluateConstantsPass", "fold_graph", "inline_constant_ifs"]
 
@@ -51,7 +52,7 @@ def _has_shape_reads(graph: ir.Graph) -> bool:
 def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
     """Replace every foldable node of ``graph`` (top level) by initializers; True if any was."""
     outputs = {v.name for v in graph.outputs}
-    modified = False
+    removal = NodeRemoval()
     for node in list(graph):
         if not foldable_op(node) or any(o.name in outputs for o in node.outputs):
             continue
@@ -75,8 +76,9 @@ def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
                 _replace_with_initializer(graph, value, result)
             else:
                 _replace_with_constant_node(graph, node, value, result)
-        graph.remove(node, safe=True)
-        modified = True
+        removal.remove(node)
+    modified = bool(removal)
+    removal.flush()
     return modified
 
 

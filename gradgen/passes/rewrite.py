@@ -56,6 +56,42 @@ def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: Sequence[ir.Va
         new.name = name
 
 
+class NodeRemoval:
+    """Nodes a pass drops, taken out of their graphs together by ``flush``.
+
+    onnx-ir's ``Graph.remove`` copies the graph's outputs on every call: after the gradient pass
+    (one output per parameter) removing nodes one at a time cost more than the rest of a pass.
+    ``remove`` detaches the node from its inputs at once, as ``Graph.remove(safe=True)`` does
+    (so uses read afterwards are the same), and keeps it until ``flush``; ``node in removal``
+    tells a node already dropped.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[ir.Graph, list[ir.Node]] = {}
+        self._nodes: set[ir.Node] = set()
+
+    def remove(self, node: ir.Node) -> None:
+        if node.graph is None or node in self._nodes:
+            raise ValueError(f"node {node.name!r} is in no graph or already removed")
+        for i in range(len(node.inputs)):
+            node.replace_input_with(i, None)
+        self._pending.setdefault(node.graph, []).append(node)  # type: ignore[arg-type]
+        self._nodes.add(node)
+
+    def __contains__(self, node: ir.Node) -> bool:
+        return node in self._nodes
+
+    def __bool__(self) -> bool:
+        return bool(self._nodes)
+
+    def flush(self) -> None:
+        """Take the removed nodes out of their graphs (checked as ``Graph.remove(safe=True)`` checks)."""
+        for graph, nodes in self._pending.items():
+            graph.remove(nodes, safe=True)
+        self._pending.clear()
+        self._nodes.clear()
+
+
 def float_constant(b: GraphBuilder, array: np.ndarray, cache: dict) -> ir.Value:
     """A float constant of a rewritten forward graph, as a Constant node: an initializer would read
     as a parameter (build_backward differentiates every float initializer the loss depends on).

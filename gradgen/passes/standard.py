@@ -127,28 +127,63 @@ _INFERENCE_DATA_LIMIT = 1024
 def _proto_without_weights(model: ir.Model) -> onnx.ModelProto:
     """``model`` as a ModelProto in which large initializers are typed inputs without data.
 
-    The model is changed only for the duration of the serialisation and restored exactly
-    (initializer order and graph inputs included).
+    The model is serialised through a view of its graph (nothing of it is changed, except that a
+    large initializer without a type or shape gets the one of its tensor), and the small
+    initializers are written as plain TensorProtos: onnx-ir's general tensor serialiser cost more
+    than inference on graphs with thousands of folded shape constants.
     """
     graph = model.graph
-    initializers, inputs = list(graph.initializers.values()), list(graph.inputs)
-    large = [v for v in initializers if v.const_value is not None and v.const_value.nbytes > _INFERENCE_DATA_LIMIT]
-    try:
-        for value in large:
+    small, large = [], []
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and tensor.nbytes > _INFERENCE_DATA_LIMIT:
             if value.shape is None:
-                value.shape = ir.Shape(value.const_value.shape)
+                value.shape = ir.Shape(tensor.shape)
             if value.type is None:
-                value.type = ir.TensorType(value.const_value.dtype)
-            graph.initializers.pop(value.name)
-            if value not in inputs:
-                graph.inputs.append(value)
-        return ir.to_proto(model)
-    finally:
-        graph.inputs.clear()
-        graph.inputs.extend(inputs)
-        graph.initializers.clear()
-        for value in initializers:
-            graph.initializers.add(value)
+                value.type = ir.TensorType(tensor.dtype)
+            large.append(value)
+        else:
+            small.append(value)
+    inputs = list(graph.inputs)
+    listed = set(inputs)
+    view = ir.GraphView(
+        [*inputs, *(v for v in large if v not in listed)],
+        graph.outputs,
+        nodes=graph,
+        name=graph.name,
+        opset_imports=graph.opset_imports,
+    )
+    proto = ir.to_proto(ir.Model(view, ir_version=model.ir_version, functions=list(model.functions.values())))  # type: ignore[arg-type]
+    _add_small_initializers(proto.graph, small, listed)
+    return proto
+
+
+def _plain_bytes(tensor) -> bool:
+    """An in-memory tensor whose numpy bytes are its ONNX raw_data (no strings, no sub-byte types)."""
+    return (
+        isinstance(tensor, (ir.Tensor, ir.serde.TensorProtoTensor))
+        and tensor.dtype != ir.DataType.STRING
+        and tensor.dtype.bitwidth % 8 == 0
+    )
+
+
+def _add_small_initializers(graph: onnx.GraphProto, values: list[ir.Value], inputs: set[ir.Value]) -> None:
+    """Append ``values`` (initializers) to ``graph``: their data, and the value_info that onnx-ir
+    writes for an initializer that is not a graph input."""
+    for value in values:
+        if value not in inputs and (value.type is not None or value.shape is not None):
+            ir.serde.serialize_value_into(graph.value_info.add(), value)
+        tensor = value.const_value
+        if tensor is None:
+            continue
+        if _plain_bytes(tensor):
+            array = tensor.numpy()
+            graph.initializer.append(
+                onnx.TensorProto(name=value.name, data_type=int(tensor.dtype), dims=array.shape, raw_data=array.tobytes())
+            )
+        else:  # strings, sub-byte types, external data: onnx-ir's serialiser
+            tensor.name = value.name
+            ir.serde.serialize_tensor_into(graph.initializer.add(), tensor)
 
 
 def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:

@@ -22,6 +22,7 @@ import onnx_ir as ir
 from gradgen.builder import graph_names
 from gradgen.names import unique_name
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, MICROSOFT_OPSET
+from gradgen.passes.rewrite import NodeRemoval
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
 
@@ -57,10 +58,12 @@ class TransposeFusionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         self._names = graph_names(graph)
+        self._removal = NodeRemoval()
         modified = False
         for node in list(graph):
-            if node.graph is graph and _is_matrix_transpose(node):
+            if node not in self._removal and _is_matrix_transpose(node):
                 modified |= self._fold_product_into_gemm(graph, node) or self._fold_into_readers(model, node)
+        self._removal.flush()
         return ir.passes.PassResult(model, modified=modified)
 
     def _fold_into_readers(self, model: ir.Model, transpose: ir.Node) -> bool:
@@ -95,13 +98,19 @@ class TransposeFusionPass(ir.passes.InPlacePass):
                 model.opset_imports.setdefault(MICROSOFT_DOMAIN, MICROSOFT_OPSET)
                 changed = True
         if changed and not out.uses():
-            transpose.graph.remove(transpose, safe=True)
+            self._removal.remove(transpose)
         return changed
 
     def _fold_product_into_gemm(self, graph: ir.Graph, transpose: ir.Node) -> bool:
         product = transpose.inputs[0].producer()
         made = transpose.inputs[0]
-        if product is None or product.graph is not graph or not _is_plain_product(product) or made.is_graph_output():
+        if (
+            product is None
+            or product.graph is not graph
+            or product in self._removal
+            or not _is_plain_product(product)
+            or made.is_graph_output()
+        ):
             return False
         if len(made.uses()) != 1:
             return False
@@ -115,7 +124,7 @@ class TransposeFusionPass(ir.passes.InPlacePass):
             attrs.append(ir.AttrFloat32("alpha", float(alpha.value)))
         swapped = ir.Node("", "Gemm", [b, a], attrs, name=unique_name(f"{product.name or 'Gemm'}/transposed", self._names))
         self._replace(transpose, swapped)
-        graph.remove(product, safe=True)
+        self._removal.remove(product)
         return True
 
     def _replace(self, old: ir.Node, new: ir.Node) -> None:
@@ -127,4 +136,4 @@ class TransposeFusionPass(ir.passes.InPlacePass):
         new_out.type, new_out.shape = old_out.type, old_out.shape
         old.graph.insert_before(old, new)
         ir.convenience.replace_all_uses_with(old_out, new_out, replace_graph_outputs=True)
-        old.graph.remove(old, safe=True)
+        self._removal.remove(old)
