@@ -64,12 +64,29 @@ def numpy_dtype_of(x: ir.Value) -> np.dtype:
 def graph_names(graph: ir.Graph) -> set[str]:
     """Every name used in ``graph`` and its subgraphs (values, initializers, nodes)."""
     names = {v.name for v in [*graph.inputs, *graph.outputs] if v.name is not None} | set(graph.initializers)
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        if node.name:
-            names.add(node.name)
-        names.update(v.name for v in node.outputs if v.name)
-        names.update(v.name for v in node.inputs if v is not None and v.name)
+    _add_node_names(graph, names)
+    names.discard(None)  # type: ignore[arg-type]
+    names.discard("")
     return names
+
+
+def _add_node_names(graph: ir.Graph, names: set[str]) -> None:
+    """The names of the nodes of ``graph`` and its subgraphs and of the values they read and make
+    (one plain loop: a graph of thousands of nodes is scanned by several passes)."""
+    add = names.add
+    for node in graph:
+        add(node.name)  # type: ignore[arg-type]  # None and "" are dropped by the caller
+        for output in node.outputs:
+            add(output.name)  # type: ignore[arg-type]
+        for value in node.inputs:
+            if value is not None:
+                add(value.name)  # type: ignore[arg-type]
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH and isinstance(attr, ir.Attr):
+                _add_node_names(attr.value, names)
+            elif attr.type == ir.AttributeType.GRAPHS and isinstance(attr, ir.Attr):
+                for sub in attr.value:
+                    _add_node_names(sub, names)
 
 
 class GraphBuilder:
@@ -118,6 +135,11 @@ class GraphBuilder:
     def reserve(self, name: str) -> None:
         """Mark ``name`` as used (for values created outside ``op``, such as the loss seed)."""
         self._taken.add(name)
+
+    def collector(self, prefix: str) -> GraphBuilder:
+        """A builder sharing this one's names and constants that collects its nodes in ``nodes``
+        instead of appending them (nodes for a subgraph, such as a backward loop's body)."""
+        return GraphBuilder(self.graph, self.opset, names=self._taken, constants=self._constants, prefix=prefix, append=False)
 
     # -- emitting ---------------------------------------------------------------------------
     def op(self, op_type: str, *inputs: ir.Value | None, domain: str = "", **attributes: Any) -> ir.Value:

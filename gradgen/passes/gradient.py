@@ -164,6 +164,7 @@ class _Contributions:
         self.b = builder
         self.taken = taken
         self.outputs = outputs
+        self._output_names = set(outputs.values())
         self.parts: dict[str, list[ir.Value]] = {}
         self.totals: dict[str, ir.Value] = {}
         self._final: set[ir.Value] = set()  # values already named as some tensor's total gradient
@@ -197,7 +198,7 @@ class _Contributions:
 
     def claim(self, value: ir.Value, name: str) -> None:
         """Name ``value`` ``name``; a gradient output's reserved name is released to it."""
-        if name in self.outputs.values() and value.name != name:
+        if name in self._output_names and value.name != name:
             self.taken.discard(name)
         self.b.rename(value, name)
 
