@@ -46,6 +46,13 @@ def test_bad_precision_is_a_one_line_usage_error(capsys, argv, message):
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
 
 
+def test_describe_names_both_sides():
+    assert bp.describe("fp32") == "fp32, TF32 off"
+    assert "allow_tf32" in bp.describe("tf32")
+    assert "torch.autocast(bfloat16)" in bp.describe("bf16") and "AutocastPass (bf16)" in bp.describe("bf16")
+    assert "no loss scaling" in bp.describe("fp16") and "GradScaler" in bp.describe("fp16", train=True)
+
+
 def test_relative_errors_per_tensor():
     reference = {
         "w": np.array([[1.0, -4.0], [2.0, 0.5]], np.float32),

@@ -55,8 +55,12 @@ def describe(precision: str, *, train: bool = False) -> str:
         return "tf32: float32 tensors, TF32 GEMMs and convolutions (PyTorch allow_tf32; gradgen --precision tf32)"
     dtype = TORCH_DTYPES[precision]
     text = f"{precision}: PyTorch forward under torch.autocast({dtype}), gradgen AutocastPass ({precision}); TF32 off"
-    if precision == "fp16" and train:
-        text += "; loss scaling: torch.amp.GradScaler, gradgen's dynamic loss scaling"
+    if precision == "fp16":
+        text += (
+            "; loss scaling: torch.amp.GradScaler, gradgen's dynamic loss scaling"
+            if train
+            else "; no loss scaling on either side: gradients below fp16's smallest subnormal (6e-8) flush to zero"
+        )
     return text
 
 
