@@ -85,9 +85,14 @@ class NodeRemoval:
         return bool(self._nodes)
 
     def flush(self) -> None:
-        """Take the removed nodes out of their graphs (checked as ``Graph.remove(safe=True)`` checks)."""
+        """Take the removed nodes out of their graphs, checked as ``Graph.remove(safe=True)`` checks
+        (no output of theirs is a graph output or read by a node that stays)."""
+        for node in self._nodes:
+            for output in node.outputs:
+                if output.is_graph_output() or any(user not in self._nodes for user, _ in output.uses()):
+                    raise ValueError(f"node {node.name!r} cannot be removed: its output {output.name!r} is still used")
         for graph, nodes in self._pending.items():
-            graph.remove(nodes, safe=True)
+            graph.remove(nodes)  # already detached from their inputs
         self._pending.clear()
         self._nodes.clear()
 

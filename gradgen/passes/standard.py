@@ -9,6 +9,7 @@ from onnx_ir.passes import common as ir_common
 from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.ops.einsum import parse_equation
+from gradgen.passes.rewrite import NodeRemoval
 
 # The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
 MIN_OPSET = 14
@@ -130,11 +131,14 @@ def _proto_without_weights(model: ir.Model) -> onnx.ModelProto:
     The model is serialised through a view of its graph (nothing of it is changed, except that a
     large initializer without a type or shape gets the one of its tensor), and the small
     initializers are written as plain TensorProtos: onnx-ir's general tensor serialiser cost more
-    than inference on graphs with thousands of folded shape constants.
+    than inference on graphs with thousands of folded shape constants. Initializers nothing reads
+    are left out.
     """
     graph = model.graph
     small, large = [], []
     for value in graph.initializers.values():
+        if not value.uses() and not value.is_graph_output() and not value.is_graph_input():
+            continue  # read by nothing (a link of a folded chain): no shape depends on it
         tensor = value.const_value
         if tensor is not None and tensor.nbytes > _INFERENCE_DATA_LIMIT:
             if value.shape is None:
@@ -375,7 +379,79 @@ def _in_order(graph: ir.Graph) -> bool:
 
 
 RemoveUnusedNodesPass = ir_common.RemoveUnusedNodesPass
-CommonSubexpressionEliminationPass = ir_common.CommonSubexpressionEliminationPass
+_NON_DETERMINISTIC_OPS = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
+
+
+class CommonSubexpressionEliminationPass(ir_common.CommonSubexpressionEliminationPass):
+    """onnx-ir's common-subexpression elimination (the same nodes merged, the same way) with the
+    merged nodes removed in one ``Graph.remove`` (``NodeRemoval``): onnx-ir's removes them one
+    call at a time, and each call copies the graph outputs (one per parameter after the gradient
+    pass: a third of the pass on a 48-layer GPT-2)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(model, modified=self._eliminate(model.graph))
+
+    def _eliminate(self, graph: ir.Graph) -> bool:
+        removal = NodeRemoval()
+        seen: dict[tuple, ir.Node] = {}
+        for node in graph:
+            key = self._node_key(node)
+            if key is None:
+                continue
+            existing = seen.setdefault(key, node)
+            if existing is not node:
+                _merge_into(graph, node, existing, removal)
+        modified = bool(removal)
+        removal.flush()
+        return modified
+
+    def _node_key(self, node: ir.Node) -> tuple | None:
+        """What makes two nodes the same computation (op, output count, input values,
+        attributes); None for nodes never merged: subgraphs, large tensor attributes, random ops."""
+        if node.op_type in _NON_DETERMINISTIC_OPS and node.domain == "":
+            return None
+        attributes = {}
+        for name, attr in node.attributes.items():
+            value = attr.value
+            if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+                return None
+            if attr.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
+                value = tuple(value)
+            elif attr.type is ir.AttributeType.TENSOR:
+                if value.size > self.size_limit:
+                    return None
+                array = value.numpy()
+                value = (array.shape, str(array.dtype), array.tobytes())
+            attributes[name] = value
+        return (
+            node.op_identifier(),
+            len(node.outputs),
+            tuple(id(v) for v in node.inputs),
+            tuple(sorted(attributes.items())),
+        )
+
+
+def _merge_into(graph: ir.Graph, node: ir.Node, existing: ir.Node, removal: NodeRemoval) -> None:
+    """Replace ``node`` by ``existing`` (same computation): a graph output of node's keeps its name
+    (through an Identity where existing's output is itself a graph input or output)."""
+    olds, news = node.outputs, existing.outputs
+    if any(v.is_graph_output() for v in olds):
+        replacements = dict(zip(olds, news))
+        for index, output in enumerate(graph.outputs):
+            if output not in replacements:
+                continue
+            new = replacements[output]
+            if new.is_graph_output() or new.is_graph_input():
+                identity = ir.node(
+                    "Identity", inputs=[new], outputs=[ir.Value(name=output.name, type=output.type, shape=output.shape)]
+                )
+                graph.outputs[index] = identity.outputs[0]
+                graph.insert_before(node, identity)
+            else:
+                new.name = output.name
+                graph.outputs[index] = new
+    ir.convenience.replace_all_uses_with(olds, news)
+    removal.remove(node)
 
 
 class CleanupPass(ir.passes.Sequential):
