@@ -304,13 +304,3 @@ def test_cli_build_backward_precision(tmp_path, capsys, monkeypatch):
         capsys, monkeypatch, "build-backward", CNN / "model.onnx", "-o", tmp_path / "x.onnx", "--precision", "int8"
     )
     assert code == 2 and "unknown precision 'int8'" in err and not (tmp_path / "x.onnx").exists()
-
-
-@pytest.mark.cuda
-def test_cuda_refuses_bfloat16_naming_the_node():
-    """No CUDA kernel has bfloat16 yet: a one-line error naming the first bf16 node, not garbage."""
-    from gradgen.errors import GradgenError
-
-    model = gradgen.build_backward(CNN / "model.onnx", precision="bf16").model
-    with pytest.raises(GradgenError, match=r"node '.*' \(Cast\).*bfloat16 tensors are not supported"):
-        Session(model, device="cuda").run(dict(np.load(CNN / "inputs.npz")))

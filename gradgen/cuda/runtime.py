@@ -26,6 +26,7 @@ import traceback
 import weakref
 from typing import TypeAlias
 
+import ml_dtypes
 import numpy as np
 import pycuda.autoprimaryctx  # noqa: F401  (makes the primary context current)
 import pycuda.driver as driver
@@ -38,6 +39,7 @@ from gradgen.errors import KernelError
 
 GPUArray: TypeAlias = gpuarray.GPUArray
 MAX_RANK = 8
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 # -- exit: device memory goes before PyCUDA pops its context ------------------------------------
@@ -197,13 +199,20 @@ def zeros(shape, dtype) -> GPUArray:
     return memset_zero(empty(shape, dtype))
 
 
+def host_buffer(array: np.ndarray) -> np.ndarray:
+    """``array`` C-contiguous, as the buffer a host-to-device copy reads: a bfloat16 array as its
+    uint16 bits (ml_dtypes' type is not one the buffer protocol or PyCUDA knows by format)."""
+    array = np.ascontiguousarray(array)
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
 def to_device(array: np.ndarray) -> GPUArray:
     if CAPTURE.active:
         raise CaptureError("a host-to-device upload cannot be captured")
     array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes 0-d 1-d
     out = empty(array.shape, array.dtype)
     if array.size:
-        driver.memcpy_htod(out.gpudata, array)
+        driver.memcpy_htod(out.gpudata, host_buffer(array))
     return out
 
 
@@ -212,6 +221,9 @@ def to_host(array) -> np.ndarray:
         return array
     if CAPTURE.active:
         raise CaptureError("a device-to-host copy cannot be captured")
+    if array.dtype == BFLOAT16:  # its bits as uint16 (see host_buffer), then the type again
+        bits = GPUArray(array.shape, np.uint16, gpudata=array.gpudata, strides=array.strides, base=array)
+        return bits.get().view(BFLOAT16)
     return array.get()
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from gradgen.cuda import runtime as rt
 from gradgen.errors import UsageError
-from gradgen.executor import fusion
+from gradgen.executor import fusion, low_precision
 from gradgen.executor.device_memory import MemoryManager, release_frames
 from gradgen.kernels import registry
 from gradgen.kernels.cuda.launch import math_mode
@@ -139,7 +139,7 @@ class CudaBackend:
 
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:
         with rt.gpu_lock():
-            placed = {name: rt.to_device(a) if a.dtype.kind == "f" else a for name, a in initializers.items()}
+            placed = {name: rt.to_device(a) if _is_float(a) else a for name, a in initializers.items()}
         self._host_constants = {id(a): a for a in placed.values() if isinstance(a, np.ndarray)}
         return placed
 
@@ -147,7 +147,7 @@ class CudaBackend:
         """Upload host feeds; device arrays (bound state) are used where they are."""
         if self.use_graphs:  # a graph can only replay inputs that live in device buffers
             return {name: a if rt.is_device(a) else rt.to_device(a) for name, a in feeds.items()}
-        return {name: rt.to_device(a) if not rt.is_device(a) and a.dtype.kind == "f" else a for name, a in feeds.items()}
+        return {name: rt.to_device(a) if not rt.is_device(a) and _is_float(a) else a for name, a in feeds.items()}
 
     def place_state(self, state: dict, values: dict[str, np.ndarray]) -> dict:
         """Bound state on the device, outside any run's arena: uploaded into the buffers ``state``
@@ -157,7 +157,7 @@ class CudaBackend:
             current = state.get(name)
             if rt.is_device(current) and current.shape == value.shape and current.dtype == value.dtype:
                 if current.nbytes:
-                    rt.driver.memcpy_htod(current.gpudata, np.ascontiguousarray(value))
+                    rt.driver.memcpy_htod(current.gpudata, rt.host_buffer(value))
                 placed[name] = current
             else:
                 with rt.persistent():
@@ -172,7 +172,7 @@ class CudaBackend:
             src = new[name]
             if not rt.is_device(src):
                 if dst.nbytes:
-                    rt.driver.memcpy_htod(dst.gpudata, np.ascontiguousarray(src))
+                    rt.driver.memcpy_htod(dst.gpudata, rt.host_buffer(src))
             elif int(src.gpudata) != int(dst.gpudata) and dst.nbytes:
                 copies.append((int(dst.gpudata), int(src.gpudata), dst.nbytes))
         if copies:
@@ -185,7 +185,7 @@ class CudaBackend:
         returned values are no longer needed."""
         if self.closed:
             raise UsageError("this Session is closed")
-        key = tuple((name, a.shape, a.dtype.str) for name, a in sorted(feeds.items()))
+        key = tuple((name, a.shape, np.dtype(a.dtype)) for name, a in sorted(feeds.items()))  # bfloat16.str is "<V2"
         state = self._graphs.get(key)
         if isinstance(state, _Replay):
             self._graphs.move_to_end(key)
@@ -293,7 +293,6 @@ class CudaBackend:
         if self._memory is not None:
             self._memory.advance(step.index)
         entry = step.entry
-        _refuse_bfloat16(step, args)
         if entry.cuda is not None and not _is_shape_arithmetic(step, args):
             call_args = [
                 None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
@@ -310,7 +309,10 @@ class CudaBackend:
             raise RuntimeError(f"{step.op_type} has no CPU kernel to fall back on")
         if entry.cuda is None and not _is_shape_arithmetic(step, args):
             _warn_fallback(step)
-        return entry.cpu(*[None if a is None else rt.to_host(a) for a in args], **step.attributes)
+        host = [None if a is None else rt.to_host(a) for a in args]
+        if step.low_precision or low_precision.reads_low_precision(host):  # as the CPU backend runs it
+            return low_precision.run_in_fp32(entry.cpu, step.op_type, host, step.attributes, step.output_dtypes)
+        return entry.cpu(*host, **step.attributes)
 
     def _on_device(self, value):
         if rt.is_device(value):
@@ -383,7 +385,7 @@ class _Replay:
             if not target.nbytes:
                 continue
             if not rt.is_device(array):
-                rt.driver.memcpy_htod_async(target.gpudata, np.ascontiguousarray(array), rt.stream())
+                rt.driver.memcpy_htod_async(target.gpudata, rt.host_buffer(array), rt.stream())
             elif int(array.gpudata) != int(target.gpudata):  # bound state whose buffer changed
                 rt.copy_device(target, array)
         self.graph.replay()
@@ -454,7 +456,12 @@ def _note_in_place(memory, op_type: str, args: list, result) -> None:
 
 
 def _whole_float(array) -> bool:
-    return rt.is_device(array) and array.dtype.kind == "f" and array.size > 0 and array.flags.c_contiguous
+    return rt.is_device(array) and _is_float(array) and array.size > 0 and array.flags.c_contiguous
+
+
+def _is_float(array) -> bool:
+    """A float array, bfloat16 (numpy kind 'V') included."""
+    return low_precision.is_float_dtype(np.dtype(array.dtype))
 
 
 def _positive_int(name: str, default: int) -> int:
@@ -494,17 +501,3 @@ def _warn_fallback(step) -> None:
         _WARNED.add(key)
         op = f"{step.domain}::{step.op_type}" if step.domain else step.op_type
         warnings.warn(f"no CUDA kernel for {op} (first at node {step.node_name!r}); running it on the CPU", stacklevel=4)
-
-
-def _refuse_bfloat16(step, args: list) -> None:
-    """No CUDA kernel has a bfloat16 variant yet (nor does the CPU fallback on device data): a clear
-    error, named by the executor after the node, rather than a launch on the wrong element size."""
-    from gradgen.errors import KernelError
-
-    if any(a is not None and np.dtype(a.dtype).name == "bfloat16" for a in args) or any(
-        d is not None and d.name == "bfloat16" for d in (step.output_dtypes or ())
-    ):
-        raise KernelError(
-            "bfloat16 tensors are not supported by gradgen's CUDA kernels yet; run this "
-            "bf16 graph with --device cpu (or build it with --precision fp16)"
-        )

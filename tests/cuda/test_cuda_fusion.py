@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -14,6 +15,7 @@ from tests.test_fusion import gelu_ops_model, make_model, node
 pytestmark = pytest.mark.cuda
 
 F, H, I64, B = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
+BF = TensorProto.BFLOAT16
 
 
 def run_both(model, feeds, monkeypatch, runs: int = 3):
@@ -163,7 +165,7 @@ def test_gpt2_tiny_backward(monkeypatch):
 
 # -- the quad variant ----------------------------------------------------------------------------------
 
-NP = {F: np.float32, H: np.float16, TensorProto.DOUBLE: np.float64}
+NP = {F: np.float32, H: np.float16, TensorProto.DOUBLE: np.float64, BF: ml_dtypes.bfloat16}
 
 
 @pytest.fixture
@@ -207,7 +209,7 @@ def broadcast_chain(elem, rows: int, cols: int):
     return model, feeds
 
 
-@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE, BF], ids=["f32", "f16", "f64", "bf16"])
 @pytest.mark.parametrize("rows, cols", [(64, 96), (3, 4), (5, 1028), (64, 95), (7, 6), (1, 3)])
 def test_quad_variant_gives_the_unfused_bits(elem, rows, cols, monkeypatch, variants):
     """Innermost size a multiple of 4 (quads) or not (one element a thread); every input mode."""
@@ -338,7 +340,7 @@ def test_a_broadcast_input_is_never_written_over(switch, monkeypatch):
 # -- com.microsoft Gelu ops ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize("elem", [F, H, TensorProto.DOUBLE, BF], ids=["f32", "f16", "f64", "bf16"])
 @pytest.mark.parametrize("cols", [12, 13])
 def test_gelu_ops_fused_give_their_kernels_bits(elem, cols, monkeypatch, variants):
     model = gelu_ops_model(elem, rows=40, cols=cols)

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 #define GG_MAX_RANK 8
 
@@ -56,13 +57,17 @@ template <> struct Word<4> { using type = uint32_t; };
 template <> struct Word<8> { using type = unsigned long long; };
 template <> struct Word<16> { using type = uint4; };
 
-// Load/store helpers so one template serves float16 (computed in float32), float and double.
+// Load/store helpers so one template serves float16 and bfloat16 (computed in float32, stored
+// rounded to nearest even), float and double.
 template <typename T> struct Acc { using type = T; };
 template <> struct Acc<__half> { using type = float; };
+template <> struct Acc<__nv_bfloat16> { using type = float; };
 template <typename T> __device__ __forceinline__ typename Acc<T>::type gg_load(const T* p) { return *p; }
 template <> __device__ __forceinline__ float gg_load<__half>(const __half* p) { return __half2float(*p); }
+template <> __device__ __forceinline__ float gg_load<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 template <typename T> __device__ __forceinline__ void gg_store(T* p, typename Acc<T>::type v) { *p = v; }
 template <> __device__ __forceinline__ void gg_store<__half>(__half* p, float v) { *p = __float2half(v); }
+template <> __device__ __forceinline__ void gg_store<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
 template <typename A>

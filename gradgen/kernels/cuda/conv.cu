@@ -219,6 +219,7 @@ __device__ void window_copy(T* out, const T* in, const TensorDesc& out_shape, co
     }
 
 GG_CONV_ENTRIES(f16, __half)
+GG_CONV_ENTRIES(bf16, __nv_bfloat16)
 GG_CONV_ENTRIES(f32, float)
 GG_CONV_ENTRIES(f64, double)
 
@@ -236,6 +237,7 @@ GG_CONV_ENTRIES(f64, double)
     }
 
 GG_CHANNEL_ENTRIES(f16, __half)
+GG_CHANNEL_ENTRIES(bf16, __nv_bfloat16)
 GG_CHANNEL_ENTRIES(f32, float)
 GG_CHANNEL_ENTRIES(f64, double)
 
@@ -249,6 +251,7 @@ extern "C" __global__ void noop(int64_t unused) {}
     }
 
 GG_COPY_ENTRY(f16, __half)
+GG_COPY_ENTRY(bf16, __nv_bfloat16)
 GG_COPY_ENTRY(f32, float)
 GG_COPY_ENTRY(f64, double)
 GG_COPY_ENTRY(i32, int32_t)

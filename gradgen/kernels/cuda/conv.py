@@ -33,6 +33,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cuda.launch import (
     contiguous,
     cpu_fallback,
+    dtype_suffix,
     element_strides,
     is_float,
     kernel_of,
@@ -182,6 +183,8 @@ def _data_types(cudnn, dtype):
         return cudnn.data_type.DOUBLE, cudnn.data_type.DOUBLE
     if dtype == np.float16:
         return cudnn.data_type.HALF, cudnn.data_type.FLOAT
+    if dtype_suffix(dtype) == "bf16":
+        return cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
     return cudnn.data_type.FLOAT, cudnn.data_type.FLOAT
 
 

@@ -95,11 +95,13 @@ __device__ __forceinline__ void binary(TO* out, const TA* a, const TB* b, int64_
                              int64_t* flag) -> typename Acc<TO>::type { return (expr); });            \
     }
 
-#define GG_BIN_FLOATS(op, expr) \
-    GG_BIN(op##_f16, __half, __half, __half, expr) GG_BIN(op##_f32, float, float, float, expr) GG_BIN(op##_f64, double, double, double, expr)
+#define GG_BIN_FLOATS(op, expr)                                                                          \
+    GG_BIN(op##_f16, __half, __half, __half, expr) GG_BIN(op##_bf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, expr) \
+    GG_BIN(op##_f32, float, float, float, expr) GG_BIN(op##_f64, double, double, double, expr)
 #define GG_BIN_INTS(op, expr) GG_BIN(op##_i32, int32_t, int32_t, int32_t, expr) GG_BIN(op##_i64, int64_t, int64_t, int64_t, expr)
 #define GG_CMP(op, expr)                                                                          \
     GG_BIN(op##_f16, __half, __half, bool, expr) GG_BIN(op##_f32, float, float, bool, expr)        \
+    GG_BIN(op##_bf16, __nv_bfloat16, __nv_bfloat16, bool, expr)                                    \
     GG_BIN(op##_f64, double, double, bool, expr) GG_BIN(op##_i32, int32_t, int32_t, bool, expr)    \
     GG_BIN(op##_i64, int64_t, int64_t, bool, expr) GG_BIN(op##_b8, bool, bool, bool, expr)
 
@@ -153,6 +155,8 @@ GG_BIN(mod_f16, __half, __half, __half, gg_pymod(x, y))
 GG_BIN(mod_f32, float, float, float, gg_pymod(x, y))
 GG_BIN(mod_f64, double, double, double, gg_pymod(x, y))
 GG_BIN(fmod_f16, __half, __half, __half, fmodf(x, y))
+GG_BIN(mod_bf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, gg_pymod(x, y))
+GG_BIN(fmod_bf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, fmodf(x, y))
 #endif
 #if GG_PART(5)
 GG_BIN(fmod_f32, float, float, float, fmodf(x, y))
@@ -182,6 +186,11 @@ GG_BIN(pow_i32_i32, int32_t, int32_t, int32_t, gg_ipow<int32_t>(x, y))
 GG_BIN(pow_i32_i64, int32_t, int64_t, int32_t, gg_ipow<int32_t>(x, y))
 #endif
 #if GG_PART(8)
+GG_POW_F(bf16, __nv_bfloat16, f16, __half, float) GG_POW_F(bf16, __nv_bfloat16, bf16, __nv_bfloat16, float)
+GG_POW_F(bf16, __nv_bfloat16, f32, float, float) GG_POW_F(bf16, __nv_bfloat16, f64, double, double)
+GG_POW_F(bf16, __nv_bfloat16, i32, int32_t, float) GG_POW_F(bf16, __nv_bfloat16, i64, int64_t, float)
+GG_POW_F(f16, __half, bf16, __nv_bfloat16, float) GG_POW_F(f32, float, bf16, __nv_bfloat16, float)
+GG_POW_F(f64, double, bf16, __nv_bfloat16, double)
 GG_BIN(pow_i64_i32, int64_t, int32_t, int64_t, gg_ipow<int64_t>(x, y))
 GG_BIN(pow_i64_i64, int64_t, int64_t, int64_t, gg_ipow<int64_t>(x, y))
 #endif
@@ -277,7 +286,8 @@ __device__ __forceinline__ void variadic(T* out, const T* const (&ps)[8], int64_
     }
 #define GG_VARIADIC(name, T, expr) GG_VARIADIC_V(name, T, 1, expr)
 #define GG_VARIADIC_ALL(op, expr)                                                                      \
-    GG_VARIADIC(op##_n_f16, __half, expr) GG_VARIADIC(op##_n_f32, float, expr)                         \
+    GG_VARIADIC(op##_n_f16, __half, expr) GG_VARIADIC(op##_n_bf16, __nv_bfloat16, expr)                \
+    GG_VARIADIC(op##_n_f32, float, expr)                                                               \
     GG_VARIADIC(op##_n_f64, double, expr) GG_VARIADIC(op##_n_i32, int32_t, expr)                       \
     GG_VARIADIC(op##_n_i64, int64_t, expr) GG_VARIADIC_V(op##_n_f32_q, float, 4, expr)                 \
     GG_VARIADIC_V(op##_n_i32_q, int32_t, 4, expr)
@@ -303,8 +313,9 @@ __device__ __forceinline__ void unary(TO* out, const TI* in, int64_t n, Op op) {
             return (expr);                                                                             \
         });                                                                                            \
     }
-#define GG_UN_FLOATS(op, expr) \
-    GG_UN(op##_f16, __half, __half, expr) GG_UN(op##_f32, float, float, expr) GG_UN(op##_f64, double, double, expr)
+#define GG_UN_FLOATS(op, expr)                                                                         \
+    GG_UN(op##_f16, __half, __half, expr) GG_UN(op##_bf16, __nv_bfloat16, __nv_bfloat16, expr)       \
+    GG_UN(op##_f32, float, float, expr) GG_UN(op##_f64, double, double, expr)
 #define GG_UN_INTS(op, expr) GG_UN(op##_i32, int32_t, int32_t, expr) GG_UN(op##_i64, int64_t, int64_t, expr)
 
 template <typename C> __device__ __forceinline__ C gg_sign(C x) {
@@ -371,6 +382,7 @@ GG_UN_FLOATS(mish, x * tanh(gg_softplus(x)))
 #if GG_PART(22)
 GG_UN_FLOATS(thresholded_relu, x > C(alpha) ? x : C(0))
 GG_UN(isnan_f16, __half, bool, x != x)
+GG_UN(isnan_bf16, __nv_bfloat16, bool, x != x)
 GG_UN(isnan_f32, float, bool, x != x)
 GG_UN(isnan_f64, double, bool, x != x)
 #endif
@@ -399,6 +411,7 @@ GG_UN(not_b8, bool, bool, !x)
     }
 #if GG_PART(25)
 GG_CLIP(clip_f16, __half)
+GG_CLIP(clip_bf16, __nv_bfloat16)
 GG_CLIP(clip_f32, float)
 GG_CLIP(clip_f64, double)
 GG_CLIP(clip_i32, int32_t)
@@ -408,15 +421,16 @@ GG_CLIP(clip_i64, int64_t)
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
-
+// Cast between f16/bf16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true; see
+// pointwise.h's Conv).
 
 #define GG_CAST(sa, TA, sb, TB)                                                                        \
     extern "C" __global__ void cast_##sa##_##sb(TB* out, const TA* in, int64_t n) {                   \
         GG_GRID_STRIDE(i, n) { out[i] = Conv<TB, TA>::go(in[i]); }                                     \
     }
 #define GG_CAST_FROM(sa, TA)                                                                           \
-    GG_CAST(sa, TA, f16, __half) GG_CAST(sa, TA, f32, float) GG_CAST(sa, TA, f64, double)              \
+    GG_CAST(sa, TA, f16, __half) GG_CAST(sa, TA, bf16, __nv_bfloat16)                                  \
+    GG_CAST(sa, TA, f32, float) GG_CAST(sa, TA, f64, double)                                           \
     GG_CAST(sa, TA, i8, int8_t) GG_CAST(sa, TA, u8, uint8_t) GG_CAST(sa, TA, i32, int32_t)             \
     GG_CAST(sa, TA, i64, int64_t) GG_CAST(sa, TA, b8, bool)
 #if GG_PART(27)
@@ -426,6 +440,9 @@ GG_CAST_FROM(f64, double)
 GG_CAST_FROM(i8, int8_t)
 #endif
 #if GG_PART(28)
+GG_CAST_FROM(bf16, __nv_bfloat16)
+#endif
+#if GG_PART(29)
 GG_CAST_FROM(u8, uint8_t)
 GG_CAST_FROM(i32, int32_t)
 GG_CAST_FROM(i64, int64_t)

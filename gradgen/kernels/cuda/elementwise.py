@@ -27,6 +27,7 @@ from gradgen.kernels.cuda.launch import (
     generated_module,
     kernel_of,
     launch,
+    onnx_element_dtype,
     runtime,
     same_type,
 )
@@ -320,12 +321,12 @@ _register_unary("Not", "not", suffixes=("b8",))
 # -- the unary table (kernels/cpu/elementwise.py): each op's kernel generated from its CUDA expression
 
 TABLE_MODULE = "elementwise_table"
-_TABLE_TYPES = (("f16", "__half"), ("f32", "float"), ("f64", "double"))
+_TABLE_TYPES = (("f16", "__half"), ("bf16", "__nv_bfloat16"), ("f32", "float"), ("f64", "double"))
 
 
 @functools.lru_cache(maxsize=1)
 def table_source() -> str:
-    """The CUDA source of the unary table: one kernel ``<name>_<f16|f32|f64>(out, in, <attrs as
+    """The CUDA source of the unary table: one kernel ``<name>_<f16|bf16|f32|f64>(out, in, <attrs as
     double>..., n)`` per op and float type, computing in float (double for float64)."""
     from gradgen.kernels.cpu.elementwise import UNARY_TABLE
 
@@ -487,9 +488,7 @@ def cast_to(x, dtype):
 
 @cuda_kernel("Cast")
 def cast(x, *, to, saturate=1, round_mode="up"):
-    from gradgen.kernels.cpu.elementwise import onnx_dtype
-
-    out = cast_to(x, onnx_dtype(to))
+    out = cast_to(x, onnx_element_dtype(to))
     return out if out is not None else cpu_fallback("Cast", x, to=to, saturate=saturate, round_mode=round_mode)
 
 

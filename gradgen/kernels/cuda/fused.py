@@ -9,8 +9,8 @@ cache keyed by the text), once per process.
 
 Exactness: a fused chain gives the bits its ops' own kernels give one after the other. Each op is
 the expression its elementwise.cu kernel computes (the shared scalar functions live in
-pointwise.h), in the same compute type (float for float16); a float16 value is rounded to float16
-after each op, as storing it would; and no floating-point contraction crosses an op boundary:
+pointwise.h), in the same compute type (float for float16 and bfloat16); a 16-bit float value is
+rounded to its type after each op, as storing it would (``ROUND``); and no floating-point contraction crosses an op boundary:
 NVRTC contracts a multiply and an add into an FMA by default (``--fmad=true``, which the .cu
 kernels are compiled with), so Add / Sub / Mul / Div use the ``__f*_rn`` / ``__d*_rn`` intrinsics
 (never contracted), and the result of every op whose expression holds other arithmetic (Exp, Pow,
@@ -39,9 +39,10 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 
-from gradgen.kernels.cuda.launch import CASTABLE, FLOATS, NUMBERS, dtype_suffix
+from gradgen.kernels.cuda.launch import CASTABLE, FLOATS, NUMBERS, dtype_suffix, onnx_element_dtype
 
 MAX_INPUTS = 16  # external inputs of one fused kernel (each passes a 136-byte stride record)
 MAX_OUTPUTS = 8
@@ -50,6 +51,7 @@ MODULE_PREFIX = "fused"
 # storage and compute C types of each dtype suffix
 STORAGE = {
     "f16": "__half",
+    "bf16": "__nv_bfloat16",
     "f32": "float",
     "f64": "double",
     "i8": "int8_t",
@@ -58,7 +60,11 @@ STORAGE = {
     "i64": "int64_t",
     "b8": "bool",
 }
-COMPUTE = {**STORAGE, "f16": "float"}
+COMPUTE = {**STORAGE, "f16": "float", "bf16": "float"}
+# the 16-bit floats, computed in float: the function (_PRELUDE) that rounds a value to the type
+ROUND = {"f16": "gg_round_half", "bf16": "gg_round_bf16"}
+# and the one that widens a value of the type back to float
+WIDEN = {"f16": "__half2float", "bf16": "__bfloat162float"}
 
 
 class Unsupported(Exception):
@@ -121,9 +127,9 @@ def _same_float(dts: list[str], _attrs) -> str | None:
 
 
 def _same_float_not_half(dts: list[str], attrs) -> str | None:
-    # the variadic Sum kernel keeps float16 partial sums in float: not one rounding per add
+    # the variadic Sum kernel keeps 16-bit partial sums in float: not one rounding per add
     out = _same_float(dts, attrs)
-    return out if out != "f16" else None
+    return out if out not in ROUND else None
 
 
 def _compare(dts: list[str], _attrs) -> str | None:
@@ -175,10 +181,8 @@ def _pow_expr(a: list[str], dts: list[str], out: str, _attrs) -> str:
 
 
 def _cast_dtype(dts: list[str], attrs) -> str | None:
-    from gradgen.kernels.cpu.elementwise import onnx_dtype
-
     try:
-        to = dtype_suffix(onnx_dtype(attrs["to"]))
+        to = dtype_suffix(onnx_element_dtype(attrs["to"]))
     except Exception:  # noqa: BLE001 - an unknown type code: the op's own kernel says so
         return None
     return to if dts[0] in CASTABLE and to in CASTABLE else None
@@ -188,7 +192,7 @@ def _cast_expr(a: list[str], dts: list[str], out: str, _attrs) -> str:
     if dts[0] == out:
         return a[0]
     converted = f"Conv<{STORAGE[out]}, {COMPUTE[dts[0]]}>::go({a[0]})"
-    return f"__half2float({converted})" if out == "f16" else converted
+    return f"{WIDEN[out]}({converted})" if out in WIDEN else converted
 
 
 def _gelu_expr(a: list[str], dts: list[str], out: str, attrs) -> str:
@@ -205,8 +209,8 @@ def _fast_gelu_expr(a: list[str], dts: list[str], out: str, attrs) -> str:
     x = a[0]
     if len(a) == 2:
         x = _rounded("add")(a, dts, out, attrs)
-        if out == "f16":
-            x = f"gg_round_half({x})"
+        if out in ROUND:
+            x = f"{ROUND[out]}({x})"
     return f"gg_gelu_tanh({x})"
 
 
@@ -329,6 +333,7 @@ __device__ __forceinline__ double gg_fence(double v) {
     return r;
 }
 __device__ __forceinline__ float gg_round_half(float v) { return __half2float(__float2half(v)); }
+__device__ __forceinline__ float gg_round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 // Element offsets of flat index i in each input: mode 0 reads element i, 1 element 0, 2 and 3
 // through the input's strides over `shape` (2 bits per input in `modes`).
@@ -403,8 +408,8 @@ def _op_lines(sig: Signature) -> tuple[list[str], list[str]]:
         rule = RULES[op.op_type]
         out = dts[n_in + index]
         expr = rule.expr([names[a] for a in op.args], [dts[a] for a in op.args], out, dict(op.attrs))
-        if out == "f16":
-            expr = f"gg_round_half({expr})"
+        if out in ROUND:
+            expr = f"{ROUND[out]}({expr})"
         elif rule.fenced and out in ("f32", "f64"):
             expr = f"gg_fence({expr})"
         names.append(f"t{index}")
@@ -644,6 +649,7 @@ def quads_aligned(quad_modes: int, outputs: list, inputs: list) -> bool:
 
 NUMPY = {
     "f16": np.float16,
+    "bf16": ml_dtypes.bfloat16,
     "f32": np.float32,
     "f64": np.float64,
     "i8": np.int8,
@@ -679,4 +685,16 @@ def generated_sources() -> dict[str, str]:
         ),
         (5, 7, 8),
     )
-    return {sig.name: kernel_source(sig) for sig in (sample, gelus)}
+    bf16 = Signature(  # bfloat16 values: arithmetic, a Gelu, casts to and from float16 and float32
+        ("bf16", "bf16", "f16"),
+        (
+            FusedOp("Mul", (0, 1)),
+            FusedOp("FastGelu", (3, 1)),
+            FusedOp("Cast", (2,), (("to", 16),)),
+            FusedOp("Add", (4, 5)),
+            FusedOp("Cast", (6,), (("to", 10),)),
+            FusedOp("Cast", (6,), (("to", 1),)),
+        ),
+        (6, 7, 8),
+    )
+    return {sig.name: kernel_source(sig) for sig in (sample, gelus, bf16)}

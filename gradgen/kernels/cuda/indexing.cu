@@ -374,6 +374,8 @@ __device__ void csr_long(T* __restrict__ dx, const T* __restrict__ init, const t
 #if GG_PART(3)
 GG_CSR(f16, __half, 1)
 GG_CSR(f16, __half, 8)
+GG_CSR(bf16, __nv_bfloat16, 1)
+GG_CSR(bf16, __nv_bfloat16, 8)
 GG_CSR(f32, float, 1)
 #endif
 #if GG_PART(4)
@@ -531,6 +533,8 @@ __device__ void gg_own(T* __restrict__ dx, const T* __restrict__ dy, const IDX* 
 #if GG_PART(5)
 GG_OWN_I(f16, __half, 1)
 GG_OWN_I(f16, __half, 8)
+GG_OWN_I(bf16, __nv_bfloat16, 1)
+GG_OWN_I(bf16, __nv_bfloat16, 8)
 GG_OWN_I(f32, float, 1)
 #endif
 #if GG_PART(6)
@@ -707,6 +711,7 @@ __device__ void ge_atomic(T* dx, const T* __restrict__ dy, const IDX* __restrict
 #define GG_LINE_T(sfx, T) GG_LINE(sfx, T, i32, int32_t) GG_LINE(sfx, T, i64, int64_t)
 #if GG_PART(7)
 GG_LINE_T(f16, __half)
+GG_LINE_T(bf16, __nv_bfloat16)
 GG_LINE_T(f32, float)
 GG_LINE_T(f64, double)
 #endif

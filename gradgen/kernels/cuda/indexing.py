@@ -51,9 +51,9 @@ from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
 
-_FLOATS = ("float16", "float32", "float64")
-_VEC = {"float16": 8, "float32": 4, "float64": 2}
-_ACC = {"float16": 4, "float32": 4, "float64": 8}
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+_VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
+_ACC = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 CHUNK = 256  # positions per chunk of a long row (rows with more are summed in two levels)
 _TILE = 2048  # positions per tile of csr_tile_sort (TS_TILE in indexing.cu)
 _SCAN_THREADS = 1024
@@ -67,7 +67,7 @@ def default_deterministic() -> bool:
 def _float_dtype(x, what="dY") -> str:
     name = np.dtype(x.dtype).name
     if name not in _FLOATS:
-        raise KernelError(f"{what} has dtype {x.dtype}; the CUDA kernel supports float16, float32 and float64")
+        raise KernelError(f"{what} has dtype {x.dtype}; the CUDA kernel supports float16, bfloat16, float32 and float64")
     return name
 
 
@@ -642,7 +642,7 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
         if d != axis and n > m:
             raise KernelError(f"indices dimension {d} is {n}, larger than data's {m}")
     _index_suffix(indices)
-    if np.dtype(data.dtype).name not in ("float16", "float32", "float64") or updates.dtype != data.dtype:
+    if np.dtype(data.dtype).name not in _FLOATS or updates.dtype != data.dtype:
         return cpu_fallback("ScatterElements", data, indices, updates, axis=axis, reduction=reduction)
     if data.size == 0:
         if indices.size:
@@ -665,11 +665,7 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     want = tuple(indices.shape[:-1]) + tuple(data.shape[k:])
     if tuple(updates.shape) != want:
         raise KernelError(f"updates shape {list(updates.shape)} should be {list(want)}")
-    if (
-        reduction not in ("none", "add")
-        or np.dtype(data.dtype).name not in ("float16", "float32", "float64")
-        or updates.dtype != data.dtype
-    ):
+    if reduction not in ("none", "add") or np.dtype(data.dtype).name not in _FLOATS or updates.dtype != data.dtype:
         return cpu_fallback("ScatterND", data, indices, updates, reduction=reduction)
     if data.size == 0:
         if indices.size and 0 in data.shape[:k]:

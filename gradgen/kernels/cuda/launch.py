@@ -22,6 +22,7 @@ import os
 import threading
 import warnings
 
+import ml_dtypes
 import numpy as np
 
 from gradgen.errors import KernelError
@@ -31,12 +32,15 @@ MAX_BLOCKS = 65535 * 8  # blocks of a grid-stride launch at most
 PLAN_CACHE_LIMIT = 4096  # plans per cache before it is cleared (shapes seen by one process)
 INT32_LIMIT = 2**31 - 1
 
-FLOATS = ("f16", "f32", "f64")
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy has none: ml_dtypes' (kind 'V'), as on the CPU backend
+ONNX_BFLOAT16 = 16  # its ONNX element type code
+FLOATS = ("f16", "bf16", "f32", "f64")
 NUMBERS = FLOATS + ("i32", "i64")
 CASTABLE = FLOATS + ("i8", "u8", "i32", "i64", "b8")
 # The C type name each supported numpy dtype has in the .cu sources (entry points end in it).
 _SUFFIX = {
     np.dtype(np.float16): "f16",
+    BFLOAT16: "bf16",  # computed in float32, as float16 is
     np.dtype(np.float32): "f32",
     np.dtype(np.float64): "f64",
     np.dtype(np.int32): "i32",
@@ -71,7 +75,7 @@ def kernel_of(family: str, entry: str):
 
 
 def is_float(dtype) -> bool:
-    """float16, float32 or float64: the floats every family's kernels cover."""
+    """float16, bfloat16, float32 or float64: the floats every family's kernels cover."""
     return dtype_suffix(dtype) in FLOATS
 
 
@@ -126,8 +130,17 @@ def inline_common_header(text: str) -> str:
 
 
 def dtype_suffix(dtype) -> str | None:
-    """The kernels' dtype suffix (f16, f32, ..., b8), or None for a dtype they do not cover."""
+    """The kernels' dtype suffix (f16, bf16, f32, ..., b8), or None for a dtype they do not cover."""
     return _SUFFIX.get(np.dtype(dtype))
+
+
+def onnx_element_dtype(to: int) -> np.dtype:
+    """The numpy dtype of an ONNX element type code as the CUDA kernels know them: the CPU
+    kernels' table (``onnx_dtype``, KernelError for types gradgen lacks) and BFLOAT16 (16), which
+    the CPU backend reaches through float32 (gradgen/executor/low_precision.py)."""
+    from gradgen.kernels.cpu.elementwise import onnx_dtype
+
+    return BFLOAT16 if int(to) == ONNX_BFLOAT16 else onnx_dtype(to)
 
 
 def require_suffix(dtype) -> str:
@@ -375,14 +388,23 @@ def warn_once(key: str, message: str) -> None:
 
 def cpu_fallback(op_type: str, *args, domain: str = "", **attrs):
     """Run the op's registered numpy kernel on host copies of ``args`` and upload its result(s),
-    with one warning per op type: the configuration (dtype, attribute, rank) has no CUDA kernel."""
+    with one warning per op type: the configuration (dtype, attribute, rank) has no CUDA kernel.
+    16-bit float inputs run as the CPU backend runs them (gradgen/executor/low_precision.py:
+    computed in float32, each float result rounded to the narrowest 16-bit input type)."""
+    from gradgen.executor import low_precision
     from gradgen.kernels import registry
 
     entry = registry.lookup(domain, op_type)
     if entry is None or entry.cpu is None:
         raise KernelError(f"{op_type} has no CPU kernel to fall back to")
     warn_once(f"{domain}::{op_type}", f"{op_type}: this configuration has no CUDA kernel; running the numpy kernel")
-    return runtime().run_on_host(entry.cpu, *args, **attrs)
+    kernel = entry.cpu
+    if any(a is not None and low_precision.is_low_precision(getattr(a, "dtype", None)) for a in args):
+
+        def kernel(*host, **kw):
+            return low_precision.run_in_fp32(entry.cpu, op_type, list(host), kw, None)
+
+    return runtime().run_on_host(kernel, *args, **attrs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ __device__ void loss_reduce(T* out, const A* lossbuf, const A* wbuf, int64_t cou
         loss_reduce<T, A>(out, lossbuf, wbuf, count, mean);                                                    \
     }
 GG_LOSS_T(f16, __half, float)
+GG_LOSS_T(bf16, __nv_bfloat16, float)
 GG_LOSS_T(f32, float, float)
 GG_LOSS_T(f64, double, double)
 
@@ -192,5 +193,6 @@ __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, co
         sce_grad_factor<T, A>(factor, wbuf, dy, count, mean);                                                  \
     }
 GG_SCE_GRAD_T(f16, __half, float)
+GG_SCE_GRAD_T(bf16, __nv_bfloat16, float)
 GG_SCE_GRAD_T(f32, float, float)
 GG_SCE_GRAD_T(f64, double, double)

@@ -3,7 +3,7 @@
 Same semantics and messages as the CPU kernels (gradgen/kernels/cpu/loss.py): inputs (N, C) or
 (N, C, d1, ..., dk), labels (N) or (N, d1, ..., dk); a label equal to ``ignore_index`` contributes
 0 and is left out of the "mean" denominator; any other label outside [0, C) is found on the GPU (a
-flag written by the kernel) and raised as ``KernelError``. Computed in float32 for float16 input.
+flag written by the kernel) and raised as ``KernelError``. Computed in float32 for float16 and bfloat16 input.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
+from gradgen.kernels.cuda.launch import FLOATS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 
 _ARGS = np.dtype([("n", np.int64), ("c", np.int64), ("d", np.int64), ("ignore_index", np.int64), ("has_ignore", np.int64)])
@@ -96,7 +96,7 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
 
 def _supported(x, target, weight) -> bool:
     return (
-        dtype_suffix(x.dtype) in ("f16", "f32", "f64")
+        dtype_suffix(x.dtype) in FLOATS
         and dtype_suffix(target.dtype) in ("i32", "i64")
         and (weight is None or weight.dtype == x.dtype)
     )

@@ -10,8 +10,8 @@ batch whose B is shared and whose A rows stack evenly folds into one large GEMM.
 without a unit stride, or a broadcast pattern needing more than ``MAX_GEMM_CALLS`` calls, is
 materialised first.
 
-float32 runs full FP32 math (no TF32) unless GRADGEN_ALLOW_TF32=1; float16 accumulates in
-float32; float64 in float64. Other dtypes (integer MatMul) run the numpy kernel.
+float32 runs full FP32 math (no TF32) unless GRADGEN_ALLOW_TF32=1; float16 and bfloat16 accumulate
+in float32 (tensor cores); float64 in float64. Other dtypes (integer MatMul) run the numpy kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gradgen.kernels.cuda.launch import (
     contiguous,
     copy_into,
     cpu_fallback,
+    dtype_suffix,
     element_strides,
     is_float,
     tf32_allowed,
@@ -40,7 +41,7 @@ _STATE: dict = {}
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends on Hopper
 
 # cudaDataType_t values
-_CUDA_R_16F, _CUDA_R_32F, _CUDA_R_64F = 2, 0, 1
+_CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_32F, _CUDA_R_64F = 2, 14, 0, 1
 
 
 def _drop_cublas() -> None:
@@ -84,6 +85,8 @@ def _types(dtype):
         return _CUDA_R_64F, int(ct.COMPUTE_64F), np.float64
     if dtype == np.float16:
         return _CUDA_R_16F, int(ct.COMPUTE_32F), np.float32
+    if dtype_suffix(dtype) == "bf16":
+        return _CUDA_R_16BF, int(ct.COMPUTE_32F), np.float32
     raise KernelError(f"dtype {dtype} is not supported by the cuBLAS launchers")
 
 

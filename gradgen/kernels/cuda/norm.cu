@@ -48,6 +48,7 @@ __device__ void norm_rows(T* y, A* mean_out, A* inv_out, const T* __restrict__ x
         norm_rows<T, A>(y, mean_out, inv_out, x, scale, bias, L, mode, channels, groups, spatial, eps);       \
     }
 GG_NORM(f16, __half, float)
+GG_NORM(bf16, __nv_bfloat16, float)
 GG_NORM(f32, float, float)
 GG_NORM(f64, double, double)
 
@@ -106,6 +107,7 @@ __device__ void norm_warp(T* y, A* mean_out, A* inv_out, const T* __restrict__ x
 #define GG_NORM_WARPS(s, T, A) GG_NORM_WARP(1, s, T, A) GG_NORM_WARP(2, s, T, A) GG_NORM_WARP(4, s, T, A) \
     GG_NORM_WARP(8, s, T, A) GG_NORM_WARP(16, s, T, A) GG_NORM_WARP(32, s, T, A)
 GG_NORM_WARPS(f16, __half, float)
+GG_NORM_WARPS(bf16, __nv_bfloat16, float)
 GG_NORM_WARPS(f32, float, float)
 GG_NORM_WARPS(f64, double, double)
 
@@ -138,5 +140,6 @@ __device__ void batch_norm(T* y, const T* __restrict__ x, const T* __restrict__ 
         batch_norm<T, A>(y, x, scale, bias, mean, var, channels, inner, eps, n);                               \
     }
 GG_BN(f16, __half, float)
+GG_BN(bf16, __nv_bfloat16, float)
 GG_BN(f32, float, float)
 GG_BN(f64, double, double)

@@ -213,7 +213,7 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
 # one thread per column adding the chunks in order. Accumulation in float (double for float64).
 
 GRAD_MODULE = "norm_grad"
-_GRAD_TYPES = (("f16", "__half"), ("f32", "float"), ("f64", "double"))
+_GRAD_TYPES = (("f16", "__half"), ("bf16", "__nv_bfloat16"), ("f32", "float"), ("f64", "double"))
 _ROWS_PER_CHUNK = 32
 _MAX_CHUNKS = 256
 
@@ -301,7 +301,7 @@ extern "C" __global__ void ln_grad_finish_{s}({T}* dscale, {T}* dbias, const Acc
 @functools.lru_cache(maxsize=1)
 def grad_source() -> str:
     """The CUDA source of LayerNormalizationGrad: the templates above and their entry points for
-    float16, float32 and float64."""
+    float16, bfloat16, float32 and float64."""
     return '#include "common.h"\n' + _GRAD_TEMPLATE + "".join(_GRAD_ENTRIES.format(s=s, T=T) for s, T in _GRAD_TYPES)
 
 

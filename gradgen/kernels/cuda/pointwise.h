@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 // numpy bool is one byte holding 0 or 1, as C++ bool does: bool tensors are `bool` here.
 template <typename T> __device__ __forceinline__ bool gg_isnan(T x) { return x != x; }
@@ -48,7 +49,9 @@ template <typename C> __device__ __forceinline__ C gg_gelu_tanh_slope(C x) {
     return C(0.5) * (t + (C(1) - t * t) * (alpha * x + beta * cube) + C(1));
 }
 
-// Cast between f16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
+// Cast between f16/bf16/f32/f64/i8/u8/i32/i64/bool (float -> bool is x != 0, so NaN -> true).
+// To bfloat16 goes through float32 (round to nearest even from there), as ml_dtypes' casts and
+// the CPU backend (which computes in float32 and rounds its result) do.
 template <typename To, typename From> struct Conv {
     static __device__ __forceinline__ To go(From x) { return static_cast<To>(x); }
 };
@@ -69,4 +72,22 @@ template <typename From> struct Conv<bool, From> {
 };
 template <> struct Conv<bool, __half> {
     static __device__ __forceinline__ bool go(__half x) { return __half2float(x) != 0.0f; }
+};
+template <typename From> struct Conv<__nv_bfloat16, From> {
+    static __device__ __forceinline__ __nv_bfloat16 go(From x) { return __float2bfloat16(static_cast<float>(x)); }
+};
+template <> struct Conv<__nv_bfloat16, __nv_bfloat16> {
+    static __device__ __forceinline__ __nv_bfloat16 go(__nv_bfloat16 x) { return x; }
+};
+template <> struct Conv<__nv_bfloat16, __half> {
+    static __device__ __forceinline__ __nv_bfloat16 go(__half x) { return __float2bfloat16(__half2float(x)); }
+};
+template <typename To> struct Conv<To, __nv_bfloat16> {
+    static __device__ __forceinline__ To go(__nv_bfloat16 x) { return Conv<To, float>::go(__bfloat162float(x)); }
+};
+template <> struct Conv<__half, __nv_bfloat16> {
+    static __device__ __forceinline__ __half go(__nv_bfloat16 x) { return __float2half(__bfloat162float(x)); }
+};
+template <> struct Conv<bool, __nv_bfloat16> {
+    static __device__ __forceinline__ bool go(__nv_bfloat16 x) { return __bfloat162float(x) != 0.0f; }
 };

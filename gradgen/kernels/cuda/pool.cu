@@ -18,6 +18,7 @@ struct PoolGeom {
 
 template <typename T> __device__ __forceinline__ typename Acc<T>::type gg_lowest();
 template <> __device__ __forceinline__ float gg_lowest<__half>() { return -INFINITY; }
+template <> __device__ __forceinline__ float gg_lowest<__nv_bfloat16>() { return -INFINITY; }
 template <> __device__ __forceinline__ float gg_lowest<float>() { return -INFINITY; }
 template <> __device__ __forceinline__ double gg_lowest<double>() { return -INFINITY; }
 
@@ -146,5 +147,6 @@ __device__ void row_reduce(T* y, const T* x, int64_t rows, int64_t cols, int mod
     }
 
 GG_POOL_ENTRIES(f16, __half)
+GG_POOL_ENTRIES(bf16, __nv_bfloat16)
 GG_POOL_ENTRIES(f32, float)
 GG_POOL_ENTRIES(f64, double)

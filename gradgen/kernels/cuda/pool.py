@@ -2,8 +2,8 @@
 
 MaxPool (optional Indices output, the CPU kernel's flat-index semantics), AveragePool
 (count_include_pad, pads, strides, dilations, ceil_mode), GlobalAveragePool and GlobalMaxPool
-run on the GPU for up to 3 spatial axes and float16/float/double; other ranks and dtypes run the
-numpy kernel and upload its result. The geometry (output shape, padding, the divisor bounds) is
+run on the GPU for up to 3 spatial axes and float16/bfloat16/float/double; other ranks and dtypes
+run the numpy kernel and upload its result. The geometry (output shape, padding, the divisor bounds) is
 resolved on the host by the CPU kernel's own helpers, so both devices agree on every corner case.
 """
 

@@ -304,7 +304,8 @@ __device__ void reduce_map(T* out, const T* x, int64_t n) {
         reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk); \
     }
 
-#define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, f32, float) GG_REDUCE(op, Red, f64, double) \
+#define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, bf16, __nv_bfloat16) \
+    GG_REDUCE(op, Red, f32, float) GG_REDUCE(op, Red, f64, double) \
     GG_REDUCE_V(op, Red, f32, float) GG_REDUCE_V(op, Red, f64, double)
 #define GG_REDUCE_INTS(op, Red) GG_REDUCE(op, Red, i32, int32_t) GG_REDUCE(op, Red, i64, int64_t) \
     GG_REDUCE_V(op, Red, i32, int32_t) GG_REDUCE_V(op, Red, i64, int64_t)
@@ -436,6 +437,7 @@ __device__ void softmax_warp(T* out, const T* __restrict__ x, int64_t rows, int6
     GG_SOFTMAX_WARP(8, s, T) GG_SOFTMAX_WARP(16, s, T) GG_SOFTMAX_WARP(32, s, T)
 #if GG_PART(14)
 GG_SOFTMAX_WARPS(f16, __half)
+GG_SOFTMAX_WARPS(bf16, __nv_bfloat16)
 GG_SOFTMAX_WARPS(f32, float)
 GG_SOFTMAX_WARPS(f64, double)
 #endif
@@ -451,6 +453,7 @@ GG_SOFTMAX_WARPS(f64, double)
     }
 #if GG_PART(15)
 GG_SOFTMAX(f16, __half)
+GG_SOFTMAX(bf16, __nv_bfloat16)
 GG_SOFTMAX(f32, float)
 GG_SOFTMAX(f64, double)
 #endif
@@ -550,6 +553,7 @@ GG_SOFTMAX_GRAD(f32, float)
 #endif
 #if GG_PART(17)
 GG_SOFTMAX_GRAD(f16, __half)
+GG_SOFTMAX_GRAD(bf16, __nv_bfloat16)
 GG_SOFTMAX_GRAD(f64, double)
 #endif
 
@@ -584,6 +588,7 @@ __device__ void cumsum_lines(T* out, const T* x, int64_t outer, int64_t L, int64
     }
 #if GG_PART(18)
 GG_CUMSUM(f16, __half)
+GG_CUMSUM(bf16, __nv_bfloat16)
 GG_CUMSUM(f32, float)
 GG_CUMSUM(f64, double)
 GG_CUMSUM(i32, int32_t)

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
+from gradgen.kernels.cuda.launch import FLOATS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
@@ -169,7 +169,7 @@ def _register_reduce(op_type: str, op: str):
         from gradgen.kernels.cpu.reduction import reduce_axes  # the CPU kernel's axis rule
 
         s = dtype_suffix(data.dtype)
-        if not ((s in ("f16", "f32", "f64") and op in _FLOAT_OPS) or (s in ("i32", "i64") and op in _INT_OPS)):
+        if not ((s in FLOATS and op in _FLOAT_OPS) or (s in ("i32", "i64") and op in _INT_OPS)):
             return cpu_fallback(op_type, data, axes, keepdims=keepdims, noop_with_empty_axes=noop_with_empty_axes)
         axes_tuple = reduce_axes(np.empty((0,) * len(data.shape)), axes, noop_with_empty_axes)
         return reduce(op, data, axes_tuple, bool(keepdims), op_type)
@@ -224,7 +224,7 @@ def softmax_3d(x, outer: int, length: int, inner: int, log: bool):
 
 
 def _softmax(op_type: str, x, axis, opset: int, log: bool):
-    if dtype_suffix(x.dtype) not in ("f16", "f32", "f64"):
+    if dtype_suffix(x.dtype) not in FLOATS:
         return cpu_fallback(op_type, x, axis=axis, _opset=opset)
     shape = [int(d) for d in x.shape]
     if opset >= 13:
@@ -244,7 +244,7 @@ def _softmax_grad(op_type: str, dY, Y, axis, log: bool):
     if tuple(dY.shape) != tuple(Y.shape) or dY.dtype != Y.dtype:
         raise KernelError(f"{op_type}: dY {dY.dtype}{list(dY.shape)} and Y {Y.dtype}{list(Y.shape)} must have one shape and type")
     s = dtype_suffix(Y.dtype)
-    if s not in ("f16", "f32", "f64"):
+    if s not in FLOATS:
         return cpu_fallback(op_type, dY, Y, domain=MICROSOFT, axis=axis)
     dY, Y = contiguous(dY), contiguous(Y)
     shape = [int(d) for d in Y.shape]
@@ -305,7 +305,7 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
     from gradgen.cuda import runtime as rt
 
     s = dtype_suffix(x.dtype)
-    if s not in ("f16", "f32", "f64", "i32", "i64"):
+    if s not in FLOATS + ("i32", "i64"):
         return cpu_fallback("CumSum", x, axis, exclusive=exclusive, reverse=reverse)
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
