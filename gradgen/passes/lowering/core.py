@@ -24,6 +24,7 @@ from gradgen.passes.lowering.table import (
     is_needed,
     node_where,
 )
+from gradgen.passes.rewrite import NodeRemoval
 from gradgen.registration import Families
 
 
@@ -68,6 +69,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
 
         names = graph_names(model.graph)
         constants: dict[int, dict[tuple, ir.Value]] = {}
+        removal = NodeRemoval()  # one Graph.remove per graph: each call copies the graph outputs
         for node in targets:
             if node.op_type in schemas.SCHEMAS and normalize_domain(node.domain) == MICROSOFT:
                 schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_where(node))
@@ -81,7 +83,8 @@ class LowerToStandardPass(ir.passes.InPlacePass):
                 append=False,
             )
             lowering = lookup_lowering(node.domain, node.op_type)
-            splice(builder, node, list(lowering.fn(builder, node)))
+            splice(builder, node, list(lowering.fn(builder, node)), removal)
+        removal.flush()
         _drop_unused_microsoft(model)
         return ir.passes.PassResult(model, modified=True)
 
@@ -142,9 +145,10 @@ def _drop_unused_microsoft(model: ir.Model) -> bool:
 # ================================================================================ splicing
 
 
-def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | None]) -> None:
+def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | None], removal: NodeRemoval | None = None) -> None:
     """Put the builder's nodes where ``node`` was; its outputs' users read the new values, which take
-    the old names and types (graph outputs keep their names)."""
+    the old names and types (graph outputs keep their names). ``node`` goes into ``removal`` where
+    one is given (the caller flushes it), else out of its graph at once."""
     olds, news = [], []
     for i, old in enumerate(node.outputs):
         new = outputs[i] if i < len(outputs) else None
@@ -171,4 +175,7 @@ def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | No
     ir.convenience.replace_all_uses_with(olds, news, replace_graph_outputs=True)
     if builder.nodes:
         node.graph.insert_before(node, builder.nodes)
-    node.graph.remove(node, safe=True)
+    if removal is not None:
+        removal.remove(node)
+    else:
+        node.graph.remove(node, safe=True)
