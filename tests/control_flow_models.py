@@ -203,3 +203,116 @@ def nested_loop_model() -> onnx.ModelProto:
         nodes, "nested", [_info("x", D, [2, 4]), _info("h0", D, [2, 4])], [_info("loss", D, [])], initializer=inits
     )
     return helper.make_model(graph, opset_imports=OPSET)
+
+
+def if_reading_nothing_model() -> onnx.ModelProto:
+    """y = If(sum(x) > 0, then: x @ W, else: a constant, reading no outer value); loss = sum(y * y)."""
+    model = if_model("data")
+    else_branch = helper.make_graph(
+        [helper.make_node("Constant", [], ["e"], value=numpy_helper.from_array(np.full((2, 4), 0.5), "half"))],
+        "else",
+        [],
+        [_info("e", D, [2, 4])],
+    )
+    choose = next(n for n in model.graph.node if n.op_type == "If")
+    next(a for a in choose.attribute if a.name == "else_branch").g.CopyFrom(else_branch)
+    del model.graph.initializer[1]  # W2
+    return model
+
+
+def nested_if_model() -> onnx.ModelProto:
+    """y = If(sum(x) > 0, then: u = x @ W; If(sum(u) > 0, then: u * W2, else: u - x), else: tanh(x) * W2);
+    loss = sum(y * y). The inner branches read u (the outer branch's) and x, W2 (the main graph's)."""
+    inner_then = helper.make_graph([helper.make_node("Mul", ["u", "W2"], ["it"])], "inner_then", [], [_info("it", D, [2, 4])])
+    inner_else = helper.make_graph([helper.make_node("Sub", ["u", "x"], ["ie"])], "inner_else", [], [_info("ie", D, [2, 4])])
+    then_branch = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["u"]),
+            helper.make_node("ReduceSum", ["u"], ["su"], keepdims=0),
+            helper.make_node("Greater", ["su", "zero"], ["cu"]),
+            helper.make_node("If", ["cu"], ["t"], then_branch=inner_then, else_branch=inner_else, name="inner"),
+        ],
+        "then",
+        [],
+        [_info("t", D, [2, 4])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Tanh", ["x"], ["tx"]), helper.make_node("Mul", ["tx", "W2"], ["e"])],
+        "else",
+        [],
+        [_info("e", D, [2, 4])],
+    )
+    nodes = [
+        helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
+        helper.make_node("Greater", ["sx", "zero"], ["c"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch, name="outer"),
+        helper.make_node("Mul", ["y", "y"], ["sq"]),
+        helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(weights(), "W"),
+        numpy_helper.from_array(weights(2)[:2], "W2"),
+        numpy_helper.from_array(np.array(0.0), "zero"),
+    ]
+    graph = helper.make_graph(nodes, "nested_if", [_info("x", D, [2, 4])], [_info("loss", D, [])], initializer=inits)
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def while_model(limit: float = 20.0) -> onnx.ModelProto:
+    """A while loop (no trip count): while |h| < limit, h <- 2 h + If(sum(h) > 0, then: tanh(h @ W) * a,
+    else: tanh(h @ W) - a), n <- n + 1, y_i = h * a (a scan output); the loop runs only if |x| < limit
+    at the start. loss = sum(h_T * h_T) + sum(ys) + n_T. W and a are outer values the body and its
+    If's branches read; n is an int64 loop-carried counter."""
+    t = helper.make_node("Tanh", ["hw"], ["t"])
+    branch_then = helper.make_graph([helper.make_node("Mul", ["t", "a"], ["g1"])], "then", [], [_info("g1", D, [2, 4])])
+    branch_else = helper.make_graph([helper.make_node("Sub", ["t", "a"], ["g2"])], "else", [], [_info("g2", D, [2, 4])])
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+            t,
+            helper.make_node("ReduceSum", ["h_in"], ["sh"], keepdims=0),
+            helper.make_node("Greater", ["sh", "zero"], ["positive"]),
+            helper.make_node("If", ["positive"], ["g"], then_branch=branch_then, else_branch=branch_else, name="sign"),
+            helper.make_node("Mul", ["h_in", "two"], ["h2"]),
+            helper.make_node("Add", ["h2", "g"], ["h_out"]),
+            helper.make_node("Add", ["n_in", "one"], ["n_out"]),
+            helper.make_node("Mul", ["h_out", "a"], ["y"]),
+            helper.make_node("ReduceL2", ["h_out"], ["norm"], keepdims=0),
+            helper.make_node("Less", ["norm", "limit"], ["c_out"]),
+        ],
+        "body",
+        [
+            _info("i", TensorProto.INT64, []),
+            _info("c_in", TensorProto.BOOL, []),
+            _info("h_in", D, [2, 4]),
+            _info("n_in", TensorProto.INT64, []),
+        ],
+        [
+            _info("c_out", TensorProto.BOOL, []),
+            _info("h_out", D, [2, 4]),
+            _info("n_out", TensorProto.INT64, []),
+            _info("y", D, [2, 4]),
+        ],
+        initializer=[numpy_helper.from_array(np.array(2.0), "two"), numpy_helper.from_array(np.array(1, dtype=np.int64), "one")],
+    )
+    nodes = [
+        helper.make_node("ReduceL2", ["x"], ["norm0"], keepdims=0),
+        helper.make_node("Less", ["norm0", "limit"], ["c0"]),
+        helper.make_node("Loop", ["", "c0", "x", "n0"], ["hT", "nT", "ys"], body=body, name="while"),
+        helper.make_node("Mul", ["hT", "hT"], ["sq"]),
+        helper.make_node("ReduceSum", ["sq"], ["a1"], keepdims=0),
+        helper.make_node("ReduceSum", ["ys"], ["a2"], keepdims=0),
+        helper.make_node("Cast", ["nT"], ["nf"], to=D),
+        helper.make_node("Sum", ["a1", "a2", "nf"], ["loss"]),
+    ]
+    inits = [
+        numpy_helper.from_array(weights(4), "W"),
+        numpy_helper.from_array(np.random.default_rng(5).normal(size=4), "a"),
+        numpy_helper.from_array(np.array(0.0), "zero"),
+        numpy_helper.from_array(np.array(limit), "limit"),
+        numpy_helper.from_array(np.array(0, dtype=np.int64), "n0"),
+    ]
+    graph = helper.make_graph(
+        nodes, "while", [_info("x", D, [2, 4])], [_info("loss", D, []), _info("nT", TensorProto.INT64, [])], initializer=inits
+    )
+    return helper.make_model(graph, opset_imports=OPSET)

@@ -1,7 +1,7 @@
 """If, Loop, Scan and training-mode Dropout: the CPU executor runs them as ONNX Runtime does;
 loops of a static length are unrolled and differentiated (finite differences in float64, PyTorch's
-autograd); an If chosen at run time and loops of a run-time length are one-line model errors
-naming the node; Dropout's gradient reads the mask the forward drew."""
+autograd); Dropout's gradient reads the mask the forward drew. An If chosen at run time, Loops
+and Scans of a run-time length: tests/test_run_time_control_flow.py."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from tests.control_flow_models import (
     scan_model,
     weights,
 )
-from tests.test_cli import run_cli
 
 SCANS = {
     "forward": {},
@@ -119,28 +118,14 @@ def test_loop_gradients_match_torch_autograd():
         np.testing.assert_allclose(got[f"{name}_grad"], tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "model, message",
-    [
-        (if_model("data"), "node 'choose' (If): its condition ('c') is computed at run time"),
-        (loop_model(trip_count=None), "node 'loop' (Loop): its trip count M ('M') is computed at run time"),
-        (loop_model(condition="computed"), "node 'loop' (Loop): its body computes the condition to go on at run time"),
-    ],
-    ids=["if", "loop trip count", "loop condition"],
-)
-def test_run_time_control_flow_is_a_one_line_model_error(tmp_path, capsys, monkeypatch, model, message):
-    path, out = tmp_path / "m.onnx", tmp_path / "g.onnx"
-    onnx.save(model, path)
-    code, _, err = run_cli(capsys, monkeypatch, "build-backward", path, "-o", out)
-    assert code == 3
-    assert message in err and len(err.strip().splitlines()) == 1
-    assert not out.exists()
-
-
-def test_scan_of_a_symbolic_length_is_a_model_error():
-    model = scan_model()
+def test_scan_of_a_symbolic_length_stacking_an_output_of_unknown_rank_on_a_later_axis_is_a_model_error():
+    model = scan_model(out_axis=1)
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
-    with pytest.raises(gradgen.errors.ModelError, match=r"node 'scan' \(Scan\): its sequence length .* is not static"):
+    body = model.graph.node[0].attribute[0].g
+    body.output[1].type.tensor_type.ClearField("shape")
+    with pytest.raises(
+        gradgen.errors.ModelError, match=r"node 'scan' \(Scan\): the rank of its scan output 0, stacked along axis 1, is unknown"
+    ):
         gradgen.build_backward(model, wrt_inputs=True)
 
 

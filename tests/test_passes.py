@@ -8,7 +8,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import gradgen
-from gradgen.errors import ModelError
 from gradgen.executor import Session
 from tests.gradcheck import numeric_gradient
 
@@ -56,9 +55,15 @@ def test_if_with_a_static_condition_is_inlined_and_differentiated(batch):
     onnx.checker.check_model(gradgen.api.ir.to_proto(built.model), full_check=True)
 
 
-def test_if_with_a_runtime_condition_is_reported():
-    with pytest.raises(ModelError, match=r"node 'branch' \(If\): its condition \('cond'\) is computed at run time"):
-        gradgen.build_backward(_if_model(["batch", 3]), wrt_inputs=True)
+@pytest.mark.parametrize("batch", [2, 3])
+def test_if_with_a_runtime_condition_stays_an_if_and_is_differentiated(batch):
+    model = _if_model(["batch", 3])
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    assert [n.op_type for n in built.model.graph].count("If") == 2  # the forward If and its gradient's
+    x = np.random.default_rng(batch).standard_normal((batch, 3))
+    got, forward = Session(built.model).run({"x": x}), Session(model)
+    np.testing.assert_allclose(got["x_grad"], numeric_gradient(forward, {"x": x}, "x", 1e-6), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(got["w_grad"], x.sum(axis=0) if batch == 2 else np.full(3, batch), rtol=1e-12)
 
 
 def test_shape_of_a_static_tensor_folds_to_a_constant():

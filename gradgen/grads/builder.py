@@ -17,13 +17,27 @@ class GradContext:
     ``g.x(i)`` is forward input i, ``g.y(i)`` forward output i, ``g.dy(i)`` the gradient of output
     i (None when that output gets none), ``g.needs(i)`` whether input i wants a gradient.
     All ``GraphBuilder`` methods are available directly (``g.op``, ``g.const_like``, ``g.reduce_sum``...).
+
+    A node with subgraphs (If, Loop, Scan) also sees ``g.captured``, the outer-scope values its
+    subgraphs read, and ``g.needs_captured(k)``; its rule returns their gradients after the inputs'
+    (a list of ``len(node.inputs) + len(g.captured)`` entries).
     """
 
-    def __init__(self, builder: GraphBuilder, node: ir.Node, output_grads: list[ir.Value | None], wanted: list[bool]):
+    def __init__(
+        self,
+        builder: GraphBuilder,
+        node: ir.Node,
+        output_grads: list[ir.Value | None],
+        wanted: list[bool],
+        captured: list[ir.Value] | None = None,
+        captured_wanted: list[bool] | None = None,
+    ):
         self.b = builder
         self.node = node
         self.output_grads = output_grads
         self.wanted = wanted
+        self.captured = captured or []
+        self.captured_wanted = captured_wanted or []
 
     def __getattr__(self, name: str):
         return getattr(self.b, name)
@@ -43,6 +57,9 @@ class GradContext:
 
     def needs(self, i: int) -> bool:
         return i < len(self.wanted) and self.wanted[i]
+
+    def needs_captured(self, k: int) -> bool:
+        return k < len(self.captured_wanted) and self.captured_wanted[k]
 
     def attr(self, name: str, default: Any = None) -> Any:
         attr = self.node.attributes.get(name)

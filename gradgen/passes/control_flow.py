@@ -10,24 +10,26 @@ scan outputs are stacked (Unsqueeze + Concat) along their axis, in their directi
 that unrolled something, ``EvaluateConstantsPass`` folds what the iteration numbers now fix (an If
 on the iteration number is inlined), and loops nested in the bodies, now in the main graph, unroll
 in the next round. Loops of a length known only at run time (and loops over more than
-``MAX_ITERATIONS``) stay in place: the executor runs them, and their gradient rule refuses them,
-naming the node and the reason (gradgen/grads/rules/control.py).
+``MAX_ITERATIONS``) stay in place, and a Scan of such a length is written as a Loop (each
+iteration gathers its slices of the scan inputs): the executors run them, and Loop's gradient rule
+differentiates them with a Loop over the saved iterations in reverse (gradgen/grads/rules/control.py).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
-from gradgen.builder import GraphBuilder
+from gradgen.builder import INT64_MIN, GraphBuilder
 from gradgen.ops.attributes import get_attr
 from gradgen.ops.control_flow import loop_trip_count, scan_length, subgraphs
 from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
 
-__all__ = ["MAX_ITERATIONS", "UnrollLoopsPass", "unroll_reason"]
+__all__ = ["FLOAT_TYPES", "MAX_ITERATIONS", "UnrollLoopsPass", "rename_copied_node", "scan_as_loop_refusal", "unroll_reason"]
 
 MAX_ITERATIONS = 4096  # longer loops would make graphs too large to be worth unrolling
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -74,6 +76,12 @@ class UnrollLoopsPass(ir.passes.InPlacePass):
                 break
             EvaluateConstantsPass()(model)
             modified = True
+        scans = [
+            node
+            for node in model.graph
+            if node.domain in STANDARD_DOMAINS and node.op_type == "Scan" and _carries_floats(node) and _loop_form(node, opset)
+        ]
+        modified = rewrite_nodes(model, scans, _scan_as_loop) or modified
         return ir.passes.PassResult(model, modified=modified)
 
 
@@ -86,6 +94,20 @@ def _num_states(node: ir.Node) -> int:
     if node.op_type == "Loop":
         return max(len(node.inputs) - 2, 0)
     return len(node.inputs) - int(get_attr(node, "num_scan_inputs"))
+
+
+def rename_copied_node(node: ir.Node, prefix: str, unique: Callable[[str], str]) -> None:
+    """Fresh names (``unique(prefix/name)``) for a copied node, its outputs and everything in its
+    subgraphs (a model's names are unique across all of its graphs)."""
+    node.name = unique(f"{prefix}/{node.name or node.op_type}")
+    for value in node.outputs:
+        if value.name:
+            value.name = unique(f"{prefix}/{value.name}")
+    for graph in subgraphs(node):
+        for value in graph.inputs:
+            value.name = unique(f"{prefix}/{value.name}")
+        for inner in graph:
+            rename_copied_node(inner, prefix, unique)
 
 
 class _Copier:
@@ -114,23 +136,10 @@ class _Copier:
         prefix = f"{self.node.name or self.node.op_type}/iter{index}"
         for body_node in self.body:
             copy = cloner.clone_node(body_node)
-            self._rename(copy, prefix)
+            rename_copied_node(copy, prefix, self.b.unique)
             self.b.nodes.append(copy)
             self.b.node_set.add(copy)
         return [value_map.get(v, v) or v for v in self.body.outputs]
-
-    def _rename(self, node: ir.Node, prefix: str) -> None:
-        """Fresh names for a copied node, its outputs and everything in its subgraphs (a model's
-        names are unique across all of its graphs)."""
-        node.name = self.b.unique(f"{prefix}/{node.name or node.op_type}")
-        for value in node.outputs:
-            if value.name:
-                value.name = self.b.unique(f"{prefix}/{value.name}")
-        for graph in subgraphs(node):
-            for value in graph.inputs:
-                value.name = self.b.unique(f"{prefix}/{value.name}")
-            for inner in graph:
-                self._rename(inner, prefix)
 
     def result(self, value: ir.Value) -> ir.Value:
         """``value`` as a node output's replacement: made here, or passed through an Identity (an
@@ -194,3 +203,66 @@ def _unroll_scan(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | 
         stacked.append(copier.stack(series[::-1] if out_reverse[k] else series, out_axes[k]))
     finals: list[ir.Value | None] = [copier.result(s) for s in states]
     return finals + stacked
+
+
+def _loop_form(node: ir.Node, opset: int) -> bool:
+    """Whether a Scan that is not unrolled (a run-time length, or too long) becomes a Loop."""
+    return opset >= 9 and not isinstance(unroll_reason(node, opset), int) and scan_as_loop_refusal(node) is None
+
+
+def scan_as_loop_refusal(node: ir.Node) -> str | None:
+    """Why a Scan cannot be written as a Loop, else None: the rank of a scan output stacked along
+    an axis other than the first must be known (to move the Loop's first axis there)."""
+    body = get_attr(node, "body")
+    num_states = _num_states(node)
+    for k, axis in enumerate(get_attr(node, "scan_output_axes") or []):
+        if axis != 0 and body.outputs[num_states + k].shape is None:
+            return f"the rank of its scan output {k}, stacked along axis {axis}, is unknown"
+    return None
+
+
+def _scan_as_loop(node: ir.Node, b: GraphBuilder) -> list[ir.Value | None]:
+    """A Scan as a Loop of as many iterations as its first scan input is long: iteration i gathers
+    slice i (n-1-i in reverse) of each scan input and runs the Scan's body; the Loop's scan
+    outputs are reversed and moved to their axes as the Scan's attributes say. The gradient rule
+    of Loop then differentiates it (gradgen/grads/rules/control.py)."""
+    body: ir.Graph = get_attr(node, "body")
+    num_scan = int(get_attr(node, "num_scan_inputs"))
+    num_states = len(node.inputs) - num_scan
+    in_axes = get_attr(node, "scan_input_axes") or [0] * num_scan
+    in_reverse = get_attr(node, "scan_input_directions") or [0] * num_scan
+    sequences = node.inputs[num_states:]
+    assert sequences[0] is not None  # Scan's inputs are not optional
+    count = b.op("Gather", b.shape_of(sequences[0]), b.scalar(in_axes[0]), axis=0)
+    prefix = f"{node.name or 'Scan'}/loop"
+    inner = b.collector(prefix)
+    i = ir.Value(name=inner.unique(f"{prefix}/i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    go_on = ir.Value(name=inner.unique(f"{prefix}/cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    states = [ir.Value(name=inner.unique(f"{prefix}/{v.name}"), type=v.type, shape=v.shape) for v in body.inputs[:num_states]]
+    backwards = inner.op("Sub", b.op("Sub", count, b.scalar(1)), i) if any(in_reverse) else i
+    slices = []
+    for k, (x, axis, reverse) in enumerate(zip(sequences, in_axes, in_reverse)):
+        element = inner.op("Gather", x, backwards if reverse else i, axis=axis)
+        declared = body.inputs[num_states + k]
+        element.type, element.shape = declared.type, declared.shape
+        slices.append(element)
+    copier = _Copier(node, inner)
+    outputs = [inner.op("Identity", go_on)] + [copier.result(v) for v in copier.iteration(0, [*states, *slices])]
+    for value, declared in zip(outputs[1:], body.outputs):
+        value.type, value.shape = value.type or declared.type, value.shape or declared.shape
+    loop_body = ir.Graph([i, go_on, *states], outputs, nodes=inner.nodes, name=inner.unique(f"{prefix}_body"))
+    results = b.op_multi("Loop", [count, None, *node.inputs[:num_states]], len(node.outputs), body=loop_body)
+    out_axes = get_attr(node, "scan_output_axes") or [0] * (len(node.outputs) - num_states)
+    out_reverse = get_attr(node, "scan_output_directions") or [0] * len(out_axes)
+    stacked = []
+    for k, (y, axis, reverse) in enumerate(zip(results[num_states:], out_axes, out_reverse)):
+        if reverse:
+            y = b.op("Slice", y, b.ints([-1]), b.ints([INT64_MIN]), b.ints([0]), b.ints([-1]))
+        if axis != 0:
+            dims = body.outputs[num_states + k].shape
+            assert dims is not None  # _loop_form checked it
+            rank = len(dims) + 1
+            axis = axis + rank if axis < 0 else axis
+            y = b.transpose(y, [*range(1, axis + 1), 0, *range(axis + 1, rank)]) if axis else y
+        stacked.append(y)
+    return [*results[:num_states], *stacked]

@@ -22,6 +22,7 @@ from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
 from gradgen.names import gradient_name
+from gradgen.ops.control_flow import outer_scope_values, subgraphs
 from gradgen.ops.non_tensor import refuse_non_tensor_ops
 
 # The model metadata that lists the float initializers gradient passes added (a scalar loss's seed 1,
@@ -143,8 +144,10 @@ class GradientPass(ir.passes.InPlacePass):
                 v is not None and v.name in requires and i not in _no_gradient_positions(rule) for i, v in enumerate(node.inputs)
             ]
             builder.prefix = f"{node.name or node.op_type}_Grad"
-            input_grads = rule.fn(GradContext(builder, node, output_grads, wanted))
-            _record(builder, grads, node, rule, input_grads, wanted)
+            captured = outer_scope_values(node) if subgraphs(node) else []
+            captured_wanted = [v.name in requires and is_float(v) for v in captured]
+            input_grads = rule.fn(GradContext(builder, node, output_grads, wanted, captured, captured_wanted))
+            _record(builder, grads, node, rule, input_grads, wanted + captured_wanted, captured)
 
         for x, name in zip(wrt, self.gradient_names):
             graph.outputs.append(_gradient_output(builder, grads, x, name))
@@ -238,22 +241,25 @@ def _recorded_constants(model: ir.Model) -> set[str]:
     return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
-def _record(builder, grads, node, rule: GradRule, input_grads, wanted) -> None:
-    if not isinstance(input_grads, (list, tuple)) or len(input_grads) > len(node.inputs):
+def _record(builder, grads, node, rule: GradRule, input_grads, wanted, captured=()) -> None:
+    """Record the rule's gradients: one per input, then one per outer-scope value the node's
+    subgraphs read (``captured``), for every entry of ``wanted`` that is true."""
+    sources = [*node.inputs, *captured]
+    if not isinstance(input_grads, (list, tuple)) or len(input_grads) > len(sources):
         raise RuntimeError(
-            f"gradient rule of {node.op_type} returned {input_grads!r}; expected a list of at most {len(node.inputs)} entries"
+            f"gradient rule of {node.op_type} returned {input_grads!r}; expected a list of at most {len(sources)} entries"
         )
     differentiable = [i for i, w in enumerate(wanted) if w]
     for i in differentiable:
         grad = input_grads[i] if i < len(input_grads) else None
-        x = node.inputs[i]
+        x = sources[i]
         if grad is None:  # a zero here would be a silent wrong gradient: the rule must say why instead
             raise ModelError(
                 f"node {node.name or '<unnamed>'!r} ({node.op_type}): its gradient rule gives no "
                 f"gradient for input {i} ({x.name!r}), which the loss depends on; "
                 "this is a gradgen bug, please report it"
             )
-        if rule.broadcast:
+        if rule.broadcast and i < len(node.inputs):
             partner = None
             if len(node.inputs) == 2:
                 partner = (node.inputs[1 - i], i)
@@ -386,6 +392,6 @@ def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
 
 
 def _drop_unused_opset(model: ir.Model) -> None:
-    uses_ms = any(normalize_domain(n.domain) == "com.microsoft" for n in model.graph)
+    uses_ms = any(normalize_domain(n.domain) == "com.microsoft" for n in ir.traversal.RecursiveGraphIterator(model.graph))
     if not uses_ms:
         model.opset_imports.pop("com.microsoft", None)
