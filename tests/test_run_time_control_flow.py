@@ -7,6 +7,8 @@ graphs give what gradgen's executor gives)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -205,3 +207,77 @@ def test_a_body_op_without_a_rule_is_a_one_line_model_error(tmp_path, capsys, mo
     assert code == 3 and len(err.strip().splitlines()) == 1
     assert "node 'loop' (Loop), its body: 1 op type(s) without a gradient rule: test.custom::Squash: node(s) 'squash'" in err
     assert not out.exists()
+
+
+class _Cond:
+    """torch.cond on the data: tanh(x @ w) or x * v."""
+
+    @staticmethod
+    def module(torch):
+        class Module(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.tensor(weights()))
+                self.v = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4, dtype=torch.float64))
+
+            def forward(self, x):
+                y = torch.cond(x.sum() > 0, lambda x, w, v: torch.tanh(x @ w), lambda x, w, v: x * v, (x, self.w, self.v))
+                return (y * y).sum()
+
+            def reference(self, x):
+                return self(x)
+
+        return Module()
+
+
+class _While:
+    """torch's while_loop: h <- 2 h + sin(h) * w while sum(h * h) < 100."""
+
+    @staticmethod
+    def module(torch):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        class Module(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+
+            def forward(self, x):
+                (h,) = while_loop(lambda h: (h * h).sum() < 100.0, lambda h: (h * 2 + torch.sin(h) * self.w,), (x,))
+                return (h * h).sum()
+
+            def reference(self, x):
+                """The same loop in Python: torch 2.13's eager while_loop gives w a nonzero gradient
+                when the loop runs zero times."""
+                h = x
+                while (h * h).sum() < 100.0:
+                    h = h * 2 + torch.sin(h) * self.w
+                return (h * h).sum()
+
+        return Module()
+
+
+@pytest.mark.slow  # the dynamo exporter takes seconds
+@pytest.mark.parametrize("kind", [_Cond, _While], ids=["torch.cond", "while_loop"])
+def test_torch_exports_of_cond_and_while_loop_match_torch_autograd(kind, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    module = kind.module(torch)
+    inputs = [_x(1.0), _x(-1.0)] if kind is _Cond else [_while_x(0.5), _while_x(0.05), _while_x(30.0)]
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notes
+        torch.onnx.export(module, (torch.tensor(inputs[0]),), path, dynamo=True, verbose=False)
+    built = gradgen.build_backward(str(path), wrt_inputs=True)
+    session = Session(built.model)
+    params = dict(module.named_parameters())
+    gradient_of = dict(zip(built.wrt, built.gradient_names))  # also torch's constants, exported as initializers
+    assert set(params) | {"x"} <= set(gradient_of)
+    for x in inputs:
+        module.zero_grad()
+        tensor = torch.tensor(x, requires_grad=True)
+        module.reference(tensor).backward()
+        got = session.run({"x": x})
+        for name, value in [*params.items(), ("x", tensor)]:
+            want = np.zeros(value.shape) if value.grad is None else value.grad.numpy()  # None: the branch not taken
+            np.testing.assert_allclose(got[gradient_of[name]], want, rtol=1e-10, atol=1e-12, err_msg=name)
