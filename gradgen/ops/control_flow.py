@@ -39,15 +39,20 @@ def subgraphs(node: ir.Node) -> list[ir.Graph]:
 
 def outer_scope_values(node: ir.Node) -> list[ir.Value]:
     """The values of enclosing graphs that the node's subgraphs (and theirs, recursively) read, in
-    order of first use, each once."""
+    order of first use, each name once (see ``graph_outer_values``)."""
     found: dict[ir.Value, None] = {}
     for graph in subgraphs(node):
         _collect_outer(graph, set(), found)
-    return list(found)
+    by_name: dict[str | None, ir.Value] = {}
+    for value in found:
+        by_name.setdefault(value.name, value)
+    return list(by_name.values())
 
 
 def graph_outer_values(graph: ir.Graph) -> list[ir.Value]:
-    """The values of enclosing graphs that ``graph`` (and its subgraphs) read."""
+    """The values of enclosing graphs that ``graph`` (and its subgraphs) read. A name may come as
+    two values: onnx-ir reads a subgraph output that names an outer value as a value of its own,
+    apart from the outer value its nodes read (a copy of the graph maps both to one input)."""
     found: dict[ir.Value, None] = {}
     _collect_outer(graph, set(), found)
     return list(found)

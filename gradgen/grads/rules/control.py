@@ -180,12 +180,16 @@ def _vjp_model(
     the graph's own, the outer values it reads (and those of ``wrt_outer`` it does not) and one per
     seed. Also each input paired with the value it stands for, the inputs to differentiate and the
     seeds' inputs."""
-    outer = list(dict.fromkeys([*graph_outer_values(graph), *wrt_outer]))
-    copies = {v: ir.Value(name=v.name, type=v.type, shape=v.shape) for v in outer}
-    cloner = Cloner(attr_map={}, value_map=dict(copies), metadata_props={}, allow_outer_scope_values=True)
+    by_name: dict[str | None, ir.Value] = {v.name: v for v in wrt_outer}  # the outer value each input stands for
+    outer = graph_outer_values(graph)  # a name may come as two values (see there): one input for both
+    for v in outer:
+        by_name.setdefault(v.name, v)
+    inputs = {name: ir.Value(name=name, type=v.type, shape=v.shape) for name, v in by_name.items()}
+    value_map: dict[ir.Value, ir.Value | None] = {v: inputs[v.name] for v in outer}
+    cloner = Cloner(attr_map={}, value_map=value_map, metadata_props={}, allow_outer_scope_values=True)
     copy = cloner.clone_graph(graph)
     feeds = [(mine, bind[theirs]) for mine, theirs in zip(copy.inputs, graph.inputs)]
-    feeds += [(copies[v], v) for v in outer]
+    feeds += [(inputs[name], v) for name, v in by_name.items()]
     copy.opset_imports.update(opset_imports)
     b = GraphBuilder(copy, copy.opset_imports.get("", copy.opset_imports.get("ai.onnx", 17)), prefix="vjp")
     terms, seed_inputs = [], []
@@ -210,7 +214,7 @@ def _vjp_model(
     copy.outputs.append(loss)
     copy.inputs.extend(mine for mine, _ in feeds[len(graph.inputs) :])
     copy.opset_imports.setdefault("com.microsoft", 1)
-    wrt = [copy.inputs[k] for k in wrt_inputs] + [copies[v] for v in wrt_outer]
+    wrt = [copy.inputs[k] for k in wrt_inputs] + [inputs[v.name] for v in wrt_outer]
     return ir.Model(copy, ir_version=10), feeds, wrt, seed_inputs
 
 

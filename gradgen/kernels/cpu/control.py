@@ -24,15 +24,19 @@ _SESSIONS: weakref.WeakKeyDictionary[ir.Graph, dict[int, Any]] = weakref.WeakKey
 
 
 def _standalone(graph: ir.Graph, opset: int) -> tuple[ir.Model, list[str]]:
-    """A copy of ``graph`` as a model whose inputs are its own, then the outer values it reads."""
-    outer = graph_outer_values(graph)
-    inputs = {v: ir.Value(name=v.name, type=v.type, shape=v.shape) for v in outer}
-    cloner = Cloner(attr_map={}, value_map=dict(inputs), metadata_props={}, allow_outer_scope_values=True)
+    """A copy of ``graph`` as a model whose inputs are its own, then the outer values it reads
+    (one input per name: a subgraph output that names an outer value is a value of its own in
+    onnx-ir, apart from the outer value its nodes read)."""
+    inputs: dict[str | None, ir.Value] = {}
+    value_map: dict[ir.Value, ir.Value | None] = {}
+    for v in graph_outer_values(graph):
+        value_map[v] = inputs.setdefault(v.name, ir.Value(name=v.name, type=v.type, shape=v.shape))
+    cloner = Cloner(attr_map={}, value_map=value_map, metadata_props={}, allow_outer_scope_values=True)
     copy = cloner.clone_graph(graph)
     copy.inputs.extend(inputs.values())
     copy.opset_imports[""] = opset
     copy.opset_imports.setdefault("com.microsoft", 1)
-    return ir.Model(copy, ir_version=10), [v.name for v in outer if v.name]
+    return ir.Model(copy, ir_version=10), [name for name in inputs if name]
 
 
 def _session(graph: ir.Graph, opset: int):
