@@ -316,3 +316,46 @@ def while_model(limit: float = 20.0) -> onnx.ModelProto:
         nodes, "while", [_info("x", D, [2, 4])], [_info("loss", D, []), _info("nT", TensorProto.INT64, [])], initializer=inits
     )
     return helper.make_model(graph, opset_imports=OPSET)
+
+
+def nested_run_time_loops_model() -> onnx.ModelProto:
+    """An outer Loop with a trip count M (a graph input) that also stops once sum(h) >= 10, whose
+    body runs an inner Loop of N iterations (a graph input) of g <- sin(g * k) from g = h, then
+    h <- h + g + k; k is a loop-carried float the body passes through unchanged.
+    loss = sum(h_T * k_T)."""
+    inner = helper.make_graph(
+        [
+            helper.make_node("Mul", ["g_in", "k"], ["g2"]),
+            helper.make_node("Sin", ["g2"], ["g_out"]),
+            helper.make_node("Identity", ["d_in"], ["d_out"]),
+        ],
+        "inner",
+        [_info("j", TensorProto.INT64, []), _info("d_in", TensorProto.BOOL, []), _info("g_in", D, [2, 4])],
+        [_info("d_out", TensorProto.BOOL, []), _info("g_out", D, [2, 4])],
+    )
+    outer = helper.make_graph(
+        [
+            helper.make_node("Loop", ["N", "", "h_in"], ["h_mid"], body=inner, name="inner"),
+            helper.make_node("Add", ["h_mid", "k"], ["hk"]),
+            helper.make_node("Add", ["hk", "h_in"], ["h_out"]),
+            helper.make_node("ReduceSum", ["h_out"], ["sh"], keepdims=0),
+            helper.make_node("Less", ["sh", "limit"], ["c_out"]),
+        ],
+        "outer",
+        [_info("i", TensorProto.INT64, []), _info("c_in", TensorProto.BOOL, []), _info("h_in", D, [2, 4]), _info("k", D, [2, 4])],
+        [_info("c_out", TensorProto.BOOL, []), _info("h_out", D, [2, 4]), _info("k", D, [2, 4])],
+    )
+    nodes = [
+        helper.make_node("Loop", ["M", "c0", "h0", "k0"], ["hT", "kT"], body=outer, name="outer"),
+        helper.make_node("Mul", ["hT", "kT"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0),
+    ]
+    inputs = [
+        _info("h0", D, [2, 4]),
+        _info("k0", D, [2, 4]),
+        _info("M", TensorProto.INT64, []),
+        _info("N", TensorProto.INT64, []),
+    ]
+    inits = [numpy_helper.from_array(np.array(True), "c0"), numpy_helper.from_array(np.array(10.0), "limit")]
+    graph = helper.make_graph(nodes, "nested_loops", inputs, [_info("loss", D, [])], initializer=inits)
+    return helper.make_model(graph, opset_imports=OPSET)

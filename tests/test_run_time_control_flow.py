@@ -24,6 +24,7 @@ from tests.control_flow_models import (
     loop_feeds,
     loop_model,
     nested_if_model,
+    nested_run_time_loops_model,
     scan_feeds,
     scan_model,
     weights,
@@ -102,6 +103,31 @@ def test_loop_whose_body_computes_its_condition_matches_finite_differences():
     _check(loop_model(condition="computed"), loop_feeds(3))
 
 
+def _nested_loops_feeds(m: int, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(m + 10 * n)
+    return {"h0": rng.normal(size=(2, 4)) * 0.1, "k0": np.abs(rng.normal(size=(2, 4))), "M": np.array(m), "N": np.array(n)}
+
+
+def _outer_iterations(feeds: dict) -> int:
+    """How many times nested_run_time_loops_model's outer loop runs (the same loop in numpy)."""
+    h, k = feeds["h0"], feeds["k0"]
+    for i in range(int(feeds["M"])):
+        g = h
+        for _ in range(int(feeds["N"])):
+            g = np.sin(g * k)
+        h = h + g + k
+        if h.sum() >= 10.0:
+            return i + 1
+    return int(feeds["M"])
+
+
+@pytest.mark.parametrize("m, n", [(2, 3), (2, 0), (0, 2), (50, 1)], ids=["2 x 3", "inner zero", "outer zero", "stops early"])
+def test_run_time_loop_in_a_run_time_loop_matches_finite_differences(m, n):
+    feeds = _nested_loops_feeds(m, n)
+    assert (_outer_iterations(feeds) < m) == (m == 50)
+    _check(nested_run_time_loops_model(), feeds)
+
+
 def _symbolic_scan(length: int = 3, **kw) -> tuple[onnx.ModelProto, dict]:
     """scan_model with its sequence length a symbolic dimension T (known only at run time)."""
     model = scan_model(length=max(length, 1), **kw)
@@ -168,6 +194,7 @@ CASES = {
     "while, zero iterations": (while_model(), {"x": _while_x(30.0)}, "loss"),
     "trip count M": (loop_model(trip_count=None), _m_feeds(3), None),
     "M = 0": (loop_model(trip_count=None), _m_feeds(0), None),
+    "loop in a loop": (nested_run_time_loops_model(), _nested_loops_feeds(50, 1), None),
     "scan of length T": (*_symbolic_scan(**SCANS["reversed in and out, axis 1 in, last axis out"]), None),
     "scan of length 0": (*_symbolic_scan(0), None),
 }
