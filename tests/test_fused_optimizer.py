@@ -18,9 +18,10 @@ from onnx import TensorProto, helper
 from gradgen.errors import UsageError
 from gradgen.executor import Session
 from gradgen.executor import fused_optimizer as fo
+from gradgen.executor.fusion import plan_dtypes
 from gradgen.training import SGD, AdamW, build_training
-from gradgen.training.loss_scaling import LossScaling
-from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
+from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling
+from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, SKIP_CONFIG, SKIP_ROLE, WRITES_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMER = ROOT / "samples/transformer/model.onnx"
@@ -87,17 +88,96 @@ def test_the_plan_replaces_every_tagged_step_by_one_update_step_last(optimizer, 
     assert not any(n in step.outputs for s in fused[:-1] for n in s.inputs)  # nothing reads what it writes
 
 
-def test_without_a_guard_or_with_loss_scaling_nothing_is_fused():
+def test_without_a_guard_nothing_is_fused():
     program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0)
     session, fused = _plan(program, guard=False)
     assert fused == session.steps
-    scaled = build_training(TRANSFORMER, optimizer=AdamW(), loss_scaling=LossScaling())
-    session = Session(scaled.train, state=scaled.state_bindings(), state_guard=[scaled.loss])
-    # the new values go through the overflow's Where: read outside the update, so no update fuses
-    assert (
-        fo.fuse_update(session.steps, session.graph, set(session.output_names), session.state_bindings, [scaled.loss])
-        == session.steps
-    )
+
+
+def _loss_scaled_plan(program):
+    """The plan of a loss-scaled step as DeviceStepRunner guards it (the loss alone), both fusions."""
+    guard = [program.loss]
+    session = Session(program.train, state=program.state_bindings(), state_guard=guard)
+    keep = set(session.output_names)
+    fused = fo.fuse_update(session.steps, session.graph, keep, session.state_bindings, guard)
+    return session, fo.fuse_norm(fused, session.graph, keep)
+
+
+@pytest.mark.parametrize("optimizer, clip", OPTIMIZERS)
+def test_loss_scaled_updates_tag_their_overflow_wheres(optimizer, clip):
+    program = build_training(TRANSFORMER, optimizer=optimizer, clip_norm=clip, loss_scaling=LossScaling())
+    graph = ir.from_proto(ir.to_proto(program.train)).graph
+    assert json.loads(graph.metadata_props[CONFIG_KEY])[SKIP_CONFIG] is True
+    flag = program.layout.found_inf
+    found = next(v for v in graph.outputs if v.name == flag).producer().inputs[0]  # the Identity's input
+    assert found.producer().op_type == "Or"
+    assert {v.name for v in found.producer().inputs} == {
+        n.outputs[0].name for n in graph if n.op_type in ("IsInf", "IsNaN") and n.inputs[0].name == program.layout.grad_norm
+    }
+    for param in program.params:
+        nodes = [n for n in graph if n.metadata_props.get(PARAM_KEY) == param]
+        writers = {n.metadata_props[WRITES_KEY]: n for n in nodes if WRITES_KEY in n.metadata_props}
+        assert set(writers) == {"param", *(f"state:{k}" for k in optimizer.state_kinds)}
+        for role, node in writers.items():  # Where(found, old, new): the old value's role, the new one made inside
+            assert node.op_type == "Where" and node.inputs[0] is found
+            assert node.metadata_props[READS_KEY] == f"{SKIP_ROLE},{role},"
+            assert node.inputs[2].producer() in nodes and node.outputs[0].name in program.state_bindings().values()
+
+
+@pytest.mark.parametrize("optimizer, clip", OPTIMIZERS)
+def test_a_loss_scaled_update_fuses_with_its_overflow_flag(optimizer, clip):
+    program = build_training(TRANSFORMER, optimizer=optimizer, clip_norm=clip, loss_scaling=LossScaling())
+    session, fused = _loss_scaled_plan(program)
+    assert not any(s.metadata and PARAM_KEY in s.metadata for s in fused)
+    params = {p: program.layout.params[p] for p in program.params}
+    written = [*params.values(), *(s.output for s in program.layout.states if s.param in params)]
+    assert not any(s.op_type == "Where" and s.outputs[0] in written for s in fused)
+    step = fused[-1]
+    assert (step.domain, step.op_type) == (fo.DOMAIN, fo.OP_TYPE) and step.entry.cuda.kind.skip
+    found = next(s for s in session.steps if s.outputs == [program.layout.found_inf]).inputs[0]
+    assert step.inputs[:2] == [program.loss, found]  # the guard, then the overflow flag
+    assert sorted(step.outputs) == sorted(written)
+    # the scaler's state stays graph ops, committed by the Session
+    scaler = [s.output for s in program.layout.states if s.param == LOSS_SCALING]
+    assert scaler and all(any(name in s.outputs for s in fused[:-1]) for name in scaler)
+    assert _norm_step(fused) is not None
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("model", ["transformer", "cnn"])
+def test_mixed_precision_steps_fuse_the_update_and_the_norm(precision, model):
+    """bf16 (float32 master weights, gradients cast back to float32) and fp16 (loss-scaled): every
+    parameter's update in the multi-tensor step, the norm in its reduction, as in float32."""
+    program = build_training(ROOT / f"samples/{model}/model.onnx", optimizer=AdamW(), clip_norm=1.0, precision=precision)
+    assert (program.layout.found_inf is not None) == (precision == "fp16")
+    if precision == "fp16":
+        session, fused = _loss_scaled_plan(program)
+    else:
+        session, fused = _plan(program)
+        fused = fo.fuse_norm(fused, session.graph, set(session.output_names))
+    step = fused[-1]
+    assert step.op_type == fo.OP_TYPE and step.entry.cuda.n_params == len(program.params)
+    assert _norm_step(fused) is not None and not any(s.op_type == "ReduceSumSquare" for s in fused)
+    assert not any(s.metadata and PARAM_KEY in s.metadata for s in fused)
+
+
+def test_a_skip_flag_that_is_not_bool_keeps_the_steps():
+    program = build_training(TRANSFORMER, optimizer=SGD(momentum=0.9), loss_scaling=LossScaling())
+    session = Session(program.train, state=program.state_bindings(), state_guard=[program.loss])
+    updates, problems = fo.tagged_updates(session.steps)
+    assert not problems
+    kind = fo.kind_of(json.loads(session.graph.metadata_props[CONFIG_KEY]))
+    assert kind is not None and kind.skip and kind.shared == (SKIP_ROLE, "scalar:lr", "", "", "")
+    readers: dict[str, set[int]] = {}
+    for i, s in enumerate(session.steps):
+        for n in s.inputs:
+            readers.setdefault(n, set()).add(i)
+    update = next(iter(updates.values()))
+    dtypes = plan_dtypes(session.steps, session.graph)
+    context = fo._Context(readers, set(session.output_names), set(session.initializers), program.state_bindings(), dtypes)
+    assert fo.check_update(update, kind, session.steps, context) is None
+    dtypes[update.reads[SKIP_ROLE]] = np.dtype(np.float32)
+    assert "not declared bool" in fo.check_update(update, kind, session.steps, context)
 
 
 def test_an_update_read_outside_or_unbound_keeps_its_steps():
@@ -131,14 +211,16 @@ class _FakeArray:
 
 
 def test_packed_arguments_follow_the_kernels_layout():
-    """optimizer.cu's MultiTensorArgs: 6 pointers, 8 floats, flags, GgChunks (2 int64, first_chunk[65],
-    numel[64]), ptr[4][64]."""
+    """optimizer.cu's MultiTensorArgs: 7 pointers (guard[2], skip, scalar[4]), 8 floats, flags, GgChunks
+    (2 int64, first_chunk[65], numel[64]), ptr[4][64]."""
     chunks = 8 * 2 + 8 * (fo.MAX_TENSORS + 1) + 8 * fo.MAX_TENSORS
     assert fo.CHUNKS.itemsize == chunks and fo.CHUNK % 4 == 0
-    assert fo.ARGS.itemsize == 8 * 6 + 4 * 8 + 8 + chunks + 8 * 4 * fo.MAX_TENSORS
-    assert fo.ARGS.fields["chunks"][1] == 8 * 6 + 4 * 8 + 8
+    assert fo.ARGS.itemsize == 8 * 7 + 4 * 8 + 8 + chunks + 8 * 4 * fo.MAX_TENSORS
+    assert fo.ARGS.fields["chunks"][1] == 8 * 7 + 4 * 8 + 8
+    assert [fo.ARGS.fields[f][1] for f in ("guard", "skip", "scalar")] == [0, 16, 24]
     source = (ROOT / "gradgen/kernels/cuda/optimizer.cu").read_text()
     assert f"#define GG_MT_MAX {fo.MAX_TENSORS}\n" in source
+    assert "const float* guard[2];" in source and "const bool* skip;" in source
     kind = fo.kind_of(
         json.loads(build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0).train.graph.metadata_props[CONFIG_KEY])
     )
@@ -147,13 +229,14 @@ def test_packed_arguments_follow_the_kernels_layout():
     groups = [[_FakeArray(1000 * t + k, n) for k in range(4)] for t, n in enumerate(sizes)]
     guard = [_FakeArray(7, 1), _FakeArray(9, 1)]
     scalars = [_FakeArray(11 + k, 1) for k in range(4)]
-    launches = fo.MultiTensorUpdate(kind, 2, len(groups), [True] * 4).pack(guard, scalars, groups)
+    launches = fo.MultiTensorUpdate(kind, 2, len(groups), [True] * 4).pack(guard, scalars, groups, _FakeArray(5, 1))
     live = [g for g in groups if g[0].size]  # the empty tensor takes no chunk
     assert len(launches) == 2
     blocks = [np.frombuffer(buffer, fo.ARGS)[0] for _, buffer in launches]
     assert [b["chunks"]["n_tensors"] for b in blocks] == [64, len(live) - 64]
     first = blocks[0]
-    assert list(first["guard"]) == [7, 9] and list(first["scalar"]) == [11, 12, 13, 14]
+    assert list(first["guard"]) == [7, 9] and first["skip"] == 5 and list(first["scalar"]) == [11, 12, 13, 14]
+    assert fo.MultiTensorUpdate(kind, 1, 1, [True] * 4).pack(guard[:1], scalars, groups[:1])[0][1][16:24] == bytes(8)
     np.testing.assert_array_equal(first["consts"][:4], np.float32([1 - 0.9, 0.999, 1 - 0.999, 1e-8]))
     table = first["chunks"]
     assert table["chunk"] == fo.CHUNK

@@ -45,7 +45,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import KernelError
-from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, WRITES_KEY
+from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, SKIP_CONFIG, SKIP_ROLE, WRITES_KEY
 
 ENV = "GRADGEN_CUDA_FUSED_OPTIMIZER"
 NORM_ENV = "GRADGEN_CUDA_FUSED_NORM"
@@ -67,6 +67,7 @@ CHUNKS = np.dtype(  # optimizer.cu's GgChunks: which block takes which elements 
 ARGS = np.dtype(  # optimizer.cu's MultiTensorArgs, field for field
     [
         ("guard", np.uint64, 2),
+        ("skip", np.uint64),
         ("scalar", np.uint64, 4),
         ("consts", np.float32, 8),
         ("flags", np.int64),
@@ -90,7 +91,8 @@ def norm_enabled() -> bool:
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What one optimizer's fused kernel reads: per tensor (parameter, gradient, states, in the
-    kernel's pointer order) and the step's scalars (in the kernel's ``scalar`` slots)."""
+    kernel's pointer order), the step's scalars (in the kernel's ``scalar`` slots) and, with loss
+    scaling (``skip``), the overflow flag that makes it write nothing."""
 
     kernel: str
     tensors: tuple[str, ...]
@@ -98,10 +100,21 @@ class Kind:
     writes: tuple[str, ...]
     consts: tuple[float, ...]
     flags: int
+    skip: bool = False
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """The roles every fused update reads as one value: the overflow flag, then the scalars."""
+        return ((SKIP_ROLE,) if self.skip else ()) + self.scalars
 
 
 def kind_of(config: dict) -> Kind | None:
     """The fused form of the optimizer ``config`` (the graph's metadata), or None."""
+    kind = _kind_of(config)
+    return dataclasses.replace(kind, skip=True) if kind is not None and config.get(SKIP_CONFIG) else kind
+
+
+def _kind_of(config: dict) -> Kind | None:
     clip = "scalar:clip" if config.get("clip_norm") is not None else ""
     scalars: tuple[str, ...]
     states: tuple[str, ...]
@@ -155,7 +168,7 @@ def tagged_updates(steps: list) -> tuple[dict[str, ParamUpdate], list[str]]:
 
 def check_update(update: ParamUpdate, kind: Kind, steps: list, context: "_Context") -> str | None:
     """Why ``update`` cannot be fused (None: it can)."""
-    needed = {*kind.tensors, *(s for s in kind.scalars if s)}
+    needed = {*kind.tensors, *(s for s in kind.shared if s)}
     if set(update.reads) != needed or set(update.writes) != set(kind.writes):
         return f"reads {sorted(update.reads)} and writes {sorted(update.writes)}, not what {kind.kernel} takes"
     inside = set(update.members)
@@ -179,6 +192,8 @@ def check_update(update: ParamUpdate, kind: Kind, steps: list, context: "_Contex
     wrong = [n for n in tensors if context.dtypes.get(n) != np.float32]
     if wrong:
         return f"{wrong[0]!r} is not declared float32"
+    if kind.skip and context.dtypes.get(update.reads[SKIP_ROLE]) != np.bool_:
+        return f"the overflow flag {update.reads[SKIP_ROLE]!r} is not declared bool"
     return None
 
 
@@ -213,12 +228,13 @@ def fuse_update(steps: list, graph: ir.Graph, keep: set[str], bindings: dict[str
     constants = {n for n, v in graph.initializers.items() if v.const_value is not None}
     context = _Context(readers, keep, constants, bindings, plan_dtypes(steps, graph))
     fused = [u for u in updates.values() if check_update(u, kind, steps, context) is None]
-    scalars = [fused[0].reads[s] if s else None for s in kind.scalars] if fused else []
-    fused = [u for u in fused if [u.reads[s] if s else None for s in kind.scalars] == scalars]
+    shared = [fused[0].reads[s] if s else None for s in kind.shared] if fused else []
+    fused = [u for u in fused if [u.reads[s] if s else None for s in kind.shared] == shared]
     if not fused or any(context.dtypes.get(g) != np.float32 for g in guard):
         return steps
+    scalars = shared[1:] if kind.skip else shared
     kernel = MultiTensorUpdate(kind, len(guard), len(fused), [s is not None for s in scalars])
-    inputs: list[str | None] = [*guard, *(s for s in scalars if s is not None)]
+    inputs: list[str | None] = [*guard, *(s for s in shared if s is not None)]
     inputs += [u.reads[role] for u in fused for role in kind.tensors]
     outputs = [u.writes[role] for u in fused for role in kind.writes]
     step = Step(
@@ -238,8 +254,9 @@ def fuse_update(steps: list, graph: ir.Graph, keep: set[str], bindings: dict[str
 
 
 class MultiTensorUpdate:
-    """The fused step's launcher: arguments (guard values, the step's scalars, then per parameter
-    its tensors in ``kind.tensors`` order) -> the updated tensors (the same device arrays)."""
+    """The fused step's launcher: arguments (guard values, the overflow flag with ``kind.skip``, the
+    step's scalars, then per parameter its tensors in ``kind.tensors`` order) -> the updated
+    tensors (the same device arrays)."""
 
     def __init__(self, kind: Kind, n_guard: int, n_params: int, scalar_slots: list[bool]):
         self.kind = kind
@@ -252,15 +269,17 @@ class MultiTensorUpdate:
         from gradgen.kernels.cuda.launch import kernel_of, launch_packed
 
         guard = args[: self.n_guard]
+        skip = args[self.n_guard] if self.kind.skip else None
+        first = self.n_guard + (1 if self.kind.skip else 0)
         n_scalars = sum(self.scalar_slots)
-        scalars = args[self.n_guard : self.n_guard + n_scalars]
-        tensors = args[self.n_guard + n_scalars :]
+        scalars = args[first : first + n_scalars]
+        tensors = args[first + n_scalars :]
         per = len(self.kind.tensors)
         groups = [tensors[k * per : (k + 1) * per] for k in range(self.n_params)]
-        _check(guard, scalars, groups)
+        _check(guard, skip, scalars, groups)
         key = tuple(int(a.gpudata) for a in args)
         if key not in self._packed:
-            self._packed[key] = self.pack(guard, scalars, groups)
+            self._packed[key] = self.pack(guard, scalars, groups, skip)
             if len(self._packed) > 16:  # addresses change with the memory plan; a few are live at once
                 self._packed.pop(next(iter(self._packed)))
         kernel = kernel_of("optimizer", self.kind.kernel)
@@ -272,13 +291,14 @@ class MultiTensorUpdate:
             outs.extend(group[2:])
         return tuple(outs) if len(outs) > 1 else outs[0]
 
-    def pack(self, guard, scalars, groups) -> list[tuple[int, bytes]]:
+    def pack(self, guard, scalars, groups, skip=None) -> list[tuple[int, bytes]]:
         """One argument block per launch of at most MAX_TENSORS tensors: (blocks, bytes)."""
         present = iter(scalars)
         slots = [int(next(present).gpudata) if used else 0 for used in self.scalar_slots]
         launches = []
         for chunk, args, blocks in _launches([g for g in groups if g[0].size], ARGS):
             args["guard"][: len(guard)] = [int(g.gpudata) for g in guard]
+            args["skip"] = int(skip.gpudata) if skip is not None else 0
             args["scalar"][:] = slots
             args["consts"][: len(self.kind.consts)] = np.asarray(self.kind.consts, np.float32)
             args["flags"] = self.kind.flags
@@ -417,11 +437,13 @@ class MultiTensorNorm:
         return launches
 
 
-def _check(guard, scalars, groups) -> None:
-    """The kernel reads float32 scalars and float32 tensors of one size per parameter."""
+def _check(guard, skip, scalars, groups) -> None:
+    """The kernel reads float32 scalars, a bool flag and float32 tensors of one size per parameter."""
     for value in [*guard, *scalars]:
         if value.dtype != np.float32 or value.size != 1:
             raise KernelError(f"the fused optimizer update reads float32 scalars, got {value.dtype}{list(value.shape)}")
+    if skip is not None and (skip.dtype != np.bool_ or skip.size != 1):
+        raise KernelError(f"the fused optimizer update reads a bool overflow flag, got {skip.dtype}{list(skip.shape)}")
     for group in groups:
         if any(a.dtype != np.float32 or a.size != group[0].size or not a.flags.c_contiguous for a in group):
             shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in group)

@@ -9,6 +9,15 @@ its value, S is multiplied by ``backoff_factor`` and the count of good steps res
 ``growth_interval`` good steps in a row S is multiplied by ``growth_factor`` (when the product is
 finite). This is ``GradScaler.unscale_`` / ``step`` / ``update``, with its defaults.
 
+The overflow test reads the global gradient norm the optimizer computes anyway (``grad_norm``,
+the norm of the unscaled gradients): an infinite or NaN element makes it infinite or NaN, so
+"the norm is not finite" is "some gradient is not finite" with no pass of its own over the
+gradients. (It also skips a step whose gradients are finite but whose norm overflows float32,
+above 3.4e38, where ``GradScaler`` would not: such a step could not be clipped or checked anyway.)
+With gradient accumulation the scale is fixed over the micro-batches of a step (each micro-batch's
+gradients are unscaled by it and summed) and the test is made once, at the step, as with
+``GradScaler``.
+
 The scaler's state lives in the step graph as optimizer-like states (inputs and ``.next``
 outputs, so that the Trainer, the checkpoints and a persistent device binding carry it as they
 carry the optimizer's): ``(LOSS_SCALING, "scale")``, ``(LOSS_SCALING, "good_steps")`` and, with an
@@ -16,13 +25,18 @@ optimizer that counts steps (AdamW's bias correction), ``(LOSS_SCALING, "updates
 of updates applied, which replaces the fed ``step`` input, since a skipped step is no update (as
 PyTorch's AdamW, whose step count a skipped ``optimizer.step()`` leaves alone).
 
-Two passes around ``OptimizerPass``: ``ScaleGradientsPass`` before it (seed, unscaling, the
-overflow flag), ``SkipOverflowPass`` after it (the guarded update and the new scale).
+Two passes around ``OptimizerPass``: ``ScaleGradientsPass`` before it (seed and unscaling; the
+accumulation graph gets it too), ``SkipOverflowPass`` after it (the overflow flag, the guarded
+update and the new scale). The ``Where`` nodes that keep the old values on an overflow are tagged
+as part of each parameter's update (role ``skip`` for the flag, see gradgen/training/optimizers.py),
+so that the fused multi-tensor update on the GPU absorbs them: it reads the flag on the device and
+writes nothing when it is set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import onnx_ir as ir
@@ -31,6 +45,7 @@ from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
 from gradgen.names import value_name
 from gradgen.training.graph_edit import as_output, opset_of, scalar_input
+from gradgen.training.optimizers import CONFIG_KEY, PARAM_KEY, READS_KEY, SKIP_CONFIG, SKIP_ROLE, WRITES_KEY
 
 LOSS_SCALING = "loss_scaling"  # the "parameter" name its states are kept under
 FOUND_INF = "found_inf"  # output: True when the step was skipped
@@ -66,15 +81,14 @@ class LossScaling:
 
 
 class ScaleGradientsPass(ir.passes.InPlacePass):
-    """Seed the backward graph with the scale (input ``loss_scaling.scale``), unscale the
-    ``<p>_grad`` outputs, and compute the overflow flag (``found_inf``, kept on the pass)."""
+    """Seed the backward graph with the scale (input ``loss_scaling.scale``, kept on the pass) and
+    unscale the ``<p>_grad`` outputs."""
 
     def __init__(self, params: list[str], loss: str):
         super().__init__()
         self.params = list(params)
         self.loss = loss
         self.scale: ir.Value | None = None
-        self.found_inf: ir.Value | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -88,7 +102,6 @@ class ScaleGradientsPass(ir.passes.InPlacePass):
         seed.replace_all_uses_with(scaled_seed)
         graph.initializers.pop(value_name(seed))
         inverse = b.op("Reciprocal", self.scale)
-        flags = []
         outputs = {v.name: i for i, v in enumerate(graph.outputs)}
         for name in self.params:
             position = outputs[f"{name}_grad"]
@@ -96,28 +109,22 @@ class ScaleGradientsPass(ir.passes.InPlacePass):
             factor = inverse if grad.dtype == ir.DataType.FLOAT else b.op("Cast", inverse, to=grad.dtype)
             unscaled = b.op("Mul", grad, factor)
             unscaled.type, unscaled.shape = grad.type, grad.shape
-            bad = b.op("Cast", b.op("Or", b.op("IsInf", unscaled), b.op("IsNaN", unscaled)), to=ir.DataType.FLOAT)
-            flags.append(b.op("Greater", b.reduce("ReduceMax", bad, None, keepdims=0), b.const(np.array(0.0, np.float32))))
             out_name = grad.name
             grad.name = b.unique(f"{out_name}.scaled")
             unscaled.name = out_name
             graph.outputs[position] = unscaled
-        found = flags[0]
-        for flag in flags[1:]:
-            found = b.op("Or", found, flag)
-        self.found_inf = found
         return ir.passes.PassResult(model, modified=True)
 
 
 class SkipOverflowPass(ir.passes.InPlacePass):
-    """After ``OptimizerPass``: keep the old parameters and states when ``found_inf``; the scaler's
-    new state; AdamW's step from the count of applied updates. Updates ``layout`` in place."""
+    """After ``OptimizerPass``: the overflow flag (the gradient norm is not finite); keep the old
+    parameters and states when it is set (``Where`` nodes tagged as part of each update); the
+    scaler's new state; AdamW's step from the count of applied updates. Updates ``layout`` in place."""
 
-    def __init__(self, scaling: LossScaling, scale: ir.Value, found_inf: ir.Value, layout):
+    def __init__(self, scaling: LossScaling, scale: ir.Value, layout):
         super().__init__()
         self.scaling = scaling
         self.scale = scale
-        self.found_inf = found_inf
         self.layout = layout
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -126,18 +133,22 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         graph = model.graph
         b = GraphBuilder(graph, opset_of(model))
         b.prefix = "gradgen_loss_scaling"
-        found = self.found_inf
         inputs = {v.name: v for v in graph.inputs}
         positions = {v.name: i for i, v in enumerate(graph.outputs)}
-        guarded = [(p, out) for p, out in self.layout.params.items()]
-        guarded += [(slot.input, slot.output) for slot in self.layout.states]
-        for input_name, output_name in guarded:
+        norm = graph.outputs[positions[self.layout.grad_norm]]
+        found = _scalar_of(b.op("Or", b.op("IsInf", norm), b.op("IsNaN", norm)), ir.DataType.BOOL)
+        guarded = [(p, p, "param", out) for p, out in self.layout.params.items()]
+        guarded += [(slot.param, slot.input, f"state:{slot.kind}", slot.output) for slot in self.layout.states]
+        for param, input_name, role, output_name in guarded:
             position = positions[output_name]
             new = graph.outputs[position]
             kept = b.op("Where", found, inputs[input_name], new)
             new.name = b.unique(f"{output_name}.unguarded")
             kept.name, kept.type, kept.shape = output_name, new.type, new.shape
             graph.outputs[position] = kept
+            _tag_guard(kept, new, param, role)
+        config = json.loads(graph.metadata_props[CONFIG_KEY])
+        graph.metadata_props[CONFIG_KEY] = json.dumps({**config, SKIP_CONFIG: True}, sort_keys=True)
 
         s = self.scaling
         good = scalar_input(b, f"{LOSS_SCALING}.good_steps", ir.DataType.INT64)
@@ -168,7 +179,7 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         if self.layout.step is not None:  # the optimizer's step: updates applied so far, + 1
             step = inputs[self.layout.step]
             updates = scalar_input(b, f"{LOSS_SCALING}.updates", ir.DataType.INT64)
-            step.replace_all_uses_with(b.op("Add", updates, one))
+            step.replace_all_uses_with(_scalar_of(b.op("Add", updates, one), ir.DataType.INT64))
             updates_next = b.op("Where", found, updates, b.op("Add", updates, one))
             slots.append(
                 StateSlot(
@@ -184,3 +195,21 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         self.layout.states.extend(slots)
         self.layout.found_inf = flag.name
         return ir.passes.PassResult(model, modified=True)
+
+
+def _scalar_of(value: ir.Value, dtype: ir.DataType) -> ir.Value:
+    """``value`` declared a scalar of ``dtype``: the plans of the step read declared types (the
+    fused update checks its flag's and scalars' types)."""
+    value.type, value.shape = ir.TensorType(dtype), ir.Shape([])
+    return value
+
+
+def _tag_guard(kept: ir.Value, new: ir.Value, param: str, role: str) -> None:
+    """``kept = Where(found, old, new)`` joins ``param``'s update: it reads the flag (role ``skip``)
+    and the old value (``role``) and makes the value written, in place of ``new``'s producer."""
+    where, producer = kept.producer(), new.producer()
+    assert where is not None and producer is not None  # made by the builder and the optimizer pass
+    where.metadata_props[PARAM_KEY] = param
+    where.metadata_props[READS_KEY] = f"{SKIP_ROLE},{role},"
+    where.metadata_props[WRITES_KEY] = role
+    producer.metadata_props.pop(WRITES_KEY, None)

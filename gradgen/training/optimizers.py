@@ -40,9 +40,12 @@ may run them as one multi-tensor kernel (gradgen/executor/fused_optimizer.py on 
 metadata ``gradgen.optimizer`` holds the optimizer's settings (JSON); every node of one parameter's
 update (its clipping Mul included) carries node metadata ``gradgen.optimizer.param`` (the
 parameter), ``gradgen.optimizer.reads`` (per input position, the role of an input that comes from
-outside the update, comma-separated: ``param``, ``grad``, ``state:<kind>``, ``scalar:<name>``;
-empty for a value the update makes or a constant) and, on the node making a new value,
-``gradgen.optimizer.writes`` (``param`` or ``state:<kind>``). The scalars are float values of the
+outside the update, comma-separated: ``param``, ``grad``, ``state:<kind>``, ``scalar:<name>``,
+``skip``; empty for a value the update makes or a constant) and, on the node making a new value,
+``gradgen.optimizer.writes`` (``param`` or ``state:<kind>``). With loss scaling, the ``Where`` nodes
+that keep the old values on an overflow are the nodes making the new values: they read the boolean
+overflow flag as ``skip`` (gradgen/training/loss_scaling.py), and the settings say so
+(``skip_on_overflow``). The scalars are float values of the
 parameter's type made once per step: ``lr`` (SGD), ``decay``, ``step_size``, ``bc2_sqrt`` (AdamW)
 and ``clip`` (the clipping factor). The global gradient norm's nodes carry ``gradgen.optimizer.norm``:
 ``square`` on each gradient's ReduceSumSquare, ``sum`` on the Sum of the squares (absent for one
@@ -77,6 +80,8 @@ PARAM_KEY = "gradgen.optimizer.param"  # node metadata, see the module docstring
 READS_KEY = "gradgen.optimizer.reads"
 WRITES_KEY = "gradgen.optimizer.writes"
 NORM_KEY = "gradgen.optimizer.norm"  # node metadata of the global gradient norm's nodes, see the module docstring
+SKIP_ROLE = "skip"  # the role of loss scaling's overflow flag (a bool scalar): the update writes nothing when set
+SKIP_CONFIG = "skip_on_overflow"  # in the settings: the updates are guarded by that flag
 
 
 def _check(condition: bool, message: str) -> None:

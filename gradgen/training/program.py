@@ -143,10 +143,8 @@ def build_training(
     else:
         scale = ScaleGradientsPass(params, loss)
         run_pipeline(Pipeline(scale, update), backward)
-        assert scale.scale is not None and scale.found_inf is not None and update.layout is not None  # set by the passes
-        run_pipeline(
-            Pipeline(SkipOverflowPass(loss_scaling, scale.scale, scale.found_inf, update.layout), CleanupPass()), backward
-        )
+        assert scale.scale is not None and update.layout is not None  # set by the passes
+        run_pipeline(Pipeline(SkipOverflowPass(loss_scaling, scale.scale, update.layout), CleanupPass()), backward)
     remove_unused_inputs(backward.graph, keep=set(params))
 
     evaluate = _evaluation_model(forward, params, loss)

@@ -142,10 +142,11 @@ class HostStepRunner:
 class DeviceStepRunner:
     """Parameters and optimizer states bound as the training Session's state: on the GPU they live
     in device memory between steps and each step's update is committed there (``Session(...,
-    state=...)``), only when the loss and gradient norm are finite. Without loss scaling that rule
-    is the Session's ``state_guard``, so the GPU runs the update of every parameter as one fused
-    multi-tensor step written in place (gradgen/executor/fused_optimizer.py); with loss scaling (a
-    skipped step's gradient norm is not finite) the runner checks the values it read back.
+    state=...)``), only when the loss and gradient norm are finite. That rule is the Session's
+    ``state_guard``, so the GPU runs the update of every parameter as one fused multi-tensor step
+    written in place (gradgen/executor/fused_optimizer.py). With loss scaling the guard is the loss
+    alone: a step whose gradient norm is not finite is an overflow, whose update the graph (and the
+    fused kernel, reading its flag) skips while the scaler's state is committed.
     ``snapshot`` downloads the state (once per step, when something reads it: checkpoints,
     evaluation)."""
 
@@ -156,7 +157,7 @@ class DeviceStepRunner:
             raise UsageError("the device step runner takes one micro-batch per step: use HostStepRunner for accumulation")
         self.program = program
         layout = program.layout
-        guard = [program.loss, layout.grad_norm] if layout.found_inf is None else []
+        guard = [program.loss, layout.grad_norm] if layout.found_inf is None else [program.loss]
         self.train = Session(program.train, device=device, state=program.state_bindings(), state_guard=guard)
         self.evaluator = Session(program.evaluate, device=device)
         self.device = self.train.device
@@ -185,23 +186,14 @@ class DeviceStepRunner:
         feeds = {**micro_batches[-1], layout.lr: np.asarray(lr, dtype=np.float32)}
         if layout.step is not None:
             feeds[layout.step] = np.asarray(step, dtype=np.int64)
-        failure: list[tuple[str, float]] = []
-
-        def finite(results) -> bool:
-            skipped = layout.found_inf is not None and bool(results[layout.found_inf])
-            checks = [("loss", float(results[program.loss]))]
-            if not skipped:
-                checks.append(("gradient norm", float(results[layout.grad_norm])))
-            failure.extend((what, value) for what, value in checks if not math.isfinite(value))
-            return not failure
-
-        if self.train.state_guard:  # the Session commits by the same rule
-            out = self.train.run(feeds, outputs=self._outputs)
-            finite(out)
-        else:
-            out = self.train.run(feeds, outputs=self._outputs, commit=finite)
-        if failure:
-            raise NonFiniteLossError(step, *failure[0])
+        out = self.train.run(feeds, outputs=self._outputs)  # committed by the state guard's rule
+        skipped = layout.found_inf is not None and bool(out[layout.found_inf])  # then the norm is not finite
+        checks = [("loss", float(out[program.loss]))]
+        if not skipped:
+            checks.append(("gradient norm", float(out[layout.grad_norm])))
+        for what, value in checks:
+            if not math.isfinite(value):
+                raise NonFiniteLossError(step, what, value)
         self._step = step
         return float(out[program.loss]), float(out[layout.grad_norm])
 

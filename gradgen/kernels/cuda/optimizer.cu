@@ -13,7 +13,9 @@
 // AdamW element); the arithmetic per element is the same either way.
 //
 // The guard: when guard[k] is set and the float32 scalar it points to is not finite (the step's
-// loss or gradient norm), the launch writes nothing, so the state stays as it was.
+// loss or gradient norm), the launch writes nothing, so the state stays as it was. The same when
+// skip is set and the bool it points to is true (loss scaling's overflow flag: the step's graph
+// keeps the old values with a Where on it, which this replaces).
 #include "common.h"
 
 #define GG_MT_MAX 64
@@ -28,6 +30,7 @@ struct GgChunks {
 
 struct MultiTensorArgs {
     const float* guard[2];                // nullptr: not checked
+    const bool* skip;                     // nullptr: not checked
     const float* scalar[4];               // device scalars of the step (see the kernels), nullptr: absent
     float consts[8];                      // the optimizer's constants, rounded to float32 as the graph's
     long long flags;                      // per kernel (see the kernels)
@@ -44,7 +47,7 @@ struct SumSquaresArgs {
 __device__ __forceinline__ bool gg_mt_guarded(const MultiTensorArgs& a) {
     for (int k = 0; k < 2; ++k)
         if (a.guard[k] != nullptr && !isfinite(*a.guard[k])) return true;
-    return false;
+    return a.skip != nullptr && *a.skip;
 }
 
 // The tensor whose chunks include this block's, and the element range of the chunk.
