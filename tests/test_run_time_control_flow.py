@@ -186,6 +186,27 @@ def test_run_time_control_flow_gradients_match_torch_autograd():
         np.testing.assert_allclose(got[f"{name}_grad"], tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "model, feeds, loss",
+    [
+        (if_model("data"), {"x": _x(1.0)}, None),
+        (loop_model(trip_count=None), _m_feeds(3), None),
+        (while_model(), {"x": _while_x(0.3)}, "loss"),
+    ],
+    ids=["if", "trip count M", "while with an if"],
+)
+def test_gradients_of_gradients_through_run_time_control_flow_match_finite_differences(model, feeds, loss):
+    """loss2 = sum(W_grad * V) on the backward graph (its If / Loop nodes differentiated again)."""
+    proto = ir.to_proto(gradgen.build_backward(model, wrt_inputs=True, loss=loss).model)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.random.default_rng(1).normal(size=(4, 4)), "V"))
+    proto.graph.node.extend(
+        [onnx.helper.make_node("Mul", ["W_grad", "V"], ["wv"]), onnx.helper.make_node("ReduceSum", ["wv"], ["loss2"], keepdims=0)]
+    )
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("loss2", onnx.TensorProto.DOUBLE, []))
+    report = check_gradients(proto, inputs=feeds, loss="loss2", wrt=["W", "x"])
+    assert report.passed, report.format()
+
+
 CASES = {
     "if then": (if_model("data"), {"x": _x(1.0)}, None),
     "if else": (if_model("data"), {"x": _x(-1.0)}, None),
