@@ -68,30 +68,59 @@ def loop(g: GradContext) -> list[ir.Value | None]:
     """A Loop over the saved iterations in reverse (see the module's docstring)."""
     node = g.node
     body: ir.Graph = get_attr(node, "body")
-    num_states = len(node.inputs) - 2
-    floats = [k for k in range(num_states) if body.inputs[2 + k].dtype in FLOAT_TYPES]
-    num_scans = len(node.outputs) - num_states
+    states = list(node.inputs[2:])
+    floats = [k for k, v in enumerate(states) if v is not None and v.dtype in FLOAT_TYPES]
     targets = [v for k, v in enumerate(g.captured) if g.needs_captured(k)]
+    num_outputs = len(node.outputs)
     iterations, saved = _save_iterations(g, node, body)
+    count = g.op("Size", iterations)
+    scan_seeds = [g.dy(k) for k in range(len(states), num_outputs)]
+    backward = _reverse_body(g, node, body, g.op("Sub", count, g.scalar(1)), [iterations, *saved], scan_seeds, floats, targets)
+    initial = [g.dy(k) if g.dy(k) is not None else g.zeros_like(g.y(k)) for k in floats]
+    initial += [g.zeros_like(v) for v in targets]
+    results = g.op_multi("Loop", [count, None, *initial], len(initial), body=backward)
+    _type_like(results, [*(states[k] for k in floats), *targets])
+    input_grads: list[ir.Value | None] = [None] * len(node.inputs)
+    for position, k in enumerate(floats):
+        input_grads[2 + k] = results[position]
+    by_target = dict(zip(targets, results[len(floats) :]))
+    return input_grads + [by_target.get(v) for v in g.captured]
 
+
+def _reverse_body(
+    g: GradContext,
+    node: ir.Node,
+    body: ir.Graph,
+    last: ir.Value,
+    stacks: list[ir.Value],
+    scan_seeds: list[ir.Value | None],
+    floats: list[int],
+    targets: list[ir.Value],
+) -> ir.Graph:
+    """The body of the backward Loop: iteration j reads element ``last - j`` of the saved
+    ``stacks`` (the iteration numbers, then every loop-carried input) and of the scan outputs'
+    gradients, recomputes ``body`` on it and applies its VJP to the carried gradients of the float
+    states at ``floats``; it carries those, and sums the gradients of ``targets``."""
     prefix = f"{node.name or 'Loop'}_Grad/body"
     head = g.collector(prefix)
     j = ir.Value(name=head.unique(f"{prefix}/j"), type=INT64, shape=ir.Shape([]))
     go_on = ir.Value(name=head.unique(f"{prefix}/cond"), type=BOOL, shape=ir.Shape([]))
-    carried = [_like(head, body.inputs[2 + k], f"{prefix}/d_state{k}") for k in floats]
+    carried = []
+    for k in floats:
+        state = node.inputs[2 + k]
+        assert state is not None  # a float state
+        carried.append(_like(head, state, f"{prefix}/d_state{k}"))
     sums = [_like(head, v, f"{prefix}/d_{v.name}") for v in targets]
-    count = g.op("Size", iterations)
-    last = g.op("Sub", count, g.scalar(1))
     index = head.op("Sub", last, j)
     index.type, index.shape = INT64, ir.Shape([])
-    bind = {body.inputs[1]: g.const(np.array(True))}
-    for k, stack in ((0, iterations), *((2 + k, stack) for k, stack in enumerate(saved))):
-        bind[body.inputs[k]] = _element(head, stack, index, body.inputs[k])
+    bind = {body.inputs[1]: g.const(np.array(True))}  # an iteration that ran was entered with true
+    for position, stack in zip([0, *range(2, len(body.inputs))], stacks):
+        bind[body.inputs[position]] = _element(head, stack, index, body.inputs[position])
     seeds: list[ir.Value | None] = [None] * len(body.outputs)
     for position, k in enumerate(floats):
         seeds[1 + k] = carried[position]
-    for s in range(num_scans):
-        dy = g.dy(num_states + s)
+    num_states = len(body.inputs) - 2
+    for s, dy in enumerate(scan_seeds):
         if dy is not None:
             seeds[1 + num_states + s] = _element(head, dy, index, body.outputs[1 + num_states + s])
 
@@ -99,21 +128,11 @@ def loop(g: GradContext) -> list[ir.Value | None]:
     nodes, grads = subgraph_vjp(tail, body, bind, seeds, [2 + k for k in floats], targets, f"{_where(node)}, its body")
     state_grads, target_grads = grads[: len(floats)], grads[len(floats) :]
     outputs = [tail.op("Identity", go_on)]
-    outputs += _outputs(tail, nodes, state_grads, [body.inputs[2 + k] for k in floats])
+    outputs += _outputs(tail, nodes, state_grads, carried)
     outputs += [tail.op("Add", total, part) for total, part in zip(sums, target_grads)]
     _type_like(outputs, [go_on, *carried, *sums])
-    backward = ir.Graph(
-        [j, go_on, *carried, *sums], outputs, nodes=[*head.nodes, *nodes, *tail.nodes], name=g.unique(f"{prefix}_graph")
-    )
-    initial = [g.dy(k) if g.dy(k) is not None else g.zeros_like(g.y(k)) for k in floats]
-    initial += [g.zeros_like(v) for v in targets]
-    results = g.op_multi("Loop", [count, None, *initial], len(initial), body=backward)
-    _type_like(results, [*(node.inputs[2 + k] for k in floats), *targets])
-    input_grads: list[ir.Value | None] = [None] * len(node.inputs)
-    for position, k in enumerate(floats):
-        input_grads[2 + k] = results[position]
-    by_target = dict(zip(targets, results[len(floats) :]))
-    return input_grads + [by_target.get(v) for v in g.captured]
+    inputs = [j, go_on, *carried, *sums]
+    return ir.Graph(inputs, outputs, nodes=[*head.nodes, *nodes, *tail.nodes], name=g.unique(f"{prefix}_graph"))
 
 
 @grad_rule("Scan")
