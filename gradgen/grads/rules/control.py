@@ -18,6 +18,8 @@ body (the fast path). What reaches these rules is chosen at run time:
   and summing the gradients of the outer values the body reads in loop-carried accumulators; scan
   outputs seed it with their gradients' slice n-1-j. Zero iterations pass the final state's
   gradient through to the initial state and give the outer values zeros.
+- Scan: ``UnrollLoopsPass`` writes one of a run-time length as a Loop; one it could not write so
+  (a scan output of unknown rank stacked along a later axis) is refused here, naming the node.
 
 A subgraph's vector-Jacobian product (``subgraph_vjp``) is built by gradgen's own pipeline on a
 standalone copy of the subgraph, so nested control flow (an If in a branch, a Loop in a body),
