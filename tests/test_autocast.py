@@ -270,9 +270,44 @@ def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
     assert trainer.state.states[(LOSS_SCALING, "updates")] == 5
 
 
-def test_loss_scaling_refuses_accumulation():
-    with pytest.raises(UsageError, match="accumulation"):
-        build_training(ROOT / "samples/cnn/model.onnx", optimizer=SGD(), precision="fp16", accumulation=2)
+def test_loss_scaling_with_accumulation_is_the_unscaled_step():
+    """A power-of-two scale is exact in float32: float32 steps accumulated over 2 micro-batches with
+    loss scaling equal those without, bit for bit (each micro-batch's gradients unscaled by the
+    step's scale, summed, the overflow checked once at the step)."""
+    cnn = ROOT / "samples/cnn/model.onnx"
+    batches = _cnn_batches(8)
+    plain = Trainer(build_training(cnn, optimizer=AdamW(), clip_norm=1.0, accumulation=2), lr=1e-2)
+    scaled_program = build_training(cnn, optimizer=AdamW(), clip_norm=1.0, accumulation=2, loss_scaling=LossScaling())
+    assert scaled_program.accumulate is not None
+    assert f"{LOSS_SCALING}.scale" in [v.name for v in scaled_program.accumulate.graph.inputs]
+    scaled = Trainer(scaled_program, lr=1e-2)
+    assert [r.loss for r in plain.fit(batches, 4)] == [r.loss for r in scaled.fit(batches, 4)]
+    for name, value in plain.params.items():
+        np.testing.assert_array_equal(scaled.params[name], value)
+    assert scaled.state.states[(LOSS_SCALING, "updates")] == 4
+
+
+def test_an_overflow_in_the_micro_batches_skips_the_whole_step():
+    program = build_training(ROOT / "samples/cnn/model.onnx", optimizer=SGD(momentum=0.9), precision="fp16", accumulation=2)
+    trainer = Trainer(program, lr=1e-2)
+    batches = _cnn_batches(6)
+    trainer.fit(batches[:2], 1)
+    before = trainer.state
+    states = dict(before.states)
+    states[(LOSS_SCALING, "scale")] = np.array(3e38, np.float32)  # float16 gradients overflow in both micro-batches
+    trainer.load_state(type(before)(before.params, states, before.step))
+    result = trainer.train_step(batches[2:4])
+    after = trainer.state
+    assert not np.isfinite(result.grad_norm) and np.isfinite(result.loss)
+    for name, value in before.params.items():
+        np.testing.assert_array_equal(after.params[name], value)
+    for key, value in before.states.items():
+        if key[0] != LOSS_SCALING:
+            np.testing.assert_array_equal(after.states[key], value)
+    assert after.states[(LOSS_SCALING, "scale")] == np.float32(3e38) * np.float32(0.5)
+    assert after.states[(LOSS_SCALING, "good_steps")] == 0
+    trainer.train_step(batches[4:6])  # the next step runs at the halved scale
+    assert trainer.step == 3 and trainer.state.states[(LOSS_SCALING, "scale")] <= after.states[(LOSS_SCALING, "scale")]
 
 
 def _curve(precision, steps, **options):

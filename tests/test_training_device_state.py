@@ -147,8 +147,55 @@ def test_a_non_finite_step_leaves_the_device_state_as_it_was(device):
     assert trainer.step == 4
 
 
-def test_accumulation_stays_on_the_host_runner():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_accumulation_on_the_device_is_the_host_runners(device, precision, monkeypatch):
+    """Three micro-batches a step, the sums kept in the accumulation Session's device state and read
+    by the training Session: the host runner's losses and state bit for bit, over steps that replay
+    (on the GPU, each elementwise op its own kernel, as the host runner's Session runs them); fp16
+    with loss scaling (the scale fixed over a step's micro-batches). A resume continues alike."""
+    monkeypatch.setenv("GRADGEN_CUDA_FUSION", "0")
+    program = _mlp(accumulation=3, precision=precision)
+    batches = _mlp_batches(24)
+    host = Trainer(program, lr=1e-2, runner=HostStepRunner(program, device))
+    runner = DeviceStepRunner(program, device)
+    assert runner.accumulate is not None
+    on_device = Trainer(program, lr=1e-2, runner=runner)
+    assert [r.loss for r in on_device.fit(batches[:15], 5)] == [r.loss for r in host.fit(batches[:15], 5)]
+    _same_state(host.state, on_device.state, 0)
+    resumed = Trainer(program, lr=1e-2, runner=DeviceStepRunner(program, device))
+    resumed.load_state(host.state)
+    assert [r.loss for r in resumed.fit(batches[15:], 3)] == [r.loss for r in host.fit(batches[15:], 3)]
+    _same_state(host.state, resumed.state, 0)
+    if device == "cuda":
+        assert runner.train.updates_in_place and isinstance(Trainer(program, lr=1e-2, device=device).runner, DeviceStepRunner)
+
+
+def test_a_non_finite_micro_batch_changes_nothing_on_the_device_runner():
     program = _mlp(accumulation=2)
-    with pytest.raises(UsageError, match="accumulation"):
-        DeviceStepRunner(program, "cpu")
-    assert isinstance(Trainer(program, lr=1e-2, device="cpu").runner, HostStepRunner)
+    trainer = Trainer(program, lr=1e-2, runner=DeviceStepRunner(program, "cpu"))
+    batches = _mlp_batches(8)
+    trainer.fit(batches[:4], 2)
+    before = {k: np.array(v) for k, v in trainer.params.items()}
+    bad = {"x": np.full_like(batches[4]["x"], np.nan), "target": batches[4]["target"]}
+    with pytest.raises(NonFiniteLossError, match="step 3"):
+        trainer.train_step([bad, batches[5]])
+    for name, value in before.items():
+        np.testing.assert_array_equal(trainer.params[name], value)
+    trainer.train_step(batches[6:8])  # the next step restarts the sums
+    assert trainer.step == 3 and all(np.isfinite(v).all() for v in trainer.params.values())
+
+
+def test_reading_state_from_another_session_is_checked():
+    program = _mlp(accumulation=2)
+    train = Session(program.train, state=program.state_bindings())
+    accumulate = Session(program.accumulate, state=dict(program.accumulated.values()))
+    with pytest.raises(UsageError, match="'nope' is not an input fed"):
+        accumulate.read_state_from(train, {"nope": program.params[0]})
+    with pytest.raises(UsageError, match="is not bound state of the other Session"):
+        accumulate.read_state_from(train, {program.params[0]: "x"})
+    accumulate.read_state_from(train, {p: p for p in program.params})
+    accumulate.write_state({a: np.zeros_like(program.initial_params[p]) for p, (a, _) in program.accumulated.items()})
+    feeds = {**_mlp_batches(1)[0], program.accumulate_restart: np.asarray(True)}
+    with pytest.raises(UsageError, match="has no state"):
+        accumulate.run(feeds)

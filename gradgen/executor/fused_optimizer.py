@@ -16,7 +16,10 @@ The step is planned only where it is exact and safe:
 - the Session binds each fused parameter and state to the output of its new value and names a
   guard (``Session(..., state_guard=[loss, grad_norm])``): outputs that must be finite for the
   state to change. The kernel reads them on the device and writes nothing when one is not finite,
-  which is what the Session does on the host for a step without the fused update;
+  which is what the Session does on the host for a step without the fused update. With fp16 loss
+  scaling the guard is the loss and the graph keeps the old values on an overflow with ``Where``
+  nodes tagged as part of the update (role ``skip``): the kernel reads that bool flag too and
+  writes nothing when it is set, while the scaler's new state is committed by the Session;
 - every value an update makes is read only by that update (or is the new value, read by nothing
   else), the roles its settings need are all there, every tensor is declared float32, and the
   shared scalars are the same values for every parameter. A parameter that fails these keeps its

@@ -241,6 +241,7 @@ class Session:
         self._state: dict[str, Any] = {}  # bound input -> its current value, placed by the backend
         self._state_specs = feed_specs([v for v in self.input_values if v.name in self.state_bindings])
         self._feed_specs = feed_specs([v for v in self.input_values if v.name not in self.state_bindings])
+        self._borrowed: tuple[Session, dict[str, str]] | None = None  # see read_state_from
         self.closed = False
 
     @property
@@ -324,6 +325,11 @@ class Session:
         if commit is not None and self.updates_in_place:
             raise UsageError("this Session updates its state in place, guarded by state_guard: it takes no commit callback")
         checked = check_feeds(self._feed_specs, feeds)
+        if self._borrowed is not None:
+            source, names = self._borrowed
+            if not source._state:
+                raise UsageError("the Session this one reads state from has no state: call its write_state() first")
+            checked.update({name: source._state[theirs] for name, theirs in names.items()})
         if self.state_bindings:
             if not self._state:
                 raise UsageError("this Session's state is not set: call write_state() before the first run")
@@ -370,6 +376,24 @@ class Session:
         checked = check_feeds(self._state_specs, values)
         with self.backend.lock():
             self._state = self.backend.place_state(self._state, checked)
+
+    def read_state_from(self, source: "Session", names: Mapping[str, str]) -> None:
+        """Take the inputs of ``names`` (input here -> bound input of ``source``) from ``source``'s
+        current state at each run, not from the feeds: the same device buffers, no copy. Two graphs
+        of one training step (gradient accumulation and update) read what each other keeps."""
+        specs = {spec.name: spec for spec in self._feed_specs}
+        theirs = {spec.name: spec for spec in source._state_specs}
+        bad = [f"{n!r} is not an input fed to this Session" for n in names if n not in specs]
+        bad += [f"{t!r} is not bound state of the other Session" for t in names.values() if t not in theirs]
+        bad += [
+            f"{n!r} is {specs[n].dtype}, {t!r} {theirs[t].dtype}"
+            for n, t in names.items()
+            if n in specs and t in theirs and specs[n].dtype != theirs[t].dtype
+        ]
+        if bad or source.device != self.device:
+            raise UsageError(f"read_state_from: {'; '.join(bad[:4]) or 'the Sessions are on different devices'}")
+        self._borrowed = (source, dict(names))
+        self._feed_specs = [spec for spec in self._feed_specs if spec.name not in names]
 
     def read_state(self) -> dict[str, np.ndarray]:
         """The bound inputs' current values, as host copies."""

@@ -367,6 +367,9 @@ def _tag_norm(value: ir.Value, role: str) -> None:
 class AccumulateGradientsPass(ir.passes.InPlacePass):
     """For the micro-batches before the last of a step: add this micro-batch's gradients to the
     accumulated ones (inputs ``<p>.grad_accum``, outputs ``<p>.grad_accum.next``), no update.
+    The bool scalar input ``grad_accum.restart`` (``restart``: its name) starts a new sum, the
+    first micro-batch's gradients (``Where``: whatever the inputs hold, Inf or NaN of an earlier
+    step included), so that accumulators kept on the device need no reset between steps.
 
     Outputs: the loss, then the accumulated gradients; ``accumulated`` maps each parameter to
     its (input, output) names.
@@ -377,6 +380,7 @@ class AccumulateGradientsPass(ir.passes.InPlacePass):
         self.params = list(params)
         self.loss = loss
         self.accumulated: dict[str, tuple[str, str]] = {}
+        self.restart: str | None = None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -385,8 +389,11 @@ class AccumulateGradientsPass(ir.passes.InPlacePass):
         grads = gradient_outputs(graph, self.params)
         params = {v.name: v for v in graph.inputs if v.name in grads}
         keep_outputs(graph, [next(v for v in graph.outputs if v.name == self.loss)])
+        restart = scalar_input(b, "grad_accum.restart", ir.DataType.BOOL)
+        self.restart = value_name(restart)
         for name in self.params:
             acc = new_input(b, f"{name}.grad_accum", params[name])
-            out = as_output(b, b.op("Add", acc, grads[name]), f"{name}.grad_accum.next", like=params[name])
+            total = b.op("Where", restart, grads[name], b.op("Add", acc, grads[name]))
+            out = as_output(b, total, f"{name}.grad_accum.next", like=params[name])
             self.accumulated[name] = (value_name(acc), value_name(out))
         return ir.passes.PassResult(model, modified=True)

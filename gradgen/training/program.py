@@ -55,6 +55,7 @@ class TrainingProgram:
     fingerprint: str
     precision: str = "fp32"
     loss_scaling: LossScaling | None = None
+    accumulate_restart: str | None = None  # accumulate graph: the bool input that starts a step's sum
 
     def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
         """Every optimizer state at the start, zeros, by (parameter, kind); the loss scaler's."""
@@ -104,8 +105,6 @@ def build_training(
     check_precision(precision)
     if precision == "fp16" and loss_scaling is None:
         loss_scaling = LossScaling()
-    if loss_scaling is not None and accumulation > 1:
-        raise UsageError("loss scaling with gradient accumulation is not supported yet: use --accumulate 1")
     source = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     fingerprint = model_fingerprint(source)
 
@@ -129,13 +128,15 @@ def build_training(
     as_inputs = ParamsAsInputsPass(params)
     run_pipeline(as_inputs, backward)
 
-    accumulate, accumulated = None, {}
-    if accumulation > 1:
+    accumulate, accumulated, accumulate_restart = None, {}, None
+    if accumulation > 1:  # with loss scaling: each micro-batch's gradients unscaled by the step's scale, then summed
         accumulate = _copy(backward)
         accumulator = AccumulateGradientsPass(params, loss)
-        run_pipeline(Pipeline(accumulator, CleanupPass()), accumulate)
+        passes = [ScaleGradientsPass(params, loss)] if loss_scaling is not None else []
+        run_pipeline(Pipeline(*passes, accumulator, CleanupPass()), accumulate)
         remove_unused_inputs(accumulate.graph, keep=set(params))
         accumulated = accumulator.accumulated
+        accumulate_restart = accumulator.restart
 
     update = OptimizerPass(optimizer, params, loss, clip_norm=clip_norm, accumulation=accumulation)
     if loss_scaling is None:
@@ -175,6 +176,7 @@ def build_training(
         fingerprint=fingerprint,
         precision=precision,
         loss_scaling=loss_scaling,
+        accumulate_restart=accumulate_restart,
     )
 
 

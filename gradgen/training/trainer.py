@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from gradgen.errors import RunError, UsageError
+from gradgen.errors import RunError
 from gradgen.training.program import TrainingProgram
 from gradgen.training.schedules import Schedule
 
@@ -99,6 +99,9 @@ class HostStepRunner:
         self.evaluator = Session(program.evaluate, device=device)
         self.device = self.train.device
         self._state = TrainState(dict(program.initial_params), program.initial_states(), 0)
+        # states the accumulation graph reads (loss scaling's scale: fixed over the micro-batches of a step)
+        read = set(self.accumulate.input_names) if self.accumulate is not None else set()
+        self._accumulate_states = [slot for slot in program.layout.states if slot.input in read]
 
     def load(self, state: TrainState) -> None:
         self._state = TrainState(dict(state.params), dict(state.states), state.step)
@@ -111,9 +114,11 @@ class HostStepRunner:
         step = state.step + 1
         losses = []
         accumulated = {name: np.zeros_like(value) for name, value in state.params.items()} if self.accumulate else {}
-        for batch in micro_batches[:-1]:
+        for k, batch in enumerate(micro_batches[:-1]):
             assert self.accumulate is not None  # train_step passes `accumulation` micro-batches: > 1 has the graph
-            feeds = {**batch, **state.params}
+            assert program.accumulate_restart is not None
+            feeds = {**batch, **state.params, program.accumulate_restart: np.asarray(k == 0)}
+            feeds.update({slot.input: state.states[(slot.param, slot.kind)] for slot in self._accumulate_states})
             feeds.update({program.accumulated[p][0]: value for p, value in accumulated.items()})
             out = self.accumulate.run(feeds)
             losses.append(float(out[program.loss]))
@@ -147,18 +152,31 @@ class DeviceStepRunner:
     written in place (gradgen/executor/fused_optimizer.py). With loss scaling the guard is the loss
     alone: a step whose gradient norm is not finite is an overflow, whose update the graph (and the
     fused kernel, reading its flag) skips while the scaler's state is committed.
+
+    With gradient accumulation the micro-batches before the last run the accumulation graph in a
+    second Session, whose bound state is the accumulated gradients (summed in place on the device;
+    its first micro-batch restarts the sum): it reads the parameters (and the loss scale) from the
+    training Session's state and the training Session reads the sums from its state
+    (``Session.read_state_from``), so nothing but the batches goes up.
     ``snapshot`` downloads the state (once per step, when something reads it: checkpoints,
     evaluation)."""
 
     def __init__(self, program: TrainingProgram, device: str = "cuda"):
         from gradgen.executor import Session
 
-        if program.accumulation > 1:
-            raise UsageError("the device step runner takes one micro-batch per step: use HostStepRunner for accumulation")
         self.program = program
         layout = program.layout
         guard = [program.loss, layout.grad_norm] if layout.found_inf is None else [program.loss]
         self.train = Session(program.train, device=device, state=program.state_bindings(), state_guard=guard)
+        self.accumulate = None
+        if program.accumulate is not None:
+            self.accumulate = Session(program.accumulate, device=device, state=dict(program.accumulated.values()))
+            bound = program.state_bindings()
+            read = {name: name for name in self.accumulate.input_names if name in bound}  # parameters, loss scale
+            self.accumulate.read_state_from(self.train, read)
+            self.train.read_state_from(
+                self.accumulate, {layout.accumulated[p]: program.accumulated[p][0] for p in program.accumulated}
+            )
         self.evaluator = Session(program.evaluate, device=device)
         self.device = self.train.device
         self._outputs = [program.loss, layout.grad_norm] + ([layout.found_inf] if layout.found_inf is not None else [])
@@ -170,6 +188,8 @@ class DeviceStepRunner:
         values = {name: state.params[name] for name in self.program.layout.params}
         values.update({slot.input: state.states[(slot.param, slot.kind)] for slot in self.program.layout.states})
         self.train.write_state(values)
+        if self.accumulate is not None:  # once: each step's first micro-batch restarts the sums
+            self.accumulate.write_state({acc: np.zeros_like(state.params[p]) for p, (acc, _) in self.program.accumulated.items()})
         self._step, self._snapshot = state.step, None
 
     def snapshot(self) -> TrainState:
@@ -186,16 +206,25 @@ class DeviceStepRunner:
         feeds = {**micro_batches[-1], layout.lr: np.asarray(lr, dtype=np.float32)}
         if layout.step is not None:
             feeds[layout.step] = np.asarray(step, dtype=np.int64)
+        losses = []
+        for k, batch in enumerate(micro_batches[:-1]):
+            assert self.accumulate is not None and program.accumulate_restart is not None  # accumulation > 1
+            restart = {program.accumulate_restart: np.asarray(k == 0)}
+            losses.append(float(self.accumulate.run({**batch, **restart}, outputs=[program.loss])[program.loss]))
+            if not math.isfinite(losses[-1]):  # before the update: the state stays as it was
+                raise NonFiniteLossError(step, "loss", float(np.mean(losses)))
         out = self.train.run(feeds, outputs=self._outputs)  # committed by the state guard's rule
+        losses.append(float(out[program.loss]))
         skipped = layout.found_inf is not None and bool(out[layout.found_inf])  # then the norm is not finite
-        checks = [("loss", float(out[program.loss]))]
+        loss = float(np.mean(losses))
+        checks = [("loss", loss)]
         if not skipped:
             checks.append(("gradient norm", float(out[layout.grad_norm])))
         for what, value in checks:
             if not math.isfinite(value):
                 raise NonFiniteLossError(step, what, value)
         self._step = step
-        return float(out[program.loss]), float(out[layout.grad_norm])
+        return loss, float(out[layout.grad_norm])
 
     def evaluate(self, batch) -> float:
         return float(self.evaluator.run({**batch, **self.snapshot().params})[self.program.loss])
@@ -231,12 +260,11 @@ class _LazyMapping(Mapping):
 
 
 def default_runner(program: TrainingProgram, device: str) -> StepRunner:
-    """On the GPU the device runner (state stays in device memory); on the CPU, or with gradient
-    accumulation, the host runner."""
+    """On the GPU the device runner (state stays in device memory); on the CPU the host runner."""
     from gradgen.executor.session import resolve_device
 
     device = resolve_device(device)
-    if device == "cuda" and program.accumulation == 1:
+    if device == "cuda":
         return DeviceStepRunner(program, device)
     return HostStepRunner(program, device)
 

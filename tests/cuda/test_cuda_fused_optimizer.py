@@ -232,3 +232,57 @@ def test_a_non_finite_step_changes_nothing_in_place(monkeypatch):
         trainer.runner.train.run(
             {**batches[4], program.layout.lr: np.float32(0.1), program.layout.step: np.int64(5)}, commit=lambda r: True
         )
+
+
+# -- mixed precision: the loss-scaled (fp16) and bf16 steps -------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("optimizer, clip", [OPTIMIZERS[0], OPTIMIZERS[2]])
+def test_mixed_precision_fused_update_is_the_unfused_one_bit_for_bit(precision, optimizer, clip, monkeypatch):
+    """fp16 with loss scaling (the kernel reads the overflow flag) and bf16: the fused update writes
+    what the standard ops (the Where nodes of the overflow included) write, the scaler's state too."""
+    program = build_training(ROOT / "samples/mlp/model.onnx", optimizer=optimizer, clip_norm=clip, precision=precision)
+    batches = _mlp_batches(8)
+    fused, fused_losses = _train(program, batches, True, monkeypatch, norm=False)
+    kinds = [s for s in fused.runner.train.steps if s.op_type == fo.OP_TYPE]
+    assert len(kinds) == 1 and kinds[0].entry.cuda.kind.skip == (precision == "fp16")
+    assert kinds[0].entry.cuda.n_params == len(program.params)
+    plain, plain_losses = _train(program, batches, False, monkeypatch)
+    assert fused_losses == plain_losses
+    _assert_same_state(plain.state, fused.state)
+    assert fused.step == plain.step == 8
+
+
+def test_an_overflowing_fused_step_changes_no_parameter_and_halves_the_scale(monkeypatch):
+    from gradgen.training.loss_scaling import LOSS_SCALING
+
+    monkeypatch.setenv(fo.ENV, "1")
+    program = build_training(ROOT / "samples/mlp/model.onnx", optimizer=AdamW(), clip_norm=1.0, precision="fp16")
+    batches = _mlp_batches(6)
+    trainer = Trainer(program, lr=1e-2, runner=DeviceStepRunner(program, "cuda"))
+    assert trainer.runner.train.updates_in_place and trainer.runner.train.state_guard == [program.loss]
+    trainer.fit(batches[:3], 3)  # eager, recorded, replayed: the overflow step replays the CUDA graph
+    before = trainer.state
+    params = {k: np.array(v) for k, v in before.params.items()}
+    states = {k: np.array(v) for k, v in before.states.items()}
+    assert states[(LOSS_SCALING, "updates")] == 3
+    huge = dict(states)
+    huge[(LOSS_SCALING, "scale")] = np.array(3e38, np.float32)  # float16 gradients overflow
+    trainer.load_state(type(before)(params, huge, before.step))
+    result = trainer.train_step([batches[3]])
+    assert not np.isfinite(result.grad_norm) and np.isfinite(result.loss) and trainer.step == 4
+    after = trainer.state
+    for name, value in params.items():
+        np.testing.assert_array_equal(after.params[name], value, err_msg=name)
+    for key, value in states.items():
+        if key[0] != LOSS_SCALING:
+            np.testing.assert_array_equal(after.states[key], value, err_msg=str(key))
+    assert after.states[(LOSS_SCALING, "scale")] == np.float32(3e38) * np.float32(0.5)
+    assert after.states[(LOSS_SCALING, "good_steps")] == 0 and after.states[(LOSS_SCALING, "updates")] == 3
+    reset = dict(after.states)
+    reset[(LOSS_SCALING, "scale")] = np.array(2.0**10, np.float32)
+    trainer.load_state(type(after)(after.params, reset, after.step))
+    trainer.train_step([batches[4]])  # and the next good step updates again
+    assert trainer.state.states[(LOSS_SCALING, "updates")] == 4
+    assert not np.array_equal(trainer.params[program.params[0]], params[program.params[0]])
