@@ -329,3 +329,16 @@ def test_torch_exports_of_cond_and_while_loop_match_torch_autograd(kind, tmp_pat
         for name, value in [*params.items(), ("x", tensor)]:
             want = np.zeros(value.shape) if value.grad is None else value.grad.numpy()  # None: the branch not taken
             np.testing.assert_allclose(got[gradient_of[name]], want, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["if else", "while", "trip count M", "scan of length T"])
+def test_run_time_control_flow_gradients_on_the_gpu_match_the_cpu(case):
+    model, feeds, loss = CASES[case]
+    built = gradgen.build_backward(model, wrt_inputs=True, loss=loss).model
+    want = Session(built).run(feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bodies run on the host
+        got = Session(built, device="cuda").run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
