@@ -110,10 +110,9 @@ def test_loss_scaled_updates_tag_their_overflow_wheres(optimizer, clip):
     assert json.loads(graph.metadata_props[CONFIG_KEY])[SKIP_CONFIG] is True
     flag = program.layout.found_inf
     found = next(v for v in graph.outputs if v.name == flag).producer().inputs[0]  # the Identity's input
-    assert found.producer().op_type == "Or"
-    assert {v.name for v in found.producer().inputs} == {
-        n.outputs[0].name for n in graph if n.op_type in ("IsInf", "IsNaN") and n.inputs[0].name == program.layout.grad_norm
-    }
+    check = found.producer()  # IsNaN(norm - norm): the norm is not finite
+    assert check.op_type == "IsNaN" and check.inputs[0].producer().op_type == "Sub"
+    assert [v.name for v in check.inputs[0].producer().inputs] == [program.layout.grad_norm] * 2
     for param in program.params:
         nodes = [n for n in graph if n.metadata_props.get(PARAM_KEY) == param]
         writers = {n.metadata_props[WRITES_KEY]: n for n in nodes if WRITES_KEY in n.metadata_props}
@@ -159,6 +158,20 @@ def test_mixed_precision_steps_fuse_the_update_and_the_norm(precision, model):
     assert step.op_type == fo.OP_TYPE and step.entry.cuda.n_params == len(program.params)
     assert _norm_step(fused) is not None and not any(s.op_type == "ReduceSumSquare" for s in fused)
     assert not any(s.metadata and PARAM_KEY in s.metadata for s in fused)
+
+
+def test_every_op_of_a_loss_scaled_step_has_a_cuda_kernel():
+    """A CPU fallback would keep the step from replaying as one CUDA graph (IsInf has no CUDA kernel:
+    the overflow test is IsNaN(x - x))."""
+    from gradgen.kernels import registry
+
+    registry.load_cuda_kernels()  # importing the launchers needs no GPU
+    program = build_training(TRANSFORMER, optimizer=AdamW(), clip_norm=1.0, precision="fp16", accumulation=2)
+    assert program.accumulate is not None
+    for graph in (program.train.graph, program.accumulate.graph):
+        scaler = [n for n in graph if n.name.startswith(("gradgen_loss_scaling", "gradgen_accumulate"))]
+        assert scaler and not any(n.op_type == "IsInf" for n in scaler)
+        assert not {n.op_type for n in scaler if registry.lookup(n.domain, n.op_type).cuda is None}
 
 
 def test_a_skip_flag_that_is_not_bool_keeps_the_steps():

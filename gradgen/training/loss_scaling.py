@@ -136,7 +136,7 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         inputs = {v.name: v for v in graph.inputs}
         positions = {v.name: i for i, v in enumerate(graph.outputs)}
         norm = graph.outputs[positions[self.layout.grad_norm]]
-        found = _scalar_of(b.op("Or", b.op("IsInf", norm), b.op("IsNaN", norm)), ir.DataType.BOOL)
+        found = _scalar_of(_not_finite(b, norm), ir.DataType.BOOL)
         guarded = [(p, p, "param", out) for p, out in self.layout.params.items()]
         guarded += [(slot.param, slot.input, f"state:{slot.kind}", slot.output) for slot in self.layout.states]
         for param, input_name, role, output_name in guarded:
@@ -157,7 +157,7 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         good_next = b.op("Where", found, zero, b.op("Add", good, one))
         grown = b.op("Mul", self.scale, b.const(np.array(s.growth_factor, np.float32)))
         grow = b.op(
-            "And", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))), b.op("Not", b.op("IsInf", grown))
+            "And", b.op("Equal", good_next, b.const(np.array(s.growth_interval, np.int64))), b.op("Not", _not_finite(b, grown))
         )
         backed_off = b.op("Mul", self.scale, b.const(np.array(s.backoff_factor, np.float32)))
         scale_next = b.op("Where", found, backed_off, b.op("Where", grow, grown, self.scale))
@@ -195,6 +195,13 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         self.layout.states.extend(slots)
         self.layout.found_inf = flag.name
         return ir.passes.PassResult(model, modified=True)
+
+
+def _not_finite(b: GraphBuilder, x: ir.Value) -> ir.Value:
+    """True where ``x`` is Inf or NaN: ``IsNaN(x - x)`` (x - x is NaN exactly there, 0 elsewhere).
+    Not ``IsInf(x) or IsNaN(x)``: the CUDA backend has no IsInf kernel, and a step with a CPU
+    fallback cannot be replayed as one CUDA graph."""
+    return b.op("IsNaN", b.op("Sub", x, x))
 
 
 def _scalar_of(value: ir.Value, dtype: ir.DataType) -> ir.Value:
