@@ -339,3 +339,85 @@ def test_cli_build_backward_precision(tmp_path, capsys, monkeypatch):
         capsys, monkeypatch, "build-backward", CNN / "model.onnx", "-o", tmp_path / "x.onnx", "--precision", "int8"
     )
     assert code == 2 and "unknown precision 'int8'" in err and not (tmp_path / "x.onnx").exists()
+
+
+# -- BatchNormalization: a 16-bit X with float32 parameters ---------------------------------------
+
+RESNET = ROOT / "tests/fixtures/models/resnet_block_legacy"
+
+
+def test_batch_norm_keeps_its_parameters_in_float32():
+    """As torch.autocast runs batch_norm: X in bf16 (no Cast up before, none down after), scale,
+    bias and statistics float32; opset 15+ lets X's type differ from the parameters'."""
+    built = gradgen.build_backward(RESNET / "model.onnx", precision="bf16")
+    model = built.model
+    norms = [n for n in forward_nodes(model) if n.op_type == "BatchNormalization"]
+    assert len(norms) == 2
+    for node in norms:
+        assert node.inputs[0].dtype == BF16 and node.outputs[0].dtype == BF16
+        assert [v.dtype for v in node.inputs[1:]] == [FP32] * 4
+        assert node.inputs[0].producer().op_type != "Cast"
+    out = Session(model).run(dict(np.load(RESNET / "inputs.npz")))
+    reference = Session(gradgen.build_backward(RESNET / "model.onnx").model).run(dict(np.load(RESNET / "inputs.npz")))
+    for name in built.wrt:
+        got, want = out[f"{name}_grad"], reference[f"{name}_grad"]
+        assert got.dtype == np.float32
+        assert np.abs(got - want).max() <= 5e-2 * np.abs(want).max(), name
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+def _bn_model(elem: int, training: bool, shape=(4, 3, 5, 6)):
+    """loss = sum(BatchNormalization(x) * r) with x and r of type ``elem`` and float32 parameters,
+    so that dY = r exactly: the gradients can be compared with the float32 graph's on the same values."""
+    c = shape[1]
+    rng = np.random.default_rng(7)
+    params = {
+        "scale": rng.uniform(0.5, 1.5, c),
+        "bias": rng.standard_normal(c),
+        "mean": rng.standard_normal(c) * 0.3,
+        "var": rng.uniform(0.5, 2.0, c),
+    }
+    inits = [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()]
+    outputs = ["y", "running_mean", "running_var"] if training else ["y"]
+    nodes = [
+        helper.make_node(
+            "BatchNormalization", ["x", "scale", "bias", "mean", "var"], outputs, epsilon=1e-3, training_mode=int(training)
+        ),
+        helper.make_node("Mul", ["y", "r"], ["yr"]),
+        helper.make_node("Cast", ["yr"], ["yr32"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["yr32"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bn",
+        [helper.make_tensor_value_info(n, elem, shape) for n in ("x", "r")],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("elem,np_type", [(TensorProto.BFLOAT16, ml_dtypes.bfloat16), (TensorProto.FLOAT16, np.float16)])
+def test_mixed_batch_norm_gradients_are_the_float32_ones_rounded(training, elem, np_type):
+    """The parameters' gradients of a 16-bit X with float32 parameters are computed in float32
+    (the float32 graph's to float32 rounding, not 16-bit sums) and dX is the float32 dX rounded once."""
+    rng = np.random.default_rng(3)
+    shape = (4, 3, 5, 6)
+    x, r = (rng.standard_normal(shape).astype(np_type) for _ in range(2))
+    wrt = ["scale", "bias"] + ([] if training else ["mean", "var"])
+    mixed = gradgen.build_backward(_bn_model(elem, training), wrt=wrt, wrt_inputs=True).model
+    plain = gradgen.build_backward(_bn_model(TensorProto.FLOAT, training), wrt=wrt, wrt_inputs=True).model
+    got = Session(mixed).run({"x": x, "r": r})
+    want = Session(plain).run({"x": x.astype(np.float32), "r": r.astype(np.float32)})
+    for name in wrt:
+        assert got[f"{name}_grad"].dtype == np.float32
+        ours, theirs = got[f"{name}_grad"], want[f"{name}_grad"]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+    dx = got["x_grad"]
+    assert dx.dtype == np.dtype(np_type)
+    # one rounding of the float32 value: at most half an ulp of the 16-bit type (relative 2^-8 / 2^-11)
+    half_ulp = 2.0**-8 if np_type is ml_dtypes.bfloat16 else 2.0**-11
+    ref = want["x_grad"].astype(np.float64)
+    tol = half_ulp * np.abs(ref) + 1e-6 * np.abs(ref).max()
+    assert np.all(np.abs(dx.astype(np.float64) - ref) <= tol)

@@ -9,9 +9,13 @@ The pass rewrites a forward graph so that it computes what the same model comput
 - ops autocast runs in float32 (its ``fp32`` and ``fp32_set_opt_dtype`` lists: exp, log, pow,
   reciprocal, softplus, the trigonometric ones, softmax, log_softmax, layer_norm, group_norm, the
   losses, sum / prod / cumsum, upsampling) get their 16-bit inputs cast back to float32. Every
-  reduction that accumulates (ReduceSum, ReduceMean, ReduceL2, ...) and BatchNormalization /
-  InstanceNormalization count as float32 ops here: PyTorch's kernels for mean and batch_norm take
-  16-bit tensors but accumulate in float32, and in a graph the accumulation type is the tensor type;
+  reduction that accumulates (ReduceSum, ReduceMean, ReduceL2, ...) and InstanceNormalization
+  count as float32 ops here: PyTorch's kernel for mean takes 16-bit tensors but accumulates in
+  float32, and in a graph the accumulation type is the tensor type;
+- BatchNormalization runs in its input's type with its scale, bias and statistics left float32,
+  as autocast runs batch_norm (not on its lists; cuDNN's kernel takes a 16-bit input with float32
+  parameters, computes in float32 and returns the input's type), where the schema lets X's type
+  differ from the parameters' (opset 15 and later); below, it is a float32 op;
 - every other op runs in its inputs' type; when its inputs of one type variable mix types, they
   are promoted to the widest (bf16 + float32 -> float32), except that a rank-0 operand (a Python
   scalar in the exported code) follows the others, as in PyTorch's type promotion; the bias Add
@@ -64,7 +68,6 @@ FLOAT32_OPS = frozenset(
         "LogSoftmax",
         "LayerNormalization",
         "GroupNormalization",
-        "BatchNormalization",
         "InstanceNormalization",
         "LpNormalization",
         "MeanVarianceNormalization",
@@ -83,6 +86,9 @@ FLOAT32_OPS = frozenset(
         "Upsample",
     }
 )
+# ops that run in their input's type with float32 parameters where the schema gives the parameters
+# a type variable of their own (see the module docstring), float32 ops where it does not
+PARAMETERS_APART_OPS = frozenset({"BatchNormalization"})
 # ops whose output type is not their inputs' (or that accept anything): left as they are
 _UNTOUCHED_OPS = frozenset({"Cast", "CastLike", "Shape", "Size", "Identity"})
 _AUTOCAST_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -231,12 +237,15 @@ class _Rewriter:
             if value is not None and value.dtype is not None:
                 groups.setdefault(inputs[index], []).append(index)
         main = inputs[0] if node.inputs else None
+        float32_op = node.op_type in FLOAT32_OPS or (
+            node.op_type in PARAMETERS_APART_OPS and len(set(inputs[:2])) < 2  # X and scale share a type variable
+        )
         retyped: dict[str, ir.DataType] = {}
         for type_str, indices in groups.items():
             dtypes = {node.inputs[i].dtype for i in indices}
             if not dtypes <= _AUTOCAST_FLOATS:
                 continue  # integers, doubles: autocast leaves them alone
-            target = self.target(node, type_str, type_str == main, indices, dtypes)
+            target = self.target(node, type_str, type_str == main, indices, dtypes, float32_op)
             if target is None:
                 continue
             if target != ir.DataType.FLOAT and not _allows(schema, type_str, target):
@@ -254,11 +263,13 @@ class _Rewriter:
         if retyped:
             self.placement[node.name or node.op_type] = retyped.get(main, next(iter(retyped.values())))
 
-    def target(self, node: ir.Node, type_str: str, is_main: bool, indices: list[int], dtypes: set) -> ir.DataType | None:
+    def target(
+        self, node: ir.Node, type_str: str, is_main: bool, indices: list[int], dtypes: set, float32_op: bool
+    ) -> ir.DataType | None:
         """The element type the inputs of one type variable run in (None: as they are)."""
         if node.op_type in LOWER_PRECISION_OPS:
             return self.low if is_main and dtypes <= {ir.DataType.FLOAT, self.low} else None
-        if node.op_type in FLOAT32_OPS:
+        if float32_op:
             return ir.DataType.FLOAT if dtypes != {ir.DataType.FLOAT} else None
         if len(dtypes) == 1:
             return next(iter(dtypes))

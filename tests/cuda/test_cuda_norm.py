@@ -67,3 +67,34 @@ def test_instance_and_group_norm():
         want = cpu(x, *args, epsilon=1e-5, **attrs)
         got = host(cuda(dev(x), *[dev(a) for a in args], epsilon=1e-5, **attrs))
         check(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6, 6), (3, 5), (0, 3, 2, 2), (32, 64, 56, 56)], ids=str)
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_batch_norm_16_bit_x_float32_parameters(shape, low, training):
+    """AutocastPass's BatchNormalization (a 16-bit X, float32 scale, bias and statistics): the
+    device gives the CPU kernel's bits (float32 arithmetic in its order, one rounding of Y), and
+    training mode keeps float32 statistics."""
+    import ml_dtypes
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if low == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(11)
+    c = shape[1]
+    x = (rng.standard_normal(shape) * 3 + 0.5).astype(dtype)
+    params = [
+        rng.standard_normal(c).astype(np.float32),
+        rng.standard_normal(c).astype(np.float32),
+        rng.standard_normal(c).astype(np.float32),
+        rng.uniform(0.5, 2, c).astype(np.float32),
+    ]
+    attrs = dict(epsilon=1e-5, training_mode=int(training), _num_outputs=3 if training else 1)
+    cpu, cuda = kernels("BatchNormalization")
+    want = cpu(x, *params, **attrs)
+    got = cuda(dev(x), *[dev(p) for p in params], **attrs)
+    want, got = (want, got) if training else ((want,), (got,))
+    assert host(got[0]).dtype == dtype
+    np.testing.assert_array_equal(host(got[0]).view(np.uint16), want[0].view(np.uint16))
+    for g, w in zip(got[1:], want[1:]):
+        assert host(g).dtype == np.float32
+        np.testing.assert_allclose(host(g), w, rtol=1e-6, atol=1e-6)

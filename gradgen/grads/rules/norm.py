@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import INT64_MAX, MICROSOFT, dims_of
+from gradgen.builder import INT64_MAX, MICROSOFT, dims_of, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule
 
@@ -70,18 +71,24 @@ def batch_normalization(g):
         return _batch_norm_training(g, rank, axes, eps)
     # y = (x - mean) * inv * scale + bias, inv = (var + eps)^-1/2, all per channel.
     inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const_like(var, eps))))
+    mixed = _mixed_types(x, scale)
     grads = [None] * 5
     if g.needs(0):
-        grads[0] = g.op("Mul", dy, _per_channel(g, g.op("Mul", scale, inv), rank))
+        factor = g.op("Mul", scale, inv)
+        grads[0] = _scale_channels(g, dy, factor, scale) if mixed else g.op("Mul", dy, _per_channel(g, factor, rank))
+    # the parameters' gradients in their own type: for a 16-bit X with float32 parameters, the
+    # reductions read dY and X cast to float32, so they accumulate and end in float32
+    dy_p = g.cast_like(dy, scale) if mixed else dy
     if g.needs(2) or g.needs(3):
-        dbias = g.reduce_sum(dy, axes, keepdims=0)
+        dbias = g.reduce_sum(dy_p, axes, keepdims=0)
         if g.needs(2):
             grads[2] = dbias
         if g.needs(3):
             grads[3] = g.op("Neg", g.op("Mul", dbias, g.op("Mul", scale, inv)))
     if g.needs(1) or g.needs(4):
-        xhat = g.op("Mul", g.op("Sub", x, _per_channel(g, mean, rank)), _per_channel(g, inv, rank))
-        dscale = g.reduce_sum(g.op("Mul", dy, xhat), axes, keepdims=0)
+        x_p = g.cast_like(x, scale) if mixed else x
+        xhat = g.op("Mul", g.op("Sub", x_p, _per_channel(g, mean, rank)), _per_channel(g, inv, rank))
+        dscale = g.reduce_sum(g.op("Mul", dy_p, xhat), axes, keepdims=0)
         if g.needs(1):
             grads[1] = dscale
         if g.needs(4):
@@ -91,7 +98,35 @@ def batch_normalization(g):
     return grads
 
 
+def _mixed_types(x, scale) -> bool:
+    """X in another float type than its parameters: AutocastPass's BatchNormalization, a 16-bit X
+    with float32 scale, bias and statistics (opset 15 and later)."""
+    return x.dtype is not None and scale.dtype is not None and x.dtype != scale.dtype
+
+
+def _scale_channels(g, v, factor, scale):
+    """v * factor[c] along axis 1, in v's type, for a float32 ``factor`` and a 16-bit ``v``: computed
+    in float32 and rounded once. ONNX has no Mul of two types, and rounding the factor to 16 bits
+    first would scale a whole channel by the same wrong amount, so it is a BatchNormalization with
+    mean 0, variance 1, epsilon 0 and bias 0 (scale v by factor exactly, then round)."""
+    zeros, ones = (_filled_like(g, scale, fill) for fill in (0.0, 1.0))
+    return g.op("BatchNormalization", v, factor, zeros, zeros, ones, epsilon=0.0)
+
+
+def _filled_like(g, v, fill: float):
+    """A tensor of v's (the forward scale's) shape and type holding ``fill``: a constant when the
+    shape is static."""
+    dims = dims_of(v)
+    dtype = numpy_dtype_of(v)
+    if dims is not None and all(isinstance(d, int) for d in dims):
+        return g.const(np.full(tuple(dims), fill, dtype))
+    return g.op("ConstantOfShape", g.shape_of(v), value=ir.tensor(np.full((1,), fill, dtype)))
+
+
 def _batch_norm_training(g, rank, axes, eps):
+    """Training mode. A 16-bit X with float32 parameters (``_mixed_types``) is differentiated in
+    float32, as the forward computes its batch statistics: X and dY cast up, dX rounded once at the
+    end (statistics of 16-bit tensors recomputed in 16 bits would lose the variance)."""
     x, scale, mean_in, var_in = g.x(0), g.x(1), g.x(3), g.x(4)
     momentum = float(g.attr("momentum", 0.9))
     dy, drm, drv = g.dy(0), g.dy(1), g.dy(2)
@@ -99,8 +134,12 @@ def _batch_norm_training(g, rank, axes, eps):
         raise ModelError(
             f"BatchNormalization node {g.node.name!r}: gradients through the saved mean/var outputs are not supported"
         )
+    like = x  # a typed value of the type the gradient is computed in
+    if _mixed_types(x, scale):
+        like, x = scale, g.cast_like(x, scale)
+        dy = g.cast_like(dy, scale) if dy is not None else None
     grads = [None] * 5
-    xhat, rstd, centered = _stats(g, x, axes, eps)
+    xhat, rstd, centered = _stats(g, x, axes, eps, like=like)
     parts = []
     if dy is not None:
         if g.needs(0):
@@ -112,7 +151,7 @@ def _batch_norm_training(g, rank, axes, eps):
             grads[2] = g.reduce_sum(dy, axes, keepdims=0)
     # running_mean = m * input_mean + (1 - m) * batch_mean; running_var likewise with the
     # biased batch variance.
-    rest = g.const_like(x, 1.0 - momentum)
+    rest = g.const_like(like, 1.0 - momentum)
     for i, d, stat_in in ((3, drm, mean_in), (4, drv, var_in)):
         if d is None:
             continue
@@ -120,14 +159,14 @@ def _batch_norm_training(g, rank, axes, eps):
             grads[i] = g.op("Mul", d, g.const_like(stat_in, momentum))
         if g.needs(0):
             share = g.op("Mul", _per_channel(g, d, rank), rest)
-            count = _count_like(g, x, scale)
+            count = _count_like(g, x, scale, like)
             if i == 3:  # the batch mean: share / count for every element
                 parts.append(g.expand_like(g.op("Div", share, count), x))
             else:  # the biased batch variance: share * 2 / count * (x - mean)
-                two = g.const_like(x, 2.0)
+                two = g.const_like(like, 2.0)
                 parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
     if g.needs(0) and parts:
-        grads[0] = g.sum(parts)
+        grads[0] = g.sum(parts) if like is g.x(0) else g.cast_like(g.sum(parts), g.x(0))
     # Y normalises with the batch statistics: without a running-stat output in the loss, the input
     # mean and variance get no gradient, which is a true zero (not a missing rule)
     for i, d in ((3, drm), (4, drv)):
@@ -136,9 +175,11 @@ def _batch_norm_training(g, rank, axes, eps):
     return grads
 
 
-def _count_like(g, x, reduced):
-    """Number of elements of x per element of ``reduced`` (x's type), as a scalar."""
-    return g.op("Div", g.cast_like(g.op("Size", x), x), g.cast_like(g.op("Size", reduced), x))
+def _count_like(g, x, reduced, like=None):
+    """Number of elements of x per element of ``reduced``, as a scalar of x's type (``like``'s
+    when given: x may be an emitted, untyped value)."""
+    like = x if like is None else like
+    return g.op("Div", g.cast_like(g.op("Size", x), like), g.cast_like(g.op("Size", reduced), like))
 
 
 @grad_rule("LayerNormalization")

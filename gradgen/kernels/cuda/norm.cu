@@ -112,34 +112,51 @@ GG_NORM_WARPS(f32, float, float)
 GG_NORM_WARPS(f64, double, double)
 
 // BatchNormalization, inference: y = (x - mean[c]) / sqrt(var[c] + eps) * scale[c] + bias[c].
-template <typename T, typename A>
-__device__ void batch_norm(T* y, const T* __restrict__ x, const T* __restrict__ scale, const T* __restrict__ bias,
-                           const T* __restrict__ mean, const T* __restrict__ var, int64_t channels, int64_t inner,
+// P is the parameters' type: T, or float for a 16-bit x (AutocastPass's BatchNormalization, as
+// cuDNN's batch norm takes it). EXACT (that mixed form): the CPU kernel's float32 operations in
+// its order, none contracted into an FMA, then one rounding to T: the bits the CPU backend gives.
+template <typename A, bool EXACT>
+__device__ __forceinline__ A bn_value(A x, A mean, A var, A scale, A bias, double eps) {
+    if (EXACT) {
+        const float v = __fdiv_rn(__fsub_rn((float)x, (float)mean), __fsqrt_rn(__fadd_rn((float)var, (float)eps)));
+        return (A)__fadd_rn(__fmul_rn(v, (float)scale), (float)bias);
+    }
+    const A v = (x - mean) / sqrt(var + A(eps));
+    return v * scale + bias;
+}
+
+template <typename T, typename P, typename A, bool EXACT>
+__device__ void batch_norm(T* y, const T* __restrict__ x, const P* __restrict__ scale, const P* __restrict__ bias,
+                           const P* __restrict__ mean, const P* __restrict__ var, int64_t channels, int64_t inner,
                            double eps, int64_t n) {
     if (n <= 0xFFFFFFFFll && channels * inner <= 0xFFFFFFFFll) {
         const uint32_t in32 = (uint32_t)inner, ch32 = (uint32_t)channels;
         for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)n; i += blockDim.x * gridDim.x) {
             const uint32_t c = (i / in32) % ch32;
-            const A v = ((A)gg_load(x + i) - (A)gg_load(mean + c)) / sqrt((A)gg_load(var + c) + A(eps));
-            gg_store(y + i, (typename Acc<T>::type)(v * (A)gg_load(scale + c) + (A)gg_load(bias + c)));
+            const A v = bn_value<A, EXACT>((A)gg_load(x + i), (A)gg_load(mean + c), (A)gg_load(var + c),
+                                           (A)gg_load(scale + c), (A)gg_load(bias + c), eps);
+            gg_store(y + i, (typename Acc<T>::type)v);
             if (i > 0xFFFFFFFFu - blockDim.x * gridDim.x) break;
         }
     } else {
         GG_GRID_STRIDE(i, n) {
             const int64_t c = (i / inner) % channels;
-            const A v = ((A)gg_load(x + i) - (A)gg_load(mean + c)) / sqrt((A)gg_load(var + c) + A(eps));
-            gg_store(y + i, (typename Acc<T>::type)(v * (A)gg_load(scale + c) + (A)gg_load(bias + c)));
+            const A v = bn_value<A, EXACT>((A)gg_load(x + i), (A)gg_load(mean + c), (A)gg_load(var + c),
+                                           (A)gg_load(scale + c), (A)gg_load(bias + c), eps);
+            gg_store(y + i, (typename Acc<T>::type)v);
         }
     }
 }
 
-#define GG_BN(s, T, A)                                                                                        \
-    extern "C" __global__ void batch_norm_##s(T* y, const T* x, const T* scale, const T* bias, const T* mean,  \
-                                              const T* var, int64_t channels, int64_t inner, double eps,       \
+#define GG_BN(s, T, P, A, EXACT)                                                                              \
+    extern "C" __global__ void batch_norm_##s(T* y, const T* x, const P* scale, const P* bias, const P* mean,  \
+                                              const P* var, int64_t channels, int64_t inner, double eps,       \
                                               int64_t n) {                                                     \
-        batch_norm<T, A>(y, x, scale, bias, mean, var, channels, inner, eps, n);                               \
+        batch_norm<T, P, A, EXACT>(y, x, scale, bias, mean, var, channels, inner, eps, n);                     \
     }
-GG_BN(f16, __half, float)
-GG_BN(bf16, __nv_bfloat16, float)
-GG_BN(f32, float, float)
-GG_BN(f64, double, double)
+GG_BN(f16, __half, __half, float, false)
+GG_BN(bf16, __nv_bfloat16, __nv_bfloat16, float, false)
+GG_BN(f32, float, float, float, false)
+GG_BN(f64, double, double, double, false)
+GG_BN(f16_f32, __half, float, float, true)
+GG_BN(bf16_f32, __nv_bfloat16, float, float, true)

@@ -2,8 +2,9 @@
 
 LayerNormalization, InstanceNormalization and GroupNormalization run one block per normalized
 row (two passes for mean and variance, as the CPU kernel computes them, then the affine write);
-BatchNormalization in inference form is elementwise. Training-mode BatchNormalization and scale or
-bias shapes that need broadcasting run through the CPU kernel.
+BatchNormalization in inference form is elementwise (a 16-bit X with float32 parameters too, as
+AutocastPass leaves it: computed in float32, rounded once). Training-mode BatchNormalization and
+scale or bias shapes that need broadcasting run through the CPU kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from gradgen.kernels.cuda.launch import (
     kernel_of,
     launch,
     runtime,
-    same_type,
     stream,
 )
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
@@ -160,36 +160,42 @@ def group_normalization(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_
     )[0]
 
 
+def _bn_param_type(x, channels, params):
+    """The dtype suffix of BatchNormalization's kernel for x and its four per-channel parameters: x's
+    own (all of x's type), ``<x>_f32`` (a 16-bit x with float32 parameters), None (no kernel)."""
+    if not is_float(x.dtype) or not all(p is not None and p.size == channels for p in params):
+        return None
+    s = dtype_suffix(x.dtype)
+    if all(p.dtype == x.dtype for p in params):
+        return s
+    if s in ("f16", "bf16") and all(np.dtype(p.dtype) == np.float32 for p in params):
+        return f"{s}_f32"
+    return None
+
+
 @cuda_kernel("BatchNormalization")
 def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0, _num_outputs=1):
+    """Inference form on the device (x of the parameters' type, or 16-bit with float32
+    parameters); training mode and other configurations run the numpy kernel."""
     from gradgen.cuda import runtime as rt
 
     training = int(training_mode) == 1 or _num_outputs > 1
     channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
-    if (
-        training
-        or len(x.shape) < 2
-        or not is_float(x.dtype)
-        or not _channel_params_ok(x, channels, scale, bias, input_mean, input_var)
-    ):
-        return cpu_fallback(
-            "BatchNormalization",
-            x,
-            scale,
-            bias,
-            input_mean,
-            input_var,
-            epsilon=epsilon,
-            momentum=momentum,
-            training_mode=training_mode,
-            _num_outputs=_num_outputs,
-        )
-    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, scale, bias, input_mean, input_var))
-    same_type(x, scale, bias, input_mean, input_var)
+    params = (scale, bias, input_mean, input_var)
+    suffix = _bn_param_type(x, channels, params) if len(x.shape) >= 2 else None
+    attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
+    if training and suffix is not None and suffix.endswith("_f32"):
+        # a 16-bit x with float32 parameters: its statistics are float32 (as the parameters), only Y
+        # is rounded to x's type (the fallback would round every float result to 16 bits)
+        results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
+        return (cast_to(results[0], x.dtype), *results[1:])
+    if training or suffix is None:
+        return cpu_fallback("BatchNormalization", x, *params, **attrs)
+    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, *params))
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
     launch(
-        kernel_of("norm", f"batch_norm_{dtype_suffix(x.dtype)}"),
+        kernel_of("norm", f"batch_norm_{suffix}"),
         y.size,
         y,
         x,
