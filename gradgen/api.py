@@ -23,6 +23,7 @@ from gradgen.passes import (
     LowerToStandardPass,
     NameNodesPass,
     Pipeline,
+    SequencesAsTensorsPass,
     ShapeInferencePass,
     TopologicalSortPass,
     TransposeFusionPass,
@@ -48,7 +49,8 @@ class BackwardModel:
 
 
 def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
-    """The default pipeline: prepare the forward graph (Loop / Scan of a static length unrolled by
+    """The default pipeline: prepare the forward graph (sequences and optionals the model fixes
+    rewritten as the tensors they hold by ``SequencesAsTensorsPass``, Loop / Scan of a static length unrolled by
     ``UnrollLoopsPass``, LSTM / GRU / RNN unrolled into standard ops by ``UnrollRecurrentPass``,
     GridSample rewritten into them by ``DecomposePass``, exported GELU formulas fused into one node
     by ``GeluFusionPass``), add the backward
@@ -62,6 +64,7 @@ def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipe
         NameNodesPass(),
         TopologicalSortPass(),
         EvaluateConstantsPass(),
+        SequencesAsTensorsPass(),
         UnrollLoopsPass(),
         UnrollRecurrentPass(),
         DecomposePass(),

@@ -832,10 +832,19 @@ def loss_ancestors(graph: onnx.GraphProto) -> set[str]:
         node = producer.get(name)
         if node is not None:
             stack.extend(i for i in node.input if i)
-            for attr in node.attribute:  # values captured by subgraphs
-                for sub in [attr.g, *attr.graphs]:
-                    stack.extend(i for n in sub.node for i in n.input if i)
+            stack.extend(_subgraph_reads(node))  # values captured by subgraphs, nested ones too
     return needed
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> list[str]:
+    """The names the node's subgraphs (and theirs, at any depth) read."""
+    names = []
+    for attr in node.attribute:
+        for sub in [attr.g, *attr.graphs]:
+            for inner in sub.node:
+                names.extend(i for i in inner.input if i)
+                names.extend(_subgraph_reads(inner))
+    return names
 
 
 FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)

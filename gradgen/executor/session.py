@@ -213,7 +213,7 @@ class Session:
         state: Mapping[str, str] | None = None,
         state_guard: Sequence[str] = (),
     ):
-        self.model = load_model(model)
+        self.model = _tensors_only(load_model(model))
         self.graph = self.model.graph
         self.device = resolve_device(device)
         if self.device == "cuda":
@@ -281,7 +281,7 @@ class Session:
                     op_type=node.op_type,
                     kernel=entry.cpu,
                     entry=entry,
-                    inputs=[v.name if v is not None else None for v in node.inputs] + captured,
+                    inputs=_own_inputs(node) + captured,
                     outputs=[v.name for v in node.outputs],
                     attributes=attrs,
                     free_after=[],
@@ -453,6 +453,37 @@ class Session:
             for name in step.free_after:
                 env.pop(name, None)
         return env
+
+
+# control-flow ops' inputs before their variadic ones: a serialised Loop without loop-carried
+# values may have dropped its optional trailing condition, and the outer values its body reads
+# follow the node's own inputs
+_LEADING_INPUTS = {"Loop": 2, "If": 1}
+
+
+def _own_inputs(node: ir.Node) -> list[str | None]:
+    """The names of a node's inputs (None for an omitted one), its leading optional ones padded."""
+    names = [v.name if v is not None else None for v in node.inputs]
+    if node.domain in ("", "ai.onnx"):
+        names += [None] * (_LEADING_INPUTS.get(node.op_type, 0) - len(names))
+    return names
+
+
+def _tensors_only(model: ir.Model) -> ir.Model:
+    """``model``, or where it holds sequences or optionals, a copy in which those whose structure
+    the graph fixes are the tensors they hold (SequencesAsTensorsPass; what remains is refused when
+    the Session plans). The caller's model is not changed."""
+    from gradgen.ops.non_tensor import is_non_tensor_op
+
+    if not any(is_non_tensor_op(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
+        return model
+    from gradgen.api import _copy_graph
+    from gradgen.passes import EvaluateConstantsPass, SequencesAsTensorsPass
+
+    copy = _copy_graph(model)
+    EvaluateConstantsPass()(copy)  # positions and split sizes computed from shapes
+    SequencesAsTensorsPass()(copy)
+    return copy
 
 
 def _checked_bindings(bindings: dict[str, str], inputs: list[str], outputs: list[str]) -> dict[str, str]:

@@ -12,6 +12,7 @@ from gradgen.passes.gelu_fusion import GeluFusionPass
 from gradgen.passes.gradient import GradientPass, GradientSpec
 from gradgen.passes.lowering import LowerToStandardPass
 from gradgen.passes.recurrent import UnrollRecurrentPass
+from gradgen.passes.sequences import SequencesAsTensorsPass
 from gradgen.passes.standard import (
     CleanupPass,
     CommonSubexpressionEliminationPass,
@@ -48,6 +49,7 @@ __all__ = [
     "ShapeInferencePass",
     "TopologicalSortPass",
     "TransposeFusionPass",
+    "SequencesAsTensorsPass",
     "UnrollLoopsPass",
     "UnrollRecurrentPass",
     "UpgradeOpsetPass",

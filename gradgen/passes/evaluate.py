@@ -136,6 +136,10 @@ def inline_constant_ifs(graph: ir.Graph) -> bool:
 
 def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
     taken_names = {v.name for v in graph.inputs} | set(graph.initializers) | {o.name for n in graph for o in n.outputs if o.name}
+    # the branch lets go of its outputs first: onnx-ir ties a graph's outputs to it, and these values
+    # (its nodes' outputs, or its initializers) move into the main graph
+    branch_outputs = list(branch.outputs)
+    branch.outputs.clear()
     for name in list(branch.initializers):
         value = branch.initializers.pop(name)
         while value.name in taken_names:
@@ -146,7 +150,7 @@ def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
     branch.remove(inner_nodes)
     graph.insert_before(node, inner_nodes)
     renames = []
-    for out, branch_out in zip(node.outputs, list(branch.outputs)):
+    for out, branch_out in zip(node.outputs, branch_outputs):
         if branch_out.type is None:
             branch_out.type = out.type
         if out.is_graph_output():  # keep the graph output's name: route it through an Identity

@@ -96,6 +96,11 @@ def loop(m, cond, *args, body, _captured=(), _opset=1):
         go_on = _truth(outputs[0])
         states = outputs[1 : 1 + len(states)]
         for k, element in enumerate(outputs[1 + len(states) :]):
+            if scans[k] and np.shape(element) != np.shape(scans[k][0]):
+                raise KernelError(
+                    f"scan output {k} has shape {list(np.shape(element))} at iteration {i} and "
+                    f"{list(np.shape(scans[k][0]))} at iteration 0 (a Loop's scan outputs keep one shape)"
+                )
             scans[k].append(element)
         i += 1
     stacked = [
