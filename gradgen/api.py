@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from gradgen.errors import GradgenError
 from gradgen.executor import Session
-from gradgen.model_io import ModelLike, load_model
+from gradgen.model_io import ModelLike, copy_model, load_model
 from gradgen.passes import (
     AutocastPass,
     CleanupPass,
@@ -105,12 +105,6 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _copy_graph(model: ir.Model) -> ir.Model:
-    """A copy of ``model`` sharing its tensors (onnx-ir >= 0.1.11 has ``clone``; older ones round-trip)."""
-    clone = getattr(model, "clone", None)
-    return clone() if clone is not None else ir.from_proto(ir.to_proto(model))
-
-
 def build_backward(
     model: ModelLike,
     *,
@@ -149,7 +143,7 @@ def _build_backward(
 ) -> BackwardModel:
     # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
     # never change); a model loaded here is already our own.
-    forward = _copy_graph(model) if isinstance(model, ir.Model) else load_model(model)
+    forward = copy_model(model) if isinstance(model, ir.Model) else load_model(model)
     if add_loss is not None:
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)

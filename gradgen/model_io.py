@@ -25,6 +25,12 @@ _EXTERNAL_DATA_THRESHOLD = 1 << 30
 _EXTERNAL_TENSOR_MIN_BYTES = 1024
 
 
+def copy_model(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` sharing its tensors (onnx-ir >= 0.1.11 has ``clone``; older ones round-trip)."""
+    clone = getattr(model, "clone", None)
+    return clone() if clone is not None else ir.from_proto(ir.to_proto(model))
+
+
 def load_model(model: ModelLike) -> ir.Model:
     """Return an onnx_ir model from a path, a ModelProto or an ir.Model (which is returned as is)."""
     if isinstance(model, ir.Model):

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.executor import low_precision
 from gradgen.kernels import registry
-from gradgen.model_io import ModelLike, load_model
+from gradgen.model_io import ModelLike, copy_model, load_model
 from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
@@ -477,10 +477,9 @@ def _tensors_only(model: ir.Model) -> ir.Model:
 
     if not any(is_non_tensor_op(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
         return model
-    from gradgen.api import _copy_graph
     from gradgen.passes import EvaluateConstantsPass, SequencesAsTensorsPass
 
-    copy = _copy_graph(model)
+    copy = copy_model(model)
     EvaluateConstantsPass()(copy)  # positions and split sizes computed from shapes
     SequencesAsTensorsPass()(copy)
     return copy
