@@ -755,11 +755,11 @@ def scatter_cases(draw, op):
     rng = _rng(draw)
     s = shape(draw, rank_min=1, rank_max=3, high=4)
     rank = len(s)
-    reduction = draw(st.sampled_from(["none", "none", "add"]))  # mul / max / min: no rule (a clean error)
-    opset = 18
-    attrs = {} if reduction == "none" and draw(st.booleans()) else {"reduction": reduction}
+    reduction = "none" if op == "Scatter" else draw(st.sampled_from(["none", "none", "add"]))  # mul / max / min: no rule
+    opset = 10 if op == "Scatter" else 18  # Scatter: ScatterElements' deprecated name (opset 9-10), no reduction
+    attrs = {} if reduction == "none" and (op == "Scatter" or draw(st.booleans())) else {"reduction": reduction}
     data = distinct(rng, s) if reduction in ("max", "min") else rng.uniform(-2, 2, s)
-    if op == "ScatterElements":
+    if op in ("ScatterElements", "Scatter"):
         axis = draw(st.integers(-rank, rank - 1))
         a = axis % rank
         n = s[a]
@@ -779,9 +779,61 @@ def scatter_cases(draw, op):
         flat = rng.permutation(int(np.prod(s[:k])))[:count]
         idx = np.stack(np.unravel_index(flat, s[:k]), axis=-1).astype(np.int64).reshape(count, k)
         idx = np.where(rng.random(idx.shape) < 0.3, idx - np.array(s[:k]), idx)
-    upd_shape = idx.shape if op == "ScatterElements" else idx.shape[:-1] + s[idx.shape[-1] :]
+    upd_shape = idx.shape if op in ("ScatterElements", "Scatter") else idx.shape[:-1] + s[idx.shape[-1] :]
     updates = distinct(rng, upd_shape) + 0.013 if reduction in ("max", "min") else rng.uniform(-2, 2, upd_shape)
     case = OpCase(op, [data, idx, updates], attrs, opset=opset, graph_inputs=placement(draw, [0, 1, 2]))
+    return finish(draw, case)
+
+
+@st.composite
+def selection_cases(draw, op):
+    """Range (float), ReverseSequence, OneHot (its values), Compress and Unique (distinct values, so
+    no perturbation merges or splits two of them)."""
+    rng = _rng(draw)
+    attrs: dict[str, Any] = {}
+    num_outputs = 1
+    if op == "Range":
+        delta = rng.uniform(0.2, 1.0) * draw(st.sampled_from([1, -1]))
+        count = draw(st.integers(0, 6))
+        start = rng.uniform(-2, 2)
+        limit = start + (count - rng.uniform(0.2, 0.8)) * delta  # away from a whole number of steps
+        inputs = [np.array(start), np.array(limit), np.array(delta)]
+        case = OpCase(op, inputs, graph_inputs=placement(draw, [0, 1, 2]))
+        return finish(draw, case, symbolic_ok=False)
+    if op == "ReverseSequence":
+        time_axis = draw(st.sampled_from([0, 1]))
+        steps, batch = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+        s = (steps, batch) if time_axis == 0 else (batch, steps)
+        s += dims(draw, draw(st.integers(0, 2)))
+        lengths = np.array([draw(st.integers(1, steps)) for _ in range(batch)], np.int64)
+        attrs = {"time_axis": time_axis, "batch_axis": 1 - time_axis}
+        inputs = [rng.uniform(-2, 2, s), lengths]
+    elif op == "OneHot":
+        depth = draw(st.integers(1, 4))
+        idx = rng.integers(-depth, depth + 2, dims(draw, draw(st.integers(1, 2)))).astype(np.int64)  # out of range: all off
+        axis = draw(st.integers(-(idx.ndim + 1), idx.ndim))
+        attrs = {"axis": axis}
+        inputs = [idx, np.array(depth, np.int64), rng.uniform(-2, 2, 2)]
+        case = OpCase(op, inputs, attrs, opset=11, graph_inputs=placement(draw, [0, 2]))
+        return finish(draw, case, symbolic_ok=False)
+    elif op == "Compress":
+        x = rng.uniform(-2, 2, shape(draw, rank_min=1, high=4))
+        axis = draw(st.sampled_from([None, *range(-x.ndim, x.ndim)]))
+        size = x.size if axis is None else x.shape[axis]
+        condition = rng.random(draw(st.integers(0, size))) < 0.6
+        if axis is not None:
+            attrs = {"axis": axis}
+        inputs = [x, condition]
+    else:  # Unique
+        s = shape(draw, rank_min=1, high=4)
+        axis = draw(st.sampled_from([None, *range(-len(s), len(s))]))
+        x = distinct(rng, s)
+        if axis is not None:
+            attrs["axis"] = axis
+        attrs["sorted"] = draw(st.sampled_from([0, 1]))
+        num_outputs = draw(st.integers(1, 4))
+        inputs = [x]
+    case = OpCase(op, inputs, attrs, num_outputs=num_outputs, graph_inputs=placement(draw, list(range(len(inputs)))))
     return finish(draw, case)
 
 
@@ -1508,8 +1560,10 @@ for _op in [
     GENERATORS[_op] = shape_op_cases
 for _op in ["Gather", "GatherElements", "GatherND"]:
     GENERATORS[_op] = gather_cases
-for _op in ["ScatterElements", "ScatterND"]:
+for _op in ["ScatterElements", "ScatterND", "Scatter"]:
     GENERATORS[_op] = scatter_cases
+for _op in ["Range", "ReverseSequence", "OneHot", "Compress", "Unique"]:
+    GENERATORS[_op] = selection_cases
 for _op in ["MatMul", "Gemm"]:
     GENERATORS[_op] = matmul_cases
 for _op in ["Conv", "ConvTranspose"]:

@@ -65,6 +65,11 @@ ZERO_BY_DEFINITION = {
     # the rois are rounded to whole pixels before the bins are cut, so the output is piecewise
     # constant in them (zero gradient almost everywhere; torchvision's roi_pool gives them none either)
     ("", "MaxRoiPool"): {1},
+    # the limit only sets the integer number of steps: Range's output is piecewise constant in it
+    ("", "Range"): {1},
+    # OneHot's indices and depth may be floats, but they are rounded to positions and a count: the
+    # output is piecewise constant in them
+    ("", "OneHot"): {0, 1},
 }
 
 

@@ -79,6 +79,18 @@ def _quantize_model():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), feeds
 
 
+def _non_zero_model():
+    node = helper.make_node("NonZero", ["x"], ["y"])
+    graph = helper.make_graph(
+        [node],
+        "nonzero",
+        [helper.make_tensor_value_info("x", TensorProto.BOOL, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+    )
+    feeds = {"x": np.random.default_rng(0).random((3, 4)) < 0.5}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), feeds
+
+
 # op -> a forward model holding it, and its feeds
 MODELS = {
     "ConvTranspose": lambda: _case_model("ConvTranspose"),
@@ -112,6 +124,11 @@ MODELS = {
     "STFT": lambda: _case_model("STFT"),
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
+    "Compress": lambda: _case_model("Compress"),
+    "NonZero": _non_zero_model,
+    "OneHot": lambda: _case_model("OneHot"),
+    "ReverseSequence": lambda: _case_model("ReverseSequence"),
+    "Unique": lambda: _case_model("Unique"),
     **{
         op: (lambda op=op: _microsoft_case_model(op)) if domain else (lambda op=op: _case_model(op))
         for domain, op in LOWERED_FORWARD_OPS

@@ -62,4 +62,24 @@ CASES = [
     ),
     GradCase("ScatterND", [r(4, 3), i64(1, -1, shape=(2, 1)), r(2, 3)], name="ScatterND_none"),
     GradCase("ScatterND", [r(3, 3), i64(0, 1, 0, 1, 2, 2, shape=(3, 2)), r(3)], attrs={"reduction": "add"}, name="ScatterND_add"),
+    GradCase(
+        "Scatter", [r(3, 4), i64(1, 0, 2, 3, 2, 1, shape=(2, 3)), r(2, 3)], attrs={"axis": 1}, opset=10, name="Scatter_deprecated"
+    ),
+    # OneHot: the values get the sums of dY where hot / not hot; out-of-range indices are all off.
+    GradCase("OneHot", [i64(0, 2, -1, 5, shape=(2, 2)), np.array(3, np.int64), r(2)], name="OneHot_last_axis"),
+    GradCase("OneHot", [i64(1, 0, 2), np.array(4, np.int64), r(2)], attrs={"axis": 0}, name="OneHot_axis0"),
+    # Compress: along an axis, and of the flattened input with a shorter condition.
+    GradCase("Compress", [r(3, 4), np.array([True, False, True])], attrs={"axis": 0}, name="Compress_axis0"),
+    GradCase("Compress", [r(3, 4), np.array([False, True, True, False])], attrs={"axis": -1}, name="Compress_axis-1"),
+    GradCase("Compress", [r(2, 3), np.array([1, 0, 1, 1, 0], dtype=bool)], name="Compress_flat"),
+    # Unique of distinct values: sorted or in first-occurrence order, flat or along an axis.
+    GradCase("Unique", [np.array([0.7, -1.2, 1.9, 0.1, -0.4])], attrs={"sorted": 1}, name="Unique_sorted"),
+    GradCase(
+        "Unique",
+        [np.array([[0.7, -1.2], [1.9, 0.1], [-0.5, 0.3]])],
+        attrs={"sorted": 0},
+        num_outputs=4,
+        name="Unique_flat_unsorted",
+    ),
+    GradCase("Unique", [np.array([[0.7, -1.2], [-0.5, 0.1], [-0.9, 0.3]])], attrs={"axis": 0}, num_outputs=2, name="Unique_rows"),
 ]

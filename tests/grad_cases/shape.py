@@ -81,4 +81,15 @@ CASES += [
         name="CenterCropPad_axes",
     ),
     GradCase("CenterCropPad", [r(3, 4), np.array([4], dtype=np.int64)], {"axes": [0]}, opset=18, name="CenterCropPad_pad_odd"),
+    # Range: start and delta get sum(dY) and sum(i * dY); the limit only sets the length.
+    GradCase("Range", [np.array(0.3), np.array(2.9), np.array(0.5)], name="Range_float", symbolic=False),
+    GradCase("Range", [np.array(1.0), np.array(-2.2), np.array(-0.7)], name="Range_negative_delta", symbolic=False),
+    # ReverseSequence: the first lengths[b] steps reversed, either axis the batch.
+    GradCase("ReverseSequence", [r(4, 3, 2), np.array([4, 1, 2], np.int64)], name="ReverseSequence_time0"),
+    GradCase(
+        "ReverseSequence",
+        [r(3, 4), np.array([1, 4, 2], np.int64)],
+        attrs={"batch_axis": 0, "time_axis": 1},
+        name="ReverseSequence_batch0",
+    ),
 ]

@@ -75,7 +75,7 @@ def _reduction(g) -> str:
     return reduction
 
 
-@grad_rule("ScatterElements", nondiff_inputs=(1,))
+@grad_rule("ScatterElements", "Scatter", nondiff_inputs=(1,))  # Scatter: the deprecated (opset 9-10) name
 def scatter_elements(g):
     """data: dY with the scattered positions zeroed (none) or dY (add); updates: gathered dY."""
     reduction, axis = _reduction(g), g.attr("axis", 0)
@@ -121,3 +121,53 @@ def gather_elements_grad(g):
     gradient is the GatherElements of the incoming gradient at the same indices."""
     dy = g.x(0)
     return [g.set_type_like(g.op("GatherElements", g.dy(), g.x(2), axis=g.attr("axis", 0)), dy)]
+
+
+@grad_rule("OneHot", nondiff_inputs=(0, 1))
+def one_hot(g):
+    """Y = where(hot, on_value, off_value): on_value's gradient is the sum of dY where hot, off_value's
+    the sum of the rest; the indices and the depth carry none."""
+    values, dy = g.x(2), g.dy()
+    hot = g.op("OneHot", g.x(0), g.x(1), g.const(np.array([0, 1], dtype=numpy_dtype_of(values))), axis=g.attr("axis", -1))
+    on = g.reduce_sum(g.op("Mul", dy, hot), None, keepdims=0)
+    off = g.op("Sub", g.reduce_sum(dy, None, keepdims=0), on)
+    return [None, None, g.op("Concat", g.reshape(off, [1]), g.reshape(on, [1]), axis=0)]
+
+
+@grad_rule("Compress", nondiff_inputs=(1,))
+def compress(g):
+    """Compress is a Gather of the kept positions (NonZero of the condition) along the axis, or of
+    the flattened input without one: dX is GatherGrad of dY at those positions."""
+    x, dy = g.x(0), g.dy()
+    kept = g.reshape(g.op("NonZero", g.x(1)), [-1])
+    axis = g.attr("axis", None)
+    if axis is not None:
+        return [g.set_type_like(g.op("GatherGrad", g.shape_of(x), kept, dy, domain=MICROSOFT, axis=axis), x)]
+    flat = g.op("GatherGrad", g.reshape(g.op("Size", x), [1]), kept, dy, domain=MICROSOFT, axis=0)
+    return [g.set_type_like(g.reshape(flat, g.shape_of(x)), x)]
+
+
+@grad_rule("Unique")
+def unique(g):
+    """Y holds X's elements (or slices along the axis) at ``indices``, their first occurrences: dX is
+    GatherGrad of dY there (a tie moves no value: the gradient goes to the first of equal ones). The
+    integer outputs carry none."""
+    x, dy, first = g.x(0), g.dy(0), _unique_indices(g)
+    axis = g.attr("axis", None)
+    if axis is not None:
+        return [g.set_type_like(g.op("GatherGrad", g.shape_of(x), first, dy, domain=MICROSOFT, axis=axis), x)]
+    flat = g.op("GatherGrad", g.reshape(g.op("Size", x), [1]), first, dy, domain=MICROSOFT, axis=0)
+    return [g.set_type_like(g.reshape(flat, g.shape_of(x)), x)]
+
+
+def _unique_indices(g) -> ir.Value:
+    """The forward Unique's ``indices`` output (its second), added to the node when omitted."""
+    node = g.node
+    if len(node.outputs) < 2:
+        node.resize_outputs(2)
+    indices = node.outputs[1]
+    if not indices.name:
+        g.rename(indices, f"{node.name or g.y(0).name}_indices")
+    indices.type = ir.TensorType(ir.DataType.INT64)
+    indices.shape = ir.Shape([None])
+    return indices

@@ -364,3 +364,25 @@ def center_crop_pad(g):
     else:
         sizes = g.op("Gather", g.shape_of(x), g.ints(axes), axis=0)
     return [g.op("CenterCropPad", g.dy(), sizes, axes=axes), None]
+
+
+@grad_rule("Range", nondiff_inputs=(1,))
+def range_(g):
+    """y_i = start + i * delta for i < n: start's gradient is sum(dY), delta's sum(i * dY). The limit
+    only sets the integer length n, so Y is piecewise constant in it: a zero gradient by definition."""
+    dy = g.dy()
+    grads = [None, None, None]
+    if g.needs(0):
+        grads[0] = g.reduce_sum(dy, [0], keepdims=0)
+    if g.needs(2):
+        count = g.op("Squeeze", g.op("Shape", dy), g.ints([0]))
+        steps = g.cast_like(g.op("Range", g.scalar(0), count, g.scalar(1)), dy)
+        grads[2] = g.reduce_sum(g.op("Mul", dy, steps), [0], keepdims=0)
+    return grads
+
+
+@grad_rule("ReverseSequence", nondiff_inputs=(1,))
+def reverse_sequence(g):
+    """A permutation that is its own inverse: dX is dY reversed the same way."""
+    attrs = {"batch_axis": g.attr("batch_axis", 1), "time_axis": g.attr("time_axis", 0)}
+    return [g.op("ReverseSequence", g.dy(), g.x(1), **attrs)]

@@ -478,3 +478,24 @@ def scatter_nd_into(position, data, indices, updates, *, reduction="none"):
 def _rows_in_range(indices: np.ndarray, rows: int) -> bool:
     """Every index in [-rows, rows) (checked before an in-place scatter writes anything)."""
     return not indices.size or (-rows <= int(indices.min()) and int(indices.max()) < rows)
+
+
+@cpu_kernel("Unique")
+def unique(x, *, axis=None, sorted=1, _num_outputs=4):  # noqa: A002 - the ONNX attribute's name
+    """Y, the first occurrence of each in X (``indices``), where each element of X went
+    (``inverse_indices``) and the counts; in ascending order (sorted=1) or in the order of first
+    occurrence (sorted=0). Without an axis, X is flattened."""
+    data = np.asarray(x)
+    if axis is not None:
+        axis = normalize_axis(axis, data.ndim)
+    values, first, inverse, counts = np.unique(
+        data if axis is not None else data.reshape(-1), return_index=True, return_inverse=True, return_counts=True, axis=axis
+    )
+    inverse = inverse.reshape(-1)
+    if not int(sorted):
+        order = np.argsort(first, kind="stable")
+        values = np.take(values, order, axis=axis if axis is not None else 0)
+        first, counts = first[order], counts[order]
+        inverse = np.argsort(order)[inverse]
+    results = (values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64))
+    return results[: int(_num_outputs)] if int(_num_outputs) > 1 else results[0]

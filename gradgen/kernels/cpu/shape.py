@@ -539,3 +539,22 @@ def center_crop_pad(x, shape, *, axes=None):
     out = np.zeros(out_shape, dtype=x.dtype)
     out[tuple(target)] = x[tuple(source)]
     return out
+
+
+@cpu_kernel("ReverseSequence")
+def reverse_sequence(x, sequence_lens, *, batch_axis=1, time_axis=0):
+    """The first sequence_lens[b] steps of each batch entry b reversed along the time axis."""
+    if {int(batch_axis), int(time_axis)} != {0, 1}:
+        raise KernelError(f"batch_axis and time_axis must be 0 and 1 in some order, got {batch_axis} and {time_axis}")
+    lengths = np.asarray(sequence_lens).astype(np.int64).reshape(-1)
+    steps, batch = x.shape[time_axis], x.shape[batch_axis]
+    if lengths.size != batch:
+        raise KernelError(f"sequence_lens has {lengths.size} entries for a batch of {batch}")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > steps):
+        raise KernelError(f"sequence_lens must lie in [0, {steps}] (the time axis' size), got {lengths.tolist()}")
+    t = np.arange(steps)[:, None]
+    source = np.where(t < lengths[None, :], lengths[None, :] - 1 - t, t)  # (time, batch)
+    if time_axis == 1:
+        source = source.T
+    index = np.broadcast_to(source.reshape(source.shape + (1,) * (x.ndim - 2)), x.shape)
+    return np.take_along_axis(x, index, axis=int(time_axis))
