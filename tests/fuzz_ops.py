@@ -418,11 +418,16 @@ def softmax_cases(draw, op):
 
 @st.composite
 def cumsum_cases(draw, op):
+    """CumSum, and CumProd (opset 26) with exact zeros (none, one or several in a line)."""
     rng = _rng(draw)
     s = shape(draw, rank_min=1, empty=True)
     axis = np.array(draw(st.integers(-len(s), len(s) - 1)), draw(st.sampled_from([np.int32, np.int64])))
     attrs = {"exclusive": draw(st.sampled_from([0, 1])), "reverse": draw(st.sampled_from([0, 1]))}
-    return finish(draw, OpCase(op, [rng.uniform(-2, 2, s), axis], attrs, graph_inputs=placement(draw, [0])))
+    x = rng.uniform(-2, 2, s)
+    if op == "CumProd":
+        x = np.where(rng.random(s) < draw(st.sampled_from([0.0, 0.2, 0.5])), 0.0, x)
+    opset = 26 if op == "CumProd" else 18
+    return finish(draw, OpCase(op, [x, axis], attrs, opset=opset, graph_inputs=placement(draw, [0])))
 
 
 @st.composite
@@ -1530,6 +1535,7 @@ GENERATORS.update(
         "Softmax": softmax_cases,
         "LogSoftmax": softmax_cases,
         "CumSum": cumsum_cases,
+        "CumProd": cumsum_cases,
         "Trilu": trilu_cases,
         "TopK": topk_cases,
         "Einsum": einsum_cases,

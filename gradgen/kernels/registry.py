@@ -56,6 +56,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
     ("", "Compress"): "no CUDA launcher yet",
+    ("", "CumProd"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
     ("", "OneHot"): "no CUDA launcher yet",
     ("", "ReverseSequence"): "no CUDA launcher yet",

@@ -125,6 +125,7 @@ MODELS = {
     "RNN": lambda: _case_model("RNN"),
     "TopK": lambda: _case_model("TopK"),
     "Compress": lambda: _case_model("Compress"),
+    "CumProd": lambda: _case_model("CumProd"),
     "NonZero": _non_zero_model,
     "OneHot": lambda: _case_model("OneHot"),
     "ReverseSequence": lambda: _case_model("ReverseSequence"),

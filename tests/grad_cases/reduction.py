@@ -1,4 +1,4 @@
-"""Finite-difference cases: Reduce*, Softmax/LogSoftmax, CumSum, TopK."""
+"""Finite-difference cases: Reduce*, Softmax/LogSoftmax, CumSum, CumProd (zeros included), TopK."""
 
 import numpy as np
 
@@ -99,6 +99,30 @@ for axis in (0, 1, -1):
                 )
             )
 CASES.append(GradCase("CumSum", [r(2, 3, 2), np.array([1], dtype=np.int32)], name="CumSum-int32axis"))
+
+
+def with_zeros(*shape):
+    """Values with exact zeros: none in some lines, one in others, two in one (the rule's three cases)."""
+    x = r(*shape)
+    flat = x.reshape(-1, shape[-1])
+    flat[0, 1] = 0.0
+    flat[-1, 0] = flat[-1, 2] = 0.0
+    return x
+
+
+for exclusive in (0, 1):
+    for reverse in (0, 1):
+        for axis in (-1, 0):
+            CASES.append(
+                GradCase(
+                    "CumProd",
+                    [with_zeros(3, 4), np.array(axis, dtype=np.int64)],
+                    {"exclusive": exclusive, "reverse": reverse},
+                    opset=26,
+                    name=f"CumProd-axis{axis}-ex{exclusive}-rev{reverse}",
+                )
+            )
+CASES.append(GradCase("CumProd", [r(2, 3, 2), np.array(1, dtype=np.int32)], opset=26, name="CumProd-int32axis"))
 
 for axis, largest, k, opset in ((-1, 1, 2, 17), (1, 0, 3, 17), (0, 1, 1, 13), (2, 1, 4, 18), (-2, 0, 2, 15)):
     CASES.append(

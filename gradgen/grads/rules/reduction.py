@@ -1,4 +1,4 @@
-"""Gradient rules: reductions (Reduce*), Softmax/LogSoftmax, CumSum and TopK.
+"""Gradient rules: reductions (Reduce*), Softmax/LogSoftmax, CumSum, CumProd and TopK.
 
 Every Reduce* rule first brings the output gradient (and, where needed, the output) back to the
 "keepdims" layout, where each reduced axis has size 1, so that it broadcasts against the input.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import MICROSOFT, dims_of, is_static
+from gradgen.builder import INT64_MAX, MICROSOFT, dims_of, is_static
 from gradgen.grads.table import grad_rule, non_differentiable
 
 _ALL = "all"
@@ -202,6 +202,36 @@ def cum_sum(g):
     # with the same exclusive flag.
     exclusive, reverse = int(g.attr("exclusive", 0)), int(g.attr("reverse", 0))
     return [g.op("CumSum", g.dy(), g.x(1), exclusive=exclusive, reverse=1 - reverse)]
+
+
+@grad_rule("CumProd", nondiff_inputs=(1,))
+def cum_prod(g):
+    """dX_i = sum_{j >= i} dY_j prod_{k <= j, k != i} X_k (j, k in the scan's order), without dividing
+    by a zero: before the first zero of a line it is the reverse cumulative sum of dY * Y over X_i;
+    at the first zero, the reverse cumulative sum of dY times the product with that zero taken as 1;
+    after it, 0 (every product holds the zero). An exclusive product is the inclusive one shifted by
+    one step, so its dY shifts back first."""
+    x, axis, dy = g.x(0), g.x(1), g.dy()
+    reverse = int(g.attr("reverse", 0))
+    axes = g.reshape(g.op("Cast", axis, to=ir.DataType.INT64), [1])
+    if int(g.attr("exclusive", 0)):
+        # dY of the inclusive product: step m gets the exclusive dY of the step after it (in scan order)
+        pads, start, end = ([0, 1], 1, INT64_MAX) if not reverse else ([1, 0], 0, -1)
+        padded = g.op("Pad", dy, g.ints(pads), None, axes)
+        dy = g.op("Slice", padded, g.ints([start]), g.ints([end]), axes)
+    zero, one = g.const_like(x, 0.0), g.const_like(x, 1.0)
+    zeros_so_far = g.op("CumSum", g.cast_like(g.op("Equal", x, zero), x), axis, reverse=reverse)
+    before = g.op("Equal", zeros_so_far, zero)  # no zero at or before this step
+    first = g.op("And", g.op("Equal", x, zero), g.op("Equal", zeros_so_far, one))
+
+    def sum_from_here(v):  # sum over this step and the ones after it, in scan order
+        return g.op("CumSum", v, axis, reverse=1 - reverse)
+
+    product = g.op("CumProd", x, axis, reverse=reverse)
+    ahead = g.op("Div", sum_from_here(g.op("Mul", dy, product)), g.op("Where", before, x, one))
+    without_zero = g.op("CumProd", g.op("Where", first, one, x), axis, reverse=reverse)
+    at_zero = sum_from_here(g.op("Mul", dy, without_zero))
+    return [g.op("Where", before, ahead, g.op("Where", first, at_zero, g.zeros_like(x)))]
 
 
 @grad_rule("TopK", nondiff_inputs=(1,))
