@@ -980,6 +980,40 @@ def pool_cases(draw, op):
     return finish(draw, case, symbolic_ok=symbolic_ok)
 
 
+@st.composite
+def pool_grad_cases(draw, op):
+    """ONNX Runtime training's MaxPoolGrad(dY, Indices) / AveragePoolGrad(dY) (ONNX domain ops that
+    stock onnxruntime lacks). X is as long as the windows reach (what the kernels infer dX's shape
+    from), MaxPoolGrad's Indices come from MaxPool on distinct values; AveragePoolGrad gets pads
+    and count_include_pad."""
+    from gradgen.kernels.cpu.pool import max_pool
+
+    rng = _rng(draw)
+    spatial = draw(st.integers(1, 2))
+    kernel = [draw(st.integers(1, 3)) for _ in range(spatial)]
+    strides = [draw(st.integers(1, 2)) for _ in range(spatial)]
+    pads = [0] * (2 * spatial)
+    attrs: dict[str, Any] = {"kernel_shape": kernel, "strides": strides}
+    if op == "AveragePoolGrad" and draw(st.booleans()):
+        pads = [draw(st.integers(0, k - 1)) for k in kernel * 2]
+        attrs["pads"] = pads
+        attrs["count_include_pad"] = draw(st.sampled_from([0, 1]))
+    out = [draw(st.integers(1, 3)) for _ in range(spatial)]
+    size = [(o - 1) * s_ + k - pads[i] - pads[spatial + i] for i, (o, s_, k) in enumerate(zip(out, strides, kernel))]
+    assume(all(v >= 1 for v in size))
+    lead = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    dy = rng.uniform(-2, 2, lead + tuple(out))
+    if op == "MaxPoolGrad":
+        _, indices = max_pool(distinct(rng, lead + tuple(size)), kernel_shape=kernel, strides=strides, _num_outputs=2)
+        assume(indices.shape == dy.shape)
+        inputs = [dy, indices.astype(np.int64)]
+    else:
+        inputs = [dy]
+    case = OpCase(op, inputs, attrs, opset=17, graph_inputs=placement(draw, list(range(len(inputs)))))
+    case.ort = "stock onnxruntime has no MaxPoolGrad / AveragePoolGrad (ONNX Runtime training's ops)"
+    return finish(draw, case, symbolic_ok=False)
+
+
 # -- normalization -----------------------------------------------------------------------------
 
 
@@ -1576,6 +1610,8 @@ for _op in ["Conv", "ConvTranspose"]:
     GENERATORS[_op] = conv_cases
 for _op in ["MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"]:
     GENERATORS[_op] = pool_cases
+for _op in ["MaxPoolGrad", "AveragePoolGrad"]:
+    GENERATORS[_op] = pool_grad_cases
 for _op in ["BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization"]:
     GENERATORS[_op] = norm_cases
 for _op in ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"]:

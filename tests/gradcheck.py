@@ -39,6 +39,9 @@ class GradCase:
     # constants of MeanVarianceNormalization's function body): the backward graph is then checked
     # without it
     full_check: bool = True
+    # False for ONNX Runtime training's ops of the ONNX domain (MaxPoolGrad, AveragePoolGrad), which
+    # ONNX's checker does not know at all
+    checked: bool = True
 
     @property
     def id(self) -> str:
@@ -134,7 +137,8 @@ def check_case(case: GradCase, symbolic: bool = False) -> None:
     model, feeds, diff = case_model(case, symbolic)
     built = gradgen.build_backward(model, wrt=diff)
     proto = gradgen.api.ir.to_proto(built.model)
-    onnx.checker.check_model(proto, full_check=case.full_check)
+    if case.checked:
+        onnx.checker.check_model(proto, full_check=case.full_check)
     got = Session(built.model).run(feeds)
     forward = Session(model)
     for name in diff:

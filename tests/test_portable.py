@@ -162,6 +162,10 @@ RUN_NOT_EMITTED = {
     "FastGeluGrad",
     "BiasGeluGrad_dX",
     "BiasFastGeluGrad_dX",
+    "SoftmaxGrad",
+    "LogSoftmaxGrad",
+    "SimplifiedLayerNormalizationGrad",
+    "Scale",
     # ONNX Runtime's forward ops of models optimized for its inference, rewritten into standard ops
     # before the gradient pass
     *(op for domain, op in LOWERED_FORWARD_OPS if domain == MICROSOFT_DOMAIN),

@@ -20,6 +20,7 @@ FAMILIES = (
     "loss",
     "matmul",
     "norm",
+    "optimizer",
     "pool",
     "quantize",
     "recurrent",

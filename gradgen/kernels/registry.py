@@ -105,6 +105,12 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
     ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "BiasFastGeluGrad_dX"): "no CUDA launcher yet",
+    ("com.microsoft", "SoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13; gradgen emits SoftmaxGrad_13)",
+    ("com.microsoft", "LogSoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13)",
+    ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
+    ("com.microsoft", "Scale"): "no CUDA launcher yet",
+    ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
+    ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }
 
 __all__ = [

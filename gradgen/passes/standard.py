@@ -78,6 +78,11 @@ class ShapeInferencePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
+# ONNX Runtime training registers these in the ONNX domain, where ONNX defines nothing of that
+# name: output 0 takes the element type of the input at the given position (dY)
+_ORT_ONNX_DOMAIN_OPS = {"MaxPoolGrad": 0, "AveragePoolGrad": 0}
+
+
 def _types_from_schemas(model: ir.Model) -> bool:
     """Element types ONNX's inference leaves unknown (ops without an inference function, such as
     GroupNormalization-18) from the op's schema: an output typed like an input (the same type
@@ -87,6 +92,12 @@ def _types_from_schemas(model: ir.Model) -> bool:
     for node in model.graph:
         outputs = [o for o in node.outputs if o.name and o.type is None]
         if not outputs or node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in _ORT_ONNX_DOMAIN_OPS:  # ONNX Runtime training's ops that ONNX does not define
+            typed_like = node.inputs[_ORT_ONNX_DOMAIN_OPS[node.op_type]]
+            if typed_like is not None and typed_like.type is not None and node.outputs[0] in outputs:
+                node.outputs[0].type = typed_like.type
+                modified = True
             continue
         try:
             schema = onnx.defs.get_schema(node.op_type, opset)

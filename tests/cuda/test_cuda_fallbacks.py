@@ -145,6 +145,12 @@ MODELS = {
     "BiasGeluGrad_dX": lambda: _microsoft_case_model("BiasGeluGrad_dX"),
     "BiasFastGeluGrad_dX": lambda: _microsoft_case_model("BiasFastGeluGrad_dX"),
     "SoftmaxGrad_13": lambda: _microsoft_case_model("SoftmaxGrad_13"),
+    "SoftmaxGrad": lambda: _microsoft_case_model("SoftmaxGrad"),
+    "LogSoftmaxGrad": lambda: _microsoft_case_model("LogSoftmaxGrad"),
+    "SimplifiedLayerNormalizationGrad": lambda: _microsoft_case_model("SimplifiedLayerNormalizationGrad"),
+    "Scale": lambda: _microsoft_case_model("Scale"),
+    "MaxPoolGrad": lambda: _case_model("MaxPoolGrad"),
+    "AveragePoolGrad": lambda: _case_model("AveragePoolGrad"),
     "LogSoftmaxGrad_13": lambda: _microsoft_case_model("LogSoftmaxGrad_13"),
 }
 

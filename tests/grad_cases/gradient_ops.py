@@ -152,3 +152,74 @@ CASES += [
         name="SoftmaxCrossEntropyLossGrad_mean_weights",
     ),
 ]
+
+
+def _coerced_softmax(x, axis):
+    """Softmax before opset 13: x coerced to 2-D at ``axis``, normalised over every axis from it."""
+    flat = x.reshape(int(np.prod(x.shape[:axis])), -1)
+    return _softmax(flat, 1).reshape(x.shape)
+
+
+# The other ONNX Runtime training gradient ops gradgen runs (its training graphs): SoftmaxGrad /
+# LogSoftmaxGrad before opset 13 (the sums over every axis from `axis`), SimplifiedLayerNormalizationGrad,
+# Scale (times and divided by), and the pooling gradients (whose ops sit in the ONNX domain).
+_pooled = r(2, 2, 3, 3)
+CASES += [
+    GradCase(
+        "SoftmaxGrad", [r(2, 3, 4), _coerced_softmax(r(2, 3, 4), 1)], attrs={"axis": 1}, domain=MS, name="SoftmaxGrad_axis1"
+    ),
+    GradCase("SoftmaxGrad", [r(3, 5), _coerced_softmax(r(3, 5), 1)], domain=MS, name="SoftmaxGrad_default"),
+    GradCase(
+        "LogSoftmaxGrad",
+        [r(2, 3, 2), np.log(_coerced_softmax(r(2, 3, 2), 2))],
+        attrs={"axis": 2},
+        domain=MS,
+        name="LogSoftmaxGrad_axis2",
+    ),
+    GradCase(
+        "SimplifiedLayerNormalizationGrad",
+        [r(2, 3, 4), r(2, 3, 4), r(4), rng.uniform(0.5, 2.0, (2, 3, 1))],
+        domain=MS,
+        num_outputs=2,
+        name="SimplifiedLayerNormalizationGrad_last",
+    ),
+    GradCase(
+        "SimplifiedLayerNormalizationGrad",
+        [r(2, 3, 2), r(2, 3, 2), r(3, 2), rng.uniform(0.5, 2.0, (2, 1, 1))],
+        attrs={"axis": 1},
+        domain=MS,
+        num_outputs=2,
+        name="SimplifiedLayerNormalizationGrad_axis1",
+    ),
+    GradCase("Scale", [r(3, 4), np.array([1.7])], domain=MS, name="Scale_times"),
+    # the kernel divides by float32(s): differences in steps of 1e-3 see past that rounding
+    GradCase("Scale", [r(3, 4), np.array([-0.6])], attrs={"scale_down": 1}, domain=MS, name="Scale_divided", eps=1e-3, rtol=1e-4),
+    GradCase(
+        "MaxPoolGrad",
+        [r(2, 2, 2, 2), np.array([0, 2, 4, 8, 9, 12, 14, 15, 19, 20, 25, 26, 27, 28, 33, 35]).reshape(2, 2, 2, 2)],
+        attrs={"kernel_shape": [2, 2], "strides": [1, 1]},
+        name="MaxPoolGrad_2x2",
+        checked=False,  # ONNX's checker does not know ONNX Runtime's ops of the ONNX domain
+    ),
+    GradCase(
+        "AveragePoolGrad",
+        [r(2, 2, 2, 2)],
+        attrs={"kernel_shape": [2, 2], "strides": [1, 1]},
+        name="AveragePoolGrad_2x2",
+        checked=False,
+    ),
+    GradCase(
+        "AveragePoolGrad",
+        [r(1, 2, 3, 2)],
+        attrs={"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 1, 1], "count_include_pad": 1},
+        name="AveragePoolGrad_pads_include",
+        checked=False,
+    ),
+    GradCase(
+        "AveragePoolGrad",
+        [r(1, 1, 3)],
+        attrs={"kernel_shape": [2], "strides": [2], "pads": [1, 1]},
+        name="AveragePoolGrad_1d_pads",
+        checked=False,
+    ),
+]

@@ -710,3 +710,20 @@ def dynamic_quantize_linear(g):
         "quantized (integer) y, whose gradient is none; gradgen does not differentiate DynamicQuantizeLinear "
         "(--freeze the tensors that feed it, or quantize with float ops)"
     )
+
+
+@grad_rule("Scale", domain=MICROSOFT)
+def scale(g):
+    """ONNX Runtime training's Scale: Y = X * s (X / s with scale_down=1), s one element. dX is dY
+    scaled the same way; s gets sum(dY X) (-sum(dY X) / s^2 when dividing)."""
+    x, factor, dy = g.x(0), g.x(1), g.dy()
+    down = bool(int(g.attr("scale_down", 0)))
+    grads = [None, None]
+    if g.needs(0):
+        grads[0] = g.op("Div" if down else "Mul", dy, g.reshape(g.op("CastLike", factor, dy), []))
+    if g.needs(1):
+        total = g.op("CastLike", g.reduce_sum(g.op("Mul", dy, x), None, keepdims=0), factor)
+        if down:
+            total = g.op("Neg", g.op("Div", total, g.op("Mul", factor, factor)))
+        grads[1] = g.reshape_like(total, factor)
+    return grads

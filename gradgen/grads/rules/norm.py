@@ -474,13 +474,31 @@ def layer_normalization_grad(g):
     It is linear in dY but not in X, mean or s: this is its vector-Jacobian product written out,
     for incoming gradients P, Q, B of dX, dScale, dBias. mean and inv_std are inputs in their own
     right (LayerNormalization's rule carries their gradients on to X)."""
-    dy, x, scale, mean, inv_std = (g.x(i) for i in range(5))
-    p, q, b = g.dy(0), g.dy(1), g.dy(2)
+    return _layer_norm_grad_vjp(g, simplified=False)
+
+
+@grad_rule("SimplifiedLayerNormalizationGrad", domain=MICROSOFT)
+def simplified_layer_normalization_grad(g):
+    """SimplifiedLayerNormalizationGrad(dY, X, scale, inv_std) -> (dX, dScale) of the RMS norm,
+    differentiated again: LayerNormalizationGrad's product with mean 0 and no mean_R(h) term,
+    dX = s (h - xhat mean_R(h xhat)), xhat = X s."""
+    return _layer_norm_grad_vjp(g, simplified=True)
+
+
+def _layer_norm_grad_vjp(g, simplified: bool) -> list:
+    """The vector-Jacobian product of (Simplified)LayerNormalizationGrad (see layer_normalization_grad)."""
+    if simplified:
+        dy, x, scale, inv_std = (g.x(i) for i in range(4))
+        mean, b = None, None
+    else:
+        dy, x, scale, mean, inv_std = (g.x(i) for i in range(5))
+        b = g.dy(2)
+    p, q = g.dy(0), g.dy(1)
     rank = _rank(g, x)
     axis = int(g.attr("axis", -1)) % rank
     norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
     s = g.cast_like(inv_std, x)
-    centered = g.op("Sub", x, g.cast_like(mean, x))
+    centered = x if mean is None else g.op("Sub", x, g.cast_like(mean, x))
     xhat = g.op("Mul", centered, s)
     h = g.op("Mul", dy, scale)
     d_dy, d_h, d_xhat, d_s = [], [], [], []
@@ -490,15 +508,19 @@ def layer_normalization_grad(g):
         d_dy.append(g.op("Mul", q, xhat))
         d_xhat.append(g.op("Mul", q, dy))
     if p is not None:
-        mean_h = g.reduce("ReduceMean", h, norm_axes, keepdims=1)
         mean_hx = g.reduce("ReduceMean", g.op("Mul", h, xhat), norm_axes, keepdims=1)
         ps = g.op("Mul", p, s)
-        d_h.append(normalize_backward(g, p, xhat, s, norm_axes))
         mean_psx = g.reduce("ReduceMean", g.op("Mul", ps, xhat), norm_axes, keepdims=1)
+        if simplified:
+            d_h.append(g.op("Sub", ps, g.op("Mul", xhat, mean_psx)))
+            inner = g.op("Sub", h, g.op("Mul", xhat, mean_hx))
+        else:
+            d_h.append(normalize_backward(g, p, xhat, s, norm_axes))
+            mean_h = g.reduce("ReduceMean", h, norm_axes, keepdims=1)
+            inner = g.op("Sub", g.op("Sub", h, mean_h), g.op("Mul", xhat, mean_hx))
         d_xhat.append(g.op("Neg", g.op("Add", g.op("Mul", ps, mean_hx), g.op("Mul", mean_psx, h))))
-        inner = g.op("Sub", g.op("Sub", h, mean_h), g.op("Mul", xhat, mean_hx))
         d_s.append(g.reduce_sum(g.op("Mul", p, inner), norm_axes, keepdims=1))
-    grads: list = [None] * 5
+    grads: list = [None] * len(g.node.inputs)
     if d_h:  # h = dY scale
         grad_h = d_h[0]
         d_dy.append(g.op("Mul", grad_h, scale))
@@ -514,16 +536,17 @@ def layer_normalization_grad(g):
     grad_x = g.op("Mul", grad_xhat, s) if grad_xhat is not None else None  # xhat = (X - mean) s
     if g.needs(1):
         grads[1] = grad_x if grad_x is not None else g.zeros_like(x)
-    if g.needs(3):
+    if mean is not None and g.needs(3):
         grads[3] = (
             g.cast_like(g.op("Neg", g.reduce_sum(grad_x, norm_axes, keepdims=1)), mean)
             if grad_x is not None
             else g.zeros_like(mean)
         )
-    if g.needs(4):
+    s_index = 3 if simplified else 4
+    if g.needs(s_index):
         if grad_xhat is not None:
             d_s.append(g.reduce_sum(g.op("Mul", grad_xhat, centered), norm_axes, keepdims=1))
-        grads[4] = g.cast_like(g.sum(d_s), inv_std) if d_s else g.zeros_like(inv_std)
+        grads[s_index] = g.cast_like(g.sum(d_s), inv_std) if d_s else g.zeros_like(inv_std)
     return grads
 
 

@@ -452,3 +452,19 @@ def max_roi_pool(g):
     )
     dx = g.reshape(dx, g.cat(channels, g.part(shape, 0, 1), g.part(shape, 2)), exact=True)
     return [g.transpose(dx, [1, 0, 2, 3]), None]
+
+
+@grad_rule("MaxPoolGrad", nondiff_inputs=(1,))
+def max_pool_grad(g):
+    """ONNX Runtime training's MaxPoolGrad(dY, Indices): dY added at the flat positions Indices. It
+    is linear in dY, and its adjoint reads the incoming gradient back at those positions."""
+    return [g.op("Gather", g.reshape(g.dy(), [-1]), g.x(1), axis=0), None]
+
+
+@grad_rule("AveragePoolGrad")
+def average_pool_grad(g):
+    """ONNX Runtime training's AveragePoolGrad(dY): each dY spread over its window, divided by the
+    window's count. It is linear in dY, and its adjoint is the AveragePool with the same attributes."""
+    names = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
+    attrs = {name: g.attr(name) for name in names if g.attr(name) is not None}
+    return [g.op("AveragePool", g.dy(), **attrs)]

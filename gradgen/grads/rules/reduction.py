@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import INT64_MAX, MICROSOFT, dims_of, is_static
+from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule, non_differentiable
 
 _ALL = "all"
@@ -254,8 +255,18 @@ def softmax_grad_13(g):
     """dX = Y (dY - s), s = sum(dY Y) over the axis (ONNX Runtime training's, differentiated again).
     With P the incoming gradient and t = sum(P Y): d dY = Y (P - t), self-adjoint in dY;
     d Y = P (dY - s) - dY t."""
+    return _softmax_grad_vjp(g, _softmax_axes(g))
+
+
+@grad_rule("SoftmaxGrad", domain=MICROSOFT)
+def softmax_grad(g):
+    """SoftmaxGrad (Softmax before opset 13: the input coerced to 2-D at ``axis``, so the sums run
+    over every axis from it): SoftmaxGrad_13's product over those axes."""
+    return _softmax_grad_vjp(g, _coerced_axes(g))
+
+
+def _softmax_grad_vjp(g, axes: list[int]) -> list:
     dy, y, p = g.x(0), g.x(1), g.dy()
-    axes = _softmax_axes(g)
     t = g.reduce_sum(g.op("Mul", p, y), axes, keepdims=1)
     d_dy = g.op("Mul", y, g.op("Sub", p, t)) if g.needs(0) else None
     d_y = None
@@ -269,9 +280,26 @@ def softmax_grad_13(g):
 def log_softmax_grad_13(g):
     """dX = dY - exp(Y) sum(dY) over the axis, Y LogSoftmax's output (ONNX Runtime training's,
     differentiated again). With P the incoming gradient: d dY = P - sum(P exp(Y)); d Y = -P exp(Y) sum(dY)."""
+    return _log_softmax_grad_vjp(g, _softmax_axes(g))
+
+
+@grad_rule("LogSoftmaxGrad", domain=MICROSOFT)
+def log_softmax_grad(g):
+    """LogSoftmaxGrad (LogSoftmax before opset 13): LogSoftmaxGrad_13's product over the axes from ``axis``."""
+    return _log_softmax_grad_vjp(g, _coerced_axes(g))
+
+
+def _log_softmax_grad_vjp(g, axes: list[int]) -> list:
     dy, y, p = g.x(0), g.x(1), g.dy()
-    axes = _softmax_axes(g)
     e = g.op("Exp", y)
     d_dy = g.op("Sub", p, g.reduce_sum(g.op("Mul", p, e), axes, keepdims=1)) if g.needs(0) else None
     d_y = g.op("Neg", g.op("Mul", g.op("Mul", p, e), g.reduce_sum(dy, axes, keepdims=1))) if g.needs(1) else None
     return [d_dy, d_y]
+
+
+def _coerced_axes(g) -> list[int]:
+    """The axes a Softmax below opset 13 normalises over: every axis from ``axis`` (default 1)."""
+    rank = g.rank(g.x(1))
+    if rank is None:
+        raise ModelError(f"{g.node.op_type} node {g.node.name!r}: the rank of Y is unknown; its gradient needs it")
+    return list(range(int(g.attr("axis", 1)) % max(rank, 1), rank))

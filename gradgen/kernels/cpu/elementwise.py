@@ -715,6 +715,19 @@ def bias_fast_gelu_grad_dx(dY, X, B):
     return _gelu_grad(dY, _biased(X, B), approximate=True)
 
 
+schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc): output = input * scale, or
+        # input / scale with scale_down=1; scale holds one value
+        "Scale",
+        inputs=(Formal("input", FLOATS), Formal("scale", frozenset({*FLOATS, schemas.DT.INT64, schemas.DT.INT32}))),
+        outputs=(Formal("output", FLOATS),),
+        attributes=(Attribute("scale_down", "int", 0),),
+        infer=lambda i, a: [(i[0].dtype, i[0].shape)],
+    )
+)
+
+
 @cpu_kernel("Scale", domain=MICROSOFT)
 def scale(input, scale_value, *, scale_down=0):
     """input * scale, or input / scale with scale_down=1; scale is a one-element tensor."""

@@ -236,6 +236,28 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
     return _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified=False)
 
 
+schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc): LayerNormalizationGrad without mean
+        # and bias_grad (the RMS norm's gradient)
+        "SimplifiedLayerNormalizationGrad",
+        inputs=(
+            Formal("Y_grad", FLOATS),
+            Formal("X", FLOATS),
+            Formal("scale", FLOATS),
+            Formal("inv_std_var", frozenset({schemas.DT.FLOAT, schemas.DT.BFLOAT16})),
+        ),
+        outputs=(Formal("X_grad", FLOATS), Formal("scale_grad", FLOATS, optional=True)),
+        attributes=(
+            Attribute("axis", "int", -1),
+            Attribute("epsilon", "float", declared=False),
+            Attribute("stash_type", "int", declared=False),
+        ),
+        infer=lambda i, a: [(i[1].dtype, i[1].shape), (i[2].dtype, i[2].shape)],
+    )
+)
+
+
 @cpu_kernel("SimplifiedLayerNormalizationGrad", domain=MICROSOFT)
 def simplified_layer_normalization_grad(dY, X, scale, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
     """(dX, dScale) of SimplifiedLayerNormalization (RMS norm) from its saved InvStdDev."""

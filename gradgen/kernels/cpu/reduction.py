@@ -299,15 +299,16 @@ def softmax_grad(dY, Y, *, axis=1):
     return _softmax_grad(dY, Y, axis, opset13=False)
 
 
-def _softmax_grad_13_schema(op_type: str) -> Schema:
+def _softmax_grad_13_schema(op_type: str, default_axis: int = -1) -> Schema:
     """ONNX Runtime training's contract (training_op_defs.cc) of SoftmaxGrad_13 / LogSoftmaxGrad_13:
-    dY and the forward output Y, one axis."""
+    dY and the forward output Y, one axis (SoftmaxGrad / LogSoftmaxGrad: the same, axis 1 by
+    default, the sums running over every axis from it)."""
     return schemas.declare(
         Schema(
             op_type,
             inputs=(Formal("dY", FLOATS), Formal("Y", FLOATS)),
             outputs=(Formal("dX", FLOATS),),
-            attributes=(Attribute("axis", "int", -1),),
+            attributes=(Attribute("axis", "int", default_axis),),
             infer=lambda i, a: [(i[0].dtype, i[0].shape)],
         )
     )
@@ -315,6 +316,8 @@ def _softmax_grad_13_schema(op_type: str) -> Schema:
 
 SOFTMAX_GRAD_13 = _softmax_grad_13_schema("SoftmaxGrad_13")
 LOG_SOFTMAX_GRAD_13 = _softmax_grad_13_schema("LogSoftmaxGrad_13")
+SOFTMAX_GRAD = _softmax_grad_13_schema("SoftmaxGrad", default_axis=1)
+LOG_SOFTMAX_GRAD = _softmax_grad_13_schema("LogSoftmaxGrad", default_axis=1)
 
 
 @cpu_kernel("SoftmaxGrad_13", domain=MICROSOFT)

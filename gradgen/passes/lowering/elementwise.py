@@ -9,7 +9,7 @@ import onnx_ir as ir
 from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
 from gradgen.grads.rules.elementwise import gelu_slopes
-from gradgen.passes.lowering.table import is_needed, node_input, node_where, register_lowering, zeros_opset
+from gradgen.passes.lowering.table import CASTLIKE_OPSET, is_needed, node_input, node_where, register_lowering, zeros_opset
 
 
 @register_lowering("BroadcastGradientArgs")
@@ -179,3 +179,16 @@ def lower_bias_dropout(e: GraphBuilder, node: ir.Node):
     if len(node.outputs) > 1 and is_needed(node.outputs[1]):
         mask = e.op("ConstantOfShape", e.shape_of(data), value=ir.tensor(np.array([True])))
     return [y, mask]
+
+
+@register_lowering("Scale", min_opset=lambda node: CASTLIKE_OPSET)
+def lower_scale(e: GraphBuilder, node: ir.Node):
+    """output = input * scale, or with scale_down=1 input * (1 / scale), the reciprocal taken in
+    float32 as ONNX Runtime's kernel takes it; the factor in the input's type."""
+    x, factor = node_input(node, 0), node_input(node, 1)
+    if x is None or factor is None:
+        raise ModelError(f"{node_where(node)} lacks one of its inputs input, scale")
+    down = node.attributes.get("scale_down")
+    if down is not None and int(down.value):
+        factor = e.op("Div", e.const(np.array(1.0, np.float32)), e.op("Cast", factor, to=ir.DataType.FLOAT))
+    return [e.op("Mul", x, e.reshape(e.op("CastLike", factor, x), []))]

@@ -58,6 +58,38 @@ def lower_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
     return outputs
 
 
+@register_lowering(
+    "SimplifiedLayerNormalizationGrad",
+    min_opset=lambda node: CASTLIKE_OPSET if node_input(node, 1) is None or node.inputs[1].dtype is None else BASE_OPSET,
+)
+def lower_simplified_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
+    """The RMS norm's: xhat = X * inv_std_var in X's type; dX = inv_std_var * (dxhat - xhat *
+    mean(dxhat * xhat)) over the normalized axes with dxhat = Y_grad * scale; scale_grad sums
+    Y_grad * xhat over the leading axes."""
+    dy, x, scale, inv_std = (node_input(node, i) for i in range(4))
+    if any(v is None for v in (dy, x, scale, inv_std)):
+        raise ModelError(f"{node_where(node)} lacks one of its inputs Y_grad, X, scale, inv_std_var")
+    dims = dims_of(x) or dims_of(dy)
+    if dims is None:
+        raise ModelError(f"{node_where(node)}: the rank of X ({x.name!r}) is unknown; the lowering needs it")
+    rank = len(dims)
+    axis_attr = node.attributes.get("axis")
+    axis = (-1 if axis_attr is None else int(axis_attr.value)) % rank
+    norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
+    rstd = _to_type_of(e, inv_std, x)
+    xhat = e.op("Mul", x, rstd)
+    outputs = [None, None]
+    if is_needed(node.outputs[0]):
+        dxhat = e.op("Mul", dy, scale)
+        mean_dx = e.reduce("ReduceMean", e.op("Mul", dxhat, xhat), norm_axes, keepdims=1)
+        outputs[0] = e.op("Mul", rstd, e.op("Sub", dxhat, e.op("Mul", xhat, mean_dx)))
+    if len(node.outputs) > 1 and is_needed(node.outputs[1]):
+        term = e.op("Mul", dy, xhat)
+        summed = e.reduce_sum(term, lead_axes, keepdims=0) if lead_axes else term
+        outputs[1] = e.reshape_like(summed, scale)
+    return outputs
+
+
 # ---------------------------------------------------------------------------------------------
 # ONNX Runtime's fused normalizations (forward ops): their standard-op forms, which are also what
 # DecomposePass differentiates (gradgen/kernels/cpu/norm.py has their kernels and schemas)
