@@ -210,3 +210,20 @@ def test_the_callers_model_is_left_as_it_is():
     out = Session(model).run({"x": np.array([0.5, -1.0])})
     np.testing.assert_allclose(out["loss"], 2 * np.tanh([0.5, -1.0]).sum())
     assert [n.op_type for n in model.graph] == before
+
+
+def test_split_sizes_fed_at_run_time():
+    """SplitToSequence by a 1-D split of a fixed length whose sizes are an input: a Split of as many
+    pieces, however long each is."""
+    nodes = [
+        helper.make_node("SplitToSequence", ["x", "sizes"], ["parts"], axis=0),
+        helper.make_node("SequenceAt", ["parts", "one"], ["second"]),
+        helper.make_node("SequenceAt", ["parts", "zero"], ["first"]),
+        helper.make_node("Mul", ["second", "second"], ["sq"]),
+    ]
+    _loss_of(["sq", "first"], nodes)
+    inputs = [helper.make_tensor_value_info("x", F64, ["n", 2]), helper.make_tensor_value_info("sizes", TensorProto.INT64, [2])]
+    model = _model(nodes, inputs, [_ints("one", 1), _ints("zero", 0)])
+    rng = np.random.default_rng(3)
+    for n, sizes in ((5, [2, 3]), (4, [3, 1])):
+        _check(model, {"x": rng.standard_normal((n, 2)), "sizes": np.array(sizes, np.int64)})

@@ -136,7 +136,8 @@ class _Rewriter:
 
     def _split(self, node: ir.Node) -> list[ir.Value] | None:
         """SplitToSequence as a Split (and Squeeze when keepdims=0 without split) where the number of
-        pieces is fixed: by a 1-D split, or by the split axis's static size."""
+        pieces is fixed: by a 1-D split of a static length (its sizes may come at run time), or by
+        the split axis's static size."""
         x = node.inputs[0]
         split = node.inputs[1] if len(node.inputs) > 1 else None
         dims = dims_of(x) if x is not None else None
@@ -155,6 +156,10 @@ class _Rewriter:
                 pieces = [b.squeeze(p, [axis]) for p in pieces]
         elif sizes is not None and sizes.ndim == 1:
             pieces = b.op_multi("Split", [x, b.ints(sizes.tolist())], len(sizes), axis=axis) if len(sizes) else []
+        elif sizes is None and _static_length(split) is not None:  # sizes known at run time only, but how many
+            count = _static_length(split)
+            assert count is not None and split is not None
+            pieces = b.op_multi("Split", [x, b.op("Cast", split, to=ir.DataType.INT64)], count, axis=axis) if count else []
         elif sizes is not None and sizes.ndim == 0 and isinstance(size, int) and int(sizes) > 0:
             chunk = int(sizes)
             lengths = [chunk] * (size // chunk) + ([size % chunk] if size % chunk else [])
@@ -372,6 +377,12 @@ def _collect_subgraph_types(graph: onnx.GraphProto, types: dict[str, onnx.TypePr
         for attr in node.attribute:
             for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
                 _collect_subgraph_types(sub, types)
+
+
+def _static_length(value: ir.Value | None) -> int | None:
+    """The length of a 1-D value whose shape the model fixes, else None."""
+    dims = dims_of(value) if value is not None else None
+    return dims[0] if dims is not None and len(dims) == 1 and isinstance(dims[0], int) else None
 
 
 def _input(node: ir.Node, index: int) -> ir.Value | None:
