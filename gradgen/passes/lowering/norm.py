@@ -25,6 +25,20 @@ def _to_type_of(e: GraphBuilder, value: ir.Value, like: ir.Value) -> ir.Value:
     return value if value.dtype == like.dtype else e.op("Cast", value, to=like.dtype)
 
 
+def _grad_axes(node: ir.Node, x: ir.Value, dy: ir.Value) -> tuple[list[int], list[int]]:
+    """The normalized axes (from ``axis``) and the leading ones of a (Simplified)LayerNormalizationGrad."""
+    dims = dims_of(x) or dims_of(dy)
+    if dims is None:
+        raise ModelError(f"{node_where(node)}: the rank of X ({x.name!r}) is unknown; the lowering needs it")
+    rank = len(dims)
+    axis_attr = node.attributes.get("axis")
+    axis = -1 if axis_attr is None else int(axis_attr.value)
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node_where(node)}: axis {axis} is out of range for X of rank {rank}")
+    axis %= rank
+    return list(range(axis, rank)), list(range(axis))
+
+
 @register_lowering(
     "LayerNormalizationGrad",
     min_opset=lambda node: CASTLIKE_OPSET if node_input(node, 1) is None or node.inputs[1].dtype is None else BASE_OPSET,
@@ -36,16 +50,7 @@ def lower_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
     dy, x, scale, mean, inv_std = (node_input(node, i) for i in range(5))
     if any(v is None for v in (dy, x, scale, mean, inv_std)):
         raise ModelError(f"{node_where(node)} lacks one of its inputs Y_grad, X, scale, mean, inv_std_var")
-    dims = dims_of(x) or dims_of(dy)
-    if dims is None:
-        raise ModelError(f"{node_where(node)}: the rank of X ({x.name!r}) is unknown; the lowering needs it")
-    rank = len(dims)
-    axis_attr = node.attributes.get("axis")
-    axis = -1 if axis_attr is None else int(axis_attr.value)
-    if not -rank <= axis < rank:
-        raise ModelError(f"{node_where(node)}: axis {axis} is out of range for X of rank {rank}")
-    axis %= rank
-    norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
+    norm_axes, lead_axes = _grad_axes(node, x, dy)
     rstd = _to_type_of(e, inv_std, x)
     xhat = e.op("Mul", e.op("Sub", x, _to_type_of(e, mean, x)), rstd)
     outputs = [None, None, None]
@@ -69,13 +74,7 @@ def lower_simplified_layer_normalization_grad(e: GraphBuilder, node: ir.Node):
     dy, x, scale, inv_std = (node_input(node, i) for i in range(4))
     if any(v is None for v in (dy, x, scale, inv_std)):
         raise ModelError(f"{node_where(node)} lacks one of its inputs Y_grad, X, scale, inv_std_var")
-    dims = dims_of(x) or dims_of(dy)
-    if dims is None:
-        raise ModelError(f"{node_where(node)}: the rank of X ({x.name!r}) is unknown; the lowering needs it")
-    rank = len(dims)
-    axis_attr = node.attributes.get("axis")
-    axis = (-1 if axis_attr is None else int(axis_attr.value)) % rank
-    norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
+    norm_axes, lead_axes = _grad_axes(node, x, dy)
     rstd = _to_type_of(e, inv_std, x)
     xhat = e.op("Mul", x, rstd)
     outputs = [None, None]
