@@ -788,7 +788,7 @@ def test_regression_average_pool_valid_ceil_mode_counts_no_padding():
 @pytest.mark.parametrize(
     "case,message",
     [
-        (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "max"}), "reduction='max'"),
+        (fo.OpCase("ScatterElements", [np.ones(3), np.array([0]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
         (fo.OpCase("ScatterND", [np.ones(3), np.array([[1]]), np.ones(1)], {"reduction": "mul"}), "reduction='mul'"),
         (
             fo.OpCase("Dropout", [np.ones(3), np.array(0.5), np.array(False)], graph_inputs=frozenset({0, 2}), diff=(0,)),

@@ -62,6 +62,29 @@ CASES = [
     ),
     GradCase("ScatterND", [r(4, 3), i64(1, -1, shape=(2, 1)), r(2, 3)], name="ScatterND_none"),
     GradCase("ScatterND", [r(3, 3), i64(0, 1, 0, 1, 2, 2, shape=(3, 2)), r(3)], attrs={"reduction": "add"}, name="ScatterND_add"),
+    # max / min: distinct values (no ties: a tie is a kink); the updates land on data and on each other.
+    GradCase(
+        "ScatterElements",
+        [
+            np.array([[0.5, -1.0, 2.0], [1.5, 0.2, -0.7]]),
+            i64(0, 0, 2, 1, 1, 1, shape=(2, 3)),
+            np.array([[0.9, 0.1, 1.1], [-0.3, 0.4, 1.3]]),
+        ],
+        attrs={"axis": 1, "reduction": "max"},
+        opset=18,
+        name="ScatterElements_max",
+    ),
+    GradCase(
+        "ScatterND",
+        [
+            np.array([[0.5, -1.0], [1.5, 0.2], [0.3, 0.8]]),
+            i64(2, 0, 2, shape=(3, 1)),
+            np.array([[0.1, 0.9], [0.7, -0.4], [-0.2, 1.1]]),
+        ],
+        attrs={"reduction": "min"},
+        opset=18,
+        name="ScatterND_min",
+    ),
     GradCase(
         "Scatter", [r(3, 4), i64(1, 0, 2, 3, 2, 1, shape=(2, 3)), r(2, 3)], attrs={"axis": 1}, opset=10, name="Scatter_deprecated"
     ),

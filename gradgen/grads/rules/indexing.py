@@ -70,16 +70,24 @@ def _reduction(g) -> str:
     reduction = g.attr("reduction", "none")
     if isinstance(reduction, bytes):
         reduction = reduction.decode()
-    if reduction not in ("none", "add"):
-        raise ModelError(f"{_where(g)}: reduction={reduction!r} has no gradient rule (none and add only)")
+    if reduction not in ("none", "add", "max", "min"):
+        raise ModelError(f"{_where(g)}: reduction={reduction!r} has no gradient rule (none, add, max and min only)")
     return reduction
 
 
 @grad_rule("ScatterElements", "Scatter", nondiff_inputs=(1,))  # Scatter: the deprecated (opset 9-10) name
 def scatter_elements(g):
-    """data: dY with the scattered positions zeroed (none) or dY (add); updates: gathered dY."""
+    """data: dY with the scattered positions zeroed (none) or dY (add); updates: gathered dY. max /
+    min: the extremum's gradient goes to whichever of data and the updates scattered there equal it
+    (split evenly among ties, as PyTorch's scatter_reduce amax / amin with include_self)."""
     reduction, axis = _reduction(g), g.attr("axis", 0)
     _data, indices, updates = g.x(0), g.x(1), g.x(2)
+    if reduction in ("max", "min"):
+        return _scatter_extremum(
+            g,
+            lambda v, i: g.op("GatherElements", v, i, axis=axis),
+            lambda d, i, u, r: g.op("ScatterElements", d, i, u, axis=axis, reduction=r),
+        )
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else g.op("ScatterElements", g.dy(), indices, g.zeros_like(updates), axis=axis)
@@ -90,14 +98,34 @@ def scatter_elements(g):
 
 @grad_rule("ScatterND", nondiff_inputs=(1,))
 def scatter_nd(g):
-    """data: dY with the scattered slices zeroed (none) or dY (add); updates: GatherND of dY."""
+    """data: dY with the scattered slices zeroed (none) or dY (add); updates: GatherND of dY; max /
+    min as ScatterElements'."""
     reduction = _reduction(g)
     _data, indices, updates = g.x(0), g.x(1), g.x(2)
+    if reduction in ("max", "min"):
+        return _scatter_extremum(
+            g, lambda v, i: g.op("GatherND", v, i), lambda d, i, u, r: g.op("ScatterND", d, i, u, reduction=r)
+        )
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else g.op("ScatterND", g.dy(), indices, g.zeros_like(updates))
     if g.needs(2):
         d_updates = g.op("GatherND", g.dy(), indices)
+    return [d_data, None, d_updates]
+
+
+def _scatter_extremum(g, gather, scatter) -> list:
+    """Y = data with each update max-ed (min-ed) in at its position: every value equal to Y there
+    (data's own and the updates') gets dY / (how many are equal). ``gather(v, indices)`` reads v at
+    the updates' positions, ``scatter(data, indices, updates, reduction)`` writes there."""
+    data, indices, updates, y, dy = g.x(0), g.x(1), g.x(2), g.y(), g.dy()
+    data_wins = g.cast_like(g.op("Equal", data, y), data)
+    updates_win = g.cast_like(g.op("Equal", updates, gather(y, indices)), updates)
+    _need_scatter_reduction(g)
+    count = scatter(data_wins, indices, updates_win, "add")
+    share = g.op("Div", dy, count)
+    d_data = g.op("Mul", share, data_wins) if g.needs(0) else None
+    d_updates = g.op("Mul", gather(share, indices), updates_win) if g.needs(2) else None
     return [d_data, None, d_updates]
 
 
