@@ -216,3 +216,46 @@ def test_unrolled_loop_gradients_on_the_gpu_match_the_cpu(model, feeds):
     got = Session(built, device="cuda").run(feeds)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_an_inlined_branch_output_takes_its_inferred_shape_not_the_declared_one():
+    """PyTorch's legacy exporter declares the shape of one If branch's output on both branches
+    (scatter_reduce on an empty-or-not input: a flattened [6] on the [2, 3] branch). Once the
+    constant condition inlines the branch, the output gets the shape its nodes give, so the
+    gradients downstream are shaped right (they failed to broadcast before)."""
+    from onnx import TensorProto, helper
+
+    then_branch = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "flat"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.DOUBLE, [6])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.DOUBLE, [6])]
+    )
+    nodes = [
+        helper.make_node("Size", ["x"], ["n"]),
+        helper.make_node("Equal", ["n", "zero"], ["empty"]),
+        helper.make_node("If", ["empty"], ["y"], then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Mul", ["y", "y"], ["y2"]),
+        helper.make_node("Mul", ["y2", "w"], ["wy"]),
+        helper.make_node("ReduceSum", ["wy"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        [
+            onnx.numpy_helper.from_array(np.array(0, np.int64), "zero"),
+            onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+            onnx.numpy_helper.from_array(np.arange(6.0).reshape(2, 3), "w"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(4).standard_normal((2, 3))
+    out = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"x": x})
+    np.testing.assert_allclose(out["x_grad"], 2 * x * np.arange(6.0).reshape(2, 3))
+    report = check_gradients(model, wrt_inputs=True, inputs={"x": x})
+    assert report.passed, report.format()

@@ -153,6 +153,11 @@ def _inline_branch(graph: ir.Graph, node: ir.Node, branch: ir.Graph) -> None:
     for out, branch_out in zip(node.outputs, branch_outputs):
         if branch_out.type is None:
             branch_out.type = out.type
+        if branch_out.producer() is not None:
+            # computed by the branch's nodes: shape inference gives its shape from them. An exporter's
+            # declared shape is not trusted (PyTorch's legacy exporter declares one branch's shape
+            # on both: a flattened [15] for a [3, 5] tensor)
+            branch_out.shape = None
         if out.is_graph_output():  # keep the graph output's name: route it through an Identity
             identity = ir.node("Identity", [branch_out])
             graph.insert_before(node, identity)
