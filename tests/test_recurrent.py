@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import gradgen
+from gradgen.check import check_gradients
 from gradgen.errors import ModelError, RunError
 from gradgen.executor import Session
 from gradgen.passes import EvaluateConstantsPass, GradientPass, GradientSpec, Pipeline, UnrollRecurrentPass
@@ -85,8 +86,10 @@ FORWARD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("time_dim", [None, "T"], ids=["static", "run-time-length"])
 @pytest.mark.parametrize("op_type,attrs,kw", FORWARD_CASES, ids=lambda v: str(v))
-def test_kernel_and_unrolled_form_match_onnxruntime(op_type, attrs, kw):
+def test_kernel_and_unrolled_form_match_onnxruntime(op_type, attrs, kw, time_dim):
+    """A static length unrolls into its steps; a length known at run time becomes a Loop of them."""
     attrs = {"hidden_size": H, **attrs}
     directions = 2 if attrs.get("direction") == "bidirectional" else 1
     arrays = [
@@ -95,8 +98,10 @@ def test_kernel_and_unrolled_form_match_onnxruntime(op_type, attrs, kw):
     ]
     num_outputs = 3 if op_type == "LSTM" else 2
     want = _ort_reference(op_type, arrays, attrs, num_outputs)
-    model, feeds = _node_model(op_type, arrays, attrs, num_outputs)
-    for got in (Session(model).run(feeds), Session(_unrolled(model)).run(feeds)):
+    model, feeds = _node_model(op_type, arrays, attrs, num_outputs, time_dim)
+    rewritten = _unrolled(model)
+    assert any(n.op_type == "Loop" for n in rewritten.graph) == (time_dim is not None)
+    for got in (Session(model).run(feeds), Session(rewritten).run(feeds)):
         for name, ref in zip(["Y", "Y_h", "Y_c"], want):
             assert got[name].shape == ref.shape, name
             np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -140,9 +145,21 @@ def _loss_model(op_type, attrs, time_dim=None):
     return model
 
 
-def test_a_sequence_length_that_is_not_static_is_a_model_error():
-    with pytest.raises(ModelError, match=r"node 'rec' \(GRU\): the sequence length .* is not static"):
-        gradgen.build_backward(_loss_model("GRU", {}, time_dim="T"), wrt_inputs=True)
+def test_a_sequence_length_known_at_run_time_takes_any_length():
+    """The Loop form runs whatever length comes, zero included (the final state is the initial one)."""
+    model = _loss_model("GRU", {"linear_before_reset": 1}, time_dim="T")
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    arrays = inputs("GRU")
+    for steps in (1, 5, 0):
+        feeds = {name: a for name, a in zip(INPUT_NAMES, arrays) if a is not None}
+        feeds["X"] = np.random.default_rng(steps).uniform(-1, 1, (steps, *arrays[0].shape[1:]))
+        got = Session(built.model).run(feeds)
+        if steps:
+            report = check_gradients(model, wrt_inputs=True, inputs=feeds)
+            assert report.passed, report.format()
+        else:
+            np.testing.assert_allclose(got["loss"], feeds["initial_h"].sum())
+            np.testing.assert_array_equal(got["initial_h_grad"], np.ones_like(feeds["initial_h"]))
 
 
 @pytest.mark.parametrize(
@@ -294,21 +311,22 @@ def test_exported_initial_states_and_final_states_match_torch_autograd(kind, dyn
         np.testing.assert_allclose(got[f"{name}_grad"], t.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
 
 
-def test_a_symbolic_batch_is_unrolled_and_a_symbolic_length_is_refused(tmp_path):
-    """Exports with dynamic axes: the batch may vary (no step needs its size); the length may not."""
+def test_a_symbolic_batch_is_unrolled_and_a_symbolic_length_runs_as_a_loop(tmp_path):
+    """Exports with dynamic axes: the batch may vary (no step needs its size), and so may the length
+    (a Loop over the steps): both match PyTorch's autograd at other sizes than the export's."""
     torch.manual_seed(2)
     net = _Net("GRU", num_layers=2, bidirectional=True).double()
     x = torch.randn(5, 2, 3, dtype=torch.float64)
-    paths = {}
+    built = {}
     for name, axes in (("batch", {1: "batch"}), ("length", {0: "T", 1: "batch"})):
-        paths[name] = tmp_path / f"{name}.onnx"
+        path = tmp_path / f"{name}.onnx"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(net, (x,), str(paths[name]), dynamo=False, input_names=["x"], dynamic_axes={"x": axes})
-    built = gradgen.build_backward(str(paths["batch"]), wrt_inputs=True)
-    other = torch.randn(5, 7, 3, dtype=torch.float64, requires_grad=True)  # another batch size
-    net(other).backward()
-    got = Session(built.model).run({"x": other.detach().numpy()})
-    np.testing.assert_allclose(got["x_grad"], other.grad.numpy(), rtol=1e-9, atol=1e-12)
-    with pytest.raises(ModelError, match=r"\(GRU\): the sequence length \(dimension 0 of X, T\) is not static"):
-        gradgen.build_backward(str(paths["length"]), wrt_inputs=True)
+            torch.onnx.export(net, (x,), str(path), dynamo=False, input_names=["x"], dynamic_axes={"x": axes})
+        built[name] = gradgen.build_backward(str(path), wrt_inputs=True)
+    assert any(n.op_type == "Loop" for n in built["length"].model.graph)
+    for name, shape in (("batch", (5, 7, 3)), ("length", (8, 3, 3)), ("length", (2, 1, 3))):
+        other = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        net(other).backward()
+        got = Session(built[name].model).run({"x": other.detach().numpy()})
+        np.testing.assert_allclose(got["x_grad"], other.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{name} {shape}")

@@ -1,6 +1,7 @@
 """UnrollRecurrentPass: rewrite LSTM, GRU and RNN nodes into standard ops over their static
 sequence length, so that the gradient rules of those ops differentiate them and both executors
-run them with the kernels they have.
+run them with the kernels they have. A sequence length known only at run time gets a Loop over the
+time steps instead, whose body is one step (the same cell), differentiated by Loop's rule.
 
 Per direction: one MatMul projects every time step's input at once (biases folded in), then each
 step is a Gemm with the recurrent weights and the gates' elementwise ops. A missing initial state
@@ -17,7 +18,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import GraphBuilder, numpy_dtype_of
+from gradgen.builder import INT64_MIN, GraphBuilder, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.recurrent import RECURRENT_OPS, Activation, RecurrentSpec, recurrent_spec
@@ -63,12 +64,8 @@ class _Unroller:
             raise ModelError(f"{where}: gradgen unrolls recurrent ops and needs the rank of X (3); it is not known")
         time_axis = self.spec.layout
         steps = x.shape[time_axis]
-        if not isinstance(steps, int):
-            raise ModelError(
-                f"{where}: the sequence length (dimension {time_axis} of X, {steps}) is not static; gradgen unrolls "
-                "recurrent ops over a fixed length: export the model with a fixed sequence length"
-            )
-        self.x, self.steps, self.time_axis = x, steps, time_axis
+        # a length known only at run time: one Loop over the steps (self.steps None)
+        self.x, self.steps, self.time_axis = x, steps if isinstance(steps, int) else None, time_axis
         self.dtype = numpy_dtype_of(x)
         self.hidden = self._hidden_size()
         self._constants: dict = {}  # float_constant's cache
@@ -95,7 +92,7 @@ class _Unroller:
         if lens is None:
             return None
         known = self.b.value_of(lens)
-        if known is not None and np.all(np.asarray(known) == self.steps):
+        if known is not None and self.steps is not None and np.all(np.asarray(known) == self.steps):
             return None
         return self.b.op("Cast", lens, to=ir.DataType.INT64)
 
@@ -265,6 +262,8 @@ class _Unroller:
 
     # -- the unrolled node -------------------------------------------------------------------
     def _run_direction(self, d: _Direction):
+        if self.steps is None:
+            return self._loop_direction(d)
         cell = {"LSTM": self._lstm, "GRU": self._gru, "RNN": self._rnn}[self.node.op_type]
         per_step = self._inputs_per_step(d)
         acts = self.spec.activations[d.index]
@@ -291,10 +290,7 @@ class _Unroller:
         built: list[ir.Value | None] = [None] * len(self.node.outputs)
         if wanted[0]:
             # Y: [T, D, B, H] (layout 1: [B, T, D, H])
-            per_direction = [
-                self.b.unsqueeze(self._concat([self.b.unsqueeze(y, [self.time_axis]) for y in ys], self.time_axis), [1 + layout1])
-                for ys, _, _ in results
-            ]
+            per_direction = [self.b.unsqueeze(self._in_layout(ys), [1 + layout1]) for ys, _, _ in results]
             built[0] = self._concat(per_direction, 1 + layout1)
         for k in (1, 2):
             if k < len(wanted) and wanted[k]:
@@ -310,3 +306,93 @@ class _Unroller:
 
     def _concat(self, values: list[ir.Value], axis: int) -> ir.Value:
         return values[0] if len(values) == 1 else self.b.op("Concat", *values, axis=axis)
+
+    def _in_layout(self, ys) -> ir.Value:
+        """One direction's Y as [T, B, H] (layout 1: [B, T, H]), from its steps or from the Loop's
+        stack of them ([T, B, H])."""
+        if isinstance(ys, ir.Value):
+            return self.b.transpose(ys, [1, 0, 2]) if self.time_axis else ys
+        return self._concat([self.b.unsqueeze(y, [self.time_axis]) for y in ys], self.time_axis)
+
+    # -- a length known at run time: one Loop over the steps --------------------------------------
+    def _time_first(self, value: ir.Value) -> ir.Value:
+        """A [T, B, n] / [B, T, n] value (per the layout) as [T, B, n]."""
+        return self.b.transpose(value, [1, 0, 2]) if self.time_axis else value
+
+    def _projected(self, weight: ir.Value, bias: ir.Value | None) -> ir.Value:
+        """X @ weight^T + bias for every time step at once, time first: [T, B, n]."""
+        return self._time_first(self._add(self.b.op("MatMul", self.x, self.b.transpose(weight, [1, 0])), bias))
+
+    def _projections(self, d: _Direction) -> list[ir.Value]:
+        """What the steps add from X, as whole [T, B, n] tensors (GRU: the zr and h parts)."""
+        if self.node.op_type != "GRU":
+            return [self._projected(d.w, self._add_present(d.wb, d.rb))]
+        w_zr, w_h = self._gate_split_rows(d.w)
+        wb_zr = wb_h = rb_zr = rb_h = None
+        if d.wb is not None and d.rb is not None:
+            wb_zr, wb_h = self._gate_split(d.wb, [2, 1])
+            rb_zr, rb_h = self._gate_split(d.rb, [2, 1])
+        h_bias = wb_h if self.spec.linear_before_reset else self._add_present(wb_h, rb_h)
+        return [self._projected(w_zr, self._add_present(wb_zr, rb_zr)), self._projected(w_h, h_bias)]
+
+    def _zero_state(self) -> ir.Value:
+        """Zeros [B, H] of X's type (a missing initial state; the Loop carries a state from the start)."""
+        b = self.b
+        batch_axis = 1 - self.time_axis
+        batch = b.op("Slice", b.shape_of(self.x), b.ints([batch_axis]), b.ints([batch_axis + 1]))
+        size = b.op("Concat", batch, b.ints([self.hidden]), axis=0)
+        return b.op("ConstantOfShape", size, value=ir.tensor(np.zeros((1,), dtype=self.dtype)))
+
+    def _loop_direction(self, d: _Direction):
+        """(Y stacked [T, B, H], final h, final c) of one direction, as a Loop of T iterations whose
+        body runs the cell on step t (T - 1 - i in reverse) and carries h (and c)."""
+        b = self.b
+        cell = {"LSTM": self._lstm, "GRU": self._gru, "RNN": self._rnn}[self.node.op_type]
+        lstm = self.node.op_type == "LSTM"
+        projections = self._projections(d)
+        # the weights' pieces the cell takes, made once outside the body (the body reads them)
+        if self.node.op_type == "GRU":
+            self._gate_split_rows(d.r)
+            if d.rb is not None:
+                self._gate_split(d.rb, [2, 1])
+        if d.p is not None:
+            self._gate_split(d.p, [1, 1, 1])
+        count = b.op("Gather", b.shape_of(projections[0]), b.scalar(0), axis=0)
+        h0 = d.h0 if d.h0 is not None else self._zero_state()
+        c0 = (d.c0 if d.c0 is not None else self._zero_state()) if lstm else None
+        prefix = f"{self.node.name or self.node.op_type}/steps{d.index}"
+        body = b.collector(prefix)
+        state_type = ir.TensorType(ir.DataType.from_numpy(self.dtype))
+        i = ir.Value(name=body.unique(f"{prefix}/i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+        go_on = ir.Value(name=body.unique(f"{prefix}/cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        h_in = ir.Value(name=body.unique(f"{prefix}/h"), type=state_type, shape=ir.Shape([None, self.hidden]))
+        c_in = ir.Value(name=body.unique(f"{prefix}/c"), type=state_type, shape=ir.Shape([None, self.hidden])) if lstm else None
+        outer, outer_constants, outer_derived = self.b, self._constants, dict(self._derived)
+        self.b, self._constants = body, {}
+        try:
+            t = body.op("Sub", body.op("Sub", count, body.scalar(1)), i) if d.reverse else i
+            steps_in = [body.op("Gather", p, t, axis=0) for p in projections]
+            h_new, c_new = cell(
+                d, self.spec.activations[d.index], steps_in[0] if len(steps_in) == 1 else tuple(steps_in), h_in, c_in
+            )
+            live = body.unsqueeze(body.op("Less", t, self.lens), [1]) if self.lens is not None else None
+            y = self._keep(live, h_new, None)
+            h_out = self._keep(live, h_new, h_in)
+            c_out = self._keep(live, c_new, c_in) if lstm else None
+            outputs = [body.op("Identity", go_on), h_out, *([c_out] if lstm else []), y]
+        finally:
+            self.b, self._constants, self._derived = outer, outer_constants, outer_derived
+        for value in outputs[1:]:
+            value.type = state_type
+        loop_body = ir.Graph(
+            [i, go_on, h_in, *([c_in] if lstm else [])], outputs, nodes=body.nodes, name=body.unique(f"{prefix}_body")
+        )
+        results = b.op_multi("Loop", [count, None, h0, *([c0] if lstm else [])], len(outputs) - 1, body=loop_body)
+        h, c, stacked = results[0], (results[1] if lstm else None), results[-1]
+        if d.reverse:  # iteration i ran step T - 1 - i
+            stacked = b.op("Slice", stacked, b.ints([-1]), b.ints([INT64_MIN]), b.ints([0]), b.ints([-1]))
+        if self.lens is not None:  # an empty sequence ends in state 0, as in ONNX Runtime
+            empty_ok = b.unsqueeze(b.op("Less", b.scalar(0), self.lens), [1])
+            h = self._keep(empty_ok, h, None)
+            c = None if c is None else self._keep(empty_ok, c, None)
+        return stacked, h, c

@@ -1,7 +1,6 @@
-"""Finite-difference cases: LSTM, GRU, RNN (differentiated through their unrolled form).
-
-The sequence length must be static to unroll, so these cases have no symbolic-shape variant.
-Every float input is differentiated: X, W, R, B, initial_h, initial_c, P.
+"""Finite-difference cases: LSTM, GRU, RNN, differentiated through their unrolled form (static
+shapes) and through a Loop over the time steps (the symbolic-shape variant: a length known only at
+run time). Every float input is differentiated: X, W, R, B, initial_h, initial_c, P.
 """
 
 import numpy as np
@@ -40,7 +39,6 @@ def case(op_type, name, attrs=None, num_outputs=None, **kw):
         num_outputs=num_outputs or (3 if op_type == "LSTM" else 2),
         opset=14,
         name=f"{op_type}-{name}",
-        symbolic=False,
     )
 
 

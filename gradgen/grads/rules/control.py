@@ -71,6 +71,12 @@ def loop(g: GradContext) -> list[ir.Value | None]:
     node = g.node
     body: ir.Graph = get_attr(node, "body")
     states = list(node.inputs[2:])
+    untyped = [v.name for v in states if v is not None and v.dtype is None]
+    if untyped:
+        raise ModelError(
+            f"{_where(node)}: the element type of its loop-carried value(s) {', '.join(map(repr, untyped))} is unknown "
+            "(shape inference could not tell it); its gradient needs it"
+        )
     floats = [k for k, v in enumerate(states) if v is not None and v.dtype in FLOAT_TYPES]
     targets = [v for k, v in enumerate(g.captured) if g.needs_captured(k)]
     num_outputs = len(node.outputs)
