@@ -183,6 +183,7 @@ class _Unroller:
     def _project(self, weight: ir.Value, bias: ir.Value | None) -> list[ir.Value]:
         """X @ weight^T + bias for every time step at once, then one [B, n] value per step."""
         b = self.b
+        assert self.steps is not None  # the unrolled form; a run-time length takes _loop_direction
         projected = self._add(b.op("MatMul", self.x, b.transpose(weight, [1, 0])), bias)
         if self.steps == 1:
             return [b.squeeze(projected, [self.time_axis])]
@@ -378,15 +379,17 @@ class _Unroller:
             live = body.unsqueeze(body.op("Less", t, self.lens), [1]) if self.lens is not None else None
             y = self._keep(live, h_new, None)
             h_out = self._keep(live, h_new, h_in)
-            c_out = self._keep(live, c_new, c_in) if lstm else None
-            outputs = [body.op("Identity", go_on), h_out, *([c_out] if lstm else []), y]
+            carried = [h_out]
+            if lstm:
+                assert c_new is not None and c_in is not None  # an LSTM step keeps its cell state
+                carried.append(self._keep(live, c_new, c_in))
+            outputs = [body.op("Identity", go_on), *carried, y]
         finally:
             self.b, self._constants, self._derived = outer, outer_constants, outer_derived
         for value in outputs[1:]:
             value.type = state_type
-        loop_body = ir.Graph(
-            [i, go_on, h_in, *([c_in] if lstm else [])], outputs, nodes=body.nodes, name=body.unique(f"{prefix}_body")
-        )
+        body_inputs = [i, go_on, h_in] + ([c_in] if c_in is not None else [])
+        loop_body = ir.Graph(body_inputs, outputs, nodes=body.nodes, name=body.unique(f"{prefix}_body"))
         results = b.op_multi("Loop", [count, None, h0, *([c0] if lstm else [])], len(outputs) - 1, body=loop_body)
         h, c, stacked = results[0], (results[1] if lstm else None), results[-1]
         if d.reverse:  # iteration i ran step T - 1 - i
