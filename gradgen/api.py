@@ -25,6 +25,7 @@ from gradgen.passes import (
     Pipeline,
     SequencesAsTensorsPass,
     ShapeInferencePass,
+    TieEqualWeightsPass,
     TopologicalSortPass,
     TransposeFusionPass,
     UnrollLoopsPass,
@@ -48,7 +49,7 @@ class BackwardModel:
     gradient_names: list[str]
 
 
-def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipeline, GradientPass]:
+def backward_pipeline(spec: GradientSpec, precision: str = "fp32", tie_weights: bool = False) -> tuple[Pipeline, GradientPass]:
     """The default pipeline: prepare the forward graph (sequences and optionals the model fixes
     rewritten as the tensors they hold by ``SequencesAsTensorsPass``, Loop / Scan of a static length unrolled by
     ``UnrollLoopsPass``, LSTM / GRU / RNN unrolled into standard ops by ``UnrollRecurrentPass``,
@@ -57,13 +58,16 @@ def backward_pipeline(spec: GradientSpec, precision: str = "fp32") -> tuple[Pipe
     graph, fold matrix transposes into GEMM flags (``TransposeFusionPass``), clean up.
 
     With a ``precision`` other than fp32, ``AutocastPass`` rewrites the prepared forward graph before
-    the gradient pass, which then differentiates through its casts."""
+    the gradient pass, which then differentiates through its casts. A weight the exporter wrote
+    twice (an initializer and its transpose: a tied LM head) is tied again with ``tie_weights``, and
+    warned about without it (``TieEqualWeightsPass``)."""
     gradient = GradientPass(spec)
     prepare = [
         UpgradeOpsetPass(),
         NameNodesPass(),
         TopologicalSortPass(),
         EvaluateConstantsPass(),
+        TieEqualWeightsPass(tie=tie_weights),
         SequencesAsTensorsPass(),
         UnrollLoopsPass(),
         UnrollRecurrentPass(),
@@ -115,6 +119,7 @@ def build_backward(
     portable: bool = False,
     add_loss: LossSpec | None = None,
     precision: str = "fp32",
+    tie_weights: bool = False,
 ) -> BackwardModel:
     """Return ``model`` with its backward graph appended (the input model is not modified).
 
@@ -125,10 +130,13 @@ def build_backward(
     ``precision`` (fp32, tf32, bf16, fp16) runs ``passes.AutocastPass`` on the forward graph first:
     bf16 / fp16 as torch.autocast computes, float32 parameters and gradients; tf32 is recorded in
     the model's metadata for the GPU backend.
+    ``tie_weights`` ties an initializer and its transposed copy into one parameter (an exported tied
+    LM head: PyTorch's gradient of the weight is the sum of both uses'); without it they are two
+    parameters, and a warning names them.
     """
     check_precision(precision)
     with _collector_paused():
-        return _build_backward(model, loss, wrt, freeze, wrt_inputs, portable, add_loss, precision)
+        return _build_backward(model, loss, wrt, freeze, wrt_inputs, portable, add_loss, precision, tie_weights)
 
 
 def _build_backward(
@@ -140,6 +148,7 @@ def _build_backward(
     portable: bool,
     add_loss: LossSpec | None,
     precision: str,
+    tie_weights: bool = False,
 ) -> BackwardModel:
     # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
     # never change); a model loaded here is already our own.
@@ -147,7 +156,7 @@ def _build_backward(
     if add_loss is not None:
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
-    pipeline, gradient = backward_pipeline(spec, precision)
+    pipeline, gradient = backward_pipeline(spec, precision, tie_weights)
     result = run_pipeline(pipeline, forward)
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)

@@ -159,6 +159,12 @@ def build_backward(
         help="fp32 (default), tf32 (fp32 graph; TF32 GEMMs requested of the GPU), bf16 or "
         "fp16: torch.autocast's mixed precision as Casts in the graph, parameters and gradients stay float32.",
     ),
+    tie_weights: bool = typer.Option(
+        False,
+        "--tie-weights",
+        help="Tie an initializer and its transposed copy (how PyTorch's exporters write a tied LM head) into "
+        "one parameter, whose gradient sums both uses as PyTorch's does. Without it a note names such pairs.",
+    ),
     progress: Optional[bool] = _PROGRESS,
 ) -> None:
     """Write MODEL plus its backward graph to OUT: one output <x>_grad per differentiated tensor x."""
@@ -181,6 +187,7 @@ def build_backward(
             portable=portable,
             add_loss=_loss_spec(add_loss, loss_output),
             precision=precision,
+            tie_weights=tie_weights,
         )
     _progress(f"writing {out}")
     save_model(result.model, out)

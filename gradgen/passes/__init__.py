@@ -22,6 +22,7 @@ from gradgen.passes.standard import (
     TopologicalSortPass,
     UpgradeOpsetPass,
 )
+from gradgen.passes.ties import TieEqualWeightsPass
 from gradgen.passes.transpose_fusion import TransposeFusionPass
 
 Pipeline = ir.passes.Sequential
@@ -50,6 +51,7 @@ __all__ = [
     "TopologicalSortPass",
     "TransposeFusionPass",
     "SequencesAsTensorsPass",
+    "TieEqualWeightsPass",
     "UnrollLoopsPass",
     "UnrollRecurrentPass",
     "UpgradeOpsetPass",

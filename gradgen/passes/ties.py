@@ -1,0 +1,108 @@
+"""Tied weights the exporter wrote twice: find them, and tie them again on request.
+
+A language model whose head shares its embedding matrix holds one parameter W used twice
+(``Gather(W, ids)`` and ``h @ W^T``). PyTorch's exporters write the second use's operand as an
+initializer of its own, W transposed (the legacy exporter's ``onnx::MatMul_*``, the dynamo
+exporter's folded constant), so the ONNX model has two independent tensors: each gets its own
+gradient, and PyTorch's gradient of W is their sum. ``equal_transposed_initializers`` finds such
+pairs (2-D float initializers of transposed, different shapes holding transposed values);
+``TieEqualWeightsPass`` replaces the copy by ``Transpose(W)`` so that W's gradient is the sum (the
+transpose then folds into the GEMM's flag: no copy at run time).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.builder import GraphBuilder, graph_names
+
+__all__ = ["TieEqualWeightsPass", "equal_transposed_initializers"]
+
+MIN_ELEMENTS = 256  # smaller tensors may be equal by construction without being one parameter
+
+
+def equal_transposed_initializers(graph: ir.Graph) -> list[tuple[str, str]]:
+    """(W, copy) name pairs of 2-D float initializers where copy holds W transposed, W of shape
+    (m, n) and copy of (n, m) with m != n (a square or constant tensor could match by chance);
+    only tensors whose shapes pair up are read."""
+    by_shape: dict[tuple[int, int], list[ir.Value]] = {}
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if value.is_graph_input() or tensor is None or len(tensor.shape) != 2:
+            continue
+        dims = tuple(int(d) for d in tensor.shape)
+        if dims[0] == dims[1] or dims[0] * dims[1] < MIN_ELEMENTS or not np.dtype(tensor.dtype.numpy()).kind == "f":
+            continue
+        by_shape.setdefault(dims, []).append(value)  # type: ignore[arg-type]
+    pairs = []
+    for (m, n), originals in by_shape.items():
+        if m > n:
+            continue  # each pair once: the (n, m) side is looked at from the (m, n) side
+        for a in originals:
+            for b in by_shape.get((n, m), []):
+                if _transposed(a, b):
+                    first, second = sorted((a, b), key=_use_order(graph))
+                    pairs.append((str(first.name), str(second.name)))
+    return pairs
+
+
+def _transposed(a: ir.Value, b: ir.Value) -> bool:
+    assert a.const_value is not None and b.const_value is not None
+    x, y = a.const_value.numpy(), b.const_value.numpy()
+    if x.dtype != y.dtype:
+        return False
+    if x[0, 0] != y[0, 0] or x[-1, 0] != y[0, -1]:  # a cheap look first
+        return False
+    return bool(np.ptp(x) > 0) and np.array_equal(x.T, y)
+
+
+def _use_order(graph: ir.Graph):
+    """Sort key: the tensor read first in the graph comes first (the embedding, then the head)."""
+    position = {}
+    for index, node in enumerate(graph):
+        for value in node.inputs:
+            if value is not None and value.name not in position:
+                position[value.name] = index
+    return lambda value: position.get(value.name, len(position))
+
+
+class TieEqualWeightsPass(ir.passes.InPlacePass):
+    """Replace each transposed copy found by ``equal_transposed_initializers`` by a Transpose of its
+    original, and drop the copy (``tie=True``); with ``tie=False`` only warn about each pair (the
+    command line says it as a note), since two such tensors are most likely one tied parameter."""
+
+    def __init__(self, tie: bool = True):
+        super().__init__()
+        self.tie = tie
+        self.tied: list[tuple[str, str]] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        pairs = equal_transposed_initializers(graph)
+        if not self.tie:
+            for original_name, copy_name in pairs:
+                warnings.warn(
+                    f"initializers {original_name!r} and {copy_name!r} hold the same values ({copy_name!r} is "
+                    f"{original_name!r} transposed): PyTorch's exporters write a tied weight (an LM head sharing its "
+                    "embedding) twice, and each copy gets its own gradient; if they are one parameter, build with "
+                    "--tie-weights (tie_weights=True)",
+                    stacklevel=2,
+                )
+            return ir.passes.PassResult(model, modified=False)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        names = graph_names(graph)
+        for original_name, copy_name in pairs:
+            original, copy = graph.initializers[original_name], graph.initializers[copy_name]
+            b = GraphBuilder(graph, opset, names=names, prefix=f"{copy_name}/tied", append=False)
+            tied = b.transpose(original, [1, 0])
+            tied.type, tied.shape = copy.type, copy.shape
+            if not copy.uses() or not len(graph):
+                continue
+            graph.insert_before(graph.node(0), b.nodes)  # it reads an initializer only: first is always in order
+            copy.replace_all_uses_with(tied, replace_graph_outputs=True)
+            graph.initializers.pop(copy_name)
+            self.tied.append((original_name, copy_name))
+        return ir.passes.PassResult(model, modified=bool(self.tied))
