@@ -33,10 +33,10 @@ def equal_transposed_initializers(graph: ir.Graph) -> list[tuple[str, str]]:
         tensor = value.const_value
         if value.is_graph_input() or tensor is None or len(tensor.shape) != 2:
             continue
-        dims = tuple(int(d) for d in tensor.shape)
-        if dims[0] == dims[1] or dims[0] * dims[1] < MIN_ELEMENTS or not np.dtype(tensor.dtype.numpy()).kind == "f":
+        rows, cols = tensor.shape.numpy()  # a tensor's shape is static
+        if rows == cols or rows * cols < MIN_ELEMENTS or np.dtype(tensor.dtype.numpy()).kind != "f":
             continue
-        by_shape.setdefault(dims, []).append(value)  # type: ignore[arg-type]
+        by_shape.setdefault((int(rows), int(cols)), []).append(value)
     pairs = []
     for (m, n), originals in by_shape.items():
         if m > n:
