@@ -330,3 +330,17 @@ def test_a_symbolic_batch_is_unrolled_and_a_symbolic_length_runs_as_a_loop(tmp_p
         net(other).backward()
         got = Session(built[name].model).run({"x": other.detach().numpy()})
         np.testing.assert_allclose(got["x_grad"], other.grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{name} {shape}")
+
+
+def test_a_gradient_penalty_through_the_loop_of_a_run_time_length():
+    """Gradients of gradients through the Loop form: loss2 = sum(X_grad ** 2) of an RNN whose
+    length is known at run time, against finite differences of the first backward graph."""
+    first = gradgen.build_backward(_loss_model("RNN", {}, time_dim="T"), wrt_inputs=True)
+    proto = ir.to_proto(first.model)
+    proto.graph.node.extend(
+        [helper.make_node("Mul", ["X_grad", "X_grad"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss2"], keepdims=0)]
+    )
+    proto.graph.output.append(helper.make_tensor_value_info("loss2", TensorProto.DOUBLE, []))
+    feeds = {name: a for name, a in zip(INPUT_NAMES, inputs("RNN")) if a is not None}
+    report = check_gradients(proto, loss="loss2", wrt_inputs=True, inputs=feeds)
+    assert report.passed and {t.name for t in report.tensors} == {"X", "W", "R", "B", "initial_h"}, report.format()
