@@ -645,3 +645,12 @@ def test_max_unpool_inverts_max_pool_like_torch():
     bigger = cpu_pool.max_unpool(y, idx, np.array([2, 3, 7, 9]), kernel_shape=[2, 2], strides=[2, 2])
     close(bigger[:, :, :6, :8], got)
     assert not bigger[:, :, 6].any() and not bigger[..., 8].any()
+
+
+def test_class_probabilities_as_targets_name_the_contract():
+    """PyTorch's exporters write cross_entropy with probability targets as a SoftmaxCrossEntropyLoss
+    reading float labels of the scores' shape (an invalid model): the error says the labels must be
+    class indices, not that [5, 4] does not match [5, 4]."""
+    scores = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    with pytest.raises(KernelError, match=r"integer class indices \(int32 / int64\), got float32 of shape \[5, 4\]"):
+        L.softmax_cross_entropy_loss(scores, np.full((5, 4), 0.25, np.float32))

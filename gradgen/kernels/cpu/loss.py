@@ -23,13 +23,16 @@ def _nll(log_prob, target, weight, ignore_index, reduction, out_dtype):
     if log_prob.ndim < 2:
         raise KernelError(f"input must have shape (N, C, ...), got {list(log_prob.shape)}")
     n, c = log_prob.shape[:2]
+    if target.dtype.kind not in "iu":  # before the shape: class probabilities have the input's shape
+        raise KernelError(
+            f"target must hold integer class indices (int32 / int64), got {target.dtype} of shape "
+            f"{list(target.shape)} (class probabilities are not part of the op's contract)"
+        )
     if target.shape != (n,) + log_prob.shape[2:]:
         raise KernelError(
             f"target shape {list(target.shape)} does not match input shape {list(log_prob.shape)} "
             f"(expected {[n] + list(log_prob.shape[2:])})"
         )
-    if target.dtype.kind not in "iu":
-        raise KernelError(f"target must be an integer tensor, got {target.dtype}")
     if reduction not in ("none", "sum", "mean"):
         raise KernelError(f"unknown reduction {reduction!r}; expected none, sum or mean")
     labels = target.astype(np.int64)
