@@ -177,3 +177,53 @@ def test_coordinate_modes_match_onnxruntime():
             atol=1e-5,
             err_msg=f"{mode} {ctm} n={n} {geometry}",
         )
+
+
+def _old_resize_model(op_type: str, opset: int, mode: str, scales):
+    """loss = sum(Resize-10 / Upsample(x) * w), w fixed, for a (1, 1, 5, 7) float64 x."""
+    x_shape = (1, 1, 5, 7)
+    out_shape = tuple(int(np.floor(n * s)) for n, s in zip(x_shape, scales))
+    w = np.random.default_rng(5).standard_normal(out_shape)
+    nodes = [
+        helper.make_node(op_type, ["x", "scales"], ["y"], mode=mode),
+        helper.make_node("Mul", ["y", "w"], ["wy"]),
+        helper.make_node("ReduceSum", ["wy"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, x_shape)],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        [numpy_helper.from_array(np.asarray(scales, np.float32), "scales"), numpy_helper.from_array(w, "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=6)
+
+
+@pytest.mark.parametrize("op_type,opset", [("Resize", 10), ("Upsample", 9)])
+@pytest.mark.parametrize(
+    "mode,scales", [("linear", (1, 1, 1.7, 0.6)), ("linear", (1, 1, 2.0, 1.5)), ("nearest", (1, 1, 2.3, 0.8))]
+)
+def test_resize_10_and_upsample_keep_asymmetric_coordinates_when_upgraded(op_type, opset, mode, scales):
+    """A model below opset 11 is converted to 17 before the gradient pass; ONNX's converter writes
+    Resize-10 / Upsample as a Resize with the later half_pixel default (another function: a built
+    model's loss differed from the model's own). The converted nodes keep asymmetric coordinates."""
+    model = _old_resize_model(op_type, opset, mode, scales)
+    x = np.random.default_rng(6).standard_normal((1, 1, 5, 7))
+    own = Session(model).run({"x": x})["loss"]  # the op's own kernel (asymmetric)
+    built = gradgen.build_backward(model, wrt_inputs=True, wrt=[])
+    np.testing.assert_allclose(Session(built.model).run({"x": x})["loss"], own, rtol=1e-12)
+    # onnxruntime (float32 only) agrees; its nearest at fractional ratios is its own, and its Upsample
+    # takes no scale below 1
+    if mode == "linear" and (op_type == "Resize" or min(scales) >= 1):
+        ort = pytest.importorskip("onnxruntime")
+        single = _old_resize_model(op_type, opset, mode, scales)
+        single.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT
+        for out in single.graph.output:
+            out.type.tensor_type.elem_type = TensorProto.FLOAT
+        single.graph.initializer[1].CopyFrom(
+            numpy_helper.from_array(numpy_helper.to_array(single.graph.initializer[1]).astype(np.float32), "w")
+        )
+        session = ort.InferenceSession(single.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(session.run(["loss"], {"x": x.astype(np.float32)})[0], own, rtol=1e-5)
+    report = check_gradients(model, wrt_inputs=True, wrt=[], inputs={"x": x})
+    assert report.passed, report.format()

@@ -30,8 +30,29 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
                 f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
             ) from None
         _exact_shape_reshapes(converted.graph)
+        if opset < 11:  # every Resize now was an Upsample or a Resize-10
+            _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def _asymmetric_resizes(graph: onnx.GraphProto) -> None:
+    """Upsample (to opset 9) and Resize-10 map output positions to input ones asymmetrically
+    (x_in = x_out / scale; nearest takes the floor, as gradgen's Resize-10 kernel and PyTorch's
+    nearest do). The converter writes them as Resize with the later defaults (half_pixel,
+    round_prefer_floor), another function: the nodes, in this graph and its subgraphs, get the
+    earlier ones back."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                _asymmetric_resizes(sub)
+        if node.op_type != "Resize":
+            continue
+        names = {a.name for a in node.attribute}
+        if "coordinate_transformation_mode" not in names:
+            node.attribute.append(onnx.helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
+        if "nearest_mode" not in names:
+            node.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
 
 
 def _exact_shape_reshapes(graph: onnx.GraphProto) -> None:

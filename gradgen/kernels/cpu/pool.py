@@ -285,6 +285,15 @@ def resize(
     return np.ascontiguousarray(y, dtype=x.dtype)
 
 
+@cpu_kernel("Upsample")
+def upsample(x, scales=None, *, mode="nearest"):
+    """Upsample (opsets 7 to 9, deprecated; ``scales`` an input from 9, an attribute before):
+    Resize-10's function, asymmetric coordinates and nearest taking the floor."""
+    if scales is None:
+        raise KernelError("Upsample needs scales")
+    return resize(x, np.asarray(scales, dtype=np.float32), mode=mode, _opset=10)
+
+
 # ---------------------------------------------------------------------------------------------
 # ONNX Runtime training's pooling gradients
 
