@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from gradgen.errors import GradgenError
 from gradgen.executor import Session
-from gradgen.model_io import ModelLike, copy_model, load_model
+from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.passes import (
     AutocastPass,
     CleanupPass,
@@ -153,6 +153,7 @@ def _build_backward(
     # Passes work in place: copy a caller's ir.Model (its graph, not its weights, which the passes
     # never change); a model loaded here is already our own.
     forward = copy_model(model) if isinstance(model, ir.Model) else load_model(model)
+    inline_functions(forward)
     if add_loss is not None:
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)

@@ -13,6 +13,7 @@ from typing import Iterator, Union
 
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 from onnx import external_data_helper
 
 from gradgen.errors import ModelError, UsageError
@@ -29,6 +30,15 @@ def copy_model(model: ir.Model) -> ir.Model:
     """A copy of ``model`` sharing its tensors (onnx-ir >= 0.1.11 has ``clone``; older ones round-trip)."""
     clone = getattr(model, "clone", None)
     return clone() if clone is not None else ir.from_proto(ir.to_proto(model))
+
+
+def inline_functions(model: ir.Model) -> bool:
+    """Replace calls of the model's local functions (an exporter's ``export_modules_as_functions``)
+    by their bodies, in place: gradgen's rules and kernels see standard ops. False when there are none."""
+    if not model.functions:
+        return False
+    ir.passes.common.InlinePass()(model)
+    return True
 
 
 def load_model(model: ModelLike) -> ir.Model:

@@ -421,3 +421,27 @@ def test_mixed_batch_norm_gradients_are_the_float32_ones_rounded(training, elem,
     ref = want["x_grad"].astype(np.float64)
     tol = half_ulp * np.abs(ref) + 1e-6 * np.abs(ref).max()
     assert np.all(np.abs(dx.astype(np.float64) - ref) <= tol)
+
+
+def test_bfloat16_constant_nodes_run():
+    """PyTorch's CPU autocast exports hold Constant nodes of bfloat16 scalars; the Session folds them
+    like any other constant (it refused them: 'constant tensors of type bfloat16 are not supported')."""
+    half = onnx.numpy_helper.from_array(np.array(0.5, ml_dtypes.bfloat16), "half")
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=half),
+        helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+        helper.make_node("Mul", ["xb", "c"], ["yb"]),
+        helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([1.0, 2.0, -4.0], np.float32)
+    assert Session(model).run({"x": x})["loss"] == np.float32(-0.5)
+    out = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"x": x})
+    np.testing.assert_array_equal(out["x_grad"], np.full(3, 0.5, np.float32))

@@ -158,3 +158,49 @@ def test_inference_without_weights_infers_what_the_whole_model_does(path):
     outputs = {o.name for node in model.graph for o in node.outputs}
     lean_types = {v.name: v.type for v in [*inferred_lean.graph.value_info, *inferred_lean.graph.output] if v.name in outputs}
     assert lean_types == {name: t for name, t in types.items() if name in outputs}
+
+
+def test_model_local_functions_are_inlined():
+    """An export with ``export_modules_as_functions`` calls local functions (here a Linear): the build
+    and a Session inline their bodies, so the standard ops inside get their rules and kernels."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    import gradgen
+    from gradgen.check import check_gradients
+    from gradgen.executor import Session
+
+    linear = helper.make_function(
+        "mods",
+        "Linear",
+        ["x", "w", "b"],
+        ["y"],
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        [helper.make_opsetid("", 17)],
+    )
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Linear", ["x", "W", "B"], ["h"], domain="mods", name="fc"),
+            helper.make_node("Tanh", ["h"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        [
+            onnx.numpy_helper.from_array(rng.standard_normal((3, 4)), "W"),
+            onnx.numpy_helper.from_array(rng.standard_normal(4), "B"),
+        ],
+    )
+    model = helper.make_model(
+        graph, functions=[linear], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mods", 1)]
+    )
+    x = rng.standard_normal((2, 3))
+    w, b = (onnx.numpy_helper.to_array(t) for t in graph.initializer)
+    np.testing.assert_allclose(Session(model).run({"x": x})["loss"], np.tanh(x @ w + b).sum())
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    assert set(built.wrt) == {"x", "W", "B"}
+    report = check_gradients(model, wrt_inputs=True, inputs={"x": x})
+    assert report.passed, report.format()
+    assert [n.op_type for n in model.graph.node][0] == "Linear"  # the caller's model is as it was

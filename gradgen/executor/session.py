@@ -19,7 +19,7 @@ import onnx_ir as ir
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.executor import low_precision
 from gradgen.kernels import registry
-from gradgen.model_io import ModelLike, copy_model, load_model
+from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.names import name_mismatch, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
@@ -213,7 +213,7 @@ class Session:
         state: Mapping[str, str] | None = None,
         state_guard: Sequence[str] = (),
     ):
-        self.model = _tensors_only(load_model(model))
+        self.model = _tensors_only(_without_functions(load_model(model)))
         self.graph = self.model.graph
         self.device = resolve_device(device)
         if self.device == "cuda":
@@ -467,6 +467,16 @@ def _own_inputs(node: ir.Node) -> list[str | None]:
     if node.domain in ("", "ai.onnx"):
         names += [None] * (_LEADING_INPUTS.get(node.op_type, 0) - len(names))
     return names
+
+
+def _without_functions(model: ir.Model) -> ir.Model:
+    """``model``, or where it calls local functions, a copy with their bodies inlined (the caller's
+    model is not changed)."""
+    if not model.functions:
+        return model
+    copy = copy_model(model)
+    inline_functions(copy)
+    return copy
 
 
 def _tensors_only(model: ir.Model) -> ir.Model:

@@ -414,7 +414,7 @@ def constant(
 ):
     if value is not None:
         out = np.asarray(value)
-        if out.dtype.kind not in "biuf":
+        if out.dtype.kind not in "biuf" and out.dtype.name != "bfloat16":  # bfloat16: ml_dtypes' (kind V)
             raise KernelError(f"constant tensors of type {out.dtype} are not supported")
         return out.copy()
     if value_float is not None:
