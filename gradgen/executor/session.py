@@ -213,7 +213,7 @@ class Session:
         state: Mapping[str, str] | None = None,
         state_guard: Sequence[str] = (),
     ):
-        self.model = _tensors_only(_without_functions(load_model(model)))
+        self.model = _runnable(load_model(model))
         self.graph = self.model.graph
         self.device = resolve_device(device)
         if self.device == "cuda":
@@ -469,30 +469,24 @@ def _own_inputs(node: ir.Node) -> list[str | None]:
     return names
 
 
-def _without_functions(model: ir.Model) -> ir.Model:
-    """``model``, or where it calls local functions, a copy with their bodies inlined (the caller's
-    model is not changed)."""
-    if not model.functions:
-        return model
-    copy = copy_model(model)
-    inline_functions(copy)
-    return copy
-
-
-def _tensors_only(model: ir.Model) -> ir.Model:
-    """``model``, or where it holds sequences or optionals, a copy in which those whose structure
-    the graph fixes are the tensors they hold (SequencesAsTensorsPass; what remains is refused when
-    the Session plans). The caller's model is not changed."""
+def _runnable(model: ir.Model) -> ir.Model:
+    """``model``, or where it calls local functions or holds sequences or optionals, one copy with
+    the functions inlined and the sequences whose structure the graph fixes as the tensors they
+    hold (SequencesAsTensorsPass; what remains is refused when the Session plans). The caller's
+    model is not changed."""
     from gradgen.ops.non_tensor import is_non_tensor_op
 
-    if not any(is_non_tensor_op(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
-        return model
-    from gradgen.passes import EvaluateConstantsPass, SequencesAsTensorsPass
+    runnable = model
+    if model.functions:
+        runnable = copy_model(model)
+        inline_functions(runnable)
+    if any(is_non_tensor_op(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(runnable.graph)):
+        from gradgen.passes import EvaluateConstantsPass, SequencesAsTensorsPass
 
-    copy = copy_model(model)
-    EvaluateConstantsPass()(copy)  # positions and split sizes computed from shapes
-    SequencesAsTensorsPass()(copy)
-    return copy
+        runnable = copy_model(runnable) if runnable is model else runnable
+        EvaluateConstantsPass()(runnable)  # positions and split sizes computed from shapes
+        SequencesAsTensorsPass()(runnable)
+    return runnable
 
 
 def _checked_bindings(bindings: dict[str, str], inputs: list[str], outputs: list[str]) -> dict[str, str]:

@@ -249,17 +249,23 @@ class _Unroller:
         """GRU's [3H, n] weights as the z, r rows [2H, n] and the h rows [H, n]."""
         return self._gate_split(weight, [2, 1], axis=0)
 
-    def _inputs_per_step(self, d: _Direction):
-        """What each step adds from X: [B, gates*H] (GRU: the zr and h parts apart)."""
+    def _projection_terms(self, d: _Direction) -> list[tuple[ir.Value, ir.Value | None]]:
+        """(weight, bias) of what the steps add from X: one pair (gates*H), or GRU's zr and h parts
+        apart (linear_before_reset keeps R's h bias for the cell)."""
         if self.node.op_type != "GRU":
-            return self._project(d.w, self._add_present(d.wb, d.rb))
+            return [(d.w, self._add_present(d.wb, d.rb))]
         w_zr, w_h = self._gate_split_rows(d.w)
         wb_zr = wb_h = rb_zr = rb_h = None
         if d.wb is not None and d.rb is not None:
             wb_zr, wb_h = self._gate_split(d.wb, [2, 1])
             rb_zr, rb_h = self._gate_split(d.rb, [2, 1])
         h_bias = wb_h if self.spec.linear_before_reset else self._add_present(wb_h, rb_h)
-        return list(zip(self._project(w_zr, self._add_present(wb_zr, rb_zr)), self._project(w_h, h_bias)))
+        return [(w_zr, self._add_present(wb_zr, rb_zr)), (w_h, h_bias)]
+
+    def _inputs_per_step(self, d: _Direction):
+        """What each step adds from X: [B, gates*H] (GRU: the zr and h parts apart)."""
+        per_term = [self._project(weight, bias) for weight, bias in self._projection_terms(d)]
+        return per_term[0] if len(per_term) == 1 else list(zip(*per_term))
 
     # -- the unrolled node -------------------------------------------------------------------
     def _run_direction(self, d: _Direction):
@@ -326,15 +332,7 @@ class _Unroller:
 
     def _projections(self, d: _Direction) -> list[ir.Value]:
         """What the steps add from X, as whole [T, B, n] tensors (GRU: the zr and h parts)."""
-        if self.node.op_type != "GRU":
-            return [self._projected(d.w, self._add_present(d.wb, d.rb))]
-        w_zr, w_h = self._gate_split_rows(d.w)
-        wb_zr = wb_h = rb_zr = rb_h = None
-        if d.wb is not None and d.rb is not None:
-            wb_zr, wb_h = self._gate_split(d.wb, [2, 1])
-            rb_zr, rb_h = self._gate_split(d.rb, [2, 1])
-        h_bias = wb_h if self.spec.linear_before_reset else self._add_present(wb_h, rb_h)
-        return [self._projected(w_zr, self._add_present(wb_zr, rb_zr)), self._projected(w_h, h_bias)]
+        return [self._projected(weight, bias) for weight, bias in self._projection_terms(d)]
 
     def _zero_state(self) -> ir.Value:
         """Zeros [B, H] of X's type (a missing initial state; the Loop carries a state from the start)."""

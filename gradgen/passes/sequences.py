@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of, graph_names
 from gradgen.ops.attributes import get_attr
-from gradgen.ops.non_tensor import NON_TENSOR_OPS
+from gradgen.ops.non_tensor import is_non_tensor_op
 from gradgen.passes.rewrite import STANDARD_DOMAINS, replace_node_outputs
 
 __all__ = ["SequencesAsTensorsPass"]
@@ -55,7 +55,7 @@ class SequencesAsTensorsPass(ir.passes.InPlacePass):
 
 
 def _is_non_tensor(node: ir.Node) -> bool:
-    return node.domain in STANDARD_DOMAINS and node.op_type in NON_TENSOR_OPS
+    return is_non_tensor_op(node.domain, node.op_type)
 
 
 def _rewrite_graph(graph: ir.Graph, opset: int, names: set[str], body_types: _BodyTypes) -> bool:

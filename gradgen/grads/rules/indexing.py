@@ -166,13 +166,8 @@ def one_hot(g):
 def compress(g):
     """Compress is a Gather of the kept positions (NonZero of the condition) along the axis, or of
     the flattened input without one: dX is GatherGrad of dY at those positions."""
-    x, dy = g.x(0), g.dy()
     kept = g.reshape(g.op("NonZero", g.x(1)), [-1])
-    axis = g.attr("axis", None)
-    if axis is not None:
-        return [g.set_type_like(g.op("GatherGrad", g.shape_of(x), kept, dy, domain=MICROSOFT, axis=axis), x)]
-    flat = g.op("GatherGrad", g.reshape(g.op("Size", x), [1]), kept, dy, domain=MICROSOFT, axis=0)
-    return [g.set_type_like(g.reshape(flat, g.shape_of(x)), x)]
+    return [_gathered_back(g, g.x(0), kept, g.dy(), g.attr("axis", None))]
 
 
 @grad_rule("Unique")
@@ -180,12 +175,16 @@ def unique(g):
     """Y holds X's elements (or slices along the axis) at ``indices``, their first occurrences: dX is
     GatherGrad of dY there (a tie moves no value: the gradient goes to the first of equal ones). The
     integer outputs carry none."""
-    x, dy, first = g.x(0), g.dy(0), _unique_indices(g)
-    axis = g.attr("axis", None)
+    return [_gathered_back(g, g.x(0), _unique_indices(g), g.dy(0), g.attr("axis", None))]
+
+
+def _gathered_back(g, x: ir.Value, positions: ir.Value, dy: ir.Value, axis) -> ir.Value:
+    """The gradient of X for an output that gathered X at ``positions`` along ``axis`` (of X
+    flattened when None): dY added back there by GatherGrad, zeros elsewhere."""
     if axis is not None:
-        return [g.set_type_like(g.op("GatherGrad", g.shape_of(x), first, dy, domain=MICROSOFT, axis=axis), x)]
-    flat = g.op("GatherGrad", g.reshape(g.op("Size", x), [1]), first, dy, domain=MICROSOFT, axis=0)
-    return [g.set_type_like(g.reshape(flat, g.shape_of(x)), x)]
+        return g.set_type_like(g.op("GatherGrad", g.shape_of(x), positions, dy, domain=MICROSOFT, axis=axis), x)
+    flat = g.op("GatherGrad", g.reshape(g.op("Size", x), [1]), positions, dy, domain=MICROSOFT, axis=0)
+    return g.set_type_like(g.reshape(flat, g.shape_of(x)), x)
 
 
 def _unique_indices(g) -> ir.Value:
