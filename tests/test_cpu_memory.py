@@ -57,6 +57,7 @@ def test_second_run_reuses_freed_memory():
 import numpy as np  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
+from gradgen.executor import cpu_program  # noqa: E402
 from gradgen.executor import session as session_module  # noqa: E402
 from gradgen.kernels import registry  # noqa: E402
 
@@ -126,19 +127,21 @@ def _model(nodes, inputs, outputs, initializers=()):
 def _reused_steps(sess, feeds):
     """Run once; the op types whose result took an input's memory."""
     reused = []
-    run_step = sess.backend.run_step
 
-    def watch(step, args):
-        result = run_step(step, args)
+    def watch(step, args, result):
         if any(result is a for a in args):
             reused.append(step.op_type)
-        return result
 
-    sess.backend.run_step = watch
+    sess.step_observer = watch
     return sess.run(feeds), reused
 
 
-def test_a_step_writes_over_a_dying_intermediate_never_a_feed_a_constant_an_output_or_a_viewed_value():
+@pytest.fixture
+def in_place_at_any_size(monkeypatch):
+    monkeypatch.setattr(cpu_program, "IN_PLACE_MIN_BYTES", 0)
+
+
+def test_a_step_writes_over_a_dying_intermediate_never_a_feed_a_constant_an_output_or_a_viewed_value(in_place_at_any_size):
     w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
     nodes = [
         helper.make_node("Mul", ["x", "x"], ["t"]),  # x is the caller's: never written
@@ -163,13 +166,26 @@ def test_a_step_writes_over_a_dying_intermediate_never_a_feed_a_constant_an_outp
         assert np.array_equal(x, x_before)
 
 
-def test_only_an_array_nothing_else_refers_to_counts_as_overwritable():
-    values = {"a": np.ones(3), "b": np.ones(3)}
-    args = (values["a"], values["b"])
-    assert session_module._overwritable(args, 0)
-    view = values["b"][1:]  # noqa: F841 -- a view keeps b's memory in use
-    assert not session_module._overwritable(args, 1)
-    assert not session_module._overwritable((values["a"][1:],), 0)  # a view owns no memory
+def test_only_a_large_array_nothing_else_refers_to_counts_as_overwritable():
+    n = cpu_program.IN_PLACE_MIN_BYTES // 8
+    values = [np.ones(n), np.ones(n), np.ones(n - 1)]
+    args = (values[0], values[1], values[2])
+    assert cpu_program.overwritable(args, 0)
+    view = values[1][1:]  # noqa: F841 -- a view keeps b's memory in use
+    assert not cpu_program.overwritable(args, 1)
+    assert not cpu_program.overwritable((values[0][1:],), 0)  # a view owns no memory
+    assert not cpu_program.overwritable(args, 2)  # small: a fresh result is cheaper than the checks
+
+
+def test_small_intermediates_get_fresh_results_large_ones_are_written_over():
+    nodes = [helper.make_node("Mul", ["x", "x"], ["t"]), helper.make_node("Relu", ["t"], ["r"])]
+    model = _model(nodes, [("x", ["n"])], ["r"], [])
+    sess = session_module.Session(model)
+    for n, expected in ((1000, []), (cpu_program.IN_PLACE_MIN_BYTES // 4, ["Relu"])):
+        x = np.linspace(-1, 1, n, dtype=np.float32)
+        out, reused = _reused_steps(sess, {"x": x})
+        assert reused == expected
+        assert out["r"].tobytes() == np.maximum(x * x, 0).tobytes()
 
 
 @pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
@@ -201,7 +217,7 @@ def test_scatter_nd_in_place_refuses_what_it_cannot_write_whole():
     assert not data.any()
 
 
-def test_an_embedding_gradient_scatters_into_its_zeros_in_place():
+def test_an_embedding_gradient_scatters_into_its_zeros_in_place(in_place_at_any_size):
     nodes = [
         helper.make_node(
             "ConstantOfShape",

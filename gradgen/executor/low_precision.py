@@ -45,6 +45,18 @@ def declared_dtypes(node: ir.Node) -> list[np.dtype | None]:
 _LOW_SET = frozenset(LOW_PRECISION)
 
 
+def may_read_low_precision(node: ir.Node) -> bool:
+    """Whether an input of ``node`` can be a 16-bit float at run time: one the graph declares
+    16-bit or leaves untyped. A Session checks the arguments of only such steps (feeds are checked
+    against their declared types, and every kernel keeps the types the graph declares)."""
+    for value in node.inputs:
+        if value is None:
+            continue
+        if value.dtype is None or int(value.dtype) in _ONNX_LOW:
+            return True
+    return False
+
+
 def needs_fp32(op_type: str, args: list, attributes: dict, out_dtypes: list | None) -> bool:
     """True when the step reads a 16-bit float or a Cast produces one."""
     return reads_low_precision(args) or always_fp32(op_type, attributes, out_dtypes)

@@ -11,13 +11,14 @@ import operator
 import os
 import sys
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.executor import low_precision
+from gradgen.executor.cpu_program import CpuProgram, overwritable
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.names import name_mismatch, quoted
@@ -47,6 +48,8 @@ class Step:
     gather: Any = None  # env -> the tuple of this step's arguments (None for an absent optional input)
     first_output: str | None = None  # the name of output 0 ('' / None: not wanted)
     low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
+    # an input the graph declares 16-bit or does not type: the run checks its arguments for 16-bit floats
+    may_read_low_precision: bool = True
     call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
     metadata: dict[str, str] | None = None  # the node's metadata (the optimizer's tags: gradgen/training/optimizers.py)
     reuse: tuple[int, ...] = ()  # CPU: input positions the step may write its result over (``_plan_reuse``)
@@ -90,10 +93,10 @@ class CpuBackend:
         pass
 
     def run_step(self, step: "Step", args):
-        if step.low_precision or low_precision.reads_low_precision(args):
+        if step.low_precision or (step.may_read_low_precision and low_precision.reads_low_precision(args)):
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
         for position in step.reuse:
-            if _overwritable(args, position):
+            if overwritable(args, position):
                 result = step.into(position, *args)
                 if result is not None:
                     return result
@@ -103,31 +106,6 @@ class CpuBackend:
 
     def to_host(self, value) -> np.ndarray:
         return value
-
-
-def _references(args: tuple, position: int) -> int:
-    return sys.getrefcount(args[position])
-
-
-def _references_of_a_sole_value() -> int:
-    """What ``_references`` counts for an array that only the run's values and the step's
-    arguments hold (measured, so that it holds for any interpreter's counting)."""
-    values = {"x": np.empty(1)}
-    args = (values["x"],)
-    return _references(args, 0)
-
-
-_SOLE_REFERENCES = _references_of_a_sole_value()
-
-
-def _overwritable(args: tuple, position: int) -> bool:
-    """The argument at ``position`` (which dies at this step: ``Step.reuse``) may take the step's
-    result: an array that owns its memory, writable and C-contiguous, that nothing but the run's
-    values and these arguments refers to (no view of it, no kernel cache, no caller)."""
-    if _references(args, position) != _SOLE_REFERENCES:
-        return False
-    value = args[position]
-    return isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable and value.flags.c_contiguous
 
 
 _MEMORY_KEPT = False
@@ -227,16 +205,23 @@ class Session:
             self.backend = CpuBackend()
         self.opsets = {registry.normalize_domain(d): v for d, v in self.model.opset_imports.items()}
         self.initializers = {
-            name: value.const_value.numpy() for name, value in self.graph.initializers.items() if value.const_value is not None
+            name: _canonical_dtype(value.const_value.numpy())
+            for name, value in self.graph.initializers.items()
+            if value.const_value is not None
         }
         self.input_values = [v for v in self.graph.inputs if v.name not in self.initializers]
         self.output_names = [v.name for v in self.graph.outputs]
         self.state_bindings = _checked_bindings(dict(state or {}), self.input_names, self.output_names)
         self.state_guard = _checked_guard(list(state_guard), self.state_bindings, self.output_names)
+        # called as observer(step, args, result) after every step (per-op timing, tests)
+        self.step_observer: Callable[[Step, tuple, Any], None] | None = None
+        self._program: CpuProgram | None = None
         self.steps = self._plan()
         self.updates_in_place = any(step.domain == "gradgen" and step.op_type == "FusedOptimizerUpdate" for step in self.steps)
         self.backend.num_steps = len(self.steps)
         self.constants = self.backend.place_constants(self.initializers)
+        if self.device == "cpu":
+            self._program = self._cpu_program()
         self._known_outputs = frozenset(self.output_names) | frozenset(self.constants) | frozenset(self.input_names)
         self._state: dict[str, Any] = {}  # bound input -> its current value, placed by the backend
         self._state_specs = feed_specs([v for v in self.input_values if v.name in self.state_bindings])
@@ -286,6 +271,7 @@ class Session:
                     attributes=attrs,
                     free_after=[],
                     output_dtypes=low_precision.declared_dtypes(node),
+                    may_read_low_precision=bool(captured) or low_precision.may_read_low_precision(node),
                     metadata=dict(node.metadata_props) or None,
                 )
             )
@@ -305,7 +291,7 @@ class Session:
         kept = []
         for step in steps:
             if step.op_type == "Constant" and not step.domain and not step.inputs:
-                self.initializers[step.outputs[0]] = np.asarray(step.kernel(**step.attributes))
+                self.initializers[step.outputs[0]] = _canonical_dtype(np.asarray(step.kernel(**step.attributes)))
             else:
                 kept.append(step)
         return kept
@@ -336,7 +322,7 @@ class Session:
             checked.update(self._state)
         with self.backend.lock():
             try:
-                values = self.backend.execute(self._execute, checked)
+                values = self.backend.execute(self._run_steps, checked)
                 results = {name: self.backend.to_host(values[name]) for name in wanted}
                 if self.state_bindings and (commit is None or commit(results)) and self._guard_passed(values):
                     self._state = self.backend.commit_state(self._state, self._next_state(values))
@@ -413,6 +399,7 @@ class Session:
             self.closed = True
             self.backend.close()
             self.constants = {}
+            self._program = None
             self._state = {}
             self._known_outputs = frozenset(self.output_names) | frozenset(self.input_names)
 
@@ -423,26 +410,22 @@ class Session:
         self.close()
 
     def _execute(self, placed_feeds: dict) -> dict:
-        """Run every step on feeds already placed by the backend; return the surviving values."""
+        """Run every step on feeds already placed by the backend; return the surviving values.
+        The CPU backend runs the same steps as a prepared program (``_plan``: CpuProgram)."""
         env: dict[str, Any] = dict(self.constants)
         env.update(placed_feeds)
         run_step = self.backend.run_step
         wrap = self.backend.wrap
+        observer = self.step_observer
         for step in self.steps:
             args = step.gather(env)
             try:
                 result = run_step(step, args)
-            except KernelError as exc:
-                raise KernelError(f"node {step.node_name!r} ({_qualified(step)}): {exc}") from None
-            except GradgenError:
-                raise
             except Exception as exc:
-                shapes = ", ".join("None" if a is None else f"{a.dtype}{list(a.shape)}" for a in args)
-                if self.device == "cuda":
-                    shapes += " on cuda"
-                raise RunError(
-                    f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): {type(exc).__name__}: {exc}"
-                ) from exc
+                _raise_step_failure(step, exc, args, self.device)
+                raise
+            if observer is not None:
+                observer(step, args, result)
             if isinstance(result, tuple):
                 for name, value in zip(step.outputs, result):
                     if name:
@@ -453,6 +436,31 @@ class Session:
             for name in step.free_after:
                 env.pop(name, None)
         return env
+
+    def _run_steps(self, placed_feeds: dict) -> dict:
+        if self.device != "cpu":
+            return self._execute(placed_feeds)
+        if self.step_observer is None and self._program is not None:
+            return self._program(placed_feeds)
+        return self._cpu_program(self.step_observer)(placed_feeds)
+
+    def _cpu_program(self, observer=None) -> CpuProgram:
+        return CpuProgram(self.steps, self.constants, self.output_names, self.backend.run_step, _cpu_step_failure, observer)
+
+
+def _raise_step_failure(step: Step, exc: Exception, args: tuple, device: str) -> None:
+    """Raise the error a failed step reports: the node's name and op with the kernel's message, or
+    with the inputs' types and shapes for an unexpected exception. Returns (the caller re-raises
+    ``exc`` as it is) for gradgen's own errors, which already say what went wrong."""
+    if isinstance(exc, KernelError):
+        raise KernelError(f"node {step.node_name!r} ({_qualified(step)}): {exc}") from None
+    if isinstance(exc, GradgenError):
+        return
+    shapes = ", ".join("None" if a is None else f"{a.dtype}{list(a.shape)}" for a in args)
+    if device == "cuda":
+        shapes += " on cuda"
+    message = f"node {step.node_name!r} ({_qualified(step)}) failed on inputs ({shapes}): {type(exc).__name__}: {exc}"
+    raise RunError(message) from exc
 
 
 # control-flow ops' inputs before their variadic ones: a serialised Loop without loop-carried
@@ -508,6 +516,20 @@ def _checked_guard(guard: list[str], bindings: dict[str, str], outputs: list[str
     if unknown:
         raise UsageError(f"state_guard: {quoted(unknown)} are not graph outputs")
     return guard
+
+
+def _canonical_dtype(array: np.ndarray) -> np.ndarray:
+    """``array`` as a view with numpy's own instance of its dtype. Tensors from ONNX come with
+    equal but distinct dtype objects ('<f4'); kernels compare dtypes by identity first, so a
+    constant with numpy's instance skips the slower equality test on every step."""
+    canonical = np.dtype(array.dtype.type)
+    if canonical is array.dtype or canonical != array.dtype:
+        return array
+    return array.view(canonical)
+
+
+def _cpu_step_failure(step: Step, exc: Exception, args: tuple) -> None:
+    _raise_step_failure(step, exc, args, "cpu")
 
 
 def _qualified(step: Step) -> str:
@@ -599,7 +621,7 @@ def _prepare_steps(steps: list[Step], constants: dict[str, np.ndarray]) -> None:
 def _plan_reuse(steps: list[Step], protected: set[str]) -> None:
     """Per CPU step with an in-place form (``KernelEntry.cpu_into``), the inputs it may write its
     result over: those that die at the step, are read once by it, and are not graph inputs (the
-    caller's arrays), constants or outputs. The run checks the rest (``_overwritable``), so the
+    caller's arrays), constants or outputs. The run checks the rest (``overwritable``), so the
     step's result takes a dying input's memory instead of new memory, with the same bits."""
     for step in steps:
         if step.entry is None or step.entry.cpu_into is None:

@@ -72,8 +72,12 @@ def _float_like(x: np.ndarray) -> np.ndarray:
 def _same_type(*xs: np.ndarray) -> None:
     """ONNX's binary and variadic ops take one type T; numpy would silently promote mixes."""
     first = xs[0].dtype
-    if any(x.dtype != first for x in xs[1:]):
-        raise KernelError(f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type")
+    for x in xs:
+        if x.dtype is not first and x.dtype != first:  # numpy's built-in dtypes are singletons
+            break
+    else:
+        return
+    raise KernelError(f"inputs have different dtypes ({', '.join(str(x.dtype) for x in xs)}); this op needs one type")
 
 
 def _unary(fn):
@@ -99,7 +103,7 @@ def _binary(fn, *, one_type: bool = True):
     ONNX's single type T, so mixed dtypes are refused rather than promoted."""
 
     def kernel(a, b):
-        if one_type:
+        if one_type and a.dtype is not b.dtype:
             _same_type(a, b)
         return fn(a, b)
 
@@ -192,13 +196,25 @@ def fits_in(out: np.ndarray, *xs: np.ndarray) -> bool:
     """``out`` can take the result of an elementwise op of ``xs`` (one of which it is), as the
     kernel would make it: every input has out's dtype and broadcasts to out's shape, and each
     input of out's whole shape is C-contiguous (so the fresh result would be C-contiguous too)."""
+    target = out.shape
     for x in xs:
-        if x.dtype != out.dtype or (x.shape == out.shape and not x.flags.c_contiguous):
+        if x.dtype != out.dtype:
             return False
-    try:
-        return np.broadcast_shapes(*(x.shape for x in xs)) == out.shape
-    except ValueError:
-        return False  # the kernel reports it
+        if x.shape == target:
+            if not x.flags.c_contiguous:
+                return False
+        elif not _broadcasts_to(x.shape, target):
+            return False
+    return True
+
+
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """numpy's broadcasting of ``shape`` against ``target`` gives ``target`` (a per-axis loop:
+    ``np.broadcast_shapes`` costs microseconds, more than a small step's arithmetic)."""
+    if len(shape) > len(target):
+        return False
+    offset = len(target) - len(shape)
+    return all(d == 1 or d == target[offset + i] for i, d in enumerate(shape))
 
 
 def _binary_into(fn):

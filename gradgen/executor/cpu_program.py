@@ -1,0 +1,235 @@
+"""The CPU backend's run as a prepared program: one closure per step over a list of value slots.
+
+A Session's generic run loop (``Session._execute``, which the CUDA backend uses) looks every
+argument up by name in a dict, asks the backend to run the step and stores each result by name:
+about 1-2 us of Python per step, which on a small model (a few hundred nodes on tiny tensors) is
+most of the step's time. Here everything that does not depend on the values is resolved once:
+each value name becomes an index into a list, and each step becomes a closure specialised for
+what it needs. A plain step (no 16-bit float can reach it, no input it may write over, one output)
+is just ``v[out] = call(v[a], v[b])`` and the frees; the others go through the backend's
+``run_step`` (float32 for 16-bit floats, results written over dying inputs) with the same
+arguments the generic loop passes it, so both loops compute the same bits.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+# below this size a fresh result costs less than checking whether an input can take it (numpy keeps
+# small blocks for reuse itself); in place pays on large arrays, whose memory is reused while hot
+IN_PLACE_MIN_BYTES = 64 * 1024
+
+_ABSENT = 0  # the slot of an omitted optional input: always None
+_DISCARDED = 1  # where the outputs nobody names go
+
+
+class CpuProgram:
+    """``program(feeds) -> values``: every step of the plan, run on numpy arrays.
+
+    ``steps`` are the Session's prepared steps (``Step.call``, ``free_after``, ``reuse``);
+    ``run_step(step, args)`` is the backend's general path; ``fail(step, exc, args)`` raises the
+    error that names the node; ``observer(step, args, result)``, if given, is called after every
+    step (a slower program: every step goes through the general runner). The values returned are
+    the constants, the feeds and the graph outputs (what a Session reads after a run).
+    """
+
+    def __init__(
+        self,
+        steps: list,
+        constants: dict[str, np.ndarray],
+        output_names: list[str],
+        run_step: Callable,
+        fail: Callable,
+        observer: Callable | None = None,
+    ) -> None:
+        self._slots: dict[str, int] = {}
+        self._template: list[Any] = [None, None]
+        for name in constants:
+            self._template[self._slot(name)] = constants[name]
+        for step in steps:
+            for name in [*step.inputs, *step.outputs]:
+                if name:
+                    self._slot(name)
+        self._constants = constants
+        self._steps = steps
+        self._outputs = [(name, self._slots[name]) for name in output_names if name in self._slots]
+        self._run_step = run_step
+        self._fail = fail
+        self._observer = observer
+        self._runners = [self._runner(step) for step in steps]
+
+    def _slot(self, name: str) -> int:
+        index = self._slots.get(name)
+        if index is None:
+            index = self._slots[name] = len(self._template)
+            self._template.append(None)
+        return index
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self._template.copy()
+        slots = self._slots
+        for name, value in feeds.items():
+            index = slots.get(name)
+            if index is not None:
+                values[index] = value
+        for position, run in enumerate(self._runners):
+            try:
+                run(values)
+            except Exception as exc:  # noqa: BLE001 -- fail() raises the error that names the node
+                step = self._steps[position]
+                self._fail(step, exc, tuple(values[slots[n]] if n else None for n in step.inputs))
+                raise
+        result = dict(self._constants)
+        result.update(feeds)
+        for name, index in self._outputs:
+            result[name] = values[index]
+        return result
+
+    def _runner(self, step) -> Callable[[list], None]:
+        """The closure that runs ``step`` on the value list."""
+        inputs = tuple(self._slots[name] if name else _ABSENT for name in step.inputs)
+        outputs = tuple(self._slots[name] if name else _DISCARDED for name in step.outputs)
+        frees = tuple(self._slots[name] for name in step.free_after)
+        if _DISCARDED in outputs:
+            frees += (_DISCARDED,)  # an output nobody reads dies at its step
+        if step.low_precision or step.may_read_low_precision:
+            execute = self._run_step
+        elif step.reuse:
+            execute = _in_place_call(step)
+        elif len(outputs) == 1 and len(inputs) <= 2 and self._observer is None:
+            return _plain_runner(step.call, inputs, outputs[0], frees)
+        else:
+            execute = _call_step
+        if self._observer is not None:
+            execute = _observed(execute, self._observer)
+        return _general_runner(step, execute, _getter(inputs), outputs, frees)
+
+
+def _getter(inputs: tuple[int, ...]) -> Callable[[list], tuple]:
+    if not inputs:
+        return lambda values: ()
+    if len(inputs) == 1:
+        only = inputs[0]
+        return lambda values: (values[only],)
+    return operator.itemgetter(*inputs)
+
+
+def _as_array(result) -> np.ndarray:
+    return result if type(result) is np.ndarray else np.asarray(result)
+
+
+def _first_output(result) -> np.ndarray | None:
+    """A kernel's result for a step of one output: a tuple's first element (kernels of
+    multi-output ops return tuples), anything else as an array."""
+    if isinstance(result, tuple):
+        return _as_array(result[0]) if result else None
+    return _as_array(result)
+
+
+def _plain_runner(call, inputs: tuple[int, ...], out: int, frees: tuple[int, ...]) -> Callable[[list], None]:
+    """A step of at most two inputs and one output that runs its prepared call as it is."""
+    ndarray = np.ndarray
+    if len(inputs) == 2:
+        a, b = inputs
+
+        def run(values: list) -> None:
+            result = call(values[a], values[b])
+            values[out] = result if type(result) is ndarray else _first_output(result)
+            for index in frees:
+                values[index] = None
+
+    elif len(inputs) == 1:
+        (a,) = inputs
+
+        def run(values: list) -> None:
+            result = call(values[a])
+            values[out] = result if type(result) is ndarray else _first_output(result)
+            for index in frees:
+                values[index] = None
+
+    else:
+
+        def run(values: list) -> None:
+            result = call()
+            values[out] = result if type(result) is ndarray else _first_output(result)
+            for index in frees:
+                values[index] = None
+
+    return run
+
+
+def _call_step(step, args: tuple):
+    return step.call(*args)
+
+
+def _in_place_call(step) -> Callable:
+    """(step, args) -> result for a step that may write its result over an input that dies at it
+    (``Step.reuse``), when that input is a large array nothing else refers to (``overwritable``)."""
+    reuse, into, call = step.reuse, step.into, step.call
+
+    def run_in_place(step, args: tuple):
+        for position in reuse:
+            if overwritable(args, position):
+                result = into(position, *args)
+                if result is not None:
+                    return result
+        return call(*args)
+
+    return run_in_place
+
+
+def _observed(execute: Callable, observer: Callable) -> Callable:
+    def run_and_tell(step, args: tuple):
+        result = execute(step, args)
+        observer(step, args, result)
+        return result
+
+    return run_and_tell
+
+
+def _general_runner(step, run_step, gather, outputs: tuple[int, ...], frees: tuple[int, ...]) -> Callable[[list], None]:
+    """Any step, through the backend's ``run_step``: a tuple result fills the outputs in order, a
+    single result the first output."""
+    first = outputs[0] if outputs else _DISCARDED
+
+    def run(values: list) -> None:
+        result = run_step(step, gather(values))
+        if isinstance(result, tuple):
+            for index, value in zip(outputs, result):
+                values[index] = _as_array(value)
+        else:
+            values[first] = _as_array(result)
+        for index in frees:
+            values[index] = None
+
+    return run
+
+
+def _references(args: tuple, position: int) -> int:
+    return sys.getrefcount(args[position])
+
+
+def _references_of_a_sole_value() -> int:
+    """What ``_references`` counts for an array that only the run's values and the step's
+    arguments hold (measured, so that it holds for any interpreter's counting)."""
+    values = [np.empty(1)]
+    args = (values[0],)
+    return _references(args, 0)
+
+
+_SOLE_REFERENCES = _references_of_a_sole_value()
+
+
+def overwritable(args: tuple, position: int) -> bool:
+    """The argument at ``position`` (which dies at this step: ``Step.reuse``) may take the step's
+    result: an array of at least ``IN_PLACE_MIN_BYTES`` that owns its memory, writable and
+    C-contiguous, that nothing but the run's values and these arguments refers to (no view of it,
+    no kernel cache, no caller)."""
+    if getattr(args[position], "nbytes", 0) < IN_PLACE_MIN_BYTES or _references(args, position) != _SOLE_REFERENCES:
+        return False
+    value = args[position]
+    return type(value) is np.ndarray and value.flags.owndata and value.flags.writeable and value.flags.c_contiguous
