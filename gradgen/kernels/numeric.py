@@ -31,6 +31,15 @@ def float_compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32)
 
 
+def broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """numpy's broadcasting of ``shape`` against ``target`` gives ``target`` (a per-axis loop:
+    ``np.broadcast_shapes`` costs microseconds, more than a small step's arithmetic)."""
+    if len(shape) > len(target):
+        return False
+    offset = len(target) - len(shape)
+    return all(d == 1 or d == target[offset + i] for i, d in enumerate(shape))
+
+
 def shape_arg(shape) -> list[int]:
     """A shape input as a list of non-negative ints."""
     dims = int_list(shape, "shape")

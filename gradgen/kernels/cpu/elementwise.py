@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.numeric import accumulation_dtype, same_shape
+from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
@@ -203,18 +203,9 @@ def fits_in(out: np.ndarray, *xs: np.ndarray) -> bool:
         if x.shape == target:
             if not x.flags.c_contiguous:
                 return False
-        elif not _broadcasts_to(x.shape, target):
+        elif not broadcasts_to(x.shape, target):
             return False
     return True
-
-
-def _broadcasts_to(shape: tuple, target: tuple) -> bool:
-    """numpy's broadcasting of ``shape`` against ``target`` gives ``target`` (a per-axis loop:
-    ``np.broadcast_shapes`` costs microseconds, more than a small step's arithmetic)."""
-    if len(shape) > len(target):
-        return False
-    offset = len(target) - len(shape)
-    return all(d == 1 or d == target[offset + i] for i, d in enumerate(shape))
 
 
 def _binary_into(fn):

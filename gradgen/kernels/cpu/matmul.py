@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError, ModelError
-from gradgen.kernels.numeric import accumulation_dtype
+from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to
 from gradgen.kernels.table import MICROSOFT, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.einsum import explicit_equation, parse_equation
@@ -20,6 +20,8 @@ from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 def check_matmul_shapes(a_shape, b_shape) -> None:
     """MatMul's shape rules (numpy matmul's, 1-D operands included); KernelError when broken."""
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) >= 2 and len(a_shape) == len(b_shape) and a_shape[-1] == b_shape[-2] and a_shape[:-2] == b_shape[:-2]:
+        return  # the common case, without np.broadcast_shapes (microseconds on small operands)
     if not a_shape or not b_shape:
         raise KernelError(f"MatMul inputs must have rank >= 1, got shapes {list(a_shape)} and {list(b_shape)}")
     k_a = a_shape[-1]
@@ -35,7 +37,8 @@ def check_matmul_shapes(a_shape, b_shape) -> None:
 @cpu_kernel("MatMul")
 def matmul(a, b):
     check_matmul_shapes(a.shape, b.shape)
-    return np.matmul(a, b).astype(np.result_type(a, b), copy=False)
+    dtype = a.dtype if a.dtype is b.dtype else np.result_type(a, b)
+    return np.matmul(a, b).astype(dtype, copy=False)
 
 
 @cpu_kernel("Gemm")
@@ -53,12 +56,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if alpha != 1.0:
         out = alpha * out
     if c is not None and beta != 0:
-        m, n = out.shape
-        try:
-            cb = np.broadcast_to(c, (m, n))
-        except ValueError:
-            raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape [{m}, {n}]") from None
-        out = out + (beta * cb if beta != 1.0 else cb)
+        if c.shape != out.shape and not broadcasts_to(c.shape, out.shape):
+            raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape {list(out.shape)}")
+        out = out + (beta * c if beta != 1.0 else c)
     return np.asarray(out).astype(dtype, copy=False)
 
 
