@@ -312,3 +312,41 @@ def test_scatter_kernels_write_into_f_ordered_data(op):
     kernel = registry.lookup("", op).cpu
     _same(kernel(np.asfortranarray(data), indices, updates), kernel(data, indices, updates))
     assert not np.array_equal(kernel(data, indices, updates), data)
+
+
+AVERAGE_POOL_CASES = [
+    *POOL_CASES[:3],
+    ({"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER", "count_include_pad": 1}, (2, 3, 5, 4)),
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1, "ceil_mode": 1, "strides": [2, 2]}, (1, 2, 6, 6)),
+    *POOL_CASES[4:],
+]
+
+
+@pytest.mark.parametrize(("attrs", "shape"), AVERAGE_POOL_CASES, ids=[str(i) for i in range(len(AVERAGE_POOL_CASES))])
+def test_prepared_average_pool_is_the_kernel(attrs, shape):
+    call, kernel = _prepared_and_kernel("AveragePool", attrs)
+    for x in (_normal(*shape), _normal(*shape, dtype=np.float64), _normal(*shape).transpose(), _normal(*shape, dtype=np.float16)):
+        _agree(call, kernel, x)
+
+
+@pytest.mark.parametrize(
+    ("pads", "value", "axes"),
+    [
+        ([1, 0, 2, 0, 3, 1], 0.5, None),
+        ([0, -1, 1, 2, 1, -2], None, None),  # negative pads crop
+        ([2, 1], -1.0, [-1]),
+    ],
+)
+def test_prepared_constant_pad_is_the_kernel_for_every_shape_and_pads(pads, value, axes):
+    constants = (
+        registry.RUNTIME,
+        registry.RUNTIME,
+        None if value is None else np.array(value, np.float32),
+        None if axes is None else np.array(axes, I64),
+    )
+    call, kernel = _prepared_and_kernel("Pad", {"mode": "constant"}, constants)
+    for shape in [(2, 3, 4), (1, 5, 6), (2, 3, 4)]:
+        for given in (np.array(pads, I64), np.array(pads, I64) // 2):
+            x = _normal(*shape)
+            _agree(call, kernel, x, given, constants[2], constants[3])
+            _agree(call, kernel, x.transpose(1, 0, 2), given, constants[2], constants[3])

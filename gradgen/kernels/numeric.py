@@ -59,8 +59,15 @@ def channel_shape(x, n_axes_before=1):
 
 
 def sliding_windows(xp, kernel, strides, dilations, out):
-    """(N, C, *out, *kernel) view of the windows of an already padded input."""
+    """(N, C, *out, *kernel) read-only view of the windows of an already padded input."""
     n = len(kernel)
+    if xp.flags.c_contiguous and xp.size:
+        # the same view built directly (sliding_window_view takes about 20 us of Python)
+        spatial = xp.strides[2:]
+        steps = tuple(s * st for s, st in zip(strides, spatial)) + tuple(d * st for d, st in zip(dilations, spatial))
+        view = np.ndarray((*xp.shape[:2], *out, *kernel), xp.dtype, xp, 0, xp.strides[:2] + steps)
+        view.flags.writeable = False
+        return view
     effective = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     view = sliding_window_view(xp, effective, axis=tuple(range(2, 2 + n)))
     index = (slice(None), slice(None))
@@ -70,7 +77,15 @@ def sliding_windows(xp, kernel, strides, dilations, out):
 
 
 def pad_spatial(x, begin, end, value):
-    widths = [(0, 0), (0, 0)] + list(zip(begin, end))
+    """``x`` with ``begin`` / ``end`` elements of ``value`` around each spatial axis (a fresh
+    array filled, then the input copied in: np.pad costs tens of microseconds of Python)."""
     if not any(begin) and not any(end):
         return x
-    return np.pad(x, widths, mode="constant", constant_values=value)
+    if min(begin) < 0 or min(end) < 0:
+        widths = [(0, 0), (0, 0)] + list(zip(begin, end))
+        return np.pad(x, widths, mode="constant", constant_values=value)
+    spatial = x.shape[2:]
+    padded = np.full(x.shape[:2] + tuple(b + n + e for b, n, e in zip(begin, spatial, end)), value, dtype=x.dtype)
+    inside = (slice(None), slice(None)) + tuple(slice(b, b + n) for b, n in zip(begin, spatial))
+    padded[inside] = x
+    return padded

@@ -146,27 +146,70 @@ def average_pool(
     pads=None,
     strides=None,
 ):
+    attrs = {
+        "auto_pad": auto_pad,
+        "ceil_mode": ceil_mode,
+        "count_include_pad": count_include_pad,
+        "dilations": dilations,
+        "kernel_shape": kernel_shape,
+        "pads": pads,
+        "strides": strides,
+    }
+    return _average_pool(x, _average_pool_plan((x.shape, x.dtype), attrs))
+
+
+@cpu_prepare("AveragePool")
+def prepare_average_pool(constants: tuple, attrs: dict):
+    """The kernel with its window geometry and divisor worked out once per input shape."""
+    plans = per_shape(functools.partial(_average_pool_plan, attrs=attrs))
+
+    def run(x):
+        return _average_pool(x, plans((x.shape, x.dtype)))
+
+    return run
+
+
+def _average_pool_plan(key: tuple, attrs: dict) -> tuple:
+    """(kernel, strides, dilations, begin pads, end pads, output dims, the divisor per output
+    position in the compute type, whether a window has no tap to count) for (shape, dtype)."""
+    shape, dtype = key
     kernel, s, d, begin, end, out = pool_window(
-        "AveragePool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+        "AveragePool",
+        shape,
+        attrs.get("kernel_shape"),
+        attrs.get("strides"),
+        attrs.get("dilations"),
+        attrs.get("pads"),
+        attrs.get("auto_pad", "NOTSET"),
+        attrs.get("ceil_mode", 0),
     )
     ns = len(kernel)
-    ct = float_compute_dtype(x.dtype)
-    xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
-    total = sliding_windows(xp, kernel, s, d, out).sum(axis=tuple(range(2 + ns, 2 + 2 * ns)))
     # Divisor: taps inside the input, or (count_include_pad) inside the declared padding too;
     # taps in the extra region that ceil_mode adds past the end padding never count.
-    declared = declared_pads(auto_pad, pads, begin, end)
+    declared = declared_pads(attrs.get("auto_pad", "NOTSET"), attrs.get("pads"), begin, end)
     count = np.ones((), dtype=np.int64)
     for axis in range(ns):
-        size = x.shape[2 + axis]
-        if int(count_include_pad):
+        size = shape[2 + axis]
+        if int(attrs.get("count_include_pad", 0)):
             lo, hi = -begin[axis], size + declared[ns + axis]
         else:
             lo, hi = 0, size
         c = _window_counts(size, kernel[axis], s[axis], d[axis], begin[axis], out[axis], lo, hi)
         count = np.multiply.outer(count, c)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        y = total / count.astype(ct)
+    divisor = count.astype(float_compute_dtype(dtype))
+    return kernel, s, d, begin, end, out, divisor, not divisor.all()
+
+
+def _average_pool(x: np.ndarray, plan: tuple) -> np.ndarray:
+    kernel, s, d, begin, end, out, divisor, empty_windows = plan
+    ns = len(kernel)
+    xp = pad_spatial(x.astype(divisor.dtype, copy=False), begin, end, 0)
+    total = sliding_windows(xp, kernel, s, d, out).sum(axis=tuple(range(2 + ns, 2 + 2 * ns)))
+    if empty_windows:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            y = total / divisor
+    else:
+        y = total / divisor
     return np.ascontiguousarray(y, dtype=x.dtype)
 
 

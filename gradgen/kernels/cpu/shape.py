@@ -384,6 +384,38 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
     return np.pad(x, width, mode=mode)
 
 
+@cpu_prepare("Pad")
+def prepare_pad(constants: tuple, attrs: dict):
+    """Constant-mode Pad with a constant fill value and axes: the kernel's fill and copy, its
+    geometry worked out once per (input shape, dtype, pads)."""
+    given = constant_inputs(constants, 2, 3)
+    if attrs.get("mode", "constant") != "constant" or given is None or "paddings" in attrs:
+        return None
+    constant_value, axes = given
+    fill = attrs.get("value", 0.0)
+    if constant_value is not None and np.size(constant_value):
+        fill = np.asarray(constant_value).reshape(-1)[0]
+
+    def geometry(key: tuple) -> tuple:
+        shape, dtype, pads = key
+        copy = pad_copy_geometry(shape, pad_widths(shape, np.frombuffer(pads, dtype=np.int64), axes))
+        into = tuple(slice(o, o + c) for _, o, c, _ in copy)
+        source = tuple(slice(s, s + c) for s, _, c, _ in copy)
+        return tuple(g[3] for g in copy), np.asarray(fill).astype(dtype), into, source
+
+    plans = per_shape(geometry)
+
+    def run(data, pads=None, constant_value=None, axes=None):
+        if pads is None or pads.dtype != np.int64:
+            return pad(data, pads, constant_value, axes, **attrs)
+        shape, value, into, source = plans((data.shape, data.dtype, pads.tobytes()))
+        out = np.full(shape, value, dtype=data.dtype)
+        out[into] = data[source]
+        return out
+
+    return run
+
+
 @cpu_kernel("ConstantOfShape")
 def constant_of_shape(shape, *, value=None):
     dims = int_list(shape, "shape")
