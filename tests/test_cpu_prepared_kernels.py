@@ -350,3 +350,33 @@ def test_prepared_constant_pad_is_the_kernel_for_every_shape_and_pads(pads, valu
             x = _normal(*shape)
             _agree(call, kernel, x, given, constants[2], constants[3])
             _agree(call, kernel, x.transpose(1, 0, 2), given, constants[2], constants[3])
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "attrs"),
+    [(x, w, a) for op, x, w, a in CONV_CASES if op == "Conv"]
+    + [((2, 3, 6, 6), (4, 3, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]})],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("wanted", [(True, True, True), (True, False, False), (False, True, True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_prepared_conv_grad_is_the_kernel(x_shape, w_shape, attrs, wanted, dtype):
+    from gradgen.kernels.cpu.conv import conv as conv_kernel
+
+    call, kernel = _prepared_and_kernel("ConvGrad", {**attrs, "_num_outputs": 3, "_wanted": wanted}, domain="com.microsoft")
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    for batch in (x_shape[0], x_shape[0] + 1):
+        x = rng.standard_normal((batch, *x_shape[1:])).astype(dtype)
+        dy = rng.standard_normal(conv_kernel(x, w, **attrs).shape).astype(dtype)
+        _agree(call, kernel, dy, x, w)
+        _agree(
+            call, kernel, dy.transpose(0, 1, *range(dy.ndim - 1, 1, -1)).copy().transpose(0, 1, *range(dy.ndim - 1, 1, -1)), x, w
+        )
+
+
+def test_prepared_conv_grad_fails_as_the_kernel_on_a_wrong_dy():
+    call, kernel = _prepared_and_kernel("ConvGrad", {"_num_outputs": 3}, domain="com.microsoft")
+    x, w = _normal(1, 2, 5, 5), _normal(3, 2, 3, 3)
+    _agree(call, kernel, _normal(1, 3, 3, 3), x, w)  # plans this shape
+    _agree(call, kernel, _normal(1, 3, 4, 3), x, w)  # a dY of another shape: the kernel's error

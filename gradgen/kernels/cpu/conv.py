@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from gradgen.errors import KernelError
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
@@ -150,20 +149,116 @@ def _conv_grad_dw(dy_g, X, W, acc, geometry):
     n = X.shape[0]
     cg, kernel = W.shape[1], W.shape[2:]
     k, nd, p = math.prod(kernel), len(kernel), math.prod(out)
-    xp = np.pad(X.astype(acc, copy=False), [(0, 0), (0, 0)] + list(zip(begin, end)))
-    span = [(kk - 1) * d + 1 for kk, d in zip(kernel, dilations)]
-    view = sliding_window_view(xp, span, axis=tuple(range(2, 2 + nd)))
-    view = view[
-        (slice(None), slice(None))
-        + tuple(slice(0, (q - 1) * s + 1, s) for q, s in zip(out, strides))
-        + tuple(slice(None, None, d) for d in dilations)
-    ]
+    xp = pad_spatial(X.astype(acc, copy=False), begin, end, 0)
+    view = sliding_windows(xp, kernel, strides, dilations, out)  # (N, C, *out, *kernel)
     # im2col: (N, G, Cg, *out, *kernel) -> (G, Cg*K, N*P), one copy with the output positions
     # innermost (they run along X's rows, which keeps the copy fast).
     view = view.reshape(n, g, cg, *view.shape[2:])
     order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
     im2col = view.transpose(order).reshape(g, cg * k, n * p)
     return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
+
+
+@cpu_prepare("ConvGrad", domain=MICROSOFT)
+def prepare_conv_grad(constants: tuple, attrs: dict):
+    """ConvGrad of small images with its geometry, im2col and col2im worked out once per shape:
+    dW's columns gathered by a kept index (the kernel's im2col, so the same GEMM), dX's col2im as
+    one gather by a kept table, its taps in the kernel's order after a zero and added by one
+    reduction over them (the kernel's sums, bit for bit). A shape seen for the first time, and
+    large ones, run ``conv_grad`` itself."""
+    plans: dict = {}
+    num_outputs = attrs.get("_num_outputs", 3)
+    wanted = attrs.get("_wanted") or (True,) * num_outputs
+
+    def run(dY, X, W):
+        key = (dY.shape, X.shape, W.shape, dY.dtype, X.dtype, W.dtype)
+        plan = plans.get(key)
+        if plan is None:
+            result = conv_grad(dY, X, W, **attrs)  # errors as the kernel's; then keep the plan
+            if len(plans) >= 16:
+                plans.clear()
+            plans[key] = _conv_grad_plan(X.shape, W.shape, X.dtype, attrs)
+            return result
+        if plan is False:
+            return conv_grad(dY, X, W, **attrs)
+        acc, g, mg, p, dx_table, padded, interior, dw_index, spatial_axes = plan
+        n = X.shape[0]
+        dy = dY.astype(acc, copy=False)
+        dy_g = dy.reshape(n, g, mg, p).transpose(1, 2, 0, 3).reshape(g, mg, n * p)
+        results = []
+        if num_outputs >= 1:
+            results.append(_planned_dx(dy_g, X, W, acc, g, dx_table) if wanted[0] else None)
+        if num_outputs >= 2:
+            results.append(_planned_dw(dy_g, X, W, acc, padded, interior, dw_index) if wanted[1] else None)
+        if num_outputs >= 3:
+            results.append(dy.sum(axis=(0, *spatial_axes)).astype(dY.dtype))
+        return tuple(results)
+
+    return run
+
+
+def _planned_dx(dy_g, X, W, acc, g, table) -> np.ndarray:
+    w_t = W.astype(acc, copy=False).reshape(g, W.shape[0] // g, -1).transpose(0, 2, 1)
+    cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P), as the kernel makes it
+    extended = np.zeros(cols.size + 1, dtype=acc)  # the last slot: the zero each sum starts from
+    extended[:-1] = cols.reshape(-1)
+    return np.add.reduce(extended[table], axis=0).reshape(X.shape).astype(X.dtype)
+
+
+def _planned_dw(dy_g, X, W, acc, padded, interior, index) -> np.ndarray:
+    if padded is None:
+        flat = X.astype(acc, copy=False).reshape(-1)
+    else:
+        xp = np.zeros(padded, dtype=acc)
+        xp[interior] = X
+        flat = xp.reshape(-1)
+    im2col = flat[index]  # (G, Cg*K, N*P): the kernel's im2col copy
+    return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
+
+
+def _conv_grad_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
+    """What ``prepare_conv_grad`` needs for these shapes (the kernel has checked them), or False
+    when its tables would be large: (accumulation type, groups, Mg, P, dX's (1 + K, X.size) gather
+    table, the padded shape or None, the interior of the padding, dW's im2col index, X's spatial
+    axes)."""
+    geometry = {k: attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides") if k in attrs}
+    begin, end, strides, dilations, y_shape = conv_geometry(x_shape, w_shape, **geometry)
+    g = int(attrs.get("group", 1))
+    n, c = x_shape[:2]
+    m, cg, kernel = w_shape[0], w_shape[1], tuple(w_shape[2:])
+    k, nd, out = math.prod(kernel), len(kernel), tuple(y_shape[2:])
+    p, x_size = math.prod(out), math.prod(x_shape)
+    if (k + 1) * x_size > SMALL_CONV_COLUMNS or g * cg * k * n * p > SMALL_CONV_COLUMNS:
+        return False
+    padded = tuple(x_shape[:2]) + tuple(s + b + e for s, b, e in zip(x_shape[2:], begin, end))
+    interior = (slice(None), slice(None)) + tuple(slice(b, b + s) for b, s in zip(begin, x_shape[2:]))
+    # dX: replay the kernel's col2im on the columns' positions
+    n_cols = g * cg * k * n * p
+    taps = np.arange(n_cols, dtype=np.intp).reshape(g, cg, k, n, *out)
+    taps = taps.transpose(2, 3, 0, 1, *range(4, 4 + nd)).reshape(k, n, c, *out)
+    rows = [np.full(x_size, n_cols, dtype=np.intp)]  # the zero first
+    for position, offset in enumerate(np.ndindex(*kernel)):
+        source = np.full(padded, n_cols, dtype=np.intp)
+        window = tuple(slice(o * d, o * d + (q - 1) * s + 1, s) for o, d, q, s in zip(offset, dilations, out, strides))
+        source[(slice(None), slice(None)) + window] = taps[position]
+        rows.append(source[interior].reshape(-1))
+    # dW: the kernel's im2col on the padded image's positions
+    positions = np.arange(math.prod(padded), dtype=np.intp).reshape(padded)
+    view = sliding_windows(positions, kernel, strides, dilations, out).reshape(n, g, cg, *out, *kernel)
+    order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
+    index = np.ascontiguousarray(view.transpose(order).reshape(g, cg * k, n * p))
+    has_pad = any(begin) or any(end)
+    return (
+        accumulation_dtype(dtype),
+        g,
+        m // g,
+        p,
+        np.stack(rows),
+        padded if has_pad else None,
+        interior,
+        index,
+        tuple(range(2, 2 + nd)),
+    )
 
 
 # ---------------------------------------------------------------- Conv, ConvTranspose
