@@ -30,7 +30,11 @@ from gradgen.ops.attributes import node_attributes
 from gradgen.ops.shape import shape_bounds
 
 MAX_ELEMENTS = 4096
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"})
+# ops that draw random numbers: never folded, never merged (two Dropouts of one input in training
+# mode draw two masks; Dropout in inference mode is an Identity, which nothing loses by keeping)
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial", "Dropout"}
+)
 STANDARD_DOMAINS = ("", "ai.onnx")
 
 

@@ -204,3 +204,23 @@ def test_model_local_functions_are_inlined():
     report = check_gradients(model, wrt_inputs=True, inputs={"x": x})
     assert report.passed, report.format()
     assert [n.op_type for n in model.graph.node][0] == "Linear"  # the caller's model is as it was
+
+
+def test_cse_keeps_two_training_dropouts_of_one_input_apart():
+    """Each training-mode Dropout draws its own mask: merging two of one input would make them
+    drop the same elements (a correlation the model does not have)."""
+    nodes = [
+        helper.make_node("Dropout", ["x", "ratio", "training"], ["d1"]),
+        helper.make_node("Dropout", ["x", "ratio", "training"], ["d2"]),
+        helper.make_node("Sub", ["d1", "d2"], ["diff"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [64])],
+        [helper.make_tensor_value_info("diff", onnx.TensorProto.FLOAT, [64])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "training")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    CommonSubexpressionEliminationPass()(model)
+    assert [node.op_type for node in model.graph].count("Dropout") == 2

@@ -7,6 +7,7 @@ import ctypes
 import dataclasses
 import functools
 import heapq
+import math
 import operator
 import os
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
+from gradgen.evaluate import RANDOM_OPS
 from gradgen.executor import low_precision
 from gradgen.executor.cpu_program import CpuProgram, overwritable
 from gradgen.kernels import registry
@@ -50,6 +52,8 @@ class Step:
     low_precision: bool = False  # a Cast to, or a declared output of, a 16-bit float: always run in float32
     # an input the graph declares 16-bit or does not type: the run checks its arguments for 16-bit floats
     may_read_low_precision: bool = True
+    # CPU: run once at plan time when every input is a constant (``plan_time_constant``)
+    foldable: bool = False
     call: Any = None  # the CPU kernel prepared for this node (kernels/table.py, prepared_cpu_call): args -> result
     metadata: dict[str, str] | None = None  # the node's metadata (the optimizer's tags: gradgen/training/optimizers.py)
     reuse: tuple[int, ...] = ()  # CPU: input positions the step may write its result over (``_plan_reuse``)
@@ -272,6 +276,7 @@ class Session:
                     free_after=[],
                     output_dtypes=low_precision.declared_dtypes(node),
                     may_read_low_precision=bool(captured) or low_precision.may_read_low_precision(node),
+                    foldable=self.device == "cpu" and not captured and plan_time_constant(node),
                     metadata=dict(node.metadata_props) or None,
                 )
             )
@@ -287,14 +292,36 @@ class Session:
         return steps
 
     def _fold_constant_nodes(self, steps: list[Step]) -> list[Step]:
-        """Evaluate Constant nodes once, at plan time; their outputs join the initializers."""
+        """Evaluate Constant nodes once, at plan time, and on the CPU every ``foldable`` step whose
+        inputs are all constants (what a backward graph computes from constants alone: a Pow
+        gradient's log of a constant base, a mean's scale); their outputs join the initializers.
+        A step whose kernel fails stays, to report the failure with its node when the model runs."""
         kept = []
         for step in steps:
             if step.op_type == "Constant" and not step.domain and not step.inputs:
                 self.initializers[step.outputs[0]] = _canonical_dtype(np.asarray(step.kernel(**step.attributes)))
-            else:
-                kept.append(step)
+                continue
+            if step.foldable and all(name in self.initializers for name in step.inputs if name):
+                folded = self._evaluate(step)
+                if folded is not None:
+                    for name, value in zip(step.outputs, folded):
+                        if name:
+                            self.initializers[name] = _canonical_dtype(value)
+                    continue
+            kept.append(step)
         return kept
+
+    def _evaluate(self, step: Step) -> list[np.ndarray] | None:
+        args = [self.initializers[name] if name else None for name in step.inputs]
+        try:
+            with np.errstate(all="ignore"):  # as at run time, where numpy's warnings are not errors
+                result = step.kernel(*args, **step.attributes)
+        except Exception:  # noqa: BLE001 -- the run reports it, naming the node
+            return None
+        results = list(result) if isinstance(result, tuple) else [result]
+        if len(results) < len(step.outputs) or any(r is None for r in results[: len(step.outputs)]):
+            return None
+        return [np.asarray(r) for r in results[: len(step.outputs)]]
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None, *, commit=None) -> dict[str, np.ndarray]:
         """Run the model on ``feeds``; return the graph outputs (or those named) as numpy arrays.
@@ -574,6 +601,27 @@ def _topological_order(nodes: list[ir.Node], graph: ir.Graph) -> list[ir.Node]:
         stuck = [node_label(nodes[i]) for i, needs in enumerate(waiting_on) if needs][:5]
         raise ModelError(f"the graph has a cycle; stuck at {', '.join(stuck)}")
     return order
+
+
+FOLDED_ELEMENTS = 4096  # the largest output a plan-time step may fold into a constant
+
+
+def plan_time_constant(node: ir.Node) -> bool:
+    """``node`` may run once at plan time when its inputs are constants: a deterministic op
+    without subgraphs whose outputs are small, of static declared shape, not 16-bit floats (run
+    in float32 at run time), and not graph outputs (which a run must produce)."""
+    if node.op_type in RANDOM_OPS or node.domain not in ("", "ai.onnx", schemas.MICROSOFT_DOMAIN):
+        return False
+    if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
+        return False
+    for value in node.outputs:
+        if value.is_graph_output() or value.shape is None or not value.shape.is_static():
+            return False
+        if math.prod(value.shape.numpy()) > FOLDED_ELEMENTS or value.dtype is None:
+            return False
+    return not low_precision.may_read_low_precision(node) and not any(
+        low_precision.is_low_precision(d) for d in low_precision.declared_dtypes(node)
+    )
 
 
 SHAPE_READS = ("Shape", "Size")  # ops that read only their input's shape, never its values

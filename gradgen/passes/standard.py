@@ -8,6 +8,7 @@ from onnx_ir.passes import common as ir_common
 
 from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
+from gradgen.evaluate import RANDOM_OPS
 from gradgen.ops.einsum import parse_equation
 from gradgen.passes.rewrite import NodeRemoval
 
@@ -411,7 +412,6 @@ def _in_order(graph: ir.Graph) -> bool:
 
 
 RemoveUnusedNodesPass = ir_common.RemoveUnusedNodesPass
-_NON_DETERMINISTIC_OPS = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
 
 
 class CommonSubexpressionEliminationPass(ir_common.CommonSubexpressionEliminationPass):
@@ -440,7 +440,7 @@ class CommonSubexpressionEliminationPass(ir_common.CommonSubexpressionEliminatio
     def _node_key(self, node: ir.Node) -> tuple | None:
         """What makes two nodes the same computation (op, output count, input values,
         attributes); None for nodes never merged: subgraphs, large tensor attributes, random ops."""
-        if node.op_type in _NON_DETERMINISTIC_OPS and node.domain == "":
+        if node.op_type in RANDOM_OPS and node.domain == "":
             return None
         attributes = {}
         for name, attr in node.attributes.items():
