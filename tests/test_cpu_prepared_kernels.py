@@ -380,3 +380,20 @@ def test_prepared_conv_grad_fails_as_the_kernel_on_a_wrong_dy():
     x, w = _normal(1, 2, 5, 5), _normal(3, 2, 3, 3)
     _agree(call, kernel, _normal(1, 3, 3, 3), x, w)  # plans this shape
     _agree(call, kernel, _normal(1, 3, 4, 3), x, w)  # a dY of another shape: the kernel's error
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "attrs"),
+    [
+        ((4, 3), (4, 5), {"transA": 1}),
+        ((2, 3, 4), (2, 5, 4), {"transB": 1, "alpha": 0.5}),
+        ((3, 2, 4), (3, 4, 5), {"transBatchA": 1}),
+        ((2, 3, 4), (2, 3, 5), {"transA": 1, "transBatchB": 0}),
+        ((6,), (6, 2), {}),
+        ((2, 3, 4), (2, 6, 4), {"transB": 1}),  # inner dimensions differ: the kernel's error
+    ],
+)
+def test_prepared_fused_matmul_is_the_kernel(a_shape, b_shape, attrs):
+    call, kernel = _prepared_and_kernel("FusedMatMul", attrs, domain="com.microsoft")
+    for dtype in (np.float32, np.float64):
+        _agree(call, kernel, _normal(*a_shape, dtype=dtype), _normal(*b_shape, dtype=dtype))

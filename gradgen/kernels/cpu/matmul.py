@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError, ModelError
+from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to
-from gradgen.kernels.table import MICROSOFT, cpu_kernel
+from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.einsum import explicit_equation, parse_equation
 from gradgen.ops.matmul import check_fused_ranks, fused_matmul_output_dims, fused_operand_perm
@@ -130,6 +131,42 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
     if float(alpha) != 1.0:
         y = y * ct.type(alpha)
     return y.astype(A.dtype, copy=False)
+
+
+@cpu_prepare("FusedMatMul", domain=MICROSOFT)
+def prepare_fused_matmul(constants: tuple, attrs: dict):
+    """The kernel's calls with the operands' transposes and the shape checks done once per pair of
+    input shapes (the first call with a pair runs the kernel, which says what does not fit)."""
+    flags = {k: int(attrs.get(k, 0)) for k in ("transA", "transB", "transBatchA", "transBatchB")}
+    alpha = float(attrs.get("alpha", 1.0))
+    checked: set = set()
+
+    def perms(ranks: tuple) -> tuple:
+        return (
+            fused_operand_perm(ranks[0], bool(flags["transA"]), bool(flags["transBatchA"])),
+            fused_operand_perm(ranks[1], bool(flags["transB"]), bool(flags["transBatchB"])),
+        )
+
+    perms_for = per_shape(perms)
+
+    def run(A, B):
+        key = (A.shape, B.shape, A.dtype, B.dtype)
+        if key not in checked:
+            y = fused_matmul(A, B, **attrs)
+            if len(checked) >= 64:
+                checked.clear()
+            checked.add(key)
+            return y
+        perm_a, perm_b = perms_for((A.ndim, B.ndim))
+        ct = accumulation_dtype(A.dtype)
+        a = A if perm_a is None else A.transpose(perm_a)
+        b = B if perm_b is None else B.transpose(perm_b)
+        y = np.asarray(np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
+        if alpha != 1.0:
+            y = y * ct.type(alpha)
+        return y.astype(A.dtype, copy=False)
+
+    return run
 
 
 def fused_operand(X, trans, trans_batch):
