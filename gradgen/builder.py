@@ -326,7 +326,18 @@ class GraphBuilder:
         return self.reduce("ReduceSum", x, axes, keepdims, noop_with_empty_axes)
 
     def unsqueeze(self, x: ir.Value, axes: Sequence[int]) -> ir.Value:
-        return self.op("Unsqueeze", x, self.ints(axes))
+        """Unsqueeze; where x's shape is known the result's is set (the build runs no shape inference
+        after the gradient pass, and a lowering may need the rank: a transposed operand's perm)."""
+        out = self.op("Unsqueeze", x, self.ints(axes))
+        if x.shape is not None:
+            rank = len(x.shape) + len(axes)
+            inserted = {a % rank for a in axes if -rank <= a < rank}
+            if len(inserted) == len(axes):
+                dims = iter(x.shape)
+                out.shape = ir.Shape([1 if axis in inserted else next(dims) for axis in range(rank)])
+                if out.type is None and x.type is not None:
+                    out.type = x.type
+        return out
 
     def squeeze(self, x: ir.Value, axes: Sequence[int]) -> ir.Value:
         return self.op("Squeeze", x, self.ints(axes))

@@ -722,3 +722,38 @@ def test_lowering_names_a_missing_broadcast_gradient_args_input():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
     with pytest.raises(ModelError, match=r"BroadcastGradientArgs node 'bga' lacks one of its inputs A, B"):
         LowerToStandardPass()(ir.from_proto(model))
+
+
+def test_portable_matmul_with_one_dimensional_operands_runs_on_onnxruntime():
+    """MatMul of a vector on either side (numpy's rules, which PyTorch's exports keep): the gradient
+    products transpose an unsqueezed operand, whose rank the lowering needs."""
+    rng = np.random.default_rng(0)
+    w, v = rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_t"], ["h"]),  # (3, 5) @ (5, 4)
+        helper.make_node("MatMul", ["h", "v"], ["hv"]),  # (3, 4) @ (4,)
+        helper.make_node("MatMul", ["v", "w"], ["vw"]),  # (4,) @ (4, 5)
+        helper.make_node("ReduceSum", ["hv"], ["s1"], keepdims=0),
+        helper.make_node("MatMul", ["x", "vw"], ["xv"]),  # (3, 5) @ (5,)
+        helper.make_node("ReduceSum", ["xv"], ["s2"], keepdims=0),
+        helper.make_node("Add", ["s1", "s2"], ["loss"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "vectors",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(w.T.copy(), "w_t"), numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    portable = gradgen.build_backward(model, portable=True).model
+    proto = ir.to_proto(portable)
+    assert {n.domain for n in proto.graph.node} <= STANDARD
+    got = ort_run(proto, {"x": x})
+    want = Session(gradgen.build_backward(model).model).run({"x": x})
+    assert set(want) <= set(got)
+    for name, value in want.items():
+        close(got[name], value)
+    # d loss / d v: the column sums of h, plus w times the column sums of x
+    np.testing.assert_allclose(got["v_grad"], (x @ w.T).sum(axis=0) + w @ x.sum(axis=0), rtol=1e-5)
