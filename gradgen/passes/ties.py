@@ -38,25 +38,29 @@ def equal_transposed_initializers(graph: ir.Graph) -> list[tuple[str, str]]:
             continue
         by_shape.setdefault((int(rows), int(cols)), []).append(value)
     pairs = []
+    order = None
     for (m, n), originals in by_shape.items():
-        if m > n:
+        if m > n or (n, m) not in by_shape:
             continue  # each pair once: the (n, m) side is looked at from the (m, n) side
+        # candidates by their corner values: a transposed copy's first row starts as the original's
+        # first column does (one lookup per tensor, not a comparison per pair of them)
+        candidates: dict[tuple, list[tuple[ir.Value, np.ndarray]]] = {}
+        for b in by_shape[(n, m)]:
+            y = _array(b)
+            candidates.setdefault((y.dtype.str, y[0, 0].item(), y[0, -1].item()), []).append((b, y))
         for a in originals:
-            for b in by_shape.get((n, m), []):
-                if _transposed(a, b):
-                    first, second = sorted((a, b), key=_use_order(graph))
+            x = _array(a)
+            for b, y in candidates.get((x.dtype.str, x[0, 0].item(), x[-1, 0].item()), ()):
+                if bool(np.ptp(x) > 0) and np.array_equal(x.T, y):
+                    order = order or _use_order(graph)
+                    first, second = sorted((a, b), key=order)
                     pairs.append((str(first.name), str(second.name)))
     return pairs
 
 
-def _transposed(a: ir.Value, b: ir.Value) -> bool:
-    assert a.const_value is not None and b.const_value is not None
-    x, y = a.const_value.numpy(), b.const_value.numpy()
-    if x.dtype != y.dtype:
-        return False
-    if x[0, 0] != y[0, 0] or x[-1, 0] != y[0, -1]:  # a cheap look first
-        return False
-    return bool(np.ptp(x) > 0) and np.array_equal(x.T, y)
+def _array(value: ir.Value) -> np.ndarray:
+    assert value.const_value is not None
+    return value.const_value.numpy()
 
 
 def _use_order(graph: ir.Graph):
