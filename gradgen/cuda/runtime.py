@@ -222,6 +222,8 @@ def to_host(array) -> np.ndarray:
     if CAPTURE.active:
         raise CaptureError("a device-to-host copy cannot be captured")
     if array.dtype == BFLOAT16:  # its bits as uint16 (see host_buffer), then the type again
+        if not array.size:
+            return np.empty(array.shape, BFLOAT16)  # no device memory to view (pycuda refuses)
         bits = GPUArray(array.shape, np.uint16, gpudata=array.gpudata, strides=array.strides, base=array)
         return bits.get().view(BFLOAT16)
     return array.get()

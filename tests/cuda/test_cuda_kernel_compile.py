@@ -34,6 +34,7 @@ def _without_nvcc(env):
     path = [d for d in env.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "nvcc"))]
     env = {k: v for k, v in env.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
     env["PATH"] = os.pathsep.join(path)
+    env["GRADGEN_CUDA_PREBUILT"] = "0"  # compiled here, not read from a wheel's prebuilt cubins
     return env
 
 
