@@ -141,8 +141,14 @@ def softmax_cross_entropy_loss_grad(
     safe = np.where(kept, labels, 0)
     # (N, D..., C) layout, as ORT transposes to.
     prob = np.moveaxis(np.exp(log_prob.astype(ct, copy=False)), 1, -1)
-    onehot = np.arange(classes) == safe[..., None]
-    grad = prob - onehot.astype(ct)
+    if prob.ndim == 2:
+        # (N, C): 1 taken off at each row's label in place, the bits of prob - onehot (x - 0 is x)
+        # without the (N, C) one-hot and its float copy (an LM head's 50,257 classes per token)
+        grad = prob
+        grad[np.arange(grad.shape[0]), safe] -= ct.type(1)
+    else:
+        onehot = np.arange(classes) == safe[..., None]
+        grad = prob - onehot.astype(ct)
     if weight is not None:
         w = np.where(kept, weight.astype(ct, copy=False)[safe], ct.type(0))
     else:
