@@ -362,8 +362,15 @@ class GraphBuilder:
         return self.op("CastLike", self.op("ConstantOfShape", shape), like)
 
     def zeros_like(self, x: ir.Value) -> ir.Value:
-        zero = ir.Tensor(np.zeros((1,), dtype=numpy_dtype_of(x)))
-        return self.op("ConstantOfShape", self.shape_of(x), value=zero)
+        return self.filled_like(x, 0)
+
+    def ones_like(self, x: ir.Value) -> ir.Value:
+        return self.filled_like(x, 1)
+
+    def filled_like(self, x: ir.Value, value) -> ir.Value:
+        """A tensor of x's shape and element type holding ``value`` everywhere."""
+        fill = ir.Tensor(np.full((1,), value, dtype=numpy_dtype_of(x)))
+        return self.op("ConstantOfShape", self.shape_of(x), value=fill)
 
     def cast_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
         return self.op("Cast", x, to=ir.DataType.from_numpy(numpy_dtype_of(like)))

@@ -760,7 +760,7 @@ def scatter_cases(draw, op):
     rng = _rng(draw)
     s = shape(draw, rank_min=1, rank_max=3, high=4)
     rank = len(s)
-    reduction = "none" if op == "Scatter" else draw(st.sampled_from(["none", "none", "add", "max", "min"]))  # mul: no rule
+    reduction = "none" if op == "Scatter" else draw(st.sampled_from(["none", "none", "add", "mul", "max", "min"]))
     opset = 10 if op == "Scatter" else 18  # Scatter: ScatterElements' deprecated name (opset 9-10), no reduction
     attrs = {} if reduction == "none" and (op == "Scatter" or draw(st.booleans())) else {"reduction": reduction}
     data = distinct(rng, s) if reduction in ("max", "min") else rng.uniform(-2, 2, s)

@@ -70,8 +70,8 @@ def _reduction(g) -> str:
     reduction = g.attr("reduction", "none")
     if isinstance(reduction, bytes):
         reduction = reduction.decode()
-    if reduction not in ("none", "add", "max", "min"):
-        raise ModelError(f"{_where(g)}: reduction={reduction!r} has no gradient rule (none, add, max and min only)")
+    if reduction not in ("none", "add", "mul", "max", "min"):
+        raise ModelError(f"{_where(g)}: reduction={reduction!r} has no gradient rule (none, add, mul, max and min only)")
     return reduction
 
 
@@ -79,15 +79,16 @@ def _reduction(g) -> str:
 def scatter_elements(g):
     """data: dY with the scattered positions zeroed (none) or dY (add); updates: gathered dY. max /
     min: the extremum's gradient goes to whichever of data and the updates scattered there equal it
-    (split evenly among ties, as PyTorch's scatter_reduce amax / amin with include_self)."""
+    (split evenly among ties, as PyTorch's scatter_reduce amax / amin with include_self); mul:
+    ``_scatter_product``."""
     reduction, axis = _reduction(g), g.attr("axis", 0)
     _data, indices, updates = g.x(0), g.x(1), g.x(2)
+    gather = lambda v, i: g.op("GatherElements", v, i, axis=axis)  # noqa: E731
+    scatter = lambda d, i, u, r: g.op("ScatterElements", d, i, u, axis=axis, reduction=r)  # noqa: E731
     if reduction in ("max", "min"):
-        return _scatter_extremum(
-            g,
-            lambda v, i: g.op("GatherElements", v, i, axis=axis),
-            lambda d, i, u, r: g.op("ScatterElements", d, i, u, axis=axis, reduction=r),
-        )
+        return _scatter_extremum(g, gather, scatter)
+    if reduction == "mul":
+        return _scatter_product(g, gather, scatter)
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else g.op("ScatterElements", g.dy(), indices, g.zeros_like(updates), axis=axis)
@@ -99,13 +100,15 @@ def scatter_elements(g):
 @grad_rule("ScatterND", nondiff_inputs=(1,))
 def scatter_nd(g):
     """data: dY with the scattered slices zeroed (none) or dY (add); updates: GatherND of dY; max /
-    min as ScatterElements'."""
+    min and mul as ScatterElements'."""
     reduction = _reduction(g)
     _data, indices, updates = g.x(0), g.x(1), g.x(2)
+    gather = lambda v, i: g.op("GatherND", v, i)  # noqa: E731
+    scatter = lambda d, i, u, r: g.op("ScatterND", d, i, u, reduction=r)  # noqa: E731
     if reduction in ("max", "min"):
-        return _scatter_extremum(
-            g, lambda v, i: g.op("GatherND", v, i), lambda d, i, u, r: g.op("ScatterND", d, i, u, reduction=r)
-        )
+        return _scatter_extremum(g, gather, scatter)
+    if reduction == "mul":
+        return _scatter_product(g, gather, scatter)
     d_data = d_updates = None
     if g.needs(0):
         d_data = g.dy() if reduction == "add" else g.op("ScatterND", g.dy(), indices, g.zeros_like(updates))
@@ -126,6 +129,30 @@ def _scatter_extremum(g, gather, scatter) -> list:
     share = g.op("Div", dy, count)
     d_data = g.op("Mul", share, data_wins) if g.needs(0) else None
     d_updates = g.op("Mul", gather(share, indices), updates_win) if g.needs(2) else None
+    return [d_data, None, d_updates]
+
+
+def _scatter_product(g, gather, scatter) -> list:
+    """Y = data times the updates multiplied in at each position: data's gradient is dY times the
+    product of its position's updates; an update's is dY * data there times the product of the
+    other updates at its position. That product is taken without dividing by a zero: with Z the
+    count of zero updates at the position and P the product of its non-zero ones, an update's
+    others multiply to 0 where another update is zero (Z minus its own zero count > 0), else to P
+    over itself (P where it is the one zero) -- what PyTorch's scatter_reduce prod computes."""
+    data, indices, updates, dy = g.x(0), g.x(1), g.x(2), g.dy()
+    _need_scatter_reduction(g)
+    d_data = d_updates = None
+    if g.needs(0):
+        d_data = g.op("Mul", dy, scatter(g.ones_like(data), indices, updates, "mul"))
+    if g.needs(2):
+        zero = g.const(np.array(0, dtype=numpy_dtype_of(updates)))
+        is_zero = g.op("Equal", updates, zero)
+        own_zero = g.cast_like(is_zero, updates)
+        non_zero = g.op("Where", is_zero, g.const(np.array(1, dtype=numpy_dtype_of(updates))), updates)
+        zeros_there = gather(scatter(g.zeros_like(data), indices, own_zero, "add"), indices)
+        product_there = gather(scatter(g.ones_like(data), indices, non_zero, "mul"), indices)
+        others = g.op("Where", g.op("Equal", zeros_there, own_zero), g.op("Div", product_there, non_zero), zero)
+        d_updates = g.op("Mul", gather(g.op("Mul", dy, data), indices), others)
     return [d_data, None, d_updates]
 
 
