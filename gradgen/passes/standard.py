@@ -24,17 +24,59 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
         if opset >= MIN_OPSET:
             return ir.passes.PassResult(model, modified=False)
+        proto = ir.to_proto(model)
+        training_batch_norms = _training_batch_norms_with_three_outputs(proto.graph)
         try:
-            converted = onnx.version_converter.convert_version(ir.to_proto(model), UPGRADE_TO)
+            converted = onnx.version_converter.convert_version(proto, UPGRADE_TO)
         except Exception as exc:
             raise ModelError(
                 f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
             ) from None
         _exact_shape_reshapes(converted.graph)
+        _in_training_mode(converted.graph, training_batch_norms)
         if opset < 11:  # every Resize now was an Upsample or a Resize-10
             _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def _training_batch_norms_with_three_outputs(graph: onnx.GraphProto) -> set[str]:
+    """A training-mode BatchNormalization below opset 14 has five outputs (Y, the running mean and
+    variance, the saved batch mean and inverse deviation); opset 14 has only the first three and a
+    training_mode attribute, and the converter refuses the others. PyTorch's training-mode exports
+    leave the last two unread: they are dropped (one that is read stays, and the converter says
+    so). Returns the Y names of the nodes changed, which ``_in_training_mode`` marks after the
+    conversion (the converter leaves training_mode out: inference mode, another function)."""
+    read = _names_read(graph)
+    changed = set()
+    for node in _all_nodes(graph):
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and len(node.output) == 5:
+            if not any(name and name in read for name in node.output[3:]):
+                del node.output[3:]
+                changed.add(node.output[0])
+    return changed
+
+
+def _in_training_mode(graph: onnx.GraphProto, outputs: set[str]) -> None:
+    for node in _all_nodes(graph):
+        if node.op_type == "BatchNormalization" and node.output and node.output[0] in outputs:
+            kept = [a for a in node.attribute if a.name != "training_mode"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("training_mode", 1)])
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """The nodes of ``graph`` and of every subgraph in it."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _all_nodes(sub)
+
+
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every value name a node (in any subgraph too) reads, and the graph's outputs."""
+    return {name for node in _all_nodes(graph) for name in node.input} | {v.name for v in graph.output}
 
 
 def _asymmetric_resizes(graph: onnx.GraphProto) -> None:
