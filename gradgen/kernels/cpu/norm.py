@@ -194,13 +194,20 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     a = dy * normalized
     b = dy * s * inv
     c = b * normalized
-    dx = b - normalized * c.mean(axis=1, keepdims=True)
+    dx = b - normalized * _row_means(c)
     if not simplified:
-        dx = dx - b.mean(axis=1, keepdims=True)
-    outputs = [dx.reshape(X.shape).astype(X.dtype), a.sum(axis=0).reshape(scale.shape).astype(scale.dtype)]
+        dx = dx - _row_means(b)
+    outputs = [dx.reshape(X.shape).astype(X.dtype), np.add.reduce(a, axis=0).reshape(scale.shape).astype(scale.dtype)]
     if not simplified:
-        outputs.append(dy.sum(axis=0).reshape(scale.shape).astype(scale.dtype))
+        outputs.append(np.add.reduce(dy, axis=0).reshape(scale.shape).astype(scale.dtype))
     return tuple(outputs)
+
+
+def _row_means(x: np.ndarray) -> np.ndarray:
+    """``x.mean(axis=1, keepdims=True)`` of a float32 / float64 (rows, cols) array, by np.mean's own
+    steps (a sum, then a division by the count as an intp) without its Python layers: the same bits."""
+    total = np.add.reduce(x, axis=1, keepdims=True)
+    return np.true_divide(total, np.intp(x.shape[1]), out=total, casting="unsafe")
 
 
 LAYER_NORMALIZATION_GRAD = schemas.declare(
