@@ -260,7 +260,11 @@ def gather_grad(shape, indices, dY, *, axis=0):
     outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1 :]), idx.size
     acc = accumulation_dtype(dY.dtype)
     dX = np.zeros((outer, size, inner), dtype=acc)
-    if count and outer and inner:
+    if count and outer == 1 and inner:
+        # rows of the first axis (an embedding's gradient): numpy's ufunc.at adds them in index
+        # order, the order of the sort below (from a zero: only an all -0.0 row's sign differs)
+        np.add.at(dX.reshape(size, inner), idx.reshape(-1), dY.reshape(count, inner).astype(acc, copy=False))
+    elif count and outer and inner:
         flat = idx.reshape(-1)
         order = np.argsort(flat, kind="stable")
         ordered = flat[order]
