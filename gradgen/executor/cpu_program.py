@@ -99,7 +99,7 @@ class CpuProgram:
         if step.low_precision or step.may_read_low_precision:
             execute = self._run_step
         elif step.reuse:
-            execute = _in_place_call(step)
+            execute = call_in_place
         elif len(outputs) == 1 and len(inputs) <= 2 and self._observer is None:
             return _plain_runner(step.call, inputs, outputs[0], frees)
         else:
@@ -166,20 +166,15 @@ def _call_step(step, args: tuple):
     return step.call(*args)
 
 
-def _in_place_call(step) -> Callable:
-    """(step, args) -> result for a step that may write its result over an input that dies at it
-    (``Step.reuse``), when that input is a large array nothing else refers to (``overwritable``)."""
-    reuse, into, call = step.reuse, step.into, step.call
-
-    def run_in_place(step, args: tuple):
-        for position in reuse:
-            if overwritable(args, position):
-                result = into(position, *args)
-                if result is not None:
-                    return result
-        return call(*args)
-
-    return run_in_place
+def call_in_place(step, args: tuple):
+    """Run ``step`` on ``args``, its result written over an input that dies at it (``Step.reuse``)
+    where that input is a large array nothing else refers to (``overwritable``)."""
+    for position in step.reuse:
+        if overwritable(args, position):
+            result = step.into(position, *args)
+            if result is not None:
+                return result
+    return step.call(*args)
 
 
 def _observed(execute: Callable, observer: Callable) -> Callable:

@@ -18,9 +18,9 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
-from gradgen.evaluate import RANDOM_OPS
+from gradgen.evaluate import foldable_op
 from gradgen.executor import low_precision
-from gradgen.executor.cpu_program import CpuProgram, overwritable
+from gradgen.executor.cpu_program import CpuProgram, call_in_place
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.names import name_mismatch, quoted
@@ -99,12 +99,7 @@ class CpuBackend:
     def run_step(self, step: "Step", args):
         if step.low_precision or (step.may_read_low_precision and low_precision.reads_low_precision(args)):
             return low_precision.run_in_fp32(step.kernel, step.op_type, args, step.attributes, step.output_dtypes)
-        for position in step.reuse:
-            if overwritable(args, position):
-                result = step.into(position, *args)
-                if result is not None:
-                    return result
-        return step.call(*args)
+        return call_in_place(step, args)
 
     wrap = staticmethod(np.asarray)  # a kernel's result as an array (the run loop calls it per output)
 
@@ -607,12 +602,11 @@ FOLDED_ELEMENTS = 4096  # the largest output a plan-time step may fold into a co
 
 
 def plan_time_constant(node: ir.Node) -> bool:
-    """``node`` may run once at plan time when its inputs are constants: a deterministic op
-    without subgraphs whose outputs are small, of static declared shape, not 16-bit floats (run
-    in float32 at run time), and not graph outputs (which a run must produce)."""
-    if node.op_type in RANDOM_OPS or node.domain not in ("", "ai.onnx", schemas.MICROSOFT_DOMAIN):
-        return False
-    if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
+    """``node`` may run once at plan time when its inputs are constants: an op the build-time
+    evaluator folds (standard, deterministic, without subgraphs) whose outputs are small, of static
+    declared shape, not 16-bit floats (run in float32 at run time), and not graph outputs (which a
+    run must produce)."""
+    if not foldable_op(node):
         return False
     for value in node.outputs:
         if value.is_graph_output() or value.shape is None or not value.shape.is_static():

@@ -85,10 +85,7 @@ def _asymmetric_resizes(graph: onnx.GraphProto) -> None:
     nearest do). The converter writes them as Resize with the later defaults (half_pixel,
     round_prefer_floor), another function: the nodes, in this graph and its subgraphs, get the
     earlier ones back."""
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                _asymmetric_resizes(sub)
+    for node in _all_nodes(graph):
         if node.op_type != "Resize":
             continue
         names = {a.name for a in node.attribute}

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
@@ -166,21 +167,10 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
     one gather by a kept table, its taps in the kernel's order after a zero and added by one
     reduction over them (the kernel's sums, bit for bit). A shape seen for the first time, and
     large ones, run ``conv_grad`` itself."""
-    plans: dict = {}
     num_outputs = attrs.get("_num_outputs", 3)
     wanted = attrs.get("_wanted") or (True,) * num_outputs
 
-    def run(dY, X, W):
-        key = (dY.shape, X.shape, W.shape, dY.dtype, X.dtype, W.dtype)
-        plan = plans.get(key)
-        if plan is None:
-            result = conv_grad(dY, X, W, **attrs)  # errors as the kernel's; then keep the plan
-            if len(plans) >= 16:
-                plans.clear()
-            plans[key] = _conv_grad_plan(X.shape, W.shape, X.dtype, attrs)
-            return result
-        if plan is False:
-            return conv_grad(dY, X, W, **attrs)
+    def fast(plan, dY, X, W):
         acc, g, mg, p, dx_table, padded, interior, dw_index, spatial_axes = plan
         n = X.shape[0]
         dy = dY.astype(acc, copy=False)
@@ -194,25 +184,40 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
             results.append(dy.sum(axis=(0, *spatial_axes)).astype(dY.dtype))
         return tuple(results)
 
-    return run
+    return kernel_first(
+        lambda dY, X, W: conv_grad(dY, X, W, **attrs),
+        lambda dY, X, W: (dY.shape, X.shape, W.shape, dY.dtype, X.dtype, W.dtype),
+        lambda dY, X, W: _conv_grad_plan(X.shape, W.shape, X.dtype, attrs),
+        fast,
+    )
 
 
 def _planned_dx(dy_g, X, W, acc, g, table) -> np.ndarray:
     w_t = W.astype(acc, copy=False).reshape(g, W.shape[0] // g, -1).transpose(0, 2, 1)
     cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P), as the kernel makes it
-    extended = np.zeros(cols.size + 1, dtype=acc)  # the last slot: the zero each sum starts from
+    return _sums_by_table(cols, table).reshape(X.shape).astype(X.dtype)
+
+
+def _sums_by_table(cols: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """A col2im by a kept gather table of (1 + taps, outputs): per output, a zero and then its taps
+    of ``cols`` (the position past the end reads the zero) added in the table's order."""
+    extended = np.zeros(cols.size + 1, dtype=cols.dtype)  # the last slot: the zero each sum starts from
     extended[:-1] = cols.reshape(-1)
-    return np.add.reduce(extended[table], axis=0).reshape(X.shape).astype(X.dtype)
+    return np.add.reduce(extended[table], axis=0)
+
+
+def _padded_flat(x: np.ndarray, dtype, padded: tuple | None, interior: tuple) -> np.ndarray:
+    """x in ``dtype``, zero-padded to ``padded`` (None: no padding), flattened (what a kept im2col
+    index reads)."""
+    if padded is None:
+        return x.astype(dtype, copy=False).reshape(-1)
+    xp = np.zeros(padded, dtype=dtype)
+    xp[interior] = x
+    return xp.reshape(-1)
 
 
 def _planned_dw(dy_g, X, W, acc, padded, interior, index) -> np.ndarray:
-    if padded is None:
-        flat = X.astype(acc, copy=False).reshape(-1)
-    else:
-        xp = np.zeros(padded, dtype=acc)
-        xp[interior] = X
-        flat = xp.reshape(-1)
-    im2col = flat[index]  # (G, Cg*K, N*P): the kernel's im2col copy
+    im2col = _padded_flat(X, acc, padded, interior)[index]  # (G, Cg*K, N*P): the kernel's im2col copy
     return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
 
 
@@ -311,39 +316,27 @@ def prepare_conv(constants: tuple, attrs: dict):
     padding and window views cost more than the arithmetic), im2col as one gather by a kept flat
     index: the same columns, so the same GEMM and the same bits as ``conv``. A shape seen for the
     first time, and large convolutions, run ``conv`` itself."""
-    plans: dict = {}
+    return kernel_first(
+        lambda x, w, b=None: conv(x, w, b, **attrs),
+        lambda x, w, b=None: (x.shape, w.shape, x.dtype, w.dtype),
+        lambda x, w, b=None: _conv_plan(x.shape, w.shape, x.dtype, attrs),
+        _planned_conv,
+    )
 
-    def run(x, w, b=None):
-        key = (x.shape, w.shape, x.dtype, w.dtype)
-        plan = plans.get(key)
-        if plan is None:
-            y = conv(x, w, b, **attrs)  # errors as the kernel's; then keep the plan for this shape
-            if len(plans) >= 16:  # shapes kept per node (each plan holds up to 1 MiB of index)
-                plans.clear()
-            plans[key] = _conv_plan(x.shape, w.shape, x.dtype, attrs)
-            return y
-        if plan is False:
-            return conv(x, w, b, **attrs)
-        ct, padded, interior, index, group, w_shape, cols_first, y_shape, out_shape = plan
-        if padded is None:
-            flat = x.astype(ct, copy=False).reshape(-1)
-        else:
-            xp = np.zeros(padded, dtype=ct)
-            xp[interior] = x
-            flat = xp.reshape(-1)
-        cols = flat[index]
-        w_g = w.astype(ct, copy=False).reshape(w_shape)
-        n_batch, m, p, mg = y_shape
-        if cols_first:
-            y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)
-        else:
-            y = np.matmul(cols, w_g.transpose(0, 2, 1))
-            y = y.reshape(group, n_batch, p, mg).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
-        if b is not None:
-            y = y + b.astype(ct, copy=False).reshape(-1, 1)
-        return np.ascontiguousarray(y, dtype=x.dtype).reshape(out_shape)
 
-    return run
+def _planned_conv(plan, x, w, b=None):
+    ct, padded, interior, index, group, w_shape, cols_first, y_shape, out_shape = plan
+    cols = _padded_flat(x, ct, padded, interior)[index]
+    w_g = w.astype(ct, copy=False).reshape(w_shape)
+    n_batch, m, p, mg = y_shape
+    if cols_first:
+        y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)
+    else:
+        y = np.matmul(cols, w_g.transpose(0, 2, 1))
+        y = y.reshape(group, n_batch, p, mg).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
+    if b is not None:
+        y = y + b.astype(ct, copy=False).reshape(-1, 1)
+    return np.ascontiguousarray(y, dtype=x.dtype).reshape(out_shape)
 
 
 def _conv_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
@@ -459,33 +452,24 @@ def prepare_conv_transpose(constants: tuple, attrs: dict):
     element gathers its taps' products by a kept index, in the kernel's tap order, after a zero, and
     one reduction over the taps adds them in that order -- the kernel's sums, bit for bit. A shape
     seen for the first time, and large outputs, run ``conv_transpose`` itself."""
-    plans: dict = {}
+    return kernel_first(
+        lambda x, w, b=None: conv_transpose(x, w, b, **attrs),
+        lambda x, w, b=None: (x.shape, w.shape, x.dtype, w.dtype),
+        lambda x, w, b=None: _conv_transpose_plan(x.shape, w.shape, attrs),
+        _planned_conv_transpose,
+    )
 
-    def run(x, w, b=None):
-        key = (x.shape, w.shape, x.dtype, w.dtype)
-        plan = plans.get(key)
-        if plan is None:
-            y = conv_transpose(x, w, b, **attrs)
-            if len(plans) >= 16:
-                plans.clear()
-            plans[key] = _conv_transpose_plan(x.shape, w.shape, attrs)
-            return y
-        if plan is False:
-            return conv_transpose(x, w, b, **attrs)
-        group, cg, mg_k, p_in, table, y_shape, ns = plan
-        ct = float_compute_dtype(x.dtype)
-        n_batch = x.shape[0]
-        w_t = w.astype(ct, copy=False).reshape(group, cg, mg_k).transpose(0, 2, 1)
-        x_t = x.astype(ct, copy=False).reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
-        cols = np.matmul(w_t, x_t)
-        extended = np.zeros(cols.size + 1, dtype=ct)  # the last slot: the zero each sum starts from
-        extended[:-1] = cols.reshape(-1)
-        y = np.add.reduce(extended[table], axis=0).reshape(y_shape)
-        if b is not None:
-            y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
-        return np.ascontiguousarray(y, dtype=x.dtype)
 
-    return run
+def _planned_conv_transpose(plan, x, w, b=None):
+    group, cg, mg_k, p_in, table, y_shape, ns = plan
+    ct = float_compute_dtype(x.dtype)
+    n_batch = x.shape[0]
+    w_t = w.astype(ct, copy=False).reshape(group, cg, mg_k).transpose(0, 2, 1)
+    x_t = x.astype(ct, copy=False).reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
+    y = _sums_by_table(np.matmul(w_t, x_t), table).reshape(y_shape)
+    if b is not None:
+        y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
+    return np.ascontiguousarray(y, dtype=x.dtype)
 
 
 def _conv_transpose_plan(x_shape: tuple, w_shape: tuple, attrs: dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError, ModelError
-from gradgen.kernels.cpu.prepared import per_shape
+from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
@@ -139,25 +139,15 @@ def prepare_fused_matmul(constants: tuple, attrs: dict):
     input shapes (the first call with a pair runs the kernel, which says what does not fit)."""
     flags = {k: int(attrs.get(k, 0)) for k in ("transA", "transB", "transBatchA", "transBatchB")}
     alpha = float(attrs.get("alpha", 1.0))
-    checked: set = set()
 
-    def perms(ranks: tuple) -> tuple:
+    def perms(A, B) -> tuple:
         return (
-            fused_operand_perm(ranks[0], bool(flags["transA"]), bool(flags["transBatchA"])),
-            fused_operand_perm(ranks[1], bool(flags["transB"]), bool(flags["transBatchB"])),
+            fused_operand_perm(A.ndim, bool(flags["transA"]), bool(flags["transBatchA"])),
+            fused_operand_perm(B.ndim, bool(flags["transB"]), bool(flags["transBatchB"])),
         )
 
-    perms_for = per_shape(perms)
-
-    def run(A, B):
-        key = (A.shape, B.shape, A.dtype, B.dtype)
-        if key not in checked:
-            y = fused_matmul(A, B, **attrs)
-            if len(checked) >= 64:
-                checked.clear()
-            checked.add(key)
-            return y
-        perm_a, perm_b = perms_for((A.ndim, B.ndim))
+    def fast(plan, A, B):
+        perm_a, perm_b = plan
         ct = accumulation_dtype(A.dtype)
         a = A if perm_a is None else A.transpose(perm_a)
         b = B if perm_b is None else B.transpose(perm_b)
@@ -166,7 +156,9 @@ def prepare_fused_matmul(constants: tuple, attrs: dict):
             y = y * ct.type(alpha)
         return y.astype(A.dtype, copy=False)
 
-    return run
+    return kernel_first(
+        lambda A, B: fused_matmul(A, B, **attrs), lambda A, B: (A.shape, B.shape, A.dtype, B.dtype), perms, fast, limit=64
+    )
 
 
 def fused_operand(X, trans, trans_batch):

@@ -194,20 +194,21 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     a = dy * normalized
     b = dy * s * inv
     c = b * normalized
-    dx = b - normalized * _row_means(c)
+    dx = b - normalized * _float_mean(c, (1,), np.intp(cols))
     if not simplified:
-        dx = dx - _row_means(b)
+        dx = dx - _float_mean(b, (1,), np.intp(cols))
     outputs = [dx.reshape(X.shape).astype(X.dtype), np.add.reduce(a, axis=0).reshape(scale.shape).astype(scale.dtype)]
     if not simplified:
         outputs.append(np.add.reduce(dy, axis=0).reshape(scale.shape).astype(scale.dtype))
     return tuple(outputs)
 
 
-def _row_means(x: np.ndarray) -> np.ndarray:
-    """``x.mean(axis=1, keepdims=True)`` of a float32 / float64 (rows, cols) array, by np.mean's own
-    steps (a sum, then a division by the count as an intp) without its Python layers: the same bits."""
-    total = np.add.reduce(x, axis=1, keepdims=True)
-    return np.true_divide(total, np.intp(x.shape[1]), out=total, casting="unsafe")
+def _float_mean(x: np.ndarray, axes: tuple, count) -> np.ndarray:
+    """``x.mean(axis=axes, keepdims=True)`` of a non-empty float32 / float64 array whose ``axes``
+    hold ``count`` (an intp) elements, by np.mean's own steps (a sum, then a division by the count)
+    without its Python layers: the same bits."""
+    total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=True)
+    return np.true_divide(total, count, out=total, casting="unsafe")
 
 
 LAYER_NORMALIZATION_GRAD = schemas.declare(
@@ -398,11 +399,6 @@ def prepare_layer_normalization(constants: tuple, attrs: dict):
 
     per_input = per_shape(geometry)
 
-    def _mean(x: np.ndarray, axes: tuple, count) -> np.ndarray:
-        """``mean_over(x, axes, True)`` (np.mean's steps) for a non-empty float ``x``."""
-        total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=True)
-        return np.true_divide(total, count, out=total, casting="unsafe")
-
     def run(x, scale, bias=None):
         if x.dtype.kind != "f" or x.dtype.itemsize < 4 or x.ndim == 0 or not -x.ndim <= axis < x.ndim:
             return layer_normalization(x, scale, bias, **attrs)
@@ -410,10 +406,10 @@ def prepare_layer_normalization(constants: tuple, attrs: dict):
         if not count:
             return layer_normalization(x, scale, bias, **attrs)
         st = x.dtype
-        mean = _mean(x, axes, count)
+        mean = _float_mean(x, axes, count)
         centered = np.subtract(x, mean)
         y = np.multiply(centered, centered)
-        inv_std = _mean(y, axes, count)
+        inv_std = _float_mean(y, axes, count)
         np.add(inv_std, st.type(epsilon), out=inv_std)
         np.sqrt(inv_std, out=inv_std)
         np.true_divide(1, inv_std, out=inv_std)

@@ -33,6 +33,29 @@ def per_shape(compute: Callable[[K], T]) -> Callable[[K], T]:
     return lookup
 
 
+def kernel_first(kernel: Callable, signature: Callable, make_plan: Callable, fast: Callable, limit: int = 16) -> Callable:
+    """A prepared call that keeps a plan per input signature (shapes and dtypes): the first call
+    with a signature runs ``kernel(*args)`` (its checks, its errors, its result) and then keeps
+    ``make_plan(*args)``; later calls run ``fast(plan, *args)``, or the kernel again where the plan
+    is False (too large to keep). ``limit`` signatures are kept (each plan may hold an index)."""
+    plans: dict = {}
+
+    def run(*args):
+        key = signature(*args)
+        plan = plans.get(key)
+        if plan is None:
+            result = kernel(*args)
+            if len(plans) >= limit:
+                plans.clear()
+            plans[key] = make_plan(*args)
+            return result
+        if plan is False:
+            return kernel(*args)
+        return fast(plan, *args)
+
+    return run
+
+
 def constant_inputs(constants: tuple, *indices: int) -> list | None:
     """The plan-time values of the inputs at ``indices`` (None for an absent one), or None when one
     of them is computed at run time."""
