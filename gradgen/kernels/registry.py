@@ -49,7 +49,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # tests/test_coverage.py fails for such an op that is not declared, and for a declared one that
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
-    ("", "ConvTranspose"): "no CUDA launcher yet",
     ("", "Einsum"): "no CUDA launcher yet",
     ("", "Mean"): "no CUDA launcher yet",
     ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",

@@ -114,6 +114,29 @@ def conv_transpose_geometry(x_shape, w_shape, attrs):
     return full, begin, out
 
 
+def conv_transpose_as_conv(x_shape, w_shape, attrs) -> tuple[tuple[int, ...], dict] | None:
+    """ConvTranspose as the input gradient of a Conv: (the Conv's input shape, its attributes), so
+    that ConvTranspose(x, w) = dX of Conv(X, w) at dY = x (w's shape is a Conv weight's: x's channels
+    as filters, the output's channels per group as input channels). None where that Conv would need
+    negative padding (an output_shape or output_padding reaching past the full result) or would not
+    give back x's spatial shape."""
+    ns = len(x_shape) - 2
+    full, begin, out = conv_transpose_geometry(x_shape, w_shape, attrs)
+    end = [f - b - o for f, b, o in zip(full, begin, out)]
+    if min(begin + end, default=0) < 0:
+        return None
+    group = int(attrs.get("group", 1) or 1)
+    conv_attrs = {
+        "group": group,
+        "pads": [int(v) for v in begin + end],
+        "strides": per_axis(attrs.get("strides"), ns, 1, "strides"),
+        "dilations": per_axis(attrs.get("dilations"), ns, 1, "dilations"),
+    }
+    conv_x = (int(x_shape[0]), int(w_shape[1]) * group, *out)
+    _, _, _, _, y_shape = conv_geometry(conv_x, w_shape, **conv_attrs)
+    return (conv_x, conv_attrs) if tuple(y_shape) == tuple(x_shape) else None
+
+
 def col2im_geometry(image, block, *, dilations=None, pads=None, strides=None):
     """Col2Im's (image, block, dilations, pads, strides, blocks per axis), checked: the input's L is
     the product of the blocks per axis, (image + pads - dilated block) // stride + 1 each."""

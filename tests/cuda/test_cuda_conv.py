@@ -54,6 +54,24 @@ CONV_CASES = [
 ]
 
 
+# (x shape, w shape, attributes) of ConvTranspose: those of tests/test_conv_transpose_as_conv.py,
+# then two that the dgrad form cannot express (an output past the full result)
+TRANSPOSE_CASES = [
+    ((2, 4, 5, 6), (4, 3, 3, 3), {}),
+    ((2, 4, 5, 6), (4, 3, 3, 3), {"strides": [2, 2], "pads": [1, 0, 0, 1]}),
+    ((1, 3, 4, 4), (3, 2, 3, 2), {"strides": [2, 1], "output_padding": [1, 0], "dilations": [1, 2]}),
+    ((2, 4, 5, 5), (4, 2, 3, 3), {"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((2, 2, 7), (2, 3, 4), {"strides": [3], "pads": [2, 1]}),
+    ((1, 2, 3, 4), (2, 3, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    ((1, 2, 3, 4), (2, 3, 2, 2), {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
+    ((1, 2, 3, 4), (2, 3, 3, 3), {"output_shape": [6, 8], "strides": [2, 2]}),
+    ((1, 2, 2, 2, 3), (2, 2, 2, 2, 2), {"strides": [1, 2, 2], "pads": [0, 1, 0, 0, 1, 1]}),
+    ((8, 64, 14, 14), (64, 32, 2, 2), {"strides": [2, 2]}),  # a U-Net decoder's upsampling
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"output_shape": [6, 6]}),
+    ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [9, 9]}),
+]
+
+
 def _conv_ids(case):
     return f"x{list(case[0])}-w{list(case[1])}-{case[2]}-bias{int(case[3])}"
 
@@ -97,6 +115,23 @@ def test_conv_grad(rt, path, dtype, case, num_outputs):
     assert len(got) == num_outputs
     for g, wv in zip(got, want):
         check(rt.to_host(g), wv, scale=np.sqrt(max(np.prod(y_shape) // max(w_shape[0], 1), np.prod(w_shape[1:]))) * 4)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=[str(i) for i in range(len(TRANSPOSE_CASES))])
+def test_conv_transpose(rt, path, dtype, case, with_bias):
+    """ConvTranspose as the Conv input gradient (cuDNN's dgrad or the direct kernel), against the numpy
+    kernel; the last cases need negative padding and run the numpy kernel on the GPU session."""
+    from gradgen.kernels.cuda import conv
+
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(6)
+    x, w = rand(rng, x_shape, dtype), rand(rng, w_shape, dtype)
+    b = rand(rng, (w_shape[1] * attrs.get("group", 1),), dtype) if with_bias else None
+    want = cpu_conv.conv_transpose(x, w, b, **attrs)
+    got = conv.conv_transpose(rt.to_device(x), rt.to_device(w), None if b is None else rt.to_device(b), **attrs)
+    check(rt.to_host(got), want, scale=np.sqrt(np.prod(w_shape)) * 4)
 
 
 def test_conv_grad_average_pool_pattern(rt, path):

@@ -93,7 +93,6 @@ def _non_zero_model():
 
 # op -> a forward model holding it, and its feeds
 MODELS = {
-    "ConvTranspose": lambda: _case_model("ConvTranspose"),
     "Einsum": lambda: _case_model("Einsum"),
     "GRU": lambda: _case_model("GRU"),
     "LSTM": lambda: _case_model("LSTM"),

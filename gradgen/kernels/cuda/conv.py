@@ -702,6 +702,30 @@ def conv(x, w, b=None, **attrs):
     return y
 
 
+@cuda_kernel("ConvTranspose")
+def conv_transpose(x, w, b=None, **attrs):
+    """ConvTranspose as the input gradient of the Conv it transposes (cuDNN's dgrad, else the direct
+    kernel; ``gradgen.ops.conv.conv_transpose_as_conv``); the CPU kernel where that Conv would need
+    negative padding, for non-float types and beyond 3 spatial axes."""
+    from gradgen.ops.conv import conv_transpose_as_conv
+
+    _check_ranks(x, w)
+    if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype):
+        raise KernelError(
+            f"X, W (and B) must have one dtype; got {x.dtype}, {w.dtype}" + (f", {b.dtype}" if b is not None else "")
+        )
+    mapped = conv_transpose_as_conv(x.shape, w.shape, attrs) if is_float(x.dtype) and x.ndim <= 5 else None
+    if mapped is None:
+        return cpu_fallback("ConvTranspose", x, w, b, **attrs)
+    conv_x_shape, conv_attrs = mapped
+    if b is not None and tuple(b.shape) != (conv_x_shape[1],):
+        raise KernelError(f"B has shape {list(b.shape)}, expected [{conv_x_shape[1]}] (one bias per output channel)")
+    y = _dgrad(contiguous(x), contiguous(w), _geometry(conv_x_shape, w.shape, conv_attrs))
+    if b is not None:
+        add_channel_bias(y, b)
+    return y
+
+
 @cuda_kernel("ConvGrad", domain=MICROSOFT)
 def conv_grad(dY, X, W, *, _num_outputs=3, _wanted=None, **attrs):
     """(dX, dW, dB) of Conv(X, W[, B]) with Conv's attributes ``attrs``; only the first
