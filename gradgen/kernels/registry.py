@@ -50,7 +50,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Einsum"): "no CUDA launcher yet",
-    ("", "Mean"): "no CUDA launcher yet",
     ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
@@ -100,14 +99,9 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
         for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
     },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
-    ("com.microsoft", "SigmoidGrad"): "no CUDA launcher yet",
-    ("com.microsoft", "TanhGrad"): "no CUDA launcher yet",
-    ("com.microsoft", "BiasGeluGrad_dX"): "no CUDA launcher yet",
-    ("com.microsoft", "BiasFastGeluGrad_dX"): "no CUDA launcher yet",
     ("com.microsoft", "SoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13; gradgen emits SoftmaxGrad_13)",
     ("com.microsoft", "LogSoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13)",
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
-    ("com.microsoft", "Scale"): "no CUDA launcher yet",
     ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
     ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }

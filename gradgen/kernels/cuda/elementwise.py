@@ -541,3 +541,124 @@ def broadcast_gradient_args(a_shape, b_shape):
     from gradgen.kernels.cpu.elementwise import broadcast_gradient_args as cpu_broadcast_gradient_args
 
     return cpu_broadcast_gradient_args(a_shape, b_shape)
+
+
+# ---------------------------------------------------------------- ops composed of the launchers above
+
+
+def _scalar(value, dtype):
+    """A 0-d device array holding ``value`` cast to ``dtype`` (a fill: no upload, so capturable)."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.launch import fill
+
+    out = rt.empty((), dtype)
+    fill(out, value)
+    return out
+
+
+def _in_float32(fn, *xs):
+    """``fn(*xs)`` computed as the CPU backend computes a 16-bit float op (gradgen/executor/
+    low_precision.py): on float32 copies, the result rounded once to the inputs' type. Other float
+    types run as they are."""
+    dtype = np.dtype(xs[0].dtype)
+    if dtype.itemsize != 2:
+        return fn(*xs)
+    out = fn(*[cast_to(x, np.float32) for x in xs])
+    return cast_to(out, dtype)
+
+
+@cuda_kernel("Mean")
+def mean(*xs):
+    """The inputs' sum (left to right, broadcast) divided by their count, as the CPU kernel does."""
+    xs = tuple(x for x in xs if x is not None)
+    if not xs:
+        raise KernelError("Mean needs at least one input")
+    same_type(*xs)
+    if dtype_suffix(xs[0].dtype) not in FLOATS:
+        return cpu_fallback("Mean", *xs)
+
+    def run(*ys):
+        total = _variadic("sum", "add", "Mean", ys)
+        if len(ys) == 1:
+            return total
+        return binary(f"div_{dtype_suffix(total.dtype)}", total, _scalar(len(ys), total.dtype), total.dtype)
+
+    return _in_float32(run, *xs)
+
+
+def _same_shape(a, b, a_name: str, b_name: str) -> None:
+    if tuple(a.shape) != tuple(b.shape):
+        raise KernelError(f"{a_name} has shape {list(a.shape)} but {b_name} has shape {list(b.shape)}; they must match")
+
+
+def _output_grad(op_type: str, dY, Y, slope):
+    """dY * slope(Y) for the com.microsoft gradients of an activation given its output Y."""
+    _same_shape(dY, Y, "dY", "Y")
+    same_type(dY, Y)
+    if dtype_suffix(Y.dtype) not in FLOATS:
+        return cpu_fallback(op_type, dY, Y, domain=MICROSOFT)
+    return _in_float32(slope, dY, Y)
+
+
+@cuda_kernel("SigmoidGrad", domain=MICROSOFT)
+def sigmoid_grad(dY, Y):
+    """dX = dY * Y * (1 - Y), from Sigmoid's output Y (the CPU kernel's order of operations)."""
+
+    def slope(dy, y):
+        one = _scalar(1, y.dtype)
+        return mul(mul(dy, y), sub(one, y))
+
+    return _output_grad("SigmoidGrad", dY, Y, slope)
+
+
+@cuda_kernel("TanhGrad", domain=MICROSOFT)
+def tanh_grad(dY, Y):
+    """dX = dY * (1 - Y * Y), from Tanh's output Y (the CPU kernel's order of operations)."""
+
+    def slope(dy, y):
+        one = _scalar(1, y.dtype)
+        return mul(dy, sub(one, mul(y, y)))
+
+    return _output_grad("TanhGrad", dY, Y, slope)
+
+
+def _bias_gelu_grad(op_type: str, grad, dY, X, B):
+    _same_shape(dY, X, "dY", "X")
+    if len(B.shape) != 1 or not X.shape or X.shape[-1] != B.shape[0]:
+        raise KernelError(f"B (shape {list(B.shape)}) must be 1-D and match the last dimension of X {list(X.shape)}")
+    same_type(dY, X, B)
+    if dtype_suffix(X.dtype) not in FLOATS:
+        return cpu_fallback(op_type, dY, X, B, domain=MICROSOFT)
+    return _in_float32(lambda dy, x, b: grad(dy, add(x, b)), dY, X, B)
+
+
+@cuda_kernel("BiasGeluGrad_dX", domain=MICROSOFT)
+def bias_gelu_grad_dx(dY, X, B):
+    """GeluGrad(dY, X + B), B along the last axis."""
+    return _bias_gelu_grad("BiasGeluGrad_dX", gelu_grad, dY, X, B)
+
+
+@cuda_kernel("BiasFastGeluGrad_dX", domain=MICROSOFT)
+def bias_fast_gelu_grad_dx(dY, X, B):
+    """FastGeluGrad(dY, X + B), B along the last axis."""
+    return _bias_gelu_grad("BiasFastGeluGrad_dX", fast_gelu_grad, dY, X, B)
+
+
+@cuda_kernel("Scale", domain=MICROSOFT, host_inputs=(1,))
+def scale(input, scale_value, *, scale_down=0):
+    """input * scale, or input * (1 / float32(scale)) with scale_down=1: the CPU kernel's factor."""
+    value = np.asarray(scale_value)
+    if value.size != 1:
+        raise KernelError(f"scale must have a single value, got shape {list(value.shape)}")
+    factor = float(value.reshape(-1)[0])
+    if factor == 0.0:
+        raise KernelError("scale must not be 0")
+    if int(scale_down):
+        factor = float(np.float32(1.0) / np.float32(factor))
+    if dtype_suffix(input.dtype) not in FLOATS:
+        return cpu_fallback("Scale", input, value, domain=MICROSOFT, scale_down=scale_down)
+
+    def run(x):
+        return mul(x, _scalar(x.dtype.type(factor), x.dtype))
+
+    return _in_float32(run, input)

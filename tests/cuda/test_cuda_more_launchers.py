@@ -1,0 +1,272 @@
+"""CUDA launchers of ops that used to run their numpy kernel on host copies (formerly declared in
+gradgen.kernels.registry.CUDA_FALLBACKS): each runs on a GPU session and is compared with the CPU
+session on the same model, for every dtype and attribute branch the launcher handles, edge cases
+(empty tensors, negative axes, out-of-range values) and a configuration it hands back to the CPU
+kernel. Every test checks that the launcher itself ran (not the executor's host path)."""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.errors import KernelError, RunError
+from gradgen.executor import Session
+from gradgen.kernels import registry
+
+pytestmark = pytest.mark.cuda
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.float16, BF16, np.float32, np.float64]
+MS = "com.microsoft"
+
+
+def _tensor_type(dtype) -> int:
+    dtype = np.dtype(dtype)
+    return TensorProto.BFLOAT16 if dtype == BF16 else helper.np_dtype_to_tensor_dtype(dtype)
+
+
+def _initializer(name, array):
+    array = np.asarray(array)
+    if array.dtype == BF16:
+        return helper.make_tensor(name, TensorProto.BFLOAT16, array.shape, array.view(np.uint16).reshape(-1).tolist(), raw=False)
+    return numpy_helper.from_array(array, name)
+
+
+def single_node(op_type, inputs, *, outputs=1, domain="", opset=None, const=(), **attrs):
+    """(model, feeds) of one ``op_type`` node. ``inputs``: arrays (None for an omitted input); those
+    at the positions in ``const`` are initializers, the others graph inputs (fed to the device)."""
+    names, graph_inputs, initializers, feeds = [], [], [], {}
+    for i, array in enumerate(inputs):
+        if array is None:
+            names.append("")
+            continue
+        name = f"in{i}"
+        names.append(name)
+        array = np.asarray(array)
+        if i in const:
+            initializers.append(_initializer(name, array))
+        else:
+            graph_inputs.append(helper.make_tensor_value_info(name, _tensor_type(array.dtype), list(array.shape)))
+            feeds[name] = array
+    out_names = [f"out{k}" for k in range(outputs)]
+    node = helper.make_node(op_type, names, out_names, domain=domain, **attrs)
+    graph = helper.make_graph(
+        [node],
+        op_type,
+        graph_inputs,
+        [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in out_names],
+        initializer=initializers,
+    )
+    opsets = [helper.make_opsetid("", opset or 21)]
+    if domain:
+        opsets.append(helper.make_opsetid(domain, 1))
+    return helper.make_model(graph, opset_imports=opsets), feeds
+
+
+def _run(model, feeds, device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fallbacks' one-time notes
+        return Session(model, device=device).run(feeds)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """``launches(op, domain)``: a list that grows by one each time the op's CUDA launcher runs."""
+    registry.load_cuda_kernels()
+
+    def watch(op_type, domain=""):
+        entry = registry.lookup(domain, op_type)
+        assert entry is not None and entry.cuda is not None, f"no CUDA launcher for {op_type}"
+        calls = []
+        launcher = entry.cuda
+
+        def counted(*args, **kwargs):
+            calls.append(op_type)
+            return launcher(*args, **kwargs)
+
+        monkeypatch.setattr(entry, "cuda", counted)
+        return calls
+
+    return watch
+
+
+def _as_compared(a):
+    a = np.asarray(a)
+    return a.astype(np.float64) if a.dtype == BF16 or a.dtype.kind == "f" else a
+
+
+def assert_same(got, want, *, exact=False, rtol=1e-6, atol=1e-6):
+    for name, value in want.items():
+        g = got[name]
+        assert g.shape == value.shape and g.dtype == value.dtype, (name, g.shape, value.shape, g.dtype, value.dtype)
+        if exact or value.dtype.kind in "iub":
+            np.testing.assert_array_equal(_as_compared(g), _as_compared(value), err_msg=name)
+        else:
+            np.testing.assert_allclose(_as_compared(g), _as_compared(value), rtol=rtol, atol=atol, err_msg=name)
+
+
+def check(launches, op_type, inputs, *, domain="", exact=False, rtol=1e-6, atol=1e-6, **kwargs):
+    """Run the one-node model on the CPU and on the GPU (where the launcher must run); compare."""
+    model, feeds = single_node(op_type, inputs, domain=domain, **kwargs)
+    want = _run(model, feeds, "cpu")
+    calls = launches(op_type, domain)
+    got = _run(model, feeds, "cuda")
+    assert calls, f"the {op_type} launcher did not run"
+    assert_same(got, want, exact=exact, rtol=rtol, atol=atol)
+    return got
+
+
+def check_raises(launches, op_type, inputs, match, *, domain="", error=KernelError, **kwargs):
+    """Both sessions raise ``error`` (the node named in its message) with a message that matches ``match``."""
+    model, feeds = single_node(op_type, inputs, domain=domain, **kwargs)
+    with pytest.raises(error, match=match):
+        _run(model, feeds, "cpu")
+    calls = launches(op_type, domain)
+    with pytest.raises(error, match=match):
+        _run(model, feeds, "cuda")
+    assert calls, f"the {op_type} launcher did not run"
+
+
+def rand(rng, shape, dtype=np.float32, low=None, high=None):
+    x = rng.standard_normal(shape) if low is None else rng.uniform(low, high, shape)
+    return np.asarray(x, np.float32).astype(dtype) if np.dtype(dtype) != np.float64 else np.asarray(x, np.float64)
+
+
+def _tol(dtype):
+    """Tolerances for one float type: the 16-bit types are within a rounding or two."""
+    if np.dtype(dtype) == BF16:
+        return dict(rtol=2**-7, atol=2**-7)
+    if np.dtype(dtype) == np.float16:
+        return dict(rtol=2**-10, atol=2**-10)
+    if np.dtype(dtype) == np.float32:
+        return dict(rtol=1e-6, atol=1e-6)
+    return dict(rtol=1e-12, atol=1e-12)
+
+
+def backward_matches(model, feeds, wrt=None, rtol=1e-5, atol=1e-6):
+    """build_backward's graph of ``model`` runs on the GPU with the CPU session's gradients."""
+    built = gradgen.build_backward(model, wrt=wrt).model
+    want = _run(built, feeds, "cpu")
+    got = _run(built, feeds, "cuda")
+    assert_same(got, want, rtol=rtol, atol=atol)
+
+
+def loss_model(op_type, inputs, *, domain="", opset=None, const=(), **attrs):
+    """(model, feeds): loss = sum(op(inputs) * w) for a fixed w, the float inputs not in ``const`` fed."""
+    model, feeds = single_node(op_type, inputs, domain=domain, opset=opset, const=const, **attrs)
+    out = _run(model, feeds, "cpu")["out0"]
+    w = np.random.default_rng(7).uniform(0.5, 1.5, out.shape).astype(out.dtype)
+    graph = model.graph
+    graph.initializer.append(numpy_helper.from_array(w, "w"))
+    graph.node.extend(
+        [
+            helper.make_node("Mul", ["out0", "w"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        ]
+    )
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("loss", _tensor_type(out.dtype), []))
+    return model, feeds
+
+
+# ---------------------------------------------------------------- Mean
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [[(3, 4)], [(3, 4), (3, 4)], [(3, 4), (3, 4), (3, 4)], [(2, 1, 3), (4, 1), (3,)], [(0, 3), (1, 3)], [(), (2, 2)]],
+    ids=str,
+)
+def test_mean(launches, dtype, shapes):
+    rng = np.random.default_rng(1)
+    check(launches, "Mean", [rand(rng, s, dtype) for s in shapes], **_tol(dtype))
+
+
+def test_mean_of_nine_inputs_and_float32_bits(launches):
+    rng = np.random.default_rng(2)
+    got = check(launches, "Mean", [rand(rng, (5, 7)) for _ in range(9)], exact=True)
+    assert got["out0"].dtype == np.float32
+
+
+def test_mean_of_integers_falls_back(launches):
+    check(launches, "Mean", [np.arange(6, dtype=np.int32).reshape(2, 3), np.full((2, 3), 3, np.int32)])
+
+
+def test_mean_shapes_that_do_not_broadcast_raise(launches):
+    rng = np.random.default_rng(3)
+    check_raises(launches, "Mean", [rand(rng, (2, 3)), rand(rng, (4,))], "broadcast", error=RunError)
+
+
+def test_mean_backward(launches):
+    rng = np.random.default_rng(4)
+    model, feeds = loss_model("Mean", [rand(rng, (2, 3)), rand(rng, (3,)), rand(rng, (1, 1))])
+    backward_matches(model, feeds)
+
+
+# ---------------------------------------------------------------- ONNX Runtime's activation gradients
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op_type", ["SigmoidGrad", "TanhGrad"])
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 5), (0, 4), ()], ids=str)
+def test_activation_output_grads(launches, op_type, dtype, shape):
+    rng = np.random.default_rng(5)
+    dy = rand(rng, shape, dtype)
+    x = rng.standard_normal(shape)
+    y = (1 / (1 + np.exp(-x)) if op_type == "SigmoidGrad" else np.tanh(x)).astype(np.float32).astype(dtype)
+    check(launches, op_type, [dy, y], domain=MS, exact=True)  # computed as the CPU session does
+
+
+@pytest.mark.parametrize("op_type", ["SigmoidGrad", "TanhGrad"])
+def test_activation_output_grads_shape_mismatch_raises(launches, op_type):
+    rng = np.random.default_rng(6)
+    check_raises(launches, op_type, [rand(rng, (3, 4)), rand(rng, (4, 3))], "must match", domain=MS)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op_type", ["BiasGeluGrad_dX", "BiasFastGeluGrad_dX"])
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 8), (0, 4)], ids=str)
+def test_bias_gelu_grads(launches, op_type, dtype, shape):
+    rng = np.random.default_rng(7)
+    inputs = [rand(rng, shape, dtype), rand(rng, shape, dtype), rand(rng, shape[-1:], dtype)]
+    tol = _tol(dtype) if np.dtype(dtype).itemsize == 2 else dict(rtol=1e-5, atol=1e-6)
+    check(launches, op_type, inputs, domain=MS, **tol)
+
+
+@pytest.mark.parametrize("op_type", ["BiasGeluGrad_dX", "BiasFastGeluGrad_dX"])
+def test_bias_gelu_grads_bad_bias_raises(launches, op_type):
+    rng = np.random.default_rng(8)
+    check_raises(launches, op_type, [rand(rng, (3, 4)), rand(rng, (3, 4)), rand(rng, (3,))], "must be 1-D", domain=MS)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(
+    "scale_value,scale_down",
+    [
+        (np.array([1.7], np.float32), 0),
+        (np.array([-0.6], np.float64), 1),
+        (np.array(3, np.int64), 1),
+        (np.array([2], np.int32), 0),
+    ],
+    ids=["f32", "f64_down", "i64_down", "i32"],
+)
+def test_scale(launches, dtype, scale_value, scale_down):
+    rng = np.random.default_rng(9)
+    check(launches, "Scale", [rand(rng, (3, 5), dtype), scale_value], domain=MS, const=(1,), scale_down=scale_down, exact=True)
+
+
+def test_scale_fed_and_empty(launches):
+    check(launches, "Scale", [np.zeros((0, 3), np.float32), np.array([2.5], np.float32)], domain=MS, exact=True)
+
+
+@pytest.mark.parametrize(
+    "value,match", [(np.array([0.0], np.float32), "must not be 0"), (np.array([1.0, 2.0], np.float32), "single value")]
+)
+def test_scale_bad_values_raise(launches, value, match):
+    check_raises(launches, "Scale", [np.ones((2, 2), np.float32), value], match, domain=MS, const=(1,))
