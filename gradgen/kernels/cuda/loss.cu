@@ -169,7 +169,20 @@ __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, co
         const int64_t n = p / a.d, base = n * a.c * a.d + (p - n * a.d);
         const int64_t label = (int64_t)labels[p];
         const A scale = wbuf[p] * (dy_none ? (A)gg_load(dy_none + p) : factor[0]);
-        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < a.c; c += (int64_t)blockDim.x * gridDim.x) {
+        constexpr int U = 4;  // loads in flight per thread
+        const int64_t step = (int64_t)blockDim.x * gridDim.x;
+        int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+        for (; c + (U - 1) * step < a.c; c += U * step) {
+            A lp[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) lp[u] = (A)gg_load(log_prob + base + (c + u * step) * a.d);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int64_t cu = c + u * step;
+                gg_store(out + base + cu * a.d, (typename Acc<T>::type)((exp(lp[u]) - (cu == label ? A(1) : A(0))) * scale));
+            }
+        }
+        for (; c < a.c; c += step) {
             const int64_t i = base + c * a.d;
             const A prob = exp((A)gg_load(log_prob + i));
             gg_store(out + i, (typename Acc<T>::type)((prob - (c == label ? A(1) : A(0))) * scale));

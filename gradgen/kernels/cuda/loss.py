@@ -184,7 +184,7 @@ def softmax_cross_entropy_loss_grad(
         kernel_of("loss", f"sce_grad_factor_{s}")(
             factor, wbuf, dY, np.int64(total), np.int64(reduction == "mean"), block=(1024, 1, 1), grid=(1, 1)
         )
-    blocks_x = min(-(-c // 256), 64)
+    blocks_x = min(-(-c // (256 * 4)), 64)  # about four classes per thread (the kernel's loads in flight)
     kernel_of("loss", f"sce_grad_{s}_{ls}")(
         out,
         log_prob,

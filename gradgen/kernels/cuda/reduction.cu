@@ -361,21 +361,38 @@ template <bool LOG, typename A> __device__ __forceinline__ A softmax_value(A x, 
     else return exp(x - st.m) / st.s;
 }
 
-// inner == 1: one block per row (blockDim.x a multiple of 32).
+// inner == 1: one block per row (blockDim.x a multiple of 32), U loads in flight per thread.
 template <typename T, bool LOG>
 __device__ void softmax_rows(T* out, const T* __restrict__ x, int64_t L) {
     using A = typename Acc<T>::type;
     using R = RLogSumExp<A>;
     const T* row = x + (int64_t)blockIdx.x * L;
     T* orow = out + (int64_t)blockIdx.x * L;
+    constexpr int U = 4;  // loads in flight per thread: each thread's elements in the same order
+    const int64_t step = blockDim.x;
     typename R::S st = R::init();
-    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) st = R::comb(st, R::pre(gg_load(row + j)));
+    int64_t j = threadIdx.x;
+    for (; j + (U - 1) * step < L; j += U * step) {
+        A v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = gg_load(row + j + u * step);
+#pragma unroll
+        for (int u = 0; u < U; ++u) st = R::comb(st, R::pre(v[u]));
+    }
+    for (; j < L; j += step) st = R::comb(st, R::pre(gg_load(row + j)));
     st = block_combine<R>(st);
     __shared__ Lse<A> shared_state;
     if (threadIdx.x == 0) shared_state = st;
     __syncthreads();
     st = shared_state;
-    for (int64_t j = threadIdx.x; j < L; j += blockDim.x) gg_store(orow + j, softmax_value<LOG>(gg_load(row + j), st));
+    for (j = threadIdx.x; j + (U - 1) * step < L; j += U * step) {
+        A v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = gg_load(row + j + u * step);
+#pragma unroll
+        for (int u = 0; u < U; ++u) gg_store(orow + j + u * step, softmax_value<LOG>(v[u], st));
+    }
+    for (; j < L; j += step) gg_store(orow + j, softmax_value<LOG>(gg_load(row + j), st));
 }
 
 // inner > 1: one thread per (outer, inner) column; neighbouring threads read neighbouring columns.
@@ -496,7 +513,7 @@ __device__ void softmax_grad_warp(T* dx, const T* __restrict__ dy, const T* __re
     }
 }
 
-// inner == 1: one block per row (blockDim.x a multiple of 32).
+// inner == 1: one block per row (blockDim.x a multiple of 32), U loads in flight per thread.
 template <typename T, bool LOG>
 __device__ void softmax_grad_rows(T* dx, const T* __restrict__ dy, const T* __restrict__ y, int64_t L) {
     using A = typename Acc<T>::type;
