@@ -98,3 +98,66 @@ def test_batch_norm_16_bit_x_float32_parameters(shape, low, training):
     for g, w in zip(got[1:], want[1:]):
         assert host(g).dtype == np.float32
         np.testing.assert_allclose(host(g), w, rtol=1e-6, atol=1e-6)
+
+
+# -- LayerNormalizationGrad and its residual form -----------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 768), (3, 1024), (3, 1025), (5, 3000), (4, 3), (7, 40)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_grad(shape, dtype, with_residual):
+    """Both dX kernels (one warp per row up to 1,024 columns, 512 in float64; one block per row
+    beyond) against the numpy kernel; with a residual, dX + residual as the Sum kernel gives it."""
+    from gradgen.kernels import registry
+    from gradgen.kernels.cuda.norm import layer_normalization_grad_add
+    from gradgen.kernels.table import MICROSOFT
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    scale = rng.standard_normal(shape[-1]).astype(dtype)
+    lead = shape[:-1] + (1,)
+    mean = x.astype(np.float32).mean(axis=-1).reshape(lead)
+    inv = (1 / np.sqrt(x.astype(np.float32).var(axis=-1) + 1e-5)).reshape(lead)
+    residual = rng.standard_normal(shape).astype(dtype) if with_residual else None
+    cpu = registry.lookup(MICROSOFT, "LayerNormalizationGrad").cpu
+    want = list(cpu(dy, x, scale, mean, inv, axis=-1, epsilon=1e-5))
+    if residual is not None:
+        _, sum_cuda = kernels("Sum")
+        want[0] = host(sum_cuda(dev(want[0]), dev(residual)))
+    poison(*[w.nbytes for w in want])
+    got = layer_normalization_grad_add(
+        dev(dy), dev(x), dev(scale), dev(mean), dev(inv), None if residual is None else dev(residual), axis=-1, epsilon=1e-5
+    )
+    t = {np.dtype(np.float16): 2e-2, np.dtype(np.float32): 5e-5, np.dtype(np.float64): 1e-11}[np.dtype(dtype)]
+    for g, w in zip(got, want):
+        check(host(g), w, rtol=t, atol=t * max(1.0, float(np.abs(w).max())))
+
+
+def test_residual_sum_fused_into_layer_norm_grad_gives_the_same_bits(monkeypatch):
+    """A pre-norm block's backward graph with the executor's fusions off and on: the plan writes each
+    residual Sum from its LayerNormalizationGrad, with the unfused bits, eager and replayed."""
+    from gradgen.executor import Session, fusion
+    from gradgen.executor.fused_norm_grad import OP_TYPE
+    from tests.residual_norm_models import pre_norm_block
+
+    model, feeds = pre_norm_block(rows=64, cols=768, layers=3)
+    results = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(fusion.ENV, switch)
+        with Session(model, device="cuda") as sess:
+            fused = sum(s.op_type == OP_TYPE for s in sess.steps)
+            runs = [sess.run(feeds) for _ in range(3)]
+        for later in runs[1:]:
+            for name in runs[0]:
+                np.testing.assert_array_equal(later[name], runs[0][name])
+        results.append((runs[-1], fused))
+    (off, none), (on, fused) = results
+    assert none == 0 and fused == 3
+    for name in off:
+        np.testing.assert_array_equal(on[name], off[name])
+    with Session(model, device="cpu") as sess:
+        want = sess.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(on[name], want[name], rtol=1e-4, atol=1e-4 * float(np.abs(want[name]).max()))

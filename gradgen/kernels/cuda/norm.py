@@ -229,7 +229,8 @@ _GRAD_TEMPLATE = r"""
 // dX = b - mean(b) - xhat * mean(b * xhat) over the row (ONNX Runtime training's formula).
 template <typename T>
 __device__ void ln_grad_rows(T* dx, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ scale,
-                             const float* __restrict__ mean, const float* __restrict__ inv, int64_t cols) {
+                             const float* __restrict__ mean, const float* __restrict__ inv, const T* __restrict__ res,
+                             int64_t cols) {
     using A = typename Acc<T>::type;
     __shared__ A scratch[33];
     const int64_t row = blockIdx.x;
@@ -247,7 +248,9 @@ __device__ void ln_grad_rows(T* dx, const T* __restrict__ dy, const T* __restric
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
         const A xh = ((A)gg_load(x + base + j) - m) * r;
         const A b = (A)gg_load(dy + base + j) * (A)gg_load(scale + j) * r;
-        gg_store(dx + base + j, (typename Acc<T>::type)(b - mb - xh * mc));
+        A v = b - mb - xh * mc;
+        if (res) v = (A)(typename Acc<T>::type)v + (A)gg_load(res + base + j);
+        gg_store(dx + base + j, (typename Acc<T>::type)v);
     }
 }
 
@@ -255,7 +258,8 @@ __device__ void ln_grad_rows(T* dx, const T* __restrict__ dy, const T* __restric
 // read of dy and x), shuffle sums in a fixed tree.
 template <typename T, int N>
 __device__ void ln_grad_warp(T* dx, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ scale,
-                             const float* __restrict__ mean, const float* __restrict__ inv, int64_t rows, int64_t cols) {
+                             const float* __restrict__ mean, const float* __restrict__ inv, const T* __restrict__ res,
+                             int64_t rows, int64_t cols) {
     using A = typename Acc<T>::type;
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -280,7 +284,11 @@ __device__ void ln_grad_warp(T* dx, const T* __restrict__ dy, const T* __restric
 #pragma unroll
     for (int k = 0; k < N; ++k) {
         const int64_t j = k * 32 + lane;
-        if (j < cols) gg_store(dx + base + j, (typename Acc<T>::type)(b[k] - mb - xh[k] * mc));
+        if (j < cols) {
+            A v = b[k] - mb - xh[k] * mc;
+            if (res) v = (A)(typename Acc<T>::type)v + (A)gg_load(res + base + j);
+            gg_store(dx + base + j, (typename Acc<T>::type)v);
+        }
     }
 }
 
@@ -338,8 +346,8 @@ __device__ void ln_grad_finish(T* dscale, T* dbias, const typename Acc<T>::type*
 
 _GRAD_ENTRIES = r"""
 extern "C" __global__ void ln_grad_rows_{s}({T}* dx, const {T}* dy, const {T}* x, const {T}* scale, const float* mean,
-                                         const float* inv, int64_t cols) {{
-    ln_grad_rows<{T}>(dx, dy, x, scale, mean, inv, cols);
+                                         const float* inv, const {T}* res, int64_t cols) {{
+    ln_grad_rows<{T}>(dx, dy, x, scale, mean, inv, res, cols);
 }}
 extern "C" __global__ void ln_grad_partials_{s}(Acc<{T}>::type* ps, Acc<{T}>::type* pb, const {T}* dy, const {T}* x,
                                              const float* mean, const float* inv, int64_t rows, int64_t cols,
@@ -353,8 +361,8 @@ extern "C" __global__ void ln_grad_finish_{s}({T}* dscale, {T}* dbias, const Acc
 """
 _WARP_ENTRY = r"""
 extern "C" __global__ void ln_grad_warp{n}_{s}({T}* dx, const {T}* dy, const {T}* x, const {T}* scale, const float* mean,
-                                           const float* inv, int64_t rows, int64_t cols) {{
-    ln_grad_warp<{T}, {n}>(dx, dy, x, scale, mean, inv, rows, cols);
+                                           const float* inv, const {T}* res, int64_t rows, int64_t cols) {{
+    ln_grad_warp<{T}, {n}>(dx, dy, x, scale, mean, inv, res, rows, cols);
 }}
 """
 _WARP_LANES = (1, 2, 4, 8, 16, 32)  # elements per lane of the one-warp-per-row dX kernel
@@ -398,6 +406,15 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
     """(dX, dScale, dBias); configurations the kernels do not cover (a non-float type, mixed types,
     statistics not in float32, shapes that do not fit: the CPU kernel raises the error) run the
     numpy kernel."""
+    return layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, None, axis=axis, epsilon=epsilon, stash_type=stash_type)
+
+
+def layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, residual, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """LayerNormalizationGrad with ``residual`` (None: nothing) added to dX as it is written: the
+    executor's fused form of ``Sum(dX, residual)`` (gradgen/executor/fused_norm_grad.py). dX + residual
+    is rounded as the Sum kernel rounds it (dX to its type first), so the bits are the unfused ones."""
+    from gradgen.kernels.cuda.elementwise import sum_
+
     rt = runtime()
     rank = len(X.shape)
     ax = axis + rank if -rank <= axis < 0 else axis
@@ -415,7 +432,7 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
         and inv_std_var.size == rows
     )
     if not fits:
-        return cpu_fallback(
+        results = cpu_fallback(
             "LayerNormalizationGrad",
             dY,
             X,
@@ -427,7 +444,12 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
             epsilon=epsilon,
             stash_type=stash_type,
         )
+        return results if residual is None else (sum_(results[0], residual), *results[1:])
+    if residual is not None and (residual.dtype != X.dtype or tuple(residual.shape) != tuple(X.shape)):
+        dx, dscale, dbias = layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, None, axis=axis, epsilon=epsilon)
+        return sum_(dx, residual), dscale, dbias
     dY, X, scale, mean, inv_std_var = (contiguous(t) for t in (dY, X, scale, mean, inv_std_var))
+    res = np.intp(0) if residual is None else contiguous(residual)
     s = dtype_suffix(X.dtype)
     dx = rt.empty(X.shape, X.dtype)
     dscale, dbias = rt.empty(scale.shape, scale.dtype), rt.empty(scale.shape, scale.dtype)
@@ -441,6 +463,7 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
             scale,
             mean,
             inv_std_var,
+            res,
             np.int64(rows),
             np.int64(cols),
             block=(128, 1, 1),
@@ -449,7 +472,17 @@ def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilo
         )
     else:
         _grad_kernel(f"ln_grad_rows_{s}")(
-            dx, dY, X, scale, mean, inv_std_var, np.int64(cols), block=(_threads(cols), 1, 1), grid=(rows, 1), stream=stream()
+            dx,
+            dY,
+            X,
+            scale,
+            mean,
+            inv_std_var,
+            res,
+            np.int64(cols),
+            block=(_threads(cols), 1, 1),
+            grid=(rows, 1),
+            stream=stream(),
         )
     chunks, per_chunk = grad_chunks(rows)
     acc = np.float64 if s == "f64" else np.float32
