@@ -50,14 +50,11 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Einsum"): "no CUDA launcher yet",
-    ("", "Range"): "no CUDA launcher: the rules emit it for small index vectors (shape arithmetic)",
     ("", "Resize"): "no CUDA launcher yet",
     ("", "TopK"): "no CUDA launcher yet",
     ("", "Compress"): "no CUDA launcher yet",
     ("", "CumProd"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
-    ("", "OneHot"): "no CUDA launcher yet",
-    ("", "ReverseSequence"): "no CUDA launcher yet",
     ("", "Unique"): "no CUDA launcher yet",
     ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
     ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",

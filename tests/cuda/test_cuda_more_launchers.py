@@ -270,3 +270,157 @@ def test_scale_fed_and_empty(launches):
 )
 def test_scale_bad_values_raise(launches, value, match):
     check_raises(launches, "Scale", [np.ones((2, 2), np.float32), value], match, domain=MS, const=(1,))
+
+
+# ---------------------------------------------------------------- Range
+
+RANGES = [(0.1, 1000.3, 0.7), (1.0, -2.2, -0.7), (3.0, 3.0, 1.0), (5.0, 1.0, 1.0), (-4.0, 5.0, 2.5)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("bounds", RANGES, ids=str)
+def test_range_floats(launches, dtype, bounds):
+    """The same bits as the CPU session: each element's product and sum rounded in the work type."""
+    check(launches, "Range", [np.array(v).astype(dtype) for v in bounds], exact=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=str)
+@pytest.mark.parametrize("bounds", [(2, 11, 3), (10, -7, -4), (0, 0, 1), (5, 1, 2), (-3, 100000, 7)], ids=str)
+def test_range_integers(launches, monkeypatch, dtype, bounds):
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")  # integer feeds then live on the device: the launcher runs
+    check(launches, "Range", [np.array(v, dtype) for v in bounds])
+
+
+def test_range_stash_type_zero(launches):
+    check(launches, "Range", [np.array(v, np.float16) for v in (0.5, 30.0, 0.3)], opset=21, exact=True, stash_type=0)
+
+
+def test_range_delta_zero_raises(launches):
+    check_raises(launches, "Range", [np.array(v, np.float32) for v in (0.0, 1.0, 0.0)], "delta is 0")
+
+
+def test_range_non_scalar_raises(launches):
+    check_raises(
+        launches, "Range", [np.array([0.0, 1.0], np.float32), np.array(3.0, np.float32), np.array(1.0, np.float32)], "scalar"
+    )
+
+
+def test_range_int16_falls_back(launches, monkeypatch):
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+    check(launches, "Range", [np.array(v, np.int16) for v in (-5, 20, 3)])
+
+
+def test_range_backward(launches):
+    model, feeds = loss_model("Range", [np.array(0.3), np.array(2.9), np.array(0.5)], const=(1,))
+    backward_matches(model, feeds, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- ReverseSequence
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float16, BF16, np.float32, np.float64, np.int64, np.int32, np.int8, np.bool_], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize("lens_dtype", [np.int32, np.int64], ids=str)
+@pytest.mark.parametrize(
+    "shape,lens,batch_axis,time_axis",
+    [
+        ((4, 3, 2), [4, 1, 2], 1, 0),
+        ((3, 4), [1, 4, 0], 0, 1),
+        ((5, 2, 3, 4), [5, 3], 1, 0),
+        ((2, 6, 7), [6, 2], 0, 1),
+        ((3, 2, 8), [0, 0], 1, 0),
+    ],
+    ids=str,
+)
+def test_reverse_sequence(launches, dtype, lens_dtype, shape, lens, batch_axis, time_axis):
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal(shape) * 10).astype(np.float32).astype(dtype)
+    check(
+        launches,
+        "ReverseSequence",
+        [x, np.array(lens, lens_dtype)],
+        exact=True,
+        batch_axis=batch_axis,
+        time_axis=time_axis,
+    )
+
+
+def test_reverse_sequence_empty(launches):
+    check(launches, "ReverseSequence", [np.zeros((3, 2, 0), np.float32), np.array([3, 1], np.int64)], exact=True)
+
+
+@pytest.mark.parametrize("lens", [[5, 1, 2], [-1, 1, 2]], ids=str)
+def test_reverse_sequence_length_out_of_range_raises(launches, lens):
+    rng = np.random.default_rng(11)
+    check_raises(launches, "ReverseSequence", [rng.standard_normal((4, 3, 2)), np.array(lens, np.int64)], "must lie in")
+
+
+def test_reverse_sequence_wrong_count_raises(launches):
+    rng = np.random.default_rng(12)
+    check_raises(launches, "ReverseSequence", [rng.standard_normal((4, 3, 2)), np.array([1, 2], np.int64)], "entries for a batch")
+
+
+def test_reverse_sequence_float_lengths_fall_back(launches):
+    rng = np.random.default_rng(13)
+    check(launches, "ReverseSequence", [rng.standard_normal((4, 3)), np.array([2.0, 4.0, 1.0])], exact=True)
+
+
+def test_reverse_sequence_backward(launches):
+    rng = np.random.default_rng(14)
+    model, feeds = loss_model("ReverseSequence", [rng.standard_normal((4, 3, 2)), np.array([4, 1, 2], np.int64)], const=(1,))
+    backward_matches(model, feeds, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- OneHot
+
+
+@pytest.mark.parametrize(
+    "values_dtype",
+    [np.float16, BF16, np.float32, np.float64, np.int64, np.int32, np.uint8, np.bool_],
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64, np.int8, np.uint8], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("axis", [-1, 0, 1, -2], ids=str)
+def test_one_hot(launches, values_dtype, index_dtype, axis):
+    """Negative indices count from depth; indices outside [-depth, depth) give all-off lines."""
+    signed = np.dtype(index_dtype).kind == "i"
+    indices = np.array([[0, 2, -1, 5], [-4, 3, 1, -5]] if signed else [[0, 2, 9, 5], [4, 3, 1, 200]], index_dtype)
+    values = np.array([0.25, -3.5] if np.dtype(values_dtype) != np.bool_ else [False, True]).astype(values_dtype)
+    check(launches, "OneHot", [indices, np.array(4, np.int64), values], const=(1,), axis=axis)
+
+
+@pytest.mark.parametrize("shape,axis", [((), 0), ((), -1), ((5,), 0), ((0, 3), 1), ((2, 0), -1)], ids=str)
+def test_one_hot_scalar_and_empty_indices(launches, shape, axis):
+    indices = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) % 3
+    check(launches, "OneHot", [indices, np.array(3, np.int64), np.array([1.0, 2.0], np.float32)], const=(1,), axis=axis)
+
+
+def test_one_hot_depth_fed_as_a_float(launches):
+    """depth of any numeric type, truncated; values fed to the device as a graph input."""
+    check(launches, "OneHot", [np.array([1, 0, 3], np.int64), np.array([3.7], np.float32), np.array([0.0, 1.0], np.float32)])
+
+
+@pytest.mark.parametrize(
+    "depth,values,axis,match",
+    [
+        (np.array(0, np.int64), np.array([0.0, 1.0], np.float32), -1, "depth must be positive"),
+        (np.array([2, 3], np.int64), np.array([0.0, 1.0], np.float32), -1, "depth must hold one value"),
+        (np.array(3, np.int64), np.array([0.0, 1.0, 2.0], np.float32), -1, "values must hold"),
+        (np.array(3, np.int64), np.array([0.0, 1.0], np.float32), 3, "out of range"),
+    ],
+    ids=["depth0", "depth2", "values3", "axis3"],
+)
+def test_one_hot_bad_arguments_raise(launches, depth, values, axis, match):
+    check_raises(launches, "OneHot", [np.array([[1, 0]], np.int64), depth, values], match, const=(1,), axis=axis)
+
+
+def test_one_hot_float_indices_fall_back(launches):
+    indices = np.array([0.7, 2.2, -1.5, 3.9], np.float32)
+    check(launches, "OneHot", [indices, np.array(4, np.int64), np.array([-1.0, 1.0], np.float32)], const=(1,))
+
+
+def test_one_hot_backward(launches):
+    indices = np.array([[0, 2], [-1, 5]], np.int64)
+    model, feeds = loss_model("OneHot", [indices, np.array(3, np.int64), np.array([0.3, 1.7])], const=(0, 1))
+    backward_matches(model, feeds, rtol=1e-12, atol=1e-12)

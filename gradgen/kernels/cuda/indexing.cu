@@ -796,3 +796,33 @@ GG_INDEXING_W(4)
 GG_INDEXING_W(8)
 GG_INDEXING_W(16)
 #endif
+
+// ------------------------------------------------------------------ OneHot
+// out viewed as (outer, depth, inner), indices as (outer, inner): out[o, j, k] = vals[1] where the
+// index (negative ones plus depth) equals j, else vals[0]. Indices outside [-depth, depth) give an
+// all-off line, as the spec says (not an error). Moves bits: W-byte values.
+template <typename E, typename IDX>
+__device__ __forceinline__ void one_hot(E* __restrict__ dst, const IDX* __restrict__ idx, const E* __restrict__ vals,
+                                        int64_t depth, int64_t inner, int64_t n) {
+    const E off = vals[0], on = vals[1];
+    GG_GRID_STRIDE(i, n) {
+        const int64_t k = i % inner, r = i / inner;
+        const int64_t j = r % depth, o = r / depth;
+        int64_t v = (int64_t)idx[o * inner + k];
+        if (v < 0) v += depth;
+        dst[i] = v == j ? on : off;
+    }
+}
+
+#define GG_ONE_HOT(W, S, IDX)                                                                                 \
+    extern "C" __global__ void one_hot_w##W##_##S(Word<W>::type* dst, const IDX* idx, const Word<W>::type* vals, \
+                                                  int64_t depth, int64_t inner, int64_t n) {                  \
+        one_hot<Word<W>::type, IDX>(dst, idx, vals, depth, inner, n);                                         \
+    }
+#define GG_ONE_HOT_W(W) GG_ONE_HOT(W, i32, int32_t) GG_ONE_HOT(W, i64, int64_t)
+#if GG_PART(10)
+GG_ONE_HOT_W(1)
+GG_ONE_HOT_W(2)
+GG_ONE_HOT_W(4)
+GG_ONE_HOT_W(8)
+#endif

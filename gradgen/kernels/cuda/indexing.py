@@ -691,3 +691,51 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     if count:
         rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, 0))
     return out.reshape(tuple(data.shape))
+
+
+# ---------------------------------------------------------------- OneHot
+
+
+@cuda_kernel("OneHot", host_inputs=(1,))
+def one_hot(indices, depth, values, *, axis=-1):
+    """values[1] where the index (plus depth when negative) equals the position along ``axis``, else
+    values[0]; indices outside [-depth, depth) give all-off lines (the spec's rule, not an error).
+    The depth is read on the host (it sets the output's shape); values stay on the device."""
+    from gradgen.kernels.cuda.elementwise import cast_to
+
+    rt = runtime()
+    depth_value = np.asarray(depth).reshape(-1)
+    if depth_value.size != 1:
+        raise KernelError(f"depth must hold one value, got shape {list(np.shape(depth))}")
+    n = int(depth_value[0])
+    if n < 1:
+        raise KernelError(f"depth must be positive, got {n}")
+    if math.prod(values.shape) != 2:
+        raise KernelError(f"values must hold [off_value, on_value], got {math.prod(values.shape)} element(s)")
+    rank = len(indices.shape) + 1
+    ax = normalize_axis(axis, rank, allow_scalar=True)
+    esize = values.dtype.itemsize
+    if esize not in (1, 2, 4, 8) or indices.dtype.kind not in "iu":
+        return cpu_fallback("OneHot", indices, depth, values, axis=axis)
+    if indices.dtype not in (np.int32, np.int64):  # int8, uint8: widened on the device; others on the host
+        widened = cast_to(indices, np.int64)
+        if widened is None:
+            return cpu_fallback("OneHot", indices, depth, values, axis=axis)
+        indices = widened
+    out_shape = [*indices.shape[:ax], n, *indices.shape[ax:]]
+    out = rt.empty(out_shape, values.dtype)
+    if out.size == 0:
+        return out
+    inner = math.prod(indices.shape[ax:])
+    suffix = "i32" if indices.dtype == np.int32 else "i64"
+    launch(
+        kernel_of("indexing", f"one_hot_w{esize}_{suffix}"),
+        out.size,
+        out,
+        contiguous(indices),
+        contiguous(values),
+        np.int64(n),
+        np.int64(inner),
+        np.int64(out.size),
+    )
+    return out

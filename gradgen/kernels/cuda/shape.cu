@@ -11,6 +11,11 @@
 //                 is written exactly once, so no memset comes first. The v-variants handle V
 //                 consecutive elements of the innermost axis per thread and store them as one word.
 //   fill, trilu:  the obvious.
+//   reverse_sequence: out[t, b, k] = x[s, b, k] (time axis first; or [b, t, k] with the batch first),
+//                 s = lens[b] - 1 - t for t < lens[b], else t; a length outside [0, steps] sets *flag.
+//   range:        out[i] = start + i * delta, the product and the sum each rounded in the work type
+//                 (float for float16/bfloat16/float32, double for float64; never fused into an FMA,
+//                 as numpy computes them); integers wrap in int64, then truncate to the output type.
 #include "common.h"
 
 template <typename E, typename I>
@@ -167,3 +172,67 @@ GG_FILL_TRILU(1)
 GG_FILL_TRILU(2)
 GG_FILL_TRILU(4)
 GG_FILL_TRILU(8)
+
+template <typename E, typename L>
+__device__ __forceinline__ void reverse_sequence(E* __restrict__ dst, const E* __restrict__ src, const L* __restrict__ lens,
+                                                 long long* flag, int64_t steps, int64_t batch, int64_t inner,
+                                                 int64_t time_first, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t k = i % inner, r = i / inner;
+        const int64_t t = time_first ? r / batch : r % steps;
+        const int64_t b = time_first ? r % batch : r / steps;
+        const int64_t len = (int64_t)lens[b];
+        if (len < 0 || len > steps) {
+            *flag = 1;
+            continue;
+        }
+        const int64_t s = t < len ? len - 1 - t : t;
+        dst[i] = src[((time_first ? s * batch + b : b * steps + s)) * inner + k];
+    }
+}
+
+#define GG_REVERSE_SEQUENCE(W)                                                                              \
+    extern "C" __global__ void reverse_sequence_w##W##_i32(Word<W>::type* dst, const Word<W>::type* src,   \
+                                                           const int32_t* lens, long long* flag,            \
+                                                           int64_t steps, int64_t batch, int64_t inner,     \
+                                                           int64_t time_first, int64_t n) {                 \
+        reverse_sequence<Word<W>::type, int32_t>(dst, src, lens, flag, steps, batch, inner, time_first, n); \
+    }                                                                                                       \
+    extern "C" __global__ void reverse_sequence_w##W##_i64(Word<W>::type* dst, const Word<W>::type* src,   \
+                                                           const int64_t* lens, long long* flag,            \
+                                                           int64_t steps, int64_t batch, int64_t inner,     \
+                                                           int64_t time_first, int64_t n) {                 \
+        reverse_sequence<Word<W>::type, int64_t>(dst, src, lens, flag, steps, batch, inner, time_first, n); \
+    }
+
+GG_REVERSE_SEQUENCE(1)
+GG_REVERSE_SEQUENCE(2)
+GG_REVERSE_SEQUENCE(4)
+GG_REVERSE_SEQUENCE(8)
+GG_REVERSE_SEQUENCE(16)
+
+__device__ __forceinline__ float gg_range_value(float start, float delta, int64_t i) {
+    return __fadd_rn(start, __fmul_rn((float)i, delta));
+}
+__device__ __forceinline__ double gg_range_value(double start, double delta, int64_t i) {
+    return __dadd_rn(start, __dmul_rn((double)i, delta));
+}
+
+#define GG_RANGE_FLOAT(suffix, T)                                                                           \
+    extern "C" __global__ void range_##suffix(T* out, double start, double delta, int64_t n) {             \
+        using C = typename Acc<T>::type;                                                                    \
+        GG_GRID_STRIDE(i, n) { gg_store(out + i, gg_range_value((C)start, (C)delta, i)); }                  \
+    }
+#define GG_RANGE_INT(suffix, T)                                                                             \
+    extern "C" __global__ void range_##suffix(T* out, int64_t start, int64_t delta, int64_t n) {           \
+        GG_GRID_STRIDE(i, n) {                                                                              \
+            out[i] = (T)(int64_t)((unsigned long long)start + (unsigned long long)i * (unsigned long long)delta); \
+        }                                                                                                   \
+    }
+
+GG_RANGE_FLOAT(f16, __half)
+GG_RANGE_FLOAT(bf16, __nv_bfloat16)
+GG_RANGE_FLOAT(f32, float)
+GG_RANGE_FLOAT(f64, double)
+GG_RANGE_INT(i32, int32_t)
+GG_RANGE_INT(i64, int64_t)

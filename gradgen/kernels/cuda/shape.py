@@ -409,3 +409,103 @@ def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
         _, kernel, grid, tail = _slice_grad_plan(dY.shape, dY.dtype, shape, starts, ends, axes, steps, False)
     launch_packed(kernel, grid, 256, _PTRS2.pack(dst, src) + tail)
     return dX
+
+
+# ---------------------------------------------------------------- Range
+
+
+_RANGE_TYPES = ("f16", "bf16", "f32", "f64", "i32", "i64")
+
+
+@cuda_kernel("Range", host_inputs=(0, 1, 2))
+def range_(start, limit, delta, *, stash_type=1):
+    """start + i * delta for i < ceil((limit - start) / delta): the count on the host (the CPU
+    kernel's arithmetic), the values on the device. 16-bit floats are computed in float32 and rounded
+    once, as the CPU backend computes them."""
+    from gradgen.kernels.cuda.launch import cpu_fallback, dtype_suffix
+
+    rt = runtime()
+    for v, name in ((start, "start"), (limit, "limit"), (delta, "delta")):
+        if np.size(v) != 1:
+            raise KernelError(f"{name} must be a scalar, got shape {list(np.shape(v))}")
+    dtype = np.dtype(start.dtype)
+    suffix = dtype_suffix(dtype)
+    if suffix not in _RANGE_TYPES:
+        return cpu_fallback("Range", start, limit, delta, stash_type=stash_type)
+    work = np.float32 if suffix in ("f16", "bf16") else dtype
+    s, l, d = (np.asarray(v).astype(work).reshape(()).item() for v in (start, limit, delta))
+    if d == 0:
+        raise KernelError("delta is 0")
+    n = max(int(np.ceil((l - s) / d)), 0)
+    out = rt.empty((n,), dtype)
+    scalar = np.float64 if suffix[0] in "fb" else np.int64
+    launch(kernel_of("shape", f"range_{suffix}"), n, out, scalar(s), scalar(d), np.int64(n))
+    return out
+
+
+# ---------------------------------------------------------------- ReverseSequence
+
+
+def _word_width(esize: int, inner: int, *arrays) -> int:
+    """The widest word (16, 8, 4, 2 or 1 bytes, a multiple of the element size) that runs of ``inner``
+    elements split into and that every array's address is aligned to."""
+    run = esize * inner
+    for w in (16, 8, 4, 2, 1):
+        if w % esize == 0 and run % w == 0 and all(int(a.gpudata) % w == 0 for a in arrays):
+            return w
+    return esize
+
+
+@cuda_kernel("ReverseSequence")
+def reverse_sequence(x, sequence_lens, *, batch_axis=1, time_axis=0):
+    """The first sequence_lens[b] steps of each batch entry b reversed along the time axis: one gather
+    pass moving contiguous runs of the trailing axes as wide words. A length outside [0, steps]
+    raises the CPU kernel's error."""
+    from gradgen.kernels.cuda.launch import cpu_fallback
+
+    rt = runtime()
+    if {int(batch_axis), int(time_axis)} != {0, 1}:
+        raise KernelError(f"batch_axis and time_axis must be 0 and 1 in some order, got {batch_axis} and {time_axis}")
+    if len(x.shape) < 2:
+        raise KernelError(f"ReverseSequence needs rank >= 2, got {len(x.shape)}")
+    steps, batch = int(x.shape[int(time_axis)]), int(x.shape[int(batch_axis)])
+    count = math.prod(sequence_lens.shape)
+    if count != batch:
+        raise KernelError(f"sequence_lens has {count} entries for a batch of {batch}")
+    esize = x.dtype.itemsize
+    if sequence_lens.dtype not in (np.int32, np.int64) or esize not in (1, 2, 4, 8, 16):
+        return cpu_fallback("ReverseSequence", x, sequence_lens, batch_axis=batch_axis, time_axis=time_axis)
+    x = contiguous(x)
+    lens = contiguous(sequence_lens)
+    out = rt.empty(x.shape, x.dtype)
+    if out.size == 0:
+        lengths = rt.to_host(lens).astype(np.int64).reshape(-1)
+        if lengths.size and (lengths.min() < 0 or lengths.max() > steps):
+            raise KernelError(f"sequence_lens must lie in [0, {steps}] (the time axis' size), got {lengths.tolist()}")
+        return out
+    inner = math.prod(x.shape[2:])
+    w = _word_width(esize, inner, x, out)
+    inner = inner * esize // w
+    n = steps * batch * inner
+    flag = rt.zeros((1,), np.int64)
+    suffix = "i32" if lens.dtype == np.int32 else "i64"
+    launch(
+        kernel_of("shape", f"reverse_sequence_w{w}_{suffix}"),
+        n,
+        out,
+        x,
+        lens,
+        flag,
+        np.int64(steps),
+        np.int64(batch),
+        np.int64(inner),
+        np.int64(1 if int(time_axis) == 0 else 0),
+        np.int64(n),
+    )
+
+    def message(_value):
+        lengths = rt.to_host(lens).astype(np.int64).reshape(-1).tolist()
+        return f"sequence_lens must lie in [0, {steps}] (the time axis' size), got {lengths}"
+
+    rt.check_flag(flag, message)
+    return out
