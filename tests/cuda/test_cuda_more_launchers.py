@@ -76,8 +76,10 @@ def _run(model, feeds, device):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """``launches(op, domain)``: a list that grows by one each time the op's CUDA launcher runs."""
+    """``launches(op, domain)``: a list that grows by one each time the op's CUDA launcher runs.
+    CUDA graphs stay on, so that integer feeds live on the device and reach the launchers."""
     registry.load_cuda_kernels()
+    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
 
     def watch(op_type, domain=""):
         entry = registry.lookup(domain, op_type)
@@ -286,8 +288,7 @@ def test_range_floats(launches, dtype, bounds):
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=str)
 @pytest.mark.parametrize("bounds", [(2, 11, 3), (10, -7, -4), (0, 0, 1), (5, 1, 2), (-3, 100000, 7)], ids=str)
-def test_range_integers(launches, monkeypatch, dtype, bounds):
-    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")  # integer feeds then live on the device: the launcher runs
+def test_range_integers(launches, dtype, bounds):
     check(launches, "Range", [np.array(v, dtype) for v in bounds])
 
 
@@ -305,8 +306,7 @@ def test_range_non_scalar_raises(launches):
     )
 
 
-def test_range_int16_falls_back(launches, monkeypatch):
-    monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
+def test_range_int16_falls_back(launches):
     check(launches, "Range", [np.array(v, np.int16) for v in (-5, 20, 3)])
 
 
@@ -424,3 +424,108 @@ def test_one_hot_backward(launches):
     indices = np.array([[0, 2], [-1, 5]], np.int64)
     model, feeds = loss_model("OneHot", [indices, np.array(3, np.int64), np.array([0.3, 1.7])], const=(0, 1))
     backward_matches(model, feeds, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- Resize
+
+_TF_ROI = np.array([0, 0, -0.2, 0.1, 1, 1, 0.9, 1.3], np.float32)
+RESIZE_GEOMETRIES = [
+    # (scales, sizes, roi, attributes)
+    ([1, 1, 2, 2], None, None, dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor")),
+    ([1, 1, 0.6, 0.5], None, None, {}),
+    ([1, 1, 1.7, 2.5], None, None, dict(coordinate_transformation_mode="align_corners")),
+    ([1, 1, 1.7, 2.5], None, None, dict(coordinate_transformation_mode="pytorch_half_pixel", nearest_mode="round_prefer_ceil")),
+    ([1, 1, 1.5, 0.8], None, None, dict(coordinate_transformation_mode="half_pixel_symmetric", nearest_mode="ceil")),
+    (None, [2, 3, 7, 1], None, {}),
+    (None, [5, 2], None, dict(axes=[-1, 2])),
+    (None, [9, 9], None, dict(axes=[2, 3], keep_aspect_ratio_policy="not_larger")),
+    (None, [2, 3, 6, 5], _TF_ROI, dict(coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=0.5)),
+]
+
+
+def _resize_inputs(x, scales, sizes, roi):
+    return [
+        x,
+        roi,
+        None if scales is None else np.array(scales, np.float32),
+        None if sizes is None else np.array(sizes, np.int64),
+    ]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, BF16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_],
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize("geometry", RESIZE_GEOMETRIES, ids=lambda g: str(g[3] or g[0] or g[1]))
+def test_resize_nearest(launches, dtype, geometry):
+    """A gather: the same bits as the CPU session, extrapolated elements included."""
+    scales, sizes, roi, attrs = geometry
+    x = (np.random.default_rng(15).standard_normal((2, 3, 5, 4)) * 20).astype(np.float32).astype(dtype)
+    check(launches, "Resize", _resize_inputs(x, scales, sizes, roi), const=(1, 2, 3), exact=True, mode="nearest", **attrs)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+@pytest.mark.parametrize(
+    "geometry",
+    RESIZE_GEOMETRIES
+    + [
+        ([1, 1, 0.4, 0.7], None, None, dict(antialias=1)),
+        ([1, 1, 2.3, 1.6], None, None, dict(exclude_outside=1, cubic_coeff_a=-0.5)),
+    ],
+    ids=lambda g: str(g[3] or g[0] or g[1]),
+)
+def test_resize_linear_and_cubic(launches, dtype, mode, geometry):
+    """One pass per resized axis in double, the CPU kernel's matrices as taps."""
+    scales, sizes, roi, attrs = geometry
+    attrs = {k: v for k, v in attrs.items() if k != "nearest_mode"}
+    x = rand(np.random.default_rng(16), (2, 3, 5, 4), dtype)
+    tol = _tol(dtype) if np.dtype(dtype).itemsize == 2 else dict(rtol=1e-6, atol=1e-6)
+    check(launches, "Resize", _resize_inputs(x, scales, sizes, roi), const=(1, 2, 3), mode=mode, **tol, **attrs)
+
+
+def test_resize_10_and_fed_scales(launches):
+    """Resize-10 (X, scales): asymmetric coordinates, nearest by floor; scales fed as a graph input."""
+    x = rand(np.random.default_rng(17), (1, 2, 3, 4))
+    check(launches, "Resize", [x, np.array([1, 1, 2, 1.5], np.float32)], opset=10, exact=True, mode="nearest")
+    check(launches, "Resize", [x, np.array([1, 1, 2, 1.5], np.float32)], opset=10, mode="linear")
+
+
+@pytest.mark.parametrize(
+    "shape,scales",
+    [
+        ((2, 3, 4), [1, 1, 1]),
+        ((2, 0, 3), [1, 2, 2]),
+        ((2, 3, 4), [1, 0.2, 1]),
+        ((5,), [0.4]),
+        ((3, 1, 2, 2, 2), [1, 1, 2, 0.5, 3]),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_identity_empty_and_other_ranks(launches, shape, scales, mode):
+    x = rand(np.random.default_rng(18), shape)
+    check(launches, "Resize", [x, None, np.array(scales, np.float32)], const=(2,), exact=mode == "nearest", mode=mode)
+
+
+def test_resize_integer_linear_falls_back(launches):
+    x = np.arange(24, dtype=np.int32).reshape(1, 2, 3, 4)
+    check(launches, "Resize", [x, None, np.array([1, 1, 2, 1.5], np.float32)], const=(2,), mode="linear")
+
+
+@pytest.mark.parametrize(
+    "scales,match",
+    [([1, 1, 2], "scales has 3 value"), ([1, 1, -2, 1], "is not positive")],
+    ids=["count", "negative"],
+)
+def test_resize_bad_scales_raise(launches, scales, match):
+    x = rand(np.random.default_rng(19), (1, 2, 3, 4))
+    check_raises(launches, "Resize", [x, None, np.array(scales, np.float32)], match, const=(2,))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_backward(launches, mode):
+    x = rand(np.random.default_rng(20), (1, 2, 3, 4), np.float64)
+    model, feeds = loss_model("Resize", [x, None, np.array([1, 1, 1.6, 2.5], np.float32)], const=(2,), mode=mode)
+    backward_matches(model, feeds, rtol=1e-10, atol=1e-12)

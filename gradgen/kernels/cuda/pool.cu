@@ -150,3 +150,87 @@ GG_POOL_ENTRIES(f16, __half)
 GG_POOL_ENTRIES(bf16, __nv_bfloat16)
 GG_POOL_ENTRIES(f32, float)
 GG_POOL_ENTRIES(f64, double)
+
+// ------------------------------------------------------------------------------ Resize
+// Nearest: one gather pass. out.shape = output dims, out.strides = the input's (C-order) strides;
+// table holds, per axis d (from offs.shape[d]), the input coordinate of each output coordinate, or
+// -1 outside a tf_crop_and_resize crop, where the output takes `fill` (the extrapolation value's
+// bits). Moves bits: W-byte elements.
+template <int W>
+__device__ __forceinline__ void resize_nearest(typename Word<W>::type* __restrict__ dst,
+                                               const typename Word<W>::type* __restrict__ src,
+                                               const int64_t* __restrict__ table, const TensorDesc& out,
+                                               const TensorDesc& offs, int64_t fill, int64_t n) {
+    using E = typename Word<W>::type;
+    E f;
+    memcpy(&f, &fill, W);
+    GG_GRID_STRIDE(i, n) {
+        int64_t rest = i, so = 0;
+        bool inside = true;
+        for (int d = (int)out.rank - 1; d >= 0; --d) {
+            const int64_t c = rest % out.shape[d];
+            rest /= out.shape[d];
+            const int64_t q = table[offs.shape[d] + c];
+            inside = inside && q >= 0;
+            so += q * out.strides[d];
+        }
+        dst[i] = inside ? src[so] : f;
+    }
+}
+
+#define GG_RESIZE_NEAREST(W)                                                                                 \
+    extern "C" __global__ void resize_nearest_w##W(Word<W>::type* dst, const Word<W>::type* src,            \
+                                                   const int64_t* table, TensorDesc out, TensorDesc offs,   \
+                                                   int64_t fill, int64_t n) {                               \
+        resize_nearest<W>(dst, src, table, out, offs, fill, n);                                              \
+    }
+GG_RESIZE_NEAREST(1)
+GG_RESIZE_NEAREST(2)
+GG_RESIZE_NEAREST(4)
+GG_RESIZE_NEAREST(8)
+
+// Linear and cubic (any coordinate mode, antialias): one axis per pass, as the CPU kernel applies
+// one matrix per axis. x viewed as (outer, n_in, inner) -> y (outer, n_out, inner); output row j
+// is sum_t w[j * taps + t] * x[idx[j * taps + t]] in double, taps of weight 0 skipped, in tap order;
+// idx[j * taps] = -1 marks a row outside a tf_crop_and_resize crop (it takes `fill`). Intermediate
+// passes write double; the last rounds to the output type (16-bit types through float32, as the CPU
+// backend computes them in float32).
+template <typename TI, typename TO>
+__device__ __forceinline__ void resize_taps(TO* __restrict__ dst, const TI* __restrict__ src, const int64_t* __restrict__ idx,
+                                            const double* __restrict__ w, int64_t taps, int64_t n_in, int64_t n_out,
+                                            int64_t inner, double fill, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t k = i % inner, r = i / inner;
+        const int64_t j = r % n_out, o = r / n_out;
+        const int64_t* ix = idx + j * taps;
+        const double* wx = w + j * taps;
+        double acc = 0.0;
+        if (ix[0] < 0) {
+            acc = fill;
+        } else {
+            const TI* line = src + o * n_in * inner + k;
+            for (int64_t t = 0; t < taps; ++t) {
+                if (wx[t] != 0.0) acc += wx[t] * (double)gg_load(line + ix[t] * inner);
+            }
+        }
+        if constexpr (sizeof(TO) == 2) gg_store(dst + i, (float)acc);
+        else dst[i] = (TO)acc;
+    }
+}
+
+#define GG_RESIZE_TAPS(SI, TI, SO, TO)                                                                         \
+    extern "C" __global__ void resize_taps_##SI##_##SO(TO* dst, const TI* src, const int64_t* idx, const double* w, \
+                                                      int64_t taps, int64_t n_in, int64_t n_out, int64_t inner,   \
+                                                      double fill, int64_t n) {                                   \
+        resize_taps<TI, TO>(dst, src, idx, w, taps, n_in, n_out, inner, fill, n);                                \
+    }
+GG_RESIZE_TAPS(f16, __half, f16, __half)
+GG_RESIZE_TAPS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+GG_RESIZE_TAPS(f32, float, f32, float)
+GG_RESIZE_TAPS(f64, double, f64, double)
+GG_RESIZE_TAPS(f16, __half, f64, double)
+GG_RESIZE_TAPS(bf16, __nv_bfloat16, f64, double)
+GG_RESIZE_TAPS(f32, float, f64, double)
+GG_RESIZE_TAPS(f64, double, f16, __half)
+GG_RESIZE_TAPS(f64, double, bf16, __nv_bfloat16)
+GG_RESIZE_TAPS(f64, double, f32, float)

@@ -13,7 +13,18 @@ import math
 
 import numpy as np
 
-from gradgen.kernels.cuda.launch import contiguous, cpu_fallback, is_float, kernel_of, launch, left_pad, require_suffix
+from gradgen.kernels.cuda.launch import (
+    FLOATS,
+    contiguous,
+    cpu_fallback,
+    dtype_suffix,
+    is_float,
+    kernel_of,
+    launch,
+    left_pad,
+    require_suffix,
+    runtime,
+)
 from gradgen.kernels.table import cuda_kernel
 from gradgen.ops.pool import declared_pads, pool_geometry
 
@@ -121,3 +132,189 @@ def global_max_pool(x):
     if not is_float(x.dtype) or x.ndim < 3 or any(int(d) == 0 for d in x.shape[2:]):
         return cpu_fallback("GlobalMaxPool", x)
     return _global_pool(x, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resize
+#
+# The geometry comes from the CPU kernel's own per-axis matrices (gradgen/ops/pool.py,
+# resize_matrices: every mode, coordinate transformation and rounding rule), read as taps: for each
+# output coordinate of an axis, the input coordinates and weights of its row's non-zero entries.
+# Nearest (a single weight 1 per row) is one gather pass over all axes, moving bits, for any dtype;
+# linear and cubic run one pass per resized axis in double, like the CPU kernel's matrix products,
+# for the float types. Integer data with linear or cubic modes and ranks above the kernels'
+# maximum run the CPU kernel. The tables are uploaded once per geometry (plan cache).
+
+_RESIZE_PLANS: dict = {}
+
+
+def _resize_plan(shape, dtype, roi, scales, sizes, attrs: dict, opset: int):
+    """("copy", None) | ("nearest", (table, offsets, out shape)) | ("taps", (out shape, passes)) |
+    ("cpu", None); each pass is (axis, n_in, n_out, taps, idx, weights)."""
+    from gradgen.ops.attributes import text
+    from gradgen.ops.pool import resize_geometry, resize_matrices
+
+    rt = runtime()
+    ctm = attrs["coordinate_transformation_mode"]
+    nearest_mode = attrs["nearest_mode"]
+    if opset < 11:  # Resize-10: (X, scales), asymmetric coordinates
+        scales, roi, ctm, nearest_mode = roi, None, "asymmetric", "floor"
+    out, factors = resize_geometry(
+        shape, scales, sizes, axes=attrs["axes"], keep_aspect_ratio_policy=attrs["keep_aspect_ratio_policy"]
+    )
+    mode = text(attrs["mode"], "nearest")
+    matrix_attrs = dict(
+        mode=mode,
+        coordinate_transformation_mode=ctm,
+        nearest_mode=nearest_mode,
+        cubic_coeff_a=attrs["cubic_coeff_a"],
+        exclude_outside=attrs["exclude_outside"],
+        antialias=attrs["antialias"],
+    )
+    mats = resize_matrices(shape, out, factors, matrix_attrs, roi, attrs["axes"])
+    if len(shape) > rt.MAX_RANK or np.dtype(dtype).itemsize not in (1, 2, 4, 8):
+        return "cpu", None
+    if any(m.shape[0] and not m.shape[1] for m, _ in mats.values()):
+        return "cpu", None  # an empty axis resized to a non-empty one (rows of zeros)
+    if not mats:
+        return "copy", None
+    if mode == "nearest":
+        columns, offsets, start = [], [], 0
+        for axis, n in enumerate(shape):
+            if axis not in mats:
+                column = np.arange(int(n), dtype=np.int64)
+            else:
+                m, outside = mats[axis]
+                column = np.argmax(m, axis=1).astype(np.int64) if m.size else np.zeros(0, np.int64)
+                ones = m[np.arange(m.shape[0]), column] == 1.0
+                if outside is not None:
+                    column[outside] = -1
+                    ones |= outside
+                if not ones.all() or np.count_nonzero(m) != int(np.count_nonzero(column >= 0)):
+                    return "cpu", None  # not a single 1 per row: not a gather
+            columns.append(column)
+            offsets.append(start)
+            start += column.size
+        table = np.concatenate(columns) if columns else np.zeros(1, np.int64)
+        with rt.persistent():
+            device_table = rt.to_device(table if table.size else np.zeros(1, np.int64))
+        return "nearest", (device_table, offsets, [int(d) for d in out])
+    if dtype_suffix(dtype) not in FLOATS:
+        return "cpu", None
+    passes, current = [], [int(d) for d in shape]
+    for axis, (m, outside) in mats.items():
+        n_out, n_in = m.shape
+        taps = max(1, int(np.count_nonzero(m, axis=1).max())) if n_out else 1
+        idx = np.zeros((n_out, taps), np.int64)
+        w = np.zeros((n_out, taps), np.float64)
+        for j in range(n_out):
+            (cols,) = np.nonzero(m[j])
+            idx[j, : cols.size] = cols
+            w[j, : cols.size] = m[j, cols]
+        if outside is not None:
+            idx[outside, 0] = -1
+        with rt.persistent():
+            tables = (
+                rt.to_device(idx.reshape(-1) if idx.size else np.zeros(1, np.int64)),
+                rt.to_device(w.reshape(-1) if w.size else np.zeros(1)),
+            )
+        passes.append((axis, n_in, n_out, taps, *tables))
+        current[axis] = n_out
+    return "taps", ([int(d) for d in out], passes)
+
+
+@cuda_kernel("Resize", host_inputs=(1, 2, 3))
+def resize(
+    x,
+    roi=None,
+    scales=None,
+    sizes=None,
+    *,
+    antialias=0,
+    axes=None,
+    coordinate_transformation_mode="half_pixel",
+    cubic_coeff_a=-0.75,
+    exclude_outside=0,
+    extrapolation_value=0.0,
+    keep_aspect_ratio_policy="stretch",
+    mode="nearest",
+    nearest_mode="round_prefer_floor",
+    _opset=13,
+):
+    from gradgen.kernels.cuda.launch import copy, desc, fill_bits, host_key, plan_cache
+
+    rt = runtime()
+    attrs = dict(
+        antialias=antialias,
+        axes=axes,
+        coordinate_transformation_mode=coordinate_transformation_mode,
+        cubic_coeff_a=cubic_coeff_a,
+        exclude_outside=exclude_outside,
+        keep_aspect_ratio_policy=keep_aspect_ratio_policy,
+        mode=mode,
+        nearest_mode=nearest_mode,
+    )
+    key = (
+        tuple(x.shape),
+        np.dtype(x.dtype).str,
+        host_key(roi),
+        host_key(scales),
+        host_key(sizes),
+        repr(sorted(attrs.items())),
+        int(_opset),
+    )
+    kind, plan = plan_cache(
+        _RESIZE_PLANS, key, lambda: _resize_plan(tuple(x.shape), x.dtype, roi, scales, sizes, attrs, int(_opset))
+    )
+    if kind == "cpu":
+        return cpu_fallback("Resize", x, roi, scales, sizes, extrapolation_value=extrapolation_value, _opset=_opset, **attrs)
+    if kind == "copy":
+        return copy(x)
+    x = contiguous(x)
+    # the extrapolation value as the CPU kernel writes it: float64, rounded to the output type (the
+    # 16-bit types through float32, which the CPU backend computes them in)
+    low = np.dtype(x.dtype).itemsize == 2 and is_float(x.dtype)
+    fill_value = np.float32(extrapolation_value) if low else np.float64(extrapolation_value)
+    if kind == "nearest":
+        table, offsets, out_shape = plan
+        out = rt.empty(out_shape, x.dtype)
+        if out.size == 0:
+            return out
+        strides = rt.contiguous_strides(x.shape)
+        launch(
+            kernel_of("pool", f"resize_nearest_w{x.dtype.itemsize}"),
+            out.size,
+            out,
+            x,
+            table,
+            desc(out_shape, strides),
+            desc(offsets),
+            fill_bits(fill_value, x.dtype),
+            np.int64(out.size),
+        )
+        return out
+    out_shape, passes = plan
+    s = dtype_suffix(x.dtype)
+    current, shape = x, [int(d) for d in x.shape]
+    for k, (axis, n_in, n_out, taps, idx, w) in enumerate(passes):
+        last = k == len(passes) - 1
+        shape = shape[:axis] + [n_out] + shape[axis + 1 :]
+        out = rt.empty(shape, x.dtype if last else np.float64)
+        if out.size:
+            entry = f"resize_taps_{dtype_suffix(current.dtype)}_{s if last else 'f64'}"
+            launch(
+                kernel_of("pool", entry),
+                out.size,
+                out,
+                current,
+                idx,
+                w,
+                np.int64(taps),
+                np.int64(n_in),
+                np.int64(n_out),
+                np.int64(math.prod(shape[axis + 1 :])),
+                np.float64(fill_value),
+                np.int64(out.size),
+            )
+        current = out
+    return current
