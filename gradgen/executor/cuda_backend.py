@@ -128,10 +128,11 @@ class CudaBackend:
         """The plan with a guarded training step's optimizer updates as one in-place multi-tensor
         step and its global gradient norm as one reduction (gradgen/executor/fused_optimizer.py;
         GRADGEN_CUDA_FUSED_OPTIMIZER=0 turns them off), and
-        its chains of elementwise steps fused (gradgen/executor/fusion.py) and each LayerNorm gradient
-        whose dX only a residual Sum reads written as that Sum (gradgen/executor/fused_norm_grad.py),
-        unless GRADGEN_CUDA_FUSION=0."""
-        from gradgen.executor import fused_norm_grad, fused_optimizer, fusion
+        its chains of elementwise steps fused (gradgen/executor/fusion.py), each LayerNorm gradient
+        whose dX only a residual Sum reads written as that Sum (gradgen/executor/fused_norm_grad.py)
+        and a vocabulary-wide cross-entropy kept as row statistics instead of log-probabilities
+        (gradgen/executor/fused_loss.py), unless GRADGEN_CUDA_FUSION=0."""
+        from gradgen.executor import fused_loss, fused_norm_grad, fused_optimizer, fusion
 
         if state and guard and fused_optimizer.enabled():
             steps = fused_optimizer.fuse_update(steps, graph, keep, state, guard)
@@ -139,6 +140,7 @@ class CudaBackend:
             steps = fused_optimizer.fuse_norm(steps, graph, keep)
         if not fusion.enabled():
             return steps
+        steps = fused_loss.fuse_loss_stats(steps, keep, fusion.static_shapes(steps, graph))
         return fusion.fuse_pointwise(fused_norm_grad.fuse_residual_sum(steps, keep), graph, keep)
 
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:

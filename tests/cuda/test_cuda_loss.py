@@ -170,3 +170,79 @@ def test_relu_grad(dtype, shape):
     assert np.array_equal(np.signbit(got), np.signbit(want))
     with pytest.raises(KernelError, match="one shape"):
         cuda(dev(np.ones((2, 3), dtype)), dev(np.ones((3, 2), dtype)))
+
+
+# -- the executor's row-statistics cross-entropy (gradgen/executor/fused_loss.py) ---------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("classes", [1100, 50257, 7])
+def test_row_statistics_loss_and_gradient_give_the_log_probability_bits(dtype, reduction, weighted, classes):
+    """sce_loss_with_stats + sce_grad(stats=...) against the loss with its log-probabilities and the
+    gradient from them: the same bits above 1,024 classes (the same row kernel), close below."""
+    from gradgen.kernels.cuda.loss import sce_grad, sce_loss_with_stats
+
+    rng = np.random.default_rng(21)
+    x, labels = _loss_inputs(rng, (24, classes), np.int64, ignore_index=5, dtype=dtype)
+    weights = rng.uniform(0.5, 1.5, classes).astype(dtype) if weighted else None
+    dy = (rng.standard_normal(24) if reduction == "none" else np.array(0.7)).astype(dtype)
+    _, forward = kernels("SoftmaxCrossEntropyLoss")
+    want_loss, log_prob = forward(
+        dev(x), dev(labels), None if weights is None else dev(weights), ignore_index=5, reduction=reduction, _num_outputs=2
+    )
+    want_grad = sce_grad(
+        dev(dy), log_prob, dev(labels), None if weights is None else dev(weights), ignore_index=5, reduction=reduction
+    )
+    got_loss, stats = sce_loss_with_stats(
+        dev(x), dev(labels), None if weights is None else dev(weights), ignore_index=5, reduction=reduction
+    )
+    got_grad = sce_grad(
+        dev(dy), dev(x), dev(labels), None if weights is None else dev(weights), ignore_index=5, reduction=reduction, stats=stats
+    )
+    if classes > 1024:
+        np.testing.assert_array_equal(host(got_loss), host(want_loss))
+        np.testing.assert_array_equal(host(got_grad), host(want_grad))
+    else:  # the warp kernel's log-softmax sums in another order; the statistics form falls back below 3 classes
+        t = 2e-3 if dtype == np.float16 else 1e-5
+        check(host(got_loss), host(want_loss), rtol=t, atol=t)
+        check(host(got_grad), host(want_grad), rtol=t, atol=t)
+
+
+def test_row_statistics_loss_reports_a_bad_label_as_the_forward_does():
+    from gradgen.kernels.cuda.loss import sce_loss_with_stats
+
+    x = np.zeros((4, 1100), np.float32)
+    labels = np.array([0, 1100, 2, 3], np.int64)
+    with pytest.raises(KernelError, match="target value 1100 at position 1"):
+        sce_loss_with_stats(dev(x), dev(labels))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "none", "weights": True, "ignore_index": 3}, {"reduction": "sum"}], ids=str)
+def test_fused_cross_entropy_on_and_off_gives_the_same_bits(kwargs, monkeypatch):
+    """A wide-vocabulary head's backward graph with the executor's fusions off and on (eager,
+    recorded, replayed): the fused plan has no log-probabilities and gives the unfused bits."""
+    from gradgen.executor import Session, fusion
+    from gradgen.executor.fused_loss import FORWARD, GRADIENT
+    from tests.cross_entropy_models import cross_entropy_head
+
+    model, feeds = cross_entropy_head(**kwargs)
+    results = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(fusion.ENV, switch)
+        with Session(model, device="cuda") as sess:
+            ops = [s.op_type for s in sess.steps]
+            runs = [sess.run(feeds) for _ in range(3)]
+        for later in runs[1:]:
+            for name in runs[0]:
+                np.testing.assert_array_equal(later[name], runs[0][name])
+        results.append((runs[-1], ops))
+    (off, off_ops), (on, on_ops) = results
+    assert FORWARD not in off_ops and FORWARD in on_ops and GRADIENT in on_ops
+    for name in off:
+        np.testing.assert_array_equal(on[name], off[name])
+    with Session(model, device="cpu") as sess:
+        want = sess.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(on[name], want[name], rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want[name]).max())))

@@ -41,6 +41,13 @@ __device__ __forceinline__ Lse<A> block_lse(Lse<A> v) {
     return part[32];
 }
 
+// v rounded to T and read back, as a T buffer would store and give it.
+template <typename T, typename A> __device__ __forceinline__ A rounded_to(A v) {
+    T t;
+    gg_store(&t, (typename Acc<T>::type)v);
+    return (A)gg_load(&t);
+}
+
 struct LossArgs {
     int64_t n, c, d;          // scores viewed as (n, c, d); labels (n, d)
     int64_t ignore_index;
@@ -94,6 +101,29 @@ __device__ void loss_cols(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, cons
     }
 }
 
+// d == 1, from log_softmax's row statistics (reduction.cu, softmax_stats_rows): the picked
+// log-probability (x[label] - max) - log_sum rounded to T, as log_prob would hold it.
+template <typename T, typename LT, typename A>
+__device__ void loss_stats(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* __restrict__ x,
+                           const A* __restrict__ stats, const LT* __restrict__ labels, const T* weight, LossArgs a) {
+    GG_GRID_STRIDE(p, a.n) {
+        const int64_t label = (int64_t)labels[p];
+        const bool used = !(a.has_ignore && label == a.ignore_index);
+        A loss = A(0), w = A(0);
+        if (used && (label < 0 || label >= a.c)) {
+            atomicMax(reinterpret_cast<unsigned long long*>(flag), (unsigned long long)(a.n - p));
+        } else if (used) {
+            const A xl = (A)gg_load(x + p * a.c + label);
+            const A picked = rounded_to<T, A>((xl - stats[2 * p]) - stats[2 * p + 1]);
+            w = weight ? (A)gg_load(weight + label) : A(1);
+            loss = -picked * w;
+        }
+        lossbuf[p] = loss;
+        wbuf[p] = w;
+        if (loss_none) gg_store(loss_none + p, (typename Acc<T>::type)loss);
+    }
+}
+
 // sum / mean of the per-position losses: one block, fixed order.
 template <typename T, typename A>
 __device__ void loss_reduce(T* out, const A* lossbuf, const A* wbuf, int64_t count, int64_t mean) {
@@ -118,6 +148,10 @@ __device__ void loss_reduce(T* out, const A* lossbuf, const A* wbuf, int64_t cou
                                                     const LT* labels, const T* weight, LossArgs a,             \
                                                     int64_t log_input) {                                       \
         loss_cols<T, LT, A>(loss_none, lossbuf, wbuf, flag, x, labels, weight, a, log_input != 0);             \
+    }                                                                                                               \
+    extern "C" __global__ void loss_stats_##s##_##ls(T* loss_none, A* lossbuf, A* wbuf, int64_t* flag, const T* x, \
+                                                     const A* stats, const LT* labels, const T* weight, LossArgs a) { \
+        loss_stats<T, LT, A>(loss_none, lossbuf, wbuf, flag, x, stats, labels, weight, a);                     \
     }
 #define GG_LOSS_T(s, T, A)                                                                                    \
     GG_LOSS(s, T, A, i32, int32_t) GG_LOSS(s, T, A, i64, int64_t)                                             \
@@ -162,9 +196,19 @@ __device__ void sce_grad_factor(A* factor, const A* wbuf, const T* dy, int64_t c
     }
 }
 
+// The log-probability at element i of label position p: read from log_prob, or (stats != nullptr,
+// d == 1) made from the scores x and the row's statistics, rounded to T as log_prob would hold it.
+template <typename T, typename A>
+__device__ __forceinline__ A log_prob_at(const T* __restrict__ src, const A* __restrict__ stats, int64_t p, int64_t i) {
+    const A v = (A)gg_load(src + i);
+    if (!stats) return v;
+    return rounded_to<T, A>((v - stats[2 * p]) - stats[2 * p + 1]);
+}
+
 template <typename T, typename LT, typename A>
 __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, const LT* __restrict__ labels,
-                         const A* __restrict__ wbuf, const A* factor, const T* dy_none, LossArgs a) {
+                         const A* __restrict__ wbuf, const A* factor, const T* dy_none, LossArgs a,
+                         const A* __restrict__ stats) {
     for (int64_t p = blockIdx.y; p < a.n * a.d; p += gridDim.y) {
         const int64_t n = p / a.d, base = n * a.c * a.d + (p - n * a.d);
         const int64_t label = (int64_t)labels[p];
@@ -175,7 +219,7 @@ __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, co
         for (; c + (U - 1) * step < a.c; c += U * step) {
             A lp[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) lp[u] = (A)gg_load(log_prob + base + (c + u * step) * a.d);
+            for (int u = 0; u < U; ++u) lp[u] = log_prob_at<T, A>(log_prob, stats, p, base + (c + u * step) * a.d);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int64_t cu = c + u * step;
@@ -184,7 +228,7 @@ __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, co
         }
         for (; c < a.c; c += step) {
             const int64_t i = base + c * a.d;
-            const A prob = exp((A)gg_load(log_prob + i));
+            const A prob = exp(log_prob_at<T, A>(log_prob, stats, p, i));
             gg_store(out + i, (typename Acc<T>::type)((prob - (c == label ? A(1) : A(0))) * scale));
         }
     }
@@ -196,8 +240,8 @@ __device__ void sce_grad(T* __restrict__ out, const T* __restrict__ log_prob, co
         sce_grad_weights<T, LT, A>(wbuf, flag, labels, weight, a);                                             \
     }                                                                                                          \
     extern "C" __global__ void sce_grad_##s##_##ls(T* out, const T* log_prob, const LT* labels, const A* wbuf,   \
-                                                   const A* factor, const T* dy_none, LossArgs a) {             \
-        sce_grad<T, LT, A>(out, log_prob, labels, wbuf, factor, dy_none, a);                                   \
+                                                   const A* factor, const T* dy_none, LossArgs a, const A* stats) { \
+        sce_grad<T, LT, A>(out, log_prob, labels, wbuf, factor, dy_none, a, stats);                            \
     }
 #define GG_SCE_GRAD_T(s, T, A)                                                                                 \
     GG_SCE_GRAD(s, T, A, i32, int32_t) GG_SCE_GRAD(s, T, A, i64, int64_t)                                      \

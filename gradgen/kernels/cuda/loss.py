@@ -78,20 +78,22 @@ def _loss(x, target, weight, ignore_index, reduction, log_input: bool):
                 np.int64(1 if log_input else 0),
             )
 
-        def message(value: int) -> str:
-            label, where = _bad_label(target, total - value)
-            extra = f" and is not ignore_index ({int(ignore_index)})" if ignore_index is not None else ""
-            return (
-                f"target value {label} at position {where} is out of range for the class axis "
-                f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}"
-            )
-
-        rt.check_flag(flag, message)
+        rt.check_flag(flag, lambda value: _target_message(target, total - value, c, ignore_index))
     if reduction != "none":
         kernel_of("loss", f"loss_reduce_{s}")(
             out, lossbuf, wbuf, np.int64(total), np.int64(1 if reduction == "mean" else 0), block=(1024, 1, 1), grid=(1, 1)
         )
     return out
+
+
+def _target_message(target, pos: int, c: int, ignore_index) -> str:
+    """The forward losses' error for the first label out of range (flat position ``pos``)."""
+    label, where = _bad_label(target, pos)
+    extra = f" and is not ignore_index ({int(ignore_index)})" if ignore_index is not None else ""
+    return (
+        f"target value {label} at position {where} is out of range for the class axis "
+        f"(axis 1) of size {c}; valid range is [0, {c - 1}]{extra}"
+    )
 
 
 def _supported(x, target, weight) -> bool:
@@ -134,19 +136,91 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
     return _loss(scores, labels, weights, ignore_index, reduction, log_input=False)
 
 
+def sce_loss_with_stats(scores, labels, weights=None, *, ignore_index=None, reduction="mean"):
+    """(loss, stats): SoftmaxCrossEntropyLoss of 2-D float ``scores`` with, instead of the (N, C)
+    log-probabilities, their row statistics (N, 2) (max, log of the sum of exp), from which
+    ``sce_grad`` makes them again, bit for bit: the executor's fused form of the loss and its
+    gradient (gradgen/executor/fused_loss.py), one write and one read of an (N, C) tensor fewer."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.reduction import _next_pow2
+
+    _check(scores, labels, weights, reduction, "scores")
+    if len(scores.shape) != 2 or int(scores.shape[1]) <= 2 or not _supported(scores, labels, weights):
+        # no statistics form: the loss and its log-probabilities, which ``sce_grad`` tells apart by shape
+        return softmax_cross_entropy_loss(scores, labels, weights, ignore_index=ignore_index, reduction=reduction, _num_outputs=2)
+    scores, labels, weights = (None if t is None else contiguous(t) for t in (scores, labels, weights))
+    s, ls = dtype_suffix(scores.dtype), dtype_suffix(labels.dtype)
+    n, c = (int(v) for v in scores.shape)
+    ct = np.float64 if s == "f64" else np.float32
+    stats = rt.empty((n, 2), ct)
+    out = rt.empty(tuple(labels.shape) if reduction == "none" else (), scores.dtype)
+    if n == 0 or c == 0:
+        return cpu_fallback(
+            "SoftmaxCrossEntropyLoss", scores, labels, weights, ignore_index=ignore_index, reduction=reduction
+        ), stats
+    threads = min(1024, max(32, _next_pow2(math.ceil(c / 8))))  # as softmax_3d runs its rows kernel
+    kernel_of("reduction", f"softmax_stats_rows_{s}")(stats, scores, np.int64(c), block=(threads, 1, 1), grid=(n, 1))
+    lossbuf, wbuf = rt.empty((n,), ct), rt.empty((n,), ct)
+    flag = rt.zeros((1,), np.int64)
+    args = np.zeros((), _ARGS)
+    args["n"], args["c"], args["d"] = n, c, 1
+    args["ignore_index"] = 0 if ignore_index is None else int(ignore_index)
+    args["has_ignore"] = 0 if ignore_index is None else 1
+    launch(
+        kernel_of("loss", f"loss_stats_{s}_{ls}"),
+        n,
+        out if reduction == "none" else np.intp(0),
+        lossbuf,
+        wbuf,
+        flag,
+        scores,
+        stats,
+        labels,
+        weights if weights is not None else np.intp(0),
+        args[()],
+    )
+    rt.check_flag(flag, lambda value: _target_message(labels, n - value, c, ignore_index))
+    if reduction != "none":
+        kernel_of("loss", f"loss_reduce_{s}")(
+            out, lossbuf, wbuf, np.int64(n), np.int64(1 if reduction == "mean" else 0), block=(1024, 1, 1), grid=(1, 1)
+        )
+    return out, stats
+
+
 @cuda_kernel("SoftmaxCrossEntropyLossGrad", domain=MICROSOFT)
 def softmax_cross_entropy_loss_grad(
     dY, log_prob, label, weight=None, ignore_index_input=None, *, ignore_index=-100, reduction="mean"
 ):
     """d_logits = (exp(log_prob) - onehot(label)) * w * (dY, dY / sum w, or dY per position), as the
     CPU kernel (ONNX Runtime training's contract)."""
+    return sce_grad(dY, log_prob, label, weight, ignore_index_input, ignore_index=ignore_index, reduction=reduction)
+
+
+def sce_grad(dY, log_prob, label, weight=None, ignore_index_input=None, *, ignore_index=-100, reduction="mean", stats=None):
+    """SoftmaxCrossEntropyLossGrad; with ``stats`` (N, 2) from ``sce_loss_with_stats``, ``log_prob``
+    holds the (N, C) scores and the log-probabilities are made from them as they are read."""
     from gradgen.cuda import runtime as rt
 
     if isinstance(reduction, bytes):
         reduction = reduction.decode()
     _check(log_prob, label, weight, reduction, "log_prob")
+    if stats is not None and len(stats.shape) == 2 and int(stats.shape[1]) != 2:  # the forward gave log-probabilities
+        log_prob, stats = stats, None
     args = (dY, log_prob, label, weight, ignore_index_input)
     if not _supported(log_prob, label, weight) or dY.dtype != log_prob.dtype or ignore_index_input is not None:
+        if stats is not None:  # log_prob holds the scores: make the log-probabilities for the fallback
+            from gradgen.kernels.cuda.reduction import softmax_3d
+
+            n, c = (int(v) for v in log_prob.shape)
+            return sce_grad(
+                dY,
+                softmax_3d(log_prob, n, c, 1, log=True),
+                label,
+                weight,
+                ignore_index_input,
+                ignore_index=ignore_index,
+                reduction=reduction,
+            )
         return cpu_fallback(
             "SoftmaxCrossEntropyLossGrad", *args, domain=MICROSOFT, ignore_index=ignore_index, reduction=reduction
         )
@@ -155,6 +229,8 @@ def softmax_cross_entropy_loss_grad(
         want = f"the label shape {list(label.shape)}" if expected_dy is not None else "a scalar"
         raise KernelError(f"dY has shape {list(dY.shape)}, but reduction {reduction!r} needs {want}")
     dY, log_prob, label, weight = (None if t is None else contiguous(t) for t in (dY, log_prob, label, weight))
+    if stats is not None and (len(log_prob.shape) != 2 or tuple(stats.shape) != (int(log_prob.shape[0]), 2)):
+        raise KernelError(f"row statistics of shape {list(stats.shape)} do not fit scores of shape {list(log_prob.shape)}")
     s, ls = dtype_suffix(log_prob.dtype), dtype_suffix(label.dtype)
     n, c = (int(v) for v in log_prob.shape[:2])
     d = int(np.prod(log_prob.shape[2:], dtype=np.int64))
@@ -193,6 +269,7 @@ def softmax_cross_entropy_loss_grad(
         factor,
         dY if reduction == "none" else np.intp(0),
         packed,
+        np.intp(0) if stats is None else stats,
         block=(256, 1, 1),
         grid=(blocks_x, min(total, 65535)),
     )

@@ -362,37 +362,59 @@ template <bool LOG, typename A> __device__ __forceinline__ A softmax_value(A x, 
 }
 
 // inner == 1: one block per row (blockDim.x a multiple of 32), U loads in flight per thread.
-template <typename T, bool LOG>
-__device__ void softmax_rows(T* out, const T* __restrict__ x, int64_t L) {
+// The row's (max, sum of exp) state, valid in every thread; each thread folds its elements in
+// order, then a fixed block tree.
+constexpr int SOFTMAX_U = 4;
+template <typename T>
+__device__ Lse<typename Acc<T>::type> row_lse(const T* __restrict__ row, int64_t L) {
     using A = typename Acc<T>::type;
     using R = RLogSumExp<A>;
-    const T* row = x + (int64_t)blockIdx.x * L;
-    T* orow = out + (int64_t)blockIdx.x * L;
-    constexpr int U = 4;  // loads in flight per thread: each thread's elements in the same order
     const int64_t step = blockDim.x;
     typename R::S st = R::init();
     int64_t j = threadIdx.x;
-    for (; j + (U - 1) * step < L; j += U * step) {
-        A v[U];
+    for (; j + (SOFTMAX_U - 1) * step < L; j += SOFTMAX_U * step) {
+        A v[SOFTMAX_U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = gg_load(row + j + u * step);
+        for (int u = 0; u < SOFTMAX_U; ++u) v[u] = gg_load(row + j + u * step);
 #pragma unroll
-        for (int u = 0; u < U; ++u) st = R::comb(st, R::pre(v[u]));
+        for (int u = 0; u < SOFTMAX_U; ++u) st = R::comb(st, R::pre(v[u]));
     }
     for (; j < L; j += step) st = R::comb(st, R::pre(gg_load(row + j)));
     st = block_combine<R>(st);
     __shared__ Lse<A> shared_state;
     if (threadIdx.x == 0) shared_state = st;
     __syncthreads();
-    st = shared_state;
-    for (j = threadIdx.x; j + (U - 1) * step < L; j += U * step) {
-        A v[U];
+    return shared_state;
+}
+
+template <typename T, bool LOG>
+__device__ void softmax_rows(T* out, const T* __restrict__ x, int64_t L) {
+    using A = typename Acc<T>::type;
+    const T* row = x + (int64_t)blockIdx.x * L;
+    T* orow = out + (int64_t)blockIdx.x * L;
+    const Lse<A> st = row_lse<T>(row, L);
+    const int64_t step = blockDim.x;
+    int64_t j = threadIdx.x;
+    for (; j + (SOFTMAX_U - 1) * step < L; j += SOFTMAX_U * step) {
+        A v[SOFTMAX_U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = gg_load(row + j + u * step);
+        for (int u = 0; u < SOFTMAX_U; ++u) v[u] = gg_load(row + j + u * step);
 #pragma unroll
-        for (int u = 0; u < U; ++u) gg_store(orow + j + u * step, softmax_value<LOG>(v[u], st));
+        for (int u = 0; u < SOFTMAX_U; ++u) gg_store(orow + j + u * step, softmax_value<LOG>(v[u], st));
     }
     for (; j < L; j += step) gg_store(orow + j, softmax_value<LOG>(gg_load(row + j), st));
+}
+
+// The statistics log-softmax needs, per row: stats[2 r] = max, stats[2 r + 1] = log(sum exp(x - max)),
+// so that (x - stats[2 r]) - stats[2 r + 1] is log_softmax_rows' value, bit for bit (the executor's
+// SoftmaxCrossEntropyLoss that keeps these instead of the log-probabilities: kernels/cuda/loss.py).
+template <typename T>
+__device__ void softmax_stats_rows(typename Acc<T>::type* stats, const T* __restrict__ x, int64_t L) {
+    const Lse<typename Acc<T>::type> st = row_lse<T>(x + (int64_t)blockIdx.x * L, L);
+    if (threadIdx.x == 0) {
+        stats[2 * (int64_t)blockIdx.x] = st.m;
+        stats[2 * (int64_t)blockIdx.x + 1] = log(st.s);
+    }
 }
 
 // inner > 1: one thread per (outer, inner) column; neighbouring threads read neighbouring columns.
@@ -462,6 +484,9 @@ GG_SOFTMAX_WARPS(f64, double)
 #define GG_SOFTMAX(s, T)                                                                                    \
     extern "C" __global__ void softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, false>(out, x, L); } \
     extern "C" __global__ void log_softmax_rows_##s(T* out, const T* x, int64_t L) { softmax_rows<T, true>(out, x, L); } \
+    extern "C" __global__ void softmax_stats_rows_##s(Acc<T>::type* stats, const T* x, int64_t L) {        \
+        softmax_stats_rows<T>(stats, x, L);                                                                \
+    }                                                                                                       \
     extern "C" __global__ void softmax_cols_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner) { \
         softmax_cols<T, false>(out, x, outer, L, inner);                                                   \
     }                                                                                                       \
