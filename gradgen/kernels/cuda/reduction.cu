@@ -7,7 +7,8 @@
 // - cols_*: the innermost group is kept (C contiguous outputs): 32 columns per block, BY threads
 //   down the reduced rows, combined in shared memory in a fixed order (split likewise);
 //   colsv_* (float32/float64, C a multiple of the vector width, x 16-byte aligned): each thread owns
-//   16 bytes of neighbouring columns and keeps four rows' loads in flight;
+//   16 bytes of neighbouring columns and keeps four rows' loads in flight; split, the last block of
+//   each tile to finish combines the partial states itself (a counter per tile), so no finalize_*;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
 #define GG_PARTS 17  // compiled as 17 parts at once (common.h: GG_PART)
@@ -225,9 +226,18 @@ __device__ __forceinline__ void cols_loop(const T* __restrict__ base, int64_t st
 
 // colsv: as cols, each thread owning V neighbouring columns (C % V == 0, x 16-byte aligned), so a
 // warp reads 32 * V contiguous elements of a row; block (32, BY <= 8).
+// A partial state another block wrote, read from L2 (past this SM's L1) by the block that finishes.
+template <typename S> __device__ __forceinline__ S load_shared_state(const S* p) { return *p; }
+template <> __device__ __forceinline__ float load_shared_state<float>(const float* p) { return __ldcg(p); }
+template <> __device__ __forceinline__ double load_shared_state<double>(const double* p) { return __ldcg(p); }
+
+// counters (split rows only; nullptr: a fin_* launch finishes): one zeroed counter per block tile;
+// the last of a tile's splits to finish combines its columns' partial states in split order (as
+// fin_* does: the same bits) and zeroes the counter again for the next launch.
 template <typename T, typename R, int V>
 __device__ void reduce_cols_v(T* out, typename R::S* partial, const T* __restrict__ x, const TensorDesc& kd,
-                              const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk) {
+                              const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk,
+                              unsigned int* counters) {
     using S = typename R::S;
     __shared__ S part[8][32 * V + 1];
     const int64_t mo = blockIdx.x / tiles;
@@ -259,6 +269,23 @@ __device__ void reduce_cols_v(T* out, typename R::S* partial, const T* __restric
             else partial[o * gridDim.y + blockIdx.y] = a;
         }
     }
+    if (gridDim.y == 1 || counters == nullptr) return;
+    __shared__ bool finishing;
+    __threadfence();  // this block's partial states are visible to the block that finishes
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) finishing = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!finishing) return;
+    if (threadIdx.y == 0 && c < C) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int64_t o = mo * C + c + k;
+            S a = load_shared_state(partial + o * gridDim.y);
+            for (int64_t split = 1; split < gridDim.y; ++split) a = R::comb(a, load_shared_state(partial + o * gridDim.y + split));
+            gg_store(out + o, R::fin(a, total));
+        }
+    }
+    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0;
 }
 
 template <typename T, typename R>
@@ -300,8 +327,9 @@ __device__ void reduce_map(T* out, const T* x, int64_t n) {
     }                                                                                                        \
     extern "C" __global__ void colsv_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
                                                 TensorDesc rd, int64_t C, int64_t tiles, int64_t total,       \
-                                                int64_t chunk) {                                             \
-        reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk); \
+                                                int64_t chunk, unsigned int* counters) {                      \
+        reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk, \
+                                                               counters);                                    \
     }
 
 #define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, bf16, __nv_bfloat16) \
