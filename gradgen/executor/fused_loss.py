@@ -17,6 +17,7 @@ where the tensor is worth not writing. ``GRADGEN_CUDA_FUSION=0`` turns this off 
 
 from __future__ import annotations
 
+from gradgen.executor.fusion import value_readers
 from gradgen.kernels.table import MICROSOFT, KernelEntry
 
 DOMAIN = "gradgen"
@@ -28,11 +29,7 @@ MIN_CLASSES = 1025  # softmax_3d runs the rows kernel above 1,024 classes
 def fuse_loss_stats(steps: list, keep: set[str], shapes: dict[str, tuple[int, ...]]) -> list:
     """``steps`` with each SoftmaxCrossEntropyLoss whose log-probabilities only gradients read, and
     those gradients, in their row-statistics form. ``shapes``: the values' static shapes."""
-    readers: dict[str, list[int]] = {}
-    for i, step in enumerate(steps):
-        for name in step.inputs:
-            if name:
-                readers.setdefault(name, []).append(i)
+    readers = value_readers(steps)
     replaced: dict[int, object] = {}
     for i, step in enumerate(steps):
         if step.domain or step.op_type != "SoftmaxCrossEntropyLoss" or len(step.outputs) < 2 or not step.outputs[1]:

@@ -15,6 +15,7 @@ this off along with the pointwise fusion.
 
 from __future__ import annotations
 
+from gradgen.executor.fusion import value_readers
 from gradgen.kernels.table import MICROSOFT, KernelEntry
 
 DOMAIN = "gradgen"
@@ -24,11 +25,7 @@ OP_TYPE = "LayerNormalizationGradAdd"
 def fuse_residual_sum(steps: list, keep: set[str]) -> list:
     """``steps`` with each LayerNormalizationGrad whose dX only a two-input Sum reads fused with it."""
     producer = {name: i for i, step in enumerate(steps) for name in step.outputs if name}
-    readers: dict[str, list[int]] = {}
-    for i, step in enumerate(steps):
-        for name in step.inputs:
-            if name:
-                readers.setdefault(name, []).append(i)
+    readers = value_readers(steps)
     replaced: dict[int, object] = {}
     dropped: set[int] = set()
     for i, step in enumerate(steps):

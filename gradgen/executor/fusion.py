@@ -93,6 +93,17 @@ def plan_dtypes(steps: list, graph: ir.Graph) -> dict[str, np.dtype]:
     return dtypes
 
 
+def value_readers(steps: list) -> dict[str, list[int]]:
+    """For each value name, the positions of the steps that read it, in plan order (a step that
+    reads a value twice is listed twice)."""
+    readers: dict[str, list[int]] = {}
+    for i, step in enumerate(steps):
+        for name in step.inputs:
+            if name:
+                readers.setdefault(name, []).append(i)
+    return readers
+
+
 def fusable(step, dtypes: dict[str, np.dtype], fused_values: frozenset | set = frozenset()) -> bool:
     """Whether ``step`` may join a fused set (see the module docstring): it reads a float value,
     or a value a fusable step makes (``fused_values``)."""
