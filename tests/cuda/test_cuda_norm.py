@@ -160,3 +160,25 @@ def test_residual_sum_fused_into_layer_norm_grad_gives_the_same_bits(monkeypatch
         want = sess.run(feeds)
     for name in want:
         np.testing.assert_allclose(on[name], want[name], rtol=1e-4, atol=1e-4 * float(np.abs(want[name]).max()))
+
+
+@pytest.mark.parametrize("shape", [(2048, 768), (100, 3000), (7, 40)], ids=str)
+def test_layer_norm_grad_column_sums_finish_in_the_last_chunk(shape, monkeypatch):
+    """dScale / dBias added up by the last chunk block of each column tile (a counter per tile, left
+    at zero) give the bits of the separate finishing launch, launch after launch."""
+    from gradgen.kernels.cuda import reduction
+    from gradgen.kernels.cuda.norm import layer_normalization_grad_add
+
+    rng = np.random.default_rng(12)
+    x, dy = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    scale = rng.standard_normal(shape[-1]).astype(np.float32)
+    mean = x.mean(axis=-1, keepdims=True)
+    inv = 1 / np.sqrt(x.var(axis=-1, keepdims=True) + 1e-5)
+    args = [dev(a) for a in (dy, x, scale, mean, inv)]
+    in_block = [[host(r) for r in layer_normalization_grad_add(*args, None)] for _ in range(3)]
+    monkeypatch.setattr(reduction, "MAX_TILE_COUNTERS", 0)
+    separate = [host(r) for r in layer_normalization_grad_add(*args, None)]
+    for got in in_block:
+        for g, w in zip(got, separate):
+            np.testing.assert_array_equal(g, w)
+    assert not host(reduction._COUNTERS["counters"]).any()

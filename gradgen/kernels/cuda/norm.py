@@ -217,7 +217,8 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
 # row for dX (fixed block-sum tree; one warp per row, tried, ran 1.8x slower on GPT-2's 2,048 x 768
 # rows: too few warps to hide the loads), and the column sums of dScale / dBias in two fixed-order steps:
 # per-chunk partial sums over a fixed number of row chunks (a function of the row count only), then
-# one thread per column adding the chunks in order. Accumulation in float (double for float64).
+# one thread per column adding the chunks in order (in the last chunk block of each column tile to
+# finish, told by a counter, or in a launch of its own where no counters are at hand). Accumulation in float (double for float64).
 
 GRAD_MODULE = "norm_grad"
 _GRAD_TYPES = (("f16", "__half"), ("bf16", "__nv_bfloat16"), ("f32", "float"), ("f64", "double"))
@@ -254,55 +255,74 @@ __device__ void ln_grad_rows(T* dx, const T* __restrict__ dy, const T* __restric
     }
 }
 
-// Partial column sums of dy * xhat and dy over the rows of chunk blockIdx.y, in row order.
+// dScale[j] and dBias[j]: the chunks' partial sums added in chunk order (read from L2: another
+// block may have written them).
+template <typename T>
+__device__ __forceinline__ void ln_grad_column(int64_t j, T* dscale, T* dbias, const typename Acc<T>::type* part_scale,
+                                               const typename Acc<T>::type* part_bias, int64_t chunks, int64_t cols) {
+    using A = typename Acc<T>::type;
+    constexpr int U = 8;  // loads in flight; the additions stay in chunk order
+    A ss = 0, sb = 0;
+    int64_t c = 0;
+    for (; c + U <= chunks; c += U) {
+        A ps[U], pb[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            ps[u] = __ldcg(part_scale + (c + u) * cols + j);
+            pb[u] = __ldcg(part_bias + (c + u) * cols + j);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            ss += ps[u];
+            sb += pb[u];
+        }
+    }
+    for (; c < chunks; ++c) {
+        ss += __ldcg(part_scale + c * cols + j);
+        sb += __ldcg(part_bias + c * cols + j);
+    }
+    gg_store(dscale + j, ss);
+    gg_store(dbias + j, sb);
+}
+
+// Partial column sums of dy * xhat and dy over the rows of chunk blockIdx.y, in row order. With
+// counters (one zeroed counter per column tile, left at zero), the last chunk of a tile to finish
+// adds the tile's columns up (ln_grad_column), so no ln_grad_finish launch is needed.
 template <typename T>
 __device__ void ln_grad_partials(typename Acc<T>::type* part_scale, typename Acc<T>::type* part_bias,
                                  const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
-                                 const float* __restrict__ inv, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+                                 const float* __restrict__ inv, int64_t rows, int64_t cols, int64_t rows_per_chunk,
+                                 unsigned int* counters, T* dscale, T* dbias) {
     using A = typename Acc<T>::type;
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= cols) return;
-    const int64_t first = (int64_t)blockIdx.y * rows_per_chunk;
-    const int64_t last = min(rows, first + rows_per_chunk);
-    A ss = 0, sb = 0;
-    for (int64_t row = first; row < last; ++row) {
-        const A g = (A)gg_load(dy + row * cols + j);
-        ss += g * ((A)gg_load(x + row * cols + j) - (A)mean[row]) * (A)inv[row];
-        sb += g;
+    if (j < cols) {
+        const int64_t first = (int64_t)blockIdx.y * rows_per_chunk;
+        const int64_t last = min(rows, first + rows_per_chunk);
+        A ss = 0, sb = 0;
+        for (int64_t row = first; row < last; ++row) {
+            const A g = (A)gg_load(dy + row * cols + j);
+            ss += g * ((A)gg_load(x + row * cols + j) - (A)mean[row]) * (A)inv[row];
+            sb += g;
+        }
+        part_scale[blockIdx.y * cols + j] = ss;
+        part_bias[blockIdx.y * cols + j] = sb;
     }
-    part_scale[blockIdx.y * cols + j] = ss;
-    part_bias[blockIdx.y * cols + j] = sb;
+    if (counters == nullptr) return;
+    __shared__ bool finishing;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) finishing = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!finishing) return;
+    if (j < cols) ln_grad_column<T>(j, dscale, dbias, part_scale, part_bias, gridDim.y, cols);
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-// dScale and dBias: the chunks' partial sums added in chunk order, one thread per column.
+// dScale and dBias in a launch of their own (where no counters are at hand), one thread per column.
 template <typename T>
 __device__ void ln_grad_finish(T* dscale, T* dbias, const typename Acc<T>::type* part_scale,
                                const typename Acc<T>::type* part_bias, int64_t chunks, int64_t cols) {
-    using A = typename Acc<T>::type;
-    constexpr int U = 8;  // loads in flight; the additions stay in chunk order
-    GG_GRID_STRIDE(j, cols) {
-        A ss = 0, sb = 0;
-        int64_t c = 0;
-        for (; c + U <= chunks; c += U) {
-            A ps[U], pb[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                ps[u] = part_scale[(c + u) * cols + j];
-                pb[u] = part_bias[(c + u) * cols + j];
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                ss += ps[u];
-                sb += pb[u];
-            }
-        }
-        for (; c < chunks; ++c) {
-            ss += part_scale[c * cols + j];
-            sb += part_bias[c * cols + j];
-        }
-        gg_store(dscale + j, ss);
-        gg_store(dbias + j, sb);
-    }
+    GG_GRID_STRIDE(j, cols) { ln_grad_column<T>(j, dscale, dbias, part_scale, part_bias, chunks, cols); }
 }
 """
 
@@ -313,8 +333,9 @@ extern "C" __global__ void ln_grad_rows_{s}({T}* dx, const {T}* dy, const {T}* x
 }}
 extern "C" __global__ void ln_grad_partials_{s}(Acc<{T}>::type* ps, Acc<{T}>::type* pb, const {T}* dy, const {T}* x,
                                              const float* mean, const float* inv, int64_t rows, int64_t cols,
-                                             int64_t rows_per_chunk) {{
-    ln_grad_partials<{T}>(ps, pb, dy, x, mean, inv, rows, cols, rows_per_chunk);
+                                             int64_t rows_per_chunk, unsigned int* counters, {T}* dscale,
+                                             {T}* dbias) {{
+    ln_grad_partials<{T}>(ps, pb, dy, x, mean, inv, rows, cols, rows_per_chunk, counters, dscale, dbias);
 }}
 extern "C" __global__ void ln_grad_finish_{s}({T}* dscale, {T}* dbias, const Acc<{T}>::type* ps,
                                            const Acc<{T}>::type* pb, int64_t chunks, int64_t cols) {{
@@ -412,9 +433,13 @@ def layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, residual, *, a
         grid=(rows, 1),
         stream=stream(),
     )
+    from gradgen.kernels.cuda.reduction import tile_counters
+
     chunks, per_chunk = grad_chunks(rows)
     acc = np.float64 if s == "f64" else np.float32
     part_scale, part_bias = rt.empty((chunks, cols), acc), rt.empty((chunks, cols), acc)
+    tiles = -(-cols // BLOCK)
+    counters = tile_counters(tiles)
     _grad_kernel(f"ln_grad_partials_{s}")(
         part_scale,
         part_bias,
@@ -425,9 +450,13 @@ def layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, residual, *, a
         np.int64(rows),
         np.int64(cols),
         np.int64(per_chunk),
+        counters if counters is not None else np.intp(0),
+        dscale,
+        dbias,
         block=(BLOCK, 1, 1),
-        grid=(-(-cols // BLOCK), chunks),
+        grid=(tiles, chunks),
         stream=stream(),
     )
-    launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks), np.int64(cols))
+    if counters is None:
+        launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks), np.int64(cols))
     return dx, dscale, dbias

@@ -133,10 +133,11 @@ _COUNTERS: dict = {}
 MAX_TILE_COUNTERS = 1 << 16
 
 
-def _tile_counters(tiles: int):
-    """The zeroed per-tile counters the split colsv kernels finish with (one buffer for the process:
-    launches on gradgen's one stream run one after another, and each leaves its counters at zero);
-    None for more tiles than it holds (a fin_ launch then combines the splits)."""
+def tile_counters(tiles: int):
+    """The zeroed per-tile counters with which split kernels finish in their last block (the colsv
+    reductions, LayerNormalizationGrad's column sums). One buffer for the process: launches on
+    gradgen's one stream run one after another, and each leaves its counters at zero. None for more
+    tiles than it holds (a separate launch then combines the splits)."""
     from gradgen.cuda import runtime as rt
 
     if tiles > MAX_TILE_COUNTERS:
@@ -178,7 +179,7 @@ def reduce(op: str, x, axes: tuple[int, ...], keepdims: bool, op_type: str = "")
     partial = rt.empty((out.size * splits * _STATE_BYTES,), np.uint8) if splits > 1 else None
     counters = None
     if kind == "colsv":  # split, the last block of each tile combines (log-sum-exp's pair state: fin_ does)
-        counters = _tile_counters(grid[0]) if partial is not None and op != "log_sum_exp" else None
+        counters = tile_counters(grid[0]) if partial is not None and op != "log_sum_exp" else None
         args = (*args, counters if counters is not None else np.intp(0))
     kernel(out, partial if partial is not None else np.intp(0), x, *args, block=block, grid=grid)
     if partial is not None and counters is None:
