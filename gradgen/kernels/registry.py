@@ -50,7 +50,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Einsum"): "no CUDA launcher yet",
-    ("", "TopK"): "no CUDA launcher yet",
     ("", "Compress"): "no CUDA launcher yet",
     ("", "CumProd"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",

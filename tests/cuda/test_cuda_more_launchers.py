@@ -529,3 +529,97 @@ def test_resize_backward(launches, mode):
     x = rand(np.random.default_rng(20), (1, 2, 3, 4), np.float64)
     model, feeds = loss_model("Resize", [x, None, np.array([1, 1, 1.6, 2.5], np.float32)], const=(2,), mode=mode)
     backward_matches(model, feeds, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- TopK
+
+TOPK_TYPES = [np.float16, BF16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64]
+
+
+def _topk_data(rng, shape, dtype, specials=True):
+    """Small integers (many ties) in ``dtype``; floats also get NaN, +-inf and -0."""
+    x = rng.integers(0 if np.dtype(dtype) == np.uint8 else -4, 5, shape)
+    if np.dtype(dtype).kind in "iu":
+        return x.astype(dtype)
+    x = x.astype(np.float32)
+    if specials:
+        flat = x.reshape(-1)
+        for value, share in ((np.nan, 0.15), (np.inf, 0.08), (-np.inf, 0.08), (-0.0, 0.1)):
+            flat[rng.random(flat.size) < share] = value
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", TOPK_TYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape,axis", [((5, 8), -1), ((4, 6, 3), 1), ((7, 5), 0), ((2, 3, 4), -3), ((9,), 0)], ids=str)
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("sorted_", [1, 0])
+def test_top_k(launches, dtype, shape, axis, largest, sorted_):
+    """Ties (the lower index first), NaN above +inf, -0 tied with +0: the CPU kernel's order, bit for bit."""
+    rng = np.random.default_rng(21)
+    x = _topk_data(rng, shape, dtype)
+    length = shape[axis]
+    for k in sorted({1, length // 2, length}):
+        check(
+            launches,
+            "TopK",
+            [x, np.array([k], np.int64)],
+            outputs=2,
+            const=(1,),
+            exact=True,
+            axis=axis,
+            largest=largest,
+            sorted=sorted_,
+        )
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 31, 64, 100, 1000, 2048, 2049, 4096])
+@pytest.mark.parametrize("largest", [1, 0])
+def test_top_k_axis_lengths(launches, length, largest):
+    """Every power-of-two padding up to the 4,096 sorted in shared memory, with more lines than one."""
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((3, length)).astype(np.float32)
+    x[:, ::7] = 0.5  # ties across the whole line
+    for k in sorted({1, max(1, length // 3), length}):
+        check(launches, "TopK", [x, np.array([k], np.int64)], outputs=2, const=(1,), exact=True, largest=largest)
+
+
+def test_top_k_inner_axis_many_lines(launches):
+    rng = np.random.default_rng(23)
+    x = _topk_data(rng, (6, 33, 70), np.float32)
+    check(launches, "TopK", [x, np.array([5], np.int64)], outputs=2, const=(1,), exact=True, axis=1)
+
+
+@pytest.mark.parametrize("shape,axis,k", [((0, 5), -1, 2), ((3, 0), -1, 0), ((3, 5), 1, 0), ((4, 0, 2), 0, 3)], ids=str)
+def test_top_k_empty(launches, shape, axis, k):
+    x = np.zeros(shape, np.float32)
+    check(launches, "TopK", [x, np.array([k], np.int64)], outputs=2, const=(1,), exact=True, axis=axis)
+
+
+def test_top_k_fed_k(launches):
+    """K fed as a graph input (read on the host)."""
+    x = _topk_data(np.random.default_rng(24), (4, 9), np.float64)
+    check(launches, "TopK", [x, np.array([4], np.int64)], outputs=2, exact=True)
+
+
+def test_top_k_long_axis_falls_back(launches):
+    x = np.random.default_rng(25).standard_normal((2, 5000)).astype(np.float32)
+    check(launches, "TopK", [x, np.array([7], np.int64)], outputs=2, const=(1,), exact=True)
+
+
+def test_top_k_other_dtype_falls_back(launches):
+    x = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]], np.uint16)
+    check(launches, "TopK", [x, np.array([3], np.int64)], outputs=2, const=(1,), exact=True)
+
+
+@pytest.mark.parametrize("k,match", [(6, "out of range"), (-1, "out of range")], ids=["6", "-1"])
+def test_top_k_bad_k_raises(launches, k, match):
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    check_raises(launches, "TopK", [x, np.array([k], np.int64)], match, outputs=2, const=(1,))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("largest", [1, 0])
+def test_top_k_backward(launches, dtype, largest):
+    x = np.random.default_rng(26).permutation(24).reshape(2, 3, 4).astype(dtype) / 7
+    model, feeds = loss_model("TopK", [x, np.array([2], np.int64)], outputs=2, const=(1,), axis=1, largest=largest)
+    backward_matches(model, feeds, rtol=1e-12, atol=1e-12)

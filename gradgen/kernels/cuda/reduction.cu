@@ -11,7 +11,7 @@
 //   each tile to finish combines the partial states itself (a counter per tile), so no finalize_*;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
-#define GG_PARTS 17  // compiled as 17 parts at once (common.h: GG_PART)
+#define GG_PARTS 18  // compiled as 18 parts at once (common.h: GG_PART)
 #include "common.h"
 #include <math_constants.h>
 
@@ -663,4 +663,104 @@ GG_CUMSUM(f32, float)
 GG_CUMSUM(f64, double)
 GG_CUMSUM(i32, int32_t)
 GG_CUMSUM(i64, int64_t)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// TopK along one axis of the (outer, L, inner) view, L <= 4096 (the launcher's limit): one block per
+// line (grid-stride over lines). Each element gets a 64-bit unsigned key in the CPU kernel's order
+// (numpy's stable sort): floats through double with -0 equal to +0 and every NaN above +inf, signed
+// integers offset by 2^63; complemented for largest. A bitonic sort of the (key, index) pairs in
+// shared memory (P = L rounded up to a power of two, padding keys ~0 with index 0xFFFF) orders them
+// ascending, equal keys by index (the lower first): the CPU kernel's order, sorted or not. The first
+// K are written: values copied from x as they are, indices as int64. Deterministic, no atomics.
+
+__device__ __forceinline__ unsigned long long topk_float_key(double v) {
+    if (v != v) return ~0ULL;
+    if (v == 0.0) v = 0.0;  // -0 ties with +0
+    const unsigned long long b = (unsigned long long)__double_as_longlong(v);
+    return (b >> 63) ? ~b : (b | 0x8000000000000000ULL);
+}
+__device__ __forceinline__ unsigned long long topk_key(__half v) { return topk_float_key((double)__half2float(v)); }
+__device__ __forceinline__ unsigned long long topk_key(__nv_bfloat16 v) {
+    return topk_float_key((double)__bfloat162float(v));
+}
+__device__ __forceinline__ unsigned long long topk_key(float v) { return topk_float_key((double)v); }
+__device__ __forceinline__ unsigned long long topk_key(double v) { return topk_float_key(v); }
+__device__ __forceinline__ unsigned long long topk_key(int8_t v) {
+    return (unsigned long long)(long long)v ^ 0x8000000000000000ULL;
+}
+__device__ __forceinline__ unsigned long long topk_key(uint8_t v) { return (unsigned long long)v; }
+__device__ __forceinline__ unsigned long long topk_key(int32_t v) {
+    return (unsigned long long)(long long)v ^ 0x8000000000000000ULL;
+}
+__device__ __forceinline__ unsigned long long topk_key(int64_t v) {
+    return (unsigned long long)v ^ 0x8000000000000000ULL;
+}
+
+// shared memory: P keys (8 bytes) then P indices (2 bytes); blockDim.x threads, each owning pairs
+template <typename T>
+__device__ void topk_lines(T* __restrict__ values, int64_t* __restrict__ indices, const T* __restrict__ x,
+                           int64_t outer, int64_t L, int64_t inner, int64_t K, int64_t P, int64_t largest) {
+    extern __shared__ unsigned long long topk_shared[];
+    unsigned long long* key = topk_shared;
+    unsigned short* idx = (unsigned short*)(topk_shared + P);
+    const unsigned long long flip = largest ? ~0ULL : 0ULL;
+    const int half = (int)(P >> 1);
+    for (int64_t line = blockIdx.x; line < outer * inner; line += gridDim.x) {
+        const int64_t o = line / inner, i = line - o * inner;
+        const T* src = x + o * L * inner + i;
+        for (int j = threadIdx.x; j < P; j += blockDim.x) {
+            if (j < L) {
+                key[j] = topk_key(src[(int64_t)j * inner]) ^ flip;
+                idx[j] = (unsigned short)j;
+            } else {
+                key[j] = ~0ULL;
+                idx[j] = 0xFFFF;
+            }
+        }
+        __syncthreads();
+        for (int size = 2; size <= P; size <<= 1) {
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                for (int t = threadIdx.x; t < half; t += blockDim.x) {
+                    const int lo = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
+                    const int hi = lo + stride;
+                    const bool up = (lo & size) == 0;
+                    const unsigned long long a = key[lo], b = key[hi];
+                    const unsigned short ia = idx[lo], ib = idx[hi];
+                    const bool greater = a > b || (a == b && ia > ib);
+                    if (greater == up) {
+                        key[lo] = b;
+                        key[hi] = a;
+                        idx[lo] = ib;
+                        idx[hi] = ia;
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        T* vdst = values + o * K * inner + i;
+        int64_t* idst = indices + o * K * inner + i;
+        for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+            const int64_t s = (int64_t)idx[j];
+            vdst[j * inner] = src[s * inner];
+            idst[j * inner] = s;
+        }
+        __syncthreads();  // the next line reuses the shared arrays
+    }
+}
+
+#define GG_TOPK(s, T)                                                                                        \
+    extern "C" __global__ void topk_##s(T* values, int64_t* indices, const T* x, int64_t outer, int64_t L,  \
+                                        int64_t inner, int64_t K, int64_t P, int64_t largest) {              \
+        topk_lines<T>(values, indices, x, outer, L, inner, K, P, largest);                                   \
+    }
+#if GG_PART(19)
+GG_TOPK(f16, __half)
+GG_TOPK(bf16, __nv_bfloat16)
+GG_TOPK(f32, float)
+GG_TOPK(f64, double)
+GG_TOPK(i8, int8_t)
+GG_TOPK(u8, uint8_t)
+GG_TOPK(i32, int32_t)
+GG_TOPK(i64, int64_t)
 #endif

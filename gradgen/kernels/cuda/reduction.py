@@ -350,3 +350,60 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
         np.int64(1 if reverse else 0),
     )
     return out
+
+
+# ---------------------------------------------------------------- TopK
+
+_TOPK_TYPES = FLOATS + ("i8", "u8", "i32", "i64")
+TOPK_MAX_AXIS = 4096  # the longest axis sorted in shared memory (keys and indices: 40 KiB)
+
+
+@cuda_kernel("TopK", host_inputs=(1,))
+def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
+    """The K largest (or smallest) elements along ``axis`` and their int64 indices, in the CPU
+    kernel's order whatever ``sorted`` says: descending (ascending) with every NaN above +inf, -0
+    tied with +0, ties by the lower index first. One block per line sorts (key, index) pairs in
+    shared memory (reduction.cu: topk_*); an axis longer than 4,096 or another dtype runs the CPU
+    kernel. K is read on the host (it sets the outputs' shape)."""
+    from gradgen.cuda import runtime as rt
+
+    if k is None:
+        k = attrs.get("k")  # opset 1: k is an attribute
+        if k is None:
+            raise KernelError("TopK needs K (an input since opset 10)")
+    if np.size(k) != 1:
+        raise KernelError(f"K must hold one value, got shape {list(np.shape(k))}")
+    count = int(np.asarray(k).reshape(-1)[0])
+    shape = [int(d) for d in x.shape]
+    ax = normalize_axis(axis, len(shape))
+    length = shape[ax]
+    if not 0 <= count <= length:
+        raise KernelError(f"K={count} is out of range for axis {ax} of size {length}")
+    s = dtype_suffix(x.dtype)
+    if s not in _TOPK_TYPES or length > TOPK_MAX_AXIS:
+        return cpu_fallback("TopK", x, k, axis=axis, largest=largest, sorted=sorted, **attrs)
+    out_shape = [*shape[:ax], count, *shape[ax + 1 :]]
+    values = rt.empty(out_shape, x.dtype)
+    indices = rt.empty(out_shape, np.int64)
+    outer, inner = math.prod(shape[:ax]), math.prod(shape[ax + 1 :])
+    lines = outer * inner
+    if count == 0 or lines == 0:
+        return values, indices
+    x = contiguous(x)
+    padded = _next_pow2(length)
+    threads = min(1024, max(32, padded // 2))
+    kernel_of("reduction", f"topk_{s}")(
+        values,
+        indices,
+        x,
+        np.int64(outer),
+        np.int64(length),
+        np.int64(inner),
+        np.int64(count),
+        np.int64(padded),
+        np.int64(1 if largest else 0),
+        block=(threads, 1, 1),
+        grid=(min(lines, 65535 * 16), 1),
+        shared=padded * 10,
+    )
+    return values, indices
