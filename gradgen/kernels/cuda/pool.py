@@ -223,6 +223,16 @@ def _resize_plan(shape, dtype, roi, scales, sizes, attrs: dict, opset: int):
     return "taps", ([int(d) for d in out], passes)
 
 
+def _resize_plan_kept(*args):
+    """``_resize_plan``, its device tables released at exit while the context is current (a device
+    array freed after the context is gone aborts the process)."""
+    from gradgen.cuda import runtime as rt
+
+    if not _RESIZE_PLANS:
+        rt.drop_at_exit(_RESIZE_PLANS.clear)
+    return _resize_plan(*args)
+
+
 @cuda_kernel("Resize", host_inputs=(1, 2, 3))
 def resize(
     x,
@@ -264,7 +274,7 @@ def resize(
         int(_opset),
     )
     kind, plan = plan_cache(
-        _RESIZE_PLANS, key, lambda: _resize_plan(tuple(x.shape), x.dtype, roi, scales, sizes, attrs, int(_opset))
+        _RESIZE_PLANS, key, lambda: _resize_plan_kept(tuple(x.shape), x.dtype, roi, scales, sizes, attrs, int(_opset))
     )
     if kind == "cpu":
         return cpu_fallback("Resize", x, roi, scales, sizes, extrapolation_value=extrapolation_value, _opset=_opset, **attrs)
