@@ -131,8 +131,9 @@ class CudaBackend:
         its chains of elementwise steps fused (gradgen/executor/fusion.py), each LayerNorm gradient
         whose dX only a residual Sum reads written as that Sum (gradgen/executor/fused_norm_grad.py)
         and a vocabulary-wide cross-entropy kept as row statistics instead of log-probabilities
-        (gradgen/executor/fused_loss.py), unless GRADGEN_CUDA_FUSION=0."""
-        from gradgen.executor import fused_loss, fused_norm_grad, fused_optimizer, fusion
+        (gradgen/executor/fused_loss.py), and attention's head Split / Concat copies folded into
+        their Transposes (gradgen/executor/fused_copies.py), unless GRADGEN_CUDA_FUSION=0."""
+        from gradgen.executor import fused_copies, fused_loss, fused_norm_grad, fused_optimizer, fusion
 
         if state and guard and fused_optimizer.enabled():
             steps = fused_optimizer.fuse_update(steps, graph, keep, state, guard)
@@ -141,6 +142,7 @@ class CudaBackend:
         if not fusion.enabled():
             return steps
         steps = fused_loss.fuse_loss_stats(steps, keep, fusion.static_shapes(steps, graph))
+        steps = fused_copies.fuse_head_copies(steps, keep)
         return fusion.fuse_pointwise(fused_norm_grad.fuse_residual_sum(steps, keep), graph, keep)
 
     def place_constants(self, initializers: dict[str, np.ndarray]) -> dict:
