@@ -51,7 +51,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Einsum"): "no CUDA launcher yet",
     ("", "Compress"): "no CUDA launcher yet",
-    ("", "CumProd"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
     ("", "Unique"): "no CUDA launcher yet",
     ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",

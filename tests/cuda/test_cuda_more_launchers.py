@@ -623,3 +623,67 @@ def test_top_k_backward(launches, dtype, largest):
     x = np.random.default_rng(26).permutation(24).reshape(2, 3, 4).astype(dtype) / 7
     model, feeds = loss_model("TopK", [x, np.array([2], np.int64)], outputs=2, const=(1,), axis=1, largest=largest)
     backward_matches(model, feeds, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- CumProd
+
+
+def _cum_prod_data(rng, shape, dtype):
+    """Factors near +-1 with some zeros (floats); small integers (integers)."""
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-3, 4, shape).astype(dtype)
+    x = rng.uniform(0.5, 1.6, shape) * rng.choice([-1.0, 1.0], shape)
+    x[rng.random(shape) < 0.1] = 0.0
+    return x.astype(np.float32).astype(dtype) if np.dtype(dtype) != np.float64 else x
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape,axis", [((5, 8), -1), ((4, 6, 3), 1), ((7, 5), 0), ((2, 3, 4), -3), ((33,), 0)], ids=str)
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cum_prod(launches, dtype, shape, axis, exclusive, reverse):
+    """The CPU backend's bits: products in order, 16-bit floats in float32 rounded once."""
+    x = _cum_prod_data(np.random.default_rng(27), shape, dtype)
+    check(launches, "CumProd", [x, np.array(axis, np.int64)], const=(1,), exact=True, exclusive=exclusive, reverse=reverse)
+
+
+@pytest.mark.parametrize("axis_dtype", [np.int32, np.int64], ids=str)
+def test_cum_prod_axis_fed(launches, axis_dtype):
+    """The axis fed as a graph input (read on the host), of either index type."""
+    x = _cum_prod_data(np.random.default_rng(28), (3, 4, 5), np.float32)
+    check(launches, "CumProd", [x, np.array([-2], axis_dtype)], exact=True, reverse=1)
+
+
+@pytest.mark.parametrize("shape,axis", [((0, 5), 1), ((3, 0), 1), ((3, 0), 0), ((2, 0, 4), -1)], ids=str)
+def test_cum_prod_empty(launches, shape, axis):
+    check(launches, "CumProd", [np.zeros(shape, np.float32), np.array(axis, np.int64)], const=(1,), exact=True, exclusive=1)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=str)
+def test_cum_prod_integers_wrap(launches, dtype):
+    x = np.array([[1000003, 77777, -65537, 99991, 123457, 3, -7, 1 << 20]], dtype)
+    check(launches, "CumProd", [x, np.array(1, np.int64)], const=(1,), exact=True)
+
+
+def test_cum_prod_overflow_inf_and_nan(launches):
+    x = np.array([[3e20, 3e20, 0.0, 2.0], [np.nan, 1.0, 2.0, 3.0], [np.inf, 0.0, 1.0, -1.0]], np.float32)
+    check(launches, "CumProd", [x, np.array(1, np.int64)], const=(1,), exact=True)
+
+
+def test_cum_prod_other_dtype_falls_back(launches):
+    x = np.array([[1, 2, 3], [4, 5, 6]], np.uint8)
+    check(launches, "CumProd", [x, np.array(1, np.int64)], const=(1,), exact=True)
+
+
+def test_cum_prod_bad_axis_raises(launches):
+    check_raises(launches, "CumProd", [np.ones((2, 3), np.float32), np.array(2, np.int64)], "out of range", const=(1,))
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cum_prod_backward(launches, exclusive, reverse):
+    """The gradient rule's CumProd, CumSum and Where, zeros included (before, at and after a first zero)."""
+    x = _cum_prod_data(np.random.default_rng(29), (3, 6), np.float64)
+    x[0, 2] = x[1, 0] = x[1, 4] = 0.0
+    model, feeds = loss_model("CumProd", [x, np.array(1, np.int64)], const=(1,), exclusive=exclusive, reverse=reverse)
+    backward_matches(model, feeds, rtol=1e-12, atol=1e-12)

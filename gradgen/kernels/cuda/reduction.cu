@@ -11,7 +11,7 @@
 //   each tile to finish combines the partial states itself (a counter per tile), so no finalize_*;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
-#define GG_PARTS 18  // compiled as 18 parts at once (common.h: GG_PART)
+#define GG_PARTS 19  // compiled as 19 parts at once (common.h: GG_PART)
 #include "common.h"
 #include <math_constants.h>
 
@@ -763,4 +763,53 @@ GG_TOPK(i8, int8_t)
 GG_TOPK(u8, uint8_t)
 GG_TOPK(i32, int32_t)
 GG_TOPK(i64, int64_t)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// CumProd along one axis: one thread per line of the (outer, L, inner) view, multiplying in order
+// (reverse: from the end; exclusive: each element gets the product before it, 1 first), the running
+// product kept in the CPU backend's type: float for float16/bfloat16 (rounded only when stored, as
+// the CPU backend computes 16-bit floats in float32), the input type otherwise; integers wrap.
+
+template <typename A> __device__ __forceinline__ A cumprod_mul(A a, A b) { return a * b; }
+template <> __device__ __forceinline__ int32_t cumprod_mul<int32_t>(int32_t a, int32_t b) {
+    return (int32_t)((uint32_t)a * (uint32_t)b);
+}
+template <> __device__ __forceinline__ int64_t cumprod_mul<int64_t>(int64_t a, int64_t b) {
+    return (int64_t)((unsigned long long)a * (unsigned long long)b);
+}
+
+template <typename T>
+__device__ void cumprod_lines(T* out, const T* x, int64_t outer, int64_t L, int64_t inner, int64_t exclusive,
+                              int64_t reverse) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(line, outer * inner) {
+        const int64_t base = (line / inner) * L * inner + line % inner;
+        A acc = A(1);
+        for (int64_t k = 0; k < L; ++k) {
+            const int64_t at = base + (reverse ? L - 1 - k : k) * inner;
+            const A v = gg_load(x + at);
+            if (exclusive) {
+                gg_store(out + at, acc);
+                acc = cumprod_mul<A>(acc, v);
+            } else {
+                acc = cumprod_mul<A>(acc, v);
+                gg_store(out + at, acc);
+            }
+        }
+    }
+}
+
+#define GG_CUMPROD(s, T)                                                                                    \
+    extern "C" __global__ void cumprod_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner,    \
+                                           int64_t exclusive, int64_t reverse) {                           \
+        cumprod_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                      \
+    }
+#if GG_PART(20)
+GG_CUMPROD(f16, __half)
+GG_CUMPROD(bf16, __nv_bfloat16)
+GG_CUMPROD(f32, float)
+GG_CUMPROD(f64, double)
+GG_CUMPROD(i32, int32_t)
+GG_CUMPROD(i64, int64_t)
 #endif

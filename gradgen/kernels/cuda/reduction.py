@@ -407,3 +407,37 @@ def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
         shared=padded * 10,
     )
     return values, indices
+
+
+# ---------------------------------------------------------------- CumProd
+
+
+@cuda_kernel("CumProd", host_inputs=(1,))
+def cum_prod(x, axis, *, exclusive=0, reverse=0):
+    """Inclusive/exclusive, forward/reverse running products along one axis (one thread per line, in
+    order): float16/bfloat16 multiplied in float32 and rounded when stored (the CPU backend's
+    float32 computation), float32/float64 in their own type, int32/int64 wrapping like numpy's.
+    Other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+
+    s = dtype_suffix(x.dtype)
+    if s not in FLOATS + ("i32", "i64"):
+        return cpu_fallback("CumProd", x, axis, exclusive=exclusive, reverse=reverse)
+    if np.size(axis) != 1:
+        raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
+    ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
+    x = contiguous(x)
+    outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1 :])
+    out = rt.empty(x.shape, x.dtype)
+    launch(
+        kernel_of("reduction", f"cumprod_{s}"),
+        outer * inner,
+        out,
+        x,
+        np.int64(outer),
+        np.int64(length),
+        np.int64(inner),
+        np.int64(1 if exclusive else 0),
+        np.int64(1 if reverse else 0),
+    )
+    return out
