@@ -687,3 +687,122 @@ def test_cum_prod_backward(launches, exclusive, reverse):
     x[0, 2] = x[1, 0] = x[1, 4] = 0.0
     model, feeds = loss_model("CumProd", [x, np.array(1, np.int64)], const=(1,), exclusive=exclusive, reverse=reverse)
     backward_matches(model, feeds, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- Einsum
+
+EINSUM_CASES = [
+    ("ij,jk->ik", [(2, 3), (3, 4)]),
+    ("ij,kj->ik", [(2, 3), (4, 3)]),
+    ("ji,jk->ki", [(3, 2), (3, 4)]),
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("bij,bkj->bki", [(2, 3, 4), (2, 5, 4)]),
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+    ("abc,cd->abd", [(2, 3, 4), (4, 5)]),
+    ("acbd,dcb->ab", [(2, 3, 4, 5), (5, 3, 4)]),
+    ("ijk,jkl->li", [(2, 3, 4), (3, 4, 5)]),
+    ("ij,ij->ij", [(3, 4), (3, 4)]),
+    ("ij,ij->ji", [(3, 4), (1, 4)]),
+    ("i,i->", [(7,), (7,)]),
+    ("i,j->ij", [(3,), (4,)]),
+    ("ij,j->i", [(3, 4), (4,)]),
+    ("ij,jk", [(2, 3), (3, 4)]),
+    ("ijk,jl->il", [(2, 3, 4), (3, 5)]),
+    ("ij,kl->", [(2, 3), (4, 5)]),
+    ("ij,kl->kj", [(2, 3), (4, 5)]),
+    ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),
+    ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 5)]),
+    ("...ij,jk->...ik", [(2, 2, 3, 4), (4, 5)]),
+    ("bij,bjk->ik", [(2, 3, 4), (2, 4, 5)]),
+    ("ij->ji", [(3, 4)]),
+    ("ijk->ki", [(2, 3, 4)]),
+    ("ij->", [(3, 4)]),
+    ("ij->ij", [(3, 4)]),
+    ("ijk->j", [(2, 3, 4)]),
+    ("...ij->...ji", [(2, 3, 4)]),
+    ("ij", [(3, 4)]),
+]
+
+
+def _einsum_tol(dtype):
+    """A 16-bit result is one rounding of float32 sums on both devices, but a label summed before the
+    matmul rounds once more on the GPU."""
+    if np.dtype(dtype) == BF16:
+        return dict(rtol=2**-5, atol=2**-5)
+    if np.dtype(dtype) == np.float16:
+        return dict(rtol=2**-8, atol=2**-8)
+    if np.dtype(dtype) == np.float32:
+        return dict(rtol=1e-5, atol=1e-5)
+    return dict(rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("equation,shapes", EINSUM_CASES, ids=[f"{e}:{s}" for e, s in EINSUM_CASES])
+def test_einsum(launches, dtype, equation, shapes):
+    rng = np.random.default_rng(30)
+    check(launches, "Einsum", [rand(rng, s, dtype) for s in shapes], equation=equation, **_einsum_tol(dtype))
+
+
+def test_einsum_constant_operand_and_transposed_layouts(launches):
+    """A constant operand, and operands whose dims merge as views (no copy) or do not (a copy)."""
+    rng = np.random.default_rng(31)
+    a, b = rand(rng, (4, 2, 3, 5)), rand(rng, (5, 3, 6))
+    check(launches, "Einsum", [a, b], const=(1,), equation="bmcj,jcn->bnm", rtol=1e-5, atol=1e-5)
+    check(launches, "Einsum", [a, b], equation="mbcj,jcn->bmn", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("ij,jk->ik", [(0, 3), (3, 4)]),
+        ("ij,jk->ik", [(2, 0), (0, 4)]),
+        ("bij,bjk->bik", [(0, 3, 4), (1, 4, 5)]),
+        ("ij->i", [(0, 3)]),
+        ("ij->j", [(0, 3)]),
+        ("ij,kl->", [(2, 0), (4, 5)]),
+    ],
+    ids=str,
+)
+def test_einsum_empty(launches, equation, shapes):
+    rng = np.random.default_rng(32)
+    check(launches, "Einsum", [rand(rng, s) for s in shapes], equation=equation)
+
+
+@pytest.mark.parametrize(
+    "equation,shapes,dtype",
+    [
+        ("ii->i", [(3, 3)], np.float32),
+        ("bii,bj->bj", [(2, 3, 3), (2, 4)], np.float32),
+        ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)], np.float32),
+        ("ij,jk->ik", [(2, 3), (3, 4)], np.int32),
+        ("ij,jk->ik", [(2, 3), (3, 4)], np.int64),
+        ("ij,j->i", [(2, 3), (1,)], np.float32),
+    ],
+    ids=str,
+)
+def test_einsum_falls_back(launches, equation, shapes, dtype):
+    """Diagonals, three operands, integers and a contracted label broadcast: the CPU kernel."""
+    rng = np.random.default_rng(33)
+    inputs = [rand(rng, s) if np.dtype(dtype).kind == "f" else rng.integers(-5, 5, s).astype(dtype) for s in shapes]
+    check(launches, "Einsum", inputs, equation=equation, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_bad_shapes_raise(launches):
+    rng = np.random.default_rng(34)
+    check_raises(launches, "Einsum", [rand(rng, (2, 3)), rand(rng, (4, 5))], "could not be broadcast", equation="ij,jk->ik")
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+        ("ijk,jl->li", [(2, 3, 4), (3, 5)]),
+        ("...ij,...jk->...ik", [(1, 3, 4), (2, 4, 5)]),
+        ("ijk->ki", [(2, 3, 4)]),
+    ],
+    ids=str,
+)
+def test_einsum_backward(launches, equation, shapes):
+    rng = np.random.default_rng(35)
+    model, feeds = loss_model("Einsum", [rand(rng, s, np.float64) for s in shapes], equation=equation)
+    backward_matches(model, feeds, rtol=1e-10, atol=1e-12)

@@ -27,6 +27,7 @@ from gradgen.kernels.cuda.launch import (
     broadcast_to,
     coalesce,
     contiguous,
+    copy,
     copy_into,
     cpu_fallback,
     dtype_suffix,
@@ -377,3 +378,110 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
         dtype=a.dtype,
     )
     return out
+
+
+# ---------------------------------------------------------------- Einsum
+
+
+def _group_view(shape, strides, groups) -> tuple[list[int], list[int]] | None:
+    """The view (shape, element strides) with each group of consecutive dims merged into one dim, or
+    None when a group's dims (size-1 dims aside) are not laid out as one strided dim."""
+    out_shape, out_strides = [], []
+    for group in groups:
+        dims = [d for d in group if shape[d] != 1]
+        if any(strides[a] != strides[b] * shape[b] for a, b in zip(dims, dims[1:])):
+            return None
+        out_shape.append(math.prod(shape[d] for d in group))
+        out_strides.append(strides[dims[-1]] if dims else 0)
+    return out_shape, out_strides
+
+
+def _einsum_operand(x, term, order, groups):
+    """(array, view) of ``x`` (labelled ``term``) with its dims in the label ``order`` and merged into
+    ``groups``: a view of x where its strides allow, else of a transposed copy."""
+    from gradgen.kernels.cuda.shape import transpose
+
+    perm = [term.index(lab) for lab in order]
+    shape, strides = _view(x, perm)
+    view = _group_view(shape, strides, groups)
+    if view is None:
+        x = transpose(x, perm=perm)
+        view = _group_view([int(d) for d in x.shape], element_strides(x), groups)
+        assert view is not None  # a C-contiguous array merges any consecutive dims
+    return x, view
+
+
+def _einsum_sum_out(x, term, keep):
+    """``x`` summed over the dims whose labels are not in ``keep`` (ReduceSum's launcher), and the
+    labels left."""
+    from gradgen.kernels.cuda.reduction import reduce
+
+    axes = tuple(d for d, lab in enumerate(term) if lab not in keep)
+    if not axes:
+        return x, term
+    return reduce("sum", x, axes, False, "ReduceSum"), tuple(lab for lab in term if lab in keep)
+
+
+def _einsum_to_output(y, labels, output, fresh: bool):
+    """``y`` (labelled ``labels``) with its dims in the output's order, in memory of its own (a copy
+    where ``y`` is not ``fresh`` and already in that order)."""
+    from gradgen.kernels.cuda.shape import transpose
+
+    perm = [labels.index(lab) for lab in output]
+    if perm != sorted(perm):
+        return transpose(y, perm=perm)
+    return y if fresh else copy(y)
+
+
+@cuda_kernel("Einsum")
+def einsum(*inputs, equation):
+    """One operand: a sum over the labels left out (ReduceSum's launcher) and a transpose. Two: the
+    labels each holds alone and leaves out summed first, then one batched matmul over views (the
+    labels in both operands and the output are its batch, those in both but not the output its
+    contraction, the others its rows and columns; a transposed copy only where an operand's dims do
+    not merge), then a transpose into the output's order. Float operands of one dtype; a label
+    repeated within an operand (a diagonal), contracted or kept dims of different sizes, three or
+    more operands and other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.ops.einsum import explicit_equation, parse_equation
+
+    parsed = explicit_equation(parse_equation(equation, len(inputs)), [len(x.shape) for x in inputs])
+    terms, output = parsed.inputs, parsed.output
+    sizes: dict[str, set[int]] = {}
+    for term, x in zip(terms, inputs):
+        for lab, d in zip(term, x.shape):
+            sizes.setdefault(lab, set()).add(int(d))
+    dtype = np.dtype(inputs[0].dtype)
+    usable = (
+        len(inputs) in (1, 2)
+        and all(len(set(t)) == len(t) for t in terms)
+        and all(np.dtype(x.dtype) == dtype for x in inputs)
+        and is_float(dtype)
+    )
+    batch = [lab for lab in output if all(lab in t for t in terms)] if len(terms) == 2 else []
+    # only a batch label may broadcast (size 1 against n), as a batched matmul's batch dims do
+    if not usable or any(len(s - {1}) > 1 or (len(s) > 1 and lab not in batch) for lab, s in sizes.items()):
+        return cpu_fallback("Einsum", *inputs, equation=equation)
+    out_shape = tuple(next(iter(sizes[lab] - {1}), 1) if lab in batch else next(iter(sizes[lab])) for lab in output)
+    if math.prod(out_shape) == 0:
+        return rt.empty(out_shape, dtype)
+    if len(inputs) == 1:
+        (x,), (term,) = inputs, terms
+        y, labels = _einsum_sum_out(x, term, set(output))
+        return _einsum_to_output(y, labels, output, fresh=y is not x)
+    (a, b), (ta, tb) = inputs, terms
+    a, ta = _einsum_sum_out(a, ta, set(output) | set(tb))
+    b, tb = _einsum_sum_out(b, tb, set(output) | set(ta))
+    rows = [lab for lab in output if lab in ta and lab not in tb]
+    cols = [lab for lab in output if lab in tb and lab not in ta]
+    inner = [lab for lab in ta if lab in tb and lab not in output]
+    nb = len(batch)
+    groups = [[d] for d in range(nb)]
+    a_groups = [*groups, list(range(nb, nb + len(rows))), list(range(nb + len(rows), nb + len(rows) + len(inner)))]
+    b_groups = [*groups, list(range(nb, nb + len(inner))), list(range(nb + len(inner), nb + len(inner) + len(cols)))]
+    a, a_view = _einsum_operand(a, ta, [*batch, *rows, *inner], a_groups)
+    b, b_view = _einsum_operand(b, tb, [*batch, *inner, *cols], b_groups)
+    y = matmul_views(a, a_view, b, b_view)
+    labels = [*batch, *rows, *cols]
+    y = y.reshape(tuple(out_shape[output.index(lab)] for lab in labels))
+    return _einsum_to_output(y, labels, output, fresh=True)
