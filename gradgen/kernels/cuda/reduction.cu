@@ -3,12 +3,12 @@
 // The launcher (reduce.py) merges adjacent dims that are all reduced or all kept and drops size-1
 // dims. Then:
 // - rows_*: the innermost group is reduced (contiguous runs of L elements): one block per output
-//   (gridDim.y > 1 splits the reduction into fixed chunks, combined by finalize_* in a fixed order);
+//   (gridDim.y > 1 splits the reduction into fixed chunks, combined by fin_* in a fixed order:
+//   the partial states stored split-major, so that fin_* reads them coalesced);
 // - cols_*: the innermost group is kept (C contiguous outputs): 32 columns per block, BY threads
 //   down the reduced rows, combined in shared memory in a fixed order (split likewise);
 //   colsv_* (float32/float64, C a multiple of the vector width, x 16-byte aligned): each thread owns
-//   16 bytes of neighbouring columns and keeps four rows' loads in flight; split, the last block of
-//   each tile to finish combines the partial states itself (a counter per tile), so no finalize_*;
+//   16 bytes of neighbouring columns and keeps four rows' loads in flight;
 // - map_*: nothing of size > 1 is reduced (R == 1): an elementwise pass.
 // No float atomics: every result is bit-identical from run to run.
 #define GG_PARTS 19  // compiled as 19 parts at once (common.h: GG_PART)
@@ -176,7 +176,7 @@ __device__ void reduce_rows(T* out, typename R::S* partial, const T* __restrict_
     acc = block_combine<R>(acc);
     if (threadIdx.x == 0) {
         if (gridDim.y == 1) gg_store(out + o, R::fin(acc, total));
-        else partial[o * gridDim.y + split] = acc;
+        else partial[split * gridDim.x + o] = acc;
     }
 }
 
@@ -206,7 +206,7 @@ __device__ void reduce_cols(T* out, typename R::S* partial, const T* __restrict_
         for (int k = 1; k < (int)blockDim.y; ++k) acc = R::comb(acc, part[k][threadIdx.x]);
         const int64_t o = mo * C + c;
         if (gridDim.y == 1) gg_store(out + o, R::fin(acc, total));
-        else partial[o * gridDim.y + split] = acc;
+        else partial[split * (gridDim.x / tiles) * C + o] = acc;
     }
 }
 
@@ -226,18 +226,9 @@ __device__ __forceinline__ void cols_loop(const T* __restrict__ base, int64_t st
 
 // colsv: as cols, each thread owning V neighbouring columns (C % V == 0, x 16-byte aligned), so a
 // warp reads 32 * V contiguous elements of a row; block (32, BY <= 8).
-// A partial state another block wrote, read from L2 (past this SM's L1) by the block that finishes.
-template <typename S> __device__ __forceinline__ S load_shared_state(const S* p) { return *p; }
-template <> __device__ __forceinline__ float load_shared_state<float>(const float* p) { return __ldcg(p); }
-template <> __device__ __forceinline__ double load_shared_state<double>(const double* p) { return __ldcg(p); }
-
-// counters (split rows only; nullptr: a fin_* launch finishes): one zeroed counter per block tile;
-// the last of a tile's splits to finish combines its columns' partial states in split order (as
-// fin_* does: the same bits) and zeroes the counter again for the next launch.
 template <typename T, typename R, int V>
 __device__ void reduce_cols_v(T* out, typename R::S* partial, const T* __restrict__ x, const TensorDesc& kd,
-                              const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk,
-                              unsigned int* counters) {
+                              const TensorDesc& rd, int64_t C, int64_t tiles, int64_t total, int64_t chunk) {
     using S = typename R::S;
     __shared__ S part[8][32 * V + 1];
     const int64_t mo = blockIdx.x / tiles;
@@ -266,33 +257,26 @@ __device__ void reduce_cols_v(T* out, typename R::S* partial, const T* __restric
             for (int j = 1; j < (int)blockDim.y; ++j) a = R::comb(a, part[j][threadIdx.x * V + k]);
             const int64_t o = mo * C + c + k;
             if (gridDim.y == 1) gg_store(out + o, R::fin(a, total));
-            else partial[o * gridDim.y + blockIdx.y] = a;
+            else partial[blockIdx.y * (gridDim.x / tiles) * C + o] = a;
         }
     }
-    if (gridDim.y == 1 || counters == nullptr) return;
-    __shared__ bool finishing;
-    __threadfence();  // this block's partial states are visible to the block that finishes
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) finishing = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!finishing) return;
-    if (threadIdx.y == 0 && c < C) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const int64_t o = mo * C + c + k;
-            S a = load_shared_state(partial + o * gridDim.y);
-            for (int64_t split = 1; split < gridDim.y; ++split) a = R::comb(a, load_shared_state(partial + o * gridDim.y + split));
-            gg_store(out + o, R::fin(a, total));
-        }
-    }
-    if (threadIdx.x == 0 && threadIdx.y == 0) counters[blockIdx.x] = 0;
 }
 
 template <typename T, typename R>
 __device__ void reduce_finalize(T* out, const typename R::S* partial, int64_t m, int64_t splits, int64_t total) {
+    using S = typename R::S;
+    constexpr int U = 8;  // loads in flight; combined in split order
     GG_GRID_STRIDE(o, m) {
-        typename R::S acc = partial[o * splits];
-        for (int64_t s = 1; s < splits; ++s) acc = R::comb(acc, partial[o * splits + s]);
+        S acc = partial[o];
+        int64_t s = 1;
+        for (; s + U <= splits; s += U) {
+            S v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[u] = partial[(s + u) * m + o];
+#pragma unroll
+            for (int u = 0; u < U; ++u) acc = R::comb(acc, v[u]);
+        }
+        for (; s < splits; ++s) acc = R::comb(acc, partial[s * m + o]);
         gg_store(out + o, R::fin(acc, total));
     }
 }
@@ -327,9 +311,8 @@ __device__ void reduce_map(T* out, const T* x, int64_t n) {
     }                                                                                                        \
     extern "C" __global__ void colsv_##op##_##s(T* out, Red<Acc<T>::type>::S* partial, const T* x, TensorDesc kd, \
                                                 TensorDesc rd, int64_t C, int64_t tiles, int64_t total,       \
-                                                int64_t chunk, unsigned int* counters) {                      \
-        reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk, \
-                                                               counters);                                    \
+                                                int64_t chunk) {                                             \
+        reduce_cols_v<T, Red<Acc<T>::type>, (16 / sizeof(T))>(out, partial, x, kd, rd, C, tiles, total, chunk); \
     }
 
 #define GG_REDUCE_FLOATS(op, Red) GG_REDUCE(op, Red, f16, __half) GG_REDUCE(op, Red, bf16, __nv_bfloat16) \
