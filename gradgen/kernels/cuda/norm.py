@@ -298,8 +298,24 @@ __device__ void ln_grad_partials(typename Acc<T>::type* part_scale, typename Acc
     if (j < cols) {
         const int64_t first = (int64_t)blockIdx.y * rows_per_chunk;
         const int64_t last = min(rows, first + rows_per_chunk);
+        constexpr int U = 4;  // rows' loads in flight; the sums stay in row order
         A ss = 0, sb = 0;
-        for (int64_t row = first; row < last; ++row) {
+        int64_t row = first;
+        for (; row + U <= last; row += U) {
+            A g[U], d[U], r[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                g[u] = (A)gg_load(dy + (row + u) * cols + j);
+                d[u] = (A)gg_load(x + (row + u) * cols + j) - (A)mean[row + u];
+                r[u] = (A)inv[row + u];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                ss += g[u] * d[u] * r[u];
+                sb += g[u];
+            }
+        }
+        for (; row < last; ++row) {
             const A g = (A)gg_load(dy + row * cols + j);
             ss += g * ((A)gg_load(x + row * cols + j) - (A)mean[row]) * (A)inv[row];
             sb += g;
