@@ -397,3 +397,15 @@ def test_a_whole_module_is_one_cubin_even_from_a_splitting_compiler(tmp_path):
     (tmp_path / "cache").mkdir()
     assert kernel_cache.load_or_compile(source, "sm_90", split, tmp_path / "cache") == b"whole:// kernels: a b\n"
     assert kernel_cache.load_or_build(source, "sm_90", split, tmp_path / "cache") == [(["a", "b"], b"sm_90:a b")]
+
+
+def test_a_compile_worker_closes_both_its_pipes():
+    """A closed NVRTC worker leaves no open pipe for the collector to warn about (one
+    'unclosed file' ResourceWarning per worker used to follow every compile)."""
+    from gradgen.cuda.compile_pool import _Worker
+
+    worker = _Worker()
+    assert worker.alive()
+    worker.close()
+    assert not worker.alive()
+    assert worker.process.stdin.closed and worker.process.stdout.closed

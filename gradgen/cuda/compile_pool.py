@@ -68,6 +68,8 @@ class ProcessCompiles(ThreadCompiles):
         worker = self._idle.get()
         try:
             if worker is None or not worker.alive():
+                if worker is not None:
+                    worker.close()  # its pipes
                 try:
                     worker = _Worker()
                 except OSError:  # no interpreter to start (an embedded Python): compile here
@@ -132,12 +134,18 @@ class _Worker:
         return value
 
     def close(self) -> None:
+        """End the worker and close both pipes (an open pipe left to the collector is a ResourceWarning
+        for every worker: 'unclosed file <_io.BufferedReader ...>')."""
         try:
             if self.process.stdin is not None:
                 self.process.stdin.close()
             self.process.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.process.kill()
+            self.process.wait()
+        finally:
+            if self.process.stdout is not None:
+                self.process.stdout.close()
             self.process.wait()
 
 
