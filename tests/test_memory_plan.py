@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gradgen.executor.memory_plan import (
@@ -130,8 +130,9 @@ def test_random_lifetimes_never_overlap(spec):
     assert peak_live_bytes(buffers, alignment=64) <= plan.size <= sum(b.size for b in buffers)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)  # a heuristic's bound: the same cases every run
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=6))
+@example([(3, 1, 1), (5, 1, 1), (6, 0, 1), (6, 2, 0), (8, 0, 0)])  # 22 bytes by size order, 14 by birth order
 def test_small_random_cases_are_near_optimal(spec):
     buffers = [Buffer(size, first, first + length) for size, first, length in spec]
     plan = _plan(buffers)
