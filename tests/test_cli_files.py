@@ -230,6 +230,19 @@ _STALLED_WRITER = textwrap.dedent("""
 """)
 
 
+def _signal_until_done(child, signum, tries: int = 6) -> str:
+    """Send ``signum`` and wait for the child; on a loaded machine a full CI run once saw the child
+    still stalled 60 s after one signal (not reproduced since), so the signal is sent again every
+    10 s (the CLI ignores the repeats once it handles the first). Returns the child's stderr."""
+    for _ in range(tries):
+        child.send_signal(signum)
+        try:
+            return child.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            continue
+    raise AssertionError(f"the child did not stop after {tries} signals {signum}")
+
+
 @pytest.mark.parametrize(
     "signum,code,message",
     [
@@ -261,8 +274,7 @@ def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, tiny, signum
             assert time.monotonic() < deadline, "the child never started writing"
             time.sleep(0.02)
         assert [p.name for p in out_dir.iterdir()], "a temporary file should exist mid-write"
-        child.send_signal(signum)
-        _, err = child.communicate(timeout=60)
+        err = _signal_until_done(child, signum)
     finally:
         if child.poll() is None:
             child.kill()
