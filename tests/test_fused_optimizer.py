@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from gradgen.errors import UsageError
 from gradgen.executor import Session
 from gradgen.executor import fused_optimizer as fo
-from gradgen.executor.fusion import plan_dtypes
+from gradgen.executor.fusion import DOMAIN, plan_dtypes
 from gradgen.training import SGD, AdamW, build_training
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling
 from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_KEY, SKIP_CONFIG, SKIP_ROLE, WRITES_KEY
@@ -76,7 +76,7 @@ def test_the_plan_replaces_every_tagged_step_by_one_update_step_last(optimizer, 
     assert tagged and len(fused) == len(session.steps) - len(tagged) + 1
     assert not any(s.metadata and PARAM_KEY in s.metadata for s in fused)
     step = fused[-1]
-    assert (step.domain, step.op_type) == (fo.DOMAIN, fo.OP_TYPE)
+    assert (step.domain, step.op_type) == (DOMAIN, fo.OP_TYPE)
     assert step.inputs[:2] == [program.loss, program.layout.grad_norm]
     assert sorted(step.outputs) == sorted(program.state_bindings().values())
     for param in program.params:  # each parameter's tensors in the kernel's order
@@ -132,7 +132,7 @@ def test_a_loss_scaled_update_fuses_with_its_overflow_flag(optimizer, clip):
     written = [*params.values(), *(s.output for s in program.layout.states if s.param in params)]
     assert not any(s.op_type == "Where" and s.outputs[0] in written for s in fused)
     step = fused[-1]
-    assert (step.domain, step.op_type) == (fo.DOMAIN, fo.OP_TYPE) and step.entry.cuda.kind.skip
+    assert (step.domain, step.op_type) == (DOMAIN, fo.OP_TYPE) and step.entry.cuda.kind.skip
     found = next(s for s in session.steps if s.outputs == [program.layout.found_inf]).inputs[0]
     assert step.inputs[:2] == [program.loss, found]  # the guard, then the overflow flag
     assert sorted(step.outputs) == sorted(written)
@@ -291,7 +291,7 @@ def test_the_norm_nodes_are_tagged(optimizer, clip):
 
 
 def _norm_step(steps):
-    found = [s for s in steps if (s.domain, s.op_type) == (fo.DOMAIN, fo.NORM_OP_TYPE)]
+    found = [s for s in steps if (s.domain, s.op_type) == (DOMAIN, fo.NORM_OP_TYPE)]
     assert len(found) <= 1
     return found[0] if found else None
 

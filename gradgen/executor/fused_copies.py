@@ -21,10 +21,8 @@ import math
 
 import numpy as np
 
-from gradgen.executor.fusion import value_readers
-from gradgen.kernels.table import KernelEntry
+from gradgen.executor.fusion import executor_step, value_readers
 
-DOMAIN = "gradgen"
 SPLIT = "SplitReshapeTranspose"
 CONCAT = "TransposeReshapeConcat"
 
@@ -126,14 +124,7 @@ def _concat_chain(steps, i, only_reader, producer):
     return reshapes, transposes
 
 
-def _perm(transpose_step, rank: int) -> list[int]:
-    perm = transpose_step.attributes.get("perm")
-    return list(range(rank))[::-1] if perm is None else [int(p) for p in perm]
-
-
 def _split_step(split, reshapes, transposes):
-    from gradgen.executor.session import Step
-
     count = len(split.outputs)
     has_split_input = len(split.inputs) > 1 and bool(split.inputs[1])
     attributes = {k: v for k, v in split.attributes.items() if k not in ("_num_outputs", "split")}
@@ -153,24 +144,18 @@ def _split_step(split, reshapes, transposes):
         )
 
     inputs = [split.inputs[0], *([split.inputs[1]] if has_split_input else []), *(r.inputs[1] for r in reshapes)]
-    host = frozenset(range(1, len(inputs)))
-    return Step(
-        node_name=f"{split.node_name} (+ {count} reshapes and transposes)",
-        domain=DOMAIN,
-        op_type=SPLIT,
-        kernel=_no_host_form,
-        entry=KernelEntry(DOMAIN, SPLIT, cpu=_no_host_form, cuda=run_on_device, cuda_host_inputs=host),
-        inputs=inputs,
-        outputs=[t.outputs[0] for t in transposes],
-        attributes={},
-        free_after=[],
-        output_dtypes=[(t.output_dtypes or [None])[0] for t in transposes],
+    return executor_step(
+        f"{split.node_name} (+ {count} reshapes and transposes)",
+        SPLIT,
+        run_on_device,
+        inputs,
+        [t.outputs[0] for t in transposes],
+        [(t.output_dtypes or [None])[0] for t in transposes],
+        cuda_host_inputs=frozenset(range(1, len(inputs))),
     )
 
 
 def _concat_step(concat, reshapes, transposes):
-    from gradgen.executor.session import Step
-
     count = len(concat.inputs)
     axis = int(concat.attributes.get("axis", 0))
 
@@ -183,26 +168,15 @@ def _concat_step(concat, reshapes, transposes):
             axis,
         )
 
-    inputs = [*(t.inputs[0] for t in transposes), *(r.inputs[1] for r in reshapes)]
-    return Step(
-        node_name=f"{concat.node_name} (+ {count} transposes and reshapes)",
-        domain=DOMAIN,
-        op_type=CONCAT,
-        kernel=_no_host_form,
-        entry=KernelEntry(
-            DOMAIN, CONCAT, cpu=_no_host_form, cuda=run_on_device, cuda_host_inputs=frozenset(range(count, 2 * count))
-        ),
-        inputs=inputs,
-        outputs=list(concat.outputs),
-        attributes={},
-        free_after=[],
-        output_dtypes=concat.output_dtypes,
+    return executor_step(
+        f"{concat.node_name} (+ {count} transposes and reshapes)",
+        CONCAT,
+        run_on_device,
+        [*(t.inputs[0] for t in transposes), *(r.inputs[1] for r in reshapes)],
+        concat.outputs,
+        concat.output_dtypes,
+        cuda_host_inputs=frozenset(range(count, 2 * count)),
     )
-
-
-def _no_host_form(*args, **attributes):
-    """The fused copy steps run only as CUDA launchers (the CPU backend never plans them)."""
-    raise RuntimeError("the executor's fused copy steps have no host form")
 
 
 # -- launchers ---------------------------------------------------------------------------------------

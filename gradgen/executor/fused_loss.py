@@ -17,10 +17,9 @@ where the tensor is worth not writing. ``GRADGEN_CUDA_FUSION=0`` turns this off 
 
 from __future__ import annotations
 
-from gradgen.executor.fusion import value_readers
-from gradgen.kernels.table import MICROSOFT, KernelEntry
+from gradgen.executor.fusion import executor_step, value_readers
+from gradgen.kernels.table import MICROSOFT
 
-DOMAIN = "gradgen"
 FORWARD = "SoftmaxCrossEntropyLossStats"
 GRADIENT = "SoftmaxCrossEntropyLossGradStats"
 MIN_CLASSES = 1025  # softmax_3d runs the rows kernel above 1,024 classes
@@ -60,32 +59,24 @@ def _reads_as_log_prob(step, log_prob: str) -> bool:
 
 
 def _forward_step(loss_step, stats: str):
-    from gradgen.executor.session import Step
-
     def run_on_device(scores, labels, weights=None, **attributes):
         from gradgen.kernels.cuda.loss import sce_loss_with_stats
 
         attributes.pop("_num_outputs", None)
         return sce_loss_with_stats(scores, labels, weights, **attributes)
 
-    outputs = [loss_step.outputs[0], stats]
-    return Step(
-        node_name=f"{loss_step.node_name} (row statistics)",
-        domain=DOMAIN,
-        op_type=FORWARD,
-        kernel=_no_host_form,
-        entry=KernelEntry(DOMAIN, FORWARD, cpu=_no_host_form, cuda=run_on_device),
-        inputs=list(loss_step.inputs),
-        outputs=outputs,
-        attributes=dict(loss_step.attributes),
-        free_after=[],
-        output_dtypes=[(loss_step.output_dtypes or [None])[0], None],
+    return executor_step(
+        f"{loss_step.node_name} (row statistics)",
+        FORWARD,
+        run_on_device,
+        loss_step.inputs,
+        [loss_step.outputs[0], stats],
+        [(loss_step.output_dtypes or [None])[0], None],
+        attributes=loss_step.attributes,
     )
 
 
 def _gradient_step(grad_step, scores: str, stats: str):
-    from gradgen.executor.session import Step
-
     def run_on_device(dY, scores_value, stats_value, label, weight=None, **attributes):
         from gradgen.kernels.cuda.loss import sce_grad
 
@@ -95,20 +86,12 @@ def _gradient_step(grad_step, scores: str, stats: str):
 
     dy, _log_prob, label, *rest = grad_step.inputs
     weight = rest[0] if rest else None
-    return Step(
-        node_name=f"{grad_step.node_name} (from the scores)",
-        domain=DOMAIN,
-        op_type=GRADIENT,
-        kernel=_no_host_form,
-        entry=KernelEntry(DOMAIN, GRADIENT, cpu=_no_host_form, cuda=run_on_device),
-        inputs=[dy, scores, stats, label, weight],
-        outputs=list(grad_step.outputs),
-        attributes=dict(grad_step.attributes),
-        free_after=[],
-        output_dtypes=grad_step.output_dtypes,
+    return executor_step(
+        f"{grad_step.node_name} (from the scores)",
+        GRADIENT,
+        run_on_device,
+        [dy, scores, stats, label, weight],
+        grad_step.outputs,
+        grad_step.output_dtypes,
+        attributes=grad_step.attributes,
     )
-
-
-def _no_host_form(*args, **attributes):
-    """The fused loss steps run only as CUDA launchers (the CPU backend never plans them)."""
-    raise RuntimeError("the executor's row-statistics loss steps have no host form")

@@ -15,10 +15,9 @@ this off along with the pointwise fusion.
 
 from __future__ import annotations
 
-from gradgen.executor.fusion import value_readers
-from gradgen.kernels.table import MICROSOFT, KernelEntry
+from gradgen.executor.fusion import executor_step, value_readers
+from gradgen.kernels.table import MICROSOFT
 
-DOMAIN = "gradgen"
 OP_TYPE = "LayerNormalizationGradAdd"
 
 
@@ -50,8 +49,6 @@ def fuse_residual_sum(steps: list, keep: set[str]) -> list:
 
 
 def _fused_step(norm_grad, total, residual: str):
-    from gradgen.executor.session import Step
-
     def run_on_host(*args, **attributes):
         from gradgen.kernels import registry
 
@@ -65,17 +62,14 @@ def _fused_step(norm_grad, total, residual: str):
         *norm_args, res = args
         return layer_normalization_grad_add(*norm_args, res, **attributes)
 
-    inputs = [*norm_grad.inputs, residual]
     declared = norm_grad.output_dtypes or [None] * len(norm_grad.outputs)
-    return Step(
-        node_name=f"{norm_grad.node_name} (+ {total.node_name})",
-        domain=DOMAIN,
-        op_type=OP_TYPE,
-        kernel=run_on_host,
-        entry=KernelEntry(DOMAIN, OP_TYPE, cpu=run_on_host, cuda=run_on_device),
-        inputs=inputs,
-        outputs=[total.outputs[0], *norm_grad.outputs[1:]],
-        attributes=dict(norm_grad.attributes),
-        free_after=[],
-        output_dtypes=[(total.output_dtypes or [None])[0], *declared[1:]],
+    return executor_step(
+        f"{norm_grad.node_name} (+ {total.node_name})",
+        OP_TYPE,
+        run_on_device,
+        [*norm_grad.inputs, residual],
+        [total.outputs[0], *norm_grad.outputs[1:]],
+        [(total.output_dtypes or [None])[0], *declared[1:]],
+        attributes=norm_grad.attributes,
+        host=run_on_host,
     )

@@ -52,7 +52,6 @@ from gradgen.training.optimizers import CONFIG_KEY, NORM_KEY, PARAM_KEY, READS_K
 
 ENV = "GRADGEN_CUDA_FUSED_OPTIMIZER"
 NORM_ENV = "GRADGEN_CUDA_FUSED_NORM"
-DOMAIN = "gradgen"
 OP_TYPE = "FusedOptimizerUpdate"
 NORM_OP_TYPE = "FusedGradientNorm"
 MAX_TENSORS = 64  # GG_MT_MAX of optimizer.cu: tensors per launch
@@ -212,9 +211,7 @@ class _Context:
 def fuse_update(steps: list, graph: ir.Graph, keep: set[str], bindings: dict[str, str], guard: list[str]) -> list:
     """``steps`` with the tagged updates that can be fused replaced by one ``MultiTensorUpdate``
     step, placed last (nothing reads what it writes but the Session's commit)."""
-    from gradgen.executor.fusion import plan_dtypes
-    from gradgen.executor.session import Step
-    from gradgen.kernels.table import KernelEntry
+    from gradgen.executor.fusion import executor_step, plan_dtypes
 
     raw = graph.metadata_props.get(CONFIG_KEY)
     kind = kind_of(json.loads(raw)) if raw else None
@@ -240,17 +237,13 @@ def fuse_update(steps: list, graph: ir.Graph, keep: set[str], bindings: dict[str
     inputs: list[str | None] = [*guard, *(s for s in shared if s is not None)]
     inputs += [u.reads[role] for u in fused for role in kind.tensors]
     outputs = [u.writes[role] for u in fused for role in kind.writes]
-    step = Step(
-        node_name=f"fused {kind.kernel.split('_')[0]} update of {len(fused)} parameters",
-        domain=DOMAIN,
-        op_type=OP_TYPE,
-        kernel=None,
-        entry=KernelEntry(DOMAIN, OP_TYPE, cpu=None, cuda=kernel),
-        inputs=inputs,
-        outputs=outputs,
-        attributes={},
-        free_after=[],
-        output_dtypes=[np.dtype(np.float32)] * len(outputs),
+    step = executor_step(
+        f"fused {kind.kernel.split('_')[0]} update of {len(fused)} parameters",
+        OP_TYPE,
+        kernel,
+        inputs,
+        outputs,
+        [np.dtype(np.float32)] * len(outputs),
     )
     absorbed = {i for u in fused for i in u.members}
     return [s for i, s in enumerate(steps) if i not in absorbed] + [step]
@@ -369,9 +362,7 @@ def _norm_parts(steps: list, keep: set[str]) -> tuple[list[int], list[str], int]
 def fuse_norm(steps: list, graph: ir.Graph, keep: set[str]) -> list:
     """``steps`` with the tagged global gradient norm as one ``MultiTensorNorm`` step in its Sqrt's
     place (see the module docstring), where every gradient is declared float32."""
-    from gradgen.executor.fusion import plan_dtypes
-    from gradgen.executor.session import Step
-    from gradgen.kernels.table import KernelEntry
+    from gradgen.executor.fusion import executor_step, plan_dtypes
 
     parts = _norm_parts(steps, keep)
     if parts is None:
@@ -381,17 +372,13 @@ def fuse_norm(steps: list, graph: ir.Graph, keep: set[str]) -> list:
     if any(dtypes.get(g) != np.float32 for g in grads):
         return steps
     root = steps[at]
-    step = Step(
-        node_name=f"fused gradient norm of {len(grads)} tensors",
-        domain=DOMAIN,
-        op_type=NORM_OP_TYPE,
-        kernel=None,
-        entry=KernelEntry(DOMAIN, NORM_OP_TYPE, cpu=None, cuda=MultiTensorNorm()),
-        inputs=list(grads),
-        outputs=list(root.outputs),
-        attributes={},
-        free_after=[],
-        output_dtypes=[np.dtype(np.float32)],
+    step = executor_step(
+        f"fused gradient norm of {len(grads)} tensors",
+        NORM_OP_TYPE,
+        MultiTensorNorm(),
+        grads,
+        root.outputs,
+        [np.dtype(np.float32)],
     )
     gone = set(absorbed)
     return [step if i == at else s for i, s in enumerate(steps) if i not in gone]

@@ -104,6 +104,38 @@ def value_readers(steps: list) -> dict[str, list[int]]:
     return readers
 
 
+def executor_step(
+    node_name: str,
+    op_type: str,
+    cuda,
+    inputs: list,
+    outputs: list,
+    output_dtypes: list | None = None,
+    *,
+    attributes: dict | None = None,
+    host=None,
+    cuda_host_inputs: frozenset = frozenset(),
+):
+    """A step of the executor's own (domain ``gradgen``), which a plan rewrite puts in place of graph
+    nodes: ``cuda`` its launcher (called with the inputs and ``attributes`` as keywords), ``host``
+    its numpy form (None: it has none; the CPU backend never plans these steps),
+    ``cuda_host_inputs`` the input positions the launcher reads on the host."""
+    from gradgen.executor.session import Step
+
+    return Step(
+        node_name=node_name,
+        domain=DOMAIN,
+        op_type=op_type,
+        kernel=host,
+        entry=KernelEntry(DOMAIN, op_type, cpu=host, cuda=cuda, cuda_host_inputs=cuda_host_inputs),
+        inputs=list(inputs),
+        outputs=list(outputs),
+        attributes=dict(attributes or {}),
+        free_after=[],
+        output_dtypes=output_dtypes,
+    )
+
+
 def fusable(step, dtypes: dict[str, np.dtype], fused_values: frozenset | set = frozenset()) -> bool:
     """Whether ``step`` may join a fused set (see the module docstring): it reads a float value,
     or a value a fusable step makes (``fused_values``)."""
@@ -331,24 +363,19 @@ def fuse_pointwise(steps: list, graph: ir.Graph, keep: set[str]) -> list:
 
 def _fused_step(members: list, inside: set[int], consumers: dict[str, set[int]], keep: set[str]):
     """The step that runs ``members`` (plan positions ``inside``) as one kernel."""
-    from gradgen.executor.session import Step
-
     made = {n for m in members for n in m.outputs}
     inputs = list(dict.fromkeys(n for m in members for n in m.inputs if n not in made))
     outputs = [n for m in members for n in m.outputs if n in keep or consumers.get(n, set()) - inside]
     kernel = FusedGroup(members, inputs, outputs)
     declared = {n: d for m in members for n, d in zip(m.outputs, m.output_dtypes or [None] * len(m.outputs))}
-    return Step(
-        node_name=f"{members[0].node_name} (+{len(members) - 1} fused)",
-        domain=DOMAIN,
-        op_type=OP_TYPE,
-        kernel=kernel.run_on_host,
-        entry=KernelEntry(DOMAIN, OP_TYPE, cpu=kernel.run_on_host, cuda=kernel),
-        inputs=list(inputs),
-        outputs=outputs,
-        attributes={},
-        free_after=[],
-        output_dtypes=[declared.get(n) for n in outputs],
+    return executor_step(
+        f"{members[0].node_name} (+{len(members) - 1} fused)",
+        OP_TYPE,
+        kernel,
+        inputs,
+        outputs,
+        [declared.get(n) for n in outputs],
+        host=kernel.run_on_host,
     )
 
 
