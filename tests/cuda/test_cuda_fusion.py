@@ -18,21 +18,28 @@ F, H, I64, B = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, Tensor
 BF = TensorProto.BFLOAT16
 
 
-def run_both(model, feeds, monkeypatch, runs: int = 3):
-    """Outputs with fusion off and on (the last of ``runs`` runs: eager, recorded, replayed), and
-    the fused Session's number of fused steps."""
+def runs_off_and_on(model, feeds, monkeypatch, runs: int = 3):
+    """((outputs, op types of the plan) with the executor's fusions off, the same with them on): the
+    outputs of the last of ``runs`` runs (eager, recorded, replayed), each run checked to give the
+    bits of the first."""
     results = []
     for switch in ("0", "1"):
         monkeypatch.setenv(fusion.ENV, switch)
         with Session(model, device="cuda") as sess:
-            count = sum(s.op_type == fusion.OP_TYPE for s in sess.steps)
+            ops = [s.op_type for s in sess.steps]
             outs = [sess.run(feeds) for _ in range(runs)]
         for later in outs[1:]:
             assert_same_bits(later, outs[0])
-        results.append((outs[-1], count))
-    (off, none), (on, count) = results
-    assert none == 0
-    return off, on, count
+        results.append((outs[-1], ops))
+    return results[0], results[1]
+
+
+def run_both(model, feeds, monkeypatch, runs: int = 3):
+    """Outputs with fusion off and on (``runs_off_and_on``), and the fused Session's number of fused
+    steps."""
+    (off, off_ops), (on, on_ops) = runs_off_and_on(model, feeds, monkeypatch, runs)
+    assert fusion.OP_TYPE not in off_ops
+    return off, on, on_ops.count(fusion.OP_TYPE)
 
 
 def assert_same_bits(got: dict, want: dict) -> None:

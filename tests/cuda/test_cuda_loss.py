@@ -223,25 +223,15 @@ def test_row_statistics_loss_reports_a_bad_label_as_the_forward_does():
 def test_fused_cross_entropy_on_and_off_gives_the_same_bits(kwargs, monkeypatch):
     """A wide-vocabulary head's backward graph with the executor's fusions off and on (eager,
     recorded, replayed): the fused plan has no log-probabilities and gives the unfused bits."""
-    from gradgen.executor import Session, fusion
+    from gradgen.executor import Session
     from gradgen.executor.fused_loss import FORWARD, GRADIENT
     from tests.cross_entropy_models import cross_entropy_head
+    from tests.cuda.test_cuda_fusion import assert_same_bits, runs_off_and_on
 
     model, feeds = cross_entropy_head(**kwargs)
-    results = []
-    for switch in ("0", "1"):
-        monkeypatch.setenv(fusion.ENV, switch)
-        with Session(model, device="cuda") as sess:
-            ops = [s.op_type for s in sess.steps]
-            runs = [sess.run(feeds) for _ in range(3)]
-        for later in runs[1:]:
-            for name in runs[0]:
-                np.testing.assert_array_equal(later[name], runs[0][name])
-        results.append((runs[-1], ops))
-    (off, off_ops), (on, on_ops) = results
+    (off, off_ops), (on, on_ops) = runs_off_and_on(model, feeds, monkeypatch)
     assert FORWARD not in off_ops and FORWARD in on_ops and GRADIENT in on_ops
-    for name in off:
-        np.testing.assert_array_equal(on[name], off[name])
+    assert_same_bits(on, off)
     with Session(model, device="cpu") as sess:
         want = sess.run(feeds)
     for name in want:

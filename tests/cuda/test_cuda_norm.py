@@ -137,25 +137,15 @@ def test_layer_norm_grad(shape, dtype, with_residual):
 def test_residual_sum_fused_into_layer_norm_grad_gives_the_same_bits(monkeypatch):
     """A pre-norm block's backward graph with the executor's fusions off and on: the plan writes each
     residual Sum from its LayerNormalizationGrad, with the unfused bits, eager and replayed."""
-    from gradgen.executor import Session, fusion
+    from gradgen.executor import Session
     from gradgen.executor.fused_norm_grad import OP_TYPE
+    from tests.cuda.test_cuda_fusion import assert_same_bits, runs_off_and_on
     from tests.residual_norm_models import pre_norm_block
 
     model, feeds = pre_norm_block(rows=64, cols=768, layers=3)
-    results = []
-    for switch in ("0", "1"):
-        monkeypatch.setenv(fusion.ENV, switch)
-        with Session(model, device="cuda") as sess:
-            fused = sum(s.op_type == OP_TYPE for s in sess.steps)
-            runs = [sess.run(feeds) for _ in range(3)]
-        for later in runs[1:]:
-            for name in runs[0]:
-                np.testing.assert_array_equal(later[name], runs[0][name])
-        results.append((runs[-1], fused))
-    (off, none), (on, fused) = results
-    assert none == 0 and fused == 3
-    for name in off:
-        np.testing.assert_array_equal(on[name], off[name])
+    (off, off_ops), (on, on_ops) = runs_off_and_on(model, feeds, monkeypatch)
+    assert off_ops.count(OP_TYPE) == 0 and on_ops.count(OP_TYPE) == 3
+    assert_same_bits(on, off)
     with Session(model, device="cpu") as sess:
         want = sess.run(feeds)
     for name in want:

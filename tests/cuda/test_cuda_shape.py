@@ -299,22 +299,11 @@ def test_slice_grad_shape_mismatch(rt):
 def test_head_split_and_concat_folded_into_their_transposes_give_the_same_bits(heads, size, monkeypatch):
     """An attention head split and its gradient's concat with the executor's fusions off and on
     (eager, recorded, replayed): the fused plan has no Split / Concat step and the same bits."""
-    from gradgen.executor import Session, fusion
     from gradgen.executor.fused_copies import CONCAT, SPLIT
+    from tests.cuda.test_cuda_fusion import assert_same_bits, runs_off_and_on
     from tests.fused_copy_models import attention_heads
 
     model, feeds = attention_heads(batch=2, seq=16, heads=heads, size=size)
-    results = []
-    for switch in ("0", "1"):
-        monkeypatch.setenv(fusion.ENV, switch)
-        with Session(model, device="cuda") as sess:
-            ops = [s.op_type for s in sess.steps]
-            runs = [sess.run(feeds) for _ in range(3)]
-        for later in runs[1:]:
-            for name in runs[0]:
-                np.testing.assert_array_equal(later[name], runs[0][name])
-        results.append((runs[-1], ops))
-    (off, off_ops), (on, on_ops) = results
+    (off, off_ops), (on, on_ops) = runs_off_and_on(model, feeds, monkeypatch)
     assert "Split" in off_ops and SPLIT in on_ops and CONCAT in on_ops and "Concat" not in on_ops
-    for name in off:
-        np.testing.assert_array_equal(on[name], off[name])
+    assert_same_bits(on, off)
