@@ -611,33 +611,41 @@ GG_SOFTMAX_GRAD(f64, double)
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// CumSum along one axis: one thread per line of the (outer, L, inner) view, summing in order
-// (reverse: from the end; exclusive: each element gets the sum before it). Deterministic.
+// Running sums and products (CumSum, CumProd) along one axis: one thread per line of the (outer, L,
+// inner) view, combining in order (reverse: from the end; exclusive: each element gets the value
+// before it, the identity first), the running value kept in Acc<T> (float for float16/bfloat16,
+// rounded only when stored). Deterministic.
 
-template <typename T>
-__device__ void cumsum_lines(T* out, const T* x, int64_t outer, int64_t L, int64_t inner, int64_t exclusive,
-                             int64_t reverse) {
+template <typename T, typename Op>
+__device__ void scan_lines(T* out, const T* x, int64_t outer, int64_t L, int64_t inner, int64_t exclusive,
+                           int64_t reverse) {
+    using A = typename Acc<T>::type;
     GG_GRID_STRIDE(line, outer * inner) {
         const int64_t base = (line / inner) * L * inner + line % inner;
-        typename Acc<T>::type acc = 0;
+        A acc = Op::template identity<A>();
         for (int64_t k = 0; k < L; ++k) {
             const int64_t at = base + (reverse ? L - 1 - k : k) * inner;
-            const typename Acc<T>::type v = gg_load(x + at);
+            const A v = gg_load(x + at);
             if (exclusive) {
                 gg_store(out + at, acc);
-                acc += v;
+                acc = Op::apply(acc, v);
             } else {
-                acc += v;
+                acc = Op::apply(acc, v);
                 gg_store(out + at, acc);
             }
         }
     }
 }
 
+struct ScanSum {
+    template <typename A> static __device__ __forceinline__ A identity() { return A(0); }
+    template <typename A> static __device__ __forceinline__ A apply(A a, A v) { return a + v; }
+};
+
 #define GG_CUMSUM(s, T)                                                                                     \
     extern "C" __global__ void cumsum_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner,     \
                                           int64_t exclusive, int64_t reverse) {                            \
-        cumsum_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                       \
+        scan_lines<T, ScanSum>(out, x, outer, L, inner, exclusive, reverse);                                       \
     }
 #if GG_PART(18)
 GG_CUMSUM(f16, __half)
@@ -749,10 +757,7 @@ GG_TOPK(i64, int64_t)
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// CumProd along one axis: one thread per line of the (outer, L, inner) view, multiplying in order
-// (reverse: from the end; exclusive: each element gets the product before it, 1 first), the running
-// product kept in the CPU backend's type: float for float16/bfloat16 (rounded only when stored, as
-// the CPU backend computes 16-bit floats in float32), the input type otherwise; integers wrap.
+// CumProd (scan_lines above): integers wrap, as numpy's products do.
 
 template <typename A> __device__ __forceinline__ A cumprod_mul(A a, A b) { return a * b; }
 template <> __device__ __forceinline__ int32_t cumprod_mul<int32_t>(int32_t a, int32_t b) {
@@ -762,31 +767,15 @@ template <> __device__ __forceinline__ int64_t cumprod_mul<int64_t>(int64_t a, i
     return (int64_t)((unsigned long long)a * (unsigned long long)b);
 }
 
-template <typename T>
-__device__ void cumprod_lines(T* out, const T* x, int64_t outer, int64_t L, int64_t inner, int64_t exclusive,
-                              int64_t reverse) {
-    using A = typename Acc<T>::type;
-    GG_GRID_STRIDE(line, outer * inner) {
-        const int64_t base = (line / inner) * L * inner + line % inner;
-        A acc = A(1);
-        for (int64_t k = 0; k < L; ++k) {
-            const int64_t at = base + (reverse ? L - 1 - k : k) * inner;
-            const A v = gg_load(x + at);
-            if (exclusive) {
-                gg_store(out + at, acc);
-                acc = cumprod_mul<A>(acc, v);
-            } else {
-                acc = cumprod_mul<A>(acc, v);
-                gg_store(out + at, acc);
-            }
-        }
-    }
-}
+struct ScanProd {
+    template <typename A> static __device__ __forceinline__ A identity() { return A(1); }
+    template <typename A> static __device__ __forceinline__ A apply(A a, A v) { return cumprod_mul<A>(a, v); }
+};
 
 #define GG_CUMPROD(s, T)                                                                                    \
     extern "C" __global__ void cumprod_##s(T* out, const T* x, int64_t outer, int64_t L, int64_t inner,    \
                                            int64_t exclusive, int64_t reverse) {                           \
-        cumprod_lines<T>(out, x, outer, L, inner, exclusive, reverse);                                      \
+        scan_lines<T, ScanProd>(out, x, outer, L, inner, exclusive, reverse);                                      \
     }
 #if GG_PART(20)
 GG_CUMPROD(f16, __half)

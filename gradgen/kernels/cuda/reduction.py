@@ -324,11 +324,17 @@ def log_softmax(x, *, axis=None, _opset=13):
 @cuda_kernel("CumSum", host_inputs=(1,))
 def cum_sum(x, axis, *, exclusive=0, reverse=0):
     """Inclusive/exclusive, forward/reverse running sums along one axis (one thread per line)."""
+    return _scan("CumSum", "cumsum", x, axis, exclusive, reverse)
+
+
+def _scan(op_type: str, kernel: str, x, axis, exclusive, reverse):
+    """CumSum / CumProd through reduction.cu's ``<kernel>_<dtype>`` (scan_lines): one thread per line
+    of x viewed as (outer, length, inner) around ``axis``; other dtypes run the CPU kernel."""
     from gradgen.cuda import runtime as rt
 
     s = dtype_suffix(x.dtype)
     if s not in FLOATS + ("i32", "i64"):
-        return cpu_fallback("CumSum", x, axis, exclusive=exclusive, reverse=reverse)
+        return cpu_fallback(op_type, x, axis, exclusive=exclusive, reverse=reverse)
     if np.size(axis) != 1:
         raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
     ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
@@ -336,7 +342,7 @@ def cum_sum(x, axis, *, exclusive=0, reverse=0):
     outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1 :])
     out = rt.empty(x.shape, x.dtype)
     launch(
-        kernel_of("reduction", f"cumsum_{s}"),
+        kernel_of("reduction", f"{kernel}_{s}"),
         outer * inner,
         out,
         x,
@@ -363,14 +369,9 @@ def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
     shared memory (reduction.cu: topk_*); an axis longer than 4,096 or another dtype runs the CPU
     kernel. K is read on the host (it sets the outputs' shape)."""
     from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu.reduction import top_k_count
 
-    if k is None:
-        k = attrs.get("k")  # opset 1: k is an attribute
-        if k is None:
-            raise KernelError("TopK needs K (an input since opset 10)")
-    if np.size(k) != 1:
-        raise KernelError(f"K must hold one value, got shape {list(np.shape(k))}")
-    count = int(np.asarray(k).reshape(-1)[0])
+    count = top_k_count(k, attrs)
     shape = [int(d) for d in x.shape]
     ax = normalize_axis(axis, len(shape))
     length = shape[ax]
@@ -415,26 +416,4 @@ def cum_prod(x, axis, *, exclusive=0, reverse=0):
     order): float16/bfloat16 multiplied in float32 and rounded when stored (the CPU backend's
     float32 computation), float32/float64 in their own type, int32/int64 wrapping like numpy's.
     Other dtypes run the CPU kernel."""
-    from gradgen.cuda import runtime as rt
-
-    s = dtype_suffix(x.dtype)
-    if s not in FLOATS + ("i32", "i64"):
-        return cpu_fallback("CumProd", x, axis, exclusive=exclusive, reverse=reverse)
-    if np.size(axis) != 1:
-        raise KernelError(f"axis must be a scalar, got shape {list(np.shape(axis))}")
-    ax = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), len(x.shape))
-    x = contiguous(x)
-    outer, length, inner = math.prod(x.shape[:ax]), x.shape[ax], math.prod(x.shape[ax + 1 :])
-    out = rt.empty(x.shape, x.dtype)
-    launch(
-        kernel_of("reduction", f"cumprod_{s}"),
-        outer * inner,
-        out,
-        x,
-        np.int64(outer),
-        np.int64(length),
-        np.int64(inner),
-        np.int64(1 if exclusive else 0),
-        np.int64(1 if reverse else 0),
-    )
-    return out
+    return _scan("CumProd", "cumprod", x, axis, exclusive, reverse)
