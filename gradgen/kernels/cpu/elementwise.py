@@ -735,9 +735,9 @@ schemas.declare(
 )
 
 
-@cpu_kernel("Scale", domain=MICROSOFT)
-def scale(input, scale_value, *, scale_down=0):
-    """input * scale, or input / scale with scale_down=1; scale is a one-element tensor."""
+def scale_factor(scale_value, scale_down) -> float:
+    """Scale's multiplier: the one-element ``scale_value``, or float32(1) / float32(it) with
+    scale_down=1 (ONNX Runtime's kernel); a KernelError for another size or a zero."""
     value = np.asarray(scale_value)
     if value.size != 1:
         raise KernelError(f"scale must have a single value, got shape {list(value.shape)}")
@@ -745,7 +745,14 @@ def scale(input, scale_value, *, scale_down=0):
     if factor == 0.0:
         raise KernelError("scale must not be 0")
     if int(scale_down):
-        factor = np.float32(1.0) / np.float32(factor)
+        factor = float(np.float32(1.0) / np.float32(factor))
+    return factor
+
+
+@cpu_kernel("Scale", domain=MICROSOFT)
+def scale(input, scale_value, *, scale_down=0):
+    """input * scale, or input / scale with scale_down=1; scale is a one-element tensor."""
+    factor = scale_factor(scale_value, scale_down)
     return (input * input.dtype.type(factor)).astype(input.dtype, copy=False)
 
 

@@ -174,17 +174,24 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     return out
 
 
-@cpu_kernel("OneHot")
-def one_hot(indices, depth, values, *, axis=-1):
+def one_hot_depth(depth, values_size: int) -> int:
+    """OneHot's depth as an int, after the checks of depth (one positive value) and of the values
+    (two elements: off, on)."""
     depth_value = np.asarray(depth).reshape(-1)
     if depth_value.size != 1:
         raise KernelError(f"depth must hold one value, got shape {list(np.shape(depth))}")
     n = int(depth_value[0])
     if n < 1:
         raise KernelError(f"depth must be positive, got {n}")
+    if values_size != 2:
+        raise KernelError(f"values must hold [off_value, on_value], got {values_size} element(s)")
+    return n
+
+
+@cpu_kernel("OneHot")
+def one_hot(indices, depth, values, *, axis=-1):
     values = np.asarray(values).reshape(-1)
-    if values.size != 2:
-        raise KernelError(f"values must hold [off_value, on_value], got {values.size} element(s)")
+    n = one_hot_depth(depth, values.size)
     rank = np.ndim(indices) + 1
     axis = normalize_axis(axis, rank, allow_scalar=True)
     idx = np.asarray(indices).astype(np.int64)

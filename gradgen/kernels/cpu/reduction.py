@@ -241,15 +241,20 @@ def hardmax(x, *, axis=None, _opset=13):
     return restore(out)
 
 
-@cpu_kernel("TopK")
-def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
+def top_k_count(k, attrs: dict) -> int:
+    """TopK's K: the input (since opset 10) or the attribute (opset 1), one value."""
     if k is None:
         k = attrs.get("k")  # opset 1: k is an attribute
         if k is None:
             raise KernelError("TopK needs K (an input since opset 10)")
     if np.size(k) != 1:
         raise KernelError(f"K must hold one value, got shape {list(np.shape(k))}")
-    k = int(np.asarray(k).reshape(-1)[0])
+    return int(np.asarray(k).reshape(-1)[0])
+
+
+@cpu_kernel("TopK")
+def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
+    k = top_k_count(k, attrs)
     ax = normalize_axis(axis, x.ndim)
     n = x.shape[ax]
     if not 0 <= k <= n:

@@ -647,16 +647,11 @@ def bias_fast_gelu_grad_dx(dY, X, B):
 @cuda_kernel("Scale", domain=MICROSOFT, host_inputs=(1,))
 def scale(input, scale_value, *, scale_down=0):
     """input * scale, or input * (1 / float32(scale)) with scale_down=1: the CPU kernel's factor."""
-    value = np.asarray(scale_value)
-    if value.size != 1:
-        raise KernelError(f"scale must have a single value, got shape {list(value.shape)}")
-    factor = float(value.reshape(-1)[0])
-    if factor == 0.0:
-        raise KernelError("scale must not be 0")
-    if int(scale_down):
-        factor = float(np.float32(1.0) / np.float32(factor))
+    from gradgen.kernels.cpu.elementwise import scale_factor
+
+    factor = scale_factor(scale_value, scale_down)
     if dtype_suffix(input.dtype) not in FLOATS:
-        return cpu_fallback("Scale", input, value, domain=MICROSOFT, scale_down=scale_down)
+        return cpu_fallback("Scale", input, np.asarray(scale_value), domain=MICROSOFT, scale_down=scale_down)
 
     def run(x):
         return mul(x, _scalar(x.dtype.type(factor), x.dtype))

@@ -704,14 +704,7 @@ def one_hot(indices, depth, values, *, axis=-1):
     from gradgen.kernels.cuda.elementwise import cast_to
 
     rt = runtime()
-    depth_value = np.asarray(depth).reshape(-1)
-    if depth_value.size != 1:
-        raise KernelError(f"depth must hold one value, got shape {list(np.shape(depth))}")
-    n = int(depth_value[0])
-    if n < 1:
-        raise KernelError(f"depth must be positive, got {n}")
-    if math.prod(values.shape) != 2:
-        raise KernelError(f"values must hold [off_value, on_value], got {math.prod(values.shape)} element(s)")
+    n = cpu.one_hot_depth(depth, math.prod(values.shape))
     rank = len(indices.shape) + 1
     ax = normalize_axis(axis, rank, allow_scalar=True)
     esize = values.dtype.itemsize
