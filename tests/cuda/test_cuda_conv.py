@@ -8,6 +8,7 @@ import pytest
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import conv as cpu_conv
+from tests.test_conv_transpose_as_conv import CASES as CONV_TRANSPOSE_CASES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_warnings")]
 
@@ -54,19 +55,11 @@ CONV_CASES = [
 ]
 
 
-# (x shape, w shape, attributes) of ConvTranspose: those of tests/test_conv_transpose_as_conv.py,
-# then two that the dgrad form cannot express (an output past the full result)
+# (x shape, w shape, attributes) of ConvTranspose: those of tests/test_conv_transpose_as_conv.py, a
+# U-Net decoder's upsampling, then two that the dgrad form cannot express (an output past the full result)
 TRANSPOSE_CASES = [
-    ((2, 4, 5, 6), (4, 3, 3, 3), {}),
-    ((2, 4, 5, 6), (4, 3, 3, 3), {"strides": [2, 2], "pads": [1, 0, 0, 1]}),
-    ((1, 3, 4, 4), (3, 2, 3, 2), {"strides": [2, 1], "output_padding": [1, 0], "dilations": [1, 2]}),
-    ((2, 4, 5, 5), (4, 2, 3, 3), {"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]}),
-    ((2, 2, 7), (2, 3, 4), {"strides": [3], "pads": [2, 1]}),
-    ((1, 2, 3, 4), (2, 3, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
-    ((1, 2, 3, 4), (2, 3, 2, 2), {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
-    ((1, 2, 3, 4), (2, 3, 3, 3), {"output_shape": [6, 8], "strides": [2, 2]}),
-    ((1, 2, 2, 2, 3), (2, 2, 2, 2, 2), {"strides": [1, 2, 2], "pads": [0, 1, 0, 0, 1, 1]}),
-    ((8, 64, 14, 14), (64, 32, 2, 2), {"strides": [2, 2]}),  # a U-Net decoder's upsampling
+    *CONV_TRANSPOSE_CASES,
+    ((8, 64, 14, 14), (64, 32, 2, 2), {"strides": [2, 2]}),
     ((1, 2, 3, 3), (2, 2, 3, 3), {"output_shape": [6, 6]}),
     ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [9, 9]}),
 ]

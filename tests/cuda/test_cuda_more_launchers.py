@@ -17,6 +17,7 @@ import gradgen
 from gradgen.errors import KernelError, RunError
 from gradgen.executor import Session
 from gradgen.kernels import registry
+from tests.fuzz_graphs import single_node_inputs
 
 pytestmark = pytest.mark.cuda
 
@@ -25,34 +26,12 @@ FLOATS = [np.float16, BF16, np.float32, np.float64]
 MS = "com.microsoft"
 
 
-def _tensor_type(dtype) -> int:
-    dtype = np.dtype(dtype)
-    return TensorProto.BFLOAT16 if dtype == BF16 else helper.np_dtype_to_tensor_dtype(dtype)
-
-
-def _initializer(name, array):
-    array = np.asarray(array)
-    if array.dtype == BF16:
-        return helper.make_tensor(name, TensorProto.BFLOAT16, array.shape, array.view(np.uint16).reshape(-1).tolist(), raw=False)
-    return numpy_helper.from_array(array, name)
-
-
 def single_node(op_type, inputs, *, outputs=1, domain="", opset=None, const=(), **attrs):
     """(model, feeds) of one ``op_type`` node. ``inputs``: arrays (None for an omitted input); those
     at the positions in ``const`` are initializers, the others graph inputs (fed to the device)."""
-    names, graph_inputs, initializers, feeds = [], [], [], {}
-    for i, array in enumerate(inputs):
-        if array is None:
-            names.append("")
-            continue
-        name = f"in{i}"
-        names.append(name)
-        array = np.asarray(array)
-        if i in const:
-            initializers.append(_initializer(name, array))
-        else:
-            graph_inputs.append(helper.make_tensor_value_info(name, _tensor_type(array.dtype), list(array.shape)))
-            feeds[name] = array
+    fed = {i for i, array in enumerate(inputs) if array is not None and i not in const}
+    names, graph_inputs, initializers = single_node_inputs(inputs, fed)
+    feeds = {f"in{i}": np.asarray(inputs[i]) for i in fed}
     out_names = [f"out{k}" for k in range(outputs)]
     node = helper.make_node(op_type, names, out_names, domain=domain, **attrs)
     graph = helper.make_graph(
@@ -172,7 +151,7 @@ def loss_model(op_type, inputs, *, domain="", opset=None, const=(), **attrs):
         ]
     )
     del graph.output[:]
-    graph.output.append(helper.make_tensor_value_info("loss", _tensor_type(out.dtype), []))
+    graph.output.append(helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(out.dtype), []))
     return model, feeds
 
 
