@@ -78,6 +78,17 @@ def test_presets_and_overrides():
         models.preset("gpt2s", heads=5)
 
 
+def test_seed_chooses_the_parameters_and_the_batch():
+    same = [models.preset("gpt2-tiny", seed=1) for _ in range(2)]
+    other = models.preset("gpt2-tiny")
+    weights = [models.build_module(s).state_dict()["wte.weight"].numpy() for s in (*same, other)]
+    batches = [models.make_inputs(s)["ids"] for s in (*same, other)]
+    assert np.array_equal(weights[0], weights[1]) and not np.array_equal(weights[0], weights[2])
+    assert np.array_equal(batches[0], batches[1]) and not np.array_equal(batches[0], batches[2])
+    assert "seed 1" in same[0].shape_text and "seed" not in other.shape_text
+    assert models.ModelSpec.from_json(same[0].to_json()) == same[0]
+
+
 def test_default_lengths_follow_the_issue():
     assert e2e.default_lengths(256) == (256, 240, 224, 208, 192, 176, 160, 144)
     assert all(t >= 2 for t in e2e.default_lengths(8))
@@ -240,6 +251,8 @@ def test_bench_usage_errors_are_one_line(capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "nosuch" in err
     assert main(["--only", "cpu", "--sample", "nosuch", "--build-layers", "0"]) == 2
     assert "unknown sample" in capsys.readouterr().err
+    assert main(["--only", "e2e", "--seed", "-1"]) == 2
+    assert "--seed: must be at least 0" in capsys.readouterr().err
 
 
 def test_cli_bench_help_lists_the_groups(capsys, monkeypatch):

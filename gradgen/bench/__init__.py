@@ -35,14 +35,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"gradgen bench: {message}")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
-    return value
+def _integer_from(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}: {text}")
+        return value
+
+    return parse
+
+
+_positive = _integer_from(1)
+_non_negative = _integer_from(0)
 
 
 def _precision_list(text: str) -> list[str]:
@@ -95,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--layers", type=_positive, help="number of blocks of the GPT-2 layouts")
     e2e.add_argument("--width", type=_positive, help="model width of the GPT-2 layouts")
     e2e.add_argument("--heads", type=_positive, help="attention heads of the GPT-2 layouts")
+    e2e.add_argument(
+        "--seed",
+        type=_non_negative,
+        default=0,
+        help="seed of the parameters and the batch (default 0); another seed tells noise from a real difference",
+    )
     e2e.add_argument(
         "--steps",
         type=_positive,
@@ -168,7 +181,7 @@ def _specs(args, defaults: list) -> list:
 
     if not args.model:
         specs = defaults
-        if args.batch or args.seq or args.image or args.layers or args.width or args.heads:
+        if args.batch or args.seq or args.image or args.layers or args.width or args.heads or args.seed:
             specs = [_override(s, args) for s in specs]
         return specs
     return [_override(models.preset(name), args) for name in args.model]
@@ -185,6 +198,7 @@ def _override(spec, args):
         layers=args.layers if gpt2 else None,
         d=args.width if gpt2 else None,
         heads=args.heads if gpt2 else None,
+        seed=args.seed,
     )
 
 

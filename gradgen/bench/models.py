@@ -78,6 +78,7 @@ class ModelSpec:
     batch: int
     size: int  # sequence length (gpt2) or image side (resnet18)
     title: str = ""
+    seed: int = 0  # of the parameters and the batch: a second seed shows which differences are noise
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,9 +89,10 @@ class ModelSpec:
 
     @property
     def shape_text(self) -> str:
+        seed = f", seed {self.seed}" if self.seed else ""
         if self.kind == "gpt2":
-            return f"B={self.batch}, T={self.size}"
-        return f"B={self.batch}, {self.size}x{self.size}"
+            return f"B={self.batch}, T={self.size}{seed}"
+        return f"B={self.batch}, {self.size}x{self.size}{seed}"
 
 
 def preset(
@@ -101,6 +103,7 @@ def preset(
     layers: int | None = None,
     d: int | None = None,
     heads: int | None = None,
+    seed: int = 0,
 ) -> ModelSpec:
     """A ``ModelSpec`` from a preset name, with optional overrides (smaller sizes for a quick try)."""
     from gradgen.errors import UsageError
@@ -122,7 +125,13 @@ def preset(
         if size is not None and size > arch["max_len"]:
             arch["max_len"] = size
     spec = ModelSpec(
-        name=name, kind=base["kind"], arch=arch, batch=batch or base["batch"], size=size or base["size"], title=base["title"]
+        name=name,
+        kind=base["kind"],
+        arch=arch,
+        batch=batch or base["batch"],
+        size=size or base["size"],
+        title=base["title"],
+        seed=seed,
     )
     if spec.batch < 1 or spec.size < 2:
         raise UsageError(f"{name}: batch must be at least 1 and the sequence/image size at least 2")
@@ -142,10 +151,12 @@ def _describe(spec: ModelSpec) -> str:
 # Modules (plain torch; torch is imported inside so that importing this file costs nothing)
 
 
-def build_module(spec: ModelSpec, seed: int = 0):
-    """The ``torch.nn.Module`` of ``spec`` with seeded, pairwise-distinct parameters, in eval mode."""
+def build_module(spec: ModelSpec):
+    """The ``torch.nn.Module`` of ``spec`` with pairwise-distinct parameters seeded by ``spec.seed``,
+    in eval mode."""
     import torch
 
+    seed = spec.seed
     classes = _module_classes()
     torch.manual_seed(seed)
     if spec.kind == "gpt2":
@@ -288,10 +299,10 @@ _CLASSES: dict = {}
 # Inputs and export
 
 
-def make_inputs(spec: ModelSpec, seed: int = 0) -> dict[str, np.ndarray]:
-    """The graph inputs (numpy, in the forward's argument order): token ids and next-token labels for
-    gpt2, standard-normal images and class labels for resnet18."""
-    rng = np.random.default_rng(seed)
+def make_inputs(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """The graph inputs (numpy, in the forward's argument order), seeded by ``spec.seed``: token ids and
+    next-token labels for gpt2, standard-normal images and class labels for resnet18."""
+    rng = np.random.default_rng(spec.seed)
     if spec.kind == "gpt2":
         vocab = spec.arch["vocab"]
         tokens = rng.integers(0, vocab, (spec.batch, spec.size + 1)).astype(np.int64)
