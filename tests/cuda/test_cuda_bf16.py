@@ -247,6 +247,20 @@ def test_matmul_gemm_and_fused_matmul():
     assert_close(*cpu_and_cuda(m, feeds), scaled=True)
 
 
+@pytest.mark.parametrize("m,k,n", [(64, 65536, 64), (768, 2048, 768)], ids=["long-k", "weight-gradient"])
+def test_long_bf16_gemms_round_once(m, k, n):
+    """A long bf16 sum (a weight gradient's K is batch x tokens) accumulates in float32 to the end:
+    within one bf16 rounding of the exact product of every element. All-positive terms, so no element
+    is a small difference of large ones and a sum rounded to bf16 part way shows as a larger error."""
+    rng = np.random.default_rng(11)
+    a, b = bf16(rng, (m, k), 0.5, 1.5), bf16(rng, (k, n), 0.5, 1.5)
+    m_ = model([helper.make_node("MatMul", ["a", "b"], ["c"])], [("a", BF, [m, k]), ("b", BF, [k, n])], [("c", BF, [m, n])])
+    got = run(m_, {"a": a, "b": b}, "cuda")["c"].astype(np.float64)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    relative = np.abs(got - exact) / exact
+    assert relative.max() <= ULP / 2 * 1.01, f"worst relative error {relative.max():.3g}, one rounding is {ULP / 2:.3g}"
+
+
 @pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 1, 2, 0]], ids=["symmetric", "asymmetric"])
 def test_conv_and_conv_grad(pads):
     """cuDNN's bf16 convolutions (forward, dX, dW) and the bias gradient, against the CPU's."""
