@@ -431,6 +431,8 @@ def ops(
     for row in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     typer.echo(f"{len(rows)} ops")
+    if any(r["gradient"] == "rewritten" for r in table):
+        typer.echo("rewritten: build-backward turns the op into others before the gradient pass (--json: rewritten_to)")
 
 
 @app.command("check")

@@ -9,19 +9,36 @@ from gradgen.ops import schemas
 from gradgen.ops.non_tensor import NON_TENSOR_OPS
 
 
+def rewritten_ops() -> dict[tuple[str, str], str]:
+    """(domain, op_type) -> what build-backward turns the op into before the gradient pass, for ops
+    that have no rule of their own because no graph reaching the rules holds them."""
+    from gradgen.passes.sequences import REWRITTEN_OPS
+    from gradgen.passes.standard import MIN_OPSET, RETIRED_OPS
+
+    rewritten = {
+        ("", op_type): "the tensors it holds, where the model fixes the list's structure (passes/sequences.py)"
+        for op_type in REWRITTEN_OPS
+    }
+    for op_type, successor in RETIRED_OPS.items():
+        rewritten[("", op_type)] = f"{successor}: models below opset {MIN_OPSET} are converted (passes/standard.py)"
+    return rewritten
+
+
 def supported_ops() -> list[dict]:
-    """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable", cpu, cuda (the
-    com.microsoft ops gradgen emits are listed from their schemas even without a kernel)."""
+    """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable"/"rewritten" (with
+    ``rewritten_to`` saying into what), cpu, cuda (the com.microsoft ops gradgen emits are listed
+    from their schemas even without a kernel)."""
+    rewritten = rewritten_ops()
     rules = all_rules()
     kernels = all_kernels()
     declared = {(schemas.MICROSOFT_DOMAIN, op_type) for op_type in schemas.SCHEMAS}
     declared |= {("", op_type) for op_type in NON_TENSOR_OPS}  # refused: gradgen runs tensors only
     rows = []
-    for domain, op_type in sorted(set(rules) | set(kernels) | declared):
+    for domain, op_type in sorted(set(rules) | set(kernels) | declared | set(rewritten)):
         rule = rules.get((domain, op_type))
         kernel = kernels.get((domain, op_type))
         if rule is None:
-            gradient = "no"
+            gradient = "rewritten" if (domain, op_type) in rewritten else "no"
         else:
             gradient = "yes" if rule.differentiable else "non-differentiable"
         rows.append(
@@ -29,6 +46,7 @@ def supported_ops() -> list[dict]:
                 "domain": domain or "ai.onnx",
                 "op_type": op_type,
                 "gradient": gradient,
+                "rewritten_to": rewritten.get((domain, op_type)) if rule is None else None,
                 "cpu": bool(kernel and kernel.cpu),
                 "cuda": bool(kernel and kernel.cuda),
             }

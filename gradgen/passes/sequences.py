@@ -31,10 +31,14 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of, graph_names
 from gradgen.ops.attributes import get_attr
-from gradgen.ops.non_tensor import is_non_tensor_op
+from gradgen.ops.non_tensor import NON_TENSOR_OPS, is_non_tensor_op
 from gradgen.passes.rewrite import STANDARD_DOMAINS, replace_node_outputs
 
-__all__ = ["SequencesAsTensorsPass"]
+__all__ = ["REWRITTEN_OPS", "SequencesAsTensorsPass"]
+
+# The ops this pass turns into tensors where the model fixes the list (``gradgen ops`` says so);
+# SequenceMap, whose body maps each element, is not among them yet.
+REWRITTEN_OPS = NON_TENSOR_OPS - {"SequenceMap"}
 
 
 class SequencesAsTensorsPass(ir.passes.InPlacePass):

@@ -15,6 +15,8 @@ from gradgen.passes.rewrite import NodeRemoval
 # The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
 MIN_OPSET = 14
 UPGRADE_TO = 17
+# Ops ONNX retired, and what the opset conversion writes in their place (``gradgen ops`` says so).
+RETIRED_OPS = {"Upsample": "Resize"}
 
 
 class UpgradeOpsetPass(ir.passes.InPlacePass):

@@ -335,6 +335,8 @@ def trilu(g):
 # Ops whose outputs never carry a gradient: shapes and sizes, and values that depend only on a
 # shape. Range is not among them: with float start/delta its output is differentiable in them.
 non_differentiable("Shape", "Size", "ConstantOfShape", "EyeLike")
+# Constant has no inputs: its value is part of the model, as an initializer's is.
+non_differentiable("Constant")
 # Signal-processing tables: the windows depend on an integer size only; MelWeightMatrix's float
 # edge frequencies only move its integer bin boundaries, so it is piecewise constant in them.
 non_differentiable("BlackmanWindow", "HammingWindow", "HannWindow", "MelWeightMatrix")
