@@ -100,17 +100,13 @@ def test_a_list_the_data_decides_is_a_one_line_model_error(tmp_path, capsys, mon
 
 
 def test_ops_lists_sequence_and_optional_ops_as_rewritten_to_tensors(capsys, monkeypatch):
-    """No rule or kernel of their own: SequencesAsTensorsPass turns them into tensors where it can
-    (SequenceMap it cannot yet)."""
+    """No rule or kernel of their own: SequencesAsTensorsPass turns them into tensors where it can."""
     code, stdout, _ = run_cli(capsys, monkeypatch, "ops", "--json")
     assert code == 0
     rows = {r["op_type"]: r for r in json.loads(stdout) if r["domain"] == "ai.onnx"}
-    for op in NON_TENSOR_OPS | {"SequenceConstruct", "ConcatFromSequence", "OptionalGetElement"}:
+    for op in NON_TENSOR_OPS | {"SequenceConstruct", "ConcatFromSequence", "OptionalGetElement", "SequenceMap"}:
         assert not rows[op]["cpu"] and not rows[op]["cuda"], op
-        if op == "SequenceMap":
-            assert rows[op]["gradient"] == "no" and rows[op]["rewritten_to"] is None
-        else:
-            assert rows[op]["gradient"] == "rewritten" and "passes/sequences.py" in rows[op]["rewritten_to"], op
+        assert rows[op]["gradient"] == "rewritten" and "passes/sequences.py" in rows[op]["rewritten_to"], op
 
 
 # -- DynamicQuantizeLinear -------------------------------------------------------------------------

@@ -227,3 +227,54 @@ def test_split_sizes_fed_at_run_time():
     rng = np.random.default_rng(3)
     for n, sizes in ((5, [2, 3]), (4, [3, 1])):
         _check(model, {"x": rng.standard_normal((n, 2)), "sizes": np.array(sizes, np.int64)})
+
+
+def test_sequence_map_copies_its_body_once_per_element():
+    """SequenceMap over two lists of one length and a tensor input every copy reads: two output
+    lists, read by ConcatFromSequence (a new axis) and SequenceAt."""
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((2, 3)), "y": rng.standard_normal(3), "w": rng.standard_normal(3)}
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["e", "wb"], ["ew"]),
+            helper.make_node("Add", ["ew", "f"], ["out_a"]),
+            helper.make_node("Tanh", ["e"], ["out_b"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info(n, F64, [3]) for n in ("e", "f", "wb")],
+        [helper.make_tensor_value_info(n, F64, [3]) for n in ("out_a", "out_b")],
+    )
+    nodes = [
+        helper.make_node("SplitToSequence", ["x"], ["rows"], axis=0, keepdims=0),
+        helper.make_node("Mul", ["y", "y"], ["yy"]),
+        helper.make_node("SequenceConstruct", ["y", "yy"], ["ys"]),
+        helper.make_node("SequenceMap", ["rows", "ys", "w"], ["as", "bs"], body=body),
+        helper.make_node("ConcatFromSequence", ["as"], ["stacked"], axis=0, new_axis=1),
+        helper.make_node("SequenceAt", ["bs", "minus_one"], ["last"]),
+    ]
+    _loss_of(["stacked", "last"], nodes)
+    inputs = [helper.make_tensor_value_info("x", F64, [2, 3])] + [helper.make_tensor_value_info(n, F64, [3]) for n in ("y", "w")]
+    model = _model(nodes, inputs, [_ints("minus_one", -1)])
+    stacked = feeds["x"] * feeds["w"] + np.stack([feeds["y"], feeds["y"] ** 2])
+    want = np.tanh(stacked).sum() + np.tanh(np.tanh(feeds["x"][1])).sum()
+    np.testing.assert_allclose(Session(model).run(feeds)["loss"], want, rtol=1e-12)
+    _check(model, feeds)
+
+
+def test_sequence_map_over_lists_of_different_lengths_is_refused_naming_the_node():
+    body = helper.make_graph(
+        [helper.make_node("Add", ["e", "f"], ["o"])],
+        "body",
+        [helper.make_tensor_value_info(n, F64, [2]) for n in ("e", "f")],
+        [helper.make_tensor_value_info("o", F64, [2])],
+    )
+    nodes = [
+        helper.make_node("SequenceConstruct", ["x", "x"], ["two"]),
+        helper.make_node("SequenceConstruct", ["x"], ["one"]),
+        helper.make_node("SequenceMap", ["two", "one"], ["mapped"], body=body, name="map"),
+        helper.make_node("ConcatFromSequence", ["mapped"], ["c"], axis=0),
+    ]
+    _loss_of(["c"], nodes)
+    model = _model(nodes, [helper.make_tensor_value_info("x", F64, [2])])
+    with pytest.raises(ModelError, match=r"'map' \(SequenceMap\).*tensors only"):
+        gradgen.build_backward(model, wrt_inputs=True)

@@ -110,7 +110,7 @@ def rename_copied_node(node: ir.Node, prefix: str, unique: Callable[[str], str])
             rename_copied_node(inner, prefix, unique)
 
 
-class _Copier:
+class BodyCopier:
     """Copies a body into the main graph once per iteration, through one GraphBuilder (unique
     names, shared constants); the body's initializers are placed once."""
 
@@ -162,7 +162,7 @@ def _unroll(node: ir.Node, b: GraphBuilder, counts: dict[ir.Node, int]) -> list[
 
 
 def _unroll_loop(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | None]:
-    copier = _Copier(node, b)
+    copier = BodyCopier(node, b)
     states: list[ir.Value] = [v for v in node.inputs[2:] if v is not None]
     scans: list[list[ir.Value]] = []
     go_on = b.const(np.array(True))
@@ -176,7 +176,7 @@ def _unroll_loop(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | 
 
 
 def _unroll_scan(node: ir.Node, b: GraphBuilder, count: int) -> list[ir.Value | None]:
-    copier = _Copier(node, b)
+    copier = BodyCopier(node, b)
     num_scan = int(get_attr(node, "num_scan_inputs"))
     num_states = len(node.inputs) - num_scan
     in_axes = get_attr(node, "scan_input_axes") or [0] * num_scan
@@ -246,7 +246,7 @@ def _scan_as_loop(node: ir.Node, b: GraphBuilder) -> list[ir.Value | None]:
         declared = body.inputs[num_states + k]
         element.type, element.shape = declared.type, declared.shape
         slices.append(element)
-    copier = _Copier(node, inner)
+    copier = BodyCopier(node, inner)
     outputs = [inner.op("Identity", go_on)] + [copier.result(v) for v in copier.iteration(0, [*states, *slices])]
     for value, declared in zip(outputs[1:], body.outputs):
         value.type, value.shape = value.type or declared.type, value.shape or declared.shape

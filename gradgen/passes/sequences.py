@@ -16,6 +16,8 @@ Exporters use sequences as lists built in a fixed way, and those lists are tenso
   elements a ``Transpose`` / ``Reshape`` of it. This needs every element to have the same shape,
   which the pass proves from the element's inferred shape (each dimension a number or a symbolic
   dimension of the model's inputs); a loop whose elements may differ keeps its sequence;
+- ``SequenceMap`` over such lists: its body copied once per element (extra tensor inputs go to
+  every copy), each output a list of the copies' results;
 - ``OptionalGetElement`` / ``OptionalHasElement`` of an ``Optional`` node.
 
 What stays (a position computed at run time, a list whose length the data decides and that is
@@ -32,13 +34,13 @@ import onnx_ir as ir
 from gradgen.builder import GraphBuilder, dims_of, graph_names
 from gradgen.ops.attributes import get_attr
 from gradgen.ops.non_tensor import NON_TENSOR_OPS, is_non_tensor_op
+from gradgen.passes.control_flow import BodyCopier
 from gradgen.passes.rewrite import STANDARD_DOMAINS, replace_node_outputs
 
 __all__ = ["REWRITTEN_OPS", "SequencesAsTensorsPass"]
 
-# The ops this pass turns into tensors where the model fixes the list (``gradgen ops`` says so);
-# SequenceMap, whose body maps each element, is not among them yet.
-REWRITTEN_OPS = NON_TENSOR_OPS - {"SequenceMap"}
+# The ops this pass turns into tensors where the model fixes the list (``gradgen ops`` says so).
+REWRITTEN_OPS = NON_TENSOR_OPS
 
 
 class SequencesAsTensorsPass(ir.passes.InPlacePass):
@@ -89,6 +91,7 @@ class _Rewriter:
         self.body_types = body_types
         self.constants: dict = {}
         self.resolved: dict[ir.Value, list[ir.Value] | None] = {}
+        self.mapped: dict[ir.Node, list[list[ir.Value]] | None] = {}
 
     def builder(self, node: ir.Node) -> GraphBuilder:
         return GraphBuilder(
@@ -124,6 +127,9 @@ class _Rewriter:
             return None if base is None or position is None else [*base[:position], *base[position + 1 :]]
         if node.op_type == "SplitToSequence":
             return self._split(node)
+        if node.op_type == "SequenceMap":
+            lists = self._map(node)
+            return None if lists is None else lists[list(node.outputs).index(value)]
         return None
 
     def _position(self, node: ir.Node, at: ir.Value | None, default: int, length: int, inclusive: bool) -> int | None:
@@ -172,6 +178,39 @@ class _Rewriter:
             return None
         self.graph.insert_after(node, b.nodes)
         return list(pieces)
+
+    def _map(self, node: ir.Node) -> list[list[ir.Value]] | None:
+        """SequenceMap's outputs, one list each, where every sequence it reads is resolved and of
+        one length: the body copied once per position (a tensor input goes to every copy)."""
+        if node not in self.mapped:
+            self.mapped[node] = None  # also while resolving, so that a cycle cannot recurse
+            per_input = [self._map_operand(value) for value in node.inputs]
+            lengths = {len(items) for items in per_input if isinstance(items, list)}
+            if all(items is not None for items in per_input) and len(lengths) == 1:
+                self.mapped[node] = self._copy_body(node, per_input, lengths.pop())
+        return self.mapped[node]
+
+    def _map_operand(self, value: ir.Value | None) -> list[ir.Value] | ir.Value | None:
+        """A SequenceMap input: its elements (a sequence), itself (a tensor), or None (unknown)."""
+        if value is None:
+            return None
+        items = self.elements(value)
+        if items is not None:
+            return items
+        producer = value.producer()
+        sequence = isinstance(value.type, ir.SequenceType) or (producer is not None and _is_non_tensor(producer))
+        return None if sequence else value
+
+    def _copy_body(self, node: ir.Node, per_input: list, length: int) -> list[list[ir.Value]]:
+        b = self.builder(node)
+        copier = BodyCopier(node, b)
+        lists: list[list[ir.Value]] = [[] for _ in node.outputs]
+        for position in range(length):
+            inputs = [items[position] if isinstance(items, list) else items for items in per_input]
+            for results, value in zip(lists, copier.iteration(position, inputs)):
+                results.append(value)
+        self.graph.insert_after(node, b.nodes)
+        return lists
 
     # -- nodes that read a sequence ------------------------------------------------------------
     def consumer(self, node: ir.Node) -> bool:
