@@ -215,6 +215,7 @@ class Session:
         # called as observer(step, args, result) after every step (per-op timing, tests)
         self.step_observer: Callable[[Step, tuple, Any], None] | None = None
         self._program: CpuProgram | None = None
+        self._observed_program: tuple[Callable, CpuProgram] | None = None  # (step_observer, its program)
         self.steps = self._plan()
         self.updates_in_place = any(step.domain == "gradgen" and step.op_type == "FusedOptimizerUpdate" for step in self.steps)
         self.backend.num_steps = len(self.steps)
@@ -421,7 +422,7 @@ class Session:
             self.closed = True
             self.backend.close()
             self.constants = {}
-            self._program = None
+            self._program = self._observed_program = None
             self._state = {}
             self._known_outputs = frozenset(self.output_names) | frozenset(self.input_names)
 
@@ -430,6 +431,13 @@ class Session:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def profile(self, feeds: dict[str, np.ndarray], runs: int = 3):
+        """Time every step (CPU): a ``gradgen.executor.profile.Profile``, each step's median over
+        ``runs`` runs after a warm-up, with ``by_op()`` and ``slowest(n)``."""
+        from gradgen.executor.profile import profile_run
+
+        return profile_run(self, feeds, runs)
 
     def _execute(self, placed_feeds: dict) -> dict:
         """Run every step on feeds already placed by the backend; return the surviving values.
@@ -464,7 +472,10 @@ class Session:
             return self._execute(placed_feeds)
         if self.step_observer is None and self._program is not None:
             return self._program(placed_feeds)
-        return self._cpu_program(self.step_observer)(placed_feeds)
+        if self._observed_program is None or self._observed_program[0] is not self.step_observer:
+            # built once per observer, so that a profile's runs do not time the program's preparation
+            self._observed_program = (self.step_observer, self._cpu_program(self.step_observer))
+        return self._observed_program[1](placed_feeds)
 
     def _cpu_program(self, observer=None) -> CpuProgram:
         return CpuProgram(self.steps, self.constants, self.output_names, self.backend.run_step, _cpu_step_failure, observer)
