@@ -3,7 +3,8 @@
 The CPU executor runs one step at a time, so the wall time between the end of one step and the end
 of the next is that step's time (its kernel and the executor's few microseconds around it). The
 Session's step observer reports each step's end; a run with it goes through the program's general
-runner, so the times include a little more Python than an unobserved run.
+runner, so the times include a little more Python than an unobserved run; the first step's time
+also holds the run's own setup (checking and placing the feeds).
 On a GPU, kernels run asynchronously and the step would have to wait for the device after every
 step; ``gradgen bench --only e2e --profile`` times the kernels there instead.
 """
