@@ -280,7 +280,7 @@ def unary_cases(draw, op):
     elif op in UNARY_SPECS:
         spec = UNARY_SPECS[op]
         attrs = dict(draw(st.sampled_from(spec.attrs)))
-        lo, hi, kinks = spec.low, spec.high, spec.kinks(attrs)
+        lo, hi, kinks, opset = spec.low, spec.high, spec.kinks(attrs), max(opset, spec.opset)
     else:
         raise KeyError(op)
     x = away(rng, s, lo, hi, kinks)

@@ -75,6 +75,7 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "MeanVarianceNormalization"): "no CUDA launcher yet",
     ("", "RMSNormalization"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
+    ("", "Swish"): "no CUDA launcher yet (opset 24)",
     # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
     # launchers; only a forward model run as it is holds them
     ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",

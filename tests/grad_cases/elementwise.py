@@ -117,6 +117,7 @@ class UnarySpec:
     attrs: tuple[dict, ...] = ({},)
     kinks: Callable[[dict], tuple] = lambda attrs: ()
     torch: Callable | None = None
+    opset: int = 17
 
 
 def _torch_shrink(x, lambd=0.5, bias=0.0):
@@ -126,7 +127,14 @@ def _torch_shrink(x, lambd=0.5, bias=0.0):
     return hard - bias * hard.sign()
 
 
+def _torch_swish(x, alpha=1.0):
+    import torch
+
+    return x * torch.sigmoid(alpha * x)
+
+
 UNARY_SPECS = {
+    "Swish": UnarySpec(-4.0, 4.0, ({}, {"alpha": 0.5}, {"alpha": -1.5}), torch=_torch_swish, opset=24),
     "Shrink": UnarySpec(
         -2.0,
         2.0,
@@ -148,7 +156,7 @@ def spec_input(spec: UnarySpec, attrs: dict, shape, rng_=rng, margin=0.1) -> np.
 
 for op, spec in UNARY_SPECS.items():
     for i, attrs in enumerate(spec.attrs):
-        CASES.append(GradCase(op, [spec_input(spec, attrs, (3, 4))], attrs=attrs, name=f"{op}_spec{i}"))
+        CASES.append(GradCase(op, [spec_input(spec, attrs, (3, 4))], attrs=attrs, opset=spec.opset, name=f"{op}_spec{i}"))
 
 CASES += [
     GradCase("Mish", [r(3, 4, low=-4, high=4)], opset=18),

@@ -264,6 +264,15 @@ def mish(g, x, y, dy):
     return g.op("Mul", dy, d)
 
 
+@_unary("Swish")
+def swish(g, x, y, dy):
+    # y = x * s, s = sigmoid(alpha * x): dy/dx = s + alpha * x * s * (1 - s) = s + alpha * y * (1 - s)
+    alpha = g.attr("alpha", 1.0)
+    s = g.op("Sigmoid", g.op("Mul", x, _c(g, x, alpha)))
+    d = g.op("Add", s, _mul(g, _c(g, x, alpha), y, g.op("Sub", _c(g, x, 1.0), s)))
+    return g.op("Mul", dy, d)
+
+
 @_unary("Gelu")
 def gelu(g, x, y, dy):
     tanh = g.attr("approximate", "none") == "tanh"

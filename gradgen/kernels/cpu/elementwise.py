@@ -456,6 +456,12 @@ def mish(x):
     return (x * np.tanh(np.logaddexp(np.zeros((), dtype=x.dtype), x))).astype(x.dtype, copy=False)
 
 
+@cpu_kernel("Swish")
+def swish(x, *, alpha=1.0):
+    """x * sigmoid(alpha * x) (opset 24; SiLU at alpha 1)."""
+    return (x * sigmoid(x * x.dtype.type(alpha))).astype(x.dtype, copy=False)
+
+
 @cpu_kernel("ThresholdedRelu")
 def thresholded_relu(x, *, alpha=1.0):
     return np.where(x > alpha, x, 0).astype(x.dtype, copy=False)
