@@ -10,6 +10,7 @@ must name symbolic dims of the model's inputs). Each is drawn within its consume
   (repeated indices are undefined there), or a usage error when they cannot be;
 - labels of SoftmaxCrossEntropyLoss / NegativeLogLikelihoodLoss: in [0, number of classes);
 - sequence_lens of LSTM / GRU / RNN: in [0, sequence length];
+- write_indices of TensorScatter: where the update fits (linear) or within the cache (circular);
 - integers that are an op's shape, axes or count (Reshape's shape, Slice's starts, TopK's k, ...):
   refused with a usage error (random values would be meaningless);
 - any other integer input: in [0, 10). Bools are fair coin flips.
@@ -373,10 +374,22 @@ def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
         elif node.op_type in ("LSTM", "GRU", "RNN") and position == 4:  # sequence_lens: in [0, seq_length]
             steps = _dim_size(node.inputs[0], node.attributes["layout"].value if "layout" in node.attributes else 0, dims)
             bounds.append(None if steps is None else steps + 1)
+        elif node.op_type == "TensorScatter" and position == 2:  # write_indices: the update fits after it
+            bounds.append(_write_index_bound(node, dims))
     known = [b for b in bounds if b is not None and np.all(np.asarray(b) > 0)]
     if not known:
         return None
     return known[0] if len(known) == 1 else np.minimum.reduce(np.broadcast_arrays(*known))
+
+
+def _write_index_bound(node: ir.Node, dims) -> int | None:
+    """TensorScatter's write_indices: in [0, room - update length] (linear), [0, room) (circular)."""
+    axis = node.attributes["axis"].value if "axis" in node.attributes else -2
+    room, length = _dim_size(node.inputs[0], axis, dims), _dim_size(node.inputs[1], axis, dims)
+    if room is None or length is None:
+        return None
+    circular = "mode" in node.attributes and node.attributes["mode"].value == "circular"
+    return room if circular else room - length + 1
 
 
 def _nd_bounds(node: ir.Node, depth: int, dims) -> np.ndarray | None:

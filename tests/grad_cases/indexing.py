@@ -106,3 +106,17 @@ CASES = [
     ),
     GradCase("Unique", [np.array([[0.7, -1.2], [-0.5, 0.1], [-0.9, 0.3]])], attrs={"axis": 0}, num_outputs=2, name="Unique_rows"),
 ]
+
+# TensorScatter (opset 24): prefill (no write_indices), decode at per-row positions, circular wrap,
+# a sequence axis in the middle
+CASES += [
+    GradCase("TensorScatter", [r(2, 3, 5, 4), r(2, 3, 2, 4)], opset=24, name="TensorScatter_prefill"),
+    GradCase("TensorScatter", [r(2, 3, 5, 4), r(2, 3, 1, 4), i64(4, 1)], opset=24, name="TensorScatter_decode"),
+    GradCase(
+        "TensorScatter",
+        [r(2, 5, 3), r(2, 3, 3), i64(3, 6)],
+        attrs={"mode": "circular", "axis": 1},
+        opset=24,
+        name="TensorScatter_circular",
+    ),
+]

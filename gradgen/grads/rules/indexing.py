@@ -97,6 +97,40 @@ def scatter_elements(g):
     return [d_data, None, d_updates]
 
 
+@grad_rule("TensorScatter", nondiff_inputs=(2,))
+def tensor_scatter(g):
+    """past_cache: dY with the written positions zeroed (TensorScatter of zeros); update: dY gathered
+    at the positions it was written to (``write_indices[b] + i``, modulo the axis when circular)."""
+    mode, axis = g.attr("mode", "linear"), g.attr("axis", -2)
+    update, starts = g.x(1), g.x(2)
+    d_cache = d_update = None
+    if g.needs(0):
+        written = [starts] if starts is not None else []
+        d_cache = g.op("TensorScatter", g.dy(), g.zeros_like(update), *written, mode=mode, axis=axis)
+    if g.needs(1):
+        d_update = g.op("GatherElements", g.dy(), _tensor_scatter_positions(g, mode, axis), axis=axis)
+    return [d_cache, d_update] + [None] * (len(g.node.inputs) - 2)
+
+
+def _tensor_scatter_positions(g, mode: str, axis: int) -> ir.Value:
+    """The int64 positions along ``axis`` that each element of the update was written to, shaped
+    like the update (gradgen/ops/indexing.py's tensor_scatter_positions, as graph ops)."""
+    update, starts = g.x(1), g.x(2)
+    rank = g.rank(update)
+    if rank is None:
+        raise ModelError("TensorScatter's gradient needs the rank of its update input (run shape inference)")
+    axis = axis % rank
+    update_shape = g.shape_of(update)
+    length = g.squeeze(g.part(update_shape, axis, axis + 1), [0])
+    steps = g.unsqueeze(g.op("Range", g.scalar(0), length, g.scalar(1)), [0])  # (1, S)
+    positions = steps if starts is None else g.op("Add", g.unsqueeze(g.to_int64(starts), [1]), steps)  # (B, S)
+    if mode == "circular":
+        room = g.part(g.shape_of(g.dy()), axis, axis + 1)
+        positions = g.op("Mod", positions, room)
+    spread = [d for d in range(1, rank) if d != axis]  # (B or 1, S) -> S on ``axis``, 1 elsewhere
+    return g.op("Expand", g.unsqueeze(positions, spread) if spread else positions, update_shape)
+
+
 @grad_rule("ScatterND", nondiff_inputs=(1,))
 def scatter_nd(g):
     """data: dY with the scattered slices zeroed (none) or dY (add); updates: GatherND of dY; max /

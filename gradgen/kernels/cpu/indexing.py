@@ -1,5 +1,5 @@
-"""CPU kernels: indexing (Gather*, Scatter*, OneHot, NonZero, Compress, and the com.microsoft
-GatherGrad and GatherElementsGrad).
+"""CPU kernels: indexing (Gather*, Scatter*, TensorScatter, OneHot, NonZero, Compress, and the
+com.microsoft GatherGrad and GatherElementsGrad).
 
 Conventions shared by every kernel here:
 
@@ -25,7 +25,7 @@ from gradgen.kernels.numeric import accumulation_dtype, shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import normalize_axis
-from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
+from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices, tensor_scatter_positions
 from gradgen.ops.schemas import FLOATS, INDICES, INT64, Attribute, Formal, Schema
 
 _REDUCTIONS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -172,6 +172,16 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
         else:
             _REDUCTIONS[reduction].at(out, parts, upd)
     return out
+
+
+@cpu_kernel("TensorScatter")
+def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    """``past_cache`` with ``update`` written along ``axis`` from ``write_indices[b]`` on in batch
+    row b (opset 24: attention's KV-cache update; ``circular`` wraps around the axis)."""
+    positions, axis = tensor_scatter_positions(past_cache.shape, update.shape, write_indices, mode, axis)
+    present = past_cache.copy()
+    np.put_along_axis(present, positions, update, axis)
+    return present
 
 
 def one_hot_depth(depth, values_size: int) -> int:
