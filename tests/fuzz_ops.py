@@ -791,6 +791,31 @@ def scatter_cases(draw, op):
 
 
 @st.composite
+def tensor_scatter_cases(draw, op):
+    """TensorScatter (opset 24): a cache of rank 2-4, an update of 1 to all of its positions along the
+    sequence axis, no write_indices (prefill) or per-row ones where the update fits (linear) or
+    anywhere up to twice around (circular)."""
+    rng = _rng(draw)
+    rank = draw(st.integers(2, 4))
+    s = dims(draw, rank, 1, 4)
+    axis = draw(st.integers(1, rank - 1))
+    room = s[axis]
+    length = draw(st.integers(1, room))
+    mode = draw(st.sampled_from(["linear", "circular"]))
+    update_shape = list(s)
+    update_shape[axis] = length
+    inputs = [rng.uniform(-2, 2, s), rng.uniform(-2, 2, update_shape)]
+    if draw(st.booleans()):
+        high = 2 * room if mode == "circular" else room - length + 1
+        inputs.append(rng.integers(0, high, s[0]).astype(np.int64))
+    attrs: dict[str, Any] = {"axis": axis if draw(st.booleans()) else axis - rank}
+    if mode == "circular" or draw(st.booleans()):
+        attrs["mode"] = mode
+    case = OpCase(op, inputs, attrs, opset=24, graph_inputs=placement(draw, list(range(len(inputs)))))
+    return finish(draw, case)
+
+
+@st.composite
 def selection_cases(draw, op):
     """Range (float), ReverseSequence, OneHot (its values), Compress and Unique (distinct values, so
     no perturbation merges or splits two of them)."""
@@ -1604,6 +1629,7 @@ for _op in ["ScatterElements", "ScatterND", "Scatter"]:
     GENERATORS[_op] = scatter_cases
 for _op in ["Range", "ReverseSequence", "OneHot", "Compress", "Unique"]:
     GENERATORS[_op] = selection_cases
+GENERATORS["TensorScatter"] = tensor_scatter_cases
 for _op in ["MatMul", "Gemm"]:
     GENERATORS[_op] = matmul_cases
 for _op in ["Conv", "ConvTranspose"]:
