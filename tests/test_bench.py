@@ -208,7 +208,14 @@ def test_cpu_group_tiny(tmp_path):
     """The CPU group in a child process (about 5 s): every runtime gives a time."""
     report = cpu.run(
         cpu.CpuOptions(
-            specs=[models.preset("gpt2-tiny")], samples=["mlp"], threads=[1], steps=2, budget_s=1.0, build_layers=2, keep_dir=None
+            specs=[models.preset("gpt2-tiny")],
+            samples=["mlp"],
+            threads=[1],
+            steps=2,
+            budget_s=1.0,
+            build_layers=2,
+            keep_dir=None,
+            profile=True,
         )
     )
     cases = report["runs"]["1"]["cases"]
@@ -216,8 +223,20 @@ def test_cpu_group_tiny(tmp_path):
     for row in cases.values():
         assert not [k for k in row if k.endswith("_error")], row
         assert all(row[k] > 0 for k in ("torch_ms", "ort_ms", "gradgen_ms", "gradgen_portable_ms"))
+        ops = [op for op, _, _ in row["gradgen_by_op"]]
+        assert "Gemm" in ops or "MatMul" in ops
+    assert "gradgen by op, sample mlp, 1 thread(s): " in cpu.format_report(report)
     assert "environment variables" in report["runs"]["1"]["thread_method"]
     assert report["build"]["layers"] == 2 and report["build"]["forward_nodes"] > 100
+
+
+def test_cpu_report_lists_the_profile_and_names_a_failed_one():
+    row = {"ort_ms": 1.0, "gradgen_portable_ms": 2.0, "gradgen_by_op": [["MatMul", 3, 1.5], ["Add", 2, 0.5]]}
+    failed = {"ort_ms": 1.0, "gradgen_portable_ms": 2.0, "gradgen_by_op_error": "KernelError: no"}
+    report = {"runs": {"1": {"cases": {"a": row, "b": failed}}}, "header": {"cores": 1}}
+    text = cpu.format_report(report)
+    assert "gradgen by op, a, 1 thread(s): MatMul 1.5 ms (75 %, 3), Add 0.5 ms (25 %, 2)" in text
+    assert "failed: b, 1 thread(s), gradgen_by_op: KernelError: no" in text
 
 
 def test_build_timing_without_ort_builder(monkeypatch):

@@ -152,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--passes", type=_positive, default=2, help="passes over the lengths (default 2)")
     g.add_argument(
-        "--profile", action="store_true", help="also print the GPU time of one gradgen step by kernel and by op (torch.profiler)"
+        "--profile",
+        action="store_true",
+        help="e2e: also print the GPU time of one gradgen step by kernel and by op (torch.profiler); cpu: gradgen's "
+        "step time by op type (every step timed, Session.profile)",
     )
     c = p.add_argument_group("cpu only")
     c.add_argument(
@@ -292,6 +295,7 @@ def run(argv: list[str] | None = None) -> None:
             child_timeout_s=args.child_timeout or 3600.0,
             keep_dir=_keep_dir(args.keep),
             debug=args.debug,
+            profile=args.profile,
             on_update=lambda report: results.update("cpu", report),
         )
         cpu.run(cpu_options)

@@ -62,6 +62,7 @@ class CpuOptions:
     child_timeout_s: float = 3600.0
     keep_dir: Path | None = None
     debug: bool = False
+    profile: bool = False  # also time gradgen's portable graph step by step (Session.profile), by op type
 
 
 def all_cores() -> int:
@@ -252,6 +253,7 @@ def run(options: CpuOptions) -> dict:
                 "steps": options.steps,
                 "budget_s": options.budget_s,
                 "debug": options.debug,
+                "profile": options.profile,
             }
             report["runs"][str(n)] = run_child("cpu-threads", task, workdir, timeout_s=options.child_timeout_s, env=thread_env(n))
             _save(options, report)
@@ -301,7 +303,8 @@ def format_report(report: dict) -> str:
         if method and method not in methods:
             methods.append(method)
         for name, r in run.get("cases", {}).items():
-            failures += [f"{name}, {n} thread(s), {k[: -len('_ms_error')]}: {v}" for k, v in r.items() if k.endswith("_error")]
+            errors = {k[: -len("_error")].removesuffix("_ms"): v for k, v in r.items() if k.endswith("_error")}
+            failures += [f"{name}, {n} thread(s), {what}: {v}" for what, v in errors.items()]
             rows.append(
                 [
                     name,
@@ -327,6 +330,7 @@ def format_report(report: dict) -> str:
         f"({h['cores']} cores; the benchmark itself adds about its thread count)"
     )
     lines += [f"  failed: {f}" for f in failures]
+    lines += _format_profiles(report)
     build = report.get("build")
     if build:
         lines.append(
@@ -344,3 +348,17 @@ def format_report(report: dict) -> str:
         else:
             lines.append(f"  ONNX Runtime's gradient builder not timed: {build.get('ort_error')}")
     return "\n".join(lines)
+
+
+def _format_profiles(report: dict, top: int = 6) -> list[str]:
+    """``--profile``: where gradgen's portable step spends its time, the costliest op types first."""
+    lines = []
+    for n, run in report["runs"].items():
+        for name, r in run.get("cases", {}).items():
+            by_op = r.get("gradgen_by_op")
+            if not by_op:
+                continue
+            total = sum(ms for _, _, ms in by_op) or 1.0
+            shown = ", ".join(f"{op} {ms:.3g} ms ({100 * ms / total:.0f} %, {steps})" for op, steps, ms in by_op[:top])
+            lines.append(f"  gradgen by op, {name}, {n} thread(s): {shown}")
+    return lines

@@ -517,6 +517,12 @@ def _cpu_case(case: dict, threads: int, task: dict) -> dict:
 
     measure("ort_ms", ort_step)
     measure("gradgen_portable_ms", gradgen_step(case["portable"]))
+    if task.get("profile"):
+        try:  # op type, steps, ms: every step timed over three runs (gradgen/executor/profile.py)
+            by_op = Session(case["portable"], device="cpu").profile(feeds, runs=3).by_op()
+            row["gradgen_by_op"] = [[op, steps, seconds * 1e3] for op, steps, seconds in by_op]
+        except Exception as exc:  # noqa: BLE001 - the timings above stand without it
+            row["gradgen_by_op_error"] = error_text(exc)
     measure("gradgen_ms", gradgen_step(case["default"]))
     measure("torch_ms", lambda: _torch_cpu_step(case, threads))
     return row
