@@ -65,6 +65,10 @@ def test_profiling_needs_a_cpu_session_and_a_run(monkeypatch):
     session, feeds = _sample()
     with pytest.raises(UsageError, match="runs must be at least 1"):
         session.profile(feeds, runs=0)
+    monkeypatch.setattr(session, "updates_in_place", True)  # a fused optimizer update: each run is a step
+    with pytest.raises(UsageError, match="updates its state in place"):
+        session.profile(feeds)
+    monkeypatch.setattr(session, "updates_in_place", False)
     monkeypatch.setattr(session, "device", "cuda")
     with pytest.raises(UsageError, match="CPU executor.*--device cpu"):
         session.profile(feeds)
@@ -103,3 +107,20 @@ def test_cli_profile_on_a_gpu_is_a_usage_error(capsys, monkeypatch, tmp_path):
     code, out, err = run_cli(capsys, monkeypatch, "run", path, "--random-inputs", "--profile")
     assert code == 2 and err.startswith("error: ") and "CPU executor" in err and "Traceback" not in err
     assert "time by op" not in out and "ran on" not in out
+
+
+def test_bound_state_is_left_as_it_was():
+    """A Session whose output feeds its input back (a training step's state): profiling runs it
+    several times but commits none of them."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["count", "one"], ["next"])],
+        "counter",
+        [helper.make_tensor_value_info("count", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("next", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), state={"count": "next"})
+    session.write_state({"count": np.zeros(1, np.float32)})
+    profile = session.profile({}, runs=2)
+    assert [s.op_type for s in profile.steps] == ["Add"]
+    assert session.run({})["next"][0] == 1.0  # the first committed step

@@ -64,11 +64,19 @@ def profile_run(session, feeds: dict, runs: int = 3) -> Profile:
     require_cpu(session)
     if runs < 1:
         raise UsageError(f"runs must be at least 1, got {runs}")
-    session.run(feeds)
+    if session.updates_in_place:
+        raise UsageError("this Session updates its state in place at every run; profiling would take several steps")
+    # bound state (a training step's parameters) stays as it was: no run of the profile commits it
+    keep_state = (lambda _results: False) if session.state_bindings else None
+
+    def run_once() -> None:
+        session.run(feeds, commit=keep_state)
+
+    run_once()
     plain = []
     for _ in range(runs):
         started = time.perf_counter()
-        session.run(feeds)
+        run_once()
         plain.append(time.perf_counter() - started)
     samples: list[list[float]] = [[] for _ in session.steps]
     position = {id(step): k for k, step in enumerate(session.steps)}
@@ -84,7 +92,7 @@ def profile_run(session, feeds: dict, runs: int = 3) -> Profile:
     try:
         for _ in range(runs):
             last[0] = time.perf_counter()
-            session.run(feeds)
+            run_once()
     finally:
         session.step_observer = previous
     steps = [
