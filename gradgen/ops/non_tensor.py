@@ -1,9 +1,10 @@
 """Ops whose values are not tensors: ONNX sequences and optionals.
 
-gradgen's passes, gradient rules and executors hold tensors only, so a node of these ops is refused
-(a model error naming each such node and op) by the gradient pass when the loss depends on it and by
-a Session when it plans the graph, rather than reported as an op without a rule or kernel.
-``gradgen ops`` lists them without a rule or kernel.
+gradgen's passes, gradient rules and executors hold tensors only. SequencesAsTensorsPass
+(gradgen/passes/sequences.py) turns the nodes whose lists the model fixes into the tensors they hold
+(``gradgen ops`` lists these ops as ``rewritten``); a node of these ops that stays is refused (a
+model error naming each such node and op) by the gradient pass when the loss depends on it and by a
+Session when it plans the graph, rather than reported as an op without a rule or kernel.
 """
 
 from __future__ import annotations

@@ -118,15 +118,12 @@ def rand(rng, shape, dtype=np.float32, low=None, high=None):
     return np.asarray(x, np.float32).astype(dtype) if np.dtype(dtype) != np.float64 else np.asarray(x, np.float64)
 
 
-def _tol(dtype):
-    """Tolerances for one float type: the 16-bit types are within a rounding or two."""
-    if np.dtype(dtype) == BF16:
-        return dict(rtol=2**-7, atol=2**-7)
-    if np.dtype(dtype) == np.float16:
-        return dict(rtol=2**-10, atol=2**-10)
-    if np.dtype(dtype) == np.float32:
-        return dict(rtol=1e-6, atol=1e-6)
-    return dict(rtol=1e-12, atol=1e-12)
+def _tol(dtype, *, bf16=2**-7, f16=2**-10, f32=1e-6, f64=1e-12):
+    """Tolerances (rtol = atol) for one float type; by default the 16-bit types are within a
+    rounding or two."""
+    per_type = {BF16: bf16, np.dtype(np.float16): f16, np.dtype(np.float32): f32}
+    bound = per_type.get(np.dtype(dtype), f64)
+    return dict(rtol=bound, atol=bound)
 
 
 def backward_matches(model, feeds, wrt=None, rtol=1e-5, atol=1e-6):
@@ -706,13 +703,7 @@ EINSUM_CASES = [
 def _einsum_tol(dtype):
     """A 16-bit result is one rounding of float32 sums on both devices, but a label summed before the
     matmul rounds once more on the GPU."""
-    if np.dtype(dtype) == BF16:
-        return dict(rtol=2**-5, atol=2**-5)
-    if np.dtype(dtype) == np.float16:
-        return dict(rtol=2**-8, atol=2**-8)
-    if np.dtype(dtype) == np.float32:
-        return dict(rtol=1e-5, atol=1e-5)
-    return dict(rtol=1e-12, atol=1e-12)
+    return _tol(dtype, bf16=2**-5, f16=2**-8, f32=1e-5)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
