@@ -62,7 +62,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "Det"): "no CUDA launcher yet",
     ("", "DFT"): "no CUDA launcher yet",
-    ("", "GlobalLpPool"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
@@ -71,9 +70,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
-    ("", "LpNormalization"): "no CUDA launcher yet",
-    ("", "MeanVarianceNormalization"): "no CUDA launcher yet",
-    ("", "RMSNormalization"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
     ("", "Swish"): "no CUDA launcher yet (opset 24)",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
@@ -94,8 +90,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
         for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
     },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
-    ("com.microsoft", "SoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13; gradgen emits SoftmaxGrad_13)",
-    ("com.microsoft", "LogSoftmaxGrad"): "no CUDA launcher yet (ORT training graphs before opset 13)",
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
     ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
     ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",

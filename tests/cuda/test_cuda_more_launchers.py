@@ -776,3 +776,101 @@ def test_einsum_backward(launches, equation, shapes):
     rng = np.random.default_rng(35)
     model, feeds = loss_model("Einsum", [rand(rng, s, np.float64) for s in shapes], equation=equation)
     backward_matches(model, feeds, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- normalizations composed of launchers
+
+
+def _composed_tol(dtype):
+    """Sums in another order than numpy's, then a subtraction or a division: float32 within a few ulps."""
+    return dict(rtol=1e-5, atol=1e-5) if np.dtype(dtype) == np.float32 else _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("shape,axis", [((3, 4), -1), ((2, 3, 5), 1), ((2, 3, 5), 0), ((0, 4), 1), ((3, 0), -1)], ids=str)
+def test_lp_normalization(launches, dtype, p, shape, axis):
+    rng = np.random.default_rng(40)
+    check(launches, "LpNormalization", [rand(rng, shape, dtype)], axis=axis, p=p, **_composed_tol(dtype))
+
+
+def test_lp_normalization_keeps_zero_lines_and_nans(launches):
+    x = np.array([[0, 0, 0], [1, np.nan, 2], [3, 4, 0], [1e-40, 0, 0]], np.float32)
+    out = check(launches, "LpNormalization", [x], axis=1, p=2)["out0"]
+    assert np.all(out[0] == 0) and np.all(np.isnan(out[1])) and np.all(out[3] == 0)  # 1e-40 squared underflows
+
+
+def test_lp_normalization_other_p_is_refused(launches):
+    check_raises(launches, "LpNormalization", [np.ones((2, 3), np.float32)], "p must be 1 or 2", p=3)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(
+    "shape,axes", [((2, 3, 4, 5), (0, 2, 3)), ((2, 3, 4), (2,)), ((3, 4), (0, 1)), ((2, 3, 4), (-1, 0))], ids=str
+)
+def test_mean_variance_normalization(launches, dtype, shape, axes):
+    rng = np.random.default_rng(41)
+    x = rand(rng, shape, dtype, -2, 2)
+    check(launches, "MeanVarianceNormalization", [x], axes=list(axes), **_composed_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("shape,axis", [((2, 3, 8), -1), ((2, 3, 8), 1), ((4, 5), 0), ((2, 0, 3), -1)], ids=str)
+def test_rms_normalization(launches, dtype, shape, axis):
+    rng = np.random.default_rng(42)
+    x, scale = rand(rng, shape, dtype), rand(rng, shape[axis % len(shape) :], dtype, 0.5, 1.5)
+    check(launches, "RMSNormalization", [x, scale], axis=axis, epsilon=1e-5, opset=23, **_composed_tol(dtype))
+
+
+def test_rms_normalization_other_stash_types_are_refused(launches):
+    rng = np.random.default_rng(43)
+    x, scale = rand(rng, (2, 4)), rand(rng, (4,))
+    check_raises(launches, "RMSNormalization", [x, scale], "stash_type", opset=23, stash_type=0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 7), (2, 2, 3, 0)], ids=str)
+def test_global_lp_pool(launches, dtype, p, shape):
+    rng = np.random.default_rng(44)
+    check(launches, "GlobalLpPool", [rand(rng, shape, dtype)], p=p, **_composed_tol(dtype))
+
+
+def test_global_lp_pool_of_other_p_runs_the_cpu_kernel(launches):
+    rng = np.random.default_rng(45)
+    check(launches, "GlobalLpPool", [rand(rng, (2, 3, 4, 4))], p=3, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op_type", ["SoftmaxGrad", "LogSoftmaxGrad"])
+@pytest.mark.parametrize("shape,axis", [((3, 4), 1), ((2, 3, 5), 1), ((2, 3, 5), 0), ((2, 3, 5), -1), ((0, 4), 1)], ids=str)
+def test_coerced_softmax_gradients(launches, dtype, op_type, shape, axis):
+    """Softmax before opset 13: the sums run over every axis from ``axis`` on."""
+    rng = np.random.default_rng(46)
+    y = rand(rng, shape, dtype, 0.05, 1) if op_type == "SoftmaxGrad" else rand(rng, shape, dtype, -3, 0)
+    check(launches, op_type, [rand(rng, shape, dtype), y], domain=MS, axis=axis, **_composed_tol(dtype))
+
+
+def test_coerced_softmax_gradient_shape_mismatch_raises(launches):
+    rng = np.random.default_rng(47)
+    check_raises(launches, "SoftmaxGrad", [rand(rng, (3, 4)), rand(rng, (4, 3))], "must", domain=MS)
+
+
+@pytest.mark.parametrize(
+    "op_type,shape,attrs",
+    [
+        ("LpNormalization", (3, 4), {"axis": 1, "p": 2}),
+        ("MeanVarianceNormalization", (2, 3, 4), {"axes": [0, 2]}),
+        ("RMSNormalization", (2, 3, 4), {"axis": -1, "epsilon": 1e-5, "opset": 23}),
+        ("GlobalLpPool", (2, 3, 4, 4), {"p": 2}),
+    ],
+)
+def test_composed_normalizations_backward(launches, op_type, shape, attrs):
+    rng = np.random.default_rng(48)
+    inputs = [rand(rng, shape, np.float64, 0.5, 1.5)]
+    if op_type == "RMSNormalization":
+        inputs.append(rand(rng, shape[-1:], np.float64, 0.5, 1.5))
+    model, feeds = loss_model(op_type, inputs, **attrs)
+    calls = launches(op_type)
+    backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-12)
+    assert calls, f"the {op_type} launcher did not run in the backward graph"

@@ -546,7 +546,7 @@ def broadcast_gradient_args(a_shape, b_shape):
 # ---------------------------------------------------------------- ops composed of the launchers above
 
 
-def _scalar(value, dtype):
+def device_scalar(value, dtype):
     """A 0-d device array holding ``value`` cast to ``dtype`` (a fill: no upload, so capturable)."""
     from gradgen.cuda import runtime as rt
     from gradgen.kernels.cuda.launch import fill
@@ -556,7 +556,7 @@ def _scalar(value, dtype):
     return out
 
 
-def _in_float32(fn, *xs):
+def in_float32(fn, *xs):
     """``fn(*xs)`` computed as the CPU backend computes a 16-bit float op (gradgen/executor/
     low_precision.py): on float32 copies, the result rounded once to the inputs' type. Other float
     types run as they are."""
@@ -581,9 +581,9 @@ def mean(*xs):
         total = _variadic("sum", "add", "Mean", ys)
         if len(ys) == 1:
             return total
-        return binary(f"div_{dtype_suffix(total.dtype)}", total, _scalar(len(ys), total.dtype), total.dtype)
+        return binary(f"div_{dtype_suffix(total.dtype)}", total, device_scalar(len(ys), total.dtype), total.dtype)
 
-    return _in_float32(run, *xs)
+    return in_float32(run, *xs)
 
 
 def _same_shape(a, b, a_name: str, b_name: str) -> None:
@@ -597,7 +597,7 @@ def _output_grad(op_type: str, dY, Y, slope):
     same_type(dY, Y)
     if dtype_suffix(Y.dtype) not in FLOATS:
         return cpu_fallback(op_type, dY, Y, domain=MICROSOFT)
-    return _in_float32(slope, dY, Y)
+    return in_float32(slope, dY, Y)
 
 
 @cuda_kernel("SigmoidGrad", domain=MICROSOFT)
@@ -605,7 +605,7 @@ def sigmoid_grad(dY, Y):
     """dX = dY * Y * (1 - Y), from Sigmoid's output Y (the CPU kernel's order of operations)."""
 
     def slope(dy, y):
-        one = _scalar(1, y.dtype)
+        one = device_scalar(1, y.dtype)
         return mul(mul(dy, y), sub(one, y))
 
     return _output_grad("SigmoidGrad", dY, Y, slope)
@@ -616,7 +616,7 @@ def tanh_grad(dY, Y):
     """dX = dY * (1 - Y * Y), from Tanh's output Y (the CPU kernel's order of operations)."""
 
     def slope(dy, y):
-        one = _scalar(1, y.dtype)
+        one = device_scalar(1, y.dtype)
         return mul(dy, sub(one, mul(y, y)))
 
     return _output_grad("TanhGrad", dY, Y, slope)
@@ -629,7 +629,7 @@ def _bias_gelu_grad(op_type: str, grad, dY, X, B):
     same_type(dY, X, B)
     if dtype_suffix(X.dtype) not in FLOATS:
         return cpu_fallback(op_type, dY, X, B, domain=MICROSOFT)
-    return _in_float32(lambda dy, x, b: grad(dy, add(x, b)), dY, X, B)
+    return in_float32(lambda dy, x, b: grad(dy, add(x, b)), dY, X, B)
 
 
 @cuda_kernel("BiasGeluGrad_dX", domain=MICROSOFT)
@@ -654,6 +654,6 @@ def scale(input, scale_value, *, scale_down=0):
         return cpu_fallback("Scale", input, np.asarray(scale_value), domain=MICROSOFT, scale_down=scale_down)
 
     def run(x):
-        return mul(x, _scalar(x.dtype.type(factor), x.dtype))
+        return mul(x, device_scalar(x.dtype.type(factor), x.dtype))
 
-    return _in_float32(run, input)
+    return in_float32(run, input)

@@ -15,9 +15,10 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import cast_to
+from gradgen.kernels.cuda.elementwise import binary, cast_to, device_scalar, equal, in_float32, unary, where
 from gradgen.kernels.cuda.launch import (
     BLOCK,
+    FLOATS,
     contiguous,
     cpu_fallback,
     dtype_suffix,
@@ -28,6 +29,7 @@ from gradgen.kernels.cuda.launch import (
     runtime,
     stream,
 )
+from gradgen.kernels.cuda.reduction import reduce
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
@@ -476,3 +478,74 @@ def layer_normalization_grad_add(dY, X, scale, mean, inv_std_var, residual, *, a
     if counters is None:
         launch(_grad_kernel(f"ln_grad_finish_{s}"), cols, dscale, dbias, part_scale, part_bias, np.int64(chunks), np.int64(cols))
     return dx, dscale, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalizations composed of the elementwise and reduction launchers, in the order of the CPU
+# kernels' numpy expressions (a 16-bit input computed in float32 and rounded once, as there).
+
+
+def _composed(op_type: str, fn, *xs, **attrs):
+    """``fn`` on the float inputs ``xs`` (computed in float32 for 16-bit types); the CPU kernel for others."""
+    if any(dtype_suffix(x.dtype) not in FLOATS for x in xs):
+        return cpu_fallback(op_type, *xs, **attrs)
+    return in_float32(fn, *xs)
+
+
+def _op(name: str, a, b):
+    return binary(f"{name}_{dtype_suffix(a.dtype)}", a, b, a.dtype)
+
+
+@cuda_kernel("LpNormalization")
+def lp_normalization(x, *, axis=-1, p=2):
+    """x / ||x||_p along ``axis`` (p 1 or 2); a line of zeros stays zeros."""
+    p = int(p)
+    if p not in (1, 2):
+        raise KernelError(f"p must be 1 or 2, got {p}")
+    ax = normalize_axis(axis, len(x.shape))
+
+    def run(xc):
+        norm = reduce("l1" if p == 1 else "l2", xc, (ax,), True, "ReduceL1" if p == 1 else "ReduceL2")
+        zero = device_scalar(0, xc.dtype)
+        # where(norm == 0, 0, x / norm), as the CPU kernel: a line of zeros, or of values whose
+        # squares underflow, stays 0
+        return where(equal(norm, zero), zero, _op("div", xc, norm))
+
+    return _composed("LpNormalization", run, x, axis=axis, p=p)
+
+
+@cuda_kernel("MeanVarianceNormalization")
+def mean_variance_normalization(x, *, axes=(0, 2, 3)):
+    """(X - E[X]) / (sqrt(E[X^2] - E[X]^2) + 1e-9), as ONNX's function body defines it."""
+    rank = len(x.shape)
+    axes_tuple = tuple(sorted({normalize_axis(int(a), rank) for a in axes}))
+
+    def run(xc):
+        mean = reduce("mean", xc, axes_tuple, True, "ReduceMean")
+        mean_square = reduce("mean", _op("mul", xc, xc), axes_tuple, True, "ReduceMean")
+        variance = _op("sub", mean_square, _op("mul", mean, mean))
+        spread = _op("add", unary(f"sqrt_{dtype_suffix(xc.dtype)}", variance), device_scalar(1e-9, xc.dtype))
+        return _op("div", _op("sub", xc, mean), spread)
+
+    return _composed("MeanVarianceNormalization", run, x, axes=axes)
+
+
+@cuda_kernel("RMSNormalization")
+def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """X / sqrt(mean(X^2 over the axes from ``axis``) + epsilon) * scale (ONNX opset 23)."""
+    if int(stash_type) != 1:
+        raise KernelError(f"stash_type={stash_type} is not supported (only 1, float32)")
+    rank = len(x.shape)
+    axes_tuple = tuple(range(normalize_axis(axis, rank), rank))
+
+    def run(xc, sc):
+        mean_square = reduce("mean", _op("mul", xc, xc), axes_tuple, True, "ReduceMean")
+        rms = unary(f"sqrt_{dtype_suffix(xc.dtype)}", _op("add", mean_square, device_scalar(epsilon, xc.dtype)))
+        return _op("mul", _op("div", xc, rms), sc)
+
+    if dtype_suffix(x.dtype) not in FLOATS or dtype_suffix(scale.dtype) not in FLOATS:
+        return cpu_fallback("RMSNormalization", x, scale, axis=axis, epsilon=epsilon, stash_type=stash_type)
+    compute = np.dtype(np.float32) if np.dtype(x.dtype).itemsize == 2 else np.dtype(x.dtype)
+    xc = x if np.dtype(x.dtype) == compute else cast_to(x, compute)
+    y = run(xc, scale if np.dtype(scale.dtype) == compute else cast_to(scale, compute))
+    return y if np.dtype(y.dtype) == np.dtype(x.dtype) else cast_to(y, x.dtype)

@@ -1,10 +1,11 @@
 """CUDA launchers: pooling (pool.cu).
 
 MaxPool (optional Indices output, the CPU kernel's flat-index semantics), AveragePool
-(count_include_pad, pads, strides, dilations, ceil_mode), GlobalAveragePool and GlobalMaxPool
-run on the GPU for up to 3 spatial axes and float16/bfloat16/float/double; other ranks and dtypes
-run the numpy kernel and upload its result. The geometry (output shape, padding, the divisor bounds) is
-resolved on the host by the CPU kernel's own helpers, so both devices agree on every corner case.
+(count_include_pad, pads, strides, dilations, ceil_mode), GlobalAveragePool and GlobalMaxPool run
+on the GPU for up to 3 spatial axes and float16/bfloat16/float/double; other ranks and dtypes run
+the numpy kernel and upload its result. GlobalLpPool of p 1 and 2 runs through the reduction
+launchers. The geometry (output shape, padding, the divisor bounds) is resolved on the host by the
+CPU kernel's own helpers, so both devices agree on every corner case.
 """
 
 from __future__ import annotations
@@ -132,6 +133,18 @@ def global_max_pool(x):
     if not is_float(x.dtype) or x.ndim < 3 or any(int(d) == 0 for d in x.shape[2:]):
         return cpu_fallback("GlobalMaxPool", x)
     return _global_pool(x, 1)
+
+
+@cuda_kernel("GlobalLpPool")
+def global_lp_pool(x, *, p=2):
+    """(sum over the spatial axes of |x|^p)^(1/p) for p 1 and 2: ReduceL1 / ReduceL2 over them
+    (float32 sums for 16-bit data, rounded once, as on the CPU); other p run the CPU kernel."""
+    from gradgen.kernels.cuda.reduction import reduce
+
+    if float(p) not in (1.0, 2.0) or dtype_suffix(x.dtype) not in FLOATS or x.ndim < 3:
+        return cpu_fallback("GlobalLpPool", x, p=p)
+    op = "l1" if float(p) == 1.0 else "l2"
+    return reduce(op, x, tuple(range(2, x.ndim)), True, "ReduceL1" if op == "l1" else "ReduceL2")
 
 
 # ---------------------------------------------------------------------------------------------

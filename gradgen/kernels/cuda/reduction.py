@@ -311,6 +311,31 @@ def log_softmax_grad_13(dY, Y, *, axis=-1):
     return _softmax_grad("LogSoftmaxGrad_13", dY, Y, axis, log=True)
 
 
+def _coerced_softmax_grad(op_type: str, dY, Y, axis, log: bool):
+    """SoftmaxGrad / LogSoftmaxGrad (Softmax before opset 13): the sums run over every axis from
+    ``axis`` on, so the operands are viewed as 2-D (rows, the rest) and reduced along axis 1."""
+    if tuple(dY.shape) != tuple(Y.shape):
+        raise KernelError(f"{op_type}: dY {dY.dtype}{list(dY.shape)} and Y {Y.dtype}{list(Y.shape)} must have one shape and type")
+    shape = tuple(int(d) for d in Y.shape)
+    ax = normalize_axis(axis, len(shape))
+    rows = int(np.prod(shape[:ax], dtype=np.int64))
+    flat = (rows, int(np.prod(shape[ax:], dtype=np.int64)))
+    out = _softmax_grad(op_type, contiguous(dY).reshape(flat), contiguous(Y).reshape(flat), 1, log)
+    return out.reshape(shape)
+
+
+@cuda_kernel("SoftmaxGrad", domain=MICROSOFT)
+def softmax_grad(dY, Y, *, axis=1):
+    """dX = Y * (dY - sum(dY * Y)) over every axis from ``axis`` (ONNX Runtime training's SoftmaxGrad)."""
+    return _coerced_softmax_grad("SoftmaxGrad", dY, Y, axis, log=False)
+
+
+@cuda_kernel("LogSoftmaxGrad", domain=MICROSOFT)
+def log_softmax_grad(dY, Y, *, axis=1):
+    """dX = dY - exp(Y) * sum(dY) over every axis from ``axis`` (ONNX Runtime training's LogSoftmaxGrad)."""
+    return _coerced_softmax_grad("LogSoftmaxGrad", dY, Y, axis, log=True)
+
+
 @cuda_kernel("Softmax")
 def softmax(x, *, axis=None, _opset=13):
     return _softmax("Softmax", x, axis, _opset, log=False)
