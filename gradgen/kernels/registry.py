@@ -71,7 +71,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
-    ("", "Swish"): "no CUDA launcher yet (opset 24)",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
     # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
     # launchers; only a forward model run as it is holds them

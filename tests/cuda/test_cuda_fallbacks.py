@@ -145,7 +145,6 @@ MODELS = {
     "MaxPoolGrad": lambda: _case_model("MaxPoolGrad"),
     "AveragePoolGrad": lambda: _case_model("AveragePoolGrad"),
     "LogSoftmaxGrad_13": lambda: _microsoft_case_model("LogSoftmaxGrad_13"),
-    "Swish": lambda: _case_model("Swish"),
     "TensorScatter": lambda: _case_model("TensorScatter"),
 }
 

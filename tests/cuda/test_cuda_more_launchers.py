@@ -874,3 +874,22 @@ def test_composed_normalizations_backward(launches, op_type, shape, attrs):
     calls = launches(op_type)
     backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-12)
     assert calls, f"the {op_type} launcher did not run in the backward graph"
+
+
+# ---------------------------------------------------------------- Swish (opset 24)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("alpha", [1.0, 0.5, -1.5])
+@pytest.mark.parametrize("shape", [(3, 4), (2, 0), ()], ids=str)
+def test_swish(launches, dtype, alpha, shape):
+    rng = np.random.default_rng(50)
+    check(launches, "Swish", [rand(rng, shape, dtype, -6, 6)], opset=24, alpha=alpha, **_composed_tol(dtype))
+
+
+def test_swish_backward(launches):
+    rng = np.random.default_rng(51)
+    model, feeds = loss_model("Swish", [rand(rng, (3, 5), np.float64, -4, 4)], opset=24, alpha=0.7)
+    calls = launches("Swish")
+    backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-12)
+    assert calls

@@ -567,6 +567,20 @@ def in_float32(fn, *xs):
     return cast_to(out, dtype)
 
 
+@cuda_kernel("Swish")
+def swish(x, *, alpha=1.0):
+    """x * sigmoid(alpha * x) (opset 24), in the CPU kernel's order (float32 for 16-bit x)."""
+    if dtype_suffix(x.dtype) not in FLOATS:
+        return cpu_fallback("Swish", x, alpha=alpha)
+
+    def run(xc):
+        s = dtype_suffix(xc.dtype)
+        scaled = binary(f"mul_{s}", xc, device_scalar(alpha, xc.dtype), xc.dtype)
+        return binary(f"mul_{s}", xc, unary(f"sigmoid_{s}", scaled), xc.dtype)
+
+    return in_float32(run, x)
+
+
 @cuda_kernel("Mean")
 def mean(*xs):
     """The inputs' sum (left to right, broadcast) divided by their count, as the CPU kernel does."""
