@@ -783,7 +783,7 @@ def test_einsum_backward(launches, equation, shapes):
 
 def _composed_tol(dtype):
     """Sums in another order than numpy's, then a subtraction or a division: float32 within a few ulps."""
-    return dict(rtol=1e-5, atol=1e-5) if np.dtype(dtype) == np.float32 else _tol(dtype)
+    return _tol(dtype, f32=1e-5)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
