@@ -438,16 +438,19 @@ def ops(
         typer.echo(json.dumps(table, indent=1))
         return
     header = ("domain", "op_type", "gradient", "cpu", "cuda")
-    rows = [
-        (r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no", "yes" if r["cuda"] else "no")
-        for r in table
-    ]
+    rows = [(r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no", _cuda_column(r)) for r in table]
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     typer.echo(f"{len(rows)} ops")
     if any(r["gradient"] == "rewritten" for r in table):
         typer.echo("rewritten: build-backward turns the op into others before the gradient pass (--json: rewritten_to)")
+    if any(r["cuda_form"] for r in table):
+        typer.echo("form: a GPU session runs the op as the standard ops build-backward writes for it (--json: cuda_form)")
+
+
+def _cuda_column(row: dict) -> str:
+    return "yes" if row["cuda"] else "form" if row["cuda_form"] else "no"
 
 
 @app.command("check")

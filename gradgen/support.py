@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gradgen.grads import all_rules
 from gradgen.kernels import all_kernels
+from gradgen.kernels.registry import CUDA_STANDARD_FORMS
 from gradgen.ops import schemas
 from gradgen.ops.non_tensor import NON_TENSOR_OPS
 
@@ -27,7 +28,8 @@ def rewritten_ops() -> dict[tuple[str, str], str]:
 def supported_ops() -> list[dict]:
     """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable"/"rewritten" (with
     ``rewritten_to`` saying into what), cpu, cuda (the com.microsoft ops gradgen emits are listed
-    from their schemas even without a kernel)."""
+    from their schemas even without a kernel), and ``cuda_form``: for an op a GPU Session runs as
+    its standard-op form, which pass writes it and when (``registry.CUDA_STANDARD_FORMS``)."""
     rewritten = rewritten_ops()
     rules = all_rules()
     kernels = all_kernels()
@@ -49,6 +51,7 @@ def supported_ops() -> list[dict]:
                 "rewritten_to": rewritten.get((domain, op_type)) if rule is None else None,
                 "cpu": bool(kernel and kernel.cpu),
                 "cuda": bool(kernel and kernel.cuda),
+                "cuda_form": CUDA_STANDARD_FORMS.get((domain, op_type)),
             }
         )
     return rows

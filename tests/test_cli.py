@@ -167,7 +167,7 @@ def test_ops_json(capsys, monkeypatch):
     code, stdout, _ = run_cli(capsys, monkeypatch, "ops", "--json")
     assert code == 0
     rows = json.loads(stdout)
-    assert all(set(r) == {"domain", "op_type", "gradient", "rewritten_to", "cpu", "cuda"} for r in rows)
+    assert all(set(r) == {"domain", "op_type", "gradient", "rewritten_to", "cpu", "cuda", "cuda_form"} for r in rows)
     by_name = {(r["domain"], r["op_type"]): r for r in rows}
     assert by_name[("com.microsoft", "GatherGrad")]["cpu"] is True
     assert by_name[("ai.onnx", "Add")]["gradient"] == "yes"
@@ -177,14 +177,19 @@ def test_ops_json(capsys, monkeypatch):
     assert by_name[("ai.onnx", "Upsample")]["rewritten_to"].startswith("Resize")
     assert all(r["gradient"] in ("yes", "no", "non-differentiable", "rewritten") for r in rows)
     assert all((r["rewritten_to"] is not None) == (r["gradient"] == "rewritten") for r in rows)
+    assert by_name[("ai.onnx", "LSTM")]["cuda_form"].startswith("UnrollRecurrentPass")
+    assert not by_name[("ai.onnx", "LSTM")]["cuda"] and by_name[("ai.onnx", "Add")]["cuda_form"] is None
 
 
-def test_ops_table_explains_rewritten(capsys, monkeypatch):
+def test_ops_table_explains_rewritten_and_form(capsys, monkeypatch):
     code, stdout, _ = run_cli(capsys, monkeypatch, "ops")
     assert code == 0
     upsample = next(line for line in stdout.splitlines() if " Upsample " in line)
     assert upsample.split()[2] == "rewritten"
-    assert stdout.rstrip().splitlines()[-1].startswith("rewritten: build-backward turns the op into others")
+    assert stdout.rstrip().splitlines()[-2].startswith("rewritten: build-backward turns the op into others")
+    lstm = next(line for line in stdout.splitlines() if " LSTM " in line)
+    assert lstm.split()[-1] == "form"
+    assert stdout.rstrip().splitlines()[-1].startswith("form: a GPU session runs the op as the standard ops")
 
 
 def test_python_dash_m_is_the_same_program(tiny):

@@ -21,6 +21,7 @@ from gradgen.errors import GradgenError, KernelError, ModelError, RunError, Unsu
 from gradgen.evaluate import foldable_op
 from gradgen.executor import low_precision
 from gradgen.executor.cpu_program import CpuProgram, call_in_place
+from gradgen.executor.standard_forms import with_standard_forms
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.names import name_mismatch, quoted
@@ -191,8 +192,10 @@ class Session:
         state_guard: Sequence[str] = (),
     ):
         self.model = _runnable(load_model(model))
-        self.graph = self.model.graph
         self.device = resolve_device(device)
+        if self.device == "cuda":
+            self.model = with_standard_forms(self.model)  # ops with no launcher of their own, as standard ops
+        self.graph = self.model.graph
         if self.device == "cuda":
             from gradgen.cuda import runtime
             from gradgen.executor.cuda_backend import CudaBackend

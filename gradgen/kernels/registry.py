@@ -59,44 +59,49 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "AffineGrid"): "no CUDA launcher yet",
     ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
-    ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "Det"): "no CUDA launcher yet",
     ("", "DFT"): "no CUDA launcher yet",
-    ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
-    ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
-    # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
-    # launchers; only a forward model run as it is holds them
-    ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",
-    ("", "LSTM"): "no CUDA launcher: backward graphs hold their unrolled form",
-    ("", "RNN"): "no CUDA launcher: backward graphs hold their unrolled form",
-    # control flow: a body runs as a CPU Session of its own; build_backward unrolls the loops it
-    # differentiates (passes/control_flow.py), so backward graphs hold their bodies' ops
+    # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
     ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
-    ("", "Loop"): "no CUDA launcher: its body runs as a CPU Session; backward graphs hold the unrolled form",
-    ("", "Scan"): "no CUDA launcher: its body runs as a CPU Session; backward graphs hold the unrolled form",
-    # ONNX Runtime's forward ops of models optimized for its inference: build_backward rewrites them
-    # into standard ops (passes/decompose.py); only a forward model run as it is holds them
-    **{
-        op: "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)"
-        for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
-    },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
     ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
     ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }
 
+# Ops a GPU Session runs as their standard-op form: before it plans, the Session rewrites them with
+# the passes build-backward runs (gradgen/executor/standard_forms.py), so that every node of the
+# form has a launcher and no step copies to the host. Where the form does not apply (the condition
+# given), the op stays and runs its numpy kernel on host copies, as a declared fallback does.
+# tests/cuda/test_cuda_fallbacks.py runs each on the GPU.
+CUDA_STANDARD_FORMS: dict[tuple[str, str], str] = {
+    ("", "GridSample"): "DecomposePass, for a float X",
+    ("", "RoiAlign"): "DecomposePass, for a fixed sampling_ratio (an adaptive one samples a run-time number of points)",
+    ("", "STFT"): "DecomposePass, for frames the shapes fix",
+    ("", "DeformConv"): "DecomposePass, for static shapes",
+    ("", "LSTM"): "UnrollRecurrentPass, for a static sequence length",
+    ("", "GRU"): "UnrollRecurrentPass, for a static sequence length",
+    ("", "RNN"): "UnrollRecurrentPass, for a static sequence length",
+    ("", "Loop"): "UnrollLoopsPass, for a trip count the model fixes (a data-dependent one runs its body as a CPU Session)",
+    ("", "Scan"): "UnrollLoopsPass, for a static length (another runs its body as a CPU Session)",
+    # ONNX Runtime's forward ops of models optimized for its inference (their lowerings)
+    **{
+        op: "DecomposePass (the op's lowering), for an input of known type and rank"
+        for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
+    },
+}
+
 __all__ = [
     "CPU_FAMILIES",
     "CUDA_FALLBACKS",
+    "CUDA_STANDARD_FORMS",
     "CUDA_FAMILIES",
     "MICROSOFT",
     "ONNX_DOMAIN",

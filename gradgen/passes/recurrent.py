@@ -29,12 +29,28 @@ __all__ = ["UnrollRecurrentPass"]
 
 class UnrollRecurrentPass(ir.passes.InPlacePass):
     """Replace every LSTM / GRU / RNN node of the main graph by its unrolled form (in place); shape
-    inference runs afterwards when something was unrolled."""
+    inference runs afterwards when something was unrolled. With ``static_length_only``, nodes whose
+    sequence length is known only at run time stay as they are (instead of becoming a Loop)."""
+
+    def __init__(self, static_length_only: bool = False):
+        super().__init__()
+        self.static_length_only = static_length_only
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = [n for n in model.graph if n.domain in STANDARD_DOMAINS and n.op_type in RECURRENT_OPS]
+        if self.static_length_only:
+            nodes = [n for n in nodes if _static_length(n)]
         modified = rewrite_nodes(model, nodes, lambda node, builder: _Unroller(node, builder).outputs())
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _static_length(node: ir.Node) -> bool:
+    """Whether the node's X has a known rank of 3 and a static length along its time axis."""
+    x = node.inputs[0] if node.inputs else None
+    if x is None or x.shape is None or x.shape.rank() != 3:
+        return False
+    layout = node.attributes.get_int("layout", 0)
+    return isinstance(x.shape[1 if layout == 1 else 0], int)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from gradgen.executor import Session
+from gradgen.kernels import registry
 from gradgen.ops.schemas import LOWERED_FORWARD_OPS
 from tests.control_flow_models import if_model, loop_feeds, loop_model, scan_feeds, scan_model
 from tests.gradcheck import case_model
@@ -159,3 +160,22 @@ def test_declared_fallback_runs_on_a_gpu_session(op_type):
     for name, value in want.items():
         assert got[name].shape == value.shape and got[name].dtype == value.dtype, name
         np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("op_type", sorted(op for _, op in registry.CUDA_STANDARD_FORMS))
+def test_standard_form_op_runs_as_its_form_on_a_gpu_session(op_type):
+    """The ops of CUDA_STANDARD_FORMS become standard ops before a GPU Session plans: no step is the
+    op itself, every step without a launcher is a declared fallback, and the results match the CPU's."""
+    model, feeds = MODELS[op_type]()
+    want = Session(model).run(feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session = Session(model, device="cuda")
+        got = session.run(feeds)
+    ops = {(step.domain, step.op_type) for step in session.steps}
+    assert not ops & set(registry.CUDA_STANDARD_FORMS), op_type
+    hosted = {op for op in ops if (entry := registry.lookup(*op)) is not None and entry.cuda is None}
+    assert hosted <= set(registry.CUDA_FALLBACKS), hosted
+    for name, value in want.items():
+        assert got[name].shape == value.shape and got[name].dtype == value.dtype, name
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
