@@ -288,16 +288,19 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     xp = pad_spatial(x.astype(ct, copy=False), begin, end, 0)
     win = sliding_windows(xp, kernel, s, d, out)  # (N, C, *out, *k)
     ns, k, p = len(kernel), math.prod(kernel), math.prod(out)
-    win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
     w_g = w.astype(ct, copy=False).reshape(group, m // group, c_per_group * k)
     # im2col, one copy whose innermost axis is the longer of the output positions and the kernel
     # taps (both run along X's rows; a weight gradient lowered to a Conv has a kernel as large as
-    # the image), then one GEMM per group.
-    if p >= k:
+    # the image), then one GEMM per group; large images one at a time (see _conv_per_image).
+    if group == 1 and n_batch > 1 and p >= PER_IMAGE_POSITIONS and channels * k * n_batch * p > SMALL_CONV_COLUMNS:
+        y = _conv_per_image(win, w_g[0], ns, p)
+    elif p >= k:
+        win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
         order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
         cols = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
         y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
     else:
+        win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
         order = (1, 0, *range(3, 3 + ns), 2, *range(3 + ns, 3 + 2 * ns))
         cols = win.transpose(order).reshape(group, n_batch * p, c_per_group * k)
         y = np.matmul(cols, w_g.transpose(0, 2, 1))  # (G, N*P, Mg)
@@ -308,6 +311,25 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
 
 
 SMALL_CONV_COLUMNS = 1 << 17  # im2col elements up to which a prepared Conv gathers by a kept index (1 MiB of it)
+PER_IMAGE_POSITIONS = 512  # output positions per image from which a large Conv runs image by image
+
+
+def _conv_per_image(win: np.ndarray, w2: np.ndarray, ns: int, p: int) -> np.ndarray:
+    """Conv of group 1 as im2col and one GEMM per image, each written into the output's own rows.
+
+    ``win`` is the padded input's window view (N, C, *out, *kernel) and ``w2`` the weight as (M,
+    C * K). One image's columns stay in cache and the result needs no transpose: at 56 x 56 with
+    64 channels this took 11.4 ms against 14.1 ms for one im2col of the whole batch; at 7 x 7 the
+    batched form is faster, hence ``PER_IMAGE_POSITIONS``.
+    """
+    n_batch, channels = win.shape[:2]
+    y = np.empty((n_batch, w2.shape[0], p), dtype=w2.dtype)
+    to_columns = (0, *range(1 + ns, 1 + 2 * ns), *range(1, 1 + ns))  # (C, *kernel, *out)
+    cols = np.empty((channels, *win.shape[2 + ns :], *win.shape[2 : 2 + ns]), dtype=w2.dtype)
+    for image in range(n_batch):
+        np.copyto(cols, win[image].transpose(to_columns))
+        np.matmul(w2, cols.reshape(w2.shape[1], p), out=y[image])
+    return y
 
 
 @cpu_prepare("Conv")
@@ -419,6 +441,11 @@ def conv_transpose(
             strides=strides,
         ),
     )
+    if group == 1 and set(s) == {1} and n_batch * m * math.prod(out) * (math.prod(kernel) + 1) > SMALL_CONV_COLUMNS:
+        y = _stride_one_transpose_as_conv(x, w, d, begin, out)
+        if b is not None:
+            y = y + b.astype(y.dtype, copy=False).reshape((-1,) + (1,) * ns)
+        return np.ascontiguousarray(y, dtype=x.dtype)
     ct = float_compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     wc = w.astype(ct, copy=False)
@@ -444,6 +471,25 @@ def conv_transpose(
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+def _stride_one_transpose_as_conv(x, w, dilations, begin, out) -> np.ndarray:
+    """ConvTranspose of stride 1 and group 1 as a Conv: output o along an axis sums x[begin + o - t d]
+    w[t] over the taps t, which is a correlation of x shifted by L = (K - 1) d - begin (zeros
+    outside) with the kernel flipped and its two channel axes swapped. Large ones run this way: a
+    Conv's im2col and GEMM cost less than the GEMM and the scattered tap sums of the general form
+    (in the computation type; the caller casts)."""
+    ns = x.ndim - 2
+    kernel = w.shape[2:]
+    lefts = [(k - 1) * d - bg for k, d, bg in zip(kernel, dilations, begin)]
+    rights = [o + (k - 1) * d - n - left for o, k, d, n, left in zip(out, kernel, dilations, x.shape[2:], lefts)]
+    ct = float_compute_dtype(x.dtype)
+    shifted = pad_spatial(x.astype(ct, copy=False), [max(v, 0) for v in lefts], [max(v, 0) for v in rights], 0)
+    shifted = shifted[
+        (slice(None), slice(None)) + tuple(slice(max(-a, 0), n - max(-z, 0)) for a, z, n in zip(lefts, rights, shifted.shape[2:]))
+    ]
+    flipped = w.astype(ct, copy=False).swapaxes(0, 1)[(slice(None), slice(None)) + (slice(None, None, -1),) * ns]
+    return conv(shifted, np.ascontiguousarray(flipped), dilations=list(dilations))
 
 
 @cpu_prepare("ConvTranspose")

@@ -1,0 +1,93 @@
+"""The CPU Conv and ConvTranspose kernels pick their algorithm by size: large convolutions of
+group 1 run image by image (Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1).
+Each large-size path must compute what the general form computes, for every geometry; the size
+thresholds are lowered here so that small cases take them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradgen.errors import KernelError
+from gradgen.kernels.cpu import conv as cpu_conv
+
+
+def _with_threshold(monkeypatch, value: int):
+    monkeypatch.setattr(cpu_conv, "SMALL_CONV_COLUMNS", value)
+
+
+def _random_geometry(rng, ns: int, mode: int) -> tuple[list[int], list[int], dict]:
+    spatial = [int(v) for v in rng.integers(1, 7, ns)]
+    kernel = [int(v) for v in rng.integers(1, 4, ns)]
+    attrs: dict = {"dilations": [int(v) for v in rng.integers(1, 3, ns)]}
+    if mode == 1:
+        attrs["pads"] = [int(v) for v in rng.integers(0, 3, 2 * ns)]
+    elif mode == 2:
+        attrs["output_shape"] = [int(v) for v in rng.integers(1, 9, ns)]
+    elif mode == 3:
+        attrs["auto_pad"] = "SAME_UPPER" if rng.random() < 0.5 else "SAME_LOWER"
+    return spatial, kernel, attrs
+
+
+@pytest.mark.parametrize("ns", [1, 2, 3])
+def test_stride_one_conv_transpose_as_conv_matches_the_general_form(monkeypatch, ns):
+    rng = np.random.default_rng(ns)
+    compared = 0
+    for trial in range(40):
+        spatial, kernel, attrs = _random_geometry(rng, ns, trial % 4)
+        x = rng.standard_normal([2, 3, *spatial])
+        w = rng.standard_normal([3, 4, *kernel])
+        b = rng.standard_normal(4)
+        _with_threshold(monkeypatch, 1 << 62)
+        try:
+            want = cpu_conv.conv_transpose(x, w, b, **attrs)
+        except KernelError:  # a geometry the op refuses (an empty output): refused by both paths
+            _with_threshold(monkeypatch, 0)
+            with pytest.raises(KernelError):
+                cpu_conv.conv_transpose(x, w, b, **attrs)
+            continue
+        _with_threshold(monkeypatch, 0)
+        got = cpu_conv.conv_transpose(x, w, b, **attrs)
+        assert got.shape == want.shape and got.dtype == want.dtype, attrs
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(attrs))
+        compared += 1
+    assert compared >= 20
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_conv_transpose_as_conv_keeps_the_input_type(monkeypatch, dtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(dtype)
+    w = rng.standard_normal((3, 4, 3, 3)).astype(dtype)
+    _with_threshold(monkeypatch, 1 << 62)
+    want = cpu_conv.conv_transpose(x, w, pads=[1, 1, 1, 1])
+    _with_threshold(monkeypatch, 0)
+    got = cpu_conv.conv_transpose(x, w, pads=[1, 1, 1, 1])
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("ns", [1, 2, 3])
+def test_conv_image_by_image_matches_the_batched_form(monkeypatch, ns):
+    rng = np.random.default_rng(10 + ns)
+    monkeypatch.setattr(cpu_conv, "PER_IMAGE_POSITIONS", 1)
+    for _ in range(20):
+        spatial = [int(v) for v in rng.integers(3, 8, ns)]
+        kernel = [int(v) for v in rng.integers(1, 4, ns)]
+        attrs = {
+            "strides": [int(v) for v in rng.integers(1, 3, ns)],
+            "dilations": [int(v) for v in rng.integers(1, 3, ns)],
+            "pads": [int(v) for v in rng.integers(0, 2, 2 * ns)],
+        }
+        x = rng.standard_normal([3, 2, *spatial])
+        w = rng.standard_normal([5, 2, *kernel])
+        b = rng.standard_normal(5)
+        _with_threshold(monkeypatch, 1 << 62)
+        try:
+            want = cpu_conv.conv(x, w, b, **attrs)
+        except KernelError:  # an empty output
+            continue
+        _with_threshold(monkeypatch, 0)
+        got = cpu_conv.conv(x, w, b, **attrs)
+        assert got.shape == want.shape and got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(attrs))
