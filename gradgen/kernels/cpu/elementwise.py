@@ -507,12 +507,38 @@ def is_inf(x, *, detect_negative=1, detect_positive=1):
     return out
 
 
+BIT_SELECT_ELEMENTS = 1 << 14  # outputs from which Where selects by bit masks instead of np.where
+_SAME_WIDTH_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 @cpu_kernel("Where")
 def where(condition, x, y):
     if condition.dtype != np.bool_:
         raise KernelError(f"condition must be bool, got {condition.dtype}")
     _same_type(x, y)
+    shape = np.broadcast_shapes(condition.shape, x.shape, y.shape)
+    if x.dtype.kind in "fiubV" and x.dtype.itemsize in _SAME_WIDTH_INTS and math.prod(shape) >= BIT_SELECT_ELEMENTS:
+        return _bit_select(condition, x, y, shape)
     return np.where(condition, x, y)
+
+
+def _bit_select(condition, x, y, shape: tuple[int, ...]):
+    """``np.where(condition, x, y)`` bit for bit, as ``y ^ ((x ^ y) & mask)`` on the elements' bits
+    with a mask of all ones where the condition holds (``x & mask`` when y is a zero scalar, as in
+    a ReLU gradient). np.where branches per element: on a ReLU mask of 3.2 M elements, half of
+    them true, it took 20 ms here and this 2.2 ms."""
+    ints = _SAME_WIDTH_INTS[x.dtype.itemsize]
+    mask = np.negative(condition, dtype=ints, casting="unsafe")  # True -> -1: all bits set
+    x_bits, y_bits = x.view(ints), y.view(ints)
+    if y.size == 1 and not y_bits.any():
+        out = np.asarray(np.bitwise_and(x_bits, mask))
+    else:
+        out = np.asarray(np.bitwise_xor(x_bits, y_bits))
+        out = np.bitwise_and(out, mask, out=out if out.shape == shape else None)
+        np.bitwise_xor(out, y_bits, out=out)
+    if out.shape != shape:  # a zero y of a higher rank than x and the condition
+        out = np.ascontiguousarray(np.broadcast_to(out, shape))
+    return out.view(x.dtype)
 
 
 for _op, _fn in (("BitwiseAnd", np.bitwise_and), ("BitwiseOr", np.bitwise_or), ("BitwiseXor", np.bitwise_xor)):

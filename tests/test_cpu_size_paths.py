@@ -1,19 +1,25 @@
-"""The CPU Conv and ConvTranspose kernels pick their algorithm by size: large convolutions of
-group 1 run image by image (Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1).
-Each large-size path must compute what the general form computes, for every geometry; the size
-thresholds are lowered here so that small cases take them."""
+"""CPU kernels that pick their algorithm by size: large convolutions of group 1 run image by image
+(Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1); a large Where selects by
+bit masks. Each large-size path must compute what the general form computes (Where: the same
+bits as np.where), for every geometry, broadcast and dtype; the size thresholds are lowered here
+so that small cases take them."""
 
 from __future__ import annotations
 
+import itertools
+
+import ml_dtypes
 import numpy as np
 import pytest
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import conv as cpu_conv
+from gradgen.kernels.cpu import elementwise as cpu_elementwise
 
 
 def _with_threshold(monkeypatch, value: int):
     monkeypatch.setattr(cpu_conv, "SMALL_CONV_COLUMNS", value)
+    monkeypatch.setattr(cpu_conv, "TRANSPOSE_AS_CONV_POSITIONS", 1)
 
 
 def _random_geometry(rng, ns: int, mode: int) -> tuple[list[int], list[int], dict]:
@@ -91,3 +97,28 @@ def test_conv_image_by_image_matches_the_batched_form(monkeypatch, ns):
         got = cpu_conv.conv(x, w, b, **attrs)
         assert got.shape == want.shape and got.flags.c_contiguous
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(attrs))
+
+
+WHERE_SHAPES = [(), (1,), (3,), (2, 3), (1, 3), (2, 1), (4, 2, 3), (1, 1, 1), (2, 1, 3)]
+WHERE_DTYPES = [np.float32, np.float64, np.float16, np.dtype(ml_dtypes.bfloat16), np.int64, np.int32, np.int8, np.uint8, np.bool_]
+
+
+@pytest.mark.parametrize("dtype", WHERE_DTYPES, ids=str)
+def test_where_by_bit_masks_gives_np_where_bits(monkeypatch, dtype):
+    monkeypatch.setattr(cpu_elementwise, "BIT_SELECT_ELEMENTS", 1)
+    rng = np.random.default_rng(0)
+    for cs, xs, ys in itertools.product(WHERE_SHAPES, repeat=3):
+        try:
+            np.broadcast_shapes(cs, xs, ys)
+        except ValueError:
+            continue
+        condition = rng.random(cs) < 0.5
+        x = (rng.standard_normal(xs) * 5).astype(dtype)
+        if np.dtype(dtype).kind == "f" and x.size:
+            x.reshape(-1)[0] = np.nan
+        negative_zero = np.array(-0.0 if np.dtype(dtype).kind == "f" else 0).astype(dtype)
+        for y in ((rng.standard_normal(ys) * 5).astype(dtype), np.zeros(ys, dtype), negative_zero):
+            want = np.ascontiguousarray(np.where(condition, x, y))
+            got = cpu_elementwise.where(condition, x, y)
+            assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype, (cs, xs, ys)
+            assert np.array_equal(np.ascontiguousarray(got).view(np.uint8), want.view(np.uint8)), (cs, xs, ys)
