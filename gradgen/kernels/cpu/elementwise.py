@@ -537,7 +537,7 @@ def _bit_select(condition, x, y, shape: tuple[int, ...]):
         out = np.bitwise_and(out, mask, out=out if out.shape == shape else None)
         np.bitwise_xor(out, y_bits, out=out)
     if out.shape != shape:  # a zero y of a higher rank than x and the condition
-        out = np.ascontiguousarray(np.broadcast_to(out, shape))
+        out = np.broadcast_to(out, shape).copy()
     return out.view(x.dtype)
 
 
