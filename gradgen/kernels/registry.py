@@ -67,8 +67,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    ("", "LRN"): "no CUDA launcher yet",
-    ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",

@@ -4,8 +4,9 @@ MaxPool (optional Indices output, the CPU kernel's flat-index semantics), Averag
 (count_include_pad, pads, strides, dilations, ceil_mode), GlobalAveragePool and GlobalMaxPool run
 on the GPU for up to 3 spatial axes and float16/bfloat16/float/double; other ranks and dtypes run
 the numpy kernel and upload its result. GlobalLpPool of p 1 and 2 runs through the reduction
-launchers. The geometry (output shape, padding, the divisor bounds) is resolved on the host by the
-CPU kernel's own helpers, so both devices agree on every corner case.
+launchers, LpPool through AveragePool's kernel (``window_mean``). The geometry (output shape,
+padding, the divisor bounds) is resolved on the host by the CPU kernel's own helpers, so both
+devices agree on every corner case.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 
 import numpy as np
 
+from gradgen.kernels.cuda.elementwise import binary, device_scalar, in_float32, unary
 from gradgen.kernels.cuda.launch import (
     FLOATS,
     contiguous,
@@ -27,9 +29,10 @@ from gradgen.kernels.cuda.launch import (
     runtime,
 )
 from gradgen.kernels.table import cuda_kernel
-from gradgen.ops.pool import declared_pads, pool_geometry
+from gradgen.ops.pool import declared_pads, pool_geometry, pool_window
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
+EVERY_TAP = 1 << 62  # divisor bounds [-EVERY_TAP, EVERY_TAP): every window tap counts
 
 POOL_GEOM = np.dtype(
     [("nc", np.int64)]
@@ -82,11 +85,25 @@ def max_pool(x, *, _num_outputs=1, **attrs):
     return (y, idx) if _num_outputs >= 2 else y
 
 
+def window_mean(x, kernel, strides, dilations, begin, out, counted=None):
+    """AveragePool's kernel (pool.cu's avg_pool) on the float x (N, C, *spatial), 1 to 3 spatial
+    axes: y[n, c, o] = the sum of window o's taps that fall inside x (padding adds 0), divided by
+    how many of its taps lie in [lo, hi) on every axis, ``counted`` = (lo, hi) per axis; None
+    counts every tap (the divisor is the window's size)."""
+    rt = runtime()
+    ns = len(kernel)
+    lo, hi = counted if counted is not None else ([-EVERY_TAP] * ns, [EVERY_TAP] * ns)
+    x = contiguous(x)
+    y = rt.empty(tuple(x.shape[:2]) + tuple(out), x.dtype)
+    if y.size:
+        geom = _pool_geom(x.shape, kernel, strides, dilations, begin, out, lo, hi)
+        launch(kernel_of("pool", f"avg_pool_{require_suffix(x.dtype)}"), y.size, y, x, geom, np.int64(y.size))
+    return y
+
+
 @cuda_kernel("AveragePool")
 def average_pool(x, **attrs):
     """``attrs``: the node's attributes, read with their ONNX defaults (gradgen.ops.pool)."""
-    from gradgen.cuda import runtime as rt
-
     kernel, s, d, begin, end, out = pool_geometry(x.shape, attrs, "AveragePool")
     if not _gpu_poolable(x):
         return cpu_fallback("AveragePool", x, **attrs)
@@ -98,13 +115,7 @@ def average_pool(x, **attrs):
         hi = [size + declared[ns + a] for a, size in enumerate(spatial)]
     else:
         lo, hi = [0] * ns, spatial
-    x = contiguous(x)
-    y = rt.empty(tuple(x.shape[:2]) + tuple(out), x.dtype)
-    geom = _pool_geom(x.shape, kernel, s, d, begin, out, lo, hi)
-    fn = kernel_of("pool", f"avg_pool_{require_suffix(x.dtype)}")
-    if y.size:
-        launch(fn, y.size, y, x, geom, np.int64(y.size))
-    return y
+    return window_mean(x, kernel, s, d, begin, out, (lo, hi))
 
 
 def _global_pool(x, mode: int):
@@ -145,6 +156,50 @@ def global_lp_pool(x, *, p=2):
         return cpu_fallback("GlobalLpPool", x, p=p)
     op = "l1" if float(p) == 1.0 else "l2"
     return reduce(op, x, tuple(range(2, x.ndim)), True, "ReduceL1" if op == "l1" else "ReduceL2")
+
+
+# ---------------------------------------------------------------------------------------------
+# LpPool
+
+
+def _abs_power(x, p: int):
+    """|x|^p: |x| for p 1, x * x for 2 (as numpy's power computes them), Pow otherwise."""
+    s = dtype_suffix(x.dtype)
+    if p == 2:
+        return binary(f"mul_{s}", x, x, x.dtype)
+    magnitude = unary(f"abs_{s}", x)
+    return magnitude if p == 1 else binary(f"pow_{s}_{s}", magnitude, device_scalar(p, x.dtype), x.dtype)
+
+
+def _root(total, p: int):
+    """total^(1/p): itself for p 1, Sqrt for 2 (as numpy's power computes them), Pow otherwise."""
+    s = dtype_suffix(total.dtype)
+    if p == 1:
+        return total
+    if p == 2:
+        return unary(f"sqrt_{s}", total)
+    return binary(f"pow_{s}_{s}", total, device_scalar(1.0 / p, total.dtype), total.dtype)
+
+
+@cuda_kernel("LpPool")
+def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
+    """(sum over each window of |x|^p)^(1/p), padding adding 0: the window mean of |x|^p with every
+    tap counted (``window_mean``) times the window's size, then the 1/p power (float32 for 16-bit
+    x, rounded once). p < 1, and ranks or dtypes the pool kernels do not cover, run the CPU kernel."""
+    attrs = dict(
+        auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, p=p, pads=pads, strides=strides
+    )
+    kernel, s, d, begin, _end, out = pool_window("LpPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    order = int(p)
+    if order < 1 or not _gpu_poolable(x):
+        return cpu_fallback("LpPool", x, **attrs)
+
+    def run(xc):
+        mean = window_mean(_abs_power(xc, order), kernel, s, d, begin, out)
+        size = device_scalar(math.prod(kernel), xc.dtype)
+        return _root(binary(f"mul_{dtype_suffix(xc.dtype)}", mean, size, xc.dtype), order)
+
+    return in_float32(run, x)
 
 
 # ---------------------------------------------------------------------------------------------
