@@ -67,7 +67,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
     # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
@@ -88,8 +87,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
-    ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
-    ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }
 
 __all__ = [
