@@ -63,17 +63,12 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "DFT"): "no CUDA launcher yet",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
-    ("", "LRN"): "no CUDA launcher yet",
-    ("", "LpPool"): "no CUDA launcher yet",
-    ("", "MaxUnpool"): "no CUDA launcher yet",
     ("", "RotaryEmbedding"): "no CUDA launcher yet",
     ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
     # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
     ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
     ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
-    ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
-    ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }
 
 # Ops a GPU Session runs as their standard-op form: before it plans, the Session rewrites them with

@@ -253,32 +253,43 @@ def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, s
     """Scatter X into zeros at MaxPool's flattened indices. The indices address the inferred
     shape ((in - 1) * stride - pads + kernel per axis); output_shape, when given, only adds zero
     room after it (what ONNX's reference and test_maxunpool_export_with_output_shape expect)."""
+    inferred, shape = unpool_shapes(x.shape, indices.shape, output_shape, kernel_shape, pads, strides)
+    size = int(np.prod(inferred))
+    idx = indices.astype(np.int64).reshape(-1)
+    check_unpool_indices(idx, size)
+    flat = np.zeros(size, dtype=x.dtype)
+    flat[idx] = x.reshape(-1)
+    result = np.zeros(shape, dtype=x.dtype)
+    result[tuple(slice(0, n) for n in inferred)] = flat.reshape(inferred)
+    return result
+
+
+def unpool_shapes(x_shape, indices_shape, output_shape, kernel_shape, pads, strides) -> tuple[list[int], list[int]]:
+    """MaxUnpool's (inferred shape, output shape), checked: output_shape (a host array or None)
+    may only be larger than the inferred shape, and the indices must have X's shape."""
     if kernel_shape is None:
         raise KernelError("MaxUnpool needs the kernel_shape attribute")
-    ns = x.ndim - 2
+    ns = len(x_shape) - 2
     k = per_axis(kernel_shape, ns, 1, "kernel_shape")
     s = per_axis(strides, ns, 1, "strides")
     p = per_axis(pads, 2 * ns, 0, "pads")
-    inferred = [(x.shape[2 + i] - 1) * s[i] - (p[i] + p[ns + i]) + k[i] for i in range(ns)]
-    inferred = list(x.shape[:2]) + inferred
+    inferred = [int(d) for d in x_shape[:2]] + [(x_shape[2 + i] - 1) * s[i] - (p[i] + p[ns + i]) + k[i] for i in range(ns)]
     shape = inferred if output_shape is None else [int(v) for v in np.asarray(output_shape).reshape(-1)]
-    if len(shape) != x.ndim or any(a < b for a, b in zip(shape, inferred)):
+    if len(shape) != len(x_shape) or any(a < b for a, b in zip(shape, inferred)):
         raise KernelError(f"output_shape {shape} is smaller than the inferred shape {inferred}")
-    if indices.shape != x.shape:
-        raise KernelError(f"indices shape {list(indices.shape)} differs from X's {list(x.shape)}")
-    size = int(np.prod(inferred))
-    idx = indices.astype(np.int64).reshape(-1)
+    if tuple(indices_shape) != tuple(x_shape):
+        raise KernelError(f"indices shape {list(indices_shape)} differs from X's {list(x_shape)}")
+    return inferred, shape
+
+
+def check_unpool_indices(idx: np.ndarray, size: int) -> None:
+    """KernelError for the first of the flat int64 indices outside [0, size)."""
     bad = (idx < 0) | (idx >= size)
     if bad.any():
         raise KernelError(
             f"index {int(idx[bad][0])} is out of range for the flattened output of {size} elements; "
             f"valid range is [0, {size - 1}]"
         )
-    flat = np.zeros(size, dtype=x.dtype)
-    flat[idx] = x.reshape(-1)
-    result = np.zeros(shape, dtype=x.dtype)
-    result[tuple(slice(0, n) for n in inferred)] = flat.reshape(inferred)
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +352,7 @@ def upsample(x, scales=None, *, mode="nearest"):
 # ONNX Runtime training's pooling gradients
 
 
-def _pool_input_shape(dy_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
+def pool_grad_input_shape(dy_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
     """The smallest input shape whose pooling gives ``dy_shape``, and the begin pads."""
     if kernel_shape is None:
         raise KernelError("kernel_shape is required")
@@ -387,9 +398,9 @@ def max_pool_grad(
 ):
     """dX: dY added at MaxPool's Indices (flat positions in X, batch and channel included)."""
     same_shape(dY, Indices, "dY", "Indices")
-    shape, _, _, _, _ = _pool_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    shape, _, _, _, _ = pool_grad_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     plane = math.prod(shape[2:])
-    idx = Indices.astype(np.int64).reshape(shape[0] * shape[1], -1)
+    idx = Indices.astype(np.int64).reshape(shape[0] * shape[1], math.prod(dY.shape[2:]))  # no -1: N * C may be 0
     owner = np.arange(shape[0] * shape[1], dtype=np.int64)[:, None]
     if idx.size and ((idx < owner * plane) | (idx >= (owner + 1) * plane)).any():
         raise KernelError(
@@ -407,21 +418,12 @@ def average_pool_grad(
 ):
     """dX: each dY spread evenly over its window (clipped to X), divided by the kernel size
     (count_include_pad) or by the clipped window's size. ORT supports 1-3 spatial axes."""
-    shape, begin, kernel, s, d = _pool_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    shape, begin, kernel, s = average_pool_grad_geometry(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     ns = len(kernel)
-    if ns > 3:
-        raise KernelError(f"AveragePoolGrad supports 1 to 3 spatial axes, got {ns}")
-    if any(v != 1 for v in d):
-        raise KernelError(f"AveragePoolGrad does not support dilations {d}")
     ct = accumulation_dtype(dY.dtype)
     dx = np.zeros(shape, dtype=ct)
     dy = dY.astype(ct, copy=False)
-    spatial = shape[2:]
-    # Per axis and output position: the clipped window [lo, hi).
-    bounds = []
-    for axis in range(ns):
-        start = np.arange(dY.shape[2 + axis]) * s[axis] - begin[axis]
-        bounds.append((np.maximum(start, 0), np.minimum(start + kernel[axis], spatial[axis])))
+    bounds = clipped_windows(dY.shape[2:], s, begin, kernel, shape[2:])
     for position in np.ndindex(*dY.shape[2:]):
         lo = [int(bounds[a][0][i]) for a, i in enumerate(position)]
         hi = [int(bounds[a][1][i]) for a, i in enumerate(position)]
@@ -432,6 +434,28 @@ def average_pool_grad(
         value = dy[(slice(None), slice(None)) + position] / ct.type(count)
         dx[window] += value.reshape(value.shape + (1,) * ns)
     return dx.astype(dY.dtype)
+
+
+def average_pool_grad_geometry(dy_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
+    """AveragePoolGrad's (dX shape, begin pads, kernel, strides), checked as ORT does: 1 to 3
+    spatial axes, no dilations."""
+    shape, begin, kernel, s, d = pool_grad_input_shape(dy_shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    ns = len(kernel)
+    if ns > 3:
+        raise KernelError(f"AveragePoolGrad supports 1 to 3 spatial axes, got {ns}")
+    if any(v != 1 for v in d):
+        raise KernelError(f"AveragePoolGrad does not support dilations {d}")
+    return shape, begin, kernel, s
+
+
+def clipped_windows(out, strides, begin, kernel, spatial) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per spatial axis, each output position's window clipped to the input: (lo, hi) arrays,
+    the window [lo, hi) (empty where hi <= lo: a window entirely in the padding)."""
+    bounds = []
+    for axis, n_out in enumerate(out):
+        start = np.arange(n_out) * strides[axis] - begin[axis]
+        bounds.append((np.maximum(start, 0), np.minimum(start + kernel[axis], spatial[axis])))
+    return bounds
 
 
 # ---------------------------------------------------------------------------------------------

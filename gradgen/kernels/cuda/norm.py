@@ -549,3 +549,29 @@ def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     xc = x if np.dtype(x.dtype) == compute else cast_to(x, compute)
     y = run(xc, scale if np.dtype(scale.dtype) == compute else cast_to(scale, compute))
     return y if np.dtype(y.dtype) == np.dtype(x.dtype) else cast_to(y, x.dtype)
+
+
+@cuda_kernel("LRN")
+def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
+    """x / (bias + alpha * mean of x^2 over the ``size`` channels around each one)^beta, zeros
+    past the channel ends (the CPU kernel's alpha / size * sum): the mean is AveragePool's kernel
+    (pool.window_mean, every tap counted) over a (N, 1, C, rest) view with a (size, 1) window;
+    float32 for 16-bit x, rounded once. size < 1 and rank < 2 run the CPU kernel."""
+    from gradgen.kernels.cuda.pool import window_mean
+
+    if size is None:
+        raise KernelError("LRN needs the size attribute")
+    window = int(size)
+    if window < 1 or x.ndim < 2 or dtype_suffix(x.dtype) not in FLOATS:
+        return cpu_fallback("LRN", x, alpha=alpha, beta=beta, bias=bias, size=size)
+    n, channels, rest = int(x.shape[0]), int(x.shape[1]), math.prod(int(d) for d in x.shape[2:])
+
+    def run(xc):
+        s = dtype_suffix(xc.dtype)
+        square = _op("mul", xc, xc).reshape((n, 1, channels, rest))
+        mean = window_mean(square, (window, 1), (1, 1), (1, 1), ((window - 1) // 2, 0), (channels, rest))
+        base = _op("add", device_scalar(bias, xc.dtype), _op("mul", device_scalar(alpha, xc.dtype), mean))
+        scale = binary(f"pow_{s}_{s}", base, device_scalar(beta, xc.dtype), xc.dtype)
+        return _op("div", xc, scale.reshape(tuple(xc.shape)))
+
+    return in_float32(run, x)

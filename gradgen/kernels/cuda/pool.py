@@ -4,8 +4,13 @@ MaxPool (optional Indices output, the CPU kernel's flat-index semantics), Averag
 (count_include_pad, pads, strides, dilations, ceil_mode), GlobalAveragePool and GlobalMaxPool run
 on the GPU for up to 3 spatial axes and float16/bfloat16/float/double; other ranks and dtypes run
 the numpy kernel and upload its result. GlobalLpPool of p 1 and 2 runs through the reduction
-launchers. The geometry (output shape, padding, the divisor bounds) is resolved on the host by the
-CPU kernel's own helpers, so both devices agree on every corner case.
+launchers, LpPool through AveragePool's kernel (``window_mean``). The geometry (output shape,
+padding, the divisor bounds) is resolved on the host by the CPU kernel's own helpers, so both
+devices agree on every corner case.
+
+MaxUnpool and ONNX Runtime training's MaxPoolGrad are indexing's row scatter (an out-of-range
+index raises the CPU kernel's error through the scatter's range flag); AveragePoolGrad is the
+transpose of a window sum, ConvTranspose with a ones kernel, as gradgen's AveragePool gradient.
 """
 
 from __future__ import annotations
@@ -14,8 +19,20 @@ import math
 
 import numpy as np
 
+from gradgen.kernels.cpu.pool import (
+    average_pool_grad_geometry,
+    check_unpool_indices,
+    clipped_windows,
+    pool_grad_input_shape,
+    unpool_shapes,
+)
+from gradgen.kernels.cpu.pool import max_pool_grad as cpu_max_pool_grad
+from gradgen.kernels.cuda.conv import conv_transpose
+from gradgen.kernels.cuda.elementwise import and_, binary, device_scalar, greater_or_equal, in_float32, less, unary, where
+from gradgen.kernels.cuda.indexing import row_scatter
 from gradgen.kernels.cuda.launch import (
     FLOATS,
+    INT32_LIMIT,
     contiguous,
     cpu_fallback,
     dtype_suffix,
@@ -23,13 +40,17 @@ from gradgen.kernels.cuda.launch import (
     kernel_of,
     launch,
     left_pad,
+    plan_cache,
     require_suffix,
     runtime,
+    strided_copy,
 )
+from gradgen.kernels.numeric import same_shape
 from gradgen.kernels.table import cuda_kernel
-from gradgen.ops.pool import declared_pads, pool_geometry
+from gradgen.ops.pool import declared_pads, pool_geometry, pool_window
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
+EVERY_TAP = 1 << 62  # divisor bounds [-EVERY_TAP, EVERY_TAP): every window tap counts
 
 POOL_GEOM = np.dtype(
     [("nc", np.int64)]
@@ -82,11 +103,25 @@ def max_pool(x, *, _num_outputs=1, **attrs):
     return (y, idx) if _num_outputs >= 2 else y
 
 
+def window_mean(x, kernel, strides, dilations, begin, out, counted=None):
+    """AveragePool's kernel (pool.cu's avg_pool) on the float x (N, C, *spatial), 1 to 3 spatial
+    axes: y[n, c, o] = the sum of window o's taps that fall inside x (padding adds 0), divided by
+    how many of its taps lie in [lo, hi) on every axis, ``counted`` = (lo, hi) per axis; None
+    counts every tap (the divisor is the window's size)."""
+    rt = runtime()
+    ns = len(kernel)
+    lo, hi = counted if counted is not None else ([-EVERY_TAP] * ns, [EVERY_TAP] * ns)
+    x = contiguous(x)
+    y = rt.empty(tuple(x.shape[:2]) + tuple(out), x.dtype)
+    if y.size:
+        geom = _pool_geom(x.shape, kernel, strides, dilations, begin, out, lo, hi)
+        launch(kernel_of("pool", f"avg_pool_{require_suffix(x.dtype)}"), y.size, y, x, geom, np.int64(y.size))
+    return y
+
+
 @cuda_kernel("AveragePool")
 def average_pool(x, **attrs):
     """``attrs``: the node's attributes, read with their ONNX defaults (gradgen.ops.pool)."""
-    from gradgen.cuda import runtime as rt
-
     kernel, s, d, begin, end, out = pool_geometry(x.shape, attrs, "AveragePool")
     if not _gpu_poolable(x):
         return cpu_fallback("AveragePool", x, **attrs)
@@ -98,13 +133,7 @@ def average_pool(x, **attrs):
         hi = [size + declared[ns + a] for a, size in enumerate(spatial)]
     else:
         lo, hi = [0] * ns, spatial
-    x = contiguous(x)
-    y = rt.empty(tuple(x.shape[:2]) + tuple(out), x.dtype)
-    geom = _pool_geom(x.shape, kernel, s, d, begin, out, lo, hi)
-    fn = kernel_of("pool", f"avg_pool_{require_suffix(x.dtype)}")
-    if y.size:
-        launch(fn, y.size, y, x, geom, np.int64(y.size))
-    return y
+    return window_mean(x, kernel, s, d, begin, out, (lo, hi))
 
 
 def _global_pool(x, mode: int):
@@ -145,6 +174,217 @@ def global_lp_pool(x, *, p=2):
         return cpu_fallback("GlobalLpPool", x, p=p)
     op = "l1" if float(p) == 1.0 else "l2"
     return reduce(op, x, tuple(range(2, x.ndim)), True, "ReduceL1" if op == "l1" else "ReduceL2")
+
+
+# ---------------------------------------------------------------------------------------------
+# LpPool
+
+
+def _abs_power(x, p: int):
+    """|x|^p: |x| for p 1, x * x for 2 (as numpy's power computes them), Pow otherwise."""
+    s = dtype_suffix(x.dtype)
+    if p == 2:
+        return binary(f"mul_{s}", x, x, x.dtype)
+    magnitude = unary(f"abs_{s}", x)
+    return magnitude if p == 1 else binary(f"pow_{s}_{s}", magnitude, device_scalar(p, x.dtype), x.dtype)
+
+
+def _root(total, p: int):
+    """total^(1/p): itself for p 1, Sqrt for 2 (as numpy's power computes them), Pow otherwise."""
+    s = dtype_suffix(total.dtype)
+    if p == 1:
+        return total
+    if p == 2:
+        return unary(f"sqrt_{s}", total)
+    return binary(f"pow_{s}_{s}", total, device_scalar(1.0 / p, total.dtype), total.dtype)
+
+
+@cuda_kernel("LpPool")
+def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
+    """(sum over each window of |x|^p)^(1/p), padding adding 0: the window mean of |x|^p with every
+    tap counted (``window_mean``) times the window's size, then the 1/p power (float32 for 16-bit
+    x, rounded once). p < 1, and ranks or dtypes the pool kernels do not cover, run the CPU kernel."""
+    attrs = dict(
+        auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, p=p, pads=pads, strides=strides
+    )
+    kernel, s, d, begin, _end, out = pool_window("LpPool", x.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    order = int(p)
+    if order < 1 or not _gpu_poolable(x):
+        return cpu_fallback("LpPool", x, **attrs)
+
+    def run(xc):
+        mean = window_mean(_abs_power(xc, order), kernel, s, d, begin, out)
+        size = device_scalar(math.prod(kernel), xc.dtype)
+        return _root(binary(f"mul_{dtype_suffix(xc.dtype)}", mean, size, xc.dtype), order)
+
+    return in_float32(run, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxUnpool and ONNX Runtime training's pooling gradients
+
+
+def _keys_within(indices, lo, hi, outside: int):
+    """``indices`` where lo <= index < hi (device int64 arrays that broadcast against them), else
+    ``outside``: past the end of the row scatter's rows, so that its range flag reports the index
+    (the scatter would otherwise count a negative index from the end)."""
+    inside = and_(greater_or_equal(indices, lo), less(indices, hi))
+    return where(inside, indices, device_scalar(outside, np.int64))
+
+
+def _zero_padded(block, shape):
+    """``block`` in the leading corner of zeros of ``shape`` (``block`` itself where they agree)."""
+    rt = runtime()
+    if tuple(block.shape) == tuple(shape):
+        return block
+    out = rt.zeros(tuple(shape), block.dtype)
+    strided_copy(out, rt.contiguous_strides(shape), 0, block, rt.contiguous_strides(block.shape), 0, block.shape)
+    return out
+
+
+@cuda_kernel("MaxUnpool", host_inputs=(2,))
+def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):
+    """Zeros with X written at MaxPool's flat indices into the inferred shape: indexing's row
+    scatter, the last of equal indices winning as in numpy's assignment; a larger output_shape
+    holds that block in the leading corner of its zeros. An index outside [0, size) raises the CPU
+    kernel's error. Non-float X and int32 indices run the CPU kernel."""
+    rt = runtime()
+    inferred, shape = unpool_shapes(x.shape, indices.shape, output_shape, kernel_shape, pads, strides)
+    size = math.prod(inferred)
+    if not is_float(x.dtype) or indices.dtype != np.int64 or size >= INT32_LIMIT:
+        return cpu_fallback("MaxUnpool", x, indices, output_shape, kernel_shape=kernel_shape, pads=pads, strides=strides)
+
+    def on_error(_value):
+        check_unpool_indices(rt.to_host(indices).reshape(-1), size)  # raises the CPU kernel's error
+        return f"an index is out of range for the flattened output of {size} elements"
+
+    if size == 0 or x.size == 0:
+        if indices.size:  # size 0: every index is out of range
+            check_unpool_indices(rt.to_host(indices).reshape(-1), size)
+        return rt.zeros(tuple(shape), x.dtype)
+    keys = _keys_within(indices, device_scalar(0, np.int64), device_scalar(size, np.int64), size)
+    flat, flag = row_scatter(contiguous(x), keys, 1, size, 1, x.size, [size], [1], mode=1)
+    rt.check_flag(flag, on_error)
+    return _zero_padded(flat.reshape(tuple(inferred)), shape)
+
+
+_PLANE_BOUNDS: dict = {}
+
+
+def _plane_bounds(lines: tuple, plane: int, ns: int):
+    """Device int64 arrays of shape (N, C, 1, ...): each (n, c) plane's first flat position in X
+    and one past its last (uploaded once per shape)."""
+    rt = runtime()
+
+    def make():
+        if not _PLANE_BOUNDS:
+            rt.drop_at_exit(_PLANE_BOUNDS.clear)  # device arrays go while the context is current
+        first = (np.arange(math.prod(lines), dtype=np.int64) * plane).reshape(*lines, *(1,) * ns)
+        with rt.persistent():
+            return rt.to_device(first), rt.to_device(first + plane)
+
+    return plan_cache(_PLANE_BOUNDS, (lines, plane, ns), make)
+
+
+@cuda_kernel("MaxPoolGrad")
+def max_pool_grad(
+    dY, Indices, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0, strides=None
+):
+    """dX: dY added at MaxPool's Indices (flat positions in X, batch and channel included), each
+    element's terms summed in position order (indexing's row scatter; float32 sums for 16-bit dY).
+    An index outside its own (n, c) plane of dX raises the CPU kernel's error: it is mapped past
+    dX's end, where the scatter's range flag reports it. Non-float dY and int32 indices run the
+    CPU kernel."""
+    rt = runtime()
+    attrs = dict(
+        auto_pad=auto_pad,
+        ceil_mode=ceil_mode,
+        dilations=dilations,
+        kernel_shape=kernel_shape,
+        pads=pads,
+        storage_order=storage_order,
+        strides=strides,
+    )
+    same_shape(dY, Indices, "dY", "Indices")
+    shape, *_ = pool_grad_input_shape(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    total = math.prod(shape)
+    if not is_float(dY.dtype) or Indices.dtype != np.int64 or total >= INT32_LIMIT:
+        return cpu_fallback("MaxPoolGrad", dY, Indices, **attrs)
+    if dY.size == 0:
+        return rt.zeros(tuple(shape), dY.dtype)
+
+    def on_error(_value):
+        cpu_max_pool_grad(rt.to_host(dY), rt.to_host(Indices), **attrs)  # raises the CPU kernel's error
+        return "MaxPool indices fall outside the input shape that the pooling windows cover"
+
+    first, end = _plane_bounds(tuple(shape[:2]), math.prod(shape[2:]), len(shape) - 2)
+    keys = _keys_within(Indices, first, end, total)
+    dx, flag = row_scatter(contiguous(dY), keys, 1, total, 1, dY.size, [total], [1])
+    rt.check_flag(flag, on_error)
+    return dx.reshape(tuple(shape))
+
+
+_AVERAGE_POOL_GRAD_PLANS: dict = {}
+
+
+def _average_pool_grad_plan(out: tuple, spatial: tuple, kernel: tuple, strides: tuple, begin: tuple, include_pad: bool, dtype):
+    """(the divisor of each output position, shape ``out``; a ones kernel (1, 1, *kernel)) on the
+    device in ``dtype``: the kernel's size (count_include_pad) or the window's taps inside dX, 1 for
+    a window entirely in the padding (its share reaches no element of dX)."""
+    rt = runtime()
+    if not _AVERAGE_POOL_GRAD_PLANS:
+        rt.drop_at_exit(_AVERAGE_POOL_GRAD_PLANS.clear)  # device arrays go while the context is current
+    if include_pad:
+        divisor = np.full(out, math.prod(kernel), np.int64)
+    else:
+        divisor = np.ones((), np.int64)
+        for lo, hi in clipped_windows(out, strides, begin, kernel, spatial):
+            divisor = np.multiply.outer(divisor, np.maximum(hi - lo, 0))
+    divisor = np.where(divisor > 0, divisor, 1).astype(dtype)
+    with rt.persistent():
+        return rt.to_device(divisor), rt.to_device(np.ones((1, 1, *kernel), dtype))
+
+
+@cuda_kernel("AveragePoolGrad")
+def average_pool_grad(
+    dY, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None
+):
+    """dX: each dY divided by its window's count, then spread over the window's taps inside dX: the
+    transpose of a window sum, ConvTranspose with a ones kernel over (N*C, 1, *spatial), as
+    gradgen's AveragePool gradient computes it; the divisors are a table per output position,
+    uploaded once per shape (float32 for 16-bit dY, rounded once). Non-float dY runs the CPU kernel."""
+    rt = runtime()
+    attrs = dict(
+        auto_pad=auto_pad,
+        ceil_mode=ceil_mode,
+        count_include_pad=count_include_pad,
+        dilations=dilations,
+        kernel_shape=kernel_shape,
+        pads=pads,
+        strides=strides,
+    )
+    shape, begin, kernel, s = average_pool_grad_geometry(dY.shape, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    if not is_float(dY.dtype):
+        return cpu_fallback("AveragePoolGrad", dY, **attrs)
+    if dY.size == 0:
+        return rt.zeros(tuple(shape), dY.dtype)
+    out, spatial = tuple(int(v) for v in dY.shape[2:]), tuple(shape[2:])
+    # end pads of the Conv whose output is dY's: (out - 1) * stride + kernel covers the padded dX
+    end = [(o - 1) * st + k - n - b for o, st, k, n, b in zip(out, s, kernel, spatial, begin)]
+    include_pad = bool(int(count_include_pad))
+
+    def run(dy):
+        key = (out, spatial, tuple(kernel), tuple(s), tuple(begin), include_pad, np.dtype(dy.dtype).str)
+        divisor, ones = plan_cache(
+            _AVERAGE_POOL_GRAD_PLANS,
+            key,
+            lambda: _average_pool_grad_plan(out, spatial, tuple(kernel), tuple(s), tuple(begin), include_pad, dy.dtype),
+        )
+        scaled = binary(f"div_{dtype_suffix(dy.dtype)}", dy, divisor, dy.dtype)
+        lines = scaled.reshape((int(shape[0]) * int(shape[1]), 1, *out))
+        return conv_transpose(lines, ones, strides=list(s), pads=list(begin) + end).reshape(tuple(shape))
+
+    return in_float32(run, dY)
 
 
 # ---------------------------------------------------------------------------------------------
