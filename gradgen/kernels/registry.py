@@ -39,7 +39,7 @@ CPU_FAMILIES = (
     "reduction",
     "shape",
 )
-CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "reduction", "shape")
+CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "quantize", "reduction", "shape")
 
 _KERNELS = KERNELS  # the table itself, under its former name
 
@@ -52,12 +52,8 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Compress"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
     ("", "Unique"): "no CUDA launcher yet",
-    ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
-    ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",
-    ("", "DequantizeLinear"): "no CUDA launcher yet",
     # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "AffineGrid"): "no CUDA launcher yet",
-    ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
     ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "Det"): "no CUDA launcher yet",
@@ -70,8 +66,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "LRN"): "no CUDA launcher yet",
     ("", "LpPool"): "no CUDA launcher yet",
     ("", "MaxUnpool"): "no CUDA launcher yet",
-    ("", "RotaryEmbedding"): "no CUDA launcher yet",
-    ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
     # build_backward unrolls the recurrent ops into standard ops (passes/recurrent.py), which have
     # launchers; only a forward model run as it is holds them
     ("", "GRU"): "no CUDA launcher: backward graphs hold their unrolled form",
@@ -89,7 +83,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
         for op in LOWERED_FORWARD_OPS - FUSED_FORWARD_OPS
     },
     # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
-    ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
     ("", "MaxPoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates MaxPool with a scatter)",
     ("", "AveragePoolGrad"): "no CUDA launcher yet (ORT training graphs; gradgen differentiates AveragePool with ConvGrad)",
 }
