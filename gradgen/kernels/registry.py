@@ -39,7 +39,7 @@ CPU_FAMILIES = (
     "reduction",
     "shape",
 )
-CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "reduction", "shape")
+CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "quantize", "reduction", "shape")
 
 _KERNELS = KERNELS  # the table itself, under its former name
 
@@ -52,23 +52,15 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Compress"): "no CUDA launcher yet",
     ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
     ("", "Unique"): "no CUDA launcher yet",
-    ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
-    ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",
-    ("", "DequantizeLinear"): "no CUDA launcher yet",
     # differentiated by rules of standard ops; the forward op itself has no launcher
     ("", "AffineGrid"): "no CUDA launcher yet",
-    ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
     ("", "Det"): "no CUDA launcher yet",
     ("", "DFT"): "no CUDA launcher yet",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
-    ("", "RotaryEmbedding"): "no CUDA launcher yet",
-    ("", "TensorScatter"): "no CUDA launcher yet (opset 24)",
     # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
     ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
-    # ONNX Runtime training's gradient ops, which gradgen runs (ORT training artifacts) and differentiates
-    ("com.microsoft", "SimplifiedLayerNormalizationGrad"): "no CUDA launcher yet",
 }
 
 # Ops a GPU Session runs as their standard-op form: before it plans, the Session rewrites them with

@@ -797,11 +797,45 @@ def _rotary_heads(x, num_heads: int):
     (batch, seq, hidden) with hidden = num_heads * head_size."""
     if x.ndim == 4:
         return x.transpose(0, 2, 1, 3)
-    if x.ndim != 3:
-        raise KernelError(f"X must be 3-D or 4-D, got shape {list(x.shape)}")
-    if num_heads <= 0 or x.shape[2] % num_heads:
-        raise KernelError(f"a 3-D X (shape {list(x.shape)}) needs num_heads dividing its last dimension, got {num_heads}")
     return x.reshape(x.shape[0], x.shape[1], num_heads, x.shape[2] // num_heads)
+
+
+def rotary_geometry(x_shape, cos_shape, sin_shape, position_ids_shape, num_heads: int, rotary_embedding_dim: int):
+    """(batch, seq, heads, head_size, dim) of a RotaryEmbedding, after the checks of its inputs'
+    shapes (``position_ids_shape`` None when absent; the ids' values are ``check_position_ids``').
+    Shared by the CPU and CUDA kernels."""
+    x_shape = tuple(int(d) for d in x_shape)
+    if len(x_shape) == 4:
+        batch, heads, seq, head_size = x_shape
+    elif len(x_shape) != 3:
+        raise KernelError(f"X must be 3-D or 4-D, got shape {list(x_shape)}")
+    elif num_heads <= 0 or x_shape[2] % num_heads:
+        raise KernelError(f"a 3-D X (shape {list(x_shape)}) needs num_heads dividing its last dimension, got {num_heads}")
+    else:
+        batch, seq, heads, head_size = x_shape[0], x_shape[1], num_heads, x_shape[2] // num_heads
+    dim = int(rotary_embedding_dim) or head_size
+    if dim % 2 or dim > head_size:
+        raise KernelError(f"rotary_embedding_dim {dim} must be even and at most the head size {head_size}")
+    caches = (("cos_cache", tuple(int(d) for d in cos_shape)), ("sin_cache", tuple(int(d) for d in sin_shape)))
+    if position_ids_shape is not None:
+        if tuple(position_ids_shape) != (batch, seq):
+            raise KernelError(f"position_ids must have shape {[batch, seq]}, got {list(position_ids_shape)}")
+        for name, cache in caches:
+            if len(cache) != 2:
+                raise KernelError(f"with position_ids, {name} must be 2-D (max_position, dim / 2), got {list(cache)}")
+        caches = tuple((name, (batch, seq) + cache[1:]) for name, cache in caches)  # the rows picked
+    for name, cache in caches:
+        if cache != (batch, seq, dim // 2):
+            raise KernelError(f"{name} gives shape {list(cache)} per position; expected {[batch, seq, dim // 2]}")
+    return batch, seq, heads, head_size, dim
+
+
+def check_position_ids(position_ids, cos_rows: int, sin_rows: int) -> None:
+    """A KernelError naming the first of RotaryEmbedding's position ids outside a cache's rows."""
+    for name, rows in (("cos_cache", cos_rows), ("sin_cache", sin_rows)):
+        bad = (position_ids < 0) | (position_ids >= rows)
+        if bad.any():
+            raise KernelError(f"position id {int(position_ids[bad][0])} is out of range for {name} of {rows} rows")
 
 
 @cpu_kernel("RotaryEmbedding")
@@ -810,33 +844,27 @@ def rotary_embedding(x, cos_cache, sin_cache, position_ids=None, *, interleaved=
     whose cosines and sines the caches hold: per position (batch, seq, dim / 2), or rows picked by
     position_ids (batch, seq) from (max_position, dim / 2). Pairs are the two halves, or adjacent
     features with interleaved=1 (ONNX's reference semantics)."""
+    pos_shape = None if position_ids is None else position_ids.shape
+    *_, dim = rotary_geometry(x.shape, cos_cache.shape, sin_cache.shape, pos_shape, int(num_heads), int(rotary_embedding_dim))
     heads = _rotary_heads(x, int(num_heads))
-    batch, seq, _, head_size = heads.shape
-    dim = int(rotary_embedding_dim) or head_size
-    if dim % 2 or dim > head_size:
-        raise KernelError(f"rotary_embedding_dim {dim} must be even and at most the head size {head_size}")
     if position_ids is not None:
-        if position_ids.shape != (batch, seq):
-            raise KernelError(f"position_ids must have shape {[batch, seq]}, got {list(position_ids.shape)}")
-        for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-            if cache.ndim != 2:
-                raise KernelError(f"with position_ids, {name} must be 2-D (max_position, dim / 2), got {list(cache.shape)}")
-            bad = (position_ids < 0) | (position_ids >= cache.shape[0])
-            if bad.any():
-                raise KernelError(f"position id {int(position_ids[bad][0])} is out of range for {name} of {cache.shape[0]} rows")
+        check_position_ids(position_ids, cos_cache.shape[0], sin_cache.shape[0])
         cos, sin = cos_cache[position_ids], sin_cache[position_ids]
     else:
         cos, sin = cos_cache, sin_cache
-    for name, cache in (("cos_cache", cos), ("sin_cache", sin)):
-        if cache.shape != (batch, seq, dim // 2):
-            raise KernelError(f"{name} gives shape {list(cache.shape)} per position; expected {[batch, seq, dim // 2]}")
     cos, sin = cos[:, :, None, :].astype(x.dtype, copy=False), sin[:, :, None, :].astype(x.dtype, copy=False)
-    first, second = (slice(0, dim, 2), slice(1, dim, 2)) if int(interleaved) else (slice(0, dim // 2), slice(dim // 2, dim))
+    first, second = rotary_pairs(dim, int(interleaved))
     x1, x2 = heads[..., first], heads[..., second]
     out = heads.copy()
     out[..., first] = cos * x1 - sin * x2
     out[..., second] = sin * x1 + cos * x2
     return out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
+
+
+def rotary_pairs(dim: int, interleaved: int) -> tuple[slice, slice]:
+    """The slices of the features that pair up in a rotation of ``dim`` features: the two halves, or
+    the even and the odd ones (interleaved)."""
+    return (slice(0, dim, 2), slice(1, dim, 2)) if interleaved else (slice(0, dim // 2), slice(dim // 2, dim))
 
 
 # ---------------------------------------------------------------------------------------------

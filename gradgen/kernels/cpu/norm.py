@@ -175,16 +175,25 @@ def mean_variance_normalization(x, *, axes=(0, 2, 3)):
 # ONNX Runtime training's LayerNormalization gradients (com.microsoft)
 
 
-def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
+def layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis) -> tuple[int, int]:
+    """(rows, cols) of X viewed as the rows LayerNormalizationGrad (or its simplified form, no
+    ``mean``) normalizes, after the checks of its inputs' shapes (arrays or device arrays: shapes
+    and sizes only). Shared by the CPU and CUDA kernels."""
     same_shape(dY, X, "dY", "X")
-    axis = normalize_axis(axis, X.ndim)
-    rows, cols = math.prod(X.shape[:axis]), math.prod(X.shape[axis:])
+    shape = tuple(int(d) for d in X.shape)
+    axis = normalize_axis(axis, len(shape))
+    rows, cols = math.prod(shape[:axis]), math.prod(shape[axis:])
     if cols == 1:
-        raise KernelError(f"the normalized part of X {list(X.shape)} from axis {axis} has one element")
+        raise KernelError(f"the normalized part of X {list(shape)} from axis {axis} has one element")
     if scale.size != cols:
-        raise KernelError(f"scale has {scale.size} elements, but X {list(X.shape)} normalizes {cols} per row from axis {axis}")
+        raise KernelError(f"scale has {scale.size} elements, but X {list(shape)} normalizes {cols} per row from axis {axis}")
     if inv_std_var.size != rows or (mean is not None and mean.size != rows):
-        raise KernelError(f"mean and inv_std_var must have {rows} elements (one per row of X {list(X.shape)})")
+        raise KernelError(f"mean and inv_std_var must have {rows} elements (one per row of X {list(shape)})")
+    return rows, cols
+
+
+def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
+    rows, cols = layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis)
     ct = accumulation_dtype(X.dtype)
     x = X.astype(ct, copy=False).reshape(rows, cols)
     dy = dY.astype(ct, copy=False).reshape(rows, cols)

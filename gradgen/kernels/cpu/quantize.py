@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.numeric import float_compute_dtype
 from gradgen.kernels.table import cpu_kernel
 
 # TensorProto data type numbers of the integer types gradgen quantizes to (output_dtype's values)
@@ -23,16 +24,9 @@ _QUANTIZED = (np.uint8, np.int8, np.uint16, np.int16)
 def spread(value: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int, what: str) -> np.ndarray:
     """A scale or zero point broadcastable to x's ``shape``: per tensor as it is, per axis reshaped
     along ``axis``, per block repeated ``block_size`` times along it (the last block may be short)."""
-    if value.ndim == 0 or (value.ndim == 1 and value.size == 1 and not block_size):
-        return value.reshape(())
+    if value.ndim == 0 or not block_size:
+        return value.reshape(spread_shape(value.shape, shape, axis, what))
     axis = _axis(axis, len(shape))
-    if not block_size:
-        if value.ndim != 1 or value.shape[0] != shape[axis]:
-            raise KernelError(
-                f"{what} of shape {list(value.shape)} is neither a scalar nor a vector of the {shape[axis]} "
-                f"elements of x's axis {axis} (x is {list(shape)})"
-            )
-        return value.reshape([-1 if i == axis else 1 for i in range(len(shape))])
     if block_size < 0:
         raise KernelError(f"block_size must be positive, got {block_size}")
     blocks = -(-shape[axis] // block_size)
@@ -43,6 +37,22 @@ def spread(value: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int
             f"in blocks of {block_size} (expected {list(want)})"
         )
     return np.repeat(value, block_size, axis=axis).take(np.arange(shape[axis]), axis=axis)
+
+
+def spread_shape(value_shape, shape: tuple[int, ...], axis: int, what: str) -> tuple[int, ...]:
+    """The shape a per-tensor or per-axis scale or zero point of ``value_shape`` takes to broadcast
+    against x's ``shape``: () per tensor (a scalar or a 1-element vector), else a vector along
+    ``axis``. Shared by the CPU and CUDA kernels."""
+    value_shape = tuple(int(d) for d in value_shape)
+    if value_shape in ((), (1,)):
+        return ()
+    axis = _axis(axis, len(shape))
+    if len(value_shape) != 1 or value_shape[0] != shape[axis]:
+        raise KernelError(
+            f"{what} of shape {list(value_shape)} is neither a scalar nor a vector of the {shape[axis]} "
+            f"elements of x's axis {axis} (x is {list(shape)})"
+        )
+    return tuple(int(d) if i == axis else 1 for i, d in enumerate(shape))
 
 
 def _axis(axis: int, rank: int) -> int:
@@ -61,30 +71,32 @@ def _integer_type(dtype: np.dtype, what: str, allowed=_QUANTIZED) -> type:
     raise KernelError(f"{what} has type {dtype}; gradgen quantizes to {names} only (no float8 or 4-bit types)")
 
 
-def _compute_dtype(dtype: np.dtype) -> type:
-    """float32 for float32 and the half types (ONNX Runtime's), float64 for float64."""
-    return np.float64 if dtype == np.float64 else np.float32
+def quantized_type(x_dtype, scale_dtype, zero_point_dtype, output_dtype: int, precision: int) -> type:
+    """QuantizeLinear's output type (uint8 when the zero point is absent, or ``output_dtype``'s,
+    opset 21), after the checks of its inputs' types (``zero_point_dtype`` None when absent). Shared
+    by the CPU and CUDA kernels."""
+    if precision:
+        raise KernelError("QuantizeLinear's precision attribute (opset 23) is not supported")
+    if np.dtype(x_dtype).kind != "f" or np.dtype(scale_dtype).kind != "f":
+        raise KernelError(f"QuantizeLinear takes a float x and y_scale, got {x_dtype} and {scale_dtype}")
+    if zero_point_dtype is not None:
+        out = _integer_type(np.dtype(zero_point_dtype), "y_zero_point")
+        if output_dtype and _OUTPUT_DTYPES.get(output_dtype) is not out:
+            raise KernelError(f"output_dtype {output_dtype} differs from y_zero_point's type {zero_point_dtype}")
+        return out
+    if output_dtype:
+        if output_dtype not in _OUTPUT_DTYPES:
+            raise KernelError(f"output_dtype {output_dtype} is not a type gradgen quantizes to (uint8, int8, uint16, int16)")
+        return _OUTPUT_DTYPES[output_dtype]
+    return np.uint8
 
 
 @cpu_kernel("QuantizeLinear")
 def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, saturate=1, block_size=0, output_dtype=0, precision=0):
     """y = saturate(round_half_even(x / y_scale) + y_zero_point), uint8 when the zero point is absent
     (or of ``output_dtype``, opset 21)."""
-    if precision:
-        raise KernelError("QuantizeLinear's precision attribute (opset 23) is not supported")
-    if x.dtype.kind != "f" or y_scale.dtype.kind != "f":
-        raise KernelError(f"QuantizeLinear takes a float x and y_scale, got {x.dtype} and {y_scale.dtype}")
-    if y_zero_point is not None:
-        out = _integer_type(y_zero_point.dtype, "y_zero_point")
-        if output_dtype and _OUTPUT_DTYPES.get(output_dtype) is not out:
-            raise KernelError(f"output_dtype {output_dtype} differs from y_zero_point's type {y_zero_point.dtype}")
-    elif output_dtype:
-        if output_dtype not in _OUTPUT_DTYPES:
-            raise KernelError(f"output_dtype {output_dtype} is not a type gradgen quantizes to (uint8, int8, uint16, int16)")
-        out = _OUTPUT_DTYPES[output_dtype]
-    else:
-        out = np.uint8
-    compute = _compute_dtype(x.dtype)
+    out = quantized_type(x.dtype, y_scale.dtype, None if y_zero_point is None else y_zero_point.dtype, output_dtype, precision)
+    compute = float_compute_dtype(x.dtype)
     scale = spread(y_scale, x.shape, axis, block_size, "y_scale").astype(compute, copy=False)
     q = np.rint(x.astype(compute, copy=False) / scale)
     if y_zero_point is not None:
@@ -93,19 +105,26 @@ def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, saturate=1, block_
     return np.clip(q, info.min, info.max).astype(out)
 
 
+def dequantized_type(x_dtype, scale_dtype, zero_point_dtype, output_dtype: int) -> type:
+    """DequantizeLinear's integer input type, after the checks of its inputs' types
+    (``zero_point_dtype`` None when absent). Shared by the CPU and CUDA kernels."""
+    if output_dtype:
+        raise KernelError("DequantizeLinear's output_dtype attribute (opset 23) is not supported")
+    kind = _integer_type(np.dtype(x_dtype), "x", (*_QUANTIZED, np.int32))
+    if np.dtype(scale_dtype).kind != "f":
+        raise KernelError(f"DequantizeLinear takes a float x_scale, got {scale_dtype}")
+    if zero_point_dtype is not None and np.dtype(zero_point_dtype) != kind:
+        raise KernelError(f"x_zero_point has type {zero_point_dtype}, x has {x_dtype}: they must be one type")
+    return kind
+
+
 @cpu_kernel("DequantizeLinear")
 def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_dtype=0):
     """y = (x - x_zero_point) * x_scale, of x_scale's type (the difference taken in integers)."""
-    if output_dtype:
-        raise KernelError("DequantizeLinear's output_dtype attribute (opset 23) is not supported")
-    kind = _integer_type(x.dtype, "x", (*_QUANTIZED, np.int32))
-    if x_scale.dtype.kind != "f":
-        raise KernelError(f"DequantizeLinear takes a float x_scale, got {x_scale.dtype}")
+    dequantized_type(x.dtype, x_scale.dtype, None if x_zero_point is None else x_zero_point.dtype, output_dtype)
     diff = x.astype(np.int64)
     if x_zero_point is not None:
-        if x_zero_point.dtype != kind:
-            raise KernelError(f"x_zero_point has type {x_zero_point.dtype}, x has {x.dtype}: they must be one type")
         diff = diff - spread(x_zero_point, x.shape, axis, block_size, "x_zero_point").astype(np.int64)
-    compute = _compute_dtype(x_scale.dtype)
+    compute = float_compute_dtype(x_scale.dtype)
     scale = spread(x_scale, x.shape, axis, block_size, "x_scale").astype(compute, copy=False)
     return (diff.astype(compute) * scale).astype(x_scale.dtype, copy=False)

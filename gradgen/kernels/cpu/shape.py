@@ -357,6 +357,14 @@ def pad_copy_geometry(shape, width) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def _constant_pad(data, width, fill):
+    """``data`` padded with ``fill`` by ``width`` ([begin, end] per axis; negative: cropped)."""
+    geometry = pad_copy_geometry(data.shape, width)
+    out = np.full([g[3] for g in geometry], np.asarray(fill).astype(data.dtype), dtype=data.dtype)
+    out[tuple(slice(o, o + c) for _, o, c, _ in geometry)] = data[tuple(slice(s, s + c) for s, _, c, _ in geometry)]
+    return out
+
+
 @cpu_kernel("Pad")
 def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", value=0.0, paddings=None):
     if pads is None:
@@ -366,10 +374,7 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
     width = pad_widths(data.shape, pads, axes)
     if mode == "constant":
         fill = value if constant_value is None or np.size(constant_value) == 0 else np.asarray(constant_value).reshape(-1)[0]
-        geometry = pad_copy_geometry(data.shape, width)
-        out = np.full([g[3] for g in geometry], np.asarray(fill).astype(data.dtype), dtype=data.dtype)
-        out[tuple(slice(o, o + c) for _, o, c, _ in geometry)] = data[tuple(slice(s, s + c) for s, _, c, _ in geometry)]
-        return out
+        return _constant_pad(data, width, fill)
     # Negative pads crop first.
     crop = tuple(slice(-min(b, 0), data.shape[d] + min(e, 0)) for d, (b, e) in enumerate(width))
     x = data[crop]
@@ -549,28 +554,28 @@ def slice_grad(dY, shape, starts, ends, axes=None, steps=None):
     return dX
 
 
-@cpu_kernel("CenterCropPad")
-def center_crop_pad(x, shape, *, axes=None):
-    """X cropped or zero-padded to ``shape`` along ``axes`` (default: all), centred: the first
-    floor(|difference| / 2) elements are cut or added before, the rest after."""
-    axes_list = [normalize_axis(a, x.ndim) for a in axes] if axes is not None else list(range(x.ndim))
+def center_crop_pad_widths(x_shape, shape, axes=None) -> list[list[int]]:
+    """CenterCropPad as a constant Pad: [begin, end] per axis of X (negative: cropped), centred: the
+    first floor(|difference| / 2) elements are cut or added before, the rest after. Checked: one
+    size >= 0 for each of the distinct ``axes`` (default: all). Shared by the CPU and CUDA kernels."""
+    rank = len(x_shape)
+    axes_list = [normalize_axis(a, rank) for a in axes] if axes is not None else list(range(rank))
     sizes = [int(v) for v in np.asarray(shape).reshape(-1)]
     if len(sizes) != len(axes_list) or len(set(axes_list)) != len(axes_list) or min(sizes, default=0) < 0:
         raise KernelError(f"shape {sizes} must give one size >= 0 for each of the distinct axes {axes_list}")
-    out_shape = list(x.shape)
-    source = [slice(None)] * x.ndim
-    target = [slice(None)] * x.ndim
+    width = [[0, 0] for _ in range(rank)]
     for axis, size in zip(axes_list, sizes):
-        have = x.shape[axis]
-        out_shape[axis] = size
-        begin = abs(have - size) // 2
-        if size < have:
-            source[axis] = slice(begin, begin + size)
-        elif size > have:
-            target[axis] = slice(begin, begin + have)
-    out = np.zeros(out_shape, dtype=x.dtype)
-    out[tuple(target)] = x[tuple(source)]
-    return out
+        have = int(x_shape[axis])
+        begin = abs(have - size) // 2 * (1 if size >= have else -1)
+        width[axis] = [begin, size - have - begin]
+    return width
+
+
+@cpu_kernel("CenterCropPad")
+def center_crop_pad(x, shape, *, axes=None):
+    """X cropped or zero-padded to ``shape`` along ``axes`` (default: all), centred (see
+    ``center_crop_pad_widths``)."""
+    return _constant_pad(x, center_crop_pad_widths(x.shape, shape, axes), 0)
 
 
 @cpu_kernel("ReverseSequence")

@@ -567,6 +567,12 @@ def in_float32(fn, *xs):
     return cast_to(out, dtype)
 
 
+def widened(x):
+    """``x`` as the CPU backend hands it to a numpy kernel (gradgen/executor/low_precision.py): a
+    16-bit float as a float32 copy, anything else as it is."""
+    return cast_to(x, np.float32) if dtype_suffix(x.dtype) in ("f16", "bf16") else x
+
+
 @cuda_kernel("Swish")
 def swish(x, *, alpha=1.0):
     """x * sigmoid(alpha * x) (opset 24), in the CPU kernel's order (float32 for 16-bit x)."""
@@ -579,6 +585,102 @@ def swish(x, *, alpha=1.0):
         return binary(f"mul_{s}", xc, unary(f"sigmoid_{s}", scaled), xc.dtype)
 
     return in_float32(run, x)
+
+
+@cuda_kernel("DynamicQuantizeLinear")
+def dynamic_quantize_linear(x):
+    """(y, y_scale, y_zero_point): x quantized to uint8 over [min(0, min x), max(0, max x)] as the
+    CPU kernel computes it: the reduction launchers' min and max, then its scalar arithmetic on the
+    device (rint: half to even). A scale that is not finite (an infinity in x) raises the CPU
+    kernel's error, read from a device flag."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.reduction import reduce
+
+    xw = widened(x)
+    if xw.dtype != np.float32:
+        return cpu_fallback("DynamicQuantizeLinear", x)  # the CPU kernel's error
+    zero, one = device_scalar(0, np.float32), device_scalar(1, np.float32)
+    low = high = zero
+    if xw.size:
+        axes = tuple(range(len(xw.shape)))
+        least, most = reduce("min", xw, axes, False, "ReduceMin"), reduce("max", xw, axes, False, "ReduceMax")
+        # Python's min(0, m) and max(0, m): m only where it is below (above) 0, so a NaN gives 0
+        low, high = where(less(least, zero), least, zero), where(greater(most, zero), most, zero)
+    scale = where(equal(high, low), one, div(sub(high, low), device_scalar(255, np.float32)))
+    not_finite = unary("isnan_f32", sub(scale, scale), np.bool_)  # inf - inf and NaN - NaN are NaN
+    rt.check_flag(not_finite, lambda _value: "DynamicQuantizeLinear: the input holds a NaN or an infinity")
+    top = device_scalar(255, np.float32)
+    zero_point = clip(unary("round_f32", div(unary("neg_f32", low), scale)), zero, top)
+    y = clip(add(unary("round_f32", div(xw, scale)), zero_point), zero, top)
+    return cast_to(y, np.uint8), scale, cast_to(zero_point, np.uint8)
+
+
+@cuda_kernel("RotaryEmbedding")
+def rotary_embedding(x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, num_heads=0, rotary_embedding_dim=0):
+    """Rotates the first rotary_embedding_dim features of each head (opset 23), as the CPU kernel:
+    the caches' rows gathered at position_ids (ids out of range raise its error, read from a device
+    flag), viewed to broadcast over the heads; the pairs' halves sliced out, rotated with the mul /
+    add launchers (cos x1 - sin x2, sin x1 + cos x2) and copied back in place of X's features
+    (float32 for 16-bit X, rounded once)."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu.elementwise import rotary_geometry, rotary_pairs
+    from gradgen.kernels.cuda.indexing import gather
+    from gradgen.kernels.cuda.launch import strided_copy
+    from gradgen.kernels.cuda.shape import reshaped, slice_
+
+    attrs = dict(interleaved=interleaved, num_heads=num_heads, rotary_embedding_dim=rotary_embedding_dim)
+    ids_shape = None if position_ids is None else tuple(position_ids.shape)
+    geometry = rotary_geometry(x.shape, cos_cache.shape, sin_cache.shape, ids_shape, int(num_heads), int(rotary_embedding_dim))
+    batch, seq, heads, head_size, dim = geometry
+    if any(dtype_suffix(t.dtype) not in FLOATS for t in (x, cos_cache, sin_cache)) or (
+        position_ids is not None and dtype_suffix(position_ids.dtype) not in ("i32", "i64")
+    ):
+        return cpu_fallback("RotaryEmbedding", x, cos_cache, sin_cache, position_ids, **attrs)
+    cos, sin = cos_cache, sin_cache
+    if position_ids is not None:
+        if position_ids.size:
+            _check_position_ids(position_ids, int(cos_cache.shape[0]), int(sin_cache.shape[0]))
+        cos, sin = gather(cos_cache, position_ids, axis=0), gather(sin_cache, position_ids, axis=0)
+    xc = widened(x)
+    compute = xc.dtype
+    four_d = len(x.shape) == 4
+    heads_view = xc if four_d else reshaped(xc, (batch, seq, heads, head_size))
+    angles = (batch, 1, seq, dim // 2) if four_d else (batch, seq, 1, dim // 2)
+    cos, sin = (reshaped(t if t.dtype == compute else cast_to(t, compute), angles) for t in (cos, sin))
+    first, second = rotary_pairs(dim, int(interleaved))
+
+    def features(part: slice):
+        axis, step = np.array([-1]), np.array([part.step or 1])
+        return slice_(heads_view, np.array([part.start]), np.array([part.stop]), axis, step)
+
+    x1, x2 = features(first), features(second)
+    rotated = ((first, sub(mul(cos, x1), mul(sin, x2))), (second, add(mul(sin, x1), mul(cos, x2))))
+    out = copy(heads_view) if dim < head_size else rt.empty(heads_view.shape, compute)
+    strides = rt.contiguous_strides(out.shape)
+    for part, values in rotated:
+        along = strides[:-1] + [strides[-1] * (part.step or 1)]
+        strided_copy(out, along, part.start, values, rt.contiguous_strides(values.shape), 0, values.shape)
+    out = reshaped(out, x.shape)
+    return out if out.dtype == x.dtype else cast_to(out, x.dtype)
+
+
+def _check_position_ids(ids, cos_rows: int, sin_rows: int) -> None:
+    """RotaryEmbedding's CPU error for an id outside a cache's rows (negative ones too, which
+    Gather would take from the end), from a device flag: the ids' min and max against the rows."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu.elementwise import check_position_ids
+    from gradgen.kernels.cuda.reduction import reduce
+
+    axes = tuple(range(len(ids.shape)))
+    least, most = reduce("min", ids, axes, False, "ReduceMin"), reduce("max", ids, axes, False, "ReduceMax")
+    below = less(least, device_scalar(0, ids.dtype))
+    bad = or_(below, greater_or_equal(most, device_scalar(min(cos_rows, sin_rows), ids.dtype)))
+
+    def message(_value):
+        check_position_ids(rt.to_host(ids), cos_rows, sin_rows)  # raises the CPU kernel's error
+        return "a position id is out of range for the caches' rows"
+
+    rt.check_flag(bad, message)
 
 
 @cuda_kernel("Mean")

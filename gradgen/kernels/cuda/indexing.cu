@@ -826,3 +826,40 @@ GG_ONE_HOT_W(2)
 GG_ONE_HOT_W(4)
 GG_ONE_HOT_W(8)
 #endif
+
+// ------------------------------------------------------------------ TensorScatter (opset 24)
+// out (batch, mid, room, inner), already a copy of the cache, gets update (batch, mid, length,
+// inner) at rows starts[b] + t of batch row b (modulo room when circular; starts null: 0). A
+// negative start, or in linear mode a row past the axis, writes nothing and sets *flag (the
+// launcher then raises the CPU kernel's error). Moves bits: W-byte words of the inner runs.
+template <typename E, typename IDX>
+__device__ void tensor_scatter(E* __restrict__ out, const E* __restrict__ update, const IDX* __restrict__ starts,
+                               long long* flag, int64_t mid, int64_t length, int64_t room, int64_t inner,
+                               int64_t circular, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t c = i % inner, rest = i / inner;
+        const int64_t t = rest % length, line = rest / length;  // line = b * mid + m
+        const int64_t b = line / mid;
+        const int64_t start = starts ? (int64_t)starts[b] : 0;
+        int64_t row = start + t;
+        if (circular) row %= room;
+        if (start < 0 || row >= room) gg_set_flag(flag, b);
+        else out[(line * room + row) * inner + c] = update[i];
+    }
+}
+
+#define GG_TENSOR_SCATTER(W, S, IDX)                                                                           \
+    extern "C" __global__ void tensor_scatter_w##W##_##S(Word<W>::type* out, const Word<W>::type* update,     \
+                                                         const IDX* starts, long long* flag, int64_t mid,     \
+                                                         int64_t length, int64_t room, int64_t inner,         \
+                                                         int64_t circular, int64_t n) {                       \
+        tensor_scatter<Word<W>::type, IDX>(out, update, starts, flag, mid, length, room, inner, circular, n); \
+    }
+#define GG_TENSOR_SCATTER_W(W) GG_TENSOR_SCATTER(W, i32, int32_t) GG_TENSOR_SCATTER(W, i64, int64_t)
+#if GG_PART(11)
+GG_TENSOR_SCATTER_W(1)
+GG_TENSOR_SCATTER_W(2)
+GG_TENSOR_SCATTER_W(4)
+GG_TENSOR_SCATTER_W(8)
+GG_TENSOR_SCATTER_W(16)
+#endif

@@ -34,8 +34,10 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cpu import indexing as cpu
 from gradgen.kernels.cuda.launch import (
     contiguous,
+    copy,
     cpu_fallback,
     desc,
+    dtype_suffix,
     host_key,
     kernel_of,
     launch,
@@ -49,7 +51,7 @@ from gradgen.kernels.cuda.launch import (
 from gradgen.kernels.numeric import shape_arg
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
-from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices
+from gradgen.ops.indexing import check_gather_elements_grad, normalize_indices, tensor_scatter_positions
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
@@ -691,6 +693,72 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     if count:
         rt.check_flag(flag, lambda _value: _nd_error(indices, data.shape, 0))
     return out.reshape(tuple(data.shape))
+
+
+# ---------------------------------------------------------------- TensorScatter
+
+
+_TS_AXES: dict = {}
+
+
+def _tensor_scatter_axis(cache_shape, update_shape, write_indices, mode, axis) -> int:
+    """TensorScatter's normalised axis, after the CPU kernel's checks of everything but the write
+    indices' values (zeros stand in for them), cached per shapes and attributes."""
+    indices = None if write_indices is None else (np.dtype(write_indices.dtype), tuple(write_indices.shape))
+    key = (tuple(cache_shape), tuple(update_shape), indices, mode, int(axis))
+
+    def make():
+        stand_in = None if indices is None else np.zeros(indices[1], indices[0])
+        return tensor_scatter_positions(cache_shape, update_shape, stand_in, mode, axis)[1]
+
+    return plan_cache(_TS_AXES, key, make)
+
+
+@cuda_kernel("TensorScatter")
+def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    """``past_cache`` with ``update`` written along ``axis`` from ``write_indices[b]`` on in batch row
+    b (opset 24's KV-cache update): a device copy of the cache, then one pass over the update that
+    moves its runs along the trailing axes as wide words (indexing.cu's tensor_scatter). The write
+    indices stay on the device: one the CPU kernel refuses (negative, or past the axis in linear
+    mode) sets a flag, and the CPU kernel's checks on the host then raise its error."""
+    rt = runtime()
+    ax = _tensor_scatter_axis(past_cache.shape, update.shape, write_indices, mode, axis)
+    if write_indices is not None and dtype_suffix(write_indices.dtype) not in ("i32", "i64"):
+        return cpu_fallback("TensorScatter", past_cache, update, write_indices, mode=mode, axis=axis)
+
+    def raise_cpu_error(_value=None):
+        tensor_scatter_positions(past_cache.shape, update.shape, rt.to_host(write_indices), mode, axis)
+        return "a write index is out of range"
+
+    present = copy(past_cache)
+    if update.size == 0:
+        if write_indices is not None and write_indices.size:
+            raise_cpu_error()  # nothing to write, but the indices are checked all the same
+        return present
+    shape = tuple(int(d) for d in past_cache.shape)
+    room, length, inner = shape[ax], int(update.shape[ax]), math.prod(shape[ax + 1 :])
+    upd = contiguous(update)
+    w, r = _word(present.dtype.itemsize, inner, [present, upd])
+    n = upd.size // r
+    flag = rt.zeros((1,), np.int64)
+    starts = None if write_indices is None else contiguous(write_indices)
+    launch(
+        kernel_of("indexing", f"tensor_scatter_w{w}_{'i32' if starts is not None and starts.dtype == np.int32 else 'i64'}"),
+        n,
+        present,
+        upd,
+        _addr(starts),
+        flag,
+        np.int64(math.prod(shape[1:ax])),
+        np.int64(length),
+        np.int64(room),
+        np.int64(inner // r),
+        np.int64(1 if mode == "circular" else 0),
+        np.int64(n),
+    )
+    if starts is not None:
+        rt.check_flag(flag, raise_cpu_error)
+    return present
 
 
 # ---------------------------------------------------------------- OneHot

@@ -575,3 +575,35 @@ def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
         return _op("div", xc, scale.reshape(tuple(xc.shape)))
 
     return in_float32(run, x)
+
+
+@cuda_kernel("SimplifiedLayerNormalizationGrad", domain=MICROSOFT)
+def simplified_layer_normalization_grad(dY, X, scale, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """(dX, dScale) of SimplifiedLayerNormalization (RMS norm) from its saved InvStdDev, in the CPU
+    kernel's steps on X viewed as (rows, cols): with xhat = x * inv and b = dy * scale * inv,
+    dX = b - xhat * mean(b * xhat) along each row and dScale = the column sums of dy * xhat
+    (computed in float32 for a 16-bit X, each result rounded once to its type)."""
+    from gradgen.kernels.cpu.norm import layer_norm_grad_rows
+    from gradgen.kernels.cuda.shape import reshaped
+
+    rows, cols = layer_norm_grad_rows(dY, X, scale, None, inv_std_var, axis)
+    if any(dtype_suffix(t.dtype) not in FLOATS for t in (dY, X, scale, inv_std_var)):
+        attrs = dict(axis=axis, epsilon=epsilon, stash_type=stash_type)
+        return cpu_fallback("SimplifiedLayerNormalizationGrad", dY, X, scale, inv_std_var, domain=MICROSOFT, **attrs)
+    compute = _stash(X.dtype)
+
+    def as_compute(t, shape):
+        return reshaped(t if np.dtype(t.dtype) == compute else cast_to(t, compute), shape)
+
+    x, dy = as_compute(X, (rows, cols)), as_compute(dY, (rows, cols))
+    s, inv = as_compute(scale, (1, cols)), as_compute(inv_std_var, (rows, 1))
+    normalized = _op("mul", x, inv)
+    b = _op("mul", _op("mul", dy, s), inv)
+    dx = _op("sub", b, _op("mul", normalized, reduce("mean", _op("mul", b, normalized), (1,), True, "ReduceMean")))
+    dscale = reduce("sum", _op("mul", dy, normalized), (0,), False, "ReduceSum")
+    return _rounded(reshaped(dx, X.shape), X.dtype), _rounded(reshaped(dscale, scale.shape), scale.dtype)
+
+
+def _rounded(y, dtype):
+    """``y`` as ``dtype`` (a cast where it is not already)."""
+    return y if np.dtype(y.dtype) == np.dtype(dtype) else cast_to(y, dtype)

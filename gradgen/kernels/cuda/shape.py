@@ -3,9 +3,10 @@
 Everything here is built on two kernels: a strided copy (``dst[...] = src[offset + sum c_k * s_k]``,
 strides may be 0 or negative) and a one-pass "lattice" kernel (each output element is either read
 from the input, when it lies on the lattice start + q * step of every axis, or a fill value): Slice,
-Transpose, Expand, Tile, Concat and Split are strided copies; constant Pad (and SliceGrad, below)
-are lattices. The kernels move bits: they are chosen by element width, and runs of
-contiguous elements are moved as 16-byte words where sizes and alignment allow.
+Transpose, Expand, Tile, Concat and Split are strided copies; constant Pad, CenterCropPad (a Pad
+whose negative widths crop) and SliceGrad (below) are lattices. The kernels move bits: they are
+chosen by element width, and runs of contiguous elements are moved as 16-byte words where sizes and
+alignment allow.
 
 Reshape, Flatten, Squeeze and Unsqueeze copy nothing: they return a GPUArray that shares the
 input's memory (``GPUArray.reshape`` keeps a reference to its base array in ``.base``, so the
@@ -101,7 +102,7 @@ def lattice(out, src, src_off, starts, steps, counts, src_strides, fill) -> None
     launch_packed(kernel, grid, 256, _PTRS2.pack(int(out.gpudata), src_addr) + tail)
 
 
-def _view(x, shape):
+def reshaped(x, shape):
     """``x`` with a new shape, sharing memory (the view keeps ``x`` alive through ``.base``)."""
     shape = tuple(int(d) for d in shape)
     if x.size == 0:
@@ -127,7 +128,7 @@ def size(data):
 def reshape(data, shape=None, *, allowzero=0):
     if shape is None:
         raise KernelError("Reshape needs the shape input")
-    return _view(data, reshape_dims(data.shape, int_list(shape, "shape"), allowzero))
+    return reshaped(data, reshape_dims(data.shape, int_list(shape, "shape"), allowzero))
 
 
 @cuda_kernel("Flatten")
@@ -136,18 +137,18 @@ def flatten(x, *, axis=1):
     if not -rank <= axis <= rank:
         raise KernelError(f"axis {axis} is out of range [{-rank}, {rank}]")
     axis = axis + rank if axis < 0 else axis
-    return _view(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+    return reshaped(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
 
 
 @cuda_kernel("Squeeze", host_inputs=(1,))
 def squeeze(data, axes=None):
     if axes is None:
-        return _view(data, [d for d in data.shape if d != 1])
+        return reshaped(data, [d for d in data.shape if d != 1])
     normalised = normalize_axes(int_list(axes, "axes"), len(data.shape))
     for a in normalised:
         if data.shape[a] != 1:
             raise KernelError(f"cannot squeeze axis {a} of size {data.shape[a]} (shape {list(data.shape)})")
-    return _view(data, [d for k, d in enumerate(data.shape) if k not in normalised])
+    return reshaped(data, [d for k, d in enumerate(data.shape) if k not in normalised])
 
 
 @cuda_kernel("Unsqueeze", host_inputs=(1,))
@@ -160,7 +161,7 @@ def unsqueeze(data, axes=None):
     dims, rest = [], iter(data.shape)
     for k in range(rank):
         dims.append(1 if k in normalised else next(rest))
-    return _view(data, dims)
+    return reshaped(data, dims)
 
 
 # ---------------------------------------------------------------- copies
@@ -292,10 +293,17 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
         pads = paddings
     if pads is None:
         raise KernelError("Pad needs pads")
-    rank = len(data.shape)
     width = cpu_shape.pad_widths(data.shape, pads, axes)
     cv = None if constant_value is None else rt.to_host(constant_value)
     fill_value = value if cv is None or np.size(cv) == 0 else np.asarray(cv).reshape(-1)[0]
+    return _constant_pad(data, width, fill_value)
+
+
+def _constant_pad(data, width, fill_value):
+    """``data`` padded with ``fill_value`` by ``width`` ([begin, end] per axis; negative: cropped):
+    one lattice pass over the output."""
+    rt = runtime()
+    rank = len(data.shape)
     x = contiguous(data)
     strides = element_strides(x) if rank else []
     starts, counts, out_shape, src_off = [], [], [], 0
@@ -307,6 +315,13 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
     out = rt.empty(out_shape, data.dtype)
     lattice(out, x, src_off, starts, [1] * rank, counts, strides, fill_bits(fill_value, data.dtype))
     return out
+
+
+@cuda_kernel("CenterCropPad", host_inputs=(1,))
+def center_crop_pad(x, shape, *, axes=None):
+    """X cropped or zero-padded to ``shape`` along ``axes``, centred: a constant Pad with the CPU
+    kernel's widths (negative ones crop), so one lattice pass."""
+    return _constant_pad(x, cpu_shape.center_crop_pad_widths(x.shape, shape, axes), 0)
 
 
 @cuda_kernel("Trilu", host_inputs=(1,))
@@ -354,7 +369,7 @@ def constant_of_shape(shape, *, value=None):
 
 def _block_rearrange(x, blocked_shape, perm, out_shape):
     """Reshape to ``blocked_shape`` (a view), transpose by ``perm`` (one strided copy), reshape."""
-    return _view(transpose(_view(x, blocked_shape), perm=perm), out_shape)
+    return reshaped(transpose(reshaped(x, blocked_shape), perm=perm), out_shape)
 
 
 @cuda_kernel("DepthToSpace")
