@@ -64,7 +64,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "DFT"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
-    ("", "ArgMax"): "no CUDA launcher yet (MaxRoiPool's gradient emits it)",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "STFT"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "LRN"): "no CUDA launcher yet",
