@@ -61,7 +61,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Col2Im"): "no CUDA launcher yet",
     ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "Det"): "no CUDA launcher yet",
-    ("", "DFT"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cuda.test_cuda_more_launchers import FLOATS, check, check_raises, launches, rand
+from tests.cuda.test_cuda_more_launchers import FLOATS, _tol, backward_matches, check, check_raises, launches, loss_model, rand
 
 pytestmark = pytest.mark.cuda
 
@@ -72,3 +72,105 @@ def test_arg_extremes_of_empty_lines_raise_and_no_lines_are_empty(launches, op_t
 def test_arg_extremes_of_int8_run_the_cpu_kernel(launches, op_type):
     rng = np.random.default_rng(61)
     check(launches, op_type, [rng.integers(-100, 100, (3, 6)).astype(np.int8)], axis=-1, select_last_index=1)
+
+
+# ---------------------------------------------------------------- DFT
+
+
+def _dft_inputs(x, length=None, axis=None):
+    """DFT's inputs of opset 20: X, then dft_length and axis where given (initializers)."""
+    return [x, None if length is None else np.array(length, np.int64), None if axis is None else np.array(axis, np.int64)]
+
+
+def _dft_tol(dtype):
+    """A sum over the signal in another order than numpy's FFT (16-bit: float32, rounded once)."""
+    return _tol(dtype, f32=2e-5, f64=1e-11)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(
+    "shape,axis,length,inverse,onesided",
+    [
+        ((2, 8, 2), 1, None, 0, 0),  # complex forward
+        ((2, 8, 1), 1, None, 0, 1),  # real, one-sided
+        ((3, 7, 1), None, 10, 0, 0),  # the default axis (-2), zero padding
+        ((3, 9, 2), 1, 5, 1, 0),  # inverse, truncated
+        ((2, 5, 2), 1, None, 1, 1),  # one-sided inverse (irfft), n = 8
+        ((2, 4, 2), -2, 7, 1, 1),  # irfft of odd length
+        ((2, 4, 1), 1, 6, 1, 1),  # irfft of a real input
+        ((4, 3, 6, 2), 0, None, 0, 0),  # the axis moved next to the last and back
+        ((2, 6, 3, 1), 1, 8, 0, 1),
+        ((2, 3, 5, 2), -3, None, 1, 0),
+    ],
+    ids=str,
+)
+def test_dft(launches, dtype, shape, axis, length, inverse, onesided):
+    rng = np.random.default_rng(70)
+    inputs = _dft_inputs(rand(rng, shape, dtype), length, axis)
+    check(launches, "DFT", inputs, const=(1, 2), opset=20, inverse=inverse, onesided=onesided, **_dft_tol(dtype))
+
+
+@pytest.mark.parametrize("axis,onesided", [(1, 0), (0, 1), (-2, 0)])
+def test_dft_axis_as_the_opset_17_attribute(launches, axis, onesided):
+    rng = np.random.default_rng(71)
+    x = rand(rng, (3, 6, 2), np.float64)
+    check(launches, "DFT", [x], opset=17, axis=axis, onesided=onesided, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "shape,length,inverse,onesided",
+    [((0, 8, 2), None, 0, 0), ((2, 0, 2), 4, 0, 0), ((2, 0, 1), 4, 1, 0), ((0, 5, 2), None, 1, 1)],
+    ids=str,
+)
+def test_dft_of_empty_inputs(launches, shape, length, inverse, onesided):
+    check(
+        launches,
+        "DFT",
+        _dft_inputs(np.zeros(shape, np.float32), length, 1),
+        const=(1, 2),
+        opset=20,
+        inverse=inverse,
+        onesided=onesided,
+    )
+
+
+def test_dft_too_long_for_its_matrix_runs_the_cpu_kernel(launches):
+    """A 3000-point complex transform: its DFT matrix (6000 x 6000 doubles) exceeds DFT_MATRIX_BYTES."""
+    rng = np.random.default_rng(72)
+    check(
+        launches, "DFT", _dft_inputs(rand(rng, (1, 3000, 2), np.float64), None, 1), const=(1, 2), opset=20, rtol=1e-9, atol=1e-9
+    )
+
+
+@pytest.mark.parametrize(
+    "shape,length,axis,match",
+    [
+        ((2, 4, 2), None, 2, "last axis"),
+        ((2, 4, 2), None, 3, "out of range"),
+        ((2, 4, 2), 0, 1, "positive"),
+        ((2, 4, 3), None, 1, "end in"),
+    ],
+    ids=str,
+)
+def test_dft_bad_inputs_raise(launches, shape, length, axis, match):
+    inputs = _dft_inputs(np.ones(shape, np.float32), length, axis)
+    check_raises(launches, "DFT", inputs, match, const=(1, 2), opset=20)
+
+
+@pytest.mark.parametrize(
+    "shape,length,attrs",
+    [
+        ((2, 6, 2), None, {}),
+        ((2, 6, 1), None, {"onesided": 1}),
+        ((2, 5, 2), 3, {"inverse": 1}),
+        ((2, 4, 2), None, {"inverse": 1, "onesided": 1}),
+    ],
+    ids=str,
+)
+def test_dft_backward(launches, shape, length, attrs):
+    """The gradient rule's graph holds DFTs of other forms (the transposes of these)."""
+    rng = np.random.default_rng(73)
+    model, feeds = loss_model("DFT", _dft_inputs(rand(rng, shape, np.float64), length, 1), const=(1, 2), opset=20, **attrs)
+    calls = launches("DFT")
+    backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-11)
+    assert len(calls) >= 2, "the DFT launcher did not run for the backward graph's transposed DFT"
