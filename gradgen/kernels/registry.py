@@ -49,8 +49,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # tests/test_coverage.py fails for such an op that is not declared, and for a declared one that
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
-    ("", "Compress"): "no CUDA launcher yet",
-    ("", "NonZero"): "no CUDA launcher yet (Compress's gradient emits it for the kept positions)",
     ("", "Unique"): "no CUDA launcher yet",
     ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
     ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",

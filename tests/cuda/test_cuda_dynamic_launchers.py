@@ -174,3 +174,67 @@ def test_dft_backward(launches, shape, length, attrs):
     calls = launches("DFT")
     backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-11)
     assert len(calls) >= 2, "the DFT launcher did not run for the backward graph's transposed DFT"
+
+
+# ---------------------------------------------------------------- NonZero, Compress
+
+
+def _sparse(rng, shape, dtype, density):
+    """Values of ``dtype`` that are non-zero with probability ``density``."""
+    x = (rng.random(shape) < density) * rng.integers(1, 4, shape)
+    return np.asarray(x).astype(np.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.uint8, *INTS, *FLOATS], ids=str)
+@pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 4), (0, 3), (300, 257), (1, 2, 1, 3, 1)], ids=str)
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_non_zero(launches, dtype, shape, density):
+    rng = np.random.default_rng(80)
+    check(launches, "NonZero", [_sparse(rng, shape, dtype, density)])
+
+
+def test_non_zero_counts_nan_and_not_negative_zero(launches):
+    x = np.array([[0.0, -0.0, np.nan], [np.inf, 0.0, -1e-30]], np.float32)
+    got = check(launches, "NonZero", [x])["out0"]
+    np.testing.assert_array_equal(got, [[0, 1, 1], [2, 0, 2]])
+
+
+def test_non_zero_of_uint16_runs_the_cpu_kernel(launches):
+    rng = np.random.default_rng(81)
+    check(launches, "NonZero", [_sparse(rng, (4, 5), np.uint16, 0.5)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_], ids=str)
+@pytest.mark.parametrize(
+    "shape,axis,length",
+    [((3, 4), 0, 3), ((3, 4), 1, 2), ((3, 4), -1, 4), ((2, 3, 4), 1, 3), ((3, 4), None, 7), ((3, 4), None, 12), ((5,), 0, 5)],
+    ids=str,
+)
+@pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
+def test_compress(launches, dtype, shape, axis, length, density):
+    rng = np.random.default_rng(82)
+    data, condition = _sparse(rng, shape, dtype, 0.7), rng.random(length) < density
+    attrs = {} if axis is None else {"axis": axis}
+    check(launches, "Compress", [data, condition], **attrs)
+
+
+@pytest.mark.parametrize("shape,axis,length", [((0, 4), None, 0), ((3, 0), 0, 3), ((3, 4), 1, 0), ((0, 4), 1, 4)], ids=str)
+def test_compress_of_empty_inputs(launches, shape, axis, length):
+    attrs = {} if axis is None else {"axis": axis}
+    check(launches, "Compress", [np.ones(shape, np.float32), np.ones(length, np.bool_)], **attrs)
+
+
+@pytest.mark.parametrize("shape,axis,length", [((3, 4), 0, 4), ((3, 4), None, 13)], ids=str)
+def test_compress_of_a_condition_too_long_raises(launches, shape, axis, length):
+    attrs = {} if axis is None else {"axis": axis}
+    check_raises(launches, "Compress", [np.ones(shape, np.float32), np.ones(length, np.bool_)], "condition has", **attrs)
+
+
+def test_compress_backward(launches):
+    """Compress's gradient scatters into the kept positions, which NonZero finds."""
+    rng = np.random.default_rng(83)
+    condition = np.array([True, False, True, True, False])
+    model, feeds = loss_model("Compress", [rand(rng, (3, 5), np.float64), condition], axis=1)
+    compress_calls, non_zero_calls = launches("Compress"), launches("NonZero")
+    backward_matches(model, feeds, wrt=["in0"], rtol=1e-12, atol=1e-12)
+    assert compress_calls and non_zero_calls
