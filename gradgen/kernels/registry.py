@@ -58,7 +58,6 @@ CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "CenterCropPad"): "no CUDA launcher yet",
     ("", "Col2Im"): "no CUDA launcher yet",
     ("", "DeformConv"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
-    ("", "Det"): "no CUDA launcher yet",
     ("", "GridSample"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",
     ("", "MaxRoiPool"): "no CUDA launcher yet",
     ("", "RoiAlign"): "no CUDA launcher: backward graphs hold its standard-op form (passes/decompose.py)",

@@ -238,3 +238,51 @@ def test_compress_backward(launches):
     compress_calls, non_zero_calls = launches("Compress"), launches("NonZero")
     backward_matches(model, feeds, wrt=["in0"], rtol=1e-12, atol=1e-12)
     assert compress_calls and non_zero_calls
+
+
+# ---------------------------------------------------------------- Det
+
+
+def _well_conditioned(rng, shape, dtype):
+    """Matrices near 2 I (determinants near 2^n, far from singular)."""
+    n = shape[-1]
+    m = rng.uniform(-0.5, 0.5, shape) + 2 * np.eye(n)
+    return m.astype(np.float32).astype(dtype) if np.dtype(dtype) != np.float64 else m
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 3), (4, 4), (2, 3, 5, 5), (7, 8, 8), (2, 32, 32)], ids=str)
+def test_det(launches, dtype, shape):
+    rng = np.random.default_rng(90)
+    check(launches, "Det", [_well_conditioned(rng, shape, dtype)], **_tol(dtype, f32=1e-5, f64=1e-11))
+
+
+def test_det_of_general_matrices_needs_row_swaps(launches):
+    """Standard normal matrices: the pivots come from other rows (determinants of either sign)."""
+    rng = np.random.default_rng(91)
+    check(launches, "Det", [rng.standard_normal((50, 6, 6))], rtol=1e-10, atol=1e-12)
+
+
+def test_det_of_singular_and_empty_matrices(launches):
+    x = np.array([[[1.0, 2.0], [2.0, 4.0]], [[0.0, 1.0], [0.0, 3.0]], [[0.0, 1.0], [1.0, 0.0]]])
+    got = check(launches, "Det", [x], rtol=1e-12, atol=1e-12)["out0"]
+    assert got[1] == 0 and got[2] == -1
+    check(launches, "Det", [np.zeros((3, 0, 0))])  # the empty product: 1
+    check(launches, "Det", [np.zeros((0, 4, 4), np.float32)])
+
+
+def test_det_of_large_matrices_runs_the_cpu_kernel(launches):
+    rng = np.random.default_rng(92)
+    check(launches, "Det", [_well_conditioned(rng, (2, 40, 40), np.float64)], rtol=1e-10, atol=1e-10)
+
+
+def test_det_of_non_square_matrices_raises(launches):
+    check_raises(launches, "Det", [np.ones((2, 3, 4), np.float32)], "square")
+
+
+def test_det_backward(launches):
+    rng = np.random.default_rng(93)
+    model, feeds = loss_model("Det", [_well_conditioned(rng, (3, 4, 4), np.float64)])
+    calls = launches("Det")
+    backward_matches(model, feeds, wrt=list(feeds), rtol=1e-10, atol=1e-12)
+    assert calls, "the Det launcher did not run"

@@ -1,4 +1,5 @@
-"""CUDA launchers: MatMul and Gemm through cuBLAS (nvmath-python's bindings).
+"""CUDA launchers: MatMul and Gemm through cuBLAS (nvmath-python's bindings); Einsum, and DFT
+as a GEMM with a DFT matrix, on the same planner; Det through matmul.cu.
 
 cuBLAS is column-major; a row-major C = op(A) @ op(B) is computed as C^T = op(B)^T @ op(A)^T,
 which is the same memory read column-major: the operands swap places and keep their own
@@ -32,7 +33,10 @@ from gradgen.kernels.cuda.launch import (
     cpu_fallback,
     dtype_suffix,
     element_strides,
+    fill,
     is_float,
+    kernel_of,
+    launch,
     plan_cache,
     tf32_allowed,
 )
@@ -606,5 +610,40 @@ def dft(x, dft_length=None, axis_value=None, *, axis=None, inverse=0, onesided=0
         y = matmul_views(lines, ((rows, width), [width, 1]), m, ((width, out_width), [out_width, 1]))
         y = y.reshape((*lines.shape[:-2], outputs, out_parts))
         return y if ax == rank - 2 else transpose(y, perm=[int(p) for p in np.argsort(perm)])
+
+    return in_float32(run, x)
+
+
+# ---------------------------------------------------------------- Det
+
+DET_MAX_ORDER = 32  # larger matrices run the CPU kernel (LAPACK): one thread per matrix is n^3 / 3 work
+
+
+@cuda_kernel("Det")
+def det(x):
+    """Determinants of the trailing square matrices of X: matmul.cu's det_lu, one thread per matrix
+    factorising a copy (LU with partial pivoting; the product of the pivots, negated per row swap),
+    float32 and float64 in their own type, 16-bit floats in float32 rounded once (the CPU kernel's
+    accumulation type); an empty matrix's determinant is 1. Matrices larger than DET_MAX_ORDER and
+    other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.elementwise import in_float32
+
+    shape = tuple(int(d) for d in x.shape)
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise KernelError(f"X must end in square matrices, got shape {list(shape)}")
+    n = shape[-1]
+    if not is_float(x.dtype) or n > DET_MAX_ORDER:
+        return cpu_fallback("Det", x)
+
+    def run(xc):
+        out = rt.empty(shape[:-2], xc.dtype)
+        if out.size and n == 0:
+            fill(out, 1)
+        elif out.size:
+            work = copy(xc)  # factorised in place
+            kernel = kernel_of("matmul", f"det_lu_{dtype_suffix(xc.dtype)}")
+            launch(kernel, out.size, out, work, np.int64(out.size), np.int64(n))
+        return out
 
     return in_float32(run, x)
