@@ -49,7 +49,7 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # tests/test_coverage.py fails for such an op that is not declared, and for a declared one that
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
-    ("", "Unique"): "no CUDA launcher yet",
+    ("", "Unique"): "no CUDA launcher yet: it needs a stable device sort of any length (TopK's: lines <= 4096)",
     ("", "DynamicQuantizeLinear"): "no CUDA launcher: its gradient rule refuses, so only forward models hold it",
     ("", "QuantizeLinear"): "no CUDA launcher yet (its gradient rule refuses: only forward models hold it)",
     ("", "DequantizeLinear"): "no CUDA launcher yet",
