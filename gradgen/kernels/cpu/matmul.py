@@ -176,6 +176,27 @@ def det(x):
     return np.asarray(np.linalg.det(x.astype(ct, copy=False))).astype(x.dtype, copy=False)
 
 
+def dft_axis_and_length(shape, dft_length, axis_value, axis, inverse, onesided) -> tuple[int, int]:
+    """DFT's transformed axis (normalised) and transform length n, checked as the CPU kernel checks
+    them (the CUDA launcher shares this): X ends in 1 or 2 (real, or real and imaginary parts); the
+    axis is the input of opset 20, else the attribute of opset 17, default -2, and not the last; n is
+    dft_length, by default the axis' size (2 * (size - 1) for a one-sided inverse)."""
+    rank = len(shape)
+    if rank < 2 or shape[-1] not in (1, 2):
+        raise KernelError(f"X must end in a dimension of 1 (real) or 2 (complex), got shape {list(shape)}")
+    chosen = int(np.asarray(axis_value).reshape(-1)[0]) if axis_value is not None else -2 if axis is None else int(axis)
+    if not -rank <= chosen < rank:
+        raise KernelError(f"axis {chosen} is out of range for X of rank {rank}")
+    chosen %= rank
+    if chosen == rank - 1:
+        raise KernelError("axis may not be the last axis of X (the real / imaginary one)")
+    size = int(shape[chosen])
+    n = int(np.asarray(dft_length).reshape(-1)[0]) if dft_length is not None else 2 * (size - 1) if inverse and onesided else size
+    if n < 1:
+        raise KernelError(f"the transform length must be positive, got {n}")
+    return chosen, n
+
+
 @cpu_kernel("DFT")
 def dft(x, dft_length=None, axis_value=None, *, axis=None, inverse=0, onesided=0):
     """The discrete Fourier transform of X (..., 1 or 2: real, or real and imaginary parts) along
@@ -183,19 +204,8 @@ def dft(x, dft_length=None, axis_value=None, *, axis=None, inverse=0, onesided=0
     default 1 for the usual (batch, signal, 1 or 2) input), as ONNX's reference computes it: zero
     padding or truncation to dft_length; onesided keeps the first n // 2 + 1 frequencies of a
     forward transform, and makes an inverse one real (numpy's irfft)."""
-    if x.ndim < 2 or x.shape[-1] not in (1, 2):
-        raise KernelError(f"X must end in a dimension of 1 (real) or 2 (complex), got shape {list(x.shape)}")
-    chosen = int(np.asarray(axis_value).reshape(-1)[0]) if axis_value is not None else -2 if axis is None else int(axis)
-    if not -x.ndim <= chosen < x.ndim:
-        raise KernelError(f"axis {chosen} is out of range for X of rank {x.ndim}")
-    chosen %= x.ndim
-    if chosen == x.ndim - 1:
-        raise KernelError("axis may not be the last axis of X (the real / imaginary one)")
+    chosen, n = dft_axis_and_length(x.shape, dft_length, axis_value, axis, inverse, onesided)
     signal = x[..., 0] if x.shape[-1] == 1 else x[..., 0] + 1j * x[..., 1]
-    size = x.shape[chosen]
-    n = int(np.asarray(dft_length).reshape(-1)[0]) if dft_length is not None else 2 * (size - 1) if inverse and onesided else size
-    if n < 1:
-        raise KernelError(f"the transform length must be positive, got {n}")
     if inverse and onesided:
         return np.fft.irfft(signal, n=n, axis=chosen)[..., None].astype(x.dtype)
     out = np.fft.ifft(signal, n=n, axis=chosen) if inverse else np.fft.fft(signal, n=n, axis=chosen)

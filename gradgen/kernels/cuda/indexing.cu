@@ -863,3 +863,23 @@ GG_TENSOR_SCATTER_W(4)
 GG_TENSOR_SCATTER_W(8)
 GG_TENSOR_SCATTER_W(16)
 #endif
+
+// ------------------------------------------------------------------ NonZero
+// slots: the inclusive running count of X's non-zero elements in C order (the launcher composes it
+// from the cast and CumSum launchers), so flat element i is non-zero where slots[i] differs from the
+// count before it, and its coordinates (over shape) go to column slots[i] - 1 of out (rank, count).
+#if GG_PART(12)
+extern "C" __global__ void nonzero_coords(int64_t* __restrict__ out, const int64_t* __restrict__ slots, TensorDesc shape,
+                                          int64_t count, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t before = i ? slots[i - 1] : 0;
+        if (slots[i] == before) continue;
+        int64_t rest = i;
+        for (int d = (int)shape.rank - 1; d >= 0; --d) {
+            const int64_t size = shape.shape[d];
+            out[d * count + before] = rest % size;
+            rest /= size;
+        }
+    }
+}
+#endif

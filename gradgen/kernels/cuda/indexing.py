@@ -1,5 +1,6 @@
 """CUDA launchers: indexing (indexing.cu): Gather, GatherElements, GatherND, ScatterElements,
-ScatterND, and the com.microsoft GatherGrad and GatherElementsGrad.
+ScatterND, OneHot, NonZero and Compress (whose output sizes are read back to the host), and the
+com.microsoft GatherGrad and GatherElementsGrad.
 
 Indices arrive on the device (int32 or int64). Negative ones are normalised in the kernels; an
 out-of-range index sets a device flag and writes nothing, and the launcher then raises the CPU
@@ -33,6 +34,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import indexing as cpu
 from gradgen.kernels.cuda.launch import (
+    CASTABLE,
     contiguous,
     copy,
     cpu_fallback,
@@ -800,3 +802,86 @@ def one_hot(indices, depth, values, *, axis=-1):
         np.int64(out.size),
     )
     return out
+
+
+# ---------------------------------------------------------------- NonZero, Compress
+#
+# Their output sizes depend on the data: each reads one count back to the host (a device-to-host
+# copy, which waits for the work before it; a run that holds one of them cannot be recorded as a
+# CUDA graph, so the executor runs it eagerly).
+
+
+def _running_count(x):
+    """(slots, count): slots (int64, x.size, C order) holds the running count of x's non-zero
+    elements (x != 0: NaN counts, -0 does not), count its last value, read back to the host.
+    Composed: x cast to bool then int64, laid out as (rows, width) lines of about sqrt(x.size)
+    (zero padded), CumSum along each line, plus the exclusive CumSum of the line totals
+    (reduction.py's one-thread-per-line scans and ReduceSum, elementwise Add)."""
+    from gradgen.kernels.cuda.elementwise import binary, cast_to
+    from gradgen.kernels.cuda.reduction import cum_sum, reduce
+
+    rt = runtime()
+    n = int(x.size)
+    flags = cast_to(x if x.dtype == np.bool_ else cast_to(x, np.bool_), np.int64)
+    width = max(1, math.isqrt(n - 1) + 1)
+    rows = -(-n // width)
+    lines = rt.zeros((rows, width), np.int64)
+    rt.copy_device(lines, flags, n * 8)
+    totals = reduce("sum", lines, (1,), True, "ReduceSum")
+    starts = cum_sum(totals, 0, exclusive=1)
+    slots = binary("add_i64", cum_sum(lines, 1), starts, np.int64).reshape(-1)
+    count = int(rt.to_host(slots[n - 1 : n])[0])
+    return slots, count
+
+
+def nonzero_coordinates(x):
+    """The (rank, count) int64 coordinates of x's non-zero elements in C order: ``_running_count``
+    gives each its column, indexing.cu's nonzero_coords writes its coordinates there."""
+    rt = runtime()
+    rank = len(x.shape)
+    if x.size == 0:
+        return rt.empty((rank, 0), np.int64)
+    slots, count = _running_count(contiguous(x))
+    out = rt.empty((rank, count), np.int64)
+    if rank and count:
+        launch(kernel_of("indexing", "nonzero_coords"), x.size, out, slots, desc(x.shape), np.int64(count), np.int64(x.size))
+    return out
+
+
+@cuda_kernel("NonZero")
+def non_zero(x):
+    """The coordinates of X's non-zero elements, (rank, count) in C order (``nonzero_coordinates``;
+    a scalar gives (0, count)). The count is read back to the host. dtypes the casts do not cover and
+    ranks above the kernels' maximum run the CPU kernel."""
+    if dtype_suffix(x.dtype) not in CASTABLE or len(x.shape) > runtime().MAX_RANK:
+        return cpu_fallback("NonZero", x)
+    return nonzero_coordinates(x)
+
+
+@cuda_kernel("Compress")
+def compress(data, condition, *, axis=None):
+    """np.compress: the slices of data along ``axis`` (data flattened when None) whose entry of
+    the condition is true, the condition shorter than the axis leaving the rest out. The kept
+    positions are the condition's ``nonzero_coordinates`` (their count read back to the host),
+    which the Gather launcher takes. Condition dtypes the casts do not cover, and 0-d data with an
+    axis, run the CPU kernel."""
+    rt = runtime()
+    size = math.prod(data.shape) if axis is None else None
+    if axis is not None:
+        ax = normalize_axis(axis, len(data.shape), allow_scalar=True)
+        size = data.shape[ax] if data.shape else None
+    if size is not None and condition.size > size:
+        where = "the flattened input only" if axis is None else f"axis {ax} has size"
+        raise KernelError(f"condition has {condition.size} entries but {where} {size}")
+    if dtype_suffix(condition.dtype) not in CASTABLE or size is None:
+        return cpu_fallback("Compress", data, condition, axis=axis)
+    if axis is None:
+        if data.size == 0:
+            return rt.empty((0,), data.dtype)
+        data, ax = contiguous(data).reshape(-1), 0
+    positions = rt.empty((0,), np.int64)
+    if condition.size:
+        kept = nonzero_coordinates(contiguous(condition).reshape(-1))
+        if kept.size:
+            positions = kept.reshape(-1)
+    return gather(data, positions, axis=ax)

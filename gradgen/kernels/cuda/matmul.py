@@ -1,4 +1,5 @@
-"""CUDA launchers: MatMul and Gemm through cuBLAS (nvmath-python's bindings).
+"""CUDA launchers: MatMul and Gemm through cuBLAS (nvmath-python's bindings); Einsum, and DFT
+as a GEMM with a DFT matrix, on the same planner; Det through matmul.cu.
 
 cuBLAS is column-major; a row-major C = op(A) @ op(B) is computed as C^T = op(B)^T @ op(A)^T,
 which is the same memory read column-major: the operands swap places and keep their own
@@ -32,7 +33,11 @@ from gradgen.kernels.cuda.launch import (
     cpu_fallback,
     dtype_suffix,
     element_strides,
+    fill,
     is_float,
+    kernel_of,
+    launch,
+    plan_cache,
     tf32_allowed,
 )
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
@@ -500,3 +505,145 @@ def einsum(*inputs, equation):
     labels = [*batch, *rows, *cols]
     y = y.reshape(tuple(out_shape[output.index(lab)] for lab in labels))
     return _einsum_to_output(y, labels, output, fresh=True)
+
+
+# ---------------------------------------------------------------- DFT
+
+DFT_MATRIX_BYTES = 64 << 20  # a larger DFT matrix (a long transform) runs the CPU kernel's FFT instead
+
+
+def _unit_circle(r, n: int):
+    """(cos, sin) of 2 pi r / n for integers 0 <= r < n, exact at the quarter turns (so that the
+    terms numpy's FFT leaves out, e.g. the imaginary part of a one-sided inverse's Nyquist bin,
+    weigh exactly 0)."""
+    angle = 2 * np.pi * r / n
+    cos, sin = np.cos(angle), np.sin(angle)
+    quarter = (4 * r) % n == 0
+    turn = (4 * r) // n % 4
+    cos = np.where(quarter, np.array([1.0, 0.0, -1.0, 0.0])[turn], cos)
+    sin = np.where(quarter, np.array([0.0, 1.0, 0.0, -1.0])[turn], sin)
+    return cos, sin
+
+
+def dft_matrix(size: int, parts: int, n: int, inverse: bool, onesided: bool) -> np.ndarray:
+    """The real float64 matrix M with which a line of ``size`` samples of ``parts`` (1: real, 2: real
+    and imaginary) values, flattened, gives the CPU kernel's DFT of length ``n`` as ``line @ M``,
+    flattened (frequency or time, 1 or 2 parts): samples past what the transform reads (the first n;
+    n // 2 + 1 bins for a one-sided inverse) have zero rows, which is numpy's truncation, and zero
+    padding needs no rows. A one-sided forward transform keeps the first n // 2 + 1 frequencies; a
+    one-sided inverse is numpy's irfft: x_t = (1/n) sum_j w_j Re(X_j e^{2 pi i j t / n}), w_j = 2
+    but for the DC and Nyquist bins (whose imaginary parts weigh 0)."""
+    irfft = inverse and onesided
+    read = min(size, n // 2 + 1 if irfft else n)
+    outputs = n if irfft or not onesided else n // 2 + 1
+    j = np.arange(read, dtype=np.int64)[:, None]
+    cos, sin = _unit_circle((j * np.arange(outputs, dtype=np.int64)[None, :]) % n, n)
+    if irfft:
+        weight = np.where((j == 0) | (2 * j == n), 1.0, 2.0) / n
+        m = np.zeros((size, parts, outputs, 1))
+        m[:read, 0, :, 0] = weight * cos
+        if parts == 2:
+            m[:read, 1, :, 0] = -weight * sin
+        return m.reshape(size * parts, outputs)
+    sign, scale = (1.0, 1.0 / n) if inverse else (-1.0, 1.0)
+    m = np.zeros((size, parts, outputs, 2))
+    m[:read, 0, :, 0] = scale * cos
+    m[:read, 0, :, 1] = sign * scale * sin
+    if parts == 2:
+        m[:read, 1, :, 0] = -sign * scale * sin
+        m[:read, 1, :, 1] = scale * cos
+    return m.reshape(size * parts, outputs * 2)
+
+
+_DFT_MATRICES: dict = {}
+
+
+def _dft_matrix_on_device(size: int, parts: int, n: int, inverse: bool, onesided: bool, dtype):
+    """``dft_matrix`` in ``dtype`` on the device, uploaded once per transform (kept for the
+    process, released at exit while the context is current)."""
+    from gradgen.cuda import runtime as rt
+
+    def upload():
+        if not _DFT_MATRICES:
+            rt.drop_at_exit(_DFT_MATRICES.clear)
+        with rt.persistent():
+            return rt.to_device(dft_matrix(size, parts, n, inverse, onesided).astype(dtype))
+
+    return plan_cache(_DFT_MATRICES, (size, parts, n, inverse, onesided, np.dtype(dtype).str), upload)
+
+
+@cuda_kernel("DFT", host_inputs=(1, 2))
+def dft(x, dft_length=None, axis_value=None, *, axis=None, inverse=0, onesided=0):
+    """The CPU kernel's DFT (numpy's fft, ifft or irfft; zero padding or truncation to the length)
+    as one GEMM: X's lines along the axis, moved next to the last (real / imaginary) axis by a
+    transpose where they are not already, times ``dft_matrix`` (uploaded once per transform), then
+    moved back. float32 and float64 in their own type, 16-bit floats in float32 rounded once (as
+    the CPU backend computes them); a transform whose matrix would exceed ``DFT_MATRIX_BYTES`` and
+    other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu.matmul import dft_axis_and_length
+    from gradgen.kernels.cuda.elementwise import in_float32
+    from gradgen.kernels.cuda.shape import transpose
+
+    attrs = dict(axis=axis, inverse=inverse, onesided=onesided)
+    shape = tuple(int(d) for d in x.shape)
+    ax, n = dft_axis_and_length(shape, dft_length, axis_value, axis, inverse, onesided)
+    size, parts = shape[ax], shape[-1]
+    irfft = bool(inverse) and bool(onesided)
+    outputs = n if irfft or not onesided else n // 2 + 1
+    out_parts = 1 if irfft else 2
+    compute = np.dtype(np.float64 if np.dtype(x.dtype) == np.float64 else np.float32)
+    if not is_float(x.dtype) or size * parts * outputs * out_parts * compute.itemsize > DFT_MATRIX_BYTES:
+        return cpu_fallback("DFT", x, dft_length, axis_value, **attrs)
+    rank = len(shape)
+    out_shape = (*shape[:ax], outputs, *shape[ax + 1 : -1], out_parts)
+    if math.prod(out_shape) == 0:
+        return rt.empty(out_shape, x.dtype)
+    perm = [d for d in range(rank - 1) if d != ax] + [ax, rank - 1]  # the axis next to the parts' axis
+
+    def run(xc):
+        lines = xc if ax == rank - 2 else transpose(xc, perm=perm)
+        lines = contiguous(lines)
+        rows = math.prod(lines.shape[:-2])
+        m = _dft_matrix_on_device(size, parts, n, bool(inverse), bool(onesided), compute)
+        width, out_width = size * parts, outputs * out_parts
+        y = matmul_views(lines, ((rows, width), [width, 1]), m, ((width, out_width), [out_width, 1]))
+        y = y.reshape((*lines.shape[:-2], outputs, out_parts))
+        return y if ax == rank - 2 else transpose(y, perm=[int(p) for p in np.argsort(perm)])
+
+    return in_float32(run, x)
+
+
+# ---------------------------------------------------------------- Det
+
+DET_MAX_ORDER = 32  # larger matrices run the CPU kernel (LAPACK): one thread per matrix is n^3 / 3 work
+
+
+@cuda_kernel("Det")
+def det(x):
+    """Determinants of the trailing square matrices of X: matmul.cu's det_lu, one thread per matrix
+    factorising a copy (LU with partial pivoting; the product of the pivots, negated per row swap),
+    float32 and float64 in their own type, 16-bit floats in float32 rounded once (the CPU kernel's
+    accumulation type); an empty matrix's determinant is 1. Matrices larger than DET_MAX_ORDER and
+    other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.elementwise import in_float32
+
+    shape = tuple(int(d) for d in x.shape)
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise KernelError(f"X must end in square matrices, got shape {list(shape)}")
+    n = shape[-1]
+    if not is_float(x.dtype) or n > DET_MAX_ORDER:
+        return cpu_fallback("Det", x)
+
+    def run(xc):
+        out = rt.empty(shape[:-2], xc.dtype)
+        if out.size and n == 0:
+            fill(out, 1)
+        elif out.size:
+            work = copy(xc)  # factorised in place
+            kernel = kernel_of("matmul", f"det_lu_{dtype_suffix(xc.dtype)}")
+            launch(kernel, out.size, out, work, np.int64(out.size), np.int64(n))
+        return out
+
+    return in_float32(run, x)

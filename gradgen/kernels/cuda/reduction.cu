@@ -785,3 +785,83 @@ GG_CUMPROD(f64, double)
 GG_CUMPROD(i32, int32_t)
 GG_CUMPROD(i64, int64_t)
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// ArgMax / ArgMin along one axis of the (outer, L, inner) view, L >= 1, as numpy's argmax/argmin
+// (the CPU kernel): the first extreme element (select_last_index: the last), every NaN more extreme
+// than any number (so the first, or last, NaN), -0 tied with +0; 16-bit floats compared in float32
+// (exact). A candidate is (value, index), index -1 for none; combining two keeps the more extreme
+// value, on a tie the lower index (last: the higher), a total order: any combining order gives the
+// same index.
+//   argext_rows_*: inner == 1, one warp per line (lanes stride the line, then a shuffle tree);
+//   argext_cols_*: one thread per (outer, inner) line, in order (neighbouring threads read
+//                  neighbouring columns).
+
+template <bool MAX, typename A>
+__device__ __forceinline__ void arg_take(A& best, int64_t& at, A v, int64_t i, int64_t last) {
+    if (i < 0) return;
+    bool take = at < 0;
+    if (!take) {
+        const bool v_nan = gg_isnan(v), best_nan = gg_isnan(best);
+        int order;  // +1: v more extreme than best, -1: less, 0: tied
+        if (v_nan || best_nan) order = v_nan == best_nan ? 0 : (v_nan ? 1 : -1);
+        else if (MAX) order = best < v ? 1 : (v < best ? -1 : 0);
+        else order = v < best ? 1 : (best < v ? -1 : 0);
+        take = order > 0 || (order == 0 && (last ? i > at : i < at));
+    }
+    if (take) {
+        best = v;
+        at = i;
+    }
+}
+
+template <typename T, bool MAX>
+__device__ void argext_rows(int64_t* __restrict__ out, const T* __restrict__ x, int64_t rows, int64_t L, int64_t last) {
+    using A = typename Acc<T>::type;
+    const int lane = threadIdx.x & 31;
+    const int64_t step = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += step) {
+        const T* xr = x + row * L;
+        A best = A(0);
+        int64_t at = -1;
+        for (int64_t j = lane; j < L; j += 32) arg_take<MAX>(best, at, (A)gg_load(xr + j), j, last);
+        for (int m = 16; m > 0; m >>= 1) {
+            const A other = __shfl_xor_sync(0xffffffffu, best, m);
+            const long long other_at = __shfl_xor_sync(0xffffffffu, (long long)at, m);
+            arg_take<MAX>(best, at, other, (int64_t)other_at, last);
+        }
+        if (lane == 0) out[row] = at;
+    }
+}
+
+template <typename T, bool MAX>
+__device__ void argext_cols(int64_t* __restrict__ out, const T* __restrict__ x, int64_t outer, int64_t L, int64_t inner,
+                            int64_t last) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(line, outer * inner) {
+        const int64_t o = line / inner;
+        const T* base = x + o * L * inner + (line - o * inner);
+        A best = gg_load(base);
+        int64_t at = 0;
+        for (int64_t j = 1; j < L; ++j) arg_take<MAX>(best, at, (A)gg_load(base + j * inner), j, last);
+        out[line] = at;
+    }
+}
+
+#define GG_ARGEXT(name, MAX, s, T)                                                                          \
+    extern "C" __global__ void name##_rows_##s(int64_t* out, const T* x, int64_t rows, int64_t L, int64_t last) { \
+        argext_rows<T, MAX>(out, x, rows, L, last);                                                         \
+    }                                                                                                       \
+    extern "C" __global__ void name##_cols_##s(int64_t* out, const T* x, int64_t outer, int64_t L, int64_t inner, \
+                                               int64_t last) {                                              \
+        argext_cols<T, MAX>(out, x, outer, L, inner, last);                                                 \
+    }
+#define GG_ARGEXTS(s, T) GG_ARGEXT(argmax, true, s, T) GG_ARGEXT(argmin, false, s, T)
+#if GG_PART(21)
+GG_ARGEXTS(f16, __half)
+GG_ARGEXTS(bf16, __nv_bfloat16)
+GG_ARGEXTS(f32, float)
+GG_ARGEXTS(f64, double)
+GG_ARGEXTS(i32, int32_t)
+GG_ARGEXTS(i64, int64_t)
+#endif

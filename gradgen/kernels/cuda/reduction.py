@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import FLOATS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
+from gradgen.kernels.cuda.launch import FLOATS, MAX_BLOCKS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
@@ -442,3 +442,63 @@ def cum_prod(x, axis, *, exclusive=0, reverse=0):
     float32 computation), float32/float64 in their own type, int32/int64 wrapping like numpy's.
     Other dtypes run the CPU kernel."""
     return _scan("CumProd", "cumprod", x, axis, exclusive, reverse)
+
+
+# ---------------------------------------------------------------- ArgMax / ArgMin
+
+_ARG_TYPES = FLOATS + ("i32", "i64")
+_ARG_WARP_ROWS = 32  # inner == 1 and at least this long: one warp per line, else one thread per line
+
+
+def _arg_extreme(op_type: str, name: str, data, axis, keepdims, select_last_index):
+    """The int64 index of the first (select_last_index: last) largest or smallest element along
+    ``axis``, as the CPU kernel's numpy argmax/argmin (NaN counts as the extreme; -0 ties +0):
+    reduction.cu's argext kernels over the (outer, L, inner) view; other dtypes run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+
+    attrs = dict(axis=axis, keepdims=keepdims, select_last_index=select_last_index)
+    shape = [int(d) for d in data.shape]
+    ax = normalize_axis(axis, len(shape))
+    length = shape[ax]
+    if length == 0:
+        raise KernelError(f"cannot take the arg-reduction of an empty axis {ax}")
+    s = dtype_suffix(data.dtype)
+    if s not in _ARG_TYPES:
+        return cpu_fallback(op_type, data, **attrs)
+    out_shape = [*shape[:ax], 1, *shape[ax + 1 :]] if keepdims else [*shape[:ax], *shape[ax + 1 :]]
+    out = rt.empty(out_shape, np.int64)
+    outer, inner = math.prod(shape[:ax]), math.prod(shape[ax + 1 :])
+    if out.size == 0:
+        return out
+    x = contiguous(data)
+    last = np.int64(1 if select_last_index else 0)
+    if inner == 1 and length >= _ARG_WARP_ROWS:
+        rows_per_block = _THREADS // 32
+        grid = min(-(-outer // rows_per_block), MAX_BLOCKS)
+        kernel_of("reduction", f"{name}_rows_{s}")(
+            out, x, np.int64(outer), np.int64(length), last, block=(_THREADS, 1, 1), grid=(grid, 1)
+        )
+    else:
+        launch(
+            kernel_of("reduction", f"{name}_cols_{s}"),
+            outer * inner,
+            out,
+            x,
+            np.int64(outer),
+            np.int64(length),
+            np.int64(inner),
+            last,
+        )
+    return out
+
+
+@cuda_kernel("ArgMax")
+def arg_max(data, *, axis=0, keepdims=1, select_last_index=0):
+    """Indices of the largest elements along ``axis`` (``_arg_extreme``)."""
+    return _arg_extreme("ArgMax", "argmax", data, axis, keepdims, select_last_index)
+
+
+@cuda_kernel("ArgMin")
+def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
+    """Indices of the smallest elements along ``axis`` (``_arg_extreme``)."""
+    return _arg_extreme("ArgMin", "argmin", data, axis, keepdims, select_last_index)
