@@ -564,6 +564,8 @@ def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
     window = int(size)
     if window < 1 or x.ndim < 2 or dtype_suffix(x.dtype) not in FLOATS:
         return cpu_fallback("LRN", x, alpha=alpha, beta=beta, bias=bias, size=size)
+    if x.size == 0:  # nothing to normalise (PyCUDA cannot reshape an empty array's null pointer)
+        return runtime().empty(tuple(x.shape), x.dtype)
     n, channels, rest = int(x.shape[0]), int(x.shape[1]), math.prod(int(d) for d in x.shape[2:])
 
     def run(xc):
