@@ -773,3 +773,32 @@ def scale(input, scale_value, *, scale_down=0):
         return mul(x, device_scalar(x.dtype.type(factor), x.dtype))
 
     return in_float32(run, input)
+
+
+@cuda_kernel("IsInf")
+def is_inf(x, *, detect_negative=1, detect_positive=1):
+    """x == +inf and / or x == -inf (as the two detect flags ask), from the equal and or launchers;
+    an integer x (never infinite) runs the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.launch import fill
+
+    if dtype_suffix(x.dtype) not in FLOATS:
+        return cpu_fallback("IsInf", x, detect_negative=detect_negative, detect_positive=detect_positive)
+    wanted = [value for value, on in ((np.inf, detect_positive), (-np.inf, detect_negative)) if int(on)]
+    tests = [equal(x, device_scalar(value, x.dtype)) for value in wanted]
+    if not tests:
+        out = rt.empty(tuple(x.shape), np.bool_)
+        fill(out, False)
+        return out
+    return tests[0] if len(tests) == 1 else or_(*tests)
+
+
+def on_off_values(dtype):
+    """A device array [0, 1] of ``dtype`` (OneHot's off / on values), made by fills (capturable)."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.launch import fill
+
+    values = rt.empty((2,), dtype)
+    fill(values, 1)
+    fill(values[:1], 0)
+    return values

@@ -502,3 +502,28 @@ def arg_max(data, *, axis=0, keepdims=1, select_last_index=0):
 def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
     """Indices of the smallest elements along ``axis`` (``_arg_extreme``)."""
     return _arg_extreme("ArgMin", "argmin", data, axis, keepdims, select_last_index)
+
+
+@cuda_kernel("Hardmax")
+def hardmax(x, *, axis=None, _opset=13):
+    """1 at the first largest element along the axis (NaN counts as the largest, as np.argmax), 0
+    elsewhere: ArgMax's kernel, then OneHot's; below opset 13 over x seen as 2-D at the axis (the
+    CPU kernel's frame). Dtypes ArgMax's kernel does not cover run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.elementwise import on_off_values
+    from gradgen.kernels.cuda.indexing import one_hot
+    from gradgen.kernels.cuda.shape import reshaped
+
+    if dtype_suffix(x.dtype) not in FLOATS:
+        return cpu_fallback("Hardmax", x, axis=axis, _opset=_opset)
+    shape = tuple(int(d) for d in x.shape)
+    if _opset >= 13:
+        ax, view = normalize_axis(-1 if axis is None else axis, len(shape)), x
+    else:
+        split = normalize_axis(1 if axis is None else axis, len(shape)) if shape else 0
+        ax, view = 1, reshaped(x, (math.prod(shape[:split]), math.prod(shape[split:])))
+    if math.prod(shape) == 0:
+        return rt.zeros(shape, x.dtype)
+    index = _arg_extreme("ArgMax", "argmax", view, ax, 0, 0)
+    y = one_hot(index, np.array(view.shape[ax], np.int64), on_off_values(x.dtype), axis=ax)
+    return y if tuple(y.shape) == shape else reshaped(y, shape)

@@ -524,3 +524,38 @@ def reverse_sequence(x, sequence_lens, *, batch_axis=1, time_axis=0):
 
     rt.check_flag(flag, message)
     return out
+
+
+_EYE_COLUMNS: dict = {}
+
+
+@cuda_kernel("EyeLike")
+def eye_like(x, *, dtype=None, k=0):
+    """Ones on the k-th diagonal of a matrix of x's shape: OneHot of each row's diagonal column
+    (a host table of row + k, a column outside the matrix made out of range, uploaded once per
+    shape and k) with off / on values 0 / 1 of the output type."""
+    from gradgen.kernels.cpu.elementwise import onnx_dtype
+    from gradgen.kernels.cuda.elementwise import on_off_values
+    from gradgen.kernels.cuda.indexing import one_hot
+    from gradgen.kernels.cuda.launch import cpu_fallback
+
+    if len(x.shape) != 2:
+        raise KernelError(f"EyeLike needs a 2-D input, got rank {len(x.shape)}")
+    out_dtype = np.dtype(x.dtype) if dtype is None else np.dtype(onnx_dtype(dtype))
+    rows, cols = (int(d) for d in x.shape)
+    rt = runtime()
+    if out_dtype.itemsize not in (1, 2, 4, 8):
+        return cpu_fallback("EyeLike", x, dtype=dtype, k=k)
+    if rows * cols == 0:
+        return rt.empty((rows, cols), out_dtype)
+
+    def make():
+        if not _EYE_COLUMNS:
+            rt.drop_at_exit(_EYE_COLUMNS.clear)  # device arrays go while the context is current
+        columns = np.arange(rows, dtype=np.int64) + int(k)
+        columns[(columns < 0) | (columns >= cols)] = cols  # OneHot leaves an out-of-range line all off
+        with rt.persistent():
+            return rt.to_device(columns)
+
+    columns = plan_cache(_EYE_COLUMNS, (rows, cols, int(k)), make)
+    return one_hot(columns, np.array(cols, np.int64), on_off_values(out_dtype), axis=-1)
