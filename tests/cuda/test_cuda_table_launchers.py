@@ -1,6 +1,8 @@
-"""CUDA launchers of Hardmax, IsInf and EyeLike, composed of ArgMax's and OneHot's kernels and the
-elementwise comparisons: each runs a one-node model on the CPU and on the GPU (where the launcher
-must run) and compares, exactly (they select, compare or place ones)."""
+"""CUDA launchers of Hardmax, IsInf and EyeLike (composed of ArgMax's and OneHot's kernels and the
+elementwise comparisons) and of the signal-processing tables (HannWindow, HammingWindow,
+BlackmanWindow, MelWeightMatrix: the CPU kernel's table uploaded once per set of scalar inputs and
+copied into each run's output): each runs a one-node model on the CPU and on the GPU (where the
+launcher must run) and compares exactly."""
 
 from __future__ import annotations
 
@@ -53,3 +55,43 @@ def test_eye_like(launches, shape, k):
 )
 def test_eye_like_output_types(launches, to):
     check(launches, "EyeLike", [np.zeros((3, 5), np.int64)], exact=True, k=1, dtype=to)
+
+
+@pytest.mark.parametrize("op_type", ["HannWindow", "HammingWindow", "BlackmanWindow"])
+@pytest.mark.parametrize("periodic", [0, 1])
+@pytest.mark.parametrize("size", [0, 1, 9, 400])
+def test_windows(launches, op_type, periodic, size):
+    check(launches, op_type, [np.array(size, np.int64)], opset=17, exact=True, periodic=periodic)
+
+
+def test_a_window_table_is_copied_into_each_run(launches):
+    """The cached table is copied into the step's output: a consumer writing over it in place
+    (Add may, in the memory plan) must not change the next run's window."""
+    from onnx import helper
+
+    from gradgen.executor import Session
+
+    node = helper.make_node("HannWindow", ["size"], ["w"])
+    twice = helper.make_node("Add", ["w", "w"], ["y"])
+    graph = helper.make_graph(
+        [node, twice],
+        "hann_twice",
+        [helper.make_tensor_value_info("size", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    calls = launches("HannWindow")
+    session = Session(model, device="cuda")
+    runs = [session.run({"size": np.array(16, np.int64)})["y"] for _ in range(4)]
+    assert calls
+    want = Session(model).run({"size": np.array(16, np.int64)})["y"]
+    for got in runs:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("args", [(8, 64, 16000, 0.0, 8000.0), (40, 512, 22050, 20.0, 11000.0)])
+def test_mel_weight_matrix(launches, args):
+    bins, length, rate, low, high = args
+    inputs = [np.array(bins, np.int64), np.array(length, np.int64), np.array(rate, np.int64)]
+    inputs += [np.array(low, np.float32), np.array(high, np.float32)]
+    check(launches, "MelWeightMatrix", inputs, opset=17, exact=True)

@@ -595,3 +595,79 @@ def reverse_sequence(x, sequence_lens, *, batch_axis=1, time_axis=0):
         source = source.T
     index = np.broadcast_to(source.reshape(source.shape + (1,) * (x.ndim - 2)), x.shape)
     return np.take_along_axis(x, index, axis=int(time_axis))
+
+
+# ---------------------------------------------------------------------------------------------
+# Signal-processing tables (opset 17): their values depend on scalar inputs only
+
+
+def _scalar(value, name: str):
+    """The one value of a scalar input (a size, a rate, an edge frequency)."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise KernelError(f"{name} must hold one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _window(size, output_datatype, periodic, coefficients: tuple[float, ...]) -> np.ndarray:
+    """sum_k (-1)^k a_k cos(2 pi k n / N) for n < size, N = size (periodic) or size - 1: the
+    generalized cosine window of ONNX's three, computed in float64 and cast to ``output_datatype``.
+    A symmetric window of one point (N = 0, where the formula divides 0 by 0) is 1, as in PyTorch
+    and SciPy."""
+    length = int(_scalar(size, "size"))
+    if length < 0:
+        raise KernelError(f"size must not be negative, got {length}")
+    dtype = onnx_dtype(output_datatype)
+    span = length if int(periodic) else length - 1
+    if span == 0:
+        return np.ones(length, dtype=dtype)
+    phase = 2 * np.pi * np.arange(length, dtype=np.float64) / span
+    values = sum((-1) ** k * a * np.cos(k * phase) for k, a in enumerate(coefficients))
+    return np.asarray(values, dtype=np.float64).astype(dtype)
+
+
+@cpu_kernel("HannWindow")
+def hann_window(size, *, output_datatype=1, periodic=1):
+    return _window(size, output_datatype, periodic, (0.5, 0.5))
+
+
+@cpu_kernel("HammingWindow")
+def hamming_window(size, *, output_datatype=1, periodic=1):
+    return _window(size, output_datatype, periodic, (25.0 / 46.0, 21.0 / 46.0))
+
+
+@cpu_kernel("BlackmanWindow")
+def blackman_window(size, *, output_datatype=1, periodic=1):
+    return _window(size, output_datatype, periodic, (0.42, 0.5, 0.08))
+
+
+@cpu_kernel("MelWeightMatrix")
+def mel_weight_matrix(num_mel_bins, dft_length, sample_rate, lower_edge_hertz, upper_edge_hertz, *, output_datatype=1):
+    """(dft_length // 2 + 1, num_mel_bins) triangular filters on the mel scale, ONNX's definition:
+    num_mel_bins + 2 edges evenly spaced in mel between the two edge frequencies, each mapped to
+    the DFT bin floor((dft_length + 1) * hertz / sample_rate); filter i rises from edge i to edge
+    i + 1 and falls to edge i + 2."""
+    bins, length = int(_scalar(num_mel_bins, "num_mel_bins")), int(_scalar(dft_length, "dft_length"))
+    rate = float(_scalar(sample_rate, "sample_rate"))
+    low, high = float(_scalar(lower_edge_hertz, "lower_edge_hertz")), float(_scalar(upper_edge_hertz, "upper_edge_hertz"))
+    if bins < 1 or length < 1 or rate <= 0 or not 0 <= low <= high:
+        raise KernelError(
+            f"MelWeightMatrix needs num_mel_bins >= 1, dft_length >= 1, sample_rate > 0 and 0 <= lower <= upper edge, "
+            f"got {bins}, {length}, {rate}, {low}, {high}"
+        )
+    spectrum = length // 2 + 1
+    mel_low, mel_high = (2595 * np.log1p(hertz / 700) / np.log(10) for hertz in (low, high))
+    mels = np.arange(bins + 2) * ((mel_high - mel_low) / (bins + 2)) + mel_low
+    edges = (((length + 1) * (700 * np.expm1(mels / 2595 * np.log(10)))) // rate).astype(np.int64)
+    if edges.max() >= spectrum:
+        raise KernelError(f"upper_edge_hertz {high} reaches past the {spectrum} bins of a {length}-point DFT at {rate} Hz")
+    out = np.zeros((spectrum, bins), dtype=np.float64)
+    for i in range(bins):
+        left, center, right = (int(e) for e in edges[i : i + 3])
+        if center == left:
+            out[center, i] = 1.0
+        else:
+            out[left : center + 1, i] = (np.arange(left, center + 1) - left) / (center - left)
+        if right > center:
+            out[center:right, i] = (right - np.arange(center, right)) / (right - center)
+    return out.astype(onnx_dtype(output_datatype))

@@ -559,3 +559,46 @@ def eye_like(x, *, dtype=None, k=0):
 
     columns = plan_cache(_EYE_COLUMNS, (rows, cols, int(k)), make)
     return one_hot(columns, np.array(cols, np.int64), on_off_values(out_dtype), axis=-1)
+
+
+# ---------------------------------------------------------------- signal-processing tables
+#
+# The windows and MelWeightMatrix depend on scalar inputs only (a size, rates, edge frequencies),
+# read on the host: the CPU kernel computes the table once per set of values, it is uploaded once,
+# and each run copies it into the step's own output (which the memory plan may overwrite).
+
+_SIGNAL_TABLES: dict = {}
+
+
+def _register_signal_table(op_type: str, inputs: int) -> None:
+    def launcher(*args, **attrs):
+        from gradgen.kernels.cuda.launch import copy
+
+        rt = runtime()
+        cpu_kernel = getattr(cpu_shape, _SIGNAL_KERNELS[op_type])
+        key = (op_type, tuple(host_key(a) for a in args), tuple(sorted(attrs.items())))
+
+        def make():
+            if not _SIGNAL_TABLES:
+                rt.drop_at_exit(_SIGNAL_TABLES.clear)  # device arrays go while the context is current
+            table = cpu_kernel(*args, **attrs)
+            if table.size == 0:
+                return table
+            with rt.persistent():
+                return rt.to_device(table)
+
+        table = plan_cache(_SIGNAL_TABLES, key, make)
+        return rt.empty(table.shape, table.dtype) if table.size == 0 else copy(table)
+
+    launcher.__name__ = launcher.__qualname__ = _SIGNAL_KERNELS[op_type]
+    cuda_kernel(op_type, host_inputs=tuple(range(inputs)))(launcher)
+
+
+_SIGNAL_KERNELS = {
+    "HannWindow": "hann_window",
+    "HammingWindow": "hamming_window",
+    "BlackmanWindow": "blackman_window",
+    "MelWeightMatrix": "mel_weight_matrix",
+}
+for _op, _inputs in (("HannWindow", 1), ("HammingWindow", 1), ("BlackmanWindow", 1), ("MelWeightMatrix", 5)):
+    _register_signal_table(_op, _inputs)
