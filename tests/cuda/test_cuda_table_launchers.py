@@ -95,3 +95,23 @@ def test_mel_weight_matrix(launches, args):
     inputs = [np.array(bins, np.int64), np.array(length, np.int64), np.array(rate, np.int64)]
     inputs += [np.array(low, np.float32), np.array(high, np.float32)]
     check(launches, "MelWeightMatrix", inputs, opset=17, exact=True)
+
+
+# ---------------------------------------------------------------- random generators: drawn on the
+# host by the CPU kernels, so a seeded draw is the CPU session's, exactly
+
+
+@pytest.mark.parametrize(
+    "op_type, inputs, attrs",
+    [
+        ("RandomNormal", [], dict(shape=[3, 5], mean=1.0, scale=2.0)),
+        ("RandomUniform", [], dict(shape=[7], low=-1.0, high=3.0, dtype=TensorProto.DOUBLE)),
+        ("RandomNormalLike", [np.zeros((2, 3), np.float16)], {}),
+        ("RandomUniformLike", [np.zeros((4, 2), np.float32)], dict(dtype=TensorProto.DOUBLE)),
+        ("Bernoulli", [np.array([0.0, 0.3, 0.7, 1.0], np.float32)], {}),
+        ("Multinomial", [np.log(np.array([[0.2, 0.8], [0.5, 0.5]], np.float32))], dict(sample_size=6)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_seeded_random_draws_are_the_cpu_sessions(launches, op_type, inputs, attrs):
+    check(launches, op_type, inputs, opset=22, exact=True, seed=3.0, **attrs)

@@ -635,6 +635,81 @@ def _training_dropout(data: np.ndarray, ratio: float, seed) -> tuple[np.ndarray,
 
 
 # ---------------------------------------------------------------------------------------------
+# Random generators: numpy's PCG64, as Dropout draws its mask. With the ``seed`` attribute every
+# run draws the same numbers (and a GPU session the same as a CPU one: it draws them on the host);
+# without it, fresh ones.
+
+RANDOM_ELEMENTS_LIMIT = 1 << 31  # draws per node at most (a larger shape is an error, not an allocation)
+
+
+def _generator(seed) -> np.random.Generator:
+    return np.random.default_rng(None if seed is None else int(seed))
+
+
+def _random_shape(shape) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims) or math.prod(dims) > RANDOM_ELEMENTS_LIMIT:
+        raise KernelError(f"cannot draw a random tensor of shape {list(dims)} (at most {RANDOM_ELEMENTS_LIMIT} elements)")
+    return dims
+
+
+def _float_output(dtype) -> np.dtype:
+    out = dtype if isinstance(dtype, np.dtype) else onnx_dtype(dtype)
+    if out.kind != "f":
+        raise KernelError(f"a random normal or uniform tensor must be a float type, got {out}")
+    return out
+
+
+@cpu_kernel("RandomNormal")
+def random_normal(*, shape, dtype=1, mean=0.0, scale=1.0, seed=None):
+    dims = _random_shape(shape)
+    return (_generator(seed).standard_normal(dims) * float(scale) + float(mean)).astype(_float_output(dtype))
+
+
+@cpu_kernel("RandomUniform")
+def random_uniform(*, shape, dtype=1, high=1.0, low=0.0, seed=None):
+    return _generator(seed).uniform(float(low), float(high), _random_shape(shape)).astype(_float_output(dtype))
+
+
+@cpu_kernel("RandomNormalLike")
+def random_normal_like(x, *, dtype=None, mean=0.0, scale=1.0, seed=None):
+    """RandomNormal of x's shape, in ``dtype`` (x's type by default); x's values are not read."""
+    return random_normal(shape=x.shape, dtype=x.dtype if dtype is None else dtype, mean=mean, scale=scale, seed=seed)
+
+
+@cpu_kernel("RandomUniformLike")
+def random_uniform_like(x, *, dtype=None, high=1.0, low=0.0, seed=None):
+    """RandomUniform of x's shape, in ``dtype`` (x's type by default); x's values are not read."""
+    return random_uniform(shape=x.shape, dtype=x.dtype if dtype is None else dtype, high=high, low=low, seed=seed)
+
+
+@cpu_kernel("Bernoulli")
+def bernoulli(x, *, dtype=None, seed=None):
+    """1 with probability x (per element), else 0, in ``dtype`` (x's type by default)."""
+    if x.dtype.kind != "f":
+        raise KernelError(f"Bernoulli's probabilities must be floats, got {x.dtype}")
+    draws = _generator(seed).random(_random_shape(x.shape))
+    return (draws < x.astype(np.float64)).astype(x.dtype if dtype is None else onnx_dtype(dtype))
+
+
+@cpu_kernel("Multinomial")
+def multinomial(x, *, dtype=6, sample_size=1, seed=None):
+    """``sample_size`` class indices per row of x (batch, classes), drawn from softmax(row): x
+    holds unnormalized log-probabilities. int32 (the default) or int64."""
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise KernelError(f"Multinomial needs a (batch, classes) input with at least one class, got shape {list(x.shape)}")
+    out = onnx_dtype(dtype)
+    if out not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise KernelError(f"Multinomial draws int32 or int64 indices, not {out}")
+    logits = x.astype(np.float64)
+    probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
+    cumulative = np.cumsum(probabilities, axis=1)
+    draws = _generator(seed).random((x.shape[0], int(sample_size))) * cumulative[:, -1:]
+    indices = np.stack([np.searchsorted(row, u, side="right") for row, u in zip(cumulative, draws)]) if x.shape[0] else draws
+    return np.minimum(indices, x.shape[1] - 1).astype(out).reshape(x.shape[0], int(sample_size))
+
+
+# ---------------------------------------------------------------------------------------------
 # BroadcastGradientArgs (com.microsoft): the reduction axes of a broadcasting op's gradients
 
 BROADCAST_GRADIENT_ARGS = schemas.declare(

@@ -532,6 +532,42 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
     return data
 
 
+# ---------------------------------------------------------------- random generators
+#
+# Drawn on the host by the CPU kernels (numpy's PCG64) and uploaded, as training-mode Dropout's
+# mask is, so that a GPU session draws the same numbers as a CPU one for a given seed. The Like
+# ops read only their input's shape and type (no download); Bernoulli and Multinomial read its
+# values. An upload cannot be recorded, so a run holding one of them stays on the eager path.
+
+
+def _register_host_drawn(op_type: str, reads_values: bool) -> None:
+    from gradgen.kernels.cpu import elementwise as cpu
+
+    cpu_fn = getattr(cpu, _HOST_DRAWN[op_type])
+
+    def launcher(*args, **attrs):
+        from gradgen.cuda import runtime as rt
+
+        if not reads_values:  # a zero-strided stand-in of the input's shape and type
+            args = tuple(np.broadcast_to(np.zeros((), a.dtype), tuple(a.shape)) for a in args)
+        return rt.run_on_host(cpu_fn, *args, **attrs)
+
+    launcher.__name__ = launcher.__qualname__ = _HOST_DRAWN[op_type]
+    cuda_kernel(op_type)(launcher)
+
+
+_HOST_DRAWN = {
+    "RandomNormal": "random_normal",
+    "RandomUniform": "random_uniform",
+    "RandomNormalLike": "random_normal_like",
+    "RandomUniformLike": "random_uniform_like",
+    "Bernoulli": "bernoulli",
+    "Multinomial": "multinomial",
+}
+for _op in _HOST_DRAWN:
+    _register_host_drawn(_op, reads_values=_op in ("Bernoulli", "Multinomial"))
+
+
 # ---------------------------------------------------------------- BroadcastGradientArgs
 
 
