@@ -534,19 +534,27 @@ def grid_sample(x, grid, *, align_corners=0, mode=None, padding_mode=None):
 def affine_grid(theta, size, *, align_corners=0):
     """grid[n, *o, :] = theta[n] @ (x, y, [z,] 1) at output position o: theta (N, 2, 3) with size
     (N, C, H, W), or (N, 3, 4) with (N, C, D, H, W)."""
-    dims = [int(v) for v in np.asarray(size).reshape(-1)]
+    dims = affine_grid_size(theta.shape, size)
     nd = len(dims) - 2
-    if nd not in (2, 3) or theta.shape != (dims[0], nd, nd + 1):
-        raise KernelError(
-            f"theta of shape {list(theta.shape)} does not fit size {dims}: expected (N, 2, 3) with 4 sizes "
-            "or (N, 3, 4) with 5, N the first size"
-        )
-    if min(dims[2:]) < 1:
-        raise KernelError(f"size {dims} has an empty spatial dimension")
     ct = float_compute_dtype(theta.dtype)
     base = affine_base_grid(dims[2:], align_corners, ct)
     grid = np.einsum("pk,njk->npj", base, theta.astype(ct, copy=False))
     return grid.reshape(dims[0], *dims[2:], nd).astype(theta.dtype, copy=False)
+
+
+def affine_grid_size(theta_shape, size) -> list[int]:
+    """AffineGrid's size input as ints (N, C, H, W) or (N, C, D, H, W), checked against theta's
+    shape (N, 2, 3) or (N, 3, 4) and for empty spatial dimensions."""
+    dims = [int(v) for v in np.asarray(size).reshape(-1)]
+    nd = len(dims) - 2
+    if nd not in (2, 3) or tuple(theta_shape) != (dims[0], nd, nd + 1):
+        raise KernelError(
+            f"theta of shape {list(theta_shape)} does not fit size {dims}: expected (N, 2, 3) with 4 sizes "
+            "or (N, 3, 4) with 5, N the first size"
+        )
+    if min(dims[2:]) < 1:
+        raise KernelError(f"size {dims} has an empty spatial dimension")
+    return dims
 
 
 def _roi_axis_taps(start, size, bins: int, grid: int, extent: int):
