@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.cuda import test_cuda_more_launchers
-from tests.cuda.test_cuda_more_launchers import FLOATS, _tol, check, check_raises, rand
+from tests.cuda.test_cuda_more_launchers import FLOATS, _tol, backward_matches, check, check_raises, loss_model, rand
 
 pytestmark = pytest.mark.cuda
 
@@ -153,3 +153,99 @@ def test_col2im_of_integers_runs_the_cpu_kernel(launches):
 def test_col2im_bad_shapes_raise(launches, x_shape, image, block, match):
     inputs = [np.ones(x_shape, np.float32), np.array(image, np.int64), np.array(block, np.int64)]
     check_raises(launches, "Col2Im", inputs, match, const=(1, 2))
+
+
+# ---------------------------------------------------------------- MaxRoiPool
+
+
+def _rois(rng, count, images, low=-3.0, high=14.0, dtype=np.float32):
+    """(count, 5) rois: batch indices, then x1, y1, x2, y2 (some reversed, some beyond the image)."""
+    boxes = rng.uniform(low, high, (count, 4))
+    return np.concatenate([rng.integers(0, images, (count, 1)), boxes], axis=1).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("pooled_shape", [(1, 1), (2, 2), (3, 4)], ids=str)
+@pytest.mark.parametrize("spatial_scale", [1.0, 0.5, 0.3])
+def test_max_roi_pool(launches, dtype, pooled_shape, spatial_scale):
+    rng = np.random.default_rng(87)
+    x = rand(rng, (2, 3, 12, 10), dtype)
+    rois = _rois(rng, 7, 2, high=14.0 / spatial_scale, dtype=dtype)
+    check(launches, "MaxRoiPool", [x, rois], exact=True, pooled_shape=list(pooled_shape), spatial_scale=spatial_scale)
+
+
+def test_max_roi_pool_of_half_pixel_rois(launches):
+    """Coordinates at .5 after scaling round away from zero; boxes outside the image give empty bins (0)."""
+    x = np.arange(2 * 2 * 6 * 7, dtype=np.float32).reshape(2, 2, 6, 7) - 40.0
+    rois = np.array(
+        [
+            [0, 0.5, 1.5, 4.5, 3.5],
+            [1, -1.5, -0.5, 2.5, 5.5],
+            [1, 2.5, 2.5, 2.5, 2.5],
+            [0, 20.0, 20.0, 30.0, 30.0],
+            [1, -9.0, -9.0, -5.0, -5.0],
+            [0, 5.0, 4.0, 1.0, 0.0],
+        ],
+        np.float32,
+    )
+    for pooled in ([2, 3], [4, 4]):
+        check(launches, "MaxRoiPool", [x, rois], exact=True, pooled_shape=pooled)
+
+
+def test_max_roi_pool_nan_wins(launches):
+    rng = np.random.default_rng(88)
+    x = rand(rng, (1, 2, 5, 5))
+    x[0, 1, 2, 3] = np.nan
+    rois = np.array([[0, 0, 0, 4, 4], [0, 3, 2, 4, 4], [0, 0, 0, 1, 1]], np.float32)
+    got = check(launches, "MaxRoiPool", [x, rois], exact=True, pooled_shape=[2, 2])
+    assert np.isnan(got["out0"]).any()
+
+
+def test_max_roi_pool_truncates_batch_indices(launches):
+    rng = np.random.default_rng(89)
+    x = rand(rng, (2, 2, 6, 6))
+    rois = np.array([[1.7, 0, 0, 5, 5], [-0.5, 1, 1, 4, 3], [0.99, 2, 0, 5, 5]], np.float32)
+    check(launches, "MaxRoiPool", [x, rois], exact=True, pooled_shape=[2, 2])
+
+
+@pytest.mark.parametrize("x_shape,count", [((2, 3, 6, 6), 0), ((2, 0, 6, 6), 3), ((2, 3, 0, 6), 3), ((2, 3, 6, 6), 3)], ids=str)
+def test_max_roi_pool_of_empty_shapes(launches, x_shape, count):
+    rng = np.random.default_rng(90)
+    pooled = [0, 2] if count == 3 and x_shape == (2, 3, 6, 6) else [2, 2]
+    got = check(launches, "MaxRoiPool", [rand(rng, x_shape), _rois(rng, count, 2)], exact=True, pooled_shape=pooled)
+    assert got["out0"].shape == (count, x_shape[1], *pooled)
+
+
+@pytest.mark.parametrize("batch", [2.0, -1.0, 5.5])
+def test_max_roi_pool_batch_out_of_range_raises(launches, batch):
+    rng = np.random.default_rng(91)
+    rois = _rois(rng, 4, 2)
+    rois[2, 0] = batch
+    check_raises(launches, "MaxRoiPool", [rand(rng, (2, 3, 6, 6)), rois], "roi 2 has batch index", pooled_shape=[2, 2])
+
+
+def test_max_roi_pool_batch_out_of_range_in_an_empty_output_raises(launches):
+    rng = np.random.default_rng(92)
+    rois = _rois(rng, 3, 2)
+    rois[1, 0] = 3.0
+    check_raises(launches, "MaxRoiPool", [rand(rng, (2, 0, 6, 6)), rois], "roi 1 has batch index", pooled_shape=[2, 2])
+
+
+def test_max_roi_pool_bad_rois_shape_raises(launches):
+    check_raises(
+        launches, "MaxRoiPool", [np.ones((1, 2, 4, 4), np.float32), np.ones((3, 4), np.float32)], "rois", pooled_shape=[2, 2]
+    )
+
+
+def test_max_roi_pool_of_rois_in_another_dtype_runs_the_cpu_kernel(launches):
+    rng = np.random.default_rng(93)
+    check(launches, "MaxRoiPool", [rand(rng, (2, 3, 8, 8)), _rois(rng, 5, 2, dtype=np.float64)], exact=True, pooled_shape=[2, 2])
+
+
+def test_max_roi_pool_in_a_backward_graph(launches):
+    rng = np.random.default_rng(94)
+    x = rand(rng, (2, 3, 8, 7), np.float64)
+    model, feeds = loss_model("MaxRoiPool", [x, _rois(rng, 5, 2, high=9.0, dtype=np.float64)], const=(1,), pooled_shape=[2, 3])
+    calls = launches("MaxRoiPool")
+    backward_matches(model, feeds, rtol=1e-10, atol=1e-12)
+    assert calls, "the MaxRoiPool launcher did not run in the backward graph"

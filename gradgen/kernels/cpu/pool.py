@@ -695,19 +695,32 @@ def max_roi_pool(x, rois, *, pooled_shape, spatial_scale=1.0):
     """Y[r, c, ph, pw] = max of X[b_r, c] over roi r's bin (ph, pw), 0 for an empty bin; the rois
     (batch index, x1, y1, x2, y2) are scaled and rounded half away from zero, each with one pixel
     more than end - start, as ONNX Runtime, Caffe and torchvision's roi_pool compute it."""
-    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 5:
-        raise KernelError(f"MaxRoiPool takes X (N, C, H, W) and rois (num_rois, 5), got {x.shape} and {rois.shape}")
+    check_max_roi_pool_shapes(x.shape, rois.shape)
     pooled_h, pooled_w = (int(v) for v in pooled_shape)
     n, c, height, width = x.shape
+    check_roi_batches(rois, n)
     y = np.zeros((rois.shape[0], c, pooled_h, pooled_w), dtype=x.dtype)
     for r, (bins_h, bins_w, batch) in enumerate(max_roi_pool_bins(rois, pooled_h, pooled_w, spatial_scale, height, width)):
-        if not 0 <= batch < n:
-            raise KernelError(f"MaxRoiPool: roi {r} has batch index {batch}, out of range for {n} images")
         for ph, (h0, h1) in enumerate(bins_h):
             for pw, (w0, w1) in enumerate(bins_w):
                 if h1 > h0 and w1 > w0:
                     y[r, :, ph, pw] = x[batch, :, h0:h1, w0:w1].max(axis=(1, 2))
     return y
+
+
+def check_max_roi_pool_shapes(x_shape, rois_shape) -> None:
+    """KernelError unless X is (N, C, H, W) and the rois (num_rois, 5)."""
+    if len(x_shape) != 4 or len(rois_shape) != 2 or rois_shape[1] != 5:
+        raise KernelError(f"MaxRoiPool takes X (N, C, H, W) and rois (num_rois, 5), got {tuple(x_shape)} and {tuple(rois_shape)}")
+
+
+def check_roi_batches(rois, n: int) -> None:
+    """KernelError naming the first roi whose batch index (its first value, truncated toward zero)
+    is not one of the n images."""
+    for r, value in enumerate(np.asarray(rois, dtype=np.float64)[:, 0]):
+        batch = int(value)
+        if not 0 <= batch < n:
+            raise KernelError(f"MaxRoiPool: roi {r} has batch index {batch}, out of range for {n} images")
 
 
 def max_roi_pool_bins(rois, pooled_h: int, pooled_w: int, spatial_scale: float, height: int, width: int):

@@ -12,7 +12,8 @@ MaxUnpool and ONNX Runtime training's MaxPoolGrad are indexing's row scatter (an
 index raises the CPU kernel's error through the scatter's range flag); AveragePoolGrad is the
 transpose of a window sum, ConvTranspose with a ones kernel, as gradgen's AveragePool gradient.
 
-AffineGrid is a batched GEMM of a host-built base grid (uploaded once per size) with theta.
+AffineGrid is a batched GEMM of a host-built base grid (uploaded once per size) with theta;
+MaxRoiPool runs pool.cu's max_roi_pool (the rois are data: each thread finds its bin).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 from gradgen.kernels.cpu.pool import (
     affine_grid_size,
     average_pool_grad_geometry,
+    check_max_roi_pool_shapes,
+    check_roi_batches,
     check_unpool_indices,
     clipped_windows,
     pool_grad_input_shape,
@@ -634,3 +637,53 @@ def affine_grid(theta, size, *, align_corners=0):
         return grid.reshape(out_shape)
 
     return in_float32(run, theta)
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxRoiPool
+
+
+@cuda_kernel("MaxRoiPool")
+def max_roi_pool(x, rois, *, pooled_shape, spatial_scale=1.0):
+    """Y[r, c, ph, pw] = max of X[b_r, c] over roi r's bin (ph, pw), 0 for an empty bin: pool.cu's
+    max_roi_pool, one thread per output element finding its bin from the roi with the CPU kernel's
+    float32 rounding and looping over it (16-bit X compared in float32: the max is exact). A batch
+    index out of range sets a flag, and the CPU kernel's check then raises its error. Other dtypes,
+    and rois of another dtype than X's, run the CPU kernel."""
+    rt = runtime()
+    check_max_roi_pool_shapes(x.shape, rois.shape)
+    pooled_h, pooled_w = (int(v) for v in pooled_shape)
+    if not is_float(x.dtype) or rois.dtype != x.dtype:
+        return cpu_fallback("MaxRoiPool", x, rois, pooled_shape=pooled_shape, spatial_scale=spatial_scale)
+    images, channels, height, width = (int(d) for d in x.shape)
+    y_shape = (int(rois.shape[0]), channels, pooled_h, pooled_w)
+    if math.prod(y_shape) == 0 or x.size == 0:  # no bins, or only empty ones: nothing to read from X
+        if rois.shape[0]:
+            check_roi_batches(rt.to_host(rois), images)
+        return rt.zeros(y_shape, x.dtype)
+    rois = contiguous(rois)
+    y = rt.empty(y_shape, x.dtype)
+    flag = rt.zeros((1,), np.int64)
+    launch(
+        kernel_of("pool", f"max_roi_pool_{require_suffix(x.dtype)}"),
+        y.size,
+        y,
+        flag,
+        contiguous(x),
+        rois,
+        np.int64(images),
+        np.int64(channels),
+        np.int64(height),
+        np.int64(width),
+        np.int64(pooled_h),
+        np.int64(pooled_w),
+        np.float64(np.float32(spatial_scale)),
+        np.int64(y.size),
+    )
+
+    def on_error(_value):
+        check_roi_batches(rt.to_host(rois), images)  # raises the CPU kernel's error
+        return "MaxRoiPool: a roi's batch index is out of range"
+
+    rt.check_flag(flag, on_error)
+    return y
