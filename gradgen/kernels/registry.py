@@ -50,10 +50,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
     ("", "Unique"): "no CUDA launcher yet: it needs a stable device sort of any length (TopK's: lines <= 4096)",
-    # differentiated by rules of standard ops; the forward op itself has no launcher
-    ("", "AffineGrid"): "no CUDA launcher yet",
-    ("", "Col2Im"): "no CUDA launcher yet",
-    ("", "MaxRoiPool"): "no CUDA launcher yet",
     # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
     ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
 }

@@ -7,6 +7,7 @@ inference's corrections share.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from gradgen.errors import KernelError
@@ -156,6 +157,17 @@ def col2im_geometry(image, block, *, dilations=None, pads=None, strides=None):
             raise KernelError(f"the block {block} does not fit the padded image {image} along axis {i}")
         counts.append(room // strides[i] + 1)
     return image, block, dilations, pads, strides, counts
+
+
+def col2im_channels(x_shape, image, block, counts) -> int:
+    """The image's channels C of Col2Im's input (N, C * prod(block), prod(counts)), checked."""
+    taps, positions = math.prod(block), math.prod(counts)
+    if len(x_shape) != 3 or x_shape[1] % taps or x_shape[2] != positions:
+        raise KernelError(
+            f"input of shape {list(x_shape)} does not fit: expected (N, C * {taps}, {positions}) for "
+            f"blocks {block} over the image {image}"
+        )
+    return int(x_shape[1]) // taps
 
 
 def deform_conv_geometry(

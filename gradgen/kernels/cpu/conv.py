@@ -21,7 +21,14 @@ from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
 from gradgen.ops.axes import per_axis
-from gradgen.ops.conv import col2im_geometry, conv_geometry, conv_transpose_geometry, deform_conv_geometry, deform_conv_positions
+from gradgen.ops.conv import (
+    col2im_channels,
+    col2im_geometry,
+    conv_geometry,
+    conv_transpose_geometry,
+    deform_conv_geometry,
+    deform_conv_positions,
+)
 from gradgen.ops.pool import spatial_geometry
 from gradgen.ops.schemas import FLOATS_NO_BF16, Attribute, Formal, Schema, TensorInfo
 
@@ -565,13 +572,8 @@ def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=No
     image, block, dil, pads, strides, counts = col2im_geometry(
         np.asarray(image_shape).reshape(-1), np.asarray(block_shape).reshape(-1), dilations=dilations, pads=pads, strides=strides
     )
-    nd, taps = len(image), math.prod(block)
-    if x.ndim != 3 or x.shape[1] % taps or x.shape[2] != math.prod(counts):
-        raise KernelError(
-            f"input of shape {list(x.shape)} does not fit: expected (N, C * {taps}, {math.prod(counts)}) for "
-            f"blocks {block} over the image {image}"
-        )
-    n, c = x.shape[0], x.shape[1] // taps
+    nd = len(image)
+    n, c = x.shape[0], col2im_channels(x.shape, image, block, counts)
     ct = accumulation_dtype(x.dtype)
     columns = x.astype(ct, copy=False).reshape(n, c, *block, *counts)
     padded = np.zeros((n, c, *[image[i] + pads[i] + pads[nd + i] for i in range(nd)]), dtype=ct)

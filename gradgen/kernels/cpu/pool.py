@@ -534,19 +534,27 @@ def grid_sample(x, grid, *, align_corners=0, mode=None, padding_mode=None):
 def affine_grid(theta, size, *, align_corners=0):
     """grid[n, *o, :] = theta[n] @ (x, y, [z,] 1) at output position o: theta (N, 2, 3) with size
     (N, C, H, W), or (N, 3, 4) with (N, C, D, H, W)."""
-    dims = [int(v) for v in np.asarray(size).reshape(-1)]
+    dims = affine_grid_size(theta.shape, size)
     nd = len(dims) - 2
-    if nd not in (2, 3) or theta.shape != (dims[0], nd, nd + 1):
-        raise KernelError(
-            f"theta of shape {list(theta.shape)} does not fit size {dims}: expected (N, 2, 3) with 4 sizes "
-            "or (N, 3, 4) with 5, N the first size"
-        )
-    if min(dims[2:]) < 1:
-        raise KernelError(f"size {dims} has an empty spatial dimension")
     ct = float_compute_dtype(theta.dtype)
     base = affine_base_grid(dims[2:], align_corners, ct)
     grid = np.einsum("pk,njk->npj", base, theta.astype(ct, copy=False))
     return grid.reshape(dims[0], *dims[2:], nd).astype(theta.dtype, copy=False)
+
+
+def affine_grid_size(theta_shape, size) -> list[int]:
+    """AffineGrid's size input as ints (N, C, H, W) or (N, C, D, H, W), checked against theta's
+    shape (N, 2, 3) or (N, 3, 4) and for empty spatial dimensions."""
+    dims = [int(v) for v in np.asarray(size).reshape(-1)]
+    nd = len(dims) - 2
+    if nd not in (2, 3) or tuple(theta_shape) != (dims[0], nd, nd + 1):
+        raise KernelError(
+            f"theta of shape {list(theta_shape)} does not fit size {dims}: expected (N, 2, 3) with 4 sizes "
+            "or (N, 3, 4) with 5, N the first size"
+        )
+    if min(dims[2:]) < 1:
+        raise KernelError(f"size {dims} has an empty spatial dimension")
+    return dims
 
 
 def _roi_axis_taps(start, size, bins: int, grid: int, extent: int):
@@ -687,19 +695,32 @@ def max_roi_pool(x, rois, *, pooled_shape, spatial_scale=1.0):
     """Y[r, c, ph, pw] = max of X[b_r, c] over roi r's bin (ph, pw), 0 for an empty bin; the rois
     (batch index, x1, y1, x2, y2) are scaled and rounded half away from zero, each with one pixel
     more than end - start, as ONNX Runtime, Caffe and torchvision's roi_pool compute it."""
-    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 5:
-        raise KernelError(f"MaxRoiPool takes X (N, C, H, W) and rois (num_rois, 5), got {x.shape} and {rois.shape}")
+    check_max_roi_pool_shapes(x.shape, rois.shape)
     pooled_h, pooled_w = (int(v) for v in pooled_shape)
     n, c, height, width = x.shape
+    check_roi_batches(rois, n)
     y = np.zeros((rois.shape[0], c, pooled_h, pooled_w), dtype=x.dtype)
     for r, (bins_h, bins_w, batch) in enumerate(max_roi_pool_bins(rois, pooled_h, pooled_w, spatial_scale, height, width)):
-        if not 0 <= batch < n:
-            raise KernelError(f"MaxRoiPool: roi {r} has batch index {batch}, out of range for {n} images")
         for ph, (h0, h1) in enumerate(bins_h):
             for pw, (w0, w1) in enumerate(bins_w):
                 if h1 > h0 and w1 > w0:
                     y[r, :, ph, pw] = x[batch, :, h0:h1, w0:w1].max(axis=(1, 2))
     return y
+
+
+def check_max_roi_pool_shapes(x_shape, rois_shape) -> None:
+    """KernelError unless X is (N, C, H, W) and the rois (num_rois, 5)."""
+    if len(x_shape) != 4 or len(rois_shape) != 2 or rois_shape[1] != 5:
+        raise KernelError(f"MaxRoiPool takes X (N, C, H, W) and rois (num_rois, 5), got {tuple(x_shape)} and {tuple(rois_shape)}")
+
+
+def check_roi_batches(rois, n: int) -> None:
+    """KernelError naming the first roi whose batch index (its first value, truncated toward zero)
+    is not one of the n images."""
+    for r, value in enumerate(np.asarray(rois, dtype=np.float64)[:, 0]):
+        batch = int(value)
+        if not 0 <= batch < n:
+            raise KernelError(f"MaxRoiPool: roi {r} has batch index {batch}, out of range for {n} images")
 
 
 def max_roi_pool_bins(rois, pooled_h: int, pooled_w: int, spatial_scale: float, height: int, width: int):

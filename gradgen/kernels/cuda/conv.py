@@ -20,6 +20,8 @@ graph directly (the frontend's own uid-map call), which saves most of the per-ca
 Where cuDNN declines a configuration (or is missing), direct convolution kernels (conv.cu) run
 instead, with a one-time warning: one thread per output for the forward pass and dX, one block
 per weight element for dW, all deterministic. dB is a per-channel block reduction of dY.
+
+Col2Im is a ConvTranspose with one-hot kernels (the transpose of the im2col that its gradient is).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cuda.elementwise import in_float32
 from gradgen.kernels.cuda.launch import (
     contiguous,
     cpu_fallback,
@@ -39,12 +42,14 @@ from gradgen.kernels.cuda.launch import (
     kernel_of,
     launch,
     left_pad,
+    plan_cache,
     require_suffix,
     runtime,
     tf32_allowed,
     warn_once,
 )
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
+from gradgen.ops.conv import col2im_channels, col2im_geometry
 
 FORCE_DIRECT = False  # tests set this to exercise the direct kernels
 FAST_EXECUTE = True  # execute cuDNN plans through the frontend's ordered (uid tuple) form
@@ -753,3 +758,56 @@ def conv_grad(dY, X, W, *, _num_outputs=3, _wanted=None, **attrs):
         return (dx, dw) if db is None else (dx, dw, db)
     computes = (lambda: _dgrad(dY, W, geom), lambda: _wgrad(dY, X, geom), lambda: channel_sum(dY))
     return tuple(compute() if wanted[i] else None for i, compute in enumerate(computes[:_num_outputs]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Col2Im
+
+_ONE_HOT_KERNELS: dict = {}
+
+
+def _one_hot_kernels(block: tuple, dtype):
+    """ConvTranspose weights (taps, 1, *block) on the device, kernel t one-hot at block position t
+    (row-major): uploaded once per (block, dtype), released at exit while the context is current."""
+    rt = runtime()
+
+    def upload():
+        if not _ONE_HOT_KERNELS:
+            rt.drop_at_exit(_ONE_HOT_KERNELS.clear)
+        taps = math.prod(block)
+        with rt.persistent():
+            return rt.to_device(np.eye(taps, dtype=dtype).reshape(taps, 1, *block))
+
+    return plan_cache(_ONE_HOT_KERNELS, (block, np.dtype(dtype).str), upload)
+
+
+@cuda_kernel("Col2Im", host_inputs=(1, 2))
+def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
+    """The columns of X (N, C * taps, L) summed into the image (N, C, *image_shape): X viewed as
+    (N * C, taps, *blocks per axis) and transposed through a Conv whose taps one-hot kernels cut
+    the blocks out of (N * C, 1, *image) (ConvTranspose, with the pads, strides and dilations, and
+    as output padding the rows the blocks do not reach at the image's end). float32 and float64 in
+    their own type, 16-bit X in float32 rounded once (as on the CPU); other dtypes and more than 3
+    spatial axes run the CPU kernel."""
+    rt = runtime()
+    attrs = dict(dilations=dilations, pads=pads, strides=strides)
+    image, block, dil, pad, st, counts = col2im_geometry(
+        np.asarray(image_shape).reshape(-1), np.asarray(block_shape).reshape(-1), **attrs
+    )
+    nd = len(image)
+    n, c = int(x.shape[0]), col2im_channels(tuple(x.shape), image, block, counts)
+    if not is_float(x.dtype) or nd > SPATIAL:
+        return cpu_fallback("Col2Im", x, image_shape, block_shape, **attrs)
+    out_shape = (n, c, *image)
+    if math.prod(out_shape) == 0:  # nothing to sum into (PyCUDA cannot reshape an empty array's null pointer)
+        return rt.zeros(out_shape, x.dtype)
+    # rows past the last block's reach at the image's end (the floor of the blocks per axis)
+    uncovered = [(image[i] + pad[i] + pad[nd + i] - (block[i] - 1) * dil[i] - 1) % st[i] for i in range(nd)]
+
+    def run(xc):
+        planes = contiguous(xc).reshape((n * c, math.prod(block), *counts))
+        kernels = _one_hot_kernels(tuple(block), xc.dtype)
+        y = conv_transpose(planes, kernels, dilations=dil, pads=pad, strides=st, output_padding=uncovered)
+        return y.reshape(out_shape)
+
+    return in_float32(run, x)

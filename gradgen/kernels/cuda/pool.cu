@@ -1,4 +1,4 @@
-// Pooling: MaxPool, AveragePool and the global pools (row reductions).
+// Pooling: MaxPool, AveragePool, the global pools (row reductions), MaxRoiPool and Resize.
 // Entry points: extern "C" <op>_<dtype suffix>, e.g. max_pool_f32.
 //
 // Spatial ops work on up to 3 spatial axes; launchers pad lower ranks with unit axes (kernel 1,
@@ -150,6 +150,75 @@ GG_POOL_ENTRIES(f16, __half)
 GG_POOL_ENTRIES(bf16, __nv_bfloat16)
 GG_POOL_ENTRIES(f32, float)
 GG_POOL_ENTRIES(f64, double)
+
+// ------------------------------------------------------------------------------ MaxRoiPool
+// y[r, c, ph, pw] = max of x[b, c] over roi r's bin (ph, pw), 0 for an empty bin, a NaN winning
+// (numpy's max), as the CPU kernel computes it: the roi (b, x1, y1, x2, y2), in x's type, has its
+// coordinates scaled and rounded half away from zero in float32, and its bins' bounds computed in
+// float32 with explicitly rounded operations (no FMA contraction), then clamped to the image. A
+// batch index b (truncated toward zero) outside [0, images) sets *flag and gives 0.
+
+// float32(v) * scale rounded half away from zero (the CPU kernel's round_away).
+__device__ __forceinline__ float roi_coordinate(float v, float scale) {
+    const float c = __fmul_rn(v, scale);
+    return copysignf(floorf(__fadd_rn(fabsf(c), 0.5f)), c);
+}
+
+__device__ __forceinline__ int64_t roi_clamp(float v, int64_t size) { return (int64_t)fminf(fmaxf(v, 0.0f), (float)size); }
+
+// Bin p of `pooled` over the roi axis [start, end] (inclusive): pixels [lo, hi) of an axis of `size`.
+__device__ __forceinline__ void roi_bin(float start, float end, int64_t pooled, int64_t p, int64_t size, int64_t& lo,
+                                        int64_t& hi) {
+    const float step = __fdiv_rn(fmaxf(__fadd_rn(__fsub_rn(end, start), 1.0f), 1.0f), (float)pooled);
+    lo = roi_clamp(__fadd_rn(floorf(__fmul_rn((float)p, step)), start), size);
+    hi = roi_clamp(__fadd_rn(ceilf(__fmul_rn((float)(p + 1), step)), start), size);
+}
+
+template <typename T>
+__device__ void max_roi_pool(T* y, int64_t* flag, const T* x, const T* rois, int64_t images, int64_t channels,
+                             int64_t height, int64_t width, int64_t pooled_h, int64_t pooled_w, float scale, int64_t n) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(i, n) {
+        const int64_t pw = i % pooled_w, ph = (i / pooled_w) % pooled_h;
+        const int64_t c = (i / (pooled_w * pooled_h)) % channels, r = i / (pooled_w * pooled_h * channels);
+        const T* roi = rois + r * 5;
+        const double b = (double)gg_load(roi);
+        if (!(b > -1.0 && b < (double)images)) {  // NaN included
+            *flag = 1;
+            gg_store(y + i, (A)0);
+            continue;
+        }
+        int64_t h0, h1, w0, w1;
+        roi_bin(roi_coordinate((float)gg_load(roi + 2), scale), roi_coordinate((float)gg_load(roi + 4), scale), pooled_h, ph,
+                height, h0, h1);
+        roi_bin(roi_coordinate((float)gg_load(roi + 1), scale), roi_coordinate((float)gg_load(roi + 3), scale), pooled_w, pw,
+                width, w0, w1);
+        const T* plane = x + ((int64_t)b * channels + c) * height * width;
+        A best = 0;
+        bool first = true;
+        for (int64_t h = h0; h < h1; ++h) {
+            for (int64_t w = w0; w < w1; ++w) {
+                const A v = gg_load(plane + h * width + w);
+                if (first || (!gg_isnan(best) && (gg_isnan(v) || v > best))) {
+                    best = v;
+                    first = false;
+                }
+            }
+        }
+        gg_store(y + i, best);
+    }
+}
+
+#define GG_MAX_ROI_POOL(sfx, T)                                                                                      \
+    extern "C" __global__ void max_roi_pool_##sfx(T* y, int64_t* flag, const T* x, const T* rois, int64_t images,     \
+                                                  int64_t channels, int64_t height, int64_t width, int64_t pooled_h,  \
+                                                  int64_t pooled_w, double scale, int64_t n) {                        \
+        max_roi_pool(y, flag, x, rois, images, channels, height, width, pooled_h, pooled_w, (float)scale, n);         \
+    }
+GG_MAX_ROI_POOL(f16, __half)
+GG_MAX_ROI_POOL(bf16, __nv_bfloat16)
+GG_MAX_ROI_POOL(f32, float)
+GG_MAX_ROI_POOL(f64, double)
 
 // ------------------------------------------------------------------------------ Resize
 // Nearest: one gather pass. out.shape = output dims, out.strides = the input's (C-order) strides;

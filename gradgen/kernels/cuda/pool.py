@@ -11,6 +11,9 @@ devices agree on every corner case.
 MaxUnpool and ONNX Runtime training's MaxPoolGrad are indexing's row scatter (an out-of-range
 index raises the CPU kernel's error through the scatter's range flag); AveragePoolGrad is the
 transpose of a window sum, ConvTranspose with a ones kernel, as gradgen's AveragePool gradient.
+
+AffineGrid is a batched GEMM of a host-built base grid (uploaded once per size) with theta;
+MaxRoiPool runs pool.cu's max_roi_pool (the rois are data: each thread finds its bin).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import math
 import numpy as np
 
 from gradgen.kernels.cpu.pool import (
+    affine_grid_size,
     average_pool_grad_geometry,
+    check_max_roi_pool_shapes,
+    check_roi_batches,
     check_unpool_indices,
     clipped_windows,
     pool_grad_input_shape,
@@ -45,8 +51,10 @@ from gradgen.kernels.cuda.launch import (
     runtime,
     strided_copy,
 )
+from gradgen.kernels.cuda.matmul import matmul_views
 from gradgen.kernels.numeric import same_shape
 from gradgen.kernels.table import cuda_kernel
+from gradgen.ops.grid_sample import affine_base_grid
 from gradgen.ops.pool import declared_pads, pool_geometry, pool_window
 
 SPATIAL = 3  # spatial axes the kernels handle (pool.cu's GG_SP)
@@ -581,3 +589,101 @@ def resize(
             )
         current = out
     return current
+
+
+# ---------------------------------------------------------------------------------------------
+# AffineGrid
+
+_AFFINE_BASE_GRIDS: dict = {}
+
+
+def _affine_base_grid_on_device(spatial: tuple, align_corners: bool, dtype):
+    """``affine_base_grid`` (prod(spatial), nd + 1) in ``dtype`` on the device, uploaded once per
+    (spatial size, align_corners, dtype) and released at exit while the context is current."""
+    rt = runtime()
+
+    def upload():
+        if not _AFFINE_BASE_GRIDS:
+            rt.drop_at_exit(_AFFINE_BASE_GRIDS.clear)
+        with rt.persistent():
+            return rt.to_device(affine_base_grid(list(spatial), align_corners, dtype))
+
+    return plan_cache(_AFFINE_BASE_GRIDS, (spatial, align_corners, np.dtype(dtype).str), upload)
+
+
+@cuda_kernel("AffineGrid", host_inputs=(1,))
+def affine_grid(theta, size, *, align_corners=0):
+    """grid[n] = base @ theta[n]^T, base the (points, nd + 1) homogeneous coordinates of the output
+    positions (the CPU kernel's ``affine_base_grid``, uploaded once per size): one strided-batched
+    GEMM (matmul_views, theta read transposed in place, base shared by the batch). float32 and
+    float64 in their own type, 16-bit theta in float32 rounded once (as on the CPU); other dtypes
+    run the CPU kernel."""
+    rt = runtime()
+    dims = affine_grid_size(theta.shape, size)
+    if not is_float(theta.dtype):
+        return cpu_fallback("AffineGrid", theta, size, align_corners=align_corners)
+    n, spatial, nd = dims[0], tuple(dims[2:]), len(dims) - 2
+    out_shape = (n, *spatial, nd)
+    if n == 0:  # nothing to transform (PyCUDA cannot reshape an empty array's null pointer)
+        return rt.empty(out_shape, theta.dtype)
+    corners = bool(int(align_corners or 0))
+
+    def run(t):
+        t = contiguous(t)
+        base = _affine_base_grid_on_device(spatial, corners, t.dtype)
+        points, k = (int(d) for d in base.shape)
+        # theta (n, nd, k) read as its transpose (n, k, nd): strides (nd * k, 1, k)
+        grid = matmul_views(base, ((points, k), [k, 1]), t, ((n, k, nd), [nd * k, 1, k]))
+        return grid.reshape(out_shape)
+
+    return in_float32(run, theta)
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxRoiPool
+
+
+@cuda_kernel("MaxRoiPool")
+def max_roi_pool(x, rois, *, pooled_shape, spatial_scale=1.0):
+    """Y[r, c, ph, pw] = max of X[b_r, c] over roi r's bin (ph, pw), 0 for an empty bin: pool.cu's
+    max_roi_pool, one thread per output element finding its bin from the roi with the CPU kernel's
+    float32 rounding and looping over it (16-bit X compared in float32: the max is exact). A batch
+    index out of range sets a flag, and the CPU kernel's check then raises its error. Other dtypes,
+    and rois of another dtype than X's, run the CPU kernel."""
+    rt = runtime()
+    check_max_roi_pool_shapes(x.shape, rois.shape)
+    pooled_h, pooled_w = (int(v) for v in pooled_shape)
+    if not is_float(x.dtype) or rois.dtype != x.dtype:
+        return cpu_fallback("MaxRoiPool", x, rois, pooled_shape=pooled_shape, spatial_scale=spatial_scale)
+    images, channels, height, width = (int(d) for d in x.shape)
+    y_shape = (int(rois.shape[0]), channels, pooled_h, pooled_w)
+    if math.prod(y_shape) == 0 or x.size == 0:  # no bins, or only empty ones: nothing to read from X
+        if rois.shape[0]:
+            check_roi_batches(rt.to_host(rois), images)
+        return rt.zeros(y_shape, x.dtype)
+    rois = contiguous(rois)
+    y = rt.empty(y_shape, x.dtype)
+    flag = rt.zeros((1,), np.int64)
+    launch(
+        kernel_of("pool", f"max_roi_pool_{require_suffix(x.dtype)}"),
+        y.size,
+        y,
+        flag,
+        contiguous(x),
+        rois,
+        np.int64(images),
+        np.int64(channels),
+        np.int64(height),
+        np.int64(width),
+        np.int64(pooled_h),
+        np.int64(pooled_w),
+        np.float64(np.float32(spatial_scale)),
+        np.int64(y.size),
+    )
+
+    def on_error(_value):
+        check_roi_batches(rt.to_host(rois), images)  # raises the CPU kernel's error
+        return "MaxRoiPool: a roi's batch index is out of range"
+
+    rt.check_flag(flag, on_error)
+    return y
