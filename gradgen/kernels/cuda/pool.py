@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from gradgen.errors import KernelError
 from gradgen.kernels.cpu.pool import (
     affine_grid_size,
     average_pool_grad_geometry,
@@ -492,6 +493,15 @@ def _resize_plan_kept(*args):
     if not _RESIZE_PLANS:
         rt.drop_at_exit(_RESIZE_PLANS.clear)
     return _resize_plan(*args)
+
+
+@cuda_kernel("Upsample", host_inputs=(1,))
+def upsample(x, scales=None, *, mode="nearest"):
+    """Upsample (opsets 7 to 9; ``scales`` an input from 9, an attribute before): Resize-10's
+    function, as the CPU kernel computes it, through the Resize launcher."""
+    if scales is None:
+        raise KernelError("Upsample needs scales")
+    return resize(x, None, np.asarray(scales, dtype=np.float32), mode=mode, _opset=10)
 
 
 @cuda_kernel("Resize", host_inputs=(1, 2, 3))
