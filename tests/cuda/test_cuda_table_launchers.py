@@ -102,10 +102,20 @@ def test_mel_weight_matrix(launches, args):
 
 
 @pytest.mark.parametrize(
+    "op_type, attrs",
+    [("RandomNormal", dict(shape=[3, 5], mean=1.0, scale=2.0)), ("RandomUniform", dict(shape=[7], low=-1.0, high=3.0))],
+)
+def test_seeded_generators_without_inputs_draw_the_cpu_sessions_numbers(op_type, attrs):
+    """No inputs: the backend's placement runs them on the host with the CPU kernel (no launcher)."""
+    from tests.cuda.test_cuda_more_launchers import _run, assert_same, single_node
+
+    model, feeds = single_node(op_type, [], opset=22, seed=3.0, **attrs)
+    assert_same(_run(model, feeds, "cuda"), _run(model, feeds, "cpu"), exact=True)
+
+
+@pytest.mark.parametrize(
     "op_type, inputs, attrs",
     [
-        ("RandomNormal", [], dict(shape=[3, 5], mean=1.0, scale=2.0)),
-        ("RandomUniform", [], dict(shape=[7], low=-1.0, high=3.0, dtype=TensorProto.DOUBLE)),
         ("RandomNormalLike", [np.zeros((2, 3), np.float16)], {}),
         ("RandomUniformLike", [np.zeros((4, 2), np.float32)], dict(dtype=TensorProto.DOUBLE)),
         ("Bernoulli", [np.array([0.0, 0.3, 0.7, 1.0], np.float32)], {}),

@@ -538,6 +538,8 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
 # mask is, so that a GPU session draws the same numbers as a CPU one for a given seed. The Like
 # ops read only their input's shape and type (no download); Bernoulli and Multinomial read its
 # values. An upload cannot be recorded, so a run holding one of them stays on the eager path.
+# RandomNormal and RandomUniform have no inputs: the backend's placement runs such a step on the
+# host with its CPU kernel (gradgen/executor/cuda_backend.py), so they need no launcher.
 
 
 def _register_host_drawn(op_type: str, reads_values: bool) -> None:
@@ -557,8 +559,6 @@ def _register_host_drawn(op_type: str, reads_values: bool) -> None:
 
 
 _HOST_DRAWN = {
-    "RandomNormal": "random_normal",
-    "RandomUniform": "random_uniform",
     "RandomNormalLike": "random_normal_like",
     "RandomUniformLike": "random_uniform_like",
     "Bernoulli": "bernoulli",
