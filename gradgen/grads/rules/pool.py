@@ -7,6 +7,7 @@ separable: its gradient applies the transposes of the per-axis matrices the kern
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -270,6 +271,26 @@ def roi_align(g):
     )
 
 
+def _warn_fractional_width(g, ctm, sizes, shape_in, shape_out, factors) -> None:
+    """align_corners / tf_crop_and_resize with scales whose scale * n is fractional: gradgen spaces
+    the samples by the fractional width, as ONNX's reference and conformance tests do; PyTorch (whose
+    exporters write F.interpolate(scale_factor=..., align_corners=True) this way) and ONNX Runtime
+    space them by the integer output length, so the forward and its gradient differ from theirs."""
+    if sizes is not None or ctm not in ("align_corners", "tf_crop_and_resize"):
+        return
+    for n_in, n_out, s in zip(shape_in, shape_out, factors):
+        if n_out > 1 and abs(n_in * s - n_out) > 1e-5 * n_out:
+            warnings.warn(
+                f"{node_where(g)}: Resize {ctm} with scale {s:g} on an axis of {n_in} (fractional width {n_in * s:g}): "
+                f"gradgen follows ONNX's reference and spaces the samples by {n_in * s:g} - 1, PyTorch "
+                f"(F.interpolate with scale_factor and align_corners=True) and ONNX Runtime by the output length "
+                f"{n_out} - 1, so this node's values and gradient differ from theirs; export with size= instead of "
+                "scale_factor= to agree",
+                stacklevel=2,
+            )
+            return
+
+
 @grad_rule("Resize", nondiff_inputs=(3,), unsupported_inputs=(1, 2))
 def resize(g):
     """Resize is linear and separable: along each resized axis Y = M X with a fixed (out, in) matrix,
@@ -350,6 +371,7 @@ def resize(g):
                 raise ModelError(f"{node_where(g)}: Resize needs static sizes of axis {a} for its gradient")
             shape_in.append(n_in), shape_out.append(n_out)
             factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
+    _warn_fractional_width(g, ctm, sizes, shape_in, shape_out, factors)
     dtype = numpy_dtype_of(x)
     dx = g.dy()
     # Outputs set to extrapolation_value (tf_crop_and_resize) have zero rows: no gradient.
