@@ -15,6 +15,7 @@ docs/BACKEND_TESTS.md lists the same entries; regenerate its tables with
 from __future__ import annotations
 
 _RANDOM_DROPOUT = "training-mode Dropout draws a random mask; gradgen's (numpy's PCG64) is not the expected output's"
+_RANDOM_BERNOULLI = "Bernoulli draws random numbers; gradgen's (numpy's PCG64, seeded or not) are not the expected output's"
 
 
 _BF16_ROUNDING = (
@@ -225,6 +226,11 @@ EXCLUDED: dict[str, str] = {
     "test_identity_opt": "optional-typed input and output: gradgen runs tensors only",
     "test_identity_sequence": "sequence-typed input and output: gradgen runs tensors only",
     "test_training_dropout": _RANDOM_DROPOUT,
+    **{
+        f"test_bernoulli{kind}{expanded}": _RANDOM_BERNOULLI
+        for kind in ("", "_double", "_seed")
+        for expanded in ("", "_expanded")
+    },
     "test_training_dropout_default": _RANDOM_DROPOUT,
     "test_training_dropout_default_mask": _RANDOM_DROPOUT,
     "test_training_dropout_mask": _RANDOM_DROPOUT,
