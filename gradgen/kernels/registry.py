@@ -49,7 +49,6 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # tests/test_coverage.py fails for such an op that is not declared, and for a declared one that
 # gained a launcher.
 CUDA_FALLBACKS: dict[tuple[str, str], str] = {
-    ("", "Unique"): "no CUDA launcher yet: it needs a stable device sort of any length (TopK's: lines <= 4096)",
     # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
     ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
 }

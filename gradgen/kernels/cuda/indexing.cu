@@ -883,3 +883,63 @@ extern "C" __global__ void nonzero_coords(int64_t* __restrict__ out, const int64
     }
 }
 #endif
+
+// ------------------------------------------------------------------ Unique (flattened)
+// After reduction.cu's sort of X's (key, position) pairs (keys in numpy's order, equal keys by
+// position): a run of equal keys is one unique value, its first pair the value's first occurrence.
+//   unique_starts   starts[i]: sorted pair i begins a run;
+//   unique_runs     slots: the inclusive running count of the starts (the launcher's CumSum), so
+//                   pair i is in run slots[i] - 1: inverse[position] = run; a run's first position
+//                   and its place in the sorted pairs (begin) are written by its first pair;
+//   unique_outputs  output j is run order[j] (order null: run j): X's element at the run's first
+//                   position (its bits), that position, the run's length (the next run's begin, or n,
+//                   minus its own) and, where rank is given, rank[run] = j;
+//   unique_remap    inverse[p] = rank[inverse[p]] (sorted=0: runs renumbered by first occurrence).
+#if GG_PART(13)
+extern "C" __global__ void unique_starts(bool* __restrict__ starts, const unsigned long long* __restrict__ key, int64_t n) {
+    GG_GRID_STRIDE(i, n) starts[i] = i == 0 || key[i] != key[i - 1];
+}
+
+extern "C" __global__ void unique_runs(int64_t* __restrict__ inverse, int64_t* __restrict__ first, int64_t* __restrict__ begin,
+                                       const int64_t* __restrict__ pos, const int64_t* __restrict__ slots, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t run = slots[i] - 1, p = pos[i];
+        inverse[p] = run;
+        if (i == 0 || slots[i - 1] != slots[i]) {
+            first[run] = p;
+            begin[run] = i;
+        }
+    }
+}
+
+extern "C" __global__ void unique_remap(int64_t* __restrict__ inverse, const int64_t* __restrict__ rank, int64_t n) {
+    GG_GRID_STRIDE(p, n) inverse[p] = rank[inverse[p]];
+}
+#endif
+
+template <typename E>
+__device__ void unique_outputs(E* __restrict__ values, int64_t* __restrict__ first_out, int64_t* __restrict__ counts,
+                               int64_t* __restrict__ rank, const E* __restrict__ x, const int64_t* __restrict__ first,
+                               const int64_t* __restrict__ begin, const int64_t* __restrict__ order, int64_t runs, int64_t n) {
+    GG_GRID_STRIDE(j, runs) {
+        const int64_t run = order ? order[j] : j;
+        const int64_t f = first[run];
+        values[j] = x[f];
+        first_out[j] = f;
+        counts[j] = (run + 1 < runs ? begin[run + 1] : n) - begin[run];
+        if (rank) rank[run] = j;
+    }
+}
+
+#define GG_UNIQUE_OUTPUTS(W)                                                                                       \
+    extern "C" __global__ void unique_outputs_w##W(Word<W>::type* values, int64_t* first_out, int64_t* counts,    \
+                                                   int64_t* rank, const Word<W>::type* x, const int64_t* first,   \
+                                                   const int64_t* begin, const int64_t* order, int64_t runs,      \
+                                                   int64_t n) {                                                   \
+        unique_outputs<Word<W>::type>(values, first_out, counts, rank, x, first, begin, order, runs, n);           \
+    }
+#if GG_PART(14)
+GG_UNIQUE_OUTPUTS(2)
+GG_UNIQUE_OUTPUTS(4)
+GG_UNIQUE_OUTPUTS(8)
+#endif

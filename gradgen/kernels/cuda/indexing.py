@@ -1,6 +1,6 @@
 """CUDA launchers: indexing (indexing.cu): Gather, GatherElements, GatherND, ScatterElements,
-ScatterND, OneHot, NonZero and Compress (whose output sizes are read back to the host), and the
-com.microsoft GatherGrad and GatherElementsGrad.
+ScatterND, OneHot, NonZero, Compress and Unique (whose output sizes are read back to the host), and
+the com.microsoft GatherGrad and GatherElementsGrad.
 
 Indices arrive on the device (int32 or int64). Negative ones are normalised in the kernels; an
 out-of-range index sets a device flag and writes nothing, and the launcher then raises the CPU
@@ -885,3 +885,61 @@ def compress(data, condition, *, axis=None):
         if kept.size:
             positions = kept.reshape(-1)
     return gather(data, positions, axis=ax)
+
+
+# ---------------------------------------------------------------- Unique
+
+_UNIQUE_TYPES = ("f16", "bf16", "f32", "f64", "i32", "i64")
+
+
+@cuda_kernel("Unique")
+def unique(x, *, axis=None, sorted=1, _num_outputs=4):  # noqa: A002 - the ONNX attribute's name
+    """np.unique of the flattened X, the CPU kernel's outputs: Y ascending (sorted=0: in order of
+    first occurrence), each value's first index, each element's index into Y and the counts, with
+    every NaN one value and -0 equal to +0 (Y keeps its first occurrence's bits). Composed:
+    reduction.py's ``sorted_pairs`` sorts X's (key, position) pairs; each run of equal keys is a
+    value, numbered by the running count of the runs' starts (``_running_count``, whose total, the
+    number of values, is read back to the host: a run that holds Unique records no CUDA graph and
+    runs eagerly); indexing.cu's unique_* kernels write the outputs. sorted=0 orders the runs by
+    their first positions (``sorted_pairs`` of those) and renumbers the inverse indices. An axis
+    (unique slices) and other dtypes run the CPU kernel."""
+    from gradgen.kernels.cuda.reduction import sorted_pairs
+
+    rt = runtime()
+    if axis is not None or dtype_suffix(x.dtype) not in _UNIQUE_TYPES:
+        return cpu_fallback("Unique", x, axis=axis, sorted=sorted, _num_outputs=_num_outputs)
+    n = int(x.size)
+    if n == 0:  # nothing to sort (and PyCUDA cannot reshape an empty array's null pointer)
+        results = (rt.empty((0,), x.dtype), *(rt.empty((0,), np.int64) for _ in range(3)))
+    else:
+        flat = contiguous(x).reshape(-1)
+        keys, positions = sorted_pairs(flat)
+        starts = rt.empty((n,), np.bool_)
+        launch(kernel_of("indexing", "unique_starts"), n, starts, keys, np.int64(n))
+        slots, runs = _running_count(starts)
+        inverse, first, begin = rt.empty((n,), np.int64), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
+        launch(kernel_of("indexing", "unique_runs"), n, inverse, first, begin, positions, slots, np.int64(n))
+        order = rank = None
+        if not int(sorted):
+            order = sorted_pairs(first)[1]  # the runs by first position
+            rank = rt.empty((runs,), np.int64)
+        values, first_out, counts = rt.empty((runs,), x.dtype), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
+        launch(
+            kernel_of("indexing", f"unique_outputs_w{x.dtype.itemsize}"),
+            runs,
+            values,
+            first_out,
+            counts,
+            _addr(rank),
+            flat,
+            first,
+            begin,
+            _addr(order),
+            np.int64(runs),
+            np.int64(n),
+        )
+        if rank is not None:
+            launch(kernel_of("indexing", "unique_remap"), n, inverse, rank, np.int64(n))
+        results = (values, first_out, inverse, counts)
+    wanted = int(_num_outputs)
+    return results[:wanted] if wanted > 1 else results[0]

@@ -865,3 +865,85 @@ GG_ARGEXTS(f64, double)
 GG_ARGEXTS(i32, int32_t)
 GG_ARGEXTS(i64, int64_t)
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// A sort of any length (Unique's): x's n elements as (key, position) pairs, keys topk_key's (numpy's
+// order: -0 tied with +0, every NaN above +inf and tied with the others), sorted ascending by key,
+// equal keys by position (numpy's stable order). A bitonic sort of P pairs (P: n rounded up to a
+// power of two, at least 2), the padding keys ~0 with positions n, n + 1, ... (after every element,
+// NaN and INT64_MAX included):
+//   sort_keys_*  the pairs;
+//   sort_tile    one block of T / 2 threads per tile of T = min(P, SORT_TILE) pairs, in shared memory:
+//                size 0 sorts each tile (the stages 2 .. T), size > T finishes that merge stage
+//                (strides T / 2 .. 1);
+//   sort_step    one compare-exchange step of a stage over all P pairs (strides T and more).
+// The launcher runs sort_tile(0), then for each stage size = 2T .. P: sort_step per stride down to
+// T, then sort_tile(size). Positions are distinct, so the order is total: the result does not
+// depend on the schedule (deterministic, no atomics).
+#define SORT_TILE 2048
+
+__device__ __forceinline__ void sort_exchange(unsigned long long* key, int64_t* pos, int64_t lo, int64_t hi, bool up) {
+    const unsigned long long a = key[lo], b = key[hi];
+    const int64_t pa = pos[lo], pb = pos[hi];
+    const bool greater = a > b || (a == b && pa > pb);
+    if (greater == up) {
+        key[lo] = b;
+        key[hi] = a;
+        pos[lo] = pb;
+        pos[hi] = pa;
+    }
+}
+
+template <typename T>
+__device__ void sort_keys(unsigned long long* __restrict__ key, int64_t* __restrict__ pos, const T* __restrict__ x,
+                          int64_t n, int64_t P) {
+    GG_GRID_STRIDE(i, P) {
+        key[i] = i < n ? topk_key(x[i]) : ~0ULL;
+        pos[i] = i;
+    }
+}
+
+#define GG_SORT_KEYS(s, T)                                                                                   \
+    extern "C" __global__ void sort_keys_##s(unsigned long long* key, int64_t* pos, const T* x, int64_t n, \
+                                             int64_t P) {                                                  \
+        sort_keys<T>(key, pos, x, n, P);                                                                   \
+    }
+#if GG_PART(22)
+GG_SORT_KEYS(f16, __half)
+GG_SORT_KEYS(bf16, __nv_bfloat16)
+GG_SORT_KEYS(f32, float)
+GG_SORT_KEYS(f64, double)
+GG_SORT_KEYS(i32, int32_t)
+GG_SORT_KEYS(i64, int64_t)
+
+extern "C" __global__ void sort_tile(unsigned long long* key, int64_t* pos, int64_t T, int64_t size) {
+    __shared__ unsigned long long tile_key[SORT_TILE];
+    __shared__ int64_t tile_pos[SORT_TILE];
+    const int64_t base = (int64_t)blockIdx.x * T, half = T >> 1;
+    const int64_t t = threadIdx.x;
+    tile_key[t] = key[base + t];
+    tile_key[t + half] = key[base + t + half];
+    tile_pos[t] = pos[base + t];
+    tile_pos[t + half] = pos[base + t + half];
+    __syncthreads();
+    const int64_t first = size ? size : 2, last = size ? size : T;
+    for (int64_t stage = first; stage <= last; stage <<= 1) {
+        for (int64_t stride = (size ? T : stage) >> 1; stride > 0; stride >>= 1) {
+            const int64_t lo = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
+            sort_exchange(tile_key, tile_pos, lo, lo + stride, ((base + lo) & stage) == 0);
+            __syncthreads();
+        }
+    }
+    key[base + t] = tile_key[t];
+    key[base + t + half] = tile_key[t + half];
+    pos[base + t] = tile_pos[t];
+    pos[base + t + half] = tile_pos[t + half];
+}
+
+extern "C" __global__ void sort_step(unsigned long long* key, int64_t* pos, int64_t P, int64_t size, int64_t stride) {
+    GG_GRID_STRIDE(t, P >> 1) {
+        const int64_t lo = ((t & ~(stride - 1)) << 1) | (t & (stride - 1));
+        sort_exchange(key, pos, lo, lo + stride, (lo & size) == 0);
+    }
+}
+#endif

@@ -9,7 +9,8 @@ float64, 16 bytes of neighbouring columns (``cols``/``colsv``: a bias gradient's
 outputs to fill the GPU, each output's reduction is split into fixed chunks whose partial states
 a second kernel combines in a fixed order, so results are bit-identical from run to run (no
 atomics). The gradient pass's broadcast undoing, ReduceSum of (N, C, H, W) to (1, C, 1, 1), is
-the ``rows`` case with a strided outer reduced dim.
+the ``rows`` case with a strided outer reduced dim. ``sorted_pairs`` is a device sort of any length
+(a bitonic sort of (key, position) pairs in TopK's key order), Unique's.
 """
 
 from __future__ import annotations
@@ -430,6 +431,46 @@ def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
         shared=padded * 10,
     )
     return values, indices
+
+
+# ---------------------------------------------------------------- sort of any length
+
+SORT_TILE = 2048  # pairs one block sorts in shared memory (SORT_TILE in reduction.cu)
+
+
+def sorted_pairs(x):
+    """(keys, positions): x's elements (C order) as uint64 keys in numpy's sort order (TopK's keys:
+    -0 tied with +0, every NaN above +inf and tied with the others) and their int64 flat positions,
+    sorted by key, equal keys by position (numpy's stable order). Both have P entries (x.size rounded
+    up to a power of two, at least 2); the pairs after the first x.size are padding. A bitonic sort
+    (reduction.cu: sort_keys, sort_tile, sort_step): tiles of SORT_TILE pairs in shared memory, the
+    merge steps of longer strides over the whole array, about log2(P)^2 / 2 launches in all above a
+    tile. x must be float16, bfloat16, float32, float64, int32 or int64, non-empty and contiguous."""
+    from gradgen.cuda import runtime as rt
+
+    n = int(x.size)
+    padded = max(2, _next_pow2(n))
+    keys = rt.empty((padded,), np.uint64)
+    positions = rt.empty((padded,), np.int64)
+    launch(
+        kernel_of("reduction", f"sort_keys_{dtype_suffix(x.dtype)}"), padded, keys, positions, x, np.int64(n), np.int64(padded)
+    )
+    tile = min(padded, SORT_TILE)
+    sort_tile, sort_step = kernel_of("reduction", "sort_tile"), kernel_of("reduction", "sort_step")
+
+    def tiles(size: int) -> None:
+        sort_tile(keys, positions, np.int64(tile), np.int64(size), block=(tile // 2, 1, 1), grid=(padded // tile, 1))
+
+    tiles(0)
+    size = 2 * tile
+    while size <= padded:
+        stride = size // 2
+        while stride >= tile:
+            launch(sort_step, padded // 2, keys, positions, np.int64(padded), np.int64(size), np.int64(stride))
+            stride //= 2
+        tiles(size)
+        size *= 2
+    return keys, positions
 
 
 # ---------------------------------------------------------------- CumProd
