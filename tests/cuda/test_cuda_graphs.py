@@ -65,12 +65,13 @@ def test_replay_sees_new_inputs_and_reports_bad_indices(monkeypatch):
 
 
 def test_a_run_that_cannot_be_recorded_stays_eager(monkeypatch):
-    """Hardmax has no CUDA launcher: its CPU fallback downloads data, which a graph cannot hold."""
+    """Unique reads its count of values back to the host (its output's size), which a graph cannot hold."""
     monkeypatch.setenv("GRADGEN_CUDA_GRAPHS", "1")
     nodes = [
         helper.make_node("Mul", ["x", "x"], ["sq"], name="square"),
-        helper.make_node("Hardmax", ["sq"], ["h"], axis=1, name="hardmax"),
-        helper.make_node("Add", ["h", "x"], ["y"], name="add"),
+        helper.make_node("Unique", ["sq"], ["values"], name="unique"),
+        helper.make_node("ReduceSum", ["values"], ["total"], keepdims=0, name="total"),
+        helper.make_node("Add", ["total", "x"], ["y"], name="add"),
     ]
     graph = helper.make_graph(
         nodes,
@@ -82,10 +83,10 @@ def test_a_run_that_cannot_be_recorded_stays_eager(monkeypatch):
     session, cpu = Session(model, device="cuda"), Session(model)
     for seed in range(4):
         x = np.random.default_rng(seed).standard_normal((64, 64)).astype(np.float32)
-        np.testing.assert_allclose(session.run({"x": x})["y"], cpu.run({"x": x})["y"], rtol=1e-6)
+        np.testing.assert_allclose(session.run({"x": x})["y"], cpu.run({"x": x})["y"], rtol=1e-5)
     assert not _replays(session)
     # The GPU still works after the failed recording.
-    np.testing.assert_allclose(Session(model, device="cuda").run({"x": x})["y"], cpu.run({"x": x})["y"], rtol=1e-6)
+    np.testing.assert_allclose(Session(model, device="cuda").run({"x": x})["y"], cpu.run({"x": x})["y"], rtol=1e-5)
 
 
 def test_replay_of_gathergrad_over_many_positions_rezeroes_its_workspace(monkeypatch):
