@@ -74,6 +74,7 @@ def _add_node_names(graph: ir.Graph, names: set[str]) -> None:
     """The names of the nodes of ``graph`` and its subgraphs and of the values they read and make
     (one plain loop: a graph of thousands of nodes is scanned by several passes)."""
     add = names.add
+    graph_type, graphs_type = ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS
     for node in graph:
         add(node.name)  # type: ignore[arg-type]  # None and "" are dropped by the caller
         for output in node.outputs:
@@ -81,10 +82,12 @@ def _add_node_names(graph: ir.Graph, names: set[str]) -> None:
         for value in node.inputs:
             if value is not None:
                 add(value.name)  # type: ignore[arg-type]
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH and isinstance(attr, ir.Attr):
+        # the attributes' plain dict (a UserDict's ``data``): its views iterate in Python, a
+        # quarter of the scan
+        for attr in node.attributes.data.values():
+            if attr.type == graph_type and isinstance(attr, ir.Attr):
                 _add_node_names(attr.value, names)
-            elif attr.type == ir.AttributeType.GRAPHS and isinstance(attr, ir.Attr):
+            elif attr.type == graphs_type and isinstance(attr, ir.Attr):
                 for sub in attr.value:
                     _add_node_names(sub, names)
 

@@ -64,8 +64,8 @@ def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
                 continue
             results = [direct]
         else:
-            args = [None if v is None else direct_constant(v, evaluator.max_elements) for v in node.inputs]
-            if any(v is not None and a is None for v, a in zip(node.inputs, args)):
+            args = _constant_args(node, evaluator.max_elements)
+            if args is None:
                 continue
             computed = evaluator.run(node, args)
             if computed is None:
@@ -82,13 +82,26 @@ def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
     return modified
 
 
+def _constant_args(node: ir.Node, max_elements: int) -> list[np.ndarray | None] | None:
+    """The node's inputs as arrays (None for an omitted input), or None at the first input that is
+    not a constant (most nodes: the inputs after it are not read)."""
+    args: list[np.ndarray | None] = []
+    for value in node.inputs:
+        if value is None:
+            args.append(None)
+            continue
+        array = direct_constant(value, max_elements)
+        if array is None:
+            return None
+        args.append(array)
+    return args
+
+
 def _replace_with_initializer(graph: ir.Graph, value: ir.Value, array: np.ndarray) -> None:
-    constant = ir.Value(
-        name=value.name,
-        shape=ir.Shape(array.shape),
-        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        const_value=ir.Tensor(array, name=value.name),
-    )
+    # the value takes the tensor's (frozen) shape and element type: built once, not twice (one
+    # initializer per folded value, thousands in an exported transformer)
+    tensor = ir.Tensor(array, name=value.name)
+    constant = ir.Value(name=value.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
     value.replace_all_uses_with(constant)
     value.name = None
     graph.register_initializer(constant)

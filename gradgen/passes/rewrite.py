@@ -56,6 +56,19 @@ def replace_node_outputs(graph: ir.Graph, node: ir.Node, outputs: Sequence[ir.Va
         new.name = name
 
 
+def replace_uses(old: ir.Value, new: ir.Value) -> None:
+    """``old.replace_all_uses_with(new, replace_graph_outputs=True)``, with old's places among the
+    graph outputs found by ``list.index``: onnx-ir walks every graph output in Python for each
+    replaced output value (one per parameter after the gradient pass, so transpose fusion and
+    the lowering spent most of their time there)."""
+    index = 0
+    while old.is_graph_output():  # (an output listed twice stays one until its last place goes)
+        outputs = old.graph.outputs  # type: ignore[union-attr]  # a graph output has its graph
+        index = outputs.index(old, index)
+        outputs[index] = new
+    old.replace_all_uses_with(new)
+
+
 class NodeRemoval:
     """Nodes a pass drops, taken out of their graphs together by ``flush``.
 

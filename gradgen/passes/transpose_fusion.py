@@ -22,7 +22,7 @@ import onnx_ir as ir
 from gradgen.builder import graph_names
 from gradgen.names import unique_name
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, MICROSOFT_OPSET
-from gradgen.passes.rewrite import NodeRemoval
+from gradgen.passes.rewrite import NodeRemoval, replace_uses
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
 
@@ -135,5 +135,5 @@ class TransposeFusionPass(ir.passes.InPlacePass):
         new_out.name = name
         new_out.type, new_out.shape = old_out.type, old_out.shape
         old.graph.insert_before(old, new)
-        ir.convenience.replace_all_uses_with(old_out, new_out, replace_graph_outputs=True)
+        replace_uses(old_out, new_out)
         self._removal.remove(old)

@@ -24,7 +24,7 @@ from gradgen.passes.lowering.table import (
     is_needed,
     node_where,
 )
-from gradgen.passes.rewrite import NodeRemoval
+from gradgen.passes.rewrite import NodeRemoval, replace_uses
 from gradgen.registration import Families
 
 
@@ -172,7 +172,8 @@ def splice(builder: GraphBuilder, node: ir.Node, outputs: Sequence[ir.Value | No
             new.type = old.type
         if old.shape is not None:
             new.shape = old.shape
-    ir.convenience.replace_all_uses_with(olds, news, replace_graph_outputs=True)
+    for old, new in zip(olds, news):
+        replace_uses(old, new)
     if builder.nodes:
         node.graph.insert_before(node, builder.nodes)
     if removal is not None:
