@@ -516,9 +516,10 @@ def where(condition, x, y):
     if condition.dtype != np.bool_:
         raise KernelError(f"condition must be bool, got {condition.dtype}")
     _same_type(x, y)
-    shape = np.broadcast_shapes(condition.shape, x.shape, y.shape)
-    if x.dtype.kind in "fiubV" and x.dtype.itemsize in _SAME_WIDTH_INTS and math.prod(shape) >= BIT_SELECT_ELEMENTS:
-        return _bit_select(condition, x, y, shape)
+    # sizes, not the broadcast shape, decide (np.broadcast_shapes costs microseconds a small step lacks)
+    large = max(condition.size, x.size, y.size) >= BIT_SELECT_ELEMENTS
+    if large and x.dtype.kind in "fiubV" and x.dtype.itemsize in _SAME_WIDTH_INTS:
+        return _bit_select(condition, x, y, np.broadcast_shapes(condition.shape, x.shape, y.shape))
     return np.where(condition, x, y)
 
 
