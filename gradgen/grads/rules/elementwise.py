@@ -1,9 +1,10 @@
 """Gradient rules: elementwise ops. Broadcasting ops return output-shaped gradients (broadcast=True).
 
 Conventions:
-- Kinks take the subgradient PyTorch takes: Relu/LeakyRelu/PRelu/Elu/Selu/Celu/ThresholdedRelu use
-  the branch the forward op uses at the kink point; Abs gives 0 at 0 (Sign); Clip passes the
-  gradient at the bounds (min <= x <= max).
+- Kinks take the subgradient PyTorch takes: LeakyRelu/PRelu/Elu/Selu take the negative branch's
+  slope at 0 (PyTorch's backward kernels test x > 0: leaky_relu 0 -> negative_slope, prelu ->
+  weight, elu -> alpha); Relu/Celu/ThresholdedRelu use the branch the forward op uses there; Abs
+  gives 0 at 0 (Sign); Clip passes the gradient at the bounds (min <= x <= max).
 - Max/Min (variadic): the gradient is split evenly among the inputs equal to the output (a tie of
   k inputs gives each dY / k). This is PyTorch's choice for maximum/minimum, a valid subgradient,
   and for a tie of two it equals the central difference.
@@ -187,7 +188,8 @@ def relu(g, x, y, dy):
 @_unary("LeakyRelu")
 def leaky_relu(g, x, y, dy):
     alpha = g.attr("alpha", 0.01)
-    return _mask(g, g.op("Less", x, _c(g, x, 0.0)), g.op("Mul", dy, _c(g, x, alpha)), dy)
+    # negative_slope at 0, as PyTorch's leaky_relu_backward (x > 0 ? dy : dy * alpha)
+    return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), dy, g.op("Mul", dy, _c(g, x, alpha)))
 
 
 @_unary("ThresholdedRelu")
@@ -208,7 +210,8 @@ def elu(g, x, y, dy):
     # x < 0: alpha * (e^x - 1), derivative y + alpha
     alpha = g.attr("alpha", 1.0)
     neg_branch = g.op("Mul", dy, g.op("Add", y, _c(g, x, alpha)))
-    return _mask(g, g.op("Less", x, _c(g, x, 0.0)), neg_branch, dy)
+    # alpha at 0 (y = 0 there), as PyTorch's elu_backward (x <= 0: negative branch)
+    return _mask(g, g.op("Greater", x, _c(g, x, 0.0)), dy, neg_branch)
 
 
 @_unary("Selu")
@@ -318,8 +321,9 @@ def erf(g, x, y, dy):
 @grad_rule("PRelu", broadcast=True)
 def prelu(g):
     # y = x (x >= 0), slope * x (x < 0); slope broadcasts to x (the walker sums dSlope back).
+    # At 0 the slope's branch, as PyTorch's prelu backward (x > 0 ? dy : slope * dy; dSlope is 0 there).
     x, slope, dy = g.x(0), g.x(1), g.dy()
-    negative = g.op("Less", x, _c(g, x, 0.0))
+    negative = g.op("Not", g.op("Greater", x, _c(g, x, 0.0)))
     dx = _mask(g, negative, g.op("Mul", dy, slope), dy) if g.needs(0) else None
     dslope = _mask(g, negative, g.op("Mul", dy, x)) if g.needs(1) else None
     return [dx, dslope]
