@@ -21,7 +21,23 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.errors import ModelError
+from gradgen.grads.rules.conv import node_where
 from gradgen.grads.table import grad_rule
+
+_LABEL_TYPES = (ir.DataType.INT32, ir.DataType.INT64)
+
+
+def _check_labels(g, labels: ir.Value) -> None:
+    """ModelError unless the labels are int32 / int64 class indices (the ops' schemas): PyTorch's
+    dynamo exporter writes cross_entropy with probability targets as this op with float labels,
+    which is not valid ONNX; said here, at build time, rather than when the model first runs."""
+    if labels.dtype is not None and labels.dtype not in _LABEL_TYPES:
+        raise ModelError(
+            f"{node_where(g)}: the labels ({labels.name!r}) are {labels.dtype.name}, but this op takes int32 or int64 "
+            "class indices (probability targets are not valid ONNX here; export the loss with class-index targets, "
+            "or write it as -sum(target * LogSoftmax(scores)))"
+        )
 
 
 def _loss_backward(g, logp: ir.Value, like: ir.Value):
@@ -94,12 +110,14 @@ def _int_dtype(v: ir.Value):
 
 @grad_rule("NegativeLogLikelihoodLoss", nondiff_inputs=(1,))
 def negative_log_likelihood_loss(g):
+    _check_labels(g, g.x(1))
     dinput, dweights = _loss_backward(g, g.x(0), g.x(0))
     return [dinput if g.needs(0) else None, None, dweights][: len(g.node.inputs)]
 
 
 @grad_rule("SoftmaxCrossEntropyLoss", nondiff_inputs=(1,))
 def softmax_cross_entropy_loss(g):
+    _check_labels(g, g.x(1))
     scores = g.x(0)
     has_log_prob = len(g.node.outputs) > 1 and g.node.outputs[1].name != ""
     if _fused_grad_fits(g, has_log_prob):
