@@ -944,28 +944,15 @@ def gru_dynamic_seq() -> Case:
 
 
 def export(case_: Case, exporter: str):
-    import onnx
+    from gradgen.bench.models import legacy_export
 
     names = list(case_.inputs)
     args = tuple(case_.inputs.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "legacy":
-            buf = io.BytesIO()
             with contextlib.redirect_stdout(io.StringIO()):  # the TorchScript graph dump of a failed export
-                torch.onnx.export(
-                    case_.module,
-                    args,
-                    buf,
-                    dynamo=False,
-                    opset_version=17,
-                    do_constant_folding=False,
-                    training=torch.onnx.TrainingMode.PRESERVE,
-                    input_names=names,
-                    output_names=["loss"],
-                    dynamic_axes=case_.dynamic_axes,
-                )
-            return onnx.load_from_string(buf.getvalue())
+                return legacy_export(case_.module, args, names, case_.dynamic_axes)
         dynamic_shapes = None
         if case_.dynamic_axes:
             dim = torch.export.Dim.AUTO

@@ -316,24 +316,20 @@ def parameter_names(model) -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
-def export(model, inputs: dict[str, np.ndarray], *, dynamic_seq: bool = False):
-    """Export ``model`` with its loss to an ``onnx.ModelProto`` with PyTorch's legacy exporter (the
-    samples' settings: opset 17, no constant folding, parameters kept as initializers).
-
-    ``dynamic_seq`` makes the sequence axis (axis 1 of every input) symbolic, ``seq``.
-    """
+def legacy_export(model, args: tuple, names: list[str], dynamic_axes: dict | None = None):
+    """``model`` (whose forward returns the loss) on the torch tensors ``args`` as an
+    ``onnx.ModelProto``, with PyTorch's legacy exporter and the samples' settings: opset 17, no
+    constant folding, parameters kept as initializers, the inputs named ``names``, the output
+    ``loss``."""
     import onnx
     import torch
 
-    tensors = tuple(torch.from_numpy(a) for a in inputs.values())
-    names = list(inputs)
-    dynamic_axes = {name: {1: "seq"} for name in names} if dynamic_seq else None
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             model,
-            tensors,
+            args,
             buf,
             dynamo=False,
             opset_version=17,
@@ -343,7 +339,20 @@ def export(model, inputs: dict[str, np.ndarray], *, dynamic_seq: bool = False):
             output_names=["loss"],
             dynamic_axes=dynamic_axes,
         )
-    proto = onnx.load_from_string(buf.getvalue())
+    return onnx.load_from_string(buf.getvalue())
+
+
+def export(model, inputs: dict[str, np.ndarray], *, dynamic_seq: bool = False):
+    """Export ``model`` with its loss to an ``onnx.ModelProto`` with PyTorch's legacy exporter (the
+    samples' settings: opset 17, no constant folding, parameters kept as initializers).
+
+    ``dynamic_seq`` makes the sequence axis (axis 1 of every input) symbolic, ``seq``.
+    """
+    import torch
+
+    names = list(inputs)
+    dynamic_axes = {name: {1: "seq"} for name in names} if dynamic_seq else None
+    proto = legacy_export(model, tuple(torch.from_numpy(a) for a in inputs.values()), names, dynamic_axes)
     missing = sorted(set(parameter_names(model)) - {t.name for t in proto.graph.initializer})
     if missing:
         raise RuntimeError(
