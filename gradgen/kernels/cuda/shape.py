@@ -570,12 +570,14 @@ def eye_like(x, *, dtype=None, k=0):
 _SIGNAL_TABLES: dict = {}
 
 
-def _register_signal_table(op_type: str, inputs: int) -> None:
+def _register_signal_table(op_type: str, kernel_name: str, inputs: int) -> None:
+    """A launcher for ``op_type`` serving the table that cpu/shape.py's ``kernel_name`` computes."""
+    cpu_kernel = getattr(cpu_shape, kernel_name)
+
     def launcher(*args, **attrs):
         from gradgen.kernels.cuda.launch import copy
 
         rt = runtime()
-        cpu_kernel = getattr(cpu_shape, _SIGNAL_KERNELS[op_type])
         key = (op_type, tuple(host_key(a) for a in args), tuple(sorted(attrs.items())))
 
         def make():
@@ -590,15 +592,14 @@ def _register_signal_table(op_type: str, inputs: int) -> None:
         table = plan_cache(_SIGNAL_TABLES, key, make)
         return rt.empty(table.shape, table.dtype) if table.size == 0 else copy(table)
 
-    launcher.__name__ = launcher.__qualname__ = _SIGNAL_KERNELS[op_type]
+    launcher.__name__ = launcher.__qualname__ = kernel_name
     cuda_kernel(op_type, host_inputs=tuple(range(inputs)))(launcher)
 
 
-_SIGNAL_KERNELS = {
-    "HannWindow": "hann_window",
-    "HammingWindow": "hamming_window",
-    "BlackmanWindow": "blackman_window",
-    "MelWeightMatrix": "mel_weight_matrix",
-}
-for _op, _inputs in (("HannWindow", 1), ("HammingWindow", 1), ("BlackmanWindow", 1), ("MelWeightMatrix", 5)):
-    _register_signal_table(_op, _inputs)
+for _op, _kernel, _inputs in (
+    ("HannWindow", "hann_window", 1),
+    ("HammingWindow", "hamming_window", 1),
+    ("BlackmanWindow", "blackman_window", 1),
+    ("MelWeightMatrix", "mel_weight_matrix", 5),
+):
+    _register_signal_table(_op, _kernel, _inputs)
