@@ -121,6 +121,41 @@ def scan_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     return {"x": rng.normal(size=dims), "s0": rng.normal(size=(2, 4))}
 
 
+def scan_8_model() -> onnx.ModelProto:
+    """Scan-8 (opset 8: a batch axis first, sequence_lens first): per batch entry b, s <- tanh(s + x_t)
+    for t < lens[b], y_t = s * x_t (zeros past lens[b]); outputs sT [B, 4] and ys [B, T, 4]."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["s_in", "xt"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["s_out"]),
+            helper.make_node("Mul", ["s_out", "xt"], ["y"]),
+        ],
+        "body",
+        [_info("s_in", D, [4]), _info("xt", D, [4])],
+        [_info("s_out", D, [4]), _info("y", D, [4])],
+    )
+    scan = helper.make_node("Scan", ["lens", "s0", "x"], ["sT", "ys"], body=body, num_scan_inputs=1, name="scan8")
+    inputs = [_info("lens", TensorProto.INT32, [3]), _info("s0", D, [3, 4]), _info("x", D, [3, 5, 4])]
+    graph = helper.make_graph([scan], "scan8", inputs, [_info("sT", D, [3, 4]), _info("ys", D, [3, 5, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+
+
+def scan_8_feeds(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"lens": np.array([5, 2, 0], np.int32), "s0": rng.normal(size=(3, 4)), "x": rng.normal(size=(3, 5, 4))}
+
+
+def scan_8_reference(feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """scan_8_model's outputs, computed with numpy loops."""
+    s, x = feeds["s0"].copy(), feeds["x"]
+    ys = np.zeros_like(x)
+    for b, length in enumerate(feeds["lens"]):
+        for t in range(length):
+            s[b] = np.tanh(s[b] + x[b, t])
+            ys[b, t] = s[b] * x[b, t]
+    return s, ys
+
+
 def if_model(condition: str = "data") -> onnx.ModelProto:
     """y = If(c, then: x @ W, else: x - W); loss = sum(y * y). ``condition`` 'data': c = sum(x) > 0;
     'initializer': c is a constant true initializer."""

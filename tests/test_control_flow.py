@@ -24,6 +24,9 @@ from tests.control_flow_models import (
     loop_feeds,
     loop_model,
     nested_loop_model,
+    scan_8_feeds,
+    scan_8_model,
+    scan_8_reference,
     scan_feeds,
     scan_model,
     weights,
@@ -259,3 +262,12 @@ def test_an_inlined_branch_output_takes_its_inferred_shape_not_the_declared_one(
     np.testing.assert_allclose(out["x_grad"], 2 * x * np.arange(6.0).reshape(2, 3))
     report = check_gradients(model, wrt_inputs=True, inputs={"x": x})
     assert report.passed, report.format()
+
+
+def test_scan_8_runs_each_batch_entry_to_its_length_and_pads_with_zeros():
+    feeds = scan_8_feeds()
+    got = Session(scan_8_model()).run(feeds)
+    want_s, want_ys = scan_8_reference(feeds)
+    np.testing.assert_allclose(got["sT"], want_s, rtol=1e-12)
+    np.testing.assert_allclose(got["ys"], want_ys, rtol=1e-12)
+    assert not got["ys"][2].any() and not got["ys"][1, 2:].any()

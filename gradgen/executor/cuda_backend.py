@@ -6,7 +6,8 @@ Placement rules:
 - a step whose inputs are all host integer/bool arrays is shape arithmetic: it runs on the host
   with its numpy kernel, silently;
 - a step with a CUDA launcher gets device arrays, except at the launcher's ``host_inputs``
-  positions, which get numpy arrays;
+  positions, which get numpy arrays (a control-flow launcher takes its inputs as they are held,
+  and runs its body on the GPU inside the step: gradgen/kernels/cuda/control.py);
 - a step without a CUDA launcher falls back to its numpy kernel (a one-time warning per op type):
   its inputs are downloaded and its outputs stay on the host until a CUDA step needs them.
 Final outputs are downloaded.
@@ -302,10 +303,13 @@ class CudaBackend:
             self._memory.advance(step.index)
         entry = step.entry
         if entry.cuda is not None and not _is_shape_arithmetic(step, args):
-            call_args = [
-                None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
-                for i, a in enumerate(args)
-            ]
+            if entry.cuda_inputs_as_placed:
+                call_args = list(args)
+            else:
+                call_args = [
+                    None if a is None else (rt.to_host(a) if i in entry.cuda_host_inputs else self._on_device(a))
+                    for i, a in enumerate(args)
+                ]
             result = entry.cuda(*call_args, **step.attributes)
             if self._memory is not None and self._memory.tracing:
                 if not step.domain and step.op_type in IN_PLACE_OPS:

@@ -360,6 +360,15 @@ class Session:
             self.backend.finish_run()
         return results
 
+    def run_within(self, feeds: Mapping[str, Any]) -> list:
+        """The outputs (in order) of a run made inside a step of another Session's run on the same
+        device: an If branch or a loop body on the GPU (gradgen/kernels/cuda/control.py). ``feeds``
+        are placed already (device arrays, or host arrays where the outer run keeps them); the outer
+        run holds the lock and owns the memory (its allocation hook serves this run's allocations as
+        the step's own); the outputs stay where they are, nothing is downloaded."""
+        env = self._run_steps(dict(feeds))
+        return [env[name] for name in self.output_names]
+
     def _guard_passed(self, values: dict) -> bool:
         """Every ``state_guard`` output of the run is finite (a fused in-place update checked the
         same on the device, and wrote nothing when it failed)."""

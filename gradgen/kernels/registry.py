@@ -39,7 +39,7 @@ CPU_FAMILIES = (
     "reduction",
     "shape",
 )
-CUDA_FAMILIES = ("conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "quantize", "reduction", "shape")
+CUDA_FAMILIES = ("control", "conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "quantize", "reduction", "shape")
 
 _KERNELS = KERNELS  # the table itself, under its former name
 
@@ -48,10 +48,7 @@ _KERNELS = KERNELS  # the table itself, under its former name
 # declared here with the reason and run on the GPU by tests/cuda/test_cuda_fallbacks.py;
 # tests/test_coverage.py fails for such an op that is not declared, and for a declared one that
 # gained a launcher.
-CUDA_FALLBACKS: dict[tuple[str, str], str] = {
-    # control flow: a branch runs as a CPU Session of its own (a constant condition is inlined first)
-    ("", "If"): "no CUDA launcher: its branch runs as a CPU Session",
-}
+CUDA_FALLBACKS: dict[tuple[str, str], str] = {}
 
 # Ops a GPU Session runs as their standard-op form: before it plans, the Session rewrites them with
 # the passes build-backward runs (gradgen/executor/standard_forms.py), so that every node of the
@@ -66,8 +63,8 @@ CUDA_STANDARD_FORMS: dict[tuple[str, str], str] = {
     ("", "LSTM"): "UnrollRecurrentPass, for a static sequence length",
     ("", "GRU"): "UnrollRecurrentPass, for a static sequence length",
     ("", "RNN"): "UnrollRecurrentPass, for a static sequence length",
-    ("", "Loop"): "UnrollLoopsPass, for a trip count the model fixes (a data-dependent one runs its body as a CPU Session)",
-    ("", "Scan"): "UnrollLoopsPass, for a static length (another runs its body as a CPU Session)",
+    ("", "Loop"): "UnrollLoopsPass, for a trip count the model fixes (a data-dependent one runs its body step by step)",
+    ("", "Scan"): "UnrollLoopsPass, for a static length (another runs its body step by step)",
     # ONNX Runtime's forward ops of models optimized for its inference (their lowerings)
     **{
         op: "DecomposePass (the op's lowering), for an input of known type and rank"

@@ -65,6 +65,9 @@ class KernelEntry:
     wants_wanted: bool = False
     # Input positions the CUDA launcher wants as host numpy arrays (shapes, axes, starts, ...).
     cuda_host_inputs: frozenset[int] = frozenset()
+    # The CUDA launcher takes its inputs where the executor holds them (device or host arrays) and
+    # places them itself: the control-flow ops, whose bodies read host shape values as they are.
+    cuda_inputs_as_placed: bool = False
     # (constants, attributes) -> a callable of the kernel's positional arguments, or None; see the module docstring
     cpu_prepare: Callable[[tuple, dict], Kernel | None] | None = None
     # (position, *args) -> the kernel's result written into args[position], or None; see ``cpu_into``
@@ -166,12 +169,13 @@ def prepared_cpu_call(entry: KernelEntry, attributes: dict, constants: tuple) ->
     return functools.partial(kernel, **attributes)
 
 
-def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=()):
+def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=(), inputs_as_placed: bool = False):
     """Register a CUDA launcher: the CPU kernel's calling convention, GPUArrays in and out.
 
     Inputs at the positions in ``host_inputs`` arrive as numpy arrays (small shape-like tensors:
     shapes, axes, starts, ...); the others as ``pycuda.gpuarray.GPUArray``. The launcher may
-    return a numpy array for a shape-like output (Shape, for instance).
+    return a numpy array for a shape-like output (Shape, for instance). ``inputs_as_placed``: every
+    input arrives as the executor holds it, a GPUArray or a host numpy array.
     """
 
     def register(fn: Kernel) -> Kernel:
@@ -181,6 +185,7 @@ def cuda_kernel(*op_types: str, domain: str = ONNX_DOMAIN, host_inputs=()):
                 raise RuntimeError(f"duplicate CUDA kernel for {domain}::{op_type}")
             entry.cuda = fn
             entry.cuda_host_inputs = frozenset(host_inputs)
+            entry.cuda_inputs_as_placed = inputs_as_placed
         return fn
 
     return register

@@ -1,9 +1,14 @@
-"""If, Loop and Scan on the CPU: each body runs as a Session of its own.
+"""If, Loop and Scan: each body runs as a Session of its own, on the device of the step.
 
 The executor gives a node with subgraphs the outer-scope values they read as trailing arguments,
 named by ``_captured`` (gradgen/executor/session.py). A subgraph becomes a standalone model whose
-inputs are its own inputs plus those outer values (one copy per subgraph, planned once and cached
-for the subgraph's lifetime), so nested control flow and every kernel run as they do at top level.
+inputs are its own inputs plus those outer values (one copy per subgraph and device, planned once
+and cached for the subgraph's lifetime), so nested control flow and every kernel run as they do at
+top level.
+
+The kernels are written once, against an ``Arrays`` adapter: ``HOST_ARRAYS`` here (numpy, a CPU
+Session per body), the device adapter in gradgen/kernels/cuda/control.py (the body runs on the GPU
+inside the step, ``Session.run_within``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from gradgen.errors import KernelError
 from gradgen.kernels.table import cpu_kernel
 from gradgen.ops.control_flow import graph_outer_values
 
-# subgraph -> {opset: (Session, names of its own inputs, names of the outer values it reads)}
-_SESSIONS: weakref.WeakKeyDictionary[ir.Graph, dict[int, Any]] = weakref.WeakKeyDictionary()
+# subgraph -> {(opset, device): (Session, names of its own inputs, names of the outer values it reads)}
+_SESSIONS: weakref.WeakKeyDictionary[ir.Graph, dict[tuple[int, str], Any]] = weakref.WeakKeyDictionary()
 
 
 def _standalone(graph: ir.Graph, opset: int) -> tuple[ir.Model, list[str]]:
@@ -39,74 +44,179 @@ def _standalone(graph: ir.Graph, opset: int) -> tuple[ir.Model, list[str]]:
     return ir.Model(copy, ir_version=10), [name for name in inputs if name]
 
 
-def _session(graph: ir.Graph, opset: int):
+def body_session(graph: ir.Graph, opset: int, device: str = "cpu"):
+    """(Session, its own input names, the outer values it reads) of ``graph`` on ``device``."""
     from gradgen.executor.session import Session
 
-    per_opset = _SESSIONS.setdefault(graph, {})
-    if opset not in per_opset:
+    sessions = _SESSIONS.setdefault(graph, {})
+    key = (opset, device)
+    if key not in sessions:
         model, outer = _standalone(graph, opset)
-        per_opset[opset] = (Session(model, device="cpu"), [v.name for v in graph.inputs], outer)
-    return per_opset[opset]
+        sessions[key] = (Session(model, device=device), [v.name for v in graph.inputs], outer)
+    return sessions[key]
 
 
-def run_subgraph(graph: ir.Graph, inputs: list, scope: dict[str, np.ndarray], opset: int) -> list[np.ndarray]:
-    """The outputs of ``graph`` for its inputs (in order) and the outer values in ``scope``."""
-    session, names, outer = _session(graph, opset)
-    feeds = dict(zip(names, inputs))
-    feeds.update({name: scope[name] for name in outer})
-    results = session.run(feeds)
-    return [results[name] for name in session.output_names]
+class HostArrays:
+    """What the control-flow kernels do with arrays, on the CPU: numpy, and bodies run as CPU
+    Sessions."""
+
+    @staticmethod
+    def run(graph: ir.Graph, inputs: list, scope: dict, opset: int) -> list:
+        """The outputs of ``graph`` for its inputs (in order) and the outer values in ``scope``."""
+        session, names, outer = body_session(graph, opset)
+        feeds = dict(zip(names, inputs))
+        feeds.update({name: scope[name] for name in outer})
+        results = session.run(feeds)
+        return [results[name] for name in session.output_names]
+
+    @staticmethod
+    def scalar(value):
+        return np.asarray(value).reshape(-1)[0]
+
+    @staticmethod
+    def stack(elements: list):
+        return np.stack(elements)
+
+    @staticmethod
+    def concatenate(parts: list):
+        return np.concatenate(parts)
+
+    @staticmethod
+    def moveaxis(x, source: int, destination: int):
+        return np.moveaxis(x, source, destination)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype)
 
 
-def _split_scope(args: tuple, captured: tuple) -> tuple[list, dict[str, np.ndarray]]:
+HOST_ARRAYS = HostArrays()
+
+
+def _split_scope(args: tuple, captured: tuple) -> tuple[list, dict[str, Any]]:
     """The node's own arguments and the outer values (the trailing ``len(captured)`` arguments)."""
     own = len(args) - len(captured)
     return list(args[:own]), dict(zip(captured, args[own:]))
 
 
-def _truth(value) -> bool:
-    return bool(np.asarray(value).reshape(-1)[0])
-
-
-def _empty_like_declared(value: ir.Value) -> np.ndarray:
+def _empty_like_declared(arrays, value: ir.Value):
     """A stack of zero elements of a scan output whose elements ``value`` declares."""
     dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
     dims = [d if isinstance(d, int) else 0 for d in value.shape] if value.shape is not None else []
-    return np.zeros((0, *dims), dtype=dtype)
+    return arrays.zeros((0, *dims), dtype)
 
 
-@cpu_kernel("If")
-def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
-    _, scope = _split_scope((cond, *args), _captured)
-    branch = then_branch if _truth(cond) else else_branch
-    return tuple(run_subgraph(branch, [], scope, _opset))
+def run_if(arrays, cond, args: tuple, then_branch, else_branch, captured: tuple, opset: int) -> tuple:
+    _, scope = _split_scope((cond, *args), captured)
+    branch = then_branch if bool(arrays.scalar(cond)) else else_branch
+    return tuple(arrays.run(branch, [], scope, opset))
 
 
-@cpu_kernel("Loop")
-def loop(m, cond, *args, body, _captured=(), _opset=1):
-    initial, scope = _split_scope(args, _captured)
-    trip_count = None if m is None else int(np.asarray(m).reshape(-1)[0])
-    go_on = True if cond is None else _truth(cond)
+def run_loop(arrays, m, cond, args: tuple, body, captured: tuple, opset: int) -> tuple:
+    initial, scope = _split_scope(args, captured)
+    trip_count = None if m is None else int(arrays.scalar(m))
+    go_on = True if cond is None else bool(arrays.scalar(cond))
     states = list(initial)
     num_scans = len(body.outputs) - 1 - len(states)
-    scans: list[list[np.ndarray]] = [[] for _ in range(num_scans)]
+    scans: list[list[Any]] = [[] for _ in range(num_scans)]
     i = 0
     while go_on and (trip_count is None or i < trip_count):
-        outputs = run_subgraph(body, [np.array(i, dtype=np.int64), np.array(go_on), *states], scope, _opset)
-        go_on = _truth(outputs[0])
+        outputs = arrays.run(body, [np.array(i, dtype=np.int64), np.array(go_on), *states], scope, opset)
+        go_on = bool(arrays.scalar(outputs[0]))
         states = outputs[1 : 1 + len(states)]
         for k, element in enumerate(outputs[1 + len(states) :]):
-            if scans[k] and np.shape(element) != np.shape(scans[k][0]):
+            if scans[k] and tuple(element.shape) != tuple(scans[k][0].shape):
                 raise KernelError(
-                    f"scan output {k} has shape {list(np.shape(element))} at iteration {i} and "
-                    f"{list(np.shape(scans[k][0]))} at iteration 0 (a Loop's scan outputs keep one shape)"
+                    f"scan output {k} has shape {list(element.shape)} at iteration {i} and "
+                    f"{list(scans[k][0].shape)} at iteration 0 (a Loop's scan outputs keep one shape)"
                 )
             scans[k].append(element)
         i += 1
     stacked = [
-        np.stack(series) if series else _empty_like_declared(body.outputs[1 + len(states) + k]) for k, series in enumerate(scans)
+        arrays.stack(series) if series else _empty_like_declared(arrays, body.outputs[1 + len(states) + k])
+        for k, series in enumerate(scans)
     ]
     return tuple(states + stacked)
+
+
+def run_scan(
+    arrays,
+    args: tuple,
+    body,
+    num_scan_inputs: int,
+    scan_input_axes,
+    scan_input_directions,
+    scan_output_axes,
+    scan_output_directions,
+    captured: tuple,
+    opset: int,
+) -> tuple:
+    own, scope = _split_scope(args, captured)
+    num_states = len(own) - num_scan_inputs
+    states, sequences = own[:num_states], own[num_states:]
+    in_axes = scan_input_axes or [0] * num_scan_inputs
+    in_reverse = scan_input_directions or [0] * num_scan_inputs
+    sequences = [arrays.moveaxis(x, axis if axis >= 0 else axis + len(x.shape), 0) for x, axis in zip(sequences, in_axes)]
+    lengths = {x.shape[0] for x in sequences}
+    if len(lengths) != 1:
+        raise KernelError(f"the scan inputs have different lengths along their scan axes ({sorted(lengths)})")
+    (length,) = lengths
+    num_outputs = len(body.outputs) - num_states
+    series: list[list[Any]] = [[] for _ in range(num_outputs)]
+    for t in range(length):
+        slices = [x[length - 1 - t] if rev else x[t] for x, rev in zip(sequences, in_reverse)]
+        outputs = arrays.run(body, [*states, *slices], scope, opset)
+        states = outputs[:num_states]
+        for k, element in enumerate(outputs[num_states:]):
+            series[k].append(element)
+    out_axes = scan_output_axes or [0] * num_outputs
+    out_reverse = scan_output_directions or [0] * num_outputs
+    stacked = []
+    for k in range(num_outputs):
+        elements = series[k][::-1] if out_reverse[k] else series[k]
+        if not elements:
+            stacked.append(_empty_like_declared(arrays, body.outputs[num_states + k]))
+            continue
+        whole = arrays.stack(elements)
+        rank = len(whole.shape)
+        axis = out_axes[k] + rank if out_axes[k] < 0 else out_axes[k]
+        stacked.append(arrays.moveaxis(whole, 0, axis))
+    return tuple(list(states) + stacked)
+
+
+def run_scan_8(arrays, args: tuple, body: ir.Graph, num_scan_inputs: int, directions, captured: tuple) -> tuple:
+    """Scan-8: a batch axis first on every state and scan input, optional sequence_lens first (a
+    sequence's scan outputs are zero past its length); each batch entry runs as a Scan-9."""
+    (lens, *own), scope = _split_scope(args, captured)
+    scope_values = tuple(scope[name] for name in captured)
+    num_states = len(own) - num_scan_inputs
+    batch = own[0].shape[0]
+    per_batch = []
+    for b in range(batch):
+        length = own[num_states].shape[1] if lens is None else int(arrays.scalar(lens[b : b + 1]))
+        entry = tuple(x[b] for x in own[:num_states]) + tuple(x[b][:length] for x in own[num_states:])
+        per_batch.append(run_scan(arrays, entry + scope_values, body, num_scan_inputs, None, directions, None, None, captured, 9))
+    outputs = []
+    for k in range(len(per_batch[0])):
+        parts = [r[k] for r in per_batch]
+        if k >= num_states:  # scan outputs: pad each sequence to the longest
+            full = own[num_states].shape[1]
+            parts = [
+                p if p.shape[0] == full else arrays.concatenate([p, arrays.zeros((full - p.shape[0], *p.shape[1:]), p.dtype)])
+                for p in parts
+            ]
+        outputs.append(arrays.stack(parts))
+    return tuple(outputs)
+
+
+@cpu_kernel("If")
+def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
+    return run_if(HOST_ARRAYS, cond, args, then_branch, else_branch, _captured, _opset)
+
+
+@cpu_kernel("Loop")
+def loop(m, cond, *args, body, _captured=(), _opset=1):
+    return run_loop(HOST_ARRAYS, m, cond, args, body, _captured, _opset)
 
 
 @cpu_kernel("Scan")
@@ -123,66 +233,16 @@ def scan(
     _opset=1,
 ):
     if _opset < 9:
-        return _scan_8(args, body, num_scan_inputs, directions, _captured)
-    own, scope = _split_scope(args, _captured)
-    num_states = len(own) - num_scan_inputs
-    states, sequences = own[:num_states], own[num_states:]
-    in_axes = scan_input_axes or [0] * num_scan_inputs
-    in_reverse = scan_input_directions or [0] * num_scan_inputs
-    sequences = [np.moveaxis(x, axis, 0) for x, axis in zip(sequences, in_axes)]
-    lengths = {x.shape[0] for x in sequences}
-    if len(lengths) != 1:
-        raise KernelError(f"the scan inputs have different lengths along their scan axes ({sorted(lengths)})")
-    (length,) = lengths
-    num_outputs = len(body.outputs) - num_states
-    series: list[list[np.ndarray]] = [[] for _ in range(num_outputs)]
-    for t in range(length):
-        slices = [x[length - 1 - t] if rev else x[t] for x, rev in zip(sequences, in_reverse)]
-        outputs = run_subgraph(body, [*states, *slices], scope, _opset)
-        states = outputs[:num_states]
-        for k, element in enumerate(outputs[num_states:]):
-            series[k].append(element)
-    out_axes = scan_output_axes or [0] * num_outputs
-    out_reverse = scan_output_directions or [0] * num_outputs
-    stacked = []
-    for k in range(num_outputs):
-        elements = series[k][::-1] if out_reverse[k] else series[k]
-        if not elements:
-            stacked.append(_empty_like_declared(body.outputs[num_states + k]))
-            continue
-        whole = np.stack(elements)
-        axis = out_axes[k] + whole.ndim if out_axes[k] < 0 else out_axes[k]
-        stacked.append(np.moveaxis(whole, 0, axis))
-    return tuple(list(states) + stacked)
-
-
-def _scan_8(args: tuple, body: ir.Graph, num_scan_inputs: int, directions, captured: tuple) -> tuple:
-    """Scan-8: a batch axis first on every state and scan input, optional sequence_lens first (a
-    sequence's scan outputs are zero past its length); each batch entry runs as a Scan-9."""
-    (lens, *own), scope = _split_scope(args, captured)
-    scope_values = [scope[name] for name in captured]
-    num_states = len(own) - num_scan_inputs
-    batch = own[0].shape[0]
-    per_batch = []
-    for b in range(batch):
-        length = own[num_states].shape[1] if lens is None else int(np.asarray(lens).reshape(-1)[b])
-        entry = [x[b] for x in own[:num_states]] + [x[b, :length] for x in own[num_states:]]
-        per_batch.append(
-            scan(
-                *entry,
-                *scope_values,
-                body=body,
-                num_scan_inputs=num_scan_inputs,
-                scan_input_directions=directions,
-                _captured=captured,
-                _opset=9,
-            )
-        )
-    outputs = []
-    for k in range(len(per_batch[0])):
-        parts = [r[k] for r in per_batch]
-        if k >= num_states:  # scan outputs: pad each sequence to the longest
-            full = own[num_states].shape[1]
-            parts = [np.concatenate([p, np.zeros((full - p.shape[0], *p.shape[1:]), p.dtype)]) for p in parts]
-        outputs.append(np.stack(parts))
-    return tuple(outputs)
+        return run_scan_8(HOST_ARRAYS, args, body, num_scan_inputs, directions, _captured)
+    return run_scan(
+        HOST_ARRAYS,
+        args,
+        body,
+        num_scan_inputs,
+        scan_input_axes,
+        scan_input_directions,
+        scan_output_axes,
+        scan_output_directions,
+        _captured,
+        _opset,
+    )

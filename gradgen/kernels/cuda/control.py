@@ -1,0 +1,115 @@
+"""If, Loop and Scan on the GPU: the body runs on the device, inside the step.
+
+The kernels are gradgen/kernels/cpu/control.py's, run with ``DEVICE_ARRAYS``: a body is a GPU
+Session of its own (planned once per subgraph, its constants uploaded once), run with
+``Session.run_within`` on the outer run's values as they are held (device arrays, and host arrays
+for the shape values the outer run keeps on the host). It has no memory plan, lock or CUDA graph
+of its own: its allocations are the If / Loop / Scan step's, served by the outer run's memory (a
+request the outer plan does not know, as when another branch runs, goes to the pool), and its
+outputs stay on the device. Reading a condition or a trip count back to the host is a copy a CUDA
+graph cannot record, so a run with such a step stays on the eager path (a one-time note says so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from gradgen.kernels.cpu.control import body_session, run_if, run_loop, run_scan, run_scan_8
+from gradgen.kernels.cuda.launch import contiguous, runtime
+from gradgen.kernels.cuda.shape import concat, reshaped, transpose
+from gradgen.kernels.table import cuda_kernel
+
+
+class DeviceArrays:
+    """What the control-flow kernels do with arrays on a GPU Session: bodies run on the device;
+    stacks and axis moves are device copies (numpy where every array is still on the host)."""
+
+    @staticmethod
+    def run(graph: ir.Graph, inputs: list, scope: dict, opset: int) -> list:
+        rt = runtime()
+        with rt.persistent():  # a body's constants outlive the run that first needs them
+            session, names, outer = body_session(graph, opset, device="cuda")
+        feeds = dict(zip(names, inputs))
+        feeds.update({name: scope[name] for name in outer})
+        return session.run_within(feeds)
+
+    @staticmethod
+    def scalar(value):
+        return runtime().to_host(value).reshape(-1)[0]
+
+    @staticmethod
+    def stack(elements: list):
+        rt = runtime()
+        if not any(rt.is_device(e) for e in elements):
+            return np.stack(elements)
+        rows = [reshaped(_on_device(e), (1, *e.shape)) for e in elements]
+        return concat(*rows, axis=0)
+
+    @staticmethod
+    def concatenate(parts: list):
+        rt = runtime()
+        if not any(rt.is_device(p) for p in parts):
+            return np.concatenate(parts)
+        return concat(*[_on_device(p) for p in parts], axis=0)
+
+    @staticmethod
+    def moveaxis(x, source: int, destination: int):
+        if not runtime().is_device(x):
+            return np.moveaxis(x, source, destination)
+        if source == destination:
+            return contiguous(x)  # a scan takes its steps as views of whole rows
+        perm = [a for a in range(len(x.shape)) if a != source]
+        perm.insert(destination, source)
+        return transpose(x, perm=perm)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return runtime().zeros(shape, dtype)
+
+
+DEVICE_ARRAYS = DeviceArrays()
+
+
+def _on_device(value):
+    rt = runtime()
+    return value if rt.is_device(value) else rt.to_device(np.asarray(value))
+
+
+@cuda_kernel("If", inputs_as_placed=True)
+def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
+    return run_if(DEVICE_ARRAYS, cond, args, then_branch, else_branch, _captured, _opset)
+
+
+@cuda_kernel("Loop", inputs_as_placed=True)
+def loop(m, cond, *args, body, _captured=(), _opset=1):
+    return run_loop(DEVICE_ARRAYS, m, cond, args, body, _captured, _opset)
+
+
+@cuda_kernel("Scan", inputs_as_placed=True)
+def scan(
+    *args,
+    body,
+    num_scan_inputs,
+    scan_input_axes=None,
+    scan_input_directions=None,
+    scan_output_axes=None,
+    scan_output_directions=None,
+    directions=None,
+    _captured=(),
+    _opset=1,
+):
+    if _opset < 9:
+        return run_scan_8(DEVICE_ARRAYS, args, body, num_scan_inputs, directions, _captured)
+    return run_scan(
+        DEVICE_ARRAYS,
+        args,
+        body,
+        num_scan_inputs,
+        scan_input_axes,
+        scan_input_directions,
+        scan_output_axes,
+        scan_output_directions,
+        _captured,
+        _opset,
+    )
