@@ -364,8 +364,8 @@ class Session:
         """The outputs (in order) of a run made inside a step of another Session's run on the same
         device: an If branch or a loop body on the GPU (gradgen/kernels/cuda/control.py). ``feeds``
         are placed already (device arrays, or host arrays where the outer run keeps them); the outer
-        run holds the lock and owns the memory (its allocation hook serves this run's allocations as
-        the step's own); the outputs stay where they are, nothing is downloaded."""
+        run holds the lock, and the caller decides where the allocations come from (no plan of this
+        Session's own); the outputs stay where they are, nothing is downloaded."""
         env = self._run_steps(dict(feeds))
         return [env[name] for name in self.output_names]
 

@@ -3,11 +3,14 @@
 The kernels are gradgen/kernels/cpu/control.py's, run with ``DEVICE_ARRAYS``: a body is a GPU
 Session of its own (planned once per subgraph, its constants uploaded once), run with
 ``Session.run_within`` on the outer run's values as they are held (device arrays, and host arrays
-for the shape values the outer run keeps on the host). It has no memory plan, lock or CUDA graph
-of its own: its allocations are the If / Loop / Scan step's, served by the outer run's memory (a
-request the outer plan does not know, as when another branch runs, goes to the pool), and its
-outputs stay on the device. Reading a condition or a trip count back to the host is a copy a CUDA
-graph cannot record, so a run with such a step stays on the eager path (a one-time note says so).
+for the shape values the outer run keeps on the host). It has no lock or CUDA graph of its own,
+and its outputs stay on the device. Its allocations come from the pool, not from the outer run's
+plan: a plan serves the k-th request of n bytes of a step at one offset, and every request of one
+step would get its own offset (they all live during that step), so a loop of many iterations
+would be planned the sum of its iterations' buffers where the pool reuses them as they die; and the
+requests change with the branch or the trip count. Reading a condition or a trip count back to
+the host is a copy a CUDA graph cannot record, so a run with such a step stays on the eager path
+(a one-time note says so).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class DeviceArrays:
             session, names, outer = body_session(graph, opset, device="cuda")
         feeds = dict(zip(names, inputs))
         feeds.update({name: scope[name] for name in outer})
-        return session.run_within(feeds)
+        with rt.allocation_hook(None):  # the pool (see the module docstring)
+            return session.run_within(feeds)
 
     @staticmethod
     def scalar(value):
