@@ -4,7 +4,7 @@ Placement rules:
 - float initializers are uploaded once; integer and bool ones stay on the host (they are mostly
   shapes, axes and indices) and are uploaded, once, the first time a CUDA kernel wants them;
 - a step whose inputs are all host integer/bool arrays is shape arithmetic: it runs on the host
-  with its numpy kernel, silently;
+  with its numpy kernel, silently (a step with no inputs at all runs its launcher);
 - a step with a CUDA launcher gets device arrays, except at the launcher's ``host_inputs``
   positions, which get numpy arrays (a control-flow launcher takes its inputs as they are held,
   and runs its body on the GPU inside the step: gradgen/kernels/cuda/control.py);
@@ -497,8 +497,11 @@ def _note_once(key, message: str) -> None:
 
 def _is_shape_arithmetic(step, args: list) -> bool:
     """Integer/bool host inputs only, and no float data made from them (ConstantOfShape's zeros
-    are data: they belong on the device)."""
+    are data: they belong on the device). A step without inputs (RandomNormal, an unfolded
+    Constant) makes data: its launcher runs."""
     present = [a for a in args if a is not None]
+    if not present:
+        return False
     if not all(isinstance(a, np.ndarray) and a.dtype.kind in "iub" for a in present):
         return False
     if step.op_type == "ConstantOfShape":

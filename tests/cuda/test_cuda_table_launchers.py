@@ -105,12 +105,25 @@ def test_mel_weight_matrix(launches, args):
     "op_type, attrs",
     [("RandomNormal", dict(shape=[3, 5], mean=1.0, scale=2.0)), ("RandomUniform", dict(shape=[7], low=-1.0, high=3.0))],
 )
-def test_seeded_generators_without_inputs_draw_the_cpu_sessions_numbers(op_type, attrs):
-    """No inputs: the backend's placement runs them on the host with the CPU kernel (no launcher)."""
-    from tests.cuda.test_cuda_more_launchers import _run, assert_same, single_node
+def test_seeded_generators_without_inputs_draw_the_cpu_sessions_numbers(launches, op_type, attrs):
+    """No inputs: the launcher draws on the host with the CPU kernel and uploads the draw."""
+    check(launches, op_type, [], opset=22, exact=True, seed=3.0, **attrs)
 
-    model, feeds = single_node(op_type, [], opset=22, seed=3.0, **attrs)
-    assert_same(_run(model, feeds, "cuda"), _run(model, feeds, "cpu"), exact=True)
+
+def test_an_unfolded_constant_is_uploaded(launches):
+    """A Session folds Constant nodes at plan time; the launcher (for one that is not folded)
+    uploads a float tensor and keeps an integer one on the host."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels import registry
+
+    calls = launches("Constant")
+    launcher = registry.lookup("", "Constant").cuda
+    floats = launcher(value=np.arange(6, dtype=np.float32).reshape(2, 3))
+    ints = launcher(value_ints=[4, 5])
+    assert calls == ["Constant", "Constant"]
+    assert rt.is_device(floats) and not rt.is_device(ints)
+    np.testing.assert_array_equal(rt.to_host(floats), np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(ints, [4, 5])
 
 
 @pytest.mark.parametrize(

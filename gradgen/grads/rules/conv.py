@@ -12,7 +12,7 @@ import numpy as np
 from gradgen.builder import MICROSOFT, dims_of, is_static, numpy_dtype_of
 from gradgen.errors import KernelError, ModelError
 from gradgen.grads.rules.shape import folded_const
-from gradgen.grads.table import grad_rule
+from gradgen.grads.table import grad_rule, non_differentiable
 from gradgen.ops.conv import col2im_geometry
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
@@ -190,3 +190,8 @@ def deform_conv(g):
         f"{node_where(g)} reached the gradient pass: gradgen differentiates DeformConv in its standard-op form, which "
         "gradgen.passes.DecomposePass (in build_backward's pipeline) makes for static shapes of X, W and offset only"
     )
+
+
+# QLinearConv's output is an integer (quantized) tensor: no gradient leaves it, so none reaches its
+# float scales.
+non_differentiable("QLinearConv")

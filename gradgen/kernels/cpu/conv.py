@@ -317,6 +317,58 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
     return np.ascontiguousarray(y, dtype=x.dtype).reshape((n_batch, m) + tuple(out))
 
 
+def qlinear_conv_channel_shape(value_shape, rank: int, channels: int, what: str) -> tuple[int, ...]:
+    """The broadcast shape of QLinearConv's w_scale / w_zero_point against the output: a scalar,
+    or one value per output channel."""
+    size = math.prod(value_shape)
+    if len(value_shape) == 0 or size == 1 and len(value_shape) == 1:
+        return ()
+    if len(value_shape) != 1 or size != channels:
+        raise KernelError(
+            f"QLinearConv's {what} has shape {list(value_shape)}: a scalar or one value per output channel ({channels})"
+        )
+    return (1, channels) + (1,) * (rank - 2)
+
+
+def check_qlinear_conv_scalars(named: dict) -> None:
+    for name, value in named.items():
+        if value is not None and math.prod(value.shape) != 1:
+            raise KernelError(f"QLinearConv's {name} must be a scalar, got shape {list(value.shape)}")
+
+
+@cpu_kernel("QLinearConv")
+def qlinear_conv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, b=None, **attrs):
+    """Conv of (x - x_zero_point) and (w - w_zero_point) plus the int32 bias B, exact in float64,
+    requantized with x_scale * w_scale / y_scale (w's per output channel or not) and y_zero_point
+    (gradgen/kernels/cpu/quantize.py's ``requantize``). ``attrs``: Conv's."""
+    from gradgen.kernels.cpu.quantize import check_linear_quantized, requantize, requantized_type
+
+    check_linear_quantized("QLinearConv", x, x_zero_point, w, w_zero_point, y_zero_point, (x_scale, w_scale, y_scale))
+    check_qlinear_conv_scalars(dict(x_scale=x_scale, x_zero_point=x_zero_point, y_scale=y_scale, y_zero_point=y_zero_point))
+    if x.ndim < 3 or w.ndim != x.ndim:
+        raise KernelError(f"X {list(x.shape)} and W {list(w.shape)} must have the same rank >= 3")
+    channels = w.shape[0]
+    per_channel = {
+        name: qlinear_conv_channel_shape(tuple(v.shape), x.ndim, channels, name)
+        for name, v in (("w_scale", w_scale), ("w_zero_point", w_zero_point))
+        if v is not None
+    }
+    x_wide, w_wide = x.astype(np.float64), w.astype(np.float64)
+    if x_zero_point is not None:
+        x_wide -= np.asarray(x_zero_point).astype(np.float64).reshape(())
+    if w_zero_point is not None:
+        zero_point = np.asarray(w_zero_point).astype(np.float64)
+        w_wide -= zero_point.reshape((channels,) + (1,) * (w.ndim - 1)) if per_channel["w_zero_point"] else zero_point.reshape(())
+    if b is not None and (b.dtype != np.int32 or b.shape != (channels,)):
+        raise KernelError(f"QLinearConv's B must be int32 of shape [{channels}], got {b.dtype}{list(b.shape)}")
+    acc = conv(x_wide, w_wide, None if b is None else b.astype(np.float64), **attrs)
+    ratio = (
+        np.asarray(x_scale).reshape(()) * np.asarray(w_scale).reshape(per_channel["w_scale"]) / np.asarray(y_scale).reshape(())
+    )
+    y_zp = None if y_zero_point is None else np.asarray(y_zero_point).reshape(())
+    return requantize(acc, ratio, y_zp, requantized_type(y_zero_point, x.dtype))
+
+
 SMALL_CONV_COLUMNS = 1 << 17  # im2col elements up to which a prepared Conv gathers by a kept index (1 MiB of it)
 PER_IMAGE_POSITIONS = 512  # output positions per image from which a large Conv runs image by image
 TRANSPOSE_AS_CONV_POSITIONS = 100  # output positions per image from which a large ConvTranspose of stride 1 runs as a Conv

@@ -6,6 +6,8 @@ surfacing as numpy's generic error.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gradgen.errors import KernelError, ModelError
@@ -33,6 +35,60 @@ def check_matmul_shapes(a_shape, b_shape) -> None:
         np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
     except ValueError:
         raise KernelError(f"batch dimensions of A {list(a_shape)} and B {list(b_shape)} are not broadcastable") from None
+
+
+def qlinear_operand_shape(value_shape, count: int | None, side: str, what: str) -> tuple[int, ...]:
+    """The broadcast shape of a QLinearMatMul scale or zero point: a scalar, or one value per row
+    of A (``side`` 'row': a_*, y_*, viewed as a column) or per column of B ('column': b_*)."""
+    size = math.prod(value_shape)
+    if len(value_shape) == 0 or size == 1 and len(value_shape) == 1:
+        return ()
+    if len(value_shape) != 1 or count is None or size != count:
+        where = f"{count} {side}s" if count is not None else f"no {side}s (a 1-D operand)"
+        raise KernelError(f"QLinearMatMul's {what} has shape {list(value_shape)}: a scalar or one value per {side} ({where})")
+    return (count, 1) if side == "row" else (count,)
+
+
+def qlinear_matmul_shapes(a_shape, b_shape, scales_and_points: dict) -> dict[str, tuple[int, ...]]:
+    """Each named scale / zero point's broadcast shape (``qlinear_operand_shape``), after MatMul's
+    shape checks."""
+    check_matmul_shapes(a_shape, b_shape)
+    rows = a_shape[-2] if len(a_shape) >= 2 else None
+    columns = b_shape[-1] if len(b_shape) >= 2 else None
+    return {
+        name: qlinear_operand_shape(
+            tuple(value.shape), columns if name.startswith("b_") else rows, "column" if name.startswith("b_") else "row", name
+        )
+        for name, value in scales_and_points.items()
+        if value is not None
+    }
+
+
+@cpu_kernel("QLinearMatMul")
+def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point=None):
+    """(a - a_zero_point) @ (b - b_zero_point), exact in float64, requantized with the ratio
+    a_scale * b_scale / y_scale (per tensor, per row of A, per column of B) and y_zero_point
+    (gradgen/kernels/cpu/quantize.py's ``requantize``)."""
+    from gradgen.kernels.cpu.quantize import check_linear_quantized, requantize, requantized_type
+
+    check_linear_quantized("QLinearMatMul", a, a_zero_point, b, b_zero_point, y_zero_point, (a_scale, b_scale, y_scale))
+    named = dict(
+        a_scale=a_scale,
+        a_zero_point=a_zero_point,
+        b_scale=b_scale,
+        b_zero_point=b_zero_point,
+        y_scale=y_scale,
+        y_zero_point=y_zero_point,
+    )
+    shapes = qlinear_matmul_shapes(a.shape, b.shape, named)
+    view = {name: np.asarray(value).reshape(shapes[name]) for name, value in named.items() if value is not None}
+    a_wide, b_wide = a.astype(np.float64), b.astype(np.float64)
+    if a_zero_point is not None:
+        a_wide -= view["a_zero_point"]
+    if b_zero_point is not None:
+        b_wide -= view["b_zero_point"]
+    ratio = view["a_scale"] * view["b_scale"] / view["y_scale"]
+    return requantize(np.matmul(a_wide, b_wide), ratio, view.get("y_zero_point"), requantized_type(y_zero_point, a.dtype))
 
 
 @cpu_kernel("MatMul")

@@ -128,3 +128,47 @@ def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, ou
     compute = float_compute_dtype(x_scale.dtype)
     scale = spread(x_scale, x.shape, axis, block_size, "x_scale").astype(compute, copy=False)
     return (diff.astype(compute) * scale).astype(x_scale.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- QLinearMatMul / QLinearConv
+#
+# Both accumulate (x - x_zero_point) (w - w_zero_point) products in integers and requantize the sum:
+# y = saturate(rint(acc * (x_scale * w_scale / y_scale) + y_zero_point)), as ONNX's reference does
+# (the accumulator times the scale ratio in float64; the ratio in the scales' own type). The
+# accumulation runs in float64, which holds every 8-bit product sum exactly (below 2^53), so the
+# float GEMM and convolution kernels compute it.
+
+_EIGHT_BIT = (np.uint8, np.int8)
+
+
+def eight_bit_type(dtype, what: str) -> type:
+    """The quantized 8-bit type of an input of QLinearMatMul / QLinearConv."""
+    return _integer_type(np.dtype(dtype), what, allowed=_EIGHT_BIT)
+
+
+def check_linear_quantized(op: str, x, x_zero_point, w, w_zero_point, y_zero_point, scales) -> None:
+    """The type rules of QLinearMatMul and QLinearConv: 8-bit x and w with zero points of their
+    types, float scales of one type."""
+    for value, what in ((x, "the first input"), (w, "the weight input"), (y_zero_point, "y_zero_point")):
+        if value is not None:
+            eight_bit_type(value.dtype, f"{op}'s {what}")
+    for zero_point, data, what in ((x_zero_point, x, "first input"), (w_zero_point, w, "weight input")):
+        if zero_point is not None and np.dtype(zero_point.dtype) != np.dtype(data.dtype):
+            raise KernelError(f"{op}: the {what}'s zero point is {zero_point.dtype}, the input {data.dtype}")
+    kinds = {np.dtype(scale.dtype) for scale in scales}
+    if len(kinds) != 1 or next(iter(kinds)).kind not in "fV":
+        raise KernelError(f"{op}'s scales must be floats of one type, got {', '.join(sorted(k.name for k in kinds))}")
+
+
+def requantized_type(y_zero_point, x_dtype) -> type:
+    """The output type: y_zero_point's, else the first input's."""
+    return eight_bit_type(y_zero_point.dtype if y_zero_point is not None else x_dtype, "the output")
+
+
+def requantize(accumulated: np.ndarray, ratio: np.ndarray, y_zero_point, out_type) -> np.ndarray:
+    """saturate(rint(accumulated * ratio + y_zero_point)) in ``out_type``; ``accumulated`` float64."""
+    y = accumulated * np.asarray(ratio).astype(np.float64)
+    if y_zero_point is not None:
+        y += np.asarray(y_zero_point).astype(np.float64)
+    info = np.iinfo(out_type)
+    return np.clip(np.rint(y), info.min, info.max).astype(out_type)

@@ -707,6 +707,40 @@ def conv(x, w, b=None, **attrs):
     return y
 
 
+@cuda_kernel("QLinearConv")
+def qlinear_conv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, b=None, **attrs):
+    """The CPU kernel's steps on the device: a float64 Conv of (x - x_zero_point) and
+    (w - w_zero_point) plus the bias (exact for 8-bit operands), requantized
+    (gradgen/kernels/cuda/quantize.py)."""
+    from gradgen.kernels.cpu import conv as cpu
+    from gradgen.kernels.cpu.quantize import check_linear_quantized, requantized_type
+    from gradgen.kernels.cuda.elementwise import cast_to
+    from gradgen.kernels.cuda.quantize import requantize, scale_ratio, wide_operand
+    from gradgen.kernels.cuda.shape import reshaped
+
+    check_linear_quantized("QLinearConv", x, x_zero_point, w, w_zero_point, y_zero_point, (x_scale, w_scale, y_scale))
+    cpu.check_qlinear_conv_scalars(dict(x_scale=x_scale, x_zero_point=x_zero_point, y_scale=y_scale, y_zero_point=y_zero_point))
+    _check_ranks(x, w)
+    rank, channels = len(x.shape), w.shape[0]
+    per_channel = {
+        name: cpu.qlinear_conv_channel_shape(tuple(v.shape), rank, channels, name)
+        for name, v in (("w_scale", w_scale), ("w_zero_point", w_zero_point))
+        if v is not None
+    }
+    if b is not None and (np.dtype(b.dtype) != np.int32 or tuple(b.shape) != (channels,)):
+        raise KernelError(f"QLinearConv's B must be int32 of shape [{channels}], got {b.dtype}{list(b.shape)}")
+    w_zp_shape = (channels,) + (1,) * (rank - 1) if per_channel.get("w_zero_point") else ()
+    accumulated = conv(
+        wide_operand(x, x_zero_point, ()),
+        wide_operand(w, w_zero_point, w_zp_shape),
+        None if b is None else cast_to(b, np.float64),
+        **attrs,
+    )
+    ratio = scale_ratio(x_scale, w_scale, y_scale, ((), per_channel["w_scale"], ()))
+    y_zp = None if y_zero_point is None else reshaped(y_zero_point, ())
+    return requantize(accumulated, ratio, y_zp, requantized_type(y_zero_point, x.dtype))
+
+
 @cuda_kernel("ConvTranspose")
 def conv_transpose(x, w, b=None, **attrs):
     """ConvTranspose as the input gradient of the Conv it transposes (cuDNN's dgrad, else the direct

@@ -537,12 +537,11 @@ def dropout(data, ratio=None, training_mode=None, *, seed=None, is_test=None, _n
 # Drawn on the host by the CPU kernels (numpy's PCG64) and uploaded, as training-mode Dropout's
 # mask is, so that a GPU session draws the same numbers as a CPU one for a given seed. The Like
 # ops read only their input's shape and type (no download); Bernoulli and Multinomial read its
-# values. An upload cannot be recorded, so a run holding one of them stays on the eager path.
-# RandomNormal and RandomUniform have no inputs: the backend's placement runs such a step on the
-# host with its CPU kernel (gradgen/executor/cuda_backend.py), so they need no launcher.
+# values; RandomNormal and RandomUniform have no inputs. An upload cannot be recorded, so a run
+# holding one of them stays on the eager path.
 
 
-def _register_host_drawn(op_type: str, reads_values: bool) -> None:
+def _register_host_drawn(op_type: str, reads_values: bool = False) -> None:
     from gradgen.kernels.cpu import elementwise as cpu
 
     cpu_fn = getattr(cpu, _HOST_DRAWN[op_type])
@@ -559,6 +558,8 @@ def _register_host_drawn(op_type: str, reads_values: bool) -> None:
 
 
 _HOST_DRAWN = {
+    "RandomNormal": "random_normal",
+    "RandomUniform": "random_uniform",
     "RandomNormalLike": "random_normal_like",
     "RandomUniformLike": "random_uniform_like",
     "Bernoulli": "bernoulli",

@@ -322,6 +322,33 @@ def _view(x, perm=None):
     return [shape[p] for p in perm], [strides[p] for p in perm]
 
 
+@cuda_kernel("QLinearMatMul")
+def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point=None):
+    """The CPU kernel's steps on the device: (a - a_zero_point) @ (b - b_zero_point) as a float64
+    GEMM (exact for 8-bit operands), requantized (gradgen/kernels/cuda/quantize.py)."""
+    from gradgen.kernels.cpu import matmul as cpu
+    from gradgen.kernels.cpu.quantize import check_linear_quantized, requantized_type
+    from gradgen.kernels.cuda.quantize import requantize, scale_ratio, wide_operand
+    from gradgen.kernels.cuda.shape import reshaped
+
+    check_linear_quantized("QLinearMatMul", a, a_zero_point, b, b_zero_point, y_zero_point, (a_scale, b_scale, y_scale))
+    named = dict(
+        a_scale=a_scale,
+        a_zero_point=a_zero_point,
+        b_scale=b_scale,
+        b_zero_point=b_zero_point,
+        y_scale=y_scale,
+        y_zero_point=y_zero_point,
+    )
+    shapes = cpu.qlinear_matmul_shapes(a.shape, b.shape, named)
+    accumulated = matmul(
+        wide_operand(a, a_zero_point, shapes.get("a_zero_point")), wide_operand(b, b_zero_point, shapes.get("b_zero_point"))
+    )
+    ratio = scale_ratio(a_scale, b_scale, y_scale, (shapes["a_scale"], shapes["b_scale"], shapes["y_scale"]))
+    y_zp = None if y_zero_point is None else reshaped(y_zero_point, shapes["y_zero_point"])
+    return requantize(accumulated, ratio, y_zp, requantized_type(y_zero_point, a.dtype))
+
+
 @cuda_kernel("MatMul")
 def matmul(a, b):
     from gradgen.kernels.cpu import matmul as cpu

@@ -70,3 +70,33 @@ def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, ou
     compute = np.dtype(float_compute_dtype(scale.dtype))
     y = mul(cast_to(diff, compute), _spread(scale, x.shape, axis, "x_scale", compute))
     return y if np.dtype(x_scale.dtype) == compute else cast_to(y, x_scale.dtype)
+
+
+# ---------------------------------------------------------------- QLinearMatMul / QLinearConv
+
+
+def wide_operand(x, zero_point, zero_point_shape):
+    """(x - zero_point) in float64 (exact for 8-bit values), the zero point viewed as
+    ``zero_point_shape`` to broadcast against x."""
+    wide = cast_to(x, np.float64)
+    if zero_point is None:
+        return wide
+    return sub(wide, reshaped(cast_to(zero_point, np.float64), zero_point_shape))
+
+
+def scale_ratio(x_scale, w_scale, y_scale, shapes):
+    """x_scale * w_scale / y_scale in the scales' type (float32 for 16-bit scales, as the CPU
+    backend reads them), each viewed as its entry of ``shapes`` (x, w, y)."""
+    views = [reshaped(widened(scale), shape) for scale, shape in zip((x_scale, w_scale, y_scale), shapes)]
+    return div(mul(views[0], views[1]), views[2])
+
+
+def requantize(accumulated, ratio, y_zero_point, out_type):
+    """saturate(rint(accumulated * ratio + y_zero_point)) in ``out_type`` (the CPU kernels'
+    ``requantize``): ``accumulated`` float64, ``y_zero_point`` viewed to broadcast."""
+    y = mul(accumulated, cast_to(ratio, np.float64))
+    if y_zero_point is not None:
+        y = add(y, cast_to(y_zero_point, np.float64))
+    y = unary(f"round_{dtype_suffix(np.float64)}", y)
+    info = np.iinfo(out_type)
+    return cast_to(clip(y, device_scalar(info.min, np.float64), device_scalar(info.max, np.float64)), out_type)

@@ -113,6 +113,15 @@ def reshaped(x, shape):
 # ---------------------------------------------------------------- no-copy ops
 
 
+@cuda_kernel("Constant")
+def constant(**attrs):
+    """The CPU kernel's tensor, a float one uploaded (integer and bool ones stay on the host, as
+    integer initializers do). A Session folds Constant nodes at plan time; this runs only where
+    one was not folded."""
+    value = cpu_shape.constant(**attrs)
+    return runtime().to_device(value) if value.dtype.kind not in "biu" else value
+
+
 @cuda_kernel("Shape")
 def shape(data, *, start=0, end=None):
     start, end = shape_bounds(len(data.shape), start, end)
