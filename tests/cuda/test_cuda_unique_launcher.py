@@ -3,7 +3,7 @@ device (reduction.py's sorted_pairs) and numbers the runs of equal keys; each te
 model on the CPU and on the GPU session, checks that the launcher ran and compares every output
 exactly: every dtype the launcher handles, sorted 0 and 1, one to four outputs, ties, NaN, -0,
 empty and single-element inputs, lengths across the sort's tile (2,048 pairs) and 100,000 elements;
-the axis case and other dtypes run the CPU kernel."""
+slices along an axis (a sort per column); other dtypes and empty slices run the CPU kernel."""
 
 from __future__ import annotations
 
@@ -97,11 +97,45 @@ def test_unique_of_100k_elements(launches, dtype, sorted_):
     _unique(launches, x.astype(np.float32).astype(dtype) if dtype != np.float64 else x, sorted=sorted_)
 
 
-@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.fixture
+def on_the_device(monkeypatch):
+    """Unique's launcher may not hand the case to its CPU kernel."""
+    from gradgen.kernels.cuda import indexing
+
+    def refuse(op_type, *args, **kwargs):
+        raise AssertionError(f"{op_type} ran its CPU kernel")
+
+    monkeypatch.setattr(indexing, "cpu_fallback", refuse)
+
+
+def _slices(rng, shape, axis, dtype):
+    """Slices along ``axis`` drawn from three patterns: most of them repeat."""
+    patterns = _ties(rng, (3, *np.delete(shape, axis)), dtype, distinct=3)
+    picks = rng.integers(0, 3, shape[axis])
+    return np.moveaxis(patterns[picks], 0, axis)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+@pytest.mark.parametrize(
+    "shape, axis", [((6, 4), 0), ((6, 4), 1), ((6, 4), -1), ((5, 3, 4), 1), ((5, 3, 4), 2), ((1, 7), 0), ((3000, 3), 0)], ids=str
+)
 @pytest.mark.parametrize("sorted_", [0, 1])
-def test_unique_along_an_axis_runs_the_cpu_kernel(launches, axis, sorted_):
-    x = np.array([[1, 0, 1, 2], [3, 3, 3, 3], [1, 0, 1, 2], [0, 0, 0, 0]], np.float32)
-    _unique(launches, x, axis=axis, sorted=sorted_)
+def test_unique_along_an_axis(launches, on_the_device, dtype, shape, axis, sorted_):
+    rng = np.random.default_rng(107)
+    _unique(launches, _slices(rng, shape, axis, dtype), axis=axis, sorted=sorted_)
+
+
+@pytest.mark.parametrize("sorted_", [0, 1])
+def test_unique_slices_with_nan_and_signed_zeros(launches, on_the_device, sorted_):
+    """numpy's rule for slices: -0 equals +0 (the first occurrence's bits kept), a NaN slice is
+    unequal to every other, NaN ones sorted last."""
+    nan = np.nan
+    x = np.array([[nan, 1], [0.0, 2], [nan, 1], [-0.0, 2], [1, nan], [0.0, 1], [-0.0, 2]], np.float32)
+    _unique(launches, x, axis=0, sorted=sorted_)
+
+
+def test_unique_along_an_axis_with_an_empty_slice_runs_the_cpu_kernel(launches):
+    _unique(launches, np.zeros((4, 0), np.float32), axis=0)
 
 
 def test_unique_of_uint8_runs_the_cpu_kernel(launches):

@@ -894,52 +894,106 @@ _UNIQUE_TYPES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 
 @cuda_kernel("Unique")
 def unique(x, *, axis=None, sorted=1, _num_outputs=4):  # noqa: A002 - the ONNX attribute's name
-    """np.unique of the flattened X, the CPU kernel's outputs: Y ascending (sorted=0: in order of
-    first occurrence), each value's first index, each element's index into Y and the counts, with
-    every NaN one value and -0 equal to +0 (Y keeps its first occurrence's bits). Composed:
-    reduction.py's ``sorted_pairs`` sorts X's (key, position) pairs; each run of equal keys is a
-    value, numbered by the running count of the runs' starts (``_running_count``, whose total, the
-    number of values, is read back to the host: a run that holds Unique records no CUDA graph and
-    runs eagerly); indexing.cu's unique_* kernels write the outputs. sorted=0 orders the runs by
-    their first positions (``sorted_pairs`` of those) and renumbers the inverse indices. An axis
-    (unique slices) and other dtypes run the CPU kernel."""
+    """np.unique, the CPU kernel's outputs: Y ascending (sorted=0: in order of first occurrence),
+    each value's first index, each element's (or slice's) index into Y and the counts.
+
+    Flattened X: every NaN one value and -0 equal to +0 (Y keeps its first occurrence's bits);
+    reduction.py's ``sorted_pairs`` sorts X's (key, position) pairs and each run of equal keys is a
+    value. With an axis: X's slices along it, as rows, in lexicographic order (``_sorted_rows``),
+    a run of rows equal element by element (NaN unequal to NaN, -0 equal to +0: numpy's rule for
+    slices) is a value, gathered whole from X. Either way the runs are numbered by
+    ``_numbered_runs``, whose count of values is read back to the host: a run that holds Unique
+    records no CUDA graph and runs eagerly. Other dtypes, and empty slices, run the CPU kernel."""
     from gradgen.kernels.cuda.reduction import sorted_pairs
 
     rt = runtime()
-    if axis is not None or dtype_suffix(x.dtype) not in _UNIQUE_TYPES:
+    if dtype_suffix(x.dtype) not in _UNIQUE_TYPES or (axis is not None and 0 in tuple(x.shape)):
         return cpu_fallback("Unique", x, axis=axis, sorted=sorted, _num_outputs=_num_outputs)
-    n = int(x.size)
-    if n == 0:  # nothing to sort (and PyCUDA cannot reshape an empty array's null pointer)
+    if axis is not None:
+        results = _unique_slices(x, normalize_axis(axis, len(x.shape)), int(sorted))
+    elif x.size == 0:  # nothing to sort (and PyCUDA cannot reshape an empty array's null pointer)
         results = (rt.empty((0,), x.dtype), *(rt.empty((0,), np.int64) for _ in range(3)))
     else:
         flat = contiguous(x).reshape(-1)
+        n = int(flat.size)
         keys, positions = sorted_pairs(flat)
         starts = rt.empty((n,), np.bool_)
         launch(kernel_of("indexing", "unique_starts"), n, starts, keys, np.int64(n))
-        slots, runs = _running_count(starts)
-        inverse, first, begin = rt.empty((n,), np.int64), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
-        launch(kernel_of("indexing", "unique_runs"), n, inverse, first, begin, positions, slots, np.int64(n))
-        order = rank = None
-        if not int(sorted):
-            order = sorted_pairs(first)[1]  # the runs by first position
-            rank = rt.empty((runs,), np.int64)
-        values, first_out, counts = rt.empty((runs,), x.dtype), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
-        launch(
-            kernel_of("indexing", f"unique_outputs_w{x.dtype.itemsize}"),
-            runs,
-            values,
-            first_out,
-            counts,
-            _addr(rank),
-            flat,
-            first,
-            begin,
-            _addr(order),
-            np.int64(runs),
-            np.int64(n),
-        )
-        if rank is not None:
-            launch(kernel_of("indexing", "unique_remap"), n, inverse, rank, np.int64(n))
-        results = (values, first_out, inverse, counts)
+        results = _numbered_runs(starts, positions, flat, int(sorted))
     wanted = int(_num_outputs)
     return results[:wanted] if wanted > 1 else results[0]
+
+
+def _numbered_runs(starts, positions, values_from, sorted_: int):
+    """(values, first, inverse, counts) of runs of sorted items: ``starts`` marks each run's first
+    item (non-zero), ``positions`` the items' original positions in sorted order. ``values`` are
+    ``values_from`` at each run's first position. sorted=0 orders the runs by first position
+    (``sorted_pairs`` of those) and renumbers the inverse indices."""
+    from gradgen.kernels.cuda.reduction import sorted_pairs
+
+    rt = runtime()
+    n = int(starts.size)
+    slots, runs = _running_count(starts)
+    inverse, first, begin = rt.empty((n,), np.int64), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
+    launch(kernel_of("indexing", "unique_runs"), n, inverse, first, begin, positions, slots, np.int64(n))
+    order = rank = None
+    if not sorted_:
+        order = sorted_pairs(first)[1]  # the runs by first position
+        rank = rt.empty((runs,), np.int64)
+    values, first_out, counts = rt.empty((runs,), values_from.dtype), rt.empty((runs,), np.int64), rt.empty((runs,), np.int64)
+    launch(
+        kernel_of("indexing", f"unique_outputs_w{values_from.dtype.itemsize}"),
+        runs,
+        values,
+        first_out,
+        counts,
+        _addr(rank),
+        values_from,
+        first,
+        begin,
+        _addr(order),
+        np.int64(runs),
+        np.int64(n),
+    )
+    if rank is not None:
+        launch(kernel_of("indexing", "unique_remap"), n, inverse, rank, np.int64(n))
+    return values, first_out, inverse, counts
+
+
+def _sorted_rows(rows):
+    """The row indices of ``rows`` (n, m) in lexicographic order, equal rows by index: a least
+    significant digit sort, one stable ``sorted_pairs`` per column from the last (each column read
+    in the order the later columns gave), so m sorts of n keys."""
+    from gradgen.kernels.cuda.reduction import sorted_pairs
+    from gradgen.kernels.cuda.shape import transpose
+
+    rt = runtime()
+    n, m = rows.shape
+    columns = transpose(rows, perm=[1, 0])
+    order = rt.to_device(np.arange(n, dtype=np.int64))
+    for j in reversed(range(m)):
+        moved = sorted_pairs(gather(columns[j], order))[1][:n]
+        order = gather(order, moved)
+    return order
+
+
+def _unique_slices(x, axis: int, sorted_: int):
+    """Unique of X's slices along ``axis`` (see ``unique``)."""
+    from gradgen.kernels.cuda.elementwise import binary, cast_to, equal
+    from gradgen.kernels.cuda.reduction import reduce
+    from gradgen.kernels.cuda.shape import concat, reshaped, transpose
+
+    rt = runtime()
+    rank = len(x.shape)
+    n, m = x.shape[axis], math.prod(x.shape) // x.shape[axis]
+    moved = x if axis == 0 else transpose(x, perm=[axis] + [a for a in range(rank) if a != axis])
+    rows = reshaped(moved, (n, m))
+    order = _sorted_rows(rows)
+    starts = rt.to_device(np.ones(1, np.int64))
+    if n > 1:  # a row starts a run where any of its columns differs from the row before
+        in_order = gather(rows, order)
+        same = reduce("sum", cast_to(equal(in_order[1:], in_order[:-1]), np.int64), (1,), False, "ReduceSum")
+        starts = concat(starts, binary("sub_i64", rt.to_device(np.array(m, np.int64)), same, np.int64), axis=0)
+    # the kernel's value output reads the positions themselves; the slices are gathered whole below
+    _, first, inverse, counts = _numbered_runs(starts, order, order, sorted_)
+    return gather(x, first, axis=axis), first, inverse, counts
