@@ -39,7 +39,20 @@ CPU_FAMILIES = (
     "reduction",
     "shape",
 )
-CUDA_FAMILIES = ("control", "conv", "elementwise", "indexing", "loss", "matmul", "norm", "pool", "quantize", "reduction", "shape")
+CUDA_FAMILIES = (
+    "control",
+    "conv",
+    "elementwise",
+    "indexing",
+    "loss",
+    "matmul",
+    "norm",
+    "optimizer",
+    "pool",
+    "quantize",
+    "reduction",
+    "shape",
+)
 
 _KERNELS = KERNELS  # the table itself, under its former name
 
