@@ -438,19 +438,26 @@ def ops(
         typer.echo(json.dumps(table, indent=1))
         return
     header = ("domain", "op_type", "gradient", "cpu", "cuda")
-    rows = [(r["domain"] or "ai.onnx", r["op_type"], r["gradient"], "yes" if r["cpu"] else "no", _cuda_column(r)) for r in table]
+    rows = [(r["domain"] or "ai.onnx", r["op_type"], r["gradient"], _cpu_column(r), _cuda_column(r)) for r in table]
     widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     typer.echo(f"{len(rows)} ops")
     if any(r["gradient"] == "rewritten" for r in table):
         typer.echo("rewritten: build-backward turns the op into others before the gradient pass (--json: rewritten_to)")
-    if any(r["cuda_form"] for r in table):
-        typer.echo("form: a GPU session runs the op as the standard ops build-backward writes for it (--json: cuda_form)")
+    if any(r["cuda_form"] or r["session_form"] for r in table):
+        typer.echo(
+            "form: a session runs the op as other ops: on the GPU the standard ops build-backward writes for it "
+            "(--json: cuda_form), a sequence or optional op as the tensors it holds (--json: session_form)"
+        )
+
+
+def _cpu_column(row: dict) -> str:
+    return "yes" if row["cpu"] else "form" if row["session_form"] else "no"
 
 
 def _cuda_column(row: dict) -> str:
-    return "yes" if row["cuda"] else "form" if row["cuda_form"] else "no"
+    return "yes" if row["cuda"] else "form" if row["cuda_form"] or row["session_form"] else "no"
 
 
 @app.command("check")

@@ -25,11 +25,21 @@ def rewritten_ops() -> dict[tuple[str, str], str]:
     return rewritten
 
 
+SESSION_FORM = (
+    "the tensors it holds, where the model fixes the list's structure: a Session rewrites a copy before it plans "
+    "(passes/sequences.py)"
+)
+
+
 def supported_ops() -> list[dict]:
     """One row per (domain, op_type): gradient "yes"/"no"/"non-differentiable"/"rewritten" (with
     ``rewritten_to`` saying into what), cpu, cuda (the com.microsoft ops gradgen emits are listed
-    from their schemas even without a kernel), and ``cuda_form``: for an op a GPU Session runs as
-    its standard-op form, which pass writes it and when (``registry.CUDA_STANDARD_FORMS``)."""
+    from their schemas even without a kernel), ``cuda_form``: for an op a GPU Session runs as
+    its standard-op form, which pass writes it and when (``registry.CUDA_STANDARD_FORMS``), and
+    ``session_form``: for a sequence or optional op, which every Session (CPU and GPU) runs as the
+    tensors it holds."""
+    from gradgen.passes.sequences import REWRITTEN_OPS
+
     rewritten = rewritten_ops()
     rules = all_rules()
     kernels = all_kernels()
@@ -52,6 +62,7 @@ def supported_ops() -> list[dict]:
                 "cpu": bool(kernel and kernel.cpu),
                 "cuda": bool(kernel and kernel.cuda),
                 "cuda_form": CUDA_STANDARD_FORMS.get((domain, op_type)),
+                "session_form": SESSION_FORM if not domain and op_type in REWRITTEN_OPS else None,
             }
         )
     return rows

@@ -167,7 +167,9 @@ def test_ops_json(capsys, monkeypatch):
     code, stdout, _ = run_cli(capsys, monkeypatch, "ops", "--json")
     assert code == 0
     rows = json.loads(stdout)
-    assert all(set(r) == {"domain", "op_type", "gradient", "rewritten_to", "cpu", "cuda", "cuda_form"} for r in rows)
+    assert all(
+        set(r) == {"domain", "op_type", "gradient", "rewritten_to", "cpu", "cuda", "cuda_form", "session_form"} for r in rows
+    )
     by_name = {(r["domain"], r["op_type"]): r for r in rows}
     assert by_name[("com.microsoft", "GatherGrad")]["cpu"] is True
     assert by_name[("ai.onnx", "Add")]["gradient"] == "yes"
@@ -179,6 +181,8 @@ def test_ops_json(capsys, monkeypatch):
     assert all((r["rewritten_to"] is not None) == (r["gradient"] == "rewritten") for r in rows)
     assert by_name[("ai.onnx", "LSTM")]["cuda_form"].startswith("UnrollRecurrentPass")
     assert not by_name[("ai.onnx", "LSTM")]["cuda"] and by_name[("ai.onnx", "Add")]["cuda_form"] is None
+    assert by_name[("ai.onnx", "SequenceAt")]["session_form"].startswith("the tensors it holds")
+    assert by_name[("ai.onnx", "Add")]["session_form"] is None
 
 
 def test_ops_table_explains_rewritten_and_form(capsys, monkeypatch):
@@ -189,7 +193,9 @@ def test_ops_table_explains_rewritten_and_form(capsys, monkeypatch):
     assert stdout.rstrip().splitlines()[-2].startswith("rewritten: build-backward turns the op into others")
     lstm = next(line for line in stdout.splitlines() if " LSTM " in line)
     assert lstm.split()[-1] == "form"
-    assert stdout.rstrip().splitlines()[-1].startswith("form: a GPU session runs the op as the standard ops")
+    assert stdout.rstrip().splitlines()[-1].startswith("form: a session runs the op as other ops")
+    sequence_at = next(line for line in stdout.splitlines() if " SequenceAt " in line)
+    assert sequence_at.split()[-2:] == ["form", "form"]
 
 
 def test_python_dash_m_is_the_same_program(tiny):
