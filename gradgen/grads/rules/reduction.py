@@ -246,8 +246,9 @@ def top_k(g):
 
 
 # Ops whose outputs never carry a gradient: indices, and Hardmax's one-hot of the arg-max, piecewise
-# constant in its input (its gradient is zero wherever it exists).
-non_differentiable("ArgMax", "ArgMin", "Hardmax")
+# constant in its input (its gradient is zero wherever it exists). TfIdfVectorizer's output counts
+# n-grams of integer ids (weighted by an attribute): it has no float input.
+non_differentiable("ArgMax", "ArgMin", "Hardmax", "TfIdfVectorizer")
 
 
 @grad_rule("SoftmaxGrad_13", domain=MICROSOFT)

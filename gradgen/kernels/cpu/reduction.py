@@ -1,4 +1,5 @@
-"""CPU kernels: reductions, arg-reductions, CumSum/CumProd, Softmax/LogSoftmax/Hardmax and TopK.
+"""CPU kernels: reductions, arg-reductions, CumSum/CumProd, Softmax/LogSoftmax/Hardmax, TopK and
+TfIdfVectorizer's n-gram counts.
 
 The Reduce* ops take ``axes`` as an attribute in older opsets (ReduceSum < 13, the others < 18)
 and as an optional second input later; both forms bind to the kernel's ``axes`` parameter.
@@ -7,6 +8,7 @@ Every reduction keeps the input's dtype, as the spec says.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -17,6 +19,7 @@ from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
+from gradgen.ops.attributes import text
 from gradgen.ops.axes import normalize_axis
 from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
@@ -340,3 +343,211 @@ def log_softmax_grad(dY, Y, *, axis=1):
 def log_softmax_grad_13(dY, Y, *, axis=-1):
     """dX = dY - exp(Y) * sum(dY, axis), Y being LogSoftmax's output."""
     return _log_softmax_grad(dY, Y, axis, opset13=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# TfIdfVectorizer
+
+TFIDF_MODES = {"TF": 1, "IDF": 2, "TFIDF": 3}  # the codes reduction.cu's tfidf_weigh takes
+# gradgen's required attributes: the spec's, and pool_int64s (pool_strings, its alternative, is refused)
+_TFIDF_REQUIRED = ("mode", "min_gram_length", "max_gram_length", "max_skip_count", "ngram_counts", "ngram_indexes", "pool_int64s")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NgramPool:
+    """TfIdfVectorizer's attributes, checked, with the pool's n-grams of the counted lengths as a
+    trie in sorted arrays (the tables of the CPU kernel and of the CUDA launcher). Node 0 is the
+    root; the edge from node p by the value at position i of ``vocabulary`` has key
+    p * len(vocabulary) + i in ``edge_keys`` and leads to ``edge_child``; ``node_output`` holds the
+    output column of the n-gram spelled by the path to each node, -1 where none of the pool ends."""
+
+    key: tuple  # the normalised attributes this pool was built from
+    mode: int  # TFIDF_MODES' code
+    min_gram_length: int
+    max_gram_length: int
+    max_skip_count: int
+    output_size: int  # max(ngram_indexes) + 1
+    weights: np.ndarray  # float32 [output_size], by output column; ones without the attribute (and for TF)
+    vocabulary: np.ndarray  # int64, sorted, distinct: the values of the loaded n-grams
+    edge_keys: np.ndarray  # int64, sorted
+    edge_child: np.ndarray  # int64
+    node_output: np.ndarray  # int64
+
+    def shortest(self, skip_distance: int) -> int:
+        """The shortest n-gram counted at a skip distance: unigrams count at distance 1 only (a
+        unigram does not depend on the distance, and the reference counts it once)."""
+        return self.min_gram_length if skip_distance == 1 else max(self.min_gram_length, 2)
+
+    def skip_distances(self) -> range:
+        """The distances between consecutive items of a counted n-gram (1: adjacent)."""
+        return range(1, 2 if self.max_gram_length == 1 else self.max_skip_count + 2)
+
+    def children(self, node: np.ndarray, value_ids: np.ndarray) -> np.ndarray:
+        """The node the edge (node, value) leads to, elementwise; -1 where there is none (or where
+        node or the value's vocabulary position is -1). Needs at least one edge."""
+        keys = node * self.vocabulary.size + value_ids
+        at = np.minimum(np.searchsorted(self.edge_keys, keys), self.edge_keys.size - 1)
+        found = (node >= 0) & (value_ids >= 0) & (self.edge_keys[at] == keys)
+        return np.where(found, self.edge_child[at], -1)
+
+
+def ngram_pool(attrs: dict) -> NgramPool:
+    """The ``NgramPool`` of TfIdfVectorizer's attributes (built once per attribute set)."""
+    if attrs.get("pool_strings"):
+        raise KernelError("TfIdfVectorizer: pool_strings is not supported (gradgen has no string tensors); use pool_int64s")
+    missing = [name for name in _TFIDF_REQUIRED if attrs.get(name) is None]
+    if missing:
+        raise KernelError(f"TfIdfVectorizer needs the attribute(s) {', '.join(missing)}")
+    weights = attrs.get("weights")
+    key = (
+        text(attrs["mode"], ""),
+        *(int(attrs[name]) for name in ("min_gram_length", "max_gram_length", "max_skip_count")),
+        *(tuple(int(v) for v in attrs[name]) for name in ("ngram_counts", "ngram_indexes", "pool_int64s")),
+        None if weights is None else tuple(float(w) for w in weights),
+    )
+    return _build_ngram_pool(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_ngram_pool(key: tuple) -> NgramPool:
+    mode, shortest, longest, max_skip, counts, indexes, pool, weights = key
+    if mode not in TFIDF_MODES:
+        raise KernelError(f"TfIdfVectorizer: mode must be TF, IDF or TFIDF, got {mode!r}")
+    if not 1 <= shortest <= longest or max_skip < 0:
+        raise KernelError(
+            f"TfIdfVectorizer needs 1 <= min_gram_length <= max_gram_length and max_skip_count >= 0, "
+            f"got {shortest}, {longest}, {max_skip}"
+        )
+    if not indexes or min(indexes) < 0:
+        raise KernelError(f"TfIdfVectorizer: ngram_indexes must be non-empty and non-negative, got {list(indexes)}")
+    output_size = max(indexes) + 1
+    if mode == "TF" or not weights:  # TF reads no weights
+        weights = (1.0,) * output_size
+    elif len(weights) < output_size:
+        raise KernelError(f"TfIdfVectorizer: {len(weights)} weights for {output_size} output columns")
+    grams = _pool_ngrams(counts, pool, shortest, longest)
+    if grams and grams[-1][0] >= len(indexes):
+        raise KernelError(f"TfIdfVectorizer: the pool holds {grams[-1][0] + 1} n-grams, ngram_indexes {len(indexes)}")
+    vocabulary, edge_keys, edge_child, node_output = _trie(grams, indexes)
+    return NgramPool(
+        key,
+        TFIDF_MODES[mode],
+        shortest,
+        longest,
+        max_skip,
+        output_size,
+        np.asarray(weights[:output_size], np.float32),
+        vocabulary,
+        edge_keys,
+        edge_child,
+        node_output,
+    )
+
+
+def _pool_ngrams(counts: tuple, pool: tuple, shortest: int, longest: int) -> list[tuple[int, tuple]]:
+    """(position among all the pool's n-grams, n-gram) of each n-gram of a length in [shortest,
+    longest]: ngram_counts[n - 1] is where the n-grams of length n start in the pool (the next
+    length's start, or the pool's end, is where they stop; a partial last n-gram is dropped)."""
+    bounds = [*counts, len(pool)]
+    if any(not 0 <= a <= b <= len(pool) for a, b in zip(bounds, bounds[1:])):
+        raise KernelError(f"TfIdfVectorizer: ngram_counts {list(counts)} must rise within the pool of {len(pool)} values")
+    grams, position = [], 0
+    for length, (begin, end) in enumerate(zip(bounds, bounds[1:]), 1):
+        number = (end - begin) // length
+        if shortest <= length <= longest:
+            grams += [(position + k, pool[begin + k * length : begin + (k + 1) * length]) for k in range(number)]
+        position += number
+    return grams
+
+
+def _trie(grams: list[tuple[int, tuple]], indexes: tuple):
+    """``NgramPool``'s (vocabulary, edge_keys, edge_child, node_output) of the n-grams; an n-gram
+    listed twice keeps its last position's column, as the reference's trie does."""
+    nodes: dict[tuple, int] = {(): 0}
+    edges: list[tuple[int, int, int]] = []  # (parent, value, child)
+    node_output = [-1]
+    for position, gram in grams:
+        node = 0
+        for length in range(1, len(gram) + 1):
+            child = nodes.get(gram[:length])
+            if child is None:
+                child = nodes[gram[:length]] = len(node_output)
+                node_output.append(-1)
+                edges.append((node, gram[length - 1], child))
+            node = child
+        node_output[node] = indexes[position]
+    parent, value, child = np.array(edges, np.int64).reshape(-1, 3).T
+    vocabulary = np.unique(value)
+    keys = parent * vocabulary.size + np.searchsorted(vocabulary, value)
+    order = np.argsort(keys)
+    return vocabulary, keys[order], child[order], np.array(node_output, np.int64)
+
+
+def tf_idf_rows(shape: tuple, dtype) -> tuple[int, int]:
+    """(rows, row length) of TfIdfVectorizer's input: [C] is one row, [N, C] N > 0 rows."""
+    if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise KernelError(f"TfIdfVectorizer counts int32 or int64 ids, got {np.dtype(dtype)}")
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[0] == 0):
+        raise KernelError(f"TfIdfVectorizer's input must be [C] or [N, C] with N > 0, got shape {list(shape)}")
+    return (1, int(shape[0])) if len(shape) == 1 else (int(shape[0]), int(shape[1]))
+
+
+def _count_ngrams(pool: NgramPool, rows: np.ndarray) -> np.ndarray:
+    """int64 [N, output_size]: how often each pool n-gram occurs in each row of ``rows`` [N, C],
+    at every skip distance. Walks the trie from every start position at once, one item a step."""
+    n, length = rows.shape
+    counts = np.zeros(n * pool.output_size, np.int64)
+    if rows.size == 0 or pool.edge_keys.size == 0:
+        return counts.reshape(n, pool.output_size)
+    at = np.minimum(np.searchsorted(pool.vocabulary, rows), pool.vocabulary.size - 1)
+    value_ids = np.where(pool.vocabulary[at] == rows, at, -1)
+    row_base = np.arange(n, dtype=np.int64)[:, None] * pool.output_size
+    for distance in pool.skip_distances():
+        node = np.zeros((n, length), np.int64)  # the root, for every start
+        for items in range(1, pool.max_gram_length + 1):
+            offset = (items - 1) * distance
+            if offset >= length:
+                break
+            node = pool.children(node[:, : length - offset], value_ids[:, offset:])
+            if items >= pool.shortest(distance):
+                column = np.where(node >= 0, pool.node_output[node], -1)
+                counts += np.bincount((row_base + column)[column >= 0], minlength=counts.size)
+            if not (node >= 0).any():
+                break
+    return counts.reshape(n, pool.output_size)
+
+
+def weigh_ngram_counts(pool: NgramPool, counts: np.ndarray) -> np.ndarray:
+    """float32 TfIdfVectorizer output of the counts: TF the counts, IDF the column's weight where
+    the count is positive (else 0), TFIDF count * weight (computed in float64, as the reference)."""
+    if pool.mode == TFIDF_MODES["TF"]:
+        return counts.astype(np.float32)
+    weights = pool.weights.astype(np.float64)
+    if pool.mode == TFIDF_MODES["IDF"]:
+        return np.where(counts > 0, weights, 0.0).astype(np.float32)
+    return (weights * counts).astype(np.float32)
+
+
+def _vectorize(pool: NgramPool, X) -> np.ndarray:
+    rows, length = tf_idf_rows(X.shape, X.dtype)
+    counts = _count_ngrams(pool, np.asarray(X, np.int64).reshape(rows, length))
+    y = weigh_ngram_counts(pool, counts)
+    return y.reshape(pool.output_size) if X.ndim == 1 else y
+
+
+@cpu_kernel("TfIdfVectorizer")
+def tf_idf_vectorizer(X, **attrs):
+    """Counts of the pool's n-grams (pool_int64s) in each row of X, weighted by ``mode``.
+
+    The n-grams of lengths min_gram_length .. max_gram_length are counted at every skip distance
+    1 .. max_skip_count + 1 (items taken that far apart), unigrams once; column ngram_indexes[i]
+    holds the i-th n-gram of the pool. X [C] gives [max(ngram_indexes) + 1], X [N, C] gives
+    [N, max(ngram_indexes) + 1]."""
+    return _vectorize(ngram_pool(attrs), X)
+
+
+@cpu_prepare("TfIdfVectorizer")
+def _prepare_tf_idf_vectorizer(constants: tuple, attrs: dict):
+    """The kernel with its n-gram pool built once."""
+    pool = ngram_pool(attrs)
+    return functools.partial(_vectorize, pool)

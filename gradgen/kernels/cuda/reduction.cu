@@ -947,3 +947,76 @@ extern "C" __global__ void sort_step(unsigned long long* key, int64_t* pos, int6
     }
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// TfIdfVectorizer (the tables: kernels/cpu/reduction.py, NgramPool). The pool's n-grams form a
+// trie in sorted arrays, node 0 the root: the edge from node p by the value at position i of
+// `vocab` (V sorted int64 values) has key p * V + i among the E sorted `edge_key`s and leads to
+// `edge_child`; `node_output` is the output column of the n-gram that ends at a node (-1: none).
+//   tfidf_count_*  one thread per (row, start, skip distance d = 1 .. distances) walks the trie
+//                  along x[row, start], x[row, start + d], ... (at most max_gram items) and adds 1 to
+//                  counts[row, column] for each n-gram of the pool it spells that has at least
+//                  `shortest` items: first_shortest at d = 1, later_shortest beyond (unigrams count
+//                  once, not once per distance). Integer atomics: the counts are exact.
+//   tfidf_weigh    the float32 output of the counts by mode (TFIDF_MODES): 1 TF the count; 2 IDF the
+//                  column's weight where the count is positive, else 0; 3 TFIDF count * weight,
+//                  multiplied in double and rounded once (the CPU kernel's float64 product).
+
+// The position of v among the n sorted values of a, or -1.
+__device__ __forceinline__ int64_t tfidf_find(const int64_t* __restrict__ a, int64_t n, int64_t v) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + ((hi - lo) >> 1);
+        if (a[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n && a[lo] == v ? lo : -1;
+}
+
+template <typename T>
+__device__ void tfidf_count(unsigned int* __restrict__ counts, const T* __restrict__ x, const int64_t* __restrict__ vocab,
+                            int64_t V, const int64_t* __restrict__ edge_key, const int64_t* __restrict__ edge_child,
+                            int64_t E, const int64_t* __restrict__ node_output, int64_t rows, int64_t C,
+                            int64_t columns, int64_t distances, int64_t max_gram, int64_t first_shortest,
+                            int64_t later_shortest) {
+    GG_GRID_STRIDE(t, rows * C * distances) {
+        const int64_t start = t % C;
+        const int64_t d = (t / C) % distances + 1;
+        const int64_t row = t / (C * distances);
+        const int64_t shortest = d == 1 ? first_shortest : later_shortest;
+        const T* xr = x + row * C;
+        int64_t node = 0;
+        for (int64_t items = 1, at = start; items <= max_gram && at < C; ++items, at += d) {
+            const int64_t value = tfidf_find(vocab, V, (int64_t)xr[at]);
+            if (value < 0) break;
+            const int64_t edge = tfidf_find(edge_key, E, node * V + value);
+            if (edge < 0) break;
+            node = edge_child[edge];
+            const int64_t column = node_output[node];
+            if (items >= shortest && column >= 0) atomicAdd(counts + row * columns + column, 1u);
+        }
+    }
+}
+
+#define GG_TFIDF_COUNT(s, T)                                                                                  \
+    extern "C" __global__ void tfidf_count_##s(unsigned int* counts, const T* x, const int64_t* vocab, int64_t V, \
+                                               const int64_t* edge_key, const int64_t* edge_child, int64_t E,      \
+                                               const int64_t* node_output, int64_t rows, int64_t C,               \
+                                               int64_t columns, int64_t distances, int64_t max_gram,              \
+                                               int64_t first_shortest, int64_t later_shortest) {                 \
+        tfidf_count<T>(counts, x, vocab, V, edge_key, edge_child, E, node_output, rows, C, columns, distances,   \
+                       max_gram, first_shortest, later_shortest);                                                 \
+    }
+#if GG_PART(23)
+GG_TFIDF_COUNT(i32, int32_t)
+GG_TFIDF_COUNT(i64, int64_t)
+
+extern "C" __global__ void tfidf_weigh(float* y, const unsigned int* counts, const float* weights, int64_t n,
+                                       int64_t columns, int64_t mode) {
+    GG_GRID_STRIDE(i, n) {
+        const unsigned int count = counts[i];
+        const double weight = weights[i % columns];
+        y[i] = mode == 1 ? (float)count : mode == 2 ? (count > 0 ? (float)weight : 0.0f) : (float)(weight * (double)count);
+    }
+}
+#endif

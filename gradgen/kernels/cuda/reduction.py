@@ -1,4 +1,4 @@
-"""CUDA launchers: reductions (reduction.cu) and Softmax/LogSoftmax.
+"""CUDA launchers: reductions (reduction.cu), Softmax/LogSoftmax and TfIdfVectorizer's n-gram counts.
 
 A reduction is planned once per call on the host: size-1 dims are dropped and adjacent dims that
 are all reduced or all kept are merged. If the innermost group is reduced, each output reduces
@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.launch import FLOATS, MAX_BLOCKS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch
+from gradgen.kernels.cuda.launch import FLOATS, MAX_BLOCKS, contiguous, cpu_fallback, dtype_suffix, kernel_of, launch, plan_cache
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
@@ -568,3 +568,73 @@ def hardmax(x, *, axis=None, _opset=13):
     index = _arg_extreme("ArgMax", "argmax", view, ax, 0, 0)
     y = one_hot(index, np.array(view.shape[ax], np.int64), on_off_values(x.dtype), axis=ax)
     return y if tuple(y.shape) == shape else reshaped(y, shape)
+
+
+# ---------------------------------------------------------------- TfIdfVectorizer
+
+_NGRAM_TABLES: dict = {}
+
+
+def _ngram_tables(pool):
+    """The device copies of an NgramPool's (vocabulary, edge_keys, edge_child, node_output,
+    weights), uploaded once per attribute set."""
+    from gradgen.cuda import runtime as rt
+
+    def upload():
+        if not _NGRAM_TABLES:
+            rt.drop_at_exit(_NGRAM_TABLES.clear)  # device arrays go while the context is current
+        with rt.persistent():
+            return tuple(
+                rt.to_device(table)
+                for table in (pool.vocabulary, pool.edge_keys, pool.edge_child, pool.node_output, pool.weights)
+            )
+
+    return plan_cache(_NGRAM_TABLES, pool.key, upload)
+
+
+@cuda_kernel("TfIdfVectorizer")
+def tf_idf_vectorizer(X, **attrs):
+    """The CPU kernel's n-gram counts, weighted by mode, from the same trie tables (NgramPool, on
+    the device once per attribute set): reduction.cu's tfidf_count_* walks the trie from every
+    (row, start, skip distance) and counts with integer atomics into zeroed uint32 counts, then
+    tfidf_weigh writes the float32 output."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cpu.reduction import ngram_pool, tf_idf_rows
+
+    pool = ngram_pool(attrs)
+    rows, length = tf_idf_rows(tuple(X.shape), X.dtype)
+    vocabulary, edge_keys, edge_child, node_output, weights = _ngram_tables(pool)
+    counts = rt.zeros((rows * pool.output_size,), np.uint32)
+    distances = len(pool.skip_distances())
+    if rows * length and pool.edge_keys.size:
+        launch(
+            kernel_of("reduction", f"tfidf_count_{dtype_suffix(X.dtype)}"),
+            rows * length * distances,
+            counts,
+            contiguous(X),
+            vocabulary,
+            np.int64(pool.vocabulary.size),
+            edge_keys,
+            edge_child,
+            np.int64(pool.edge_keys.size),
+            node_output,
+            np.int64(rows),
+            np.int64(length),
+            np.int64(pool.output_size),
+            np.int64(distances),
+            np.int64(pool.max_gram_length),
+            np.int64(pool.shortest(1)),
+            np.int64(pool.shortest(2)),
+        )
+    y = rt.empty((pool.output_size,) if len(X.shape) == 1 else (rows, pool.output_size), np.float32)
+    launch(
+        kernel_of("reduction", "tfidf_weigh"),
+        y.size,
+        y,
+        counts,
+        weights,
+        np.int64(y.size),
+        np.int64(pool.output_size),
+        np.int64(pool.mode),
+    )
+    return y
