@@ -192,8 +192,8 @@ def _scatter_product(g, gather, scatter) -> list:
 
 # Ops whose outputs never carry a gradient: indices. OneHot is not among them: its float
 # ``values`` input (off/on) carries a gradient. TfIdfVectorizer's output counts integer or string
-# n-grams (weighted by an attribute): no float input.
-non_differentiable("NonZero", "TfIdfVectorizer")
+# n-grams (weighted by an attribute): no float input. NonMaxSuppression's output is box indices.
+non_differentiable("NonZero", "TfIdfVectorizer", "NonMaxSuppression")
 
 
 @grad_rule("GatherGrad", domain=MICROSOFT, nondiff_inputs=(0, 1))
