@@ -191,8 +191,8 @@ def _scatter_product(g, gather, scatter) -> list:
 
 
 # Ops whose outputs never carry a gradient: indices. OneHot is not among them: its float
-# ``values`` input (off/on) carries a gradient.
-non_differentiable("NonZero")
+# ``values`` input (off/on) carries a gradient. NonMaxSuppression's output is box indices.
+non_differentiable("NonZero", "NonMaxSuppression")
 
 
 @grad_rule("GatherGrad", domain=MICROSOFT, nondiff_inputs=(0, 1))

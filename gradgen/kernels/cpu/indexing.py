@@ -520,3 +520,132 @@ def unique(x, *, axis=None, sorted=1, _num_outputs=4):  # noqa: A002 - the ONNX 
         inverse = np.argsort(order)[inverse]
     results = (values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64))
     return results[: int(_num_outputs)] if int(_num_outputs) > 1 else results[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# NonMaxSuppression
+
+
+@dataclasses.dataclass(frozen=True)
+class NmsSettings:
+    """NonMaxSuppression's scalar inputs and attribute, checked (numpy scalars keep the thresholds'
+    dtypes, so that they compare as ONNX's reference compares them)."""
+
+    limit: int  # boxes kept per (batch, class) at most
+    iou_threshold: np.generic  # a candidate goes when its IoU with a kept box is above it
+    score_threshold: np.generic | None  # boxes scoring no more are no candidates (None: all are)
+    center_point_box: int  # 0: boxes are [y1, x1, y2, x2]; 1: [x_center, y_center, width, height]
+
+
+def nms_settings(boxes_shape, scores_shape, max_output_boxes_per_class, iou_threshold, score_threshold, center_point_box):
+    """The checked ``NmsSettings`` of boxes and scores of these shapes; an absent or empty scalar
+    input takes the spec's default (no boxes, IoU threshold 0, no score threshold)."""
+    if len(boxes_shape) != 3 or boxes_shape[2] != 4:
+        raise KernelError(f"boxes must have shape [num_batches, spatial_dimension, 4], got {list(boxes_shape)}")
+    if len(scores_shape) != 3 or (scores_shape[0], scores_shape[2]) != (boxes_shape[0], boxes_shape[1]):
+        raise KernelError(
+            f"scores must have shape [num_batches, num_classes, spatial_dimension] = [{boxes_shape[0]}, *, {boxes_shape[1]}] "
+            f"for boxes {list(boxes_shape)}, got {list(scores_shape)}"
+        )
+    if int(center_point_box) not in (0, 1):
+        raise KernelError(f"center_point_box must be 0 or 1, got {center_point_box}")
+    limit = _nms_scalar(max_output_boxes_per_class, "max_output_boxes_per_class")
+    iou = _nms_scalar(iou_threshold, "iou_threshold")
+    return NmsSettings(
+        limit=0 if limit is None else max(int(limit), 0),
+        iou_threshold=np.float32(0) if iou is None else iou,
+        score_threshold=_nms_scalar(score_threshold, "score_threshold"),
+        center_point_box=int(center_point_box),
+    )
+
+
+def _nms_scalar(value, name: str) -> np.generic | None:
+    """The one value of an optional scalar input; None where it is absent or empty."""
+    if value is None or np.size(value) == 0:
+        return None
+    if np.size(value) != 1:
+        raise KernelError(f"{name} must hold one value, got shape {list(np.shape(value))}")
+    return np.asarray(value).reshape(-1)[0]
+
+
+def _nms_corners(boxes: np.ndarray, center_point_box: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lows, highs, areas): each box's lower and upper (y, x) corners and its area, with ONNX's
+    reference's arithmetic (so its bits): [y1, x1, y2, x2] boxes order the two ends of each axis
+    (the reference's max_min), [x_center, y_center, width, height] ones are the centre -+ half the
+    size; area = (x_max - x_min) * (y_max - y_min)."""
+    if center_point_box:
+        centre, half = boxes[..., 1::-1], boxes[..., :1:-1] / 2  # (y, x) order
+        lows, highs = centre - half, centre + half
+    else:
+        first, second = boxes[..., :2], boxes[..., 2:]
+        swap = first >= second
+        lows, highs = np.where(swap, second, first), np.where(swap, first, second)
+    with np.errstate(all="ignore"):
+        extents = highs - lows
+        return lows, highs, extents[..., 1] * extents[..., 0]
+
+
+def _nms_overlapping(lows, highs, areas, top_low, top_high, top_area, threshold) -> np.ndarray:
+    """The reference's suppress_by_iou(candidate, kept box) for every candidate (rows of lows,
+    highs, areas) against one kept box: the intersection's extents, its area, both areas and the
+    union positive, and intersection / union above the threshold. Python's max and min (the first
+    argument unless the second is larger / smaller) keep the reference's results for NaN."""
+    low = np.where(top_low > lows, top_low, lows)
+    high = np.where(top_high < highs, top_high, highs)
+    with np.errstate(all="ignore"):
+        extents = high - low
+        inter = extents[:, 1] * extents[:, 0]
+        union = areas + top_area - inter
+        ratio = inter / union
+    positive = ~(high <= low).any(axis=1) & ~(inter <= 0) & ~(areas <= 0) & ~(top_area <= 0) & ~(union <= 0)
+    return positive & (ratio > threshold)
+
+
+def _nms_keep(lows, highs, areas, candidates: np.ndarray, settings: NmsSettings) -> np.ndarray:
+    """The greedy selection over ``candidates`` (box indices, best first): each one not suppressed
+    by a box kept before it is kept, up to the limit; a kept box suppresses the later candidates
+    that overlap it (``_nms_overlapping``)."""
+    alive = np.ones(candidates.size, dtype=bool)
+    kept: list[int] = []
+    for rank in range(candidates.size):
+        if len(kept) == settings.limit:
+            break
+        if not alive[rank]:
+            continue
+        top = candidates[rank]
+        kept.append(int(top))
+        later = rank + 1 + np.flatnonzero(alive[rank + 1 :])
+        boxes = candidates[later]
+        overlap = _nms_overlapping(
+            lows[boxes], highs[boxes], areas[boxes], lows[top], highs[top], areas[top], settings.iou_threshold
+        )
+        alive[later[overlap]] = False
+    return np.array(kept, dtype=np.int64)
+
+
+@cpu_kernel("NonMaxSuppression")
+def non_max_suppression(
+    boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None, *, center_point_box=0
+):
+    """int64 rows (batch, class, box) of the boxes kept, per batch, per class, best score first:
+    ONNX's reference's greedy selection. A (batch, class) pair's candidates are its boxes scoring
+    above score_threshold (all, without one) by descending score (equal scores by box index, NaN
+    scores last); each is kept unless its IoU with a box kept before it is above iou_threshold,
+    until max_output_boxes_per_class are kept. Corners and areas are computed once per box; a kept
+    box is tested against all later candidates at once."""
+    boxes, scores = np.asarray(boxes), np.asarray(scores)
+    settings = nms_settings(
+        boxes.shape, scores.shape, max_output_boxes_per_class, iou_threshold, score_threshold, center_point_box
+    )
+    rows = [np.zeros((0, 3), dtype=np.int64)]
+    if settings.limit == 0:
+        return rows[0]
+    lows, highs, areas = _nms_corners(boxes, settings.center_point_box)
+    for batch, cls in np.ndindex(scores.shape[:2]):
+        line = scores[batch, cls]
+        candidates = np.argsort(-line, kind="stable")  # -0 ties +0; NaN last
+        if settings.score_threshold is not None:
+            candidates = candidates[line[candidates] > settings.score_threshold]
+        kept = _nms_keep(lows[batch], highs[batch], areas[batch], candidates, settings)
+        rows.append(np.stack([np.full_like(kept, batch), np.full_like(kept, cls), kept], axis=1))
+    return np.concatenate(rows)

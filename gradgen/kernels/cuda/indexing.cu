@@ -943,3 +943,181 @@ GG_UNIQUE_OUTPUTS(2)
 GG_UNIQUE_OUTPUTS(4)
 GG_UNIQUE_OUTPUTS(8)
 #endif
+
+// ------------------------------------------------------------------ NonMaxSuppression
+// ONNX's reference selection (the CPU kernel's), its arithmetic and comparisons in A (float; double
+// for double boxes): every operation rounded on its own (the _rn intrinsics: no fused multiply-add),
+// Python's max / min (the first operand unless the second is larger / smaller), and every test
+// written as the reference writes it, so that NaN passes none of them.
+//   nms_corners  per box: (y_min, x_min, y_max, x_max, area); [y1, x1, y2, x2] boxes order the two
+//                ends of each axis (the reference's max_min), [x_center, y_center, width, height]
+//                ones are the centre -+ half the size; area = (x_max - x_min) * (y_max - y_min);
+//   nms_select   one block per (batch, class) pair: a bitonic sort of the pair's (score key, box)
+//                pairs in its scratch (descending score, equal scores by box, NaN last, -0 tied with
+//                +0), the candidates (scores above the threshold: a prefix of that order), then the
+//                greedy loop: the next candidate not yet suppressed is kept, and the block's threads
+//                mark the later candidates whose IoU with it is above the threshold; writes the
+//                pair's kept boxes (best first) and their count;
+//   nms_pack     the output rows (batch, class, box) of every pair's kept boxes, pair after pair
+//                (ends: the inclusive running count of the pairs' counts).
+__device__ __forceinline__ float nms_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double nms_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float nms_sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double nms_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float nms_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double nms_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float nms_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double nms_div(double a, double b) { return __ddiv_rn(a, b); }
+
+constexpr int NMS_BOX = 5;  // y_min, x_min, y_max, x_max, area
+
+template <typename T>
+__device__ void nms_corners(typename Acc<T>::type* __restrict__ corners, const T* __restrict__ boxes, int64_t center,
+                            int64_t n) {
+    using A = typename Acc<T>::type;
+    GG_GRID_STRIDE(i, n) {
+        const T* box = boxes + 4 * i;
+        const A v0 = gg_load(box), v1 = gg_load(box + 1), v2 = gg_load(box + 2), v3 = gg_load(box + 3);
+        A y_lo, x_lo, y_hi, x_hi;
+        if (center) {  // width / 2 and width * 0.5 round alike
+            const A half_w = nms_mul(v2, A(0.5)), half_h = nms_mul(v3, A(0.5));
+            x_lo = nms_sub(v0, half_w);
+            x_hi = nms_add(v0, half_w);
+            y_lo = nms_sub(v1, half_h);
+            y_hi = nms_add(v1, half_h);
+        } else {  // max_min(lhs, rhs): (rhs, lhs) where lhs >= rhs, else (lhs, rhs)
+            y_lo = v0 >= v2 ? v2 : v0;
+            y_hi = v0 >= v2 ? v0 : v2;
+            x_lo = v1 >= v3 ? v3 : v1;
+            x_hi = v1 >= v3 ? v1 : v3;
+        }
+        A* out = corners + NMS_BOX * i;
+        out[0] = y_lo;
+        out[1] = x_lo;
+        out[2] = y_hi;
+        out[3] = x_hi;
+        out[4] = nms_mul(nms_sub(x_hi, x_lo), nms_sub(y_hi, y_lo));
+    }
+}
+
+// The reference's suppress_by_iou(candidate, kept box).
+template <typename A>
+__device__ __forceinline__ bool nms_overlapping(const A* cand, const A* top, double iou_threshold) {
+    const A y_lo = top[0] > cand[0] ? top[0] : cand[0];
+    const A x_lo = top[1] > cand[1] ? top[1] : cand[1];
+    const A y_hi = top[2] < cand[2] ? top[2] : cand[2];
+    const A x_hi = top[3] < cand[3] ? top[3] : cand[3];
+    if (x_hi <= x_lo || y_hi <= y_lo) return false;
+    const A inter = nms_mul(nms_sub(x_hi, x_lo), nms_sub(y_hi, y_lo));
+    if (inter <= A(0)) return false;
+    const A area1 = cand[4], area2 = top[4];
+    const A uni = nms_sub(nms_add(area1, area2), inter);
+    if (area1 <= A(0) || area2 <= A(0) || uni <= A(0)) return false;
+    return (double)nms_div(inter, uni) > iou_threshold;  // a float threshold is exact in double
+}
+
+// Descending score order as an ascending uint64 key: NaN last (~0, after every number), -0 as +0.
+__device__ __forceinline__ unsigned long long nms_score_key(double v) {
+    if (v != v) return ~0ULL;
+    if (v == 0.0) v = 0.0;
+    const unsigned long long b = (unsigned long long)__double_as_longlong(v);
+    return (b >> 63) ? b : ~(b | 0x8000000000000000ULL);
+}
+
+// keys / order: P (a power of two >= n) entries per pair; gone: n flags per pair; kept: capacity
+// boxes per pair (capacity = min(n, limit) >= 1); corners: nms_corners' (batches, n, 5).
+template <typename T>
+__device__ void nms_select(int64_t* __restrict__ kept, int64_t* __restrict__ counts, unsigned long long* __restrict__ keys,
+                           int64_t* __restrict__ order, unsigned char* gone_all,
+                           const typename Acc<T>::type* __restrict__ corners, const T* __restrict__ scores, int64_t pairs,
+                           int64_t classes, int64_t n, int64_t P, int64_t capacity, int64_t filter,
+                           double score_threshold, double iou_threshold) {
+    using A = typename Acc<T>::type;
+    __shared__ unsigned int candidates_s;
+    for (int64_t pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
+        const T* score = scores + pair * n;
+        unsigned long long* key = keys + pair * P;
+        int64_t* box = order + pair * P;
+        unsigned char* gone = gone_all + pair * n;
+        const A* corner = corners + (pair / classes) * n * NMS_BOX;
+        if (threadIdx.x == 0) candidates_s = 0u;
+        __syncthreads();
+        unsigned int mine = 0u;
+        for (int64_t j = threadIdx.x; j < P; j += blockDim.x) {
+            key[j] = ~0ULL;
+            box[j] = j;
+            if (j < n) {
+                const double v = (double)gg_load(score + j);
+                key[j] = nms_score_key(v);
+                gone[j] = 0;
+                mine += !filter || v > score_threshold;
+            }
+        }
+        atomicAdd(&candidates_s, mine);
+        __syncthreads();
+        for (int64_t size = 2; size <= P; size <<= 1) {
+            for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
+                for (int64_t t = threadIdx.x; t < (P >> 1); t += blockDim.x) {
+                    const int64_t lo = ((t & ~(stride - 1)) << 1) | (t & (stride - 1)), hi = lo + stride;
+                    const unsigned long long a = key[lo], b = key[hi];
+                    const int64_t ba = box[lo], bb = box[hi];
+                    const bool greater = a > b || (a == b && ba > bb);
+                    if (greater == ((lo & size) == 0)) {
+                        key[lo] = b;
+                        key[hi] = a;
+                        box[lo] = bb;
+                        box[hi] = ba;
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        const int64_t candidates = candidates_s;
+        int64_t count = 0;  // the same in every thread: the loop below runs in lockstep
+        for (int64_t r = 0; r < candidates && count < capacity; ++r) {
+            if (gone[r]) continue;
+            const int64_t top = box[r];
+            if (threadIdx.x == 0) kept[pair * capacity + count] = top;
+            ++count;
+            for (int64_t q = r + 1 + threadIdx.x; q < candidates; q += blockDim.x) {
+                if (!gone[q] && nms_overlapping(corner + NMS_BOX * box[q], corner + NMS_BOX * top, iou_threshold)) gone[q] = 1;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) counts[pair] = count;
+        __syncthreads();
+    }
+}
+
+#define GG_NMS(sfx, T)                                                                                           \
+    extern "C" __global__ void nms_corners_##sfx(Acc<T>::type* corners, const T* boxes, int64_t center,          \
+                                                 int64_t n) {                                                    \
+        nms_corners<T>(corners, boxes, center, n);                                                               \
+    }                                                                                                            \
+    extern "C" __global__ void nms_select_##sfx(int64_t* kept, int64_t* counts, unsigned long long* keys,        \
+                                                int64_t* order, unsigned char* gone, const Acc<T>::type* corners, \
+                                                const T* scores, int64_t pairs, int64_t classes, int64_t n,      \
+                                                int64_t P, int64_t capacity, int64_t filter,                     \
+                                                double score_threshold, double iou_threshold) {                  \
+        nms_select<T>(kept, counts, keys, order, gone, corners, scores, pairs, classes, n, P, capacity, filter,  \
+                      score_threshold, iou_threshold);                                                           \
+    }
+#if GG_PART(15)
+GG_NMS(f16, __half)
+GG_NMS(bf16, __nv_bfloat16)
+GG_NMS(f32, float)
+GG_NMS(f64, double)
+
+extern "C" __global__ void nms_pack(int64_t* __restrict__ out, const int64_t* __restrict__ kept,
+                                    const int64_t* __restrict__ counts, const int64_t* __restrict__ ends, int64_t classes,
+                                    int64_t capacity, int64_t n) {
+    GG_GRID_STRIDE(i, n) {
+        const int64_t pair = i / capacity, k = i - pair * capacity, count = counts[pair];
+        if (k >= count) continue;
+        int64_t* row = out + 3 * (ends[pair] - count + k);
+        row[0] = pair / classes;
+        row[1] = pair % classes;
+        row[2] = kept[i];
+    }
+}
+#endif

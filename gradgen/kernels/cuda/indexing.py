@@ -35,6 +35,7 @@ from gradgen.errors import KernelError
 from gradgen.kernels.cpu import indexing as cpu
 from gradgen.kernels.cuda.launch import (
     CASTABLE,
+    MAX_BLOCKS,
     contiguous,
     copy,
     cpu_fallback,
@@ -48,6 +49,7 @@ from gradgen.kernels.cuda.launch import (
     raw,
     require_suffix,
     runtime,
+    same_type,
     stream,
 )
 from gradgen.kernels.numeric import shape_arg
@@ -997,3 +999,85 @@ def _unique_slices(x, axis: int, sorted_: int):
     # the kernel's value output reads the positions themselves; the slices are gathered whole below
     _, first, inverse, counts = _numbered_runs(starts, order, order, sorted_)
     return gather(x, first, axis=axis), first, inverse, counts
+
+
+# ---------------------------------------------------------------- NonMaxSuppression
+
+_NMS_THREADS = 256  # threads of a (batch, class) pair's block
+
+
+@cuda_kernel("NonMaxSuppression", host_inputs=(2, 3, 4))
+def non_max_suppression(
+    boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None, *, center_point_box=0
+):
+    """The CPU kernel's selection (ONNX's reference's arithmetic and comparisons; equal scores by box
+    index, NaN scores last), the scalar inputs read on the host: indexing.cu's nms_corners computes
+    every box's corners and area once, nms_select sorts and selects each (batch, class) pair's boxes
+    in one block, the pairs' counts are summed (CumSum) and their total read back to the host (a run
+    that holds NonMaxSuppression records no CUDA graph and runs eagerly), and nms_pack writes the
+    rows. float16 / bfloat16 compute in float32, as on the CPU backend."""
+    from gradgen.kernels.cuda.reduction import cum_sum
+
+    rt = runtime()
+    settings = cpu.nms_settings(
+        boxes.shape, scores.shape, max_output_boxes_per_class, iou_threshold, score_threshold, center_point_box
+    )
+    same_type(boxes, scores)
+    _float_dtype(boxes, "boxes")
+    suffix = require_suffix(boxes.dtype)
+    batches, classes, n = (int(d) for d in scores.shape)
+    pairs, capacity = batches * classes, min(n, settings.limit)
+    if pairs * capacity == 0:
+        return rt.empty((0, 3), np.int64)
+    if n >= 2**31:
+        raise KernelError(f"{n} boxes exceed the CUDA kernel's 32-bit limit")
+    wide = np.float64 if suffix == "f64" else np.float32
+    corners = rt.empty((batches, n, 5), wide)  # y_min, x_min, y_max, x_max, area
+    launch(
+        kernel_of("indexing", f"nms_corners_{suffix}"),
+        batches * n,
+        corners,
+        contiguous(boxes),
+        np.int64(settings.center_point_box),
+        np.int64(batches * n),
+    )
+    span = max(2, 1 << (n - 1).bit_length())  # the sort's length: a power of two
+    keys, order = rt.empty((pairs, span), np.uint64), rt.empty((pairs, span), np.int64)
+    gone = rt.empty((pairs, n), np.uint8)
+    kept, counts = rt.empty((pairs, capacity), np.int64), rt.empty((pairs,), np.int64)
+    threshold = settings.score_threshold
+    kernel_of("indexing", f"nms_select_{suffix}")(
+        kept,
+        counts,
+        keys,
+        order,
+        gone,
+        corners,
+        contiguous(scores),
+        np.int64(pairs),
+        np.int64(classes),
+        np.int64(n),
+        np.int64(span),
+        np.int64(capacity),
+        np.int64(threshold is not None),
+        np.float64(0.0 if threshold is None else threshold),
+        np.float64(settings.iou_threshold),
+        block=(_NMS_THREADS, 1, 1),
+        grid=(min(pairs, MAX_BLOCKS), 1),
+    )
+    ends = cum_sum(counts, 0)
+    total = int(rt.to_host(ends[pairs - 1 : pairs])[0])
+    out = rt.empty((total, 3), np.int64)
+    if total:
+        launch(
+            kernel_of("indexing", "nms_pack"),
+            pairs * capacity,
+            out,
+            kept,
+            counts,
+            ends,
+            np.int64(classes),
+            np.int64(capacity),
+            np.int64(pairs * capacity),
+        )
+    return out
