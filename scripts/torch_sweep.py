@@ -4,7 +4,7 @@ Usage::
 
     python scripts/torch_sweep.py --list
     python scripts/torch_sweep.py [CASE_OR_GROUP ...] [--out results.jsonl] [--dtype float64]
-                                  [--exporters legacy,dynamo] [--no-rerun]
+                                  [--exporters legacy,dynamo] [--no-rerun] [--device cuda]
 
 Each case builds a tiny module whose ``forward`` returns a scalar loss (a loss function directly;
 any other module as ``(out * w).sum()`` with a fixed random ``w``), and its inputs. For each exporter
@@ -1105,11 +1105,12 @@ def _alarm(signum, frame):  # pragma: no cover - signal handler
     raise _Timeout("case timed out")
 
 
-def run_case(name: str, exporter: str, dtype: torch.dtype, timeout: int) -> dict[str, Any]:
+def run_case(name: str, exporter: str, dtype: torch.dtype, timeout: int, device: str = "cpu") -> dict[str, Any]:
     import gradgen
     from gradgen.executor import Session
 
     rec: dict[str, Any] = {"case": name, "group": CASES[name][0], "exporter": exporter, "dtype": str(dtype).replace("torch.", "")}
+    rec["device"] = device
     rec.update(
         built=False,
         ran=False,
@@ -1160,7 +1161,7 @@ def run_case(name: str, exporter: str, dtype: torch.dtype, timeout: int) -> dict
         rec["built"] = True
         rec["wrt"] = list(built.wrt)
         stage = "run"
-        out = Session(built.model).run(feeds)
+        out = Session(built.model, device=device).run(feeds)
         rec["ran"] = True
         stage = "compare"
         loss = float(np.asarray(out[built.loss]))
@@ -1238,6 +1239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun-above", type=float, default=1e-3, help="float32 worst score that triggers a float64 rerun")
     parser.add_argument("--no-rerun", action="store_true")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per case and exporter")
+    parser.add_argument("--device", default="cpu", help="where gradgen runs the built graph (cpu or cuda)")
     args = parser.parse_args(argv)
     if args.list:
         for name, (group, _) in CASES.items():
@@ -1259,7 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             for exporter in args.exporters.split(","):
-                recs = [run_case(name, exporter, dtype, args.timeout)]
+                recs = [run_case(name, exporter, dtype, args.timeout, args.device)]
                 worst = recs[0]["worst"]
                 if (
                     dtype == torch.float32
@@ -1272,7 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
                         or recs[0]["unmatched"]
                     )
                 ):
-                    recs.append(run_case(name, exporter, torch.float64, args.timeout))
+                    recs.append(run_case(name, exporter, torch.float64, args.timeout, args.device))
                 for rec in recs:
                     if rec["stage"] == "skipped":
                         continue
