@@ -351,37 +351,70 @@ def sigmoid(x):
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
 
+ERF_CHUNK = 8192  # elements per pass of erf's float64 formula: its temporaries stay in the L2 cache
+
+# Numerical Recipes' Chebyshev fit of erfc (fractional error < 1.2e-7), innermost coefficient first
+_ERFC_COEFFICIENTS = (
+    0.17087277,
+    -0.82215223,
+    1.48851587,
+    -1.13520398,
+    0.27886807,
+    -0.18628806,
+    0.09678418,
+    0.37409196,
+    1.00002368,
+    -1.26551223,
+)
+
+
 def erf_array(x: np.ndarray) -> np.ndarray:
-    """erf elementwise, in x's dtype: exact (math.erf) for float64, ~1e-7 relative otherwise."""
+    """erf elementwise, in x's dtype: exact (math.erf) for float64, ~1e-7 relative otherwise.
+
+    The float32 / float16 path evaluates its float64 formula (``_erf_chunk``) over chunks of
+    ``ERF_CHUNK`` elements into buffers it reuses, so its forty-odd passes run in the cache: the
+    whole array at once took 2 s for 3 M elements (a BERT-base GELU), about 30x longer."""
     if x.dtype == np.float64 or x.dtype.kind != "f":
         return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype, copy=False)
-    z = x.astype(np.float64)
-    a = np.abs(z)
-    # |x| <= 0.5: Maclaurin series (error < 1e-16 with 12 terms).
-    z2 = z * z
-    term = z.copy()
-    series = z.copy()
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(flat.shape, x.dtype)
+    buffers = [np.empty(min(flat.size, ERF_CHUNK)) for _ in range(5)]
+    for start in range(0, flat.size, ERF_CHUNK):
+        stop = min(start + ERF_CHUNK, flat.size)
+        out[start:stop] = _erf_chunk(flat[start:stop], *(b[: stop - start] for b in buffers))
+    return out.reshape(x.shape)
+
+
+def _erf_chunk(x: np.ndarray, z: np.ndarray, a: np.ndarray, term: np.ndarray, small: np.ndarray, large: np.ndarray) -> np.ndarray:
+    """erf of ``x`` in float64, in the other arguments (buffers of x's length): the Maclaurin series
+    (12 terms, error < 1e-16) where |x| <= 0.5, Numerical Recipes' erfc fit elsewhere."""
+    z[...] = x
+    np.abs(z, out=a)
+    minus_z2 = np.multiply(z, z, out=large)
+    np.negative(minus_z2, out=minus_z2)
+    term[...] = z
+    small[...] = z
     for n in range(1, 12):
-        term = term * (-z2) / n
-        series = series + term / (2 * n + 1)
-    small = _TWO_OVER_SQRT_PI * series
-    # |x| > 0.5: Chebyshev fit of erfc (fractional error < 1.2e-7, Numerical Recipes).
-    t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (
-        1.00002368
-        + t
-        * (
-            0.37409196
-            + t
-            * (
-                0.09678418
-                + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))
-            )
-        )
-    )
-    erfc = t * np.exp(-a * a + poly)
-    large = np.sign(z) * (1.0 - erfc)
-    return np.where(a <= 0.5, small, large).astype(x.dtype)
+        np.multiply(term, minus_z2, out=term)
+        np.divide(term, n, out=term)
+        small += term / (2 * n + 1)
+    small *= _TWO_OVER_SQRT_PI
+    t = np.multiply(a, 0.5, out=term)  # the series' last term is spent
+    t += 1.0
+    np.divide(1.0, t, out=t)
+    poly = np.multiply(t, _ERFC_COEFFICIENTS[0], out=large)
+    for coefficient in _ERFC_COEFFICIENTS[1:-1]:
+        poly += coefficient
+        poly *= t
+    poly += _ERFC_COEFFICIENTS[-1]
+    exponent = np.multiply(a, a, out=z)  # z is spent once its sign is taken below
+    sign = np.sign(x)
+    np.subtract(poly, exponent, out=poly)
+    erfc = np.exp(poly, out=poly)
+    erfc *= t
+    np.subtract(1.0, erfc, out=erfc)
+    erfc *= sign
+    return np.where(a <= 0.5, small, erfc)
 
 
 @cpu_kernel("Erf")
@@ -790,10 +823,9 @@ def _gelu_grad(dY, X, approximate: bool):
         t = np.tanh(alpha * x + alpha * gamma * cube)
         d = ct.type(0.5) * (t + (ct.type(1) - t * t) * (alpha * x + beta * cube) + ct.type(1))
     else:
-        from math import erf
-
         k_alpha = ct.type(2.0 / math.sqrt(math.pi) * math.sqrt(0.5) * 0.5)
-        erf_values = np.vectorize(erf, otypes=[np.float64])(x.astype(np.float64) * math.sqrt(0.5)).astype(ct)
+        scaled = x.astype(np.float64) * math.sqrt(0.5)
+        erf_values = erf_array(scaled if ct == np.float64 else scaled.astype(ct)).astype(ct, copy=False)
         d = ct.type(0.5) * (erf_values + ct.type(1)) + x * k_alpha * np.exp(ct.type(-0.5) * x * x)
     return (dY.astype(ct, copy=False) * d).astype(dY.dtype)
 
