@@ -1,6 +1,6 @@
 """CPU kernels that pick their algorithm by size: large convolutions of group 1 run image by image
 (Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1); a large Where selects by
-bit masks. Each large-size path must compute what the general form computes (Where: the same
+bit masks; erf evaluates its formula in cache-sized chunks. Each large-size path must compute what the general form computes (Where: the same
 bits as np.where), for every geometry, broadcast and dtype; the size thresholds are lowered here
 so that small cases take them."""
 
@@ -122,3 +122,25 @@ def test_where_by_bit_masks_gives_np_where_bits(monkeypatch, dtype):
             got = cpu_elementwise.where(condition, x, y)
             assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype, (cs, xs, ys)
             assert np.array_equal(np.array(got).reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)), (cs, xs, ys)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7,), (3, 5, 11), (1000,), (0, 4)], ids=str)
+def test_erf_in_chunks_is_the_same_bits_as_in_one_pass(monkeypatch, dtype, shape):
+    """erf evaluates its float64 formula chunk by chunk: chunks of 4 elements (boundaries inside
+    every axis) give the bits of one chunk, and both stay within float32's rounding of math.erf."""
+    import math
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * 2).astype(dtype)
+    if x.size:
+        x.flat[: min(x.size, 6)] = [0.0, -0.0, 0.5, -0.5, 6.0, -1e-3][: min(x.size, 6)]
+    monkeypatch.setattr(cpu_elementwise, "ERF_CHUNK", 10**9)
+    whole = cpu_elementwise.erf_array(x)
+    monkeypatch.setattr(cpu_elementwise, "ERF_CHUNK", 4)
+    chunked = cpu_elementwise.erf_array(x)
+    assert chunked.shape == x.shape and chunked.dtype == x.dtype
+    np.testing.assert_array_equal(chunked.view(np.uint8), whole.view(np.uint8))
+    exact = np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
+    tolerance = 2e-7 if dtype == np.float32 else 1e-3
+    np.testing.assert_allclose(chunked.astype(np.float64), exact, rtol=tolerance, atol=1e-30)
