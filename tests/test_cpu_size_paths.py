@@ -1,8 +1,8 @@
 """CPU kernels that pick their algorithm by size: large convolutions of group 1 run image by image
 (Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1); a large Where selects by
-bit masks; erf evaluates its formula in cache-sized chunks. Each large-size path must compute what the general form computes (Where: the same
-bits as np.where), for every geometry, broadcast and dtype; the size thresholds are lowered here
-so that small cases take them."""
+bit masks; erf evaluates its formula in cache-sized chunks. Each large-size path must compute what
+the general form computes (Where and erf: the same bits), for every geometry, broadcast and dtype;
+the size thresholds are lowered here so that small cases take them."""
 
 from __future__ import annotations
 
