@@ -313,8 +313,9 @@ def unary_op(op_type: str, *, cuda: str, **attrs: float):
 @unary_op("Shrink", cuda="x < C(-lambd) ? x + C(bias) : (x > C(lambd) ? x - C(bias) : C(0))", bias=0.0, lambd=0.5)
 def shrink(x, *, bias=0.0, lambd=0.5):
     """x + bias below -lambd, x - bias above lambd, 0 in between (in x's dtype)."""
-    y = np.where(x < -lambd, x + bias, np.where(x > lambd, x - bias, 0))
-    return y.astype(x.dtype, copy=False)
+    zero = np.zeros((), x.dtype)
+    inner = select(x > lambd, np.asarray(x - bias, x.dtype), zero)
+    return select(x < -lambd, np.asarray(x + bias, x.dtype), inner)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +346,8 @@ for _op, _fn in (
 def sigmoid(x):
     # exp of a non-positive number only: no overflow warnings for large |x|.
     e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+    d = 1 + e
+    return select(x >= 0, np.asarray(1 / d, x.dtype), np.asarray(e / d, x.dtype))
 
 
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -409,7 +411,7 @@ def _erf_chunk(x: np.ndarray, z: np.ndarray, a: np.ndarray, w: np.ndarray, small
     erfc *= t
     np.subtract(1.0, erfc, out=erfc)
     erfc *= np.sign(x)
-    return np.where(a <= 0.5, small, erfc)
+    return _bit_select(a <= 0.5, small, erfc, small.shape)
 
 
 def _horner(coefficients: tuple[float, ...], t: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -439,7 +441,7 @@ def relu_into(position, x):
 
 @cpu_kernel("LeakyRelu")
 def leaky_relu(x, *, alpha=0.01):
-    return np.where(x < 0, x * alpha, x).astype(x.dtype, copy=False)
+    return select(x < 0, np.asarray(x * alpha, x.dtype), x)
 
 
 @cpu_kernel("PRelu")
@@ -449,18 +451,18 @@ def prelu(x, slope):
     except ValueError:
         raise KernelError(f"slope shape {list(slope.shape)} does not broadcast to X shape {list(x.shape)}") from None
     _same_type(x, slope)
-    return np.where(x < 0, x * slope, x).astype(x.dtype, copy=False)
+    return select(x < 0, x * slope, x)
 
 
 @cpu_kernel("Elu")
 def elu(x, *, alpha=1.0):
-    return np.where(x < 0, alpha * np.expm1(np.minimum(x, 0)), x).astype(x.dtype, copy=False)
+    return select(x < 0, np.asarray(alpha * np.expm1(np.minimum(x, 0)), x.dtype), x)
 
 
 @cpu_kernel("Selu")
 def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
-    neg_part = alpha * np.expm1(np.minimum(x, 0))
-    return (gamma * np.where(x > 0, x, neg_part)).astype(x.dtype, copy=False)
+    neg_part = np.asarray(alpha * np.expm1(np.minimum(x, 0)), x.dtype)
+    return np.asarray(gamma * select(x > 0, x, neg_part), x.dtype)
 
 
 @cpu_kernel("Celu")
@@ -502,7 +504,7 @@ def swish(x, *, alpha=1.0):
 
 @cpu_kernel("ThresholdedRelu")
 def thresholded_relu(x, *, alpha=1.0):
-    return np.where(x > alpha, x, 0).astype(x.dtype, copy=False)
+    return select(x > alpha, x, np.zeros((), x.dtype))
 
 
 @cpu_kernel("Gelu")
@@ -554,9 +556,16 @@ def where(condition, x, y):
     if condition.dtype != np.bool_:
         raise KernelError(f"condition must be bool, got {condition.dtype}")
     _same_type(x, y)
+    return select(condition, x, y)
+
+
+def select(condition: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``np.where(condition, x, y)`` bit for bit, for x and y of one dtype (either may be 0-d):
+    from ``BIT_SELECT_ELEMENTS`` elements by bit masks (``_bit_select``), which do not branch per
+    element (np.where of 1 M float32 elements: 3.8 ms, about ten times an exp)."""
     # sizes, not the broadcast shape, decide (np.broadcast_shapes costs microseconds a small step lacks)
     large = max(condition.size, x.size, y.size) >= BIT_SELECT_ELEMENTS
-    if large and x.dtype.kind in "fiubV" and x.dtype.itemsize in _SAME_WIDTH_INTS:
+    if large and x.dtype == y.dtype and x.dtype.kind in "fiubV" and x.dtype.itemsize in _SAME_WIDTH_INTS:
         return _bit_select(condition, x, y, np.broadcast_shapes(condition.shape, x.shape, y.shape))
     return np.where(condition, x, y)
 
@@ -670,7 +679,7 @@ def _training_dropout(data: np.ndarray, ratio: float, seed) -> tuple[np.ndarray,
     rng = np.random.default_rng(None if seed is None else int(seed))
     mask = rng.random(data.shape) >= ratio
     scale = np.asarray(1.0 / (1.0 - ratio), dtype=data.dtype)
-    return np.where(mask, data * scale, np.zeros((), data.dtype)).astype(data.dtype, copy=False), mask
+    return select(mask, np.asarray(data * scale, data.dtype), np.zeros((), data.dtype)), mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,7 +807,7 @@ BIAS_FAST_GELU_GRAD_DX = _activation_grad_schema("BiasFastGeluGrad_dX", "X", "B"
 def relu_grad(dY, X):
     """dX = dY where X > 0, else 0."""
     same_shape(dY, X, "dY", "X")
-    return np.where(X > 0, dY, np.zeros((), dtype=dY.dtype)).astype(dY.dtype, copy=False)
+    return select(X > 0, dY, np.zeros((), dtype=dY.dtype))
 
 
 @cpu_kernel("SigmoidGrad", domain=MICROSOFT)
