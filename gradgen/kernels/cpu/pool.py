@@ -329,14 +329,61 @@ def resize(
         exclude_outside=exclude_outside,
         antialias=antialias,
     )
+    roi_key = None if roi is None else (np.asarray(roi, np.float64).tobytes(), np.size(roi))
+    key = (
+        tuple(x.shape),
+        tuple(out),
+        tuple(factors),
+        tuple(sorted(attrs.items())),
+        roi_key,
+        None if axes is None else tuple(axes),
+    )
     y = x.astype(np.float64)
-    for axis, (m, outside) in resize_matrices(x.shape, out, factors, attrs, roi, axes).items():
-        y = np.moveaxis(np.tensordot(m, y, axes=([1], [axis])), 0, axis)
+    for axis, (columns, weights, outside) in _resize_taps(key, roi, axes).items():
+        y = _taps_along(y, columns, weights, axis)
         if outside is not None:
             index = [slice(None)] * y.ndim
             index[axis] = outside
             y[tuple(index)] = extrapolation_value
     return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+def _resize_taps(key: tuple, roi, axes) -> dict:
+    """Axis -> (columns, weights, outside): each resized axis's matrix (``resize_matrices``) as the
+    input positions and weights of its non-zero taps per output position (out x taps, padded with
+    zero weights): a linear resize reads 2 inputs per output, not the whole axis. Cached per shapes
+    and attributes."""
+    cached = _RESIZE_TAPS.get(key)
+    if cached is None:
+        x_shape, out, factors, attrs, _, _ = key
+        cached = {}
+        for axis, (m, outside) in resize_matrices(x_shape, out, factors, dict(attrs), roi, axes).items():
+            taps = max(1, int((m != 0).sum(axis=1).max(initial=0)))
+            columns = np.argsort(m == 0, axis=1, kind="stable")[:, :taps]  # the non-zero columns first, in order
+            cached[axis] = (columns, np.take_along_axis(m, columns, axis=1), outside)
+        if len(_RESIZE_TAPS) >= 64:
+            _RESIZE_TAPS.clear()
+        _RESIZE_TAPS[key] = cached
+    return cached
+
+
+_RESIZE_TAPS: dict = {}
+
+
+def _taps_along(y: np.ndarray, columns: np.ndarray, weights: np.ndarray, axis: int) -> np.ndarray:
+    """sum_t weights[:, t] * y[columns[:, t]] along ``axis`` (float64)."""
+    view = [1] * y.ndim
+    view[axis] = columns.shape[0]
+    total = None
+    for t in range(columns.shape[1]):
+        part = np.take(y, columns[:, t], axis=axis)
+        part *= weights[:, t].reshape(view)
+        total = part if total is None else np.add(total, part, out=total)
+    if total is None:  # an empty input axis: no taps
+        shape = list(y.shape)
+        shape[axis] = columns.shape[0]
+        return np.zeros(shape)
+    return total
 
 
 @cpu_kernel("Upsample")
