@@ -102,6 +102,24 @@ def fresh_letters(taken: set[str], count: int, equation: object) -> list[str]:
     return free[:count]
 
 
+def check_label_sizes(equation: Equation, shapes: Sequence[Sequence[int]]) -> None:
+    """KernelError unless every label of an explicit equation has one size across the operands
+    (1 broadcasts against n, as numpy's einsum allows), each operand's rank its term's length."""
+    text = str(equation)
+    sizes: dict[str, tuple[int, int]] = {}  # label -> (its size other than 1, the input it is from)
+    for k, (term, shape) in enumerate(zip(equation.inputs, shapes)):
+        if len(term) != len(shape):
+            raise KernelError(f"Einsum equation {text!r}: input {k} has rank {len(shape)}, its term {len(term)} labels")
+        for label, size in zip(term, shape):
+            seen = sizes.get(label)
+            if size != 1 and seen is not None and seen[0] != size:
+                raise KernelError(
+                    f"Einsum equation {text!r}: label {label!r} has size {seen[0]} in input {seen[1]} and {size} in input {k}"
+                )
+            if size != 1 and seen is None:
+                sizes[label] = (int(size), k)
+
+
 def explicit_equation(equation: Equation, ranks: Sequence[int]) -> Equation:
     """The same contraction without an ellipsis: its dims get fresh letters, right-aligned."""
     covered = ellipsis_ranks(equation, ranks)

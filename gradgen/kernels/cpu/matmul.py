@@ -15,7 +15,7 @@ from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
-from gradgen.ops.einsum import explicit_equation, parse_equation
+from gradgen.ops.einsum import check_label_sizes, explicit_equation, parse_equation
 from gradgen.ops.matmul import check_fused_ranks, fused_matmul_output_dims, fused_operand_perm
 from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
@@ -124,6 +124,7 @@ def einsum(*inputs, equation):
     """Any equation (diagonals, ellipsis anywhere, implicit output: gradgen.ops.einsum), run by numpy
     in its explicit form; the result never shares memory with an input (numpy's diagonal is a view)."""
     explicit = explicit_equation(parse_equation(equation, len(inputs)), [x.ndim for x in inputs])
+    check_label_sizes(explicit, [x.shape for x in inputs])
     try:  # optimize: contractions through BLAS (tensordot), not numpy's own loops (4x slower on a GEMM)
         out = np.einsum(str(explicit), *inputs, optimize=len(inputs) > 1)
     except ValueError as exc:
