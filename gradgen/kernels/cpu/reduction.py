@@ -223,16 +223,19 @@ def _unchanged(y):
 @cpu_kernel("Softmax")
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    e = np.exp(z - np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
-    return restore(e / np.add.reduce(e, axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+    e = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
+    np.exp(e, out=e)  # in place: one buffer instead of three, the same bits
+    np.divide(e, np.add.reduce(e, axis=-1, keepdims=True), out=e)
+    return restore(e).astype(x.dtype, copy=False)
 
 
 @cpu_kernel("LogSoftmax")
 def log_softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
-    shifted = z - np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf)
-    out = shifted - np.log(np.add.reduce(np.exp(shifted), axis=-1, keepdims=True))
-    return restore(out).astype(x.dtype, copy=False)
+    shifted = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
+    log_sum = np.log(np.add.reduce(np.exp(shifted), axis=-1, keepdims=True))
+    np.subtract(shifted, log_sum, out=shifted)
+    return restore(shifted).astype(x.dtype, copy=False)
 
 
 @cpu_kernel("Hardmax")
