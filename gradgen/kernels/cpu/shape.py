@@ -179,7 +179,15 @@ def unsqueeze(data, axes=None):
 
 @cpu_kernel("Concat")
 def concat(*inputs, axis):
+    """np.concatenate of the inputs of one dtype, which checks ranks, dims and the axis itself (a
+    few microseconds less a step than checking first); where it refuses, ``concat_shape`` raises
+    the error that says why."""
     arrays = [x for x in inputs if x is not None]
+    if arrays and all(x.dtype == arrays[0].dtype for x in arrays):
+        try:
+            return np.concatenate(arrays, axis=axis)
+        except ValueError:  # numpy's AxisError is a ValueError too
+            pass
     ax, _ = concat_shape([x.shape for x in arrays], [x.dtype for x in arrays], axis)
     return np.concatenate(arrays, axis=ax)
 
