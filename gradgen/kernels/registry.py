@@ -39,20 +39,9 @@ CPU_FAMILIES = (
     "reduction",
     "shape",
 )
-CUDA_FAMILIES = (
-    "control",
-    "conv",
-    "elementwise",
-    "indexing",
-    "loss",
-    "matmul",
-    "norm",
-    "optimizer",
-    "pool",
-    "quantize",
-    "reduction",
-    "shape",
-)
+# attention and recurrent ops run on the GPU as the standard ops their lowerings write (see
+# CUDA_STANDARD_FORMS): no launchers of their own
+CUDA_FAMILIES = tuple(family for family in CPU_FAMILIES if family not in ("attention", "recurrent"))
 
 _KERNELS = KERNELS  # the table itself, under its former name
 

@@ -209,40 +209,35 @@ def run_scan_8(arrays, args: tuple, body: ir.Graph, num_scan_inputs: int, direct
     return tuple(outputs)
 
 
-@cpu_kernel("If")
-def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
-    return run_if(HOST_ARRAYS, cond, args, then_branch, else_branch, _captured, _opset)
+def control_flow_kernels(arrays) -> dict:
+    """If, Loop and Scan as kernels (the executor's calling convention) over ``arrays``: the
+    CPU's here, the GPU's in gradgen/kernels/cuda/control.py."""
 
+    def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
+        return run_if(arrays, cond, args, then_branch, else_branch, _captured, _opset)
 
-@cpu_kernel("Loop")
-def loop(m, cond, *args, body, _captured=(), _opset=1):
-    return run_loop(HOST_ARRAYS, m, cond, args, body, _captured, _opset)
+    def loop(m, cond, *args, body, _captured=(), _opset=1):
+        return run_loop(arrays, m, cond, args, body, _captured, _opset)
 
-
-@cpu_kernel("Scan")
-def scan(
-    *args,
-    body,
-    num_scan_inputs,
-    scan_input_axes=None,
-    scan_input_directions=None,
-    scan_output_axes=None,
-    scan_output_directions=None,
-    directions=None,
-    _captured=(),
-    _opset=1,
-):
-    if _opset < 9:
-        return run_scan_8(HOST_ARRAYS, args, body, num_scan_inputs, directions, _captured)
-    return run_scan(
-        HOST_ARRAYS,
-        args,
+    def scan(
+        *args,
         body,
         num_scan_inputs,
-        scan_input_axes,
-        scan_input_directions,
-        scan_output_axes,
-        scan_output_directions,
-        _captured,
-        _opset,
-    )
+        scan_input_axes=None,
+        scan_input_directions=None,
+        scan_output_axes=None,
+        scan_output_directions=None,
+        directions=None,
+        _captured=(),
+        _opset=1,
+    ):
+        if _opset < 9:
+            return run_scan_8(arrays, args, body, num_scan_inputs, directions, _captured)
+        axes_and_directions = (scan_input_axes, scan_input_directions, scan_output_axes, scan_output_directions)
+        return run_scan(arrays, args, body, num_scan_inputs, *axes_and_directions, _captured, _opset)
+
+    return {"If": if_, "Loop": loop, "Scan": scan}
+
+
+for _op, _kernel in control_flow_kernels(HOST_ARRAYS).items():
+    cpu_kernel(_op)(_kernel)

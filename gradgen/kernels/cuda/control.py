@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.kernels.cpu.control import body_session, run_if, run_loop, run_scan, run_scan_8
+from gradgen.kernels.cpu.control import body_session, control_flow_kernels
 from gradgen.kernels.cuda.launch import contiguous, runtime
 from gradgen.kernels.cuda.shape import concat, reshaped, transpose
 from gradgen.kernels.table import cuda_kernel
@@ -80,40 +80,5 @@ def _on_device(value):
     return value if rt.is_device(value) else rt.to_device(np.asarray(value))
 
 
-@cuda_kernel("If", inputs_as_placed=True)
-def if_(cond, *args, then_branch, else_branch, _captured=(), _opset=1):
-    return run_if(DEVICE_ARRAYS, cond, args, then_branch, else_branch, _captured, _opset)
-
-
-@cuda_kernel("Loop", inputs_as_placed=True)
-def loop(m, cond, *args, body, _captured=(), _opset=1):
-    return run_loop(DEVICE_ARRAYS, m, cond, args, body, _captured, _opset)
-
-
-@cuda_kernel("Scan", inputs_as_placed=True)
-def scan(
-    *args,
-    body,
-    num_scan_inputs,
-    scan_input_axes=None,
-    scan_input_directions=None,
-    scan_output_axes=None,
-    scan_output_directions=None,
-    directions=None,
-    _captured=(),
-    _opset=1,
-):
-    if _opset < 9:
-        return run_scan_8(DEVICE_ARRAYS, args, body, num_scan_inputs, directions, _captured)
-    return run_scan(
-        DEVICE_ARRAYS,
-        args,
-        body,
-        num_scan_inputs,
-        scan_input_axes,
-        scan_input_directions,
-        scan_output_axes,
-        scan_output_directions,
-        _captured,
-        _opset,
-    )
+for _op, _kernel in control_flow_kernels(DEVICE_ARRAYS).items():
+    cuda_kernel(_op, inputs_as_placed=True)(_kernel)

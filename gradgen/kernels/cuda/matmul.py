@@ -332,15 +332,7 @@ def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, 
     from gradgen.kernels.cuda.shape import reshaped
 
     check_linear_quantized("QLinearMatMul", a, a_zero_point, b, b_zero_point, y_zero_point, (a_scale, b_scale, y_scale))
-    named = dict(
-        a_scale=a_scale,
-        a_zero_point=a_zero_point,
-        b_scale=b_scale,
-        b_zero_point=b_zero_point,
-        y_scale=y_scale,
-        y_zero_point=y_zero_point,
-    )
-    shapes = cpu.qlinear_matmul_shapes(a.shape, b.shape, named)
+    shapes = cpu.qlinear_matmul_shapes(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
     accumulated = matmul(
         wide_operand(a, a_zero_point, shapes.get("a_zero_point")), wide_operand(b, b_zero_point, shapes.get("b_zero_point"))
     )
