@@ -49,19 +49,21 @@ def qlinear_operand_shape(value_shape, count: int | None, side: str, what: str) 
     return (count, 1) if side == "row" else (count,)
 
 
-def qlinear_matmul_shapes(a_shape, b_shape, scales_and_points: dict) -> dict[str, tuple[int, ...]]:
-    """Each named scale / zero point's broadcast shape (``qlinear_operand_shape``), after MatMul's
-    shape checks."""
-    check_matmul_shapes(a_shape, b_shape)
-    rows = a_shape[-2] if len(a_shape) >= 2 else None
-    columns = b_shape[-1] if len(b_shape) >= 2 else None
-    return {
-        name: qlinear_operand_shape(
-            tuple(value.shape), columns if name.startswith("b_") else rows, "column" if name.startswith("b_") else "row", name
-        )
-        for name, value in scales_and_points.items()
-        if value is not None
+def qlinear_matmul_shapes(
+    a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point
+) -> dict[str, tuple[int, ...]]:
+    """Each present scale / zero point's broadcast shape by its input name
+    (``qlinear_operand_shape``), after MatMul's shape checks. Arrays of either device."""
+    check_matmul_shapes(a.shape, b.shape)
+    rows = a.shape[-2] if len(a.shape) >= 2 else None
+    columns = b.shape[-1] if len(b.shape) >= 2 else None
+    per_row = dict(a_scale=a_scale, a_zero_point=a_zero_point, y_scale=y_scale, y_zero_point=y_zero_point)
+    per_column = dict(b_scale=b_scale, b_zero_point=b_zero_point)
+    shapes = {name: qlinear_operand_shape(tuple(v.shape), rows, "row", name) for name, v in per_row.items() if v is not None}
+    shapes |= {
+        name: qlinear_operand_shape(tuple(v.shape), columns, "column", name) for name, v in per_column.items() if v is not None
     }
+    return shapes
 
 
 @cpu_kernel("QLinearMatMul")
@@ -72,23 +74,17 @@ def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, 
     from gradgen.kernels.cpu.quantize import check_linear_quantized, requantize, requantized_type
 
     check_linear_quantized("QLinearMatMul", a, a_zero_point, b, b_zero_point, y_zero_point, (a_scale, b_scale, y_scale))
-    named = dict(
-        a_scale=a_scale,
-        a_zero_point=a_zero_point,
-        b_scale=b_scale,
-        b_zero_point=b_zero_point,
-        y_scale=y_scale,
-        y_zero_point=y_zero_point,
-    )
-    shapes = qlinear_matmul_shapes(a.shape, b.shape, named)
-    view = {name: np.asarray(value).reshape(shapes[name]) for name, value in named.items() if value is not None}
+    inputs = dict(a_scale=a_scale, a_zero_point=a_zero_point, b_scale=b_scale, b_zero_point=b_zero_point, y_scale=y_scale)
+    shapes = qlinear_matmul_shapes(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
+    view = {name: np.asarray(value).reshape(shapes[name]) for name, value in inputs.items() if value is not None}
     a_wide, b_wide = a.astype(np.float64), b.astype(np.float64)
     if a_zero_point is not None:
         a_wide -= view["a_zero_point"]
     if b_zero_point is not None:
         b_wide -= view["b_zero_point"]
     ratio = view["a_scale"] * view["b_scale"] / view["y_scale"]
-    return requantize(np.matmul(a_wide, b_wide), ratio, view.get("y_zero_point"), requantized_type(y_zero_point, a.dtype))
+    y_zp = None if y_zero_point is None else np.asarray(y_zero_point).reshape(shapes["y_zero_point"])
+    return requantize(np.matmul(a_wide, b_wide), ratio, y_zp, requantized_type(y_zero_point, a.dtype))
 
 
 @cpu_kernel("MatMul")
