@@ -56,6 +56,16 @@ def test_qlinear_matmul_per_row_and_per_column(dtype, per_row, per_column):
     np.testing.assert_array_equal(got, _integer_matmul(*inputs))
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=str)
+def test_qlinear_matmul_per_row_with_a_vector_b(dtype):
+    """A 1-D B leaves the product no column axis: per-row values scale its last axis."""
+    inputs = matmul_case(dtype, (4, 6), (6,), per_row=True)
+    got, _, _ = _both("QLinearMatMul", inputs)
+    assert got.shape == (4,)
+    as_matrix = inputs[:3] + [inputs[3].reshape(6, 1)] + inputs[4:]
+    np.testing.assert_array_equal(got, _integer_matmul(*as_matrix)[:, 0])
+
+
 @pytest.mark.parametrize("scale_type", sorted(SCALE_TYPES))
 def test_qlinear_matmul_16_bit_scales_read_as_float32(scale_type):
     """The CPU backend hands 16-bit floats to a kernel as float32: the ratio is one float32 product

@@ -26,6 +26,10 @@ def test_qlinear_matmul(launches, dtype, shapes, per):
     check(launches, "QLinearMatMul", inputs, exact=True)
 
 
+def test_qlinear_matmul_per_row_with_a_vector_b(launches):
+    check(launches, "QLinearMatMul", matmul_case(np.int8, (4, 6), (6,), per_row=True), exact=True)
+
+
 @pytest.mark.parametrize("scale_type", sorted(SCALE_TYPES))
 def test_qlinear_matmul_16_bit_scales(launches, scale_type):
     check(launches, "QLinearMatMul", matmul_case(np.int8, (3, 4), (4, 5), scale_type=SCALE_TYPES[scale_type]), exact=True)

@@ -6,6 +6,7 @@ surfacing as numpy's generic error.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -53,13 +54,17 @@ def qlinear_matmul_shapes(
     a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point
 ) -> dict[str, tuple[int, ...]]:
     """Each present scale / zero point's broadcast shape by its input name
-    (``qlinear_operand_shape``), after MatMul's shape checks. Arrays of either device."""
+    (``qlinear_operand_shape``), after MatMul's shape checks: a per-row value is a column against
+    A and against the product, or a vector against the product of a 1-D B. Arrays of either
+    device."""
     check_matmul_shapes(a.shape, b.shape)
     rows = a.shape[-2] if len(a.shape) >= 2 else None
     columns = b.shape[-1] if len(b.shape) >= 2 else None
     per_row = dict(a_scale=a_scale, a_zero_point=a_zero_point, y_scale=y_scale, y_zero_point=y_zero_point)
     per_column = dict(b_scale=b_scale, b_zero_point=b_zero_point)
     shapes = {name: qlinear_operand_shape(tuple(v.shape), rows, "row", name) for name, v in per_row.items() if v is not None}
+    if len(b.shape) == 1:  # the product has no column axis: its rows are its last axis
+        shapes |= {name: shape[:-1] for name, shape in shapes.items() if name != "a_zero_point"}
     shapes |= {
         name: qlinear_operand_shape(tuple(v.shape), columns, "column", name) for name, v in per_column.items() if v is not None
     }
@@ -115,15 +120,30 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     return np.asarray(out).astype(dtype, copy=False)
 
 
+EINSUM_BLAS_ELEMENTS = 1 << 12  # operand size from which Einsum contracts through BLAS
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_equation(equation: str, ranks: tuple[int, ...]):
+    """(the equation with every ellipsis made explicit for these operand ranks, its text), parsed
+    once per equation and ranks; an invalid equation raises again on each call (not cached)."""
+    explicit = explicit_equation(parse_equation(equation, len(ranks)), list(ranks))
+    return explicit, str(explicit)
+
+
 @cpu_kernel("Einsum")
 def einsum(*inputs, equation):
     """Any equation (diagonals, ellipsis anywhere, implicit output: gradgen.ops.einsum), run by numpy
     in its explicit form; the result never shares memory with an input (numpy's diagonal is a view)."""
-    explicit = explicit_equation(parse_equation(equation, len(inputs)), [x.ndim for x in inputs])
-    check_label_sizes(explicit, [x.shape for x in inputs])
-    try:  # optimize: contractions through BLAS (tensordot), not numpy's own loops (4x slower on a GEMM)
-        out = np.einsum(str(explicit), *inputs, optimize=len(inputs) > 1)
+    ranks = tuple(x.ndim for x in inputs)
+    explicit, text = _parsed_equation(equation, ranks)
+    # optimize: contractions through BLAS (tensordot), not numpy's own loops (8x slower on a 1024^3
+    # GEMM); its path search costs about 10 us a call, more than a small contraction itself
+    optimize = len(inputs) > 1 and max(x.size for x in inputs) >= EINSUM_BLAS_ELEMENTS
+    try:
+        out = np.einsum(text, *inputs, optimize=optimize)
     except ValueError as exc:
+        check_label_sizes(explicit, [x.shape for x in inputs])  # the clearer message, where it applies
         raise KernelError(f"equation {equation!r} with shapes {[list(x.shape) for x in inputs]}: {exc}") from None
     out = np.asarray(out).astype(np.result_type(*inputs), copy=False)
     return out.copy() if any(np.may_share_memory(out, x) for x in inputs) else out

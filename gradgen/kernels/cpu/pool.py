@@ -371,13 +371,20 @@ _RESIZE_TAPS: dict = {}
 
 
 def _taps_along(y: np.ndarray, columns: np.ndarray, weights: np.ndarray, axis: int) -> np.ndarray:
-    """sum_t weights[:, t] * y[columns[:, t]] along ``axis`` (float64)."""
+    """sum_t weights[:, t] * y[columns[:, t]] along ``axis`` (float64). A padding tap (weight 0)
+    adds nothing, not 0 * its column: an inf or NaN there stays out of that output."""
     view = [1] * y.ndim
     view[axis] = columns.shape[0]
     total = None
     for t in range(columns.shape[1]):
         part = np.take(y, columns[:, t], axis=axis)
-        part *= weights[:, t].reshape(view)
+        padding = weights[:, t] == 0
+        if padding.any():
+            with np.errstate(invalid="ignore"):  # 0 * inf, set to 0 below
+                part *= weights[:, t].reshape(view)
+            np.copyto(part, 0.0, where=padding.reshape(view))
+        else:
+            part *= weights[:, t].reshape(view)
         total = part if total is None else np.add(total, part, out=total)
     if total is None:  # an empty input axis: no taps
         shape = list(y.shape)
