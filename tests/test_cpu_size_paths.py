@@ -1,8 +1,9 @@
 """CPU kernels that pick their algorithm by size: large convolutions of group 1 run image by image
 (Conv) or as a Conv of the flipped kernel (ConvTranspose of stride 1); a large Where selects by
-bit masks; erf evaluates its formula in cache-sized chunks. Each large-size path must compute what
-the general form computes (Where and erf: the same bits), for every geometry, broadcast and dtype;
-the size thresholds are lowered here so that small cases take them."""
+bit masks; erf evaluates its formula in cache-sized chunks; a small K of a long axis is selected by
+partition. Each large-size path must compute what the general form computes (Where, erf and TopK:
+the same bits), for every geometry, broadcast and dtype; the size thresholds are lowered (or
+raised) here so that small cases take them (or not)."""
 
 from __future__ import annotations
 
@@ -144,3 +145,30 @@ def test_erf_in_chunks_is_the_same_bits_as_in_one_pass(monkeypatch, dtype, shape
     exact = np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
     tolerance = 2e-7 if dtype == np.float32 else 1e-3
     np.testing.assert_allclose(chunked.astype(np.float64), exact, rtol=tolerance, atol=1e-30)
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("values", ["normal", "few integers", "uint8", "zeros and infinities"])
+def test_top_k_by_partition_is_the_full_sort(monkeypatch, values, largest):
+    """A small K of a long axis is selected by partition; rows with more copies of the K-th value
+    than it takes are sorted whole. Positions and values (signed zeros too) equal the stable sort's."""
+    from gradgen.kernels.cpu import reduction as cpu_reduction
+
+    rng = np.random.default_rng(12)
+    draws = {
+        "normal": lambda shape: rng.standard_normal(shape).astype(np.float32),
+        "few integers": lambda shape: rng.integers(-3, 4, shape).astype(np.int64),
+        "uint8": lambda shape: rng.integers(0, 5, shape).astype(np.uint8),
+        "zeros and infinities": lambda shape: rng.choice(np.array([-0.0, 0.0, 1.0, -np.inf, np.inf]), shape),
+    }
+    for shape, axis in [((3, 80), 1), ((70, 2, 3), 0), ((2, 5, 90), -1), ((2, 65, 3), 1)]:
+        x = draws[values](shape)
+        k = max(1, shape[axis] // 5)
+        monkeypatch.setattr(cpu_reduction, "TOPK_PARTITION_AXIS", 10**9)
+        want_values, want_indices = cpu_reduction.top_k(x, np.array([k]), axis=axis, largest=largest)
+        monkeypatch.setattr(cpu_reduction, "TOPK_PARTITION_AXIS", 64)
+        got_values, got_indices = cpu_reduction.top_k(x, np.array([k]), axis=axis, largest=largest)
+        np.testing.assert_array_equal(got_indices, want_indices)
+        np.testing.assert_array_equal(got_values, want_values)
+        if x.dtype.kind == "f":
+            np.testing.assert_array_equal(np.signbit(got_values), np.signbit(want_values))

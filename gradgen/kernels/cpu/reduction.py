@@ -258,23 +258,55 @@ def top_k_count(k, attrs: dict) -> int:
     return int(np.asarray(k).reshape(-1)[0])
 
 
+TOPK_PARTITION_AXIS = 64  # axis length from which a small K selects by partition, not a full sort
+
+
 @cpu_kernel("TopK")
 def top_k(x, k=None, *, axis=-1, largest=1, sorted=1, **attrs):
+    """The K largest (or smallest) along ``axis``, in order, equal values by the lower index first
+    (numpy's stable order; NaN above everything)."""
     k = top_k_count(k, attrs)
     ax = normalize_axis(axis, x.ndim)
     n = x.shape[ax]
     if not 0 <= k <= n:
         raise KernelError(f"K={k} is out of range for axis {ax} of size {n}")
-    if largest:
-        # Descending order, ties keep the lower index first: stable-sort the reversed axis
-        # ascending, then read it backwards.
-        order = np.argsort(np.flip(x, axis=ax), axis=ax, kind="stable")
-        order = n - 1 - np.flip(order, axis=ax)
+    moved = np.moveaxis(x, ax, -1)
+    partitioned = n >= TOPK_PARTITION_AXIS and 0 < 4 * k <= n and moved.size and x.dtype.kind in "fiu"
+    if partitioned and not (x.dtype.kind == "f" and np.isnan(moved).any()):
+        indices = _top_k_by_partition(moved, k, bool(largest))
     else:
-        order = np.argsort(x, axis=ax, kind="stable")
-    indices = np.take(order, np.arange(k), axis=ax).astype(np.int64)
-    values = np.take_along_axis(x, indices, axis=ax)
-    return values, indices
+        indices = _top_k_by_sort(moved, k, bool(largest))
+    values = np.take_along_axis(moved, indices, axis=-1)
+    return np.moveaxis(values, -1, ax), np.moveaxis(indices, -1, ax)
+
+
+def _top_k_by_sort(rows: np.ndarray, k: int, largest: bool) -> np.ndarray:
+    """The first K positions of each row (last axis) in TopK's order: a stable sort of the whole row."""
+    if largest:
+        # descending, ties keep the lower index first: stable-sort the reversed row ascending, then
+        # read it backwards
+        order = np.argsort(np.flip(rows, axis=-1), axis=-1, kind="stable")
+        order = rows.shape[-1] - 1 - np.flip(order, axis=-1)
+    else:
+        order = np.argsort(rows, axis=-1, kind="stable")
+    return order[..., :k].astype(np.int64)
+
+
+def _top_k_by_partition(rows: np.ndarray, k: int, largest: bool) -> np.ndarray:
+    """``_top_k_by_sort``'s positions, from a partition of each row (linear time) and a sort of the
+    K selected only. A partition breaks ties at the K-th value arbitrarily, so a row holding more
+    of that value than the selection takes is sorted whole instead. No NaN in ``rows``."""
+    n = rows.shape[-1]
+    chosen = np.argpartition(rows, n - k if largest else k - 1, axis=-1)
+    chosen = chosen[..., n - k :] if largest else chosen[..., :k]
+    chosen.sort(axis=-1)  # by position: the stable sort below keeps equal values in index order
+    values = np.take_along_axis(rows, chosen, axis=-1)
+    indices = np.take_along_axis(chosen, _top_k_by_sort(values, k, largest), axis=-1)
+    boundary = values.min(axis=-1, keepdims=True) if largest else values.max(axis=-1, keepdims=True)
+    ambiguous = np.count_nonzero(rows == boundary, axis=-1) > np.count_nonzero(values == boundary, axis=-1)
+    if ambiguous.any():
+        indices[ambiguous] = _top_k_by_sort(rows[ambiguous], k, largest)
+    return indices
 
 
 # ---------------------------------------------------------------------------------------------
