@@ -55,6 +55,7 @@ def test_second_run_reuses_freed_memory():
 # in place: elementwise steps write their result over an input that dies at the step
 
 import numpy as np  # noqa: E402
+import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from gradgen.executor import cpu_program  # noqa: E402
@@ -240,3 +241,33 @@ def test_an_embedding_gradient_scatters_into_its_zeros_in_place(in_place_at_any_
         np.add.at(expected, np.array([5, 0, 5, -2]), u)
         assert out["g"].tobytes() == expected.tobytes()
         assert reused == ["ScatterND"]
+
+
+def test_the_unobserved_program_writes_large_two_input_results_over_dying_inputs(monkeypatch):
+    """The prepared program's two-input in-place runner (no step observer): a chain of binary
+    steps on 1 MiB arrays holds one intermediate at a time, not two, and computes the same bits."""
+    import tracemalloc
+
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["t"]),
+        helper.make_node("Add", ["t", "x"], ["u"]),  # t dies here: u may take its memory
+        helper.make_node("Sub", ["u", "x"], ["v"]),  # u dies here
+        helper.make_node("Mul", ["v", "x"], ["y"]),
+    ]
+    model = onnx.shape_inference.infer_shapes(_model(nodes, [("x", ["n"])], ["y"], []))  # typed: no 16-bit checks
+    x = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
+    want = (((x * x) + x) - x) * x
+
+    def peak(min_bytes: int) -> int:
+        monkeypatch.setattr(cpu_program, "IN_PLACE_MIN_BYTES", min_bytes)
+        sess = session_module.Session(model)
+        assert [step.may_read_low_precision for step in sess.steps] == [False] * 4
+        sess.run({"x": x})  # warm-up (plans, caches)
+        tracemalloc.start()
+        out = sess.run({"x": x})["y"]
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert out.tobytes() == want.tobytes()
+        return peak_bytes
+
+    assert peak(64 * 1024) < peak(1 << 40) - x.nbytes // 2

@@ -99,6 +99,8 @@ class CpuProgram:
         if step.low_precision or step.may_read_low_precision:
             execute = self._run_step
         elif step.reuse:
+            if len(outputs) == 1 and len(inputs) == 2 and _ABSENT not in inputs and self._observer is None:
+                return _in_place_runner(step, inputs, outputs[0], frees)
             execute = call_in_place
         elif len(outputs) == 1 and len(inputs) <= 2 and self._observer is None:
             return _plain_runner(step.call, inputs, outputs[0], frees)
@@ -158,6 +160,28 @@ def _plain_runner(call, inputs: tuple[int, ...], out: int, frees: tuple[int, ...
             values[out] = result if type(result) is ndarray else _first_output(result)
             for index in frees:
                 values[index] = None
+
+    return run
+
+
+def _in_place_runner(step, inputs: tuple[int, int], out: int, frees: tuple[int, ...]) -> Callable[[list], None]:
+    """A two-input, one-output step that may write over a dying input (``Step.reuse``): below
+    ``IN_PLACE_MIN_BYTES`` at every such input it runs as a plain step, without the general
+    runner's calls (most steps of a small model); otherwise through ``call_in_place``."""
+    ndarray = np.ndarray
+    call = step.call
+    a, b = inputs
+    first, *others = (inputs[position] for position in step.reuse)
+    second = others[0] if others else first  # both inputs watched, or the one twice
+
+    def run(values: list) -> None:
+        if getattr(values[first], "nbytes", 0) < IN_PLACE_MIN_BYTES and getattr(values[second], "nbytes", 0) < IN_PLACE_MIN_BYTES:
+            result = call(values[a], values[b])
+        else:  # no local names hold the arguments: overwritable() counts their references
+            result = call_in_place(step, (values[a], values[b]))
+        values[out] = result if type(result) is ndarray else _first_output(result)
+        for index in frees:
+            values[index] = None
 
     return run
 
