@@ -21,6 +21,7 @@ from gradgen.errors import GradgenError, KernelError, ModelError, RunError, Unsu
 from gradgen.evaluate import foldable_op
 from gradgen.executor import low_precision
 from gradgen.executor.cpu_program import CpuProgram, call_in_place
+from gradgen.executor.cpu_rewrites import scatter_into_sums
 from gradgen.executor.standard_forms import with_standard_forms
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
@@ -280,6 +281,8 @@ class Session:
                 )
             )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
+        if self.device == "cpu":
+            steps = scatter_into_sums(steps, self.graph, self.initializers, set(self.output_names))
         if self.device == "cuda":
             steps = self.backend.fuse(steps, self.graph, set(self.output_names), self.state_bindings, self.state_guard)
         for index, step in enumerate(steps):

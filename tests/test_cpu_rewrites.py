@@ -1,0 +1,99 @@
+"""The CPU plan's rewrite of a tied embedding's gradient (gradgen/executor/cpu_rewrites.py):
+Sum(A, ScatterND(ConstantOfShape(0), indices, updates, add)) runs as one ScatterND into A where
+nothing else reads the zeros, the scatter or A; any other shape of the pattern is left as it is.
+Results are checked against numpy (bit for bit with distinct indices, to rounding with repeats)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from gradgen.executor import Session
+
+ROWS, WIDTH = 80, 64  # zeros of 5,120 elements: above what the plan folds into a constant
+
+
+def _model(*, fill=0.0, reduction="add", a_is_output=False, zeros_shape=(ROWS, WIDTH), a_rows=ROWS, scatter_read_twice=False):
+    """y = Sum(A, ScatterND(ConstantOfShape(zeros_shape, fill), indices, updates)), A = x @ w."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["a"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"], value=numpy_helper.from_array(np.array([fill], np.float32))),
+        helper.make_node("ScatterND", ["zeros", "indices", "updates"], ["scattered"], reduction=reduction),
+        helper.make_node("Sum", ["a", "scattered"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if a_is_output:
+        outputs.append(helper.make_tensor_value_info("a", TensorProto.FLOAT, None))
+    if scatter_read_twice:
+        nodes.append(helper.make_node("Neg", ["scattered"], ["minus"]))
+        outputs.append(helper.make_tensor_value_info("minus", TensorProto.FLOAT, None))
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [a_rows, 16]),
+        helper.make_tensor_value_info("indices", TensorProto.INT64, [12, 1]),
+        helper.make_tensor_value_info("updates", TensorProto.FLOAT, [12, WIDTH]),
+    ]
+    constants = [
+        numpy_helper.from_array(np.random.default_rng(1).standard_normal((16, WIDTH)).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array(zeros_shape, np.int64), "shape"),
+    ]
+    graph = helper.make_graph(nodes, "tied", inputs, outputs, initializer=constants)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def _feeds(indices, a_rows=ROWS):
+    rng = np.random.default_rng(2)
+    return {
+        "x": rng.standard_normal((a_rows, 16)).astype(np.float32),
+        "indices": np.asarray(indices, np.int64).reshape(12, 1),
+        "updates": rng.standard_normal((12, WIDTH)).astype(np.float32),
+    }
+
+
+def _expected(model, feeds, fill=0.0):
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w"))
+    zeros = np.full((ROWS, WIDTH), fill, np.float32)
+    np.add.at(zeros, feeds["indices"][:, 0], feeds["updates"])
+    return feeds["x"] @ w + zeros
+
+
+def _ops(session) -> list[str]:
+    return [step.op_type for step in session.steps]
+
+
+def test_the_tied_embedding_sum_scatters_into_the_other_addend():
+    model = _model()
+    session = Session(model)
+    assert _ops(session) == ["MatMul", "ScatterND"]
+    distinct = _feeds(np.arange(12) * 5)
+    np.testing.assert_array_equal(session.run(distinct)["y"], _expected(model, distinct))
+    repeated = _feeds([3, 3, 7, 3, 0, 7, 79, 1, 1, 3, 5, 0])
+    np.testing.assert_allclose(session.run(repeated)["y"], _expected(model, repeated), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        dict(fill=1.0),
+        dict(fill=-0.0),
+        dict(reduction="none"),
+        dict(a_is_output=True),
+        dict(scatter_read_twice=True),
+        dict(a_rows=1),  # A broadcasts against the zeros: the scatter could not write into it
+    ],
+    ids=["fill 1", "fill -0", "reduction none", "A is an output", "the scatter read twice", "A broadcast"],
+)
+def test_other_shapes_of_the_pattern_are_left_alone(changed):
+    model = _model(**changed)
+    session = Session(model)
+    assert "Sum" in _ops(session) and "ConstantOfShape" in _ops(session)
+    feeds = _feeds(np.arange(12) * 5, a_rows=changed.get("a_rows", ROWS))
+    got = session.run(feeds)["y"]
+    assert got.shape == (ROWS, WIDTH)
+    if "a_rows" not in changed:
+        want = _expected(model, feeds, fill=changed.get("fill", 0.0))
+        if changed.get("reduction") == "none":
+            want = feeds["x"] @ numpy_helper.to_array(model.graph.initializer[0])
+            want[feeds["indices"][:, 0]] += feeds["updates"]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
