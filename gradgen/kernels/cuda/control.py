@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.kernels.cpu.control import body_session, control_flow_kernels
-from gradgen.kernels.cuda.launch import contiguous, runtime
+from gradgen.kernels.cuda.launch import contiguous, on_device, runtime
 from gradgen.kernels.cuda.shape import concat, reshaped, transpose
 from gradgen.kernels.table import cuda_kernel
 
@@ -47,7 +47,7 @@ class DeviceArrays:
         rt = runtime()
         if not any(rt.is_device(e) for e in elements):
             return np.stack(elements)
-        rows = [reshaped(_on_device(e), (1, *e.shape)) for e in elements]
+        rows = [reshaped(on_device(e), (1, *e.shape)) for e in elements]
         return concat(*rows, axis=0)
 
     @staticmethod
@@ -55,7 +55,7 @@ class DeviceArrays:
         rt = runtime()
         if not any(rt.is_device(p) for p in parts):
             return np.concatenate(parts)
-        return concat(*[_on_device(p) for p in parts], axis=0)
+        return concat(*[on_device(p) for p in parts], axis=0)
 
     @staticmethod
     def moveaxis(x, source: int, destination: int):
@@ -73,11 +73,6 @@ class DeviceArrays:
 
 
 DEVICE_ARRAYS = DeviceArrays()
-
-
-def _on_device(value):
-    rt = runtime()
-    return value if rt.is_device(value) else rt.to_device(np.asarray(value))
 
 
 for _op, _kernel in control_flow_kernels(DEVICE_ARRAYS).items():

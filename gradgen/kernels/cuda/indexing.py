@@ -45,6 +45,7 @@ from gradgen.kernels.cuda.launch import (
     kernel_of,
     launch,
     launch_packed,
+    on_device,
     plan_cache,
     raw,
     require_suffix,
@@ -83,11 +84,6 @@ def _index_suffix(indices) -> str:
     if indices.dtype == np.int64:
         return "i64"
     raise KernelError(f"indices must be int32 or int64, got {indices.dtype}")
-
-
-def _dev(x):
-    rt = runtime()
-    return x if rt.is_device(x) else rt.to_device(np.asarray(x))
 
 
 def _addr(x) -> np.uintp:
@@ -191,7 +187,7 @@ def row_scatter(dy, indices, outer: int, rows: int, inner: int, count: int, size
     sentinel = rows
     end_bit = max(1, int(sentinel).bit_length())
     if count:
-        idx = _dev(indices)
+        idx = on_device(indices)
         tiles = -(-count // _TILE)
         kernel_of("indexing", f"csr_tile_sort_{_index_suffix(idx)}")(
             _addr(idx),
@@ -314,7 +310,7 @@ def gather_grad(shape, indices, dY, *, axis=0):
             normalize_indices(rt.to_host(indices), size, axis)
         return rt.empty(dims, dY.dtype)
     if 0 < count <= GO_MAX and size < 2**31 - 1 and outer * size < 2**31:
-        idx = _dev(indices)
+        idx = on_device(indices)
         dX = rt.empty((outer, size, inner), dY.dtype)
         aligned = int(dX.gpudata) % 16 == 0 and int(dy.gpudata) % 16 == 0
         kernel, grid, tail = plan_cache(
@@ -415,7 +411,7 @@ def line_scatter(dy, indices, out_shape, axis: int, *, init=None, mode: int = 0,
     kernel, grid, shared, tail = plan_cache(
         _LS_PLANS, key, lambda: _line_scatter_plan(out_shape, tuple(indices.shape), axis, dy.dtype, itype, mode, vec_ok, plain)
     )
-    idx = _dev(indices) if indices.size else None
+    idx = on_device(indices) if indices.size else None
     launch_packed(
         kernel,
         grid,
@@ -455,7 +451,7 @@ def gather_elements_grad(dY, shape, indices, *, axis=0, deterministic=None):
     else:
         dX = rt.zeros(dims, dY.dtype)
         if dy.size and dX.size:
-            idx = _dev(indices)
+            idx = on_device(indices)
             small = dX.size < 2**31 and dy.size < 2**31
             kernel = kernel_of(
                 "indexing", f"ge_atomic{'32' if small else ''}_{require_suffix(dY.dtype)}_{_index_suffix(indices)}"
@@ -517,7 +513,7 @@ def gather(data, indices, *, axis=0):
             normalize_indices(rt.to_host(indices), size, axis)
         return out
     x = contiguous(data)
-    idx = _dev(indices)
+    idx = on_device(indices)
     inner, count = math.prod(data.shape[axis + 1 :]), indices.size
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     n = out.size // r
@@ -556,7 +552,7 @@ def gather_elements(data, indices, *, axis=0):
     if size == 0:
         normalize_indices(rt.to_host(indices), size, axis)
     x = contiguous(data)
-    idx = _dev(indices)
+    idx = on_device(indices)
     flag = rt.zeros((1,), np.int64)
     kernel = kernel_of("indexing", f"gather_elements_w{data.dtype.itemsize}_{suffix}")
     launch(
@@ -605,7 +601,7 @@ def gather_nd(data, indices, *, batch_dims=0):
             _nd_error(indices, data.shape, b)
         return out
     x = contiguous(data)
-    idx = _dev(indices)
+    idx = on_device(indices)
     inner = math.prod(data.shape[b + k :])
     w, r = _word(data.dtype.itemsize, inner, [x, out])
     strides = rt.contiguous_strides(data.shape)
@@ -681,7 +677,7 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     upd = contiguous(updates) if updates.size else updates
     rows, inner = math.prod(data.shape[:k]), math.prod(data.shape[k:])
     count = math.prod(indices.shape[:-1])
-    idx = _dev(indices) if indices.size else indices
+    idx = on_device(indices) if indices.size else indices
     out, flag = row_scatter(
         upd,
         idx,

@@ -315,6 +315,12 @@ def copy_into(dst, src, shape, src_strides, src_off=0) -> None:
     strided_copy(dst, runtime().contiguous_strides(shape), 0, src, src_strides, src_off, shape)
 
 
+def on_device(x):
+    """``x`` itself when it is a device array, else a device copy of it (a host array or scalar)."""
+    rt = runtime()
+    return x if rt.is_device(x) else rt.to_device(np.asarray(x))
+
+
 def contiguous(x):
     """``x`` itself when it is C-contiguous (size-1 axes aside), else a C-contiguous device copy.
 
