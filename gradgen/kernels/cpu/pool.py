@@ -329,17 +329,16 @@ def resize(
         exclude_outside=exclude_outside,
         antialias=antialias,
     )
-    roi_key = None if roi is None else (np.asarray(roi, np.float64).tobytes(), np.size(roi))
     key = (
         tuple(x.shape),
         tuple(out),
         tuple(factors),
         tuple(sorted(attrs.items())),
-        roi_key,
+        None if roi is None else tuple(np.asarray(roi, np.float64).reshape(-1).tolist()),
         None if axes is None else tuple(axes),
     )
     y = x.astype(np.float64)
-    for axis, (columns, weights, outside) in _resize_taps(key, roi, axes).items():
+    for axis, (columns, weights, outside) in _resize_taps(key).items():
         y = _taps_along(y, columns, weights, axis)
         if outside is not None:
             index = [slice(None)] * y.ndim
@@ -348,26 +347,21 @@ def resize(
     return np.ascontiguousarray(y, dtype=x.dtype)
 
 
-def _resize_taps(key: tuple, roi, axes) -> dict:
+def _taps_of(key: tuple) -> dict:
     """Axis -> (columns, weights, outside): each resized axis's matrix (``resize_matrices``) as the
     input positions and weights of its non-zero taps per output position (out x taps, padded with
-    zero weights): a linear resize reads 2 inputs per output, not the whole axis. Cached per shapes
-    and attributes."""
-    cached = _RESIZE_TAPS.get(key)
-    if cached is None:
-        x_shape, out, factors, attrs, _, _ = key
-        cached = {}
-        for axis, (m, outside) in resize_matrices(x_shape, out, factors, dict(attrs), roi, axes).items():
-            taps = max(1, int((m != 0).sum(axis=1).max(initial=0)))
-            columns = np.argsort(m == 0, axis=1, kind="stable")[:, :taps]  # the non-zero columns first, in order
-            cached[axis] = (columns, np.take_along_axis(m, columns, axis=1), outside)
-        if len(_RESIZE_TAPS) >= 64:
-            _RESIZE_TAPS.clear()
-        _RESIZE_TAPS[key] = cached
-    return cached
+    zero weights): a linear resize reads 2 inputs per output, not the whole axis. ``key``: (x's
+    shape, the output shape, the factors, the attributes, roi, axes)."""
+    x_shape, out, factors, attrs, roi, axes = key
+    taps_by_axis = {}
+    for axis, (m, outside) in resize_matrices(x_shape, out, factors, dict(attrs), roi, axes).items():
+        taps = max(1, int((m != 0).sum(axis=1).max(initial=0)))
+        columns = np.argsort(m == 0, axis=1, kind="stable")[:, :taps]  # the non-zero columns first, in order
+        taps_by_axis[axis] = (columns, np.take_along_axis(m, columns, axis=1), outside)
+    return taps_by_axis
 
 
-_RESIZE_TAPS: dict = {}
+_resize_taps = per_shape(_taps_of)  # computed once per shapes and attributes
 
 
 def _taps_along(y: np.ndarray, columns: np.ndarray, weights: np.ndarray, axis: int) -> np.ndarray:
