@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from gradgen.bench.measure import time_steps
 from gradgen.executor import Session
 
 UNARY = (
@@ -87,13 +87,7 @@ def cases() -> list[tuple[str, list, dict, int]]:
 
 
 def fastest_ms(run, repeats: int = 5) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return min(time_steps(run, warmup=1, steps=repeats))
 
 
 def one_node_model(op: str, inputs: list, attrs: dict, opset: int):

@@ -15,12 +15,9 @@ gradgen's CPU Session and on ONNX Runtime (the same graph, one thread each, the 
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import time
-import warnings
+import statistics
 
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import torch
@@ -28,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradgen
+from gradgen.bench.measure import time_steps
+from gradgen.bench.models import legacy_export
 from gradgen.executor import Session
 
 BATCH = 2
@@ -175,33 +174,8 @@ class WithLoss(nn.Module):
         return F.cross_entropy(out, labels)
 
 
-def export(model: nn.Module, x, labels) -> onnx.ModelProto:
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (x, labels),
-            buffer,
-            input_names=["x", "labels"],
-            output_names=["loss"],
-            opset_version=17,
-            do_constant_folding=False,
-            training=torch.onnx.TrainingMode.PRESERVE,
-            dynamo=False,
-        )
-    return onnx.load_from_string(buffer.getvalue())
-
-
 def median_ms(run, repeats: int = 20) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return statistics.median(time_steps(run, warmup=3, steps=repeats))
 
 
 def measure(name: str, profile: bool) -> dict:
@@ -209,7 +183,7 @@ def measure(name: str, profile: bool) -> dict:
     build, make_inputs = MODELS[name]
     model = WithLoss(build().eval())
     x, labels = make_inputs()
-    proto = export(model, x, labels)
+    proto = legacy_export(model, (x, labels), ["x", "labels"])
     built = gradgen.build_backward(proto, wrt=[n for n, _ in model.named_parameters()], portable=True).model
     feeds = {"x": x.numpy(), "labels": labels.numpy()}
     session = Session(built)
