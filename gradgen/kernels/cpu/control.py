@@ -70,8 +70,8 @@ class HostArrays:
         return [results[name] for name in session.output_names]
 
     @staticmethod
-    def scalar(value):
-        return np.asarray(value).reshape(-1)[0]
+    def host(value) -> np.ndarray:
+        return np.asarray(value)
 
     @staticmethod
     def stack(elements: list):
@@ -93,6 +93,11 @@ class HostArrays:
 HOST_ARRAYS = HostArrays()
 
 
+def _first(arrays, value):
+    """A condition's or trip count's value (its first element), on the host."""
+    return arrays.host(value).reshape(-1)[0]
+
+
 def _split_scope(args: tuple, captured: tuple) -> tuple[list, dict[str, Any]]:
     """The node's own arguments and the outer values (the trailing ``len(captured)`` arguments)."""
     own = len(args) - len(captured)
@@ -108,21 +113,21 @@ def _empty_like_declared(arrays, value: ir.Value):
 
 def run_if(arrays, cond, args: tuple, then_branch, else_branch, captured: tuple, opset: int) -> tuple:
     _, scope = _split_scope((cond, *args), captured)
-    branch = then_branch if bool(arrays.scalar(cond)) else else_branch
+    branch = then_branch if bool(_first(arrays, cond)) else else_branch
     return tuple(arrays.run(branch, [], scope, opset))
 
 
 def run_loop(arrays, m, cond, args: tuple, body, captured: tuple, opset: int) -> tuple:
     initial, scope = _split_scope(args, captured)
-    trip_count = None if m is None else int(arrays.scalar(m))
-    go_on = True if cond is None else bool(arrays.scalar(cond))
+    trip_count = None if m is None else int(_first(arrays, m))
+    go_on = True if cond is None else bool(_first(arrays, cond))
     states = list(initial)
     num_scans = len(body.outputs) - 1 - len(states)
     scans: list[list[Any]] = [[] for _ in range(num_scans)]
     i = 0
     while go_on and (trip_count is None or i < trip_count):
         outputs = arrays.run(body, [np.array(i, dtype=np.int64), np.array(go_on), *states], scope, opset)
-        go_on = bool(arrays.scalar(outputs[0]))
+        go_on = bool(_first(arrays, outputs[0]))
         states = outputs[1 : 1 + len(states)]
         for k, element in enumerate(outputs[1 + len(states) :]):
             if scans[k] and tuple(element.shape) != tuple(scans[k][0].shape):
@@ -191,9 +196,10 @@ def run_scan_8(arrays, args: tuple, body: ir.Graph, num_scan_inputs: int, direct
     scope_values = tuple(scope[name] for name in captured)
     num_states = len(own) - num_scan_inputs
     batch = own[0].shape[0]
+    lengths = None if lens is None else arrays.host(lens).reshape(-1)  # one read of the device's lengths
     per_batch = []
     for b in range(batch):
-        length = own[num_states].shape[1] if lens is None else int(arrays.scalar(lens[b : b + 1]))
+        length = own[num_states].shape[1] if lengths is None else int(lengths[b])
         entry = tuple(x[b] for x in own[:num_states]) + tuple(x[b][:length] for x in own[num_states:])
         per_batch.append(run_scan(arrays, entry + scope_values, body, num_scan_inputs, None, directions, None, None, captured, 9))
     outputs = []

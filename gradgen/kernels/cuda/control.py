@@ -39,8 +39,8 @@ class DeviceArrays:
             return session.run_within(feeds)
 
     @staticmethod
-    def scalar(value):
-        return runtime().to_host(value).reshape(-1)[0]
+    def host(value) -> np.ndarray:
+        return runtime().to_host(value)
 
     @staticmethod
     def stack(elements: list):
