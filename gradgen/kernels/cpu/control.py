@@ -44,8 +44,9 @@ def _standalone(graph: ir.Graph, opset: int) -> tuple[ir.Model, list[str]]:
     return ir.Model(copy, ir_version=10), [name for name in inputs if name]
 
 
-def body_session(graph: ir.Graph, opset: int, device: str = "cpu"):
-    """(Session, its own input names, the outer values it reads) of ``graph`` on ``device``."""
+def body_session(graph: ir.Graph, opset: int, inputs: list, scope: dict, device: str = "cpu"):
+    """(the Session of ``graph`` on ``device``, its feeds: the body's own ``inputs`` in order, then
+    the outer values it reads, from ``scope``)."""
     from gradgen.executor.session import Session
 
     sessions = _SESSIONS.setdefault(graph, {})
@@ -53,7 +54,10 @@ def body_session(graph: ir.Graph, opset: int, device: str = "cpu"):
     if key not in sessions:
         model, outer = _standalone(graph, opset)
         sessions[key] = (Session(model, device=device), [v.name for v in graph.inputs], outer)
-    return sessions[key]
+    session, names, outer = sessions[key]
+    feeds = dict(zip(names, inputs))
+    feeds.update({name: scope[name] for name in outer})
+    return session, feeds
 
 
 class HostArrays:
@@ -63,9 +67,7 @@ class HostArrays:
     @staticmethod
     def run(graph: ir.Graph, inputs: list, scope: dict, opset: int) -> list:
         """The outputs of ``graph`` for its inputs (in order) and the outer values in ``scope``."""
-        session, names, outer = body_session(graph, opset)
-        feeds = dict(zip(names, inputs))
-        feeds.update({name: scope[name] for name in outer})
+        session, feeds = body_session(graph, opset, inputs, scope)
         results = session.run(feeds)
         return [results[name] for name in session.output_names]
 

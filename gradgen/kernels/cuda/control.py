@@ -32,9 +32,7 @@ class DeviceArrays:
     def run(graph: ir.Graph, inputs: list, scope: dict, opset: int) -> list:
         rt = runtime()
         with rt.persistent():  # a body's constants outlive the run that first needs them
-            session, names, outer = body_session(graph, opset, device="cuda")
-        feeds = dict(zip(names, inputs))
-        feeds.update({name: scope[name] for name in outer})
+            session, feeds = body_session(graph, opset, inputs, scope, device="cuda")
         with rt.allocation_hook(None):  # the pool (see the module docstring)
             return session.run_within(feeds)
 
