@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from gradgen.kernels.cpu.blas import numpy_blas_single_threaded
+
 # below this size a fresh result costs less than checking whether an input can take it (numpy keeps
 # small blocks for reuse itself); in place pays on large arrays, whose memory is reused while hot
 IN_PLACE_MIN_BYTES = 64 * 1024
@@ -76,13 +78,14 @@ class CpuProgram:
             index = slots.get(name)
             if index is not None:
                 values[index] = value
-        for position, run in enumerate(self._runners):
-            try:
-                run(values)
-            except Exception as exc:  # noqa: BLE001 -- fail() raises the error that names the node
-                step = self._steps[position]
-                self._fail(step, exc, tuple(values[slots[n]] if n else None for n in step.inputs))
-                raise
+        with numpy_blas_single_threaded():
+            for position, run in enumerate(self._runners):
+                try:
+                    run(values)
+                except Exception as exc:  # noqa: BLE001 -- fail() raises the error that names the node
+                    step = self._steps[position]
+                    self._fail(step, exc, tuple(values[slots[n]] if n else None for n in step.inputs))
+                    raise
         result = dict(self._constants)
         result.update(feeds)
         for name, index in self._outputs:

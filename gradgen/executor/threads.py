@@ -1,9 +1,11 @@
 """The CPU thread policy: how many threads numpy's BLAS (and the OpenMP pool it may bring) uses.
 
 gradgen's CPU executor runs one step at a time and starts no threads of its own, so the BLAS pool
-is the only one: it is never nested. By default it keeps what the BLAS chose (all available cores,
+(with oneDNN, its OpenMP pool for the large products, numpy's BLAS held to one thread during a run)
+is the only busy one: pools are never nested. By default it keeps what the BLAS chose (all available cores,
 unless OMP_NUM_THREADS and co. say otherwise); ``cpu_threads(n)`` (``--threads N``) limits it for a
-block, through threadpoolctl, which reaches OpenBLAS, MKL and BLIS alike.
+block, through threadpoolctl, which reaches OpenBLAS, MKL and BLIS alike, and the OpenMP pool of
+oneDNN's GEMMs (``gradgen.kernels.cpu.blas``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def cpu_threads(threads: int | None):
         return
     check_threads(threads)
     from threadpoolctl import threadpool_limits
+
+    from gradgen.kernels.cpu import blas
+
+    blas.loaded()  # oneDNN's OpenMP pool, if it is used, must be there for the limit to reach it
 
     with threadpool_limits(limits=threads):
         yield

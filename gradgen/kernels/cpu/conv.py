@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import blas
 from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -139,7 +140,7 @@ def _conv_grad_dx(dy_g, X, W, acc, geometry):
     mg, cg, kernel = W.shape[0] // g, W.shape[1], W.shape[2:]
     k, nd = math.prod(kernel), len(kernel)
     w_t = W.astype(acc, copy=False).reshape(g, mg, cg * k).transpose(0, 2, 1)
-    cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P)
+    cols = blas.matmul(w_t, dy_g)  # (G, Cg*K, N*P)
     # each tap's (N, C, *out) as a strided view of cols: col2im reads it in place (no reordered copy)
     taps = cols.reshape(g, cg, k, n, *out).transpose(2, 3, 0, 1, *range(4, 4 + nd)).reshape(k, n, c, *out)
     padded = [s + b + e for s, b, e in zip(X.shape[2:], begin, end)]
@@ -164,7 +165,7 @@ def _conv_grad_dw(dy_g, X, W, acc, geometry):
     view = view.reshape(n, g, cg, *view.shape[2:])
     order = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
     im2col = view.transpose(order).reshape(g, cg * k, n * p)
-    return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
+    return blas.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
 
 
 @cpu_prepare("ConvGrad", domain=MICROSOFT)
@@ -201,7 +202,7 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
 
 def _planned_dx(dy_g, X, W, acc, g, table) -> np.ndarray:
     w_t = W.astype(acc, copy=False).reshape(g, W.shape[0] // g, -1).transpose(0, 2, 1)
-    cols = np.matmul(w_t, dy_g)  # (G, Cg*K, N*P), as the kernel makes it
+    cols = blas.matmul(w_t, dy_g)  # (G, Cg*K, N*P), as the kernel makes it
     return _sums_by_table(cols, table).reshape(X.shape).astype(X.dtype)
 
 
@@ -225,7 +226,7 @@ def _padded_flat(x: np.ndarray, dtype, padded: tuple | None, interior: tuple) ->
 
 def _planned_dw(dy_g, X, W, acc, padded, interior, index) -> np.ndarray:
     im2col = _padded_flat(X, acc, padded, interior)[index]  # (G, Cg*K, N*P): the kernel's im2col copy
-    return np.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
+    return blas.matmul(dy_g, im2col.transpose(0, 2, 1)).reshape(W.shape).astype(W.dtype)
 
 
 def _conv_grad_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
@@ -305,12 +306,12 @@ def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sha
         win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
         order = (1, 2, *range(3 + ns, 3 + 2 * ns), 0, *range(3, 3 + ns))
         cols = win.transpose(order).reshape(group, c_per_group * k, n_batch * p)
-        y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
+        y = blas.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)  # (N, M, P), a view
     else:
         win = win.reshape((n_batch, group, c_per_group) + win.shape[2:])
         order = (1, 0, *range(3, 3 + ns), 2, *range(3 + ns, 3 + 2 * ns))
         cols = win.transpose(order).reshape(group, n_batch * p, c_per_group * k)
-        y = np.matmul(cols, w_g.transpose(0, 2, 1))  # (G, N*P, Mg)
+        y = blas.matmul(cols, w_g.transpose(0, 2, 1))  # (G, N*P, Mg)
         y = y.reshape(group, n_batch, p, m // group).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape(-1, 1)
@@ -388,7 +389,7 @@ def _conv_per_image(win: np.ndarray, w2: np.ndarray, ns: int, p: int) -> np.ndar
     cols = np.empty((channels, *win.shape[2 + ns :], *win.shape[2 : 2 + ns]), dtype=w2.dtype)
     for image in range(n_batch):
         np.copyto(cols, win[image].transpose(to_columns))
-        np.matmul(w2, cols.reshape(w2.shape[1], p), out=y[image])
+        blas.matmul(w2, cols.reshape(w2.shape[1], p), out=y[image])
     return y
 
 
@@ -412,9 +413,9 @@ def _planned_conv(plan, x, w, b=None):
     w_g = w.astype(ct, copy=False).reshape(w_shape)
     n_batch, m, p, mg = y_shape
     if cols_first:
-        y = np.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)
+        y = blas.matmul(w_g, cols).reshape(m, n_batch, p).transpose(1, 0, 2)
     else:
-        y = np.matmul(cols, w_g.transpose(0, 2, 1))
+        y = blas.matmul(cols, w_g.transpose(0, 2, 1))
         y = y.reshape(group, n_batch, p, mg).transpose(1, 0, 3, 2).reshape(n_batch, m, p)
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape(-1, 1)
@@ -520,7 +521,7 @@ def conv_transpose(
     k, p_in = math.prod(kernel), math.prod(spatial)
     w_t = wc.reshape(group, cg, mg * k).transpose(0, 2, 1)
     x_t = xc.reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
-    cols = np.matmul(w_t, x_t).reshape((m, *kernel, n_batch, *spatial))
+    cols = blas.matmul(w_t, x_t).reshape((m, *kernel, n_batch, *spatial))
     # col2im into a (M, N, ...) buffer that covers both the full (uncropped) result and the
     # requested window onto it.
     lo = [max(0, -bg) for bg in begin]
@@ -578,7 +579,7 @@ def _planned_conv_transpose(plan, x, w, b=None):
     n_batch = x.shape[0]
     w_t = w.astype(ct, copy=False).reshape(group, cg, mg_k).transpose(0, 2, 1)
     x_t = x.astype(ct, copy=False).reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
-    y = _sums_by_table(np.matmul(w_t, x_t), table).reshape(y_shape)
+    y = _sums_by_table(blas.matmul(w_t, x_t), table).reshape(y_shape)
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape((-1,) + (1,) * ns)
     return np.ascontiguousarray(y, dtype=x.dtype)
@@ -661,7 +662,7 @@ def deform_conv(x, w, offset, b=None, mask=None, **attrs):
         samples = samples * mask.astype(ct, copy=False).reshape(n * offset_group, 1, taps, points)
     columns = samples.reshape(n, group, (channels // group) * taps, points)
     weights = w.astype(ct, copy=False).reshape(group, w.shape[0] // group, -1)
-    y = np.matmul(weights, columns).reshape(n, w.shape[0], *out)
+    y = blas.matmul(weights, columns).reshape(n, w.shape[0], *out)
     if b is not None:
         y = y + b.astype(ct, copy=False).reshape(1, -1, 1, 1)
     return y.astype(x.dtype, copy=False)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError, ModelError
+from gradgen.kernels.cpu import blas
 from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -96,7 +97,7 @@ def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, 
 def matmul(a, b):
     check_matmul_shapes(a.shape, b.shape)
     dtype = a.dtype if a.dtype is b.dtype else np.result_type(a, b)
-    return np.matmul(a, b).astype(dtype, copy=False)
+    return blas.matmul(a, b).astype(dtype, copy=False)
 
 
 @cpu_kernel("Gemm")
@@ -110,7 +111,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
             f"inner dimensions differ: op(A) is {list(a2.shape)}, op(B) is {list(b2.shape)} (transA={transA}, transB={transB})"
         )
     dtype = a.dtype
-    out = a2 @ b2
+    out = blas.matmul(a2, b2)
     if alpha != 1.0:
         out = alpha * out
     if c is not None and beta != 0:
@@ -200,7 +201,7 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
             f"transBatchA={transBatchA}, transBatchB={transBatchB}): {exc}"
         ) from None
     ct = accumulation_dtype(A.dtype)
-    y = np.asarray(np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
+    y = np.asarray(blas.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
     if float(alpha) != 1.0:
         y = y * ct.type(alpha)
     return y.astype(A.dtype, copy=False)
@@ -224,7 +225,7 @@ def prepare_fused_matmul(constants: tuple, attrs: dict):
         ct = accumulation_dtype(A.dtype)
         a = A if perm_a is None else A.transpose(perm_a)
         b = B if perm_b is None else B.transpose(perm_b)
-        y = np.asarray(np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
+        y = np.asarray(blas.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False)))
         if alpha != 1.0:
             y = y * ct.type(alpha)
         return y.astype(A.dtype, copy=False)

@@ -1,0 +1,189 @@
+"""Large float32 matrix products through oneDNN's ``dnnl_sgemm`` where it is installed.
+
+numpy's matmul runs on the BLAS its wheel was built with (OpenBLAS on PyPI). On the x86-64 CPUs
+gradgen's CPU path was measured on, oneDNN's sgemm takes 10-20 % less time than OpenBLAS at one
+thread on the shapes that dominate a transformer step: a layer's 128 x 768 x 3072 products and a
+language model's 50,257-row head (docs/BENCHMARKS.md has the numbers). oneDNN comes from the
+``onednn-cpu-gomp`` wheel (a dependency on Linux x86-64: the library alone, on GNU OpenMP), loaded
+on the first large product. Everything else stays with numpy: other dtypes, batched right operands,
+products below ``MIN_MULTIPLY_ADDS`` (a call through ctypes costs microseconds), operands that would
+need a copy, CPUs without AVX2, and any process where ``GRADGEN_CPU_GEMM=numpy`` is set.
+
+Threads: oneDNN's sgemm uses the OpenMP pool, which OMP_NUM_THREADS and threadpoolctl's limits
+(``gradgen.executor.threads``) set, as they set numpy's BLAS. Two pools on the same cores fight:
+OpenBLAS's idle workers spin for a while after each call and take the cores oneDNN's threads need
+(a GPT-2 step at two threads took twice as long). So while oneDNN is loaded, a CPU run gives numpy's
+BLAS one thread (``numpy_blas_single_threaded``): what is left to it are products below
+``MIN_MULTIPLY_ADDS``, where a second thread buys little.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (measured crossover: about 2^18)
+DISABLE_VARIABLE = "GRADGEN_CPU_GEMM"  # "numpy": every product through numpy's matmul
+LIBRARY_VARIABLE = "GRADGEN_ONEDNN_LIBRARY"  # a libdnnl.so to load instead of the installed wheel's
+DISTRIBUTION = "onednn-cpu-gomp"
+
+_FLOAT32 = np.dtype(np.float32)
+_ITEM = _FLOAT32.itemsize
+_sgemm: Any = None  # the loaded dnnl_sgemm, False where there is none; None until first asked
+_numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, found once
+
+
+def library_path() -> str | None:
+    """The libdnnl shared library to load: $GRADGEN_ONEDNN_LIBRARY, else the onednn-cpu-gomp
+    wheel's (its files are installed under the environment's lib/), else None."""
+    given = os.environ.get(LIBRARY_VARIABLE)
+    if given:
+        return given
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(DISTRIBUTION).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    # the wheel holds libdnnl.so, .so.3 and .so.3.x as three copies: load one, always the same
+    names = sorted((f for f in files if f.name.startswith("libdnnl.so")), key=lambda f: len(f.name))
+    return os.path.realpath(names[-1].locate()) if names else None
+
+
+def _cpu_has_avx2() -> bool:
+    """oneDNN's sgemm has JIT kernels from AVX2 on; below that its reference GEMM is slower than
+    any BLAS. Linux reports the flags in /proc/cpuinfo (the wheel is Linux-only)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return "avx2" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _load():
+    """dnnl_sgemm with its C signature, or False where oneDNN is off, missing or unusable."""
+    if os.environ.get(DISABLE_VARIABLE, "").strip().lower() in ("numpy", "off", "0", "no"):
+        return False
+    path = library_path()
+    if path is None or not _cpu_has_avx2():
+        return False
+    try:
+        sgemm = ctypes.CDLL(path).dnnl_sgemm
+    except (OSError, AttributeError):
+        return False
+    dim, pointer = ctypes.c_int64, ctypes.c_void_p
+    # dnnl_sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), row-major
+    flag, scalar = ctypes.c_char, ctypes.c_float
+    sgemm.argtypes = [flag, flag, dim, dim, dim, scalar, pointer, dim, pointer, dim, scalar, pointer, dim]
+    sgemm.restype = ctypes.c_int
+    return sgemm
+
+
+def loaded():
+    """dnnl_sgemm (loaded on the first call), or False."""
+    global _sgemm
+    if _sgemm is None:
+        _sgemm = _load()
+    return _sgemm
+
+
+def available() -> bool:
+    """Whether large float32 products run through oneDNN in this process."""
+    return bool(loaded())
+
+
+def _layout(x: np.ndarray) -> tuple[bytes, int] | None:
+    """(b"N", row stride) for a matrix with unit column stride, (b"T", column stride) for the
+    transpose of one (a ``.T`` view), in elements; None for any other strides."""
+    rows, cols = x.shape
+    row_stride, col_stride = x.strides
+    if col_stride == _ITEM and row_stride % _ITEM == 0 and row_stride >= cols * _ITEM:
+        return b"N", row_stride // _ITEM
+    if row_stride == _ITEM and col_stride % _ITEM == 0 and col_stride >= rows * _ITEM:
+        return b"T", col_stride // _ITEM
+    return None
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``np.matmul(a, b, out=out)``: through oneDNN for float32 (..., M, K) @ (..., K, N) whose
+    matrices have at least ``MIN_MULTIPLY_ADDS`` multiply-adds each, else numpy's own. A 2-D right
+    operand takes every row of a C-ordered left one in one call; batched ones run matrix by matrix."""
+    if a.dtype != _FLOAT32 or b.dtype != _FLOAT32 or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        return np.matmul(a, b, out=out)  # numpy computes, or says what does not fit
+    k, n = b.shape[-2:]
+    if b.ndim == 2 and a.flags.c_contiguous:
+        m = math.prod(a.shape[:-1])
+        batch: tuple = ()
+    else:
+        m = a.shape[-2]
+        try:
+            batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ValueError:
+            return np.matmul(a, b, out=out)
+    if m * n * k < MIN_MULTIPLY_ADDS or 0 in batch:
+        return np.matmul(a, b, out=out)
+    sgemm = _sgemm if _sgemm is not None else loaded()
+    if not sgemm:
+        return np.matmul(a, b, out=out)
+    shape = batch + (m, n) if batch or b.ndim > 2 else a.shape[:-1] + (n,)
+    if out is not None and (out.shape != shape or out.dtype != _FLOAT32 or not out.flags.c_contiguous):
+        return np.matmul(a, b, out=out)
+    result = np.empty(shape, dtype=_FLOAT32) if out is None else out
+    if not batch and b.ndim == 2:
+        pairs = [(a.reshape(m, k), b, result.reshape(m, n))]  # views: rows of every batch entry, one after another
+    else:
+        left, right = np.broadcast_to(a, batch + (m, k)), np.broadcast_to(b, batch + (k, n))
+        pairs = [(left[index], right[index], result[index]) for index in np.ndindex(*batch)]
+    for left_matrix, right_matrix, out_matrix in pairs:
+        if not _product(sgemm, left_matrix, right_matrix, out_matrix):
+            return np.matmul(a, b, out=out)
+    return result
+
+
+def _product(sgemm, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """out = a @ b for 2-D float32 matrices (out C-ordered); False where a layout does not suit
+    sgemm or it refuses (the caller then uses numpy)."""
+    layout_a, layout_b = _layout(a), _layout(b)
+    if layout_a is None or layout_b is None:
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    (trans_a, lda), (trans_b, ldb) = layout_a, layout_b
+    return sgemm(trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, out.ctypes.data, n) == 0
+
+
+def _numpy_blas_controllers() -> list:
+    global _numpy_blas
+    if _numpy_blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _numpy_blas = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+    return _numpy_blas
+
+
+@contextlib.contextmanager
+def numpy_blas_single_threaded():
+    """Inside the block numpy's BLAS runs on one thread, where oneDNN is loaded (else nothing
+    changes); its thread counts are restored after."""
+    if not _sgemm:
+        yield
+        return
+    changed = []
+    for controller in _numpy_blas_controllers():
+        threads = controller.get_num_threads()
+        if threads is not None and threads > 1:
+            controller.set_num_threads(1)
+            changed.append((controller, threads))
+    try:
+        yield
+    finally:
+        for controller, threads in changed:
+            controller.set_num_threads(threads)
