@@ -397,3 +397,44 @@ def test_prepared_fused_matmul_is_the_kernel(a_shape, b_shape, attrs):
     call, kernel = _prepared_and_kernel("FusedMatMul", attrs, domain="com.microsoft")
     for dtype in (np.float32, np.float64):
         _agree(call, kernel, _normal(*a_shape, dtype=dtype), _normal(*b_shape, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    ("attrs", "make"),
+    [
+        ({"axis": 0}, lambda: (_normal(96), _ints(0, 96, 48), _normal(48))),  # repeats: the last update wins
+        ({"axis": 0}, lambda: (_normal(96), RNG.permutation(96)[:40].astype(I64), _normal(40))),  # distinct
+        ({"axis": 1}, lambda: (_normal(4, 7), _ints(-7, 7, 4, 9), _normal(4, 9))),  # negative, repeated
+        ({"axis": 1}, lambda: (_normal(3, 5), np.array([[0, 5]] * 3, I64), _normal(3, 2))),  # out of range
+        ({"axis": 0, "reduction": "add"}, lambda: (_normal(10), _ints(0, 10, 30), _normal(30))),
+    ],
+)
+def test_scatter_elements_with_plan_time_indices_is_the_kernel(attrs, make):
+    """Indices known at plan time (a lowered SliceGrad's) have their targets worked out once; the
+    result must be the kernel's, for other data and updates too, and for indices given at run time."""
+    data, indices, updates = make()
+    call, kernel = _prepared_and_kernel("ScatterElements", attrs, (registry.RUNTIME, indices, registry.RUNTIME))
+    for _ in range(2):
+        _agree(call, kernel, data, indices, updates)
+        _agree(call, kernel, data, indices.copy(), updates)  # not the plan-time array: the general path
+        data, updates = data * 3, updates - 1
+
+
+@pytest.mark.parametrize(
+    ("attrs", "make"),
+    [
+        ({}, lambda: (_normal(3, 4), _normal(4, 5), _normal(5))),
+        ({"transA": 1, "transB": 1, "alpha": 0.5, "beta": 2.0}, lambda: (_normal(4, 3), _normal(5, 4), _normal(3, 1))),
+        ({"beta": 0.0}, lambda: (_normal(2, 3), _normal(3, 2), _normal(2, 2))),
+        ({}, lambda: (_normal(2, 3), _normal(3, 4))),  # no C
+        ({}, lambda: (_normal(2, 3, dtype=np.float64), _normal(3, 4, dtype=np.float64), _normal(2, 4, dtype=np.float64))),
+        ({}, lambda: (_normal(2, 3), _normal(4, 4), _normal(4))),  # inner dimensions differ: the kernel's error
+        ({}, lambda: (_normal(2, 3), _normal(3, 4), _normal(3))),  # C does not broadcast
+    ],
+)
+def test_prepared_gemm_is_the_kernel(attrs, make):
+    args = make()
+    call, kernel = _prepared_and_kernel("Gemm", attrs, tuple(registry.RUNTIME for _ in args))
+    for _ in range(2):
+        _agree(call, kernel, *args)
+        args = (args[0] * 3, *args[1:])

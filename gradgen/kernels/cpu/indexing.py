@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cpu.prepared import per_shape
+from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, shape_arg
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
@@ -408,9 +408,19 @@ def prepare_scatter_elements(constants: tuple, attrs: dict):
     if reduction != "none" and reduction not in _REDUCTIONS:
         return None  # the kernel says why
     plans = per_shape(functools.partial(_elements_plan, axis=axis))
+    known = constant_inputs(constants, 1)
+    fixed_indices = known[0] if known is not None and isinstance(known[0], np.ndarray) else None
+    # plan-time indices (a lowered SliceGrad's): their targets and last writers, once per data shape
+    fixed_targets = per_shape(lambda key: _last_writes(plans(key), fixed_indices))
 
     def run(data, indices, updates):
         plan = plans((data.shape, indices.shape)) if updates.shape == indices.shape else None
+        if plan is not None and reduction == "none" and indices is fixed_indices:
+            targets = fixed_targets((data.shape, indices.shape))
+            if targets is not None:
+                out = _writable_copy(data)
+                out.reshape(-1)[targets[0]] = _as_dtype_of(updates, out).reshape(-1)[targets[1]]
+                return out
         flat = _flat_targets(plan, indices) if plan is not None else None
         if flat is None:
             return scatter_elements(data, indices, updates, axis=axis, reduction=reduction)
@@ -426,6 +436,16 @@ def prepare_scatter_elements(constants: tuple, attrs: dict):
         return out
 
     return run
+
+
+def _last_writes(plan: _ElementsPlan | None, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(flat targets, positions in the update order) of the update that lands last on each target,
+    or None where the indices are out of range (the kernel then says which)."""
+    flat = _flat_targets(plan, indices) if plan is not None else None
+    if flat is None:
+        return None
+    keep = np.arange(flat.size) if plan.distinct else _last_wins(flat)
+    return flat[keep], keep
 
 
 def _row_size(data_shape: tuple) -> int:
