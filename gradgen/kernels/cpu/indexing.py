@@ -438,11 +438,11 @@ def prepare_scatter_elements(constants: tuple, attrs: dict):
     return run
 
 
-def _last_writes(plan: _ElementsPlan | None, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _last_writes(plan: _ElementsPlan | None, indices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
     """(flat targets, positions in the update order) of the update that lands last on each target,
     or None where the indices are out of range (the kernel then says which)."""
-    flat = _flat_targets(plan, indices) if plan is not None else None
-    if flat is None:
+    flat = _flat_targets(plan, indices) if plan is not None and indices is not None else None
+    if plan is None or flat is None:
         return None
     keep = np.arange(flat.size) if plan.distinct else _last_wins(flat)
     return flat[keep], keep
