@@ -217,6 +217,8 @@ def run(options: CpuOptions) -> dict:
     import onnxruntime
     import torch
 
+    from gradgen.kernels.cpu import blas
+
     threads = options.threads or sorted({1, all_cores()})
     report = {
         "group": "cpu",
@@ -228,6 +230,7 @@ def run(options: CpuOptions) -> dict:
             "numpy": np.__version__,
             "onnxruntime": onnxruntime.__version__,
             "torch": torch.__version__,
+            "float32_products": blas.describe(),
             "load_before": _load(),
         },
         "runs": {},
@@ -236,7 +239,7 @@ def run(options: CpuOptions) -> dict:
     print(
         f"cpu: {h['cpu']}, {h['cores']} cores; numpy {h['numpy']}, onnxruntime {h['onnxruntime']}, torch "
         f"{h['torch']}; {h['date']}; one forward + backward step, median after warm-up; load average "
-        f"{h['load_before']} before",
+        f"{h['load_before']} before; float32 products: {h['float32_products']}",
         flush=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="gradgen-bench-cpu-", dir=options.keep_dir))

@@ -106,9 +106,11 @@ def profile_run(session, feeds: dict, runs: int = 3) -> Profile:
 def format_profile(profile: Profile, top: int = 10) -> str:
     """The table ``gradgen run --profile`` prints: time by op type, then the slowest steps."""
     total = sum(step.seconds for step in profile.steps) or 1.0
+    from gradgen.kernels.cpu import blas
+
     lines = [
         f"time by op (median of {profile.runs} observed run(s) after a warm-up; a plain run takes "
-        f"{profile.run_seconds * 1e3:.3f} ms):",
+        f"{profile.run_seconds * 1e3:.3f} ms; float32 products: {blas.describe()}):",
         f"  {'op':<32} {'steps':>6} {'ms':>10} {'share':>7}",
     ]
     for op, count, seconds in profile.by_op():

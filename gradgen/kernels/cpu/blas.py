@@ -100,6 +100,19 @@ def available() -> bool:
     return bool(loaded())
 
 
+def describe() -> str:
+    """Which library runs the large float32 products, for benchmark headers and profiles."""
+    if not available():
+        return "numpy's BLAS" + (f" ({DISABLE_VARIABLE} is set)" if os.environ.get(DISABLE_VARIABLE) else "")
+    from importlib import metadata
+
+    try:
+        version = metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # a library named by $GRADGEN_ONEDNN_LIBRARY
+        return f"oneDNN ({library_path()})"
+    return f"oneDNN ({DISTRIBUTION} {version}) from {MIN_MULTIPLY_ADDS} multiply-adds, numpy's BLAS below"
+
+
 def _layout(x: np.ndarray) -> tuple[bytes, int] | None:
     """(b"N", row stride) for a matrix with unit column stride, (b"T", column stride) for the
     transpose of one (a ``.T`` view), in elements; None for any other strides."""
