@@ -6,6 +6,7 @@ against a float64 product, and the numpy fallbacks against numpy itself.
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -184,3 +185,31 @@ def test_the_kernels_compute_what_numpy_computes(monkeypatch):
         for got, want in zip(*(r if isinstance(r, tuple) else (r,) for r in (through_onednn, through_numpy))):
             assert got.shape == want.shape and got.dtype == want.dtype
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def _product_sum_in_child(a, queue) -> None:
+    queue.put(float(blas.matmul(a, a).sum(dtype=np.float64)))
+
+
+@needs_onednn
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_computes_after_the_parent_used_onednns_threads():
+    """GNU OpenMP's thread pool does not survive fork: a child whose parent had run a parallel
+    product through oneDNN hung on its own first one. A forked child uses numpy instead."""
+    import multiprocessing
+
+    from threadpoolctl import threadpool_limits
+
+    a = np.random.default_rng(5).standard_normal((256, 256), dtype=np.float32)
+    with threadpool_limits(2, user_api="openmp"):
+        want = float(blas.matmul(a, a).sum(dtype=np.float64))  # the parent's pool now exists
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_product_sum_in_child, args=(a, queue))
+        child.start()
+        child.join(60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung and child.exitcode == 0
+    assert queue.get(timeout=5) == pytest.approx(want, rel=1e-4)

@@ -7,7 +7,9 @@ language model's 50,257-row head (docs/BENCHMARKS.md has the numbers). oneDNN co
 ``onednn-cpu-gomp`` wheel (a dependency on Linux x86-64: the library alone, on GNU OpenMP), loaded
 on the first large product. Everything else stays with numpy: other dtypes, batched right operands,
 products below ``MIN_MULTIPLY_ADDS`` (a call through ctypes costs microseconds), operands that would
-need a copy, CPUs without AVX2, and any process where ``GRADGEN_CPU_GEMM=numpy`` is set.
+need a copy, CPUs without AVX2, a process forked from one that had loaded oneDNN (GNU OpenMP's
+threads do not survive fork: such a child hung), and any process where ``GRADGEN_CPU_GEMM=numpy``
+is set.
 
 Threads: oneDNN's sgemm uses the OpenMP pool, which OMP_NUM_THREADS and threadpoolctl's limits
 (``gradgen.executor.threads``) set, as they set numpy's BLAS. Two pools on the same cores fight:
@@ -36,6 +38,17 @@ _FLOAT32 = np.dtype(np.float32)
 _ITEM = _FLOAT32.itemsize
 _sgemm: Any = None  # the loaded dnnl_sgemm, False where there is none; None until first asked
 _numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, found once
+
+
+def _forget_after_fork() -> None:
+    """In a forked child, numpy does the products: GNU OpenMP does not survive fork, and a child
+    whose parent had used oneDNN's thread pool hangs on its first parallel product."""
+    global _sgemm
+    _sgemm = False
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def library_path() -> str | None:
