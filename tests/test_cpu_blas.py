@@ -87,6 +87,26 @@ def test_out_receives_the_product(every_size):
     _check(view, a[0], b[0])
 
 
+@needs_onednn
+def test_an_out_that_overlaps_an_operand_or_is_read_only_is_numpys_case(every_size):
+    """numpy copies when out shares memory with an operand and refuses a read-only out; writing
+    straight into either would give another product or change a constant."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((16, 16), dtype=np.float32)
+    b = rng.standard_normal((16, 16), dtype=np.float32)
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    for alias in ("a", "b"):
+        left, right = a.copy(), b.copy()
+        out = left if alias == "a" else right
+        blas.matmul(left, right, out=out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+    frozen = np.zeros((16, 16), dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        blas.matmul(a, b, out=frozen)
+    assert not frozen.any()
+
+
 def test_other_dtypes_and_small_products_are_numpys_own():
     rng = np.random.default_rng(3)
     for dtype in (np.float64, np.float16, np.int64):
@@ -141,6 +161,25 @@ def test_numpy_blas_runs_on_one_thread_inside_a_run_and_gets_its_threads_back():
         with blas.numpy_blas_single_threaded():
             assert all(c.get_num_threads() == 1 for c in controllers)
         assert [c.get_num_threads() for c in controllers] == before
+
+
+@needs_onednn
+def test_overlapping_runs_share_the_hold_and_the_last_restores_it():
+    """Runs of two Python threads that overlap: the first to leave must not give the BLAS its
+    threads back under the other, and the last to leave must (an interleaving once left it at 1)."""
+    from threadpoolctl import threadpool_limits
+
+    controllers = blas._numpy_blas_controllers()
+    if not controllers:
+        pytest.skip("threadpoolctl finds no BLAS under numpy")
+    with threadpool_limits(2, user_api="blas"):
+        first, second = blas.numpy_blas_single_threaded(), blas.numpy_blas_single_threaded()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert all(c.get_num_threads() == 1 for c in controllers)
+        second.__exit__(None, None, None)
+        assert all(c.get_num_threads() == 2 for c in controllers)
 
 
 @needs_onednn

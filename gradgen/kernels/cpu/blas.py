@@ -7,9 +7,9 @@ language model's 50,257-row head (docs/BENCHMARKS.md has the numbers). oneDNN co
 ``onednn-cpu-gomp`` wheel (a dependency on Linux x86-64: the library alone, on GNU OpenMP), loaded
 on the first large product. Everything else stays with numpy: other dtypes, batched right operands,
 products below ``MIN_MULTIPLY_ADDS`` (a call through ctypes costs microseconds), operands that would
-need a copy, CPUs without AVX2, a process forked from one that had loaded oneDNN (GNU OpenMP's
-threads do not survive fork: such a child hung), and any process where ``GRADGEN_CPU_GEMM=numpy``
-is set.
+need a copy, CPUs without AVX2, a forked process (GNU OpenMP's threads do not survive fork: the
+child of a process that had run a parallel product hung), and any process where
+``GRADGEN_CPU_GEMM=numpy`` is set.
 
 Threads: oneDNN's sgemm uses the OpenMP pool, which OMP_NUM_THREADS and threadpoolctl's limits
 (``gradgen.executor.threads``) set, as they set numpy's BLAS. Two pools on the same cores fight:
@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,8 @@ _numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, 
 
 def _forget_after_fork() -> None:
     """In a forked child, numpy does the products: GNU OpenMP does not survive fork, and a child
-    whose parent had used oneDNN's thread pool hangs on its first parallel product."""
+    whose parent had used oneDNN's thread pool hangs on its first parallel product. Every forked
+    child does (the parent may have used the same libgomp through another library)."""
     global _sgemm
     _sgemm = False
 
@@ -160,8 +162,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if not sgemm:
         return np.matmul(a, b, out=out)
     shape = batch + (m, n) if batch or b.ndim > 2 else a.shape[:-1] + (n,)
-    if out is not None and (out.shape != shape or out.dtype != _FLOAT32 or not out.flags.c_contiguous):
-        return np.matmul(a, b, out=out)
+    if out is not None and not _writable_target(out, shape, a, b):
+        return np.matmul(a, b, out=out)  # numpy copies for an out that overlaps, refuses a read-only one
     result = np.empty(shape, dtype=_FLOAT32) if out is None else out
     if not batch and b.ndim == 2:
         pairs = [(a.reshape(m, k), b, result.reshape(m, n))]  # views: rows of every batch entry, one after another
@@ -172,6 +174,19 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         if not _product(sgemm, left_matrix, right_matrix, out_matrix):
             return np.matmul(a, b, out=out)
     return result
+
+
+def _writable_target(out: np.ndarray, shape: tuple, a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether sgemm may write the product straight into ``out``: C-ordered float32 of the result's
+    shape, writable, and sharing no memory with an operand."""
+    return (
+        out.shape == shape
+        and out.dtype == _FLOAT32
+        and out.flags.c_contiguous
+        and out.flags.writeable
+        and not np.may_share_memory(out, a)
+        and not np.may_share_memory(out, b)
+    )
 
 
 def _product(sgemm, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
@@ -195,21 +210,36 @@ def _numpy_blas_controllers() -> list:
     return _numpy_blas
 
 
+_held = threading.Lock()  # guards the two below: runs of several Python threads may overlap
+_holders = 0  # runs inside numpy_blas_single_threaded now
+_held_counts: list = []  # (controller, its thread count before the first of them), to restore
+
+
 @contextlib.contextmanager
 def numpy_blas_single_threaded():
     """Inside the block numpy's BLAS runs on one thread, where oneDNN is loaded (else nothing
-    changes); its thread counts are restored after."""
+    changes). Overlapping runs (several Python threads) share the hold: the first to enter sets it,
+    the last to leave restores the counts. The counts are process-wide, as threadpoolctl's limits
+    are: ``cpu_threads`` blocks of several threads at once may leave one another's limit."""
+    global _holders, _held_counts
     if not _sgemm:
         yield
         return
-    changed = []
-    for controller in _numpy_blas_controllers():
-        threads = controller.get_num_threads()
-        if threads is not None and threads > 1:
-            controller.set_num_threads(1)
-            changed.append((controller, threads))
+    with _held:
+        if _holders == 0:
+            _held_counts = []
+            for controller in _numpy_blas_controllers():
+                threads = controller.get_num_threads()
+                if threads is not None and threads > 1:
+                    controller.set_num_threads(1)
+                    _held_counts.append((controller, threads))
+        _holders += 1
     try:
         yield
     finally:
-        for controller, threads in changed:
-            controller.set_num_threads(threads)
+        with _held:
+            _holders -= 1
+            if _holders == 0:
+                for controller, threads in _held_counts:
+                    controller.set_num_threads(threads)
+                _held_counts = []
