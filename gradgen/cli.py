@@ -105,8 +105,9 @@ _THREADS = typer.Option(
     None,
     "--threads",
     min=1,
-    help="CPU: threads of numpy's BLAS (the only thread pool of the CPU executor). Default: what the BLAS "
-    "chose, all available cores unless OMP_NUM_THREADS and co. say otherwise.",
+    help="CPU: threads of the matrix products (oneDNN's OpenMP pool for the large ones where it is installed, "
+    "numpy's BLAS for the rest; the CPU executor starts no threads of its own). Default: all available cores "
+    "unless OMP_NUM_THREADS and co. say otherwise.",
 )
 _DIM = typer.Option(
     None, "--dim", help="NAME=VALUE for a symbolic dimension of the model's inputs, with --random-inputs (repeatable)."
