@@ -5,9 +5,9 @@ gradgen's CPU path was measured on, oneDNN's sgemm takes 10-20 % less time than 
 thread on the shapes that dominate a transformer step: a layer's 128 x 768 x 3072 products and a
 language model's 50,257-row head (docs/BENCHMARKS.md has the numbers). oneDNN comes from the
 ``onednn-cpu-gomp`` wheel (a dependency on Linux x86-64: the library alone, on GNU OpenMP), loaded
-on the first large product. Everything else stays with numpy: other dtypes, batched right operands,
-products below ``MIN_MULTIPLY_ADDS`` (a call through ctypes costs microseconds), operands that would
-need a copy, CPUs without AVX2, a forked process (GNU OpenMP's threads do not survive fork: the
+on the first large product. Everything else stays with numpy: other dtypes, products below
+``MIN_MULTIPLY_ADDS`` per matrix (a call through ctypes and oneDNN's dispatch costs about 10 us),
+operands that would need a copy, CPUs without AVX2, a forked process (GNU OpenMP's threads do not survive fork: the
 child of a process that had run a parallel product hung), and any process where
 ``GRADGEN_CPU_GEMM=numpy`` is set.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (measured crossover: about 2^18)
+MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (one thread: as fast as numpy at 2^21)
 DISABLE_VARIABLE = "GRADGEN_CPU_GEMM"  # "numpy": every product through numpy's matmul
 LIBRARY_VARIABLE = "GRADGEN_ONEDNN_LIBRARY"  # a libdnnl.so to load instead of the installed wheel's
 DISTRIBUTION = "onednn-cpu-gomp"
