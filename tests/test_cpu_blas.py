@@ -173,7 +173,7 @@ def test_overlapping_runs_share_the_hold_and_the_last_restores_it():
     if not controllers:
         pytest.skip("threadpoolctl finds no BLAS under numpy")
     with threadpool_limits(2, user_api="blas"):
-        first, second = blas.numpy_blas_single_threaded(), blas.numpy_blas_single_threaded()
+        first, second = blas.numpy_blas_single_threaded(), blas.numpy_blas_single_threaded()  # two runs: one shared hold
         first.__enter__()
         second.__enter__()
         first.__exit__(None, None, None)

@@ -105,9 +105,9 @@ def profile_run(session, feeds: dict, runs: int = 3) -> Profile:
 
 def format_profile(profile: Profile, top: int = 10) -> str:
     """The table ``gradgen run --profile`` prints: time by op type, then the slowest steps."""
-    total = sum(step.seconds for step in profile.steps) or 1.0
     from gradgen.kernels.cpu import blas
 
+    total = sum(step.seconds for step in profile.steps) or 1.0
     lines = [
         f"time by op (median of {profile.runs} observed run(s) after a warm-up; a plain run takes "
         f"{profile.run_seconds * 1e3:.3f} ms; float32 products: {blas.describe()}):",

@@ -158,7 +158,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
             return np.matmul(a, b, out=out)
     if m * n * k < MIN_MULTIPLY_ADDS or 0 in batch:
         return np.matmul(a, b, out=out)
-    sgemm = _sgemm if _sgemm is not None else loaded()
+    sgemm = loaded()
     if not sgemm:
         return np.matmul(a, b, out=out)
     shape = batch + (m, n) if batch or b.ndim > 2 else a.shape[:-1] + (n,)
@@ -210,36 +210,41 @@ def _numpy_blas_controllers() -> list:
     return _numpy_blas
 
 
-_held = threading.Lock()  # guards the two below: runs of several Python threads may overlap
-_holders = 0  # runs inside numpy_blas_single_threaded now
-_held_counts: list = []  # (controller, its thread count before the first of them), to restore
+class _NumpyBlasHold:
+    """numpy's BLAS on one thread while any run holds it. Overlapping runs (several Python threads)
+    share the hold: the first to enter sets it, the last to leave restores the counts. The counts
+    are process-wide, as threadpoolctl's limits are: ``cpu_threads`` blocks of several threads at
+    once may leave one another's limit."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0  # runs inside the hold now
+        self._restore: list = []  # (controller, its thread count before the first of them)
 
-@contextlib.contextmanager
-def numpy_blas_single_threaded():
-    """Inside the block numpy's BLAS runs on one thread, where oneDNN is loaded (else nothing
-    changes). Overlapping runs (several Python threads) share the hold: the first to enter sets it,
-    the last to leave restores the counts. The counts are process-wide, as threadpoolctl's limits
-    are: ``cpu_threads`` blocks of several threads at once may leave one another's limit."""
-    global _holders, _held_counts
-    if not _sgemm:
-        yield
-        return
-    with _held:
-        if _holders == 0:
-            _held_counts = []
-            for controller in _numpy_blas_controllers():
-                threads = controller.get_num_threads()
-                if threads is not None and threads > 1:
-                    controller.set_num_threads(1)
-                    _held_counts.append((controller, threads))
-        _holders += 1
-    try:
-        yield
-    finally:
-        with _held:
-            _holders -= 1
-            if _holders == 0:
-                for controller, threads in _held_counts:
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                for controller in _numpy_blas_controllers():
+                    threads = controller.get_num_threads()
+                    if threads is not None and threads > 1:
+                        controller.set_num_threads(1)
+                        self._restore.append((controller, threads))
+            self._holders += 1
+
+    def __exit__(self, *exc_info) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                for controller, threads in self._restore:
                     controller.set_num_threads(threads)
-                _held_counts = []
+                self._restore = []
+
+
+_HOLD = _NumpyBlasHold()
+_NO_HOLD = contextlib.nullcontext()
+
+
+def numpy_blas_single_threaded():
+    """A context in which numpy's BLAS runs on one thread, where oneDNN is loaded; else one that
+    changes nothing (and costs next to nothing: every CPU run enters it)."""
+    return _HOLD if _sgemm else _NO_HOLD
