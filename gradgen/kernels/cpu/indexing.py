@@ -415,36 +415,34 @@ def prepare_scatter_elements(constants: tuple, attrs: dict):
 
     def run(data, indices, updates):
         plan = plans((data.shape, indices.shape)) if updates.shape == indices.shape else None
-        if plan is not None and reduction == "none" and indices is fixed_indices:
-            targets = fixed_targets((data.shape, indices.shape))
-            if targets is not None:
-                out = _writable_copy(data)
-                out.reshape(-1)[targets[0]] = _as_dtype_of(updates, out).reshape(-1)[targets[1]]
-                return out
+        if plan is not None and reduction == "none":
+            key = (data.shape, indices.shape)
+            targets = fixed_targets(key) if indices is fixed_indices else _last_writes(plan, indices)
+            if targets is None:
+                return scatter_elements(data, indices, updates, axis=axis, reduction=reduction)
+            out = _writable_copy(data)
+            out.reshape(-1)[targets[0]] = _as_dtype_of(updates, out).reshape(-1)[targets[1]]
+            return out
         flat = _flat_targets(plan, indices) if plan is not None else None
         if flat is None:
             return scatter_elements(data, indices, updates, axis=axis, reduction=reduction)
         out = _writable_copy(data)
-        upd = _as_dtype_of(updates, out).reshape(-1)
-        if reduction != "none":
-            _REDUCTIONS[reduction].at(out.reshape(-1), flat, upd)
-        elif plan.distinct:
-            out.reshape(-1)[flat] = upd
-        else:
-            keep = _last_wins(flat)
-            out.reshape(-1)[flat[keep]] = upd[keep]
+        _REDUCTIONS[reduction].at(out.reshape(-1), flat, _as_dtype_of(updates, out).reshape(-1))
         return out
 
     return run
 
 
-def _last_writes(plan: _ElementsPlan | None, indices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(flat targets, positions in the update order) of the update that lands last on each target,
-    or None where the indices are out of range (the kernel then says which)."""
+def _last_writes(plan: _ElementsPlan | None, indices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | slice] | None:
+    """(flat targets, positions in the update order) of the update that lands last on each target
+    (every update where no two share a target), or None where the indices are negative or out of
+    range (the kernel then says which)."""
     flat = _flat_targets(plan, indices) if plan is not None and indices is not None else None
     if plan is None or flat is None:
         return None
-    keep = np.arange(flat.size) if plan.distinct else _last_wins(flat)
+    if plan.distinct:
+        return flat, slice(None)
+    keep = _last_wins(flat)
     return flat[keep], keep
 
 

@@ -110,15 +110,21 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
         raise KernelError(
             f"inner dimensions differ: op(A) is {list(a2.shape)}, op(B) is {list(b2.shape)} (transA={transA}, transB={transB})"
         )
-    dtype = a.dtype
+    out_shape = (a2.shape[0], b2.shape[1])
+    if c is not None and beta != 0 and c.shape != out_shape and not broadcasts_to(c.shape, out_shape):
+        raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape {list(out_shape)}")
+    return _gemm_arithmetic(a2, b2, c, alpha, beta)
+
+
+def _gemm_arithmetic(a2, b2, c, alpha, beta):
+    """alpha * op(A) @ op(B) + beta * C in A's dtype, on checked operands: the kernel's and its
+    prepared call's arithmetic."""
     out = blas.matmul(a2, b2)
     if alpha != 1.0:
         out = alpha * out
     if c is not None and beta != 0:
-        if c.shape != out.shape and not broadcasts_to(c.shape, out.shape):
-            raise KernelError(f"C of shape {list(c.shape)} does not broadcast to the output shape {list(out.shape)}")
         out = out + (beta * c if beta != 1.0 else c)
-    return np.asarray(out).astype(dtype, copy=False)
+    return np.asarray(out).astype(a2.dtype, copy=False)
 
 
 @cpu_prepare("Gemm")
@@ -132,12 +138,7 @@ def prepare_gemm(constants: tuple, attrs: dict):
         return a.shape, b.shape, a.dtype, b.dtype, None if c is None else (c.shape, c.dtype)
 
     def fast(plan, a, b, c=None):
-        out = blas.matmul(a.T if trans_a else a, b.T if trans_b else b)
-        if alpha != 1.0:
-            out = alpha * out
-        if c is not None and beta != 0:
-            out = out + (beta * c if beta != 1.0 else c)
-        return np.asarray(out).astype(a.dtype, copy=False)
+        return _gemm_arithmetic(a.T if trans_a else a, b.T if trans_b else b, c, alpha, beta)
 
     return kernel_first(lambda *args: gemm(*args, **attrs), signature, lambda *args: True, fast, limit=64)
 
