@@ -147,25 +147,26 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if a.dtype != _FLOAT32 or b.dtype != _FLOAT32 or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         return np.matmul(a, b, out=out)  # numpy computes, or says what does not fit
     k, n = b.shape[-2:]
-    if b.ndim == 2 and a.flags.c_contiguous:
+    if b.ndim == 2 and a.flags.c_contiguous:  # every row of a, in one product
         m = math.prod(a.shape[:-1])
         batch: tuple = ()
+        shape = a.shape[:-1] + (n,)
     else:
         m = a.shape[-2]
         try:
             batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         except ValueError:
             return np.matmul(a, b, out=out)
+        shape = batch + (m, n)
     if m * n * k < MIN_MULTIPLY_ADDS or 0 in batch:
         return np.matmul(a, b, out=out)
     sgemm = loaded()
     if not sgemm:
         return np.matmul(a, b, out=out)
-    shape = batch + (m, n) if batch or b.ndim > 2 else a.shape[:-1] + (n,)
     if out is not None and not _writable_target(out, shape, a, b):
         return np.matmul(a, b, out=out)  # numpy copies for an out that overlaps, refuses a read-only one
     result = np.empty(shape, dtype=_FLOAT32) if out is None else out
-    if not batch and b.ndim == 2:
+    if not batch:
         pairs = [(a.reshape(m, k), b, result.reshape(m, n))]  # views: rows of every batch entry, one after another
     else:
         left, right = np.broadcast_to(a, batch + (m, k)), np.broadcast_to(b, batch + (k, n))
