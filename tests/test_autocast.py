@@ -346,17 +346,26 @@ def test_cli_build_backward_precision(tmp_path, capsys, monkeypatch):
 RESNET = ROOT / "tests/fixtures/models/resnet_block_legacy"
 
 
-def test_batch_norm_keeps_its_parameters_in_float32():
-    """As torch.autocast runs batch_norm: X in bf16 (no Cast up before, none down after), scale,
-    bias and statistics float32; opset 15+ lets X's type differ from the parameters'."""
+def test_batch_norm_after_a_conv_reads_its_output_in_float32():
+    """A BatchNormalization reading a lowered Conv runs in float32 on the Conv's output cast up (the
+    Cast is the Conv's only reader), with float32 parameters, and its output is cast back to bf16
+    for its readers (the first Relu stays bf16)."""
     built = gradgen.build_backward(RESNET / "model.onnx", precision="bf16")
     model = built.model
-    norms = [n for n in forward_nodes(model) if n.op_type == "BatchNormalization"]
+    nodes = forward_nodes(model)
+    norms = [n for n in nodes if n.op_type == "BatchNormalization"]
     assert len(norms) == 2
     for node in norms:
-        assert node.inputs[0].dtype == BF16 and node.outputs[0].dtype == BF16
+        x = node.inputs[0]
+        assert x.dtype == FP32 and node.outputs[0].dtype == FP32
         assert [v.dtype for v in node.inputs[1:]] == [FP32] * 4
-        assert node.inputs[0].producer().op_type != "Cast"
+        cast = x.producer()
+        assert cast.op_type == "Cast" and cast.inputs[0].producer().op_type == "Conv"
+        assert [u.node for u in cast.inputs[0].uses()] == [cast]  # what the executors fuse
+        readers = [u.node for u in node.outputs[0].uses()]
+        assert [(r.op_type, r.outputs[0].dtype) for r in readers] == [("Cast", BF16)]
+    first_relu = next(n for n in nodes if n.op_type == "Relu")
+    assert first_relu.inputs[0].dtype == BF16 and first_relu.inputs[0].producer().op_type == "Cast"
     out = Session(model).run(dict(np.load(RESNET / "inputs.npz")))
     reference = Session(gradgen.build_backward(RESNET / "model.onnx").model).run(dict(np.load(RESNET / "inputs.npz")))
     for name in built.wrt:

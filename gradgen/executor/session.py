@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from gradgen.errors import GradgenError, KernelError, ModelError, RunError, UnsupportedOpsError, UsageError
 from gradgen.evaluate import foldable_op
-from gradgen.executor import low_precision
+from gradgen.executor import excess_precision, low_precision
 from gradgen.executor.cpu_program import CpuProgram, call_in_place
 from gradgen.executor.cpu_rewrites import scatter_into_sums
 from gradgen.executor.standard_forms import with_standard_forms
@@ -281,6 +281,8 @@ class Session:
                 )
             )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
+        if excess_precision.enabled():
+            steps = excess_precision.fuse_conv_casts(steps, self.graph, set(self.output_names))
         if self.device == "cpu":
             steps = scatter_into_sums(steps, self.graph, self.initializers, set(self.output_names))
         if self.device == "cuda":

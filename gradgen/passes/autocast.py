@@ -16,6 +16,14 @@ The pass rewrites a forward graph so that it computes what the same model comput
   as autocast runs batch_norm (not on its lists; cuDNN's kernel takes a 16-bit input with float32
   parameters, computes in float32 and returns the input's type), where the schema lets X's type
   differ from the parameters' (opset 15 and later); below, it is a float32 op;
+- except that a BatchNormalization reading a lowered Conv's output runs in float32, on the Conv's
+  output cast to float32, and its output is cast back to the lower type for its readers. On a
+  runtime that rounds every value to its declared type this computes what autocast computes (the
+  cast up is exact, the normalization computes in float32 either way and its output is rounded
+  once); gradgen's executors run such a Conv and its Cast as one convolution with a float32
+  output (gradgen/executor/excess_precision.py), so the normalization and its gradient see the
+  convolution's float32 accumulator instead of its bf16 rounding. On ResNet-18 that is what takes
+  the bf16 gradients' worst per-tensor error below autocast's (docs/BENCHMARKS.md, 2026-12-06);
 - every other op runs in its inputs' type; when its inputs of one type variable mix types, they
   are promoted to the widest (bf16 + float32 -> float32), except that a rank-0 operand (a Python
   scalar in the exported code) follows the others, as in PyTorch's type promotion; the bias Add
@@ -89,11 +97,14 @@ FLOAT32_OPS = frozenset(
 # ops that run in their input's type with float32 parameters where the schema gives the parameters
 # a type variable of their own (see the module docstring), float32 ops where it does not
 PARAMETERS_APART_OPS = frozenset({"BatchNormalization"})
+# lowered ops whose output a BatchNormalization reads in float32 (see the module docstring)
+WIDE_OUTPUT_OPS = frozenset({"Conv"})
 # ops whose output type is not their inputs' (or that accept anything): left as they are
 _UNTOUCHED_OPS = frozenset({"Cast", "CastLike", "Shape", "Size", "Identity"})
 _AUTOCAST_FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 _TYPE_STR = {ir.DataType.FLOAT: "tensor(float)", ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
 _WIDTH = {ir.DataType.FLOAT16: 1, ir.DataType.BFLOAT16: 1, ir.DataType.FLOAT: 2}
+_SUFFIX = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}  # of cast values' names
 
 
 def check_precision(precision: str) -> str:
@@ -237,8 +248,11 @@ class _Rewriter:
             if value is not None and value.dtype is not None:
                 groups.setdefault(inputs[index], []).append(index)
         main = inputs[0] if node.inputs else None
-        float32_op = node.op_type in FLOAT32_OPS or (
-            node.op_type in PARAMETERS_APART_OPS and len(set(inputs[:2])) < 2  # X and scale share a type variable
+        normalizes_wide = self.normalizes_wide_output(node)
+        float32_op = (
+            node.op_type in FLOAT32_OPS
+            or normalizes_wide
+            or (node.op_type in PARAMETERS_APART_OPS and len(set(inputs[:2])) < 2)  # X and scale share a type variable
         )
         retyped: dict[str, ir.DataType] = {}
         for type_str, indices in groups.items():
@@ -262,6 +276,8 @@ class _Rewriter:
                     self.lowered.add(id(value))
         if retyped:
             self.placement[node.name or node.op_type] = retyped.get(main, next(iter(retyped.values())))
+        if normalizes_wide:
+            self.lower_output(node)
 
     def target(
         self, node: ir.Node, type_str: str, is_main: bool, indices: list[int], dtypes: set, float32_op: bool
@@ -293,6 +309,26 @@ class _Rewriter:
             and any(id(other) in self.lowered for other in values if other is not value)
         )
 
+    def normalizes_wide_output(self, node: ir.Node) -> bool:
+        """A BatchNormalization whose X is the output of a lowered Conv (see the module docstring)."""
+        if node.op_type not in PARAMETERS_APART_OPS or not node.inputs or node.inputs[0] is None:
+            return False
+        x = node.inputs[0]
+        producer = x.producer()
+        return id(x) in self.lowered and producer is not None and producer.op_type in WIDE_OUTPUT_OPS
+
+    def lower_output(self, node: ir.Node) -> None:
+        """Cast ``node``'s float32 output 0 to the lower type for its readers (a graph output keeps
+        the float32 value, which is its declared type)."""
+        value = node.outputs[0]
+        if value.dtype != ir.DataType.FLOAT or not value.uses():
+            return
+        uses = list(value.uses())  # before the Cast becomes one
+        cast = self.cast_node(value, self.low, self.fresh(f"{value.name}.{_SUFFIX[self.low]}"))
+        self.graph.insert_after(node, cast)
+        for use in uses:
+            use.node.replace_input_with(use.idx, cast.outputs[0])
+
     def to_float32(self, node: ir.Node) -> None:
         for index, value in enumerate(node.inputs):
             if value is not None and value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
@@ -304,8 +340,7 @@ class _Rewriter:
         """``value`` as ``dtype``: one Cast per (value, type), placed before its first consumer."""
         key = (id(value), dtype)
         if key not in self.casts:
-            suffix = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16", ir.DataType.BFLOAT16: "bf16"}[dtype]
-            node = self.cast_node(value, dtype, self.fresh(f"{value.name}.{suffix}"))
+            node = self.cast_node(value, dtype, self.fresh(f"{value.name}.{_SUFFIX[dtype]}"))
             self.graph.insert_before(before, node)
             self.casts[key] = node.outputs[0]
         return self.casts[key]
@@ -347,7 +382,7 @@ class _Rewriter:
             if value.dtype == dtype or dtype is None:
                 continue
             name = value.name
-            value.name = self.fresh(f"{name}.{'bf16' if value.dtype == ir.DataType.BFLOAT16 else 'fp16'}")
+            value.name = self.fresh(f"{name}.{_SUFFIX[value.dtype]}")
             node = self.cast_node(value, dtype, name)
             self.graph.append(node)
             self.graph.outputs[position] = node.outputs[0]

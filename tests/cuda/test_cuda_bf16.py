@@ -541,9 +541,10 @@ def test_a_type_no_kernel_has_is_a_one_line_error_naming_the_node():
 # -- end to end: models built with precision="bf16" ----------------------------------------------------
 
 
-@pytest.mark.parametrize("directory", ["cnn_legacy", "gpt2_hand_legacy"])
+@pytest.mark.parametrize("directory", ["cnn_legacy", "gpt2_hand_legacy", "resnet_block_legacy"])
 def test_bf16_models_match_the_cpu_backend(directory):
-    """A small CNN and a GPT block, built with precision="bf16": the CUDA step's loss and gradients
+    """A small CNN, a GPT block and a ResNet block (Conv into BatchNormalization: the convolutions
+    with float32 outputs on both backends), built with precision="bf16": the CUDA step's loss and gradients
     against the CPU backend's, within bf16 tolerance (``gradgen run --compare``'s bf16 defaults:
     rtol 1e-2, atol 5e-2 of each tensor's scale)."""
     from gradgen.compare import compare_outputs, resolve_tolerance

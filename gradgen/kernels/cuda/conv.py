@@ -32,7 +32,7 @@ import os
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cuda.elementwise import in_float32
+from gradgen.kernels.cuda.elementwise import cast_to, in_float32
 from gradgen.kernels.cuda.launch import (
     contiguous,
     cpu_fallback,
@@ -193,10 +193,28 @@ def _data_types(cudnn, dtype):
     return cudnn.data_type.FLOAT, cudnn.data_type.FLOAT
 
 
-def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench_ptrs=None, lane=0, choice_key=""):
+def _build(
+    kind,
+    dtype,
+    a_dims,
+    b_dims,
+    out_dims,
+    pads,
+    strides,
+    dilations,
+    tf32,
+    nondet,
+    bench_ptrs=None,
+    lane=0,
+    choice_key="",
+    out_dtype=None,
+):
+    """``out_dtype``: the output's element type where it is not ``dtype`` (16-bit operands into a
+    float32 output: the accumulator stored without the 16-bit rounding)."""
     cudnn, _ = _cudnn()
     _, handle = _lane(lane)
     io, compute = _data_types(cudnn, dtype)
+    out_io = io if out_dtype is None else _data_types(cudnn, out_dtype)[0]
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=compute, compute_data_type=compute, handle=handle)
     a = graph.tensor(name="A", dim=list(a_dims), stride=runtime().contiguous_strides(a_dims), data_type=io)
     b = graph.tensor(name="B", dim=list(b_dims), stride=runtime().contiguous_strides(b_dims), data_type=io)
@@ -214,7 +232,7 @@ def _build(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32
         out = graph.conv_dgrad(loss=a, filter=b, **conv)
     else:
         out = graph.conv_wgrad(image=a, loss=b, **conv)
-    out.set_output(True).set_data_type(io).set_dim(list(out_dims)).set_stride(runtime().contiguous_strides(out_dims))
+    out.set_output(True).set_data_type(out_io).set_dim(list(out_dims)).set_stride(runtime().contiguous_strides(out_dims))
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -375,12 +393,14 @@ def _autotune(graph, a, b, out, ptrs, handle, stream):
         return None
 
 
-def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs, lane=0):
-    """The cached cuDNN plan for this convolution, or None where cuDNN declines it."""
+def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs, lane=0, out_dtype=None):
+    """The cached cuDNN plan for this convolution, or None where cuDNN declines it (``out_dtype``:
+    see ``_build``)."""
     tf32, nondet = tf32_allowed(), _flag("GRADGEN_ALLOW_NONDETERMINISTIC")
+    out_dtype = None if out_dtype is None or np.dtype(out_dtype) == np.dtype(dtype) else np.dtype(out_dtype)
     key = (
         kind,
-        np.dtype(dtype).str,
+        np.dtype(dtype).str if out_dtype is None else f"{np.dtype(dtype).str}->{out_dtype.str}",
         tuple(a_dims),
         tuple(b_dims),
         tuple(out_dims),
@@ -395,18 +415,38 @@ def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs,
         bench = ptrs if _autotune_wanted() else None
         try:
             _GRAPHS[key] = _build(
-                kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, tf32, nondet, bench, lane, repr(key[:-1])
+                kind,
+                dtype,
+                a_dims,
+                b_dims,
+                out_dims,
+                pads,
+                strides,
+                dilations,
+                tf32,
+                nondet,
+                bench,
+                lane,
+                repr(key[:-1]),
+                out_dtype,
             )
         except ImportError as exc:
             _GRAPHS[key] = None
             _warn("cudnn-import", f"cuDNN is not available ({exc}); convolutions run on gradgen's direct kernels")
         except Exception as exc:  # noqa: BLE001 - cuDNN declined: the direct kernels serve it
             _GRAPHS[key] = None
-            _warn(
-                f"cudnn-{kind}-{np.dtype(dtype)}",
-                f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
-                f"running gradgen's direct convolution kernel for it",
-            )
+            if out_dtype is not None:
+                _warn(
+                    f"cudnn-{kind}-{np.dtype(dtype)}-{out_dtype}",
+                    f"cuDNN has no {np.dtype(dtype)} conv {kind} into {out_dtype} for some shapes "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); those run in {np.dtype(dtype)} and are cast up",
+                )
+            else:
+                _warn(
+                    f"cudnn-{kind}-{np.dtype(dtype)}",
+                    f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
+                    f"running gradgen's direct convolution kernel for it",
+                )
     return _GRAPHS[key]
 
 
@@ -601,7 +641,7 @@ def _pass_output(shape, dtype, *operands):
     return out, False
 
 
-def _pass_plan(kind, dtype, geom, a_shape, b_shape, out_shape, pads, ptrs, lane=0):
+def _pass_plan(kind, dtype, geom, a_shape, b_shape, out_shape, pads, ptrs, lane=0, out_dtype=None):
     """``_plan`` for a pass of this geometry: shapes and pads lifted to cuDNN's rank."""
     return _plan(
         kind,
@@ -614,19 +654,26 @@ def _pass_plan(kind, dtype, geom, a_shape, b_shape, out_shape, pads, ptrs, lane=
         geom.lift(geom.dilations, 1),
         ptrs,
         lane,
+        out_dtype,
     )
 
 
-def _fprop(x, w, geom):
-    y, final = _pass_output(geom.y_shape, x.dtype, x, w)
+def _fprop(x, w, geom, out_dtype=None):
+    """Y of the convolution, of ``out_dtype`` (default: X's type; a wider type where cuDNN has no
+    engine for it: the narrow Y cast up)."""
+    out_dtype = np.dtype(out_dtype or x.dtype)
+    y, final = _pass_output(geom.y_shape, out_dtype, x, w)
     if final:
         return y
     if _use_cudnn(geom, x.dtype):
         xs, pads = (x, geom.begin) if geom.symmetric else (_pad_x(x, geom), [0] * geom.nd)
-        plan = _pass_plan("fprop", x.dtype, geom, xs.shape, geom.w_shape, geom.y_shape, pads, (y.gpudata, xs.gpudata, w.gpudata))
+        ptrs = (y.gpudata, xs.gpudata, w.gpudata)
+        plan = _pass_plan("fprop", x.dtype, geom, xs.shape, geom.w_shape, geom.y_shape, pads, ptrs, out_dtype=out_dtype)
         if plan is not None:
             plan.run(y.gpudata, xs.gpudata, w.gpudata)
             return y
+    if out_dtype != x.dtype:
+        return cast_to(_fprop(x, w, geom), out_dtype)
     if geom.nd > 3:
         raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
     kernel = kernel_of("conv", f"conv_fwd_{require_suffix(x.dtype)}")
@@ -704,6 +751,24 @@ def conv(x, w, b=None, **attrs):
     y = _fprop(contiguous(x), contiguous(w), geom)
     if b is not None:
         add_channel_bias(y, b)
+    return y
+
+
+def conv_float32_output(x, w, b=None, **attrs):
+    """Conv of 16-bit X and W (and B) into a float32 Y: cuDNN's float32 accumulator stored without
+    the 16-bit rounding, for the executor's Conv + Cast-to-float32 pair
+    (gradgen/executor/excess_precision.py). Other dtypes: Conv, then the cast."""
+    _check_ranks(x, w)
+    geom = _geometry(x.shape, w.shape, attrs)
+    narrow = dtype_suffix(x.dtype) in ("bf16", "f16")
+    if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype) or not narrow or geom.nd > 3:
+        y = conv(x, w, b, **attrs)  # its checks and its fallbacks, then the cast
+        return cast_to(y, np.float32) if hasattr(y, "gpudata") else np.asarray(y).astype(np.float32)
+    if b is not None and tuple(b.shape) != (geom.w_shape[0],):
+        raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
+    y = _fprop(contiguous(x), contiguous(w), geom, out_dtype=np.float32)
+    if b is not None:
+        add_channel_bias(y, cast_to(b, np.float32))
     return y
 
 

@@ -1,0 +1,85 @@
+"""The CUDA step of a 16-bit Conv and its Cast to float32 (gradgen/executor/excess_precision.py):
+cuDNN's float32 output against the convolution of the same 16-bit values in float64, and against
+the CPU backend's step."""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from gradgen.executor import Session
+from gradgen.executor.excess_precision import OP_TYPE
+from gradgen.kernels.cpu import conv as cpu_conv
+
+pytestmark = [pytest.mark.cuda]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LOW = {BF16: TensorProto.BFLOAT16, np.dtype(np.float16): TensorProto.FLOAT16}
+
+# ResNet-18's convolutions at batch 2 (stem, 3x3, 3x3 strided, 1x1 strided downsample), a grouped
+# one with asymmetric pads, and a 1-D one: (x shape, w shape, attributes)
+CASES = [
+    ((2, 3, 64, 64), (16, 3, 7, 7), dict(pads=[3, 3, 3, 3], strides=[2, 2])),
+    ((2, 64, 28, 28), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((2, 64, 28, 28), (128, 64, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    ((2, 64, 28, 28), (128, 64, 1, 1), dict(strides=[2, 2])),
+    ((2, 8, 9, 7), (8, 4, 3, 3), dict(pads=[0, 1, 2, 0], group=2)),
+    ((2, 8, 33), (4, 8, 5), dict(pads=[2, 2])),
+]
+
+
+def _model(x_shape, w_shape, attrs, low, bias):
+    inputs = ["x", "w", "b"] if bias else ["x", "w"]
+    nodes = [helper.make_node("Conv", inputs, ["y"], **attrs), helper.make_node("Cast", ["y"], ["y32"], to=TensorProto.FLOAT)]
+    shapes = {"x": x_shape, "w": w_shape, "b": (w_shape[0],)}
+    graph = helper.make_graph(
+        nodes,
+        "conv",
+        [helper.make_tensor_value_info(n, low, shapes[n]) for n in inputs],
+        [helper.make_tensor_value_info("y32", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", list(LOW), ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_float32_output_of_16_bit_operands(case, dtype, bias):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal(x_shape).astype(dtype), "w": (rng.standard_normal(w_shape) * 0.2).astype(dtype)}
+    if bias:
+        feeds["b"] = rng.standard_normal(w_shape[0]).astype(dtype)
+    exact = cpu_conv.conv(*(feeds[k].astype(np.float64) for k in ("x", "w", "b") if k in feeds), **attrs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Session(_model(x_shape, w_shape, attrs, LOW[dtype], bias), device="cuda") as session:
+            assert [s.op_type for s in session.steps] == [OP_TYPE]
+            got = session.run(feeds)["y32"]
+    assert not [w for w in caught if "cast up" in str(w.message)], "cuDNN had no float32-output engine"
+    assert got.dtype == np.float32 and got.shape == exact.shape
+    # float32 sums of exact 16-bit products: far below one 16-bit rounding (2^-9 for bf16, 2^-12 for fp16)
+    assert np.abs(got - exact).max() <= 2e-5 * np.abs(exact).max()
+    cpu = Session(_model(x_shape, w_shape, attrs, LOW[dtype], bias)).run(feeds)["y32"]
+    assert np.abs(got - cpu).max() <= 2e-5 * np.abs(exact).max()
+
+
+def test_without_cudnn_the_16_bit_result_is_cast_up(monkeypatch):
+    """gradgen's direct kernels have no float32 output: the bf16 convolution, cast."""
+    from gradgen.kernels.cuda import conv
+
+    monkeypatch.setattr(conv, "FORCE_DIRECT", True)
+    x_shape, w_shape, attrs = CASES[1]
+    rng = np.random.default_rng(12)
+    feeds = {"x": rng.standard_normal(x_shape).astype(BF16), "w": (rng.standard_normal(w_shape) * 0.2).astype(BF16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Session(_model(x_shape, w_shape, attrs, TensorProto.BFLOAT16, False), device="cuda") as session:
+            got = session.run(feeds)["y32"]
+    np.testing.assert_array_equal(got, got.astype(BF16).astype(np.float32))
+    exact = cpu_conv.conv(feeds["x"].astype(np.float64), feeds["w"].astype(np.float64), **attrs)
+    assert np.abs(got - exact).max() <= 2**-8 * np.abs(exact).max()
