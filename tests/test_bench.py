@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,6 +202,20 @@ def test_child_failure_is_a_result_not_a_crash(tmp_path):
         timeout_s=120,
     )
     assert "no such file" in result["error"]
+
+
+def test_gradgen_step_without_warm_up_still_times_its_first_step_apart(tmp_path):
+    """``--warmup 0``: the first (eager) run is the first step's time, the timed steps come after."""
+    import onnx_ir as ir
+
+    fixture = Path(__file__).resolve().parent / "fixtures/models/resnet_block_legacy"
+    ir.save(gradgen.build_backward(fixture / "model.onnx").model, tmp_path / "model.onnx")
+    task = {"label": "no warm-up", "device": "cpu", "model": str(tmp_path / "model.onnx"), "loss": "loss"}
+    task.update(inputs=str(fixture / "inputs.npz"), steps=2, warmup=0)
+    result = measure.run_child("gradgen-step", task, tmp_path, timeout_s=120)
+    assert "error" not in result, result
+    assert len(result["step_ms"]) == 2 and result["first_step_s"] > 0 and result["second_step_s"] is None
+    assert np.isfinite(result["loss"])
 
 
 @pytest.mark.slow

@@ -300,7 +300,8 @@ def job_gradgen_step(task: dict) -> dict:
         return float(session.run(feeds, outputs=[loss_name])[loss_name])
 
     firsts = []
-    for _ in range(min(2, task["warmup"])):  # first run: eager (kernel compilation); second: recording
+    # first run: eager (kernel compilation; always apart from the timed steps); second: recording
+    for _ in range(min(2, max(1, task["warmup"]))):
         t0 = time.perf_counter()
         loss = step()
         firsts.append(time.perf_counter() - t0)
