@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 import gradgen
 from gradgen.errors import UsageError
 from gradgen.executor import Session
-from gradgen.passes.autocast import METADATA_KEY
+from gradgen.passes.autocast import METADATA_KEY, AutocastPass
 from gradgen.training import SGD, AdamW, ShuffledBatches, Trainer, build_training, load_arrays
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling
 from tests.model_dirs import make_samples
@@ -454,3 +454,56 @@ def test_bfloat16_constant_nodes_run():
     assert Session(model).run({"x": x})["loss"] == np.float32(-0.5)
     out = Session(gradgen.build_backward(model, wrt_inputs=True).model).run({"x": x})
     np.testing.assert_array_equal(out["x_grad"], np.full(3, 0.5, np.float32))
+
+
+def _conv_bn_model(opset: int):
+    """loss = mean(Relu(BatchNormalization(Conv(x, w)))), eval-mode BatchNormalization."""
+    rng = np.random.default_rng(2)
+    inits = {
+        "w": rng.standard_normal((4, 3, 3, 3)) * 0.3,
+        "s": rng.uniform(0.5, 1.5, 4),
+        "bb": rng.standard_normal(4),
+        "m": rng.standard_normal(4) * 0.1,
+        "v": rng.uniform(0.5, 2.0, 4),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["y"]),
+        helper.make_node("Relu", ["y"], ["r"]),
+        helper.make_node("ReduceMean", ["r"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_bn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 3, 5, 5))],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def test_batch_norm_after_a_conv_below_opset_15_stays_a_float32_op():
+    """Below opset 15 X and the parameters share one type: the normalization is a float32 op and
+    its output stays float32 for its readers (no cast back to 16 bits)."""
+    model = gradgen.build_backward(_conv_bn_model(14), precision="fp16").model
+    norm = next(n for n in forward_nodes(model) if n.op_type == "BatchNormalization")
+    assert norm.inputs[0].dtype == FP32 and norm.outputs[0].dtype == FP32
+    assert [(u.node.op_type, u.node.outputs[0].dtype) for u in norm.outputs[0].uses()] == [("Relu", FP32)]
+
+
+def test_an_untyped_output_is_cast_back_without_failing():
+    """An Identity of a custom op's untyped output, a graph output declared float: autocast casts it
+    back to its declared type (it used to fail on the unknown type)."""
+    nodes = [helper.make_node("Foo", ["x"], ["f"], domain="com.example"), helper.make_node("Identity", ["f"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2,))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (2,))],
+    )
+    model = ir.from_proto(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22), helper.make_opsetid("com.example", 1)])
+    )
+    AutocastPass("bf16")(model)
+    last = list(model.graph)[-1]
+    assert last.op_type == "Cast" and model.graph.outputs[0] is last.outputs[0] and model.graph.outputs[0].name == "y"

@@ -19,14 +19,17 @@ X_SHAPE, W_SHAPE = (2, 8, 9, 9), (6, 8, 3, 3)
 
 
 def _conv_model(low: int = TensorProto.BFLOAT16, to: int = TensorProto.FLOAT, *, bias=False, also=None, stride=1):
-    """y32 = Cast(Conv(x, w[, b]), to); ``also``: another reader of the Conv's output ("Relu"), or
-    "output" to make it a graph output."""
+    """out = -Cast(Conv(x, w[, b]), to); ``also``: another reader of the Conv's output ("Relu"),
+    "output" to make the Conv's output a graph output, "cast-output" the Cast's."""
     inputs = ["x", "w", "b"] if bias else ["x", "w"]
     nodes = [
         helper.make_node("Conv", inputs, ["y"], pads=[1, 1, 1, 1], strides=[stride, stride]),
         helper.make_node("Cast", ["y"], ["y32"], to=to),
+        helper.make_node("Neg", ["y32"], ["out"]),
     ]
-    outputs = [helper.make_tensor_value_info("y32", to, None)]
+    outputs = [helper.make_tensor_value_info("out", to, None)]
+    if also == "cast-output":
+        outputs.append(helper.make_tensor_value_info("y32", to, None))
     if also == "Relu":
         nodes.append(helper.make_node("Relu", ["y"], ["r"]))
         outputs.append(helper.make_tensor_value_info("r", low, None))
@@ -66,8 +69,8 @@ def _op_types(session) -> list[str]:
 def test_the_pair_keeps_the_float32_convolution(dtype, low, bias, stride):
     feeds = _feeds(dtype, bias)
     session = Session(_conv_model(low, bias=bias, stride=stride))
-    assert _op_types(session) == [OP_TYPE]
-    got = session.run(feeds)["y32"]
+    assert _op_types(session) == [OP_TYPE, "Neg"]
+    got = -session.run(feeds)["out"]
     exact = _exact_conv(feeds, stride)
     assert got.dtype == np.float32 and got.shape == exact.shape
     # the float32 sum of exact 16-bit products: far below one 16-bit rounding (2^-9 for bf16)
@@ -79,8 +82,8 @@ def test_off_the_conv_rounds_to_its_type(monkeypatch):
     monkeypatch.setenv(ENV, "0")
     feeds = _feeds(BF16)
     session = Session(_conv_model())
-    assert _op_types(session) == ["Conv", "Cast"]
-    got = session.run(feeds)["y32"]
+    assert _op_types(session) == ["Conv", "Cast", "Neg"]
+    got = -session.run(feeds)["out"]
     exact = _exact_conv(feeds)
     error = np.abs(got - exact).max() / np.abs(exact).max()
     assert 2**-12 < error <= 2**-8  # bf16's rounding: the values are bf16 ones
@@ -92,6 +95,7 @@ def test_off_the_conv_rounds_to_its_type(monkeypatch):
     [
         pytest.param(_conv_model(also="Relu"), id="another-reader"),
         pytest.param(_conv_model(also="output"), id="graph-output"),
+        pytest.param(_conv_model(also="cast-output"), id="cast-is-a-graph-output"),
         pytest.param(_conv_model(to=TensorProto.FLOAT16), id="cast-to-fp16"),
         pytest.param(_conv_model(TensorProto.FLOAT, TensorProto.DOUBLE), id="float32-conv"),
         pytest.param(_conv_model(TensorProto.FLOAT16, TensorProto.DOUBLE), id="cast-to-double"),

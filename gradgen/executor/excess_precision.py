@@ -7,14 +7,16 @@ accumulator to bf16 / fp16 and the Cast widens that exactly; run as one step, th
 stores its accumulator as float32 and the rounding never happens. That is the freedom XLA takes
 by default (``xla_allow_excess_precision``): a value may be kept in more precision than its type
 says when nothing else can observe the narrow one. Here nothing else can: the narrow value is
-read by the Cast alone and is not a graph output. On ResNet-18 in bf16 it is what takes the
+read by the Cast alone, and neither it nor the Cast's output is a graph output (a graph output
+keeps the graph's value). On ResNet-18 in bf16 it is what takes the
 gradients' worst per-tensor error below torch.autocast's (docs/BENCHMARKS.md).
 
 Both backends apply the rewrite, so the CPU and the GPU keep computing the same values: the CUDA
 step runs cuDNN's convolution with 16-bit operands and a float32 output
-(gradgen/kernels/cuda/conv.py, ``conv_float32_output``; where cuDNN has no engine for a shape it
-runs the 16-bit convolution and casts, with a one-time note), the CPU step runs the Conv kernel on
-float32 copies of its operands and keeps its float32 result. A float32 model has no 16-bit Conv:
+(gradgen/kernels/cuda/conv.py, ``conv_float32_output``; where cuDNN has no engine for a shape,
+with a one-time note, the float32 convolution of the operands cast up: the same values, slower),
+the CPU step runs the Conv kernel on float32 copies of its operands and keeps its float32 result.
+A float32 model has no 16-bit Conv:
 its plan is unchanged. ``GRADGEN_EXCESS_PRECISION=0`` turns the rewrite off (every value rounded
 to its declared type, as any ONNX runtime computes the graph).
 """
@@ -39,8 +41,9 @@ def enabled() -> bool:
 
 
 def fuse_conv_casts(steps: list, graph: ir.Graph, keep: set[str]) -> list:
-    """``steps`` with each 16-bit Conv whose output only a Cast to float32 reads, and that is not
-    kept (a graph output), run with that Cast as one ``ConvFloat32Output`` step in the Conv's place."""
+    """``steps`` with each 16-bit Conv whose output only a Cast to float32 reads run with that Cast
+    as one ``ConvFloat32Output`` step in the Conv's place, where neither value is kept (a graph
+    output)."""
     readers = value_readers(steps)
     dtypes = plan_dtypes(steps, graph)
     replaced: dict[int, object] = {}
@@ -68,6 +71,8 @@ def _widening_cast(step, steps: list, readers: dict[str, list[int]], dtypes: dic
         return None
     cast = steps[readers[y][0]]
     if cast.domain or cast.op_type != "Cast" or int(cast.attributes.get("to", 0)) != _FLOAT or not cast.outputs[0]:
+        return None
+    if cast.outputs[0] in keep:  # a graph output is the graph's value: the Conv rounded, then widened
         return None
     return readers[y][0]
 

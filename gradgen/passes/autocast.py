@@ -248,7 +248,7 @@ class _Rewriter:
             if value is not None and value.dtype is not None:
                 groups.setdefault(inputs[index], []).append(index)
         main = inputs[0] if node.inputs else None
-        normalizes_wide = self.normalizes_wide_output(node)
+        normalizes_wide = self.normalizes_wide_output(node, inputs)
         float32_op = (
             node.op_type in FLOAT32_OPS
             or normalizes_wide
@@ -309,21 +309,24 @@ class _Rewriter:
             and any(id(other) in self.lowered for other in values if other is not value)
         )
 
-    def normalizes_wide_output(self, node: ir.Node) -> bool:
-        """A BatchNormalization whose X is the output of a lowered Conv (see the module docstring)."""
+    def normalizes_wide_output(self, node: ir.Node, type_strs: list[str]) -> bool:
+        """A BatchNormalization whose X is the output of a lowered Conv, where the schema gives its
+        parameters a type of their own (see the module docstring; below, it is a float32 op anyway)."""
         if node.op_type not in PARAMETERS_APART_OPS or not node.inputs or node.inputs[0] is None:
+            return False
+        if len(set(type_strs[:2])) < 2:
             return False
         x = node.inputs[0]
         producer = x.producer()
         return id(x) in self.lowered and producer is not None and producer.op_type in WIDE_OUTPUT_OPS
 
     def lower_output(self, node: ir.Node) -> None:
-        """Cast ``node``'s float32 output 0 to the lower type for its readers (a graph output keeps
-        the float32 value, which is its declared type)."""
+        """Cast ``node``'s float32 output 0 to the lower type for its readers in this graph (a graph
+        output and the subgraphs' reads keep the float32 value, as they would its declared type)."""
         value = node.outputs[0]
-        if value.dtype != ir.DataType.FLOAT or not value.uses():
+        uses = [use for use in value.uses() if use.node.graph is self.graph]  # before the Cast becomes one
+        if value.dtype != ir.DataType.FLOAT or not uses:
             return
-        uses = list(value.uses())  # before the Cast becomes one
         cast = self.cast_node(value, self.low, self.fresh(f"{value.name}.{_SUFFIX[self.low]}"))
         self.graph.insert_after(node, cast)
         for use in uses:
@@ -382,7 +385,7 @@ class _Rewriter:
             if value.dtype == dtype or dtype is None:
                 continue
             name = value.name
-            value.name = self.fresh(f"{name}.{_SUFFIX[value.dtype]}")
+            value.name = self.fresh(f"{name}.{_SUFFIX.get(value.dtype, 'autocast')}")  # an untyped one too
             node = self.cast_node(value, dtype, name)
             self.graph.append(node)
             self.graph.outputs[position] = node.outputs[0]

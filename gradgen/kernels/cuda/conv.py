@@ -439,7 +439,7 @@ def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs,
                 _warn(
                     f"cudnn-{kind}-{np.dtype(dtype)}-{out_dtype}",
                     f"cuDNN has no {np.dtype(dtype)} conv {kind} into {out_dtype} for some shapes "
-                    f"({type(exc).__name__}: {str(exc)[:200]}); those run in {np.dtype(dtype)} and are cast up",
+                    f"({type(exc).__name__}: {str(exc)[:200]}); those convolve their operands cast up to {out_dtype}",
                 )
             else:
                 _warn(
@@ -659,8 +659,9 @@ def _pass_plan(kind, dtype, geom, a_shape, b_shape, out_shape, pads, ptrs, lane=
 
 
 def _fprop(x, w, geom, out_dtype=None):
-    """Y of the convolution, of ``out_dtype`` (default: X's type; a wider type where cuDNN has no
-    engine for it: the narrow Y cast up)."""
+    """Y of the convolution, of ``out_dtype`` (default: X's type). A wider ``out_dtype`` where cuDNN
+    has no engine for it: the convolution of X and W cast up to it (exact products, the same sums:
+    the values the CPU backend computes, more slowly)."""
     out_dtype = np.dtype(out_dtype or x.dtype)
     y, final = _pass_output(geom.y_shape, out_dtype, x, w)
     if final:
@@ -673,7 +674,7 @@ def _fprop(x, w, geom, out_dtype=None):
             plan.run(y.gpudata, xs.gpudata, w.gpudata)
             return y
     if out_dtype != x.dtype:
-        return cast_to(_fprop(x, w, geom), out_dtype)
+        return _fprop(cast_to(x, out_dtype), cast_to(w, out_dtype), geom)
     if geom.nd > 3:
         raise KernelError(f"Conv on the GPU supports 1 to 3 spatial axes, got {geom.nd}")
     kernel = kernel_of("conv", f"conv_fwd_{require_suffix(x.dtype)}")
@@ -759,11 +760,13 @@ def conv_float32_output(x, w, b=None, **attrs):
     the 16-bit rounding, for the executor's Conv + Cast-to-float32 pair
     (gradgen/executor/excess_precision.py). Other dtypes: Conv, then the cast."""
     _check_ranks(x, w)
-    geom = _geometry(x.shape, w.shape, attrs)
     narrow = dtype_suffix(x.dtype) in ("bf16", "f16")
-    if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype) or not narrow or geom.nd > 3:
+    if x.dtype != w.dtype or (b is not None and b.dtype != x.dtype) or not narrow:
         y = conv(x, w, b, **attrs)  # its checks and its fallbacks, then the cast
         return cast_to(y, np.float32) if hasattr(y, "gpudata") else np.asarray(y).astype(np.float32)
+    geom = _geometry(x.shape, w.shape, attrs)
+    if geom.nd > 3:  # the float32 Conv of the operands cast up (the CPU kernel's), as the CPU backend runs the step
+        return conv(*(None if t is None else cast_to(t, np.float32) for t in (x, w, b)), **attrs)
     if b is not None and tuple(b.shape) != (geom.w_shape[0],):
         raise KernelError(f"B has shape {list(b.shape)}, expected [{geom.w_shape[0]}] (one bias per filter)")
     y = _fprop(contiguous(x), contiguous(w), geom, out_dtype=np.float32)
