@@ -662,7 +662,7 @@ def _fprop(x, w, geom, out_dtype=None):
     """Y of the convolution, of ``out_dtype`` (default: X's type). A wider ``out_dtype`` where cuDNN
     has no engine for it: the convolution of X and W cast up to it (exact products, the same sums:
     the values the CPU backend computes, more slowly)."""
-    out_dtype = np.dtype(out_dtype or x.dtype)
+    out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
     y, final = _pass_output(geom.y_shape, out_dtype, x, w)
     if final:
         return y
