@@ -16,9 +16,8 @@ step runs cuDNN's convolution with 16-bit operands and a float32 output
 (gradgen/kernels/cuda/conv.py, ``conv_float32_output``; where cuDNN has no engine for a shape,
 with a one-time note, the float32 convolution of the operands cast up: the same values, slower),
 the CPU step runs the Conv kernel on float32 copies of its operands and keeps its float32 result.
-A float32 model has no 16-bit Conv:
-its plan is unchanged. ``GRADGEN_EXCESS_PRECISION=0`` turns the rewrite off (every value rounded
-to its declared type, as any ONNX runtime computes the graph).
+A float32 model has no 16-bit Conv: its plan is unchanged. ``GRADGEN_EXCESS_PRECISION=0`` turns the
+rewrite off (every value rounded to its declared type, as any ONNX runtime computes the graph).
 """
 
 from __future__ import annotations
