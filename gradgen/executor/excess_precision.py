@@ -43,6 +43,8 @@ def fuse_conv_casts(steps: list, graph: ir.Graph, keep: set[str]) -> list:
     """``steps`` with each 16-bit Conv whose output only a Cast to float32 reads run with that Cast
     as one ``ConvFloat32Output`` step in the Conv's place, where neither value is kept (a graph
     output)."""
+    if not any(step.op_type == "Conv" and not step.domain for step in steps):
+        return steps  # no Conv: spare the whole-graph scans below (most models)
     readers = value_readers(steps)
     dtypes = plan_dtypes(steps, graph)
     replaced: dict[int, object] = {}

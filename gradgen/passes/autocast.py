@@ -248,11 +248,11 @@ class _Rewriter:
             if value is not None and value.dtype is not None:
                 groups.setdefault(inputs[index], []).append(index)
         main = inputs[0] if node.inputs else None
-        normalizes_wide = self.normalizes_wide_output(node, inputs)
+        # X and scale have type variables of their own (else X and the parameters share one type)
+        parameters_apart = node.op_type in PARAMETERS_APART_OPS and len(set(inputs[:2])) == 2
+        normalizes_wide = parameters_apart and self.reads_lowered_conv(node)
         float32_op = (
-            node.op_type in FLOAT32_OPS
-            or normalizes_wide
-            or (node.op_type in PARAMETERS_APART_OPS and len(set(inputs[:2])) < 2)  # X and scale share a type variable
+            node.op_type in FLOAT32_OPS or (node.op_type in PARAMETERS_APART_OPS and not parameters_apart) or normalizes_wide
         )
         retyped: dict[str, ir.DataType] = {}
         for type_str, indices in groups.items():
@@ -309,16 +309,11 @@ class _Rewriter:
             and any(id(other) in self.lowered for other in values if other is not value)
         )
 
-    def normalizes_wide_output(self, node: ir.Node, type_strs: list[str]) -> bool:
-        """A BatchNormalization whose X is the output of a lowered Conv, where the schema gives its
-        parameters a type of their own (see the module docstring; below, it is a float32 op anyway)."""
-        if node.op_type not in PARAMETERS_APART_OPS or not node.inputs or node.inputs[0] is None:
-            return False
-        if len(set(type_strs[:2])) < 2:
-            return False
-        x = node.inputs[0]
-        producer = x.producer()
-        return id(x) in self.lowered and producer is not None and producer.op_type in WIDE_OUTPUT_OPS
+    def reads_lowered_conv(self, node: ir.Node) -> bool:
+        """Whether ``node``'s X is the output of a lowered Conv (see the module docstring)."""
+        x = node.inputs[0] if node.inputs else None
+        producer = x.producer() if x is not None else None
+        return producer is not None and id(x) in self.lowered and producer.op_type in WIDE_OUTPUT_OPS
 
     def lower_output(self, node: ir.Node) -> None:
         """Cast ``node``'s float32 output 0 to the lower type for its readers in this graph (a graph

@@ -435,18 +435,16 @@ def _plan(kind, dtype, a_dims, b_dims, out_dims, pads, strides, dilations, ptrs,
             _warn("cudnn-import", f"cuDNN is not available ({exc}); convolutions run on gradgen's direct kernels")
         except Exception as exc:  # noqa: BLE001 - cuDNN declined: the direct kernels serve it
             _GRAPHS[key] = None
-            if out_dtype is not None:
-                _warn(
-                    f"cudnn-{kind}-{np.dtype(dtype)}-{out_dtype}",
-                    f"cuDNN has no {np.dtype(dtype)} conv {kind} into {out_dtype} for some shapes "
-                    f"({type(exc).__name__}: {str(exc)[:200]}); those convolve their operands cast up to {out_dtype}",
-                )
-            else:
-                _warn(
-                    f"cudnn-{kind}-{np.dtype(dtype)}",
-                    f"cuDNN declined a {np.dtype(dtype)} conv {kind} ({type(exc).__name__}: {str(exc)[:200]}); "
-                    f"running gradgen's direct convolution kernel for it",
-                )
+            into = "" if out_dtype is None else f" into {out_dtype}"
+            instead = (
+                "running gradgen's direct convolution kernel for it"
+                if out_dtype is None
+                else f"convolving its operands cast up to {out_dtype} instead"
+            )
+            _warn(
+                f"cudnn-{kind}-{np.dtype(dtype)}{into}",
+                f"cuDNN declined a {np.dtype(dtype)} conv {kind}{into} ({type(exc).__name__}: {str(exc)[:200]}); {instead}",
+            )
     return _GRAPHS[key]
 
 
