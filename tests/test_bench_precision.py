@@ -107,9 +107,10 @@ def test_curve_difference():
     assert d["steps"] == 4
     assert d["max_abs"] == pytest.approx(0.1) and d["max_abs_step"] in (2, 3)
     assert d["max_rel"] == pytest.approx(0.05)  # step 3 (0.1 / 2) and step 4 (0.05 / 1)
-    assert (d["final"], d["final_fp32"]) == (1.05, 1.0)
+    assert (d["final"], d["final_fp32"]) == (1.05, 1.0) and d["mean_abs"] == pytest.approx(0.0625)
     text = bp.format_curve(d, "bf16")
-    assert "4 steps" in text and "relative 5.00e-02" in text and "final loss bf16 1.050000, fp32 1.000000" in text
+    assert text.startswith("  gradgen bf16 loss curve vs gradgen fp32") and "4 steps" in text
+    assert "relative 5.00e-02" in text and "final loss bf16 1.050000, fp32 1.000000" in text
     assert bp.curve_difference([], fp32) == {"steps": 0}
     assert "no steps" in bp.format_curve({"steps": 0}, "bf16")
 
@@ -149,12 +150,28 @@ def test_train_against_fp32_with_a_reference_curve(tmp_path):
     ours = {"losses": [3.0, 2.5, 2.0], "median_ms": 1.5, "first_step_s": 0.1}
     entry = {"spec": spec.to_json(), "precision": "fp16", "frameworks": {"gradgen": ours}}
     options = train.TrainOptions(specs=[spec], device="cpu")
-    entry["fp32_curve"] = train._against_fp32(spec, {}, options, tmp_path, entry, [3.0, 2.4, 2.0])
-    assert entry["fp32_curve"]["max_abs"] == pytest.approx(0.1) and entry["fp32_curve"]["max_abs_step"] == 2
+    curve = train._against_fp32(spec, {}, options, tmp_path, entry, "gradgen", [3.0, 2.4, 2.0])
+    assert curve["max_abs"] == pytest.approx(0.1) and curve["max_abs_step"] == 2 and curve["reference"] == "gradgen fp32"
+    entry["fp32_curves"] = {"gradgen": curve}
     text = train.format_model(entry)
-    assert "gpt2-tiny [fp16]" in text and "loss curve vs gradgen fp32 (3 steps" in text
+    assert "gpt2-tiny [fp16]" in text and "gradgen fp16 loss curve vs gradgen fp32 (3 steps" in text
+    assert "tracking" not in text  # no eager curve to compare with
+    entry["fp32_curves"]["eager"] = bp.curve_difference([3.0, 2.2, 2.0], [3.0, 2.4, 2.0])
+    assert "tracking: gradgen's curve is as close as eager's" in train.format_model(entry)
     failed = {**entry, "frameworks": {"gradgen": {"error": "boom"}}}
-    assert "failed" in train._against_fp32(spec, {}, options, tmp_path, failed, [3.0])["error"]
+    assert "failed" in train._against_fp32(spec, {}, options, tmp_path, failed, "gradgen", [3.0])["error"]
+    assert "eager at fp16 failed" in train._against_fp32(spec, {}, options, tmp_path, entry, "eager", [3.0])["error"]
+
+
+def test_tracking_compares_each_framework_with_its_own_fp32_curve():
+    eager = bp.curve_difference([3.0, 2.2, 1.0], [3.0, 2.4, 1.0])  # max 0.2, mean 0.2 / 3
+    close = bp.curve_difference([3.0, 2.5, 1.05], [3.0, 2.4, 1.0])  # max 0.1, mean 0.05
+    assert bp.tracking(close, eager)["tracks"] and bp.tracking(close, eager)["max_ratio"] == pytest.approx(0.5)
+    far = bp.curve_difference([3.0, 2.4, 1.3], [3.0, 2.4, 1.0])  # max 0.3
+    verdict = bp.tracking(far, eager)
+    assert not verdict["tracks"] and verdict["max_ratio"] == pytest.approx(1.5)
+    assert "further than eager's" in bp.format_tracking(far, eager) and "1.50x" in bp.format_tracking(far, eager)
+    assert bp.tracking({"steps": 0}, eager) == {} and "not compared" in bp.format_tracking({"steps": 0}, eager)
 
 
 @pytest.mark.slow
@@ -189,13 +206,17 @@ def test_train_group_fp16_on_cpu_tiny():
 
     spec = models.preset("gpt2-tiny")
     report = train.run(
-        train.TrainOptions(specs=[spec], device="cpu", frameworks=("eager", "gradgen"), precisions=("fp16",), steps=6, warmup=2)
+        train.TrainOptions(specs=[spec], device="cpu", frameworks=("eager", "gradgen"), precisions=("fp16",), steps=7, warmup=2)
     )
     entry = report["models"]["gpt2-tiny/fp16"]
     eager, ours = entry["frameworks"]["eager"], entry["frameworks"]["gradgen"]
     assert "error" not in eager and "error" not in ours, (eager, ours)
-    assert eager["losses"][-1] < eager["losses"][0] and ours["losses"][-1] < ours["losses"][0]  # both trained
-    curve = entry["fp32_curve"]
-    assert curve["steps"] == 8 and len(curve["fp32_losses"]) == 8
-    assert 0 < curve["max_rel"] < 1e-3
+    # step 9 takes step 1's batch again (8 batches cycled): both trained
+    assert eager["losses"][8] < eager["losses"][0] and ours["losses"][8] < ours["losses"][0]
+    for framework in ("gradgen", "eager"):  # each against its own fp32 curve, from one more child each
+        curve = entry["fp32_curves"][framework]
+        assert curve["reference"] == f"{framework} fp32"
+        assert curve["steps"] == 9 and len(curve["fp32_losses"]) == 9
+        assert 0 < curve["max_rel"] < 1e-2
+    assert "tracking: gradgen's curve is" in train.format_model(entry)
     assert entry["loss_agreement"]["gradgen"] < 1e-3

@@ -311,6 +311,42 @@ def make_inputs(spec: ModelSpec) -> dict[str, np.ndarray]:
     return {"x": images, "labels": rng.integers(0, spec.arch["classes"], spec.batch).astype(np.int64)}
 
 
+TRAIN_CLASSES = 16  # resnet18's training task: this many classes, each with its own image template
+TRAIN_SUCCESSORS = 4  # gpt2's training task: each token is followed by one of this many tokens
+
+
+def make_train_batches(spec: ModelSpec, count: int) -> dict[str, np.ndarray]:
+    """``count`` distinct batches of a task the model can learn, stacked on a leading axis (the
+    train group cycles through them), seeded by ``spec.seed``.
+
+    Random labels on one batch (``make_inputs``) can only be memorised: the loss sits at a plateau and
+    leaves it at a step that a rounding difference moves, so two runs' curves part for reasons that
+    say nothing about either. A learnable task falls smoothly instead:
+
+    - resnet18: ``TRAIN_CLASSES`` classes; an image is its class's low-frequency template plus
+      standard-normal noise;
+    - gpt2: token sequences of a fixed random Markov chain in which each token has
+      ``TRAIN_SUCCESSORS`` equally likely successors (the best loss is log of that).
+    """
+    rng = np.random.default_rng(spec.seed + 1)
+    if spec.kind == "gpt2":
+        vocab = spec.arch["vocab"]
+        successors = rng.integers(0, vocab, (vocab, TRAIN_SUCCESSORS))
+        tokens = np.empty((count, spec.batch, spec.size + 1), np.int64)
+        tokens[:, :, 0] = rng.integers(0, vocab, (count, spec.batch))
+        choices = rng.integers(0, TRAIN_SUCCESSORS, tokens.shape)
+        for t in range(1, spec.size + 1):
+            tokens[:, :, t] = successors[tokens[:, :, t - 1], choices[:, :, t]]
+        return {"ids": tokens[:, :, :-1].copy(), "labels": tokens[:, :, 1:].copy()}
+    size, block = spec.size, max(1, spec.size // 16)
+    coarse = rng.standard_normal((TRAIN_CLASSES, 3, -(-size // block), -(-size // block)), dtype=np.float32)
+    templates = coarse.repeat(block, axis=2).repeat(block, axis=3)[:, :, :size, :size]
+    labels = rng.integers(0, min(TRAIN_CLASSES, spec.arch["classes"]), (count, spec.batch))
+    images = rng.standard_normal((count, spec.batch, 3, size, size), dtype=np.float32)
+    images += templates[labels]
+    return {"x": images, "labels": labels.astype(np.int64)}
+
+
 def parameter_names(model) -> list[str]:
     """The names of the trainable parameters (tied ones once), as the exporter names the initializers."""
     return [name for name, _ in model.named_parameters()]

@@ -149,8 +149,9 @@ def _factor(value: float) -> str:
 
 
 def curve_difference(losses: Sequence[float], reference: Sequence[float]) -> dict:
-    """``losses`` against ``reference`` (gradgen's fp32 curve) over the steps both took: the largest
-    absolute and relative difference (with its step, 1-based) and both final losses."""
+    """``losses`` against ``reference`` (the same framework's fp32 curve) over the steps both took:
+    the largest absolute difference (with its step, 1-based), its relative form, the mean absolute
+    difference and both final losses."""
     n = min(len(losses), len(reference))
     if n == 0:
         return {"steps": 0}
@@ -163,18 +164,43 @@ def curve_difference(losses: Sequence[float], reference: Sequence[float]) -> dic
         "max_abs": float(absolute.max()),
         "max_abs_step": worst + 1,
         "max_rel": float(relative.max()),
+        "mean_abs": float(absolute.mean()),
         "final": float(ours[-1]),
         "final_fp32": float(ref[-1]),
     }
 
 
-def format_curve(result: dict, precision: str) -> str:
+def format_curve(result: dict, precision: str, framework: str = "gradgen") -> str:
+    head = f"  {framework} {precision} loss curve vs {framework} fp32"
     if result.get("error"):
-        return f"  loss curve vs gradgen fp32: {result['error']}"
+        return f"{head}: {result['error']}"
     if not result.get("steps"):
-        return "  loss curve vs gradgen fp32: no steps to compare"
+        return f"{head}: no steps to compare"
     return (
-        f"  loss curve vs gradgen fp32 ({result['steps']} steps, same weights and batches): largest difference "
-        f"{result['max_abs']:.3e} (step {result['max_abs_step']}), relative {result['max_rel']:.2e}; final loss "
-        f"{precision} {result['final']:.6f}, fp32 {result['final_fp32']:.6f}"
+        f"{head} ({result['steps']} steps, same weights and batches): largest difference "
+        f"{result['max_abs']:.3e} (step {result['max_abs_step']}), relative {result['max_rel']:.2e}, mean "
+        f"{result['mean_abs']:.3e}; final loss {precision} {result['final']:.6f}, fp32 {result['final_fp32']:.6f}"
+    )
+
+
+def tracking(ours: dict, eager: dict) -> dict:
+    """Whether gradgen's curve stays as close to its fp32 curve as eager's stays to eager's (largest
+    and mean absolute difference, each ``curve_difference``'s)."""
+    if not ours.get("steps") or not eager.get("steps"):
+        return {}
+    return {
+        "max_ratio": ours["max_abs"] / max(eager["max_abs"], 1e-30),
+        "mean_ratio": ours["mean_abs"] / max(eager["mean_abs"], 1e-30),
+        "tracks": ours["max_abs"] <= eager["max_abs"] and ours["mean_abs"] <= eager["mean_abs"],
+    }
+
+
+def format_tracking(ours: dict, eager: dict) -> str:
+    verdict = tracking(ours, eager)
+    if not verdict:
+        return "  tracking: not compared (a curve is missing)"
+    word = "as close as" if verdict["tracks"] else "further than"
+    return (
+        f"  tracking: gradgen's curve is {word} eager's to its fp32 curve (largest difference "
+        f"{verdict['max_ratio']:.2f}x eager's, mean {verdict['mean_ratio']:.2f}x)"
     )

@@ -8,7 +8,8 @@ export it with its loss as e2e does, then, each in its own child process (``work
 - gradgen: ``build_training(model, optimizer=AdamW())`` stepped by ``DeviceStepRunner``
   (parameters and optimizer states stay in device memory; the step replays as a CUDA graph).
 
-Every framework takes the same steps on the same batch (from host memory each step) from the same
+Every framework takes the same steps on the same batches (``models.make_train_batches``: a task the
+model can learn, ``TRAIN_BATCHES`` distinct batches cycled, from host memory each step) from the same
 initial weights, with the same hyper-parameters (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight
 decay 0.01), and reads the loss back to the host each step. Reported: the median step time, device
 memory as e2e measures it, and the loss of the first steps of each, side by side (they must agree:
@@ -16,9 +17,11 @@ the same training).
 
 Each precision of ``--precision`` (``precision.py``; default fp32, TF32 off) is its own table:
 PyTorch's forward under ``torch.autocast`` (fp16 with ``torch.amp.GradScaler``), gradgen's
-training graphs built with the precision (fp16 with its dynamic loss scaling). Below fp32, gradgen's
-loss curve is compared with gradgen's fp32 curve (the fp32 table's, else one more child): same
-weights, same batch, same steps (``--steps 200`` for a 200-step curve).
+training graphs built with the precision (fp16 with its dynamic loss scaling). Below fp32, each of
+gradgen's and eager's loss curves is compared with the same framework's fp32 curve (the fp32 table's,
+else one more child): same weights, same batches, same steps (``--steps 200`` for a 200-step curve).
+Eager's distance from its own fp32 curve is the yardstick for gradgen's: two fp32 runs already part
+by rounding, so "tracks the fp32 curve" means "no further from it than PyTorch's autocast is".
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from gradgen.bench.measure import fmt_mib, fmt_ms, fmt_ratio, run_child, table
 FRAMEWORKS = ("eager", "compile", "gradgen")
 LR = 1e-4
 SHOWN_LOSSES = 5  # the first steps' losses printed side by side
+TRAIN_BATCHES = 8  # distinct batches, cycled
+CURVE_FRAMEWORKS = ("gradgen", "eager")  # whose curves below fp32 are compared with their own fp32 curve
 
 
 @dataclasses.dataclass
@@ -87,18 +92,19 @@ def _settings(options: TrainOptions) -> dict:
 
 
 def _prepare(spec: models.ModelSpec, workdir: Path) -> dict:
-    """Export the forward model with its loss; save the initial weights and the batch."""
+    """Export the forward model with its loss; save the initial weights and the batches (stacked on
+    a leading axis)."""
     import torch
 
     from gradgen.model_io import save_model
 
     model = models.build_module(spec)
-    inputs = models.make_inputs(spec)
+    batches = models.make_train_batches(spec, TRAIN_BATCHES)
     files = {"state": workdir / "state.pt", "inputs": workdir / "inputs.npz", "model": workdir / "model.onnx"}
     torch.save(model.state_dict(), files["state"])
-    np.savez(files["inputs"], **inputs)  # type: ignore[arg-type]
+    np.savez(files["inputs"], **batches)  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    save_model(models.export(model, inputs), files["model"])
+    save_model(models.export(model, {name: stacked[0] for name, stacked in batches.items()}), files["model"])
     return {
         **{k: str(v) for k, v in files.items()},
         "export_s": time.perf_counter() - t0,
@@ -110,19 +116,21 @@ def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, rep
     print(f"\n== {spec.name}: {spec.title}, {spec.shape_text}", flush=True)
     prepared = _prepare(spec, workdir)
     print(f"   {prepared['parameters']:,} parameters; export {prepared['export_s']:.1f} s", flush=True)
-    fp32_curve: list[float] | None = None  # gradgen's fp32 losses, the reference of the other precisions
+    fp32_curves: dict[str, list[float]] = {}  # each framework's fp32 losses, the reference of its other precisions
     for precision_name in options.precisions:
         entry: dict[str, Any] = {"spec": spec.to_json(), "precision": precision_name}
         report["models"][entry_key(spec.name, precision_name)] = entry
         entry["prepare"] = {k: prepared[k] for k in ("export_s", "parameters")}
         print(f"-- {spec.name} {precision_name}", flush=True)
         _run_precision(spec, precision_name, prepared, options, workdir, entry)
-        ours = entry["frameworks"].get("gradgen", {})
-        if precision_name == "fp32" and ours.get("losses"):
-            fp32_curve = ours["losses"]
-        elif precision_name != "fp32" and "gradgen" in options.frameworks:
-            entry["fp32_curve"] = _against_fp32(spec, prepared, options, workdir, entry, fp32_curve)
-            fp32_curve = entry["fp32_curve"].get("fp32_losses", fp32_curve)  # one reference child per model
+        if precision_name == "fp32":
+            fp32_curves.update({fw: r["losses"] for fw, r in entry["frameworks"].items() if r.get("losses")})
+        else:
+            entry["fp32_curves"] = curves = {}
+            for framework in (fw for fw in CURVE_FRAMEWORKS if fw in options.frameworks):
+                curves[framework] = _against_fp32(spec, prepared, options, workdir, entry, framework, fp32_curves.get(framework))
+                if "fp32_losses" in curves[framework]:  # one reference child per model and framework
+                    fp32_curves[framework] = curves[framework]["fp32_losses"]
         print(format_model(entry), flush=True)
         if options.on_update is not None:
             options.on_update(report)
@@ -159,20 +167,27 @@ def _run_precision(
 
 
 def _against_fp32(
-    spec: models.ModelSpec, prepared: dict, options: TrainOptions, workdir: Path, entry: dict, fp32_curve: list[float] | None
+    spec: models.ModelSpec,
+    prepared: dict,
+    options: TrainOptions,
+    workdir: Path,
+    entry: dict,
+    framework: str,
+    fp32_curve: list[float] | None,
 ) -> dict:
-    """gradgen's loss curve at the entry's precision against gradgen's fp32 curve (one more child
+    """``framework``'s loss curve at the entry's precision against its own fp32 curve (one more child
     when this run has no fp32 table)."""
-    ours = entry["frameworks"]["gradgen"]
-    if ours.get("error"):
-        return {"error": f"gradgen at {entry['precision']} failed"}
+    ours = entry["frameworks"].get(framework, {})
+    if ours.get("error") or not ours.get("losses"):
+        return {"error": f"{framework} at {entry['precision']} failed"}
     if fp32_curve is None:
-        task = {**_common_task(spec, "fp32", prepared, options), "label": f"{spec.name}-train-fp32-reference"}
-        reference = run_child("gradgen-train", {**task, "framework": "gradgen"}, workdir, timeout_s=options.child_timeout_s)
+        task = {**_common_task(spec, "fp32", prepared, options), "label": f"{spec.name}-train-fp32-{framework}-reference"}
+        job = "gradgen-train" if framework == "gradgen" else "torch-train"
+        reference = run_child(job, {**task, "framework": framework}, workdir, timeout_s=options.child_timeout_s)
         if reference.get("error"):
-            return {"error": f"the fp32 reference (gradgen) failed: {reference['error']}"}
+            return {"error": f"the fp32 reference ({framework}) failed: {reference['error']}"}
         fp32_curve = reference["losses"]
-    return {"reference": "gradgen fp32", "fp32_losses": fp32_curve, **precision.curve_difference(ours["losses"], fp32_curve)}
+    return {"reference": f"{framework} fp32", "fp32_losses": fp32_curve, **precision.curve_difference(ours["losses"], fp32_curve)}
 
 
 def _one_line(result: dict) -> str:
@@ -235,8 +250,10 @@ def format_model(entry: dict) -> str:
         "  peak MiB: driver-level used memory after the timed steps minus the baseline after context creation; "
         "eager and compile: torch.optim.AdamW(fused=True); gradgen: DeviceStepRunner"
     )
-    if "fp32_curve" in entry:
-        lines.append(precision.format_curve(entry["fp32_curve"], precision_name))
+    curves = entry.get("fp32_curves", {})
+    lines.extend(precision.format_curve(result, precision_name, framework) for framework, result in curves.items())
+    if "gradgen" in curves and "eager" in curves:
+        lines.append(precision.format_tracking(curves["gradgen"], curves["eager"]))
     for framework, worst in entry.get("loss_agreement", {}).items():
         if worst is not None:
             lines.append(f"  {framework} vs eager: largest relative loss difference over the steps taken {worst:.2e}")

@@ -200,11 +200,12 @@ def job_torch_train(task: dict) -> dict:
     forward = torch.compile(model) if task["framework"] == "compile" else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=task["lr"], fused=device == "cuda")
     scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
-    tensors = [torch.from_numpy(np.ascontiguousarray(v)) for v in np.load(task["inputs"]).values()]
+    batches = [[torch.from_numpy(v) for v in batch.values()] for batch in train_batches(task["inputs"])]
     losses: list[float] = []
 
     def step():
         optimizer.zero_grad(set_to_none=True)
+        tensors = batches[len(losses) % len(batches)]
         with _autocast(torch, device, precision):
             loss = forward(*(t.to(device) for t in tensors))
         if scaler is None:
@@ -219,6 +220,13 @@ def job_torch_train(task: dict) -> dict:
             torch.cuda.synchronize()
 
     return _train_result(task, step, losses, memory, lambda: _torch_memory(torch, memory), _device_info_torch(torch, device))
+
+
+def train_batches(path: str) -> list[dict[str, np.ndarray]]:
+    """The train group's batches, saved stacked on a leading axis (``train._prepare``), one dict each."""
+    stacked = dict(np.load(path))
+    count = len(next(iter(stacked.values())))
+    return [{name: np.ascontiguousarray(values[i]) for name, values in stacked.items()} for i in range(count)]
 
 
 def _train_result(task: dict, step, losses: list[float], memory, memory_figures, info: dict) -> dict:
@@ -358,11 +366,11 @@ def job_gradgen_train(task: dict) -> dict:
     build_s = time.perf_counter() - t0
     runner = DeviceStepRunner(program, device)
     trainer = Trainer(program, lr=task["lr"], runner=runner)
-    batch = dict(np.load(task["inputs"]))
+    batches = train_batches(task["inputs"])
     losses: list[float] = []
 
     def step():
-        losses.append(trainer.train_step([batch]).loss)
+        losses.append(trainer.train_step([batches[len(losses) % len(batches)]]).loss)
 
     result = _train_result(task, step, losses, memory, lambda: gradgen_memory(runner.train, memory), _device_info_gradgen(device))
     result.update(build_s=build_s, plan_steps=len(runner.train.steps))
