@@ -219,4 +219,5 @@ def test_train_group_fp16_on_cpu_tiny():
         assert curve["steps"] == 9 and len(curve["fp32_losses"]) == 9
         assert 0 < curve["max_rel"] < 1e-2
     assert "tracking: gradgen's curve is" in train.format_model(entry)
+    assert set(entry["tracking"]) == {"max_ratio", "mean_ratio", "tracks"}
     assert entry["loss_agreement"]["gradgen"] < 1e-3

@@ -131,6 +131,8 @@ def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, rep
                 curves[framework] = _against_fp32(spec, prepared, options, workdir, entry, framework, fp32_curves.get(framework))
                 if "fp32_losses" in curves[framework]:  # one reference child per model and framework
                     fp32_curves[framework] = curves[framework]["fp32_losses"]
+            if "gradgen" in curves and "eager" in curves:
+                entry["tracking"] = precision.tracking(curves["gradgen"], curves["eager"])
         print(format_model(entry), flush=True)
         if options.on_update is not None:
             options.on_update(report)
