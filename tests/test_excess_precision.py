@@ -130,3 +130,89 @@ def test_bf16_gradients_closer_to_float32_with_the_wide_convolutions(monkeypatch
     assert wide < rounded / 2, (wide, rounded)
     monkeypatch.delenv(ENV)
     assert OP_TYPE not in _op_types(Session(fp32))
+
+
+# ---------------------------------------------------------------- MatMul + bias: one rounding
+
+A_SHAPE, B_SHAPE = (2, 5, 64), (64, 7)
+
+
+def _linear_model(low: int = TensorProto.BFLOAT16, *, fused=False, bias_first=False, also=None):
+    """out = Neg(Add(MatMul(a, b), c)) (FusedMatMul with transB over b stored transposed where
+    ``fused``); ``also``: "Relu" another reader of the product, "output" the product a graph
+    output, "sum-output" the Add's output a graph output, "matrix-bias" a 2-D c."""
+    c_shape = (5, 7) if also == "matrix-bias" else (7,)
+    if fused:
+        product = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", transB=1, alpha=0.5)
+    else:
+        product = helper.make_node("MatMul", ["a", "b"], ["y"])
+    add = helper.make_node("Add", ["c", "y"] if bias_first else ["y", "c"], ["s"])
+    nodes = [product, add, helper.make_node("Neg", ["s"], ["out"])]
+    outputs = [helper.make_tensor_value_info("out", low, None)]
+    if also == "Relu":
+        nodes.append(helper.make_node("Relu", ["y"], ["r"]))
+        outputs.append(helper.make_tensor_value_info("r", low, None))
+    elif also == "output":
+        outputs.append(helper.make_tensor_value_info("y", low, None))
+    elif also == "sum-output":
+        outputs.append(helper.make_tensor_value_info("s", low, None))
+    b_shape = B_SHAPE[::-1] if fused else B_SHAPE
+    shapes = {"a": A_SHAPE, "b": b_shape, "c": c_shape}
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info(n, low, shapes[n]) for n in "abc"], outputs)
+    opsets = [helper.make_opsetid("", 22), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _linear_feeds(dtype, *, fused=False, c_shape=(7,)):
+    rng = np.random.default_rng(9)
+    b = rng.standard_normal(B_SHAPE) * 0.2
+    feeds = {"a": rng.standard_normal(A_SHAPE), "b": b.T.copy() if fused else b, "c": rng.standard_normal(c_shape) * 3}
+    return {k: v.astype(dtype) for k, v in feeds.items()}
+
+
+def _exact_linear(feeds, *, fused=False):
+    a, b, c = (feeds[k].astype(np.float64) for k in "abc")
+    return (0.5 * a @ b.T if fused else a @ b) + c
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["MatMul", "FusedMatMul"])
+@pytest.mark.parametrize("bias_first", [False, True], ids=["bias-second", "bias-first"])
+def test_the_bias_is_added_before_the_one_rounding(dtype, fused, bias_first):
+    feeds = _linear_feeds(dtype, fused=fused)
+    low = TensorProto.BFLOAT16 if dtype == BF16 else TensorProto.FLOAT16
+    session = Session(_linear_model(low, fused=fused, bias_first=bias_first))
+    assert [s.op_type for s in session.steps] == ["MatMulBias", "Neg"]
+    got = -session.run(feeds)["out"]
+    exact = _exact_linear(feeds, fused=fused)
+    once = exact.astype(np.float32).astype(dtype)  # float32 sums of exact products: the float64 value to ~1e-7
+    assert got.dtype == dtype
+    assert np.array_equal(got.astype(np.float64), once.astype(np.float64))
+    twice = (exact - feeds["c"].astype(np.float64)).astype(dtype).astype(np.float64) + feeds["c"].astype(np.float64)
+    assert not np.array_equal(twice.astype(dtype).astype(np.float64), got.astype(np.float64))  # the rounding it saves
+
+
+def test_off_the_product_and_the_sum_round_apart(monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    feeds = _linear_feeds(BF16)
+    session = Session(_linear_model())
+    assert [s.op_type for s in session.steps] == ["MatMul", "Add", "Neg"]
+    product = (feeds["a"].astype(np.float64) @ feeds["b"].astype(np.float64)).astype(BF16)
+    expected = (product.astype(np.float32) + feeds["c"].astype(np.float32)).astype(BF16)
+    np.testing.assert_array_equal(-session.run(feeds)["out"], expected)
+
+
+@pytest.mark.parametrize("also", ["Relu", "output", "sum-output", "matrix-bias"])
+def test_only_a_product_nothing_else_sees_takes_the_bias(also):
+    """Another reader or a graph output sees the rounded product (or the graph's sum); a 2-D addend
+    is not a bias: each keeps MatMul and Add apart."""
+    session = Session(_linear_model(also=also))
+    assert [s.op_type for s in session.steps][:2] == ["MatMul", "Add"]
+    c_shape = (5, 7) if also == "matrix-bias" else (7,)
+    result = session.run(_linear_feeds(BF16, c_shape=c_shape))
+    assert result["out"].dtype == BF16
+
+
+def test_float32_linears_are_left_alone():
+    session = Session(_linear_model(TensorProto.FLOAT))
+    assert [s.op_type for s in session.steps] == ["MatMul", "Add", "Neg"]

@@ -39,7 +39,7 @@ import onnx_ir as ir
 
 from gradgen.kernels.cuda import fused
 from gradgen.kernels.cuda.launch import FLOATS, dtype_suffix
-from gradgen.kernels.table import KernelEntry
+from gradgen.kernels.table import MICROSOFT, KernelEntry
 
 ENV = "GRADGEN_CUDA_FUSION"
 DOMAIN = "gradgen"
@@ -86,7 +86,7 @@ def plan_dtypes(steps: list, graph: ir.Graph) -> dict[str, np.dtype]:
         rule = fused.rule_name(step.domain, step.op_type)
         if rule is not None and known and None not in known:
             out = fused.RULES[rule].out_dtype([k for k in known if k is not None], step.attributes)
-        elif not step.domain and step.op_type in KEEPS_DTYPE and known and known[0] is not None:
+        elif step.domain in ("", MICROSOFT) and step.op_type in KEEPS_DTYPE and known and known[0] is not None:
             out = known[0]
         if out is not None:
             dtypes[step.outputs[0]] = np.dtype(fused.NUMPY[out])

@@ -282,7 +282,7 @@ class Session:
             )
         steps = _hoist_shape_reads(self._fold_constant_nodes(steps))
         if excess_precision.enabled():
-            steps = excess_precision.fuse_conv_casts(steps, self.graph, set(self.output_names))
+            steps = excess_precision.fuse_all(steps, self.graph, set(self.output_names))
         if self.device == "cpu":
             steps = scatter_into_sums(steps, self.graph, self.initializers, set(self.output_names))
         if self.device == "cuda":

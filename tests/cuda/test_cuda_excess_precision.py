@@ -91,3 +91,57 @@ def test_without_cudnn_the_operands_are_cast_up(monkeypatch):
             got = -session.run(feeds)["out"]
     exact = cpu_conv.conv(feeds["x"].astype(np.float64), feeds["w"].astype(np.float64), **attrs)
     assert np.abs(got - exact).max() <= 2e-5 * np.abs(exact).max()
+
+
+# ---------------------------------------------------------------- MatMul + bias, rounded once
+
+LINEAR_CASES = [  # (a shape, b shape, FusedMatMul attributes or None for MatMul)
+    ((8, 256, 768), (768, 2304), None),  # GPT-2's qkv Linear at batch 8
+    ((3, 5, 64), (64, 7), None),
+    ((2, 5, 64), (2, 64, 7), None),  # a batched product: one bias over every batch
+    ((4, 64), (7, 64), dict(transB=1, alpha=0.5)),
+    ((2, 64, 5), (2, 7, 64), dict(transA=1, transB=1)),
+]
+
+
+def _linear_model(a_shape, b_shape, attrs, low):
+    if attrs is None:
+        product = helper.make_node("MatMul", ["a", "b"], ["y"])
+    else:
+        product = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", **attrs)
+    nodes = [product, helper.make_node("Add", ["y", "c"], ["s"]), helper.make_node("Neg", ["s"], ["out"])]
+    n = b_shape[-2] if attrs and attrs.get("transB") else b_shape[-1]
+    shapes = {"a": a_shape, "b": b_shape, "c": (n,)}
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info(k, low, shapes[k]) for k in "abc"],
+        [helper.make_tensor_value_info("out", low, None)],
+    )
+    opsets = [helper.make_opsetid("", 22), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets), shapes
+
+
+@pytest.mark.parametrize("dtype", list(LOW), ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=[str(i) for i in range(len(LINEAR_CASES))])
+def test_matmul_bias_is_rounded_once(case, dtype):
+    """cuBLAS's float32 epilogue adds the bias: each element within half a unit of the 16-bit type
+    of the exact sum (the graph's two roundings reach a whole unit), as the CPU step computes."""
+    a_shape, b_shape, attrs = case
+    model, shapes = _linear_model(a_shape, b_shape, attrs, LOW[dtype])
+    rng = np.random.default_rng(3)
+    feeds = {k: (rng.standard_normal(shapes[k]) * (0.2 if k == "b" else 1.0)).astype(dtype) for k in "abc"}
+    with Session(model, device="cuda") as session:
+        assert [s.op_type for s in session.steps] == ["MatMulBias", "Neg"]
+        got = (-session.run(feeds)["out"]).astype(np.float64)
+    a, b, c = (feeds[k].astype(np.float64) for k in "abc")
+    attrs = attrs or {}
+    if attrs.get("transA"):
+        a = np.swapaxes(a, -1, -2)
+    if attrs.get("transB"):
+        b = np.swapaxes(b, -1, -2)
+    exact = attrs.get("alpha", 1.0) * (a @ b) + c
+    half_unit = 2.0 ** (-9 if dtype == BF16 else -12)
+    assert np.all(np.abs(got - exact) <= half_unit * np.abs(exact) * 1.01 + 1e-6 * np.abs(exact).max())
+    cpu = (-Session(model).run(feeds)["out"]).astype(np.float64)
+    assert np.mean(got == cpu) > 0.99  # float32 sums in another order: a rare tie rounds the other way

@@ -265,10 +265,12 @@ def _materialised(x, shape, strides, batch):
     return out, list(full), list(rt.contiguous_strides(full))
 
 
-def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
+def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
     """alpha * A @ B (numpy's matmul, 1-D operands included) on cuBLAS, where A and B are the views
     ``(shape, element strides)`` of the device arrays ``a`` and ``b`` (transposed or batch-permuted
-    operands are views, never copies); ``a`` and ``b`` share a float dtype."""
+    operands are views, never copies); ``a`` and ``b`` share a float dtype. ``bias`` (of that dtype,
+    broadcast to the output): added in cuBLAS's float32 epilogue (beta = 1 over an output that
+    starts as the bias), so the sum is rounded once, as ``torch.addmm`` does."""
     from gradgen.cuda import runtime as rt
 
     (a_shape, a_strides), (b_shape, b_strides) = a_view, b_view
@@ -280,6 +282,8 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
     if out_size == 0:
         return rt.empty(final, a.dtype)
     if k == 0:
+        if bias is not None:
+            return broadcast_to(bias, final)
         out = rt.empty(final, a.dtype)
         rt.memset_zero(out)
         return out
@@ -290,7 +294,7 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
         b, b2_shape, b2_strides = _materialised(b, b2_shape, b2_strides, batch)
         planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
     calls, c_shape = planned
-    out = rt.empty(c_shape, a.dtype)
+    out = rt.empty(c_shape, a.dtype) if bias is None else broadcast_to(bias, final).reshape(c_shape)
     size = np.dtype(a.dtype).itemsize
     a_ptr, b_ptr, c_ptr = int(a.gpudata), int(b.gpudata), int(out.gpudata)
     for c in calls:
@@ -306,6 +310,7 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0):
             a_cols=c.lda,
             b_cols=c.ldb,
             alpha=alpha,
+            beta=0.0 if bias is None else 1.0,
             batch=c.batch,
             stride_a=c.stride_a,
             stride_b=c.stride_b,
@@ -369,6 +374,29 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
     a_view = _view(A, fused_operand_perm(len(A.shape), bool(transA), bool(transBatchA)))
     b_view = _view(B, fused_operand_perm(len(B.shape), bool(transB), bool(transBatchB)))
     return matmul_views(A, a_view, B, b_view, alpha=float(alpha))
+
+
+def matmul_bias(a, b, bias, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    """MatMul (or FusedMatMul, with its attributes) of 16-bit A and B plus a 1-D ``bias`` along the
+    last axis, rounded once (gradgen/executor/excess_precision.py). Other operands: the product,
+    then the Add, as the graph spells them."""
+    from gradgen.kernels.cuda.elementwise import add
+
+    flags = dict(transA=transA, transB=transB, transBatchA=transBatchA, transBatchB=transBatchB)
+    fused = alpha != 1.0 or any(flags.values())
+    product = (lambda: fused_matmul(a, b, alpha=alpha, **flags)) if fused else (lambda: matmul(a, b))
+    if a.dtype != b.dtype or bias.dtype != a.dtype or not is_float(a.dtype) or bias.ndim != 1:
+        return add(product(), bias)
+    check_fused_ranks(len(a.shape), len(b.shape), bool(transBatchA), bool(transBatchB))
+    a_view = _view(a, fused_operand_perm(len(a.shape), bool(transA), bool(transBatchA)))
+    b_view = _view(b, fused_operand_perm(len(b.shape), bool(transB), bool(transBatchB)))
+    try:
+        final = matmul_output_dims(a_view[0], b_view[0])
+    except KernelError:
+        return product()  # its own error, as the graph's MatMul reports it
+    if not final or bias.shape[0] != final[-1]:
+        return add(product(), bias)
+    return matmul_views(a, a_view, b, b_view, alpha=float(alpha), bias=bias)
 
 
 @cuda_kernel("Gemm")
