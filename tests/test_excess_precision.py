@@ -216,3 +216,22 @@ def test_only_a_product_nothing_else_sees_takes_the_bias(also):
 def test_float32_linears_are_left_alone():
     session = Session(_linear_model(TensorProto.FLOAT))
     assert [s.op_type for s in session.steps] == ["MatMul", "Add", "Neg"]
+
+
+def test_a_bf16_training_step_runs_every_linear_with_one_rounding(tmp_path):
+    """The training step's plan (``DeviceStepRunner``) of a tiny GPT-2 layout in bf16: each block's
+    four nn.Linear products take their bias in one step; the attention products, which have none,
+    stay MatMuls."""
+    pytest.importorskip("torch")
+    from gradgen.bench import models
+    from gradgen.model_io import save_model
+    from gradgen.training import AdamW, DeviceStepRunner, build_training
+
+    spec = models.preset("gpt2-tiny")
+    module = models.build_module(spec)
+    path = tmp_path / "gpt2.onnx"
+    save_model(models.export(module, models.make_inputs(spec)), path)
+    program = build_training(str(path), optimizer=AdamW(weight_decay=0.01), precision="bf16")
+    ops = [step.op_type for step in DeviceStepRunner(program, "cpu").train.steps]
+    assert ops.count("MatMulBias") == 4 * spec.arch["layers"]
+    assert ops.count("MatMul") == 2 * spec.arch["layers"] + 1  # q @ k, att @ v per block; the LM head
