@@ -1,12 +1,12 @@
 """Excess precision: two plan rewrites that keep a 16-bit value's float32 accumulator where
 nothing can observe the rounded value.
 
-- ``fuse_conv_casts``: a 16-bit Conv whose only reader is a Cast to float32 runs as one
+- a 16-bit Conv whose only reader is a Cast to float32 runs as one
   convolution with a float32 output. AutocastPass hands a BatchNormalization that follows a lowered
   Conv the Conv's output cast to float32 (gradgen/passes/autocast.py); node by node, the Conv would
   round its accumulator to bf16 / fp16 and the Cast widen that exactly. On ResNet-18 in bf16 this
   takes the gradients' worst per-tensor error below torch.autocast's.
-- ``fuse_linear_bias``: a 16-bit MatMul (or FusedMatMul) whose only reader is an Add of a 1-D bias
+- a 16-bit MatMul (or FusedMatMul) whose only reader is an Add of a 1-D bias
   of its type runs as one product whose bias is added before the single rounding: ``nn.Linear`` as
   torch.autocast computes it (``addmm``; cuBLAS adds the bias in its float32 epilogue), where the
   graph spells a rounded product and a rounded sum. On the GPT-2 small layout in bf16 (trained
@@ -35,7 +35,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.executor.fusion import executor_step, plan_dtypes, value_readers
+from gradgen.executor.fusion import executor_step, graph_values, plan_dtypes, value_readers
 from gradgen.executor.low_precision import is_low_precision
 
 ENV = "GRADGEN_EXCESS_PRECISION"
@@ -43,67 +43,57 @@ OP_TYPE = "ConvFloat32Output"
 LINEAR_OP_TYPE = "MatMulBias"
 _PRODUCTS = {("", "MatMul"), ("com.microsoft", "FusedMatMul")}
 _FLOAT = int(ir.DataType.FLOAT)
+_16_BIT_FLOATS = frozenset({ir.DataType.BFLOAT16, ir.DataType.FLOAT16})
+_16_BIT_CODES = frozenset(int(t) for t in _16_BIT_FLOATS)
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def fuse_conv_casts(steps: list, graph: ir.Graph, keep: set[str]) -> list:
-    """``steps`` with each 16-bit Conv whose output only a Cast to float32 reads run with that Cast
-    as one ``ConvFloat32Output`` step in the Conv's place, where neither value is kept (a graph
-    output)."""
-    if not any(step.op_type == "Conv" and not step.domain for step in steps):
-        return steps  # no Conv: spare the whole-graph scans below (most models)
+def fuse_all(steps: list, graph: ir.Graph, keep: set[str]) -> list:
+    """``steps`` with both rewrites applied, in one walk of the plan: each 16-bit Conv whose output
+    only a Cast to float32 reads runs with that Cast as one ``ConvFloat32Output`` step in the Conv's
+    place; each 16-bit MatMul / FusedMatMul whose output only an Add of a 1-D bias of the same type
+    reads runs with that Add as one ``MatMulBias`` step in the Add's place (the Add's output keeps
+    its name and type). Neither applies where a value of the pair is kept (a graph output)."""
+    has_conv = any(step.op_type == "Conv" and not step.domain for step in steps)
+    has_product = any((step.domain, step.op_type) in _PRODUCTS for step in steps)
+    if not (has_conv or has_product) or not _may_hold_16_bit_floats(steps, graph):
+        return steps  # nothing to rewrite: spare the whole-graph scans below (every float32 model)
     readers = value_readers(steps)
     dtypes = plan_dtypes(steps, graph)
+    ranks = _declared_ranks(graph) if has_product else {}
     replaced: dict[int, object] = {}
     dropped: set[int] = set()
     for i, step in enumerate(steps):
         cast_at = _widening_cast(step, steps, readers, dtypes, keep)
-        if cast_at is None:
+        if cast_at is not None:
+            replaced[i] = _fused_step(step, steps[cast_at])
+            dropped.add(cast_at)
             continue
-        replaced[i] = _fused_step(step, steps[cast_at])
-        dropped.add(cast_at)
-    if not replaced:
-        return steps
-    return [replaced.get(i, s) for i, s in enumerate(steps) if i not in dropped]
-
-
-def fuse_all(steps: list, graph: ir.Graph, keep: set[str]) -> list:
-    """Both rewrites (the executor's entry point)."""
-    return fuse_linear_bias(fuse_conv_casts(steps, graph, keep), graph, keep)
-
-
-def fuse_linear_bias(steps: list, graph: ir.Graph, keep: set[str]) -> list:
-    """``steps`` with each 16-bit MatMul / FusedMatMul whose output only an Add of a 1-D bias of
-    the same type reads run with that Add as one ``MatMulBias`` step in the Add's place, where
-    neither value is kept (a graph output). The Add's output keeps its name and type."""
-    if not any((step.domain, step.op_type) in _PRODUCTS for step in steps):
-        return steps
-    readers = value_readers(steps)
-    dtypes = plan_dtypes(steps, graph)
-    ranks = _declared_ranks(graph)
-    replaced: dict[int, object] = {}
-    dropped: set[int] = set()
-    for i, step in enumerate(steps):
         found = _bias_add(step, steps, readers, dtypes, ranks, keep)
-        if found is None:
-            continue
-        add_at, bias = found
-        replaced[add_at] = _linear_step(step, steps[add_at], bias)
-        dropped.add(i)
+        if found is not None:
+            add_at, bias = found
+            replaced[add_at] = _linear_step(step, steps[add_at], bias)
+            dropped.add(i)
     if not replaced:
         return steps
     return [replaced.get(i, s) for i, s in enumerate(steps) if i not in dropped]
+
+
+def _may_hold_16_bit_floats(steps: list, graph: ir.Graph) -> bool:
+    """Whether ``plan_dtypes`` could find a bf16 / fp16 value: one the graph declares, or an
+    undeclared Cast output (the one type it infers from an attribute; other rules follow inputs)."""
+    if any(value.dtype in _16_BIT_FLOATS for value in graph_values(graph)):
+        return True
+    casts = (s for s in steps if s.op_type == "Cast" and not s.domain)
+    return any(int(step.attributes.get("to", 0)) in _16_BIT_CODES for step in casts)
 
 
 def _declared_ranks(graph: ir.Graph) -> dict[str, int]:
     ranks: dict[str, int] = {}
-    values = [*graph.inputs, *graph.initializers.values()]
-    for node in graph:
-        values.extend(node.outputs)
-    for value in values:
+    for value in graph_values(graph):
         if value.name and value.shape is not None:
             ranks.setdefault(value.name, len(value.shape))
     return ranks

@@ -50,14 +50,20 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def declared_dtypes(graph: ir.Graph) -> dict[str, np.dtype]:
-    """The element type the graph declares for each named value (where it declares one)."""
-    found: dict[str, np.dtype] = {}
+def graph_values(graph: ir.Graph) -> list[ir.Value]:
+    """Every value the graph names: its inputs, initializers, and its nodes' inputs and outputs
+    (the same value may come more than once)."""
     values = [*graph.inputs, *graph.initializers.values()]
     for node in graph:
         values.extend(v for v in node.inputs if v is not None)
         values.extend(node.outputs)
-    for value in values:
+    return values
+
+
+def declared_dtypes(graph: ir.Graph) -> dict[str, np.dtype]:
+    """The element type the graph declares for each named value (where it declares one)."""
+    found: dict[str, np.dtype] = {}
+    for value in graph_values(graph):
         if value.name and value.dtype is not None and value.name not in found:
             try:
                 found[value.name] = np.dtype(value.dtype.numpy())

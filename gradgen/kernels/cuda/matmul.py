@@ -371,9 +371,15 @@ def fused_matmul(A, B, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBat
         )
     except KernelError as exc:
         raise KernelError(f"FusedMatMul of shapes {list(A.shape)} and {list(B.shape)} ({flags}): {exc}") from None
-    a_view = _view(A, fused_operand_perm(len(A.shape), bool(transA), bool(transBatchA)))
-    b_view = _view(B, fused_operand_perm(len(B.shape), bool(transB), bool(transBatchB)))
+    a_view, b_view = _fused_views(A, B, **flags)
     return matmul_views(A, a_view, B, b_view, alpha=float(alpha))
+
+
+def _fused_views(a, b, *, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    """FusedMatMul's operands as ``matmul_views`` takes them: its transpositions as views."""
+    a_view = _view(a, fused_operand_perm(len(a.shape), bool(transA), bool(transBatchA)))
+    b_view = _view(b, fused_operand_perm(len(b.shape), bool(transB), bool(transBatchB)))
+    return a_view, b_view
 
 
 def matmul_bias(a, b, bias, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
@@ -388,8 +394,7 @@ def matmul_bias(a, b, bias, *, alpha=1.0, transA=0, transB=0, transBatchA=0, tra
     if a.dtype != b.dtype or bias.dtype != a.dtype or not is_float(a.dtype) or bias.ndim != 1:
         return add(product(), bias)
     check_fused_ranks(len(a.shape), len(b.shape), bool(transBatchA), bool(transBatchB))
-    a_view = _view(a, fused_operand_perm(len(a.shape), bool(transA), bool(transBatchA)))
-    b_view = _view(b, fused_operand_perm(len(b.shape), bool(transB), bool(transBatchB)))
+    a_view, b_view = _fused_views(a, b, **flags)
     try:
         final = matmul_output_dims(a_view[0], b_view[0])
     except KernelError:
