@@ -129,13 +129,16 @@ def gemm_rowmajor(
     stride_b=0,
     stride_c=0,
     dtype=None,
+    c_float32=False,
 ) -> None:
     """C (m, n) = alpha * op(A) @ op(B) + beta * C on row-major device buffers (addresses or GPUArrays).
 
     ``a_cols``/``b_cols`` are the row lengths of A and B as stored; strides are in elements.
+    ``c_float32``: C is float32 while A and B are ``dtype`` (16-bit operands, float32 output).
     """
     cublas, handle = _cublas()
     data_type, compute, scalar = _types(dtype)
+    c_type = _CUDA_R_32F if c_float32 else data_type
     _set_reduction_precision(cublas, handle, data_type)
     if a_cols is None:
         a_cols = m if trans_a else k
@@ -154,7 +157,7 @@ def gemm_rowmajor(
     algo = -1  # CUBLAS_GEMM_DEFAULT
     # Row-major C = A @ B is column-major C^T = B^T @ A^T: B goes first.
     head = (handle, op_b, op_a, int(n), int(m), int(k), alpha_h.ctypes.data)
-    b_, a_, c_ = (b_ptr, data_type, lda), (a_ptr, data_type, ldb), (c_ptr, data_type, ldc)
+    b_, a_, c_ = (b_ptr, data_type, lda), (a_ptr, data_type, ldb), (c_ptr, c_type, ldc)
     if batch == 1:
         cublas.gemm_ex(*head, *b_, *a_, beta_h.ctypes.data, *c_, compute, algo)
     else:
@@ -269,9 +272,13 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
     """alpha * A @ B (numpy's matmul, 1-D operands included) on cuBLAS, where A and B are the views
     ``(shape, element strides)`` of the device arrays ``a`` and ``b`` (transposed or batch-permuted
     operands are views, never copies); ``a`` and ``b`` share a float dtype. ``bias`` (of that dtype,
-    broadcast to the output): added in cuBLAS's float32 epilogue (beta = 1 over an output that
-    starts as the bias), so the sum is rounded once, as ``torch.addmm`` does."""
+    broadcast to the output): added to the float32 accumulator (beta = 1 over a float32 output that
+    starts as the bias), then the sum rounded once to the operands' type, as ``torch.addmm``
+    computes it. A 16-bit output C would not do: on the H100, cuBLAS rounded a (2048 x 768) @
+    (768 x 2304) bf16 product to bf16 before adding C (its default algorithm at that size; the smaller
+    products in the tests added it in float32): the graph's two roundings again."""
     from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.elementwise import cast_to
 
     (a_shape, a_strides), (b_shape, b_strides) = a_view, b_view
     final = tuple(matmul_output_dims(a_shape, b_shape))
@@ -294,12 +301,16 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
         b, b2_shape, b2_strides = _materialised(b, b2_shape, b2_strides, batch)
         planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
     calls, c_shape = planned
-    out = rt.empty(c_shape, a.dtype) if bias is None else broadcast_to(bias, final).reshape(c_shape)
-    size = np.dtype(a.dtype).itemsize
+    float32_sum = bias is not None and np.dtype(a.dtype).itemsize == 2
+    if bias is None:
+        out = rt.empty(c_shape, a.dtype)
+    else:
+        out = broadcast_to(cast_to(bias, np.float32) if float32_sum else bias, final).reshape(c_shape)
+    size, c_size = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
     a_ptr, b_ptr, c_ptr = int(a.gpudata), int(b.gpudata), int(out.gpudata)
     for c in calls:
         gemm_rowmajor(
-            c_ptr + c.c_off * size,
+            c_ptr + c.c_off * c_size,
             a_ptr + c.a_off * size,
             b_ptr + c.b_off * size,
             c.m,
@@ -316,7 +327,10 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
             stride_b=c.stride_b,
             stride_c=c.stride_c,
             dtype=a.dtype,
+            c_float32=float32_sum,
         )
+    if float32_sum:
+        out = cast_to(out, a.dtype)
     return out.reshape(final)
 
 
