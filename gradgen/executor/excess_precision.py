@@ -21,11 +21,12 @@ output keeps the graph's value).
 Both backends apply the rewrites, so the CPU and the GPU keep computing the same values. CUDA:
 cuDNN's convolution with 16-bit operands and a float32 output (``conv.conv_float32_output``; where
 cuDNN has no engine for a shape, with a one-time note, the float32 convolution of the operands cast
-up: the same values, slower), and cuBLAS with beta = 1 over an output that starts as the bias
-(``matmul.matmul_bias``). CPU: the Conv / MatMul kernel on float32 copies of the operands, the
-float32 result kept or the bias added before the rounding. A float32 model has no 16-bit Conv or
-MatMul: its plan is unchanged. ``GRADGEN_EXCESS_PRECISION=0`` turns both rewrites off (every value
-rounded to its declared type, as any ONNX runtime computes the graph).
+up: the same values, slower), and cuBLAS with beta = 1 over a float32 output that starts as the
+bias, cast once to the 16-bit type (``matmul.matmul_bias``). CPU: the Conv / MatMul kernel on
+float32 copies of the operands, the float32 result kept or the bias added before the rounding. A
+float32 model has no 16-bit Conv or MatMul: its plan is unchanged. ``GRADGEN_EXCESS_PRECISION=0``
+turns both rewrites off (every value rounded to its declared type, as any ONNX runtime computes
+the graph).
 """
 
 from __future__ import annotations
