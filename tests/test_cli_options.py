@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -51,9 +52,18 @@ def test_version(capsys, monkeypatch):
     assert result.returncode == 0 and result.stdout.strip() == out.strip()
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_shell_completion():
-    """typer's completion: the script for a shell, and the completions it asks the program for."""
-    script = _gradgen("--show-completion", "bash")
+    """typer's completion: the script for the shell it is asked from (found among the process's
+    ancestors, so run from a bash that stays the parent, as a user's shell does; a process without
+    a shell above it, such as one started by a daemon, gets no script), and the completions that
+    script asks the program for."""
+    script = subprocess.run(
+        ["bash", "-c", '"$@"; exit $?', "bash", sys.executable, "-m", "gradgen", "--show-completion"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert script.returncode == 0 and "_GRADGEN_COMPLETE=complete_bash" in script.stdout
     commands = _gradgen(env={"_GRADGEN_COMPLETE": "complete_bash", "COMP_WORDS": "gradgen ru", "COMP_CWORD": "1"})
     assert commands.returncode == 0 and commands.stdout.split() == ["run"]
