@@ -213,6 +213,30 @@ def test_only_a_product_nothing_else_sees_takes_the_bias(also):
     assert result["out"].dtype == BF16
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bf16", "fp16"])
+def test_a_16_bit_gemm_adds_c_before_its_one_rounding(dtype):
+    """Gemm states the bias in the op: C joins the float32 sum and the result is rounded once, as
+    ``torch.addmm`` computes ``nn.Linear`` (the CUDA kernel the same, tests/cuda)."""
+    low = TensorProto.BFLOAT16 if dtype == BF16 else TensorProto.FLOAT16
+    shapes = {"a": (5, 64), "b": (7, 64), "c": (7,)}
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1, alpha=0.5)
+    graph = helper.make_graph(
+        [node],
+        "gemm",
+        [helper.make_tensor_value_info(n, low, shapes[n]) for n in "abc"],
+        [helper.make_tensor_value_info("y", low, None)],
+    )
+    rng = np.random.default_rng(4)
+    feeds = {k: (rng.standard_normal(shape) * (0.2 if k == "b" else 3.0)).astype(dtype) for k, shape in shapes.items()}
+    got = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])).run(feeds)["y"]
+    a, b, c = (feeds[k].astype(np.float64) for k in "abc")
+    exact = 0.5 * a @ b.T + c
+    assert got.dtype == dtype
+    assert np.array_equal(got.astype(np.float64), exact.astype(np.float32).astype(dtype).astype(np.float64))
+    twice = ((0.5 * a @ b.T).astype(dtype).astype(np.float64) + c).astype(dtype).astype(np.float64)
+    assert not np.array_equal(twice, got.astype(np.float64))  # the rounding it saves
+
+
 def test_float32_linears_are_left_alone():
     session = Session(_linear_model(TensorProto.FLOAT))
     assert [s.op_type for s in session.steps] == ["MatMul", "Add", "Neg"]

@@ -1,6 +1,7 @@
-"""The CUDA step of a 16-bit Conv and its Cast to float32 (gradgen/executor/excess_precision.py):
-cuDNN's float32 output against the convolution of the same 16-bit values in float64, and against
-the CPU backend's step."""
+"""The CUDA steps of gradgen/executor/excess_precision.py: a 16-bit Conv and its Cast to float32
+(cuDNN's float32 output against the convolution of the same 16-bit values in float64, and against
+the CPU backend's step), a 16-bit product and its bias Add rounded once; and a 16-bit Gemm with a C,
+which rounds once as the CPU's does."""
 
 from __future__ import annotations
 
@@ -125,9 +126,8 @@ def _linear_model(a_shape, b_shape, attrs, low):
 @pytest.mark.parametrize("dtype", list(LOW), ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=[str(i) for i in range(len(LINEAR_CASES))])
 def test_matmul_bias_is_rounded_once(case, dtype):
-    """cuBLAS's float32 epilogue adds the bias: each element is the float32 sum rounded once, within
-    half a unit in the last place of it (the graph's two roundings reach a whole unit), as the CPU
-    step computes."""
+    """The bias is added to cuBLAS's float32 accumulator (a float32 C) and the sum rounded once, as
+    the CPU step computes; the graph's two roundings reach a whole unit in the last place."""
     a_shape, b_shape, attrs = case
     model, shapes = _linear_model(a_shape, b_shape, attrs, LOW[dtype])
     rng = np.random.default_rng(3)
@@ -142,16 +142,56 @@ def test_matmul_bias_is_rounded_once(case, dtype):
     if attrs.get("transB"):
         b = np.swapaxes(b, -1, -2)
     alpha = attrs.get("alpha", 1.0)
-    exact = alpha * (a @ b) + c
-    # float32 accumulation of K products (any order) and the bias: |sum - exact| <= (K + 1) u sum|terms|
-    accumulated = (a.shape[-1] + 1) * 2.0**-24 * (abs(alpha) * (np.abs(a) @ np.abs(b)) + np.abs(c))
+    _assert_rounded_once(got, alpha * (a @ b) + c, abs(alpha) * (np.abs(a) @ np.abs(b)) + np.abs(c), a.shape[-1], dtype)
+    cpu = (-Session(model).run(feeds)["out"]).astype(np.float64)
+    assert np.mean(got == cpu) > 0.99
+
+
+def _assert_rounded_once(got, exact, magnitudes, k: int, dtype) -> None:
+    """``got`` is ``exact`` (float64) summed in float32 and rounded once to ``dtype``: within half a
+    unit in its last place plus float32 accumulation's error, (k + 1) u sum|terms| (``magnitudes``),
+    and equal to the once-rounded value on almost every element (a rare one near a tie rounds the
+    other way; two roundings, product then sum, differ on a sizeable share)."""
+    accumulated = (k + 1) * 2.0**-24 * magnitudes
     mantissa_bits = 7 if dtype == BF16 else 10
     reach = np.maximum(np.abs(exact) + accumulated, 1e-30)
     half_ulp = 2.0 ** (np.floor(np.log2(reach)) - mantissa_bits - 1)
     assert np.all(np.abs(got - exact) <= half_ulp + accumulated)
     once = exact.astype(np.float32).astype(dtype).astype(np.float64)
-    # float32 sums in cuBLAS's order: a rare element near a tie rounds the other way; two roundings
-    # (product, then sum) would differ from ``once`` on a sizeable share of the elements
     assert np.mean(got == once) > 0.99
-    cpu = (-Session(model).run(feeds)["out"]).astype(np.float64)
+
+
+# nn.Linear as the legacy exporter writes it (Gemm, transB=1) at GPT-2's qkv size, where cuBLAS
+# rounded the product before adding a 16-bit C; a 2-D C; alpha and beta
+GEMM_CASES = [
+    ((2048, 768), (2304, 768), (2304,), dict(transB=1)),
+    ((64, 96), (96, 80), (64, 80), dict(alpha=0.5, beta=0.25)),
+    ((96, 64), (80, 96), (1, 80), dict(transA=1, transB=1)),
+]
+
+
+@pytest.mark.parametrize("dtype", list(LOW), ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[str(i) for i in range(len(GEMM_CASES))])
+def test_gemm_with_c_is_rounded_once(case, dtype):
+    a_shape, b_shape, c_shape, attrs = case
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], **attrs)
+    shapes = {"a": a_shape, "b": b_shape, "c": c_shape}
+    graph = helper.make_graph(
+        [node],
+        "gemm",
+        [helper.make_tensor_value_info(k, LOW[dtype], shapes[k]) for k in "abc"],
+        [helper.make_tensor_value_info("y", LOW[dtype], None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+    rng = np.random.default_rng(5)
+    feeds = {k: (rng.standard_normal(shapes[k]) * (0.2 if k == "b" else 1.0)).astype(dtype) for k in "abc"}
+    with Session(model, device="cuda") as session:
+        got = session.run(feeds)["y"].astype(np.float64)
+    a, b, c = (feeds[k].astype(np.float64) for k in "abc")
+    a = a.T if attrs.get("transA") else a
+    b = b.T if attrs.get("transB") else b
+    alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
+    magnitudes = abs(alpha) * (np.abs(a) @ np.abs(b)) + abs(beta) * np.abs(c)
+    _assert_rounded_once(got, alpha * (a @ b) + beta * c, magnitudes, a.shape[1], dtype)
+    cpu = Session(model).run(feeds)["y"].astype(np.float64)
     assert np.mean(got == cpu) > 0.99

@@ -420,7 +420,10 @@ def matmul_bias(a, b, bias, *, alpha=1.0, transA=0, transB=0, transBatchA=0, tra
 
 @cuda_kernel("Gemm")
 def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
+    """alpha * op(A) @ op(B) + beta * C; 16-bit operands with a C sum it in float32 and round once,
+    as the CPU and ``torch.addmm`` do (see ``matmul_views``)."""
     from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda.elementwise import cast_to
 
     if a.ndim != 2 or b.ndim != 2:
         raise KernelError(f"Gemm needs 2-D A and B, got shapes {list(a.shape)} and {list(b.shape)}")
@@ -439,12 +442,13 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if a.dtype != b.dtype or not is_float(a.dtype) or (use_c and c.dtype != a.dtype):
         return cpu_fallback("Gemm", a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
     a, b = contiguous(a), contiguous(b)
+    float32_sum = use_c and np.dtype(a.dtype).itemsize == 2  # C added to the float32 accumulator (matmul_views)
     if use_c:
-        out = broadcast_to(c, (m, n))
+        out = broadcast_to(cast_to(c, np.float32) if float32_sum else c, (m, n))
     else:
         out = rt.empty((m, n), a.dtype)
     if out.size == 0:
-        return out
+        return rt.empty((m, n), a.dtype)
     if k == 0 and not use_c:
         rt.memset_zero(out)
         return out
@@ -462,8 +466,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
         alpha=float(alpha),
         beta=float(beta) if use_c else 0.0,
         dtype=a.dtype,
+        c_float32=float32_sum,
     )
-    return out
+    return cast_to(out, a.dtype) if float32_sum else out
 
 
 # ---------------------------------------------------------------- Einsum
