@@ -193,6 +193,38 @@ def test_thread_limit_reaches_onednns_openmp_pool():
         assert openmp and all(info["num_threads"] == 1 for info in openmp)
 
 
+def test_a_linears_product_swaps_only_on_several_threads_with_few_rows():
+    swap = blas._swap_pays
+    assert swap(b"N", b"T", 128, 3072, 2)  # x @ W.T at GPT-2's B=1, T=128
+    assert not swap(b"N", b"T", 128, 3072, 1)  # one thread: oneDNN's own orientation is as fast
+    assert not swap(b"N", b"T", blas.SWAP_MAX_ROWS + 1, 64, 2)  # many rows: both threads are busy already
+    assert not swap(b"N", b"T", 128, 50257, 2)  # an LM head's output: the copy would cost more than it saves
+    assert not any(swap(ta, tb, 128, 768, 2) for ta, tb in [(b"N", b"N"), (b"T", b"T"), (b"T", b"N")])
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_swapped_product_is_the_product(every_size, monkeypatch, threads):
+    """x @ W.T through the swapped orientation (forced on, whatever the cores) into a fresh result
+    and into ``out``, and the thread count the rule reads."""
+    from gradgen.executor.threads import available_cores, cpu_threads
+
+    calls = []
+    monkeypatch.setattr(blas, "_swap_pays", lambda *args: calls.append(args) or True)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 5, 48), dtype=np.float32)
+    w = rng.standard_normal((33, 48), dtype=np.float32)
+    _check(blas.matmul(x, w.T), x, w.T)
+    out = np.full((2, 5, 33), np.nan, dtype=np.float32)
+    assert blas.matmul(x, w.T, out=out) is out
+    _check(out, x, w.T)
+    assert calls and calls[0][:4] == (b"N", b"T", 10, 33)
+    if threads <= available_cores():
+        with cpu_threads(threads):
+            blas.matmul(x, w.T)
+        assert calls[-1][4] == threads
+
+
 @needs_onednn
 def test_the_kernels_compute_what_numpy_computes(monkeypatch):
     """MatMul, Gemm, FusedMatMul, Conv, ConvTranspose and ConvGrad with every product through

@@ -17,6 +17,13 @@ OpenBLAS's idle workers spin for a while after each call and take the cores oneD
 (a GPT-2 step at two threads took twice as long). So while oneDNN is loaded, a CPU run gives numpy's
 BLAS one thread (``numpy_blas_single_threaded``): what is left to it are products below
 ``MIN_MULTIPLY_ADDS``, where a second thread buys little.
+
+Orientation: with a transposed right operand (``x @ W.T``, a Linear's forward) and few rows,
+oneDNN's sgemm hardly uses a second thread: 128 x 768 x 3072 took 6.2 ms at two threads against
+6.9 ms at one. The same product computed as its transpose, ``(W @ x.T).T`` (many rows), then copied
+into place took 4.1 ms. ``_swap_pays`` says where that is done (several threads, few rows, an
+output small enough that the copy stays cheap); a process's results for one shape and thread count
+do not depend on timings.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from typing import Any
 import numpy as np
 
 MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (one thread: as fast as numpy at 2^21)
+SWAP_MAX_ROWS = 256  # a product A @ W.T with at most this many rows runs as (W @ A.T).T on several threads
+SWAP_MAX_OUTPUT = 1 << 20  # ... where the output (the copy the swap costs) has at most this many elements
 DISABLE_VARIABLE = "GRADGEN_CPU_GEMM"  # "numpy": every product through numpy's matmul
 LIBRARY_VARIABLE = "GRADGEN_ONEDNN_LIBRARY"  # a libdnnl.so to load instead of the installed wheel's
 DISTRIBUTION = "onednn-cpu-gomp"
@@ -38,6 +47,7 @@ DISTRIBUTION = "onednn-cpu-gomp"
 _FLOAT32 = np.dtype(np.float32)
 _ITEM = _FLOAT32.itemsize
 _sgemm: Any = None  # the loaded dnnl_sgemm, False where there is none; None until first asked
+_omp_threads: Any = None  # the OpenMP runtime's omp_get_max_threads (the pool oneDNN uses), once loaded
 _numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, found once
 
 
@@ -90,10 +100,17 @@ def _load():
     path = library_path()
     if path is None or not _cpu_has_avx2():
         return False
+    global _omp_threads
     try:
-        sgemm = ctypes.CDLL(path).dnnl_sgemm
+        library = ctypes.CDLL(path)
+        sgemm = library.dnnl_sgemm
     except (OSError, AttributeError):
         return False
+    try:  # found among the library's dependencies (its OpenMP runtime)
+        _omp_threads = library.omp_get_max_threads
+        _omp_threads.argtypes, _omp_threads.restype = [], ctypes.c_int
+    except AttributeError:
+        _omp_threads = None
     dim, pointer = ctypes.c_int64, ctypes.c_void_p
     # dnnl_sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), row-major
     flag, scalar = ctypes.c_char, ctypes.c_float
@@ -199,7 +216,27 @@ def _product(sgemm, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     m, k = a.shape
     n = b.shape[1]
     (trans_a, lda), (trans_b, ldb) = layout_a, layout_b
+    if _omp_threads is not None and _swap_pays(trans_a, trans_b, m, n, _omp_threads()):
+        return _swapped_product(sgemm, a, lda, b, ldb, out)
     return sgemm(trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, out.ctypes.data, n) == 0
+
+
+def _swap_pays(trans_a: bytes, trans_b: bytes, m: int, n: int, threads: int) -> bool:
+    """Whether ``A @ W.T`` (A in rows, the right operand a transposed view) runs faster as its own
+    transpose ``W @ A.T`` and a copy: on several threads, with few rows and a small output."""
+    return trans_a == b"N" and trans_b == b"T" and threads > 1 and m <= SWAP_MAX_ROWS and m * n <= SWAP_MAX_OUTPUT
+
+
+def _swapped_product(sgemm, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, out: np.ndarray) -> bool:
+    """out = a @ b computed as (b.T @ a.T).T: ``b`` is the transpose of a row-major W (ld ``ldb``),
+    ``a`` row-major (ld ``lda``); the (n, m) product is copied into ``out`` transposed."""
+    m, k = a.shape
+    n = b.shape[1]
+    product_t = np.empty((n, m), dtype=_FLOAT32)
+    if sgemm(b"N", b"T", n, m, k, 1.0, b.ctypes.data, ldb, a.ctypes.data, lda, 0.0, product_t.ctypes.data, m) != 0:
+        return False
+    np.copyto(out, product_t.T)
+    return True
 
 
 def _numpy_blas_controllers() -> list:
