@@ -221,3 +221,73 @@ def test_train_group_fp16_on_cpu_tiny():
     assert "tracking: gradgen's curve is" in train.format_model(entry)
     assert set(entry["tracking"]) == {"max_ratio", "mean_ratio", "tracks"}
     assert entry["loss_agreement"]["gradgen"] < 1e-3
+
+
+def _entry(name: str, seed: int, precision: str = "bf16", **fields) -> dict:
+    return {"spec": {"name": name, "seed": seed}, "precision": precision, **fields}
+
+
+def test_tracking_over_seeds_counts_the_seeds_where_gradgen_tracks(capsys):
+    verdicts = {0: (0.76, 0.51, True), 1: (0.68, 0.67, True), 2: (1.16, 1.35, False)}
+    report = {
+        "models": {
+            **{
+                f"gpt2s/bf16/seed{s}": _entry("gpt2s", s, tracking={"max_ratio": a, "mean_ratio": b, "tracks": t})
+                for s, (a, b, t) in verdicts.items()
+            },
+            "gpt2s/fp32": _entry("gpt2s", 0, "fp32"),  # fp32 has no verdict
+            "resnet18/bf16": _entry("resnet18", 0, tracking={"max_ratio": 0.1, "mean_ratio": 0.1, "tracks": True}),  # one seed
+        }
+    }
+    summary = bp.over_seeds(report, "tracking")
+    assert list(summary) == ["gpt2s/bf16"]
+    assert summary["gpt2s/bf16"]["tracks_on"] == 2 and summary["gpt2s/bf16"]["median_max_ratio"] == pytest.approx(0.76)
+    assert [s["seed"] for s in summary["gpt2s/bf16"]["seeds"]] == [0, 1, 2]
+    bp.report_over_seeds(report, "tracking")
+    out = capsys.readouterr().out
+    assert "gpt2s/bf16 over seeds 0, 1, 2: gradgen's curve as close to its fp32 curve as eager's on 2 of 3" in out
+    assert "seed 2: 1.16x / 1.35x" in out and report["over_seeds"] == summary
+
+
+def test_criterion_over_seeds_counts_met_and_worst_tensor_seeds(capsys):
+    def criterion(ours, theirs, above):
+        return {
+            "fp32_reference": {
+                "criterion": bp.criterion({"w": ours, "b": 0.01}, {"w": theirs, "b": 0.01 if not above else 0.005})
+            }
+        }
+
+    report = {
+        "models": {
+            "r/bf16": _entry("r", 0, **criterion(0.08, 0.1, True)),
+            "r/bf16/seed1": _entry("r", 1, **criterion(0.09, 0.1, False)),
+        }
+    }
+    summary = bp.over_seeds(report, "criterion")["r/bf16"]
+    assert summary["met_on"] == 1 and summary["worst_below_on"] == 2
+    bp.report_over_seeds(report, "criterion")
+    out = capsys.readouterr().out
+    assert "every tensor at 1 of 2 seeds; its worst tensor at most eager's worst at 2 of 2" in out
+    assert "seed 0: worst 8.00e-02 vs 1.00e-01, 1 of 2 above" in out
+    nothing = {"models": {"r/bf16": _entry("r", 0, **criterion(0.08, 0.1, True))}}
+    bp.report_over_seeds(nothing, "criterion")
+    assert "over_seeds" not in nothing and capsys.readouterr().out == ""
+
+
+def test_repeated_seeds_run_each_model_at_each_seed():
+    from gradgen.bench import _specs
+    from gradgen.bench.e2e import entry_key
+
+    args = build_parser().parse_args(["--only", "train", "--model", "gpt2-tiny", "--seed", "0", "--seed", "2", "--seed", "2"])
+    assert [(s.name, s.seed) for s in _specs(args, [])] == [("gpt2-tiny", 0), ("gpt2-tiny", 2)]
+    defaults = build_parser().parse_args(["--only", "e2e", "--seed", "3"])
+    from gradgen.bench import models
+
+    specs = _specs(defaults, [models.preset("gpt2s"), models.preset("resnet18")])
+    assert [(s.name, s.seed) for s in specs] == [("gpt2s", 3), ("resnet18", 3)]
+    assert entry_key("gpt2s", "bf16") == "gpt2s/bf16" and entry_key("gpt2s", "bf16", 3) == "gpt2s/bf16/seed3"
+
+
+def test_several_seeds_are_refused_for_the_cpu_group(capsys):
+    assert main(["--only", "cpu", "--seed", "0", "--seed", "1"]) == 2
+    assert "several --seed values apply to the e2e and train groups" in capsys.readouterr().err

@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument(
         "--seed",
         type=_non_negative,
-        default=0,
-        help="seed of the parameters and the batch (default 0); another seed tells noise from a real difference",
+        action="append",
+        help="seed of the parameters and the batch (default 0); repeatable: each model runs once per seed, "
+        "and below fp32 a summary says at how many seeds each verdict holds (one seed's can be noise)",
     )
     e2e.add_argument(
         "--steps",
@@ -182,15 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _specs(args, defaults: list) -> list:
     from gradgen.bench import models
 
+    seeds = list(dict.fromkeys(args.seed or [0]))
     if not args.model:
-        specs = defaults
-        if args.batch or args.seq or args.image or args.layers or args.width or args.heads or args.seed:
-            specs = [_override(s, args) for s in specs]
-        return specs
-    return [_override(models.preset(name), args) for name in args.model]
+        if not (args.batch or args.seq or args.image or args.layers or args.width or args.heads or seeds != [0]):
+            return defaults
+        return [_override(spec, args, seed) for spec in defaults for seed in seeds]
+    return [_override(models.preset(name), args, seed) for name in args.model for seed in seeds]
 
 
-def _override(spec, args):
+def _override(spec, args, seed: int):
     from gradgen.bench import models
 
     gpt2 = spec.kind == "gpt2"
@@ -201,7 +202,7 @@ def _override(spec, args):
         layers=args.layers if gpt2 else None,
         d=args.width if gpt2 else None,
         heads=args.heads if gpt2 else None,
-        seed=args.seed,
+        seed=seed,
     )
 
 
@@ -228,6 +229,8 @@ def run(argv: list[str] | None = None) -> None:
     groups = args.only or list(KERNEL_GROUPS)
     if args.precision and not {"e2e", "train"} & set(groups):
         raise UsageError("gradgen bench: --precision applies to the e2e and train groups (--only e2e, --only train)")
+    if len(set(args.seed or [])) > 1 and "cpu" in groups:
+        raise UsageError("gradgen bench: several --seed values apply to the e2e and train groups, not to cpu")
     from gradgen.bench.precision import flatten
 
     precisions = flatten(args.precision)

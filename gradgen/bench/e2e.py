@@ -117,6 +117,8 @@ def run(options: E2EOptions) -> dict:
             if options.keep_dir is None:
                 shutil.rmtree(workdir, ignore_errors=True)
         _save(options, report)
+    precision.report_over_seeds(report, "criterion")
+    _save(options, report)
     return report
 
 
@@ -136,9 +138,10 @@ def _save(options: E2EOptions, report: dict) -> None:
         options.on_update(report)
 
 
-def entry_key(name: str, precision: str) -> str:
-    """The report's key of one (model, precision) table."""
-    return f"{name}/{precision}"
+def entry_key(name: str, precision: str, seed: int = 0) -> str:
+    """The report's key of one (model, precision) table: ``model/precision``, and ``/seedN`` for a
+    seed other than 0 (``--seed`` repeated runs each model once per seed)."""
+    return f"{name}/{precision}" + (f"/seed{seed}" if seed else "")
 
 
 def _export(spec: models.ModelSpec, workdir: Path, *, dynamic_seq: bool = False) -> dict:
@@ -187,7 +190,8 @@ def _run_model(spec: models.ModelSpec, options: E2EOptions, workdir: Path, repor
         flush=True,
     )
     for precision_name in options.precisions:
-        report["models"][entry_key(spec.name, precision_name)] = entry = {"spec": spec.to_json(), "precision": precision_name}
+        entry = {"spec": spec.to_json(), "precision": precision_name}
+        report["models"][entry_key(spec.name, precision_name, spec.seed)] = entry
         _run_precision(spec, precision_name, exported, options, workdir, entry, report)
         _save(options, report)
 

@@ -204,3 +204,75 @@ def format_tracking(ours: dict, eager: dict) -> str:
         f"  tracking: gradgen's curve is {word} eager's to its fp32 curve (largest difference "
         f"{verdict['max_ratio']:.2f}x eager's, mean {verdict['mean_ratio']:.2f}x)"
     )
+
+
+def over_seeds(report: dict, kind: str) -> dict[str, dict]:
+    """For each (model, precision) of ``report`` run at two or more seeds (``--seed`` repeated): the
+    verdict at each seed and on how many it holds. ``kind``: ``"tracking"`` (the train group's loss
+    curves) or ``"criterion"`` (the e2e group's per-tensor gradient errors). One seed's verdict can
+    be noise: a curve's distance from fp32 moved 3x between seeds for eager alone."""
+    runs: dict[str, list[dict]] = {}
+    for entry in report.get("models", {}).values():
+        verdict = _seed_verdict(entry, kind)
+        if verdict is not None:
+            key = f"{entry['spec']['name']}/{entry['precision']}"
+            runs.setdefault(key, []).append({"seed": entry["spec"].get("seed", 0), **verdict})
+    return {key: _seeds_summary(seeds, kind) for key, seeds in runs.items() if len(seeds) > 1}
+
+
+def _seed_verdict(entry: dict, kind: str) -> dict | None:
+    if kind == "tracking":
+        verdict = entry.get("tracking")
+        return dict(verdict) if verdict else None
+    c = (entry.get("fp32_reference") or {}).get("criterion") or {}
+    if "eager_worst" not in c:
+        return None
+    keys = ("gradgen_worst", "eager_worst", "above_eager", "tensors", "met")
+    return {**{k: c[k] for k in keys}, "worst_below": c["gradgen_worst"] <= c["eager_worst"]}
+
+
+def _seeds_summary(seeds: list[dict], kind: str) -> dict:
+    seeds = sorted(seeds, key=lambda s: s["seed"])
+    if kind == "tracking":
+        return {
+            "seeds": seeds,
+            "tracks_on": sum(s["tracks"] for s in seeds),
+            "median_max_ratio": float(np.median([s["max_ratio"] for s in seeds])),
+            "median_mean_ratio": float(np.median([s["mean_ratio"] for s in seeds])),
+        }
+    return {"seeds": seeds, "met_on": sum(s["met"] for s in seeds), "worst_below_on": sum(s["worst_below"] for s in seeds)}
+
+
+def format_over_seeds(key: str, summary: dict, kind: str) -> str:
+    """Two lines: the count over the seeds, then each seed's figures."""
+    seeds = summary["seeds"]
+    names = ", ".join(str(s["seed"]) for s in seeds)
+    if kind == "tracking":
+        head = (
+            f"{key} over seeds {names}: gradgen's curve as close to its fp32 curve as eager's on "
+            f"{summary['tracks_on']} of {len(seeds)} (median largest difference {summary['median_max_ratio']:.2f}x "
+            f"eager's, mean {summary['median_mean_ratio']:.2f}x)"
+        )
+        each = "; ".join(f"seed {s['seed']}: {s['max_ratio']:.2f}x / {s['mean_ratio']:.2f}x" for s in seeds)
+        return f"{head}\n  {each}"
+    head = (
+        f"{key} over seeds {names}: gradgen's error at most eager's on every tensor at {summary['met_on']} of "
+        f"{len(seeds)} seeds; its worst tensor at most eager's worst at {summary['worst_below_on']} of {len(seeds)}"
+    )
+    each = "; ".join(
+        f"seed {s['seed']}: worst {_e(s['gradgen_worst'])} vs {_e(s['eager_worst'])}, {s['above_eager']} of {s['tensors']} above"
+        for s in seeds
+    )
+    return f"{head}\n  {each}"
+
+
+def report_over_seeds(report: dict, kind: str) -> None:
+    """Print and record (``report["over_seeds"]``) the summary of every (model, precision) run at
+    several seeds; nothing where each ran at one."""
+    summaries = over_seeds(report, kind)
+    if not summaries:
+        return
+    report["over_seeds"] = summaries
+    print("", flush=True)
+    for key, summary in summaries.items():
+        print(format_over_seeds(key, summary, kind), flush=True)

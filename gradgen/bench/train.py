@@ -78,6 +78,9 @@ def run(options: TrainOptions) -> dict:
         finally:
             if options.keep_dir is None:
                 shutil.rmtree(workdir, ignore_errors=True)
+    precision.report_over_seeds(report, "tracking")
+    if options.on_update is not None:
+        options.on_update(report)
     return report
 
 
@@ -119,7 +122,7 @@ def _run_model(spec: models.ModelSpec, options: TrainOptions, workdir: Path, rep
     fp32_curves: dict[str, list[float]] = {}  # each framework's fp32 losses, the reference of its other precisions
     for precision_name in options.precisions:
         entry: dict[str, Any] = {"spec": spec.to_json(), "precision": precision_name}
-        report["models"][entry_key(spec.name, precision_name)] = entry
+        report["models"][entry_key(spec.name, precision_name, spec.seed)] = entry
         entry["prepare"] = {k: prepared[k] for k in ("export_s", "parameters")}
         print(f"-- {spec.name} {precision_name}", flush=True)
         _run_precision(spec, precision_name, prepared, options, workdir, entry)
