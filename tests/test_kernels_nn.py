@@ -195,6 +195,9 @@ CONVT_CASES = [
     ((2, 4, 4, 3), (4, 1, 3, 2), dict(strides=[3, 2], dilations=[2, 1], pads=[1, 0, 1, 0], group=2, output_padding=[2, 1])),
     ((1, 3, 3, 4), (3, 2, 2, 2), dict(dilations=[2, 2], pads=[1, 1, 1, 1])),
     ((1, 2, 3, 3, 3), (2, 2, 2, 3, 2), dict(strides=[2, 1, 2], pads=[0, 1, 0, 0, 1, 0])),
+    # one input channel per group (a depthwise Conv's data gradient): products of one term
+    ((2, 6, 5, 5), (6, 1, 3, 3), dict(group=6, strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])),
+    ((2, 3, 4, 4), (3, 2, 3, 3), dict(group=3)),  # multiplier 2
 ]
 
 

@@ -521,7 +521,11 @@ def conv_transpose(
     k, p_in = math.prod(kernel), math.prod(spatial)
     w_t = wc.reshape(group, cg, mg * k).transpose(0, 2, 1)
     x_t = xc.reshape(n_batch, group, cg, p_in).transpose(1, 2, 0, 3).reshape(group, cg, n_batch * p_in)
-    cols = blas.matmul(w_t, x_t).reshape((m, *kernel, n_batch, *spatial))
+    # one input channel per group (a depthwise Conv's data gradient): each product has one term, so
+    # a broadcast multiply gives the same values without a matmul call per group (82 against 22 us
+    # for 64 groups of (9 x 1) @ (1 x 128))
+    cols = w_t * x_t if cg == 1 else blas.matmul(w_t, x_t)
+    cols = cols.reshape((m, *kernel, n_batch, *spatial))
     # col2im into a (M, N, ...) buffer that covers both the full (uncropped) result and the
     # requested window onto it.
     lo = [max(0, -bg) for bg in begin]
