@@ -128,6 +128,9 @@ def test_mismatched_shapes_raise_numpys_error(monkeypatch, threshold):
         blas.matmul(a, np.ones((5, 2), dtype=np.float32))
     with pytest.raises(ValueError):
         blas.matmul(np.ones((2, 3, 4), dtype=np.float32), np.ones((3, 4, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="dimensions"):  # a 0-d operand: numpy's message, not an IndexError
+        blas.matmul(a, np.array(2.0, dtype=np.float32))
+    assert blas.matmul(a, np.ones(4, dtype=np.float32)).shape == (3,)  # 1-D operands as numpy treats them
 
 
 def test_empty_operands(every_size):

@@ -161,6 +161,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     """``np.matmul(a, b, out=out)``: through oneDNN for float32 (..., M, K) @ (..., K, N) whose
     matrices have at least ``MIN_MULTIPLY_ADDS`` multiply-adds each, else numpy's own. A 2-D right
     operand takes every row of a C-ordered left one in one call; batched ones run matrix by matrix."""
+    if b.ndim and a.size * b.shape[-1] < MIN_MULTIPLY_ADDS:  # every matrix of the product is below it (a small model's all)
+        return np.matmul(a, b, out=out)
     if a.dtype != _FLOAT32 or b.dtype != _FLOAT32 or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         return np.matmul(a, b, out=out)  # numpy computes, or says what does not fit
     k, n = b.shape[-2:]
