@@ -250,7 +250,7 @@ def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
     trainer.load_state(type(before)(before.params, states, before.step))
     result = trainer.train_step([batches[2]])
     after = trainer.state
-    assert not np.isfinite(result.grad_norm)
+    assert not np.isfinite(result.grad_norm) and result.skipped
     for name, value in before.params.items():
         np.testing.assert_array_equal(after.params[name], value)  # the step was skipped
     for key, value in before.states.items():
@@ -264,10 +264,40 @@ def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
     states[(LOSS_SCALING, "scale")] = np.array(2.0**10, np.float32)
     trainer.load_state(type(after)(after.params, states, after.step))
     for k, batch in enumerate(batches[3:6]):
-        trainer.train_step([batch])
+        assert not trainer.train_step([batch]).skipped
         assert trainer.state.states[(LOSS_SCALING, "scale")] == (2.0**11 if k == 2 else 2.0**10)
     assert trainer.state.states[(LOSS_SCALING, "good_steps")] == 0
     assert trainer.state.states[(LOSS_SCALING, "updates")] == 5
+
+
+@pytest.mark.parametrize("runner", ["host", "device"])
+def test_skipped_steps_are_reported_in_progress_log_and_summary(tmp_path, runner):
+    """A user training in fp16 sees the updates loss scaling skipped: in each step's result, the
+    progress line, the CSV log and the run's summary."""
+    import io
+
+    from gradgen.training import DeviceStepRunner
+    from gradgen.training.callbacks import CsvLog, History, Progress, read_log
+    from gradgen.training.command import _summary
+
+    program = build_training(
+        ROOT / "samples/cnn/model.onnx", optimizer=AdamW(), precision="fp16", loss_scaling=LossScaling(init_scale=2.0**127)
+    )
+    stream, history = io.StringIO(), History()
+    callbacks = [Progress(3, stream=stream, every_seconds=0.0), CsvLog(tmp_path / "log.csv"), history]
+    chosen = DeviceStepRunner(program, "cpu") if runner == "device" else None
+    trainer = Trainer(program, lr=1e-2, runner=chosen, callbacks=callbacks)
+    results = trainer.fit(_cnn_batches(3), 3)  # 2^127 overflows float16 at every one of them
+    assert [r.skipped for r in results] == [True, True, True]
+    assert "3 skipped (overflow)" in stream.getvalue().splitlines()[-1]
+    assert [row["skipped"] for row in read_log(tmp_path / "log.csv")] == ["1", "1", "1"]
+    lines = _summary(None, history, 0, 1.0, "cpu", None, None, None)
+    assert any(line.startswith("3 of them skipped by loss scaling") for line in lines)
+    fine = History()
+    Trainer(build_training(ROOT / "samples/cnn/model.onnx", optimizer=AdamW()), lr=1e-2, callbacks=[fine]).fit(_cnn_batches(2), 2)
+    assert not any(r.skipped for r in fine.steps) and not any(
+        "skipped" in line for line in _summary(None, fine, 0, 1.0, "cpu", None, None, None)
+    )
 
 
 def test_loss_scaling_with_accumulation_is_the_unscaled_step():

@@ -221,6 +221,12 @@ def test_train_group_fp16_on_cpu_tiny():
     assert "tracking: gradgen's curve is" in train.format_model(entry)
     assert set(entry["tracking"]) == {"max_ratio", "mean_ratio", "tracks"}
     assert entry["loss_agreement"]["gradgen"] < 1e-3
+    for framework in ("gradgen", "eager"):  # both start at GradScaler's 65536; counts are whole steps
+        figures = entry["frameworks"][framework]["loss_scaling"]
+        assert figures["initial_scale"] == 65536.0 and 0 <= figures["skipped_steps"] <= 9
+        assert figures["final_scale"] == 65536.0 / 2 ** figures["skipped_steps"]
+    text = train.format_model(entry)
+    assert "  loss scaling: " in text and "gradgen skipped" in text and "eager skipped" in text
 
 
 def _entry(name: str, seed: int, precision: str = "bf16", **fields) -> dict:
@@ -291,3 +297,29 @@ def test_repeated_seeds_run_each_model_at_each_seed():
 def test_several_seeds_are_refused_for_the_cpu_group(capsys):
     assert main(["--only", "cpu", "--seed", "0", "--seed", "1"]) == 2
     assert "several --seed values apply to the e2e and train groups" in capsys.readouterr().err
+
+
+def test_scaled_steps_from_the_final_scale():
+    from gradgen.bench.worker import scaled_steps
+
+    assert scaled_steps(65536.0, 8192.0, 2000, 205) == {"initial_scale": 65536.0, "final_scale": 8192.0, "skipped_steps": 3}
+    assert scaled_steps(65536.0, 65536.0, 2000, 205)["skipped_steps"] == 0
+    assert scaled_steps(65536.0, 8192.0, 2000, 2500)["skipped_steps"] is None  # it may have grown in between
+    assert scaled_steps(65536.0, 131072.0, 2000, 205)["skipped_steps"] is None
+
+
+def test_train_table_says_what_loss_scaling_skipped():
+    from gradgen.bench import models, train
+
+    spec = models.preset("gpt2-tiny")
+    result = {"median_ms": 2.0, "first_step_s": 0.1, "losses": [3.0, 2.9], "memory": {}}
+    entry = {
+        "spec": spec.to_json(),
+        "precision": "fp16",
+        "frameworks": {
+            "gradgen": {**result, "loss_scaling": {"initial_scale": 65536.0, "final_scale": 8192.0, "skipped_steps": 3}},
+            "eager": {**result, "loss_scaling": {"initial_scale": 65536.0, "final_scale": 65536.0, "skipped_steps": None}},
+        },
+    }
+    text = train.format_model(entry)
+    assert "loss scaling: gradgen skipped 3 step(s) (scale 65536 -> 8192); eager skipped ? step(s) (scale 65536 -> 65536)" in text

@@ -242,3 +242,19 @@ def test_batch_norm_running_statistics_are_not_trained():
     program = build_training(fixture, optimizer=SGD())
     assert not set(stats) & set(program.params)
     assert set(stats) <= set(program.frozen)
+
+
+def test_resuming_a_log_written_before_the_skipped_column(tmp_path):
+    """A CSV log from before the ``skipped`` column resumes into the current columns: its kept rows
+    read as not skipped, the later ones are dropped."""
+    from gradgen.training.callbacks import CSV_COLUMNS, CsvLog, read_log
+    from gradgen.training.trainer import StepResult
+
+    path = tmp_path / "log.csv"
+    path.write_text("step,loss,lr,grad_norm,eval_loss\n1,2.5,0.01,1.0,\n2,2.25,0.01,0.5,2.0\n3,2.0,0.01,0.5,\n")
+    log = CsvLog(path, start_step=2)
+    log.on_step_end(None, StepResult(3, 1.5, 0.01, float("inf"), 0.1, skipped=True))
+    log.close()
+    rows = read_log(path)
+    assert list(rows[0]) == list(CSV_COLUMNS)
+    assert [(r["step"], r["eval_loss"], r["skipped"]) for r in rows] == [("1", "", "0"), ("2", "2.0", "0"), ("3", "", "1")]

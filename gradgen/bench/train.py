@@ -220,6 +220,13 @@ def loss_agreement(results: dict) -> dict:
     return out
 
 
+def _format_scaling(framework: str, figures: dict) -> str:
+    """``gradgen skipped 3 steps (scale 65536 -> 8192)``; eager's count is implied by its final scale."""
+    skipped = figures.get("skipped_steps")
+    count = "?" if skipped is None else str(skipped)
+    return f"{framework} skipped {count} step(s) (scale {figures['initial_scale']:g} -> {figures['final_scale']:g})"
+
+
 def format_model(entry: dict) -> str:
     spec = models.ModelSpec.from_json(entry["spec"])
     results = entry.get("frameworks", {})
@@ -255,6 +262,9 @@ def format_model(entry: dict) -> str:
         "  peak MiB: driver-level used memory after the timed steps minus the baseline after context creation; "
         "eager and compile: torch.optim.AdamW(fused=True); gradgen: DeviceStepRunner"
     )
+    scaled = {fw: r["loss_scaling"] for fw, r in results.items() if r.get("loss_scaling")}
+    if scaled:
+        lines.append("  loss scaling: " + "; ".join(_format_scaling(fw, figures) for fw, figures in scaled.items()))
     curves = entry.get("fp32_curves", {})
     lines.extend(precision.format_curve(result, precision_name, framework) for framework, result in curves.items())
     if "gradgen" in curves and "eager" in curves:

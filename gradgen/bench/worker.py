@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -191,6 +192,9 @@ def job_torch_varlen(task: dict) -> dict:
     return result
 
 
+GRAD_SCALER_INIT = 2.0**16  # GradScaler's default, stated: it has no getter for it
+
+
 def job_torch_train(task: dict) -> dict:
     """The train group's PyTorch side: forward (under autocast for bf16 / fp16), backward and
     ``AdamW(fused=True)`` (on the GPU) per step; fp16 through ``torch.amp.GradScaler``."""
@@ -199,7 +203,7 @@ def job_torch_train(task: dict) -> dict:
     model = _torch_model(task, torch, device)
     forward = torch.compile(model) if task["framework"] == "compile" else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=task["lr"], fused=device == "cuda")
-    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device, init_scale=GRAD_SCALER_INIT) if precision == "fp16" else None
     batches = [[torch.from_numpy(v) for v in batch.values()] for batch in train_batches(task["inputs"])]
     losses: list[float] = []
 
@@ -219,7 +223,17 @@ def job_torch_train(task: dict) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    return _train_result(task, step, losses, memory, lambda: _torch_memory(torch, memory), _device_info_torch(torch, device))
+    result = _train_result(task, step, losses, memory, lambda: _torch_memory(torch, memory), _device_info_torch(torch, device))
+    if scaler is not None:  # read once at the end: a per-step read would add a sync to the timed steps
+        result["loss_scaling"] = scaled_steps(GRAD_SCALER_INIT, scaler.get_scale(), scaler.get_growth_interval(), len(losses))
+    return result
+
+
+def scaled_steps(initial: float, final: float, growth_interval: int, steps: int) -> dict:
+    """The loss scale at the end and, where no growth could have happened (fewer steps than the
+    growth interval), the number of skipped steps it implies: each halved the scale once."""
+    skipped = round(math.log2(initial / final)) if steps < growth_interval and 0 < final <= initial else None
+    return {"initial_scale": float(initial), "final_scale": float(final), "skipped_steps": skipped}
 
 
 def train_batches(path: str) -> list[dict[str, np.ndarray]]:
@@ -368,12 +382,21 @@ def job_gradgen_train(task: dict) -> dict:
     trainer = Trainer(program, lr=task["lr"], runner=runner)
     batches = train_batches(task["inputs"])
     losses: list[float] = []
+    skipped: list[bool] = []
 
     def step():
-        losses.append(trainer.train_step([batches[len(losses) % len(batches)]]).loss)
+        result = trainer.train_step([batches[len(losses) % len(batches)]])
+        losses.append(result.loss)
+        skipped.append(result.skipped)
 
     result = _train_result(task, step, losses, memory, lambda: gradgen_memory(runner.train, memory), _device_info_gradgen(device))
     result.update(build_s=build_s, plan_steps=len(runner.train.steps))
+    if program.loss_scaling is not None:
+        from gradgen.training.loss_scaling import LOSS_SCALING
+
+        final = float(runner.snapshot().states[(LOSS_SCALING, "scale")])
+        initial = program.loss_scaling.init_scale
+        result["loss_scaling"] = {"initial_scale": initial, "final_scale": final, "skipped_steps": sum(skipped)}
     return result
 
 

@@ -13,7 +13,7 @@ from typing import TextIO
 from gradgen.errors import UsageError
 from gradgen.training.trainer import Callback, StepResult, Trainer
 
-CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "eval_loss")
+CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "eval_loss", "skipped")  # skipped: 1 where loss scaling skipped the update
 
 
 class History(Callback):
@@ -31,7 +31,7 @@ class History(Callback):
 
 
 class CsvLog(Callback):
-    """One row per step (step, loss, lr, grad_norm, eval_loss), flushed as it is written.
+    """One row per step (step, loss, lr, grad_norm, eval_loss, skipped), flushed as it is written.
 
     Continuing a run (``start_step`` > 0) keeps the rows up to that step and drops later ones
     (written after the checkpoint being resumed), so the file reads as one uninterrupted run.
@@ -46,8 +46,8 @@ class CsvLog(Callback):
             raise UsageError(f"{self.path}: cannot write the log: {exc.strerror or exc}") from None
         self._writer = csv.writer(self._file)
         self._writer.writerow(CSV_COLUMNS)
-        for row in kept:
-            self._writer.writerow([row[c] for c in CSV_COLUMNS])
+        for row in kept:  # a log written before the skipped column had none: its rows read as 0
+            self._writer.writerow([row.get(c) or ("0" if c == "skipped" else "") for c in CSV_COLUMNS])
         self._file.flush()
         self._pending: StepResult | None = None
 
@@ -74,7 +74,8 @@ class CsvLog(Callback):
             self._pending = None
 
     def _write(self, r: StepResult, eval_loss: float | None) -> None:
-        self._writer.writerow([r.step, repr(r.loss), repr(r.lr), repr(r.grad_norm), "" if eval_loss is None else repr(eval_loss)])
+        evaluated = "" if eval_loss is None else repr(eval_loss)
+        self._writer.writerow([r.step, repr(r.loss), repr(r.lr), repr(r.grad_norm), evaluated, int(r.skipped)])
         self._file.flush()
 
 
@@ -86,8 +87,9 @@ def read_log(path: str | Path, up_to: int | None = None) -> list[dict[str, str]]
 
 
 class Progress(Callback):
-    """``step 40/100  loss 0.4213  lr 1.0e-03  52.1 step/s  ETA 1s`` on ``stream`` (stderr):
-    rewritten in place on a terminal, else one line every ``every_seconds`` and at the last step."""
+    """``step 40/100  loss 0.4213  lr 1.0e-03  52.1 step/s  ETA 1s`` on ``stream`` (stderr), with
+    ``3 skipped (overflow)`` once fp16 loss scaling has skipped an update: rewritten in place on a
+    terminal, else one line every ``every_seconds`` and at the last step."""
 
     def __init__(self, total_steps: int, stream: TextIO | None = None, every_seconds: float = 1.0):
         self.total = total_steps
@@ -97,6 +99,7 @@ class Progress(Callback):
         self._started = self._last = 0.0
         self._first_step = 0
         self._eval: float | None = None
+        self.skipped = 0  # steps loss scaling skipped (fp16 overflow) in this run
 
     def on_train_begin(self, trainer: Trainer) -> None:
         self._started = self._last = time.perf_counter()
@@ -107,6 +110,7 @@ class Progress(Callback):
         self._say(f"step {step}/{self.total}  eval loss {loss:.6g}", final=True)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self.skipped += result.skipped
         now = time.perf_counter()
         done = result.step - self._first_step
         rate = done / (now - self._started) if now > self._started else math.inf
@@ -117,7 +121,8 @@ class Progress(Callback):
         eta = (self.total - result.step) / rate if rate > 0 else math.inf
         self._say(
             f"step {result.step}/{self.total}  loss {result.loss:.6g}  lr {result.lr:.3g}  "
-            f"{rate:.1f} step/s  ETA {_duration(eta)}",
+            + (f"{self.skipped} skipped (overflow)  " if self.skipped else "")
+            + f"{rate:.1f} step/s  ETA {_duration(eta)}",
             final=last,
         )
 

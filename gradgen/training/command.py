@@ -335,6 +335,9 @@ def _summary(o, history: History, start: int, seconds: float, device: str, check
     if steps:
         lines.append(f"trained steps {start + 1} to {steps[-1].step}: loss {steps[0].loss:.6g} -> {steps[-1].loss:.6g}")
         lines.append(f"{len(steps)} step(s) in {seconds:.2f} s ({len(steps) / seconds:.1f} step/s) on {device}")
+        skipped = sum(r.skipped for r in steps)
+        if skipped:
+            lines.append(f"{skipped} of them skipped by loss scaling (an Inf / NaN float16 gradient: no update, scale halved)")
     if history.evaluations:
         step, loss = history.evaluations[-1]
         lines.append(f"evaluation loss at step {step}: {loss:.6g}")

@@ -54,6 +54,7 @@ class StepResult:
     lr: float
     grad_norm: float  # global gradient norm before clipping
     seconds: float
+    skipped: bool = False  # fp16 loss scaling found an Inf / NaN gradient: no update, the scale halved
 
 
 class Callback:
@@ -72,7 +73,8 @@ class StepRunner(Protocol):
     """Runs a program's graphs and owns the parameters and optimizer states between steps.
 
     ``step`` must leave the state unchanged when the loss or gradient norm is not finite (the
-    trainer then stops with the last good state).
+    trainer then stops with the last good state). It returns (loss, gradient norm, skipped): whether
+    loss scaling skipped the update (a runner that returns the first two is read as never skipping).
     """
 
     device: str  # where the steps run, as reports name it
@@ -81,7 +83,7 @@ class StepRunner(Protocol):
 
     def snapshot(self) -> TrainState: ...
 
-    def step(self, micro_batches: Sequence[Mapping[str, np.ndarray]], lr: float) -> tuple[float, float]: ...
+    def step(self, micro_batches: Sequence[Mapping[str, np.ndarray]], lr: float) -> tuple[float, float, bool]: ...
 
     def evaluate(self, batch: Mapping[str, np.ndarray]) -> float: ...
 
@@ -109,7 +111,7 @@ class HostStepRunner:
     def snapshot(self) -> TrainState:
         return self._state
 
-    def step(self, micro_batches, lr: float) -> tuple[float, float]:
+    def step(self, micro_batches, lr: float) -> tuple[float, float, bool]:
         program, layout, state = self.program, self.program.layout, self._state
         step = state.step + 1
         losses = []
@@ -138,7 +140,7 @@ class HostStepRunner:
         params = {p: out[name] for p, name in layout.params.items()}
         states = {(slot.param, slot.kind): out[slot.output] for slot in layout.states}
         self._state = TrainState(params, states, step)
-        return loss, grad_norm
+        return loss, grad_norm, skipped
 
     def evaluate(self, batch) -> float:
         return float(self.evaluator.run({**batch, **self._state.params})[self.program.loss])
@@ -200,7 +202,7 @@ class DeviceStepRunner:
             self._snapshot = TrainState(params, states, self._step)
         return self._snapshot
 
-    def step(self, micro_batches, lr: float) -> tuple[float, float]:
+    def step(self, micro_batches, lr: float) -> tuple[float, float, bool]:
         program, layout = self.program, self.program.layout
         step = self._step + 1
         feeds = {**micro_batches[-1], layout.lr: np.asarray(lr, dtype=np.float32)}
@@ -224,7 +226,7 @@ class DeviceStepRunner:
             if not math.isfinite(value):
                 raise NonFiniteLossError(step, what, value)
         self._step = step
-        return loss, float(out[layout.grad_norm])
+        return loss, float(out[layout.grad_norm]), skipped
 
     def evaluate(self, batch) -> float:
         return float(self.evaluator.run({**batch, **self.snapshot().params})[self.program.loss])
@@ -313,8 +315,8 @@ class Trainer:
         batches = [self._checked(b) for b in micro_batches]
         started = time.perf_counter()
         lr = self.schedule(self.step + 1)
-        loss, grad_norm = self.runner.step(batches, lr)
-        return StepResult(self.step, loss, lr, grad_norm, time.perf_counter() - started)
+        loss, grad_norm, *skipped = self.runner.step(batches, lr)
+        return StepResult(self.step, loss, lr, grad_norm, time.perf_counter() - started, bool(skipped and skipped[0]))
 
     def fit(
         self,
