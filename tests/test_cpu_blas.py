@@ -201,6 +201,8 @@ def test_a_linears_product_swaps_only_on_several_threads_with_few_rows():
     assert swap(b"N", b"T", 128, 3072, 2)  # x @ W.T at GPT-2's B=1, T=128
     assert not swap(b"N", b"T", 128, 3072, 1)  # one thread: oneDNN's own orientation is as fast
     assert not swap(b"N", b"T", blas.SWAP_MAX_ROWS + 1, 64, 2)  # many rows: both threads are busy already
+    assert not swap(b"N", b"T", blas.SWAP_MIN_ROWS - 1, 3072, 2)  # a handful of rows: the usual orientation is faster
+    assert swap(b"N", b"T", blas.SWAP_MIN_ROWS, 3072, 2)
     assert not swap(b"N", b"T", 128, 50257, 2)  # an LM head's output: the copy would cost more than it saves
     assert not any(swap(ta, tb, 128, 768, 2) for ta, tb in [(b"N", b"N"), (b"T", b"T"), (b"T", b"N")])
 
@@ -287,3 +289,20 @@ def test_a_forked_child_computes_after_the_parent_used_onednns_threads():
         child.kill()
     assert not hung and child.exitcode == 0
     assert queue.get(timeout=5) == pytest.approx(want, rel=1e-4)
+
+
+@needs_onednn
+def test_a_few_rows_give_the_same_bits_on_one_thread_and_on_two():
+    """Below SWAP_MIN_ROWS nothing is swapped: ``--threads`` leaves such a product's bits alone."""
+    from gradgen.executor.threads import available_cores, cpu_threads
+
+    if available_cores() < 2:
+        pytest.skip("needs two cores")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((blas.SWAP_MIN_ROWS - 1, 768), dtype=np.float32)
+    w = rng.standard_normal((3072, 768), dtype=np.float32)
+    with cpu_threads(1):
+        one = blas.matmul(x, w.T)
+    with cpu_threads(2):
+        two = blas.matmul(x, w.T)
+    np.testing.assert_array_equal(one, two)

@@ -22,8 +22,8 @@ Orientation: with a transposed right operand (``x @ W.T``, a Linear's forward) a
 oneDNN's sgemm hardly uses a second thread: 128 x 768 x 3072 took 6.2 ms at two threads against
 6.9 ms at one. The same product computed as its transpose, ``(W @ x.T).T`` (many rows), then copied
 into place took 4.1 ms. ``_swap_pays`` says where that is done (several threads, few rows, an
-output small enough that the copy stays cheap); a process's results for one shape and thread count
-do not depend on timings.
+output small enough that the copy stays cheap; from 16 rows, below which the usual orientation is
+faster); a process's results for one shape and thread count do not depend on timings.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (one thread: as fast as numpy at 2^21)
-SWAP_MAX_ROWS = 256  # a product A @ W.T with at most this many rows runs as (W @ A.T).T on several threads
+SWAP_MIN_ROWS, SWAP_MAX_ROWS = 16, 256  # a product A @ W.T with this many rows runs as (W @ A.T).T on several threads
 SWAP_MAX_OUTPUT = 1 << 20  # ... where the output (the copy the swap costs) has at most this many elements
 DISABLE_VARIABLE = "GRADGEN_CPU_GEMM"  # "numpy": every product through numpy's matmul
 LIBRARY_VARIABLE = "GRADGEN_ONEDNN_LIBRARY"  # a libdnnl.so to load instead of the installed wheel's
@@ -225,8 +225,11 @@ def _product(sgemm, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
 
 def _swap_pays(trans_a: bytes, trans_b: bytes, m: int, n: int, threads: int) -> bool:
     """Whether ``A @ W.T`` (A in rows, the right operand a transposed view) runs faster as its own
-    transpose ``W @ A.T`` and a copy: on several threads, with few rows and a small output."""
-    return trans_a == b"N" and trans_b == b"T" and threads > 1 and m <= SWAP_MAX_ROWS and m * n <= SWAP_MAX_OUTPUT
+    transpose ``W @ A.T`` and a copy: on several threads, with few rows and a small output. Below
+    16 rows oneDNN's own orientation is the faster (87 against 559 us at 2 x 768 @ 768 x 3072) and
+    gives the same bits at one thread and at two."""
+    rows = SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS
+    return trans_a == b"N" and trans_b == b"T" and threads > 1 and rows and m * n <= SWAP_MAX_OUTPUT
 
 
 def _swapped_product(sgemm, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, out: np.ndarray) -> bool:
