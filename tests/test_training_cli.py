@@ -461,3 +461,29 @@ def test_added_loss_frozen_scalars_and_export(tmp_path, capsys, monkeypatch):
     assert code == 2 and "--loss-output" in err
     code, _, err = run_cli(capsys, monkeypatch, *short, "--loss-output", "pred", "--loss", "pred")
     assert code == 2 and "use one of them" in err
+
+
+def test_fp16_loss_scale_and_skipped_steps(tmp_path, cnn_data, capsys, monkeypatch):
+    """--precision fp16 --loss-scale: a scale that overflows float16 skips every step, and the run
+    says so (summary, log); the state keeps the halved scale. --loss-scale is refused outside fp16
+    and for scales that are not positive and finite, as one line."""
+    base = ["train", CNN, "--data", cnn_data, "--lr", "0.01", "--batch-size", "3"]
+    ckpt = tmp_path / "fp16"
+    code, out, err = run_cli(
+        capsys, monkeypatch, *base, "--steps", "3", "--precision", "fp16", "--loss-scale", "1e38", "--checkpoint-dir", ckpt
+    )
+    assert code == 0, err
+    assert "3 of them skipped by loss scaling" in out
+    assert "3 skipped (overflow)" in err and "invalid value" not in err  # expected overflows raise no numpy notes
+    assert [row["skipped"] for row in log_rows(ckpt / "log.csv")] == ["1", "1", "1"]
+    arrays, _ = checkpoint_arrays(ckpt / "checkpoint.npz")
+    scales = [value for name, value in arrays.items() if "scale" in name and value.size == 1 and value.dtype.kind == "f"]
+    assert scales and np.float32(1e38) * np.float32(0.125) in [np.float32(v) for v in scales]
+    for extra, words in [
+        (["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale applies to --precision fp16"),
+        (["--precision", "fp16", "--loss-scale", "-4"], "--loss-scale -4.0: expected a positive, finite number"),
+        (["--precision", "fp16", "--loss-scale", "inf"], "expected a positive, finite number"),
+    ]:
+        code, out, err = run_cli(capsys, monkeypatch, *base, "--steps", "1", *extra, "--checkpoint-dir", tmp_path / "bad")
+        assert code == 2 and words in err, (extra, err)
+        assert err.strip().splitlines()[-1].startswith("error: ") and not (tmp_path / "bad" / "checkpoint.npz").exists()

@@ -102,8 +102,16 @@ def train(
         "--precision; parameters and optimizer states stay float32); fp16 uses dynamic "
         "loss scaling.",
     ),
+    loss_scale: Optional[float] = typer.Option(
+        None,
+        "--loss-scale",
+        help="--precision fp16: the initial loss scale (default 65536, as torch.amp.GradScaler); "
+        "an Inf / NaN gradient skips the step and halves it, 2000 good steps double it.",
+    ),
     log: Optional[Path] = typer.Option(
-        None, "--log", help="CSV log (step, loss, lr, grad_norm, eval_loss). Default: log.csv in --checkpoint-dir."
+        None,
+        "--log",
+        help="CSV log (step, loss, lr, grad_norm, eval_loss, skipped). Default: log.csv in --checkpoint-dir.",
     ),
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Loss-curve PNG (needs matplotlib: the plot extra). Default: loss.png in --checkpoint-dir."
@@ -155,6 +163,7 @@ def train(
         log=log,
         plot=plot,
         precision=precision,
+        loss_scale=loss_scale,
     )
     with _warnings_as_notes(), cpu_threads(threads):
         summary = command.run_training(options, say=lambda m: typer.echo(m, err=True))

@@ -8,6 +8,7 @@ data against the model's inputs, a checkpoint to resume) runs before the first s
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,6 +25,7 @@ from gradgen.training.data import (
     open_data,
     sequential_batches,
 )
+from gradgen.training.loss_scaling import LossScaling
 from gradgen.training.losses import LossSpec
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.program import TrainingProgram, build_training
@@ -69,6 +71,18 @@ class TrainOptions:
     log: Optional[Path] = None
     plot: Optional[Path] = None
     precision: str = "fp32"
+    loss_scale: Optional[float] = None  # fp16: the initial loss scale (None: LossScaling's default)
+
+
+def _loss_scaling(o: TrainOptions) -> LossScaling | None:
+    """``--loss-scale``: fp16's initial scale (GradScaler's 65536 when not given)."""
+    if o.loss_scale is None:
+        return None
+    if o.precision != "fp16":
+        raise UsageError(f"--loss-scale applies to --precision fp16 (this run is {o.precision}, which has no loss scaling)")
+    if not (math.isfinite(o.loss_scale) and o.loss_scale > 0):
+        raise UsageError(f"--loss-scale {o.loss_scale}: expected a positive, finite number (such as 65536)")
+    return LossScaling(init_scale=o.loss_scale)
 
 
 def make_optimizer(o: TrainOptions) -> SGD | AdamW:
@@ -169,6 +183,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         clip_norm=o.clip_norm,
         accumulation=o.accumulate,
         precision=o.precision,
+        loss_scaling=_loss_scaling(o),
     )
     scalars = [name for name in program.params if program.initial_params[name].size == 1]
     if scalars:

@@ -315,7 +315,11 @@ class Trainer:
         batches = [self._checked(b) for b in micro_batches]
         started = time.perf_counter()
         lr = self.schedule(self.step + 1)
-        loss, grad_norm, *skipped = self.runner.step(batches, lr)
+        # with loss scaling an Inf / NaN gradient is expected now and then, and handled (the step is
+        # skipped and reported): numpy's floating-point warnings about it would only alarm
+        quiet = np.errstate(all="ignore") if self.program.loss_scaling is not None else contextlib.nullcontext()
+        with quiet:
+            loss, grad_norm, *skipped = self.runner.step(batches, lr)
         return StepResult(self.step, loss, lr, grad_norm, time.perf_counter() - started, bool(skipped and skipped[0]))
 
     def fit(
