@@ -233,6 +233,11 @@ def scaled_steps(initial: float, final: float, growth_interval: int, steps: int)
     """The loss scale at the end and, where no growth could have happened (fewer steps than the
     growth interval), the number of skipped steps it implies: each halved the scale once."""
     skipped = round(math.log2(initial / final)) if steps < growth_interval and 0 < final <= initial else None
+    return scaling_figures(initial, final, skipped)
+
+
+def scaling_figures(initial: float, final: float, skipped: int | None) -> dict:
+    """A train result's ``loss_scaling``: both scales and the skipped steps (None: not known)."""
     return {"initial_scale": float(initial), "final_scale": float(final), "skipped_steps": skipped}
 
 
@@ -395,8 +400,7 @@ def job_gradgen_train(task: dict) -> dict:
         from gradgen.training.loss_scaling import LOSS_SCALING
 
         final = float(runner.snapshot().states[(LOSS_SCALING, "scale")])
-        initial = program.loss_scaling.init_scale
-        result["loss_scaling"] = {"initial_scale": initial, "final_scale": final, "skipped_steps": sum(skipped)}
+        result["loss_scaling"] = scaling_figures(program.loss_scaling.init_scale, final, sum(skipped))
     return result
 
 
