@@ -278,7 +278,6 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
     (768 x 2304) bf16 product to bf16 before adding C (its default algorithm at that size; the smaller
     products in the tests added it in float32): the graph's two roundings again."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.elementwise import cast_to
 
     (a_shape, a_strides), (b_shape, b_strides) = a_view, b_view
     final = tuple(matmul_output_dims(a_shape, b_shape))
@@ -301,11 +300,8 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
         b, b2_shape, b2_strides = _materialised(b, b2_shape, b2_strides, batch)
         planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
     calls, c_shape = planned
-    float32_sum = bias is not None and np.dtype(a.dtype).itemsize == 2
-    if bias is None:
-        out = rt.empty(c_shape, a.dtype)
-    else:
-        out = broadcast_to(cast_to(bias, np.float32) if float32_sum else bias, final).reshape(c_shape)
+    out = rt.empty(c_shape, a.dtype) if bias is None else _accumulator_from(bias, final, a.dtype).reshape(c_shape)
+    float32_sum = out.dtype != a.dtype
     size, c_size = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
     a_ptr, b_ptr, c_ptr = int(a.gpudata), int(b.gpudata), int(out.gpudata)
     for c in calls:
@@ -329,9 +325,25 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
             dtype=a.dtype,
             c_float32=float32_sum,
         )
-    if float32_sum:
-        out = cast_to(out, a.dtype)
-    return out.reshape(final)
+    return _rounded_once(out, a.dtype).reshape(final)
+
+
+def _accumulator_from(c, shape, operand_dtype):
+    """The GEMM's output buffer, starting as ``c`` broadcast to ``shape``: float32 for 16-bit
+    operands, so that cuBLAS adds C to its float32 accumulator and the sum is rounded once (a
+    16-bit C is rounded before the add at real sizes: see ``matmul_views``); ``c``'s type otherwise."""
+    from gradgen.kernels.cuda.elementwise import cast_to
+
+    if np.dtype(operand_dtype).itemsize == 2:
+        c = cast_to(c, np.float32)
+    return broadcast_to(c, shape)
+
+
+def _rounded_once(out, operand_dtype):
+    """A GEMM's output in the operands' type: a float32 accumulator (``_accumulator_from``) cast once."""
+    from gradgen.kernels.cuda.elementwise import cast_to
+
+    return out if out.dtype == operand_dtype else cast_to(out, operand_dtype)
 
 
 def _view(x, perm=None):
@@ -423,7 +435,6 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     """alpha * op(A) @ op(B) + beta * C; 16-bit operands with a C sum it in float32 and round once,
     as the CPU and ``torch.addmm`` do (see ``matmul_views``)."""
     from gradgen.cuda import runtime as rt
-    from gradgen.kernels.cuda.elementwise import cast_to
 
     if a.ndim != 2 or b.ndim != 2:
         raise KernelError(f"Gemm needs 2-D A and B, got shapes {list(a.shape)} and {list(b.shape)}")
@@ -442,11 +453,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if a.dtype != b.dtype or not is_float(a.dtype) or (use_c and c.dtype != a.dtype):
         return cpu_fallback("Gemm", a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
     a, b = contiguous(a), contiguous(b)
-    float32_sum = use_c and np.dtype(a.dtype).itemsize == 2  # C added to the float32 accumulator (matmul_views)
-    if use_c:
-        out = broadcast_to(cast_to(c, np.float32) if float32_sum else c, (m, n))
-    else:
-        out = rt.empty((m, n), a.dtype)
+    out = _accumulator_from(c, (m, n), a.dtype) if use_c else rt.empty((m, n), a.dtype)
+    float32_sum = out.dtype != a.dtype
     if out.size == 0:
         return rt.empty((m, n), a.dtype)
     if k == 0 and not use_c:
@@ -468,7 +476,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
         dtype=a.dtype,
         c_float32=float32_sum,
     )
-    return cast_to(out, a.dtype) if float32_sum else out
+    return _rounded_once(out, a.dtype)
 
 
 # ---------------------------------------------------------------- Einsum
