@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import gradgen
-from gradgen.errors import KernelError
-from gradgen.executor import Session
+from gradgen.errors import GradgenError, KernelError
+from gradgen.executor import Session, cpu_program
 
 SAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("samples").glob("*/model.onnx"))
 
@@ -51,3 +51,69 @@ def test_a_failing_step_names_its_node_in_both_runs():
     session.step_observer = lambda *_: None
     with pytest.raises(KernelError, match="lookup"):
         session.run(feeds)
+
+
+def _one_op_model(nodes, inputs, outputs):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.parent.name)
+def test_the_straight_line_program_and_the_runners_give_the_same_bits(path, monkeypatch):
+    model = gradgen.build_backward(str(path), portable=True).model
+    straight = Session(model)
+    assert straight._program._straight is not None  # small programs run as one generated function
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_MAX_STEPS", 0)
+    runners = Session(model)
+    assert runners._program._straight is None
+    feeds = {k: v for k, v in np.load(path.parent / "inputs.npz").items() if k in straight.input_names}
+    for _ in range(2):  # the second run reuses what the first prepared
+        a, b = straight.run(feeds), runners.run(feeds)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+
+
+def test_the_straight_line_program_fills_several_outputs_and_drops_unread_ones():
+    nodes = [
+        helper.make_node("TopK", ["x", "k"], ["top", ""], axis=-1),  # indices not asked for
+        helper.make_node("Split", ["x"], ["left", "right"], axis=1, num_outputs=2),
+        helper.make_node("Add", ["top", "left"], ["y"]),
+        helper.make_node("Identity", ["right"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z")],
+        initializer=[helper.make_tensor("k", TensorProto.INT64, [1], [2])],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert session._program._straight is not None
+    x = np.array([[4, 1, 3, 2], [0, 7, 5, 6]], np.float32)
+    out = session.run({"x": x})
+    np.testing.assert_array_equal(out["y"], np.sort(x, axis=1)[:, ::-1][:, :2] + x[:, :2])
+    np.testing.assert_array_equal(out["z"], x[:, 2:])
+
+
+def test_the_straight_line_program_reports_a_failure_with_the_node_and_its_inputs():
+    nodes = [helper.make_node("Relu", ["a"], ["r"]), helper.make_node("MatMul", ["r", "b"], ["y"], name="product")]
+    session = Session(_one_op_model(nodes, [("a", None), ("b", None)], ["y"]))
+    assert session._program._straight is not None
+    with pytest.raises(GradgenError, match=r"node 'product' \(MatMul\): inner dimensions differ"):
+        session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((4, 5), np.float32)})
+    out = session.run({"a": -np.ones((2, 3), np.float32), "b": np.ones((3, 5), np.float32)})  # and runs on after
+    np.testing.assert_array_equal(out["y"], np.zeros((2, 5), np.float32))
+
+    def broken(*args):
+        raise ValueError("a kernel's own bug")
+
+    session.steps[1].call = broken  # an unexpected exception: the message lists the inputs alive at the step
+    session._program = session._cpu_program()
+    with pytest.raises(GradgenError, match=r"node 'product' \(MatMul\) failed on inputs \(float32\[2, 3\], float32\[3, 5\]\)"):
+        session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((3, 5), np.float32)})
