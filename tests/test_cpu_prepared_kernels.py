@@ -65,6 +65,8 @@ CASES = [
     ("ReduceSum", {"axes": np.array([0, -1], I64)}, {"keepdims": 0}),
     ("ReduceSum", {"axes": np.array([], I64)}, {"keepdims": 1}),
     ("ReduceMean", {"axes": np.array([2], I64)}, {"keepdims": 1}),
+    ("ReduceMean", {"axes": None}, {"keepdims": 0}),  # a loss's mean: a 0-d result
+    ("ReduceMean", {"axes": np.array([-1, 0], I64)}, {"keepdims": 0}),
     ("ReduceMax", {"axes": np.array([1], I64)}, {"keepdims": 0}),
     ("ReduceL2", {"axes": None}, {"keepdims": 0}),
 ]
@@ -132,6 +134,30 @@ def test_a_run_time_input_leaves_the_kernel_in_place():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     for shape in ([3, 2], [6, 1]):
         _same(session.run({"x": x, "shape": np.array(shape, I64)})["y"], x.reshape(shape))
+
+
+def test_an_expand_to_a_run_time_shape_gives_the_kernels_bits_and_layout_for_every_target():
+    """A backward graph's Shape -> Expand: the target arrives at run time and joins the kept key."""
+    graph = helper.make_graph(
+        [helper.make_node("Expand", ["x", "shape"], ["y"], name="node")],
+        "runtime",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [None]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    kernel = registry.lookup("", "Expand").cpu
+    column = np.arange(3, dtype=np.float32).reshape(3, 1)
+    cases = [(column, [3, 4]), (column, [2, 3, 5]), (column, [3, 4]), (column.T, [3, 3]), (np.asfortranarray(np.ones((2, 3), np.float32)), [2, 2, 3])]
+    for _ in range(2):  # the second round reuses the layouts the first kept
+        for x, shape in cases:
+            _same(session.run({"x": x, "shape": np.array(shape, I64)})["y"], kernel(x, np.array(shape, I64)))
+    with pytest.raises(RunError, match="not broadcastable"):
+        session.run({"x": column, "shape": np.array([2, 4], I64)})
+    with pytest.raises(RunError, match="not broadcastable"):  # a target once refused is judged again, not kept
+        session.run({"x": column, "shape": np.array([2, 4], I64)})
 
 
 CONV_CASES = [

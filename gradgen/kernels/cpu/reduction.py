@@ -146,7 +146,38 @@ def _reduction(op_type: str, name: str, fn, pre=None, post=None):
 
 
 reduce_sum = _reduction("ReduceSum", "reduce_sum", _sum)
-reduce_mean = _reduction("ReduceMean", "reduce_mean", mean_over)
+reduce_mean = cpu_kernel("ReduceMean")(_reducer("reduce_mean", mean_over))
+
+
+@cpu_prepare("ReduceMean")
+def prepare_reduce_mean(constants: tuple, attrs: dict):
+    """``mean_over``'s float arithmetic (a sum in the input's type, then a division by the count
+    as an intp, in float64, rounded once) with the axes, the count and the output shape kept per
+    input shape, and the sum kept as an array (the scalar of a full reduction costs a microsecond
+    of numpy scalar arithmetic). Integer, empty and 0-d inputs run ``mean_over``."""
+    given = constant_inputs(constants, 1)
+    if given is None:
+        return None
+    axes = given[0] if given[0] is not None else attrs.get("axes")
+    keepdims, noop = bool(attrs.get("keepdims", 1)), attrs.get("noop_with_empty_axes", 0)
+
+    def geometry(shape: tuple) -> tuple:
+        over = reduce_axes(np.empty((0,) * len(shape)), axes, noop)
+        kept_shape = tuple(1 if a in over else d for a, d in enumerate(shape))
+        out_shape = kept_shape if keepdims else tuple(d for a, d in enumerate(shape) if a not in over)
+        return over, np.intp(math.prod(shape[a] for a in over)), out_shape
+
+    plan = per_shape(geometry)
+
+    def run(data, axes=None):
+        over, count, out_shape = plan(data.shape)
+        if data.dtype.kind != "f" or not count or not data.ndim:
+            return np.asarray(mean_over(data, over, keepdims)).astype(data.dtype, copy=False)
+        total = np.add.reduce(data, axis=over, dtype=data.dtype, keepdims=True)
+        np.true_divide(total, count, out=total, casting="unsafe")
+        return total.reshape(out_shape)
+
+    return run
 reduce_max = _reduction("ReduceMax", "reduce_max", _max)
 reduce_min = _reduction("ReduceMin", "reduce_min", _min)
 reduce_prod = _reduction("ReduceProd", "reduce_prod", _prod)

@@ -290,14 +290,18 @@ def expand(x, shape):
 
 @cpu_prepare("Expand")
 def prepare_expand(constants: tuple, attrs: dict):
+    """A fresh array of the broadcast shape, filled by one copy: the output layout (``_layout_of``)
+    is worked out on the first call per input layout and target shape. A target computed at run time
+    (a backward graph's Shape -> Expand) joins the key as a tuple."""
     shape = constant_inputs(constants, 1)
-    if shape is None or shape[0] is None:
-        return None
-    dims = tuple(int_list(shape[0], "shape"))
-    layouts: dict = {}  # (input shape, input strides, dtype) -> (shape in memory order, transpose back) or None
+    fixed = None if shape is None or shape[0] is None else tuple(int_list(shape[0], "shape"))
+    layouts: dict = {}  # (input shape, input strides, dtype, target) -> (shape in memory order, transpose back) or None
 
     def run(x, shape=None):
-        key = (x.shape, x.strides, x.dtype)
+        dims = fixed if fixed is not None else _dims_key(shape)
+        if dims is None:
+            return expand(x, shape)
+        key = (x.shape, x.strides, x.dtype, dims)
         layout = layouts.get(key, False)
         if layout is False:
             if len(layouts) >= 64:
@@ -312,6 +316,14 @@ def prepare_expand(constants: tuple, attrs: dict):
         return out
 
     return run
+
+
+def _dims_key(shape) -> tuple | None:
+    """A run-time Expand target as a hashable tuple of ints, or None for one the kernel must judge
+    (not a 1-D integer array: its error message is the kernel's)."""
+    if type(shape) is not np.ndarray or shape.ndim != 1 or shape.dtype.kind not in "iu":
+        return None
+    return tuple(shape.tolist())
 
 
 def _layout_of(array: np.ndarray) -> tuple | None:
