@@ -1,4 +1,5 @@
-"""The CPU backend's run as a prepared program: one closure per step over a list of value slots.
+"""The CPU backend's run as a prepared program: one generated straight-line function (or, for very
+large programs and observed runs, one closure per step over a list of value slots).
 
 A Session's generic run loop (``Session._execute``, which the CUDA backend uses) looks every
 argument up by name in a dict, asks the backend to run the step and stores each result by name:
@@ -9,6 +10,9 @@ what it needs. A plain step (no 16-bit float can reach it, no input it may write
 is just ``v[out] = call(v[a], v[b])`` and the frees; the others go through the backend's
 ``run_step`` (float32 for 16-bit floats, results written over dying inputs) with the same
 arguments the generic loop passes it, so both loops compute the same bits.
+
+The straight-line function (``_StraightLineWriter``) makes the same calls in the same order with
+local variables instead of list slots and closures: ``v7 = k12(v3, v5)`` then ``del v3``.
 """
 
 from __future__ import annotations
