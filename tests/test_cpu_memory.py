@@ -243,10 +243,14 @@ def test_an_embedding_gradient_scatters_into_its_zeros_in_place(in_place_at_any_
         assert reused == ["ScatterND"]
 
 
-def test_the_unobserved_program_writes_large_two_input_results_over_dying_inputs(monkeypatch):
-    """The prepared program's two-input in-place runner (no step observer): a chain of binary
-    steps on 1 MiB arrays holds one intermediate at a time, not two, and computes the same bits."""
+@pytest.mark.parametrize("straight_after_runs", [0, 1000], ids=["straight-line", "closures"])
+def test_the_unobserved_program_writes_large_two_input_results_over_dying_inputs(monkeypatch, straight_after_runs):
+    """The prepared program's two-input in-place runner (no step observer), in both its forms: a
+    chain of binary steps on 1 MiB arrays holds one intermediate at a time, not two, and computes
+    the same bits."""
     import tracemalloc
+
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_AFTER_RUNS", straight_after_runs)
 
     nodes = [
         helper.make_node("Mul", ["x", "x"], ["t"]),
@@ -268,6 +272,7 @@ def test_the_unobserved_program_writes_large_two_input_results_over_dying_inputs
         peak_bytes = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert out.tobytes() == want.tobytes()
+        assert (sess._program._straight is not None) == (straight_after_runs == 0)
         return peak_bytes
 
     assert peak(64 * 1024) < peak(1 << 40) - x.nbytes // 2

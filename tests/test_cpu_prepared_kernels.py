@@ -150,7 +150,8 @@ def test_an_expand_to_a_run_time_shape_gives_the_kernels_bits_and_layout_for_eve
     session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     kernel = registry.lookup("", "Expand").cpu
     column = np.arange(3, dtype=np.float32).reshape(3, 1)
-    cases = [(column, [3, 4]), (column, [2, 3, 5]), (column, [3, 4]), (column.T, [3, 3]), (np.asfortranarray(np.ones((2, 3), np.float32)), [2, 2, 3])]
+    fortran = np.asfortranarray(np.ones((2, 3), np.float32))
+    cases = [(column, [3, 4]), (column, [2, 3, 5]), (column, [3, 4]), (column.T, [3, 3]), (fortran, [2, 2, 3])]
     for _ in range(2):  # the second round reuses the layouts the first kept
         for x, shape in cases:
             _same(session.run({"x": x, "shape": np.array(shape, I64)})["y"], kernel(x, np.array(shape, I64)))

@@ -63,23 +63,42 @@ def _one_op_model(nodes, inputs, outputs):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+@pytest.fixture
+def straight_at_once(monkeypatch):
+    """Programs compiled into their straight-line function at their first run."""
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_AFTER_RUNS", 0)
+
+
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.parent.name)
-def test_the_straight_line_program_and_the_runners_give_the_same_bits(path, monkeypatch):
+def test_the_straight_line_program_and_the_runners_give_the_same_bits(path, monkeypatch, straight_at_once):
     model = gradgen.build_backward(str(path), portable=True).model
     straight = Session(model)
-    assert straight._program._straight is not None  # small programs run as one generated function
     monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_MAX_STEPS", 0)
     runners = Session(model)
-    assert runners._program._straight is None
     feeds = {k: v for k, v in np.load(path.parent / "inputs.npz").items() if k in straight.input_names}
     for _ in range(2):  # the second run reuses what the first prepared
         a, b = straight.run(feeds), runners.run(feeds)
         assert a.keys() == b.keys()
         for name in a:
             assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+    assert straight._program._straight is not None  # small programs run as one generated function
+    assert runners._program._straight is None
 
 
-def test_the_straight_line_program_fills_several_outputs_and_drops_unread_ones():
+def test_a_program_runs_as_closures_until_its_straight_line_run(monkeypatch):
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_AFTER_RUNS", 2)
+    path = SAMPLES[0]
+    session = Session(gradgen.build_backward(str(path), portable=True).model)
+    feeds = {k: v for k, v in np.load(path.parent / "inputs.npz").items() if k in session.input_names}
+    results = []
+    for run in range(4):
+        results.append(session.run(feeds))
+        assert (session._program._straight is not None) == (run >= 2), run  # compiled at the third run
+    for later in results[1:]:
+        assert all(later[name].tobytes() == results[0][name].tobytes() for name in results[0])
+
+
+def test_the_straight_line_program_fills_several_outputs_and_drops_unread_ones(straight_at_once):
     nodes = [
         helper.make_node("TopK", ["x", "k"], ["top", ""], axis=-1),  # indices not asked for
         helper.make_node("Split", ["x"], ["left", "right"], axis=1, num_outputs=2),
@@ -94,19 +113,19 @@ def test_the_straight_line_program_fills_several_outputs_and_drops_unread_ones()
         initializer=[helper.make_tensor("k", TensorProto.INT64, [1], [2])],
     )
     session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    assert session._program._straight is not None
     x = np.array([[4, 1, 3, 2], [0, 7, 5, 6]], np.float32)
     out = session.run({"x": x})
+    assert session._program._straight is not None
     np.testing.assert_array_equal(out["y"], np.sort(x, axis=1)[:, ::-1][:, :2] + x[:, :2])
     np.testing.assert_array_equal(out["z"], x[:, 2:])
 
 
-def test_the_straight_line_program_reports_a_failure_with_the_node_and_its_inputs():
+def test_the_straight_line_program_reports_a_failure_with_the_node_and_its_inputs(straight_at_once):
     nodes = [helper.make_node("Relu", ["a"], ["r"]), helper.make_node("MatMul", ["r", "b"], ["y"], name="product")]
     session = Session(_one_op_model(nodes, [("a", None), ("b", None)], ["y"]))
-    assert session._program._straight is not None
     with pytest.raises(GradgenError, match=r"node 'product' \(MatMul\): inner dimensions differ"):
         session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((4, 5), np.float32)})
+    assert session._program._straight is not None
     out = session.run({"a": -np.ones((2, 3), np.float32), "b": np.ones((3, 5), np.float32)})  # and runs on after
     np.testing.assert_array_equal(out["y"], np.zeros((2, 5), np.float32))
 

@@ -29,9 +29,13 @@ from gradgen.kernels.cpu.blas import numpy_blas_single_threaded
 # small blocks for reuse itself); in place pays on large arrays, whose memory is reused while hot
 IN_PLACE_MIN_BYTES = 64 * 1024
 
-# a larger program stays a list of runners: compiling a straight-line function of tens of thousands
-# of lines takes longer than the per-step time it saves on models where the kernels dominate anyway
-STRAIGHT_LINE_MAX_STEPS = 20_000
+# The straight-line function costs CPython's compiler about 50 us a step, once; it saves about 0.1-0.3
+# us a step on every run. So a program runs as closures first and is compiled at its
+# STRAIGHT_LINE_AFTER_RUNS-th run (a one-off `gradgen run` never pays for it; a training loop gets
+# it early), and only up to STRAIGHT_LINE_MAX_STEPS steps (beyond that the kernels dominate a run
+# and the compile would be a pause of a quarter of a second or more).
+STRAIGHT_LINE_AFTER_RUNS = 256
+STRAIGHT_LINE_MAX_STEPS = 5_000
 
 _ABSENT = 0  # the slot of an omitted optional input: always None
 _DISCARDED = 1  # where the outputs nobody names go
@@ -71,7 +75,9 @@ class CpuProgram:
         self._fail = fail
         self._observer = observer
         self._runners = [self._runner(step) for step in steps]
-        self._straight = None if observer is not None or len(steps) > STRAIGHT_LINE_MAX_STEPS else self._straight_line()
+        self._straight: Callable[[dict], tuple] | None = None
+        eligible = observer is None and len(steps) <= STRAIGHT_LINE_MAX_STEPS
+        self._runs_before_straight: int | None = STRAIGHT_LINE_AFTER_RUNS if eligible else None
 
     def _slot(self, name: str) -> int:
         index = self._slots.get(name)
@@ -81,6 +87,8 @@ class CpuProgram:
         return index
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._runs_before_straight is not None:
+            self._count_run()
         if self._straight is not None:
             with numpy_blas_single_threaded():
                 produced = self._straight(feeds)
@@ -144,9 +152,17 @@ class CpuProgram:
         self._straight_outputs = [name for name, _ in self._outputs]
         return writer.compile(self._fail_at)
 
-    def _fail_at(self, position: int, exc: Exception, local_values: dict, names: dict) -> None:
+    def _count_run(self) -> None:
+        """Compile the straight-line function when this run is the STRAIGHT_LINE_AFTER_RUNS-th."""
+        if self._runs_before_straight:
+            self._runs_before_straight -= 1
+            return
+        self._runs_before_straight = None
+        self._straight = self._straight_line()
+
+    def _fail_at(self, position: int | None, exc: Exception, local_values: dict, names: dict) -> None:
         """Report the failure of the generated program's step at ``position`` as the runners do."""
-        if position < 0:
+        if position is None:
             return
         step = self._steps[position]
         args = tuple(local_values.get(names[n]) if n else None for n in step.inputs)
@@ -323,6 +339,7 @@ class _StraightLineWriter:
         self.names: dict[str, str] = {}  # value name -> its local variable
         self.head: list[str] = []  # reads of the constants and feeds
         self.body: list[str] = []
+        self.body_steps: list[int] = []  # the step each body line belongs to
         self.constants = constants
 
     def _local(self, name: str | None) -> str:
@@ -355,7 +372,7 @@ class _StraightLineWriter:
         kernel, outputs = f"k{position}", list(step.outputs)
         single = len(outputs) == 1
         targets = [self._target(name) for name in outputs]
-        lines = [f"at = {position}"]
+        lines: list[str] = []
         if step.low_precision or step.may_read_low_precision:
             lines += self._general(position, run_step, args, targets)
         elif step.reuse:
@@ -381,6 +398,7 @@ class _StraightLineWriter:
         if freed:
             lines.append(f"del {', '.join(dict.fromkeys(freed))}")
         self.body += lines
+        self.body_steps += [position] * len(lines)
 
     @staticmethod
     def _first_output(target: str) -> list[str]:
@@ -397,23 +415,28 @@ class _StraightLineWriter:
         self.returned = ", ".join(self._local(name) for name in outputs)
 
     def compile(self, fail_at: Callable) -> Callable[[dict], tuple]:
-        self.namespace["fail_at"] = fail_at
-        self.namespace["value_names"] = dict(self.names)
+        """The function, whose failures are reported for the step of the line that raised (the
+        first traceback entry is the generated function's own frame)."""
         indent = "        "
-        source = "\n".join(
-            [
-                "def straight_line_program(feeds):",
-                "    at = -1",
-                "    try:",
-                *(indent + line for line in self.head),
-                *(indent + line for line in self.body),
-                "    except Exception as exc:",
-                "        fail_at(at, exc, locals(), value_names)",
-                "        raise",
-                f"    return ({self.returned}{',' if self.returned and ',' not in self.returned else ''})",
-            ]
-        )
-        exec(compile(source, "<gradgen CPU program>", "exec"), self.namespace)  # noqa: S102 -- our own generated source
+        lines = [
+            "def straight_line_program(feeds):",
+            "    try:",
+            *(indent + line for line in self.head),
+            *(indent + line for line in self.body),
+            "    except Exception as exc:",
+            "        fail_at(step_of_line(exc.__traceback__.tb_lineno), exc, locals(), value_names)",
+            "        raise",
+            f"    return ({self.returned}{',' if self.returned and ',' not in self.returned else ''})",
+        ]
+        first_body_line = 3 + len(self.head)  # 1-based: def, try, the head's lines
+        steps = self.body_steps
+
+        def step_of_line(line: int) -> int | None:
+            index = line - first_body_line
+            return steps[index] if 0 <= index < len(steps) else None
+
+        self.namespace.update(fail_at=fail_at, value_names=dict(self.names), step_of_line=step_of_line)
+        exec(compile("\n".join(lines), "<gradgen CPU program>", "exec"), self.namespace)  # noqa: S102 -- our own generated source
         return self.namespace["straight_line_program"]
 
 

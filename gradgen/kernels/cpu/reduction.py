@@ -24,7 +24,7 @@ from gradgen.ops.axes import normalize_axis
 from gradgen.ops.schemas import FLOATS, Attribute, Formal, Schema
 
 
-def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...] | None:
+def reduce_axes(data: np.ndarray, axes, noop_with_empty_axes: int) -> tuple[int, ...]:
     """The normalised axes to reduce; () reduces nothing (noop_with_empty_axes)."""
     axes = None if axes is None else np.asarray(axes)
     if axes is None or axes.size == 0:
@@ -178,6 +178,8 @@ def prepare_reduce_mean(constants: tuple, attrs: dict):
         return total.reshape(out_shape)
 
     return run
+
+
 reduce_max = _reduction("ReduceMax", "reduce_max", _max)
 reduce_min = _reduction("ReduceMin", "reduce_min", _min)
 reduce_prod = _reduction("ReduceProd", "reduce_prod", _prod)
