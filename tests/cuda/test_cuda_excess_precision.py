@@ -209,7 +209,7 @@ def test_a_linear_takes_cublaslt_bias_epilogue_and_the_float32_c_gives_the_same_
     feeds = {k: (rng.standard_normal(shapes[k]) * (0.2 if k == "b" else 1.0)).astype(dtype) for k in "abc"}
     with Session(model, device="cuda") as session:
         epilogue = session.run(feeds)["out"].astype(np.float64)
-    assert cuda_matmul._STATE.get("lt") is not None
+    assert cuda_matmul._STATE.get("lt") is not None, cuda_matmul._STATE.get("lt_error")
     assert any(isinstance(key, tuple) and key[:4] == ("lt", 2048, 2304, 768) for key in cuda_matmul._STATE)
     monkeypatch.setenv(cuda_matmul.LT_ENV, "0")
     monkeypatch.delitem(cuda_matmul._STATE, "lt")

@@ -400,13 +400,20 @@ def _bias_epilogue_product(a, b, bias, calls: list[GemmCall], c_shape, alpha: fl
     the bias to the float32 accumulator and rounds the sum once (what the float32 C computes,
     without the float32 buffer, the broadcast and the cast). None where it does not apply (a
     batched call, a bias that is not one row of the output) or cuBLASLt is not there."""
-    from gradgen.cuda import runtime as rt
-
     if len(calls) != 1 or calls[0].batch != 1 or calls[0].c_off or bias.ndim != 1 or bias.shape[0] != calls[0].n:
         return None
     if _lt() is None:
         return None
-    call = calls[0]
+    try:
+        return _lt_bias_gemm(a, b, bias, calls[0], c_shape, alpha)
+    except Exception as exc:  # noqa: BLE001 -- a cuBLASLt that refuses: the float32 C path for the rest of the process
+        _STATE["lt"], _STATE["lt_error"] = None, f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _lt_bias_gemm(a, b, bias, call: GemmCall, c_shape, alpha: float):
+    from gradgen.cuda import runtime as rt
+
     plan = _lt_plan(call, a.dtype)
     if plan is None:
         return None
