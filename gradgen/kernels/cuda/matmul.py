@@ -339,6 +339,9 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
 # -- cuBLASLt's bias epilogue ---------------------------------------------------------------------
 
 LT_ENV = "GRADGEN_CUBLASLT_BIAS"  # "0": 16-bit products with a bias sum in a float32 C instead
+# cuBLASLt's heuristics assume operands aligned to 256 bytes unless told otherwise (an algorithm may
+# then read them with wide loads): an operand view at another offset takes the float32 C path
+LT_ALIGNMENT = 256
 
 
 def _lt():
@@ -402,10 +405,12 @@ def _bias_epilogue_product(a, b, bias, calls: list[GemmCall], c_shape, alpha: fl
     batched call, a bias that is not one row of the output) or cuBLASLt is not there."""
     if len(calls) != 1 or calls[0].batch != 1 or calls[0].c_off or bias.ndim != 1 or bias.shape[0] != calls[0].n:
         return None
-    if _lt() is None:
+    size, call, bias = np.dtype(a.dtype).itemsize, calls[0], contiguous(bias)
+    pointers = (int(a.gpudata) + call.a_off * size, int(b.gpudata) + call.b_off * size, int(bias.gpudata))
+    if any(pointer % LT_ALIGNMENT for pointer in pointers) or _lt() is None:
         return None
     try:
-        return _lt_bias_gemm(a, b, bias, calls[0], c_shape, alpha)
+        return _lt_bias_gemm(a, b, bias, call, c_shape, alpha)
     except Exception as exc:  # noqa: BLE001 -- a cuBLASLt that refuses: the float32 C path for the rest of the process
         _STATE["lt"], _STATE["lt_error"] = None, f"{type(exc).__name__}: {exc}"
         return None
@@ -419,7 +424,6 @@ def _lt_bias_gemm(a, b, bias, call: GemmCall, c_shape, alpha: float):
         return None
     lt, handle = _lt()
     desc, layouts, results = plan
-    bias = contiguous(bias)
     _lt_attribute(lt, desc, lt.MatmulDescAttribute.BIAS_POINTER, int(bias.gpudata))
     out = rt.empty(c_shape, a.dtype)
     size = np.dtype(a.dtype).itemsize
