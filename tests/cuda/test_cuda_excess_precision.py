@@ -217,3 +217,24 @@ def test_a_linear_takes_cublaslt_bias_epilogue_and_the_float32_c_gives_the_same_
         float32_c = session.run(feeds)["out"].astype(np.float64)
     assert cuda_matmul._STATE.get("lt") is None
     assert np.mean(epilogue == float32_c) > 0.99
+
+
+def test_an_operand_off_cublaslt_alignment_takes_the_float32_c_path_with_the_same_values():
+    """cuBLASLt's algorithms assume 256-byte aligned operands: a view two bytes into its buffer
+    must not reach them, and its sums are the once-rounded ones all the same."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda import matmul as cuda_matmul
+
+    m, k, n = 64, 96, 80
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal((m, k)).astype(BF16)
+    b = (rng.standard_normal((k, n)) * 0.2).astype(BF16)
+    c = rng.standard_normal(n).astype(BF16)
+    shifted = rt.to_device(np.concatenate([np.zeros(1, BF16), a.reshape(-1)]))[1:].reshape(m, k)
+    assert int(shifted.gpudata) % cuda_matmul.LT_ALIGNMENT
+    aligned = rt.to_device(a)
+    b_d, c_d = rt.to_device(b), rt.to_device(c)
+    got = rt.to_host(cuda_matmul.matmul_bias(shifted, b_d, c_d)).astype(np.float64)
+    assert rt.to_host(cuda_matmul.matmul_bias(aligned, b_d, c_d)).tobytes() == got.astype(BF16).tobytes()
+    a64, b64, c64 = (x.astype(np.float64) for x in (a, b, c))
+    _assert_rounded_once(got, a64 @ b64 + c64, np.abs(a64) @ np.abs(b64) + np.abs(c64), k, BF16)
