@@ -5,11 +5,13 @@ backward graph (default and portable), and a failing step must name its node eit
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import gradgen
 from gradgen.errors import GradgenError, KernelError
@@ -136,3 +138,48 @@ def test_the_straight_line_program_reports_a_failure_with_the_node_and_its_input
     session._program = session._cpu_program()
     with pytest.raises(GradgenError, match=r"node 'product' \(MatMul\) failed on inputs \(float32\[2, 3\], float32\[3, 5\]\)"):
         session.run({"a": np.ones((2, 3), np.float32), "b": np.ones((3, 5), np.float32)})
+
+
+@pytest.fixture
+def no_cyclic_collection():
+    """What dies here dies by reference counting, as it does between a training loop's collections."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("straight_after_runs", [0, 1000], ids=["straight-line", "closures"])
+def test_a_dropped_session_frees_its_weights_at_once(monkeypatch, no_cyclic_collection, straight_after_runs):
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_AFTER_RUNS", straight_after_runs)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.ones((64, 64), np.float32), "w")],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    session.run({"x": np.ones((2, 64), np.float32)})
+    assert (session._program._straight is not None) == (straight_after_runs == 0)
+    weight = weakref.ref(session.constants["w"])
+    del session
+    assert weight() is None
+
+
+@pytest.mark.parametrize("straight_after_runs", [0, 1000], ids=["straight-line", "closures"])
+def test_a_failed_run_frees_its_arrays_with_the_error(monkeypatch, no_cyclic_collection, straight_after_runs):
+    monkeypatch.setattr(cpu_program, "STRAIGHT_LINE_AFTER_RUNS", straight_after_runs)
+    nodes = [helper.make_node("Relu", ["a"], ["r"]), helper.make_node("MatMul", ["r", "b"], ["y"], name="product")]
+    session = Session(_one_op_model(nodes, [("a", None), ("b", None)], ["y"]))
+    seen = []
+
+    def broken(a, b):
+        seen.append(weakref.ref(a))
+        raise ValueError("a kernel's own bug")
+
+    session.steps[1].call = broken
+    session._program = session._cpu_program()
+    with pytest.raises(GradgenError, match="product"):
+        session.run({"a": np.ones((20, 30), np.float32), "b": np.ones((30, 5), np.float32)})
+    assert seen[0]() is None  # the Relu's result, alive at the failing step

@@ -30,9 +30,9 @@ from gradgen.kernels.cpu.blas import numpy_blas_single_threaded
 IN_PLACE_MIN_BYTES = 64 * 1024
 
 # The straight-line function costs CPython's compiler about 50 us a step, once; it saves about 0.1-0.3
-# us a step on every run. So a program runs as closures first and is compiled at its
-# STRAIGHT_LINE_AFTER_RUNS-th run (a one-off `gradgen run` never pays for it; a training loop gets
-# it early), and only up to STRAIGHT_LINE_MAX_STEPS steps (beyond that the kernels dominate a run
+# us a step on every run. So a program runs as closures for its first STRAIGHT_LINE_AFTER_RUNS runs
+# and is compiled at the next (a one-off `gradgen run` never pays for it; a training loop gets it
+# early), and only up to STRAIGHT_LINE_MAX_STEPS steps (beyond that the kernels dominate a run
 # and the compile would be a pause of a quarter of a second or more).
 STRAIGHT_LINE_AFTER_RUNS = 256
 STRAIGHT_LINE_MAX_STEPS = 5_000
@@ -150,23 +150,39 @@ class CpuProgram:
             writer.add(position, step, self._run_step)
         writer.finish([name for name, _ in self._outputs])
         self._straight_outputs = [name for name, _ in self._outputs]
-        return writer.compile(self._fail_at)
+        return writer.compile(_failure_reporter(self._steps, self._fail))
 
     def _count_run(self) -> None:
-        """Compile the straight-line function when this run is the STRAIGHT_LINE_AFTER_RUNS-th."""
+        """After STRAIGHT_LINE_AFTER_RUNS runs, compile the straight-line function (this run is the
+        first to use it); a program that cannot be written so keeps its closures."""
         if self._runs_before_straight:
             self._runs_before_straight -= 1
             return
         self._runs_before_straight = None
-        self._straight = self._straight_line()
+        try:
+            self._straight = self._straight_line()
+        except Exception:  # noqa: BLE001 -- the closures compute the same: a failed compile loses only speed
+            self._straight = None
 
-    def _fail_at(self, position: int | None, exc: Exception, local_values: dict, names: dict) -> None:
-        """Report the failure of the generated program's step at ``position`` as the runners do."""
-        if position is None:
-            return
-        step = self._steps[position]
-        args = tuple(local_values.get(names[n]) if n else None for n in step.inputs)
-        self._fail(step, exc, args)
+
+def _failure_reporter(steps: list, fail: Callable) -> Callable:
+    """``report(position, exc, local_values, names)``: the failure of the generated program's step at
+    ``position`` reported as the runners report it. It holds the steps, not the program: the
+    generated function's namespace must not lead back to the program (a cycle would keep the
+    weights alive until the cyclic collector ran)."""
+
+    def report(position: int | None, exc: Exception, local_values: dict, names: dict) -> None:
+        try:
+            if position is None:
+                return
+            step = steps[position]
+            fail(step, exc, tuple(local_values.get(names[n]) if n else None for n in step.inputs))
+        finally:
+            # on Python 3.11 ``locals()`` is the frame's own dict, which now holds the exception,
+            # whose traceback holds the frame: cleared, every array of the failed run dies with it
+            local_values.clear()
+
+    return report
 
 
 def _getter(inputs: tuple[int, ...]) -> Callable[[list], tuple]:
@@ -323,15 +339,14 @@ def _sole_references_of_a_local() -> int:
 class _StraightLineWriter:
     """Writes a ``CpuProgram`` as Python source: a local variable per value, a line per step.
 
-    Kernels, steps and constants are names in the function's namespace (``k3``, ``s3``, ``c0``);
-    a feed is read once with ``feeds.get``. A failure anywhere is reported for the step at
-    ``at`` with the locals alive then (the failing step's inputs are freed only after it)."""
+    Kernels, steps and constants are names in the function's namespace (``k3``, ``s3``, ``c_v0``);
+    a feed is read once with ``feeds.get``. A failure is reported for the step of the line that
+    raised, with the locals alive then (the failing step's inputs are freed only after it)."""
 
     def __init__(self, constants: dict[str, np.ndarray]) -> None:
         self.namespace: dict[str, Any] = {
             "ndarray": np.ndarray,
             "first_output": _first_output,
-            "as_array": _as_array,
             "call_in_place": call_in_place,
             "spread": _spread,
             "program_module": sys.modules[__name__],
@@ -437,7 +452,8 @@ class _StraightLineWriter:
 
         self.namespace.update(fail_at=fail_at, value_names=dict(self.names), step_of_line=step_of_line)
         exec(compile("\n".join(lines), "<gradgen CPU program>", "exec"), self.namespace)  # noqa: S102 -- our own generated source
-        return self.namespace["straight_line_program"]
+        # the function's globals are the namespace: kept there, it would refer to itself (a cycle)
+        return self.namespace.pop("straight_line_program")
 
 
 def _spread(result, count: int) -> tuple:
