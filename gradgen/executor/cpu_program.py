@@ -92,10 +92,7 @@ class CpuProgram:
         if self._straight is not None:
             with numpy_blas_single_threaded():
                 produced = self._straight(feeds)
-            result = dict(self._constants)
-            result.update(feeds)
-            result.update(zip(self._straight_outputs, produced))
-            return result
+            return self._result(feeds, produced)
         values = self._template.copy()
         slots = self._slots
         for name, value in feeds.items():
@@ -110,10 +107,14 @@ class CpuProgram:
                     step = self._steps[position]
                     self._fail(step, exc, tuple(values[slots[n]] if n else None for n in step.inputs))
                     raise
+        return self._result(feeds, [values[index] for _, index in self._outputs])
+
+    def _result(self, feeds: dict[str, np.ndarray], produced) -> dict[str, np.ndarray]:
+        """What a run returns: the constants, the feeds and the graph outputs (``produced``, in
+        ``self._outputs``' order)."""
         result = dict(self._constants)
         result.update(feeds)
-        for name, index in self._outputs:
-            result[name] = values[index]
+        result.update(zip((name for name, _ in self._outputs), produced))
         return result
 
     def _runner(self, step) -> Callable[[list], None]:
@@ -149,7 +150,6 @@ class CpuProgram:
         for position, step in enumerate(self._steps):
             writer.add(position, step, self._run_step)
         writer.finish([name for name, _ in self._outputs])
-        self._straight_outputs = [name for name, _ in self._outputs]
         return writer.compile(_failure_reporter(self._steps, self._fail))
 
     def _count_run(self) -> None:

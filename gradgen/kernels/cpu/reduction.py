@@ -59,20 +59,30 @@ def _reducer(name: str, fn, pre=None, post=None):
     return kernel
 
 
+def _planned_axes(constants: tuple, attrs: dict):
+    """(shape -> the normalised axes to reduce, keepdims) of a Reduce* node whose axes are known at
+    plan time (a constant input or the attribute), or None where they come at run time."""
+    given = constant_inputs(constants, 1)
+    if given is None:
+        return None
+    axes = given[0] if given[0] is not None else attrs.get("axes")
+    noop = attrs.get("noop_with_empty_axes", 0)
+
+    def axes_for(shape: tuple) -> tuple[int, ...]:
+        return reduce_axes(np.empty((0,) * len(shape)), axes, noop)
+
+    return axes_for, bool(attrs.get("keepdims", 1))
+
+
 def _reducer_preparer(fn, pre=None, post=None):
     """The preparer of a ``_reducer`` kernel: its axes (constant input or attribute) normalised once
     per input rank; then the same calls as the kernel."""
 
     def prepare(constants: tuple, attrs: dict):
-        given = constant_inputs(constants, 1)
-        if given is None:
+        planned = _planned_axes(constants, attrs)
+        if planned is None:
             return None
-        axes = given[0] if given[0] is not None else attrs.get("axes")
-        keepdims, noop = bool(attrs.get("keepdims", 1)), attrs.get("noop_with_empty_axes", 0)
-
-        def axes_for(shape: tuple) -> tuple | None:
-            return reduce_axes(np.empty((0,) * len(shape)), axes, noop)
-
+        axes_for, keepdims = planned
         over = per_shape(axes_for)
 
         def run(data, axes=None):
@@ -155,14 +165,13 @@ def prepare_reduce_mean(constants: tuple, attrs: dict):
     as an intp, in float64, rounded once) with the axes, the count and the output shape kept per
     input shape, and the sum kept as an array (the scalar of a full reduction costs a microsecond
     of numpy scalar arithmetic). Integer, empty and 0-d inputs run ``mean_over``."""
-    given = constant_inputs(constants, 1)
-    if given is None:
+    planned = _planned_axes(constants, attrs)
+    if planned is None:
         return None
-    axes = given[0] if given[0] is not None else attrs.get("axes")
-    keepdims, noop = bool(attrs.get("keepdims", 1)), attrs.get("noop_with_empty_axes", 0)
+    axes_for, keepdims = planned
 
     def geometry(shape: tuple) -> tuple:
-        over = reduce_axes(np.empty((0,) * len(shape)), axes, noop)
+        over = axes_for(shape)
         kept_shape = tuple(1 if a in over else d for a, d in enumerate(shape))
         out_shape = kept_shape if keepdims else tuple(d for a, d in enumerate(shape) if a not in over)
         return over, np.intp(math.prod(shape[a] for a in over)), out_shape
