@@ -48,6 +48,7 @@ _FLOAT32 = np.dtype(np.float32)
 _ITEM = _FLOAT32.itemsize
 _sgemm: Any = None  # the loaded dnnl_sgemm, False where there is none; None until first asked
 _omp_threads: Any = None  # the OpenMP runtime's omp_get_max_threads (the pool oneDNN uses), once loaded
+_library: Any = None  # the loaded libdnnl (ctypes.CDLL), once loaded
 _numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, found once
 
 
@@ -100,12 +101,13 @@ def _load():
     path = library_path()
     if path is None or not _cpu_has_avx2():
         return False
-    global _omp_threads
+    global _omp_threads, _library
     try:
         library = ctypes.CDLL(path)
         sgemm = library.dnnl_sgemm
     except (OSError, AttributeError):
         return False
+    _library = library
     try:  # found among the library's dependencies (its OpenMP runtime)
         _omp_threads = library.omp_get_max_threads
         _omp_threads.argtypes, _omp_threads.restype = [], ctypes.c_int
@@ -125,6 +127,13 @@ def loaded():
     if _sgemm is None:
         _sgemm = _load()
     return _sgemm
+
+
+def library() -> ctypes.CDLL:
+    """The loaded oneDNN library, for its other primitives (``onednn_conv``); only where
+    ``loaded()`` is true."""
+    assert loaded() and _library is not None
+    return _library
 
 
 def available() -> bool:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cpu import blas
+from gradgen.kernels.cpu import blas, onednn_conv
 from gradgen.kernels.cpu.prepared import kernel_first
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype, pad_spatial, sliding_windows
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -402,12 +402,29 @@ def prepare_conv(constants: tuple, attrs: dict):
     return kernel_first(
         lambda x, w, b=None: conv(x, w, b, **attrs),
         lambda x, w, b=None: (x.shape, w.shape, x.dtype, w.dtype),
-        lambda x, w, b=None: _conv_plan(x.shape, w.shape, x.dtype, attrs),
+        lambda x, w, b=None: _onednn_conv_plan(x, w, b, attrs) or _conv_plan(x.shape, w.shape, x.dtype, attrs),
         _planned_conv,
     )
 
 
+def _all_float32(*arrays) -> bool:
+    return all(a is None or a.dtype == np.float32 for a in arrays)
+
+
+def _onednn_conv_plan(x, w, b, attrs: dict) -> onednn_conv.OneDnnPlan | None:
+    """oneDNN's primitive for a grouped float32 Conv (``conv`` has checked the shapes), else None."""
+    group = int(attrs.get("group", 1))
+    if group <= 1 or not _all_float32(x, w, b):
+        return None
+    _, s, d, begin, end, out = spatial_geometry(
+        x.shape, w.shape[2:], attrs.get("strides"), attrs.get("dilations"), attrs.get("pads"), attrs.get("auto_pad", "NOTSET")
+    )
+    return onednn_conv.plan_conv(x.shape, w.shape, group, s, d, begin, end, out, b is not None)
+
+
 def _planned_conv(plan, x, w, b=None):
+    if isinstance(plan, onednn_conv.OneDnnPlan):
+        return plan(x, w, b)
     ct, padded, interior, index, group, w_shape, cols_first, y_shape, out_shape = plan
     cols = _padded_flat(x, ct, padded, interior)[index]
     w_g = w.astype(ct, copy=False).reshape(w_shape)
@@ -572,12 +589,29 @@ def prepare_conv_transpose(constants: tuple, attrs: dict):
     return kernel_first(
         lambda x, w, b=None: conv_transpose(x, w, b, **attrs),
         lambda x, w, b=None: (x.shape, w.shape, x.dtype, w.dtype),
-        lambda x, w, b=None: _conv_transpose_plan(x.shape, w.shape, attrs),
+        lambda x, w, b=None: _onednn_conv_transpose_plan(x, w, b, attrs) or _conv_transpose_plan(x.shape, w.shape, attrs),
         _planned_conv_transpose,
     )
 
 
+def _onednn_conv_transpose_plan(x, w, b, attrs: dict) -> onednn_conv.OneDnnPlan | None:
+    """oneDNN's primitive for a grouped float32 ConvTranspose (``conv_transpose`` has checked the
+    shapes), else None."""
+    group = int(attrs.get("group", 1))
+    if group <= 1 or not _all_float32(x, w, b):
+        return None
+    ns = x.ndim - 2
+    strides = per_axis(attrs.get("strides"), ns, 1, "strides")
+    dilations = per_axis(attrs.get("dilations"), ns, 1, "dilations")
+    geometry = {k: attrs.get(k) for k in ("auto_pad", "dilations", "output_padding", "output_shape", "pads", "strides")}
+    geometry["auto_pad"] = geometry["auto_pad"] or "NOTSET"
+    _, begin, out = conv_transpose_geometry(x.shape, w.shape, geometry)
+    return onednn_conv.plan_conv_transpose(x.shape, w.shape, group, strides, dilations, begin, out, b is not None)
+
+
 def _planned_conv_transpose(plan, x, w, b=None):
+    if isinstance(plan, onednn_conv.OneDnnPlan):
+        return plan(x, w, b)
     group, cg, mg_k, p_in, table, y_shape, ns = plan
     ct = float_compute_dtype(x.dtype)
     n_batch = x.shape[0]

@@ -33,11 +33,18 @@ def per_shape(compute: Callable[[K], T]) -> Callable[[K], T]:
     return lookup
 
 
+class OwnSums:
+    """Marks a plan whose results are not the kernel's bits (another library's sums, equal within
+    rounding): ``kernel_first`` returns the plan's result from the first call on, so that every
+    run with a signature gives the same bits."""
+
+
 def kernel_first(kernel: Callable, signature: Callable, make_plan: Callable, fast: Callable, limit: int = 16) -> Callable:
     """A prepared call that keeps a plan per input signature (shapes and dtypes): the first call
     with a signature runs ``kernel(*args)`` (its checks, its errors, its result) and then keeps
     ``make_plan(*args)``; later calls run ``fast(plan, *args)``, or the kernel again where the plan
-    is False (too large to keep). ``limit`` signatures are kept (each plan may hold an index)."""
+    is False (too large to keep). ``limit`` signatures are kept (each plan may hold an index). A
+    plan marked ``OwnSums`` gives the first call's result too (the kernel ran for its checks)."""
     plans: dict = {}
 
     def run(*args):
@@ -47,8 +54,8 @@ def kernel_first(kernel: Callable, signature: Callable, make_plan: Callable, fas
             result = kernel(*args)
             if len(plans) >= limit:
                 plans.clear()
-            plans[key] = make_plan(*args)
-            return result
+            plan = plans[key] = make_plan(*args)
+            return fast(plan, *args) if isinstance(plan, OwnSums) else result
         if plan is False:
             return kernel(*args)
         return fast(plan, *args)
