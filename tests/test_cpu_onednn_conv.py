@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.executor import Session
 from gradgen.kernels.cpu import blas, onednn_conv
-from gradgen.kernels.cpu.conv import conv, conv_transpose
-from gradgen.ops.conv import conv_transpose_geometry
+from gradgen.kernels.cpu.conv import conv, conv_grad, conv_transpose
+from gradgen.ops.conv import conv_geometry, conv_transpose_geometry
 from gradgen.ops.pool import spatial_geometry
 
 pytestmark = pytest.mark.skipif(not blas.available(), reason="oneDNN is not installed or this CPU lacks AVX2")
@@ -80,6 +80,31 @@ def test_plans_match_the_kernels_over_random_geometries(transpose):
         _close(plan(x, w, b), want)
         _close(plan(x, w, b), want)  # the plan again, with new buffers
     assert planned >= 20  # most grouped 2-D geometries have a JIT kernel on an AVX2 CPU
+
+
+@pytest.mark.parametrize("wanted", [(True, True, True), (True, False, True), (False, True, False)], ids=["all", "dx-db", "dw"])
+def test_conv_grad_plans_match_the_kernel_over_random_geometries(wanted):
+    rng = np.random.default_rng(11 + sum(wanted))
+    planned = 0
+    for _ in range(40):
+        x, w, _, attrs = _random_geometry(rng, transpose=False)
+        begin, end, strides, dilations, y_shape = conv_geometry(x.shape, w.shape, **attrs)
+        if min(y_shape) <= 0:
+            continue
+        dy = rng.standard_normal(y_shape).astype(np.float32)
+        want = conv_grad(dy, x, w, _wanted=wanted, _num_outputs=3, **attrs)
+        plan = onednn_conv.plan_conv_grad(x.shape, w.shape, attrs["group"], strides, dilations, begin, end, y_shape[2:], wanted)
+        if plan is None:
+            continue
+        planned += 1
+        got = plan(dy, x, w)
+        assert len(got) == 3
+        for g, want_one, is_wanted in zip(got, want, (*wanted[:2], True)):  # dB is computed in any case, as the kernel does
+            if is_wanted:
+                _close(g, want_one)
+            else:
+                assert g is None
+    assert planned >= 10
 
 
 def test_depthwise_kernels_are_taken_and_a_dense_conv_is_not():
@@ -158,10 +183,21 @@ def test_one_plan_run_from_several_threads():
     assert not failures
 
 
-def test_depthwise_network_gradients_match_pytorch():
-    """A MobileNet-style block (depthwise and pointwise convolutions) built with --portable: its
-    depthwise Conv and the grouped ConvTranspose of its data gradient run through oneDNN."""
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "default"])
+def test_depthwise_network_gradients_match_pytorch(portable, monkeypatch):
+    """A MobileNet-style block (depthwise and pointwise convolutions): its depthwise Conv runs
+    through oneDNN, and so does its gradient (the default graph's ConvGrad; the portable graph's
+    grouped ConvTranspose)."""
     torch = pytest.importorskip("torch")
+    implementations: list = []
+    for name in ("plan_conv", "plan_conv_grad", "plan_conv_transpose"):
+
+        def recorded(*args, _plan=getattr(onednn_conv, name), _name=name):
+            plan = _plan(*args)
+            implementations.append((_name, plan and plan.implementation))
+            return plan
+
+        monkeypatch.setattr(onednn_conv, name, recorded)
     import gradgen
     from gradgen.bench.models import legacy_export
 
@@ -188,7 +224,7 @@ def test_depthwise_network_gradients_match_pytorch():
     x, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 4])
     proto = legacy_export(model, (x, labels), ["x", "labels"])
     names = [n for n, _ in model.named_parameters()]
-    built = gradgen.build_backward(proto, wrt=names, portable=True)
+    built = gradgen.build_backward(proto, wrt=names, portable=portable)
     with Session(built.model) as session:
         results = [session.run({"x": x.numpy(), "labels": labels.numpy()}) for _ in range(2)]
     model.zero_grad()
@@ -198,3 +234,5 @@ def test_depthwise_network_gradients_match_pytorch():
         assert got.tobytes() == results[0][f"{name}_grad"].tobytes()
         want = parameter.grad.numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max())), err_msg=name)
+    backward = "plan_conv_transpose" if portable else "plan_conv_grad"
+    assert {name for name, implementation in implementations if implementation} >= {"plan_conv", backward}

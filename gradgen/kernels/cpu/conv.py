@@ -179,6 +179,8 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
     wanted = attrs.get("_wanted") or (True,) * num_outputs
 
     def fast(plan, dY, X, W):
+        if isinstance(plan, onednn_conv.OneDnnConvGrad):
+            return plan(dY, X, W)
         acc, g, mg, p, dx_table, padded, interior, dw_index, spatial_axes = plan
         n = X.shape[0]
         dy = dY.astype(acc, copy=False)
@@ -195,9 +197,25 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
     return kernel_first(
         lambda dY, X, W: conv_grad(dY, X, W, **attrs),
         lambda dY, X, W: (dY.shape, X.shape, W.shape, dY.dtype, X.dtype, W.dtype),
-        lambda dY, X, W: _conv_grad_plan(X.shape, W.shape, X.dtype, attrs),
+        lambda dY, X, W: (
+            _onednn_conv_grad_plan(dY, X, W, attrs, tuple(wanted[:num_outputs]))
+            or _conv_grad_plan(X.shape, W.shape, X.dtype, attrs)
+        ),
         fast,
     )
+
+
+def _onednn_conv_grad_plan(dY, X, W, attrs: dict, wanted: tuple) -> onednn_conv.OneDnnConvGrad | None:
+    """oneDNN's backward primitives for a grouped float32 ConvGrad that computes dX or dW
+    (``conv_grad`` has checked the shapes), else None."""
+    group = int(attrs.get("group", 1))
+    if group <= 1 or not any(wanted[:2]) or not _all_float32(dY, X, W):
+        return None
+    geometry = {k: attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides") if k in attrs}
+    begin, end, strides, dilations, y_shape = conv_geometry(X.shape, W.shape, **geometry)
+    if tuple(y_shape) != dY.shape:
+        return None
+    return onednn_conv.plan_conv_grad(X.shape, W.shape, group, strides, dilations, begin, end, y_shape[2:], wanted)
 
 
 def _planned_dx(dy_g, X, W, acc, g, table) -> np.ndarray:

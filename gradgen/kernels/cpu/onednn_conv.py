@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -36,12 +36,16 @@ _CPU_ENGINE, _IN_ORDER_STREAM = 1, 1
 _F32, _ANY_LAYOUT = 3, 1
 _FORWARD_INFERENCE = 96
 _CONVOLUTION_DIRECT, _DECONVOLUTION_DIRECT = 1, 10
+_FORWARD_TRAINING = 64  # the hint a backward primitive is made from
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS = 129, 145, 161
 _QUERY_IMPL_INFO, _QUERY_SRC, _QUERY_WEIGHTS, _QUERY_DST = 8, 129, 131, 133
+_QUERY_DIFF_SRC, _QUERY_DIFF_WEIGHTS, _QUERY_DIFF_DST = 130, 132, 134
 _MAX_DIMS = 12
 _REFUSED_IMPLEMENTATIONS = ("ref", "gemm")  # slower than (or the same as) gradgen's own path
 
 _Dims = ctypes.c_int64 * _MAX_DIMS
+P = TypeVar("P")
 _Handle = ctypes.c_void_p
 
 
@@ -66,6 +70,11 @@ class _Api:
             "dnnl_memory_desc_get_size": ([h], ctypes.c_size_t),
             "dnnl_convolution_forward_primitive_desc_create": ([out, h, i, i, h, h, h, h, _Dims, _Dims, _Dims, _Dims, h], i),
             "dnnl_deconvolution_forward_primitive_desc_create": ([out, h, i, i, h, h, h, h, _Dims, _Dims, _Dims, _Dims, h], i),
+            "dnnl_convolution_backward_data_primitive_desc_create": ([out, h, i, h, h, h, _Dims, _Dims, _Dims, _Dims, h, h], i),
+            "dnnl_convolution_backward_weights_primitive_desc_create": (
+                [out, h, i, h, h, h, h, _Dims, _Dims, _Dims, _Dims, h, h],
+                i,
+            ),
             "dnnl_reorder_primitive_desc_create": ([out, h, h, h, h, h], i),
             "dnnl_primitive_desc_query": ([h, i, i, h], i),
             "dnnl_primitive_desc_query_md": ([h, i, i], h),
@@ -138,11 +147,11 @@ def _row_major(shape: tuple) -> tuple:
 
 
 class _Operand:
-    """One argument of the primitive: its plain (numpy) layout, the layout the primitive chose, and
-    the reorder between them (None where they are the same)."""
+    """One array argument of a primitive: its plain (numpy) layout, the layout the primitive chose,
+    and the reorder between them (None where they are the same)."""
 
-    def __init__(self, api: _Api, arg: int, plain: _Handle, chosen: int, into_chosen: bool, owned: list) -> None:
-        self.arg, self.plain_memory = arg, _Handle()
+    def __init__(self, api: _Api, arg: int, plain: _Handle, chosen: int, is_input: bool, owned: list) -> None:
+        self.arg, self.is_input, self.plain_memory = arg, is_input, _Handle()
         _check(api.memory_create(ctypes.byref(self.plain_memory), plain, api.engine, None))
         owned.append(("memory_destroy", self.plain_memory))
         self.reorder = self.chosen_memory = None
@@ -153,7 +162,7 @@ class _Operand:
         _check(api.memory_create(ctypes.byref(self.chosen_memory), chosen, api.engine, None))
         owned.append(("memory_destroy", self.chosen_memory))
         self.chosen_bytes = int(api.memory_desc_get_size(chosen))
-        source, target = (plain, chosen) if into_chosen else (chosen, plain)
+        source, target = (plain, chosen) if is_input else (chosen, plain)
         reorder_desc = _Handle()
         _check(api.reorder_primitive_desc_create(ctypes.byref(reorder_desc), source, api.engine, target, api.engine, None))
         self.reorder = _Handle()
@@ -161,11 +170,8 @@ class _Operand:
         api.primitive_desc_destroy(reorder_desc)
         _check(status)
         owned.append(("primitive_destroy", self.reorder))
-        self.reorder_args = (
-            (_ExecArg * 2)(_ExecArg(_ARG_SRC, self.plain_memory), _ExecArg(_ARG_DST, self.chosen_memory))
-            if into_chosen
-            else (_ExecArg * 2)(_ExecArg(_ARG_SRC, self.chosen_memory), _ExecArg(_ARG_DST, self.plain_memory))
-        )
+        memories = (self.plain_memory, self.chosen_memory) if is_input else (self.chosen_memory, self.plain_memory)
+        self.reorder_args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, memories[0]), _ExecArg(_ARG_DST, memories[1]))
 
     def memory(self) -> _Handle:
         return self.plain_memory if self.chosen_memory is None else self.chosen_memory
@@ -176,76 +182,114 @@ def _destroy(api: _Api, owned: list) -> None:
         getattr(api, function)(handle)
 
 
-class OneDnnPlan(OwnSums):
-    """A forward (de)convolution primitive for one geometry: ``plan(x, w, b)`` returns the output
-    as a new C-contiguous float32 array."""
+# (execution argument, query of its layout, logical dims, element strides or None (row-major),
+# an input or the output): one array of a primitive
+_Spec = tuple[int, int, tuple, "tuple | None", bool]
 
-    def __init__(self, api: _Api, create_desc, x_shape: tuple, w_dims: tuple, w_strides: tuple, y_shape: tuple, bias: bool):
+
+class _Primitive:
+    """One oneDNN primitive for one geometry, with arrays in numpy's layouts: ``run(inputs, bias)``
+    returns its output as a new C-contiguous float32 array. ``create(desc, any_layouts, bias)``
+    makes its primitive descriptor from descriptors of oneDNN's "any" layout, one per spec."""
+
+    def __init__(self, api: _Api, create, specs: list[_Spec], bias_size: int | None = None) -> None:
         owned: list = []
         try:
-            self._build(api, create_desc, x_shape, w_dims, w_strides, y_shape, bias, owned)
+            self._build(api, create, specs, bias_size, owned)
         except BaseException:
             _destroy(api, owned)
             raise
         self._api, self._lock = api, threading.Lock()
         weakref.finalize(self, _destroy, api, owned)
 
-    def _build(self, api, create_desc, x_shape, w_dims, w_strides, y_shape, bias, owned) -> None:
-        plain = [_strided_desc(api, x_shape), _strided_desc(api, w_dims, w_strides), _strided_desc(api, y_shape)]
-        wanted = [_strided_desc(api, shape, "any") for shape in (x_shape, w_dims, y_shape)]
-        bias_desc = _strided_desc(api, (y_shape[1],)) if bias else None
-        owned.extend(("memory_desc_destroy", d) for d in (*plain, *wanted, *([bias_desc] if bias else [])))
+    def _build(self, api: _Api, create, specs: list[_Spec], bias_size: int | None, owned: list) -> None:
+        plain = [_strided_desc(api, dims, strides) for _, _, dims, strides, _ in specs]
+        wanted = [_strided_desc(api, dims, "any") for _, _, dims, _, _ in specs]
+        bias_desc = _strided_desc(api, (bias_size,)) if bias_size is not None else None
+        owned.extend(("memory_desc_destroy", d) for d in (*plain, *wanted, *([bias_desc] if bias_desc else [])))
         primitive_desc = _Handle()
-        _check(create_desc(ctypes.byref(primitive_desc), wanted[0], wanted[1], bias_desc, wanted[2]))
+        _check(create(ctypes.byref(primitive_desc), wanted, bias_desc))
         owned.append(("primitive_desc_destroy", primitive_desc))
         info = ctypes.c_char_p()
         _check(api.primitive_desc_query(primitive_desc, _QUERY_IMPL_INFO, 0, ctypes.byref(info)))
         self.implementation = (info.value or b"").decode()
         if self.implementation.startswith(_REFUSED_IMPLEMENTATIONS):
             raise _Refused(self.implementation)
-        chosen = [api.primitive_desc_query_md(primitive_desc, query, 0) for query in (_QUERY_SRC, _QUERY_WEIGHTS, _QUERY_DST)]
+        self.operands = [
+            _Operand(api, arg, desc, api.primitive_desc_query_md(primitive_desc, query, 0), is_input, owned)
+            for (arg, query, _, _, is_input), desc in zip(specs, plain)
+        ]
         self.primitive = _Handle()
         _check(api.primitive_create(ctypes.byref(self.primitive), primitive_desc))
         owned.append(("primitive_destroy", self.primitive))
-        self.x, self.w = (_Operand(api, a, plain[i], chosen[i], True, owned) for i, a in ((0, _ARG_SRC), (1, _ARG_WEIGHTS)))
-        self.y = _Operand(api, _ARG_DST, plain[2], chosen[2], False, owned)
+        args = [_ExecArg(operand.arg, operand.memory()) for operand in self.operands]
         self.bias_memory = None
-        args = [_ExecArg(_ARG_SRC, self.x.memory()), _ExecArg(_ARG_WEIGHTS, self.w.memory()), _ExecArg(_ARG_DST, self.y.memory())]
-        if bias:
+        if bias_desc is not None:
             self.bias_memory = _Handle()
             _check(api.memory_create(ctypes.byref(self.bias_memory), bias_desc, api.engine, None))
             owned.append(("memory_destroy", self.bias_memory))
             args.append(_ExecArg(_ARG_BIAS, self.bias_memory))
-        self.args, self.y_shape = (_ExecArg * len(args))(*args), y_shape
+        self.args = (_ExecArg * len(args))(*args)
+        self.out_shape = next(dims for _, _, dims, _, is_input in specs if not is_input)
 
-    def __call__(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    def run(self, inputs: list[np.ndarray], bias: np.ndarray | None = None) -> np.ndarray:
         api = self._api
-        x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
-        y = np.empty(self.y_shape, np.float32)
-        keep = [x, w, y]  # the arrays whose pointers oneDNN holds, alive until the stream is done
-        if b is not None:
-            keep.append(b := np.ascontiguousarray(b, np.float32))
+        out = np.empty(self.out_shape, np.float32)
+        arrays = [np.ascontiguousarray(a, np.float32) for a in inputs] + [out]
+        keep = list(arrays)  # what oneDNN holds pointers to, alive until the stream is done
+        if bias is not None:
+            keep.append(bias := np.ascontiguousarray(bias, np.float32))
         with self._lock:
-            for operand, array in ((self.x, x), (self.w, w), (self.y, y)):
+            for operand, array in zip(self.operands, arrays):
                 api.memory_set_data_handle(operand.plain_memory, array.ctypes.data)
                 if operand.chosen_memory is not None:
                     blocked = np.empty(operand.chosen_bytes // 4 + 1, np.float32)
                     keep.append(blocked)
                     api.memory_set_data_handle(operand.chosen_memory, blocked.ctypes.data)
-            if b is not None:
-                api.memory_set_data_handle(self.bias_memory, b.ctypes.data)
-            for operand in (self.x, self.w):
-                if operand.reorder is not None:
+            if bias is not None:
+                api.memory_set_data_handle(self.bias_memory, bias.ctypes.data)
+            for operand in self.operands:
+                if operand.is_input and operand.reorder is not None:
                     _check(api.primitive_execute(operand.reorder, api.stream, 2, operand.reorder_args))
             _check(api.primitive_execute(self.primitive, api.stream, len(self.args), self.args))
-            if self.y.reorder is not None:
-                _check(api.primitive_execute(self.y.reorder, api.stream, 2, self.y.reorder_args))
+            for operand in self.operands:
+                if not operand.is_input and operand.reorder is not None:
+                    _check(api.primitive_execute(operand.reorder, api.stream, 2, operand.reorder_args))
             _check(api.stream_wait(api.stream))
         del keep
-        return y
+        return out
 
 
-def _plan_or_none(make) -> OneDnnPlan | None:
+class OneDnnPlan(OwnSums):
+    """A forward (de)convolution for one geometry: ``plan(x, w, b)`` returns the output as a new
+    C-contiguous float32 array."""
+
+    def __init__(self, primitive: _Primitive) -> None:
+        self.primitive, self.implementation = primitive, primitive.implementation
+
+    def __call__(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        return self.primitive.run([x, w], b)
+
+
+class OneDnnConvGrad(OwnSums):
+    """ONNX Runtime training's ConvGrad for one grouped geometry: dX by oneDNN's backward-data
+    convolution, dW by its backward-weights one (each where wanted), dB as numpy's sum of dY."""
+
+    def __init__(self, data: _Primitive | None, weights: _Primitive | None, outputs: int) -> None:
+        self.data, self.weights, self.outputs = data, weights, outputs
+        self.implementation = " / ".join(p.implementation for p in (data, weights) if p is not None)
+
+    def __call__(self, dY: np.ndarray, X: np.ndarray, W: np.ndarray) -> tuple:
+        results: list = [
+            self.data.run([dY, W]) if self.data is not None else None,
+            self.weights.run([X, dY]).reshape(W.shape) if self.weights is not None else None,
+        ][: self.outputs]
+        if self.outputs >= 3:
+            results.append(dY.sum(axis=(0, *range(2, dY.ndim))).astype(dY.dtype))
+        return tuple(results)
+
+
+def _plan_or_none(make: Callable[[_Api], P]) -> P | None:
     api = _loaded_api()
     if api is None:
         return None
@@ -255,24 +299,94 @@ def _plan_or_none(make) -> OneDnnPlan | None:
         return None
 
 
+def _grouped(x_shape: tuple, w_shape: tuple, group: int) -> bool:
+    """The geometries planned here: grouped, 1 to 3 spatial axes, no empty axis."""
+    return group > 1 and 1 <= len(x_shape) - 2 <= 3 and min(*x_shape, *w_shape) > 0
+
+
+def _conv_specs(x_shape: tuple, w_shape: tuple, group: int, out) -> tuple[tuple, tuple, tuple]:
+    """(X's dims, W's dims per group, Y's dims) of an ONNX Conv: W (M, C / group, *kernel) is
+    (group, M / group, C / group, *kernel) in the same memory."""
+    w_dims = (group, w_shape[0] // group, *w_shape[1:])
+    return tuple(x_shape), w_dims, (x_shape[0], w_shape[0], *out)
+
+
 def plan_conv(x_shape: tuple, w_shape: tuple, group: int, strides, dilations, begin, end, out, bias: bool) -> OneDnnPlan | None:
     """A plan for ONNX Conv of a float32 X (N, C, *spatial) and W (M, C / group, *kernel) with
     ``group`` > 1 and the geometry ``gradgen.ops.pool.spatial_geometry`` worked out; None where
     oneDNN is not used (see the module's docstring)."""
-    if group <= 1 or not 1 <= len(x_shape) - 2 <= 3 or min(*x_shape, *w_shape) <= 0:
+    if not _grouped(x_shape, w_shape, group):
         return None
-    m = w_shape[0]
-    w_dims = (group, m // group, *w_shape[1:])  # W's own memory, seen per group
-    y_shape = (x_shape[0], m, *out)
+    x_dims, w_dims, y_dims = _conv_specs(x_shape, w_shape, group, out)
 
     def make(api: _Api) -> OneDnnPlan:
-        def create(desc, x_desc, w_desc, b_desc, y_desc):
+        def create(desc, layouts, bias_desc):
             return api.convolution_forward_primitive_desc_create(
-                desc, api.engine, _FORWARD_INFERENCE, _CONVOLUTION_DIRECT, x_desc, w_desc, b_desc, y_desc,
+                desc, api.engine, _FORWARD_INFERENCE, _CONVOLUTION_DIRECT, *layouts[:2], bias_desc, layouts[2],
                 *_geometry(strides, dilations, begin, end), None,
             )  # fmt: skip
 
-        return OneDnnPlan(api, create, tuple(x_shape), w_dims, _row_major(w_dims), y_shape, bias)
+        specs: list[_Spec] = [(_ARG_SRC, _QUERY_SRC, x_dims, None, True), (_ARG_WEIGHTS, _QUERY_WEIGHTS, w_dims, None, True)]
+        specs.append((_ARG_DST, _QUERY_DST, y_dims, None, False))
+        return OneDnnPlan(_Primitive(api, create, specs, y_dims[1] if bias else None))
+
+    return _plan_or_none(make)
+
+
+def plan_conv_grad(
+    x_shape: tuple, w_shape: tuple, group: int, strides, dilations, begin, end, out, wanted: tuple
+) -> OneDnnConvGrad | None:
+    """A plan for ONNX Runtime training's ConvGrad (dY, X, W) -> (dX, dW, dB) of a grouped float32
+    Conv with the geometry worked out; ``wanted`` says which of dX and dW are computed (dB is a
+    sum). None where oneDNN is not used for either."""
+    if not _grouped(x_shape, w_shape, group):
+        return None
+    x_dims, w_dims, y_dims = _conv_specs(x_shape, w_shape, group, out)
+    geometry = (strides, dilations, begin, end)
+
+    def make(api: _Api) -> OneDnnConvGrad:
+        hint, hint_layouts = _Handle(), [_strided_desc(api, dims, "any") for dims in (x_dims, w_dims, y_dims)]
+        try:
+            _check(
+                api.convolution_forward_primitive_desc_create(
+                    ctypes.byref(hint),
+                    api.engine,
+                    _FORWARD_TRAINING,
+                    _CONVOLUTION_DIRECT,
+                    *hint_layouts[:2],
+                    None,
+                    hint_layouts[2],
+                    *_geometry(*geometry),
+                    None,
+                )  # fmt: skip
+            )
+
+            def backward_data(desc, layouts, _bias):
+                return api.convolution_backward_data_primitive_desc_create(
+                    desc, api.engine, _CONVOLUTION_DIRECT, layouts[2], layouts[1], layouts[0], *_geometry(*geometry), hint, None
+                )
+
+            def backward_weights(desc, layouts, _bias):
+                return api.convolution_backward_weights_primitive_desc_create(
+                    desc, api.engine, _CONVOLUTION_DIRECT, layouts[0], layouts[2], None, layouts[1],
+                    *_geometry(*geometry), hint, None,
+                )  # fmt: skip
+
+            data = weights = None
+            if wanted[0]:  # dX from (dY, W)
+                specs = [(_ARG_DIFF_DST, _QUERY_DIFF_DST, y_dims, None, True), (_ARG_WEIGHTS, _QUERY_WEIGHTS, w_dims, None, True)]
+                data = _Primitive(api, backward_data, [*specs, (_ARG_DIFF_SRC, _QUERY_DIFF_SRC, x_dims, None, False)])
+            if len(wanted) > 1 and wanted[1]:  # dW from (X, dY)
+                specs = [(_ARG_SRC, _QUERY_SRC, x_dims, None, True), (_ARG_DIFF_DST, _QUERY_DIFF_DST, y_dims, None, True)]
+                weights = _Primitive(
+                    api, backward_weights, [*specs, (_ARG_DIFF_WEIGHTS, _QUERY_DIFF_WEIGHTS, w_dims, None, False)]
+                )
+        finally:
+            if hint:
+                api.primitive_desc_destroy(hint)
+            for desc in hint_layouts:
+                api.memory_desc_destroy(desc)
+        return OneDnnConvGrad(data, weights, len(wanted))
 
     return _plan_or_none(make)
 
@@ -284,8 +398,7 @@ def plan_conv_transpose(
     with ``group`` > 1, output spatial size ``out`` and leading crop ``begin`` (what
     ``gradgen.ops.conv.conv_transpose_geometry`` gives); None where oneDNN is not used, including
     a crop or trailing padding below zero (output_padding beyond the end pads)."""
-    ns = len(x_shape) - 2
-    if group <= 1 or not 1 <= ns <= 3 or min(*x_shape, *w_shape) <= 0:
+    if not _grouped(x_shape, w_shape, group):
         return None
     channels, m_per_group, kernel = x_shape[1], w_shape[1], w_shape[2:]
     # oneDNN's deconvolution: input = (output - extent + begin + end) / stride + 1 along each axis
@@ -300,16 +413,18 @@ def plan_conv_transpose(
     w_dims = (group, m_per_group, cg, *kernel)
     row_major = _row_major((group, cg, m_per_group, *kernel))
     w_strides = (row_major[0], row_major[2], row_major[1], *row_major[3:])
-    y_shape = (x_shape[0], m_per_group * group, *out)
+    y_dims = (x_shape[0], m_per_group * group, *out)
 
     def make(api: _Api) -> OneDnnPlan:
-        def create(desc, x_desc, w_desc, b_desc, y_desc):
+        def create(desc, layouts, bias_desc):
             return api.deconvolution_forward_primitive_desc_create(
-                desc, api.engine, _FORWARD_INFERENCE, _DECONVOLUTION_DIRECT, x_desc, w_desc, b_desc, y_desc,
+                desc, api.engine, _FORWARD_INFERENCE, _DECONVOLUTION_DIRECT, *layouts[:2], bias_desc, layouts[2],
                 *_geometry(strides, dilations, begin, ends), None,
             )  # fmt: skip
 
-        return OneDnnPlan(api, create, tuple(x_shape), w_dims, w_strides, y_shape, bias)
+        specs = [(_ARG_SRC, _QUERY_SRC, tuple(x_shape), None, True), (_ARG_WEIGHTS, _QUERY_WEIGHTS, w_dims, w_strides, True)]
+        specs.append((_ARG_DST, _QUERY_DST, y_dims, None, False))
+        return OneDnnPlan(_Primitive(api, create, specs, y_dims[1] if bias else None))
 
     return _plan_or_none(make)
 
