@@ -195,3 +195,47 @@ def test_gemm_with_c_is_rounded_once(case, dtype):
     _assert_rounded_once(got, alpha * (a @ b) + beta * c, magnitudes, a.shape[1], dtype)
     cpu = Session(model).run(feeds)["y"].astype(np.float64)
     assert np.mean(got == cpu) > 0.99
+
+
+@pytest.mark.parametrize("dtype", list(LOW), ids=["bf16", "fp16"])
+def test_a_linear_takes_cublaslt_bias_epilogue_and_the_float32_c_gives_the_same_rounding(dtype, monkeypatch):
+    """GPT-2's qkv Linear runs as one cuBLASLt call whose BIAS epilogue adds the bias to the float32
+    accumulator; with that off (GRADGEN_CUBLASLT_BIAS=0) the float32 C path computes the same
+    once-rounded sums (equal but for a rare element near a tie: the two may sum in other orders)."""
+    from gradgen.kernels.cuda import matmul as cuda_matmul
+
+    model, shapes = _linear_model((8, 256, 768), (768, 2304), None, LOW[dtype])
+    rng = np.random.default_rng(11)
+    feeds = {k: (rng.standard_normal(shapes[k]) * (0.2 if k == "b" else 1.0)).astype(dtype) for k in "abc"}
+    with Session(model, device="cuda") as session:
+        epilogue = session.run(feeds)["out"].astype(np.float64)
+    assert cuda_matmul._STATE.get("lt") is not None, cuda_matmul._STATE.get("lt_error")
+    assert any(isinstance(key, tuple) and key[:4] == ("lt", 2048, 2304, 768) for key in cuda_matmul._STATE)
+    monkeypatch.setenv(cuda_matmul.LT_ENV, "0")
+    monkeypatch.delitem(cuda_matmul._STATE, "lt")
+    with Session(model, device="cuda") as session:
+        float32_c = session.run(feeds)["out"].astype(np.float64)
+    assert cuda_matmul._STATE.get("lt") is None
+    assert np.mean(epilogue == float32_c) > 0.99
+
+
+def test_an_operand_off_cublaslt_alignment_takes_the_float32_c_path_with_the_same_values():
+    """cuBLASLt's algorithms assume 256-byte aligned operands: a view two bytes into its buffer
+    must not reach them, and its sums are the once-rounded ones all the same."""
+    from gradgen.cuda import runtime as rt
+    from gradgen.kernels.cuda import matmul as cuda_matmul
+
+    m, k, n = 64, 96, 80
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal((m, k)).astype(BF16)
+    b = (rng.standard_normal((k, n)) * 0.2).astype(BF16)
+    c = rng.standard_normal(n).astype(BF16)
+    shifted = rt.to_device(np.concatenate([np.zeros(1, BF16), a.reshape(-1)]))[1:].reshape(m, k)
+    assert int(shifted.gpudata) % cuda_matmul.LT_ALIGNMENT
+    aligned = rt.to_device(a)
+    b_d, c_d = rt.to_device(b), rt.to_device(c)
+    got = rt.to_host(cuda_matmul.matmul_bias(shifted, b_d, c_d)).astype(np.float64)
+    through_lt = rt.to_host(cuda_matmul.matmul_bias(aligned, b_d, c_d)).astype(np.float64)
+    assert np.mean(through_lt == got) > 0.99  # equal but for a rare element near a tie
+    a64, b64, c64 = (x.astype(np.float64) for x in (a, b, c))
+    _assert_rounded_once(got, a64 @ b64 + c64, np.abs(a64) @ np.abs(b64) + np.abs(c64), k, BF16)

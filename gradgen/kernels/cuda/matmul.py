@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 
 import numpy as np
 
@@ -55,6 +56,9 @@ def _drop_cublas() -> None:
     handle = _STATE.pop("handle", None)
     if handle is not None:
         _STATE["cublas"].destroy(handle)
+    lt = _STATE.pop("lt", None)
+    if lt is not None:
+        lt[0].destroy(lt[1])
     _STATE.clear()
 
 
@@ -300,6 +304,10 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
         b, b2_shape, b2_strides = _materialised(b, b2_shape, b2_strides, batch)
         planned = plan_gemm(a2_shape, a2_strides, b2_shape, b2_strides)
     calls, c_shape = planned
+    if bias is not None and np.dtype(a.dtype).itemsize == 2:
+        fused = _bias_epilogue_product(a, b, bias, calls, c_shape, alpha)
+        if fused is not None:
+            return fused.reshape(final)
     out = rt.empty(c_shape, a.dtype) if bias is None else _accumulator_from(bias, final, a.dtype).reshape(c_shape)
     float32_sum = out.dtype != a.dtype
     size, c_size = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
@@ -326,6 +334,120 @@ def matmul_views(a, a_view, b, b_view, *, alpha: float = 1.0, bias=None):
             c_float32=float32_sum,
         )
     return _rounded_once(out, a.dtype).reshape(final)
+
+
+# -- cuBLASLt's bias epilogue ---------------------------------------------------------------------
+
+LT_ENV = "GRADGEN_CUBLASLT_BIAS"  # "0": 16-bit products with a bias sum in a float32 C instead
+# cuBLASLt's heuristics assume operands aligned to 256 bytes unless told otherwise (an algorithm may
+# then read them with wide loads): an operand view at another offset takes the float32 C path
+LT_ALIGNMENT = 256
+
+
+def _lt():
+    """(module, handle) of cuBLASLt, or None where it cannot be used (then the float32 C path runs)."""
+    if "lt" not in _STATE:
+        _STATE["lt"] = None
+        if os.environ.get(LT_ENV, "1") != "0":
+            try:
+                from nvmath.bindings import cublasLt
+
+                _cublas()  # the workspace the cuBLAS handle uses serves cuBLASLt too: one stream, in order
+                _STATE["lt"] = (cublasLt, cublasLt.create())
+            except Exception:  # noqa: BLE001 -- no cuBLASLt: the float32 C path is exact too
+                _STATE["lt"] = None
+    return _STATE["lt"]
+
+
+def _lt_attribute(lt, desc, attribute, value) -> None:
+    buffer = np.array(value, dtype=lt.get_matmul_desc_attribute_dtype(int(attribute)))
+    lt.matmul_desc_set_attribute(desc, int(attribute), buffer.ctypes.data, buffer.nbytes)
+
+
+def _lt_plan(call: GemmCall, dtype):
+    """(matmul descriptor, four layouts, algorithm) for ``call`` with a bias epilogue, made once
+    per GEMM geometry; None where cuBLASLt's heuristics offer no algorithm."""
+    key = ("lt", call.m, call.n, call.k, call.trans_a, call.trans_b, call.lda, call.ldb, np.dtype(dtype).str)
+    if key in _STATE:
+        return _STATE[key]
+    lt, handle = _lt()
+    cublas, _ = _cublas()
+    data_type, compute, _scalar = _types(dtype)
+    attr, op = lt.MatmulDescAttribute, cublas.Operation
+    desc = lt.matmul_desc_create(compute, _CUDA_R_32F)
+    # Row-major C = A @ B as column-major C^T = B^T @ A^T, as gemm_rowmajor: B goes first.
+    _lt_attribute(lt, desc, attr.TRANSA, int(op.T if call.trans_b else op.N))
+    _lt_attribute(lt, desc, attr.TRANSB, int(op.T if call.trans_a else op.N))
+    _lt_attribute(lt, desc, attr.EPILOGUE, int(lt.Epilogue.BIAS))
+    _lt_attribute(lt, desc, attr.BIAS_DATA_TYPE, data_type)
+    first = (call.k, call.n) if call.trans_b else (call.n, call.k)
+    second = (call.m, call.k) if call.trans_a else (call.k, call.m)
+    layouts = (
+        lt.matrix_layout_create(data_type, *first, max(1, call.ldb)),
+        lt.matrix_layout_create(data_type, *second, max(1, call.lda)),
+        lt.matrix_layout_create(data_type, call.n, call.m, max(1, call.n)),
+    )
+    preference, most = lt.matmul_preference_create(), int(lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES)
+    size = np.array(CUBLAS_WORKSPACE_BYTES, dtype=lt.get_matmul_preference_attribute_dtype(most))
+    lt.matmul_preference_set_attribute(preference, most, size.ctypes.data, size.nbytes)
+    results, found = lt.MatmulHeuristicResult(1), np.zeros(1, np.int32)
+    lt.matmul_algo_get_heuristic(handle, desc, *layouts, layouts[2], preference, 1, results.ptr, found.ctypes.data)
+    lt.matmul_preference_destroy(preference)
+    plan = (desc, layouts, results) if found[0] > 0 else None
+    _STATE[key] = plan
+    return plan
+
+
+def _bias_epilogue_product(a, b, bias, calls: list[GemmCall], c_shape, alpha: float):
+    """A 16-bit product plus a bias along its last axis in one cuBLASLt call: its BIAS epilogue adds
+    the bias to the float32 accumulator and rounds the sum once (what the float32 C computes,
+    without the float32 buffer, the broadcast and the cast). None where it does not apply (a
+    batched call, a bias that is not one row of the output) or cuBLASLt is not there."""
+    if len(calls) != 1 or calls[0].batch != 1 or calls[0].c_off or bias.ndim != 1 or bias.shape[0] != calls[0].n:
+        return None
+    size, call, bias = np.dtype(a.dtype).itemsize, calls[0], contiguous(bias)
+    pointers = (int(a.gpudata) + call.a_off * size, int(b.gpudata) + call.b_off * size, int(bias.gpudata))
+    if any(pointer % LT_ALIGNMENT for pointer in pointers) or _lt() is None:
+        return None
+    try:
+        return _lt_bias_gemm(a, b, bias, call, c_shape, alpha)
+    except Exception as exc:  # noqa: BLE001 -- a cuBLASLt that refuses: the float32 C path for the rest of the process
+        _STATE["lt"], _STATE["lt_error"] = None, f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _lt_bias_gemm(a, b, bias, call: GemmCall, c_shape, alpha: float):
+    from gradgen.cuda import runtime as rt
+
+    plan = _lt_plan(call, a.dtype)
+    if plan is None:
+        return None
+    lt, handle = _lt()
+    desc, layouts, results = plan
+    _lt_attribute(lt, desc, lt.MatmulDescAttribute.BIAS_POINTER, int(bias.gpudata))
+    out = rt.empty(c_shape, a.dtype)
+    size = np.dtype(a.dtype).itemsize
+    alpha_h, beta_h = np.array([alpha], np.float32), np.zeros(1, np.float32)
+    workspace = _STATE["workspace"]
+    lt.matmul(
+        handle,
+        desc,
+        alpha_h.ctypes.data,
+        int(b.gpudata) + call.b_off * size,
+        layouts[0],
+        int(a.gpudata) + call.a_off * size,
+        layouts[1],
+        beta_h.ctypes.data,
+        int(out.gpudata),
+        layouts[2],
+        int(out.gpudata),
+        layouts[2],
+        int(results.ptr) + lt.matmul_heuristic_result_dtype.fields["algo"][1],  # the chosen algorithm
+        int(workspace.gpudata),
+        CUBLAS_WORKSPACE_BYTES,
+        int(rt.stream().handle),
+    )
+    return out
 
 
 def _accumulator_from(c, shape, operand_dtype):
@@ -453,6 +575,11 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if a.dtype != b.dtype or not is_float(a.dtype) or (use_c and c.dtype != a.dtype):
         return cpu_fallback("Gemm", a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
     a, b = contiguous(a), contiguous(b)
+    if use_c and beta == 1.0 and k and np.dtype(a.dtype).itemsize == 2 and c.size == n and c.shape[-1] == n:
+        call = GemmCall(0, 0, 0, int(m), int(n), int(k), bool(transA), bool(transB), int(a.shape[1]), int(b.shape[1]))
+        fused = _bias_epilogue_product(a, b, contiguous(c).reshape(int(n)), [call], (int(m), int(n)), float(alpha))
+        if fused is not None:
+            return fused
     out = _accumulator_from(c, (m, n), a.dtype) if use_c else rt.empty((m, n), a.dtype)
     float32_sum = out.dtype != a.dtype
     if out.size == 0:
