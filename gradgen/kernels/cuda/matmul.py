@@ -426,6 +426,8 @@ def _lt_bias_gemm(a, b, bias, call: GemmCall, c_shape, alpha: float):
     desc, layouts, results = plan
     _lt_attribute(lt, desc, lt.MatmulDescAttribute.BIAS_POINTER, int(bias.gpudata))
     out = rt.empty(c_shape, a.dtype)
+    if int(out.gpudata) % LT_ALIGNMENT:  # the arena and the pool give 256-byte blocks; never assumed
+        return None
     size = np.dtype(a.dtype).itemsize
     alpha_h, beta_h = np.array([alpha], np.float32), np.zeros(1, np.float32)
     workspace = _STATE["workspace"]
