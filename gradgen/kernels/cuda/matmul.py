@@ -405,6 +405,8 @@ def _bias_epilogue_product(a, b, bias, calls: list[GemmCall], c_shape, alpha: fl
     batched call, a bias that is not one row of the output) or cuBLASLt is not there."""
     if len(calls) != 1 or calls[0].batch != 1 or calls[0].c_off or bias.ndim != 1 or bias.shape[0] != calls[0].n:
         return None
+    if not (calls[0].m and calls[0].n and calls[0].k):  # an empty product: cuBLASLt refuses the layouts
+        return None
     size, call, bias = np.dtype(a.dtype).itemsize, calls[0], contiguous(bias)
     pointers = (int(a.gpudata) + call.a_off * size, int(b.gpudata) + call.b_off * size, int(bias.gpudata))
     if any(pointer % LT_ALIGNMENT for pointer in pointers) or _lt() is None:
