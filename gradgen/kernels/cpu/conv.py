@@ -178,9 +178,17 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
     num_outputs = attrs.get("_num_outputs", 3)
     wanted = attrs.get("_wanted") or (True,) * num_outputs
 
+    def onednn_parts(plan, dY, X, W) -> tuple:
+        """oneDNN's parts of ConvGrad, and the kernel's for the parts oneDNN refused."""
+        results = list(plan(dY, X, W))
+        if any(plan.missing):
+            rest = conv_grad(dY, X, W, **{**attrs, "_wanted": plan.missing + (False,) * (num_outputs - 2)})
+            results[:2] = [kept if missing else r for r, kept, missing in zip(results, rest, plan.missing)]
+        return tuple(results)
+
     def fast(plan, dY, X, W):
         if isinstance(plan, onednn_conv.OneDnnConvGrad):
-            return plan(dY, X, W)
+            return onednn_parts(plan, dY, X, W)
         acc, g, mg, p, dx_table, padded, interior, dw_index, spatial_axes = plan
         n = X.shape[0]
         dy = dY.astype(acc, copy=False)

@@ -42,7 +42,13 @@ _ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS = 129, 145, 161
 _QUERY_IMPL_INFO, _QUERY_SRC, _QUERY_WEIGHTS, _QUERY_DST = 8, 129, 131, 133
 _QUERY_DIFF_SRC, _QUERY_DIFF_WEIGHTS, _QUERY_DIFF_DST = 130, 132, 134
 _MAX_DIMS = 12
-_REFUSED_IMPLEMENTATIONS = ("ref", "gemm")  # slower than (or the same as) gradgen's own path
+# oneDNN's reference code (slow) and its im2col + GEMM ("x64:gemm:jit": what gradgen's own path does)
+# are left to gradgen's path
+
+
+def _refused(implementation: str) -> bool:
+    return implementation.startswith("ref") or "gemm" in implementation
+
 
 _Dims = ctypes.c_int64 * _MAX_DIMS
 P = TypeVar("P")
@@ -213,7 +219,7 @@ class _Primitive:
         info = ctypes.c_char_p()
         _check(api.primitive_desc_query(primitive_desc, _QUERY_IMPL_INFO, 0, ctypes.byref(info)))
         self.implementation = (info.value or b"").decode()
-        if self.implementation.startswith(_REFUSED_IMPLEMENTATIONS):
+        if _refused(self.implementation):
             raise _Refused(self.implementation)
         self.operands = [
             _Operand(api, arg, desc, api.primitive_desc_query_md(primitive_desc, query, 0), is_input, owned)
@@ -273,11 +279,14 @@ class OneDnnPlan(OwnSums):
 
 class OneDnnConvGrad(OwnSums):
     """ONNX Runtime training's ConvGrad for one grouped geometry: dX by oneDNN's backward-data
-    convolution, dW by its backward-weights one (each where wanted), dB as numpy's sum of dY."""
+    convolution, dW by its backward-weights one (each where wanted), dB as numpy's sum of dY. A
+    wanted part that oneDNN refused is None in the results and True in ``missing``: the caller
+    computes it."""
 
-    def __init__(self, data: _Primitive | None, weights: _Primitive | None, outputs: int) -> None:
-        self.data, self.weights, self.outputs = data, weights, outputs
-        self.implementation = " / ".join(p.implementation for p in (data, weights) if p is not None)
+    def __init__(self, data: _Primitive | None, weights: _Primitive | None, wanted: tuple) -> None:
+        self.data, self.weights, self.outputs = data, weights, len(wanted)
+        self.missing = tuple(bool(w) and p is None for w, p in zip(wanted[:2], (data, weights)))
+        self.implementation = " / ".join(p.implementation if p is not None else "gradgen" for p in (data, weights))
 
     def __call__(self, dY: np.ndarray, X: np.ndarray, W: np.ndarray) -> tuple:
         results: list = [
@@ -375,20 +384,28 @@ def plan_conv_grad(
             data = weights = None
             if wanted[0]:  # dX from (dY, W)
                 specs = [(_ARG_DIFF_DST, _QUERY_DIFF_DST, y_dims, None, True), (_ARG_WEIGHTS, _QUERY_WEIGHTS, w_dims, None, True)]
-                data = _Primitive(api, backward_data, [*specs, (_ARG_DIFF_SRC, _QUERY_DIFF_SRC, x_dims, None, False)])
+                data = _part(api, backward_data, [*specs, (_ARG_DIFF_SRC, _QUERY_DIFF_SRC, x_dims, None, False)])
             if len(wanted) > 1 and wanted[1]:  # dW from (X, dY)
                 specs = [(_ARG_SRC, _QUERY_SRC, x_dims, None, True), (_ARG_DIFF_DST, _QUERY_DIFF_DST, y_dims, None, True)]
-                weights = _Primitive(
-                    api, backward_weights, [*specs, (_ARG_DIFF_WEIGHTS, _QUERY_DIFF_WEIGHTS, w_dims, None, False)]
-                )
+                weights = _part(api, backward_weights, [*specs, (_ARG_DIFF_WEIGHTS, _QUERY_DIFF_WEIGHTS, w_dims, None, False)])
+            if data is None and weights is None:
+                raise _Refused("neither gradient")
         finally:
             if hint:
                 api.primitive_desc_destroy(hint)
             for desc in hint_layouts:
                 api.memory_desc_destroy(desc)
-        return OneDnnConvGrad(data, weights, len(wanted))
+        return OneDnnConvGrad(data, weights, wanted)
 
     return _plan_or_none(make)
+
+
+def _part(api: _Api, create, specs: list[_Spec]) -> _Primitive | None:
+    """One of ConvGrad's primitives, or None where oneDNN refuses it (its part runs gradgen's way)."""
+    try:
+        return _Primitive(api, create, specs)
+    except _Refused:
+        return None
 
 
 def plan_conv_transpose(
