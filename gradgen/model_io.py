@@ -14,7 +14,7 @@ from typing import Iterator, Union
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
-from onnx import external_data_helper
+from onnx import external_data_helper, numpy_helper
 
 from gradgen.errors import ModelError, UsageError
 
@@ -46,6 +46,7 @@ def load_model(model: ModelLike) -> ir.Model:
     if isinstance(model, ir.Model):
         return model
     if isinstance(model, onnx.ModelProto):
+        _check_inline_tensors(model, "<in-memory model>")
         return _from_proto(model, "<in-memory model>")
     path = Path(model)
     if not path.exists():
@@ -63,6 +64,7 @@ def load_model(model: ModelLike) -> ir.Model:
         found = f"invalid opset import(s) {', '.join(bad_opsets)}" if bad_opsets else "no opset import"
         raise ModelError(f"{path}: not a valid ONNX model ({found}; truncated file?)")
     _check_external_data(proto, path)
+    _check_inline_tensors(proto, str(path))
     loaded = _from_proto(proto, str(path))
     # External data stays in its files, memory-mapped when a tensor is first read: a model of
     # several GB costs no resident memory until its weights are used, and no copy.
@@ -105,6 +107,37 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
             )
 
 
+def _check_inline_tensors(proto: onnx.ModelProto, where: str) -> None:
+    """Every tensor kept in the model itself (initializers, Constant values, in subgraphs too) must
+    have a known element type, no negative dimension, and as many elements as its dims say: a
+    tensor without its data read as zeros, which gave a silently wrong loss."""
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if external_data_helper.uses_external_data(tensor):
+            continue  # checked by _check_external_data
+        problem = _inline_tensor_problem(tensor)
+        if problem:
+            raise ModelError(f"{where}: tensor {tensor.name!r} (dims {list(tensor.dims)}) {problem}")
+
+
+def _inline_tensor_problem(tensor: onnx.TensorProto) -> str | None:
+    """What is wrong with an inline tensor's type, dims or amount of data, or None."""
+    if tensor.data_type not in onnx.TensorProto.DataType.values() or tensor.data_type == onnx.TensorProto.UNDEFINED:
+        return f"has no valid element type (data_type {tensor.data_type})"
+    if any(d < 0 for d in tensor.dims):
+        return "has a negative dimension"
+    if tensor.data_type == onnx.TensorProto.STRING:
+        held = len(tensor.string_data)
+        return None if held == math.prod(tensor.dims) else f"holds {held} strings for {math.prod(tensor.dims)} elements"
+    if tensor.HasField("raw_data"):
+        held, wanted = len(tensor.raw_data), _tensor_nbytes(tensor)
+        return None if held == wanted else f"holds {held} bytes of data where its dims need {wanted}"
+    try:  # data in the typed fields (small tensors): numpy_helper checks the count as it reshapes
+        numpy_helper.to_array(tensor)
+    except Exception as exc:  # noqa: BLE001 -- ValueError on a short field; others on odd types
+        return f"holds data that does not fill its dims ({type(exc).__name__}: {exc})"
+    return None
+
+
 def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
     bits = ir.DataType(tensor.data_type).bitwidth
     return (math.prod(tensor.dims) * bits + 7) // 8
@@ -142,6 +175,8 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Pat
         raise UsageError(f"{out_path}: {parent} is not a directory")
     if out_path.is_dir():
         raise UsageError(f"{out_path}: is a directory; give a file name for the output")
+    if out_path.exists() and not out_path.is_file():  # the output replaces the path by a rename
+        raise UsageError(f"{out_path}: is not a regular file (a device, pipe or socket); give a file name for the output")
     try:  # a read-only directory, /proc, a full disk: say so now, not after the work
         fd, probe = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=parent)
         os.close(fd)

@@ -110,10 +110,14 @@ def loop_trip_count(node: ir.Node) -> int | str:
     count = constant_of(m)
     if count is None:
         return f"its trip count M ({m.name!r}) is computed at run time"
+    if np.size(count) != 1:
+        return f"its trip count M ({m.name!r}) has {np.size(count)} elements, where ONNX wants one"
     if cond is not None and cond.name:
         start = constant_of(cond)
         if start is None:
             return f"its initial condition ({cond.name!r}) is computed at run time"
+        if np.size(start) != 1:
+            return f"its initial condition ({cond.name!r}) has {np.size(start)} elements, where ONNX wants one"
         if not bool(np.asarray(start).reshape(-1)[0]):
             return 0
     body = get_attr(node, "body")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.errors import ModelError
 from gradgen.evaluate import STANDARD_DOMAINS, ConstantEvaluator, direct_constant, foldable_op
 from gradgen.passes.rewrite import NodeRemoval
 
@@ -36,7 +37,8 @@ class EvaluateConstantsPass(ir.passes.InPlacePass):
             changed = changed or inlined
             modified = modified or changed
             if self.shape_inference and (changed or round_ == 0):
-                ShapeInferencePass()(model)
+                # the first inference also checks the model's own declarations against its nodes
+                ShapeInferencePass(check_declared=round_ == 0)(model)
             if (not changed and round_ > 0) or not (inlined or _has_shape_reads(model.graph)):
                 break
         return ir.passes.PassResult(model, modified=modified)
@@ -141,6 +143,9 @@ def inline_constant_ifs(graph: ir.Graph) -> bool:
         known = None if condition is None else direct_constant(condition)
         if known is None:
             continue
+        if np.size(known) != 1:
+            shape = list(np.shape(known))
+            raise ModelError(f"If node {node.name!r}: its condition must hold exactly one element; it has shape {shape}")
         taken = bool(np.asarray(known).reshape(-1)[0])
         _inline_branch(graph, node, node.attributes["then_branch" if taken else "else_branch"].value)
         modified = True

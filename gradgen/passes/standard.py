@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_common
@@ -119,8 +121,12 @@ class ShapeInferencePass(ir.passes.InPlacePass):
     where inference knows nothing.
     """
 
+    def __init__(self, check_declared: bool = False) -> None:
+        super().__init__()
+        self.check_declared = check_declared  # a declared type or shape that inference contradicts is a ModelError
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        inferred, corrected = _infer_shapes(_proto_without_weights(model))
+        inferred, corrected = _infer_shapes(_proto_without_weights(model), self.check_declared)
         values = _values_by_name(model.graph)
         modified = False
         for info in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -266,7 +272,33 @@ def _add_small_initializers(graph: onnx.GraphProto, values: list[ir.Value], inpu
             ir.serde.serialize_tensor_into(graph.initializer.add(), tensor)
 
 
-def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+_TYPE_CONFLICT = re.compile(r"Inferred elem type differs from existing elem type: \((\d+)\) vs \((\d+)\)")
+_SHAPE_CONFLICT = "Inferred shape and existing shape differ"
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _declaration_conflicts(proto: onnx.ModelProto) -> list[str]:
+    """ONNX's strict inference's complaints about the types and shapes the model declares for
+    values its nodes compute otherwise, where gradgen would build wrong gradients from them: a
+    float value declared as an integer (or the reverse: whether it is differentiable) and a
+    static shape that differs (a [3] declared [1]). Float-to-float differences are left alone
+    (gradgen's kernels follow their inputs, as some exporters declare), and so are outputs of the
+    ops whose shapes gradgen's own rules decide (pooling, ConvTranspose)."""
+    try:
+        onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 -- InferenceError, or anything the non-strict run reports
+        conflicts = []
+        for line in (line.strip() for line in str(exc).splitlines()):
+            if any(f"op_type:{op}" in line for op in _SHAPE_RULE_OPS):
+                continue
+            types = _TYPE_CONFLICT.search(line)
+            if _SHAPE_CONFLICT in line or (types and (int(types[1]) in _FLOAT_TYPES) != (int(types[2]) in _FLOAT_TYPES)):
+                conflicts.append(line)
+        return conflicts
+    return []
+
+
+def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple[onnx.ModelProto, set[str]]:
     """ONNX shape inference, with pooling and ConvTranspose outputs set by gradgen's shape rules.
 
     Before opset 22, ONNX's inference keeps a ceil_mode window that starts past the input (e.g.
@@ -277,6 +309,10 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
     Returns the inferred model and the names of the corrected values.
     """
     _check_einsum_equations(proto.graph)
+    conflicts = _declaration_conflicts(proto) if check_declared else []
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise ModelError(f"the model declares a type or shape its nodes do not compute: {conflicts[0]}{more}")
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
     for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):

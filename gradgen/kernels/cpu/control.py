@@ -95,9 +95,12 @@ class HostArrays:
 HOST_ARRAYS = HostArrays()
 
 
-def _first(arrays, value):
-    """A condition's or trip count's value (its first element), on the host."""
-    return arrays.host(value).reshape(-1)[0]
+def _first(arrays, value, what: str):
+    """A condition's or trip count's value, on the host: ONNX wants exactly one element."""
+    host = arrays.host(value)
+    if host.size != 1:
+        raise KernelError(f"the {what} must hold exactly one element; it has shape {list(host.shape)}")
+    return host.reshape(-1)[0]
 
 
 def _split_scope(args: tuple, captured: tuple) -> tuple[list, dict[str, Any]]:
@@ -115,21 +118,21 @@ def _empty_like_declared(arrays, value: ir.Value):
 
 def run_if(arrays, cond, args: tuple, then_branch, else_branch, captured: tuple, opset: int) -> tuple:
     _, scope = _split_scope((cond, *args), captured)
-    branch = then_branch if bool(_first(arrays, cond)) else else_branch
+    branch = then_branch if bool(_first(arrays, cond, "condition")) else else_branch
     return tuple(arrays.run(branch, [], scope, opset))
 
 
 def run_loop(arrays, m, cond, args: tuple, body, captured: tuple, opset: int) -> tuple:
     initial, scope = _split_scope(args, captured)
-    trip_count = None if m is None else int(_first(arrays, m))
-    go_on = True if cond is None else bool(_first(arrays, cond))
+    trip_count = None if m is None else int(_first(arrays, m, "trip count M"))
+    go_on = True if cond is None else bool(_first(arrays, cond, "condition"))
     states = list(initial)
     num_scans = len(body.outputs) - 1 - len(states)
     scans: list[list[Any]] = [[] for _ in range(num_scans)]
     i = 0
     while go_on and (trip_count is None or i < trip_count):
         outputs = arrays.run(body, [np.array(i, dtype=np.int64), np.array(go_on), *states], scope, opset)
-        go_on = bool(_first(arrays, outputs[0]))
+        go_on = bool(_first(arrays, outputs[0], "body's condition output"))
         states = outputs[1 : 1 + len(states)]
         for k, element in enumerate(outputs[1 + len(states) :]):
             if scans[k] and tuple(element.shape) != tuple(scans[k][0].shape):

@@ -1,0 +1,158 @@
+"""Models that say one thing and hold another, as a user meets them: declared types and shapes
+that the nodes do not compute, tensors without their data, conditions of more than one element,
+and an output path that is not a regular file. Each was a silently wrong result or a replaced
+file; each is now one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.errors import ModelError, RunError
+from gradgen.executor import Session
+from tests.test_cli import run_cli
+
+X3 = np.array([1.0, 2.0, 3.0], np.float32)
+
+
+def _mul_loss(initializer: onnx.TensorProto, value_info: list | None = None) -> onnx.ModelProto:
+    """loss = sum(x * w), with ``w`` as given and ``y = x * w`` declared as ``value_info`` says."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"], name="mul"), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[initializer],
+        value_info=value_info or [],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("declared", "said"),
+    [
+        (helper.make_tensor_value_info("y", TensorProto.INT64, [3]), "elem type differs"),  # gave a zero w_grad
+        (helper.make_tensor_value_info("y", TensorProto.FLOAT, [1]), "shape differ"),  # gave w_grad of x's shape
+    ],
+    ids=["type", "shape"],
+)
+def test_a_declaration_the_nodes_contradict_is_a_model_error(tmp_path, capsys, monkeypatch, declared, said):
+    model = _mul_loss(numpy_helper.from_array(np.array([1, 2, 3], np.float32), "w"), [declared])
+    with pytest.raises(ModelError, match=said) as raised:
+        gradgen.build_backward(model)
+    assert "mul" in str(raised.value)  # the node at fault
+    onnx.save(model, tmp_path / "m.onnx")
+    code, _, err = run_cli(capsys, monkeypatch, "build-backward", tmp_path / "m.onnx", "-o", tmp_path / "b.onnx")
+    assert code == 3 and said in _one_error_line(err)
+    assert not (tmp_path / "b.onnx").exists()
+
+
+def test_correct_declarations_still_build_and_give_the_gradient():
+    model = _mul_loss(
+        numpy_helper.from_array(np.array([4, 5, 6], np.float32), "w"),
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    built = gradgen.build_backward(model)
+    with Session(built.model) as session:
+        np.testing.assert_array_equal(session.run({"x": X3})["w_grad"], X3)
+
+
+def _tensor(dims, **fields) -> onnx.TensorProto:
+    return onnx.TensorProto(name="w", dims=dims, **{"data_type": TensorProto.FLOAT, **fields})
+
+
+@pytest.mark.parametrize(
+    ("tensor", "said"),
+    [
+        (_tensor([3]), "does not fill its dims"),  # read as zeros: loss 0
+        (_tensor([3], raw_data=np.ones(2, np.float32).tobytes()), "holds 8 bytes of data where its dims need 12"),
+        (_tensor([3], float_data=[1.0, 2.0]), "does not fill its dims"),
+        (_tensor([-3], raw_data=np.ones(3, np.float32).tobytes()), "negative dimension"),
+        (_tensor([3], data_type=0, raw_data=np.ones(3, np.float32).tobytes()), "no valid element type"),
+        (_tensor([1 << 40, 1 << 20]), "does not fill its dims"),
+    ],
+    ids=["no-data", "short-raw", "short-field", "negative-dim", "no-type", "absurd-dims"],
+)
+def test_a_tensor_without_its_data_is_a_model_error_naming_it(tmp_path, capsys, monkeypatch, tensor, said):
+    path = tmp_path / "m.onnx"
+    onnx.save(_mul_loss(tensor), path)
+    np.savez(tmp_path / "x.npz", x=X3)
+    for args in (
+        ["run", path, "--inputs", tmp_path / "x.npz", "--device", "cpu"],
+        ["build-backward", path, "-o", tmp_path / "b.onnx"],
+    ):
+        code, out, err = run_cli(capsys, monkeypatch, *args)
+        line = _one_error_line(err)
+        assert code == 3 and "tensor 'w'" in line and said in line, line
+        assert "loss" not in out
+
+
+def test_a_constant_tensor_in_a_node_is_checked_too():
+    constant = helper.make_node("Constant", [], ["w"], value=_tensor([3], float_data=[1.0]))
+    graph = helper.make_graph(
+        [constant, helper.make_node("Mul", ["x", "w"], ["loss"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [3])],
+    )
+    with pytest.raises(ModelError, match="tensor 'w'"):
+        Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def _if_model(cond_shape) -> onnx.ModelProto:
+    out = helper.make_tensor_value_info
+    then = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["a"])], "then", [], [out("a", TensorProto.FLOAT, [3])])
+    other = helper.make_graph([helper.make_node("Add", ["x", "x"], ["b"])], "else", [], [out("b", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then, else_branch=other)],
+        "g",
+        [out("x", TensorProto.FLOAT, [3]), out("c", TensorProto.BOOL, cond_shape)],
+        [out("y", TensorProto.FLOAT, [3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("cond", [np.array([False, True]), np.zeros(0, bool)], ids=["two", "none"])
+def test_an_if_condition_of_other_than_one_element_is_refused(cond):
+    """It took the first element silently (or failed with an IndexError on none)."""
+    with Session(_if_model([None])) as session:
+        with pytest.raises(RunError, match=r"'branch' \(If\).*exactly one element; it has shape"):
+            session.run({"x": X3, "c": cond})
+        np.testing.assert_array_equal(session.run({"x": X3, "c": np.array([True])})["y"], X3 * X3)
+
+
+def test_a_constant_if_condition_of_two_elements_is_a_model_error_at_build():
+    model = _if_model([2])
+    model.graph.input.pop()  # c becomes a constant
+    model.graph.initializer.append(numpy_helper.from_array(np.array([True, False]), "c"))
+    with pytest.raises(ModelError, match="'branch'.*exactly one element"):
+        gradgen.build_backward(model, loss="y", wrt_inputs=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+@pytest.mark.parametrize("command", ["build-backward", "run"])
+def test_an_output_that_is_a_pipe_is_refused_and_left_as_it_is(tmp_path, capsys, monkeypatch, command):
+    """The output is written beside its path and renamed over it: a pipe or a device there (as root,
+    -o /dev/null) was replaced by a regular file."""
+    from tests.test_cli import tiny_model
+
+    tiny_model(tmp_path / "tiny.onnx")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    args = ["build-backward", tmp_path / "tiny.onnx", "-o", pipe]
+    if command == "run":
+        args = ["run", tmp_path / "tiny.onnx", "--random-inputs", "--dim", "N=2", "--device", "cpu", "-o", pipe]
+    code, out, err = run_cli(capsys, monkeypatch, *args)
+    assert code == 2 and "is not a regular file" in _one_error_line(err)
+    assert pipe.is_fifo()
