@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.errors import GradgenError, RunError
+from gradgen.errors import GradgenError, RunError, UsageError
 from gradgen.names import value_name
 from gradgen.passes.autocast import METADATA_KEY
 from gradgen.text_table import format_table
@@ -182,6 +182,8 @@ def compare_outputs(
     hint = ""
     if unmatched and not torch_names and any(f"{key}_grad" in results for key in unmatched):
         hint = "--torch-names compares a key w with the output w_grad"
+    for _, key in pairs:
+        _require_real(key, np.asarray(reference[key]))
     compared = {output for output, _ in pairs}
     unreferenced = [name for name in results if name not in compared]
     got = {output: np.asarray(results[output]) for output, _ in pairs}
@@ -190,6 +192,14 @@ def compare_outputs(
     largest = max((_max_abs(want[o]) for o in grads if want[o].shape == got[o].shape), default=0.0)
     rows = [_compare_one(output, key, got[output], want[output], rtol, atol, floor * largest) for output, key in pairs]
     return Comparison(rows, unmatched, unreferenced, rtol, atol, floor, hint, defaults)
+
+
+def _require_real(key: str, array: np.ndarray) -> None:
+    """A reference holds real numbers (booleans, integers, floats of any width): a complex one's
+    imaginary part would be dropped, and strings or dates cannot be compared."""
+    if array.dtype.kind in "biuf" or array.dtype.type.__module__.startswith("ml_dtypes"):  # bfloat16, 8-bit floats
+        return
+    raise UsageError(f"--compare: reference key {key!r} holds {array.dtype} values; it must hold real numbers")
 
 
 def _max_abs(array: np.ndarray) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import secrets
@@ -46,8 +47,7 @@ def load_model(model: ModelLike) -> ir.Model:
     if isinstance(model, ir.Model):
         return model
     if isinstance(model, onnx.ModelProto):
-        _check_inline_tensors(model, "<in-memory model>")
-        return _from_proto(model, "<in-memory model>")
+        return _checked(_from_proto(model, "<in-memory model>"), "<in-memory model>")
     path = Path(model)
     if not path.exists():
         raise UsageError(f"{path}: no such file")
@@ -64,8 +64,7 @@ def load_model(model: ModelLike) -> ir.Model:
         found = f"invalid opset import(s) {', '.join(bad_opsets)}" if bad_opsets else "no opset import"
         raise ModelError(f"{path}: not a valid ONNX model ({found}; truncated file?)")
     _check_external_data(proto, path)
-    _check_inline_tensors(proto, str(path))
-    loaded = _from_proto(proto, str(path))
+    loaded = _checked(_from_proto(proto, str(path)), str(path))
     # External data stays in its files, memory-mapped when a tensor is first read: a model of
     # several GB costs no resident memory until its weights are used, and no copy.
     ir.external_data.set_base_dir(loaded.graph, str(path.resolve().parent))
@@ -107,21 +106,88 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
             )
 
 
-def _check_inline_tensors(proto: onnx.ModelProto, where: str) -> None:
-    """Every tensor kept in the model itself (initializers, Constant values, in subgraphs too) must
-    have a known element type, no negative dimension, and as many elements as its dims say: a
-    tensor without its data read as zeros, which gave a silently wrong loss."""
-    for tensor in external_data_helper._get_all_tensors(proto):
-        if external_data_helper.uses_external_data(tensor):
-            continue  # checked by _check_external_data
-        problem = _inline_tensor_problem(tensor)
-        if problem:
-            raise ModelError(f"{where}: tensor {tensor.name!r} (dims {list(tensor.dims)}) {problem}")
+def _checked(model: ir.Model, where: str) -> ir.Model:
+    """``model`` once its graphs' names and inline tensors are consistent (``_check_graph``)."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    _check_graph(model.graph, where, opset, frozenset())
+    return model
+
+
+def _check_graph(graph: ir.Graph, where: str, opset: int, outer: frozenset) -> None:
+    """A graph's names must tie each value to one source (graph inputs named once, every node input
+    and graph output computed by a node or coming from a graph input or initializer, its own or an
+    enclosing graph's), nodes' attributes must be ones their ONNX op has, and tensors kept in the
+    model must hold their data. onnx-ir already refuses a value computed by two nodes."""
+    names = [str(value.name) for value in graph.inputs]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise ModelError(f"{where}: graph input {twice[0]!r} is declared more than once")
+    sources = outer | set(graph.inputs) | set(graph.initializers.values())
+    for initializer in graph.initializers.values():
+        _check_tensor(initializer.const_value, where)
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and value.producer() is None and value not in sources:
+                raise ModelError(
+                    f"{where}: {_node_label(node)} reads {value.name!r}, which no node, graph input or initializer provides"
+                )
+        if node.attributes:
+            _check_attributes(node, where, opset, sources)
+    for value in graph.outputs:
+        if value.producer() is None and value not in sources:
+            raise ModelError(f"{where}: graph output {value.name!r} is computed by no node and is no graph input or initializer")
+
+
+def _node_label(node: ir.Node) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node"
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_names(op_type: str, opset: int) -> frozenset | None:
+    """The attributes ONNX's schema of ``op_type`` at ``opset`` declares, or None for an op ONNX
+    does not define there."""
+    try:
+        return frozenset(onnx.defs.get_schema(op_type, opset, "").attributes)
+    except Exception:  # noqa: BLE001 -- SchemaError: not an ONNX op at that opset
+        return None
+
+
+def _check_attributes(node: ir.Node, where: str, opset: int, sources: frozenset) -> None:
+    """The node's tensors and subgraphs (checked in turn), and its attribute names."""
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.TENSOR:
+            _check_tensor(attribute.value, where)
+        elif attribute.type == ir.AttributeType.GRAPH:
+            _check_graph(attribute.value, where, opset, sources)
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            for subgraph in attribute.value:
+                _check_graph(subgraph, where, opset, sources)
+    if node.domain not in ("", "ai.onnx") or opset < 1:
+        return
+    declared = _attribute_names(node.op_type, opset)
+    unknown = next((name for name in node.attributes if declared is not None and name not in declared), None)
+    if unknown is not None:
+        raise ModelError(f"{where}: {_node_label(node)} has an attribute {unknown!r}, which {node.op_type} does not have")
+
+
+def _check_tensor(tensor, where: str) -> None:
+    """A tensor read from the model's own bytes must have a known element type, no negative
+    dimension, and as many elements as its dims say: one without its data read as zeros, which
+    gave a silently wrong loss. (External data is checked by ``_check_external_data``.)"""
+    proto = getattr(tensor, "raw", None)
+    if not isinstance(proto, onnx.TensorProto) or external_data_helper.uses_external_data(proto):
+        return
+    problem = _inline_tensor_problem(proto)
+    if problem:
+        raise ModelError(f"{where}: tensor {proto.name!r} (dims {list(proto.dims)}) {problem}")
+
+
+_DATA_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
 
 
 def _inline_tensor_problem(tensor: onnx.TensorProto) -> str | None:
     """What is wrong with an inline tensor's type, dims or amount of data, or None."""
-    if tensor.data_type not in onnx.TensorProto.DataType.values() or tensor.data_type == onnx.TensorProto.UNDEFINED:
+    if tensor.data_type not in _DATA_TYPES:
         return f"has no valid element type (data_type {tensor.data_type})"
     if any(d < 0 for d in tensor.dims):
         return "has a negative dimension"
@@ -139,8 +205,12 @@ def _inline_tensor_problem(tensor: onnx.TensorProto) -> str | None:
 
 
 def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
-    bits = ir.DataType(tensor.data_type).bitwidth
-    return (math.prod(tensor.dims) * bits + 7) // 8
+    return (math.prod(tensor.dims) * _bitwidth(tensor.data_type) + 7) // 8
+
+
+@functools.lru_cache(maxsize=64)
+def _bitwidth(data_type: int) -> int:
+    return ir.DataType(data_type).bitwidth
 
 
 def _load_external_attribute_tensors(model: ir.Model) -> None:

@@ -156,3 +156,87 @@ def test_an_output_that_is_a_pipe_is_refused_and_left_as_it_is(tmp_path, capsys,
     code, out, err = run_cli(capsys, monkeypatch, *args)
     assert code == 2 and "is not a regular file" in _one_error_line(err)
     assert pipe.is_fifo()
+
+
+def _graph_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _vec(name: str, n: int = 3):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, [n])
+
+
+W3 = numpy_helper.from_array(np.ones(3, np.float32), "w")
+INVALID = {
+    "a node input nothing provides": (
+        _graph_model([helper.make_node("Mul", ["x", "nope"], ["y"], name="m")], [_vec("x")], [_vec("y")]),
+        "node 'm' (Mul) reads 'nope'",
+    ),
+    "a graph output nothing computes": (
+        _graph_model([helper.make_node("Relu", ["x"], ["y"])], [_vec("x")], [_vec("y"), _vec("ghost")]),
+        "graph output 'ghost' is computed by no node",
+    ),
+    "a duplicate graph input": (
+        _graph_model([helper.make_node("Mul", ["x", "w"], ["y"])], [_vec("x"), _vec("x")], [_vec("y")], [W3]),
+        "graph input 'x' is declared more than once",
+    ),
+    "an attribute the op does not have": (
+        _graph_model([helper.make_node("Mul", ["x", "w"], ["y"], name="m", foo=1)], [_vec("x")], [_vec("y")], [W3]),
+        "node 'm' (Mul) has an attribute 'foo'",
+    ),
+    "a subgraph reading a name nothing provides": (
+        _graph_model(
+            [
+                helper.make_node(
+                    "If",
+                    ["c"],
+                    ["y"],
+                    name="branch",
+                    then_branch=helper.make_graph([helper.make_node("Neg", ["missing"], ["a"], name="n")], "t", [], [_vec("a")]),
+                    else_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["b"])], "e", [], [_vec("b")]),
+                )
+            ],
+            [_vec("x"), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
+            [_vec("y")],
+        ),
+        "node 'n' (Neg) reads 'missing'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_an_invalid_graph_is_a_model_error_naming_the_fault(tmp_path, capsys, monkeypatch, case):
+    """build-backward wrote such models out (exit 0) as outputs ONNX's checker rejects, or failed
+    with an internal error."""
+    model, said = INVALID[case]
+    onnx.save(model, tmp_path / "m.onnx")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "build-backward", tmp_path / "m.onnx", "-o", tmp_path / "b.onnx", "--wrt-inputs"
+    )
+    assert code == 3 and said in _one_error_line(err)
+    assert not (tmp_path / "b.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    "reference", [np.array([1 + 2j, 2, 3], np.complex64), np.array(["a", "b", "c"])], ids=["complex", "strings"]
+)
+def test_compare_refuses_a_reference_that_holds_no_real_numbers(tmp_path, capsys, monkeypatch, reference):
+    """A complex reference passed as a match (its imaginary part dropped); strings crashed."""
+    model = _mul_loss(numpy_helper.from_array(np.array([1, 2, 3], np.float32), "w"))
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "x.npz", x=X3)
+    np.savez(tmp_path / "ref.npz", loss=reference)
+    code, out, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        tmp_path / "m.onnx",
+        "--inputs",
+        tmp_path / "x.npz",
+        "--device",
+        "cpu",
+        "--compare",
+        tmp_path / "ref.npz",
+    )
+    assert code == 2 and "reference key 'loss' holds" in _one_error_line(err) and "match" not in out

@@ -273,29 +273,39 @@ def _add_small_initializers(graph: onnx.GraphProto, values: list[ir.Value], inpu
 
 
 _TYPE_CONFLICT = re.compile(r"Inferred elem type differs from existing elem type: \((\d+)\) vs \((\d+)\)")
-_SHAPE_CONFLICT = "Inferred shape and existing shape differ"
+# a declared shape that differs (not "Incompatible dimensions" of operands: ONNX's inference reports
+# it on valid models too, downstream of shapes it gets wrong, e.g. after Attention-23)
+_SHAPE_CONFLICTS = ("Inferred shape and existing shape differ",)
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
-def _declaration_conflicts(proto: onnx.ModelProto) -> list[str]:
-    """ONNX's strict inference's complaints about the types and shapes the model declares for
-    values its nodes compute otherwise, where gradgen would build wrong gradients from them: a
-    float value declared as an integer (or the reverse: whether it is differentiable) and a
-    static shape that differs (a [3] declared [1]). Float-to-float differences are left alone
-    (gradgen's kernels follow their inputs, as some exporters declare), and so are outputs of the
-    ops whose shapes gradgen's own rules decide (pooling, ConvTranspose)."""
+def _strict_inference(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, list[str]]:
+    """ONNX's strict inference of ``proto``: (its result, []) where it reports nothing (the
+    non-strict run's result too), else (None, the conflicts it reports between the types and
+    shapes the model declares and those its nodes compute, where gradgen would build wrong
+    gradients from them). Those are: a float value declared as an integer (or the reverse: whether
+    it is differentiable) and a static shape that differs (a [3] declared [1]). Float-to-float
+    differences are left alone (gradgen's kernels follow their inputs, as some exporters declare),
+    and so are outputs of the ops whose shapes gradgen's own rules decide (pooling, ConvTranspose)."""
     try:
-        onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=True)
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=True), []
     except Exception as exc:  # noqa: BLE001 -- InferenceError, or anything the non-strict run reports
         conflicts = []
         for line in (line.strip() for line in str(exc).splitlines()):
             if any(f"op_type:{op}" in line for op in _SHAPE_RULE_OPS):
                 continue
             types = _TYPE_CONFLICT.search(line)
-            if _SHAPE_CONFLICT in line or (types and (int(types[1]) in _FLOAT_TYPES) != (int(types[2]) in _FLOAT_TYPES)):
+            if any(c in line for c in _SHAPE_CONFLICTS) or (
+                types and (int(types[1]) in _FLOAT_TYPES) != (int(types[2]) in _FLOAT_TYPES)
+            ):
                 conflicts.append(line)
-        return conflicts
-    return []
+        return None, conflicts
+
+
+def _refuse_conflicts(conflicts: list[str]) -> None:
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise ModelError(f"the model declares a type or shape its nodes do not compute: {conflicts[0]}{more}")
 
 
 def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple[onnx.ModelProto, set[str]]:
@@ -305,27 +315,32 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
     kernel 1, stride 2 on 2 elements gives 2 outputs; the kernels, PyTorch and ONNX Runtime give 1),
     and it drops ConvTranspose output_shape values of 1 (a rank-2 output). Such outputs are declared
     with the right shape and inference runs again, so that everything downstream (and the gradients
-    built from these shapes) sees the shape the kernels produce.
+    built from these shapes) sees the shape the kernels produce. ``check_declared``: the first run
+    is strict, to refuse declarations the nodes contradict (``_strict_inference``); where shapes
+    were corrected, what it found is judged again with the corrections declared.
     Returns the inferred model and the names of the corrected values.
     """
     _check_einsum_equations(proto.graph)
-    conflicts = _declaration_conflicts(proto) if check_declared else []
-    if conflicts:
-        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
-        raise ModelError(f"the model declares a type or shape its nodes do not compute: {conflicts[0]}{more}")
+    strict, conflicts = _strict_inference(proto) if check_declared else (None, [])
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
     for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(
-                _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=True
-            )
-        except Exception as exc:
-            raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
+        if strict is not None and not corrected:
+            inferred = strict
+        else:
+            try:
+                inferred = onnx.shape_inference.infer_shapes(
+                    _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=True
+                )
+            except Exception as exc:
+                raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
         fixes = _pool_shape_fixes(inferred)
         if not fixes:
             break
         corrected.update((info.name, info) for info in fixes)
+    if conflicts and corrected:  # perhaps only downstream of a shape ONNX's inference got wrong
+        conflicts = _strict_inference(_declare(proto, corrected.values()))[1]
+    _refuse_conflicts(conflicts)
     return inferred, set(corrected)
 
 
