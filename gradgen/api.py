@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import onnx_ir as ir
 
-from gradgen.errors import GradgenError
+from gradgen.errors import GradgenError, ModelError
 from gradgen.executor import Session
-from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
+from gradgen.model_io import ModelLike, copy_model, inline_functions, invalid_onnx, load_model
 from gradgen.passes import (
     AutocastPass,
     CleanupPass,
@@ -158,11 +158,26 @@ def _build_backward(
         loss = _add_loss(forward, add_loss, loss)
     spec = GradientSpec(loss=loss, wrt=list(wrt) if wrt else None, freeze=list(freeze), wrt_inputs=wrt_inputs)
     pipeline, gradient = backward_pipeline(spec, precision, tie_weights)
-    result = run_pipeline(pipeline, forward)
+    try:
+        result = run_pipeline(pipeline, forward)
+    except GradgenError:
+        raise
+    except Exception as exc:  # a gradgen bug, unless the model is not valid ONNX in the first place
+        refusal = invalid_onnx(model)
+        if refusal is None:
+            raise
+        raise ModelError(f"the model is not valid ONNX: {refusal} (gradgen failed on it: {_innermost(exc)})") from None
     if portable:
         result = run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass(), ShapeInferencePass()), result.model)
     assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     return BackwardModel(result.model, gradient.loss_name, gradient.wrt_names, gradient.gradient_names)
+
+
+def _innermost(exc: BaseException) -> str:
+    """The first cause of ``exc`` (a PassError wraps what a pass raised), as ``Type: message``."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _add_loss(forward: ir.Model, spec, loss: str | None) -> str:

@@ -38,8 +38,27 @@ def inline_functions(model: ir.Model) -> bool:
     by their bodies, in place: gradgen's rules and kernels see standard ops. False when there are none."""
     if not model.functions:
         return False
-    ir.passes.common.InlinePass()(model)
+    try:
+        ir.passes.common.InlinePass()(model)
+    except ir.passes.PreconditionError as exc:  # a function that calls itself, directly or not
+        raise ModelError(f"the model's local functions cannot be inlined: {exc}") from None
     return True
+
+
+def invalid_onnx(model: ModelLike) -> str | None:
+    """What ONNX's full checker finds wrong with ``model`` (its first line), or None where it
+    passes: asked after gradgen failed on a model, to tell a model error from a gradgen bug."""
+    try:
+        if isinstance(model, ir.Model):
+            proto = ir.to_proto(model)
+        elif isinstance(model, onnx.ModelProto):
+            proto = model
+        else:
+            proto = onnx.load(str(model), load_external_data=False)
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as exc:  # noqa: BLE001 -- ValidationError, InferenceError, ...
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return None
 
 
 def load_model(model: ModelLike) -> ir.Model:
@@ -122,6 +141,11 @@ def _check_graph(graph: ir.Graph, where: str, opset: int, outer: frozenset) -> N
     if len(set(names)) != len(names):
         twice = sorted({name for name in names if names.count(name) > 1})
         raise ModelError(f"{where}: graph input {twice[0]!r} is declared more than once")
+    for graph_input in graph.inputs:
+        if graph_input.shape is not None and any(isinstance(d, int) and d < 0 for d in graph_input.shape):
+            raise ModelError(
+                f"{where}: graph input {graph_input.name!r} declares a negative dimension ({list(graph_input.shape)})"
+            )
     sources = outer | set(graph.inputs) | set(graph.initializers.values())
     for initializer in graph.initializers.values():
         _check_tensor(initializer.const_value, where)
@@ -143,13 +167,16 @@ def _node_label(node: ir.Node) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _attribute_names(op_type: str, opset: int) -> frozenset | None:
-    """The attributes ONNX's schema of ``op_type`` at ``opset`` declares, or None for an op ONNX
-    does not define there."""
+def _attribute_types(op_type: str, opset: int) -> tuple[dict[str, int], frozenset] | None:
+    """({attribute: its type (AttributeProto's enum)}, the required ones) that ONNX's schema of
+    ``op_type`` at ``opset`` declares, or None for an op ONNX does not define there."""
     try:
-        return frozenset(onnx.defs.get_schema(op_type, opset, "").attributes)
+        schema = onnx.defs.get_schema(op_type, opset, "")
     except Exception:  # noqa: BLE001 -- SchemaError: not an ONNX op at that opset
         return None
+    # AttrType is an enum of AttributeProto's values (onnx's stubs do not say so)
+    types = {name: int(attribute.type.value) for name, attribute in schema.attributes.items()}  # type: ignore[attr-defined]
+    return types, frozenset(name for name, attribute in schema.attributes.items() if attribute.required)
 
 
 def _check_attributes(node: ir.Node, where: str, opset: int, sources: frozenset) -> None:
@@ -162,12 +189,24 @@ def _check_attributes(node: ir.Node, where: str, opset: int, sources: frozenset)
         elif attribute.type == ir.AttributeType.GRAPHS:
             for subgraph in attribute.value:
                 _check_graph(subgraph, where, opset, sources)
-    if node.domain not in ("", "ai.onnx") or opset < 1:
+    schema = _attribute_types(node.op_type, opset) if node.domain in ("", "ai.onnx") and opset >= 1 else None
+    if schema is None:
         return
-    declared = _attribute_names(node.op_type, opset)
-    unknown = next((name for name in node.attributes if declared is not None and name not in declared), None)
-    if unknown is not None:
-        raise ModelError(f"{where}: {_node_label(node)} has an attribute {unknown!r}, which {node.op_type} does not have")
+    types, required = schema
+    for name, attribute in node.attributes.items():
+        if name not in types:
+            raise ModelError(f"{where}: {_node_label(node)} has an attribute {name!r}, which {node.op_type} does not have")
+        if types[name] != _UNDEFINED_ATTRIBUTE and int(attribute.type) != types[name]:
+            raise ModelError(
+                f"{where}: {_node_label(node)}: attribute {name!r} is {attribute.type.name.lower()}, "
+                f"where {node.op_type} takes {onnx.AttributeProto.AttributeType.Name(types[name]).lower()}"
+            )
+    missing = sorted(required - set(node.attributes))
+    if missing:
+        raise ModelError(f"{where}: {_node_label(node)} lacks the attribute {missing[0]!r}, which {node.op_type} requires")
+
+
+_UNDEFINED_ATTRIBUTE = int(onnx.AttributeProto.UNDEFINED)  # a schema attribute of any type
 
 
 def _check_tensor(tensor, where: str) -> None:

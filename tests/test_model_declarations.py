@@ -185,6 +185,54 @@ INVALID = {
         _graph_model([helper.make_node("Mul", ["x", "w"], ["y"], name="m", foo=1)], [_vec("x")], [_vec("y")], [W3]),
         "node 'm' (Mul) has an attribute 'foo'",
     ),
+    "an attribute of the wrong type": (
+        _graph_model(
+            [helper.make_node("ReduceSum", ["x"], ["y"], name="r", keepdims="no")],
+            [_vec("x")],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        ),
+        "node 'r' (ReduceSum): attribute 'keepdims' is string, where ReduceSum takes int",
+    ),
+    "a required attribute missing": (
+        _graph_model(
+            [
+                helper.make_node(
+                    "If",
+                    ["c"],
+                    ["y"],
+                    name="branch",
+                    then_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["a"])], "t", [], [_vec("a")]),
+                )
+            ],
+            [_vec("x"), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
+            [_vec("y")],
+        ),
+        "node 'branch' (If) lacks the attribute 'else_branch'",
+    ),
+    "a negative input dimension": (
+        _graph_model([helper.make_node("Neg", ["x"], ["y"])], [_vec("x", -3)], [_vec("y")]),
+        "graph input 'x' declares a negative dimension",
+    ),
+    "a cycle": (
+        _graph_model(
+            [
+                helper.make_node("Add", ["x", "b"], ["a"]),
+                helper.make_node("Mul", ["a", "x"], ["b"]),
+                helper.make_node("Neg", ["a"], ["y"]),
+            ],
+            [_vec("x")],
+            [_vec("y")],
+        ),
+        "not valid ONNX: Nodes in a graph must be topologically sorted",
+    ),
+    "a Concat axis out of range (ONNX's checker says so, where gradgen's gradient pass failed)": (
+        _graph_model(
+            [helper.make_node("Concat", ["x", "x"], ["c"], axis=3), helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0)],
+            [_vec("x")],
+            [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        ),
+        "not valid ONNX",
+    ),
     "a subgraph reading a name nothing provides": (
         _graph_model(
             [

@@ -10,7 +10,7 @@ import pytest
 from onnx import AttributeProto, TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from gradgen.errors import KernelError
+from gradgen.errors import KernelError, ModelError
 from gradgen.executor import Session
 from gradgen.kernels.cpu.reduction import tf_idf_vectorizer
 
@@ -178,12 +178,17 @@ BASE = dict(mode="TF", min_gram_length=1, max_gram_length=2, max_skip_count=0, *
         (dict(ngram_counts=[0, 12]), "must rise within the pool"),
         (dict(ngram_counts=[4, 0]), "must rise within the pool"),
         (dict(mode="IDF", weights=[1.0, 2.0]), "2 weights for 7 output columns"),
-        (dict(ngram_counts=None), "needs the attribute"),
     ],
 )
 def test_bad_attributes_raise(change, match):
     attrs = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     with pytest.raises(KernelError, match=match):
+        run_gradgen(np.array(ROW, np.int64), **attrs)
+
+
+def test_a_model_without_a_required_attribute_is_refused_as_it_loads():
+    attrs = {k: v for k, v in BASE.items() if k != "ngram_counts"}
+    with pytest.raises(ModelError, match="lacks the attribute 'ngram_counts', which TfIdfVectorizer requires"):
         run_gradgen(np.array(ROW, np.int64), **attrs)
 
 
