@@ -78,6 +78,18 @@ def _finite_non_negative_or_none(value: Optional[float]) -> Optional[float]:
     return None if value is None else _finite_non_negative(value)
 
 
+_FLOOR_DEFAULT = 0.1
+
+
+def _require_compare(compare: Optional[Path], **given) -> None:
+    """Options of --compare are a usage error without it (they would be ignored)."""
+    from gradgen.errors import UsageError
+
+    named = [name.replace("_", "-") for name, value in given.items() if value not in (None, False)]
+    if compare is None and named:
+        raise UsageError(f"--{named[0]} only applies with --compare REF.npz; pass --compare or drop --{named[0]}")
+
+
 def _dims(pairs: Optional[List[str]], random_inputs: bool) -> dict[str, int]:
     """--dim NAME=VALUE pairs; they only mean something with --random-inputs."""
     from gradgen.errors import UsageError
@@ -247,7 +259,7 @@ def run(
         "|gradient| of the model)). Default per the model's precision: 1e-5 (fp32, tf32), 1e-2 (fp16), 5e-2 (bf16).",
     ),
     floor: float = typer.Option(
-        0.1,
+        _FLOOR_DEFAULT,
         "--floor",
         callback=_finite_non_negative,
         help="--compare: a tensor's scale is at least this fraction of the largest |value| "
@@ -281,6 +293,9 @@ def run(
 
     _set_progress(progress)
     check_threads(threads)
+    _require_compare(
+        compare, rtol=rtol, atol=atol, floor=floor != _FLOOR_DEFAULT, torch_names=torch_names, skip_unmatched=skip_unmatched
+    )
     if out is not None:
         check_output_path(out, model, *(p for p in (inputs, compare) if p is not None))
     dims = _dims(dim, random_inputs)

@@ -102,12 +102,15 @@ def _npz_name_problems(names: list[str]) -> list[str]:
 
 def parse_dims(pairs: list[str]) -> dict[str, int]:
     """``["batch=4", "seq=16"]`` -> {"batch": 4, "seq": 16}."""
-    dims = {}
+    dims: dict[str, int] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        if not sep or not name or not value.strip().lstrip("-").isdigit() or int(value) < 0:
+        digits = value.strip()
+        if not sep or not name or not digits.isascii() or not digits.isdigit():
             raise UsageError(f"--dim {pair!r}: expected NAME=VALUE with a non-negative integer VALUE")
-        dims[name.strip()] = int(value)
+        if name.strip() in dims:
+            raise UsageError(f"--dim {name.strip()} is given twice ({dims[name.strip()]} and {int(digits)}); give it once")
+        dims[name.strip()] = int(digits)
     return dims
 
 

@@ -155,8 +155,7 @@ def _check_graph(graph: ir.Graph, where: str, opset: int, outer: frozenset) -> N
                 raise ModelError(
                     f"{where}: {_node_label(node)} reads {value.name!r}, which no node, graph input or initializer provides"
                 )
-        if node.attributes:
-            _check_attributes(node, where, opset, sources)
+        _check_node(node, where, opset, sources)
     for value in graph.outputs:
         if value.producer() is None and value not in sources:
             raise ModelError(f"{where}: graph output {value.name!r} is computed by no node and is no graph input or initializer")
@@ -167,20 +166,23 @@ def _node_label(node: ir.Node) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _attribute_types(op_type: str, opset: int) -> tuple[dict[str, int], frozenset] | None:
-    """({attribute: its type (AttributeProto's enum)}, the required ones) that ONNX's schema of
-    ``op_type`` at ``opset`` declares, or None for an op ONNX does not define there."""
+def _attribute_types(op_type: str, opset: int) -> tuple[dict[str, int], frozenset, tuple[int, int]] | None:
+    """({attribute: its type (AttributeProto's enum)}, the required ones, (fewest, most) inputs)
+    that ONNX's schema of ``op_type`` at ``opset`` declares, or None for an op ONNX does not
+    define there."""
     try:
         schema = onnx.defs.get_schema(op_type, opset, "")
     except Exception:  # noqa: BLE001 -- SchemaError: not an ONNX op at that opset
         return None
     # AttrType is an enum of AttributeProto's values (onnx's stubs do not say so)
     types = {name: int(attribute.type.value) for name, attribute in schema.attributes.items()}  # type: ignore[attr-defined]
-    return types, frozenset(name for name, attribute in schema.attributes.items() if attribute.required)
+    required = frozenset(name for name, attribute in schema.attributes.items() if attribute.required)
+    return types, required, (schema.min_input, schema.max_input)
 
 
-def _check_attributes(node: ir.Node, where: str, opset: int, sources: frozenset) -> None:
-    """The node's tensors and subgraphs (checked in turn), and its attribute names."""
+def _check_node(node: ir.Node, where: str, opset: int, sources: frozenset) -> None:
+    """The node's tensors and subgraphs (checked in turn), and against ONNX's schema of its op: its
+    number of inputs and its attributes' names and types, the required ones present."""
     for attribute in node.attributes.values():
         if attribute.type == ir.AttributeType.TENSOR:
             _check_tensor(attribute.value, where)
@@ -192,7 +194,11 @@ def _check_attributes(node: ir.Node, where: str, opset: int, sources: frozenset)
     schema = _attribute_types(node.op_type, opset) if node.domain in ("", "ai.onnx") and opset >= 1 else None
     if schema is None:
         return
-    types, required = schema
+    types, required, (fewest, most) = schema
+    given = len(node.inputs)
+    if not fewest <= given <= most:
+        wanted = f"{fewest}" if fewest == most else f"{fewest} to {most}" if most < 2**31 - 1 else f"at least {fewest}"
+        raise ModelError(f"{where}: {_node_label(node)} has {given} inputs, where {node.op_type} takes {wanted}")
     for name, attribute in node.attributes.items():
         if name not in types:
             raise ModelError(f"{where}: {_node_label(node)} has an attribute {name!r}, which {node.op_type} does not have")

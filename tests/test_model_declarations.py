@@ -233,6 +233,10 @@ INVALID = {
         ),
         "not valid ONNX",
     ),
+    "a node with more inputs than its op takes": (
+        _graph_model([helper.make_node("Mul", ["x", "w", "w"], ["y"], name="m")], [_vec("x")], [_vec("y")], [W3]),
+        "node 'm' (Mul) has 3 inputs, where Mul takes 2",
+    ),
     "a subgraph reading a name nothing provides": (
         _graph_model(
             [
@@ -288,3 +292,37 @@ def test_compare_refuses_a_reference_that_holds_no_real_numbers(tmp_path, capsys
         tmp_path / "ref.npz",
     )
     assert code == 2 and "reference key 'loss' holds" in _one_error_line(err) and "match" not in out
+
+
+def test_big_endian_inputs_are_taken_as_their_values(tmp_path, capsys, monkeypatch):
+    """An .npz written on a big-endian machine holds >f4 arrays: the same numbers, not another type."""
+    model = _mul_loss(numpy_helper.from_array(np.array([4, 5, 6], np.float32), "w"))
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "x.npz", x=X3.astype(">f4"))
+    out_path = tmp_path / "out.npz"
+    code, out, err = run_cli(
+        capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--device", "cpu", "-o", out_path
+    )
+    assert code == 0, err
+    assert float(np.load(out_path)["loss"]) == 32.0  # 1*4 + 2*5 + 3*6
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--rtol", "0.1"], "--rtol only applies with --compare"),
+        (["--torch-names"], "--torch-names only applies with --compare"),
+        (["--floor", "0.5"], "--floor only applies with --compare"),
+        (["--random-inputs", "--dim", "N=2", "--dim", "N=3"], "--dim N is given twice (2 and 3)"),
+        (["--random-inputs", "--dim", "N=\u0663"], "expected NAME=VALUE with a non-negative integer VALUE"),
+    ],
+    ids=["rtol", "torch-names", "floor", "dim-twice", "dim-not-ascii"],
+)
+def test_options_that_would_be_ignored_or_are_ambiguous_are_refused(tmp_path, capsys, monkeypatch, extra, said):
+    from tests.test_cli import tiny_model
+
+    tiny_model(tmp_path / "tiny.onnx")
+    extra = [e.encode().decode("unicode_escape") for e in extra]
+    inputs = [] if "--random-inputs" in extra else ["--random-inputs", "--dim", "N=2"]
+    code, out, err = run_cli(capsys, monkeypatch, "run", tmp_path / "tiny.onnx", "--device", "cpu", *inputs, *extra)
+    assert code == 2 and said in _one_error_line(err)

@@ -766,6 +766,8 @@ def check_feeds(specs: list[FeedSpec], feeds: Mapping[str, np.ndarray]) -> dict[
     checked = {}
     for spec in specs:
         array = np.asarray(feeds[spec.name])
+        if not array.dtype.isnative and array.dtype.newbyteorder("=") == spec.dtype:
+            array = array.astype(spec.dtype)  # big-endian data (from another machine's file): the same values
         if spec.dtype is not None and array.dtype != spec.dtype:
             raise RunError(f"input {spec.name!r}: dtype {array.dtype}, but the model declares {spec.dtype}")
         if spec.dims is not None and array.shape != spec.dims:  # equal: every axis a matching int
