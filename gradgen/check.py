@@ -311,6 +311,7 @@ def check_gradients(
         feeds.update(random_feeds(forward, seed=seed, dims=dims))
     if inputs is not None:
         given = load_npz(inputs) if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
+        _check_given_inputs(model, given, complete=not random_inputs)
         declared = {v.name: v.dtype for v in forward.graph.inputs if v.dtype is not None}
         feeds.update({k: _as_declared_float(np.asarray(v), declared.get(k)) for k, v in given.items()})
 
@@ -447,6 +448,30 @@ def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> Te
         "; ".join(notes),
         kink=bool(kinks),
     )
+
+
+def _check_given_inputs(model: ModelLike, given: Mapping[str, np.ndarray], complete: bool) -> None:
+    """The given inputs against the user's model, as ``gradgen run`` checks them (its names, types
+    and shapes: not the float64 copy's, whose differentiated initializers are inputs too; any
+    float type for a float input); with ``complete`` False (random inputs fill the rest) only the
+    given ones."""
+    from gradgen.executor.session import check_feeds, feed_specs
+
+    graph = load_model(model).graph
+    specs = feed_specs([v for v in graph.inputs if v.name not in graph.initializers])
+    if not complete:
+        unknown = sorted(set(given) - {spec.name for spec in specs})
+        if unknown:
+            names = ", ".join(repr(spec.name) for spec in specs) or "none"
+            raise RunError(f"unknown input(s) {', '.join(map(repr, unknown))}; the model's inputs are {names}")
+        specs = [spec for spec in specs if spec.name in given]
+    declared = {spec.name: spec.dtype for spec in specs}
+
+    def as_checked(name: str, array) -> np.ndarray:  # any float type is taken (the check converts it)
+        array, want = np.asarray(array), declared.get(name)
+        return array.astype(want) if want is not None and want.kind == array.dtype.kind == "f" else array
+
+    check_feeds(specs, {name: as_checked(name, array) for name, array in given.items()})
 
 
 def _as_declared_float(array: np.ndarray, dtype: ir.DataType | None) -> np.ndarray:

@@ -46,6 +46,8 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file")
+    if path.is_file() and not zipfile.is_zipfile(path):  # np.load would take it for a pickle
+        raise UsageError(f"{path}: not an .npz file (not a zip archive; save arrays with numpy.savez)")
     try:
         with np.load(path, allow_pickle=False) as data:
             return {name: data[name] for name in data.files}

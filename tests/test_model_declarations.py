@@ -326,3 +326,31 @@ def test_options_that_would_be_ignored_or_are_ambiguous_are_refused(tmp_path, ca
     inputs = [] if "--random-inputs" in extra else ["--random-inputs", "--dim", "N=2"]
     code, out, err = run_cli(capsys, monkeypatch, "run", tmp_path / "tiny.onnx", "--device", "cpu", *inputs, *extra)
     assert code == 2 and said in _one_error_line(err)
+
+
+def test_a_file_that_is_not_an_npz_is_called_so(tmp_path, capsys, monkeypatch):
+    """numpy takes a file that is not a zip archive for a pickle, and said so."""
+    model = _mul_loss(numpy_helper.from_array(np.array([1, 2, 3], np.float32), "w"))
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "x.npz").write_text("x = 1, 2, 3\n")
+    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--device", "cpu")
+    line = _one_error_line(err)
+    assert code == 2 and "not an .npz file (not a zip archive" in line and "pickled" not in line
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"x": X3.astype(np.int64)}, "input 'x': dtype int64, but the model declares float32"),
+        ({}, "missing input(s) 'x'; the model's inputs are 'x'"),
+    ],
+    ids=["dtype", "missing"],
+)
+def test_check_judges_inputs_against_the_users_model(tmp_path, capsys, monkeypatch, given, said):
+    """check works on a float64 copy whose differentiated initializers are inputs: its messages
+    named that copy's types and listed the initializers among the model's inputs."""
+    model = _mul_loss(numpy_helper.from_array(np.array([1, 2, 3], np.float32), "w"))
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", **given)
+    code, _, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz")
+    assert code == 4 and said in _one_error_line(err)
