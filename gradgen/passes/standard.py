@@ -288,7 +288,7 @@ def _strict_inference(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, l
     differences are left alone (gradgen's kernels follow their inputs, as some exporters declare),
     and so are outputs of the ops whose shapes gradgen's own rules decide (pooling, ConvTranspose)."""
     try:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=True), []
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=_reads_shapes(proto)), []
     except Exception as exc:  # noqa: BLE001 -- InferenceError, or anything the non-strict run reports
         conflicts = []
         for line in (line.strip() for line in str(exc).splitlines()):
@@ -300,6 +300,22 @@ def _strict_inference(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, l
             ):
                 conflicts.append(line)
         return None, conflicts
+
+
+def _reads_shapes(proto: onnx.ModelProto) -> bool:
+    """Whether ONNX's data propagation has anything to start from: a Shape or Size node (folding has
+    already turned constant shape arithmetic into initializers, which inference reads anyway).
+    Without one it is skipped: on a chain of 1-D Concats it propagates every element, and its time
+    doubled with each Concat (0.45 s for 20 Concats of floats, over 60 s and 14.5 GB for 25)."""
+    return any(node.op_type in ("Shape", "Size") for node in _all_nodes(proto.graph))
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                yield from _all_nodes(subgraph)
 
 
 def _refuse_conflicts(conflicts: list[str]) -> None:
@@ -330,7 +346,7 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
         else:
             try:
                 inferred = onnx.shape_inference.infer_shapes(
-                    _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=True
+                    _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=_reads_shapes(proto)
                 )
             except Exception as exc:
                 raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
