@@ -166,7 +166,7 @@ def _node_label(node: ir.Node) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _attribute_types(op_type: str, opset: int) -> tuple[dict[str, int], frozenset, tuple[int, int]] | None:
+def _schema_rules(op_type: str, opset: int) -> tuple[dict[str, int], frozenset, tuple[int, int]] | None:
     """({attribute: its type (AttributeProto's enum)}, the required ones, (fewest, most) inputs)
     that ONNX's schema of ``op_type`` at ``opset`` declares, or None for an op ONNX does not
     define there."""
@@ -191,7 +191,7 @@ def _check_node(node: ir.Node, where: str, opset: int, sources: frozenset) -> No
         elif attribute.type == ir.AttributeType.GRAPHS:
             for subgraph in attribute.value:
                 _check_graph(subgraph, where, opset, sources)
-    schema = _attribute_types(node.op_type, opset) if node.domain in ("", "ai.onnx") and opset >= 1 else None
+    schema = _schema_rules(node.op_type, opset) if node.domain in ("", "ai.onnx") and opset >= 1 else None
     if schema is None:
         return
     types, required, (fewest, most) = schema

@@ -167,6 +167,15 @@ def _vec(name: str, n: int = 3):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, [n])
 
 
+def _branching(**branches) -> onnx.ModelProto:
+    """y = If(c) over x with the given ``then_branch`` / ``else_branch`` attributes."""
+    return _graph_model(
+        [helper.make_node("If", ["c"], ["y"], name="branch", **branches)],
+        [_vec("x"), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
+        [_vec("y")],
+    )
+
+
 W3 = numpy_helper.from_array(np.ones(3, np.float32), "w")
 INVALID = {
     "a node input nothing provides": (
@@ -194,19 +203,7 @@ INVALID = {
         "node 'r' (ReduceSum): attribute 'keepdims' is string, where ReduceSum takes int",
     ),
     "a required attribute missing": (
-        _graph_model(
-            [
-                helper.make_node(
-                    "If",
-                    ["c"],
-                    ["y"],
-                    name="branch",
-                    then_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["a"])], "t", [], [_vec("a")]),
-                )
-            ],
-            [_vec("x"), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
-            [_vec("y")],
-        ),
+        _branching(then_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["a"])], "t", [], [_vec("a")])),
         "node 'branch' (If) lacks the attribute 'else_branch'",
     ),
     "a negative input dimension": (
@@ -238,19 +235,9 @@ INVALID = {
         "node 'm' (Mul) has 3 inputs, where Mul takes 2",
     ),
     "a subgraph reading a name nothing provides": (
-        _graph_model(
-            [
-                helper.make_node(
-                    "If",
-                    ["c"],
-                    ["y"],
-                    name="branch",
-                    then_branch=helper.make_graph([helper.make_node("Neg", ["missing"], ["a"], name="n")], "t", [], [_vec("a")]),
-                    else_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["b"])], "e", [], [_vec("b")]),
-                )
-            ],
-            [_vec("x"), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
-            [_vec("y")],
+        _branching(
+            then_branch=helper.make_graph([helper.make_node("Neg", ["missing"], ["a"], name="n")], "t", [], [_vec("a")]),
+            else_branch=helper.make_graph([helper.make_node("Neg", ["x"], ["b"])], "e", [], [_vec("b")]),
         ),
         "node 'n' (Neg) reads 'missing'",
     ),

@@ -279,7 +279,7 @@ _SHAPE_CONFLICTS = ("Inferred shape and existing shape differ",)
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
-def _strict_inference(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, list[str]]:
+def _strict_inference(proto: onnx.ModelProto, data_prop: bool) -> tuple[onnx.ModelProto | None, list[str]]:
     """ONNX's strict inference of ``proto``: (its result, []) where it reports nothing (the
     non-strict run's result too), else (None, the conflicts it reports between the types and
     shapes the model declares and those its nodes compute, where gradgen would build wrong
@@ -288,7 +288,7 @@ def _strict_inference(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, l
     differences are left alone (gradgen's kernels follow their inputs, as some exporters declare),
     and so are outputs of the ops whose shapes gradgen's own rules decide (pooling, ConvTranspose)."""
     try:
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=_reads_shapes(proto)), []
+        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=True, data_prop=data_prop), []
     except Exception as exc:  # noqa: BLE001 -- InferenceError, or anything the non-strict run reports
         conflicts = []
         for line in (line.strip() for line in str(exc).splitlines()):
@@ -310,14 +310,6 @@ def _reads_shapes(proto: onnx.ModelProto) -> bool:
     return any(node.op_type in ("Shape", "Size") for node in _all_nodes(proto.graph))
 
 
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for subgraph in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                yield from _all_nodes(subgraph)
-
-
 def _refuse_conflicts(conflicts: list[str]) -> None:
     if conflicts:
         more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
@@ -337,7 +329,8 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
     Returns the inferred model and the names of the corrected values.
     """
     _check_einsum_equations(proto.graph)
-    strict, conflicts = _strict_inference(proto) if check_declared else (None, [])
+    data_prop = _reads_shapes(proto)
+    strict, conflicts = _strict_inference(proto, data_prop) if check_declared else (None, [])
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
     for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
@@ -346,7 +339,7 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
         else:
             try:
                 inferred = onnx.shape_inference.infer_shapes(
-                    _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=_reads_shapes(proto)
+                    _declare(proto, corrected.values()), check_type=False, strict_mode=False, data_prop=data_prop
                 )
             except Exception as exc:
                 raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
@@ -355,7 +348,7 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
             break
         corrected.update((info.name, info) for info in fixes)
     if conflicts and corrected:  # perhaps only downstream of a shape ONNX's inference got wrong
-        conflicts = _strict_inference(_declare(proto, corrected.values()))[1]
+        conflicts = _strict_inference(_declare(proto, corrected.values()), data_prop)[1]
     _refuse_conflicts(conflicts)
     return inferred, set(corrected)
 

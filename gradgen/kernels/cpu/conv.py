@@ -213,14 +213,19 @@ def prepare_conv_grad(constants: tuple, attrs: dict):
     )
 
 
+def _conv_grad_geometry(x_shape: tuple, w_shape: tuple, attrs: dict) -> tuple:
+    """ConvGrad's forward geometry: (begin pads, end pads, strides, dilations, Y's shape)."""
+    geometry = {k: attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides") if k in attrs}
+    return conv_geometry(x_shape, w_shape, **geometry)
+
+
 def _onednn_conv_grad_plan(dY, X, W, attrs: dict, wanted: tuple) -> onednn_conv.OneDnnConvGrad | None:
     """oneDNN's backward primitives for a grouped float32 ConvGrad that computes dX or dW
     (``conv_grad`` has checked the shapes), else None."""
     group = int(attrs.get("group", 1))
     if group <= 1 or not any(wanted[:2]) or not _all_float32(dY, X, W):
         return None
-    geometry = {k: attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides") if k in attrs}
-    begin, end, strides, dilations, y_shape = conv_geometry(X.shape, W.shape, **geometry)
+    begin, end, strides, dilations, y_shape = _conv_grad_geometry(X.shape, W.shape, attrs)
     if tuple(y_shape) != dY.shape:
         return None
     return onednn_conv.plan_conv_grad(X.shape, W.shape, group, strides, dilations, begin, end, y_shape[2:], wanted)
@@ -260,8 +265,7 @@ def _conv_grad_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
     when its tables would be large: (accumulation type, groups, Mg, P, dX's (1 + K, X.size) gather
     table, the padded shape or None, the interior of the padding, dW's im2col index, X's spatial
     axes)."""
-    geometry = {k: attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides") if k in attrs}
-    begin, end, strides, dilations, y_shape = conv_geometry(x_shape, w_shape, **geometry)
+    begin, end, strides, dilations, y_shape = _conv_grad_geometry(x_shape, w_shape, attrs)
     g = int(attrs.get("group", 1))
     n, c = x_shape[:2]
     m, cg, kernel = w_shape[0], w_shape[1], tuple(w_shape[2:])
@@ -437,14 +441,19 @@ def _all_float32(*arrays) -> bool:
     return all(a is None or a.dtype == np.float32 for a in arrays)
 
 
+def _conv_spatial_geometry(x_shape: tuple, w_shape: tuple, attrs: dict) -> tuple:
+    """Conv's (kernel, strides, dilations, begin pads, end pads, output size) from its attributes."""
+    return spatial_geometry(
+        x_shape, w_shape[2:], attrs.get("strides"), attrs.get("dilations"), attrs.get("pads"), attrs.get("auto_pad", "NOTSET")
+    )
+
+
 def _onednn_conv_plan(x, w, b, attrs: dict) -> onednn_conv.OneDnnPlan | None:
     """oneDNN's primitive for a grouped float32 Conv (``conv`` has checked the shapes), else None."""
     group = int(attrs.get("group", 1))
     if group <= 1 or not _all_float32(x, w, b):
         return None
-    _, s, d, begin, end, out = spatial_geometry(
-        x.shape, w.shape[2:], attrs.get("strides"), attrs.get("dilations"), attrs.get("pads"), attrs.get("auto_pad", "NOTSET")
-    )
+    _, s, d, begin, end, out = _conv_spatial_geometry(x.shape, w.shape, attrs)
     return onednn_conv.plan_conv(x.shape, w.shape, group, s, d, begin, end, out, b is not None)
 
 
@@ -470,9 +479,7 @@ def _conv_plan(x_shape: tuple, w_shape: tuple, dtype, attrs: dict):
     False when the columns are too many to gather by index."""
     group = int(attrs.get("group", 1))
     n_batch, m, c_per_group = x_shape[0], w_shape[0], w_shape[1]
-    kernel, s, d, begin, end, out = spatial_geometry(
-        x_shape, w_shape[2:], attrs.get("strides"), attrs.get("dilations"), attrs.get("pads"), attrs.get("auto_pad", "NOTSET")
-    )
+    kernel, s, d, begin, end, out = _conv_spatial_geometry(x_shape, w_shape, attrs)
     ns, k, p = len(kernel), math.prod(kernel), math.prod(out)
     if c_per_group * k * n_batch * p * group > SMALL_CONV_COLUMNS:
         return False
@@ -620,18 +627,24 @@ def prepare_conv_transpose(constants: tuple, attrs: dict):
     )
 
 
+def _conv_transpose_attrs_geometry(x_shape: tuple, w_shape: tuple, attrs: dict) -> tuple:
+    """ConvTranspose's (strides, dilations, full size, leading crop, output size) from its attributes."""
+    ns = len(x_shape) - 2
+    strides = per_axis(attrs.get("strides"), ns, 1, "strides")
+    dilations = per_axis(attrs.get("dilations"), ns, 1, "dilations")
+    geometry = {k: attrs.get(k) for k in ("auto_pad", "dilations", "output_padding", "output_shape", "pads", "strides")}
+    geometry["auto_pad"] = geometry["auto_pad"] or "NOTSET"
+    full, begin, out = conv_transpose_geometry(x_shape, w_shape, geometry)
+    return strides, dilations, full, begin, out
+
+
 def _onednn_conv_transpose_plan(x, w, b, attrs: dict) -> onednn_conv.OneDnnPlan | None:
     """oneDNN's primitive for a grouped float32 ConvTranspose (``conv_transpose`` has checked the
     shapes), else None."""
     group = int(attrs.get("group", 1))
     if group <= 1 or not _all_float32(x, w, b):
         return None
-    ns = x.ndim - 2
-    strides = per_axis(attrs.get("strides"), ns, 1, "strides")
-    dilations = per_axis(attrs.get("dilations"), ns, 1, "dilations")
-    geometry = {k: attrs.get(k) for k in ("auto_pad", "dilations", "output_padding", "output_shape", "pads", "strides")}
-    geometry["auto_pad"] = geometry["auto_pad"] or "NOTSET"
-    _, begin, out = conv_transpose_geometry(x.shape, w.shape, geometry)
+    strides, dilations, _, begin, out = _conv_transpose_attrs_geometry(x.shape, w.shape, attrs)
     return onednn_conv.plan_conv_transpose(x.shape, w.shape, group, strides, dilations, begin, out, b is not None)
 
 
@@ -656,11 +669,7 @@ def _conv_transpose_plan(x_shape: tuple, w_shape: tuple, attrs: dict):
     n_batch, channels = x_shape[:2]
     m, ns = w_shape[1] * group, len(x_shape) - 2
     spatial, kernel = list(x_shape[2:]), list(w_shape[2:])
-    s = per_axis(attrs.get("strides"), ns, 1, "strides")
-    d = per_axis(attrs.get("dilations"), ns, 1, "dilations")
-    geometry = {k: attrs.get(k) for k in ("auto_pad", "dilations", "output_padding", "output_shape", "pads", "strides")}
-    geometry["auto_pad"] = geometry["auto_pad"] or "NOTSET"
-    full, begin, out = conv_transpose_geometry(x_shape, w_shape, geometry)
+    s, d, full, begin, out = _conv_transpose_attrs_geometry(x_shape, w_shape, attrs)
     k, p_in = math.prod(kernel), math.prod(spatial)
     outputs = n_batch * m * math.prod(out)
     if (k + 1) * outputs > SMALL_CONV_COLUMNS:

@@ -13,7 +13,7 @@ Blocked buffers are allocated per call, so a plan keeps no tensor memory. oneDNN
 ``blas`` (the same library and OpenMP pool as the large products, and the same off switches:
 no oneDNN, no AVX2, ``GRADGEN_CPU_GEMM=numpy``, a forked process). A geometry that oneDNN would
 run with its reference code or its own im2col GEMM, or refuses, keeps gradgen's path
-(``plan_conv`` and ``plan_conv_transpose`` return None).
+(``plan_conv`` and ``plan_conv_transpose`` return None; ``plan_conv_grad`` decides dX and dW apart).
 
 The results are oneDNN's sums, in its order: equal to gradgen's path within float32 rounding, and
 the same from run to run at a given thread count (the prepared Conv uses them from the first run).
