@@ -59,13 +59,17 @@ def direct_constant(value: ir.Value, max_elements: int | None = MAX_ELEMENTS) ->
         shape = node.inputs[0].shape
         if shape is None or not all(isinstance(d, int) for d in shape):
             return None
-        dims = [int(d) for d in shape]  # type: ignore[arg-type]  # ints, checked above
-        if node.op_type == "Size":
-            return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
-        attrs = node_attributes(node)
-        start, end = shape_bounds(len(dims), attrs.get("start", 0), attrs.get("end"))
-        return np.array(dims[start:end], dtype=np.int64)
+        return shape_constant(node, [int(d) for d in shape])  # type: ignore[arg-type]  # ints, checked above
     return None
+
+
+def shape_constant(node: ir.Node, dims: list[int]) -> np.ndarray:
+    """What a Shape or Size ``node`` gives for an input of shape ``dims``."""
+    if node.op_type == "Size":
+        return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+    attrs = node_attributes(node)
+    start, end = shape_bounds(len(dims), attrs.get("start", 0), attrs.get("end"))
+    return np.array(dims[start:end], dtype=np.int64)
 
 
 def _constant_attribute(key: str, value) -> np.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import ModelError
-from gradgen.evaluate import STANDARD_DOMAINS, ConstantEvaluator, direct_constant, foldable_op
+from gradgen.evaluate import STANDARD_DOMAINS, ConstantEvaluator, direct_constant, foldable_op, shape_constant
 from gradgen.passes.rewrite import NodeRemoval
 
 __all__ = ["EvaluateConstantsPass", "fold_graph", "inline_constant_ifs"]
@@ -52,47 +52,67 @@ def _has_shape_reads(graph: ir.Graph) -> bool:
 
 
 def fold_graph(graph: ir.Graph, evaluator: ConstantEvaluator) -> bool:
-    """Replace every foldable node of ``graph`` (top level) by initializers; True if any was."""
+    """Replace every foldable node of ``graph`` (top level) by constants; True if any was.
+
+    One sweep in topological order computes each foldable node from the values before it and keeps
+    the results in memory; only the results a remaining node (or a subgraph) reads become
+    initializers or Constant nodes. An exported transformer's shape chains (Constant -> Unsqueeze
+    -> Concat -> Reshape) fold a few thousand nodes into one initializer per Reshape."""
     outputs = {v.name for v in graph.outputs}
-    removal = NodeRemoval()
-    for node in list(graph):
+    known: dict[ir.Value, np.ndarray] = {}
+    folded: list[ir.Node] = []
+    for node in graph:
         if not foldable_op(node) or any(o.name in outputs for o in node.outputs):
             continue
         if node.op_type == "Constant" and _is_float(node.outputs[0]):
             continue  # already what a folded float becomes
-        if node.op_type in ("Shape", "Size", "Constant"):
-            direct = direct_constant(node.outputs[0], evaluator.max_elements)
-            if direct is None:
-                continue
-            results = [direct]
-        else:
-            args = _constant_args(node, evaluator.max_elements)
-            if args is None:
-                continue
-            computed = evaluator.run(node, args)
-            if computed is None:
-                continue
-            results = computed
-        for value, result in zip(node.outputs, results):
-            if result.dtype.kind in "iub":
-                _replace_with_initializer(graph, value, result)
-            else:
-                _replace_with_constant_node(graph, node, value, result)
-        removal.remove(node)
-    modified = bool(removal)
+        results = _fold(node, evaluator, known)
+        if results is None:
+            continue
+        known.update(zip(node.outputs, results))
+        folded.append(node)
+    if not folded:
+        return False
+    removal = NodeRemoval()
+    for node in folded:
+        removal.remove(node)  # first: a read by a folded node is not a read that needs the value
+    for node in folded:
+        for value in node.outputs:
+            if value.uses():
+                _materialize(graph, node, value, known[value])
     removal.flush()
-    return modified
+    return True
 
 
-def _constant_args(node: ir.Node, max_elements: int) -> list[np.ndarray | None] | None:
+def _fold(node: ir.Node, evaluator: ConstantEvaluator, known: dict[ir.Value, np.ndarray]) -> list[np.ndarray] | None:
+    """``node``'s outputs computed from constants and the values folded before it, or None."""
+    if node.op_type in ("Shape", "Size") and node.inputs and node.inputs[0] in known:
+        return [shape_constant(node, list(known[node.inputs[0]].shape))]
+    if node.op_type in ("Shape", "Size", "Constant"):
+        direct = direct_constant(node.outputs[0], evaluator.max_elements)
+        return None if direct is None else [direct]
+    args = _constant_args(node, evaluator.max_elements, known)
+    return None if args is None else evaluator.run(node, args)
+
+
+def _materialize(graph: ir.Graph, node: ir.Node, value: ir.Value, array: np.ndarray) -> None:
+    if array.dtype.kind in "iub":
+        _replace_with_initializer(graph, value, array)
+    else:
+        _replace_with_constant_node(graph, node, value, array)
+
+
+def _constant_args(node: ir.Node, max_elements: int, known: dict[ir.Value, np.ndarray]) -> list[np.ndarray | None] | None:
     """The node's inputs as arrays (None for an omitted input), or None at the first input that is
-    not a constant (most nodes: the inputs after it are not read)."""
+    neither a constant nor folded (most nodes: the inputs after it are not read)."""
     args: list[np.ndarray | None] = []
     for value in node.inputs:
         if value is None:
             args.append(None)
             continue
-        array = direct_constant(value, max_elements)
+        array = known.get(value)
+        if array is None:
+            array = direct_constant(value, max_elements)
         if array is None:
             return None
         args.append(array)
