@@ -103,6 +103,35 @@ def test_large_initializers_are_neither_folded_nor_copied():
     assert [n.op_type for n in model.graph] == ["Neg", "Constant", "ReduceSum", "Add"]  # Cast(Shape(big)) folds
 
 
+def test_a_folded_chain_leaves_one_constant_per_value_a_remaining_node_reads():
+    """An exporter's Reshape target (Constant -> Unsqueeze -> Concat): its links live only in the
+    fold; the Shape of a folded value folds from the value's computed shape."""
+    nodes = [
+        _const("b", np.array(2, np.int64)),
+        _const("axes", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["b", "axes"], ["b1"]),
+        _const("rest", np.array([-1], np.int64)),
+        helper.make_node("Concat", ["b1", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+        helper.make_node("Shape", ["target"], ["target_len"]),
+        helper.make_node("Cast", ["target_len"], ["target_len_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
+        helper.make_node("Mul", ["s", "target_len_f"], ["loss"]),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [1])],
+    )
+    EvaluateConstantsPass()(model)
+    assert [n.op_type for n in model.graph] == ["Reshape", "Constant", "ReduceSum", "Mul"]
+    assert list(model.graph.initializers) == ["target"]  # not b, axes, b1 or rest
+    np.testing.assert_array_equal(model.graph.initializers["target"].const_value.numpy(), [2, -1])
+    length = model.graph.node(1).attributes["value"].value.numpy()
+    np.testing.assert_array_equal(length, [2.0])
+    assert list(model.graph.node(0).outputs[0].shape) == [2, 12]
+
+
 def test_an_if_whose_condition_folds_is_inlined():
     then_graph = helper.make_graph(
         [helper.make_node("Neg", ["x"], ["t"])], "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])]
