@@ -292,7 +292,7 @@ def check_gradients(
     """
     from gradgen.api import build_backward
     from gradgen.executor import Session
-    from gradgen.inputs import load_npz, random_feeds
+    from gradgen.inputs import load_npz, random_feeds, tell_drawn
 
     if samples < 0:
         raise UsageError(f"--samples {samples}: expected a non-negative number of directions")
@@ -307,13 +307,16 @@ def check_gradients(
     loss_name, wrt_names = built.loss, list(built.wrt)
 
     feeds: dict[str, np.ndarray] = {}
-    if random_inputs:
-        feeds.update(random_feeds(forward, seed=seed, dims=dims))
+    given = {}
     if inputs is not None:
         given = load_npz(inputs) if isinstance(inputs, (str, os.PathLike)) else dict(inputs)
         _check_given_inputs(model, given, complete=not random_inputs)
-        declared = {v.name: v.dtype for v in forward.graph.inputs if v.dtype is not None}
-        feeds.update({k: _as_declared_float(np.asarray(v), declared.get(k)) for k, v in given.items()})
+    if random_inputs:
+        feeds.update(random_feeds(forward, seed=seed, dims=dims, given=given))
+        if inputs is not None:
+            tell_drawn(feeds, str(inputs) if isinstance(inputs, (str, os.PathLike)) else "the given inputs")
+    declared = {v.name: v.dtype for v in forward.graph.inputs if v.dtype is not None}
+    feeds.update({k: _as_declared_float(np.asarray(v), declared.get(k)) for k, v in given.items()})
 
     # The forward model for finite differences: the differentiated initializers become inputs.
     initial = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in wrt_names}

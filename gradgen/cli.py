@@ -112,6 +112,12 @@ def _version(value: bool) -> None:
 _PROGRESS = typer.Option(
     None, "--progress/--no-progress", help="Say what is being done on stderr. Default: only when stderr is a terminal."
 )
+_RANDOM_INPUTS = typer.Option(
+    False,
+    "--random-inputs",
+    help="Draw the inputs --inputs does not give from their declared types and shapes (a symbolic size from "
+    "--dim, else from a given array that has it); a note names the drawn ones.",
+)
 _SEED = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs.")
 _THREADS = typer.Option(
     None,
@@ -231,7 +237,7 @@ def _loss_spec(kind: Optional[str], output: Optional[str]):
 def run(
     model: Path = typer.Argument(..., help="ONNX model to run (a forward model or one built by build-backward)."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help=".npz file with one array per graph input."),
-    random_inputs: bool = typer.Option(False, "--random-inputs", help="Draw inputs from the declared types and shapes."),
+    random_inputs: bool = _RANDOM_INPUTS,
     seed: int = _SEED,
     dim: Optional[List[str]] = _DIM,
     device: str = typer.Option("auto", "--device", help="auto (CUDA if a GPU answers, else CPU), cpu or cuda."),
@@ -288,7 +294,7 @@ def run(
     from gradgen.errors import UsageError
     from gradgen.executor import Session
     from gradgen.executor.threads import check_threads, cpu_threads
-    from gradgen.inputs import load_npz, random_feeds, save_npz
+    from gradgen.inputs import load_npz, random_feeds, save_npz, tell_drawn
     from gradgen.model_io import check_output_path
 
     _set_progress(progress)
@@ -303,11 +309,13 @@ def run(
     _progress(f"loading {model}")
     with _warnings_as_notes():
         session = Session(model, device=device)
-    feeds = {}
+    feeds = load_npz(inputs) if inputs is not None else {}
     if random_inputs:
-        feeds.update(random_feeds(session.model, seed=seed, dims=dims))
-    if inputs is not None:
-        feeds.update(load_npz(inputs))
+        with _warnings_as_notes():
+            drawn = random_feeds(session.model, seed=seed, dims=dims, given=feeds)
+            if inputs is not None:
+                tell_drawn(drawn, str(inputs))
+        feeds = {**drawn, **feeds}
     if inputs is None and not random_inputs and session.input_names:
         raise UsageError(f"the model has inputs ({', '.join(session.input_names)}); pass --inputs FILE.npz or --random-inputs")
     if profile:
@@ -484,7 +492,7 @@ def check(
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Exclude this tensor (repeatable)."),
     wrt_inputs: bool = typer.Option(False, "--wrt-inputs", help="Also check every float graph input."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help=".npz file with one array per graph input."),
-    random_inputs: bool = typer.Option(False, "--random-inputs", help="Draw inputs from the declared types and shapes."),
+    random_inputs: bool = _RANDOM_INPUTS,
     seed: int = typer.Option(0, "--seed", min=0, help="Seed for --random-inputs and the random directions."),
     dim: Optional[List[str]] = _DIM,
     samples: int = typer.Option(3, "--samples", min=1, help="Random directions per tensor."),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Mapping
@@ -136,15 +137,21 @@ def check_dims(model: ir.Model, dims: Mapping[str, int]) -> None:
         raise UsageError(f"--dim {', '.join(unknown)}: the model's inputs have no such dimension; {known}")
 
 
-def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Random values for every graph input that is not an initializer (see the module docstring)."""
+def random_feeds(
+    model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None = None, given: Mapping[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """Random values for every graph input that is neither an initializer nor in ``given`` (see the
+    module docstring). A symbolic dimension that ``dims`` does not set takes its size from a given
+    array declared with it, so that the drawn inputs fit the given ones."""
     rng = np.random.default_rng(seed)
     dims = dict(dims or {})
     check_dims(model, dims)
+    given = dict(given or {})
+    dims = {**dims_of_given(model, given, dims), **dims}
     graph = _with_shapes(model).graph
     wanted = []
     for value in graph.inputs:
-        if value.name in graph.initializers:
+        if value.name in graph.initializers or value.name in given:
             continue
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
         wanted.append((value, _concrete_shape(value, dims), dtype))
@@ -158,6 +165,35 @@ def random_feeds(model: ir.Model, seed: int = 0, dims: Mapping[str, int] | None 
                 f"input {value.name!r}: not enough memory for shape {list(shape)}; choose smaller --dim values"
             ) from None
     return feeds
+
+
+def dims_of_given(model: ir.Model, given: Mapping[str, np.ndarray], dims: Mapping[str, int]) -> dict[str, int]:
+    """The sizes the given arrays have where the model declares a symbolic dimension; one that
+    contradicts ``dims`` (--dim) is a usage error: the drawn inputs would not fit the given ones."""
+    found: dict[str, int] = {}
+    for value in model.graph.inputs:
+        array = given.get(str(value.name))
+        if array is None or value.shape is None or len(value.shape) != np.ndim(array):
+            continue  # a wrong rank is the run's error to report, naming the input
+        for d, size in zip(value.shape, np.shape(array)):
+            if isinstance(d, int) or not d.value:
+                continue
+            if d.value in dims and dims[d.value] != size:
+                raise UsageError(
+                    f"--dim {d.value}={dims[d.value]}, but the given input {value.name!r} has {size} there "
+                    f"(shape {list(np.shape(array))}); drop --dim {d.value} or give it that size"
+                )
+            found.setdefault(d.value, int(size))
+    return found
+
+
+def tell_drawn(drawn: Mapping[str, np.ndarray], source: str) -> None:
+    """Say (as a warning: the command line's note) which inputs were drawn at random when others
+    were given, so that a mix of given and random inputs is never silent."""
+    if drawn:
+        warnings.warn(f"random values were drawn for {', '.join(drawn)}, which {source} does not give", stacklevel=2)
+    else:
+        warnings.warn(f"{source} gives every input: no random values were drawn", stacklevel=2)
 
 
 def _check_fits_in_memory(wanted) -> None:

@@ -208,3 +208,83 @@ def test_a_one_time_note_is_said_once_per_process(tiny, capsys, monkeypatch):
         assert code == 0, err
         notes.append([line for line in err.splitlines() if line.startswith("note: ")])
     assert notes == [["note: no usable GPU (no GPU in this test); running on the CPU"], []]
+
+
+# -- given and random inputs together ------------------------------------------------------------
+
+
+def _two_input_model(path) -> None:
+    """loss = sum((x @ w - t)^2) with x [N, 3] and t [N, 4]; d = x @ w - t is an output too."""
+    w = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Sub", ["h", "t"], ["d"]),
+            helper.make_node("Mul", ["d", "d"], ["sq"]),
+            helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+        ],
+        "two",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("d", TensorProto.FLOAT, ["N", 4]),
+        ],
+        initializer=[onnx.numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_random_inputs_fill_in_what_inputs_do_not_give_and_say_so(tmp_path, capsys, monkeypatch):
+    _two_input_model(tmp_path / "m.onnx")
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.savez(tmp_path / "x.npz", x=x)
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "run",
+        tmp_path / "m.onnx",
+        "--inputs",
+        tmp_path / "x.npz",
+        "--random-inputs",
+        "-o",
+        tmp_path / "out.npz",
+    )
+    assert code == 0, err
+    assert f"random values were drawn for t, which {tmp_path / 'x.npz'} does not give" in err
+    model = load_model(tmp_path / "m.onnx")
+    t = random_feeds(model, seed=0, given={"x": x})["t"]
+    assert t.shape == (5, 4)  # N from the given x
+    w = onnx.numpy_helper.to_array(onnx.load(str(tmp_path / "m.onnx")).graph.initializer[0])
+    with np.load(tmp_path / "out.npz") as out:
+        np.testing.assert_allclose(out["d"], x @ w - t, rtol=1e-5, atol=1e-5)
+
+
+def test_random_inputs_that_draw_nothing_say_so(tmp_path, capsys, monkeypatch):
+    _two_input_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 3), np.float32), t=np.ones((2, 4), np.float32))
+    code, _, err = run_cli(capsys, monkeypatch, "run", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz", "--random-inputs")
+    assert code == 0, err
+    assert "gives every input: no random values were drawn" in err
+
+
+def test_a_dim_that_contradicts_a_given_input_is_refused(tmp_path, capsys, monkeypatch):
+    _two_input_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "x.npz", x=np.ones((5, 3), np.float32))
+    for command in ("run", "check"):
+        code, _, err = run_cli(
+            capsys, monkeypatch, command, tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--random-inputs", "--dim", "N=2"
+        )
+        assert code == 2, err
+        [line] = err.strip().splitlines()
+        assert line.startswith("error: --dim N=2, but the given input 'x' has 5 there"), line
+
+
+def test_check_with_given_and_random_inputs(tmp_path, capsys, monkeypatch):
+    _two_input_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(1).standard_normal((3, 3)).astype(np.float32))
+    code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz", "--random-inputs")
+    assert code == 0, err
+    assert "random values were drawn for t" in err and "all 1 gradient(s) match" in out
