@@ -99,18 +99,17 @@ def _collector_paused() -> Iterator[None]:
 
     A build allocates a few objects per value and node and frees few of them; every so many
     allocations the collector walked all of them again, a third of the build time of a 5,000-node
-    graph. Back on, its first young-generation collection would still walk every object the build
-    made (40-80 ms for 5,000 nodes): they are moved to the oldest generation instead (``freeze``
-    then ``unfreeze``, a constant-time move), where the garbage the passes leave (removed nodes)
-    is collected with the next full collection."""
+    graph. The garbage the passes leave (removed nodes) is collected once it is back on: its first
+    young collection walks every object the build made (40-80 ms for 5,000 nodes). Moving them to
+    the oldest generation instead (``gc.freeze()`` then ``gc.unfreeze()``) saves that walk, but
+    leaves the removed nodes to full collections, which a loop of builds hardly triggers: resident
+    memory grew by 17 MB a build of the 48-layer GPT-2 layout."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
-            gc.freeze()
-            gc.unfreeze()
             gc.enable()
 
 
