@@ -24,12 +24,22 @@ def test_det_vs_torch(shape):
     np.testing.assert_allclose(forward, torch.linalg.det(torch.tensor(inputs["a"])).numpy(), rtol=1e-12)
 
 
-def test_det_gradient_of_a_singular_matrix_is_its_cofactors():
-    a = rng.normal(size=(3, 3))
+def _cofactors(a: np.ndarray) -> np.ndarray:
+    """C[i, j] = (-1)^(i + j) det(a without row i and column j): det's gradient, singular a too."""
+    n = a.shape[0]
+    minor = lambda i, j: np.linalg.det(np.delete(np.delete(a, i, axis=0), j, axis=1))  # noqa: E731
+    return np.array([[(-1) ** (i + j) * minor(i, j) for j in range(n)] for i in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_det_gradient_of_a_singular_matrix_is_its_cofactors(seed):
+    """Against the cofactors themselves: torch's LU-based backward gives zeros for about a third of
+    such exactly singular matrices (58 of 200 draws with torch 2.13), so it is no reference here."""
+    a = np.random.default_rng(seed).normal(size=(3, 3))
     a[2] = a[0] - a[1]
     got, w = run_gradgen("Det", {"a": a}, {}, {}, [()])
     assert np.abs(got["a"]).max() > 0.1
-    assert_close(got, torch_grads(lambda a: torch.linalg.det(a), {"a": a}, w), rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(got["a"], _cofactors(a) * np.asarray(w[0]), rtol=1e-9, atol=1e-10)
 
 
 def _det_model(dims, dtype):
