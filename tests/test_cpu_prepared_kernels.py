@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gradgen.errors import RunError
 from gradgen.executor import Session
 from gradgen.kernels import registry
-from gradgen.kernels.cpu import onednn_conv
+from gradgen.kernels.cpu import onednn
 
 
 def _session(op: str, x_shape, constants: dict, attrs: dict | None = None, opset: int = 18, outputs: int = 1) -> Session:
@@ -178,7 +178,7 @@ CONV_CASES = [
 def test_prepared_convolutions_are_the_kernel(op, x_shape, w_shape, attrs, bias, monkeypatch):
     """gradgen's own plans (grouped ones take oneDNN's primitives where it is loaded: see
     test_cpu_onednn_conv.py)."""
-    monkeypatch.setattr(onednn_conv, "_api", False)
+    monkeypatch.setattr(onednn, "_api", False)
     rng = np.random.default_rng(1)
     w = rng.standard_normal(w_shape).astype(np.float32)
     b_len = w_shape[0] if op == "Conv" else w_shape[1] * attrs.get("group", 1)
@@ -396,7 +396,7 @@ def test_prepared_conv_grad_is_the_kernel(x_shape, w_shape, attrs, wanted, dtype
     test_cpu_onednn_conv.py)."""
     from gradgen.kernels.cpu.conv import conv as conv_kernel
 
-    monkeypatch.setattr(onednn_conv, "_api", False)
+    monkeypatch.setattr(onednn, "_api", False)
 
     call, kernel = _prepared_and_kernel("ConvGrad", {**attrs, "_num_outputs": 3, "_wanted": wanted}, domain="com.microsoft")
     rng = np.random.default_rng(2)

@@ -122,7 +122,11 @@ def test_no_module_uses_another_layers_private_names(path):
 REGISTRIES = {
     # package of family modules: (the registry module, its family list, modules that are not families)
     "gradgen.grads.rules": ("gradgen.grads.registry", "FAMILIES", set()),
-    "gradgen.kernels.cpu": ("gradgen.kernels.registry", "CPU_FAMILIES", {"prepared", "blas", "onednn_conv"}),
+    "gradgen.kernels.cpu": (
+        "gradgen.kernels.registry",
+        "CPU_FAMILIES",
+        {"prepared", "blas", "onednn", "onednn_conv", "onednn_eltwise"},
+    ),
     "gradgen.kernels.cuda": (
         "gradgen.kernels.registry",
         "CUDA_FAMILIES",

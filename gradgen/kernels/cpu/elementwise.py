@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import onednn_eltwise
 from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel
 from gradgen.ops import schemas
@@ -322,8 +323,14 @@ def shrink(x, *, bias=0.0, lambd=0.5):
 # unary float math
 
 
-for _op, _fn in (("Sqrt", np.sqrt), ("Exp", np.exp), ("Log", np.log)):
+for _op, _fn in (("Sqrt", np.sqrt), ("Log", np.log)):
     cpu_kernel(_op)(_as_is(_fn))
+
+
+@cpu_kernel("Exp")
+def exp(x):
+    return onednn_eltwise.exp(x)
+
 
 for _op, _fn in (
     ("Tanh", np.tanh),
@@ -344,6 +351,9 @@ for _op, _fn in (
 
 @cpu_kernel("Sigmoid")
 def sigmoid(x):
+    fast = onednn_eltwise.apply("logistic", x)
+    if fast is not None:
+        return fast
     # exp of a non-positive number only: no overflow warnings for large |x|.
     e = np.exp(-np.abs(x))
     d = 1 + e

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import onednn_eltwise
 from gradgen.kernels.cpu.prepared import per_shape
 from gradgen.kernels.numeric import accumulation_dtype, float_compute_dtype
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -77,7 +78,7 @@ def softmax_cross_entropy_loss(scores, labels, weights=None, *, ignore_index=Non
     ct = float_compute_dtype(scores.dtype)
     s = scores.astype(ct, copy=False)
     shifted = s - s.max(axis=1, keepdims=True)
-    log_prob = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    log_prob = shifted - np.log(onednn_eltwise.exp(shifted).sum(axis=1, keepdims=True))
     loss = _nll(log_prob, labels, weights, ignore_index, reduction, scores.dtype)
     if _num_outputs > 1:
         return loss, log_prob.astype(scores.dtype, copy=False)
@@ -195,7 +196,7 @@ def prepare_softmax_cross_entropy_loss(constants: tuple, attrs: dict):
         if not fast or int(labels.view(f"u{labels.dtype.itemsize}").max(initial=0)) >= classes:
             return softmax_cross_entropy_loss(scores, labels, weights, **attrs)
         shifted = np.subtract(scores, np.maximum.reduce(scores, axis=1, keepdims=True))
-        total = np.add.reduce(np.exp(shifted), axis=1, keepdims=True)
+        total = np.add.reduce(onednn_eltwise.exp(shifted), axis=1, keepdims=True)
         log_prob = np.subtract(shifted, np.log(total, out=total), out=shifted)
         loss = np.negative(log_prob[rows(n), labels])  # -picked * 1 for every used label
         if reduction == "none":

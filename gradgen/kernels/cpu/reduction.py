@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import onednn_eltwise
 from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -266,7 +267,7 @@ def _unchanged(y):
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
     e = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
-    np.exp(e, out=e)  # in place: one buffer instead of three, the same bits
+    onednn_eltwise.exp(e, out=e)  # in place: one buffer instead of three, the same bits
     np.divide(e, np.add.reduce(e, axis=-1, keepdims=True), out=e)
     return restore(e).astype(x.dtype, copy=False)
 
@@ -275,7 +276,7 @@ def softmax(x, *, axis=None, _opset=13):
 def log_softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
     shifted = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
-    log_sum = np.log(np.add.reduce(np.exp(shifted), axis=-1, keepdims=True))
+    log_sum = np.log(np.add.reduce(onednn_eltwise.exp(shifted), axis=-1, keepdims=True))
     np.subtract(shifted, log_sum, out=shifted)
     return restore(shifted).astype(x.dtype, copy=False)
 
