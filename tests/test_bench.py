@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -349,3 +350,40 @@ def test_train_group_on_cpu_tiny():
     assert entry["loss_agreement"]["gradgen"] < 1e-5
     assert updates and updates[-1] is report
     assert "DeviceStepRunner" in train.format_model(entry)
+
+
+def test_cpu_runtimes_are_timed_in_alternating_rounds():
+    """ONNX Runtime's and gradgen's steps alternate round by round, and the report's ratio is the
+    median of the rounds' ratios with their range (one runtime's failure leaves the other timed)."""
+    from gradgen.bench import worker
+
+    calls = []
+
+    def maker(name, seconds):
+        def make():
+            def step():
+                calls.append(name)
+                time.sleep(seconds)
+
+            return step
+
+        return make
+
+    row: dict = {}
+    timing = dict(warmup=1, max_steps=6, budget_s=10.0)
+    worker._measure_paired(row, {"ort_ms": maker("ort", 0.001), "gradgen_portable_ms": maker("gradgen", 0.002)}, timing)
+    runs = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
+    assert runs == ["ort", "gradgen"] * worker.PAIRED_ROUNDS
+    assert len(row["ratio_rounds"]) == worker.PAIRED_ROUNDS and all(1.2 < r < 4 for r in row["ratio_rounds"])
+    assert row["gradgen_portable_ms"] > row["ort_ms"] > 0
+    shown = cpu._paired_ratio(row)
+    assert shown.endswith(")") and f"({min(row['ratio_rounds']):.2f}-{max(row['ratio_rounds']):.2f})" in shown
+
+    def broken():
+        raise RuntimeError("no session")
+
+    row = {}
+    worker._measure_paired(row, {"ort_ms": broken, "gradgen_portable_ms": maker("gradgen", 0.0)}, timing)
+    assert row["ort_ms"] is None and "no session" in row["ort_ms_error"]
+    assert row["gradgen_portable_ms"] is not None and "ratio_rounds" not in row
+    assert cpu._paired_ratio(row) == "-"

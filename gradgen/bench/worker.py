@@ -551,8 +551,7 @@ def _cpu_case(case: dict, threads: int, task: dict) -> dict:
 
         return make
 
-    measure("ort_ms", ort_step)
-    measure("gradgen_portable_ms", gradgen_step(case["portable"]))
+    _measure_paired(row, {"ort_ms": ort_step, "gradgen_portable_ms": gradgen_step(case["portable"])}, timing)
     if task.get("profile"):
         try:  # op type, steps, ms: every step timed over three runs (gradgen/executor/profile.py)
             by_op = Session(case["portable"], device="cpu").profile(feeds, runs=3).by_op()
@@ -562,6 +561,48 @@ def _cpu_case(case: dict, threads: int, task: dict) -> dict:
     measure("gradgen_ms", gradgen_step(case["default"]))
     measure("torch_ms", lambda: _torch_cpu_step(case, threads))
     return row
+
+
+PAIRED_ROUNDS = 3  # alternating rounds of ONNX Runtime's and gradgen's portable step
+
+
+def _measure_paired(row: dict, makers: dict, timing: dict, rounds: int = PAIRED_ROUNDS) -> None:
+    """Time the steps ``makers`` make (ONNX Runtime's and gradgen's, on the same graph) in
+    alternating rounds: a virtual machine's speed drifts over seconds (ONNX Runtime's own step
+    ranged from 516 to 702 ms in one hour), and timing one runtime after the other put such a drift
+    into their ratio. ``row[key]`` is the median of the key's pooled times; with both timed,
+    ``row["ratio_rounds"]`` holds each round's ratio of medians (the second key over the first)."""
+    steps: dict = {}
+    for key, make in makers.items():
+        try:
+            steps[key] = make()
+        except Exception as exc:  # noqa: BLE001 - one failing runtime should not hide the rest
+            row[key] = None
+            row[f"{key}_error"] = error_text(exc)
+    per_round = dict(timing, max_steps=max(3, -(-timing["max_steps"] // rounds)), budget_s=timing["budget_s"] / rounds)
+    times: dict = {key: [] for key in steps}
+    ratios = []
+    for index in range(rounds):
+        medians = {}
+        for key, step in list(steps.items()):
+            try:
+                taken = time_adaptive(step, **dict(per_round, warmup=per_round["warmup"] if index == 0 else 0))
+            except Exception as exc:  # noqa: BLE001
+                row[f"{key}_error"] = error_text(exc)
+                del steps[key]
+                continue
+            times[key] += taken
+            medians[key] = median(taken)
+        if len(medians) == 2:
+            first, second = medians.values()
+            ratios.append(second / first)
+    for key, taken in times.items():
+        if f"{key}_error" not in row:
+            row[key], row[f"{key}_all"] = median(taken), taken
+        else:
+            row[key] = None
+    if len(ratios) == rounds:
+        row["ratio_rounds"] = ratios
 
 
 def _torch_cpu_step(case: dict, threads: int):
