@@ -298,6 +298,8 @@ def check_gradients(
         raise UsageError(f"--samples {samples}: expected a non-negative number of directions")
     if not eps > 0:
         raise UsageError(f"eps {eps}: expected a positive step")
+    if not isinstance(model, onnx.ModelProto):
+        model = load_model(model)  # once: the float64 copy and the check of given inputs read it
     proto = to_float64(model)
     forward = ir.from_proto(proto)
     graph_inputs = [name for name in value_names(forward.graph.inputs) if name not in forward.graph.initializers]

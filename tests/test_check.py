@@ -369,3 +369,24 @@ def test_a_wrong_gradient_is_not_called_a_kink(tmp_path, broken_mul):
     _mul_model(path)
     report = check_gradients(path, random_inputs=True, wrt_inputs=True)
     assert not report.passed and not any(t.kink for t in report.tensors)
+
+
+def test_the_model_file_is_read_once(tmp_path, monkeypatch):
+    """check reads MODEL once for its float64 copy and for judging the given inputs."""
+    import gradgen.check as check_module
+    import gradgen.model_io as model_io
+
+    tiny_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32))
+    reads = []
+    real = model_io.load_model
+
+    def counted(model):
+        if not isinstance(model, onnx.ModelProto) and not hasattr(model, "graph"):
+            reads.append(model)
+        return real(model)
+
+    monkeypatch.setattr(check_module, "load_model", counted)
+    report = check_gradients(tmp_path / "m.onnx", inputs=tmp_path / "in.npz")
+    assert report.passed, report.format()
+    assert reads == [tmp_path / "m.onnx"]
