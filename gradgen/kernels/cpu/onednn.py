@@ -35,6 +35,10 @@ class ExecArg(ctypes.Structure):
     _fields_ = [("arg", ctypes.c_int), ("memory", Handle)]
 
 
+# entry points one user needs and the others do not: a library without them keeps the rest
+_OPTIONAL = frozenset({"dnnl_eltwise_forward_primitive_desc_create"})
+
+
 class Api:
     """The oneDNN library's functions with their C signatures (``dnnl_x`` as attribute ``x``), an
     engine and an in-order stream."""
@@ -70,7 +74,12 @@ class Api:
             "dnnl_memory_destroy": ([h], i),
         }
         for name, (argtypes, restype) in signatures.items():
-            function = getattr(library, name)
+            function = getattr(library, name, None)
+            if function is None and name in _OPTIONAL:
+                setattr(self, name.removeprefix("dnnl_"), None)  # its users check for None
+                continue
+            if function is None:
+                raise AttributeError(name)
             function.argtypes, function.restype = argtypes, restype
             setattr(self, name.removeprefix("dnnl_"), function)
         self.engine, self.stream = Handle(), Handle()

@@ -5,18 +5,22 @@ needs AVX-512), and gradgen's overflow-free Sigmoid takes eight numpy passes. on
 (``jit:avx2`` and up) run them on every core of its OpenMP pool: on a 2-core AVX2 machine, exp of
 (128, 50257) took 5.1 ms on one thread against numpy's 11.7, and a Sigmoid of (8, 96, 56, 56) 2.0
 against 24.1 ms. (Its tanh was no faster than numpy's: 1.36 against 1.00 ms at (128, 3072), so
-Tanh stays with numpy.) A call costs about 10 us, so only arrays of at least ``MIN_ELEMENTS``
-elements go to oneDNN; smaller ones, other dtypes, strided arrays, and processes where oneDNN is not
-used (see ``onednn``) stay with numpy (``apply`` returns None).
+Tanh stays with numpy.) A call costs about 10 us, and where another process keeps a core busy an
+OpenMP call now and then waits for it (a 16,384-element exp: a median of 0.02 ms but up to 9 ms),
+so only arrays of at least ``MIN_ELEMENTS`` elements (about 0.3 ms of numpy's exp) go to oneDNN.
+Smaller ones, other dtypes, strided arrays, and processes where oneDNN is not used (see
+``onednn``) stay with numpy (``apply`` returns None).
 
-Values: within 3 ulp of the float64 truth on a dense sweep (numpy's exp: 2), NaN in gives NaN out
-(oneDNN's exp gives +inf for NaN: where the input holds one, NaNs are put back), and results below about 2e-38 (exp of less
-than about -87, near float32's smallest normal number) are 0 where numpy gives 1.6e-38 and
-subnormals. Each element is computed alone, so the bits do not depend on the thread count.
+Values: within 4 ulp of the float64 truth on a dense sweep (numpy's exp: 2). NaN in gives NaN out
+(oneDNN's exp gives +inf for NaN), and inputs below ``UNDERFLOW_BELOW``, where oneDNN's results
+lose accuracy and flush to 0 near -87, are computed by numpy: one reduction over the input finds
+both, and only arrays that hold such elements pay for the masks. Each element is computed alone,
+so the bits do not depend on the thread count.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import weakref
@@ -26,10 +30,13 @@ import numpy as np
 from gradgen.kernels.cpu import onednn
 
 ALGORITHMS = {"logistic": 0x29, "exp": 0x2A}  # dnnl_alg_kind_t (oneDNN 3.x)
-MIN_ELEMENTS = 1 << 14
+MIN_ELEMENTS = 1 << 18
+# below this input oneDNN's results lose accuracy (5 ulp from -80, up to a flush to 0 near -87):
+# such elements are computed again by numpy
+UNDERFLOW_BELOW = -80.0
 _PLANS_KEPT = 64
 
-_plans: dict[tuple[str, int], _Eltwise | None] = {}
+_plans: collections.OrderedDict[tuple[str, int], _Eltwise | None] = collections.OrderedDict()
 _plans_lock = threading.Lock()
 
 
@@ -80,17 +87,23 @@ class _Eltwise:
 
 
 def _plan(api, kind: str, size: int) -> _Eltwise | None:
+    """The plan for ``kind`` over ``size`` elements (None where oneDNN refused it), made once and
+    kept for the ``_PLANS_KEPT`` sizes used last."""
     key = (kind, size)
-    if key not in _plans:
-        with _plans_lock:
-            if key not in _plans:
-                if len(_plans) >= _PLANS_KEPT:
-                    _plans.clear()
-                try:
-                    _plans[key] = _Eltwise(api, ALGORITHMS[kind], size)
-                except (onednn.Refused, AttributeError):  # AttributeError: a library without eltwise
-                    _plans[key] = None
-    return _plans[key]
+    with _plans_lock:
+        if key in _plans:
+            _plans.move_to_end(key)
+            return _plans[key]
+        plan: _Eltwise | None = None
+        if api.eltwise_forward_primitive_desc_create is not None:
+            try:
+                plan = _Eltwise(api, ALGORITHMS[kind], size)
+            except onednn.Refused:
+                plan = None
+        _plans[key] = plan
+        if len(_plans) > _PLANS_KEPT:
+            _plans.popitem(last=False)
+        return plan
 
 
 def apply(kind: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
@@ -104,13 +117,25 @@ def apply(kind: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
     plan = None if api is None else _plan(api, kind, x.size)
     if plan is None:
         return None
-    # a NaN propagates through max (one pass, no mask): the mask is made only where there is one
-    nan = np.isnan(x) if kind == "exp" and np.isnan(np.maximum.reduce(x, axis=None)) else None
+    lowest = np.minimum.reduce(x, axis=None)  # one pass: a NaN propagates, and the smallest input
+    redo = None
+    if np.isnan(lowest) or lowest < UNDERFLOW_BELOW:  # rare: the masks, before ``out`` may overwrite x
+        low = x < UNDERFLOW_BELOW
+        redo = (np.isnan(x) if kind == "exp" else None, low, _numpy(kind, x[low]))
     result = np.empty_like(x) if out is None else out
     plan(x, result)
-    if nan is not None:
-        result[nan] = np.nan
+    if redo is not None:
+        nan, low, again = redo
+        if nan is not None:  # oneDNN's exp gives +inf for NaN
+            result[nan] = np.nan
+        result[low] = again
     return result
+
+
+def _numpy(kind: str, x: np.ndarray) -> np.ndarray:
+    """``kind`` of inputs below ``UNDERFLOW_BELOW`` (negative), by numpy."""
+    e = np.exp(x)
+    return e if kind == "exp" else e / (1 + e)
 
 
 def exp(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
