@@ -118,6 +118,13 @@ def loaded_api():
     return _api or None
 
 
+def implementation(api: Api, primitive_desc: Handle) -> str:
+    """The implementation oneDNN chose for a primitive descriptor ("jit:avx2", "ref:any", ...)."""
+    info = ctypes.c_char_p()
+    check(api.primitive_desc_query(primitive_desc, QUERY_IMPL_INFO, 0, ctypes.byref(info)))
+    return (info.value or b"").decode()
+
+
 def strided_desc(api: Api, shape: tuple, strides: tuple | str | None = None) -> Handle:
     """A float32 memory descriptor of ``shape`` with element ``strides`` (row-major by default), or
     oneDNN's "any" layout when ``strides`` is the string "any"."""

@@ -106,9 +106,7 @@ class _Primitive:
         primitive_desc = onednn.Handle()
         onednn.check(create(ctypes.byref(primitive_desc), wanted, bias_desc))
         owned.append(("primitive_desc_destroy", primitive_desc))
-        info = ctypes.c_char_p()
-        onednn.check(api.primitive_desc_query(primitive_desc, onednn.QUERY_IMPL_INFO, 0, ctypes.byref(info)))
-        self.implementation = (info.value or b"").decode()
+        self.implementation = onednn.implementation(api, primitive_desc)
         if _refused(self.implementation):
             raise onednn.Refused(self.implementation)
         self.operands = [

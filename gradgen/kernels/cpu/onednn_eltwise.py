@@ -63,9 +63,7 @@ class _Eltwise:
             )
         )
         owned.append(("primitive_desc_destroy", primitive_desc))
-        info = ctypes.c_char_p()
-        onednn.check(api.primitive_desc_query(primitive_desc, onednn.QUERY_IMPL_INFO, 0, ctypes.byref(info)))
-        self.implementation = (info.value or b"").decode()
+        self.implementation = onednn.implementation(api, primitive_desc)
         if self.implementation.startswith("ref"):  # oneDNN's reference loop: numpy is as fast
             raise onednn.Refused(self.implementation)
         self.primitive = onednn.Handle()

@@ -267,7 +267,7 @@ def _unchanged(y):
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
     e = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
-    onednn_eltwise.exp(e, out=e)  # in place: one buffer instead of three, the same bits
+    onednn_eltwise.exp(e, out=e)  # in place: one buffer instead of three (the bits of exp(e) out of place)
     np.divide(e, np.add.reduce(e, axis=-1, keepdims=True), out=e)
     return restore(e).astype(x.dtype, copy=False)
 
