@@ -107,6 +107,31 @@ def test_an_out_that_overlaps_an_operand_or_is_read_only_is_numpys_case(every_si
     assert not frozen.any()
 
 
+def test_a_stack_times_a_matrix_is_one_product_of_its_rows(monkeypatch):
+    """(..., M, K) @ (K, N) runs as one (rows, K) product (a strided stack copied first), not as
+    numpy's one call per matrix: a sequence-first layout's 65 x 2 x 64 @ 64 x 192 was 65 calls."""
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(blas.np, "matmul", lambda a, b, **kw: calls.append((a.shape, b.shape)) or real(a, b, **kw))
+    rng = np.random.default_rng(8)
+    seq_first = rng.standard_normal((2, 65, 64), dtype=np.float32).transpose(1, 0, 2)
+    weight = rng.standard_normal((64, 12), dtype=np.float32)
+    result = blas.matmul(seq_first, weight)  # below MIN_MULTIPLY_ADDS: numpy, in one call
+    assert calls == [((130, 64), (64, 12))]
+    assert result.shape == (65, 2, 12)
+    _check(result, seq_first, weight)
+    for dtype in (np.float64, np.int64):  # any dtype numpy multiplies
+        left, right = seq_first.astype(dtype), weight.astype(dtype)
+        np.testing.assert_allclose(blas.matmul(left, right), real(left, right), rtol=1e-12)
+    out = np.full((65, 2, 12), np.nan, dtype=np.float32)
+    assert blas.matmul(seq_first, weight, out=out) is out
+    _check(out, seq_first, weight)
+    strided_out = np.full((2, 65, 12), np.nan, dtype=np.float32).transpose(1, 0, 2)  # numpy's own loop
+    assert blas.matmul(seq_first, weight, out=strided_out) is strided_out
+    _check(strided_out, seq_first, weight)
+    assert blas.matmul(np.ones((0, 3, 4), np.float32), np.ones((4, 5), np.float32)).shape == (0, 3, 5)
+
+
 def test_other_dtypes_and_small_products_are_numpys_own():
     rng = np.random.default_rng(3)
     for dtype in (np.float64, np.float16, np.int64):

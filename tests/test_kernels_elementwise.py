@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import elementwise
 from gradgen.kernels.registry import lookup
 
 ONE_TYPE = {
@@ -88,3 +89,28 @@ def test_float32_erf_is_within_two_ulp_everywhere():
     assert np.max(np.abs(got - exact) / ulp) <= 2.0
     specials = erf(np.array([0.0, -0.0, np.inf, -np.inf, np.nan], dtype=np.float32))
     assert specials.tolist()[:4] == [0.0, 0.0, 1.0, -1.0] and np.signbit(specials[1]) and np.isnan(specials[4])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sigmoid_is_within_four_ulp_on_both_of_its_forms(dtype):
+    """Sigmoid's numpy path: 1 / (1 + exp(-x)) in four passes where exp(-x) stays finite, the
+    overflow-free eight-pass form where any input lies below that (or is NaN). Both against the
+    float64 / long double truth on a dense sweep, in chunks below oneDNN's sizes; the extremes
+    keep their subnormal and saturated values."""
+    sigmoid = lookup("", "Sigmoid").cpu
+    wide = np.longdouble
+    low = float(elementwise._SIGMOID_DIRECT_FROM[np.dtype(dtype)])
+    sweep = np.linspace(low, 40, 200_001).astype(dtype)
+    with_extremes = np.concatenate([sweep, np.array([low - 5, -np.inf, np.inf, 0.0, -0.0], dtype)])
+    for x in (sweep, with_extremes):  # the four-pass form, then the eight-pass one
+        got = np.concatenate([sigmoid(part) for part in np.array_split(x, 20)])
+        assert got.dtype == dtype
+        truth = 1 / (1 + np.exp(-x.astype(wide)))
+        ulp = np.spacing(truth.astype(dtype)).astype(wide)
+        assert np.max(np.abs(got - truth) / ulp) <= 4.0
+    assert sigmoid(np.array([np.nan, 1.0], dtype)).tolist()[1] == pytest.approx(1 / (1 + np.exp(-1.0)))
+    assert np.isnan(sigmoid(np.array([np.nan, 1.0], dtype))[0])
+    scalar = sigmoid(np.array(0.5, dtype))  # a 0-d input stays an array
+    assert isinstance(scalar, np.ndarray) and scalar.shape == () and scalar == pytest.approx(1 / (1 + np.exp(-0.5)))
+    extremes = sigmoid(np.array([-np.inf, np.inf, low - 5], dtype))
+    assert extremes[0] == 0.0 and extremes[1] == 1.0 and 0.0 < extremes[2] < np.finfo(dtype).tiny

@@ -349,18 +349,34 @@ for _op, _fn in (
     cpu_kernel(_op)(_unary(_fn))
 
 
+# the lowest input from which Sigmoid's four-pass form runs: exp(-x) below the dtype's largest
+# finite value over e, so 1 + exp(-x) stays finite too (float32: about -87.7)
+_SIGMOID_DIRECT_FROM = {np.dtype(t): -(math.log(float(np.finfo(t).max)) - 1) for t in (np.float32, np.float64)}
+
+
 @cpu_kernel("Sigmoid")
 def sigmoid(x):
     fast = onednn_eltwise.apply("logistic", x)
     if fast is not None:
         return fast
-    # exp of a non-positive number only: no overflow warnings for large |x|.
+    if x.dtype in _SIGMOID_DIRECT_FROM and x.size and np.minimum.reduce(x, axis=None) >= _SIGMOID_DIRECT_FROM[x.dtype]:
+        # 1 / (1 + exp(-x)) in four passes, in place: exp(-x) stays finite from this bound on (a
+        # NaN fails the test). Within 3.4 ulp of the float64 truth on a dense float32 sweep (the
+        # eight-pass form below: 3.2), at about half its time.
+        e = np.negative(x, out=np.empty_like(x))  # an array also for a 0-d x
+        np.exp(e, out=e)
+        e += 1
+        return np.reciprocal(e, out=e)
+    # exp of a non-positive number only: no overflow warnings for large |x| (eight passes).
     e = np.exp(-np.abs(x))
     d = 1 + e
     return select(x >= 0, np.asarray(1 / d, x.dtype), np.asarray(e / d, x.dtype))
 
 
-ERF_CHUNK = 8192  # elements per pass of erf's float64 formula: its temporaries stay in the L2 cache
+# elements per pass of erf's float64 formula (its 26 passes run over three reused buffers). Each
+# numpy call costs about a microsecond, which the chunk's arithmetic has to dwarf: per element,
+# 8.9 ns at 8,192, 7.0 at 32,768, 6.0 at 65,536 (a ViT's 33,280-element GELU; 2-core AVX2 EPYC)
+ERF_CHUNK = 65536
 
 # erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (beyond, erf rounds to +-1 in float32): the rational fit
 # XLA and Eigen use for float32 erf, highest power first. Evaluated in float64 it stays within
