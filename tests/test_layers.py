@@ -125,7 +125,7 @@ REGISTRIES = {
     "gradgen.kernels.cpu": (
         "gradgen.kernels.registry",
         "CPU_FAMILIES",
-        {"prepared", "blas", "onednn", "onednn_conv", "onednn_eltwise"},
+        {"prepared", "blas", "onednn", "onednn_conv", "onednn_eltwise", "onednn_rows"},
     ),
     "gradgen.kernels.cuda": (
         "gradgen.kernels.registry",

@@ -48,6 +48,7 @@ _FLOAT32 = np.dtype(np.float32)
 _ITEM = _FLOAT32.itemsize
 _sgemm: Any = None  # the loaded dnnl_sgemm, False where there is none; None until first asked
 _omp_threads: Any = None  # the OpenMP runtime's omp_get_max_threads (the pool oneDNN uses), once loaded
+_omp_set_threads: Any = None  # ... and its omp_set_num_threads
 _library: Any = None  # the loaded libdnnl (ctypes.CDLL), once loaded
 _numpy_blas: list | None = None  # threadpoolctl's controllers of numpy's BLAS, found once
 
@@ -101,7 +102,7 @@ def _load():
     path = library_path()
     if path is None or not _cpu_has_avx2():
         return False
-    global _omp_threads, _library
+    global _omp_threads, _omp_set_threads, _library
     try:
         library = ctypes.CDLL(path)
         sgemm = library.dnnl_sgemm
@@ -109,10 +110,11 @@ def _load():
         return False
     _library = library
     try:  # found among the library's dependencies (its OpenMP runtime)
-        _omp_threads = library.omp_get_max_threads
+        _omp_threads, _omp_set_threads = library.omp_get_max_threads, library.omp_set_num_threads
         _omp_threads.argtypes, _omp_threads.restype = [], ctypes.c_int
+        _omp_set_threads.argtypes, _omp_set_threads.restype = [ctypes.c_int], None
     except AttributeError:
-        _omp_threads = None
+        _omp_threads = _omp_set_threads = None
     dim, pointer = ctypes.c_int64, ctypes.c_void_p
     # dnnl_sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), row-major
     flag, scalar = ctypes.c_char, ctypes.c_float
@@ -134,6 +136,22 @@ def library() -> ctypes.CDLL:
     ``loaded()`` is true."""
     assert loaded() and _library is not None
     return _library
+
+
+@contextlib.contextmanager
+def caller_thread_only():
+    """Inside the block, oneDNN's primitives started from this thread run on it alone (OpenMP's
+    thread count is a per-thread setting, restored on leaving). A small primitive gains little from
+    a second thread and, where another process keeps a core busy, may wait milliseconds for it."""
+    if _omp_set_threads is None or _omp_threads is None:
+        yield
+        return
+    threads = _omp_threads()
+    _omp_set_threads(1)
+    try:
+        yield
+    finally:
+        _omp_set_threads(threads)
 
 
 def available() -> bool:

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu import onednn_rows
 from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -66,6 +67,9 @@ def layer_normalization(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_typ
     in float32, the type the schema gives them."""
     rank = x.ndim
     axis = normalize_axis(axis, rank)
+    fast = onednn_rows.layer_normalization(x, axis, scale, bias, epsilon) if stash_type == 1 else None
+    if fast is not None:
+        return fast
     st = _stash_dtype(x.dtype, stash_type)
     xc = x.astype(st, copy=False)
     axes = tuple(range(axis, rank))
@@ -414,6 +418,9 @@ def prepare_layer_normalization(constants: tuple, attrs: dict):
         axes, count = per_input(x.shape)
         if not count:
             return layer_normalization(x, scale, bias, **attrs)
+        fast = onednn_rows.layer_normalization(x, axes[0], scale, bias, epsilon)
+        if fast is not None:
+            return fast
         st = x.dtype
         mean = _float_mean(x, axes, count)
         centered = np.subtract(x, mean)

@@ -3,15 +3,21 @@
 oneDNN comes from ``blas``: the library (and OpenMP pool) that runs the large float32 products, with
 the same off switches (no oneDNN, no AVX2, ``GRADGEN_CPU_GEMM=numpy``, a forked process).
 ``loaded_api()`` gives the functions with their C signatures, an engine and an in-order stream, or
-None where oneDNN is not used. Users: ``onednn_conv`` (grouped convolutions) and
-``onednn_eltwise`` (elementwise functions of large arrays).
+None where oneDNN is not used. ``Primitive`` and ``PlanCache`` hold a primitive made once per
+geometry. Users: ``onednn_conv`` (grouped convolutions), ``onednn_eltwise`` (elementwise functions of
+large arrays) and ``onednn_rows`` (Softmax and LayerNormalization over rows).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import threading
-from typing import Any
+import weakref
+from typing import Any, Callable
+
+import numpy as np
 
 from gradgen.kernels.cpu import blas
 
@@ -36,7 +42,13 @@ class ExecArg(ctypes.Structure):
 
 
 # entry points one user needs and the others do not: a library without them keeps the rest
-_OPTIONAL = frozenset({"dnnl_eltwise_forward_primitive_desc_create"})
+_OPTIONAL = frozenset(
+    {
+        "dnnl_eltwise_forward_primitive_desc_create",
+        "dnnl_softmax_forward_primitive_desc_create",
+        "dnnl_layer_normalization_forward_primitive_desc_create",
+    }
+)
 
 
 class Api:
@@ -63,6 +75,11 @@ class Api:
             ),
             "dnnl_reorder_primitive_desc_create": ([out, h, h, h, h, h], i),
             "dnnl_eltwise_forward_primitive_desc_create": ([out, h, i, i, h, h, ctypes.c_float, ctypes.c_float, h], i),
+            "dnnl_softmax_forward_primitive_desc_create": ([out, h, i, i, h, h, i, h], i),
+            "dnnl_layer_normalization_forward_primitive_desc_create": (
+                [out, h, i, h, h, h, ctypes.c_float, ctypes.c_uint, h],
+                i,
+            ),
             "dnnl_primitive_desc_query": ([h, i, i, h], i),
             "dnnl_primitive_desc_query_md": ([h, i, i], h),
             "dnnl_primitive_desc_destroy": ([h], i),
@@ -148,3 +165,81 @@ def row_major(shape: tuple) -> tuple:
 def destroy(api: Api, owned: list) -> None:
     for function, handle in reversed(owned):
         getattr(api, function)(handle)
+
+
+# below this many elements a primitive runs on the calling thread alone (``blas.caller_thread_only``)
+POOL_FROM_ELEMENTS = 1 << 18
+
+
+class Primitive:
+    """One oneDNN primitive with a memory object per argument: ``primitive(*arrays)`` points each
+    argument at its array's data (C-ordered float32, in ``arguments``' order) and executes it.
+
+    ``describe(owned)`` makes the primitive descriptor and returns it with the (argument id, memory
+    descriptor) pairs; every handle it makes goes to ``owned`` (destroyed with the Primitive, or at
+    once if making it fails). oneDNN's reference implementations are refused (``Refused``): numpy is
+    as fast. Calls are serialised (the memory objects are shared); a call of fewer than
+    ``POOL_FROM_ELEMENTS`` elements (``elements``, given by the caller) runs on the caller's thread."""
+
+    def __init__(self, api: Api, describe: Callable[[list], tuple[Handle, list[tuple[int, Handle]]]]) -> None:
+        owned: list = []
+        try:
+            primitive_desc, arguments = describe(owned)
+            self.implementation = implementation(api, primitive_desc)
+            if self.implementation.startswith("ref"):
+                raise Refused(self.implementation)
+            self._primitive = Handle()
+            check(api.primitive_create(ctypes.byref(self._primitive), primitive_desc))
+            owned.append(("primitive_destroy", self._primitive))
+            self._memories = []
+            for _, desc in arguments:
+                memory = Handle()
+                check(api.memory_create(ctypes.byref(memory), desc, api.engine, None))
+                owned.append(("memory_destroy", memory))
+                self._memories.append(memory)
+        except BaseException:
+            destroy(api, owned)
+            raise
+        self._args = (ExecArg * len(arguments))(*(ExecArg(arg, m) for (arg, _), m in zip(arguments, self._memories)))
+        self._api, self._lock = api, threading.Lock()
+        weakref.finalize(self, destroy, api, owned)
+
+    def __call__(self, *arrays: np.ndarray, elements: int) -> None:
+        api = self._api
+        alone = blas.caller_thread_only() if elements < POOL_FROM_ELEMENTS else contextlib.nullcontext()
+        with self._lock, alone:
+            for memory, array in zip(self._memories, arrays):
+                api.memory_set_data_handle(memory, array.ctypes.data)
+            check(api.primitive_execute(self._primitive, api.stream, len(self._memories), self._args))
+            check(api.stream_wait(api.stream))
+
+
+class PlanCache:
+    """Plans made once per key by ``make`` (None where oneDNN refused one), the ``kept`` used last
+    kept; safe from several threads."""
+
+    def __init__(self, kept: int = 64) -> None:
+        self.kept = kept
+        self._plans: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, make: Callable[[], Any]):
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+                return self._plans[key]
+            try:
+                plan = make()
+            except Refused:
+                plan = None
+            self._plans[key] = plan
+            if len(self._plans) > self.kept:
+                self._plans.popitem(last=False)
+            return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

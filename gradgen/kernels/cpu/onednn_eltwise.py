@@ -20,10 +20,7 @@ so the bits do not depend on the thread count.
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import threading
-import weakref
 
 import numpy as np
 
@@ -36,24 +33,13 @@ MIN_ELEMENTS = 1 << 18
 UNDERFLOW_BELOW = -80.0
 _PLANS_KEPT = 64
 
-_plans: collections.OrderedDict[tuple[str, int], _Eltwise | None] = collections.OrderedDict()
-_plans_lock = threading.Lock()
+_plans = onednn.PlanCache(_PLANS_KEPT)
 
 
-class _Eltwise:
-    """One eltwise primitive over ``size`` contiguous float32 elements: ``plan(x, out)``."""
+def _eltwise(api, algorithm: int, size: int) -> onednn.Primitive:
+    """One eltwise primitive over ``size`` contiguous float32 elements: ``plan(x, out, elements=size)``."""
 
-    def __init__(self, api, algorithm: int, size: int) -> None:
-        owned: list = []
-        try:
-            self._build(api, algorithm, size, owned)
-        except BaseException:
-            onednn.destroy(api, owned)
-            raise
-        self._api, self._lock = api, threading.Lock()
-        weakref.finalize(self, onednn.destroy, api, owned)
-
-    def _build(self, api, algorithm: int, size: int, owned: list) -> None:
+    def describe(owned: list):
         desc = onednn.strided_desc(api, (size,))
         owned.append(("memory_desc_destroy", desc))
         primitive_desc = onednn.Handle()
@@ -63,45 +49,17 @@ class _Eltwise:
             )
         )
         owned.append(("primitive_desc_destroy", primitive_desc))
-        self.implementation = onednn.implementation(api, primitive_desc)
-        if self.implementation.startswith("ref"):  # oneDNN's reference loop: numpy is as fast
-            raise onednn.Refused(self.implementation)
-        self.primitive = onednn.Handle()
-        onednn.check(api.primitive_create(ctypes.byref(self.primitive), primitive_desc))
-        owned.append(("primitive_destroy", self.primitive))
-        self.source, self.target = onednn.Handle(), onednn.Handle()
-        for memory in (self.source, self.target):
-            onednn.check(api.memory_create(ctypes.byref(memory), desc, api.engine, None))
-            owned.append(("memory_destroy", memory))
-        self.args = (onednn.ExecArg * 2)(onednn.ExecArg(onednn.ARG_SRC, self.source), onednn.ExecArg(onednn.ARG_DST, self.target))
+        return primitive_desc, [(onednn.ARG_SRC, desc), (onednn.ARG_DST, desc)]
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
-        api = self._api
-        with self._lock:
-            api.memory_set_data_handle(self.source, x.ctypes.data)
-            api.memory_set_data_handle(self.target, out.ctypes.data)
-            onednn.check(api.primitive_execute(self.primitive, api.stream, 2, self.args))
-            onednn.check(api.stream_wait(api.stream))
+    return onednn.Primitive(api, describe)
 
 
-def _plan(api, kind: str, size: int) -> _Eltwise | None:
+def _plan(api, kind: str, size: int) -> onednn.Primitive | None:
     """The plan for ``kind`` over ``size`` elements (None where oneDNN refused it), made once and
     kept for the ``_PLANS_KEPT`` sizes used last."""
-    key = (kind, size)
-    with _plans_lock:
-        if key in _plans:
-            _plans.move_to_end(key)
-            return _plans[key]
-        plan: _Eltwise | None = None
-        if api.eltwise_forward_primitive_desc_create is not None:
-            try:
-                plan = _Eltwise(api, ALGORITHMS[kind], size)
-            except onednn.Refused:
-                plan = None
-        _plans[key] = plan
-        if len(_plans) > _PLANS_KEPT:
-            _plans.popitem(last=False)
-        return plan
+    if api.eltwise_forward_primitive_desc_create is None:
+        return None
+    return _plans.get((kind, size), lambda: _eltwise(api, ALGORITHMS[kind], size))
 
 
 def apply(kind: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
@@ -121,7 +79,7 @@ def apply(kind: str, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
         low = x < UNDERFLOW_BELOW
         redo = (np.isnan(x) if kind == "exp" else None, low, _numpy(kind, x[low]))
     result = np.empty_like(x) if out is None else out
-    plan(x, result)
+    plan(x, result, elements=x.size)
     if redo is not None:
         nan, low, again = redo
         if nan is not None:  # oneDNN's exp gives +inf for NaN

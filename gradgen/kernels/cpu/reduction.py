@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
-from gradgen.kernels.cpu import onednn_eltwise
+from gradgen.kernels.cpu import onednn_eltwise, onednn_rows
 from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
 from gradgen.kernels.numeric import accumulation_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
@@ -266,6 +266,9 @@ def _unchanged(y):
 @cpu_kernel("Softmax")
 def softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
+    fast = onednn_rows.softmax(z)
+    if fast is not None:
+        return restore(fast)
     e = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
     onednn_eltwise.exp(e, out=e)  # in place: one buffer instead of three (the bits of exp(e) out of place)
     np.divide(e, np.add.reduce(e, axis=-1, keepdims=True), out=e)
