@@ -15,7 +15,7 @@ import numpy as np
 
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import onednn_eltwise
-from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to, same_shape
+from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to, float_compute_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
@@ -519,11 +519,27 @@ def thresholded_relu(x, *, alpha=1.0):
     return select(x > alpha, x, np.zeros((), x.dtype))
 
 
+_GELU_ALPHA, _GELU_GAMMA = math.sqrt(2 / math.pi), 0.044715  # tanh(alpha (x + gamma x^3)) in the approximation
+
+
+def _tanh_gelu_logit(x: np.ndarray) -> np.ndarray:
+    """2 alpha (x + gamma x^3), a new array: the tanh-approximate GELU is x * sigmoid of it, since
+    0.5 (1 + tanh(u)) = sigmoid(2u). A sigmoid costs a fraction of numpy's tanh (oneDNN's logistic
+    of (128, 3072) 0.28 ms, numpy's tanh 1.0 ms on an AVX2 EPYC), and the form does not cancel
+    where tanh(u) nears -1."""
+    logit = np.multiply(x, x)
+    logit *= x.dtype.type(2 * _GELU_ALPHA * _GELU_GAMMA)
+    logit += x.dtype.type(2 * _GELU_ALPHA)
+    logit *= x
+    return logit
+
+
 @cpu_kernel("Gelu")
 def gelu(x, *, approximate="none"):
     if approximate == "tanh":
-        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
-        return (0.5 * x * (1 + np.tanh(inner))).astype(x.dtype, copy=False)
+        xc = x.astype(float_compute_dtype(x.dtype), copy=False)
+        half_one_plus_tanh = sigmoid(_tanh_gelu_logit(xc))
+        return np.multiply(xc, half_one_plus_tanh, out=half_one_plus_tanh).astype(x.dtype, copy=False)
     if approximate != "none":
         raise KernelError(f"unknown approximate={approximate!r}; expected 'none' or 'tanh'")
     return (0.5 * x * (1 + erf_array(x / math.sqrt(2)))).astype(x.dtype, copy=False)
@@ -842,12 +858,16 @@ def _gelu_grad(dY, X, approximate: bool):
     ct = accumulation_dtype(X.dtype)
     x = X.astype(ct, copy=False)
     if approximate:
-        alpha = ct.type(math.sqrt(2.0 / math.pi))
-        gamma = ct.type(0.044715)
-        beta = ct.type(gamma * alpha * 3.0)
-        cube = x * x * x
-        t = np.tanh(alpha * x + alpha * gamma * cube)
-        d = ct.type(0.5) * (t + (ct.type(1) - t * t) * (alpha * x + beta * cube) + ct.type(1))
+        # with s = sigmoid(2u) = 0.5 (1 + tanh(u)), u = alpha (x + gamma x^3), the derivative of
+        # x s is s (1 + 2 x (1 - s) alpha (1 + 3 gamma x^2)) (see _tanh_gelu_logit), in place
+        s = sigmoid(_tanh_gelu_logit(x))
+        d = np.multiply(x, x)
+        d *= ct.type(2 * _GELU_ALPHA * 3 * _GELU_GAMMA)
+        d += ct.type(2 * _GELU_ALPHA)
+        d *= x
+        d *= np.subtract(ct.type(1), s)
+        d += ct.type(1)
+        d *= s
     else:
         k_alpha = ct.type(2.0 / math.sqrt(math.pi) * math.sqrt(0.5) * 0.5)
         scaled = x.astype(np.float64) * math.sqrt(0.5)
