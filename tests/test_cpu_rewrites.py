@@ -1,6 +1,7 @@
-"""The CPU plan's rewrite of a tied embedding's gradient (gradgen/executor/cpu_rewrites.py):
+"""The CPU plan's rewrites of a tied embedding's gradient (gradgen/executor/cpu_rewrites.py):
 Sum(A, ScatterND(ConstantOfShape(0), indices, updates, add)) runs as one ScatterND into A where
 nothing else reads the zeros, the scatter or A; any other shape of the pattern is left as it is.
+Sum(A, GatherGrad(shape, indices, dY)) (the default graph's form) runs as one step that adds into A.
 Results are checked against numpy (bit for bit with distinct indices, to rounding with repeats)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from gradgen.errors import KernelError
 from gradgen.executor import Session
 
 ROWS, WIDTH = 80, 64  # zeros of 5,120 elements: above what the plan folds into a constant
@@ -97,3 +99,84 @@ def test_other_shapes_of_the_pattern_are_left_alone(changed):
             want = feeds["x"] @ numpy_helper.to_array(model.graph.initializer[0])
             want[feeds["indices"][:, 0]] += feeds["updates"]
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _gather_grad_model(*, a_rows=ROWS, gather_read_twice=False, axis=0, table=(ROWS, WIDTH)):
+    """y = Sum(A, GatherGrad(shape, indices, dY)) (ONNX Runtime's contract, the default graph's
+    embedding gradient), A = x @ w with no declared shape."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["a"]),
+        helper.make_node("GatherGrad", ["shape", "indices", "dy"], ["gathered"], domain="com.microsoft", axis=axis),
+        helper.make_node("Sum", ["a", "gathered"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if gather_read_twice:
+        nodes.append(helper.make_node("Neg", ["gathered"], ["minus"]))
+        outputs.append(helper.make_tensor_value_info("minus", TensorProto.FLOAT, None))
+    dy_shape = [12, table[1]] if axis == 0 else [table[0], 12]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [a_rows, 16]),
+        helper.make_tensor_value_info("indices", TensorProto.INT64, [12]),
+        helper.make_tensor_value_info("dy", TensorProto.FLOAT, dy_shape),
+    ]
+    constants = [
+        numpy_helper.from_array(np.random.default_rng(1).standard_normal((16, table[1])).astype(np.float32), "w"),
+        numpy_helper.from_array(np.array(table, np.int64), "shape"),
+    ]
+    graph = helper.make_graph(nodes, "tied_default", inputs, outputs, initializer=constants)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _gather_feeds(indices, dy_shape=(12, WIDTH), a_rows=ROWS):
+    rng = np.random.default_rng(3)
+    return {
+        "x": rng.standard_normal((a_rows, 16)).astype(np.float32),
+        "indices": np.asarray(indices, np.int64),
+        "dy": rng.standard_normal(dy_shape).astype(np.float32),
+    }
+
+
+def _gather_expected(model, feeds, axis=0):
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w"))
+    a = feeds["x"] @ w
+    table = np.zeros((ROWS, w.shape[1]), np.float32)
+    if axis == 0:
+        np.add.at(table, feeds["indices"], feeds["dy"])
+    else:
+        np.add.at(table.T, feeds["indices"], feeds["dy"].T)
+    return a + table
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_default_graphs_embedding_sum_adds_the_rows_into_the_other_addend(axis):
+    """Sum(A, GatherGrad(...)) runs as one step that adds dY's slices into A, in place where A
+    dies (the zeros of the table's size and the Sum's pass are gone), negative indices wrapped."""
+    table = (ROWS, WIDTH) if axis == 0 else (ROWS, ROWS)
+    model = _gather_grad_model(axis=axis, table=table)
+    session = Session(model)
+    assert _ops(session) == ["MatMul", "GatherGrad"]
+    assert "(into" in session.steps[1].node_name
+    assert session.steps[1].reuse == (0,)  # A dies at the step: written in place
+    dy_shape = (12, WIDTH) if axis == 0 else (ROWS, 12)
+    distinct = _gather_feeds(np.arange(12) * 5, dy_shape)
+    np.testing.assert_array_equal(session.run(distinct)["y"], _gather_expected(model, distinct, axis))
+    repeated = _gather_feeds([3, 3, 7, 3, 0, 7, 79, 1, 1, 3, 5, -1], dy_shape)
+    want = _gather_expected(model, repeated | {"indices": repeated["indices"] % ROWS}, axis)
+    np.testing.assert_allclose(session.run(repeated)["y"], want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_gather_grad_sum_keeps_its_meaning_where_it_cannot_add_in_place():
+    """A that broadcasts against the table: the step sums as the two nodes did; a GatherGrad read
+    elsewhere too is left as it is; an out-of-range index names the rewritten step."""
+    model = _gather_grad_model(a_rows=1)
+    session = Session(model)
+    feeds = _gather_feeds(np.arange(12) * 5, a_rows=1)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    table = np.zeros((ROWS, WIDTH), np.float32)
+    np.add.at(table, feeds["indices"], feeds["dy"])
+    np.testing.assert_allclose(session.run(feeds)["y"], feeds["x"] @ w + table, rtol=1e-6, atol=1e-6)
+    twice = Session(_gather_grad_model(gather_read_twice=True))
+    assert "Sum" in _ops(twice)
+    with pytest.raises(KernelError, match=r"\(into .*GatherGrad\): index 83 .* out of range"):
+        Session(_gather_grad_model()).run(_gather_feeds([ROWS + 3] + list(range(11))))

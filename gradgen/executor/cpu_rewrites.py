@@ -8,6 +8,11 @@ addend instead, when nothing else reads it: Sum(A, ScatterND(0, i, u, add)) = Sc
 add) (the additions into a row come in another order: equal in exact arithmetic, not bit for bit
 where an index repeats; a -0 of A in a row no index names stays -0, where A + 0 gave +0). The
 scatter then runs where the Sum ran and may write over A (``_plan_reuse``).
+
+The default graph writes the lookup's gradient as ONNX Runtime's GatherGrad(shape, indices, dY),
+which also starts from zeros of the table's size: Sum(A, GatherGrad(shape of A, i, dY)) becomes one
+step that adds dY's rows into A (``gather_grad_added``; in place where A dies), with the same
+caveat on the order of the additions; the shapes and types are checked when it runs.
 """
 
 from __future__ import annotations
@@ -17,11 +22,21 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.kernels.cpu.indexing import gather_grad_added, gather_grad_added_into
+from gradgen.kernels.table import MICROSOFT, KernelEntry
+
+# the rewritten step's kernel: not in the registry (no graph names it), attributes as keywords
+_GATHER_GRAD_ADDED = KernelEntry(
+    MICROSOFT, "GatherGrad", cpu=gather_grad_added, cpu_into=gather_grad_added_into, cpu_into_attributes=True
+)
+
 
 def scatter_into_sums(steps: list, graph: ir.Graph, constants: dict[str, np.ndarray], keep: set[str]) -> list:
     """``steps`` with each Sum(A, ScatterND(ConstantOfShape(0), indices, updates, reduction=add))
     written as ScatterND(A, indices, updates, add) where the zeros and the scatter feed nothing
-    else, A is an intermediate read only there, and A's static shape and type are the zeros'."""
+    else, A is an intermediate read only there, and A's static shape and type are the zeros'; and
+    each Sum(A, GatherGrad(shape, indices, dY)) whose GatherGrad feeds nothing else as one
+    ``gather_grad_added`` step."""
     values = {v.name: v for node in graph for v in node.outputs if v.name}
     producer = {name: step for step in steps for name in step.outputs if name}
     readers: dict[str, int] = {}
@@ -33,17 +48,30 @@ def scatter_into_sums(steps: list, graph: ir.Graph, constants: dict[str, np.ndar
     replaced: dict[int, object] = {}
     for step in steps:
         match = _match(step, producer, readers, values, constants, keep)
-        if match is None:
+        if match is not None:
+            addend, scatter, zeros = match
+            dropped.update((id(scatter), id(zeros)))
+            replaced[id(step)] = dataclasses.replace(
+                scatter,
+                inputs=[addend, *scatter.inputs[1:]],
+                outputs=list(step.outputs),
+                node_name=f"{step.node_name} (into {scatter.node_name})",
+                free_after=[],
+            )
             continue
-        addend, scatter, zeros = match
-        dropped.update((id(scatter), id(zeros)))
-        replaced[id(step)] = dataclasses.replace(
-            scatter,
-            inputs=[addend, *scatter.inputs[1:]],
-            outputs=list(step.outputs),
-            node_name=f"{step.node_name} (into {scatter.node_name})",
-            free_after=[],
-        )
+        gathered = _match_gather_grad(step, producer, readers, constants, keep)
+        if gathered is not None:
+            addend, gather = gathered
+            dropped.add(id(gather))
+            replaced[id(step)] = dataclasses.replace(
+                gather,
+                kernel=_GATHER_GRAD_ADDED.cpu,
+                entry=_GATHER_GRAD_ADDED,
+                inputs=[addend, *gather.inputs],
+                outputs=list(step.outputs),
+                node_name=f"{step.node_name} (into {gather.node_name})",
+                free_after=[],
+            )
     if not replaced:
         return steps
     return [replaced.get(id(step), step) for step in steps if id(step) not in dropped]
@@ -70,6 +98,22 @@ def _match(step, producer: dict, readers: dict, values: dict, constants: dict, k
         if dims is None or not _same_static_tensor(values[addend], values.get(zeros_name), dims):
             continue
         return addend, scatter, zeros
+    return None
+
+
+def _match_gather_grad(step, producer: dict, readers: dict, constants: dict, keep: set[str]):
+    """(the other addend, the GatherGrad step) when ``step`` is Sum(A, GatherGrad(shape, i, dY))
+    with shape a constant and the GatherGrad read only there, else None. Shapes and types need not
+    be known: ``gather_grad_added`` checks them when it runs (and sums as before where they differ)."""
+    if step.domain or step.op_type != "Sum" or len(step.inputs) != 2 or not all(step.inputs):
+        return None
+    for position in (0, 1):
+        gathered, addend = step.inputs[position], step.inputs[1 - position]
+        gather = producer.get(gathered)
+        if gather is None or gather.domain != MICROSOFT or gather.op_type != "GatherGrad" or len(gather.inputs) != 3:
+            continue
+        if readers.get(gathered) == 1 and gathered not in keep and gather.inputs[0] in constants and addend != gathered:
+            return addend, gather
     return None
 
 

@@ -264,6 +264,41 @@ def gather_grad(shape, indices, dY, *, axis=0):
     dims = shape_arg(shape)
     if not dims:
         raise KernelError("shape is empty: Gather's data must have rank >= 1")
+    dX = np.zeros(dims, dtype=accumulation_dtype(np.asarray(dY).dtype))
+    return _add_gathered(dX, indices, dY, axis, into_zeros=True).astype(dY.dtype, copy=False)
+
+
+def gather_grad_added(data, shape, indices, dY, *, axis=0):
+    """Sum(data, GatherGrad(shape, indices, dY, axis)) as one step (``executor.cpu_rewrites``: a
+    tied embedding's Sum of its two gradients): dY's slices added into a copy of data where data
+    has the table's shape and dY's float type (the additions into a row in another order than
+    zeros, the slices, then data); else the Sum of the two, as before."""
+    if not _adds_into(data, shape, dY):
+        gathered = gather_grad(shape, indices, dY, axis=axis)
+        if gathered.dtype != data.dtype:
+            raise KernelError(f"Sum's inputs differ in type: {data.dtype} and {gathered.dtype}")
+        return np.add(data, gathered)
+    return _add_gathered(np.array(data, copy=True), indices, dY, axis)
+
+
+def gather_grad_added_into(position, data, shape, indices, dY, *, axis=0):
+    """``gather_grad_added`` written into data where it dies at the step (no copy of the
+    vocabulary-sized array); None where it cannot be (another position, another shape or type)."""
+    if position != 0 or not data.flags.writeable or not data.flags.c_contiguous or not _adds_into(data, shape, dY):
+        return None
+    return _add_gathered(data, indices, dY, axis)
+
+
+def _adds_into(data: np.ndarray, shape, dY) -> bool:
+    return data.dtype in (np.float32, np.float64) and data.dtype == np.asarray(dY).dtype and data.shape == tuple(shape_arg(shape))
+
+
+def _add_gathered(out: np.ndarray, indices, dY, axis: int, into_zeros: bool = False) -> np.ndarray:
+    """``out`` with dY's slices added at the positions ``indices`` names along ``axis`` (in place;
+    ``into_zeros``: out holds zeros, so the per-position sums are stored rather than added)."""
+    dims = list(out.shape)
+    if not dims:
+        raise KernelError("shape is empty: Gather's data must have rank >= 1")
     axis = normalize_axis(axis, len(dims))
     size = dims[axis]
     idx = normalize_indices(indices, size, axis)
@@ -275,20 +310,23 @@ def gather_grad(shape, indices, dY, *, axis=0):
             f"{list(idx.shape)} along axis {axis} gives {list(want)}"
         )
     outer, inner, count = math.prod(dims[:axis]), math.prod(dims[axis + 1 :]), idx.size
-    acc = accumulation_dtype(dY.dtype)
-    dX = np.zeros((outer, size, inner), dtype=acc)
+    rows = out.reshape(outer, size, inner)
     if count and outer == 1 and inner:
         # rows of the first axis (an embedding's gradient): numpy's ufunc.at adds them in index
         # order, the order of the sort below (from a zero: only an all -0.0 row's sign differs)
-        np.add.at(dX.reshape(size, inner), idx.reshape(-1), dY.reshape(count, inner).astype(acc, copy=False))
+        np.add.at(rows[0], idx.reshape(-1), dY.reshape(count, inner).astype(out.dtype, copy=False))
     elif count and outer and inner:
         flat = idx.reshape(-1)
         order = np.argsort(flat, kind="stable")
         ordered = flat[order]
         first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-        parts = dY.reshape(outer, count, inner)[:, order, :].astype(acc, copy=False)
-        dX[:, ordered[first], :] = np.add.reduceat(parts, first, axis=1)
-    return dX.reshape(dims).astype(dY.dtype, copy=False)
+        parts = dY.reshape(outer, count, inner)[:, order, :].astype(out.dtype, copy=False)
+        sums = np.add.reduceat(parts, first, axis=1)
+        if into_zeros:
+            rows[:, ordered[first], :] = sums
+        else:
+            rows[:, ordered[first], :] += sums
+    return out
 
 
 @cpu_kernel("GatherElementsGrad", domain=MICROSOFT)
