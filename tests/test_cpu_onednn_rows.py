@@ -1,5 +1,5 @@
-"""gradgen.kernels.cpu.onednn_rows: Softmax and LayerNormalization of float32 rows through oneDNN,
-and the kernels that use it."""
+"""gradgen.kernels.cpu.onednn_rows: Softmax, LayerNormalization and its gradient of float32 rows
+through oneDNN, and the kernels that use them."""
 
 from __future__ import annotations
 
@@ -78,6 +78,45 @@ def test_what_layer_normalization_leaves_to_numpy():
     assert onednn_rows.layer_normalization(x, 1, np.ones((1, 768), np.float32), None, 1e-5) is None  # broadcast scale
     assert onednn_rows.layer_normalization(x, 2, scale.astype(np.float64), bias, 1e-5) is None
     assert onednn_rows.layer_normalization(x, 2, scale, bias, 1e-5) is not None
+
+
+@pytest.mark.parametrize("shape", [(128, 768), (520, 64), (2, 40, 8, 64)])
+def test_layer_normalization_gradient_matches_float64(shape, monkeypatch):
+    """LayerNormalizationGrad through oneDNN's backward primitive (from the saved Mean and
+    InvStdDev): dX, dScale and dBias against float64, and the kernel takes its results."""
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    scale, bias = rng.standard_normal(shape[-1]).astype(np.float32), rng.standard_normal(shape[-1]).astype(np.float32)
+    _, mean, inv_std = norm.layer_normalization(x, scale, bias)
+    calls = []
+    real = onednn_rows.layer_normalization_grad
+    monkeypatch.setattr(onednn_rows, "layer_normalization_grad", lambda *a: calls.append(a[-1]) or real(*a))
+    dx, d_scale, d_bias = norm.layer_normalization_grad(dy, x, scale, mean, inv_std)
+    assert calls == [x.size // shape[-1]]
+    x64, g = x.astype(np.float64), dy.astype(np.float64) * scale
+    mu = x64.mean(-1, keepdims=True)
+    inv = 1 / np.sqrt(((x64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+    normalized = (x64 - mu) * inv
+    want_dx = inv * (g - g.mean(-1, keepdims=True) - normalized * (g * normalized).mean(-1, keepdims=True))
+    assert dx.dtype == d_scale.dtype == d_bias.dtype == np.float32 and dx.shape == shape and d_scale.shape == (shape[-1],)
+    np.testing.assert_allclose(dx, want_dx, atol=1e-5 * np.abs(want_dx).max())
+    rows = dy.reshape(-1, shape[-1]).astype(np.float64)
+    np.testing.assert_allclose(d_scale, (rows * normalized.reshape(rows.shape)).sum(0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(d_bias, rows.sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_layer_normalization_gradient_leaves_to_numpy():
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal(ROWS_OF_768).astype(np.float32)
+    dy, scale = rng.standard_normal(ROWS_OF_768).astype(np.float32), np.ones(768, np.float32)
+    mean, inv = np.zeros((2, 16, 1), np.float32), np.ones((2, 16, 1), np.float32)
+    assert onednn_rows.layer_normalization_grad(dy, x, scale, mean, inv, 32) is not None
+    assert onednn_rows.layer_normalization_grad(dy.astype(np.float64), x, scale, mean, inv, 32) is None
+    assert onednn_rows.layer_normalization_grad(dy[:, ::-1], x, scale, mean, inv, 32) is None  # strided dY
+    assert onednn_rows.layer_normalization_grad(dy, x, scale, mean.astype(np.float64), inv, 32) is None
+    small = x[:, :4]
+    assert onednn_rows.layer_normalization_grad(dy[:, :4].copy(), small.copy(), scale, mean, inv, 8) is None
 
 
 def _softmax_truth(x):

@@ -254,6 +254,10 @@ LAYER_NORMALIZATION_GRAD = schemas.declare(
 @cpu_kernel("LayerNormalizationGrad", domain=MICROSOFT)
 def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
     """(dX, dScale, dBias) of LayerNormalization from its saved Mean and InvStdDev."""
+    rows, _ = layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis)
+    fast = onednn_rows.layer_normalization_grad(dY, X, scale, mean, inv_std_var, rows)
+    if fast is not None:
+        return fast
     return _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified=False)
 
 

@@ -47,6 +47,7 @@ _OPTIONAL = frozenset(
         "dnnl_eltwise_forward_primitive_desc_create",
         "dnnl_softmax_forward_primitive_desc_create",
         "dnnl_layer_normalization_forward_primitive_desc_create",
+        "dnnl_layer_normalization_backward_primitive_desc_create",
     }
 )
 
@@ -78,6 +79,10 @@ class Api:
             "dnnl_softmax_forward_primitive_desc_create": ([out, h, i, i, h, h, i, h], i),
             "dnnl_layer_normalization_forward_primitive_desc_create": (
                 [out, h, i, h, h, h, ctypes.c_float, ctypes.c_uint, h],
+                i,
+            ),
+            "dnnl_layer_normalization_backward_primitive_desc_create": (
+                [out, h, i, h, h, h, h, ctypes.c_float, ctypes.c_uint, h, h],
                 i,
             ),
             "dnnl_primitive_desc_query": ([h, i, i, h], i),
