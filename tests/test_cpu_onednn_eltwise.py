@@ -1,5 +1,5 @@
 """gradgen.kernels.cpu.onednn_eltwise: exp and the sigmoid of large float32 arrays through oneDNN,
-and the kernels that use it (Exp, Sigmoid, Softmax, LogSoftmax, the cross-entropy)."""
+and the kernels that use it (Exp, Sigmoid, Softmax, LogSoftmax, the cross-entropy and its gradient)."""
 
 from __future__ import annotations
 
@@ -174,6 +174,33 @@ def test_cross_entropy_at_a_size_that_uses_onednn():
         log_prob = x64 - x64.max(1, keepdims=True)
         log_prob -= np.log(np.exp(log_prob).sum(1, keepdims=True))
         assert math.isclose(loss, -log_prob[np.arange(rows), labels].mean(), rel_tol=2e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_cross_entropy_gradient_at_a_size_that_uses_onednn(monkeypatch, reduction):
+    """SoftmaxCrossEntropyLossGrad's exp of a language model's log-probabilities goes to oneDNN; an
+    ignored label's row is zero; the result matches float64."""
+    from gradgen.kernels.cpu.loss import softmax_cross_entropy_loss_grad
+
+    rows, classes = 64, 5000
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(rows, classes)) * 5
+    log_prob = (x - x.max(1, keepdims=True)) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
+    labels = rng.integers(0, classes, rows)
+    labels[7] = -100  # ignored
+    dy = rng.uniform(0.5, 2.0, rows) if reduction == "none" else np.array(1.5)
+    kinds = []
+    real = onednn_eltwise.apply
+    monkeypatch.setattr(onednn_eltwise, "apply", lambda kind, *a: kinds.append(kind) or real(kind, *a))
+    got = softmax_cross_entropy_loss_grad(dy.astype(np.float32), log_prob.astype(np.float32), labels, reduction=reduction)
+    assert kinds == ["exp"] and got.dtype == np.float32 and got.shape == (rows, classes)
+    kept = labels != -100
+    want = np.exp(log_prob)
+    want[np.arange(rows)[kept], labels[kept]] -= 1
+    weights = kept.astype(np.float64) * (dy if reduction == "none" else float(dy))
+    want *= (weights / (kept.sum() if reduction == "mean" else 1))[:, None]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9)
+    assert not got[7].any()
 
 
 def test_many_sizes_from_two_threads():

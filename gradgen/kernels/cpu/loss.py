@@ -141,7 +141,7 @@ def softmax_cross_entropy_loss_grad(
         raise KernelError(f"label {bad} is out of range for {classes} classes (valid range [0, {classes - 1}])")
     safe = np.where(kept, labels, 0)
     # (N, D..., C) layout, as ORT transposes to.
-    prob = np.moveaxis(np.exp(log_prob.astype(ct, copy=False)), 1, -1)
+    prob = np.moveaxis(onednn_eltwise.exp(log_prob.astype(ct, copy=False)), 1, -1)  # a new array
     if prob.ndim == 2:
         # (N, C): 1 taken off at each row's label in place, the bits of prob - onehot (x - 0 is x)
         # without the (N, C) one-hot and its float copy (an LM head's 50,257 classes per token)
@@ -168,7 +168,7 @@ def softmax_cross_entropy_loss_grad(
             if total != 0:
                 scale_value = scale_value / total
         scale = w * scale_value
-    result = grad * scale[..., None]
+    result = np.multiply(grad, scale[..., None], out=grad)  # grad is this call's own array
     return np.ascontiguousarray(np.moveaxis(result, -1, 1)).astype(log_prob.dtype, copy=False)
 
 
