@@ -127,7 +127,8 @@ def test_tanh_gelu_and_its_gradient_in_float32_are_close_to_float64(size):
     """FastGelu, Gelu(approximate='tanh') and FastGeluGrad compute x sigmoid(2u) (no cancellation
     where tanh(u) nears -1): over [-12, 12], for the values over 1e-3 in magnitude, relative
     error within 2e-6 (forward) and 1e-4 (gradient: near its zero and where the sigmoid is tiny
-    the terms cancel), where the tanh form lost 5.5e-5 and 5.1e-4; absolute within 4e-6."""
+    the terms cancel), where the tanh form lost 5.5e-5 and 5.1e-4; absolute within 4e-6 (forward)
+    and 3e-7 of dY (gradient)."""
     x = np.linspace(-12, 12, size).astype(np.float32)
     dy = np.random.default_rng(9).uniform(0.5, 2, size).astype(np.float32)
     y_truth, slope_truth = _tanh_gelu_truth(x.astype(np.float64))
@@ -139,7 +140,7 @@ def test_tanh_gelu_and_its_gradient_in_float32_are_close_to_float64(size):
     grad = lookup("com.microsoft", "FastGeluGrad").cpu(dy, x)
     want = dy * slope_truth
     assert grad.dtype == np.float32
-    assert np.max(np.abs(grad - want)) <= 4e-6 * np.abs(dy).max()
+    assert np.max(np.abs(grad - want) / dy) <= 3e-7  # the tanh form: 1.2e-6 (its 1 - t^2 near t = 1)
     visible = np.abs(want) > 1e-3
     assert np.max(np.abs(grad - want)[visible] / np.abs(want[visible])) <= 1e-4
     bias = np.full(size, 0.25, np.float32)

@@ -284,25 +284,35 @@ def gelu(g, x, y, dy):
     return g.op("Mul", dy, gelu_slopes(g, x, tanh, x)[0])
 
 
+_GELU_C, _GELU_K = 0.044715, math.sqrt(2.0 / math.pi)  # tanh(k (x + c x^3)) in the tanh Gelu
+
+
+def tanh_gelu_logit(g, x, x2, like):
+    """v = 2 k (x + c x^3): the tanh Gelu is x S(v), S the sigmoid. ``x2`` is x * x; ``g`` a rule
+    context or a GraphBuilder (the lowering of FastGelu)."""
+    return g.op("Mul", g.op("Add", g.op("Mul", x2, _c(g, like, 2.0 * _GELU_C * _GELU_K)), _c(g, like, 2.0 * _GELU_K)), x)
+
+
 def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
     """(Gelu'(x), Gelu''(x) or None) in standard ops, constants in like's type: the exact Gelu
     y = x Phi(x) (Phi' = phi, phi' = -x phi), or the tanh one y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3),
-    k = sqrt(2 / pi)."""
+    k = sqrt(2 / pi), written as y = x S(v), S the sigmoid, v = 2u (1/2 (1 + tanh u) = S(2u): a
+    Sigmoid is cheaper than a Tanh on CPUs, and no cancellation where tanh(u) nears -1)."""
     x2 = g.op("Mul", x, x)
     if tanh:
-        k, c = math.sqrt(2.0 / math.pi), 0.044715
-        u = _mul(g, g.op("Add", _c(g, like, 1.0), g.op("Mul", x2, _c(g, like, c))), x, _c(g, like, k))
-        t = g.op("Tanh", u)
-        du = g.op("Add", _c(g, like, k), g.op("Mul", x2, _c(g, like, 3.0 * c * k)))
-        one_minus_t2 = g.op("Sub", _c(g, like, 1.0), g.op("Mul", t, t))
-        half_x = g.op("Mul", x, _c(g, like, 0.5))
-        d1 = g.op("Add", g.op("Mul", g.op("Add", t, _c(g, like, 1.0)), _c(g, like, 0.5)), _mul(g, half_x, one_minus_t2, du))
+        v = tanh_gelu_logit(g, x, x2, like)
+        s = g.op("Sigmoid", v)
+        dv = g.op("Add", g.op("Mul", x2, _c(g, like, 6.0 * _GELU_C * _GELU_K)), _c(g, like, 2.0 * _GELU_K))  # v'
+        one_minus_s = g.op("Sigmoid", g.op("Neg", v))  # S(-v): 1 - S(v) without losing digits where S nears 1
+        # y' = S + x S (1 - S) v' = S (1 + x (1 - S) v')
+        d1 = g.op("Mul", s, g.op("Add", _c(g, like, 1.0), _mul(g, x, one_minus_s, dv)))
         if not second:
             return d1, None
-        # y'' = (1 - t^2) (u' + x/2 (u'' - 2 t u'^2)), u'' = 6 c k x
-        ddu = g.op("Mul", x, _c(g, like, 6.0 * c * k))
-        inner = g.op("Sub", ddu, _mul(g, t, du, du, _c(g, like, 2.0)))
-        return d1, g.op("Mul", one_minus_t2, g.op("Add", du, g.op("Mul", half_x, inner)))
+        # y'' = S (1 - S) (2 v' + x ((1 - 2 S) v'^2 + v'')), v'' = 12 c k x
+        one_minus_2s = g.op("Sub", one_minus_s, s)
+        curvature = g.op("Add", _mul(g, one_minus_2s, dv, dv), g.op("Mul", x, _c(g, like, 12.0 * _GELU_C * _GELU_K)))
+        inner = g.op("Add", g.op("Mul", dv, _c(g, like, 2.0)), g.op("Mul", x, curvature))
+        return d1, _mul(g, s, one_minus_s, inner)
     cdf = g.op(
         "Mul", g.op("Add", g.op("Erf", g.op("Mul", x, _c(g, like, 1.0 / math.sqrt(2.0)))), _c(g, like, 1.0)), _c(g, like, 0.5)
     )

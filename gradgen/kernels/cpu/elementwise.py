@@ -858,14 +858,17 @@ def _gelu_grad(dY, X, approximate: bool):
     ct = accumulation_dtype(X.dtype)
     x = X.astype(ct, copy=False)
     if approximate:
-        # with s = sigmoid(2u) = 0.5 (1 + tanh(u)), u = alpha (x + gamma x^3), the derivative of
-        # x s is s (1 + 2 x (1 - s) alpha (1 + 3 gamma x^2)) (see _tanh_gelu_logit), in place
-        s = sigmoid(_tanh_gelu_logit(x))
+        # with s = sigmoid(v) = 0.5 (1 + tanh(u)), v = 2u, u = alpha (x + gamma x^3), the
+        # derivative of x s is s (1 + x (1 - s) v') (see _tanh_gelu_logit), in place; 1 - s is
+        # sigmoid(-v), not a subtraction (which loses its digits where s nears 1: twice the error
+        # of the tanh form for x in [1, 5])
+        logit = _tanh_gelu_logit(x)
+        s = sigmoid(logit)
         d = np.multiply(x, x)
         d *= ct.type(2 * _GELU_ALPHA * 3 * _GELU_GAMMA)
         d += ct.type(2 * _GELU_ALPHA)
         d *= x
-        d *= np.subtract(ct.type(1), s)
+        d *= sigmoid(np.negative(logit, out=logit))
         d += ct.type(1)
         d *= s
     else:

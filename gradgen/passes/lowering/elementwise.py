@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import KernelError, ModelError
-from gradgen.grads.rules.elementwise import gelu_slopes
+from gradgen.grads.rules.elementwise import gelu_slopes, tanh_gelu_logit
 from gradgen.passes.lowering.table import CASTLIKE_OPSET, is_needed, node_input, node_where, register_lowering, zeros_opset
 
 
@@ -140,12 +140,10 @@ def lower_gelu(e: GraphBuilder, node: ir.Node):
 
 @register_lowering("FastGelu")
 def lower_fast_gelu(e: GraphBuilder, node: ir.Node):
-    """Y = z / 2 (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))), z = X [+ bias]."""
+    """Y = z / 2 (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3))), z = X [+ bias], written as z S(v),
+    S the sigmoid, v = 2 sqrt(2 / pi) (z + 0.044715 z^3) (``tanh_gelu_logit``)."""
     z, like = _biased_input(e, node), _required(node, 0)[0]
-    cube = e.op("Mul", e.op("Mul", z, z), z)
-    inner = e.op("Add", z, e.op("Mul", cube, e.const_like(like, 0.044715)))
-    t = e.op("Tanh", e.op("Mul", inner, e.const_like(like, float(np.sqrt(2.0 / np.pi)))))
-    return [e.op("Mul", e.op("Mul", z, e.const_like(like, 0.5)), e.op("Add", t, e.const_like(like, 1.0)))]
+    return [e.op("Mul", z, e.op("Sigmoid", tanh_gelu_logit(e, z, e.op("Mul", z, z), like)))]
 
 
 @register_lowering("QuickGelu")
