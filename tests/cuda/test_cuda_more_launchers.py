@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import gradgen
-from gradgen.errors import KernelError, RunError
+from gradgen.errors import KernelError, ModelError, RunError
 from gradgen.executor import Session
 from gradgen.kernels import registry
 from tests.fuzz_graphs import single_node_inputs
@@ -111,6 +111,15 @@ def check_raises(launches, op_type, inputs, match, *, domain="", error=KernelErr
     with pytest.raises(error, match=match):
         _run(model, feeds, "cuda")
     assert calls, f"the {op_type} launcher did not run"
+
+
+def check_refused_at_load(op_type, inputs, match, *, domain="", **kwargs):
+    """Both devices' sessions refuse the model as it loads (a ModelError naming the node), before
+    any launcher: a required attribute missing, or one the op does not have."""
+    model, feeds = single_node(op_type, inputs, domain=domain, **kwargs)
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ModelError, match=match):
+            _run(model, feeds, device)
 
 
 def rand(rng, shape, dtype=np.float32, low=None, high=None):
@@ -268,8 +277,9 @@ def test_range_integers(launches, dtype, bounds):
     check(launches, "Range", [np.array(v, dtype) for v in bounds])
 
 
-def test_range_stash_type_zero(launches):
-    check(launches, "Range", [np.array(v, np.float16) for v in (0.5, 30.0, 0.3)], opset=21, exact=True, stash_type=0)
+def test_range_with_an_attribute_it_does_not_have_is_refused():
+    inputs = [np.array(v, np.float16) for v in (0.5, 30.0, 0.3)]
+    check_refused_at_load("Range", inputs, "has an attribute 'stash_type', which Range does not have", opset=21, stash_type=0)
 
 
 def test_range_delta_zero_raises(launches):

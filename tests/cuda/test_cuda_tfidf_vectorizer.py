@@ -114,10 +114,14 @@ def test_two_attribute_sets_keep_their_own_tables(launches):
     check_tfidf(launches, x, mode="IDF", weights=WEIGHTS, **base, **POOL)
 
 
+# a pool of strings with the attributes a model must have (a model without them is refused as it loads)
+STRING_POOL = dict(pool_strings=["a", "b"], ngram_counts=[0, 1], ngram_indexes=[0, 1])
+
+
 @pytest.mark.parametrize(
     "x,attrs,match",
     [
-        (np.array(ROW, np.int64), dict(pool_strings=["a", "b"]), "pool_strings is not supported"),
+        (np.array(ROW, np.int64), dict(STRING_POOL), "pool_strings is not supported"),
         (np.array(ROW, np.int64), dict(mode="BM25", **POOL), "mode must be TF, IDF or TFIDF"),
         (np.array(ROW, np.int64), dict(weights=[1.0], **POOL), "1 weights for 7 output columns"),
         (np.zeros((0, 3), np.int64), dict(**POOL), r"\[C\] or \[N, C\] with N > 0"),
