@@ -51,30 +51,30 @@ def scatter_into_sums(steps: list, graph: ir.Graph, constants: dict[str, np.ndar
         if match is not None:
             addend, scatter, zeros = match
             dropped.update((id(scatter), id(zeros)))
-            replaced[id(step)] = dataclasses.replace(
-                scatter,
-                inputs=[addend, *scatter.inputs[1:]],
-                outputs=list(step.outputs),
-                node_name=f"{step.node_name} (into {scatter.node_name})",
-                free_after=[],
-            )
+            replaced[id(step)] = _in_place_of(step, scatter, [addend, *scatter.inputs[1:]])
             continue
         gathered = _match_gather_grad(step, producer, readers, constants, keep)
         if gathered is not None:
             addend, gather = gathered
             dropped.add(id(gather))
-            replaced[id(step)] = dataclasses.replace(
-                gather,
-                kernel=_GATHER_GRAD_ADDED.cpu,
-                entry=_GATHER_GRAD_ADDED,
-                inputs=[addend, *gather.inputs],
-                outputs=list(step.outputs),
-                node_name=f"{step.node_name} (into {gather.node_name})",
-                free_after=[],
+            replaced[id(step)] = _in_place_of(
+                step, gather, [addend, *gather.inputs], kernel=_GATHER_GRAD_ADDED.cpu, entry=_GATHER_GRAD_ADDED
             )
     if not replaced:
         return steps
     return [replaced.get(id(step), step) for step in steps if id(step) not in dropped]
+
+
+def _in_place_of(sum_step, producer, inputs: list, **changes):
+    """``producer`` made to read ``inputs`` and to run where ``sum_step`` ran, writing its outputs."""
+    return dataclasses.replace(
+        producer,
+        inputs=inputs,
+        outputs=list(sum_step.outputs),
+        node_name=f"{sum_step.node_name} (into {producer.node_name})",
+        free_after=[],
+        **changes,
+    )
 
 
 def _match(step, producer: dict, readers: dict, values: dict, constants: dict, keep: set[str]):

@@ -196,10 +196,10 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if a.dtype != _FLOAT32 or b.dtype != _FLOAT32 or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         return np.matmul(a, b, out=out)  # numpy computes, or says what does not fit
     k, n = b.shape[-2:]
-    if b.ndim == 2 and a.flags.c_contiguous:  # every row of a, in one product
-        m = math.prod(a.shape[:-1])
+    if b.ndim == 2:  # a is 2-D too: a stack times a matrix went to _as_rows
+        m = a.shape[0]
         batch: tuple = ()
-        shape = a.shape[:-1] + (n,)
+        shape = (m, n)
     else:
         m = a.shape[-2]
         try:
@@ -216,7 +216,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return np.matmul(a, b, out=out)  # numpy copies for an out that overlaps, refuses a read-only one
     result = np.empty(shape, dtype=_FLOAT32) if out is None else out
     if not batch:
-        pairs = [(a.reshape(m, k), b, result.reshape(m, n))]  # views: rows of every batch entry, one after another
+        pairs = [(a, b, result)]
     else:
         left, right = np.broadcast_to(a, batch + (m, k)), np.broadcast_to(b, batch + (k, n))
         pairs = [(left[index], right[index], result[index]) for index in np.ndindex(*batch)]

@@ -261,10 +261,7 @@ GATHER_ELEMENTS_GRAD = schemas.declare(
 @cpu_kernel("GatherGrad", domain=MICROSOFT)
 def gather_grad(shape, indices, dY, *, axis=0):
     """dX of ``shape``: the slices of dY added at the gathered positions along ``axis``."""
-    dims = shape_arg(shape)
-    if not dims:
-        raise KernelError("shape is empty: Gather's data must have rank >= 1")
-    dX = np.zeros(dims, dtype=accumulation_dtype(np.asarray(dY).dtype))
+    dX = np.zeros(shape_arg(shape), dtype=accumulation_dtype(np.asarray(dY).dtype))  # 0-d for an empty shape: refused there
     return _add_gathered(dX, indices, dY, axis, into_zeros=True).astype(dY.dtype, copy=False)
 
 

@@ -198,6 +198,9 @@ def layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis) -> tuple[int, in
 
 def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     rows, cols = layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis)
+    fast = None if simplified else onednn_rows.layer_normalization_grad(dY, X, scale, mean, inv_std_var, rows)
+    if fast is not None:
+        return fast
     ct = accumulation_dtype(X.dtype)
     x = X.astype(ct, copy=False).reshape(rows, cols)
     dy = dY.astype(ct, copy=False).reshape(rows, cols)
@@ -254,10 +257,6 @@ LAYER_NORMALIZATION_GRAD = schemas.declare(
 @cpu_kernel("LayerNormalizationGrad", domain=MICROSOFT)
 def layer_normalization_grad(dY, X, scale, mean, inv_std_var, *, axis=-1, epsilon=1e-5, stash_type=1):
     """(dX, dScale, dBias) of LayerNormalization from its saved Mean and InvStdDev."""
-    rows, _ = layer_norm_grad_rows(dY, X, scale, mean, inv_std_var, axis)
-    fast = onednn_rows.layer_normalization_grad(dY, X, scale, mean, inv_std_var, rows)
-    if fast is not None:
-        return fast
     return _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified=False)
 
 

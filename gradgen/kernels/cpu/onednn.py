@@ -183,8 +183,8 @@ class Primitive:
     ``describe(owned)`` makes the primitive descriptor and returns it with the (argument id, memory
     descriptor) pairs; every handle it makes goes to ``owned`` (destroyed with the Primitive, or at
     once if making it fails). oneDNN's reference implementations are refused (``Refused``): numpy is
-    as fast. Calls are serialised (the memory objects are shared); a call of fewer than
-    ``POOL_FROM_ELEMENTS`` elements (``elements``, given by the caller) runs on the caller's thread."""
+    as fast. Calls are serialised (the memory objects are shared); a call whose first array has fewer
+    than ``POOL_FROM_ELEMENTS`` elements runs on the caller's thread."""
 
     def __init__(self, api: Api, describe: Callable[[list], tuple[Handle, list[tuple[int, Handle]]]]) -> None:
         owned: list = []
@@ -209,9 +209,9 @@ class Primitive:
         self._api, self._lock = api, threading.Lock()
         weakref.finalize(self, destroy, api, owned)
 
-    def __call__(self, *arrays: np.ndarray, elements: int) -> None:
+    def __call__(self, *arrays: np.ndarray) -> None:
         api = self._api
-        alone = blas.caller_thread_only() if elements < POOL_FROM_ELEMENTS else contextlib.nullcontext()
+        alone = blas.caller_thread_only() if arrays[0].size < POOL_FROM_ELEMENTS else contextlib.nullcontext()
         with self._lock, alone:
             for memory, array in zip(self._memories, arrays):
                 api.memory_set_data_handle(memory, array.ctypes.data)

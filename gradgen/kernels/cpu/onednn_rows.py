@@ -89,22 +89,33 @@ def softmax(x: np.ndarray) -> np.ndarray | None:
     if plan is None:
         return None
     y = np.empty_like(x)
-    plan(x, y, elements=x.size)
+    plan(x, y)
     return y
+
+
+def _layer_norm_descs(api, rows: int, cols: int, owned: list) -> tuple:
+    """The (rows, cols) data, (rows,) statistics and (cols,) parameter descriptors, owned."""
+    descs = tuple(onednn.strided_desc(api, shape) for shape in ((rows, cols), (rows,), (cols,)))
+    owned.extend(("memory_desc_destroy", d) for d in descs)
+    return descs
+
+
+def _layer_norm_forward(api, data, stats, epsilon: float, flags: int, owned: list):
+    """The forward (training) primitive descriptor over those descriptors, owned."""
+    primitive_desc = onednn.Handle()
+    onednn.check(
+        api.layer_normalization_forward_primitive_desc_create(
+            ctypes.byref(primitive_desc), api.engine, onednn.FORWARD_TRAINING, data, data, stats, epsilon, flags, None
+        )
+    )
+    owned.append(("primitive_desc_destroy", primitive_desc))
+    return primitive_desc
 
 
 def _layer_norm_plan(api, rows: int, cols: int, epsilon: float, shift: bool) -> onednn.Primitive:
     def describe(owned: list):
-        data, stats, params = (onednn.strided_desc(api, shape) for shape in ((rows, cols), (rows,), (cols,)))
-        owned.extend(("memory_desc_destroy", d) for d in (data, stats, params))
-        primitive_desc = onednn.Handle()
-        flags = _USE_SCALE | (_USE_SHIFT if shift else 0)
-        onednn.check(
-            api.layer_normalization_forward_primitive_desc_create(
-                ctypes.byref(primitive_desc), api.engine, onednn.FORWARD_TRAINING, data, data, stats, epsilon, flags, None
-            )
-        )
-        owned.append(("primitive_desc_destroy", primitive_desc))
+        data, stats, params = _layer_norm_descs(api, rows, cols, owned)
+        primitive_desc = _layer_norm_forward(api, data, stats, epsilon, _USE_SCALE | (_USE_SHIFT if shift else 0), owned)
         arguments = [(onednn.ARG_SRC, data), (onednn.ARG_DST, data), (_ARG_MEAN, stats), (_ARG_VARIANCE, stats)]
         arguments.append((_ARG_SCALE, params))
         if shift:
@@ -133,7 +144,7 @@ def layer_normalization(x: np.ndarray, axis: int, scale: np.ndarray, bias: np.nd
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     mean, inv_std = np.empty(stats_shape, _FLOAT32), np.empty(stats_shape, _FLOAT32)
     arrays = [x, y, mean, inv_std, np.ascontiguousarray(scale)] + ([np.ascontiguousarray(bias)] if bias is not None else [])
-    plan(*arrays, elements=x.size)
+    plan(*arrays)
     np.add(inv_std, _FLOAT32.type(epsilon), out=inv_std)  # the variance oneDNN wrote, made InvStdDev
     np.sqrt(inv_std, out=inv_std)
     np.true_divide(1, inv_std, out=inv_std)
@@ -146,16 +157,10 @@ def _params_fit(p: np.ndarray, cols: int) -> bool:
 
 def _layer_norm_grad_plan(api, rows: int, cols: int) -> onednn.Primitive:
     def describe(owned: list):
-        data, stats, params = (onednn.strided_desc(api, shape) for shape in ((rows, cols), (rows,), (cols,)))
-        owned.extend(("memory_desc_destroy", d) for d in (data, stats, params))
+        data, stats, params = _layer_norm_descs(api, rows, cols, owned)
         flags = _USE_SCALE | _USE_SHIFT
-        forward, backward = onednn.Handle(), onednn.Handle()
-        onednn.check(
-            api.layer_normalization_forward_primitive_desc_create(
-                ctypes.byref(forward), api.engine, onednn.FORWARD_TRAINING, data, data, stats, 0.0, flags, None
-            )
-        )
-        owned.append(("primitive_desc_destroy", forward))
+        forward = _layer_norm_forward(api, data, stats, 0.0, flags, owned)  # the backward's hint
+        backward = onednn.Handle()
         onednn.check(
             api.layer_normalization_backward_primitive_desc_create(
                 ctypes.byref(backward), api.engine, _BACKWARD, data, data, data, stats, 0.0, flags, forward, None
@@ -199,5 +204,5 @@ def layer_normalization_grad(dY: np.ndarray, X: np.ndarray, scale: np.ndarray, m
     d_scale, d_bias = np.empty(cols, _FLOAT32), np.empty(cols, _FLOAT32)
     shift = np.zeros(cols, _FLOAT32)
     arrays = (X, np.ascontiguousarray(mean).reshape(rows), variance, dY, np.ascontiguousarray(scale), shift, dX, d_scale, d_bias)
-    plan(*arrays, elements=X.size)
+    plan(*arrays)
     return dX, d_scale.reshape(scale.shape), d_bias.reshape(scale.shape)
