@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gradgen.errors import RunError
 from gradgen.executor import Session
 from gradgen.kernels import registry
-from gradgen.kernels.cpu import onednn
+from gradgen.kernels.cpu import norm, onednn, reduction
 
 
 def _session(op: str, x_shape, constants: dict, attrs: dict | None = None, opset: int = 18, outputs: int = 1) -> Session:
@@ -260,6 +260,14 @@ INDEXING_CASES = [
     ("ScatterND", {"reduction": "min"}, lambda: (_normal(6), _ints(0, 6, 9, 1), _normal(9))),
     ("ScatterND", {"reduction": "add"}, lambda: (_normal(4, 2), np.array([[1], [-5]], I64), _normal(2, 2))),  # out of range
     ("ScatterND", {"reduction": "add"}, lambda: (_normal(4, 2).T, _ints(0, 2, 3, 1), _normal(3, 4))),  # a transposed data
+    # distinct rows: one update of the rows (a ViT's q/k/v slab; a negative row; max over rows)
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(3, 65, 2, 4), np.array([[1]], I64), _normal(1, 65, 2, 4))),
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(5, 3), np.array([[-1], [0], [2]], I64), _normal(3, 3))),
+    ("ScatterND", {"reduction": "max"}, lambda: (_normal(5, 3), np.array([[[3], [1]]], I64), _normal(1, 2, 3))),
+    ("ScatterND", {"reduction": "mul"}, lambda: (_normal(20, 3), RNG.permutation(20)[:12].reshape(12, 1) - 10, _normal(12, 3))),
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(3, 2), np.array([[-1], [2]], I64), _normal(2, 2))),  # one row twice
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(3, 2), np.zeros((0, 1), I64), _normal(0, 2))),  # no rows
+    ("ScatterND", {"reduction": "add"}, lambda: (_normal(3, 2), np.array([[0], [3]], I64), _normal(2, 2))),  # out of range
 ]
 
 
@@ -473,3 +481,20 @@ def test_prepared_gemm_is_the_kernel(attrs, make):
     for _ in range(2):
         _agree(call, kernel, *args)
         args = (args[0] * 3, *args[1:])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_means_divide_to_numpys_bits(dtype):
+    """ReduceMean and LayerNormalization's statistics divide by the count as a float of the sum's
+    type (cheaper than numpy's intp): the quotients must be np.mean's, at every count and scale,
+    subnormal sums included."""
+    rng = np.random.default_rng(3)
+    for count in (3, 5, 7, 10, 13, 48, 65, 768, 12_345):
+        scales = rng.choice([1e-42 if dtype == np.float32 else 1e-310, 1e-3, 1.0, 1e30], size=(200, 1))
+        x = (rng.standard_normal((200, count)) * scales).astype(dtype)
+        session = _session("ReduceMean", [None, None], {"axes": np.array([1], I64)}, {"keepdims": 1})
+        got = session.run({"x": x.astype(np.float32)})["y0"] if dtype == np.float32 else None
+        if got is not None:
+            _same(got, x.mean(axis=1, keepdims=True))
+        _same(reduction.mean_over(x, (1,), True), x.mean(axis=1, keepdims=True))
+        _same(norm._float_mean(x, (1,), count), x.mean(axis=1, keepdims=True))

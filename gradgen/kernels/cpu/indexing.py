@@ -485,6 +485,32 @@ def _row_size(data_shape: tuple) -> int:
     return math.prod(data_shape[1:])
 
 
+# ScatterND's row indices up to this many are checked for repeats: distinct rows take one
+# vectorised update of the rows (a ViT's q/k/v gradient, one (65, 2, 64) slab into three: 30 -> 6 us)
+# instead of ``ufunc.at``'s element by element one
+DISTINCT_ROWS_CHECKED = 64
+
+
+def _update_rows(ufunc, rows: np.ndarray, hit: list[int], updates: np.ndarray) -> None:
+    """``rows[r] = ufunc(rows[r], update)`` for each distinct row ``r`` of ``hit`` and its update:
+    in place row by row for a few rows (no gathered copy), else through one gather and scatter."""
+    if len(hit) <= 8:
+        for row, update in zip(hit, updates):
+            target = rows[row]
+            ufunc(target, update, out=target)
+    else:
+        rows[hit] = ufunc(rows[hit], updates)
+
+
+def _distinct_rows(indices: np.ndarray, rows: int) -> list[int] | None:
+    """The row indices (negative ones wrapped), where each is in [-rows, rows) and no two name the
+    same row; else None (the general path applies the repeats in order, or says which is bad)."""
+    wrapped = [r + rows if r < 0 else r for r in indices.reshape(-1).tolist()]
+    if not all(0 <= r < rows for r in wrapped) or len(set(wrapped)) != len(wrapped):
+        return None
+    return wrapped
+
+
 @cpu_prepare("ScatterND")
 def prepare_scatter_nd(constants: tuple, attrs: dict):
     """ScatterND with a reduction and indices of one component (rows of the data, as an embedding's
@@ -507,6 +533,11 @@ def prepare_scatter_nd(constants: tuple, attrs: dict):
             and updates.shape == rows + data.shape[1:]
         ):
             inner = inner_size(data.shape)
+            rows_hit = _distinct_rows(indices, data.shape[0]) if indices.size <= DISTINCT_ROWS_CHECKED else None
+            if rows_hit is not None:
+                out = _writable_copy(data)
+                _update_rows(ufunc, out.reshape(data.shape[0], inner), rows_hit, _as_dtype_of(updates, out).reshape(-1, inner))
+                return out
             flat = np.multiply(indices, inner, dtype=np.int64)
             if inner > 1:
                 flat = flat + np.arange(inner, dtype=np.int64)

@@ -10,6 +10,7 @@ import numpy as np
 from gradgen.errors import KernelError
 from gradgen.kernels.cpu import onednn_rows
 from gradgen.kernels.cpu.prepared import constant_inputs, per_shape
+from gradgen.kernels.cpu.reduction import count_divisor
 from gradgen.kernels.numeric import accumulation_dtype, channel_shape, float_compute_dtype, same_shape
 from gradgen.kernels.table import MICROSOFT, cpu_kernel, cpu_prepare
 from gradgen.ops import schemas
@@ -210,9 +211,9 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
     a = dy * normalized
     b = dy * s * inv
     c = b * normalized
-    dx = b - normalized * _float_mean(c, (1,), np.intp(cols))
+    dx = b - normalized * _float_mean(c, (1,), cols)
     if not simplified:
-        dx = dx - _float_mean(b, (1,), np.intp(cols))
+        dx = dx - _float_mean(b, (1,), cols)
     outputs = [dx.reshape(X.shape).astype(X.dtype), np.add.reduce(a, axis=0).reshape(scale.shape).astype(scale.dtype)]
     if not simplified:
         outputs.append(np.add.reduce(dy, axis=0).reshape(scale.shape).astype(scale.dtype))
@@ -221,10 +222,10 @@ def _layer_norm_grad(dY, X, scale, mean, inv_std_var, axis, simplified):
 
 def _float_mean(x: np.ndarray, axes: tuple, count) -> np.ndarray:
     """``x.mean(axis=axes, keepdims=True)`` of a non-empty float32 / float64 array whose ``axes``
-    hold ``count`` (an intp) elements, by np.mean's own steps (a sum, then a division by the count)
-    without its Python layers: the same bits."""
+    hold ``count`` elements, by np.mean's own steps (a sum, then a division by the count) without
+    its Python layers: the same bits."""
     total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=True)
-    return np.true_divide(total, count, out=total, casting="unsafe")
+    return np.true_divide(total, count_divisor(total.dtype, count), out=total, casting="unsafe")
 
 
 LAYER_NORMALIZATION_GRAD = schemas.declare(
@@ -409,9 +410,9 @@ def prepare_layer_normalization(constants: tuple, attrs: dict):
         return None
 
     def geometry(shape: tuple) -> tuple:
-        """The normalized axes and their element count (numpy's mean divides by it as an intp)."""
+        """The normalized axes and their element count."""
         axes = tuple(range(normalize_axis(axis, len(shape)), len(shape)))
-        return axes, np.intp(math.prod(shape[a] for a in axes))
+        return axes, math.prod(shape[a] for a in axes)
 
     per_input = per_shape(geometry)
 

@@ -119,6 +119,23 @@ def _sum(x, axes, keepdims):
     return np.add.reduce(x, axis=axes, keepdims=keepdims, dtype=x.dtype)  # np.sum without its Python wrapper
 
 
+# the largest count each float type holds exactly (its significand's range)
+_EXACT_COUNTS = {np.dtype(np.float32): 1 << 24, np.dtype(np.float64): 1 << 53}
+
+
+def count_divisor(dtype: np.dtype, count: int):
+    """What np.mean divides a sum of ``dtype`` by, as the cheaper scalar that gives the same bits.
+
+    np.mean divides by the count as an intp, which makes numpy compute in float64 and round the
+    quotient to float32 (about 2 us a call on a small array, for 1 us in float32). Rounding a
+    float64 quotient to float32 gives the float32 quotient itself: float64 has more than twice
+    float32's precision plus two bits, so the double rounding of a division is innocuous. So a
+    float32 sum divided by the count as a float32 (exact below 2^24) has np.mean's bits; a float64
+    one by the count as a float64 (exact below 2^53) is what numpy computes anyway."""
+    exact_below = _EXACT_COUNTS.get(dtype)
+    return dtype.type(count) if exact_below is not None and count < exact_below else np.intp(count)
+
+
 def mean_over(x, axes, keepdims):
     count = math.prod(x.shape[a] for a in axes)
     if count == 0:
@@ -130,7 +147,7 @@ def mean_over(x, axes, keepdims):
     # (a third of a small ReduceMean's time); the result is the same to the bit.
     total = np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=keepdims)
     if isinstance(total, np.ndarray):
-        return np.true_divide(total, np.intp(count), out=total, casting="unsafe")
+        return np.true_divide(total, count_divisor(total.dtype, count), out=total, casting="unsafe")
     return total.dtype.type(total / np.intp(count))
 
 
@@ -175,7 +192,7 @@ def prepare_reduce_mean(constants: tuple, attrs: dict):
         over = axes_for(shape)
         kept_shape = tuple(1 if a in over else d for a, d in enumerate(shape))
         out_shape = kept_shape if keepdims else tuple(d for a, d in enumerate(shape) if a not in over)
-        return over, np.intp(math.prod(shape[a] for a in over)), out_shape
+        return over, math.prod(shape[a] for a in over), out_shape
 
     plan = per_shape(geometry)
 
@@ -184,7 +201,7 @@ def prepare_reduce_mean(constants: tuple, attrs: dict):
         if data.dtype.kind != "f" or not count or not data.ndim:
             return np.asarray(mean_over(data, over, keepdims)).astype(data.dtype, copy=False)
         total = np.add.reduce(data, axis=over, dtype=data.dtype, keepdims=True)
-        np.true_divide(total, count, out=total, casting="unsafe")
+        np.true_divide(total, count_divisor(total.dtype, count), out=total, casting="unsafe")
         return total.reshape(out_shape)
 
     return run
