@@ -116,14 +116,19 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     return _gemm_arithmetic(a2, b2, c, alpha, beta)
 
 
-def _gemm_arithmetic(a2, b2, c, alpha, beta):
+def _gemm_arithmetic(a2, b2, c, alpha, beta, product=blas.matmul):
     """alpha * op(A) @ op(B) + beta * C in A's dtype, on checked operands: the kernel's and its
-    prepared call's arithmetic."""
-    out = blas.matmul(a2, b2)
+    prepared call's arithmetic (``product``: numpy's matmul itself where blas.matmul would pass
+    the product on to it)."""
+    out = product(a2, b2)
     if alpha != 1.0:
         out = alpha * out
     if c is not None and beta != 0:
-        out = out + (beta * c if beta != 1.0 else c)
+        addend = beta * c if beta != 1.0 else c
+        if type(out) is np.ndarray and addend.dtype == out.dtype and addend.ndim <= out.ndim:
+            np.add(out, addend, out=out)  # the product is a fresh array of the output's shape
+        else:
+            out = out + addend
     return np.asarray(out).astype(a2.dtype, copy=False)
 
 
@@ -137,10 +142,14 @@ def prepare_gemm(constants: tuple, attrs: dict):
     def signature(a, b, c=None) -> tuple:
         return a.shape, b.shape, a.dtype, b.dtype, None if c is None else (c.shape, c.dtype)
 
-    def fast(plan, a, b, c=None):
-        return _gemm_arithmetic(a.T if trans_a else a, b.T if trans_b else b, c, alpha, beta)
+    def product_for(a, b, c=None):
+        """numpy's matmul for a product below blas.matmul's oneDNN size (its first check), else it."""
+        return np.matmul if a.size * (b.shape[0] if trans_b else b.shape[1]) < blas.MIN_MULTIPLY_ADDS else blas.matmul
 
-    return kernel_first(lambda *args: gemm(*args, **attrs), signature, lambda *args: True, fast, limit=64)
+    def fast(product, a, b, c=None):
+        return _gemm_arithmetic(a.T if trans_a else a, b.T if trans_b else b, c, alpha, beta, product)
+
+    return kernel_first(lambda *args: gemm(*args, **attrs), signature, product_for, fast, limit=64)
 
 
 EINSUM_BLAS_ELEMENTS = 1 << 12  # operand size from which Einsum contracts through BLAS

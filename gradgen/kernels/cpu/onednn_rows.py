@@ -80,7 +80,9 @@ def softmax(x: np.ndarray) -> np.ndarray | None:
     if api is None or api.softmax_forward_primitive_desc_create is None or x.shape[-1] > SOFTMAX_MAX_COLUMNS:
         return None
     highest = np.maximum.reduce(x, axis=None)
-    lowest = np.minimum.reduce(x, axis=None, initial=np.inf, where=x != -np.inf)  # masked entries: 0 either way
+    lowest = np.minimum.reduce(x, axis=None)
+    if lowest == -np.inf:  # masked entries (0 either way) are left out: the masked reduction costs 6x
+        lowest = np.minimum.reduce(x, axis=None, initial=np.inf, where=x != -np.inf)
     if not highest - lowest < SOFTMAX_SPREAD:  # a NaN or +inf included (numpy's NaN rows)
         return None
     cols = x.shape[-1]
