@@ -7,9 +7,16 @@ time (``broadcast_gradient_axes``), and the lowering folds it when both shapes a
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from gradgen.errors import KernelError
+
+# The tanh-approximate GELU, 0.5 x (1 + tanh(TANH_GELU_SCALE (x + TANH_GELU_CUBIC x^3))): its two
+# constants, for the CPU kernels, the gradient rules and the pass that recognises the formula (the
+# CUDA sources spell them out in pointwise.h)
+TANH_GELU_SCALE = math.sqrt(2.0 / math.pi)
+TANH_GELU_CUBIC = 0.044715
 
 
 def broadcast_gradient_axes(a_shape: Sequence[int], b_shape: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -25,6 +25,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from gradgen.ops.elementwise import TANH_GELU_CUBIC, TANH_GELU_SCALE
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, MICROSOFT_OPSET
 from gradgen.passes.rewrite import STANDARD_DOMAINS
 
@@ -38,7 +39,7 @@ _TOLERANCE = 1e-6  # float32 constants (0.044715, sqrt(2/pi)) move the formula b
 
 def _gelu_reference(x: np.ndarray, tanh: bool) -> np.ndarray:
     if tanh:
-        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+        return 0.5 * x * (1.0 + np.tanh(TANH_GELU_SCALE * (x + TANH_GELU_CUBIC * x**3)))
     return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
 
 

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from gradgen.builder import MICROSOFT
 from gradgen.errors import ModelError
 from gradgen.grads.table import grad_rule, non_differentiable
+from gradgen.ops.elementwise import TANH_GELU_CUBIC, TANH_GELU_SCALE
 
 
 def _mul(g, *factors):
@@ -284,13 +285,15 @@ def gelu(g, x, y, dy):
     return g.op("Mul", dy, gelu_slopes(g, x, tanh, x)[0])
 
 
-_GELU_C, _GELU_K = 0.044715, math.sqrt(2.0 / math.pi)  # tanh(k (x + c x^3)) in the tanh Gelu
-
-
 def tanh_gelu_logit(g, x, x2, like):
-    """v = 2 k (x + c x^3): the tanh Gelu is x S(v), S the sigmoid. ``x2`` is x * x; ``g`` a rule
-    context or a GraphBuilder (the lowering of FastGelu)."""
-    return g.op("Mul", g.op("Add", g.op("Mul", x2, _c(g, like, 2.0 * _GELU_C * _GELU_K)), _c(g, like, 2.0 * _GELU_K)), x)
+    """v = 2 k (x + c x^3) (k, c: ``TANH_GELU_SCALE``, ``TANH_GELU_CUBIC``): the tanh Gelu is
+    x S(v), S the sigmoid. ``x2`` is x * x; ``g`` a rule context or a GraphBuilder (the lowering
+    of FastGelu)."""
+    return g.op(
+        "Mul",
+        g.op("Add", g.op("Mul", x2, _c(g, like, 2.0 * TANH_GELU_CUBIC * TANH_GELU_SCALE)), _c(g, like, 2.0 * TANH_GELU_SCALE)),
+        x,
+    )
 
 
 def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
@@ -302,7 +305,9 @@ def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
     if tanh:
         v = tanh_gelu_logit(g, x, x2, like)
         s = g.op("Sigmoid", v)
-        dv = g.op("Add", g.op("Mul", x2, _c(g, like, 6.0 * _GELU_C * _GELU_K)), _c(g, like, 2.0 * _GELU_K))  # v'
+        dv = g.op(
+            "Add", g.op("Mul", x2, _c(g, like, 6.0 * TANH_GELU_CUBIC * TANH_GELU_SCALE)), _c(g, like, 2.0 * TANH_GELU_SCALE)
+        )  # v'
         one_minus_s = g.op("Sigmoid", g.op("Neg", v))  # S(-v): 1 - S(v) without losing digits where S nears 1
         # y' = S + x S (1 - S) v' = S (1 + x (1 - S) v')
         d1 = g.op("Mul", s, g.op("Add", _c(g, like, 1.0), _mul(g, x, one_minus_s, dv)))
@@ -310,7 +315,9 @@ def gelu_slopes(g, x, tanh: bool, like, second: bool = False):
             return d1, None
         # y'' = S (1 - S) (2 v' + x ((1 - 2 S) v'^2 + v'')), v'' = 12 c k x
         one_minus_2s = g.op("Sub", one_minus_s, s)
-        curvature = g.op("Add", _mul(g, one_minus_2s, dv, dv), g.op("Mul", x, _c(g, like, 12.0 * _GELU_C * _GELU_K)))
+        curvature = g.op(
+            "Add", _mul(g, one_minus_2s, dv, dv), g.op("Mul", x, _c(g, like, 12.0 * TANH_GELU_CUBIC * TANH_GELU_SCALE))
+        )
         inner = g.op("Add", g.op("Mul", dv, _c(g, like, 2.0)), g.op("Mul", x, curvature))
         return d1, _mul(g, s, one_minus_s, inner)
     cdf = g.op(

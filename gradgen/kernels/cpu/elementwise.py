@@ -19,7 +19,7 @@ from gradgen.kernels.numeric import accumulation_dtype, broadcasts_to, float_com
 from gradgen.kernels.table import MICROSOFT, cpu_into, cpu_kernel
 from gradgen.ops import schemas
 from gradgen.ops.axes import int_list
-from gradgen.ops.elementwise import broadcast_gradient_axes
+from gradgen.ops.elementwise import TANH_GELU_CUBIC, TANH_GELU_SCALE, broadcast_gradient_axes
 from gradgen.ops.schemas import DT, FLOATS, INT64, Attribute, Formal, Schema
 
 # ONNX TensorProto.DataType -> numpy dtype, for the types gradgen supports.
@@ -519,17 +519,14 @@ def thresholded_relu(x, *, alpha=1.0):
     return select(x > alpha, x, np.zeros((), x.dtype))
 
 
-_GELU_ALPHA, _GELU_GAMMA = math.sqrt(2 / math.pi), 0.044715  # tanh(alpha (x + gamma x^3)) in the approximation
-
-
 def _tanh_gelu_logit(x: np.ndarray) -> np.ndarray:
-    """2 alpha (x + gamma x^3), a new array: the tanh-approximate GELU is x * sigmoid of it, since
-    0.5 (1 + tanh(u)) = sigmoid(2u). A sigmoid costs a fraction of numpy's tanh (oneDNN's logistic
-    of (128, 3072) 0.28 ms, numpy's tanh 1.0 ms on an AVX2 EPYC), and the form does not cancel
-    where tanh(u) nears -1."""
+    """2 k (x + c x^3) (k, c: ``TANH_GELU_SCALE``, ``TANH_GELU_CUBIC``), a new array: the
+    tanh-approximate GELU is x * sigmoid of it, since 0.5 (1 + tanh(u)) = sigmoid(2u). A sigmoid
+    costs a fraction of numpy's tanh (oneDNN's logistic of (128, 3072) 0.28 ms, numpy's tanh 1.0 ms
+    on an AVX2 EPYC), and the form does not cancel where tanh(u) nears -1."""
     logit = np.multiply(x, x)
-    logit *= x.dtype.type(2 * _GELU_ALPHA * _GELU_GAMMA)
-    logit += x.dtype.type(2 * _GELU_ALPHA)
+    logit *= x.dtype.type(2 * TANH_GELU_SCALE * TANH_GELU_CUBIC)
+    logit += x.dtype.type(2 * TANH_GELU_SCALE)
     logit *= x
     return logit
 
@@ -865,8 +862,8 @@ def _gelu_grad(dY, X, approximate: bool):
         logit = _tanh_gelu_logit(x)
         s = sigmoid(logit)
         d = np.multiply(x, x)
-        d *= ct.type(2 * _GELU_ALPHA * 3 * _GELU_GAMMA)
-        d += ct.type(2 * _GELU_ALPHA)
+        d *= ct.type(2 * TANH_GELU_SCALE * 3 * TANH_GELU_CUBIC)
+        d += ct.type(2 * TANH_GELU_SCALE)
         d *= x
         d *= sigmoid(np.negative(logit, out=logit))
         d += ct.type(1)
