@@ -5,10 +5,12 @@ Usage::
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python scripts/cpu_small_archs.py [NAME ...] [--profile] [--json out.json]
 
 Each model (plain PyTorch, written here: a MobileNetV2, a tiny ViT, an EfficientNet-style network of
-MBConv blocks with squeeze-and-excitation and SiLU, a small U-Net, a two-layer LSTM language model;
-batch 2, 32 x 32 images or 16 tokens) is exported with its cross-entropy loss by the legacy exporter,
-built with ``gradgen.build_backward(portable=True)``, and one forward + backward step is timed on
-gradgen's CPU Session and on ONNX Runtime (the same graph, one thread each, the median of 20 runs).
+MBConv blocks with squeeze-and-excitation and SiLU, a small U-Net, a two-layer LSTM language model, a
+GRU classifier, a 1-D convolutional audio classifier, an MLP-Mixer, a ConvNeXt-style network and a
+full-width ResNet-18 on 32 x 32 images; batch 2, 32 x 32 images, 16 tokens or 1,024 samples) is
+exported with its cross-entropy loss by the legacy exporter, built with
+``gradgen.build_backward(portable=True)``, and one forward + backward step is timed on gradgen's CPU
+Session and on ONNX Runtime (the same graph, one thread each, the median of 20 runs).
 ``--profile`` adds gradgen's costliest op types.
 """
 
@@ -149,6 +151,75 @@ class LstmLanguageModel(nn.Module):
         return self.out(self.rnn(self.embed(ids))[0])
 
 
+class GruClassifier(nn.Module):
+    def __init__(self, vocab: int = 100, width: int = 64, classes: int = 5):
+        super().__init__()
+        self.embed, self.out = nn.Embedding(vocab, width), nn.Linear(width, classes)
+        self.rnn = nn.GRU(width, width, batch_first=True)
+
+    def forward(self, ids):
+        return self.out(self.rnn(self.embed(ids))[0][:, -1])
+
+
+def conv1d_audio(classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        *(nn.Conv1d(1, 32, 9, 2, 4), nn.BatchNorm1d(32), nn.GELU(), nn.Conv1d(32, 64, 9, 2, 4), nn.BatchNorm1d(64), nn.GELU()),
+        *(nn.MaxPool1d(2), nn.Conv1d(64, 64, 5, 1, 2), nn.GELU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(64, classes)),
+    )
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int, width: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.tokens = nn.Sequential(nn.Linear(tokens, 2 * tokens), nn.GELU(), nn.Linear(2 * tokens, tokens))
+        self.channels = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = x + self.tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channels(self.norm2(x))
+
+
+class MlpMixer(nn.Module):
+    def __init__(self, width: int = 64, patch: int = 4, depth: int = 3, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Conv2d(3, width, patch, patch)
+        self.blocks = nn.Sequential(*(MixerBlock((32 // patch) ** 2, width) for _ in range(depth)))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.embed(x).flatten(2).transpose(1, 2))).mean(1))
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.depthwise = nn.Conv2d(width, width, 7, padding=3, groups=width)
+        self.norm, self.expand, self.project = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.gamma = nn.Parameter(torch.full((width,), 0.1))
+
+    def forward(self, x):
+        y = self.norm(self.depthwise(x).permute(0, 2, 3, 1))
+        return x + (self.project(F.gelu(self.expand(y))) * self.gamma).permute(0, 3, 1, 2)
+
+
+def convnext_style(classes: int = 10) -> nn.Module:
+    body = nn.Sequential(
+        *(nn.Conv2d(3, 32, 4, 4), ConvNeXtBlock(32), ConvNeXtBlock(32)),
+        *(nn.Conv2d(32, 64, 2, 2), ConvNeXtBlock(64), ConvNeXtBlock(64)),
+    )
+    return nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes))
+
+
+def resnet18_small_images() -> nn.Module:
+    """The benchmark's ResNet-18 layout (64..512 channels, 1,000 classes) on 32 x 32 images."""
+    from gradgen.bench import models
+
+    net = models.build_module(models.preset("resnet18", batch=BATCH, size=32))
+    stem = nn.Sequential(net.conv1, net.bn1, nn.ReLU(), net.maxpool)
+    return nn.Sequential(stem, net.layer1, net.layer2, net.layer3, net.layer4, nn.AdaptiveAvgPool2d(1), nn.Flatten(), net.fc)
+
+
 def images(classes: int):
     return torch.randn(BATCH, 3, 32, 32), torch.randint(0, classes, (BATCH,))
 
@@ -159,6 +230,11 @@ MODELS = {
     "efficientnet_style": (efficientnet_style, lambda: images(10)),
     "unet_small": (SmallUNet, lambda: (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 2, (BATCH, 32, 32)))),
     "lstm_lm": (LstmLanguageModel, lambda: (torch.randint(0, 100, (BATCH, 16)), torch.randint(0, 100, (BATCH, 16)))),
+    "gru_classifier": (GruClassifier, lambda: (torch.randint(0, 100, (BATCH, 16)), torch.randint(0, 5, (BATCH,)))),
+    "conv1d_audio": (conv1d_audio, lambda: (torch.randn(BATCH, 1, 1024), torch.randint(0, 10, (BATCH,)))),
+    "mlp_mixer": (MlpMixer, lambda: images(10)),
+    "convnext_style": (convnext_style, lambda: images(10)),
+    "resnet18_32px": (resnet18_small_images, lambda: images(1000)),
 }
 
 

@@ -231,9 +231,9 @@ _STALLED_WRITER = textwrap.dedent("""
 
 
 def _signal_until_done(child, signum, tries: int = 6) -> str:
-    """Send ``signum`` and wait for the child; the signal is sent again every 10 s (the CLI ignores
-    the repeats once it handles the first), in case one arrives before the child can take it.
-    Returns the child's stderr."""
+    """Send ``signum`` and wait for the child; a full CI run once saw the child still stalled 60 s
+    after one SIGHUP (not reproduced since), so the signal is sent again every 10 s (the CLI ignores
+    the repeats once it handles the first). Returns the child's stderr."""
     for _ in range(tries):
         child.send_signal(signum)
         try:
