@@ -622,6 +622,19 @@ def test_mean_variance_normalization():
     )
 
 
+def test_mean_variance_normalization_of_close_and_equal_values():
+    """The variance as the mean of squared deviations: float32 values 0.004 apart near -1.75 are
+    +-1 as in float64 and ONNX Runtime (E[X^2] - E[X]^2 gave +-1.025), and a constant line is
+    finite (the subtraction came out negative, and its square root NaN, on one line in seven)."""
+    close_values = np.array([[-1.7494470293804403], [-1.745701672647653]], np.float32)
+    (want,) = ort("MeanVarianceNormalization", [close_values], {"axes": [0]}, opset=13)
+    got = cpu_norm.mean_variance_normalization(close_values, axes=[0])
+    close(got, want, rtol=1e-5, atol=1e-6)
+    close(got, cpu_norm.mean_variance_normalization(close_values.astype(np.float64), axes=[0]), rtol=1e-5, atol=1e-6)
+    lines = np.repeat(np.random.default_rng(0).standard_normal((1, 500)).astype(np.float32), 3, axis=0)
+    assert np.isfinite(cpu_norm.mean_variance_normalization(lines, axes=[0])).all()
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_lp_pool_matches_torch(p):
     x = rand(2, 3, 7, 8)

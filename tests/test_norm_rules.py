@@ -56,11 +56,28 @@ def test_mean_variance_normalization_vs_torch(shape, axes, symbolic):
     dims = tuple(axes or (0, 2, 3))
     got, w = run_gradgen("MeanVarianceNormalization", inputs, {}, attrs, [shape], opset=13, symbolic=symbolic)
 
-    def mvn(x):  # ONNX's function body
-        mean = x.mean(dim=dims, keepdim=True)
-        return (x - mean) / (torch.sqrt((x * x).mean(dim=dims, keepdim=True) - mean * mean) + 1e-9)
+    def mvn(x):  # ONNX's function body, the variance as the mean of squared deviations
+        centered = x - x.mean(dim=dims, keepdim=True)
+        return centered / (torch.sqrt((centered * centered).mean(dim=dims, keepdim=True)) + 1e-9)
 
     assert_close(got, torch_grads(mvn, inputs, w))
+
+
+def test_mean_variance_normalization_gradient_of_close_and_constant_lines():
+    """Lines of close values (a spread 1e-3 of their size) get PyTorch's gradient, where the
+    body's mean(x^2) - mean^2 would cancel; a constant line gets a finite gradient (the second
+    term's 0 / 0 is its limit, 0)."""
+    x = 1.75 + 1e-3 * rng.normal(size=(4, 3))
+    x[:, 2] = 0.5  # a constant line along axis 0
+    got, w = run_gradgen("MeanVarianceNormalization", {"x": x}, {}, {"axes": [0]}, [x.shape], opset=13)
+    assert np.isfinite(got["x"]).all()
+
+    def mvn(x):
+        centered = x - x.mean(dim=0, keepdim=True)
+        return centered / (torch.sqrt((centered * centered).mean(dim=0, keepdim=True)) + 1e-9)
+
+    want = torch_grads(mvn, {"x": x}, w)["x"]
+    np.testing.assert_allclose(got["x"][:, :2], want[:, :2], rtol=1e-6, atol=1e-9 * np.abs(want[:, :2]).max())
 
 
 @pytest.mark.parametrize("symbolic", [False, True])

@@ -417,18 +417,20 @@ def lp_normalization(g):
 
 @grad_rule("MeanVarianceNormalization")
 def mean_variance_normalization(g):
-    """y = c / d, c = x - mean, d = sqrt(mean(x^2) - mean^2) + 1e-9 (ONNX's function body) over
-    ``axes``: dx = (dy - mean(dy)) / d - c * mean(dy * c) / (d^2 * s), s = d - 1e-9."""
+    """y = c / d, c = x - mean, d = s + 1e-9, s = sqrt(mean(c^2)) (ONNX's function body, with the
+    variance as the kernels take it: the body's mean(x^2) - mean^2 cancels) over ``axes``:
+    dx = (dy - mean(dy)) / d - c * mean(dy * c) / (d^2 s). Where s is 0 (a constant line: c is 0
+    too) the second term is 0, its limit, not 0 / 0."""
     x, dy = g.x(0), g.dy()
     axes = [int(a) for a in g.attr("axes", [0, 2, 3])]
-    mean = g.reduce("ReduceMean", x, axes, keepdims=1)
-    centered = g.op("Sub", x, mean)
-    variance = g.op("Sub", g.reduce("ReduceMean", g.op("Mul", x, x), axes, keepdims=1), g.op("Mul", mean, mean))
-    std = g.op("Sqrt", variance)
+    centered = g.op("Sub", x, g.reduce("ReduceMean", x, axes, keepdims=1))
+    std = g.op("Sqrt", g.reduce("ReduceMean", g.op("Mul", centered, centered), axes, keepdims=1))
     denom = g.op("Add", std, g.const_like(x, 1e-9))
     first = g.op("Div", g.op("Sub", dy, g.reduce("ReduceMean", dy, axes, keepdims=1)), denom)
     spread = g.reduce("ReduceMean", g.op("Mul", dy, centered), axes, keepdims=1)
-    second = g.op("Div", g.op("Mul", centered, spread), g.op("Mul", g.op("Mul", denom, denom), std))
+    flat = g.op("Equal", std, g.const_like(x, 0.0))
+    scale = g.op("Where", flat, g.const_like(x, 1.0), g.op("Mul", g.op("Mul", denom, denom), std))
+    second = g.op("Div", g.op("Mul", centered, spread), scale)
     return [g.op("Sub", first, second)]
 
 

@@ -166,13 +166,16 @@ def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
 
 @cpu_kernel("MeanVarianceNormalization")
 def mean_variance_normalization(x, *, axes=(0, 2, 3)):
-    """(X - E[X]) / (sqrt(E[X^2] - E[X]^2) + 1e-9), as ONNX's function body defines it."""
+    """(X - E[X]) / (sqrt(Var[X]) + 1e-9), ONNX's function body, with the variance taken as the
+    mean of the squared deviations: the body's E[X^2] - E[X]^2 cancels (float32 inputs 0.004 apart
+    near -1.75 came out 2.5 % off, and one constant line in seven NaN, where the variance came out
+    negative). ONNX Runtime's kernel computes it this way too."""
     ct = float_compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     axes = tuple(int(a) for a in axes)
-    mean = xc.mean(axis=axes, keepdims=True)
-    var = (xc * xc).mean(axis=axes, keepdims=True) - mean * mean
-    y = (xc - mean) / (np.sqrt(var) + ct.type(1e-9))
+    centered = xc - xc.mean(axis=axes, keepdims=True)
+    variance = (centered * centered).mean(axis=axes, keepdims=True)
+    y = centered / (np.sqrt(variance) + ct.type(1e-9))
     return y.astype(x.dtype, copy=False)
 
 

@@ -516,16 +516,16 @@ def lp_normalization(x, *, axis=-1, p=2):
 
 @cuda_kernel("MeanVarianceNormalization")
 def mean_variance_normalization(x, *, axes=(0, 2, 3)):
-    """(X - E[X]) / (sqrt(E[X^2] - E[X]^2) + 1e-9), as ONNX's function body defines it."""
+    """(X - E[X]) / (sqrt(Var[X]) + 1e-9), the variance as the mean of the squared deviations (the
+    CPU kernel's form: ONNX's E[X^2] - E[X]^2 cancels)."""
     rank = len(x.shape)
     axes_tuple = tuple(sorted({normalize_axis(int(a), rank) for a in axes}))
 
     def run(xc):
-        mean = reduce("mean", xc, axes_tuple, True, "ReduceMean")
-        mean_square = reduce("mean", _op("mul", xc, xc), axes_tuple, True, "ReduceMean")
-        variance = _op("sub", mean_square, _op("mul", mean, mean))
+        centered = _op("sub", xc, reduce("mean", xc, axes_tuple, True, "ReduceMean"))
+        variance = reduce("mean", _op("mul", centered, centered), axes_tuple, True, "ReduceMean")
         spread = _op("add", unary(f"sqrt_{dtype_suffix(xc.dtype)}", variance), device_scalar(1e-9, xc.dtype))
-        return _op("div", _op("sub", xc, mean), spread)
+        return _op("div", centered, spread)
 
     return _composed("MeanVarianceNormalization", run, x, axes=axes)
 
