@@ -122,6 +122,20 @@ def _tanh_gelu_truth(x64):
     return 0.5 * x64 * (1 + t), 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * k * (1 + 3 * c * x64**2)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tanh_gelu_and_its_gradient_of_a_0d_input(dtype):
+    """A 0-d X (a scalar loss's GELU): the kernels' in-place passes keep arrays (numpy's product of
+    two 0-d arrays is a scalar, which cannot be written into)."""
+    x, dy = np.array(-0.7, dtype), np.array(1.5, dtype)
+    y_truth, slope_truth = _tanh_gelu_truth(np.float64(x))
+    tolerance = 1e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(lookup("com.microsoft", "FastGelu").cpu(x), y_truth, rtol=tolerance)
+    np.testing.assert_allclose(lookup("", "Gelu").cpu(x, approximate="tanh"), y_truth, rtol=tolerance)
+    grad = lookup("com.microsoft", "FastGeluGrad").cpu(dy, x)
+    assert np.shape(grad) == () and np.asarray(grad).dtype == dtype
+    np.testing.assert_allclose(grad, 1.5 * slope_truth, rtol=tolerance)
+
+
 @pytest.mark.parametrize("size", [4096, 1 << 18])  # numpy's sigmoid, then oneDNN's where it is used
 def test_tanh_gelu_and_its_gradient_in_float32_are_close_to_float64(size):
     """FastGelu, Gelu(approximate='tanh') and FastGeluGrad compute x sigmoid(2u) (no cancellation
