@@ -1140,6 +1140,12 @@ def resize_cases(draw, op):
         )[0]
     if ctm == "tf_crop_and_resize" and any(out[a] == s[a] for a in axes):
         ort = "onnxruntime ignores the roi of an axis whose length does not change"
+    if ctm == "tf_crop_and_resize" and "keep_aspect_ratio_policy" in attrs:
+        ort = (
+            "onnxruntime's tf_crop_and_resize with a keep_aspect_ratio_policy disagrees with ONNX's reference "
+            "evaluator (gradgen agrees with the evaluator: (2, 3) to sizes (1, 1), not_smaller, 1.0274 where "
+            "onnxruntime gives 1.0649; half_pixel and asymmetric agree)"
+        )
     if (
         ctm in ("align_corners", "tf_crop_and_resize")
         and inputs[2] is not None
@@ -1776,11 +1782,20 @@ def compare_forward_with_ort(case: OpCase, ort) -> str:
         g = got[f"out{k}"]
         assert g.shape == w.shape, f"out{k}: shape {g.shape} vs onnxruntime {w.shape}\n{case.describe()}"
         assert g.dtype == w.dtype, f"out{k}: dtype {g.dtype} vs onnxruntime {w.dtype}\n{case.describe()}"
+        if _ort_softplus_overflows(case):
+            w = np.where(np.isinf(w) & np.isfinite(g), g, w)
         scale = max(1.0, float(np.abs(w[np.isfinite(w)]).max(initial=0.0))) if w.dtype.kind == "f" else 1.0
         np.testing.assert_allclose(
             g, w, rtol=tol["rtol"], atol=tol["atol"] * scale, equal_nan=True, err_msg=f"out{k} vs onnxruntime\n{case.describe()}"
         )
     return "ort compared"
+
+
+def _ort_softplus_overflows(case: OpCase) -> bool:
+    """A recurrent op with a Softplus activation: ONNX Runtime computes it as log(1 + exp(x)), inf
+    from x = 89 on in float32 (an LSTM whose Affine gates grew its cell to 115 gave an inf output
+    where log-add-exp gives 115), so its infinities there are not compared."""
+    return case.op_type in ("LSTM", "GRU", "RNN") and "Softplus" in case.attrs.get("activations", ())
 
 
 def check_gradients_fd(case: OpCase, outputs: list[int]) -> dict[str, np.ndarray]:
