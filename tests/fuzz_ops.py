@@ -1140,11 +1140,12 @@ def resize_cases(draw, op):
         )[0]
     if ctm == "tf_crop_and_resize" and any(out[a] == s[a] for a in axes):
         ort = "onnxruntime ignores the roi of an axis whose length does not change"
-    if ctm == "tf_crop_and_resize" and "keep_aspect_ratio_policy" in attrs:
+    if ctm in ("align_corners", "tf_crop_and_resize") and "keep_aspect_ratio_policy" in attrs:
         ort = (
-            "onnxruntime's tf_crop_and_resize with a keep_aspect_ratio_policy disagrees with ONNX's reference "
-            "evaluator (gradgen agrees with the evaluator: (2, 3) to sizes (1, 1), not_smaller, 1.0274 where "
-            "onnxruntime gives 1.0649; half_pixel and asymmetric agree)"
+            "onnxruntime's align_corners / tf_crop_and_resize with a keep_aspect_ratio_policy disagree with "
+            "ONNX's reference evaluator, which gradgen agrees with ((2, 3) to sizes (1, 1), not_smaller, "
+            "cubic tf_crop_and_resize: 1.0274 where onnxruntime gives 1.0649; (1, 7), nearest align_corners: "
+            "another row; half_pixel and asymmetric agree)"
         )
     if (
         ctm in ("align_corners", "tf_crop_and_resize")
