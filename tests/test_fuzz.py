@@ -745,6 +745,14 @@ def test_regression_pad_reflect_wider_than_the_axis_is_refused():
         Session(case.forward_model()).run({})
 
 
+def test_regression_pad_reflect_of_zero_on_an_empty_axis_is_the_input():
+    """reflect pads of 0 on an axis of size 0 reflect nothing: the input comes back (onnxruntime's
+    answer too); gradgen refused them as wider than the axis (found by the long profile, seed 14)."""
+    case = fo.OpCase("Pad", [np.zeros((1, 0)), np.array([0, 0]), None, np.array([0])], {"mode": "reflect"}, opset=18)
+    assert Session(case.forward_model()).run({})["out0"].shape == (1, 0)
+    fo.check_case(case, ort)
+
+
 def test_regression_layer_norm_double_statistics_are_float32():
     """LayerNormalization's Mean / InvStdDev have the schema's stash type (float) for double X too;
     gradgen returned double ones while shape inference typed them float, so their gradients went

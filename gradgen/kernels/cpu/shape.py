@@ -404,7 +404,7 @@ def pad(data, pads=None, constant_value=None, axes=None, *, mode="constant", val
     for d, (b, e) in enumerate(width):
         if (b or e) and x.shape[d] == 0:
             raise KernelError(f"cannot {mode}-pad axis {d} of size 0")
-        if mode == "reflect" and max(b, e) > x.shape[d] - 1:  # a reflection reaches the axis' far end only once
+        if mode == "reflect" and (b or e) and max(b, e) > x.shape[d] - 1:  # a reflection reaches the far end only once
             raise KernelError(f"reflect pads ({b}, {e}) of axis {d} exceed its size {x.shape[d]} minus 1")
     return np.pad(x, width, mode=mode)
 
