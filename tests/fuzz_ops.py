@@ -1085,9 +1085,22 @@ def norm_cases(draw, op):
     # statistics in float; gradgen computes them in double, so float64 gradient checks stay precise.
     if op == "GroupNormalization" or (case.dtype == np.float32 and op == "InstanceNormalization"):
         case.ort_tolerance = 1e-3
+        groups = attrs.get("num_groups", c)  # InstanceNormalization: a group per channel
+        if case.dtype == np.float32 and _smallest_relative_variance(x, groups, attrs["epsilon"]) < 1e-3:
+            # a group of close values: onnxruntime's cancellation passes 1e-3 too (values 0.005 apart
+            # near -1.58: 3e-3 off float64, where gradgen is within 1e-7)
+            case.ort = case.ort or "onnxruntime's float32 variance E[x^2] - E[x]^2 cancels on a group of close values"
     elif op == "LayerNormalization" and case.dtype == np.float64:
         case.ort_tolerance = 1e-4
     return case
+
+
+def _smallest_relative_variance(x: np.ndarray, groups: int, epsilon: float) -> float:
+    """The smallest (variance + epsilon) / mean(x^2) over the normalized groups of ``x`` (N, C, ...):
+    the digits a float32 E[x^2] - E[x]^2 keeps."""
+    lines = x.reshape(x.shape[0], groups, -1)
+    variance = lines.var(axis=-1) + epsilon
+    return float((variance / np.maximum((lines * lines).mean(axis=-1), 1e-30)).min())
 
 
 # -- resize ----------------------------------------------------------------------------------------
