@@ -275,7 +275,9 @@ def gather_grad_added(data, shape, indices, dY, *, axis=0):
         if gathered.dtype != data.dtype:
             raise KernelError(f"Sum's inputs differ in type: {data.dtype} and {gathered.dtype}")
         return np.add(data, gathered)
-    return _add_gathered(np.array(data, copy=True), indices, dY, axis)
+    # a C-ordered copy: _add_gathered writes through a reshaped view of it (a copy of a transposed
+    # data in its own order made that reshape a copy, and the additions were lost)
+    return _add_gathered(np.array(data, copy=True, order="C"), indices, dY, axis)
 
 
 def gather_grad_added_into(position, data, shape, indices, dY, *, axis=0):
@@ -291,8 +293,11 @@ def _adds_into(data: np.ndarray, shape, dY) -> bool:
 
 
 def _add_gathered(out: np.ndarray, indices, dY, axis: int, into_zeros: bool = False) -> np.ndarray:
-    """``out`` with dY's slices added at the positions ``indices`` names along ``axis`` (in place;
-    ``into_zeros``: out holds zeros, so the per-position sums are stored rather than added)."""
+    """``out`` (C-ordered: its rows are written through a reshaped view) with dY's slices added at
+    the positions ``indices`` names along ``axis`` (in place; ``into_zeros``: out holds zeros, so
+    the per-position sums are stored rather than added)."""
+    if not out.flags.c_contiguous:
+        raise AssertionError("_add_gathered writes through a view: out must be C-ordered")
     dims = list(out.shape)
     if not dims:
         raise KernelError("shape is empty: Gather's data must have rank >= 1")
