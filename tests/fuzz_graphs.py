@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -268,6 +269,8 @@ def _reshape(draw, b: _Builder, x, shape):
     if total == 0:  # 0 in a Reshape target copies a dim (allowzero=0): keep empty tensors away from Reshape
         return _unary(draw, b, x, shape)
     factors = [p for p in (2, 3, 5, 7) for _ in range(20) if total % p ** (_ + 1) == 0]
+    if total // math.prod(factors) > 1:  # a prime factor above 7 (11 elements: the target was [1])
+        factors.append(total // math.prod(factors))
     target, rest = [], list(factors)
     for _ in range(draw(st.integers(0, 3))):
         if not rest:
