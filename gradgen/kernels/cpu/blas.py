@@ -184,6 +184,13 @@ def _layout(x: np.ndarray) -> tuple[bytes, int] | None:
     return None
 
 
+def below_onednn(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether every matrix of ``a @ b`` has fewer than ``MIN_MULTIPLY_ADDS`` multiply-adds (a small
+    model's all): ``matmul`` then passes the product to numpy's matmul, which a caller that keeps a
+    plan (the prepared Gemm) may call directly."""
+    return bool(b.ndim) and a.size * b.shape[-1] < MIN_MULTIPLY_ADDS
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b, out=out)``: through oneDNN for float32 (..., M, K) @ (..., K, N) whose
     matrices have at least ``MIN_MULTIPLY_ADDS`` multiply-adds each, else numpy's own. A 2-D right
@@ -191,7 +198,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     by matrix."""
     if b.ndim == 2 and a.ndim > 2 and a.shape[-1] == b.shape[0]:
         return _as_rows(a, b, out)
-    if b.ndim and a.size * b.shape[-1] < MIN_MULTIPLY_ADDS:  # every matrix of the product is below it (a small model's all)
+    if below_onednn(a, b):
         return np.matmul(a, b, out=out)
     if a.dtype != _FLOAT32 or b.dtype != _FLOAT32 or a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         return np.matmul(a, b, out=out)  # numpy computes, or says what does not fit

@@ -494,12 +494,13 @@ def _row_size(data_shape: tuple) -> int:
 # vectorised update of the rows (a ViT's q/k/v gradient, one (65, 2, 64) slab into three: 26-29 -> 9-12 us)
 # instead of ``ufunc.at``'s element by element one
 DISTINCT_ROWS_CHECKED = 64
+_ROWS_ONE_BY_ONE = 8  # up to this many distinct rows are updated in place one by one, more by one gather
 
 
 def _update_rows(ufunc, rows: np.ndarray, hit: list[int], updates: np.ndarray) -> None:
     """``rows[r] = ufunc(rows[r], update)`` for each distinct row ``r`` of ``hit`` and its update:
     in place row by row for a few rows (no gathered copy), else through one gather and scatter."""
-    if len(hit) <= 8:
+    if len(hit) <= _ROWS_ONE_BY_ONE:
         for row, update in zip(hit, updates):
             target = rows[row]
             ufunc(target, update, out=target)

@@ -143,8 +143,8 @@ def prepare_gemm(constants: tuple, attrs: dict):
         return a.shape, b.shape, a.dtype, b.dtype, None if c is None else (c.shape, c.dtype)
 
     def product_for(a, b, c=None):
-        """numpy's matmul for a product below blas.matmul's oneDNN size (its first check), else it."""
-        return np.matmul if a.size * (b.shape[0] if trans_b else b.shape[1]) < blas.MIN_MULTIPLY_ADDS else blas.matmul
+        """numpy's matmul for a product below blas.matmul's oneDNN size, else blas.matmul."""
+        return np.matmul if blas.below_onednn(a.T if trans_a else a, b.T if trans_b else b) else blas.matmul
 
     def fast(product, a, b, c=None):
         return _gemm_arithmetic(a.T if trans_a else a, b.T if trans_b else b, c, alpha, beta, product)
