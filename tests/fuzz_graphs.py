@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 from hypothesis import strategies as st
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from gradgen.executor import Session
 
@@ -78,21 +78,24 @@ class FuzzGraph:
     opset: int
     symbolic: bool
 
-    def model(self, outputs: list[str] | None = None) -> onnx.ModelProto:
+    def model(self, outputs: list[str] | None = None, dtype: Any = np.float64) -> onnx.ModelProto:
+        """The graph in float64, or with every float input and constant in ``dtype``."""
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         graph_inputs = []
         for name, array in self.inputs.items():
             dims = [f"{name}_{i}" for i in range(array.ndim)] if self.symbolic else list(array.shape)
-            graph_inputs.append(helper.make_tensor_value_info(name, TensorProto.DOUBLE, dims))
+            graph_inputs.append(helper.make_tensor_value_info(name, elem, dims))
         if outputs is None:
-            graph_outputs = [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])]
+            graph_outputs = [helper.make_tensor_value_info("loss", elem, [])]
         else:
             graph_outputs = [helper.make_value_info(name, onnx.TypeProto()) for name in outputs]
+        consts = {k: v.astype(dtype) if v.dtype.kind == "f" else v for k, v in self.consts.items()}
         graph = helper.make_graph(
             self.nodes,
             "fuzz",
             graph_inputs,
             graph_outputs,
-            initializer=[numpy_helper.from_array(v, k) for k, v in self.consts.items()],
+            initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()],
         )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8)
 

@@ -44,7 +44,7 @@ def _check_graph(graph: fg.FuzzGraph) -> None:
     assume(graph.margins_ok())
     model = graph.model()
     built = gradgen.build_backward(model, loss="loss", wrt=list(graph.inputs))
-    got = Session(built.model).run(graph.inputs)
+    got = _run_twice(Session(built.model), graph.inputs, graph.describe())
     forward = Session(model)
     for name, value in graph.inputs.items():
         want = numeric_gradient(forward, graph.inputs, name, 1e-6)
@@ -52,6 +52,20 @@ def _check_graph(graph: fg.FuzzGraph) -> None:
         assert grad.shape == value.shape and grad.dtype == np.float64, f"{name}_grad\n{graph.describe()}"
         scale = max(1.0, float(np.abs(want).max(initial=0.0)))
         np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6 * scale, err_msg=f"gradient of {name}\n{graph.describe()}")
+
+
+def _run_twice(session: Session, feeds: dict[str, np.ndarray], describe: str) -> dict[str, np.ndarray]:
+    """Two runs of one session give the same bits and leave the feeds as they were: a step that
+    writes into a constant, a feed or a buffer the next run still reads shows up here."""
+    kept = {name: value.copy() for name, value in feeds.items()}
+    first = session.run(feeds)
+    first = {name: np.array(value, copy=True) for name, value in first.items()}
+    second = session.run(feeds)
+    for name, value in kept.items():
+        np.testing.assert_array_equal(feeds[name], value, err_msg=f"feed {name} changed by a run\n{describe}")
+    for name, value in first.items():
+        np.testing.assert_array_equal(second[name], value, err_msg=f"{name}: the second run differs\n{describe}")
+    return first
 
 
 @GRAPHS
@@ -64,6 +78,44 @@ def test_random_graph_gradients(graph):
 @given(fg.graphs(min_steps=1, max_steps=3, steps=["reduce", "slice", "gather", "matmul", "reshape", "concat"]))
 def test_random_shape_and_index_graphs(graph):
     _check_graph(graph)
+
+
+@GRAPHS
+@given(fg.graphs())
+def test_random_graphs_in_float32(graph):
+    """The same graphs in float32 (the CPU's float32-only paths: oneDNN, the fused and in-place
+    rewrites) give the float64 gradients to float32's accuracy, run after run."""
+    assume(graph.margins_ok())
+    wrt = list(graph.inputs)
+    want = Session(gradgen.build_backward(graph.model(), loss="loss", wrt=wrt).model).run(graph.inputs)
+    built = gradgen.build_backward(graph.model(dtype=np.float32), loss="loss", wrt=wrt).model
+    feeds = {name: value.astype(np.float32) for name, value in graph.inputs.items()}
+    got = _run_twice(Session(built), feeds, graph.describe())
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == np.float32, f"{name}: {g.dtype}{g.shape}\n{graph.describe()}"
+        scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3 * scale, err_msg=f"{name}: float32 vs float64\n{graph.describe()}")
+
+
+@pytest.mark.cuda
+@GRAPHS
+@given(fg.graphs(), st.sampled_from([np.float32, np.float64]))
+def test_random_graphs_cuda_match_cpu(graph, dtype):
+    """The backward graphs of random graphs, in float32 and float64, on the CUDA executor (pointwise
+    fusion, the memory plan, in-place steps, recorded CUDA graphs) give the CPU's values, run after run."""
+    assume(graph.margins_ok())
+    model = graph.model(dtype=dtype)
+    built = gradgen.build_backward(model, loss="loss", wrt=list(graph.inputs)).model
+    feeds = {name: value.astype(dtype) for name, value in graph.inputs.items()}
+    want = Session(built).run(feeds)
+    got = _run_twice(Session(built, device="cuda"), feeds, graph.describe())
+    rtol, atol = (1e-4, 1e-5) if dtype == np.float32 else (1e-9, 1e-11)
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}\n{graph.describe()}"
+        scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale, err_msg=f"{name}: cuda vs cpu\n{graph.describe()}")
 
 
 # -- kernels against onnxruntime --------------------------------------------------------------

@@ -296,6 +296,8 @@ def softmax(x, *, axis=None, _opset=13):
 def log_softmax(x, *, axis=None, _opset=13):
     z, restore = _softmax_frame(x, axis, _opset)
     shifted = np.subtract(z, np.maximum.reduce(z, axis=-1, keepdims=True, initial=-np.inf))
+    if shifted.size == 0:  # an empty axis: nothing to normalise (and log(0) would warn)
+        return restore(shifted).astype(x.dtype, copy=False)
     log_sum = np.log(np.add.reduce(onednn_eltwise.exp(shifted), axis=-1, keepdims=True))
     np.subtract(shifted, log_sum, out=shifted)
     return restore(shifted).astype(x.dtype, copy=False)
