@@ -23,6 +23,7 @@ import gradgen
 from gradgen.errors import GradgenError, RunError
 from gradgen.executor import Session
 from tests import fuzz_graphs as fg
+from tests import fuzz_modules as fm
 from tests import fuzz_ops as fo
 from tests.gradcheck import numeric_gradient
 
@@ -116,6 +117,27 @@ def test_random_graphs_cuda_match_cpu(graph, dtype):
         assert g.shape == w.shape and g.dtype == w.dtype, f"{name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}\n{graph.describe()}"
         scale = max(1.0, float(np.abs(w).max(initial=0.0)))
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale, err_msg=f"{name}: cuda vs cpu\n{graph.describe()}")
+
+
+MODULES = settings(settings.get_profile(PROFILE), max_examples=8 if PROFILE == "ci" else 500)
+
+
+@MODULES
+@given(fm.module_cases())
+def test_random_torch_models_match_torch(case):
+    """Random stacks of real layers, exported by PyTorch: gradgen's loss and gradients in float64 and
+    float32 against PyTorch autograd (tests/fuzz_modules.py)."""
+    pytest.importorskip("torch")
+    fm.check(case)
+
+
+@pytest.mark.cuda
+@MODULES
+@given(fm.module_cases())
+def test_random_torch_models_match_torch_on_cuda(case):
+    """The same models on the CUDA executor."""
+    pytest.importorskip("torch")
+    fm.check(case, device="cuda")
 
 
 # -- kernels against onnxruntime --------------------------------------------------------------

@@ -70,6 +70,10 @@ GEOMETRIES = [
     ((4, 5), (2, 2), (3, 3), (1, 1)),
     ((5, 5), (3, 3), (2, 2), (1, 1)),
     ((3, 6), (2, 1), (2, 4), (0, 0)),
+    # kernels larger than the input: ceil_mode's one window starts inside it (PyTorch's
+    # MaxPool2d(2, ceil_mode=True) on a 1 x 1 map; gradgen refused these)
+    ((1,), (2,), (2,), (0,)),
+    ((2, 1), (3, 2), (2, 2), (0, 0)),
 ]
 CASES = [
     pytest.param(

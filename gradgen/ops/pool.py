@@ -48,13 +48,14 @@ def spatial_geometry(x_shape, kernel, strides, dilations, pads, auto_pad, ceil_m
     out = []
     for size, s, e, b, en in zip(spatial, strides, effective, begin, end):
         span = size + b + en - e
-        if span < 0:
-            raise KernelError(f"the kernel (effective size {e}) is larger than the padded input ({size + b + en})")
-        o = span // s + 1
-        if ceil_mode:
+        if ceil_mode:  # a window may run past the end, even when the kernel is larger than the input
             o = -(-span // s) + 1
             if (o - 1) * s >= size + b:  # the last window must start inside the input or left pad
                 o -= 1
+        else:
+            o = span // s + 1
+        if span < 0 and o < 1:
+            raise KernelError(f"the kernel (effective size {e}) is larger than the padded input ({size + b + en})")
         out.append(o)
     end = [max(en, (o - 1) * s + e - size - b) for o, s, e, size, b, en in zip(out, strides, effective, spatial, begin, end)]
     return kernel, strides, dilations, begin, end, out

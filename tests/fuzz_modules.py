@@ -1,0 +1,336 @@
+"""Random PyTorch models, exported as a user would export them, against PyTorch's own gradients.
+
+The graph and op fuzzers (fuzz_graphs.py, fuzz_ops.py) build ONNX by hand, one op or a few at a time.
+The CPU and CUDA executors also rewrite the patterns exporters write: a Linear's MatMul + Add, a
+GELU's Erf chain, a tied embedding's Gather and MatMul, batch statistics, attention's masked
+Softmax. A rewrite can be wrong only when such a pattern meets another, so here random stacks of
+real layers (a sequence family and an image family) go through PyTorch's legacy exporter and
+``gradgen.build_backward``, and every parameter's and input's gradient is compared with PyTorch
+autograd in float64 on the same values: gradgen in float64 (tight) and in float32 (the float32-only
+fast paths, to float32's accuracy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+SEQ_BLOCKS = ["linear", "layer_norm", "activation", "mlp_residual", "attention", "torch_attention", "transpose_mix"]
+IMAGE_BLOCKS = ["conv", "depthwise", "batch_norm", "activation", "pool", "res_block", "conv_transpose"]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "hardswish", "leaky_relu", "softplus"]
+HEADS = ["weighted_sum", "cross_entropy", "mse", "tied_logits"]
+
+
+@dataclasses.dataclass
+class ModuleCase:
+    family: str  # "seq" | "image"
+    blocks: list[tuple[str, dict[str, Any]]]
+    head: str
+    batch: int
+    length: int  # sequence length, or image side
+    width: int  # channels
+    vocab: int  # token ids for the seq family's embedding (0: float input)
+    seed: int
+
+    def describe(self) -> str:
+        size = f"B={self.batch}, {'T' if self.family == 'seq' else 'HxW'}={self.length}, C={self.width}"
+        vocab = f", vocab {self.vocab}" if self.vocab else ""
+        blocks = " -> ".join(f"{kind}{attrs or ''}" for kind, attrs in self.blocks)
+        return f"{self.family} ({size}{vocab}, seed {self.seed}): {blocks} -> {self.head}"
+
+    def __repr__(self) -> str:
+        return f"ModuleCase({self.describe()})"
+
+
+def _activation(draw) -> dict[str, Any]:
+    return {"fn": draw(st.sampled_from(ACTIVATIONS))}
+
+
+def _seq_block(draw, kind: str, width: int) -> dict[str, Any]:
+    if kind == "linear":
+        return {"bias": draw(st.booleans()), "act": draw(st.sampled_from([None, *ACTIVATIONS]))}
+    if kind == "layer_norm":
+        return {"affine": draw(st.booleans())}
+    if kind == "activation":
+        return _activation(draw)
+    if kind == "mlp_residual":
+        return {"hidden": draw(st.sampled_from([width, 2 * width, 4 * width])), "act": draw(st.sampled_from(ACTIVATIONS))}
+    if kind in ("attention", "torch_attention"):
+        heads = draw(st.sampled_from([h for h in (1, 2, 4) if width % h == 0]))
+        # the legacy exporter refuses MultiheadAttention's float64 masks: torch_attention's causal
+        # masks come only in the hand-written attention block
+        causal = draw(st.booleans()) if kind == "attention" else False
+        return {"heads": heads, "causal": causal, "bias": draw(st.booleans())}
+    return {}  # transpose_mix: a Linear across the sequence axis
+
+
+def _image_block(draw, kind: str) -> dict[str, Any]:
+    if kind == "conv":
+        return {"kernel": draw(st.sampled_from([1, 3])), "stride": draw(st.sampled_from([1, 2])), "bias": draw(st.booleans())}
+    if kind == "depthwise":
+        return {"stride": draw(st.sampled_from([1, 2]))}
+    if kind == "batch_norm":
+        return {"affine": draw(st.booleans())}
+    if kind == "activation":
+        return _activation(draw)
+    if kind == "pool":
+        return {"kind": draw(st.sampled_from(["max", "avg"]))}
+    return {}  # res_block, conv_transpose
+
+
+@st.composite
+def module_cases(draw) -> ModuleCase:
+    family = draw(st.sampled_from(["seq", "image"]))
+    count = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**31 - 1))
+    if family == "seq":
+        width = draw(st.sampled_from([4, 8, 12]))
+        kinds = [draw(st.sampled_from(SEQ_BLOCKS)) for _ in range(count)]
+        blocks = [(k, _seq_block(draw, k, width)) for k in kinds]
+        vocab = draw(st.sampled_from([0, 7]))
+        head = draw(st.sampled_from(HEADS if vocab else HEADS[:3]))
+        return ModuleCase("seq", blocks, head, draw(st.integers(1, 3)), draw(st.integers(1, 6)), width, vocab, seed)
+    kinds = [draw(st.sampled_from(IMAGE_BLOCKS)) for _ in range(count)]
+    blocks = [(k, _image_block(draw, k)) for k in kinds]
+    side = draw(st.sampled_from([4, 5, 8]))
+    batch = draw(st.integers(2, 3))  # batch statistics of one image and a 1x1 map are degenerate
+    return ModuleCase("image", blocks, draw(st.sampled_from(HEADS[:3])), batch, side, draw(st.sampled_from([2, 4])), 0, seed)
+
+
+# -- the PyTorch model of a case ---------------------------------------------------------------
+
+
+def build_module(case: ModuleCase):
+    """(module, inputs): a torch module whose forward returns the scalar loss, and its inputs by name
+    (float32; the caller casts)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(case.seed)
+
+    def act(name: str) -> nn.Module:
+        return {
+            "relu": nn.ReLU(),
+            "gelu": nn.GELU(),
+            "gelu_tanh": nn.GELU(approximate="tanh"),
+            "silu": nn.SiLU(),
+            "tanh": nn.Tanh(),
+            "sigmoid": nn.Sigmoid(),
+            "hardswish": nn.Hardswish(),
+            "leaky_relu": nn.LeakyReLU(0.1),
+            "softplus": nn.Softplus(),
+        }[name]
+
+    class Attention(nn.Module):
+        """GPT-2's layout: one qkv Linear, heads split by view, a scaled, optionally causal, softmax."""
+
+        def __init__(self, width: int, heads: int, causal: bool, bias: bool):
+            super().__init__()
+            self.qkv = nn.Linear(width, 3 * width, bias=bias)
+            self.out = nn.Linear(width, width, bias=bias)
+            self.heads, self.causal = heads, causal
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(x).split(c, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+            scores = q @ k.transpose(-2, -1) / (c // self.heads) ** 0.5
+            if self.causal:
+                mask = torch.ones(t, t, dtype=torch.bool).tril()
+                scores = scores.masked_fill(~mask, float("-inf"))
+            y = torch.softmax(scores, dim=-1) @ v
+            return x + self.out(y.transpose(1, 2).reshape(b, t, c))
+
+    class TorchAttention(nn.Module):
+        def __init__(self, width: int, heads: int, causal: bool, bias: bool):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(width, heads, bias=bias, batch_first=True)
+            self.causal = causal
+
+        def forward(self, x):
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool).triu(1) if self.causal else None
+            return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+    class Residual(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return x + self.inner(x)
+
+    class SeqMix(nn.Module):
+        def __init__(self, length: int):
+            super().__init__()
+            self.mix = nn.Linear(length, length)
+
+        def forward(self, x):
+            return self.mix(x.transpose(1, 2)).transpose(1, 2)
+
+    def seq_layer(kind: str, attrs: dict[str, Any], c: int, t: int) -> nn.Module:
+        if kind == "linear":
+            layers = [nn.Linear(c, c, bias=attrs["bias"])]
+            return nn.Sequential(*layers, act(attrs["act"])) if attrs["act"] else layers[0]
+        if kind == "layer_norm":
+            return nn.LayerNorm(c, elementwise_affine=attrs["affine"])
+        if kind == "activation":
+            return act(attrs["fn"])
+        if kind == "mlp_residual":
+            return Residual(nn.Sequential(nn.Linear(c, attrs["hidden"]), act(attrs["act"]), nn.Linear(attrs["hidden"], c)))
+        if kind == "attention":
+            return Attention(c, attrs["heads"], attrs["causal"], attrs["bias"])
+        if kind == "torch_attention":
+            return TorchAttention(c, attrs["heads"], attrs["causal"], attrs["bias"])
+        return SeqMix(t)
+
+    def image_layer(kind: str, attrs: dict[str, Any], c: int) -> nn.Module:
+        if kind == "conv":
+            k = attrs["kernel"]
+            return nn.Conv2d(c, c, k, stride=attrs["stride"], padding=k // 2, bias=attrs["bias"])
+        if kind == "depthwise":
+            return nn.Conv2d(c, c, 3, stride=attrs["stride"], padding=1, groups=c)
+        if kind == "batch_norm":
+            return nn.BatchNorm2d(c, affine=attrs["affine"])
+        if kind == "activation":
+            return act(attrs["fn"])
+        if kind == "pool":
+            return nn.MaxPool2d(2, ceil_mode=True) if attrs["kind"] == "max" else nn.AvgPool2d(2, ceil_mode=True)
+        if kind == "res_block":
+            return Residual(
+                nn.Sequential(
+                    nn.Conv2d(c, c, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(c),
+                    nn.ReLU(),
+                    nn.Conv2d(c, c, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(c),
+                )
+            )
+        return nn.ConvTranspose2d(c, c, 2, stride=2)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            c, n = case.width, case.length
+            self.embed = nn.Embedding(case.vocab, c) if case.vocab else None
+            if case.family == "seq":
+                self.body = nn.Sequential(*(seq_layer(k, a, c, n) for k, a in case.blocks))
+                classes = case.vocab or 5
+            else:
+                self.body = nn.Sequential(*(image_layer(k, a, c) for k, a in case.blocks))
+                classes = 5
+            self.classifier = nn.Linear(c, classes) if case.head in ("cross_entropy", "mse") else None
+
+        def forward(self, x, target, weight):
+            h = self.body(self.embed(x) if self.embed is not None else x)
+            if case.family == "image":
+                # (B, C) through a tanh: the plain mean of a batch-normalised map is 0 for every
+                # input, a loss whose gradients are all rounding
+                h = torch.tanh(h).mean(dim=(2, 3))
+            if case.head == "weighted_sum":
+                return (h * weight[..., : h.shape[-1]].expand_as(h)).sum()
+            if case.head == "tied_logits":
+                logits = h @ self.embed.weight.t()
+                return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+            logits = self.classifier(h)
+            if case.head == "mse":
+                return nn.functional.mse_loss(logits, weight[..., : logits.shape[-1]].expand_as(logits))
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    model = Model().train()
+    g = torch.Generator().manual_seed(case.seed)
+    if case.family == "seq":
+        if case.vocab:
+            x = torch.randint(0, case.vocab, (case.batch, case.length), generator=g)
+        else:
+            x = torch.randn(case.batch, case.length, case.width, generator=g)
+        target_shape: tuple[int, ...] = (case.batch, case.length)
+    else:
+        x = torch.randn(case.batch, case.width, case.length, case.length, generator=g)
+        target_shape = (case.batch,)
+    classes = case.vocab if case.head == "tied_logits" else 5
+    target = torch.randint(0, classes, target_shape, generator=g)
+    weight = torch.rand(16, generator=g) + 0.5  # at least every width and class count
+    return model, {"x": x, "target": target, "weight": weight}
+
+
+def reference(module, inputs: dict[str, Any]) -> tuple[float, dict[str, np.ndarray]]:
+    """PyTorch's loss and gradients (float64 module and inputs) by parameter and input name."""
+    import torch
+
+    ins = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in inputs.items()}
+    tensors = {n: t for n, t in ins.items() if t.requires_grad}
+    tensors.update(dict(module.named_parameters()))
+    loss = module(*ins.values())
+    grads = torch.autograd.grad(loss, list(tensors.values()), allow_unused=True)
+    ref = {}
+    for (name, t), grad in zip(tensors.items(), grads):
+        ref[name] = np.zeros(tuple(t.shape)) if grad is None else grad.detach().numpy()
+    return float(loss.detach()), ref
+
+
+def score(got: np.ndarray, want: np.ndarray, floor: float) -> float:
+    """max|got - want| / max(max|want|, floor): relative to the tensor's largest element, or to
+    ``floor`` for a tensor whose gradient is (near) zero, such as one that cancels exactly."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.all(np.isfinite(got)):
+        return float("inf")
+    if not want.size:
+        return 0.0
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), floor))
+
+
+def check(case: ModuleCase, device: str = "cpu") -> None:
+    """The case's model in float64 and float32, exported and built by gradgen and run on ``device``:
+    the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError)."""
+    import copy
+
+    import torch
+
+    import gradgen
+    from gradgen.bench.models import legacy_export
+    from gradgen.executor import Session
+
+    module, inputs = build_module(case)
+    module64 = copy.deepcopy(module).double()
+    inputs64 = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
+    loss_ref, ref = reference(module64, inputs64)
+    # a gradient that cancels to zero (a bias before a LayerNormalization; a whole model whose loss
+    # is a batch-normalised mean, 0 for every input) is as exact as the terms it sums: its error is
+    # judged against the largest gradient of the model, and at least against the losses' scale (1);
+    # in float32 a tensor may also be as far off as ten times PyTorch's own float32 gradient is
+    largest = max((float(np.max(np.abs(g))) for g in ref.values() if g.size), default=1.0)
+    _, ref32 = reference(copy.deepcopy(module), inputs)
+    floors = {torch.float64: max(1e-6 * largest, 1e-8), torch.float32: max(1e-2 * largest, 1e-5)}
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 2e-3)):
+        floor = floors[dtype]
+        m = module64 if dtype == torch.float64 else module
+        ins = inputs64 if dtype == torch.float64 else inputs
+        # the exporter traces the module once (in training mode, so batch statistics stay batch
+        # statistics): a copy keeps the reference module's running statistics out of it
+        proto = legacy_export(copy.deepcopy(m), tuple(ins.values()), list(ins))
+        feeds = {n: t.numpy() for n, t in ins.items() if n in {i.name for i in proto.graph.input}}
+        built = gradgen.build_backward(proto, wrt_inputs=True)
+        out = Session(built.model, device=device).run(feeds)
+        where = f"{case.describe()} [{str(dtype).removeprefix('torch.')}, {device}]"
+        loss = float(np.asarray(out[built.loss]))
+        assert abs(loss - loss_ref) <= tol * max(1.0, abs(loss_ref)), f"loss {loss} vs torch {loss_ref}: {where}"
+        matched = set()
+        for wrt, grad_name in zip(built.wrt, built.gradient_names):
+            if wrt not in ref:
+                continue
+            want = ref[wrt]
+            got = out[grad_name]
+            if got.shape != want.shape and want.ndim == 2 and got.shape == want.T.shape:
+                want = want.T  # an initializer the exporter stored transposed
+            err = score(got, want, floor)
+            if dtype == torch.float32 and err > tol:
+                torch32 = ref32[wrt].T if ref32[wrt].shape != got.shape else ref32[wrt]
+                tol = max(tol, 10 * score(torch32, want, floor))
+            assert err <= tol, f"gradient of {wrt}: {err:.3g} from torch's (tolerance {tol:.3g}): {where}"
+            matched.add(wrt)
+        missing = sorted(n for n, g in ref.items() if n not in matched and np.any(g != 0))
+        assert not missing, f"no gradient compared for {missing} (gradgen's: {list(built.wrt)}): {where}"
