@@ -2,9 +2,10 @@
 
 LayerNormalization, InstanceNormalization and GroupNormalization run one block per normalized
 row (two passes for mean and variance, as the CPU kernel computes them, then the affine write);
-BatchNormalization in inference form is elementwise (a 16-bit X with float32 parameters too, as
-AutocastPass leaves it: computed in float32, rounded once). Training-mode BatchNormalization and
-scale or bias shapes that need broadcasting run through the CPU kernel.
+BatchNormalization is elementwise with the running statistics (inference) or with the batch's,
+from two reductions (training mode); a 16-bit X with float32 parameters too, as AutocastPass leaves
+it: computed in float32, rounded once. Scale or bias shapes that need broadcasting run through the
+CPU kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gradgen.kernels.cuda.launch import (
     stream,
 )
 from gradgen.kernels.cuda.reduction import reduce
+from gradgen.kernels.cuda.shape import reshaped
 from gradgen.kernels.table import MICROSOFT, cuda_kernel
 from gradgen.ops.axes import normalize_axis
 
@@ -177,23 +179,57 @@ def _bn_param_type(x, channels, params):
 
 @cuda_kernel("BatchNormalization")
 def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=0, _num_outputs=1):
-    """Inference form on the device (x of the parameters' type, or 16-bit with float32
-    parameters); training mode and other configurations run the numpy kernel."""
-    from gradgen.cuda import runtime as rt
-
+    """On the device where x has the parameters' type (float32, float64) or is 16-bit with float32
+    parameters, in inference and training mode; other configurations run the numpy kernel."""
     training = int(training_mode) == 1 or _num_outputs > 1
     channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
     params = (scale, bias, input_mean, input_var)
     suffix = _bn_param_type(x, channels, params) if len(x.shape) >= 2 else None
     attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
-    if training and suffix is not None and suffix.endswith("_f32"):
-        # a 16-bit x with float32 parameters: its statistics are float32 (as the parameters), only Y
-        # is rounded to x's type (the fallback would round every float result to 16 bits)
+    if training and suffix is not None and (suffix in ("f32", "f64") or suffix.endswith("_f32")) and x.size:
+        return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
+    if training and suffix is not None and suffix.endswith("_f32"):  # an empty batch
+        # a 16-bit x with float32 parameters: float32 statistics (the fallback would round every
+        # float result to 16 bits)
         results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
         return (cast_to(results[0], x.dtype), *results[1:])
     if training or suffix is None:
         return cpu_fallback("BatchNormalization", x, *params, **attrs)
-    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, *params))
+    return _batch_norm_apply(x, scale, bias, input_mean, input_var, suffix, epsilon)
+
+
+def _batch_norm_training(x, params, suffix: str, epsilon, momentum, legacy_outputs: bool):
+    """Training mode on the device, the CPU kernel's formulas: per-channel batch mean, the biased
+    variance as the mean of squared deviations, Y normalised with them (the inference kernel), and
+    running = input * momentum + batch * (1 - momentum). A 16-bit x (with float32 parameters, the
+    only 16-bit form that comes here) has float32 statistics; only Y is rounded to x's type.
+    ``legacy_outputs``: opset < 14's five outputs, the batch mean and variance last."""
+    scale, bias, input_mean, input_var = params
+    channels = int(x.shape[1])
+    axes = (0, *range(2, len(x.shape)))
+    xc = cast_to(x, np.float32) if suffix.endswith("_f32") else x
+    mean = reduce("mean", xc, axes, True, "ReduceMean")
+    centered = _op("sub", xc, mean)
+    var = reduce("mean", _op("mul", centered, centered), axes, True, "ReduceMean")
+    batch_mean, batch_var = reshaped(mean, (channels,)), reshaped(var, (channels,))
+    y = _batch_norm_apply(x, scale, bias, batch_mean, batch_var, suffix, epsilon)
+    mom = np.dtype(xc.dtype).type(momentum)
+    keep, blend = device_scalar(mom, xc.dtype), device_scalar(1 - mom, xc.dtype)
+    running = [
+        _op("add", _op("mul", stat, keep), _op("mul", batch, blend))
+        for stat, batch in ((input_mean, batch_mean), (input_var, batch_var))
+    ]
+    if legacy_outputs:
+        return y, *running, batch_mean, batch_var
+    return y, *running
+
+
+def _batch_norm_apply(x, scale, bias, mean, var, suffix: str, epsilon):
+    """(x - mean) / sqrt(var + epsilon) * scale + bias per channel, one elementwise launch."""
+    from gradgen.cuda import runtime as rt
+
+    channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
+    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, scale, bias, mean, var))
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
     launch(
