@@ -18,10 +18,39 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-SEQ_BLOCKS = ["linear", "layer_norm", "activation", "mlp_residual", "attention", "torch_attention", "transpose_mix"]
-IMAGE_BLOCKS = ["conv", "depthwise", "batch_norm", "activation", "pool", "res_block", "conv_transpose"]
-ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "hardswish", "leaky_relu", "softplus"]
-HEADS = ["weighted_sum", "cross_entropy", "mse", "tied_logits"]
+SEQ_BLOCKS = [
+    "linear",
+    "layer_norm",
+    "rms_norm",
+    "activation",
+    "mlp_residual",
+    "glu",
+    "attention",
+    "torch_attention",
+    "sdpa",
+    "transpose_mix",
+    "conv1d",
+    "gru",
+    "lstm",
+    "cumsum",
+]
+IMAGE_BLOCKS = [
+    "conv",
+    "depthwise",
+    "batch_norm",
+    "group_norm",
+    "instance_norm",
+    "activation",
+    "pool",
+    "res_block",
+    "conv_transpose",
+    "upsample",
+    "dense_concat",
+    "squeeze_excite",
+    "pixel_shuffle",
+]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "hardswish", "leaky_relu", "softplus", "elu", "mish"]
+HEADS = ["weighted_sum", "cross_entropy", "mse", "smooth_ce", "tied_logits", "ignore_ce"]  # the last two need token ids
 
 
 @dataclasses.dataclass
@@ -34,12 +63,13 @@ class ModuleCase:
     width: int  # channels
     vocab: int  # token ids for the seq family's embedding (0: float input)
     seed: int
+    exporter: str = "legacy"  # "legacy" (TorchScript) or "dynamo" (torch.export)
 
     def describe(self) -> str:
         size = f"B={self.batch}, {'T' if self.family == 'seq' else 'HxW'}={self.length}, C={self.width}"
         vocab = f", vocab {self.vocab}" if self.vocab else ""
         blocks = " -> ".join(f"{kind}{attrs or ''}" for kind, attrs in self.blocks)
-        return f"{self.family} ({size}{vocab}, seed {self.seed}): {blocks} -> {self.head}"
+        return f"{self.family} ({size}{vocab}, seed {self.seed}, {self.exporter} export): {blocks} -> {self.head}"
 
     def __repr__(self) -> str:
         return f"ModuleCase({self.describe()})"
@@ -52,10 +82,16 @@ def _activation(draw) -> dict[str, Any]:
 def _seq_block(draw, kind: str, width: int) -> dict[str, Any]:
     if kind == "linear":
         return {"bias": draw(st.booleans()), "act": draw(st.sampled_from([None, *ACTIVATIONS]))}
-    if kind == "layer_norm":
+    if kind in ("layer_norm", "rms_norm"):
         return {"affine": draw(st.booleans())}
     if kind == "activation":
         return _activation(draw)
+    if kind == "sdpa":
+        return {"heads": draw(st.sampled_from([h for h in (1, 2, 4) if width % h == 0])), "causal": draw(st.booleans())}
+    if kind == "conv1d":
+        return {"kernel": draw(st.sampled_from([1, 3])), "groups": draw(st.sampled_from([1, 2, width]))}
+    if kind in ("gru", "lstm"):
+        return {"bidirectional": draw(st.booleans())}
     if kind == "mlp_residual":
         return {"hidden": draw(st.sampled_from([width, 2 * width, 4 * width])), "act": draw(st.sampled_from(ACTIVATIONS))}
     if kind in ("attention", "torch_attention"):
@@ -64,7 +100,7 @@ def _seq_block(draw, kind: str, width: int) -> dict[str, Any]:
         # masks come only in the hand-written attention block
         causal = draw(st.booleans()) if kind == "attention" else False
         return {"heads": heads, "causal": causal, "bias": draw(st.booleans())}
-    return {}  # transpose_mix: a Linear across the sequence axis
+    return {}  # transpose_mix (a Linear across the sequence axis), glu, cumsum
 
 
 def _image_block(draw, kind: str) -> dict[str, Any]:
@@ -74,15 +110,19 @@ def _image_block(draw, kind: str) -> dict[str, Any]:
         return {"stride": draw(st.sampled_from([1, 2]))}
     if kind == "batch_norm":
         return {"affine": draw(st.booleans())}
+    if kind == "group_norm":
+        return {"groups": draw(st.sampled_from([1, 2]))}
     if kind == "activation":
         return _activation(draw)
     if kind == "pool":
         return {"kind": draw(st.sampled_from(["max", "avg"]))}
-    return {}  # res_block, conv_transpose
+    if kind == "upsample":
+        return {"mode": draw(st.sampled_from(["nearest", "bilinear", "bilinear_corners"]))}
+    return {}  # res_block, conv_transpose, instance_norm, dense_concat, squeeze_excite, pixel_shuffle
 
 
 @st.composite
-def module_cases(draw) -> ModuleCase:
+def module_cases(draw, exporters: tuple[str, ...] = ("legacy",)) -> ModuleCase:
     family = draw(st.sampled_from(["seq", "image"]))
     count = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -91,13 +131,16 @@ def module_cases(draw) -> ModuleCase:
         kinds = [draw(st.sampled_from(SEQ_BLOCKS)) for _ in range(count)]
         blocks = [(k, _seq_block(draw, k, width)) for k in kinds]
         vocab = draw(st.sampled_from([0, 7]))
-        head = draw(st.sampled_from(HEADS if vocab else HEADS[:3]))
-        return ModuleCase("seq", blocks, head, draw(st.integers(1, 3)), draw(st.integers(1, 6)), width, vocab, seed)
-    kinds = [draw(st.sampled_from(IMAGE_BLOCKS)) for _ in range(count)]
-    blocks = [(k, _image_block(draw, k)) for k in kinds]
-    side = draw(st.sampled_from([4, 5, 8]))
-    batch = draw(st.integers(2, 3))  # batch statistics of one image and a 1x1 map are degenerate
-    return ModuleCase("image", blocks, draw(st.sampled_from(HEADS[:3])), batch, side, draw(st.sampled_from([2, 4])), 0, seed)
+        head = draw(st.sampled_from(HEADS if vocab else HEADS[:4]))
+        case = ModuleCase("seq", blocks, head, draw(st.integers(1, 3)), draw(st.integers(1, 6)), width, vocab, seed)
+    else:
+        kinds = [draw(st.sampled_from(IMAGE_BLOCKS)) for _ in range(count)]
+        blocks = [(k, _image_block(draw, k)) for k in kinds]
+        side = draw(st.sampled_from([4, 5, 8]))
+        batch = draw(st.integers(2, 3))  # batch statistics of one image and a 1x1 map are degenerate
+        case = ModuleCase("image", blocks, draw(st.sampled_from(HEADS[:4])), batch, side, draw(st.sampled_from([2, 4])), 0, seed)
+    case.exporter = draw(st.sampled_from(exporters))
+    return case
 
 
 # -- the PyTorch model of a case ---------------------------------------------------------------
@@ -122,6 +165,8 @@ def build_module(case: ModuleCase):
             "hardswish": nn.Hardswish(),
             "leaky_relu": nn.LeakyReLU(0.1),
             "softplus": nn.Softplus(),
+            "elu": nn.ELU(),
+            "mish": nn.Mish(),
         }[name]
 
     class Attention(nn.Module):
@@ -163,6 +208,88 @@ def build_module(case: ModuleCase):
         def forward(self, x):
             return x + self.inner(x)
 
+    class SelfAttention(nn.Module):
+        """F.scaled_dot_product_attention on heads split from one qkv Linear."""
+
+        def __init__(self, width: int, heads: int, causal: bool):
+            super().__init__()
+            self.qkv = nn.Linear(width, 3 * width)
+            self.heads, self.causal = heads, causal
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            return y.transpose(1, 2).reshape(b, t, c)
+
+    class RmsNorm(nn.Module):
+        """LLaMA's RMSNorm as its code writes it (the legacy exporter has no aten::rms_norm)."""
+
+        def __init__(self, width: int, affine: bool):
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(width) + 0.5) if affine else None
+
+        def forward(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return y * self.weight if self.weight is not None else y
+
+    class Glu(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.proj = nn.Linear(width, 2 * width)
+
+        def forward(self, x):
+            a, b = self.proj(x).chunk(2, dim=-1)
+            return a * torch.sigmoid(b)
+
+    class Channels(nn.Module):
+        """A (B, C, T) layer on the (B, T, C) sequence."""
+
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.transpose(1, 2)).transpose(1, 2)
+
+    class Recurrent(nn.Module):
+        def __init__(self, rnn: nn.Module, width: int, bidirectional: bool):
+            super().__init__()
+            self.rnn = rnn
+            self.merge = nn.Linear(2 * width, width) if bidirectional else None
+
+        def forward(self, x):
+            y = self.rnn(x)[0]
+            return self.merge(y) if self.merge is not None else y
+
+    class Lambda(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(x)
+
+    class DenseConcat(nn.Module):
+        """DenseNet's growth: the input and a convolution of it side by side, then a 1x1 back to C."""
+
+        def __init__(self, width: int):
+            super().__init__()
+            self.grow = nn.Conv2d(width, width, 3, padding=1)
+            self.back = nn.Conv2d(2 * width, width, 1)
+
+        def forward(self, x):
+            return self.back(torch.cat([x, torch.relu(self.grow(x))], dim=1))
+
+    class SqueezeExcite(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(width, max(1, width // 2)), nn.Linear(max(1, width // 2), width)
+
+        def forward(self, x):
+            s = torch.sigmoid(self.fc2(torch.relu(self.fc1(x.mean(dim=(2, 3))))))
+            return x * s[:, :, None, None]
+
     class SeqMix(nn.Module):
         def __init__(self, length: int):
             super().__init__()
@@ -177,8 +304,22 @@ def build_module(case: ModuleCase):
             return nn.Sequential(*layers, act(attrs["act"])) if attrs["act"] else layers[0]
         if kind == "layer_norm":
             return nn.LayerNorm(c, elementwise_affine=attrs["affine"])
+        if kind == "rms_norm":
+            return RmsNorm(c, attrs["affine"])
         if kind == "activation":
             return act(attrs["fn"])
+        if kind == "sdpa":
+            return SelfAttention(c, attrs["heads"], attrs["causal"])
+        if kind == "glu":
+            return Glu(c)
+        if kind == "conv1d":
+            k = attrs["kernel"]
+            return Channels(nn.Conv1d(c, c, k, padding=k // 2, groups=attrs["groups"]))
+        if kind in ("gru", "lstm"):
+            rnn = (nn.GRU if kind == "gru" else nn.LSTM)(c, c, batch_first=True, bidirectional=attrs["bidirectional"])
+            return Recurrent(rnn, c, attrs["bidirectional"])
+        if kind == "cumsum":
+            return Lambda(lambda x: x.cumsum(dim=1))
         if kind == "mlp_residual":
             return Residual(nn.Sequential(nn.Linear(c, attrs["hidden"]), act(attrs["act"]), nn.Linear(attrs["hidden"], c)))
         if kind == "attention":
@@ -195,6 +336,21 @@ def build_module(case: ModuleCase):
             return nn.Conv2d(c, c, 3, stride=attrs["stride"], padding=1, groups=c)
         if kind == "batch_norm":
             return nn.BatchNorm2d(c, affine=attrs["affine"])
+        if kind == "group_norm":
+            return nn.GroupNorm(attrs["groups"], c)
+        if kind == "instance_norm":
+            return nn.InstanceNorm2d(c, affine=True)
+        if kind == "upsample":
+            mode = attrs["mode"]
+            if mode == "nearest":
+                return nn.Upsample(scale_factor=2, mode="nearest")
+            return nn.Upsample(scale_factor=2, mode="bilinear", align_corners=mode == "bilinear_corners")
+        if kind == "dense_concat":
+            return DenseConcat(c)
+        if kind == "squeeze_excite":
+            return SqueezeExcite(c)
+        if kind == "pixel_shuffle":
+            return nn.Sequential(nn.Conv2d(c, 4 * c, 1), nn.PixelShuffle(2))
         if kind == "activation":
             return act(attrs["fn"])
         if kind == "pool":
@@ -222,7 +378,7 @@ def build_module(case: ModuleCase):
             else:
                 self.body = nn.Sequential(*(image_layer(k, a, c) for k, a in case.blocks))
                 classes = 5
-            self.classifier = nn.Linear(c, classes) if case.head in ("cross_entropy", "mse") else None
+            self.classifier = nn.Linear(c, classes) if case.head in ("cross_entropy", "mse", "smooth_ce", "ignore_ce") else None
 
         def forward(self, x, target, weight):
             h = self.body(self.embed(x) if self.embed is not None else x)
@@ -238,7 +394,13 @@ def build_module(case: ModuleCase):
             logits = self.classifier(h)
             if case.head == "mse":
                 return nn.functional.mse_loss(logits, weight[..., : logits.shape[-1]].expand_as(logits))
-            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+            flat, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+            if case.head == "smooth_ce":  # label_smoothing=0.1 as its formula (the legacy exporter has no label_smoothing)
+                logp = nn.functional.log_softmax(flat, dim=-1)
+                return 0.9 * nn.functional.nll_loss(logp, labels) - 0.1 * logp.mean(dim=-1).mean()
+            if case.head == "ignore_ce":  # class 0 is padding
+                return nn.functional.cross_entropy(flat, labels, ignore_index=0)
+            return nn.functional.cross_entropy(flat, labels)
 
     model = Model().train()
     g = torch.Generator().manual_seed(case.seed)
@@ -253,6 +415,7 @@ def build_module(case: ModuleCase):
         target_shape = (case.batch,)
     classes = case.vocab if case.head == "tied_logits" else 5
     target = torch.randint(0, classes, target_shape, generator=g)
+    target.view(-1)[0] = 1  # ignore_ce: at least one target that counts
     weight = torch.rand(16, generator=g) + 0.5  # at least every width and class count
     return model, {"x": x, "target": target, "weight": weight}
 
@@ -283,6 +446,28 @@ def score(got: np.ndarray, want: np.ndarray, floor: float) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), floor))
 
 
+def export(module, inputs: dict[str, Any], exporter: str):
+    """The module as an ``onnx.ModelProto``: PyTorch's legacy exporter with the samples' settings, or
+    the dynamo exporter (torch.export; needs onnxscript) unoptimised, as ``torch.onnx.export`` gives
+    it by default."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    from gradgen.bench.models import legacy_export
+
+    if exporter == "legacy":
+        return legacy_export(module, tuple(inputs.values()), list(inputs))
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, tuple(inputs.values()), dynamo=True, optimize=False, input_names=list(inputs), output_names=["loss"]
+        )
+    return program.model_proto
+
+
 def check(case: ModuleCase, device: str = "cpu") -> None:
     """The case's model in float64 and float32, exported and built by gradgen and run on ``device``:
     the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError)."""
@@ -291,10 +476,13 @@ def check(case: ModuleCase, device: str = "cpu") -> None:
     import torch
 
     import gradgen
-    from gradgen.bench.models import legacy_export
     from gradgen.executor import Session
 
     module, inputs = build_module(case)
+    if case.exporter == "dynamo":
+        # the dynamo exporter writes a training-mode BatchNorm as an inference one (running
+        # statistics), so its models are compared in eval mode
+        module.eval()
     module64 = copy.deepcopy(module).double()
     inputs64 = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
     loss_ref, ref = reference(module64, inputs64)
@@ -311,7 +499,7 @@ def check(case: ModuleCase, device: str = "cpu") -> None:
         ins = inputs64 if dtype == torch.float64 else inputs
         # the exporter traces the module once (in training mode, so batch statistics stay batch
         # statistics): a copy keeps the reference module's running statistics out of it
-        proto = legacy_export(copy.deepcopy(m), tuple(ins.values()), list(ins))
+        proto = export(copy.deepcopy(m), ins, case.exporter)
         feeds = {n: t.numpy() for n, t in ins.items() if n in {i.name for i in proto.graph.input}}
         built = gradgen.build_backward(proto, wrt_inputs=True)
         out = Session(built.model, device=device).run(feeds)

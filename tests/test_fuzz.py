@@ -9,6 +9,7 @@ well under a minute) and ``long`` (>= 1000 random graphs, and 1000 random op cas
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -120,10 +121,12 @@ def test_random_graphs_cuda_match_cpu(graph, dtype):
 
 
 MODULES = settings(settings.get_profile(PROFILE), max_examples=8 if PROFILE == "ci" else 500)
+# the dynamo exporter (slower, and it needs onnxscript) only in the long profile
+EXPORTERS = ("legacy", "dynamo") if PROFILE == "long" and importlib.util.find_spec("onnxscript") else ("legacy",)
 
 
 @MODULES
-@given(fm.module_cases())
+@given(fm.module_cases(EXPORTERS))
 def test_random_torch_models_match_torch(case):
     """Random stacks of real layers, exported by PyTorch: gradgen's loss and gradients in float64 and
     float32 against PyTorch autograd (tests/fuzz_modules.py)."""
@@ -133,7 +136,7 @@ def test_random_torch_models_match_torch(case):
 
 @pytest.mark.cuda
 @MODULES
-@given(fm.module_cases())
+@given(fm.module_cases(EXPORTERS))
 def test_random_torch_models_match_torch_on_cuda(case):
     """The same models on the CUDA executor."""
     pytest.importorskip("torch")

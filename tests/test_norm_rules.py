@@ -119,3 +119,56 @@ def test_lp_normalization_bad_p_is_a_model_error():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(gradgen.ModelError, match="LpNormalization node .*p must be 1 or 2, got 3"):
         gradgen.build_backward(model, wrt_inputs=True)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_batch_norm_statistics_of_another_type_than_scale(training):
+    """ONNX lets BatchNormalization's statistics (T2) differ from its scale and bias (T1): PyTorch's
+    dynamo exporter writes a float64 model's BatchNorm2d(affine=False) with float32 ones and zeros
+    for scale and bias. The gradients (each in its input's type) are those of the all-float64 model
+    to float32's accuracy; the rule built Muls of float32 and float64 before."""
+    rng = np.random.default_rng(3)
+    values = {
+        "x": rng.standard_normal((2, 3, 4, 4)),
+        "scale": rng.uniform(0.5, 1.5, 3),
+        "bias": rng.standard_normal(3),
+        "mean": rng.standard_normal(3) * 0.1,
+        "var": rng.uniform(0.5, 2.0, 3),
+    }
+    weight = helper.make_tensor("w", TensorProto.DOUBLE, [2, 3, 4, 4], rng.uniform(0.5, 1.5, 96))
+    outputs = ["y", "running_mean", "running_var"] if training else ["y"]
+    nodes = [
+        helper.make_node("BatchNormalization", list(values), outputs, epsilon=1e-5, training_mode=int(training)),
+        helper.make_node("Mul", ["y", "w"], ["yw"]),
+        helper.make_node("ReduceSum", ["yw"], ["loss_y"], keepdims=0),
+    ]
+    if training:  # the running mean in the loss too: its gradient reaches x through the batch mean
+        nodes += [helper.make_node("ReduceSum", ["running_mean"], ["loss_m"], keepdims=0)]
+        nodes += [helper.make_node("Add", ["loss_y", "loss_m"], ["loss"])]
+    else:
+        nodes += [helper.make_node("Identity", ["loss_y"], ["loss"])]
+
+    def model(param_type):
+        types = {
+            "x": TensorProto.DOUBLE,
+            "scale": param_type,
+            "bias": param_type,
+            "mean": TensorProto.DOUBLE,
+            "var": TensorProto.DOUBLE,
+        }
+        inputs = [helper.make_tensor_value_info(n, types[n], list(v.shape)) for n, v in values.items()]
+        graph = helper.make_graph(nodes, "bn", inputs, [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], [weight])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    def grads(param_type, dtype):
+        feeds = {n: v.astype(dtype) if n in ("scale", "bias") else v for n, v in values.items()}
+        built = gradgen.build_backward(model(param_type), wrt=list(values))
+        return Session(built.model).run(feeds)
+
+    want = grads(TensorProto.DOUBLE, np.float64)
+    got = grads(TensorProto.FLOAT, np.float32)
+    for name in values:
+        g = got[f"{name}_grad"]
+        assert g.dtype == (np.float32 if name in ("scale", "bias") else np.float64), name
+        w = want[f"{name}_grad"]
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(w).max()), err_msg=name)

@@ -69,8 +69,11 @@ def batch_normalization(g):
     dy = g.dy(0)
     if training:
         return _batch_norm_training(g, rank, axes, eps)
-    # y = (x - mean) * inv * scale + bias, inv = (var + eps)^-1/2, all per channel.
-    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const_like(var, eps))))
+    # y = (x - mean) * inv * scale + bias, inv = (var + eps)^-1/2, all per channel; statistics of
+    # another type than scale (ONNX's T2 against T1: a float64 export's float32 default scale) are
+    # computed in scale's type, their gradients cast back
+    mean, var = (_like(g, v, scale, v) for v in (mean, var))
+    inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const_like(scale, eps))))
     mixed = _mixed_types(x, scale)
     grads = [None] * 5
     if g.needs(0):
@@ -84,7 +87,7 @@ def batch_normalization(g):
         if g.needs(2):
             grads[2] = dbias
         if g.needs(3):
-            grads[3] = g.op("Neg", g.op("Mul", dbias, g.op("Mul", scale, inv)))
+            grads[3] = _like(g, g.op("Neg", g.op("Mul", dbias, g.op("Mul", scale, inv))), g.x(3), scale)
     if g.needs(1) or g.needs(4):
         x_p = g.cast_like(x, scale) if mixed else x
         xhat = g.op("Mul", g.op("Sub", x_p, _per_channel(g, mean, rank)), _per_channel(g, inv, rank))
@@ -93,9 +96,15 @@ def batch_normalization(g):
             grads[1] = dscale
         if g.needs(4):
             # d y / d var = -1/2 * scale * (x - mean) * inv^3 = -1/2 * scale * xhat * inv^2
-            factor = g.op("Mul", g.op("Mul", scale, g.op("Mul", inv, inv)), g.const_like(var, -0.5))
-            grads[4] = g.op("Mul", dscale, factor)
+            factor = g.op("Mul", g.op("Mul", scale, g.op("Mul", inv, inv)), g.const_like(scale, -0.5))
+            grads[4] = _like(g, g.op("Mul", dscale, factor), g.x(4), scale)
     return grads
+
+
+def _like(g, v, other, v_typed_as):
+    """v (of ``v_typed_as``'s type: v itself may be an emitted, untyped value) cast to other's type
+    where both types are known and differ; v otherwise."""
+    return g.cast_like(v, other) if _mixed_types(v_typed_as, other) else v
 
 
 def _mixed_types(x, scale) -> bool:
@@ -158,7 +167,7 @@ def _batch_norm_training(g, rank, axes, eps):
         if g.needs(i):
             grads[i] = g.op("Mul", d, g.const_like(stat_in, momentum))
         if g.needs(0):
-            share = g.op("Mul", _per_channel(g, d, rank), rest)
+            share = g.op("Mul", _per_channel(g, _like(g, d, like, stat_in), rank), rest)
             count = _count_like(g, x, scale, like)
             if i == 3:  # the batch mean: share / count for every element
                 parts.append(g.expand_like(g.op("Div", share, count), x))
