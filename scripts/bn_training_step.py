@@ -42,6 +42,8 @@ def main() -> None:
 
         norm._batch_norm_training = on_the_host
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 against float32, as gradgen bench compares
+    torch.backends.cudnn.allow_tf32 = False
     spec = preset("resnet18", batch=args.batch, size=args.size)
     model = build_module(spec).train(not args.eval)
     inputs = make_inputs(spec)

@@ -446,6 +446,10 @@ def score(got: np.ndarray, want: np.ndarray, floor: float) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), floor))
 
 
+class InvalidCase(Exception):
+    """A drawn model PyTorch refuses to run: not a case to judge gradgen by."""
+
+
 def export(module, inputs: dict[str, Any], exporter: str):
     """The module as an ``onnx.ModelProto``: PyTorch's legacy exporter with the samples' settings, or
     the dynamo exporter (torch.export; needs onnxscript) unoptimised, as ``torch.onnx.export`` gives
@@ -485,7 +489,10 @@ def check(case: ModuleCase, device: str = "cpu") -> None:
         module.eval()
     module64 = copy.deepcopy(module).double()
     inputs64 = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
-    loss_ref, ref = reference(module64, inputs64)
+    try:
+        loss_ref, ref = reference(module64, inputs64)
+    except ValueError as exc:  # a model PyTorch itself refuses (InstanceNorm2d of a 1 x 1 map in training)
+        raise InvalidCase(str(exc)) from None
     # a gradient that cancels to zero (a bias before a LayerNormalization; a whole model whose loss
     # is a batch-normalised mean, 0 for every input) is as exact as the terms it sums: its error is
     # judged against the largest gradient of the model, and at least against the losses' scale (1);
