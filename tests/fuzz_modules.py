@@ -472,9 +472,10 @@ def export(module, inputs: dict[str, Any], exporter: str):
     return program.model_proto
 
 
-def check(case: ModuleCase, device: str = "cpu") -> None:
+def check(case: ModuleCase, device: str = "cpu", portable: bool = False) -> None:
     """The case's model in float64 and float32, exported and built by gradgen and run on ``device``:
-    the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError)."""
+    the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError).
+    ``portable``: the float32 model's portable backward graph on ONNX Runtime too."""
     import copy
 
     import torch
@@ -511,21 +512,53 @@ def check(case: ModuleCase, device: str = "cpu") -> None:
         built = gradgen.build_backward(proto, wrt_inputs=True)
         out = Session(built.model, device=device).run(feeds)
         where = f"{case.describe()} [{str(dtype).removeprefix('torch.')}, {device}]"
-        loss = float(np.asarray(out[built.loss]))
-        assert abs(loss - loss_ref) <= tol * max(1.0, abs(loss_ref)), f"loss {loss} vs torch {loss_ref}: {where}"
-        matched = set()
-        for wrt, grad_name in zip(built.wrt, built.gradient_names):
-            if wrt not in ref:
-                continue
-            want = ref[wrt]
-            got = out[grad_name]
-            if got.shape != want.shape and want.ndim == 2 and got.shape == want.T.shape:
-                want = want.T  # an initializer the exporter stored transposed
-            err = score(got, want, floor)
-            if dtype == torch.float32 and err > tol:
-                torch32 = ref32[wrt].T if ref32[wrt].shape != got.shape else ref32[wrt]
-                tol = max(tol, 10 * score(torch32, want, floor))
-            assert err <= tol, f"gradient of {wrt}: {err:.3g} from torch's (tolerance {tol:.3g}): {where}"
-            matched.add(wrt)
-        missing = sorted(n for n, g in ref.items() if n not in matched and np.any(g != 0))
-        assert not missing, f"no gradient compared for {missing} (gradgen's: {list(built.wrt)}): {where}"
+        _compare(built, out, loss_ref, ref, ref32 if dtype == torch.float32 else None, tol, floor, where)
+        if portable and dtype == torch.float32:
+            # the portable graph (standard ops only) on ONNX Runtime, as a user without gradgen runs it
+            built = gradgen.build_backward(proto, wrt_inputs=True, portable=True)
+            _compare(
+                built,
+                _run_on_onnxruntime(built.model, feeds),
+                loss_ref,
+                ref,
+                ref32,
+                tol,
+                floor,
+                f"{where} [portable, onnxruntime]",
+            )
+
+
+def _run_on_onnxruntime(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    from gradgen.api import ir
+
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
+    return dict(zip(names, session.run(names, {n: v for n, v in feeds.items() if n in wanted})))
+
+
+def _compare(built, out, loss_ref, ref, ref32, tol, floor, where) -> None:
+    """The loss and every gradient of ``out`` (a run of ``built``) against PyTorch's float64 ``ref``;
+    in float32 (``ref32``, PyTorch's own float32 gradients, given) a tensor may also be as far off as
+    ten times PyTorch's float32 gradient is."""
+    loss = float(np.asarray(out[built.loss]))
+    assert abs(loss - loss_ref) <= tol * max(1.0, abs(loss_ref)), f"loss {loss} vs torch {loss_ref}: {where}"
+    matched = set()
+    for wrt, grad_name in zip(built.wrt, built.gradient_names):
+        if wrt not in ref:
+            continue
+        want = ref[wrt]
+        got = out[grad_name]
+        transposed = got.shape != want.shape and want.ndim == 2 and got.shape == want.T.shape
+        if transposed:
+            want = want.T  # an initializer the exporter stored transposed
+        err = score(got, want, floor)
+        allowed = tol
+        if ref32 is not None and err > tol:
+            allowed = max(tol, 10 * score(ref32[wrt].T if transposed else ref32[wrt], want, floor))
+        assert err <= allowed, f"gradient of {wrt}: {err:.3g} from torch's (tolerance {allowed:.3g}): {where}"
+        matched.add(wrt)
+    missing = sorted(n for n, g in ref.items() if n not in matched and np.any(g != 0))
+    assert not missing, f"no gradient compared for {missing} (gradgen's: {list(built.wrt)}): {where}"
