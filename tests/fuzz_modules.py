@@ -33,6 +33,7 @@ SEQ_BLOCKS = [
     "gru",
     "lstm",
     "cumsum",
+    "functional",
 ]
 IMAGE_BLOCKS = [
     "conv",
@@ -48,8 +49,52 @@ IMAGE_BLOCKS = [
     "dense_concat",
     "squeeze_excite",
     "pixel_shuffle",
+    "dilated_conv",
+    "strided_transpose",
+    "exclusive_avg_pool",
+    "reflect_conv",
+    "channel_shuffle",
+    "lp_pool",
 ]
-ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "hardswish", "leaky_relu", "softplus", "elu", "mish"]
+ACTIVATIONS = [
+    "relu",
+    "gelu",
+    "gelu_tanh",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "hardswish",
+    "leaky_relu",
+    "softplus",
+    "elu",
+    "mish",
+    "relu6",
+    "hardtanh",
+    "selu",
+    "celu",
+    "softsign",
+    "hardsigmoid",
+    "logsigmoid",
+]
+# tensor functions a model's forward writes between layers, on the (B, T, C) sequence
+FUNCTIONS = [
+    "index_select",
+    "flip",
+    "roll",
+    "reflect_pad",
+    "log_softmax",
+    "normalize",
+    "clamp",
+    "where",
+    "einsum",
+    "topk",
+    "amax",
+    "std",
+    "stack",
+    "logsumexp",
+    "cosine",
+    "square_abs",
+]
 HEADS = ["weighted_sum", "cross_entropy", "mse", "smooth_ce", "tied_logits", "ignore_ce"]  # the last two need token ids
 
 
@@ -92,6 +137,8 @@ def _seq_block(draw, kind: str, width: int) -> dict[str, Any]:
         return {"kernel": draw(st.sampled_from([1, 3])), "groups": draw(st.sampled_from([1, 2, width]))}
     if kind in ("gru", "lstm"):
         return {"bidirectional": draw(st.booleans())}
+    if kind == "functional":
+        return {"fn": draw(st.sampled_from(FUNCTIONS))}
     if kind == "mlp_residual":
         return {"hidden": draw(st.sampled_from([width, 2 * width, 4 * width])), "act": draw(st.sampled_from(ACTIVATIONS))}
     if kind in ("attention", "torch_attention"):
@@ -167,7 +214,42 @@ def build_module(case: ModuleCase):
             "softplus": nn.Softplus(),
             "elu": nn.ELU(),
             "mish": nn.Mish(),
+            "relu6": nn.ReLU6(),
+            "hardtanh": nn.Hardtanh(-0.5, 0.5),
+            "selu": nn.SELU(),
+            "celu": nn.CELU(0.7),
+            "softsign": nn.Softsign(),
+            "hardsigmoid": nn.Hardsigmoid(),
+            "logsigmoid": nn.LogSigmoid(),
         }[name]
+
+    def functional(name: str, c: int, t: int) -> nn.Module:
+        """A tensor function on (B, T, C), with whatever weights it needs as parameters."""
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        index = torch.randint(0, t, (t,), generator=gen)  # repeats: the gradient adds them up
+        if name == "einsum":
+            return EinsumMix(c)
+        fns = {
+            "index_select": lambda x: x.index_select(1, index),
+            "flip": lambda x: x.flip(1) * 0.5 + x,
+            "roll": lambda x: torch.roll(x, 1, dims=2) - x,
+            # shifted by one, reflected at the start (the length stays t for the layers after it)
+            "reflect_pad": lambda x: (
+                nn.functional.pad(x.transpose(1, 2), (1, 1), mode="reflect")[..., :t].transpose(1, 2) if t > 1 else x
+            ),
+            "log_softmax": lambda x: torch.log_softmax(x, dim=-1),
+            "normalize": lambda x: nn.functional.normalize(x, dim=-1),
+            "clamp": lambda x: x.clamp(-0.6, 0.7),
+            "where": lambda x: torch.where(x > 0, x, 0.1 * x * x),
+            "topk": lambda x: x.topk(max(1, c // 2), dim=-1).values.repeat_interleave(2, dim=-1)[..., :c],
+            "amax": lambda x: x + x.amax(dim=1, keepdim=True),
+            "std": lambda x: x / (x.std(dim=-1, keepdim=True) + 1.0),
+            "stack": lambda x: torch.stack([x, x * x], dim=2).sum(dim=2),
+            "logsumexp": lambda x: x - torch.logsumexp(x, dim=-1, keepdim=True),
+            "cosine": lambda x: nn.functional.cosine_similarity(x, x.roll(1, dims=1), dim=-1).unsqueeze(-1) * x,
+            "square_abs": lambda x: x.abs() * x + x.pow(3) * 0.1,
+        }
+        return Lambda(fns[name])
 
     class Attention(nn.Module):
         """GPT-2's layout: one qkv Linear, heads split by view, a scaled, optionally causal, softmax."""
@@ -270,6 +352,14 @@ def build_module(case: ModuleCase):
         def forward(self, x):
             return self.fn(x)
 
+    class EinsumMix(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.mix = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+        def forward(self, x):
+            return torch.einsum("btc,cd->btd", x, self.mix)
+
     class DenseConcat(nn.Module):
         """DenseNet's growth: the input and a convolution of it side by side, then a 1x1 back to C."""
 
@@ -320,6 +410,8 @@ def build_module(case: ModuleCase):
             return Recurrent(rnn, c, attrs["bidirectional"])
         if kind == "cumsum":
             return Lambda(lambda x: x.cumsum(dim=1))
+        if kind == "functional":
+            return functional(attrs["fn"], c, t)
         if kind == "mlp_residual":
             return Residual(nn.Sequential(nn.Linear(c, attrs["hidden"]), act(attrs["act"]), nn.Linear(attrs["hidden"], c)))
         if kind == "attention":
@@ -349,6 +441,18 @@ def build_module(case: ModuleCase):
             return DenseConcat(c)
         if kind == "squeeze_excite":
             return SqueezeExcite(c)
+        if kind == "dilated_conv":
+            return nn.Conv2d(c, c, 3, padding=2, dilation=2)
+        if kind == "strided_transpose":
+            return nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=1)
+        if kind == "exclusive_avg_pool":
+            return nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False)
+        if kind == "reflect_conv":
+            return nn.Conv2d(c, c, 3, padding=1, padding_mode="reflect")
+        if kind == "channel_shuffle":
+            return Lambda(lambda x: x.reshape(x.shape[0], 2, x.shape[1] // 2, *x.shape[2:]).transpose(1, 2).reshape(x.shape))
+        if kind == "lp_pool":
+            return nn.LPPool2d(2, 2, ceil_mode=True)
         if kind == "pixel_shuffle":
             return nn.Sequential(nn.Conv2d(c, 4 * c, 1), nn.PixelShuffle(2))
         if kind == "activation":
