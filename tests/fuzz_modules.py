@@ -576,10 +576,14 @@ def export(module, inputs: dict[str, Any], exporter: str):
     return program.model_proto
 
 
-def check(case: ModuleCase, device: str = "cpu", portable: bool = False) -> None:
+def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: bool = False) -> None:
     """The case's model in float64 and float32, exported and built by gradgen and run on ``device``:
     the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError).
-    ``portable``: the float32 model's portable backward graph on ONNX Runtime too."""
+    ``portable``: the float32 model's portable backward graph on ONNX Runtime too. ``bf16``: the
+    float32 model built with ``precision="bf16"`` (AutocastPass) too, within 0.2 or ten times the
+    error of PyTorch's own bf16 autocast gradients, whichever is larger: a coarse check that catches
+    a wrong cast or a lost term, not a rounding difference (on these tiny models a bias gradient that
+    nearly cancels was 12x autocast's error, 0.063, where both are rounding)."""
     import copy
 
     import torch
@@ -617,6 +621,13 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False) -> None
         out = Session(built.model, device=device).run(feeds)
         where = f"{case.describe()} [{str(dtype).removeprefix('torch.')}, {device}]"
         _compare(built, out, loss_ref, ref, ref32 if dtype == torch.float32 else None, tol, floor, where)
+        if bf16 and dtype == torch.float32:
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                _, ref_bf16 = reference(copy.deepcopy(module), inputs)
+            built = gradgen.build_backward(proto, wrt_inputs=True, precision="bf16")
+            out = Session(built.model, device=device).run(feeds)
+            floor16 = max(5e-2 * largest, 1e-3)
+            _compare(built, out, loss_ref, ref, ref_bf16, 0.2, floor16, f"{where} [bf16 autocast]")
         if portable and dtype == torch.float32:
             # the portable graph (standard ops only) on ONNX Runtime, as a user without gradgen runs it
             built = gradgen.build_backward(proto, wrt_inputs=True, portable=True)
@@ -645,8 +656,8 @@ def _run_on_onnxruntime(model, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
 
 def _compare(built, out, loss_ref, ref, ref32, tol, floor, where) -> None:
     """The loss and every gradient of ``out`` (a run of ``built``) against PyTorch's float64 ``ref``;
-    in float32 (``ref32``, PyTorch's own float32 gradients, given) a tensor may also be as far off as
-    ten times PyTorch's float32 gradient is."""
+    below float64 (``ref32``, PyTorch's own gradients at that precision, given) a tensor may also be
+    as far off as ten times PyTorch's gradient is."""
     loss = float(np.asarray(out[built.loss]))
     assert abs(loss - loss_ref) <= tol * max(1.0, abs(loss_ref)), f"loss {loss} vs torch {loss_ref}: {where}"
     matched = set()

@@ -130,11 +130,11 @@ EXPORTERS = ("legacy", "dynamo") if PROFILE == "long" and importlib.util.find_sp
 @given(fm.module_cases(EXPORTERS))
 def test_random_torch_models_match_torch(case):
     """Random stacks of real layers, exported by PyTorch: gradgen's loss and gradients in float64 and
-    float32 against PyTorch autograd, and the float32 portable graph's on ONNX Runtime
-    (tests/fuzz_modules.py)."""
+    float32 against PyTorch autograd, the float32 portable graph's on ONNX Runtime, and the bf16
+    build's, coarsely (tests/fuzz_modules.py)."""
     pytest.importorskip("torch")
     try:
-        fm.check(case, portable=True)
+        fm.check(case, portable=True, bf16=True)
     except fm.InvalidCase:
         assume(False)
 
