@@ -589,6 +589,7 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: b
     import torch
 
     import gradgen
+    from gradgen.errors import GradgenError
     from gradgen.executor import Session
 
     module, inputs = build_module(case)
@@ -617,8 +618,12 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: b
         # statistics): a copy keeps the reference module's running statistics out of it
         proto = export(copy.deepcopy(m), ins, case.exporter)
         feeds = {n: t.numpy() for n, t in ins.items() if n in {i.name for i in proto.graph.input}}
-        built = gradgen.build_backward(proto, wrt_inputs=True)
-        out = Session(built.model, device=device).run(feeds)
+        try:
+            built = gradgen.build_backward(proto, wrt_inputs=True)
+            out = Session(built.model, device=device).run(feeds)
+        except GradgenError:
+            _raise_if_the_export_is_invalid(export(copy.deepcopy(module), inputs, case.exporter), inputs)
+            raise
         where = f"{case.describe()} [{str(dtype).removeprefix('torch.')}, {device}]"
         _compare(built, out, loss_ref, ref, ref32 if dtype == torch.float32 else None, tol, floor, where)
         if bf16 and dtype == torch.float32:
@@ -641,6 +646,19 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: b
                 floor,
                 f"{where} [portable, onnxruntime]",
             )
+
+
+def _raise_if_the_export_is_invalid(proto, inputs) -> None:
+    """InvalidCase where ONNX Runtime cannot run the exported float32 forward model either: the
+    exporter wrote an invalid model (the legacy exporter dropped a transpose of attention's keys
+    after a TopK), which gradgen rightly refuses."""
+    import onnxruntime as ort
+
+    feeds = {n: t.numpy() for n, t in inputs.items() if n in {i.name for i in proto.graph.input}}
+    try:
+        ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    except Exception as exc:  # any refusal: onnxruntime's errors have no common base class
+        raise InvalidCase(f"onnxruntime cannot run the exported model either: {exc}") from None
 
 
 def _run_on_onnxruntime(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
