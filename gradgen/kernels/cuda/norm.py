@@ -229,7 +229,7 @@ def _batch_norm_apply(x, scale, bias, mean, var, suffix: str, epsilon):
     from gradgen.cuda import runtime as rt
 
     channels = int(x.shape[1]) if len(x.shape) >= 2 else 1
-    x, scale, bias, input_mean, input_var = (contiguous(t) for t in (x, scale, bias, mean, var))
+    x, scale, bias, mean, var = (contiguous(t) for t in (x, scale, bias, mean, var))
     inner = int(np.prod(x.shape[2:], dtype=np.int64))
     y = rt.empty(x.shape, x.dtype)
     launch(
@@ -239,8 +239,8 @@ def _batch_norm_apply(x, scale, bias, mean, var, suffix: str, epsilon):
         x,
         scale,
         bias,
-        input_mean,
-        input_var,
+        mean,
+        var,
         np.int64(channels),
         np.int64(inner),
         np.float64(epsilon),
