@@ -353,7 +353,10 @@ class Session:
             checked.update(self._state)
         with self.backend.lock():
             try:
-                values = self.backend.execute(self._run_steps, checked)
+                # NaN and inf are values a model may compute (0 / 0 over an empty slice, log(0)),
+                # not warnings about gradgen's source lines: ONNX Runtime and PyTorch are silent too
+                with np.errstate(all="ignore"):
+                    values = self.backend.execute(self._run_steps, checked)
                 results = {name: self.backend.to_host(values[name]) for name in wanted}
                 if self.state_bindings and (commit is None or commit(results)) and self._guard_passed(values):
                     self._state = self.backend.commit_state(self._state, self._next_state(values))
