@@ -500,8 +500,11 @@ def build_module(case: ModuleCase):
                 return nn.functional.mse_loss(logits, weight[..., : logits.shape[-1]].expand_as(logits))
             flat, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
             if case.head == "smooth_ce":  # label_smoothing=0.1 as its formula (the legacy exporter has no label_smoothing)
+                # the weights as a 1-d tensor of the model's type: the legacy exporter casts a
+                # float64 loss times a Python float (or a 0-d tensor) to float32
                 logp = nn.functional.log_softmax(flat, dim=-1)
-                return 0.9 * nn.functional.nll_loss(logp, labels) - 0.1 * logp.mean(dim=-1).mean()
+                terms = torch.stack([nn.functional.nll_loss(logp, labels), -logp.mean(dim=-1).mean()])
+                return (terms * logp.new_tensor([0.9, 0.1])).sum()
             if case.head == "ignore_ce":  # class 0 is padding
                 return nn.functional.cross_entropy(flat, labels, ignore_index=0)
             return nn.functional.cross_entropy(flat, labels)
