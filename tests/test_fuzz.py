@@ -963,3 +963,24 @@ def test_a_run_that_divides_zero_by_zero_warns_nothing():
         out = Session(built.model).run({"x": np.ones((1, 1, 1))})
     assert out["loss"] == 0.0  # a sum over nothing
     np.testing.assert_array_equal(out["x_grad"], np.zeros((1, 1, 1)))
+
+
+def test_an_inconsistent_model_is_refused_with_a_pointer_to_the_cause():
+    """A model whose shapes disagree (PyTorch's legacy exporter dropped attention's key transpose
+    after a TopK: (1, 4) @ (1, 4)): ONNX shape inference stops at the bad MatMul, so the next one has
+    inputs of unknown rank. build-backward refuses it in one line that says where to look, and a run
+    of the forward model names the failing node."""
+    nodes = [
+        helper.make_node("MatMul", ["q", "k"], ["s"], name="scores"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax"),
+        helper.make_node("MatMul", ["p", "v"], ["y"], name="mix"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in ("q", "k", "v")]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(gradgen.errors.ModelError, match=r"MatMul node 'mix': the ranks .* `gradgen run` on the forward model"):
+        gradgen.build_backward(model, wrt=["q", "k", "v"])
+    feeds = {n: np.ones((1, 4), np.float32) for n in ("q", "k", "v")}
+    with pytest.raises(gradgen.errors.GradgenError, match="scores"):
+        Session(model).run(feeds)

@@ -91,8 +91,10 @@ def matmul(g):
     ra, rb = g.rank(a), g.rank(b)
     if ra is None or rb is None:
         raise ModelError(
-            f"MatMul node {g.node.name!r}: the ranks of its inputs are unknown; "
-            "its gradient needs them (run shape inference or give the inputs shapes)"
+            f"MatMul node {g.node.name!r}: the ranks of its inputs are unknown; its gradient needs them "
+            "(give the model's inputs shapes; where they have shapes, shape inference stopped before this "
+            "node, often because the model's shapes disagree: `gradgen run` on the forward model names the "
+            "node that fails)"
         )
     if ra >= 3 and rb == 2:
         return _matmul_with_matrix(g, a, b, dy, ra)
