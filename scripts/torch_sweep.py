@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -944,30 +943,18 @@ def gru_dynamic_seq() -> Case:
 
 
 def export(case_: Case, exporter: str):
-    from gradgen.bench.models import legacy_export
+    from gradgen.bench.models import dynamo_export, legacy_export
 
     names = list(case_.inputs)
     args = tuple(case_.inputs.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if exporter == "legacy":
-            with contextlib.redirect_stdout(io.StringIO()):  # the TorchScript graph dump of a failed export
-                return legacy_export(case_.module, args, names, case_.dynamic_axes)
-        dynamic_shapes = None
-        if case_.dynamic_axes:
-            dim = torch.export.Dim.AUTO
-            dynamic_shapes = tuple({ax: dim for ax in case_.dynamic_axes.get(n, {})} or None for n in names)
-        with contextlib.redirect_stdout(io.StringIO()):
-            program = torch.onnx.export(
-                case_.module,
-                args,
-                dynamo=True,
-                optimize=False,
-                input_names=names,
-                output_names=["loss"],
-                dynamic_shapes=dynamic_shapes,
-            )
-        return program.model_proto
+    if exporter == "legacy":
+        with contextlib.redirect_stdout(io.StringIO()):  # the TorchScript graph dump of a failed export
+            return legacy_export(case_.module, args, names, case_.dynamic_axes)
+    dynamic_shapes = None
+    if case_.dynamic_axes:
+        dim = torch.export.Dim.AUTO
+        dynamic_shapes = tuple({ax: dim for ax in case_.dynamic_axes.get(n, {})} or None for n in names)
+    return dynamo_export(case_.module, args, names, dynamic_shapes)
 
 
 def torch_reference(module: nn.Module, inputs: dict[str, torch.Tensor]):

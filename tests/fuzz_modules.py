@@ -559,24 +559,11 @@ class InvalidCase(Exception):
 
 def export(module, inputs: dict[str, Any], exporter: str):
     """The module as an ``onnx.ModelProto``: PyTorch's legacy exporter with the samples' settings, or
-    the dynamo exporter (torch.export; needs onnxscript) unoptimised, as ``torch.onnx.export`` gives
-    it by default."""
-    import contextlib
-    import io
-    import warnings
+    the dynamo exporter unoptimised, as ``torch.onnx.export`` gives it by default."""
+    from gradgen.bench.models import dynamo_export, legacy_export
 
-    import torch
-
-    from gradgen.bench.models import legacy_export
-
-    if exporter == "legacy":
-        return legacy_export(module, tuple(inputs.values()), list(inputs))
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module, tuple(inputs.values()), dynamo=True, optimize=False, input_names=list(inputs), output_names=["loss"]
-        )
-    return program.model_proto
+    to_proto = legacy_export if exporter == "legacy" else dynamo_export
+    return to_proto(module, tuple(inputs.values()), list(inputs))
 
 
 def check(case: ModuleCase, device: str = "cpu", portable: bool = False, bf16: bool = False) -> None:

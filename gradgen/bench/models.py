@@ -378,6 +378,29 @@ def legacy_export(model, args: tuple, names: list[str], dynamic_axes: dict | Non
     return onnx.load_from_string(buf.getvalue())
 
 
+def dynamo_export(model, args: tuple, names: list[str], dynamic_shapes: tuple | None = None):
+    """``model`` (whose forward returns the loss) as an ``onnx.ModelProto`` through PyTorch's dynamo
+    exporter (torch.export; it needs onnxscript), unoptimised (its optimizer folds parts of the
+    parameters into constants), the inputs named ``names``, the output ``loss``; the exporter's
+    progress lines and warnings are kept out of the caller's output."""
+    import contextlib
+
+    import torch
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamo=True,
+            optimize=False,
+            input_names=names,
+            output_names=["loss"],
+            dynamic_shapes=dynamic_shapes,
+        )
+    return program.model_proto
+
+
 def export(model, inputs: dict[str, np.ndarray], *, dynamic_seq: bool = False):
     """Export ``model`` with its loss to an ``onnx.ModelProto`` with PyTorch's legacy exporter (the
     samples' settings: opset 17, no constant folding, parameters kept as initializers).
