@@ -132,11 +132,7 @@ def test_random_torch_models_match_torch(case):
     """Random stacks of real layers, exported by PyTorch: gradgen's loss and gradients in float64 and
     float32 against PyTorch autograd, the float32 portable graph's on ONNX Runtime, and the bf16
     build's, coarsely (tests/fuzz_modules.py)."""
-    pytest.importorskip("torch")
-    try:
-        fm.check(case, portable=True, bf16=True)
-    except fm.InvalidCase:
-        assume(False)
+    _check_model(case, portable=True, bf16=True)
 
 
 @pytest.mark.cuda
@@ -144,9 +140,14 @@ def test_random_torch_models_match_torch(case):
 @given(fm.module_cases(EXPORTERS))
 def test_random_torch_models_match_torch_on_cuda(case):
     """The same models on the CUDA executor."""
+    _check_model(case, device="cuda")
+
+
+def _check_model(case: fm.ModuleCase, **options) -> None:
+    """``fuzz_modules.check``; a model PyTorch or its exporter gets wrong is not a case."""
     pytest.importorskip("torch")
     try:
-        fm.check(case, device="cuda")
+        fm.check(case, **options)
     except fm.InvalidCase:
         assume(False)
 
