@@ -186,6 +186,32 @@ def test_layer_norm_block_float32_through_layer_normalization_grad():
     _check(*_layer_norm_block(np.float32), {"LayerNormalizationGrad"}, fd=False, rtol=2e-4, atol=2e-5)
 
 
+def test_training_batch_norm_block_through_batch_normalization_grad():
+    """A training-mode BatchNormalization (float64: the pair's statistics keep their precision): the
+    first backward graph holds BatchNormInternal and BatchNormalizationGrad, whose rule the second
+    one differentiates."""
+    rng = np.random.default_rng(4)
+    x = _rand(rng, 3, 2, 2, 2)
+    params = {"gamma": 1.0 + _rand(rng, 2), "beta": _rand(rng, 2), "W": _rand(rng, 2, 2)}
+    nodes = [
+        helper.make_node(
+            "BatchNormalization", ["x", "gamma", "beta", "rm", "rv"], ["n", "rm2", "rv2"], epsilon=2**-10, training_mode=1
+        ),
+        helper.make_node("MatMul", ["n", "W"], ["m"]),
+        helper.make_node("Tanh", ["m"], ["t"]),
+        helper.make_node("Mul", ["t", "t"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["loss"], keepdims=0),
+    ]
+    consts = {"x": x, "rm": np.zeros(2), "rv": np.ones(2)}
+    xt = torch.tensor(x)
+
+    def loss_fn(gamma, beta, W):
+        normed = F.batch_norm(xt, None, None, gamma, beta, training=True, eps=2**-10)
+        return (torch.tanh(normed @ W) ** 2).sum()
+
+    _check(_model(nodes, params, consts), params, loss_fn, {"BatchNormInternal", "BatchNormalizationGrad"})
+
+
 def test_gather_slice_model():
     rng = np.random.default_rng(3)
     idx = np.array([[0, 3], [5, 3]], np.int64)

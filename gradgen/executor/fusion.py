@@ -75,7 +75,8 @@ def declared_dtypes(graph: ir.Graph) -> dict[str, np.dtype]:
 # ops whose output 0 has input 0's element type (to follow dtypes the graph leaves undeclared)
 KEEPS_DTYPE = frozenset(
     "Reshape Transpose Unsqueeze Squeeze Flatten Expand Slice Concat Gather Tile Pad ReduceSum ReduceMean ReduceMax "
-    "ReduceMin Softmax LogSoftmax MatMul Gemm Conv ConvGrad FusedMatMul LayerNormalization BatchNormalization Split".split()
+    "ReduceMin Softmax LogSoftmax MatMul Gemm Conv ConvGrad FusedMatMul LayerNormalization BatchNormalization Split "
+    "BatchNormInternal BatchNormalizationGrad".split()
 )
 
 

@@ -201,3 +201,119 @@ def test_layer_norm_grad_column_sums_finish_in_the_last_chunk(shape, monkeypatch
         for g, w in zip(got, separate):
             np.testing.assert_array_equal(g, w)
     assert not host(reduction._COUNTERS["counters"]).any()
+
+
+# -- ONNX Runtime training's BatchNormInternal and BatchNormalizationGrad -----------------------------
+
+BN_SHAPES = [(2, 4, 6, 6), (3, 5), (2, 3, 4), (8, 16, 28, 28), (4, 2, 3000), (1, 700, 3), (3, 2, 2, 3, 4)]
+
+
+def microsoft_kernels(op):
+    from gradgen.kernels import registry
+
+    registry.load_cuda_kernels()
+    entry = registry.lookup("com.microsoft", op)
+    assert entry is not None and entry.cuda is not None, f"no CUDA launcher for {op}"
+    return entry.cpu, entry.cuda
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batch_norm_internal(shape, dtype, monkeypatch):
+    """The five outputs (Y, running statistics, batch mean, inverse deviation) on the device, one
+    chunk or several per channel: the CPU kernel's values."""
+    from gradgen.kernels.cuda import norm
+
+    monkeypatch.setattr(norm, "cpu_fallback", None)  # the device path, or a TypeError
+    rng = np.random.default_rng(13)
+    c = shape[1]
+    x = (rng.standard_normal(shape) * 2 + 0.7).astype(dtype)
+    params = [rng.standard_normal(c).astype(dtype) for _ in range(3)] + [rng.uniform(0.5, 2, c).astype(dtype)]
+    cpu, cuda = microsoft_kernels("BatchNormInternal")
+    want = cpu(x, *params, epsilon=1e-5, momentum=0.8)
+    poison(*[w.nbytes for w in want])
+    got = cuda(dev(x), *[dev(p) for p in params], epsilon=1e-5, momentum=0.8)
+    assert len(got) == len(want) == 5
+    t = 2e-5 if dtype == np.float32 else 1e-12
+    for g, w in zip(got, want):
+        check(host(g), w, rtol=t, atol=t)
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batch_normalization_grad(shape, dtype, monkeypatch):
+    """dX, dScale and dBias from the saved statistics: the CPU kernel's values, and the same bits
+    launch after launch (fixed chunks, summed in order)."""
+    from gradgen.kernels.cuda import norm
+
+    monkeypatch.setattr(norm, "cpu_fallback", None)
+    rng = np.random.default_rng(14)
+    axes = (0, *range(2, len(shape)))
+    x, dy = ((rng.standard_normal(shape) * 2 + 0.3).astype(dtype) for _ in range(2))
+    scale = rng.uniform(0.5, 1.5, shape[1]).astype(dtype)
+    mean = x.mean(axis=axes).astype(dtype)
+    inv = (1 / np.sqrt(x.var(axis=axes) + 1e-5)).astype(dtype)
+    cpu, cuda = microsoft_kernels("BatchNormalizationGrad")
+    want = cpu(dy, x, scale, mean, inv, epsilon=1e-5)
+    poison(*[w.nbytes for w in want])
+    args = [dev(a) for a in (dy, x, scale, mean, inv)]
+    got = [host(g) for g in cuda(*args, epsilon=1e-5)]
+    for g, w in zip(got, want):
+        t = (1e-4 if dtype == np.float32 else 1e-11) * max(1.0, float(np.abs(w).max()))
+        check(g, w, rtol=t, atol=t)
+    again = [host(g) for g in cuda(*args, epsilon=1e-5)]
+    for g, a in zip(got, again):
+        np.testing.assert_array_equal(g, a)
+
+
+def test_batch_normalization_grad_of_other_types_runs_the_cpu_kernel():
+    """float16 throughout (which a default build never writes, but a model may hold): the CPU
+    kernel's result, computed in float32 and rounded once."""
+    rng = np.random.default_rng(15)
+    x, dy = (rng.standard_normal((2, 3, 4, 4)).astype(np.float16) for _ in range(2))
+    scale, mean = np.ones(3, np.float16), x.astype(np.float32).mean(axis=(0, 2, 3)).astype(np.float16)
+    inv = np.ones(3, np.float16)
+    cpu, cuda = microsoft_kernels("BatchNormalizationGrad")
+    want = cpu(dy, x, scale, mean, inv)
+    got = cuda(*[dev(a) for a in (dy, x, scale, mean, inv)])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(host(g).view(np.uint16), w.view(np.uint16))
+
+
+def test_a_training_mode_cnn_on_the_device_matches_the_cpu(monkeypatch):
+    """A train-mode export built by default (the BatchNormInternal / BatchNormalizationGrad pair):
+    every gradient of the CUDA session is the CPU session's, and no BatchNorm step leaves the device."""
+    torch = pytest.importorskip("torch")
+    import gradgen
+    from gradgen.bench.models import legacy_export
+    from gradgen.executor import Session
+    from gradgen.kernels.cuda import norm
+
+    monkeypatch.setattr(norm, "cpu_fallback", None)
+    torch.manual_seed(3)
+    body = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+    )
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            return (self.body(x) ** 2).mean()
+
+    x = torch.randn(4, 3, 16, 16)
+    built = gradgen.build_backward(legacy_export(WithLoss().train(), (x,), ["x"]), wrt_inputs=True)
+    assert {n.op_type for n in built.model.graph} >= {"BatchNormInternal", "BatchNormalizationGrad"}
+    feeds = {"x": x.numpy()}
+    want = Session(built.model).run(feeds)
+    got = Session(built.model, device="cuda").run(feeds)
+    for name in built.gradient_names:
+        scale = max(1e-6, float(np.abs(want[name]).max()))
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-4, atol=1e-4 * scale, err_msg=name)

@@ -73,6 +73,19 @@ CASES = [
         num_outputs=2,
         name="LayerNormalizationGrad_axis1",
     ),
+    # BatchNormalizationGrad(dY, X, scale, saved_mean, saved_inv_std): per channel (axis 1), ranks 2 to
+    # 4; its gradients of the saved statistics reach X through BatchNormInternal's rule.
+    *(
+        GradCase(
+            "BatchNormalizationGrad",
+            [r(*shape), r(*shape), r(shape[1]), r(shape[1]), rng.uniform(0.5, 2.0, shape[1])],
+            attrs={"epsilon": 1e-5},
+            domain=MS,
+            num_outputs=3,
+            name=f"BatchNormalizationGrad_{len(shape)}d",
+        )
+        for shape in ((4, 2), (2, 2, 3), (2, 3, 2, 2))
+    ),
     # FusedMatMul: each transpose flag, alpha, broadcast batch dims.
     GradCase("FusedMatMul", [r(2, 3, 4), r(5, 4)], attrs={"transB": 1, "alpha": 0.5}, domain=MS, name="FusedMatMul_transB"),
     GradCase("FusedMatMul", [r(4, 3), r(2, 4, 5)], attrs={"transA": 1}, domain=MS, name="FusedMatMul_transA"),

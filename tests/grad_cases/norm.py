@@ -61,6 +61,19 @@ CASES.append(
         name="BatchNormalization-train-2d",
     )
 )
+# ONNX Runtime training's BatchNormInternal (the forward of a default build's training-mode
+# BatchNormalization): all five outputs in the loss, the saved batch mean and inverse deviation too.
+for shape in ((5, 2), (2, 3, 2, 2)):
+    CASES.append(
+        GradCase(
+            "BatchNormInternal",
+            [r(*shape), r(shape[1]), r(shape[1]), r(shape[1]), positive(shape[1])],
+            {"epsilon": 1e-3, "momentum": 0.8, "training_mode": 1},
+            domain="com.microsoft",
+            num_outputs=5,
+            name=f"BatchNormInternal-{len(shape)}d",
+        )
+    )
 
 # LayerNormalization: axis, epsilon, optional B, Mean/InvStdDev outputs carrying gradients.
 for shape, axis in (((2, 3, 4), -1), ((2, 3, 4), 1), ((2, 3, 4), -2), ((3, 4), 0), ((2, 2, 3), 2)):

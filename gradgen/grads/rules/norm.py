@@ -60,11 +60,15 @@ def normalize_backward(g, dxhat, xhat, rstd, axes):
 
 
 @grad_rule("BatchNormalization")
+@grad_rule("BatchNormInternal", domain=MICROSOFT)
 def batch_normalization(g):
+    """BatchNormalization, and ONNX Runtime training's BatchNormInternal (training mode by default;
+    no gradient through its saved statistics)."""
     x, scale, bias, mean, var = (g.x(i) for i in range(5))
     rank = _rank(g, x)
     eps = float(g.attr("epsilon", 1e-5))
-    training = int(g.attr("training_mode", 0)) == 1 or len(g.node.outputs) > 1
+    internal = g.node.op_type == "BatchNormInternal"
+    training = int(g.attr("training_mode", 1 if internal else 0)) == 1 or len(g.node.outputs) > 1
     axes = [0] + list(range(2, rank))
     dy = g.dy(0)
     if training:
@@ -139,18 +143,24 @@ def _batch_norm_training(g, rank, axes, eps):
     x, scale, mean_in, var_in = g.x(0), g.x(1), g.x(3), g.x(4)
     momentum = float(g.attr("momentum", 0.9))
     dy, drm, drv = g.dy(0), g.dy(1), g.dy(2)
-    if len(g.node.outputs) > 3 and any(g.dy(i) is not None for i in (3, 4)):
-        raise ModelError(
-            f"BatchNormalization node {g.node.name!r}: gradients through the saved mean/var outputs are not supported"
-        )
+    internal = g.node.op_type == "BatchNormInternal"
+    if not internal and len(g.node.outputs) > 3 and any(g.dy(i) is not None for i in (3, 4)):
+        raise ModelError(f"{g.node.op_type} node {g.node.name!r}: gradients through the saved mean/var outputs are not supported")
     like = x  # a typed value of the type the gradient is computed in
     if _mixed_types(x, scale):
         like, x = scale, g.cast_like(x, scale)
         dy = g.cast_like(dy, scale) if dy is not None else None
     grads = [None] * 5
-    xhat, rstd, centered = _stats(g, x, axes, eps, like=like)
     parts = []
-    if dy is not None:
+    stats = None  # (xhat, rstd, centered), recomputed from X where needed
+    if dy is not None and _saved_batch_stats_fit(g, x, scale):
+        dx, dscale, dbias = _batch_norm_grad_op(g, eps)
+        if g.needs(0):
+            parts.append(dx)
+        grads[1], grads[2] = dscale, dbias
+    elif dy is not None:
+        stats = _stats(g, x, axes, eps, like=like)
+        xhat, rstd, _ = stats
         if g.needs(0):
             dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
             parts.append(normalize_backward(g, dxhat, xhat, rstd, axes))
@@ -172,8 +182,16 @@ def _batch_norm_training(g, rank, axes, eps):
             if i == 3:  # the batch mean: share / count for every element
                 parts.append(g.expand_like(g.op("Div", share, count), x))
             else:  # the biased batch variance: share * 2 / count * (x - mean)
+                if stats is None:
+                    stats = _stats(g, x, axes, eps, like=like)
+                centered = stats[2]
                 two = g.const_like(like, 2.0)
                 parts.append(g.op("Mul", g.op("Div", g.op("Mul", share, two), count), centered))
+    if internal and g.needs(0) and (g.dy(3) is not None or g.dy(4) is not None):
+        # BatchNormInternal's saved batch mean and inverse deviation (a second-order gradient
+        # reaches them through BatchNormalizationGrad)
+        _, rstd, centered = stats if stats is not None else _stats(g, x, axes, eps, like=like)
+        parts.extend(_saved_statistics_backward(g, x, scale, like, rstd, centered, rank))
     if g.needs(0) and parts:
         grads[0] = g.sum(parts) if like is g.x(0) else g.cast_like(g.sum(parts), g.x(0))
     # Y normalises with the batch statistics: without a running-stat output in the loss, the input
@@ -182,6 +200,68 @@ def _batch_norm_training(g, rank, axes, eps):
         if d is None and g.needs(i):
             grads[i] = g.zeros_like(g.x(i))
     return grads
+
+
+def _saved_statistics_backward(g, x, scale, like, rstd, centered, rank) -> list:
+    """X's gradient parts from BatchNormInternal's saved_mean (mean(X): d / m for every element) and
+    saved_inv_std (rstd = (var + eps)^-1/2: d rstd / d X = -rstd^3 (X - mean) / m), m the elements
+    per channel; rstd and centered as ``_stats`` gives them."""
+    count = _count_like(g, x, scale, like)
+    parts = []
+    d_mean, d_rstd = (None if g.dy(i) is None else _per_channel(g, _like(g, g.dy(i), like, g.x(i)), rank) for i in (3, 4))
+    if d_mean is not None:
+        parts.append(g.expand_like(g.op("Div", d_mean, count), x))
+    if d_rstd is not None:
+        cube = g.op("Mul", g.op("Mul", rstd, rstd), rstd)
+        parts.append(g.op("Mul", g.op("Neg", g.op("Div", g.op("Mul", d_rstd, cube), count)), centered))
+    return parts
+
+
+def _saved_batch_stats_fit(g, x, scale) -> bool:
+    """Whether the forward node can become BatchNormInternal, whose saved batch mean and inverse
+    deviation BatchNormalizationGrad reads: opset 14's three outputs (at most) and attributes, and X,
+    scale, B and the running statistics all float32 or all float64 (the pair's contract has one
+    type for all of them; the saved statistics of a 16-bit X would be rounded to 16 bits)."""
+    node = g.node
+    if node.op_type == "BatchNormalization" and len(node.outputs) > 3:
+        return False
+    if not set(node.attributes) <= {"epsilon", "momentum", "training_mode"}:
+        return False
+    types = {v.dtype if v is not None else None for v in node.inputs[:5]}
+    return len(node.inputs) == 5 and len(types) == 1 and x.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+
+
+def _batch_norm_grad_op(g, eps):
+    """(dX, dScale or None, dBias or None): the forward node made ONNX Runtime training's
+    BatchNormInternal (its saved_mean and saved_inv_std outputs added) and one BatchNormalizationGrad
+    node reading them, as ONNX Runtime training's gradient builder writes the pair."""
+    x, scale = g.x(0), g.x(1)
+    saved_mean, saved_inv_std = _saved_batch_statistics(g)
+    y = g.y(0).name
+    names = [f"{y}_dX", f"{y}_dscale" if g.needs(1) else "", f"{y}_dbias" if g.needs(2) else ""]
+    inputs = [g.dy(0), x, scale, saved_mean, saved_inv_std]
+    dx, dscale, dbias = g.op_multi("BatchNormalizationGrad", inputs, 3, domain=MICROSOFT, output_names=names, epsilon=eps)
+    g.set_type_like(dx, x)
+    for out in (dscale, dbias):
+        if out.name:
+            g.set_type_like(out, scale)
+    return dx, (dscale if dscale.name else None), (dbias if dbias.name else None)
+
+
+def _saved_batch_statistics(g):
+    """The forward node as BatchNormInternal in training mode, with its five outputs named and typed;
+    returns its saved_mean and saved_inv_std (C,) outputs."""
+    node, scale = g.node, g.x(1)
+    node.op_type, node.domain = "BatchNormInternal", MICROSOFT
+    node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+    node.resize_outputs(5)
+    for i, suffix in ((1, "running_mean"), (2, "running_var"), (3, "saved_mean"), (4, "saved_inv_std")):
+        value = node.outputs[i]
+        if not value.name:
+            g.rename(value, f"{node.name or g.y(0).name}_{suffix}")
+        if value.type is None:
+            g.set_type_like(value, scale)
+    return node.outputs[3], node.outputs[4]
 
 
 def _count_like(g, x, reduced, like=None):
@@ -496,8 +576,17 @@ def simplified_layer_normalization_grad(g):
     return _layer_norm_grad_vjp(g, simplified=True)
 
 
-def _layer_norm_grad_vjp(g, simplified: bool) -> list:
-    """The vector-Jacobian product of (Simplified)LayerNormalizationGrad (see layer_normalization_grad)."""
+@grad_rule("BatchNormalizationGrad", domain=MICROSOFT)
+def batch_normalization_grad(g):
+    """BatchNormalizationGrad(dY, X, scale, mean, inv_std) -> (dX, dScale, dBias), differentiated
+    again: LayerNormalizationGrad's product with the normalized axes R = every axis but 1 (the
+    channel), dScale and dBias summed over R too, and scale, mean and inv_std per channel."""
+    return _layer_norm_grad_vjp(g, simplified=False, per_channel=True)
+
+
+def _layer_norm_grad_vjp(g, simplified: bool, per_channel: bool = False) -> list:
+    """The vector-Jacobian product of (Simplified)LayerNormalizationGrad (see layer_normalization_grad)
+    and, ``per_channel``, of BatchNormalizationGrad."""
     if simplified:
         dy, x, scale, inv_std = (g.x(i) for i in range(4))
         mean, b = None, None
@@ -506,12 +595,25 @@ def _layer_norm_grad_vjp(g, simplified: bool) -> list:
         b = g.dy(2)
     p, q = g.dy(0), g.dy(1)
     rank = _rank(g, x)
-    axis = int(g.attr("axis", -1)) % rank
-    norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
-    s = g.cast_like(inv_std, x)
-    centered = x if mean is None else g.op("Sub", x, g.cast_like(mean, x))
+    if per_channel:  # (C,) vectors along axis 1; their gradients summed to (C,)
+        norm_axes = lead_axes = [0, *range(2, rank)]
+        keep = 0
+
+        def wide(v):
+            return None if v is None else _per_channel(g, v, rank)
+    else:  # mean and inv_std keep the normalized axes as 1s; scale and B broadcast as they are
+        axis = int(g.attr("axis", -1)) % rank
+        norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))
+        keep = 1
+
+        def wide(v):
+            return v
+
+    q, b = wide(q), wide(b)
+    s = g.cast_like(wide(inv_std), x)
+    centered = x if mean is None else g.op("Sub", x, g.cast_like(wide(mean), x))
     xhat = g.op("Mul", centered, s)
-    h = g.op("Mul", dy, scale)
+    h = g.op("Mul", dy, wide(scale))
     d_dy, d_h, d_xhat, d_s = [], [], [], []
     if b is not None:
         d_dy.append(b)
@@ -530,11 +632,11 @@ def _layer_norm_grad_vjp(g, simplified: bool) -> list:
             mean_h = g.reduce("ReduceMean", h, norm_axes, keepdims=1)
             inner = g.op("Sub", g.op("Sub", h, mean_h), g.op("Mul", xhat, mean_hx))
         d_xhat.append(g.op("Neg", g.op("Add", g.op("Mul", ps, mean_hx), g.op("Mul", mean_psx, h))))
-        d_s.append(g.reduce_sum(g.op("Mul", p, inner), norm_axes, keepdims=1))
+        d_s.append(g.reduce_sum(g.op("Mul", p, inner), norm_axes, keepdims=keep))
     grads: list = [None] * len(g.node.inputs)
     if d_h:  # h = dY scale
         grad_h = d_h[0]
-        d_dy.append(g.op("Mul", grad_h, scale))
+        d_dy.append(g.op("Mul", grad_h, wide(scale)))
         if g.needs(2):
             summed = g.op("Mul", grad_h, dy)
             summed = g.reduce_sum(summed, lead_axes, keepdims=0) if lead_axes else summed
@@ -549,14 +651,14 @@ def _layer_norm_grad_vjp(g, simplified: bool) -> list:
         grads[1] = grad_x if grad_x is not None else g.zeros_like(x)
     if mean is not None and g.needs(3):
         grads[3] = (
-            g.cast_like(g.op("Neg", g.reduce_sum(grad_x, norm_axes, keepdims=1)), mean)
+            g.cast_like(g.op("Neg", g.reduce_sum(grad_x, norm_axes, keepdims=keep)), mean)
             if grad_x is not None
             else g.zeros_like(mean)
         )
     s_index = 3 if simplified else 4
     if g.needs(s_index):
         if grad_xhat is not None:
-            d_s.append(g.reduce_sum(g.op("Mul", grad_xhat, centered), norm_axes, keepdims=1))
+            d_s.append(g.reduce_sum(g.op("Mul", grad_xhat, centered), norm_axes, keepdims=keep))
         grads[s_index] = g.cast_like(g.sum(d_s), inv_std) if d_s else g.zeros_like(inv_std)
     return grads
 

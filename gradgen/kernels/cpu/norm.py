@@ -54,6 +54,124 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime training's BatchNormalization pair (com.microsoft): BatchNormInternal, the training
+# forward that also returns the batch mean and inverse deviation, and BatchNormalizationGrad, which
+# reads them instead of recomputing the statistics (the gradient rule's form in a default build).
+
+
+def _batch_norm_internal_outputs(i: list, a: dict) -> list:
+    stat = [(i[3].dtype, i[1].shape), (i[4].dtype, i[1].shape)]
+    return [(i[0].dtype, i[0].shape), *stat, *stat]
+
+
+schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc): five outputs in training mode, one
+        # otherwise; saved_mean and saved_inv_std have input_mean's and input_var's type
+        "BatchNormInternal",
+        inputs=(
+            Formal("X", FLOATS),
+            Formal("scale", FLOATS),
+            Formal("B", FLOATS),
+            Formal("input_mean", FLOATS),
+            Formal("input_var", FLOATS),
+        ),
+        outputs=(
+            Formal("Y", FLOATS),
+            Formal("running_mean", FLOATS, optional=True),
+            Formal("running_var", FLOATS, optional=True),
+            Formal("saved_mean", FLOATS, optional=True),
+            Formal("saved_inv_std", FLOATS, optional=True),
+        ),
+        attributes=(
+            Attribute("epsilon", "float", 1e-5),
+            Attribute("momentum", "float", 0.9),
+            Attribute("training_mode", "int", 1),
+        ),
+        infer=_batch_norm_internal_outputs,
+    )
+)
+
+
+@cpu_kernel("BatchNormInternal", domain=MICROSOFT)
+def batch_norm_internal(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=1, _num_outputs=5):
+    """BatchNormalization's training form plus the batch mean and 1 / sqrt(batch variance + epsilon)
+    (the biased variance, as Y uses it); training_mode=0 is the inference form (Y only)."""
+    if int(training_mode) == 0:
+        return batch_normalization(x, scale, bias, input_mean, input_var, epsilon=epsilon)
+    y, running_mean, running_var, batch_mean, batch_var = batch_normalization(
+        x, scale, bias, input_mean, input_var, epsilon=epsilon, momentum=momentum, _num_outputs=5
+    )
+    inv_std = 1 / np.sqrt(batch_var + batch_var.dtype.type(epsilon))
+    return y, running_mean, running_var, batch_mean, inv_std.astype(input_var.dtype, copy=False)
+
+
+schemas.declare(
+    Schema(
+        # ONNX Runtime training's contract (training_op_defs.cc): every input and output of one type;
+        # ``mean`` and ``variance`` are BatchNormInternal's saved_mean and saved_inv_std (its gradient
+        # builder passes them so, and its kernels read input 4 as the inverse deviation)
+        "BatchNormalizationGrad",
+        inputs=(
+            Formal("dY", FLOATS),
+            Formal("X", FLOATS),
+            Formal("scale", FLOATS),
+            Formal("mean", FLOATS),
+            Formal("variance", FLOATS),
+        ),
+        outputs=(
+            Formal("X_grad", FLOATS),
+            Formal("scale_grad", FLOATS, optional=True),
+            Formal("bias_grad", FLOATS, optional=True),
+        ),
+        attributes=(Attribute("epsilon", "float", 1e-5),),
+        infer=lambda i, a: [(i[1].dtype, i[1].shape), (i[2].dtype, i[2].shape), (i[2].dtype, i[2].shape)],
+    )
+)
+
+
+def batch_norm_grad_layout(dY, X, scale, mean, inv_std) -> tuple[int, int, int]:
+    """(batch, channels, inner) of X (N, C, ...) after the checks of BatchNormalizationGrad's input
+    shapes (arrays or device arrays: shapes and sizes only). Shared by the CPU and CUDA kernels."""
+    same_shape(dY, X, "dY", "X")
+    shape = tuple(int(d) for d in X.shape)
+    if len(shape) < 2:
+        raise KernelError(f"X must be (N, C, ...), got shape {list(shape)}")
+    channels = shape[1]
+    for name, value in (("scale", scale), ("mean", mean), ("variance (the inverse deviation)", inv_std)):
+        if value.size != channels:
+            raise KernelError(f"{name} has {value.size} elements, X {list(shape)} has {channels} channels")
+    return shape[0], channels, math.prod(shape[2:])
+
+
+@cpu_kernel("BatchNormalizationGrad", domain=MICROSOFT)
+def batch_normalization_grad(dY, X, scale, mean, variance, *, epsilon=1e-5):
+    """(dX, dScale, dBias) of training-mode BatchNormalization from the batch mean and inverse
+    deviation (``variance``, as ONNX Runtime passes it): with xhat = (X - mean) * inv_std and m the
+    elements per channel, dBias = sum(dY), dScale = sum(dY * xhat), dX = scale * inv_std * (dY -
+    dBias / m - xhat * dScale / m). 16-bit inputs are computed in float32."""
+    batch, channels, inner = batch_norm_grad_layout(dY, X, scale, mean, variance)
+    ct = accumulation_dtype(X.dtype)
+    x = X.astype(ct, copy=False).reshape(batch, channels, inner)
+    dy = dY.astype(ct, copy=False).reshape(batch, channels, inner)
+    inv = variance.astype(ct, copy=False).reshape(channels, 1)
+    xhat = np.subtract(x, mean.astype(ct, copy=False).reshape(channels, 1))
+    np.multiply(xhat, inv, out=xhat)
+    dbias = np.add.reduce(np.add.reduce(dy, axis=2), axis=0)
+    dscale = np.add.reduce(np.add.reduce(dy * xhat, axis=2), axis=0)
+    count = ct.type(batch * inner)
+    per_channel = (scale.astype(ct, copy=False).reshape(channels) * inv.reshape(channels)).reshape(channels, 1)
+    dx = np.subtract(dy, (dbias / count).reshape(channels, 1))
+    dx -= xhat * (dscale / count).reshape(channels, 1)
+    dx *= per_channel
+    return (
+        dx.reshape(X.shape).astype(X.dtype, copy=False),
+        dscale.reshape(scale.shape).astype(scale.dtype, copy=False),
+        dbias.reshape(scale.shape).astype(scale.dtype, copy=False),
+    )
+
+
 def _stash_dtype(x_dtype, stash_type: int) -> np.dtype:
     if int(stash_type) != 1:
         raise KernelError(f"stash_type={stash_type} is not supported (only 1, float32)")

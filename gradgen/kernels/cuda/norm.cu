@@ -160,3 +160,139 @@ GG_BN(f32, float, float, float, false)
 GG_BN(f64, double, double, double, false)
 GG_BN(f16_f32, __half, float, float, true)
 GG_BN(bf16_f32, __nv_bfloat16, float, float, true)
+
+// BatchNormalization's per-channel sums over the batch and spatial axes of an (N, C, inner) tensor,
+// deterministic in two steps: bn_partial, a grid of (chunks, C) blocks, each block summing one
+// fixed chunk of a channel's N * inner elements into partial[c][chunk]; then one thread per channel
+// adding its chunks in order (bn_mean_finish, bn_grad_finish). The chunk count is a function of
+// the shape only (kernels/cuda/norm.py). Modes: 0 sums a; 1 sums (a - center[c])^2 (the variance
+// about the mean); 2 sums b and b * (a - center[c]) (BatchNormalizationGrad: a = X, b = dY).
+template <typename T, typename A, typename I>
+__device__ void bn_partial(A* partial, const T* __restrict__ a, const T* __restrict__ b, const A* __restrict__ center,
+                           I channels, I inner, I per_channel, I chunk, int mode) {
+    __shared__ A scratch[33];
+    const I c = blockIdx.y;
+    const I start = (I)blockIdx.x * chunk;
+    const I stop = start + chunk < per_channel ? start + chunk : per_channel;
+    const A mid = center ? center[c] : A(0);
+    A s1 = 0, s2 = 0;
+    for (I j = start + threadIdx.x; j < stop; j += blockDim.x) {
+        const I n = j / inner;
+        const I i = (n * channels + c) * inner + (j - n * inner);
+        const A v = (A)gg_load(a + i);
+        if (mode == 0) {
+            s1 += v;
+        } else if (mode == 1) {
+            const A d = v - mid;
+            s1 += d * d;
+        } else {
+            const A g = (A)gg_load(b + i);
+            s1 += g;
+            s2 += g * (v - mid);
+        }
+    }
+    s1 = block_sum(s1, scratch);
+    if (mode == 2) s2 = block_sum(s2, scratch);
+    if (threadIdx.x == 0) {
+        A* out = partial + ((int64_t)c * gridDim.x + blockIdx.x) * 2;
+        out[0] = s1;
+        out[1] = s2;
+    }
+}
+
+// out[c] = (the chunks' first sums of channel c, in order) / count.
+template <typename A>
+__device__ void bn_mean_finish(A* out, const A* __restrict__ partial, int64_t channels, int64_t chunks, double count) {
+    GG_GRID_STRIDE(c, channels) {
+        A s = 0;
+        for (int64_t k = 0; k < chunks; ++k) s += partial[(c * chunks + k) * 2];
+        out[c] = s / A(count);
+    }
+}
+
+// BatchNormalizationGrad's per-channel results from mode 2's sums S1 = sum(dY) and S2 = sum(dY * (X -
+// mean)): dBias = S1, dScale = S2 * inv_std (either may be null), and dX's coefficients
+// coef[c] = (scale * inv_std, S1 / m, S2 * inv_std^2 / m).
+template <typename T, typename A>
+__device__ void bn_grad_finish(T* dscale, T* dbias, A* coef, const A* __restrict__ partial, const T* __restrict__ scale,
+                               const T* __restrict__ inv_std, int64_t channels, int64_t chunks, double count) {
+    GG_GRID_STRIDE(c, channels) {
+        A s1 = 0, s2 = 0;
+        for (int64_t k = 0; k < chunks; ++k) {
+            s1 += partial[(c * chunks + k) * 2];
+            s2 += partial[(c * chunks + k) * 2 + 1];
+        }
+        const A inv = (A)gg_load(inv_std + c);
+        const A ds = s2 * inv;
+        if (dscale) gg_store(dscale + c, (typename Acc<T>::type)ds);
+        if (dbias) gg_store(dbias + c, (typename Acc<T>::type)s1);
+        coef[c * 3] = (A)gg_load(scale + c) * inv;
+        coef[c * 3 + 1] = s1 / A(count);
+        coef[c * 3 + 2] = ds * inv / A(count);
+    }
+}
+
+// dX = coef0 * (dY - coef1 - (X - mean) * coef2), per channel.
+template <typename T, typename A, typename I>
+__device__ void bn_grad_dx(T* dx, const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
+                           const A* __restrict__ coef, I channels, I inner, I n) {
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
+        const I c = (i / inner) % channels;
+        const A v = coef[c * 3] * ((A)gg_load(dy + i) - coef[c * 3 + 1] -
+                                   ((A)gg_load(x + i) - (A)gg_load(mean + c)) * coef[c * 3 + 2]);
+        gg_store(dx + i, (typename Acc<T>::type)v);
+    }
+}
+
+// out = 1 / sqrt(var + eps): BatchNormInternal's saved_inv_std.
+template <typename A>
+__device__ void bn_inv_std(A* out, const A* __restrict__ var, double eps, int64_t n) {
+    GG_GRID_STRIDE(i, n) out[i] = A(1) / sqrt(var[i] + A(eps));
+}
+
+// Entry points: the index arithmetic in 32 bits (``_32``) for tensors below 2^31 elements, where
+// no index plus the grid's stride passes 2^32; else in 64 bits.
+#define GG_BN_PARTIAL(s, T, A)                                                                                \
+    extern "C" __global__ void bn_partial_##s(A* partial, const T* a, const T* b, const A* center,             \
+                                              int64_t channels, int64_t inner, int64_t per_channel,            \
+                                              int64_t chunk, int mode) {                                       \
+        bn_partial<T, A, int64_t>(partial, a, b, center, channels, inner, per_channel, chunk, mode);           \
+    }                                                                                                          \
+    extern "C" __global__ void bn_partial_32_##s(A* partial, const T* a, const T* b, const A* center,          \
+                                                 int64_t channels, int64_t inner, int64_t per_channel,         \
+                                                 int64_t chunk, int mode) {                                    \
+        bn_partial<T, A, uint32_t>(partial, a, b, center, (uint32_t)channels, (uint32_t)inner,                 \
+                                   (uint32_t)per_channel, (uint32_t)chunk, mode);                              \
+    }
+GG_BN_PARTIAL(f16, __half, float)
+GG_BN_PARTIAL(bf16, __nv_bfloat16, float)
+GG_BN_PARTIAL(f32, float, float)
+GG_BN_PARTIAL(f64, double, double)
+
+#define GG_BN_STATS(s, A)                                                                                     \
+    extern "C" __global__ void bn_mean_finish_##s(A* out, const A* partial, int64_t channels, int64_t chunks,  \
+                                                  double count) {                                              \
+        bn_mean_finish<A>(out, partial, channels, chunks, count);                                              \
+    }                                                                                                          \
+    extern "C" __global__ void bn_inv_std_##s(A* out, const A* var, double eps, int64_t n) {                   \
+        bn_inv_std<A>(out, var, eps, n);                                                                       \
+    }
+GG_BN_STATS(f32, float)
+GG_BN_STATS(f64, double)
+
+#define GG_BN_GRAD(s, T, A)                                                                                   \
+    extern "C" __global__ void bn_grad_finish_##s(T* dscale, T* dbias, A* coef, const A* partial,              \
+                                                  const T* scale, const T* inv_std, int64_t channels,          \
+                                                  int64_t chunks, double count) {                              \
+        bn_grad_finish<T, A>(dscale, dbias, coef, partial, scale, inv_std, channels, chunks, count);           \
+    }                                                                                                          \
+    extern "C" __global__ void bn_grad_dx_##s(T* dx, const T* dy, const T* x, const T* mean, const A* coef,    \
+                                              int64_t channels, int64_t inner, int64_t n) {                    \
+        bn_grad_dx<T, A, int64_t>(dx, dy, x, mean, coef, channels, inner, n);                                  \
+    }                                                                                                          \
+    extern "C" __global__ void bn_grad_dx_32_##s(T* dx, const T* dy, const T* x, const T* mean,                \
+                                                 const A* coef, int64_t channels, int64_t inner, int64_t n) {  \
+        bn_grad_dx<T, A, uint32_t>(dx, dy, x, mean, coef, (uint32_t)channels, (uint32_t)inner, (uint32_t)n);   \
+    }
+GG_BN_GRAD(f32, float, float)
+GG_BN_GRAD(f64, double, double)

@@ -2,10 +2,12 @@
 
 LayerNormalization, InstanceNormalization and GroupNormalization run one block per normalized
 row (two passes for mean and variance, as the CPU kernel computes them, then the affine write);
-BatchNormalization is elementwise with the running statistics (inference) or with the batch's,
-from two reductions (training mode); a 16-bit X with float32 parameters too, as AutocastPass leaves
-it: computed in float32, rounded once. Scale or bias shapes that need broadcasting run through the
-CPU kernel.
+BatchNormalization is elementwise with the running statistics (inference) or with the batch's
+(training mode: the per-channel mean, then the mean of squared deviations, each one pass of
+per-chunk sums and one fixed-order finish); a 16-bit X with float32 parameters too, as AutocastPass
+leaves it: computed in float32, rounded once. ONNX Runtime training's BatchNormInternal adds the
+saved inverse deviation to that, and BatchNormalizationGrad reads X and dY once for its sums and
+once for dX. Scale or bias shapes that need broadcasting run through the CPU kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import numpy as np
 
 from gradgen.errors import KernelError
+from gradgen.kernels.cpu.norm import batch_norm_grad_layout
 from gradgen.kernels.cuda.elementwise import binary, cast_to, device_scalar, equal, in_float32, unary, where
 from gradgen.kernels.cuda.launch import (
     BLOCK,
@@ -186,13 +189,13 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     params = (scale, bias, input_mean, input_var)
     suffix = _bn_param_type(x, channels, params) if len(x.shape) >= 2 else None
     attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
-    if training and suffix is not None and (suffix in ("f32", "f64") or suffix.endswith("_f32")) and x.size:
-        return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
-    if training and suffix is not None and suffix.endswith("_f32"):  # an empty batch
-        # a 16-bit x with float32 parameters: float32 statistics (the fallback would round every
-        # float result to 16 bits)
-        results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
-        return (cast_to(results[0], x.dtype), *results[1:])
+    if training and suffix is not None:
+        float32_stats = suffix.endswith("_f32")  # a 16-bit x with float32 parameters
+        if _bn_fits(x) and (float32_stats or suffix in ("f32", "f64")):
+            return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
+        if float32_stats:  # (an empty batch) the fallback in float32: it would round every result to 16 bits
+            results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
+            return (cast_to(results[0], x.dtype), *results[1:])
     if training or suffix is None:
         return cpu_fallback("BatchNormalization", x, *params, **attrs)
     return _batch_norm_apply(x, scale, bias, input_mean, input_var, suffix, epsilon)
@@ -205,16 +208,12 @@ def _batch_norm_training(x, params, suffix: str, epsilon, momentum, legacy_outpu
     only 16-bit form that comes here) has float32 statistics; only Y is rounded to x's type.
     ``legacy_outputs``: opset < 14's five outputs, the batch mean and variance last."""
     scale, bias, input_mean, input_var = params
-    channels = int(x.shape[1])
-    axes = (0, *range(2, len(x.shape)))
-    xc = cast_to(x, np.float32) if suffix.endswith("_f32") else x
-    mean = reduce("mean", xc, axes, True, "ReduceMean")
-    centered = _op("sub", xc, mean)
-    var = reduce("mean", _op("mul", centered, centered), axes, True, "ReduceMean")
-    batch_mean, batch_var = reshaped(mean, (channels,)), reshaped(var, (channels,))
+    x = contiguous(x)
+    batch_mean = _channel_mean(x, None, mode=0)
+    batch_var = _channel_mean(x, batch_mean, mode=1)
     y = _batch_norm_apply(x, scale, bias, batch_mean, batch_var, suffix, epsilon)
-    mom = np.dtype(xc.dtype).type(momentum)
-    keep, blend = device_scalar(mom, xc.dtype), device_scalar(1 - mom, xc.dtype)
+    mom = np.dtype(batch_mean.dtype).type(momentum)
+    keep, blend = device_scalar(mom, batch_mean.dtype), device_scalar(1 - mom, batch_mean.dtype)
     running = [
         _op("add", _op("mul", stat, keep), _op("mul", batch, blend))
         for stat, batch in ((input_mean, batch_mean), (input_var, batch_var))
@@ -222,6 +221,116 @@ def _batch_norm_training(x, params, suffix: str, epsilon, momentum, legacy_outpu
     if legacy_outputs:
         return y, *running, batch_mean, batch_var
     return y, *running
+
+
+# BatchNormalization's per-channel sums (norm.cu, bn_partial): a grid of (chunks, C) blocks, about
+# BN_TARGET_BLOCKS in all (a constant, not the device's SM count: the chunking, and with it the
+# bits, depend on the shape only), each summing at least BN_MIN_CHUNK elements of its channel.
+BN_TARGET_BLOCKS = 528
+BN_MIN_CHUNK = 2048
+BN_THREADS = 256
+MAX_GRID_Y = 65535
+
+
+def _bn_chunks(channels: int, per_channel: int) -> tuple[int, int]:
+    """(chunks, elements per chunk) of each channel's ``per_channel`` elements."""
+    chunks = max(1, min(-(-BN_TARGET_BLOCKS // channels), -(-per_channel // BN_MIN_CHUNK)))
+    chunk = -(-per_channel // chunks)
+    return -(-per_channel // chunk), chunk
+
+
+def _bn_fits(x) -> bool:
+    """Whether the per-channel kernels take x: (N, C, ...), not empty, C within a grid's y extent."""
+    return len(x.shape) >= 2 and x.size > 0 and int(x.shape[1]) <= MAX_GRID_Y
+
+
+def _bn_partial_sums(a, b, center, mode: int):
+    """The per-chunk sums of mode ``mode`` (norm.cu, bn_partial) over each channel of the contiguous
+    (N, C, ...) tensor ``a``: a (C, chunks, 2) array in the accumulation type, and chunks."""
+    from gradgen.cuda import runtime as rt
+
+    channels = int(a.shape[1])
+    inner = int(np.prod(a.shape[2:], dtype=np.int64))
+    per_channel = int(a.shape[0]) * inner
+    chunks, chunk = _bn_chunks(channels, per_channel)
+    s = dtype_suffix(a.dtype)
+    partial = rt.empty((channels, chunks, 2), np.float64 if s == "f64" else np.float32)
+    entry = f"bn_partial_32_{s}" if a.size < 2**31 else f"bn_partial_{s}"
+    null = np.intp(0)
+    kernel_of("norm", entry)(
+        partial,
+        a,
+        null if b is None else b,
+        null if center is None else center,
+        np.int64(channels),
+        np.int64(inner),
+        np.int64(per_channel),
+        np.int64(chunk),
+        np.int32(mode),
+        block=(BN_THREADS, 1, 1),
+        grid=(chunks, channels),
+        stream=stream(),
+    )
+    return partial, chunks
+
+
+def _channel_mean(x, center, mode: int):
+    """Per-channel mean of x (mode 0) or of (x - center)^2 (mode 1) over every axis but 1, a (C,)
+    array in the accumulation type (float32 for 16-bit x)."""
+    from gradgen.cuda import runtime as rt
+
+    partial, chunks = _bn_partial_sums(x, None, center, mode)
+    channels = int(x.shape[1])
+    out = rt.empty((channels,), partial.dtype)
+    count = np.float64(x.size // channels)
+    finish = kernel_of("norm", f"bn_mean_finish_{dtype_suffix(partial.dtype)}")
+    launch(finish, channels, out, partial, np.int64(channels), np.int64(chunks), count)
+    return out
+
+
+@cuda_kernel("BatchNormInternal", domain=MICROSOFT)
+def batch_norm_internal(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, momentum=0.9, training_mode=1, _num_outputs=5):
+    """BatchNormalization's training form on the device (``_batch_norm_training``) plus saved_inv_std =
+    1 / sqrt(batch variance + epsilon); inference mode and the configurations it does not take run
+    as BatchNormalization does."""
+    from gradgen.cuda import runtime as rt
+
+    params = (scale, bias, input_mean, input_var)
+    if int(training_mode) == 0:
+        return batch_normalization(x, *params, epsilon=epsilon)
+    suffix = _bn_param_type(x, int(x.shape[1]), params) if len(x.shape) >= 2 else None
+    if suffix is None or not (suffix in ("f32", "f64") or suffix.endswith("_f32")) or not _bn_fits(x):
+        attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode)
+        return cpu_fallback("BatchNormInternal", x, *params, domain=MICROSOFT, **attrs)
+    y, running_mean, running_var, batch_mean, batch_var = _batch_norm_training(x, params, suffix, epsilon, momentum, True)
+    inv_std = rt.empty(batch_var.shape, batch_var.dtype)
+    kernel = kernel_of("norm", f"bn_inv_std_{dtype_suffix(batch_var.dtype)}")
+    launch(kernel, inv_std.size, inv_std, batch_var, np.float64(epsilon), np.int64(inv_std.size))
+    return y, running_mean, running_var, batch_mean, inv_std
+
+
+@cuda_kernel("BatchNormalizationGrad", domain=MICROSOFT)
+def batch_normalization_grad(dY, X, scale, mean, variance, *, epsilon=1e-5):
+    """(dX, dScale, dBias) from the saved batch mean and inverse deviation (``variance``), float32 or
+    float64 throughout: one pass for the per-channel sums of dY and dY * (X - mean), one for dX
+    (norm.cu, bn_partial mode 2, bn_grad_finish, bn_grad_dx); other types run the CPU kernel."""
+    from gradgen.cuda import runtime as rt
+
+    batch, channels, inner = batch_norm_grad_layout(dY, X, scale, mean, variance)
+    s = dtype_suffix(X.dtype)
+    if s not in ("f32", "f64") or any(t.dtype != X.dtype for t in (dY, scale, mean, variance)) or not _bn_fits(X):
+        return cpu_fallback("BatchNormalizationGrad", dY, X, scale, mean, variance, domain=MICROSOFT, epsilon=epsilon)
+    dY, X, scale, mean, variance = (contiguous(t) for t in (dY, X, scale, mean, variance))
+    partial, chunks = _bn_partial_sums(X, dY, mean, mode=2)
+    dscale, dbias = rt.empty(tuple(scale.shape), X.dtype), rt.empty(tuple(scale.shape), X.dtype)
+    coef = rt.empty((channels, 3), X.dtype)
+    count = np.float64(batch * inner)
+    finish = kernel_of("norm", f"bn_grad_finish_{s}")
+    launch(finish, channels, dscale, dbias, coef, partial, scale, variance, np.int64(channels), np.int64(chunks), count)
+    dx = rt.empty(tuple(X.shape), X.dtype)
+    entry = f"bn_grad_dx_32_{s}" if X.size < 2**31 else f"bn_grad_dx_{s}"
+    launch(kernel_of("norm", entry), X.size, dx, dY, X, mean, coef, np.int64(channels), np.int64(inner), np.int64(X.size))
+    return dx, dscale, dbias
 
 
 def _batch_norm_apply(x, scale, bias, mean, var, suffix: str, epsilon):
@@ -532,6 +641,14 @@ def _op(name: str, a, b):
     return binary(f"{name}_{dtype_suffix(a.dtype)}", a, b, a.dtype)
 
 
+def _centered_moments(x, axes: tuple[int, ...]):
+    """(mean, x - mean, variance) over ``axes`` (kept as size-1 dims), the variance as the mean of
+    the squared deviations: the CPU kernels' form (E[X^2] - E[X]^2 cancels)."""
+    mean = reduce("mean", x, axes, True, "ReduceMean")
+    centered = _op("sub", x, mean)
+    return mean, centered, reduce("mean", _op("mul", centered, centered), axes, True, "ReduceMean")
+
+
 @cuda_kernel("LpNormalization")
 def lp_normalization(x, *, axis=-1, p=2):
     """x / ||x||_p along ``axis`` (p 1 or 2); a line of zeros stays zeros."""
@@ -558,8 +675,7 @@ def mean_variance_normalization(x, *, axes=(0, 2, 3)):
     axes_tuple = tuple(sorted({normalize_axis(int(a), rank) for a in axes}))
 
     def run(xc):
-        centered = _op("sub", xc, reduce("mean", xc, axes_tuple, True, "ReduceMean"))
-        variance = reduce("mean", _op("mul", centered, centered), axes_tuple, True, "ReduceMean")
+        _, centered, variance = _centered_moments(xc, axes_tuple)
         spread = _op("add", unary(f"sqrt_{dtype_suffix(xc.dtype)}", variance), device_scalar(1e-9, xc.dtype))
         return _op("div", centered, spread)
 
@@ -622,7 +738,6 @@ def simplified_layer_normalization_grad(dY, X, scale, inv_std_var, *, axis=-1, e
     dX = b - xhat * mean(b * xhat) along each row and dScale = the column sums of dy * xhat
     (computed in float32 for a 16-bit X, each result rounded once to its type)."""
     from gradgen.kernels.cpu.norm import layer_norm_grad_rows
-    from gradgen.kernels.cuda.shape import reshaped
 
     rows, cols = layer_norm_grad_rows(dY, X, scale, None, inv_std_var, axis)
     if any(dtype_suffix(t.dtype) not in FLOATS for t in (dY, X, scale, inv_std_var)):
