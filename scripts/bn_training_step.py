@@ -3,9 +3,11 @@ exports it: one forward + backward step of gradgen on the GPU against PyTorch ea
 
 ``gradgen bench``'s end-to-end group exports its models in eval mode; this measures the other form.
 ``--fallback`` runs training-mode BatchNormalization through the numpy kernel, as the CUDA backend
-did before it had a device path, for a before / after in one process.
+did before it had a device path, for a before / after in one process. ``--composed`` builds the
+training-mode gradient from standard ops (batch statistics recomputed in the backward), the form
+before the default build wrote ONNX Runtime training's BatchNormInternal / BatchNormalizationGrad.
 
-    python scripts/bn_training_step.py [--batch 32] [--size 224] [--steps 20] [--fallback | --eval] [--profile]
+    python scripts/bn_training_step.py [--batch 32] [--size 224] [--steps 20] [--fallback | --eval | --composed] [--profile]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fallback", action="store_true", help="training-mode BatchNormalization through the numpy kernel")
     parser.add_argument("--eval", action="store_true", help="export in eval mode (running statistics) instead")
+    parser.add_argument("--composed", action="store_true", help="the training-mode gradient from standard ops")
     parser.add_argument("--profile", action="store_true", help="also print GPU time by op and by kernel (torch.profiler)")
     args = parser.parse_args()
 
@@ -41,6 +44,11 @@ def main() -> None:
             return launch.cpu_fallback("BatchNormalization", x, *params, **attrs, _num_outputs=5 if legacy_outputs else 3)
 
         norm._batch_norm_training = on_the_host
+
+    if args.composed:
+        from gradgen.grads.rules import norm as norm_rules
+
+        norm_rules._saved_batch_stats_fit = lambda *_: False
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 against float32, as gradgen bench compares
     torch.backends.cudnn.allow_tf32 = False
@@ -77,7 +85,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch_loss = torch_step()
     torch_times = time_steps(torch_step, warmup=3, steps=args.steps)
-    mode = "eval mode" if args.eval else "numpy fallback" if args.fallback else "device"
+    mode = "eval mode" if args.eval else "numpy fallback" if args.fallback else "composed gradient" if args.composed else "device"
     torch_mode = "eval" if args.eval else "train"
     bn = "BatchNormalization" if args.eval else "BatchNormalization in training mode"
     ratio = median(times) / median(torch_times)
