@@ -216,6 +216,42 @@ def test_e2e_group_on_cpu_tiny(tmp_path):
     assert "gradgen" in text and "variable-length loop" in text and "worst" in text
 
 
+def test_batch_stats_exports_training_mode_batch_norm_whose_gradients_match_torch():
+    """--batch-stats: ResNet-18's BatchNorm in training mode (how a CNN trains), exported so and
+    built with ONNX Runtime training's BatchNormInternal / BatchNormalizationGrad; its gradients are
+    those of the PyTorch module in training mode."""
+    spec = models.preset("resnet18-tiny", batch=4, batch_stats=True)
+    assert spec.batch_stats and "batch statistics" in spec.shape_text and "training-mode BatchNorm" in spec.title
+    assert models.ModelSpec.from_json(spec.to_json()) == spec
+    model = models.build_module(spec)
+    assert model.training and not models.build_module(models.preset("resnet18-tiny")).training
+    # float64 (float32 gradients of such tiny BatchNorm stacks differ by 3e-4 from PyTorch's, as the
+    # standard-op gradient's do); the tolerance is the float32 epsilon attribute's (1e-5 rounded)
+    model = model.double()
+    inputs = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in models.make_inputs(spec).items()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    proto = models.export(model, inputs)
+    model.load_state_dict(state)
+    modes = {a.i for n in proto.graph.node if n.op_type == "BatchNormalization" for a in n.attribute if a.name == "training_mode"}
+    assert modes == {1}
+    built = gradgen.build_backward(proto, wrt=models.parameter_names(model))
+    assert "BatchNormalizationGrad" in {n.op_type for n in built.model.graph}
+    got = gradgen.Session(built.model).run(inputs)
+    loss, want = _torch_grads(model, inputs)
+    assert got["loss"] == pytest.approx(loss, rel=1e-9)
+    for param, grad in want.items():
+        err = np.abs(got[f"{param}_grad"] - grad).max() / max(np.abs(grad).max(), 1e-6)
+        assert err < 1e-7, (param, err)
+
+
+def test_batch_stats_needs_a_resnet(capsys):
+    with pytest.raises(gradgen.errors.UsageError, match="ResNet-18"):
+        models.preset("gpt2-tiny", batch_stats=True)
+    assert main(["--only", "e2e", "--device", "cpu", "--model", "gpt2-tiny", "--batch-stats"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--batch-stats" in err
+
+
 def test_child_failure_is_a_result_not_a_crash(tmp_path):
     result = measure.run_child(
         "gradgen-step",

@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--width", type=_positive, help="model width of the GPT-2 layouts")
     e2e.add_argument("--heads", type=_positive, help="attention heads of the GPT-2 layouts")
     e2e.add_argument(
+        "--batch-stats",
+        action="store_true",
+        help="ResNet-18's BatchNorm in training mode (normalising with the batch's statistics), as a CNN trains "
+        "and is exported for training; default eval mode (running statistics)",
+    )
+    e2e.add_argument(
         "--seed",
         type=_non_negative,
         action="append",
@@ -182,13 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _specs(args, defaults: list) -> list:
     from gradgen.bench import models
+    from gradgen.errors import UsageError
 
     seeds = list(dict.fromkeys(args.seed or [0]))
     if not args.model:
-        if not (args.batch or args.seq or args.image or args.layers or args.width or args.heads or seeds != [0]):
+        overridden = args.batch or args.seq or args.image or args.layers or args.width or args.heads or args.batch_stats
+        if not overridden and seeds == [0]:
             return defaults
-        return [_override(spec, args, seed) for spec in defaults for seed in seeds]
-    return [_override(models.preset(name), args, seed) for name in args.model for seed in seeds]
+        specs = [_override(spec, args, seed) for spec in defaults for seed in seeds]
+    else:
+        specs = [_override(models.preset(name), args, seed) for name in args.model for seed in seeds]
+    if args.batch_stats and not any(spec.batch_stats for spec in specs):
+        raise UsageError("--batch-stats applies to the ResNet-18 layouts (their BatchNorm); no --model selects one")
+    return specs
 
 
 def _override(spec, args, seed: int):
@@ -203,6 +215,7 @@ def _override(spec, args, seed: int):
         d=args.width if gpt2 else None,
         heads=args.heads if gpt2 else None,
         seed=seed,
+        batch_stats=args.batch_stats and not gpt2,
     )
 
 

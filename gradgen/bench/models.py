@@ -79,6 +79,9 @@ class ModelSpec:
     size: int  # sequence length (gpt2) or image side (resnet18)
     title: str = ""
     seed: int = 0  # of the parameters and the batch: a second seed shows which differences are noise
+    # resnet18: BatchNorm in training mode (it normalises with the batch's statistics), as a CNN trains
+    # and is exported for training; default eval mode (the running statistics)
+    batch_stats: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,7 +95,8 @@ class ModelSpec:
         seed = f", seed {self.seed}" if self.seed else ""
         if self.kind == "gpt2":
             return f"B={self.batch}, T={self.size}{seed}"
-        return f"B={self.batch}, {self.size}x{self.size}{seed}"
+        mode = ", batch statistics" if self.batch_stats else ""
+        return f"B={self.batch}, {self.size}x{self.size}{mode}{seed}"
 
 
 def preset(
@@ -104,13 +108,17 @@ def preset(
     d: int | None = None,
     heads: int | None = None,
     seed: int = 0,
+    batch_stats: bool = False,
 ) -> ModelSpec:
-    """A ``ModelSpec`` from a preset name, with optional overrides (smaller sizes for a quick try)."""
+    """A ``ModelSpec`` from a preset name, with optional overrides (smaller sizes for a quick try;
+    ``batch_stats``: a ResNet-18's BatchNorm in training mode)."""
     from gradgen.errors import UsageError
 
     if name not in PRESETS:
         raise UsageError(f"unknown benchmark model {name!r}: choose from {', '.join(PRESETS)}")
     base = PRESETS[name]
+    if batch_stats and base["kind"] != "resnet18":
+        raise UsageError(f"--batch-stats applies to the ResNet-18 layouts (their BatchNorm), not to {name}")
     arch = dict(base["arch"])
     overrides = {"layers": layers, "d": d, "heads": heads}
     for key, value in overrides.items():
@@ -132,10 +140,11 @@ def preset(
         size=size or base["size"],
         title=base["title"],
         seed=seed,
+        batch_stats=batch_stats,
     )
     if spec.batch < 1 or spec.size < 2:
         raise UsageError(f"{name}: batch must be at least 1 and the sequence/image size at least 2")
-    if [k for k, v in overrides.items() if v is not None] or size or batch:
+    if [k for k, v in overrides.items() if v is not None] or size or batch or batch_stats:
         spec = dataclasses.replace(spec, title=_describe(spec))
     return spec
 
@@ -144,7 +153,8 @@ def _describe(spec: ModelSpec) -> str:
     a = spec.arch
     if spec.kind == "gpt2":
         return f"GPT-2 layout ({a['layers']} x {a['d']}, {a['heads']} heads, vocab {a['vocab']} tied)"
-    return f"ResNet-18 layout (width {a['width']}, {a['classes']} classes, eval-mode BatchNorm)"
+    mode = "training-mode BatchNorm: batch statistics" if spec.batch_stats else "eval-mode BatchNorm"
+    return f"ResNet-18 layout (width {a['width']}, {a['classes']} classes, {mode})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +163,8 @@ def _describe(spec: ModelSpec) -> str:
 
 def build_module(spec: ModelSpec):
     """The ``torch.nn.Module`` of ``spec`` with pairwise-distinct parameters seeded by ``spec.seed``,
-    in eval mode."""
+    in eval mode (ResNet-18 with ``spec.batch_stats``: in training mode, its BatchNorm normalising
+    with the batch's statistics)."""
     import torch
 
     seed = spec.seed
@@ -166,7 +177,7 @@ def build_module(spec: ModelSpec):
     else:
         raise ValueError(f"unknown model kind {spec.kind!r}")
     _distinct_init_(model, seed)
-    return model.eval()
+    return model.train(spec.batch_stats)
 
 
 def _distinct_init_(model, seed: int) -> None:
