@@ -357,3 +357,36 @@ def test_optimizer_for_takes_two_betas_as_a_tuple():
     assert optimizer_for("adamw", betas=[0.8, 0.99]).betas == (0.8, 0.99)  # a list from a caller works too
     with pytest.raises(UsageError, match=r"betas \(0.8, 0.9, 0.99\): expected two values"):
         optimizer_for("adamw", betas=(0.8, 0.9, 0.99))  # type: ignore[arg-type]
+
+
+def test_the_eval_model_of_a_training_mode_batch_norm_is_valid_onnx(tmp_path):
+    """A BatchNormalization exported in training mode has three outputs; in the eval model it runs
+    in inference mode, where ONNX allows one: the running-statistics outputs go (ONNX Runtime refused
+    the model before), and the model runs with the running statistics."""
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    nn = torch.nn
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).train()
+    path = tmp_path / "bn.onnx"
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-0.5, 0.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+    torch.onnx.export(
+        net, (x,), str(path), dynamo=False, opset_version=17, training=torch.onnx.TrainingMode.TRAINING,
+        do_constant_folding=False, input_names=["x"], output_names=["logits"],
+    )  # fmt: skip
+    made = generate_artifacts(path, loss=LossSpec("cross_entropy", "logits"), optimizer=SGD())
+    eval_path = save_artifacts(made, tmp_path / "artifacts", path)[1]
+    evaluation = onnx.load(str(eval_path))
+    (bn,) = [n for n in evaluation.graph.node if n.op_type == "BatchNormalization"]
+    assert len(bn.output) == 1 and helper.get_node_attr_value(bn, "training_mode") == 0
+    onnx.checker.check_model(evaluation, full_check=True)
+    session = ort.InferenceSession(evaluation.SerializeToString(), providers=["CPUExecutionProvider"])
+    labels = np.array([0, 2], np.int64)
+    params = {name: np.asarray(value.numpy()) for name, value in made.requires_grad.items()}
+    (loss,) = session.run(None, {"x": x.numpy(), "labels": labels, **params})
+    net.eval()
+    want = torch.nn.functional.cross_entropy(net(x), torch.from_numpy(labels)).item()
+    assert float(loss) == pytest.approx(want, rel=1e-5)
