@@ -258,3 +258,35 @@ def test_resuming_a_log_written_before_the_skipped_column(tmp_path):
     rows = read_log(path)
     assert list(rows[0]) == list(CSV_COLUMNS)
     assert [(r["step"], r["eval_loss"], r["skipped"]) for r in rows] == [("1", "", "0"), ("2", "2.0", "0"), ("3", "", "1")]
+
+
+def test_training_mode_batch_norm_is_noted_and_eval_mode_is_not():
+    """Training steps use a training-mode BatchNormalization's batch statistics but do not update its
+    running statistics: build_training says so (a warning, which the CLI prints as a note)."""
+    import warnings
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), name) for name in ("scale", "bias", "mean")] + [
+        numpy_helper.from_array(np.ones(3, np.float32), "var")
+    ]
+
+    def model(training: int):
+        outputs = ["y", "rm", "rv"] if training else ["y"]
+        nodes = [
+            helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outputs, training_mode=training),
+            helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0),
+        ]
+        graph = helper.make_graph(
+            nodes, "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 2, 2])],
+            [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
+        )  # fmt: skip
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    with pytest.warns(UserWarning, match=r"1 BatchNormalization node\(s\) run in training mode .* does not update"):
+        program = build_training(model(1), optimizer=SGD())
+    assert {"mean", "var"} <= set(program.frozen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_training(model(0), optimizer=SGD())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -117,6 +118,7 @@ def build_training(
     loss = adder.loss_name if adder is not None else loss
 
     frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
+    _note_training_batch_norms(forward.graph)
     backward = _copy(forward)
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen), precision)
     run_pipeline(pipeline, backward)
@@ -199,6 +201,25 @@ def running_statistics(graph: ir.Graph) -> list[str]:
                 if value is not None and value.name in graph.initializers:
                     names.append(value_name(value))
     return names
+
+
+def _note_training_batch_norms(graph: ir.Graph) -> None:
+    """Warn (the CLI says it as a note) where BatchNormalization runs in training mode: the steps use
+    the batch statistics, as PyTorch's do, but do not update the running statistics, which PyTorch's
+    would; an evaluation or export in inference mode reads them as exported."""
+    count = sum(
+        1
+        for node in graph
+        if node.op_type == "BatchNormalization"
+        and node.domain in ("", "ai.onnx")
+        and ("training_mode" in node.attributes and node.attributes["training_mode"].value == 1 or len(node.outputs) > 1)
+    )
+    if count:
+        warnings.warn(
+            f"{count} BatchNormalization node(s) run in training mode (batch statistics); training does not update "
+            "their running statistics, which stay as exported (an inference-mode evaluation or export reads them)",
+            stacklevel=3,
+        )
 
 
 def model_fingerprint(model: ir.Model) -> str:
