@@ -282,8 +282,9 @@ _PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity
 # ... and those of them that keep each element where it is (element positions still mean the same).
 _SAME_LAYOUT = {"Cast", "Identity"}
 
-# Float inputs whose contract or domain wants positive values: BatchNormalization's variance, Sqrt, Log.
-_POSITIVE_INPUTS = {"BatchNormalization": 4, "Sqrt": 0, "Log": 0}
+# Float inputs whose contract or domain wants positive values: BatchNormalization's variance (and
+# BatchNormInternal's; BatchNormalizationGrad's inverse deviation), Sqrt, Log.
+_POSITIVE_INPUTS = {"BatchNormalization": 4, "BatchNormInternal": 4, "BatchNormalizationGrad": 4, "Sqrt": 0, "Log": 0}
 
 # Integer inputs that are shapes, axes, counts or positions of an op: random values would be meaningless.
 _SHAPE_LIKE_INPUTS = {

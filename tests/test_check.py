@@ -280,6 +280,31 @@ def test_batchnorm_variance_is_drawn_positive(tmp_path, capsys, monkeypatch):
         assert code == 0, out + err
 
 
+def test_batch_norm_internal_variance_is_drawn_positive(tmp_path, capsys, monkeypatch):
+    """ONNX Runtime training's BatchNormInternal (what a default build makes of a training-mode
+    BatchNormalization): its variance input is drawn positive too."""
+    import onnx_ir as ir
+
+    from gradgen.inputs import random_feeds
+
+    names = ["x", "scale", "bias", "mean", "var"]
+    shapes = [[4, 3, 2], [3], [3], [3], [3]]
+    outputs = ["y", "rm", "rv", "saved_mean", "saved_inv_std"]
+    nodes = [
+        helper.make_node("BatchNormInternal", names, outputs, domain="com.microsoft", name="bn", training_mode=1),
+        helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0, name="sum"),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes)]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    graph.value_info.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, shapes[0]))  # (ONNX cannot infer it)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    for seed in range(4):
+        assert (random_feeds(ir.from_proto(model), seed=seed)["var"] > 0).all()
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    code, out, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs")
+    assert code == 0, out + err
+
+
 def test_a_non_finite_loss_is_named(tmp_path, capsys, monkeypatch):
     """An empty batch through ReduceMean: NaN, said as such instead of a comparison of NaNs."""
     nodes = [
