@@ -12,6 +12,7 @@ from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.evaluate import RANDOM_OPS
 from gradgen.ops.einsum import parse_equation
+from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
 from gradgen.passes.rewrite import NodeRemoval
 
 # The gradient rules emit ops in their opset-14+ forms (axes as inputs, Reshape's allowzero, ...).
@@ -162,6 +163,9 @@ def _types_from_schemas(model: ir.Model) -> bool:
     modified = False
     for node in model.graph:
         outputs = [o for o in node.outputs if o.name and o.type is None]
+        if outputs and normalize_domain(node.domain) == MICROSOFT_DOMAIN:
+            modified = _types_from_microsoft_schema(node, outputs) or modified
+            continue
         if not outputs or node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type in _ORT_ONNX_DOMAIN_OPS:  # ONNX Runtime training's ops that ONNX does not define
@@ -183,6 +187,35 @@ def _types_from_schemas(model: ir.Model) -> bool:
                 value.type = known[formal.type_str]
                 modified = True
     return modified
+
+
+def _types_from_microsoft_schema(node: ir.Node, outputs: list[ir.Value]) -> bool:
+    """Types (and shapes, where the schema tells them) of a com.microsoft node's untyped ``outputs``
+    from gradgen's schema of the op (ONNX has none); nothing for an op gradgen does not know or
+    inputs its schema refuses (the run says why)."""
+    from gradgen.ops import schemas
+    from gradgen.ops.attributes import node_attributes
+
+    if node.op_type not in schemas.SCHEMAS:
+        return False
+    infos = [None if v is None else schemas.TensorInfo(v.dtype, _known_dims(v)) for v in node.inputs]
+    try:
+        inferred = schemas.output_types(node.op_type, infos, node_attributes(node))
+    except Exception:  # noqa: BLE001 -- a node the schema refuses is reported when it runs
+        return False
+    modified = False
+    for value, (dtype, shape) in zip(node.outputs, inferred):
+        if value in outputs and dtype is not None:
+            value.type = ir.TensorType(ir.DataType(int(dtype)))
+            if value.shape is None and shape is not None and all(isinstance(d, int) for d in shape):
+                value.shape = ir.Shape(list(shape))
+            modified = True
+    return modified
+
+
+def _known_dims(value: ir.Value) -> tuple | None:
+    """value's shape with a symbolic dimension as None; None where even the rank is unknown."""
+    return None if value.shape is None else tuple(d if isinstance(d, int) else None for d in value.shape)
 
 
 _POOL_OPS = ("MaxPool", "AveragePool", "LpPool")
