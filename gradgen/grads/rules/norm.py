@@ -2,7 +2,9 @@
 
 The statistics are recomputed from X in X's element type, except for LayerNormalization, whose
 gradient is ONNX Runtime training's LayerNormalizationGrad reading the forward node's saved
-Mean/InvStdDev (gradients flowing into those outputs are honoured too). For a
+Mean/InvStdDev (gradients flowing into those outputs are honoured too), and training-mode
+BatchNormalization of one float32 or float64 type, which becomes ONNX Runtime training's
+BatchNormInternal (the batch mean and inverse deviation saved) with one BatchNormalizationGrad. For a
 normalisation xhat = (x - mean) * rstd over some axes, with dxhat the gradient reaching xhat:
 
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
@@ -63,7 +65,7 @@ def normalize_backward(g, dxhat, xhat, rstd, axes):
 @grad_rule("BatchNormInternal", domain=MICROSOFT)
 def batch_normalization(g):
     """BatchNormalization, and ONNX Runtime training's BatchNormInternal (training mode by default;
-    no gradient through its saved statistics)."""
+    its saved batch mean and inverse deviation carry gradients too)."""
     x, scale, bias, mean, var = (g.x(i) for i in range(5))
     rank = _rank(g, x)
     eps = float(g.attr("epsilon", 1e-5))
@@ -153,7 +155,7 @@ def _batch_norm_training(g, rank, axes, eps):
     grads = [None] * 5
     parts = []
     stats = None  # (xhat, rstd, centered), recomputed from X where needed
-    if dy is not None and _saved_batch_stats_fit(g, x, scale):
+    if dy is not None and _saved_batch_stats_fit(g, x):
         dx, dscale, dbias = _batch_norm_grad_op(g, eps)
         if g.needs(0):
             parts.append(dx)
@@ -217,7 +219,7 @@ def _saved_statistics_backward(g, x, scale, like, rstd, centered, rank) -> list:
     return parts
 
 
-def _saved_batch_stats_fit(g, x, scale) -> bool:
+def _saved_batch_stats_fit(g, x) -> bool:
     """Whether the forward node can become BatchNormInternal, whose saved batch mean and inverse
     deviation BatchNormalizationGrad reads: opset 14's three outputs (at most) and attributes, and X,
     scale, B and the running statistics all float32 or all float64 (the pair's contract has one
