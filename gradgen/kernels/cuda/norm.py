@@ -193,7 +193,7 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
         float32_stats = suffix.endswith("_f32")  # a 16-bit x with float32 parameters
         if _bn_fits(x) and (float32_stats or suffix in ("f32", "f64")):
             return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
-        if float32_stats:  # (an empty batch) the fallback in float32: it would round every result to 16 bits
+        if float32_stats:  # (an empty batch, or C > 65,535) the fallback in float32, which would round to 16 bits
             results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
             return (cast_to(results[0], x.dtype), *results[1:])
     if training or suffix is None:
