@@ -207,12 +207,12 @@ def _note_training_batch_norms(graph: ir.Graph) -> None:
     """Warn (the CLI says it as a note) where BatchNormalization runs in training mode: the steps use
     the batch statistics, as PyTorch's do, but do not update the running statistics, which PyTorch's
     would; an evaluation or export in inference mode reads them as exported."""
+    from gradgen.grads.rules.norm import batch_norm_in_training
+
     count = sum(
         1
         for node in graph
-        if node.op_type == "BatchNormalization"
-        and node.domain in ("", "ai.onnx")
-        and ("training_mode" in node.attributes and node.attributes["training_mode"].value == 1 or len(node.outputs) > 1)
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and batch_norm_in_training(node)
     )
     if count:
         warnings.warn(

@@ -37,7 +37,7 @@ def _rank(g, x) -> int:
     return rank
 
 
-def _per_channel(g, v, rank):
+def per_channel(g, v, rank):
     """A (C,) vector as (C, 1, ..., 1), broadcastable along axis 1 of a rank-``rank`` tensor."""
     return g.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
 
@@ -61,6 +61,14 @@ def normalize_backward(g, dxhat, xhat, rstd, axes):
     return g.op("Mul", rstd, inner)
 
 
+def batch_norm_in_training(node: ir.Node) -> bool:
+    """Whether a BatchNormalization (or BatchNormInternal, training mode by default) normalises with
+    the batch's statistics: training_mode 1, or (below opset 14) more than one output."""
+    default = 1 if node.op_type == "BatchNormInternal" else 0
+    attr = node.attributes.get("training_mode")
+    return int(attr.value if attr is not None else default) == 1 or len(node.outputs) > 1
+
+
 @grad_rule("BatchNormalization")
 @grad_rule("BatchNormInternal", domain=MICROSOFT)
 def batch_normalization(g):
@@ -69,8 +77,7 @@ def batch_normalization(g):
     x, scale, bias, mean, var = (g.x(i) for i in range(5))
     rank = _rank(g, x)
     eps = float(g.attr("epsilon", 1e-5))
-    internal = g.node.op_type == "BatchNormInternal"
-    training = int(g.attr("training_mode", 1 if internal else 0)) == 1 or len(g.node.outputs) > 1
+    training = batch_norm_in_training(g.node)
     axes = [0] + list(range(2, rank))
     dy = g.dy(0)
     if training:
@@ -84,7 +91,7 @@ def batch_normalization(g):
     grads = [None] * 5
     if g.needs(0):
         factor = g.op("Mul", scale, inv)
-        grads[0] = _scale_channels(g, dy, factor, scale) if mixed else g.op("Mul", dy, _per_channel(g, factor, rank))
+        grads[0] = _scale_channels(g, dy, factor, scale) if mixed else g.op("Mul", dy, per_channel(g, factor, rank))
     # the parameters' gradients in their own type: for a 16-bit X with float32 parameters, the
     # reductions read dY and X cast to float32, so they accumulate and end in float32
     dy_p = g.cast_like(dy, scale) if mixed else dy
@@ -96,7 +103,7 @@ def batch_normalization(g):
             grads[3] = _like(g, g.op("Neg", g.op("Mul", dbias, g.op("Mul", scale, inv))), g.x(3), scale)
     if g.needs(1) or g.needs(4):
         x_p = g.cast_like(x, scale) if mixed else x
-        xhat = g.op("Mul", g.op("Sub", x_p, _per_channel(g, mean, rank)), _per_channel(g, inv, rank))
+        xhat = g.op("Mul", g.op("Sub", x_p, per_channel(g, mean, rank)), per_channel(g, inv, rank))
         dscale = g.reduce_sum(g.op("Mul", dy_p, xhat), axes, keepdims=0)
         if g.needs(1):
             grads[1] = dscale
@@ -164,7 +171,7 @@ def _batch_norm_training(g, rank, axes, eps):
         stats = _stats(g, x, axes, eps, like=like)
         xhat, rstd, _ = stats
         if g.needs(0):
-            dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
+            dxhat = g.op("Mul", dy, per_channel(g, scale, rank))
             parts.append(normalize_backward(g, dxhat, xhat, rstd, axes))
         if g.needs(1):
             grads[1] = g.reduce_sum(g.op("Mul", dy, xhat), axes, keepdims=0)
@@ -179,7 +186,7 @@ def _batch_norm_training(g, rank, axes, eps):
         if g.needs(i):
             grads[i] = g.op("Mul", d, g.const_like(stat_in, momentum))
         if g.needs(0):
-            share = g.op("Mul", _per_channel(g, _like(g, d, like, stat_in), rank), rest)
+            share = g.op("Mul", per_channel(g, _like(g, d, like, stat_in), rank), rest)
             count = _count_like(g, x, scale, like)
             if i == 3:  # the batch mean: share / count for every element
                 parts.append(g.expand_like(g.op("Div", share, count), x))
@@ -210,7 +217,7 @@ def _saved_statistics_backward(g, x, scale, like, rstd, centered, rank) -> list:
     per channel; rstd and centered as ``_stats`` gives them."""
     count = _count_like(g, x, scale, like)
     parts = []
-    d_mean, d_rstd = (None if g.dy(i) is None else _per_channel(g, _like(g, g.dy(i), like, g.x(i)), rank) for i in (3, 4))
+    d_mean, d_rstd = (None if g.dy(i) is None else per_channel(g, _like(g, g.dy(i), like, g.x(i)), rank) for i in (3, 4))
     if d_mean is not None:
         parts.append(g.expand_like(g.op("Div", d_mean, count), x))
     if d_rstd is not None:
@@ -381,7 +388,7 @@ def instance_normalization(g):
     xhat, rstd, _ = _stats(g, x, list(range(2, rank)), eps)
     grads = [None] * 3
     if g.needs(0):
-        dxhat = g.op("Mul", dy, _per_channel(g, scale, rank))
+        dxhat = g.op("Mul", dy, per_channel(g, scale, rank))
         grads[0] = normalize_backward(g, dxhat, xhat, rstd, list(range(2, rank)))
     channel_axes = [0] + list(range(2, rank))
     if g.needs(1):
@@ -438,7 +445,7 @@ def group_normalization(g):
     grads = [None] * 3
     channel_axes = [0] + list(range(2, rank))
     if g.needs(0):
-        dxhat = g.reshape(g.op("Mul", dy, _per_channel(g, scale, rank)), grouped_shape)
+        dxhat = g.reshape(g.op("Mul", dy, per_channel(g, scale, rank)), grouped_shape)
         grads[0] = g.reshape_like(normalize_backward(g, dxhat, xhat, rstd, [2]), x)
     if g.needs(1):
         grads[1] = g.reduce_sum(g.op("Mul", dy, g.reshape_like(xhat, x)), channel_axes, keepdims=0)
@@ -583,12 +590,12 @@ def batch_normalization_grad(g):
     """BatchNormalizationGrad(dY, X, scale, mean, inv_std) -> (dX, dScale, dBias), differentiated
     again: LayerNormalizationGrad's product with the normalized axes R = every axis but 1 (the
     channel), dScale and dBias summed over R too, and scale, mean and inv_std per channel."""
-    return _layer_norm_grad_vjp(g, simplified=False, per_channel=True)
+    return _layer_norm_grad_vjp(g, simplified=False, by_channel=True)
 
 
-def _layer_norm_grad_vjp(g, simplified: bool, per_channel: bool = False) -> list:
+def _layer_norm_grad_vjp(g, simplified: bool, by_channel: bool = False) -> list:
     """The vector-Jacobian product of (Simplified)LayerNormalizationGrad (see layer_normalization_grad)
-    and, ``per_channel``, of BatchNormalizationGrad."""
+    and, ``by_channel``, of BatchNormalizationGrad."""
     if simplified:
         dy, x, scale, inv_std = (g.x(i) for i in range(4))
         mean, b = None, None
@@ -597,12 +604,12 @@ def _layer_norm_grad_vjp(g, simplified: bool, per_channel: bool = False) -> list
         b = g.dy(2)
     p, q = g.dy(0), g.dy(1)
     rank = _rank(g, x)
-    if per_channel:  # (C,) vectors along axis 1; their gradients summed to (C,)
+    if by_channel:  # (C,) vectors along axis 1; their gradients summed to (C,)
         norm_axes = lead_axes = [0, *range(2, rank)]
         keep = 0
 
         def wide(v):
-            return None if v is None else _per_channel(g, v, rank)
+            return None if v is None else per_channel(g, v, rank)
     else:  # mean and inv_std keep the normalized axes as 1s; scale and B broadcast as they are
         axis = int(g.attr("axis", -1)) % rank
         norm_axes, lead_axes = list(range(axis, rank)), list(range(axis))

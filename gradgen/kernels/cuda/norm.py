@@ -189,13 +189,13 @@ def batch_normalization(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     params = (scale, bias, input_mean, input_var)
     suffix = _bn_param_type(x, channels, params) if len(x.shape) >= 2 else None
     attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode, _num_outputs=_num_outputs)
-    if training and suffix is not None:
-        float32_stats = suffix.endswith("_f32")  # a 16-bit x with float32 parameters
-        if _bn_fits(x) and (float32_stats or suffix in ("f32", "f64")):
-            return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
-        if float32_stats:  # (an empty batch, or C > 65,535) the fallback in float32, which would round to 16 bits
-            results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
-            return (cast_to(results[0], x.dtype), *results[1:])
+    if training and _trains_on_device(x, suffix):
+        return _batch_norm_training(x, params, suffix, epsilon, momentum, legacy_outputs=_num_outputs > 3)
+    if training and suffix is not None and suffix.endswith("_f32"):
+        # a 16-bit x with float32 parameters the device path does not take (an empty batch, C >
+        # 65,535): the fallback in float32, which would round every float result to 16 bits
+        results = cpu_fallback("BatchNormalization", cast_to(x, np.float32), *params, **attrs)
+        return (cast_to(results[0], x.dtype), *results[1:])
     if training or suffix is None:
         return cpu_fallback("BatchNormalization", x, *params, **attrs)
     return _batch_norm_apply(x, scale, bias, input_mean, input_var, suffix, epsilon)
@@ -242,6 +242,13 @@ def _bn_chunks(channels: int, per_channel: int) -> tuple[int, int]:
 def _bn_fits(x) -> bool:
     """Whether the per-channel kernels take x: (N, C, ...), not empty, C within a grid's y extent."""
     return len(x.shape) >= 2 and x.size > 0 and int(x.shape[1]) <= MAX_GRID_Y
+
+
+def _trains_on_device(x, suffix: str | None) -> bool:
+    """Whether training-mode BatchNormalization of x, whose parameters give ``suffix``
+    (``_bn_param_type``), runs on the device: float32 or float64 throughout, or a 16-bit x with
+    float32 parameters, and a tensor the per-channel kernels take."""
+    return suffix is not None and (suffix in ("f32", "f64") or suffix.endswith("_f32")) and _bn_fits(x)
 
 
 def _bn_partial_sums(a, b, center, mode: int):
@@ -299,9 +306,10 @@ def batch_norm_internal(x, scale, bias, input_mean, input_var, *, epsilon=1e-5, 
     if int(training_mode) == 0:
         return batch_normalization(x, *params, epsilon=epsilon)
     suffix = _bn_param_type(x, int(x.shape[1]), params) if len(x.shape) >= 2 else None
-    if suffix is None or not (suffix in ("f32", "f64") or suffix.endswith("_f32")) or not _bn_fits(x):
+    if not _trains_on_device(x, suffix):
         attrs = dict(epsilon=epsilon, momentum=momentum, training_mode=training_mode)
         return cpu_fallback("BatchNormInternal", x, *params, domain=MICROSOFT, **attrs)
+    assert suffix is not None  # _trains_on_device says so
     y, running_mean, running_var, batch_mean, batch_var = _batch_norm_training(x, params, suffix, epsilon, momentum, True)
     inv_std = rt.empty(batch_var.shape, batch_var.dtype)
     kernel = kernel_of("norm", f"bn_inv_std_{dtype_suffix(batch_var.dtype)}")
@@ -641,14 +649,6 @@ def _op(name: str, a, b):
     return binary(f"{name}_{dtype_suffix(a.dtype)}", a, b, a.dtype)
 
 
-def _centered_moments(x, axes: tuple[int, ...]):
-    """(mean, x - mean, variance) over ``axes`` (kept as size-1 dims), the variance as the mean of
-    the squared deviations: the CPU kernels' form (E[X^2] - E[X]^2 cancels)."""
-    mean = reduce("mean", x, axes, True, "ReduceMean")
-    centered = _op("sub", x, mean)
-    return mean, centered, reduce("mean", _op("mul", centered, centered), axes, True, "ReduceMean")
-
-
 @cuda_kernel("LpNormalization")
 def lp_normalization(x, *, axis=-1, p=2):
     """x / ||x||_p along ``axis`` (p 1 or 2); a line of zeros stays zeros."""
@@ -675,7 +675,8 @@ def mean_variance_normalization(x, *, axes=(0, 2, 3)):
     axes_tuple = tuple(sorted({normalize_axis(int(a), rank) for a in axes}))
 
     def run(xc):
-        _, centered, variance = _centered_moments(xc, axes_tuple)
+        centered = _op("sub", xc, reduce("mean", xc, axes_tuple, True, "ReduceMean"))
+        variance = reduce("mean", _op("mul", centered, centered), axes_tuple, True, "ReduceMean")
         spread = _op("add", unary(f"sqrt_{dtype_suffix(xc.dtype)}", variance), device_scalar(1e-9, xc.dtype))
         return _op("div", centered, spread)
 

@@ -7,7 +7,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError
-from gradgen.grads.rules.norm import normalize_backward
+from gradgen.grads.rules.norm import normalize_backward, per_channel
 from gradgen.passes.lowering.table import (
     BASE_OPSET,
     CASTLIKE_OPSET,
@@ -168,7 +168,7 @@ def lower_simplified_layer_normalization(e: GraphBuilder, node: ir.Node):
 # saved batch mean and inverse deviation) and BatchNormalizationGrad (reading them)
 
 
-def _channel_layout(e: GraphBuilder, node: ir.Node, x: ir.Value) -> tuple[list[int], int]:
+def _channel_layout(node: ir.Node, x: ir.Value) -> tuple[list[int], int]:
     """(the reduced axes [0, 2, ...], the rank) of X, an (N, C, ...) tensor of known rank."""
     dims = dims_of(x)
     if dims is None or len(dims) < 2:
@@ -176,14 +176,9 @@ def _channel_layout(e: GraphBuilder, node: ir.Node, x: ir.Value) -> tuple[list[i
     return [0, *range(2, len(dims))], len(dims)
 
 
-def _as_channels(e: GraphBuilder, v: ir.Value, rank: int) -> ir.Value:
-    """A (C,) vector as (C, 1, ..., 1), to broadcast along axis 1 of a rank-``rank`` tensor."""
-    return e.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
-
-
-def _per_channel_count(e: GraphBuilder, x: ir.Value, per_channel: ir.Value) -> ir.Value:
+def _per_channel_count(e: GraphBuilder, x: ir.Value, channel_vector: ir.Value) -> ir.Value:
     """The number of elements of X per channel, a scalar of X's type."""
-    sizes = [_to_type_of(e, e.op("Size", v), x) for v in (x, per_channel)]
+    sizes = [_to_type_of(e, e.op("Size", v), x) for v in (x, channel_vector)]
     return e.op("Div", *sizes)
 
 
@@ -202,15 +197,14 @@ def lower_batch_norm_internal(e: GraphBuilder, node: ir.Node):
         return [e.op("BatchNormalization", *inputs, epsilon=attrs.get("epsilon"))]
     y, running_mean, running_var = e.op_multi("BatchNormalization", inputs, 3, **{**attrs, "training_mode": 1})
     outputs: list[ir.Value | None] = [y, running_mean, running_var, None, None]
-    wanted = [i for i in (3, 4) if i < len(node.outputs) and is_needed(node.outputs[i])]
-    if wanted:
-        axes, rank = _channel_layout(e, node, x)
+    if any(i < len(node.outputs) and is_needed(node.outputs[i]) for i in (3, 4)):
+        if x.dtype is None:
+            raise ModelError(f"{node_where(node)}: the element type of X ({x.name!r}) is unknown; the lowering needs it")
+        axes, _ = _channel_layout(node, x)
         mean = e.reduce("ReduceMean", x, axes, keepdims=1)
         centered = e.op("Sub", x, mean)
         var = e.reduce("ReduceMean", e.op("Mul", centered, centered), axes, keepdims=0)
-        eps = e.const(np.array(attrs.get("epsilon", 1e-5), dtype=x.dtype.numpy())) if x.dtype is not None else None
-        if eps is None:
-            raise ModelError(f"{node_where(node)}: the element type of X ({x.name!r}) is unknown; the lowering needs it")
+        eps = e.const(np.array(attrs.get("epsilon", 1e-5), dtype=x.dtype.numpy()))
         inv_std = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, eps)))
         outputs[3] = _to_type_of(e, e.reshape_like(mean, inputs[3]), inputs[3])
         outputs[4] = _to_type_of(e, inv_std, inputs[4])
@@ -225,17 +219,17 @@ def lower_batch_normalization_grad(e: GraphBuilder, node: ir.Node):
     dy, x, scale, mean, inv_std = (node_input(node, i) for i in range(5))
     if any(v is None for v in (dy, x, scale, mean, inv_std)):
         raise ModelError(f"{node_where(node)} lacks one of its inputs dY, X, scale, mean, variance")
-    axes, rank = _channel_layout(e, node, x)
-    inv = _as_channels(e, inv_std, rank)
-    xhat = e.op("Mul", e.op("Sub", x, _as_channels(e, mean, rank)), inv)
+    axes, rank = _channel_layout(node, x)
+    inv = per_channel(e, inv_std, rank)
+    xhat = e.op("Mul", e.op("Sub", x, per_channel(e, mean, rank)), inv)
     dbias = e.reduce_sum(dy, axes, keepdims=0)
     dscale = e.reduce_sum(e.op("Mul", dy, xhat), axes, keepdims=0)
     outputs: list[ir.Value | None] = [None, None, None]
     if is_needed(node.outputs[0]):
         count = _per_channel_count(e, x, scale)
-        shifted = e.op("Sub", dy, _as_channels(e, e.op("Div", dbias, count), rank))
-        inner = e.op("Sub", shifted, e.op("Mul", xhat, _as_channels(e, e.op("Div", dscale, count), rank)))
-        outputs[0] = e.op("Mul", inner, _as_channels(e, e.op("Mul", scale, inv_std), rank))
+        shifted = e.op("Sub", dy, per_channel(e, e.op("Div", dbias, count), rank))
+        inner = e.op("Sub", shifted, e.op("Mul", xhat, per_channel(e, e.op("Div", dscale, count), rank)))
+        outputs[0] = e.op("Mul", inner, per_channel(e, e.op("Mul", scale, inv_std), rank))
     for i, value in ((1, dscale), (2, dbias)):
         if i < len(node.outputs) and is_needed(node.outputs[i]):
             outputs[i] = value
