@@ -260,9 +260,10 @@ def test_resuming_a_log_written_before_the_skipped_column(tmp_path):
     assert [(r["step"], r["eval_loss"], r["skipped"]) for r in rows] == [("1", "", "0"), ("2", "2.0", "0"), ("3", "", "1")]
 
 
-def test_training_mode_batch_norm_is_noted_and_eval_mode_is_not():
-    """Training steps use a training-mode BatchNormalization's batch statistics but do not update its
-    running statistics: build_training says so (a warning, which the CLI prints as a note)."""
+def test_training_mode_batch_norm_running_statistics_are_step_state_unless_shared():
+    """A training-mode BatchNormalization's running statistics become step state (updated, not
+    trained). Two nodes sharing them leave no single next value: those stay as exported, and
+    build_training says so (a warning, which the CLI prints as a note). Eval mode updates nothing."""
     import warnings
 
     from onnx import TensorProto, helper, numpy_helper
@@ -272,21 +273,27 @@ def test_training_mode_batch_norm_is_noted_and_eval_mode_is_not():
         numpy_helper.from_array(np.ones(3, np.float32), "var")
     ]
 
-    def model(training: int):
+    def model(training: int, shared: bool = False):
         outputs = ["y", "rm", "rv"] if training else ["y"]
-        nodes = [
-            helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outputs, training_mode=training),
-            helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0),
-        ]
+        nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outputs, training_mode=training)]
+        if shared:
+            nodes.append(helper.make_node("BatchNormalization", ["y", "scale", "bias", "mean", "var"], ["y2"], training_mode=1))
+        nodes.append(helper.make_node("ReduceSumSquare", ["y2" if shared else "y"], ["loss"], keepdims=0))
         graph = helper.make_graph(
             nodes, "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 2, 2])],
             [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
         )  # fmt: skip
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
-    with pytest.warns(UserWarning, match=r"1 BatchNormalization node\(s\) run in training mode .* does not update"):
-        program = build_training(model(1), optimizer=SGD())
-    assert {"mean", "var"} <= set(program.frozen)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        build_training(model(0), optimizer=SGD())
+        program = build_training(model(1), optimizer=SGD())
+        assert program.running_statistics_updated == ["mean", "var"]
+        assert not {"mean", "var"} & set(program.params)
+        assert program.layout.params["mean"] in [v.name for v in program.train.graph.outputs]
+        eval_mode = build_training(model(0), optimizer=SGD())
+        assert eval_mode.running_statistics_updated == []
+    with pytest.warns(UserWarning, match=r"2 BatchNormalization node\(s\) run in training mode .* does not update"):
+        shared = build_training(model(1, shared=True), optimizer=SGD())
+    assert shared.running_statistics_updated == []
+    assert {"mean", "var"} <= set(shared.frozen)

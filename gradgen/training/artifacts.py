@@ -54,6 +54,7 @@ from gradgen.training.graph_edit import (
     keep_outputs,
     opset_of,
     remove_unused_inputs,
+    to_inference_mode,
 )
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import SGD, AdamW
@@ -372,25 +373,8 @@ def _eval_model(forward: ir.Model, loss: str, order: list[str]) -> ir.Model:
     keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
     run_pipeline(Pipeline(ParamsAsInputsPass(order), CleanupPass()), model)
     remove_unused_inputs(graph)
-    for node in graph:
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        if node.op_type == "Dropout" and len(node.inputs) > 2:
-            node.replace_input_with(2, None)  # training_mode absent: inference
-        elif node.op_type == "BatchNormalization" and "training_mode" in node.attributes:
-            _batch_norm_in_inference_mode(node)
+    to_inference_mode(graph)
     return model
-
-
-def _batch_norm_in_inference_mode(node: ir.Node) -> None:
-    """training_mode 0, and the running-statistics outputs dropped: ONNX allows them in training mode
-    only (ONNX Runtime refuses the model otherwise). Outputs the model still reads keep the node in
-    training mode."""
-    extra = node.outputs[1:]
-    if any(v.uses() or v.is_graph_output() for v in extra):
-        return
-    node.resize_outputs(1)
-    node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
 
 
 def _ir_version_for_ort(model: ir.Model) -> int:

@@ -93,6 +93,30 @@ def as_output(builder: GraphBuilder, value: ir.Value, name: str, like: ir.Value 
     return value
 
 
+def to_inference_mode(graph: ir.Graph, batch_norms: AbstractSet[ir.Node] | None = None) -> None:
+    """Dropout without its training_mode input, and training-mode BatchNormalization (all of them, or
+    those in ``batch_norms``) in inference mode: what an evaluation runs, as PyTorch's ``eval()``."""
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Dropout" and len(node.inputs) > 2:
+            node.replace_input_with(2, None)  # training_mode absent: inference
+        elif node.op_type == "BatchNormalization" and "training_mode" in node.attributes:
+            if batch_norms is None or node in batch_norms:
+                batch_norm_in_inference_mode(node)
+
+
+def batch_norm_in_inference_mode(node: ir.Node) -> None:
+    """training_mode 0, and the running-statistics outputs dropped: ONNX allows them in training mode
+    only (ONNX Runtime refuses the model otherwise). Outputs the model still reads keep the node in
+    training mode."""
+    extra = node.outputs[1:]
+    if any(v.uses() or v.is_graph_output() for v in extra):
+        return
+    node.resize_outputs(1)
+    node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+
+
 def remove_unused_inputs(graph: ir.Graph, keep: AbstractSet[str] = frozenset()) -> list[str]:
     """Drop graph inputs nothing reads (a target only the removed loss used, say); return their names."""
     unused = [v for v in graph.inputs if not v.uses() and not v.is_graph_output() and v.name not in keep]

@@ -12,6 +12,15 @@
 The trainable parameters are the float initializers the loss depends on through differentiable
 paths, less ``freeze`` and less the running statistics of BatchNormalization nodes (buffers, not
 parameters: an exported eval-mode BatchNorm keeps them fixed while its scale and bias train).
+
+A BatchNormalization exported in training mode normalises with the batch's statistics, and each
+training step updates its running statistics as ONNX defines it (``running = momentum * running +
+(1 - momentum) * batch``, the batch variance biased; PyTorch's update uses the unbiased one, which
+differs by a factor n / (n - 1) on the batch's share). They are step state like the parameters
+(``running_statistics_updated``: graph inputs of every graph, fed and read back with the parameters,
+saved in checkpoints, written by export) but get no gradient; the evaluation graph normalises with
+them (inference mode, as PyTorch's ``eval()``; Dropout off too). With gradient accumulation they are
+updated from the last micro-batch of each step.
 """
 
 from __future__ import annotations
@@ -25,12 +34,12 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.api import backward_pipeline, run_pipeline
-from gradgen.errors import UsageError
+from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, load_model
 from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
-from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs
+from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs, to_inference_mode
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
@@ -57,6 +66,9 @@ class TrainingProgram:
     precision: str = "fp32"
     loss_scaling: LossScaling | None = None
     accumulate_restart: str | None = None  # accumulate graph: the bool input that starts a step's sum
+    # BatchNormalization running statistics each step updates (in initial_params and layout.params
+    # with the parameters, but not trained: no gradient, no optimizer state)
+    running_statistics_updated: list[str] = dataclasses.field(default_factory=list)
 
     def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
         """Every optimizer state at the start, zeros, by (parameter, kind); the loss scaler's."""
@@ -118,7 +130,11 @@ def build_training(
     loss = adder.loss_name if adder is not None else loss
 
     frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
-    _note_training_batch_norms(forward.graph)
+    updated = updatable_running_statistics(forward.graph)
+    _note_training_batch_norms(forward.graph, set(updated.values()))
+    _with_running_outputs(forward, set(updated.values()))
+    buffers = ParamsAsInputsPass(list(updated))  # inputs before any pass: nothing folds their values
+    run_pipeline(buffers, forward)
     backward = _copy(forward)
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss, freeze=frozen), precision)
     run_pipeline(pipeline, backward)
@@ -149,13 +165,14 @@ def build_training(
         assert scale.scale is not None and update.layout is not None  # set by the passes
         run_pipeline(Pipeline(SkipOverflowPass(loss_scaling, scale.scale, update.layout), CleanupPass()), backward)
     remove_unused_inputs(backward.graph, keep=set(params))
-
-    evaluate = _evaluation_model(forward, params, loss)
-    if precision != "fp32":
-        run_pipeline(AutocastPass(precision), evaluate)
     layout = update.layout
     assert layout is not None  # the optimizer pass sets it when it runs
-    reserved = set(params) | {layout.lr, layout.step} | {s.input for s in layout.states}
+    layout.params.update(_running_statistics_outputs(backward.graph, list(updated)))
+
+    evaluate = _evaluation_model(forward, params, loss, list(updated))
+    if precision != "fp32":
+        run_pipeline(AutocastPass(precision), evaluate)
+    reserved = set(params) | set(updated) | {layout.lr, layout.step} | {s.input for s in layout.states}
     reserved |= {name for name in value_names(backward.graph.inputs) if name.startswith(f"{LOSS_SCALING}.")}
     reserved |= set(layout.accumulated.values())
     data_inputs = [v for v in backward.graph.inputs if v.name not in reserved]
@@ -168,7 +185,7 @@ def build_training(
         added_loss=add_loss,
         params=params,
         frozen=frozen,
-        initial_params=as_inputs.initial_values,
+        initial_params={**as_inputs.initial_values, **buffers.initial_values},
         layout=layout,
         accumulated=accumulated,
         data_inputs=data_inputs,
@@ -179,14 +196,19 @@ def build_training(
         precision=precision,
         loss_scaling=loss_scaling,
         accumulate_restart=accumulate_restart,
+        running_statistics_updated=list(updated),
     )
 
 
-def _evaluation_model(forward: ir.Model, params: list[str], loss: str) -> ir.Model:
-    """The forward model (with its loss) whose parameters are inputs; its only output is the loss."""
+def _evaluation_model(forward: ir.Model, params: list[str], loss: str, updated: list[str]) -> ir.Model:
+    """The forward model (with its loss) whose parameters are inputs; its only output is the loss.
+    It runs in inference mode: Dropout off, and each BatchNormalization whose running statistics the
+    steps update (``updated``, graph inputs by now) normalises with them."""
     model = _copy(forward)
     graph = model.graph
     keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
+    nodes = {node for node in updatable_batch_norms(graph) if {value_name(v) for v in node.inputs[3:5] if v} <= set(updated)}
+    to_inference_mode(graph, nodes)
     run_pipeline(Pipeline(ParamsAsInputsPass(params), CleanupPass()), model)
     remove_unused_inputs(graph, keep=set(params))
     return model
@@ -203,21 +225,80 @@ def running_statistics(graph: ir.Graph) -> list[str]:
     return names
 
 
-def _note_training_batch_norms(graph: ir.Graph) -> None:
-    """Warn (the CLI says it as a note) where BatchNormalization runs in training mode: the steps use
-    the batch statistics, as PyTorch's do, but do not update the running statistics, which PyTorch's
-    would; an evaluation or export in inference mode reads them as exported."""
+def updatable_batch_norms(graph: ir.Graph) -> list[ir.Node]:
+    """The BatchNormalization nodes of ``graph`` that normalise with the batch's statistics."""
     from gradgen.grads.rules.norm import batch_norm_in_training
 
-    count = sum(
-        1
+    return [
+        node
         for node in graph
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and batch_norm_in_training(node)
-    )
+    ]
+
+
+def updatable_running_statistics(graph: ir.Graph) -> dict[str, ir.Node]:
+    """Running statistics a training step updates -> their node: the input_mean and input_var of a
+    training-mode BatchNormalization that are initializers nothing else reads (a statistic two nodes
+    share has no single next value)."""
+    updated: dict[str, ir.Node] = {}
+    for node in updatable_batch_norms(graph):
+        stats = [v for v in node.inputs[3:5] if v is not None and v.name in graph.initializers and len(v.uses()) == 1]
+        if len(stats) == 2:
+            updated.update({value_name(v): node for v in stats})
+    return updated
+
+
+def _with_running_outputs(model: ir.Model, nodes: set[ir.Node]) -> None:
+    """Give each of ``nodes`` (training-mode BatchNormalization) its running_mean and running_var
+    outputs, named, where the export left them out."""
+    from gradgen.builder import graph_names
+    from gradgen.names import unique_name
+
+    taken = graph_names(model.graph)
+    for node in nodes:
+        if len(node.outputs) >= 3:
+            continue
+        node.resize_outputs(3)
+        for value, suffix in zip(node.outputs[1:3], ("running_mean", "running_var")):
+            if not value.name:
+                value.name = unique_name(f"{node.name or node.outputs[0].name}_{suffix}", taken)
+                taken.add(value.name)
+
+
+def _running_statistics_outputs(graph: ir.Graph, names: list[str]) -> dict[str, str]:
+    """Each updated running statistic (a graph input of the training graph) -> the graph output that
+    holds its next value: the running output of the training-mode BatchNormalization (or the
+    BatchNormInternal the gradient pass made of it) that reads it, made a graph output here."""
+    from gradgen.builder import graph_names
+    from gradgen.names import unique_name
+
+    inputs = {v.name: v for v in graph.inputs}
+    taken = graph_names(graph)
+    outputs: dict[str, str] = {}
+    for name in names:
+        readers = [(node, i) for node, i in inputs[name].uses() if node.op_type in ("BatchNormalization", "BatchNormInternal")]
+        if len(readers) != 1 or readers[0][1] not in (3, 4) or len(readers[0][0].outputs) < 3:
+            raise ModelError(f"the running statistic {name!r} is not read by one training-mode BatchNormalization")
+        node, index = readers[0]
+        value = node.outputs[index - 2]  # input_mean -> running_mean, input_var -> running_var
+        if not value.is_graph_output():  # named as the parameters' next values are
+            taken.discard(value.name)
+            value.name = unique_name(f"{name}.next", taken)
+            taken.add(value.name)
+            graph.outputs.append(value)
+        outputs[name] = value_name(value)
+    return outputs
+
+
+def _note_training_batch_norms(graph: ir.Graph, updated: set[ir.Node]) -> None:
+    """Warn (the CLI says it as a note) where a BatchNormalization runs in training mode but its
+    running statistics cannot be updated (they are not initializers of their own): the steps use the
+    batch statistics, and the running statistics stay as exported."""
+    count = sum(1 for node in updatable_batch_norms(graph) if node not in updated)
     if count:
         warnings.warn(
-            f"{count} BatchNormalization node(s) run in training mode (batch statistics); training does not update "
-            "their running statistics, which stay as exported (an inference-mode evaluation or export reads them)",
+            f"{count} BatchNormalization node(s) run in training mode (batch statistics) with running statistics "
+            "that are not initializers of their own; training does not update those, which stay as exported",
             stacklevel=3,
         )
 

@@ -21,6 +21,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from typing import Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -115,7 +116,7 @@ class HostStepRunner:
         program, layout, state = self.program, self.program.layout, self._state
         step = state.step + 1
         losses = []
-        accumulated = {name: np.zeros_like(value) for name, value in state.params.items()} if self.accumulate else {}
+        accumulated = {p: np.zeros_like(state.params[p]) for p in program.accumulated} if self.accumulate else {}
         for k, batch in enumerate(micro_batches[:-1]):
             assert self.accumulate is not None  # train_step passes `accumulation` micro-batches: > 1 has the graph
             assert program.accumulate_restart is not None
@@ -304,6 +305,7 @@ class Trainer:
 
     def load_state(self, state: TrainState) -> None:
         """Continue from ``state`` (a checkpoint's); its parameters and states must fit the program."""
+        state = with_running_statistics(self.program, state)
         check_state(self.program, state)
         self.runner.load(state)
 
@@ -379,6 +381,21 @@ class Trainer:
                 f"batch arrays: {'; '.join(problems)}; the model's data inputs are {', '.join(map(repr, self._data_names))}"
             )
         return {name: _as_numpy(value) for name, value in batch.items()}
+
+
+def with_running_statistics(program: TrainingProgram, state: TrainState) -> TrainState:
+    """``state`` with the running statistics the program updates that it lacks (a checkpoint written
+    before they were step state) at the model's values, with a warning."""
+    missing = [name for name in program.running_statistics_updated if name not in state.params]
+    if not missing:
+        return state
+    warnings.warn(
+        f"the state holds no value for {len(missing)} BatchNormalization running statistic(s) "
+        f"({', '.join(map(repr, missing[:2]))}{', ...' if len(missing) > 2 else ''}): they start from the model's values",
+        stacklevel=3,
+    )
+    params = {**state.params, **{name: program.initial_params[name] for name in missing}}
+    return dataclasses.replace(state, params=params)
 
 
 def check_state(program: TrainingProgram, state: TrainState) -> None:
