@@ -217,3 +217,31 @@ def test_the_portable_step_updates_them_on_onnxruntime_too():
         output = program.layout.params[name]
         np.testing.assert_allclose(ours[output], theirs[output], rtol=1e-5, err_msg=name)
         assert not np.allclose(ours[output], program.initial_params[name])
+
+
+def test_gradgen_train_and_export_carry_them(tmp_path, capsys, monkeypatch):
+    """The command line as a user meets it: no note that the statistics stay (they do not), and the
+    exported model holds the checkpoint's running statistics."""
+    from tests.test_cli import run_cli
+
+    module = _module()
+    model = tmp_path / "bn.onnx"
+    onnx.save(_export(module), model)
+    batches = _batches(4)
+    data = tmp_path / "data.npz"
+    np.savez(data, **{key: np.concatenate([b[key] for b in batches]) for key in ("x", "labels")})
+    ckpt = tmp_path / "run"
+    code, _, err = run_cli(
+        capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--optimizer", "sgd", "--steps", "3",
+        "--batch-size", "6", "--eval-data", data, "--checkpoint-dir", ckpt,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "running statistics" not in err
+    out = tmp_path / "trained.onnx"
+    code, _, err = run_cli(capsys, monkeypatch, "export", model, "--checkpoint", ckpt, "-o", out, "--keep-loss")
+    assert code == 0, err
+    exported = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    with np.load(ckpt / "checkpoint.npz") as checkpoint:
+        for name in ("bn.running_mean", "bn.running_var"):
+            np.testing.assert_array_equal(exported[name], checkpoint[f"param/{name}"])
+            assert not np.allclose(exported[name], getattr(module.bn, name.split(".")[1]).numpy())

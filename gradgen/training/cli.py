@@ -81,7 +81,8 @@ def train(
         None,
         "--eval-data",
         help=".npz or directory of .npz shards of evaluation data (as --data); "
-        "its mean loss is reported at the end and every --eval-every steps.",
+        "its mean loss, in inference mode (BatchNormalization's running statistics, no Dropout), "
+        "is reported at the end and every --eval-every steps.",
     ),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="Evaluate every this many steps."),
     checkpoint_dir: Optional[Path] = typer.Option(
