@@ -207,7 +207,7 @@ def _evaluation_model(forward: ir.Model, params: list[str], loss: str, updated: 
     model = _copy(forward)
     graph = model.graph
     keep_outputs(graph, [v for v in graph.outputs if v.name == loss])
-    nodes = {node for node in updatable_batch_norms(graph) if {value_name(v) for v in node.inputs[3:5] if v} <= set(updated)}
+    nodes = {node for node in training_batch_norms(graph) if {value_name(v) for v in node.inputs[3:5] if v} <= set(updated)}
     to_inference_mode(graph, nodes)
     run_pipeline(Pipeline(ParamsAsInputsPass(params), CleanupPass()), model)
     remove_unused_inputs(graph, keep=set(params))
@@ -225,7 +225,7 @@ def running_statistics(graph: ir.Graph) -> list[str]:
     return names
 
 
-def updatable_batch_norms(graph: ir.Graph) -> list[ir.Node]:
+def training_batch_norms(graph: ir.Graph) -> list[ir.Node]:
     """The BatchNormalization nodes of ``graph`` that normalise with the batch's statistics."""
     from gradgen.grads.rules.norm import batch_norm_in_training
 
@@ -241,7 +241,7 @@ def updatable_running_statistics(graph: ir.Graph) -> dict[str, ir.Node]:
     training-mode BatchNormalization that are initializers nothing else reads (a statistic two nodes
     share has no single next value)."""
     updated: dict[str, ir.Node] = {}
-    for node in updatable_batch_norms(graph):
+    for node in training_batch_norms(graph):
         stats = [v for v in node.inputs[3:5] if v is not None and v.name in graph.initializers and len(v.uses()) == 1]
         if len(stats) == 2:
             updated.update({value_name(v): node for v in stats})
@@ -294,7 +294,7 @@ def _note_training_batch_norms(graph: ir.Graph, updated: set[ir.Node]) -> None:
     """Warn (the CLI says it as a note) where a BatchNormalization runs in training mode but its
     running statistics cannot be updated (they are not initializers of their own): the steps use the
     batch statistics, and the running statistics stay as exported."""
-    count = sum(1 for node in updatable_batch_norms(graph) if node not in updated)
+    count = sum(1 for node in training_batch_norms(graph) if node not in updated)
     if count:
         warnings.warn(
             f"{count} BatchNormalization node(s) run in training mode (batch statistics) with running statistics "
