@@ -130,9 +130,9 @@ CASES = {
         optimizer=SGD(),
         lr=0.05,
     ),
-    # The evaluation models differ here: the artifacts' eval model runs BatchNormalization in inference
-    # mode (as ONNX Runtime's own artifacts do), gradgen's Trainer.evaluate with the batch statistics
-    # of the exported training-mode graph (its steps do not update the running statistics)
+    # The evaluation losses differ here: both run BatchNormalization in inference mode, but gradgen's
+    # steps update its running statistics and ONNX Runtime training's Module cannot (its state holds
+    # parameters and optimizer states only), so the artifacts keep them as exported
     "cnn_batch_norm_training_sgd": dict(
         model=_cnn_batch_norm_training, loss=LossSpec("cross_entropy", "logits"), optimizer=SGD(), lr=0.1, same_eval=False
     ),
@@ -220,7 +220,8 @@ def test_ort_training_trains_on_gradgen_artifacts_as_the_trainer_does(case, ort_
     if spec.get("same_eval", True):
         np.testing.assert_allclose(result["eval_loss"], our_eval, rtol=1e-4)
     with np.load(tmp_path / "ort.npz") as ort_params:
-        for name, value in trainer.params.items():
+        for name in program.params:  # not the running statistics, which ONNX Runtime's steps leave alone
+            value = trainer.params[name]
             np.testing.assert_allclose(ort_params[name], value, rtol=1e-4, atol=1e-4 * float(np.abs(value).max()))
         # ORT's own checkpoint, read with gradgen's reader: its parameters, step and moments.
         saved = read_checkpoint(tmp_path / "ort.checkpoint")
