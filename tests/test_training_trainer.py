@@ -297,3 +297,32 @@ def test_training_mode_batch_norm_running_statistics_are_step_state_unless_share
         shared = build_training(model(1, shared=True), optimizer=SGD())
     assert shared.running_statistics_updated == []
     assert {"mean", "var"} <= set(shared.frozen)
+
+
+def test_evaluation_runs_dropout_in_inference_mode():
+    """A model exported in training mode drops activations in its steps; Trainer.evaluate, as
+    PyTorch's eval(), does not: its loss is the loss without dropout, the same at every call."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.full(4, 0.5, np.float32), "w"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+        numpy_helper.from_array(np.array(True), "training"),
+    ]
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("Dropout", ["h", "ratio", "training"], ["d"]),
+        helper.make_node("ReduceSumSquare", ["d"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "dropout", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
+    )  # fmt: skip
+    program = build_training(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), optimizer=SGD())
+    trainer = Trainer(program, lr=1e-3)
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    losses = {trainer.evaluate([{"x": x}]) for _ in range(3)}
+    assert len(losses) == 1
+    np.testing.assert_allclose(losses.pop(), float(np.sum((x * 0.5) ** 2)), rtol=1e-6)
+    step_loss = trainer.train_step([{"x": x}]).loss  # the step drops (and rescales) half the values
+    assert abs(step_loss - float(np.sum((x * 0.5) ** 2))) > 1e-3
