@@ -221,40 +221,6 @@ def test_thread_limit_reaches_onednns_openmp_pool():
         assert openmp and all(info["num_threads"] == 1 for info in openmp)
 
 
-def test_a_linears_product_swaps_only_on_several_threads_with_few_rows():
-    swap = blas._swap_pays
-    assert swap(b"N", b"T", 128, 3072, 2)  # x @ W.T at GPT-2's B=1, T=128
-    assert not swap(b"N", b"T", 128, 3072, 1)  # one thread: oneDNN's own orientation is as fast
-    assert not swap(b"N", b"T", blas.SWAP_MAX_ROWS + 1, 64, 2)  # many rows: both threads are busy already
-    assert not swap(b"N", b"T", blas.SWAP_MIN_ROWS - 1, 3072, 2)  # a handful of rows: the usual orientation is faster
-    assert swap(b"N", b"T", blas.SWAP_MIN_ROWS, 3072, 2)
-    assert not swap(b"N", b"T", 128, 50257, 2)  # an LM head's output: the copy would cost more than it saves
-    assert not any(swap(ta, tb, 128, 768, 2) for ta, tb in [(b"N", b"N"), (b"T", b"T"), (b"T", b"N")])
-
-
-@needs_onednn
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_swapped_product_is_the_product(every_size, monkeypatch, threads):
-    """x @ W.T through the swapped orientation (forced on, whatever the cores) into a fresh result
-    and into ``out``, and the thread count the rule reads."""
-    from gradgen.executor.threads import available_cores, cpu_threads
-
-    calls = []
-    monkeypatch.setattr(blas, "_swap_pays", lambda *args: calls.append(args) or True)
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal((2, 5, 48), dtype=np.float32)
-    w = rng.standard_normal((33, 48), dtype=np.float32)
-    _check(blas.matmul(x, w.T), x, w.T)
-    out = np.full((2, 5, 33), np.nan, dtype=np.float32)
-    assert blas.matmul(x, w.T, out=out) is out
-    _check(out, x, w.T)
-    assert calls and calls[0][:4] == (b"N", b"T", 10, 33)
-    if threads <= available_cores():
-        with cpu_threads(threads):
-            blas.matmul(x, w.T)
-        assert calls[-1][4] == threads
-
-
 @needs_onednn
 def test_the_kernels_compute_what_numpy_computes(monkeypatch):
     """MatMul, Gemm, FusedMatMul, Conv, ConvTranspose and ConvGrad with every product through
@@ -317,17 +283,22 @@ def test_a_forked_child_computes_after_the_parent_used_onednns_threads():
 
 
 @needs_onednn
-def test_a_few_rows_give_the_same_bits_on_one_thread_and_on_two():
-    """Below SWAP_MIN_ROWS nothing is swapped: ``--threads`` leaves such a product's bits alone."""
+@pytest.mark.parametrize("rows", [4, 16, 128, 512])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_linears_product_gives_the_same_bits_on_one_thread_and_on_two(rows, transposed):
+    """``--threads`` leaves a product's bits alone, whatever its rows and the right operand's layout
+    (``x @ W.T`` a transposed view, or a row-major matrix)."""
     from gradgen.executor.threads import available_cores, cpu_threads
 
     if available_cores() < 2:
         pytest.skip("needs two cores")
     rng = np.random.default_rng(8)
-    x = rng.standard_normal((blas.SWAP_MIN_ROWS - 1, 768), dtype=np.float32)
+    x = rng.standard_normal((rows, 768), dtype=np.float32)
     w = rng.standard_normal((3072, 768), dtype=np.float32)
+    right = w.T if transposed else np.ascontiguousarray(w.T)
     with cpu_threads(1):
-        one = blas.matmul(x, w.T)
+        one = blas.matmul(x, right)
     with cpu_threads(2):
-        two = blas.matmul(x, w.T)
+        two = blas.matmul(x, right)
     np.testing.assert_array_equal(one, two)
+    _check(two, x, right)

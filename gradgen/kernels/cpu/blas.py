@@ -18,12 +18,10 @@ OpenBLAS's idle workers spin for a while after each call and take the cores oneD
 BLAS one thread (``numpy_blas_single_threaded``): what is left to it are products below
 ``MIN_MULTIPLY_ADDS``, where a second thread buys little.
 
-Orientation: with a transposed right operand (``x @ W.T``, a Linear's forward) and few rows,
-oneDNN's sgemm hardly uses a second thread: 128 x 768 x 3072 took 6.2 ms at two threads against
-6.9 ms at one. The same product computed as its transpose, ``(W @ x.T).T`` (many rows), then copied
-into place took 4.1 ms. ``_swap_pays`` says where that is done (several threads, few rows, an
-output small enough that the copy stays cheap; from 16 rows, below which the usual orientation is
-faster); a process's results for one shape and thread count do not depend on timings.
+Orientation: every product runs in its own orientation. Until 2026-12-07 a few-row ``x @ W.T``
+on several threads ran as its transpose ``(W @ x.T).T`` plus a copy, which had measured faster; on
+the same machine later it was 3-4 % slower over a whole GPT-2 step (docs/BENCHMARKS.md), and the
+direct product gives the same bits at one thread and at two for every row count tried.
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ from typing import Any
 import numpy as np
 
 MIN_MULTIPLY_ADDS = 1 << 21  # from here a product runs through oneDNN (one thread: as fast as numpy at 2^21)
-SWAP_MIN_ROWS, SWAP_MAX_ROWS = 16, 256  # a product A @ W.T with this many rows runs as (W @ A.T).T on several threads
-SWAP_MAX_OUTPUT = 1 << 20  # ... where the output (the copy the swap costs) has at most this many elements
 DISABLE_VARIABLE = "GRADGEN_CPU_GEMM"  # "numpy": every product through numpy's matmul
 LIBRARY_VARIABLE = "GRADGEN_ONEDNN_LIBRARY"  # a libdnnl.so to load instead of the installed wheel's
 DISTRIBUTION = "onednn-cpu-gomp"
@@ -272,30 +268,7 @@ def _product(sgemm, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     m, k = a.shape
     n = b.shape[1]
     (trans_a, lda), (trans_b, ldb) = layout_a, layout_b
-    if _omp_threads is not None and _swap_pays(trans_a, trans_b, m, n, _omp_threads()):
-        return _swapped_product(sgemm, a, lda, b, ldb, out)
     return sgemm(trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, out.ctypes.data, n) == 0
-
-
-def _swap_pays(trans_a: bytes, trans_b: bytes, m: int, n: int, threads: int) -> bool:
-    """Whether ``A @ W.T`` (A in rows, the right operand a transposed view) runs faster as its own
-    transpose ``W @ A.T`` and a copy: on several threads, with few rows and a small output. Below
-    16 rows oneDNN's own orientation is the faster (87 against 559 us at 2 x 768 @ 768 x 3072) and
-    gives the same bits at one thread and at two."""
-    rows = SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS
-    return trans_a == b"N" and trans_b == b"T" and threads > 1 and rows and m * n <= SWAP_MAX_OUTPUT
-
-
-def _swapped_product(sgemm, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, out: np.ndarray) -> bool:
-    """out = a @ b computed as (b.T @ a.T).T: ``b`` is the transpose of a row-major W (ld ``ldb``),
-    ``a`` row-major (ld ``lda``); the (n, m) product is copied into ``out`` transposed."""
-    m, k = a.shape
-    n = b.shape[1]
-    product_t = np.empty((n, m), dtype=_FLOAT32)
-    if sgemm(b"N", b"T", n, m, k, 1.0, b.ctypes.data, ldb, a.ctypes.data, lda, 0.0, product_t.ctypes.data, m) != 0:
-        return False
-    np.copyto(out, product_t.T)
-    return True
 
 
 def _numpy_blas_controllers() -> list:
