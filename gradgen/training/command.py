@@ -234,9 +234,12 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     if checkpoint is not None:
         trainer.callbacks.append(PeriodicCheckpoint(o.checkpoint_every, save))
     batches = ShuffledBatches(data, batch_size, o.seed, start=start * o.accumulate)
+    running = len(program.running_statistics_updated) // 2
     say(
         f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
-        f"batch size {batch_size}" + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else "")
+        f"batch size {batch_size}"
+        + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else "")
+        + (f"; updating the running statistics of {running} BatchNormalization node(s)" if running else "")
     )
     started = time.perf_counter()
     try:
