@@ -87,7 +87,8 @@ class TrainingProgram:
 
     def state_bindings(self) -> dict[str, str]:
         """Each input of ``train`` that carries state between steps -> the output holding its next value
-        (parameters and optimizer states): what a persistent, in-place device binding pairs up."""
+        (parameters, BatchNormalization running statistics and optimizer states): what a persistent,
+        in-place device binding pairs up."""
         bindings = dict(self.layout.params)
         bindings.update({slot.input: slot.output for slot in self.layout.states})
         return bindings

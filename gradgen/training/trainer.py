@@ -41,7 +41,8 @@ class NonFiniteLossError(RunError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Host copy of everything a step updates: parameters, optimizer states, steps taken."""
+    """Host copy of everything a step updates: parameters (``params`` also holds the running
+    statistics the program updates), optimizer states, steps taken."""
 
     params: Mapping[str, np.ndarray]
     states: Mapping[tuple[str, str], np.ndarray]  # (parameter, kind) -> value
