@@ -246,3 +246,32 @@ def test_gradgen_train_and_export_carry_them(tmp_path, capsys, monkeypatch):
         for name in ("bn.running_mean", "bn.running_var"):
             np.testing.assert_array_equal(exported[name], checkpoint[f"param/{name}"])
             assert not np.allclose(exported[name], getattr(module.bn, name.split(".")[1]).numpy())
+
+
+def test_resuming_a_checkpoint_written_before_running_statistics_were_state(tmp_path, capsys, monkeypatch):
+    """`gradgen train --resume` on a checkpoint without them: a note, then they start from the model."""
+    import json
+
+    from tests.test_cli import run_cli
+
+    model = tmp_path / "bn.onnx"
+    onnx.save(_export(_module()), model)
+    batches = _batches(4)
+    data = tmp_path / "data.npz"
+    np.savez(data, **{key: np.concatenate([b[key] for b in batches]) for key in ("x", "labels")})
+    ckpt = tmp_path / "run"
+    args = ["train", model, "--data", data, "--lr", "0.1", "--optimizer", "sgd", "--batch-size", "6", "--checkpoint-dir", ckpt]
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--steps", "2")
+    assert code == 0, err
+    with np.load(ckpt / "checkpoint.npz") as checkpoint:
+        arrays = {key: checkpoint[key] for key in checkpoint.files if "running" not in key}
+    meta = json.loads(str(arrays["meta"]))
+    meta["params"] = [name for name in meta["params"] if "running" not in name]
+    arrays["meta"] = np.array(json.dumps(meta))
+    np.savez(ckpt / "checkpoint.npz", **arrays)
+    code, _, err = run_cli(capsys, monkeypatch, *args, "--steps", "3", "--resume")
+    assert code == 0, err
+    assert "no value for 2 BatchNormalization running statistic(s)" in err
+    with np.load(ckpt / "checkpoint.npz") as checkpoint:
+        assert int(json.loads(str(checkpoint["meta"]))["step"]) == 3
+        assert "param/bn.running_mean" in checkpoint.files

@@ -403,8 +403,11 @@ def check_state(program: TrainingProgram, state: TrainState) -> None:
     """The state holds every parameter and optimizer state of the program, with their shapes and dtypes."""
     problems = []
     expected = program.initial_params
+    optional = set(program.running_statistics_updated)  # a checkpoint from before they were state
     for name, initial in expected.items():
         value = state.params.get(name)
+        if value is None and name in optional:
+            continue  # load_state starts them from the model's values
         if value is None:
             problems.append(f"no parameter {name!r}")
         elif value.shape != initial.shape or value.dtype != initial.dtype:
