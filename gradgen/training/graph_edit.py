@@ -96,7 +96,7 @@ def as_output(builder: GraphBuilder, value: ir.Value, name: str, like: ir.Value 
 def to_inference_mode(graph: ir.Graph, batch_norms: AbstractSet[ir.Node] | None = None) -> None:
     """Dropout without its training_mode input, and training-mode BatchNormalization (all of them, or
     those in ``batch_norms``) in inference mode: what an evaluation runs, as PyTorch's ``eval()``."""
-    for node in list(graph):
+    for node in graph:
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Dropout" and len(node.inputs) > 2:

@@ -34,12 +34,13 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.api import backward_pipeline, run_pipeline
+from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, load_model
 from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
-from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs, to_inference_mode
+from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, opset_of, remove_unused_inputs, to_inference_mode
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
@@ -132,8 +133,9 @@ def build_training(
 
     frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
     updated = updatable_running_statistics(forward.graph)
-    _note_training_batch_norms(forward.graph, set(updated.values()))
-    _with_running_outputs(forward, set(updated.values()))
+    updated_nodes = set(updated.values())
+    _note_training_batch_norms(forward.graph, updated_nodes)
+    _with_running_outputs(forward, updated_nodes)
     buffers = ParamsAsInputsPass(list(updated))  # inputs before any pass: nothing folds their values
     run_pipeline(buffers, forward)
     backward = _copy(forward)
@@ -168,7 +170,7 @@ def build_training(
     remove_unused_inputs(backward.graph, keep=set(params))
     layout = update.layout
     assert layout is not None  # the optimizer pass sets it when it runs
-    layout.params.update(_running_statistics_outputs(backward.graph, list(updated)))
+    layout.params.update(_running_statistics_outputs(backward, list(updated)))
 
     evaluate = _evaluation_model(forward, params, loss, list(updated))
     if precision != "fp32":
@@ -252,29 +254,23 @@ def updatable_running_statistics(graph: ir.Graph) -> dict[str, ir.Node]:
 def _with_running_outputs(model: ir.Model, nodes: set[ir.Node]) -> None:
     """Give each of ``nodes`` (training-mode BatchNormalization) its running_mean and running_var
     outputs, named, where the export left them out."""
-    from gradgen.builder import graph_names
-    from gradgen.names import unique_name
-
-    taken = graph_names(model.graph)
+    names = GraphBuilder(model.graph, opset_of(model))
     for node in nodes:
         if len(node.outputs) >= 3:
             continue
         node.resize_outputs(3)
         for value, suffix in zip(node.outputs[1:3], ("running_mean", "running_var")):
             if not value.name:
-                value.name = unique_name(f"{node.name or node.outputs[0].name}_{suffix}", taken)
-                taken.add(value.name)
+                names.rename(value, f"{node.name or node.outputs[0].name}_{suffix}")
 
 
-def _running_statistics_outputs(graph: ir.Graph, names: list[str]) -> dict[str, str]:
+def _running_statistics_outputs(model: ir.Model, names: list[str]) -> dict[str, str]:
     """Each updated running statistic (a graph input of the training graph) -> the graph output that
     holds its next value: the running output of the training-mode BatchNormalization (or the
     BatchNormInternal the gradient pass made of it) that reads it, made a graph output here."""
-    from gradgen.builder import graph_names
-    from gradgen.names import unique_name
-
+    graph = model.graph
+    builder = GraphBuilder(graph, opset_of(model))
     inputs = {v.name: v for v in graph.inputs}
-    taken = graph_names(graph)
     outputs: dict[str, str] = {}
     for name in names:
         readers = [(node, i) for node, i in inputs[name].uses() if node.op_type in ("BatchNormalization", "BatchNormInternal")]
@@ -283,9 +279,7 @@ def _running_statistics_outputs(graph: ir.Graph, names: list[str]) -> dict[str, 
         node, index = readers[0]
         value = node.outputs[index - 2]  # input_mean -> running_mean, input_var -> running_var
         if not value.is_graph_output():  # named as the parameters' next values are
-            taken.discard(value.name)
-            value.name = unique_name(f"{name}.next", taken)
-            taken.add(value.name)
+            builder.rename(value, f"{name}.next")
             graph.outputs.append(value)
         outputs[name] = value_name(value)
     return outputs
