@@ -35,6 +35,16 @@ def test_random_uniform_statistics_and_bounds():
     assert abs(y.mean() - 2.0) < 0.05
 
 
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.FLOAT])
+def test_random_uniform_never_draws_high_after_rounding(dtype):
+    """float64 draws just below high round up to it in a narrower type; the half-open bound holds."""
+    model = _model("RandomUniform", shape=[400000], low=0.0, high=1.0, dtype=dtype, seed=3.0)
+    y = Session(model).run({})["y"]
+    assert y.min() >= 0.0 and y.max() < 1.0
+    if dtype == TensorProto.FLOAT16:  # ~100 draws would have rounded to 1.0; they sit just below it
+        assert (y == np.nextafter(np.float16(1), np.float16(0))).sum() > 20
+
+
 @pytest.mark.parametrize("op_type", ["RandomNormalLike", "RandomUniformLike"])
 def test_like_forms_take_the_input_shape_and_type(op_type):
     model = _model(op_type, [("x", TensorProto.FLOAT16, [3, 4])], TensorProto.FLOAT16, seed=5.0)

@@ -741,7 +741,17 @@ def random_normal(*, shape, dtype=1, mean=0.0, scale=1.0, seed=None):
 
 @cpu_kernel("RandomUniform")
 def random_uniform(*, shape, dtype=1, high=1.0, low=0.0, seed=None):
-    return _generator(seed).uniform(float(low), float(high), _random_shape(shape)).astype(_float_output(dtype))
+    """Uniform on [low, high) in ``dtype``. The draws are float64; a draw just below ``high`` can round
+    up to it in a narrower type (float32 one in ~10^7 draws, float16 one in ~4,000), so those are
+    clamped to the type's largest value below ``high``."""
+    out = _float_output(dtype)
+    y = _generator(seed).uniform(float(low), float(high), _random_shape(shape)).astype(out)
+    if float(low) < float(high):
+        below_high = out.type(high)
+        if float(below_high) >= float(high):
+            below_high = np.nextafter(below_high, out.type(-np.inf))
+        np.minimum(y, max(below_high, out.type(low)), out=y)
+    return y
 
 
 @cpu_kernel("RandomNormalLike")
