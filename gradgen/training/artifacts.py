@@ -59,7 +59,7 @@ from gradgen.training.graph_edit import (
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.ort_checkpoint import encode_checkpoint
-from gradgen.training.program import running_statistics
+from gradgen.training.program import not_trained_constants, running_statistics
 
 TRAINING_MODEL = "training_model.onnx"
 EVAL_MODEL = "eval_model.onnx"
@@ -106,6 +106,9 @@ class TrainingArtifacts:
         return notes
 
 
+_NAME_THEM = "--requires-grad NAME (repeatable) names the trainable initializers instead"
+
+
 def generate_artifacts(
     model: ModelLike,
     *,
@@ -118,7 +121,8 @@ def generate_artifacts(
     """Build ONNX Runtime's training, eval and optimizer models and the checkpoint of ``model``.
 
     ``requires_grad`` names the trainable float initializers (default: every one the loss depends
-    on through differentiable ops, less ``frozen`` and BatchNormalization's running statistics);
+    on through differentiable ops, less ``frozen``, BatchNormalization's running statistics and a
+    torch.export model's constants, as ``build_training`` leaves them out);
     ``frozen`` names float initializers that become inputs held by the checkpoint but are not
     trained; other initializers stay constants of the graphs. ``loss`` appends a loss block to an
     output of a model that ends in logits or predictions; without it the model's loss is its only
@@ -135,7 +139,11 @@ def generate_artifacts(
     if trainable is not None:
         _check_loss_depends_on(forward.graph, loss_name, trainable)
     backward = _copy(forward)
-    freeze = frozen if trainable is not None else [*frozen, *running_statistics(forward.graph)]
+    if trainable is None:
+        running = running_statistics(forward.graph)
+        freeze = [*frozen, *running, *not_trained_constants(forward.graph, running=running, hint=_NAME_THEM)]
+    else:
+        freeze = frozen
     pipeline, gradient = backward_pipeline(GradientSpec(loss=loss_name, wrt=trainable, freeze=list(dict.fromkeys(freeze))))
     run_pipeline(pipeline, backward)
     assert gradient.loss_name is not None  # the gradient pass sets it when it runs

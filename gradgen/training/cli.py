@@ -77,6 +77,12 @@ def train(
     label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
     class_axis: int = typer.Option(-1, "--class-axis", help="cross_entropy: the classes' axis of the logits."),
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Keep this parameter fixed (repeatable)."),
+    also_train: Optional[List[str]] = typer.Option(
+        None,
+        "--train",
+        help="Train this initializer although a torch.export model marks it as a buffer or its exporter folded it "
+        "from several values (repeatable; a note names what is left out).",
+    ),
     eval_data: Optional[Path] = typer.Option(
         None,
         "--eval-data",
@@ -154,6 +160,7 @@ def train(
         label_smoothing=label_smoothing,
         class_axis=class_axis,
         freeze=list(freeze or []),
+        also_train=list(also_train or []),
         eval_data=eval_data,
         eval_every=eval_every,
         checkpoint_dir=checkpoint_dir,

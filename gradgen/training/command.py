@@ -25,6 +25,7 @@ from gradgen.training.data import (
     open_data,
     sequential_batches,
 )
+from gradgen.training.exporter_constants import marked_parameter
 from gradgen.training.loss_scaling import LossScaling
 from gradgen.training.losses import LossSpec
 from gradgen.training.optimizers import SGD, AdamW
@@ -61,6 +62,7 @@ class TrainOptions:
     label_smoothing: float = 0.0
     class_axis: int = -1
     freeze: list[str] = dataclasses.field(default_factory=list)
+    also_train: list[str] = dataclasses.field(default_factory=list)
     eval_data: Optional[Path] = None
     eval_every: Optional[int] = None
     checkpoint_dir: Optional[Path] = None
@@ -180,12 +182,18 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         loss=o.loss,
         add_loss=add_loss,
         freeze=o.freeze,
+        also_train=o.also_train,
         clip_norm=o.clip_norm,
         accumulation=o.accumulate,
         precision=o.precision,
         loss_scaling=_loss_scaling(o),
     )
-    scalars = [name for name in program.params if program.initial_params[name].size == 1]
+    initializers = program.source.graph.initializers
+    scalars = [
+        name
+        for name in program.params
+        if program.initial_params[name].size == 1 and not (name in initializers and marked_parameter(initializers[name]))
+    ]
     if scalars:
         say(
             f"note: training single-value initializer(s) {', '.join(map(repr, scalars[:5]))}"

@@ -10,8 +10,10 @@
   update reads and writes (``layout``), and a fingerprint of the forward model.
 
 The trainable parameters are the float initializers the loss depends on through differentiable
-paths, less ``freeze`` and less the running statistics of BatchNormalization nodes (buffers, not
-parameters: an exported eval-mode BatchNorm keeps them fixed while its scale and bias train).
+paths, less ``freeze``, less the running statistics of BatchNormalization nodes (buffers, not
+parameters: an exported eval-mode BatchNorm keeps them fixed while its scale and bias train) and,
+in a torch.export model, less what the exporter says or shows is not a parameter (buffers, masks
+and tables its optimizer folded: ``exporter_constants``).
 
 A BatchNormalization exported in training mode normalises with the batch's statistics, and each
 training step updates its running statistics as ONNX defines it (``running = momentum * running +
@@ -40,6 +42,8 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
+from gradgen.training.exporter_constants import describe as describe_constants
+from gradgen.training.exporter_constants import exporter_constants
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, opset_of, remove_unused_inputs, to_inference_mode
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
@@ -107,6 +111,7 @@ def build_training(
     precision: str = "fp32",
     loss_scaling: LossScaling | None = None,
     portable: bool = False,
+    also_train: Sequence[str] = (),
 ) -> TrainingProgram:
     """Build the training graphs of ``model`` (not modified). ``loss`` names the loss output (default:
     the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None).
@@ -114,7 +119,9 @@ def build_training(
     ``precision`` (fp32, tf32, bf16, fp16) runs ``AutocastPass`` on the training and evaluation
     graphs; fp16 steps use dynamic loss scaling (``loss_scaling``, default ``LossScaling()``).
     ``portable=True`` lowers the com.microsoft gradient ops the backward graph holds to standard ONNX
-    ops (``LowerToStandardPass``), so that any ONNX runtime runs the training step."""
+    ops (``LowerToStandardPass``), so that any ONNX runtime runs the training step.
+    From a torch.export model, initializers the exporter marked or made as constants are not trained
+    (``exporter_constants``; a warning names them); ``also_train`` names some of them to train anyway."""
     if add_loss is not None and loss is not None:
         raise UsageError("name either the model's loss output or a loss to add, not both")
     check_precision(precision)
@@ -131,7 +138,9 @@ def build_training(
     run_pipeline(Pipeline(*prepare), forward)
     loss = adder.loss_name if adder is not None else loss
 
-    frozen = list(dict.fromkeys([*freeze, *running_statistics(forward.graph)]))
+    running = running_statistics(forward.graph)
+    constants = not_trained_constants(forward.graph, also_train, running)
+    frozen = list(dict.fromkeys([*freeze, *running, *constants]))
     updated = updatable_running_statistics(forward.graph)
     updated_nodes = set(updated.values())
     _note_training_batch_norms(forward.graph, updated_nodes)
@@ -215,6 +224,26 @@ def _evaluation_model(forward: ir.Model, params: list[str], loss: str, updated: 
     run_pipeline(Pipeline(ParamsAsInputsPass(params), CleanupPass()), model)
     remove_unused_inputs(graph, keep=set(params))
     return model
+
+
+def not_trained_constants(
+    graph: ir.Graph, also_train: Sequence[str] = (), running: Sequence[str] = (), hint: str = "--train NAME trains one anyway"
+) -> list[str]:
+    """``exporter_constants`` of ``graph`` less ``also_train`` and the ``running`` statistics (which
+    have their own handling), warned about (the CLI says it as a note); a name in ``also_train``
+    that is none of them is a usage error."""
+    constants = {name: why for name, why in exporter_constants(graph).items() if name not in set(running)}
+    unknown = [name for name in also_train if name not in constants]
+    if unknown:
+        those = ", ".join(map(repr, list(constants)[:8])) + (" ..." if len(constants) > 8 else "")
+        raise UsageError(
+            f"--train names no initializer that training leaves out as an exporter's constant: {', '.join(map(repr, unknown))}"
+            + (f" (those are: {those})" if constants else " (this model has none)")
+        )
+    left_out = {name: why for name, why in constants.items() if name not in set(also_train)}
+    if left_out:
+        warnings.warn(f"{describe_constants(left_out)}; {hint}", stacklevel=3)
+    return list(left_out)
 
 
 def running_statistics(graph: ir.Graph) -> list[str]:

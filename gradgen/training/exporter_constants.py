@@ -1,0 +1,100 @@
+"""Float initializers of a PyTorch export that are not parameters of the module, so not trained.
+
+A model exported through torch.export (``torch.onnx.export(..., dynamo=True)``) says what each
+initializer was in the PyTorch program: ``pkg.torch.export.graph_signature.InputSpec.kind`` in its
+metadata (PARAMETER, BUFFER, CONSTANT_TENSOR; USER_INPUT on the graph inputs). The exporter's
+optimizer (on by default) then folds constant subgraphs into new initializers, each with
+``pkg.onnxscript.optimizer.folded_from``: the names of the values folded into it. Training takes a
+parameter to be what PyTorch would train, so from such a model it leaves out
+
+- buffers and constant tensors (a rotary embedding's inverse frequencies);
+- initializers folded from several values: attention masks and rotary cos / sin tables, but also
+  parameters folded together with constants (a class token expanded to the batch, position
+  embeddings gathered at fixed positions). Training those would train another model than
+  PyTorch's (one class token per sample of the batch); an export with ``optimize=False`` keeps
+  the parameters themselves;
+- single-value initializers with no metadata: the exporter's scalar constants (a softmax scale).
+
+It keeps the parameters, folds of one value alone (a weight transposed for its MatMul: training the
+transpose trains the weight) and several-value initializers with no metadata (a convolution with a
+BatchNormalization folded into it). A model from another exporter carries none of this metadata,
+and nothing is left out of it here.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import onnx_ir as ir
+
+KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+PARAMETER = "PARAMETER"
+
+# why an initializer is not trained, as the note groups them
+BUFFER = "buffers or constants of the PyTorch module"
+FOLDED = "folded by the exporter's optimizer from several values"
+SCALAR = "the exporter's single-value constants"
+
+
+def exported_by_torch_export(graph: ir.Graph) -> bool:
+    """Whether ``graph`` carries torch.export's input kinds (on a graph input or an initializer)."""
+    return any(KIND_KEY in value.metadata_props for value in (*graph.inputs, *graph.initializers.values()))
+
+
+def marked_parameter(value: ir.Value) -> bool:
+    """Whether the exporter said ``value`` is a parameter of the module."""
+    return value.metadata_props.get(KIND_KEY) == PARAMETER
+
+
+def exporter_constants(graph: ir.Graph) -> dict[str, str]:
+    """The float initializers of a torch.export model that are not parameters -> why (``BUFFER``,
+    ``FOLDED`` or ``SCALAR``), in graph order; empty for a model from any other exporter."""
+    if not exported_by_torch_export(graph):
+        return {}
+    found: dict[str, str] = {}
+    for name, value in graph.initializers.items():
+        if value.dtype is None or not value.dtype.is_floating_point():
+            continue
+        reason = _reason(value)
+        if reason is not None:
+            found[name] = reason
+    return found
+
+
+def _reason(value: ir.Value) -> str | None:
+    kind = value.metadata_props.get(KIND_KEY)
+    if kind is not None:
+        return None if kind == PARAMETER else BUFFER
+    folded = value.metadata_props.get(FOLDED_FROM_KEY)
+    if folded is not None:
+        return FOLDED if len(_sources(folded)) != 1 else None
+    tensor = value.const_value
+    size = tensor.size if tensor is not None else None
+    return SCALAR if size == 1 else None
+
+
+def _sources(folded_from: str) -> list[str]:
+    """The names in a ``folded_from`` entry (a Python list literal); unreadable: treated as several."""
+    try:
+        names = ast.literal_eval(folded_from)
+    except (ValueError, SyntaxError):
+        return ["?", "?"]
+    return list(names) if isinstance(names, (list, tuple)) else ["?", "?"]
+
+
+def describe(constants: dict[str, str]) -> str:
+    """One line naming what ``exporter_constants`` left out, grouped by reason (five names each)."""
+    parts = []
+    for reason in (BUFFER, FOLDED, SCALAR):
+        names = [name for name, why in constants.items() if why == reason]
+        if names:
+            shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} {reason} ({shown})")
+    text = f"training leaves out float initializers that are not parameters of the exported module: {'; '.join(parts)}"
+    if any(why == FOLDED for why in constants.values()):
+        text += (
+            "; a parameter folded with constants is among them where the model was optimised for inference: "
+            "export with torch.onnx.export(..., dynamo=True, optimize=False) to train every parameter as PyTorch does"
+        )
+    return text
