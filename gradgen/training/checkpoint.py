@@ -47,6 +47,7 @@ def save_checkpoint(
         "loss": program.loss,
         "added_loss": program.added_loss is not None,
         "params": list(state.params),
+        "tied": [list(pair) for pair in program.tied],
         "states": [[param, kind] for param, kind in state.states],
         **(extra or {}),
     }
@@ -91,6 +92,12 @@ def check_checkpoint(path: str | os.PathLike, meta: dict[str, Any], state: Train
         raise UsageError(f"{where}: the checkpoint holds {meta['optimizer']} state; this run uses {program.optimizer.kind}")
     if meta["loss"] != program.loss:
         raise UsageError(f"{where}: the checkpoint was trained on loss {meta['loss']!r}, this run on {program.loss!r}")
+    if [tuple(pair) for pair in meta.get("tied", [])] != program.tied:
+        trained_tied = bool(meta.get("tied"))
+        raise UsageError(
+            f"{where}: the checkpoint was trained {'with' if trained_tied else 'without'} --tie-weights, "
+            f"this run is {'without' if trained_tied else 'with'} it"
+        )
     try:
         check_state(program, state)
     except Exception as exc:

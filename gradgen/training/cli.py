@@ -83,6 +83,12 @@ def train(
         help="Train this initializer although a torch.export model marks it as a buffer or its exporter folded it "
         "from several values (repeatable; a note names what is left out).",
     ),
+    tie_weights: bool = typer.Option(
+        False,
+        "--tie-weights",
+        help="Train a weight the exporter wrote twice (an initializer and its transpose: an LM head sharing its "
+        "embedding) as one parameter, as PyTorch does; export writes both copies.",
+    ),
     eval_data: Optional[Path] = typer.Option(
         None,
         "--eval-data",
@@ -161,6 +167,7 @@ def train(
         class_axis=class_axis,
         freeze=list(freeze or []),
         also_train=list(also_train or []),
+        tie_weights=tie_weights,
         eval_data=eval_data,
         eval_every=eval_every,
         checkpoint_dir=checkpoint_dir,

@@ -63,6 +63,7 @@ class TrainOptions:
     class_axis: int = -1
     freeze: list[str] = dataclasses.field(default_factory=list)
     also_train: list[str] = dataclasses.field(default_factory=list)
+    tie_weights: bool = False
     eval_data: Optional[Path] = None
     eval_every: Optional[int] = None
     checkpoint_dir: Optional[Path] = None
@@ -183,6 +184,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         add_loss=add_loss,
         freeze=o.freeze,
         also_train=o.also_train,
+        tie_weights=o.tie_weights,
         clip_norm=o.clip_norm,
         accumulation=o.accumulate,
         precision=o.precision,

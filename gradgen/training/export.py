@@ -1,7 +1,8 @@
 """Export: the forward model with trained parameters in place of its initializers, for inference.
 
 The model given is the forward model that was trained (the one ``gradgen train`` read); the
-checkpoint's fingerprint must match it. The loss the training used is removed when it is one of
+checkpoint's fingerprint must match it. A weight trained tied to its transposed copy
+(``--tie-weights``) is written to both initializers. The loss the training used is removed when it is one of
 the model's outputs (with the nodes and inputs, such as labels, only it needed), unless
 ``keep_loss``; a loss added for training was never part of the model. No backward or optimizer
 node is in the result: it is the original graph (shape computations on static shapes folded),
@@ -34,6 +35,7 @@ def export_trained(model: ModelLike, checkpoint: str | os.PathLike, *, keep_loss
             f"{where}: the checkpoint is from another model (fingerprint {meta['fingerprint']}, this model's is {fingerprint})"
         )
     set_initializers(forward.graph, state.params, where)
+    set_initializers(forward.graph, {copy: state.params[param].T for param, copy in meta.get("tied", [])}, where)
     if not keep_loss and not meta["added_loss"]:
         remove_output(forward, meta["loss"])
     return forward

@@ -42,6 +42,7 @@ from gradgen.model_io import ModelLike, load_model
 from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
+from gradgen.passes.ties import TieEqualWeightsPass
 from gradgen.training.exporter_constants import describe as describe_constants
 from gradgen.training.exporter_constants import exporter_constants
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, opset_of, remove_unused_inputs, to_inference_mode
@@ -74,6 +75,8 @@ class TrainingProgram:
     # BatchNormalization running statistics each step updates (in initial_params and layout.params
     # with the parameters, but not trained: no gradient, no optimizer state)
     running_statistics_updated: list[str] = dataclasses.field(default_factory=list)
+    # (parameter, its transposed copy in the source model) pairs tied into one parameter (tie_weights)
+    tied: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def initial_states(self) -> dict[tuple[str, str], np.ndarray]:
         """Every optimizer state at the start, zeros, by (parameter, kind); the loss scaler's."""
@@ -112,6 +115,7 @@ def build_training(
     loss_scaling: LossScaling | None = None,
     portable: bool = False,
     also_train: Sequence[str] = (),
+    tie_weights: bool = False,
 ) -> TrainingProgram:
     """Build the training graphs of ``model`` (not modified). ``loss`` names the loss output (default:
     the only scalar float output); ``add_loss`` appends one instead (``loss`` must then be None).
@@ -121,7 +125,10 @@ def build_training(
     ``portable=True`` lowers the com.microsoft gradient ops the backward graph holds to standard ONNX
     ops (``LowerToStandardPass``), so that any ONNX runtime runs the training step.
     From a torch.export model, initializers the exporter marked or made as constants are not trained
-    (``exporter_constants``; a warning names them); ``also_train`` names some of them to train anyway."""
+    (``exporter_constants``; a warning names them); ``also_train`` names some of them to train anyway.
+    ``tie_weights`` trains a weight the exporter wrote twice (an LM head sharing its embedding, once
+    transposed) as one parameter, as PyTorch does (``TieEqualWeightsPass``; the training and
+    evaluation graphs read the copy as a Transpose of it, and export writes the copy back)."""
     if add_loss is not None and loss is not None:
         raise UsageError("name either the model's loss output or a loss to add, not both")
     check_precision(precision)
@@ -135,6 +142,9 @@ def build_training(
     adder = AddLossPass(add_loss) if add_loss is not None else None
     if adder is not None:
         prepare.append(adder)
+    ties = TieEqualWeightsPass(tie=True) if tie_weights else None
+    if ties is not None:  # else the backward pipeline's own pass warns about each pair
+        prepare.append(ties)
     run_pipeline(Pipeline(*prepare), forward)
     loss = adder.loss_name if adder is not None else loss
 
@@ -209,6 +219,7 @@ def build_training(
         loss_scaling=loss_scaling,
         accumulate_restart=accumulate_restart,
         running_statistics_updated=list(updated),
+        tied=list(ties.tied) if ties is not None else [],
     )
 
 
