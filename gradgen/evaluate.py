@@ -151,7 +151,8 @@ class ConstantEvaluator:
         if entry.wants_opset:
             attrs["_opset"] = self.opset
         try:
-            result = entry.cpu(*args, **attrs)
+            with np.errstate(all="ignore"):  # log(0) = -inf is ONNX's answer, as at run time: no note
+                result = entry.cpu(*args, **attrs)
         except Exception:  # noqa: BLE001 - a kernel refusing the inputs means "not foldable here"
             return None
         results = [np.asarray(r) for r in (result if isinstance(result, (tuple, list)) else (result,))]

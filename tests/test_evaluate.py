@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -181,3 +182,26 @@ def test_random_ops_are_never_folded(op):
     )
     EvaluateConstantsPass()(model)
     assert op in [n.op_type for n in model.graph]
+
+
+def test_folding_log_of_zero_gives_minus_inf_without_a_numpy_warning():
+    """T5's relative-position buckets take log(0) of constant positions: ONNX's answer is -inf, and
+    numpy's RuntimeWarning would reach the user as a note about gradgen's own arithmetic."""
+    nodes = [
+        _const("positions", np.array([0.0, 1.0, 4.0], np.float32)),
+        helper.make_node("Log", ["positions"], ["logs"]),
+        helper.make_node("Max", ["logs", "x"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    model = _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EvaluateConstantsPass()(model)
+    (log_node,) = [n for n in model.graph if n.op_type == "Max"]
+    folded = log_node.inputs[0]
+    values = (
+        folded.const_value.numpy()
+        if folded.const_value is not None
+        else folded.producer().attributes["value"].as_tensor().numpy()
+    )
+    np.testing.assert_array_equal(values, np.array([-np.inf, 0.0, np.log(np.float32(4.0))], np.float32))

@@ -389,11 +389,12 @@ def legacy_export(model, args: tuple, names: list[str], dynamic_axes: dict | Non
     return onnx.load_from_string(buf.getvalue())
 
 
-def dynamo_export(model, args: tuple, names: list[str], dynamic_shapes: tuple | None = None):
+def dynamo_export(model, args: tuple, names: list[str], dynamic_shapes: tuple | None = None, optimize: bool = False):
     """``model`` (whose forward returns the loss) as an ``onnx.ModelProto`` through PyTorch's dynamo
-    exporter (torch.export; it needs onnxscript), unoptimised (its optimizer folds parts of the
-    parameters into constants), the inputs named ``names``, the output ``loss``; the exporter's
-    progress lines and warnings are kept out of the caller's output."""
+    exporter (torch.export; it needs onnxscript), unoptimised unless ``optimize`` (its optimizer,
+    on by default in PyTorch, folds parts of the parameters into constants), the inputs named
+    ``names``, the output ``loss``; the exporter's progress lines and warnings are kept out of the
+    caller's output."""
     import contextlib
 
     import torch
@@ -404,7 +405,7 @@ def dynamo_export(model, args: tuple, names: list[str], dynamic_shapes: tuple | 
             model,
             args,
             dynamo=True,
-            optimize=False,
+            optimize=optimize,
             input_names=names,
             output_names=["loss"],
             dynamic_shapes=dynamic_shapes,

@@ -7,11 +7,13 @@ data against the model's inputs, a checkpoint to resume) runs before the first s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
+import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from gradgen.errors import RunError, UsageError
 from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_loss_curve
@@ -159,6 +161,35 @@ class PeriodicCheckpoint(Callback):
             self.save()
 
 
+def _build(o: TrainOptions, optimizer, add_loss: LossSpec | None) -> TrainingProgram:
+    return build_training(
+        o.model,
+        optimizer=optimizer,
+        loss=o.loss,
+        add_loss=add_loss,
+        freeze=o.freeze,
+        also_train=o.also_train,
+        tie_weights=o.tie_weights,
+        clip_norm=o.clip_norm,
+        accumulation=o.accumulate,
+        precision=o.precision,
+        loss_scaling=_loss_scaling(o),
+    )
+
+
+@contextlib.contextmanager
+def _notes_before_training(say: Callable[[str], None]) -> Iterator[None]:
+    """The build's warnings (what it leaves out, untied copies, BatchNormalization it cannot
+    update) said as notes when the build ends, before the first step, not after the last."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for message in dict.fromkeys(str(w.message) for w in caught):
+                say(f"note: {message}")
+
+
 def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     """Train per ``o``; return the summary lines."""
     optimizer = make_optimizer(o)
@@ -177,19 +208,8 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     _check_writable(o, log_path, plot_path)
 
     say(f"building the training graphs of {o.model}")
-    program = build_training(
-        o.model,
-        optimizer=optimizer,
-        loss=o.loss,
-        add_loss=add_loss,
-        freeze=o.freeze,
-        also_train=o.also_train,
-        tie_weights=o.tie_weights,
-        clip_norm=o.clip_norm,
-        accumulation=o.accumulate,
-        precision=o.precision,
-        loss_scaling=_loss_scaling(o),
-    )
+    with _notes_before_training(say):
+        program = _build(o, optimizer, add_loss)
     initializers = program.source.graph.initializers
     scalars = [
         name

@@ -62,6 +62,33 @@ def exporter_constants(graph: ir.Graph) -> dict[str, str]:
     return found
 
 
+def unmarked_initializers(graph: ir.Graph) -> list[str]:
+    """Float initializers of several values of a torch.export model that carry no metadata at all:
+    tensors the exporter's optimizer rewrote (a convolution with a BatchNormalization folded into
+    it), trained as parameters though PyTorch trains others; empty for other exporters' models."""
+    if not exported_by_torch_export(graph):
+        return []
+    return [
+        name
+        for name, value in graph.initializers.items()
+        if value.dtype is not None
+        and value.dtype.is_floating_point()
+        and KIND_KEY not in value.metadata_props
+        and FOLDED_FROM_KEY not in value.metadata_props
+        and _reason(value) is None
+    ]
+
+
+def describe_unmarked(names: list[str]) -> str:
+    shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"{len(names)} trained initializer(s) of this torch.export model are no parameter of the module ({shown}): "
+        "the exporter's optimizer made them (a BatchNormalization folded into its convolution, say), so training "
+        "changes another parametrization than PyTorch's; export with torch.onnx.export(..., dynamo=True, "
+        "optimize=False) to train the module's own parameters"
+    )
+
+
 def _reason(value: ir.Value) -> str | None:
     kind = value.metadata_props.get(KIND_KEY)
     if kind is not None:

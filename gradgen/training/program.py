@@ -44,7 +44,7 @@ from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipel
 from gradgen.passes.autocast import AutocastPass, check_precision
 from gradgen.passes.ties import TieEqualWeightsPass
 from gradgen.training.exporter_constants import describe as describe_constants
-from gradgen.training.exporter_constants import exporter_constants
+from gradgen.training.exporter_constants import describe_unmarked, exporter_constants, unmarked_initializers
 from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, opset_of, remove_unused_inputs, to_inference_mode
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
@@ -164,6 +164,9 @@ def build_training(
         run_pipeline(Pipeline(LowerToStandardPass(), CleanupPass()), backward)
     assert gradient.loss_name is not None  # the gradient pass sets it when it runs
     loss, params = gradient.loss_name, gradient.wrt_names
+    unmarked = [name for name in unmarked_initializers(forward.graph) if name in set(params)]
+    if unmarked:
+        warnings.warn(describe_unmarked(unmarked), stacklevel=2)
 
     as_inputs = ParamsAsInputsPass(params)
     run_pipeline(as_inputs, backward)

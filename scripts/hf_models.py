@@ -1,0 +1,437 @@
+"""Hugging Face transformers models, exported as users export them, against PyTorch.
+
+Usage::
+
+    pip install transformers   # not a dependency of gradgen
+    python scripts/hf_models.py [NAME ...] [--steps 20] [--json out.json]
+
+Each model is a small, randomly initialised configuration of a transformers class that returns its
+own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
+ResNet), its parameters perturbed so that no two are equal (the legacy exporter would merge equal
+initializers). For each exporter,
+
+- ``legacy`` (``torch.onnx.export(dynamo=False)``, no constant folding) and ``dynamo``
+  (``dynamo=True, optimize=False``): the gradients of every parameter against PyTorch autograd
+  (``scripts/torch_sweep.py``'s comparison: float32, rerun in float64 when a tensor is off by more
+  than 1e-3), then ``--steps`` AdamW steps of ``gradgen.training`` against ``torch.optim.AdamW`` on
+  the same batches (the largest relative difference of the losses);
+- ``dynamo-optimized`` (``dynamo=True``, PyTorch's default: its optimizer folds constants): the same
+  training comparison, with what training left out of the parameters (the notes) and with the
+  tied weights tied (``tie_weights=True``).
+
+A causal LM's key bias and an attention's key bias get a gradient that is zero up to rounding
+(softmax is invariant to a constant per row): those tensors are scored as zero references, and
+AdamW turns their noise into steps of size lr on both sides, which move the losses apart by about
+1e-4 over the steps (BERT, BART).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_sweep  # noqa: E402  (the gradient comparison)
+
+SEQ = 8
+BATCH = 2
+
+
+def _tokens(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _images(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+class LossOf(nn.Module):
+    """``model(**inputs).loss`` with the inputs passed positionally, in ``keys``' order."""
+
+    def __init__(self, model: nn.Module, keys: list[str]):
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.keys, args))).loss
+
+
+def _case(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch_sweep.Case:
+    model.eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return torch_sweep.Case(LossOf(model, list(inputs)), inputs)
+
+
+def _causal_lm(config_class: str, **config: Any) -> Callable[[], torch_sweep.Case]:
+    def make() -> torch_sweep.Case:
+        import transformers
+
+        cls = getattr(transformers, config_class)
+        ids = _tokens(97, BATCH, SEQ)
+        model = getattr(transformers, config_class.replace("Config", "ForCausalLM"))(cls(vocab_size=97, **config))
+        return _case(model, {"input_ids": ids, "labels": ids.clone()})
+
+    return make
+
+
+def gpt2() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, attn_pdrop=0, resid_pdrop=0, embd_pdrop=0
+    )
+    ids = _tokens(97, BATCH, SEQ)
+    return _case(T.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids.clone()})
+
+
+def _encoder_config(**extra: Any) -> dict[str, Any]:
+    return dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=97,
+        max_position_embeddings=40,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        **extra,
+    )
+
+
+def bert() -> torch_sweep.Case:
+    import transformers as T
+
+    ids = _tokens(97, BATCH, SEQ)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    return _case(
+        T.BertForMaskedLM(T.BertConfig(**_encoder_config())),
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+    )
+
+
+def roberta() -> torch_sweep.Case:
+    import transformers as T
+
+    model = T.RobertaForSequenceClassification(T.RobertaConfig(**_encoder_config()))
+    return _case(model, {"input_ids": _tokens(95, BATCH, SEQ) + 2, "labels": _tokens(2, BATCH)})
+
+
+def distilbert() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.DistilBertConfig(
+        n_layers=2,
+        dim=32,
+        n_heads=4,
+        hidden_dim=64,
+        vocab_size=97,
+        max_position_embeddings=32,
+        dropout=0,
+        attention_dropout=0,
+    )
+    return _case(
+        T.DistilBertForSequenceClassification(config),
+        {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(2, BATCH)},
+    )
+
+
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+def t5() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.T5Config(
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=64,
+        vocab_size=97,
+        dropout_rate=0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return _case(
+        T.T5ForConditionalGeneration(config),
+        {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(97, BATCH, 6, seed=1)},
+    )
+
+
+def _seq2seq_config(**extra: Any) -> dict[str, Any]:
+    return dict(
+        vocab_size=97,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        dropout=0,
+        decoder_start_token_id=2,
+        pad_token_id=1,
+        **extra,
+    )
+
+
+def bart() -> torch_sweep.Case:
+    import transformers as T
+
+    model = T.BartForConditionalGeneration(T.BartConfig(max_position_embeddings=32, **_seq2seq_config()))
+    return _case(model, {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(97, BATCH, 6, seed=1)})
+
+
+def whisper() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.WhisperConfig(num_mel_bins=8, max_source_positions=8, max_target_positions=16, **_seq2seq_config())
+    return _case(
+        T.WhisperForConditionalGeneration(config),
+        {"input_features": _images(BATCH, 8, 16), "labels": _tokens(97, BATCH, 6)},
+    )
+
+
+def _vision(model_class: str, config_class: str, **config: Any) -> Callable[[], torch_sweep.Case]:
+    def make() -> torch_sweep.Case:
+        import transformers
+
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(num_channels=3, **config))
+        return _case(model, {"pixel_values": _images(BATCH, 3, 32, 32), "labels": _tokens(3, BATCH)})
+
+    return make
+
+
+_VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "roberta": roberta,
+    "distilbert": distilbert,
+    "llama": _causal_lm("LlamaConfig", max_position_embeddings=32, **_DECODER),
+    "mistral": _causal_lm("MistralConfig", max_position_embeddings=32, sliding_window=4, **_DECODER),
+    "qwen2": _causal_lm("Qwen2Config", max_position_embeddings=32, **_DECODER),
+    "t5": t5,
+    "bart": bart,
+    "whisper": whisper,
+    "vit": _vision(
+        "ViTForImageClassification",
+        "ViTConfig",
+        num_labels=3,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        **_VIT,
+    ),
+    "swin": _vision(
+        "SwinForImageClassification",
+        "SwinConfig",
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+        num_labels=3,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        drop_path_rate=0,
+    ),
+    "resnet": _vision(
+        "ResNetForImageClassification",
+        "ResNetConfig",
+        embedding_size=8,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_labels=3,
+    ),
+}
+EXPORTERS = ("legacy", "dynamo", "dynamo-optimized")
+
+
+def _export(case: torch_sweep.Case, exporter: str):
+    from gradgen.bench.models import dynamo_export
+
+    if exporter == "dynamo-optimized":
+        return dynamo_export(case.module, tuple(case.inputs.values()), list(case.inputs), optimize=True)
+    return torch_sweep.export(case, exporter)
+
+
+def _batches(case: torch_sweep.Case, graph_inputs: list[str], steps: int) -> list[dict[str, np.ndarray]]:
+    """``steps`` batches shaped as the example inputs: random tokens below the example's largest id
+    (labels likewise), images from a normal distribution, attention masks of ones."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(steps):
+        batch = {}
+        for name, example in case.inputs.items():
+            if name not in graph_inputs:
+                continue
+            if example.is_floating_point():
+                batch[name] = rng.standard_normal(tuple(example.shape)).astype(np.float32)
+            elif name == "attention_mask":
+                batch[name] = np.ones(tuple(example.shape), np.int64)
+            else:
+                batch[name] = rng.integers(0, max(int(example.max()) + 1, 2), tuple(example.shape)).astype(np.int64)
+        batches.append(batch)
+    return batches
+
+
+def compare_training(case: torch_sweep.Case, proto, steps: int, **options: Any) -> dict[str, Any]:
+    """``steps`` AdamW steps (lr 1e-3, weight decay 0.01) of gradgen's trainer and of PyTorch's on
+    the same batches, from the same weights; the notes the build gave."""
+    from gradgen.training import AdamW, Trainer, build_training
+
+    batches = _batches(case, [i.name for i in proto.graph.input], steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = build_training(proto, optimizer=AdamW(weight_decay=0.01), **options)
+    ours = np.array([r.loss for r in Trainer(program, lr=1e-3).fit(batches, steps)])
+    module = case.module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+    theirs = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = module(*[torch.from_numpy(batch[name]) if name in batch else case.inputs[name] for name in case.inputs])
+        loss.backward()
+        optimizer.step()
+        theirs.append(loss.item())
+    relative = np.abs(ours - np.array(theirs)) / np.abs(theirs)
+    return {
+        "params": len(program.params),
+        "torch_params": sum(1 for _ in module.parameters()),
+        "loss_first_last": [theirs[0], theirs[-1]],
+        "max_rel_loss_diff": float(relative.max()),
+        "notes": [str(w.message) for w in caught],
+    }
+
+
+@contextlib.contextmanager
+def _stdout_silenced():
+    """File descriptor 1 to /dev/null: the legacy exporter prints the TorchScript graph of a model it
+    fails on from C++, past Python's sys.stdout."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def run(name: str, exporter: str, steps: int) -> dict[str, Any]:
+    record: dict[str, Any] = {"model": name, "exporter": exporter}
+    started = time.perf_counter()
+    try:
+        if exporter != "dynamo-optimized":
+            torch_sweep.CASES[name] = ("hf", MODELS[name])
+            for dtype in (torch.float32, torch.float64):
+                with _stdout_silenced():
+                    gradients = torch_sweep.run_case(name, exporter, dtype, 600)
+                real = {k: v for k, v in gradients.get("errors", {}).items() if k not in gradients.get("zero_ref", {})}
+                worst = max(real.values(), default=0.0)
+                record[f"gradients_{str(dtype)[6:]}"] = {
+                    "stage": gradients["stage"],
+                    "error": gradients.get("error"),
+                    "compared": gradients.get("compared"),
+                    "worst": worst,
+                    "worst_tensor": max(real, key=real.__getitem__) if real else None,
+                }
+                if gradients["stage"] != "done" or worst <= 1e-3:
+                    break
+            if gradients["stage"] == "export":
+                return record
+        torch.manual_seed(0)
+        case = MODELS[name]()
+        with _stdout_silenced():
+            proto = _export(case, exporter)
+        options = {"tie_weights": True} if exporter == "dynamo-optimized" else {}
+        record["training"] = compare_training(dataclasses.replace(case), proto, steps, **options)
+    except Exception as exc:  # noqa: BLE001 -- a row of the table, not the end of the run
+        record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    finally:
+        record["seconds"] = round(time.perf_counter() - started, 1)
+    return record
+
+
+def row(record: dict[str, Any]) -> str:
+    cells = [f"{record['model']:10s} {record['exporter']:16s}"]
+    for dtype in ("float32", "float64"):
+        g = record.get(f"gradients_{dtype}")
+        if g:
+            what = f"{g['worst']:.1e} ({g['compared']} tensors)" if g["stage"] == "done" else f"{g['stage']} failed"
+            cells.append(f"grad {dtype} {what}")
+    t = record.get("training")
+    if t:
+        cells.append(f"train {t['params']}/{t['torch_params']} params, loss diff {t['max_rel_loss_diff']:.1e}")
+        cells.extend(f"\n    note: {note[:220]}" for note in t["notes"])
+    if record.get("error"):
+        cells.append(f"error: {record['error'][:200]}")
+    for dtype in ("float32", "float64"):
+        error = (record.get(f"gradients_{dtype}") or {}).get("error")
+        if error:
+            cells.append(f"\n    {dtype}: {error[:200]}")
+    return "  ".join(cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help=f"models (default all): {', '.join(MODELS)}")
+    parser.add_argument("--exporters", default=",".join(EXPORTERS), help=f"comma-separated, of {', '.join(EXPORTERS)}")
+    parser.add_argument("--steps", type=int, default=20, help="training steps compared (default 20)")
+    parser.add_argument("--json", help="write the records here")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    torch.set_num_threads(1)
+    logging_off()
+    records = []
+    for name in args.names or list(MODELS):
+        for exporter in args.exporters.split(","):
+            record = run(name, exporter, args.steps)
+            print(row(record), flush=True)
+            records.append(record)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(records, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+        )
+    return 0
+
+
+def logging_off() -> None:
+    """transformers' config notes and torch.export's registration warnings, once per model, are noise here."""
+    import logging
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
