@@ -17,7 +17,9 @@ initializers). For each exporter,
   the same batches (the largest relative difference of the losses);
 - ``dynamo-optimized`` (``dynamo=True``, PyTorch's default: its optimizer folds constants): the same
   training comparison, with what training left out of the parameters (the notes) and with the
-  tied weights tied (``tie_weights=True``).
+  tied weights tied (``tie_weights=True``); with ``--ort-python PYTHON`` (an interpreter with
+  onnxruntime-training 1.19.2, docs/ORT_ARTIFACTS.md) also ONNX Runtime training's steps on
+  ``generate_artifacts``' models of the same export, against PyTorch's losses.
 
 A causal LM's key bias and an attention's key bias get a gradient that is zero up to rounding
 (softmax is invariant to a constant per row): those tensors are scored as zero references, and
@@ -298,7 +300,54 @@ def _batches(case: torch_sweep.Case, graph_inputs: list[str], steps: int) -> lis
     return batches
 
 
-def compare_training(case: torch_sweep.Case, proto, steps: int, **options: Any) -> dict[str, Any]:
+def torch_losses(case: torch_sweep.Case, batches: list[dict[str, np.ndarray]]) -> list[float]:
+    """PyTorch's AdamW (lr 1e-3, weight decay 0.01) on ``batches``, from the case's weights (which
+    it changes: build what reads them first)."""
+    module = case.module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = module(*[torch.from_numpy(batch[name]) if name in batch else case.inputs[name] for name in case.inputs])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def ort_training_losses(proto, batches: list[dict[str, np.ndarray]], ort_python: str) -> list[float]:
+    """ONNX Runtime training's losses over ``batches`` on the artifacts gradgen makes of ``proto``
+    (AdamW, lr 1e-3, weight decay 0.01), run by ``tests/test_artifacts_ort.py``'s runner."""
+    import subprocess
+    import tempfile
+
+    import onnx
+
+    from gradgen.training.artifacts import generate_artifacts, save_artifacts
+    from gradgen.training.optimizers import AdamW
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.test_artifacts_ort import RUNNER
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        onnx.save(proto, work / "model.onnx")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the same notes as the trainer's build
+            made = generate_artifacts(proto, optimizer=AdamW(weight_decay=0.01), tie_weights=True)
+        save_artifacts(made, work / "artifacts", work / "model.onnx")
+        data = {f"{step}/{name}": value for step, batch in enumerate(batches) for name, value in batch.items()}
+        data["meta"] = np.array(json.dumps({"lr": 1e-3, "steps": len(batches)}))
+        np.savez(work / "data.npz", **data)
+        (work / "runner.py").write_text(RUNNER)
+        command = [ort_python, str(work / "runner.py"), str(work / "artifacts"), str(work / "data.npz"), str(work / "out")]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"ONNX Runtime training failed: {done.stderr.strip().splitlines()[-1:]}")
+        return json.loads((work / "out.json").read_text())["losses"]
+
+
+def compare_training(case: torch_sweep.Case, proto, steps: int, ort_python: str | None = None, **options: Any) -> dict[str, Any]:
     """``steps`` AdamW steps (lr 1e-3, weight decay 0.01) of gradgen's trainer and of PyTorch's on
     the same batches, from the same weights; the notes the build gave."""
     from gradgen.training import AdamW, Trainer, build_training
@@ -308,23 +357,18 @@ def compare_training(case: torch_sweep.Case, proto, steps: int, **options: Any) 
         warnings.simplefilter("always")
         program = build_training(proto, optimizer=AdamW(weight_decay=0.01), **options)
     ours = np.array([r.loss for r in Trainer(program, lr=1e-3).fit(batches, steps)])
-    module = case.module
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
-    theirs = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = module(*[torch.from_numpy(batch[name]) if name in batch else case.inputs[name] for name in case.inputs])
-        loss.backward()
-        optimizer.step()
-        theirs.append(loss.item())
-    relative = np.abs(ours - np.array(theirs)) / np.abs(theirs)
-    return {
+    ort = ort_training_losses(proto, batches, ort_python) if ort_python else None
+    theirs = np.array(torch_losses(case, batches))
+    record = {
         "params": len(program.params),
-        "torch_params": sum(1 for _ in module.parameters()),
-        "loss_first_last": [theirs[0], theirs[-1]],
-        "max_rel_loss_diff": float(relative.max()),
+        "torch_params": sum(1 for _ in case.module.parameters()),
+        "loss_first_last": [float(theirs[0]), float(theirs[-1])],
+        "max_rel_loss_diff": float((np.abs(ours - theirs) / np.abs(theirs)).max()),
         "notes": [str(w.message) for w in caught],
     }
+    if ort is not None:
+        record["ort_max_rel_loss_diff"] = float((np.abs(np.array(ort) - theirs) / np.abs(theirs)).max())
+    return record
 
 
 @contextlib.contextmanager
@@ -342,7 +386,7 @@ def _stdout_silenced():
         os.close(devnull)
 
 
-def run(name: str, exporter: str, steps: int) -> dict[str, Any]:
+def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"model": name, "exporter": exporter}
     started = time.perf_counter()
     try:
@@ -368,7 +412,7 @@ def run(name: str, exporter: str, steps: int) -> dict[str, Any]:
         case = MODELS[name]()
         with _stdout_silenced():
             proto = _export(case, exporter)
-        options = {"tie_weights": True} if exporter == "dynamo-optimized" else {}
+        options: dict[str, Any] = {"tie_weights": True, "ort_python": ort_python} if exporter == "dynamo-optimized" else {}
         record["training"] = compare_training(dataclasses.replace(case), proto, steps, **options)
     except Exception as exc:  # noqa: BLE001 -- a row of the table, not the end of the run
         record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
@@ -387,6 +431,8 @@ def row(record: dict[str, Any]) -> str:
     t = record.get("training")
     if t:
         cells.append(f"train {t['params']}/{t['torch_params']} params, loss diff {t['max_rel_loss_diff']:.1e}")
+        if "ort_max_rel_loss_diff" in t:
+            cells.append(f"ONNX Runtime on the artifacts: loss diff {t['ort_max_rel_loss_diff']:.1e}")
         cells.extend(f"\n    note: {note[:220]}" for note in t["notes"])
     if record.get("error"):
         cells.append(f"error: {record['error'][:200]}")
@@ -403,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exporters", default=",".join(EXPORTERS), help=f"comma-separated, of {', '.join(EXPORTERS)}")
     parser.add_argument("--steps", type=int, default=20, help="training steps compared (default 20)")
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--ort-python", help="an interpreter with onnxruntime-training: also train the optimised export there")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in MODELS]
     if unknown:
@@ -412,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name in args.names or list(MODELS):
         for exporter in args.exporters.split(","):
-            record = run(name, exporter, args.steps)
+            record = run(name, exporter, args.steps, args.ort_python)
             print(row(record), flush=True)
             records.append(record)
     if args.json:

@@ -109,3 +109,15 @@ def test_resuming_with_the_other_tie_setting_is_refused(tmp_path, capsys, monkey
     assert code == 0, err
     _, meta = load_checkpoint(tmp_path / "run")
     assert meta["step"] == 3 and meta["tied"] == [["embedding", "head"]]
+
+
+def test_onnx_runtime_artifacts_tie_the_copy_too():
+    from gradgen.training.artifacts import generate_artifacts
+
+    made = generate_artifacts(_model(copied=True), optimizer=SGD(), tie_weights=True)
+    assert list(made.requires_grad) == ["embedding"]
+    for graph in (made.training.graph, made.eval.graph):
+        assert "head" not in graph.initializers and "head" not in [v.name for v in graph.inputs]
+        transposed = {n.outputs[0].name for n in graph if n.op_type == "Transpose" and n.inputs[0].name == "embedding"}
+        products = [n for n in graph if n.op_type in ("MatMul", "FusedMatMul", "Gemm")]
+        assert any(n.inputs[1].name in transposed | {"embedding"} for n in products)  # the head reads the one weight

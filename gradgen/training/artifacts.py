@@ -48,6 +48,7 @@ from gradgen.errors import ModelError, UsageError
 from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
 from gradgen.names import value_names
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, RemoveUnusedNodesPass, UpgradeOpsetPass
+from gradgen.passes.ties import TieEqualWeightsPass
 from gradgen.training.graph_edit import (
     ParamsAsInputsPass,
     gradient_outputs,
@@ -117,6 +118,7 @@ def generate_artifacts(
     loss: LossSpec | None = None,
     optimizer: SGD | AdamW | None = None,
     clip_norm: float | None = None,
+    tie_weights: bool = False,
 ) -> TrainingArtifacts:
     """Build ONNX Runtime's training, eval and optimizer models and the checkpoint of ``model``.
 
@@ -127,7 +129,9 @@ def generate_artifacts(
     trained; other initializers stay constants of the graphs. ``loss`` appends a loss block to an
     output of a model that ends in logits or predictions; without it the model's loss is its only
     scalar float output; a ``loss`` whose ``output`` is None reads the model's only output.
-    ``optimizer`` None writes no optimizer model.
+    ``optimizer`` None writes no optimizer model. ``tie_weights`` trains a weight the exporter
+    wrote twice (an LM head sharing its embedding) as one parameter, as ``build_training`` does: the
+    graphs read the copy as a Transpose of it.
     """
     if clip_norm is not None and not clip_norm > 0:
         raise UsageError(f"clip norm {clip_norm} is not > 0")
@@ -138,6 +142,8 @@ def generate_artifacts(
     loss_name = _add_loss(forward, loss)
     if trainable is not None:
         _check_loss_depends_on(forward.graph, loss_name, trainable)
+    if tie_weights:
+        run_pipeline(TieEqualWeightsPass(tie=True), forward)
     backward = _copy(forward)
     if trainable is None:
         running = running_statistics(forward.graph)

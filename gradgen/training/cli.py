@@ -253,6 +253,12 @@ def artifacts(
     clip_norm: Optional[float] = typer.Option(
         None, "--clip-norm", help="Clip the global gradient norm to this (InplaceClipGradNorm in the optimizer model)."
     ),
+    tie_weights: bool = typer.Option(
+        False,
+        "--tie-weights",
+        help="Train a weight the exporter wrote twice (an initializer and its transpose: an LM head sharing its "
+        "embedding) as one parameter, as PyTorch does.",
+    ),
 ) -> None:
     """Write ONNX Runtime training's artifacts for MODEL (what its generate_artifacts writes), for its
     Module / Optimizer / CheckpointState API."""
@@ -275,7 +281,13 @@ def artifacts(
     with output_directory(directory, model):
         with _warnings_as_notes():
             made = generate_artifacts(
-                model, requires_grad=requires_grad or None, frozen=frozen or (), loss=spec, optimizer=chosen, clip_norm=clip_norm
+                model,
+                requires_grad=requires_grad or None,
+                frozen=frozen or (),
+                loss=spec,
+                optimizer=chosen,
+                clip_norm=clip_norm,
+                tie_weights=tie_weights,
             )
         for note in made.compatibility_notes():
             typer.echo(f"note: {note}", err=True)
