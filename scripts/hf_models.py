@@ -7,7 +7,8 @@ Usage::
 
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
-ResNet), its parameters perturbed so that no two are equal (the legacy exporter would merge equal
+ResNet, Gemma, Phi, GPT-NeoX, Mixtral, DeBERTa-v2, CLIP, wav2vec2, ConvNeXt, MobileViT, SegFormer),
+its parameters perturbed so that no two are equal (the legacy exporter would merge equal
 initializers). For each exporter,
 
 - ``legacy`` (``torch.onnx.export(dynamo=False)``, no constant folding) and ``dynamo``
@@ -226,6 +227,76 @@ def _vision(model_class: str, config_class: str, **config: Any) -> Callable[[], 
     return make
 
 
+def deberta() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.DebertaV2Config(
+        **_encoder_config(), relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"]
+    )
+    return _case(
+        T.DebertaV2ForSequenceClassification(config), {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(2, BATCH)}
+    )
+
+
+def clip() -> torch_sweep.Case:
+    import transformers as T
+
+    text = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8)
+    model = T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    inputs = {"input_ids": _tokens(97, BATCH, SEQ), "pixel_values": _images(BATCH, 3, 32, 32), "return_loss": torch.tensor(True)}
+    return _case(model, inputs)
+
+
+def mixtral() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.MixtralConfig(
+        vocab_size=97,
+        max_position_embeddings=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **{**_DECODER, "num_key_value_heads": 4},
+    )
+    ids = _tokens(97, BATCH, SEQ)
+    return _case(T.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids.clone()})
+
+
+def wav2vec2() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.Wav2Vec2Config(
+        vocab_size=12,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        hidden_dropout=0,
+        attention_dropout=0,
+        activation_dropout=0,
+        feat_proj_dropout=0,
+        layerdrop=0,
+        mask_time_prob=0,
+        ctc_loss_reduction="mean",
+        pad_token_id=0,
+    )
+    labels = torch.randint(1, 12, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+    return _case(T.Wav2Vec2ForCTC(config), {"input_values": _images(BATCH, 400), "labels": labels})
+
+
+_NO_GQA = {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"}
 _VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
     "gpt2": gpt2,
@@ -267,6 +338,60 @@ MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
         hidden_sizes=[8, 16],
         depths=[1, 1],
         num_labels=3,
+    ),
+    "gemma": _causal_lm("GemmaConfig", max_position_embeddings=32, head_dim=8, **{**_DECODER, "num_key_value_heads": 4}),
+    "phi": _causal_lm(
+        "PhiConfig",
+        max_position_embeddings=32,
+        partial_rotary_factor=0.5,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attention_dropout=0,
+        **_NO_GQA,
+    ),
+    "gptneox": _causal_lm("GPTNeoXConfig", max_position_embeddings=32, rotary_pct=0.5, **_NO_GQA),
+    "mixtral": mixtral,
+    "deberta": deberta,
+    "clip": clip,
+    "wav2vec2": wav2vec2,
+    "convnext": _vision(
+        "ConvNextForImageClassification",
+        "ConvNextConfig",
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        num_labels=3,
+        image_size=32,
+        drop_path_rate=0,
+    ),
+    "mobilevit": _vision(
+        "MobileViTForImageClassification",
+        "MobileViTConfig",
+        image_size=32,
+        patch_size=2,
+        hidden_sizes=[16, 16, 16],
+        neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+        num_attention_heads=2,
+        num_labels=3,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        classifier_dropout_prob=0,
+    ),
+    "segformer": _vision(
+        "SegformerForImageClassification",
+        "SegformerConfig",
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        num_labels=3,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        drop_path_rate=0,
     ),
 }
 EXPORTERS = ("legacy", "dynamo", "dynamo-optimized")
@@ -357,7 +482,12 @@ def compare_training(case: torch_sweep.Case, proto, steps: int, ort_python: str 
         warnings.simplefilter("always")
         program = build_training(proto, optimizer=AdamW(weight_decay=0.01), **options)
     ours = np.array([r.loss for r in Trainer(program, lr=1e-3).fit(batches, steps)])
-    ort = ort_training_losses(proto, batches, ort_python) if ort_python else None
+    ort, ort_error = None, None
+    if ort_python:
+        try:
+            ort = ort_training_losses(proto, batches, ort_python)
+        except Exception as exc:  # noqa: BLE001 -- recorded: ONNX Runtime's refusal is not gradgen's result
+            ort_error = f"{type(exc).__name__}: {str(exc)[:300]}"
     theirs = np.array(torch_losses(case, batches))
     record = {
         "params": len(program.params),
@@ -366,6 +496,8 @@ def compare_training(case: torch_sweep.Case, proto, steps: int, ort_python: str 
         "max_rel_loss_diff": float((np.abs(ours - theirs) / np.abs(theirs)).max()),
         "notes": [str(w.message) for w in caught],
     }
+    if ort_error is not None:
+        record["ort_error"] = ort_error
     if ort is not None:
         record["ort_max_rel_loss_diff"] = float((np.abs(np.array(ort) - theirs) / np.abs(theirs)).max())
     return record
@@ -431,6 +563,8 @@ def row(record: dict[str, Any]) -> str:
     t = record.get("training")
     if t:
         cells.append(f"train {t['params']}/{t['torch_params']} params, loss diff {t['max_rel_loss_diff']:.1e}")
+        if "ort_error" in t:
+            cells.append(f"ONNX Runtime: {t['ort_error'][:150]}")
         if "ort_max_rel_loss_diff" in t:
             cells.append(f"ONNX Runtime on the artifacts: loss diff {t['ort_max_rel_loss_diff']:.1e}")
         cells.extend(f"\n    note: {note[:220]}" for note in t["notes"])
