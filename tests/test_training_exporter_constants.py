@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -72,6 +73,40 @@ def _model(with_metadata: bool = True) -> onnx.ModelProto:
 
 def test_what_a_torch_export_model_leaves_out_and_why():
     assert exporter_constants(load_model(_model()).graph) == {"val_9": FOLDED, "offset": BUFFER, "val_3": SCALAR}
+
+
+def _graph_of(initializers: dict[str, tuple[np.ndarray, dict]]) -> ir.Graph:
+    """A torch.export-style graph reading each initializer through an Identity (for the classification alone)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    helper.set_metadata_props(x, {KIND: "USER_INPUT"})
+    nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name in initializers]
+    outputs = [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None) for name in initializers]
+    tensors = [numpy_helper.from_array(value, name) for name, (value, _) in initializers.items()]
+    graph = helper.make_graph(nodes, "g", [x], outputs, tensors)
+    for name, (value, metadata) in initializers.items():
+        info = helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape))
+        helper.set_metadata_props(info, metadata)
+        graph.value_info.append(info)
+    return load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])).graph
+
+
+def test_a_fold_of_one_parameter_is_trained_unless_it_copies_it():
+    token = RNG.standard_normal((1, 1, 8)).astype(np.float32)
+    shape_constants = "['vit.cls_token', 'val_6', 'val_7']"
+    graph = _graph_of(
+        {
+            # an Expand of a class token to the batch: equal rows of a non-constant tensor
+            "expand": (np.repeat(token, 3, axis=0), {FOLDED_FROM: shape_constants}),
+            # a GroupNorm scale reshaped to (C, 1, 1), as initialised (all ones) and as trained
+            "val_55": (np.ones((16, 1, 1), np.float32), {FOLDED_FROM: "['norm1.weight', 'val_49', 'val_50']"}),
+            "val_57": (RNG.standard_normal((16, 1, 1)).astype(np.float32), {FOLDED_FROM: "['norm1.bias', 'val_49']"}),
+            # one value computed from another (an attention scale from a shape)
+            "val_207": (np.array([0.35], np.float32), {FOLDED_FROM: "['transpose_3', 'val_184']"}),
+            # constants alone (a ones scale an InstanceNormalization reads)
+            "val_42": (np.ones(8, np.float32), {FOLDED_FROM: "['val_35', 'val_36']"}),
+        }
+    )
+    assert exporter_constants(graph) == {"expand": FOLDED, "val_207": FOLDED, "val_42": FOLDED}
 
 
 def test_a_model_without_the_exporters_metadata_leaves_nothing_out():

@@ -8,23 +8,29 @@ optimizer (on by default) then folds constant subgraphs into new initializers, e
 parameter to be what PyTorch would train, so from such a model it leaves out
 
 - buffers and constant tensors (a rotary embedding's inverse frequencies);
-- initializers folded from several values: attention masks and rotary cos / sin tables, but also
-  parameters folded together with constants (a class token expanded to the batch, position
-  embeddings gathered at fixed positions). Training those would train another model than
-  PyTorch's (one class token per sample of the batch); an export with ``optimize=False`` keeps
-  the parameters themselves;
-- single-value initializers with no metadata: the exporter's scalar constants (a softmax scale).
+- folds of constants alone or of several computed values: attention masks, rotary cos / sin tables,
+  scales, but also parameters combined with other values (position embeddings gathered at fixed
+  positions);
+- folds of one parameter that copy it along an axis (a class token expanded to the batch: equal
+  slices along an axis of a tensor whose values are not all equal). Training those would train
+  another model than PyTorch's (one class token per sample of the batch); an export with
+  ``optimize=False`` keeps the parameters themselves;
+- single-value initializers: the exporter's scalar constants (a softmax scale).
 
-It keeps the parameters, folds of one value alone (a weight transposed for its MatMul: training the
-transpose trains the weight) and several-value initializers with no metadata (a convolution with a
-BatchNormalization folded into it). A model from another exporter carries none of this metadata,
-and nothing is left out of it here.
+It keeps the parameters, folds of one parameter with constant operands that do not copy it (a
+weight transposed for its MatMul, a GroupNorm's scale reshaped to (C, 1, 1): training the fold
+trains the parameter) and several-value initializers with no metadata (a convolution with a
+BatchNormalization folded into it). The exporter names its own constants ``val_<n>``; any other
+name in ``folded_from`` is a computed value or a parameter. A model from another exporter carries
+none of this metadata, and nothing is left out of it here.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
+import numpy as np
 import onnx_ir as ir
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
@@ -33,7 +39,7 @@ PARAMETER = "PARAMETER"
 
 # why an initializer is not trained, as the note groups them
 BUFFER = "buffers or constants of the PyTorch module"
-FOLDED = "folded by the exporter's optimizer from several values"
+FOLDED = "folded by the exporter's optimizer from constants, several values or copies of a parameter"
 SCALAR = "the exporter's single-value constants"
 
 
@@ -93,12 +99,32 @@ def _reason(value: ir.Value) -> str | None:
     kind = value.metadata_props.get(KIND_KEY)
     if kind is not None:
         return None if kind == PARAMETER else BUFFER
+    tensor = value.const_value
     folded = value.metadata_props.get(FOLDED_FROM_KEY)
     if folded is not None:
-        return FOLDED if len(_sources(folded)) != 1 else None
-    tensor = value.const_value
-    size = tensor.size if tensor is not None else None
-    return SCALAR if size == 1 else None
+        computed = [name for name in _sources(folded) if not _EXPORTER_CONSTANT.fullmatch(name)]
+        if len(computed) != 1 or tensor is None or tensor.size == 1 or _copies_along_an_axis(tensor.numpy()):
+            return FOLDED
+        return None
+    return SCALAR if tensor is not None and tensor.size == 1 else None
+
+
+_EXPORTER_CONSTANT = re.compile(r"val_\d+")
+
+
+def _copies_along_an_axis(array: np.ndarray) -> bool:
+    """Whether ``array`` repeats one slice along an axis of size > 1 without being constant: what an
+    Expand or Tile of a parameter makes (a constant tensor, a ones-initialised scale say, is
+    taken for a reshape)."""
+    flat = array.reshape(-1)
+    if flat.size == 0 or bool((flat == flat[0]).all()):
+        return False
+    for axis, size in enumerate(array.shape):
+        if size > 1:
+            first = np.take(array, [0], axis=axis)
+            if bool((np.take(array, [1], axis=axis) == first).all()) and bool((array == first).all()):
+                return True
+    return False
 
 
 def _sources(folded_from: str) -> list[str]:
