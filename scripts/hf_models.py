@@ -2,12 +2,13 @@
 
 Usage::
 
-    pip install transformers   # not a dependency of gradgen
+    pip install transformers diffusers   # not dependencies of gradgen
     python scripts/hf_models.py [NAME ...] [--steps 20] [--json out.json]
 
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
-ResNet, Gemma, Phi, GPT-NeoX, Mixtral, DeBERTa-v2, CLIP, wav2vec2, ConvNeXt, MobileViT, SegFormer),
+ResNet, Gemma, Phi, GPT-NeoX, Mixtral, DeBERTa-v2, CLIP, wav2vec2, ConvNeXt, MobileViT, SegFormer;
+and from diffusers, a UNet2DModel under DDPM's noise-prediction loss and an AutoencoderKL),
 its parameters perturbed so that no two are equal (the legacy exporter would merge equal
 initializers). For each exporter,
 
@@ -296,6 +297,71 @@ def wav2vec2() -> torch_sweep.Case:
     return _case(T.Wav2Vec2ForCTC(config), {"input_values": _images(BATCH, 400), "labels": labels})
 
 
+class DenoisingLoss(nn.Module):
+    """DDPM's training objective on one batch: the UNet's noise prediction against the noise (MSE)."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.unet(noisy, timesteps).sample, noise)
+
+
+class ReconstructionLoss(nn.Module):
+    """A VAE's reconstruction of its input from the posterior mean (MSE) plus a small KL term."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        posterior = self.vae.encode(x).latent_dist
+        return nn.functional.mse_loss(self.vae.decode(posterior.mean).sample, x) + 1e-3 * posterior.kl().mean()
+
+
+def _perturbed(module: nn.Module) -> nn.Module:
+    module.eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return module
+
+
+def unet2d() -> torch_sweep.Case:
+    import diffusers
+
+    unet = diffusers.UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+    )
+    inputs = {"noisy": _images(BATCH, 3, 16, 16), "timesteps": torch.tensor([10, 500]), "noise": _images(BATCH, 3, 16, 16) * 0.5}
+    return torch_sweep.Case(DenoisingLoss(_perturbed(unet)), inputs)
+
+
+def vae() -> torch_sweep.Case:
+    import diffusers
+
+    model = diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    return torch_sweep.Case(ReconstructionLoss(_perturbed(model)), {"x": _images(BATCH, 3, 16, 16)})
+
+
 _NO_GQA = {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"}
 _VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
@@ -393,6 +459,8 @@ MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
         attention_probs_dropout_prob=0,
         drop_path_rate=0,
     ),
+    "unet2d": unet2d,
+    "vae": vae,
 }
 EXPORTERS = ("legacy", "dynamo", "dynamo-optimized")
 
