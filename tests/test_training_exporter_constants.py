@@ -104,9 +104,11 @@ def test_a_fold_of_one_parameter_is_trained_unless_it_copies_it():
             "val_207": (np.array([0.35], np.float32), {FOLDED_FROM: "['transpose_3', 'val_184']"}),
             # constants alone (a ones scale an InstanceNormalization reads)
             "val_42": (np.ones(8, np.float32), {FOLDED_FROM: "['val_35', 'val_36']"}),
+            # a causal mask from one op's output (torch.full, then triu): no dotted name, no parameter
+            "triu": (np.triu(np.full((4, 4), -3.4e38, np.float32), 1), {FOLDED_FROM: "['full', 'val_3']"}),
         }
     )
-    assert exporter_constants(graph) == {"expand": FOLDED, "val_207": FOLDED, "val_42": FOLDED}
+    assert exporter_constants(graph) == {"expand": FOLDED, "val_207": FOLDED, "val_42": FOLDED, "triu": FOLDED}
 
 
 def test_a_model_without_the_exporters_metadata_leaves_nothing_out():

@@ -20,9 +20,12 @@ parameter to be what PyTorch would train, so from such a model it leaves out
 It keeps the parameters, folds of one parameter with constant operands that do not copy it (a
 weight transposed for its MatMul, a GroupNorm's scale reshaped to (C, 1, 1): training the fold
 trains the parameter) and several-value initializers with no metadata (a convolution with a
-BatchNormalization folded into it). The exporter names its own constants ``val_<n>``; any other
-name in ``folded_from`` is a computed value or a parameter. A model from another exporter carries
-none of this metadata, and nothing is left out of it here.
+BatchNormalization folded into it). In ``folded_from`` the exporter names its own constants
+``val_<n>`` and the values its ops computed after the op (``full``, ``triu``, ``mul_1``: no dot);
+a module's parameters have dotted names (``layers.0.norm.weight``). So a fold is a parameter's
+when every name but one is a ``val_<n>`` and that one is dotted; a parameter of the top-level
+module (no dot) folded so is left out, and ``--train`` takes it in. A model from another
+exporter carries none of this metadata, and nothing is left out of it here.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ def _reason(value: ir.Value) -> str | None:
     folded = value.metadata_props.get(FOLDED_FROM_KEY)
     if folded is not None:
         computed = [name for name in _sources(folded) if not _EXPORTER_CONSTANT.fullmatch(name)]
-        if len(computed) != 1 or tensor is None or tensor.size == 1 or _copies_along_an_axis(tensor.numpy()):
+        one_parameter = len(computed) == 1 and "." in computed[0]
+        if not one_parameter or tensor is None or tensor.size == 1 or _copies_along_an_axis(tensor.numpy()):
             return FOLDED
         return None
     return SCALAR if tensor is not None and tensor.size == 1 else None
