@@ -3,7 +3,8 @@
 Usage::
 
     pip install transformers diffusers   # not dependencies of gradgen
-    python scripts/hf_models.py [NAME ...] [--steps 20] [--json out.json]
+    python scripts/hf_models.py [NAME ...] [--steps 20] [--ort-python PYTHON] [--json out.json]
+    python scripts/hf_models.py [NAME ...] --speed [--json out.json]
 
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
@@ -586,6 +587,42 @@ def _stdout_silenced():
         os.close(devnull)
 
 
+def cpu_speed(case: torch_sweep.Case, proto, repeats: int = 20) -> dict[str, Any]:
+    """One forward + backward step of the portable backward graph (every parameter) on gradgen's CPU
+    Session and on ONNX Runtime, one thread each: the medians of ``repeats`` runs, taken in
+    alternating rounds of five."""
+    import statistics
+
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    import gradgen
+    from gradgen.executor import Session
+    from gradgen.executor.threads import cpu_threads
+
+    built = gradgen.build_backward(proto, portable=True).model
+    names = [v.name for v in built.graph.inputs]
+    feeds = {name: case.inputs[name].numpy() for name in case.inputs if name in names}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    reference = ort.InferenceSession(ir.to_proto(built).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    times: dict[str, list[float]] = {"ort": [], "gradgen": []}
+    with cpu_threads(1):
+        session = Session(built)
+        runs = {"ort": lambda: reference.run(None, feeds), "gradgen": lambda: session.run(feeds)}
+        for run in runs.values():  # warm-up: plans, caches, the straight-line program
+            for _ in range(3):
+                run()
+        for _ in range(max(1, repeats // 5)):
+            for key, run in runs.items():
+                for _ in range(5):
+                    started = time.perf_counter()
+                    run()
+                    times[key].append((time.perf_counter() - started) * 1e3)
+    ort_ms, gradgen_ms = statistics.median(times["ort"]), statistics.median(times["gradgen"])
+    return {"steps": len(session.steps), "ort_ms": ort_ms, "gradgen_ms": gradgen_ms, "ratio": gradgen_ms / ort_ms}
+
+
 def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"model": name, "exporter": exporter}
     started = time.perf_counter()
@@ -621,6 +658,24 @@ def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> 
     return record
 
 
+def run_speed(name: str) -> dict[str, Any]:
+    """``cpu_speed`` on the unoptimised dynamo export, or the legacy one where that fails."""
+    record: dict[str, Any] = {"model": name}
+    for exporter in ("dynamo", "legacy"):
+        torch.manual_seed(0)
+        case = MODELS[name]()
+        try:
+            with _stdout_silenced():
+                proto = _export(case, exporter)
+        except Exception as exc:  # noqa: BLE001 -- PyTorch's exporter: try the other one
+            record[f"{exporter}_error"] = f"{type(exc).__name__}"
+            continue
+        record["exporter"] = exporter
+        record.update(cpu_speed(case, proto))
+        return record
+    return record
+
+
 def row(record: dict[str, Any]) -> str:
     cells = [f"{record['model']:10s} {record['exporter']:16s}"]
     for dtype in ("float32", "float64"):
@@ -652,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="training steps compared (default 20)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--ort-python", help="an interpreter with onnxruntime-training: also train the optimised export there")
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="instead: the CPU step of each model's portable backward graph, gradgen against ONNX Runtime, one thread",
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in MODELS]
     if unknown:
@@ -659,6 +719,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging_off()
     records = []
+    if args.speed:
+        for name in args.names or list(MODELS):
+            record = run_speed(name)
+            records.append(record)
+            if "ratio" in record:
+                print(
+                    f"{name:10s} {record['exporter']:7s} {record['steps']:5d} steps  ONNX Runtime {record['ort_ms']:8.2f} ms  "
+                    f"gradgen {record['gradgen_ms']:8.2f} ms  {record['ratio']:.2f}x",
+                    flush=True,
+                )
+            else:
+                print(f"{name:10s} both exports fail", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(records, indent=1))
+        return 0
     for name in args.names or list(MODELS):
         for exporter in args.exporters.split(","):
             record = run(name, exporter, args.steps, args.ort_python)

@@ -287,6 +287,13 @@ ARITHMETIC_CASES = [
     (SCE, {"ignore_index": 1}, (), lambda: (_normal(4, 3), np.array([0, 1, 2, 1], I64))),  # ignored labels
     (SCE, {"ignore_index": -1}, (), lambda: (_normal(4, 3), np.array([0, -1, 2, 1], I64))),
     (SCE, {}, (), lambda: (_normal(4, 3), np.array([0, 3, 2, 1], I64))),  # out of range
+    # a masked language model's labels: -100 where no token is predicted
+    (SCE, {"ignore_index": -100, "_num_outputs": 2}, (), lambda: (_normal(8, 5), np.array([0, -100, 4, -100, 1, 2, 3, 0], I64))),
+    (SCE, {"ignore_index": -100, "reduction": "sum"}, (), lambda: (_normal(4, 5), np.array([-100, 1, -100, 4], np.int32))),
+    (SCE, {"ignore_index": -100, "reduction": "none"}, (), lambda: (_normal(4, 5), np.array([-100, 1, -100, 4], I64))),
+    (SCE, {"ignore_index": -100}, (), lambda: (_normal(3, 5), np.full(3, -100, I64))),  # all ignored: 0 / 0
+    (SCE, {"ignore_index": -100}, (), lambda: (_normal(3, 5), np.array([-100, 5, 1], I64))),  # out of range
+    (SCE, {"ignore_index": 2}, (), lambda: (_normal(4, 3), np.array([0, 2, -1, 1], I64))),  # negative, not ignored
     (SCE, {}, (), lambda: (_normal(2, 3, 4), _ints(0, 3, 2, 4))),  # (N, C, D)
     (SCE, {"_num_outputs": 2}, (), lambda: (_normal(4, 3), _ints(0, 3, 4), _normal(3))),  # weights
     ("LayerNormalization", {"epsilon": 1e-5}, (), lambda: (_normal(2, 16, 32), _normal(32), _normal(32))),
@@ -498,3 +505,18 @@ def test_means_divide_to_numpys_bits(dtype):
             _same(got, x.mean(axis=1, keepdims=True))
         _same(reduction.mean_over(x, (1,), True), x.mean(axis=1, keepdims=True))
         _same(norm._float_mean(x, (1,), count), x.mean(axis=1, keepdims=True))
+
+
+def test_a_masked_language_models_labels_take_the_prepared_path(monkeypatch):
+    """Labels of -100 (ignored) used to send every call to the kernel's general path."""
+    from gradgen.kernels.cpu import loss
+
+    call, kernel = _prepared_and_kernel(SCE, {"ignore_index": -100})
+    scores, labels = _normal(6, 7), np.array([1, -100, 6, 0, -100, 3], I64)
+    want = kernel(scores, labels)
+
+    def general_path(*args, **kwargs):
+        raise AssertionError("the prepared call fell back to the kernel")
+
+    monkeypatch.setattr(loss, "softmax_cross_entropy_loss", general_path)
+    _same(call(scores, labels), want)

@@ -175,12 +175,14 @@ def softmax_cross_entropy_loss_grad(
 @cpu_prepare("SoftmaxCrossEntropyLoss")
 def prepare_softmax_cross_entropy_loss(constants: tuple, attrs: dict):
     """The kernel's arithmetic, ufunc by ufunc, for (N, C) float32 / float64 scores without
-    weights whose labels are all in [0, C) (none ignored): the label checks are one reduction,
-    the row numbers are kept per N and the temporaries are reused. Other calls run the kernel."""
+    weights whose labels are in [0, C) or ignore_index (a masked language model's -100): the label
+    checks are one or two reductions, the row numbers are kept per N and the temporaries are
+    reused. Other calls (and labels out of range, for the kernel's error) run the kernel."""
     ignore_index, reduction, outputs = attrs.get("ignore_index"), attrs.get("reduction", "mean"), attrs.get("_num_outputs", 1)
     if reduction not in ("none", "sum", "mean"):
         return None
     rows = per_shape(np.arange)
+    ignored_class = ignore_index is not None and int(ignore_index) >= 0  # a label in [0, C) may be ignored
 
     def run(scores, labels, weights=None):
         n, classes = scores.shape if scores.ndim == 2 else (0, 0)
@@ -191,21 +193,37 @@ def prepare_softmax_cross_entropy_loss(constants: tuple, attrs: dict):
             and scores.dtype.itemsize >= 4
             and labels.shape == (n,)
             and labels.dtype.kind in "iu"
-            and (ignore_index is None or not 0 <= int(ignore_index) < classes)
         )
-        if not fast or int(labels.view(f"u{labels.dtype.itemsize}").max(initial=0)) >= classes:
+        if not fast:
             return softmax_cross_entropy_loss(scores, labels, weights, **attrs)
+        in_range = int(labels.view(f"u{labels.dtype.itemsize}").max(initial=0)) < classes
+        used = None  # every label counts
+        if not in_range or (ignored_class and bool((labels == ignore_index).any())):
+            used = None if ignore_index is None else labels != ignore_index
+            if used is None or not _labels_in_range(labels, used, classes):
+                return softmax_cross_entropy_loss(scores, labels, weights, **attrs)  # its error names the label
         shifted = np.subtract(scores, np.maximum.reduce(scores, axis=1, keepdims=True))
         total = np.add.reduce(onednn_eltwise.exp(shifted), axis=1, keepdims=True)
         log_prob = np.subtract(shifted, np.log(total, out=total), out=shifted)
-        loss = np.negative(log_prob[rows(n), labels])  # -picked * 1 for every used label
+        if used is None:
+            loss = np.negative(log_prob[rows(n), labels])  # -picked * 1 for every used label
+            count = scores.dtype.type(n)
+        else:  # the kernel's -picked * w, w 0 at the ignored labels, and its sum of w
+            weight = used.astype(scores.dtype)
+            loss = np.multiply(np.negative(log_prob[rows(n), np.where(used, labels, 0)]), weight)
+            count = weight.sum()
         if reduction == "none":
             result = loss
         elif reduction == "sum":
             result = np.asarray(loss.sum(), dtype=scores.dtype)
         else:
             with np.errstate(invalid="ignore", divide="ignore"):
-                result = np.asarray(loss.sum() / scores.dtype.type(n), dtype=scores.dtype)
+                result = np.asarray(loss.sum() / count, dtype=scores.dtype)
         return (result, log_prob) if outputs > 1 else result
 
     return run
+
+
+def _labels_in_range(labels: np.ndarray, used: np.ndarray, classes: int) -> bool:
+    kept = labels[used]
+    return not kept.size or (int(kept.min()) >= 0 and int(kept.max()) < classes)
