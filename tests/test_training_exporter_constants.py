@@ -228,3 +228,14 @@ def test_a_dynamo_export_with_a_buffer_and_a_folded_mask_trains_as_pytorch(tmp_p
         optimizer.step()
         theirs.append(loss.item())
     np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+
+
+def test_a_checkpoint_that_trained_a_constant_names_the_way_back():
+    from gradgen.errors import RunError
+    from gradgen.training.trainer import check_state
+
+    with pytest.warns(UserWarning):
+        trained_it = Trainer(build_training(_model(), optimizer=SGD(), also_train=["offset"]), lr=0.1)
+        program = build_training(_model(), optimizer=SGD())
+    with pytest.raises(RunError, match=r"parameters the model does not train: 'offset' .*--train NAME"):
+        check_state(program, trained_it.state)

@@ -416,7 +416,10 @@ def check_state(program: TrainingProgram, state: TrainState) -> None:
             )
     extra = sorted(set(state.params) - set(expected))
     if extra:
-        problems.append(f"parameters the model does not train: {', '.join(map(repr, extra))}")
+        problems.append(
+            f"parameters the model does not train: {', '.join(map(repr, extra))} (a run that trained an exporter's "
+            "constant, before training left those out: --train NAME)"
+        )
     for key, initial in program.initial_states().items():
         value = state.states.get(key)
         if value is None or value.shape != initial.shape or value.dtype != initial.dtype:
