@@ -88,10 +88,14 @@ def unmarked_initializers(graph: ir.Graph) -> list[str]:
     ]
 
 
+def _some(names: list[str]) -> str:
+    """The first five names, quoted, and how many more."""
+    return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def describe_unmarked(names: list[str]) -> str:
-    shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return (
-        f"{len(names)} trained initializer(s) of this torch.export model are no parameter of the module ({shown}): "
+        f"{len(names)} trained initializer(s) of this torch.export model are no parameter of the module ({_some(names)}): "
         "the exporter's optimizer made them (a BatchNormalization folded into its convolution, say), so training "
         "changes another parametrization than PyTorch's; export with torch.onnx.export(..., dynamo=True, "
         "optimize=False) to train the module's own parameters"
@@ -146,12 +150,11 @@ def describe(constants: dict[str, str]) -> str:
     for reason in (BUFFER, FOLDED, SCALAR):
         names = [name for name, why in constants.items() if why == reason]
         if names:
-            shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            parts.append(f"{len(names)} {reason} ({shown})")
+            parts.append(f"{len(names)} {reason} ({_some(names)})")
     text = f"training leaves out float initializers that are not parameters of the exported module: {'; '.join(parts)}"
     if any(why == FOLDED for why in constants.values()):
         text += (
-            "; a parameter folded with constants is among them where the model was optimised for inference: "
-            "export with torch.onnx.export(..., dynamo=True, optimize=False) to train every parameter as PyTorch does"
+            "; in a model optimised for inference these may hold parameters folded with constants: export with "
+            "torch.onnx.export(..., dynamo=True, optimize=False) to train every parameter as PyTorch does"
         )
     return text
