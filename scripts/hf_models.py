@@ -75,13 +75,18 @@ class LossOf(nn.Module):
         return self.model(**dict(zip(self.keys, args))).loss
 
 
-def _case(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch_sweep.Case:
-    model.eval()
+def _perturbed(module: nn.Module) -> nn.Module:
+    """``module`` in eval mode (no dropout), every parameter moved by 0.05 N(0, 1): no two equal."""
+    module.eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for parameter in module.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return torch_sweep.Case(LossOf(model, list(inputs)), inputs)
+    return module
+
+
+def _case(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch_sweep.Case:
+    return torch_sweep.Case(LossOf(_perturbed(model), list(inputs)), inputs)
 
 
 def _causal_lm(config_class: str, **config: Any) -> Callable[[], torch_sweep.Case]:
@@ -319,15 +324,6 @@ class ReconstructionLoss(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         posterior = self.vae.encode(x).latent_dist
         return nn.functional.mse_loss(self.vae.decode(posterior.mean).sample, x) + 1e-3 * posterior.kl().mean()
-
-
-def _perturbed(module: nn.Module) -> nn.Module:
-    module.eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return module
 
 
 def unet2d() -> torch_sweep.Case:
