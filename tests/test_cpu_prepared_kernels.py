@@ -520,3 +520,21 @@ def test_a_masked_language_models_labels_take_the_prepared_path(monkeypatch):
 
     monkeypatch.setattr(loss, "softmax_cross_entropy_loss", general_path)
     _same(call(scores, labels), want)
+
+
+GATHER_ND_CASES = [
+    # transformers' attention masks: a (batch, kv) mask read at index tuples built from shapes
+    ({}, lambda: RNG.random((2, 8)) < 0.7, np.stack(np.meshgrid(np.arange(2), np.arange(8), indexing="ij"), -1)[:, None, None]),
+    ({}, lambda: _normal(4, 3, 5), np.array([[0, 2], [-1, 0], [3, -3]], I64)),  # negative indices wrap
+    ({"batch_dims": 1}, lambda: _normal(2, 4, 3), np.array([[[1], [3]], [[0], [0]]], I64)),
+    ({}, lambda: _normal(3, 2), np.zeros((4, 0), I64)),  # empty tuples: the whole data per tuple
+    ({}, lambda: _normal(3, 2), np.array([[3, 0]], I64)),  # out of range: the kernel's error
+]
+
+
+@pytest.mark.parametrize(("attrs", "make_data", "indices"), GATHER_ND_CASES, ids=[str(i) for i in range(len(GATHER_ND_CASES))])
+def test_prepared_gather_nd_with_constant_indices_is_the_kernel(attrs, make_data, indices):
+    call, kernel = _prepared_and_kernel("GatherND", attrs, (registry.RUNTIME, indices))
+    for _ in range(2):  # fresh values, the kept positions
+        _agree(call, kernel, make_data(), indices)
+    _agree(call, kernel, make_data()[:1], indices)  # another data shape

@@ -427,6 +427,42 @@ def prepare_gather(constants: tuple, attrs: dict):
     return run
 
 
+GATHER_ND_PROBE_LIMIT = 1 << 20  # data elements up to which a constant-index GatherND keeps its positions
+
+
+@cpu_prepare("GatherND")
+def prepare_gather_nd(constants: tuple, attrs: dict):
+    """With plan-time indices (a mask built by index arithmetic on shapes, as transformers builds
+    attention masks): the flat positions it reads, per data shape, found by running the kernel once
+    on the positions themselves (``arange``), so its checks and semantics stay the kernel's; a call
+    is then one ``np.take``. Data above ``GATHER_ND_PROBE_LIMIT`` elements, and indices the kernel
+    refuses, run the kernel (which raises its error)."""
+    known = constant_inputs(constants, 1)
+    fixed = known[0] if known is not None and isinstance(known[0], np.ndarray) else None
+    if fixed is None:
+        return None
+    batch_dims = attrs.get("batch_dims", 0)
+
+    def positions_for(shape: tuple):
+        size = math.prod(shape)
+        if size > GATHER_ND_PROBE_LIMIT:
+            return False
+        try:
+            return gather_nd(np.arange(size, dtype=np.int64).reshape(shape), fixed, batch_dims=batch_dims)
+        except KernelError:
+            return False
+
+    positions = per_shape(positions_for)
+
+    def run(data, indices):
+        found = positions(data.shape) if indices is fixed else False
+        if found is False:
+            return gather_nd(data, indices, batch_dims=batch_dims)
+        return np.take(data.reshape(-1), found)
+
+    return run
+
+
 @cpu_prepare("GatherElements")
 def prepare_gather_elements(constants: tuple, attrs: dict):
     axis = attrs.get("axis", 0)
