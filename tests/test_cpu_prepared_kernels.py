@@ -538,3 +538,25 @@ def test_prepared_gather_nd_with_constant_indices_is_the_kernel(attrs, make_data
     for _ in range(2):  # fresh values, the kept positions
         _agree(call, kernel, make_data(), indices)
     _agree(call, kernel, make_data()[:1], indices)  # another data shape
+
+
+MATMUL_CASES = [
+    lambda: (_normal(2, 8, 32), _normal(32, 32)),  # a stack times a matrix: one product of its rows
+    lambda: (_normal(8, 2, 32).transpose(1, 0, 2), _normal(32, 16)),  # ... of a view, as blas.matmul copies it
+    lambda: (_normal(2, 4, 8, 8), _normal(2, 4, 8, 8)),  # attention's batched products
+    lambda: (_normal(3, 1, 5, 4), _normal(2, 4, 6)),  # broadcast batch dimensions
+    lambda: (_normal(5), _normal(5, 3)),  # 1-D operands
+    lambda: (_normal(4, 5), _normal(5)),
+    lambda: (_normal(3, 5, dtype=np.float64), _normal(5, 2, dtype=np.float64)),
+    lambda: (_normal(256, 128), _normal(128, 160)),  # above oneDNN's size where it is installed
+    lambda: (_normal(2, 3, 4), _normal(5, 6)),  # inner dimensions differ: the kernel's error
+]
+
+
+@pytest.mark.parametrize("make", MATMUL_CASES, ids=[str(i) for i in range(len(MATMUL_CASES))])
+def test_prepared_matmul_is_the_kernel(make):
+    call, kernel = _prepared_and_kernel("MatMul", {})
+    args = make()
+    for _ in range(3):  # the first call runs the kernel, the next ones the kept plan
+        _agree(call, kernel, *args)
+        args = (args[0] * 3, args[1])

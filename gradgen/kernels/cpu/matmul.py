@@ -100,6 +100,35 @@ def matmul(a, b):
     return blas.matmul(a, b).astype(dtype, copy=False)
 
 
+@cpu_prepare("MatMul")
+def prepare_matmul(constants: tuple, attrs: dict):
+    """The kernel's checks once per input signature (its first call with one runs the kernel); then
+    the product ``blas.matmul`` would make, chosen once: numpy's matmul below oneDNN's size (a stack
+    times a matrix as one product of its rows, as ``blas.matmul`` does), ``blas.matmul`` above. On
+    a transformer's small products the checks (``np.broadcast_shapes`` for a 3-D times a 2-D
+    operand) and the dispatch cost three times the arithmetic."""
+
+    def signature(a, b) -> tuple:
+        return a.shape, b.shape, a.dtype, b.dtype
+
+    def plan(a, b):
+        dtype = a.dtype if a.dtype is b.dtype else np.result_type(a, b)
+        if not blas.below_onednn(a, b):
+            return blas.matmul, None, dtype
+        if b.ndim == 2 and a.ndim > 2 and a.shape[-1] == b.shape[0]:  # blas.matmul's rows product
+            return np.matmul, (math.prod(a.shape[:-1]), a.shape[-1], a.shape[:-1] + (b.shape[1],)), dtype
+        return np.matmul, None, dtype
+
+    def fast(chosen, a, b):
+        product, rows, dtype = chosen
+        if rows is None:
+            return product(a, b).astype(dtype, copy=False)
+        count, inner, shape = rows
+        return product(a.reshape(count, inner), b).reshape(shape).astype(dtype, copy=False)
+
+    return kernel_first(matmul, signature, plan, fast, limit=64)
+
+
 @cpu_kernel("Gemm")
 def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     if a.ndim != 2 or b.ndim != 2:
