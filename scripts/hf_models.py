@@ -5,6 +5,7 @@ Usage::
     pip install transformers diffusers   # not dependencies of gradgen
     python scripts/hf_models.py [NAME ...] [--steps 20] [--ort-python PYTHON] [--json out.json]
     python scripts/hf_models.py [NAME ...] --speed [--json out.json]
+    python scripts/hf_models.py [NAME ...] --bf16 [--json out.json]
 
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
@@ -654,6 +655,57 @@ def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> 
     return record
 
 
+def _gradients(module: nn.Module, inputs: dict[str, torch.Tensor], autocast: torch.dtype | None = None) -> dict[str, np.ndarray]:
+    """PyTorch's gradient of every parameter (float64 copies), under CPU autocast to ``autocast``."""
+    module.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = module(*inputs.values())
+    loss.float().backward()
+    return {n: p.grad.detach().numpy().astype(np.float64) for n, p in module.named_parameters() if p.grad is not None}
+
+
+def bf16_errors(name: str) -> dict[str, Any]:
+    """issue 14's per-tensor measure on the CPU: ``max|g - g_fp32| / max|g_fp32|`` of gradgen's bf16
+    gradients (``precision="bf16"``) and of PyTorch's under ``torch.autocast("cpu", bfloat16)``,
+    against PyTorch's fp32 gradients, per parameter; tensors whose fp32 gradient is below 1e-6 of
+    the largest (attention's key biases: rounding noise) are left out."""
+    import gradgen
+    from gradgen.executor import Session
+
+    record: dict[str, Any] = {"model": name}
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    try:
+        with _stdout_silenced():
+            proto = _export(case, "dynamo")
+    except Exception as exc:  # noqa: BLE001 -- PyTorch's exporter
+        record["error"] = type(exc).__name__
+        return record
+    fp32 = _gradients(case.module, case.inputs)
+    autocast = _gradients(case.module, case.inputs, torch.bfloat16)
+    built = gradgen.build_backward(proto, precision="bf16")
+    feeds = {k: v.numpy() for k, v in case.inputs.items() if k in [i.name for i in proto.graph.input]}
+    out = Session(built.model).run(feeds)
+    ours = {wrt: out[grad].astype(np.float64) for wrt, grad in zip(built.wrt, built.gradient_names)}
+    largest = max(float(np.abs(g).max()) for g in fp32.values())
+    rows = []
+    for key, reference in fp32.items():
+        top = float(np.abs(reference).max())
+        if key in ours and top >= 1e-6 * largest:
+            rows.append(
+                (key, float(np.abs(ours[key] - reference).max()) / top, float(np.abs(autocast[key] - reference).max()) / top)
+            )
+    above = [(k, a / max(b, 1e-30)) for k, a, b in rows if a > b]
+    record.update(
+        tensors=len(rows),
+        gradgen_worst=max(a for _, a, _ in rows),
+        torch_worst=max(b for _, _, b in rows),
+        above=len(above),
+        worst_factor=max((f for _, f in above), default=0.0),
+    )
+    return record
+
+
 def run_speed(name: str) -> dict[str, Any]:
     """``cpu_speed`` on the unoptimised dynamo export, or the legacy one where that fails."""
     record: dict[str, Any] = {"model": name}
@@ -704,6 +756,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--ort-python", help="an interpreter with onnxruntime-training: also train the optimised export there")
     parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="instead: each model's bf16 gradients (gradgen's and PyTorch's CPU autocast) against PyTorch's fp32, per tensor",
+    )
+    parser.add_argument(
         "--speed",
         action="store_true",
         help="instead: the CPU step of each model's portable backward graph, gradgen against ONNX Runtime, one thread",
@@ -715,6 +772,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging_off()
     records = []
+    if args.bf16:
+        for name in args.names or list(MODELS):
+            record = bf16_errors(name)
+            records.append(record)
+            if "tensors" in record:
+                print(
+                    f"{name:10s} {record['tensors']:4d} tensors  worst: gradgen {record['gradgen_worst']:.2e}, "
+                    f"PyTorch {record['torch_worst']:.2e}; gradgen above PyTorch on {record['above']} "
+                    f"(at most {record['worst_factor']:.2f}x)",
+                    flush=True,
+                )
+            else:
+                print(f"{name:10s} export fails", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(records, indent=1))
+        return 0
     if args.speed:
         for name in args.names or list(MODELS):
             record = run_speed(name)
