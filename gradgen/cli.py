@@ -11,7 +11,6 @@ import math
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -52,16 +51,11 @@ def _note(message: str) -> None:
         _say(f"note: {message}")
 
 
-@contextlib.contextmanager
 def _warnings_as_notes():
     """Say the warnings raised inside as one-time notes, before any error that follows them."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            for warning in caught:
-                _note(str(warning.message))
+    from gradgen.errors import warnings_said
+
+    return warnings_said(_note)
 
 
 def _set_progress(flag: Optional[bool]) -> None:

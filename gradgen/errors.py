@@ -1,10 +1,28 @@
 """gradgen's exceptions: every public error is one of these, with a message a user can act on.
 
 The CLI maps each family to its own exit code (see README, "Exit codes"):
-usage errors 2, model errors 3, run-time errors 4.
+usage errors 2, model errors 3, run-time errors 4. Warnings the library raises reach a user as
+notes (``warnings_said``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Iterator
+
+
+@contextlib.contextmanager
+def warnings_said(say: Callable[[str], None]) -> Iterator[None]:
+    """The warnings raised inside the block, each distinct message once and in order, passed to
+    ``say`` when the block ends, also when it raises (so they come before the error that follows)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for message in dict.fromkeys(str(warning.message) for warning in caught):
+                say(message)
 
 
 class GradgenError(Exception):

@@ -7,15 +7,13 @@ data against the model's inputs, a checkpoint to resume) runs before the first s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
-from gradgen.errors import RunError, UsageError
+from gradgen.errors import RunError, UsageError, warnings_said
 from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_loss_curve
 from gradgen.training.checkpoint import FILE_NAME, check_checkpoint, load_checkpoint, save_checkpoint
 from gradgen.training.data import (
@@ -177,19 +175,6 @@ def _build(o: TrainOptions, optimizer, add_loss: LossSpec | None) -> TrainingPro
     )
 
 
-@contextlib.contextmanager
-def _notes_before_training(say: Callable[[str], None]) -> Iterator[None]:
-    """The build's warnings (what it leaves out, untied copies, BatchNormalization it cannot
-    update) said as notes when the build ends, before the first step, not after the last."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            for message in dict.fromkeys(str(w.message) for w in caught):
-                say(f"note: {message}")
-
-
 def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     """Train per ``o``; return the summary lines."""
     optimizer = make_optimizer(o)
@@ -208,7 +193,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     _check_writable(o, log_path, plot_path)
 
     say(f"building the training graphs of {o.model}")
-    with _notes_before_training(say):
+    with warnings_said(lambda message: say(f"note: {message}")):  # before the first step, not after the last
         program = _build(o, optimizer, add_loss)
     initializers = program.source.graph.initializers
     scalars = [
