@@ -124,14 +124,15 @@ def _copies_along_an_axis(array: np.ndarray) -> bool:
     """Whether ``array`` repeats one slice along an axis of size > 1 without being constant: what an
     Expand or Tile of a parameter makes (a constant tensor, a ones-initialised scale say, is
     taken for a reshape)."""
-    flat = array.reshape(-1)
-    if flat.size == 0 or bool((flat == flat[0]).all()):
+    if array.size == 0:
         return False
     for axis, size in enumerate(array.shape):
         if size > 1:
             first = np.take(array, [0], axis=axis)
+            # the first two slices decide cheaply; only where they agree is the whole tensor read
             if bool((np.take(array, [1], axis=axis) == first).all()) and bool((array == first).all()):
-                return True
+                flat = array.reshape(-1)
+                return not bool((flat == flat[0]).all())
     return False
 
 
