@@ -724,6 +724,29 @@ def run_speed(name: str) -> dict[str, Any]:
     return record
 
 
+def _describe_bf16(record: dict[str, Any]) -> str:
+    if "tensors" not in record:
+        return "export fails"
+    return (
+        f"{record['tensors']:4d} tensors  worst: gradgen {record['gradgen_worst']:.2e}, PyTorch {record['torch_worst']:.2e}; "
+        f"gradgen above PyTorch on {record['above']} (at most {record['worst_factor']:.2f}x)"
+    )
+
+
+def _describe_speed(record: dict[str, Any]) -> str:
+    if "ratio" not in record:
+        return "both exports fail"
+    return (
+        f"{record['exporter']:7s} {record['steps']:5d} steps  ONNX Runtime {record['ort_ms']:8.2f} ms  "
+        f"gradgen {record['gradgen_ms']:8.2f} ms  {record['ratio']:.2f}x"
+    )
+
+
+# the per-model modes: (measure a model by name, one line for its record)
+_bf16_row = (bf16_errors, _describe_bf16)
+_speed_row = (run_speed, _describe_speed)
+
+
 def row(record: dict[str, Any]) -> str:
     cells = [f"{record['model']:10s} {record['exporter']:16s}"]
     for dtype in ("float32", "float64"):
@@ -772,34 +795,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging_off()
     records = []
-    if args.bf16:
+    mode = _bf16_row if args.bf16 else _speed_row if args.speed else None
+    if mode is not None:  # one record per model
+        measure, describe = mode
         for name in args.names or list(MODELS):
-            record = bf16_errors(name)
+            record = measure(name)
             records.append(record)
-            if "tensors" in record:
-                print(
-                    f"{name:10s} {record['tensors']:4d} tensors  worst: gradgen {record['gradgen_worst']:.2e}, "
-                    f"PyTorch {record['torch_worst']:.2e}; gradgen above PyTorch on {record['above']} "
-                    f"(at most {record['worst_factor']:.2f}x)",
-                    flush=True,
-                )
-            else:
-                print(f"{name:10s} export fails", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(records, indent=1))
-        return 0
-    if args.speed:
-        for name in args.names or list(MODELS):
-            record = run_speed(name)
-            records.append(record)
-            if "ratio" in record:
-                print(
-                    f"{name:10s} {record['exporter']:7s} {record['steps']:5d} steps  ONNX Runtime {record['ort_ms']:8.2f} ms  "
-                    f"gradgen {record['gradgen_ms']:8.2f} ms  {record['ratio']:.2f}x",
-                    flush=True,
-                )
-            else:
-                print(f"{name:10s} both exports fail", flush=True)
+            print(f"{name:10s} {describe(record)}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(records, indent=1))
         return 0
