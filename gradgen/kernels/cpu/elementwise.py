@@ -407,8 +407,11 @@ def erf_array(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.float64 or x.dtype.kind != "f":
         return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype, copy=False)
     flat = np.ascontiguousarray(x).reshape(-1)
+    if flat.size <= ERF_CHUNK:  # one chunk: no output to assemble (most calls, on small arrays)
+        buffers = [np.empty(flat.size) for _ in range(3)]
+        return _erf_chunk(flat, *buffers).astype(x.dtype).reshape(x.shape)
     out = np.empty(flat.shape, x.dtype)
-    buffers = [np.empty(min(flat.size, ERF_CHUNK)) for _ in range(3)]
+    buffers = [np.empty(ERF_CHUNK) for _ in range(3)]
     for start in range(0, flat.size, ERF_CHUNK):
         stop = min(start + ERF_CHUNK, flat.size)
         out[start:stop] = _erf_chunk(flat[start:stop], *(b[: stop - start] for b in buffers))
@@ -417,8 +420,9 @@ def erf_array(x: np.ndarray) -> np.ndarray:
 
 def _erf_chunk(x: np.ndarray, z: np.ndarray, numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     """erf of ``x`` in float64, in the other arguments (buffers of x's length): the rational fit on
-    x clipped to [-4, 4] (NaN stays NaN, -0 stays -0)."""
-    np.clip(x, -4.0, 4.0, out=z)
+    x clipped to [-4, 4] (NaN stays NaN, -0 stays -0; np.maximum and np.minimum are np.clip without
+    its Python layers)."""
+    np.minimum(np.maximum(x, -4.0, out=z), 4.0, out=z)
     squares = np.multiply(z, z, out=denominator)
     _horner(_ERF_NUMERATOR, squares, out=numerator)
     numerator *= z
@@ -539,7 +543,10 @@ def gelu(x, *, approximate="none"):
         return np.multiply(xc, half_one_plus_tanh, out=half_one_plus_tanh).astype(x.dtype, copy=False)
     if approximate != "none":
         raise KernelError(f"unknown approximate={approximate!r}; expected 'none' or 'tanh'")
-    return (0.5 * x * (1 + erf_array(x / math.sqrt(2)))).astype(x.dtype, copy=False)
+    # 0.5 * x * (1 + erf(x / sqrt(2))), the sum and the product written into erf's fresh result
+    one_plus_erf = erf_array(x / math.sqrt(2))
+    one_plus_erf += 1
+    return np.multiply(0.5 * x, one_plus_erf, out=one_plus_erf).astype(x.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
