@@ -300,10 +300,10 @@ def run(
         check_output_path(out, model, *(p for p in (inputs, compare) if p is not None))
     dims = _dims(dim, random_inputs)
     reference = load_npz(compare) if compare is not None else None
+    feeds = load_npz(inputs) if inputs is not None else {}  # a bad file is said before the model loads
     _progress(f"loading {model}")
     with _warnings_as_notes():
         session = Session(model, device=device)
-    feeds = load_npz(inputs) if inputs is not None else {}
     if random_inputs:
         with _warnings_as_notes():
             drawn = random_feeds(session.model, seed=seed, dims=dims, given=feeds)

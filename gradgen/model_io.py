@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import secrets
@@ -125,6 +126,45 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
             )
 
 
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
+def _proto_node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node (node #{index})"
+
+
+def _check_names(graph: onnx.GraphProto, where: str) -> None:
+    """Each name of a graph (and of its subgraphs) has one source: an initializer is declared once,
+    and a value computed by a node is computed by no other node and is no graph input or initializer.
+    onnx-ir refuses such a graph with an error that names neither; this walk of the proto (about
+    3 us a node) runs only then, to say which (``_from_proto``)."""
+    initializers = [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]
+    seen: set[str] = set()
+    for name in initializers:
+        if name in seen:
+            raise ModelError(f"{where}: initializer {name!r} is declared more than once")
+        seen.add(name)
+    sources = {value.name: "a graph input" for value in graph.input}
+    sources.update({name: "an initializer" for name in initializers})
+    for index, node in enumerate(graph.node):
+        label = _proto_node_label(node, index)
+        for name in node.output:
+            if not name:
+                continue
+            if name in sources:
+                raise ModelError(
+                    f"{where}: {label} computes {name!r}, which is already {sources[name]}; every value has one source"
+                )
+            sources[name] = f"computed by {label}"
+        for subgraph in _subgraphs(node):
+            _check_names(subgraph, where)
+
+
 def _checked(model: ir.Model, where: str) -> ir.Model:
     """``model`` once its graphs' names and inline tensors are consistent (``_check_graph``)."""
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
@@ -149,16 +189,61 @@ def _check_graph(graph: ir.Graph, where: str, opset: int, outer: frozenset) -> N
     sources = outer | set(graph.inputs) | set(graph.initializers.values())
     for initializer in graph.initializers.values():
         _check_tensor(initializer.const_value, where)
+    placed: set[ir.Node] = set()  # the nodes before this one: a graph in order needs no search for cycles
+    in_order = True
     for node in graph:
         for value in node.inputs:
-            if value is not None and value.producer() is None and value not in sources:
-                raise ModelError(
-                    f"{where}: {_node_label(node)} reads {value.name!r}, which no node, graph input or initializer provides"
-                )
+            if value is None:
+                continue
+            producer = value.producer()
+            if producer is None:
+                if value not in sources:
+                    raise ModelError(
+                        f"{where}: {_node_label(node)} reads {value.name!r}, which no node, graph input or initializer provides"
+                    )
+            elif producer not in placed:
+                in_order = False
         _check_node(node, where, opset, sources)
+        placed.add(node)
     for value in graph.outputs:
         if value.producer() is None and value not in sources:
             raise ModelError(f"{where}: graph output {value.name!r} is computed by no node and is no graph input or initializer")
+    if not in_order:
+        _check_acyclic(graph, where)
+
+
+def _check_acyclic(graph: ir.Graph, where: str) -> None:
+    """The nodes of ``graph`` must not depend on themselves through their inputs (in any order:
+    gradgen sorts them). A cycle is named by its nodes, in the order the data flows."""
+    nodes = list(graph)
+    members = set(nodes)
+    waiting: dict[ir.Node, int] = {}
+    readers: dict[ir.Node, list[ir.Node]] = {}
+    for node in nodes:
+        producers = {p for p in (v.producer() for v in node.inputs if v is not None) if p in members}
+        waiting[node] = len(producers)
+        for producer in producers:
+            readers.setdefault(producer, []).append(node)
+    ready = [node for node in nodes if not waiting[node]]
+    while ready:
+        for reader in readers.get(ready.pop(), ()):
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                ready.append(reader)
+    stuck = [node for node in nodes if waiting[node]]
+    if not stuck:
+        return
+    # Every stuck node reads a stuck node: walk back from one until a node repeats.
+    path: list[ir.Node] = []
+    node = stuck[0]
+    while node not in path:
+        path.append(node)
+        node = next(p for p in (v.producer() for v in node.inputs if v is not None) if p in members and waiting[p])
+    cycle = path[path.index(node) :][::-1]
+    index = {n: i for i, n in enumerate(nodes)}
+    names = [f"{n.name!r} ({n.op_type})" if n.name else f"#{index[n]} ({n.op_type}, unnamed)" for n in cycle]
+    shown = " -> ".join(names[:6] + (["..."] if len(names) > 6 else []) + names[:1])
+    raise ModelError(f"{where}: the graph has a cycle: node {shown}; a node cannot depend on its own output")
 
 
 def _node_label(node: ir.Node) -> str:
@@ -268,21 +353,39 @@ def _load_external_attribute_tensors(model: ir.Model) -> None:
 
 
 def _from_proto(proto: onnx.ModelProto, where: str) -> ir.Model:
+    # onnx-ir logs a warning per node input that no value provides; ``_check_graph`` names the
+    # first such input in the one-line error, so the log would only add lines before it.
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    serde_log.setLevel(logging.ERROR)
     try:
-        return ir.from_proto(proto)
+        model = ir.from_proto(proto)
     except Exception as exc:
-        raise ModelError(f"{where}: malformed ONNX model ({type(exc).__name__}: {exc})") from None
+        _check_names(proto.graph, where)  # names the value with two sources, where that is the fault
+        while exc.__cause__ is not None:  # SerdeError wraps what went wrong
+            exc = exc.__cause__  # type: ignore[assignment]
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelError(f"{where}: malformed ONNX model ({type(exc).__name__}: {first})") from None
+    finally:
+        serde_log.setLevel(level)
+    if len(model.graph.initializers) != len(proto.graph.initializer) + len(proto.graph.sparse_initializer):
+        _check_names(proto.graph, where)  # onnx-ir kept the last of an initializer declared twice
+    return model
 
 
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse an output path that is one of the inputs or that cannot be written, before any work."""
+    """Refuse an output path that is one of the inputs or that cannot be written, before any work.
+
+    ``inputs``: the model first, then any other file the command reads (inputs, reference, data,
+    checkpoint), which the error names."""
     out_path = Path(out)
-    for source in inputs:
+    for position, source in enumerate(inputs):
         source_path = Path(source)
         if out_path.resolve() == source_path.resolve() or (
             out_path.exists() and source_path.exists() and os.path.samefile(out_path, source_path)
         ):
-            raise UsageError(f"{out_path}: the output must not be the input model; choose another path")
+            what = "the input model" if position == 0 else f"the input file {source_path}"
+            raise UsageError(f"{out_path}: the output must not be {what}; choose another path")
     parent = out_path.resolve().parent
     if not parent.exists():
         raise UsageError(f"{out_path}: output directory {parent} does not exist")
