@@ -10,7 +10,14 @@ Usage::
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
 ResNet, Gemma, Phi, GPT-NeoX, Mixtral, DeBERTa-v2, CLIP, wav2vec2, ConvNeXt, MobileViT, SegFormer;
-and from diffusers, a UNet2DModel under DDPM's noise-prediction loss and an AutoencoderKL),
+OPT with its embedding projections, BLOOM (ALiBi), Falcon (new decoder architecture, grouped KV),
+GPT-J (interleaved rotary), Gemma2 (logit soft-capping, sliding window), Qwen3 (query / key
+norms), Mamba (its sequential scan), ALBERT (one layer's weights shared by both), ELECTRA's
+discriminator, MobileBERT (bottlenecks, NoNorm), Funnel (pooled queries), XLNet, Marian
+(sinusoidal positions), Speech2Text (convolutional subsampler, GLU), WavLM (gated relative
+position bias), BEiT (relative position bias), MobileNetV2, EfficientNet (squeeze-excitation),
+LeViT (attention biases gathered by index), PoolFormer; and from diffusers, a UNet2DModel under
+DDPM's noise-prediction loss and an AutoencoderKL),
 its parameters perturbed so that no two are equal (the legacy exporter would merge equal
 initializers). For each exporter,
 
@@ -25,10 +32,22 @@ initializers). For each exporter,
   onnxruntime-training 1.19.2, docs/ORT_ARTIFACTS.md) also ONNX Runtime training's steps on
   ``generate_artifacts``' models of the same export, against PyTorch's losses.
 
-A causal LM's key bias and an attention's key bias get a gradient that is zero up to rounding
-(softmax is invariant to a constant per row): those tensors are scored as zero references, and
-AdamW turns their noise into steps of size lr on both sides, which move the losses apart by about
-1e-4 over the steps (BERT, BART).
+An attention's key bias gets a gradient that is zero up to rounding (softmax is invariant to a
+constant per row; a PoolFormer block's norm bias likewise, its pooling minus itself): such a tensor
+scores 1 to 5 in float32 and is rerun in float64. Funnel computes its attention in float32 even in
+a float64 module, so its key biases stay at that rounding (1e-10 against 1e-9) in float64 too.
+
+What moves the training losses apart (1e-4 to 1e-3) with matching gradients is what the ONNX
+graph cannot say, not rounding:
+
+- an embedding's ``padding_idx`` (the pad token's row: BERT, OPT, ALBERT, ELECTRA, MobileBERT, Gemma,
+  Gemma2, BART, Marian, Speech2Text, ...): PyTorch gives that row no gradient from the lookup,
+  both exporters write a plain Gather, and the random batches hold the pad token. With
+  ``padding_idx`` cleared on the PyTorch side these models train to 2e-7;
+- a parameter with ``requires_grad=False`` (Marian's sinusoidal position tables, Whisper's encoder
+  positions) is a PARAMETER to torch.export too, so gradgen trains it (``--freeze`` keeps it: then
+  Marian and Whisper train to 1e-7); the legacy exporter marks nothing, so it trains a buffer as
+  well (BART's and Marian's ``final_logits_bias``).
 """
 
 from __future__ import annotations
@@ -360,6 +379,145 @@ def vae() -> torch_sweep.Case:
     return torch_sweep.Case(ReconstructionLoss(_perturbed(model)), {"x": _images(BATCH, 3, 16, 16)})
 
 
+def albert() -> torch_sweep.Case:
+    import transformers as T
+
+    ids = _tokens(97, BATCH, SEQ)
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    model = T.AlbertForPreTraining(T.AlbertConfig(embedding_size=16, classifier_dropout_prob=0, **_encoder_config()))
+    return _case(model, {"input_ids": ids, "labels": labels, "sentence_order_label": _tokens(2, BATCH)})
+
+
+def electra() -> torch_sweep.Case:
+    import transformers as T
+
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 6:] = 0
+    model = T.ElectraForPreTraining(T.ElectraConfig(embedding_size=16, **_encoder_config()))
+    return _case(model, {"input_ids": _tokens(97, BATCH, SEQ), "attention_mask": mask, "labels": _tokens(2, BATCH, SEQ, seed=1)})
+
+
+def mobilebert() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.MobileBertConfig(
+        **{**_encoder_config(), "intermediate_size": 32},
+        embedding_size=16,
+        true_hidden_size=16,
+        intra_bottleneck_size=16,
+        num_feedforward_networks=2,
+        normalization_type="no_norm",
+    )
+    ids = _tokens(97, BATCH, SEQ)
+    return _case(T.MobileBertForMaskedLM(config), {"input_ids": ids, "labels": ids.clone()})
+
+
+def funnel() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.FunnelConfig(
+        vocab_size=97,
+        block_sizes=[1, 1],
+        num_decoder_layers=1,
+        d_model=32,
+        n_head=4,
+        d_head=8,
+        d_inner=64,
+        hidden_dropout=0,
+        attention_dropout=0,
+        activation_dropout=0,
+    )
+    return _case(T.FunnelForSequenceClassification(config), {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(2, BATCH)})
+
+
+def xlnet() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.XLNetConfig(vocab_size=97, d_model=32, n_layer=2, n_head=4, d_inner=64, dropout=0, use_mems_train=False)
+    ids = _tokens(97, BATCH, SEQ)
+    return _case(T.XLNetLMHeadModel(config), {"input_ids": ids, "labels": ids.clone()})
+
+
+def speech2text() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.Speech2TextConfig(
+        input_feat_per_channel=8,
+        input_channels=1,
+        conv_kernel_sizes=[5, 5],
+        conv_channels=16,
+        max_source_positions=32,
+        max_target_positions=32,
+        **_seq2seq_config(),
+    )
+    return _case(
+        T.Speech2TextForConditionalGeneration(config),
+        {"input_features": _images(BATCH, 16, 8), "labels": _tokens(97, BATCH, 6)},
+    )
+
+
+def marian() -> torch_sweep.Case:
+    import transformers as T
+
+    model = T.MarianMTModel(T.MarianConfig(max_position_embeddings=32, scale_embedding=True, **_seq2seq_config()))
+    return _case(model, {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(97, BATCH, 6, seed=1)})
+
+
+def wavlm() -> torch_sweep.Case:
+    import transformers as T
+
+    config = T.WavLMConfig(
+        vocab_size=12,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        num_buckets=8,
+        max_bucket_distance=16,
+        hidden_dropout=0,
+        attention_dropout=0,
+        activation_dropout=0,
+        feat_proj_dropout=0,
+        layerdrop=0,
+        mask_time_prob=0,
+        ctc_loss_reduction="mean",
+        pad_token_id=0,
+    )
+    labels = torch.randint(1, 12, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+    return _case(T.WavLMForCTC(config), {"input_values": _images(BATCH, 400), "labels": labels})
+
+
+def levit() -> torch_sweep.Case:
+    """LeViT, its attention biases gathered at each call: in eval mode transformers caches them, a
+    tensor of the first call's graph (a second backward fails; the legacy exporter refuses it as a
+    constant) that also keeps the biases of before any optimizer step."""
+    case = _vision(
+        "LevitForImageClassification",
+        "LevitConfig",
+        image_size=32,
+        patch_size=16,
+        hidden_sizes=[16, 32],
+        num_attention_heads=[2, 2],
+        depths=[1, 1],
+        key_dim=[8, 8],
+        mlp_ratio=[2, 2],
+        attention_ratio=[2, 2],
+        down_ops=[["Subsample", 8, 2, 4, 2, 2]],
+        num_labels=3,
+        drop_path_rate=0,
+    )()
+    for module in case.module.modules():
+        if hasattr(module, "attention_bias_cache"):
+            module.get_attention_biases = lambda device, m=module: m.attention_biases[:, m.attention_bias_idxs]
+    return case
+
+
 _NO_GQA = {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"}
 _VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
@@ -459,6 +617,100 @@ MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
     ),
     "unet2d": unet2d,
     "vae": vae,
+    "opt": _causal_lm(
+        "OPTConfig",
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        word_embed_proj_dim=16,
+        max_position_embeddings=32,
+        dropout=0,
+        attention_dropout=0,
+    ),
+    "bloom": _causal_lm("BloomConfig", hidden_size=32, n_layer=2, n_head=4, attention_dropout=0, hidden_dropout=0),
+    "falcon": _causal_lm(
+        "FalconConfig",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+        max_position_embeddings=32,
+        attention_dropout=0,
+        hidden_dropout=0,
+    ),
+    "gptj": _causal_lm(
+        "GPTJConfig", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32, embd_pdrop=0, resid_pdrop=0, attn_pdrop=0
+    ),
+    "gemma2": _causal_lm(
+        "Gemma2Config",
+        max_position_embeddings=32,
+        head_dim=8,
+        sliding_window=4,
+        query_pre_attn_scalar=8,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        **_DECODER,
+    ),
+    "qwen3": _causal_lm("Qwen3Config", max_position_embeddings=32, head_dim=8, **_DECODER),
+    "mamba": _causal_lm("MambaConfig", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4),
+    "albert": albert,
+    "electra": electra,
+    "mobilebert": mobilebert,
+    "funnel": funnel,
+    "xlnet": xlnet,
+    "marian": marian,
+    "speech2text": speech2text,
+    "wavlm": wavlm,
+    "beit": _vision(
+        "BeitForImageClassification",
+        "BeitConfig",
+        num_labels=3,
+        use_relative_position_bias=True,
+        use_mean_pooling=True,
+        layer_scale_init_value=0.1,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+        drop_path_rate=0,
+        **_VIT,
+    ),
+    "mobilenetv2": _vision(
+        "MobileNetV2ForImageClassification",
+        "MobileNetV2Config",
+        image_size=32,
+        depth_multiplier=0.25,
+        min_depth=4,
+        finegrained_output=False,
+        num_labels=3,
+        classifier_dropout_prob=0,
+    ),
+    "efficientnet": _vision(
+        "EfficientNetForImageClassification",
+        "EfficientNetConfig",
+        image_size=32,
+        width_coefficient=0.25,
+        depth_coefficient=0.25,
+        hidden_dim=320,
+        num_labels=3,
+        dropout_rate=0,
+        drop_connect_rate=0,
+    ),
+    "levit": levit,
+    "poolformer": _vision(
+        "PoolFormerForImageClassification",
+        "PoolFormerConfig",
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_encoder_blocks=2,
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        padding=[2, 1],
+        pool_size=3,
+        num_labels=3,
+        drop_path_rate=0,
+        hidden_dropout_prob=0,
+    ),
 }
 EXPORTERS = ("legacy", "dynamo", "dynamo-optimized")
 
