@@ -2,9 +2,18 @@
 
 Gather and GatherElements emit ONNX Runtime training's com.microsoft GatherGrad and
 GatherElementsGrad (note their different input orders); the others use standard ops.
+
+A Gather that PyTorch's dynamo exporter wrote for ``nn.Embedding`` / ``F.embedding`` keeps the
+call in its metadata (``pkg.torch.onnx.fx_node``), with the options the graph itself lost: the
+row ``padding_idx`` gets no gradient from the lookup, and ``scale_grad_by_freq`` divides each
+position's gradient by how often its index occurs in the batch. The Gather rule applies both,
+so such a model's gradients and training are PyTorch's (the legacy exporter keeps no such record).
 """
 
 from __future__ import annotations
+
+import re
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -21,10 +30,88 @@ def _where(g) -> str:
 
 @grad_rule("Gather", nondiff_inputs=(1,))
 def gather(g):
-    """Shape(X) (a constant when static) -> GatherGrad(shape, indices, dY)."""
+    """Shape(X) (a constant when static) -> GatherGrad(shape, indices, dY); dY first as PyTorch's
+    embedding backward takes it where the exporter recorded an embedding call (module docstring)."""
     x = g.x(0)
-    dx = g.op("GatherGrad", g.shape_of(x), g.x(1), g.dy(), domain=MICROSOFT, axis=g.attr("axis", 0))
+    dy = _as_torch_embedding_backward(g, g.dy())
+    dx = g.op("GatherGrad", g.shape_of(x), g.x(1), dy, domain=MICROSOFT, axis=g.attr("axis", 0))
     return [g.set_type_like(dx, x)]
+
+
+# how the dynamo exporter prints the FX call of an embedding lookup: weight, indices, then the
+# optional padding_idx (normalised to a row, -1 for none), scale_grad_by_freq and sparse
+_EMBEDDING_CALL = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(([^)]*)\)")
+
+
+def _fx_call(node: ir.Node) -> str:
+    return node.metadata_props.get("pkg.torch.onnx.fx_node", "")
+
+
+def torch_embedding_options(node: ir.Node) -> tuple[int | None, bool]:
+    """(padding_idx or None, scale_grad_by_freq) of a Gather the dynamo exporter wrote for
+    ``aten.embedding``, from its ``pkg.torch.onnx.fx_node`` metadata; (None, False) for any other."""
+    match = _EMBEDDING_CALL.search(_fx_call(node))
+    if match is None:
+        return None, False
+    args = [a.strip() for a in match.group(1).split(",")]
+    padding = int(args[2]) if len(args) > 2 and re.fullmatch(r"-?\d+", args[2]) else -1
+    return (padding if padding >= 0 else None), len(args) > 3 and args[3] == "True"
+
+
+def _merged_lookup(node: ir.Node) -> bool:
+    """Whether the exporter's optimizer may have merged other lookups into ``node`` (two Gathers of
+    the same table and indices are one node after its common-subexpression pass, with one call's
+    record): some reader the exporter recorded reads the output in more places than its own recorded
+    call names this one. Then the record's options may not hold for every reader."""
+    own = re.match(r"%(\S+) :", _fx_call(node))
+    if own is None or not node.outputs:
+        return True
+    named = re.compile(rf"%{re.escape(own.group(1))}\b")
+    slots: dict[ir.Node, int] = {}
+    for usage in node.outputs[0].uses():
+        slots[usage.node] = slots.get(usage.node, 0) + 1
+    for reader, count in slots.items():
+        call = _fx_call(reader)
+        if call and len(named.findall(call.partition("](args = ")[2])) < count:
+            return True
+    return False
+
+
+def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
+    """dY with the positions of ``padding_idx`` zeroed and, for ``scale_grad_by_freq``, each position
+    divided by its index's count in the batch, as PyTorch's embedding backward does; dY itself for a
+    Gather that is no recorded embedding lookup."""
+    padding, by_frequency = torch_embedding_options(g.node)
+    if (padding is None and not by_frequency) or g.attr("axis", 0) != 0:
+        return dy
+    x, indices = g.x(0), g.x(1)
+    weight = repr(x.name) if x.name else "the table"
+    if _merged_lookup(g.node):
+        warnings.warn(
+            f"{_where(g)}: PyTorch's exporter recorded an embedding lookup of {weight} with padding_idx / "
+            "scale_grad_by_freq, but its optimizer seems to have merged other lookups into this node, so the "
+            "gradient is the graph's (every row, unscaled), not PyTorch's; export with optimize=False to keep them apart",
+            stacklevel=2,
+        )
+        return dy
+    said = []
+    if by_frequency:
+        _need_scatter_reduction(g)
+        flat = g.reshape(indices, [-1])
+        ones = g.op("ConstantOfShape", g.shape_of(flat), value=ir.tensor(np.ones((1,), numpy_dtype_of(x))))
+        counts = g.op("ScatterElements", g.zeros(dims_value(g, x, 0, 1), like=x), flat, ones, axis=0, reduction="add")
+        dy = g.op("Div", dy, g.unsqueeze(g.op("Gather", counts, indices, axis=0), [-1]))
+        said.append("each position's gradient is divided by its index's count in the batch (scale_grad_by_freq)")
+    if padding is not None:
+        at_padding = g.op("Equal", indices, g.const(np.array(padding, numpy_dtype_of(indices))))
+        dy = g.op("Where", g.unsqueeze(at_padding, [-1]), g.const_like(x, 0), dy)
+        said.append(f"row {padding} of {weight} gets no gradient from this lookup (padding_idx={padding})")
+    warnings.warn(
+        f"{_where(g)}: {' and '.join(said)}, as in PyTorch (nn.Embedding options that PyTorch's exporter "
+        "recorded with the node; the graph alone does not hold them)",
+        stacklevel=2,
+    )
+    return dy
 
 
 @grad_rule("GatherElements", nondiff_inputs=(1,))
