@@ -278,3 +278,42 @@ def test_sequence_map_over_lists_of_different_lengths_is_refused_naming_the_node
     model = _model(nodes, [helper.make_tensor_value_info("x", F64, [2])])
     with pytest.raises(ModelError, match=r"'map' \(SequenceMap\).*tensors only"):
         gradgen.build_backward(model, wrt_inputs=True)
+
+
+def test_a_list_built_by_a_loop_of_a_constant_trip_count_then_read_by_position():
+    """The legacy exporter's torch.tensor_split: a Loop of a constant trip count appends slices to
+    a list (the Loop's output left untyped, its body's output a sequence of float64), one more
+    slice is inserted after it, and the pieces are read by position. The loop unrolls, and the
+    straight-line list it leaves resolves to its slices (it was refused naming the sequence ops)."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["i", "two"], ["start"]),
+            helper.make_node("Add", ["start", "two"], ["end"]),
+            helper.make_node("Slice", ["x", "start", "end", "one"], ["piece"]),
+            helper.make_node("SequenceInsert", ["seq_in", "piece"], ["seq_out"]),
+            helper.make_node("Identity", ["cond"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_sequence_value_info("seq_in", F64, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_sequence_value_info("seq_out", F64, None),
+        ],
+    )
+    nodes = [
+        helper.make_node("SequenceEmpty", [], ["empty"], dtype=F64),
+        helper.make_node("Loop", ["trips", "yes", "empty"], ["built"], body=body),
+        helper.make_node("Slice", ["x", "four", "six", "one"], ["last"]),
+        helper.make_node("SequenceInsert", ["built", "last"], ["all"]),
+        *(helper.make_node("SequenceAt", ["all", f"at{k}"], [f"part{k}"]) for k in range(3)),
+        helper.make_node("Mul", ["part0", "part1"], ["product"]),
+    ]
+    _loss_of(["product", "part2"], nodes)
+    constants = [_ints("trips", 2), ("yes", np.array(True)), _ints("two", [2]), _ints("one", [1])]
+    constants += [_ints("four", [4]), _ints("six", [6]), *(_ints(f"at{k}", k) for k in range(3))]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F64, [3, 6])], constants)
+    _check(model, {"x": np.random.default_rng(2).standard_normal((3, 6))})

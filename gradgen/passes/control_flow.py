@@ -86,7 +86,13 @@ class UnrollLoopsPass(ir.passes.InPlacePass):
 
 
 def _carries_floats(node: ir.Node) -> bool:
-    return any(v.dtype in FLOAT_TYPES for v in node.outputs)
+    """Whether the loop computes floats (tensors, or sequences of them), by its outputs' types or,
+    where the export left those untyped, its body's (the legacy exporter's torch.tensor_split: a
+    list of slices built in a Loop of one iteration)."""
+    if any(v.dtype in FLOAT_TYPES for v in node.outputs):
+        return True
+    body = get_attr(node, "body")
+    return body is not None and any(v.type is not None and v.type.dtype in FLOAT_TYPES for v in body.outputs)
 
 
 def _num_states(node: ir.Node) -> int:

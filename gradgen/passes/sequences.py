@@ -18,7 +18,9 @@ Exporters use sequences as lists built in a fixed way, and those lists are tenso
   dimension of the model's inputs); a loop whose elements may differ keeps its sequence;
 - ``SequenceMap`` over such lists: its body copied once per element (extra tensor inputs go to
   every copy), each output a list of the copies' results;
-- ``OptionalGetElement`` / ``OptionalHasElement`` of an ``Optional`` node.
+- ``OptionalGetElement`` / ``OptionalHasElement`` of an ``Optional`` node;
+- where a list remains, the Loops of a constant trip count are unrolled (``UnrollLoopsPass``) and
+  the straight-line lists they leave are resolved in turn.
 
 What stays (a position computed at run time, a list whose length the data decides and that is
 read element by element, ...) is refused by the gradient pass and the Session with one line
@@ -48,16 +50,32 @@ class SequencesAsTensorsPass(ir.passes.InPlacePass):
     the main graph and in every subgraph); see the module docstring."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if not any(_is_non_tensor(node) for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        if not _holds_non_tensors(model):
             return ir.passes.PassResult(model, modified=False)
+        modified = self._rewrite(model)
+        if _holds_non_tensors(model):
+            # A list a Loop of a constant trip count builds and then is read otherwise than by
+            # ConcatFromSequence (the legacy exporter's torch.tensor_split): unrolled, the loop
+            # leaves a straight-line list
+            from gradgen.passes.control_flow import UnrollLoopsPass
+
+            if UnrollLoopsPass()(model).modified:
+                modified = self._rewrite(model) or True
+        return ir.passes.PassResult(model, modified=modified)
+
+    @staticmethod
+    def _rewrite(model: ir.Model) -> bool:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
-        names = graph_names(model.graph)
-        modified = _rewrite_graph(model.graph, opset, names, _BodyTypes(model))
+        modified = _rewrite_graph(model.graph, opset, graph_names(model.graph), _BodyTypes(model))
         if modified:
             from gradgen.passes.standard import ShapeInferencePass
 
             ShapeInferencePass()(model)
-        return ir.passes.PassResult(model, modified=modified)
+        return modified
+
+
+def _holds_non_tensors(model: ir.Model) -> bool:
+    return any(_is_non_tensor(node) for node in ir.traversal.RecursiveGraphIterator(model.graph))
 
 
 def _is_non_tensor(node: ir.Node) -> bool:
