@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 
@@ -60,6 +60,13 @@ def _warnings_as_notes():
 
 def _set_progress(flag: Optional[bool]) -> None:
     _state["progress"] = sys.stderr.isatty() if flag is None else flag
+
+
+def progress_printer(flag: Optional[bool]) -> Optional[Callable[[str], None]]:
+    """A command's ``--progress/--no-progress`` (None: only on a terminal) applied: the function
+    that says a progress line on stderr, or None where progress is off."""
+    _set_progress(flag)
+    return _progress if _state["progress"] else None
 
 
 def _finite_non_negative(value: float) -> float:
@@ -224,7 +231,7 @@ def _loss_spec(kind: Optional[str], output: Optional[str]):
     from gradgen.training.cli import loss_kind
     from gradgen.training.losses import LossSpec
 
-    return LossSpec(loss_kind(kind), output)
+    return LossSpec(loss_kind(kind), output, output_option="--loss-output")
 
 
 @app.command("run")

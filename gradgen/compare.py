@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import GradgenError, RunError, UsageError
-from gradgen.names import value_name
+from gradgen.names import node_name, value_name
 from gradgen.passes.autocast import METADATA_KEY
 from gradgen.text_table import format_table
 
@@ -248,7 +248,7 @@ def _kink_operands(graph: ir.Graph) -> list[tuple[str, list[ir.Value]]]:
     for node in graph:
         if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None:
             continue
-        label = f"{node.op_type} node {node.name or '<unnamed>'!r}"
+        label = f"{node.op_type} node {node_name(node)!r}"
         x = node.inputs[0]
         if node.op_type in _KINK_AT_ZERO:
             found.append((label, [x]))

@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.errors import UsageError
-from gradgen.names import value_name
+from gradgen.names import node_name, value_name
 
 # (op type, position of the index input, position of the data input, attribute of the axis)
 _INDEX_CONSUMERS = {
@@ -332,7 +332,7 @@ def _refuse_shape_like(value: ir.Value) -> None:
         if position in _SHAPE_LIKE_INPUTS.get(node.op_type, ()) and node.domain in ("", "ai.onnx"):
             raise UsageError(
                 f"input {value.name!r} feeds input {position} of {node.op_type} node "
-                f"{node.name or '<unnamed>'!r} (a shape, axes or count): random values would be "
+                f"{node_name(node)!r} (a shape, axes or count): random values would be "
                 "meaningless; pass it with --inputs FILE.npz"
             )
 
@@ -360,7 +360,7 @@ def _distinct_index_draw(rng, value: ir.Value, shape, dims) -> np.ndarray | None
         data = _static_shape(node.inputs[0], dims)
         if data is None:
             return None
-        where = f"input {value.name!r} (indices of {node.op_type} node {node.name or '<unnamed>'!r})"
+        where = f"input {value.name!r} (indices of {node.op_type} node {node_name(node)!r})"
         if node.op_type == "ScatterElements":
             axis = _axis(node, len(data))
             if len(shape) != len(data) or not 0 <= axis < len(data):

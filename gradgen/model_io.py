@@ -19,6 +19,7 @@ import onnx_ir.passes.common
 from onnx import external_data_helper, numpy_helper
 
 from gradgen.errors import ModelError, UsageError
+from gradgen.names import node_name, node_names
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, ir.Model]
 
@@ -135,7 +136,8 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
 
 
 def _proto_node_label(node: onnx.NodeProto, index: int) -> str:
-    return f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node (node #{index})"
+    """As ``_node_label``, before the model is loaded (an unnamed node by op type and position)."""
+    return f"node {node.name or f'{node.op_type}_{index}'!r} ({node.op_type})"
 
 
 def _check_names(graph: onnx.GraphProto, where: str) -> None:
@@ -168,6 +170,12 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
 def _checked(model: ir.Model, where: str) -> ir.Model:
     """``model`` once its graphs' names and inline tensors are consistent (``_check_graph``)."""
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    newest = onnx.defs.onnx_opset_version()
+    if opset > newest:  # no schema to check its nodes against, nothing to convert it to
+        raise ModelError(
+            f"{where}: the model imports opset {opset} of the default domain (ai.onnx); the highest opset "
+            f"the installed onnx {onnx.__version__} supports is {newest}"
+        )
     _check_graph(model.graph, where, opset, frozenset())
     return model
 
@@ -240,14 +248,15 @@ def _check_acyclic(graph: ir.Graph, where: str) -> None:
         path.append(node)
         node = next(p for p in (v.producer() for v in node.inputs if v is not None) if p in members and waiting[p])
     cycle = path[path.index(node) :][::-1]
-    index = {n: i for i, n in enumerate(nodes)}
-    names = [f"{n.name!r} ({n.op_type})" if n.name else f"#{index[n]} ({n.op_type}, unnamed)" for n in cycle]
+    labels = node_names(nodes)
+    names = [f"{labels[n]!r} ({n.op_type})" for n in cycle]
     shown = " -> ".join(names[:6] + (["..."] if len(names) > 6 else []) + names[:1])
     raise ModelError(f"{where}: the graph has a cycle: node {shown}; a node cannot depend on its own output")
 
 
 def _node_label(node: ir.Node) -> str:
-    return f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node"
+    """``node 'mm' (MatMul)``; an unnamed node by the name build-backward gives it (``node_name``)."""
+    return f"node {node_name(node)!r} ({node.op_type})"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -378,6 +387,8 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Pat
 
     ``inputs``: the model first, then any other file the command reads (inputs, reference, data,
     checkpoint), which the error names."""
+    if os.fspath(out) in ("", "."):  # Path("") is "."; neither names a file
+        raise UsageError("an empty output path (or '.') names the current directory, not a file; give a file name for the output")
     out_path = Path(out)
     for position, source in enumerate(inputs):
         source_path = Path(source)

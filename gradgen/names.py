@@ -14,12 +14,41 @@ import onnx_ir as ir
 from gradgen.errors import ModelError
 
 
+def node_names(nodes: Iterable[ir.Node]) -> dict[ir.Node, str]:
+    """Each node's name; an unnamed node's is ``<op_type>_<position>`` (``_`` appended while another
+    node holds it), the name build-backward's NameNodesPass gives it, so that every message names
+    a node as the built model does. ``nodes``: a graph, in its order."""
+    nodes = list(nodes)
+    taken = {node.name for node in nodes if node.name}
+    names: dict[ir.Node, str] = {}
+    for index, node in enumerate(nodes):
+        name = node.name
+        if not name:
+            name = f"{node.op_type}_{index}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+        names[node] = name
+    return names
+
+
+def node_name(node: ir.Node) -> str:
+    """``node``'s name, or the one ``node_names`` gives it in its graph (a scan of the graph: for
+    messages, not loops)."""
+    if node.name:
+        return node.name
+    graph = node.graph
+    if graph is None:  # a node not in a graph yet has no position
+        return f"{node.op_type}_?"
+    return node_names(graph)[node]
+
+
 def value_name(value: ir.Value) -> str:
     """``value``'s name; a ModelError naming its producer when it has none."""
     if value.name is None:
         producer = value.producer()
         made_by = (
-            f"output {value.index()} of {producer.op_type} node {producer.name or '<unnamed>'!r}"
+            f"output {value.index()} of {producer.op_type} node {node_name(producer)!r}"
             if producer is not None
             else "a value with no producer"
         )

@@ -94,7 +94,7 @@ def _commands(model: Path, tmp: Path) -> list[list]:
         (_input_recomputed, ("m.onnx", "'x'", "MatMul", "graph input")),
         (_initializer_twice, ("m.onnx", "initializer 'w'", "more than once")),
         (_cycle, ("m.onnx", "cycle", "'add' (Add)", "'relu' (Relu)")),
-        (_unnamed_cycle, ("m.onnx", "cycle", "#0 (Add", "#1 (Relu")),
+        (_unnamed_cycle, ("m.onnx", "cycle", "'Add_0' (Add)", "'Relu_1' (Relu)")),
         (_missing_initializer, ("m.onnx", "'w'", "no node, graph input or initializer")),
     ],
     ids=["value_computed_twice", "input_recomputed", "initializer_twice", "cycle", "unnamed_cycle", "missing_initializer"],
@@ -159,5 +159,5 @@ def test_a_missing_initializer_is_one_line_from_a_shell(tmp_path):
     )
     assert done.returncode == 3, done.stderr
     assert done.stderr.splitlines() == [
-        f"error: {model}: an unnamed MatMul node reads 'w', which no node, graph input or initializer provides"
+        f"error: {model}: node 'MatMul_0' (MatMul) reads 'w', which no node, graph input or initializer provides"
     ]

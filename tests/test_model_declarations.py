@@ -220,7 +220,7 @@ INVALID = {
             [_vec("x")],
             [_vec("y")],
         ),
-        "not valid ONNX: Nodes in a graph must be topologically sorted",
+        "the graph has a cycle: node 'Mul_1' (Mul) -> 'Add_0' (Add) -> 'Mul_1' (Mul)",
     ),
     "a Concat axis out of range (ONNX's checker says so, where gradgen's gradient pass failed)": (
         _graph_model(

@@ -86,6 +86,7 @@ def test_train_gives_a_falling_loss_a_log_and_a_checkpoint(tmp_path, mlp_data, c
         "10",
         "--clip-norm",
         "1.0",
+        "--progress",
     )
     assert code == 0, err
     assert MLP.read_bytes() == before
@@ -150,7 +151,9 @@ def test_resume_is_bit_identical(tmp_path, cnn_data, capsys, monkeypatch, optimi
         assert code == 0, err
     else:
         _interrupted_after_50(capsys, monkeypatch, common, halves)
-    code, out, err = run_cli(capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir", halves, "--resume")
+    code, out, err = run_cli(
+        capsys, monkeypatch, "train", CNN, *common, "--steps", "100", "--checkpoint-dir", halves, "--resume", "--progress"
+    )
     assert code == 0, err
     assert "resuming from" in err and "trained steps 51 to 100" in out
     assert "schedule differs" not in err
@@ -470,7 +473,18 @@ def test_fp16_loss_scale_and_skipped_steps(tmp_path, cnn_data, capsys, monkeypat
     base = ["train", CNN, "--data", cnn_data, "--lr", "0.01", "--batch-size", "3"]
     ckpt = tmp_path / "fp16"
     code, out, err = run_cli(
-        capsys, monkeypatch, *base, "--steps", "3", "--precision", "fp16", "--loss-scale", "1e38", "--checkpoint-dir", ckpt
+        capsys,
+        monkeypatch,
+        *base,
+        "--steps",
+        "3",
+        "--precision",
+        "fp16",
+        "--loss-scale",
+        "1e38",
+        "--checkpoint-dir",
+        ckpt,
+        "--progress",
     )
     assert code == 0, err
     assert "3 of them skipped by loss scaling" in out

@@ -233,7 +233,7 @@ def test_gradgen_train_and_export_carry_them(tmp_path, capsys, monkeypatch):
     ckpt = tmp_path / "run"
     code, _, err = run_cli(
         capsys, monkeypatch, "train", model, "--data", data, "--lr", "0.1", "--optimizer", "sgd", "--steps", "3",
-        "--batch-size", "6", "--eval-data", data, "--checkpoint-dir", ckpt,
+        "--batch-size", "6", "--eval-data", data, "--checkpoint-dir", ckpt, "--progress",
     )  # fmt: skip
     assert code == 0, err
     assert "updating the running statistics of 1 BatchNormalization node(s)" in err

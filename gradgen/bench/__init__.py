@@ -19,6 +19,7 @@ Results and what limits them are recorded in docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,16 @@ def _integer_from(low: int):
 
 _positive = _integer_from(1)
 _non_negative = _integer_from(0)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0: {text}")
+    return value
 
 
 def _precision_list(text: str) -> list[str]:
@@ -120,12 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         help="timed steps (e2e: median of 30 by default; train: 20; cpu: at most 20, within 10 s per measurement)",
     )
-    e2e.add_argument("--warmup", type=int, help="warm-up steps before timing (e2e default 5, cpu 1)")
+    e2e.add_argument("--warmup", type=_non_negative, help="warm-up steps before timing (e2e default 5, cpu 1)")
     e2e.add_argument("--json", type=Path, metavar="FILE", help="also write every e2e / train / cpu number to FILE (JSON)")
     e2e.add_argument("--keep", type=Path, metavar="DIR", help="keep the exported models and child results under DIR")
     e2e.add_argument(
         "--child-timeout",
-        type=float,
+        type=_positive_seconds,
         default=None,
         metavar="S",
         help="give up on one child process after S seconds (default 1800; cpu 3600)",
@@ -172,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-samples", action="store_true", help="skip the bundled samples")
     c.add_argument(
         "--build-layers",
-        type=int,
+        type=_non_negative,
         default=48,
         metavar="N",
         help="layers of the GPT-2 layout whose build-backward is timed (0: skip; default 48)",
@@ -225,8 +236,13 @@ class _Results:
     def __init__(self, path: Path | None):
         self.path = path
         self.data: dict[str, Any] = {}
-        if path is not None and not path.resolve().parent.is_dir():
-            raise UsageError(f"--json {path}: the directory does not exist")
+        if path is not None:  # a directory, a missing or read-only one: said before any work
+            from gradgen.model_io import check_output_path
+
+            try:
+                check_output_path(path)
+            except UsageError as exc:
+                raise UsageError(f"--json {exc}") from None
 
     def update(self, group: str, report: dict) -> None:
         self.data[group] = report

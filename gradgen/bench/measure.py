@@ -130,9 +130,18 @@ def run_child(job: str, task: dict, workdir: Path, *, timeout_s: float, env: dic
 
 
 def write_json_atomic(path: Path, data) -> None:
+    """Write ``data`` as JSON to a temporary file beside ``path``, then rename it over ``path``;
+    a failure (an OS error, data that is not JSON-able, Ctrl-C) removes the temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 def _jsonable(value):

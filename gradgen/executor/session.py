@@ -25,7 +25,7 @@ from gradgen.executor.cpu_rewrites import scatter_into_sums
 from gradgen.executor.standard_forms import with_standard_forms
 from gradgen.kernels import registry
 from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
-from gradgen.names import name_mismatch, quoted
+from gradgen.names import name_mismatch, node_name, node_names, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
 from gradgen.ops.control_flow import outer_scope_values
@@ -136,10 +136,12 @@ def keep_freed_memory() -> None:
     mallopt(_M_MMAP_THRESHOLD, 2**30)
 
 
-def node_label(node: ir.Node) -> str:
+def node_label(node: ir.Node, name: str | None = None) -> str:
+    """``node 'mm' (MatMul)``; an unnamed node by the name build-backward gives it (``node_names``:
+    ``'Gather_3'``, op type and position), or ``name`` where the caller has it."""
     domain = registry.normalize_domain(node.domain)
     op = f"{domain}::{node.op_type}" if domain else node.op_type
-    return f"node {node.name or '<unnamed>'!r} ({op})"
+    return f"node {name or node_name(node)!r} ({op})"
 
 
 def resolve_device(device: str) -> str:
@@ -240,19 +242,22 @@ class Session:
     def _plan(self) -> list[Step]:
         nodes = list(self.graph)
         refuse_non_tensor_ops(nodes)
+        names = node_names(nodes)  # an unnamed node's as build-backward names it: 'Gather_3'
         missing = []
         for node in nodes:
             entry = registry.lookup(node.domain, node.op_type)
             usable = entry is not None and (entry.cpu is not None or (self.device == "cuda" and entry.cuda is not None))
             if not usable:
-                missing.append((registry.normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+                missing.append((registry.normalize_domain(node.domain), node.op_type, names[node]))
         if missing:
             raise UnsupportedOpsError("a CPU kernel" if self.device == "cpu" else "a CPU or CUDA kernel", missing)
         steps = []
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
             if registry.normalize_domain(node.domain) == schemas.MICROSOFT_DOMAIN and node.op_type in schemas.SCHEMAS:
-                schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_label(node))
+                schemas.check_node(
+                    node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_label(node, names[node])
+                )
             attrs = node_attributes(node)
             captured = [v.name for v in outer_scope_values(node)]  # what an If / Loop / Scan body reads
             if captured:
@@ -265,7 +270,7 @@ class Session:
                 attrs["_wanted"] = tuple(bool(v.name) for v in node.outputs)
             steps.append(
                 Step(
-                    node_name=node.name or "<unnamed>",
+                    node_name=names[node],
                     domain=registry.normalize_domain(node.domain),
                     op_type=node.op_type,
                     kernel=entry.cpu,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gradgen.errors import ModelError
+from gradgen.names import node_name
 
 SEQUENCE_OPS = frozenset(
     {
@@ -39,7 +40,7 @@ def is_non_tensor_op(domain: str, op_type: str) -> bool:
 def refuse_non_tensor_ops(nodes: Iterable) -> None:
     """A one-line ModelError naming every node (name, op) of ``nodes`` that holds a sequence or an
     optional; nothing when there is none. ``nodes`` are onnx_ir nodes."""
-    found = [f"{node.name or '<unnamed>'!r} ({node.op_type})" for node in nodes if is_non_tensor_op(node.domain, node.op_type)]
+    found = [f"{node_name(node)!r} ({node.op_type})" for node in nodes if is_non_tensor_op(node.domain, node.op_type)]
     if found:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
         raise ModelError(

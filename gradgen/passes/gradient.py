@@ -21,7 +21,7 @@ from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.kernels.registry import normalize_domain
-from gradgen.names import gradient_name
+from gradgen.names import gradient_name, node_name
 from gradgen.ops.control_flow import outer_scope_values, subgraphs
 from gradgen.ops.non_tensor import refuse_non_tensor_ops
 
@@ -92,7 +92,13 @@ def choose_wrt(graph: ir.Graph, spec: GradientSpec, depends: set[str], added: se
     unknown_frozen = frozen - set(by_name)
     if unknown_frozen:
         raise UsageError(f"--freeze names no float initializer or input: {', '.join(sorted(unknown_frozen))}")
+    left_out = [v.name for v in chosen if v.name in frozen]
     chosen = [v for v in chosen if v.name not in frozen]
+    if not chosen and left_out:
+        raise UsageError(
+            f"nothing to differentiate with respect to: every tensor feeding the loss is frozen by --freeze "
+            f"({', '.join(map(repr, left_out))}); unfreeze one, or use --wrt NAME or --wrt-inputs"
+        )
     if not chosen:
         raise UsageError(
             "nothing to differentiate with respect to: no float initializer feeds the loss (use --wrt NAME or --wrt-inputs)"
@@ -255,7 +261,7 @@ def _record(builder, grads, node, rule: GradRule, input_grads, wanted, captured=
         x = sources[i]
         if grad is None:  # a zero here would be a silent wrong gradient: the rule must say why instead
             raise ModelError(
-                f"node {node.name or '<unnamed>'!r} ({node.op_type}): its gradient rule gives no "
+                f"node {node_name(node)!r} ({node.op_type}): its gradient rule gives no "
                 f"gradient for input {i} ({x.name!r}), which the loss depends on; "
                 "this is a gradgen bug, please report it"
             )
@@ -368,7 +374,7 @@ def _refuse_unsupported_inputs(nodes: list[ir.Node], ancestors: set[str], requir
         for i in sorted(rule.unsupported_inputs):
             value = node.inputs[i] if i < len(node.inputs) else None
             if value is not None and value.name in requires:
-                offenders.append(f"input {i} ({value.name!r}) of {node.op_type} node {node.name or '<unnamed>'!r}")
+                offenders.append(f"input {i} ({value.name!r}) of {node.op_type} node {node_name(node)!r}")
     if offenders:
         raise ModelError(
             f"gradgen has no gradient for {'; '.join(offenders)}, and it depends on a tensor being "
@@ -383,7 +389,7 @@ def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
     for node in active:
         rule = lookup_rule(node.domain, node.op_type)
         if rule is None or not rule.differentiable:
-            missing.append((normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+            missing.append((normalize_domain(node.domain), node.op_type, node_name(node)))
         else:
             rules[node] = rule
     if missing:

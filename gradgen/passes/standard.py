@@ -11,6 +11,7 @@ from onnx_ir.passes import common as ir_common
 from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.evaluate import RANDOM_OPS
+from gradgen.names import node_names
 from gradgen.ops.einsum import parse_equation
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
 from gradgen.passes.rewrite import NodeRemoval
@@ -519,15 +520,10 @@ class NameNodesPass(ir.passes.InPlacePass):
     """Give every unnamed node a name (``<op_type>_<index>``) so errors can point at it."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        taken = {node.name for node in model.graph if node.name}
         modified = False
-        for index, node in enumerate(model.graph):
-            if not node.name:
-                name = f"{node.op_type}_{index}"
-                while name in taken:
-                    name += "_"
+        for node, name in node_names(model.graph).items():  # the names a session's errors use too
+            if node.name != name:
                 node.name = name
-                taken.add(name)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 

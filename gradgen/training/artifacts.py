@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
@@ -133,8 +134,8 @@ def generate_artifacts(
     wrote twice (an LM head sharing its embedding) as one parameter, as ``build_training`` does: the
     graphs read the copy as a Transpose of it.
     """
-    if clip_norm is not None and not clip_norm > 0:
-        raise UsageError(f"clip norm {clip_norm} is not > 0")
+    if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise UsageError(f"clip norm {clip_norm}: must be a finite number > 0")
     _check_optimizer(optimizer)
     forward = _copy(model) if isinstance(model, ir.Model) else load_model(model)
     trainable, frozen = _check_names(forward.graph, requires_grad, list(frozen))

@@ -163,17 +163,28 @@ def plot_available() -> bool:
 def plot_loss_curve(log: str | Path, out: str | Path) -> Path:
     """A PNG of the training (and evaluation) loss of a CSV log, written atomically. Needs matplotlib
     (the ``plot`` extra)."""
+    rows = read_log(log)
+    training = [(int(r["step"]), float(r["loss"])) for r in rows]
+    evaluated = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
+    return plot_losses(training, evaluated, out)
+
+
+def plot_history(history: History, out: str | Path) -> Path:
+    """A PNG of the training (and evaluation) loss a ``History`` kept (a run without a CSV log)."""
+    return plot_losses([(r.step, r.loss) for r in history.steps], history.evaluations, out)
+
+
+def plot_losses(training: list[tuple[int, float]], evaluated: list[tuple[int, float]], out: str | Path) -> Path:
+    """A PNG of (step, loss) pairs, training and evaluation, written atomically. Needs matplotlib."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     from gradgen.model_io import atomic_output
 
-    rows = read_log(log)
     figure = Figure(figsize=(7, 4), dpi=100)
     axes = figure.add_subplot()
-    axes.plot([int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], label="training loss", linewidth=1)
-    evaluated = [r for r in rows if r["eval_loss"]]
+    axes.plot([s for s, _ in training], [v for _, v in training], label="training loss", linewidth=1)
     if evaluated:
-        axes.plot([int(r["step"]) for r in evaluated], [float(r["eval_loss"]) for r in evaluated], "o-", label="evaluation loss")
+        axes.plot([s for s, _ in evaluated], [v for _, v in evaluated], "o-", label="evaluation loss")
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.grid(True, alpha=0.3)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[TrainState, dict[str, Any]
             meta = json.loads(str(data["meta"]))
             params = {name: data[f"param/{name}"] for name in meta["params"]}
             states = {(param, kind): data[f"state/{kind}/{param}"] for param, kind in meta["states"]}
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:  # cut short: a copy or a disk that was full
+        raise UsageError(f"{path}: not a complete gradgen checkpoint (truncated or damaged: {exc})") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{path}: not a gradgen checkpoint ({type(exc).__name__}: {exc})") from None
     if meta.get("format") != FORMAT:

@@ -73,9 +73,18 @@ def train(
         "--target",
         help="With --add-loss: the name of the target input (default labels for cross_entropy, target otherwise).",
     ),
-    ignore_index: int = typer.Option(-100, "--ignore-index", help="cross_entropy: label value to ignore."),
-    label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
-    class_axis: int = typer.Option(-1, "--class-axis", help="cross_entropy: the classes' axis of the logits."),
+    ignore_index: Optional[int] = typer.Option(
+        None, "--ignore-index", show_default=False, help="--add-loss cross_entropy: label value to ignore (default -100)."
+    ),
+    label_smoothing: Optional[float] = typer.Option(
+        None, "--label-smoothing", show_default=False, help="--add-loss cross_entropy: label smoothing in [0, 1) (default 0)."
+    ),
+    class_axis: Optional[int] = typer.Option(
+        None,
+        "--class-axis",
+        show_default=False,
+        help="--add-loss cross_entropy: the classes' axis of the logits (default -1, the last).",
+    ),
     freeze: Optional[List[str]] = typer.Option(None, "--freeze", help="Keep this parameter fixed (repeatable)."),
     also_train: Optional[List[str]] = typer.Option(
         None,
@@ -132,12 +141,18 @@ def train(
     threads: Optional[int] = typer.Option(
         None, "--threads", min=1, help="CPU: threads of numpy's BLAS (as gradgen run --threads). Default: the BLAS's choice."
     ),
+    progress: Optional[bool] = typer.Option(
+        None,
+        "--progress/--no-progress",
+        help="Say what is being done, and a line per step or so, on stderr. Default: only when stderr is a terminal.",
+    ),
 ) -> None:
     """Train MODEL on DATA with gradgen's executor; checkpoints, a CSV log and a loss curve."""
-    from gradgen.cli import _warnings_as_notes
+    from gradgen.cli import _warnings_as_notes, progress_printer
     from gradgen.executor.threads import check_threads, cpu_threads
     from gradgen.training import command
 
+    progress_line = progress_printer(progress)
     check_threads(threads)
 
     options = command.TrainOptions(
@@ -181,7 +196,7 @@ def train(
         loss_scale=loss_scale,
     )
     with _warnings_as_notes(), cpu_threads(threads):
-        summary = command.run_training(options, say=lambda m: typer.echo(m, err=True))
+        summary = command.run_training(options, say=lambda m: typer.echo(m, err=True), progress=progress_line)
     for line in summary:
         typer.echo(line)
 
@@ -239,8 +254,12 @@ def artifacts(
     target: Optional[str] = typer.Option(
         None, "--target", help="With --loss: the name of the target input (default labels for cross_entropy, target otherwise)."
     ),
-    ignore_index: int = typer.Option(-100, "--ignore-index", help="cross_entropy: label value to ignore."),
-    label_smoothing: float = typer.Option(0.0, "--label-smoothing", help="cross_entropy: label smoothing in [0, 1]."),
+    ignore_index: Optional[int] = typer.Option(
+        None, "--ignore-index", show_default=False, help="--loss cross_entropy: label value to ignore (default -100)."
+    ),
+    label_smoothing: Optional[float] = typer.Option(
+        None, "--label-smoothing", show_default=False, help="--loss cross_entropy: label smoothing in [0, 1) (default 0)."
+    ),
     optimizer: str = typer.Option(
         "adamw",
         "--optimizer",
@@ -265,7 +284,7 @@ def artifacts(
     from gradgen.cli import _warnings_as_notes
     from gradgen.errors import UsageError
     from gradgen.training.artifacts import generate_artifacts, optimizer_for, output_directory, save_artifacts
-    from gradgen.training.losses import LossSpec
+    from gradgen.training.losses import LossSpec, cross_entropy_only
     from gradgen.training.ort_checkpoint import require_flatbuffers
 
     require_flatbuffers()
@@ -273,8 +292,15 @@ def artifacts(
     chosen = optimizer_for(optimizer, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
     if loss is None and (output or target):
         raise UsageError("--output and --target go with --loss")
+    cross_entropy_only(loss_kind(loss), "--loss", ignore_index=ignore_index, label_smoothing=label_smoothing)
     spec = (
-        LossSpec(loss_kind(loss), output, target=target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+        LossSpec(
+            loss_kind(loss),
+            output,
+            target=target,
+            ignore_index=-100 if ignore_index is None else ignore_index,
+            label_smoothing=label_smoothing or 0.0,
+        )
         if loss is not None
         else None
     )

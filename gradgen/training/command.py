@@ -1,8 +1,10 @@
 """What ``gradgen train`` does, apart from parsing: checks, training, checkpoints, log and plot.
 
-``run_training(TrainOptions(...), say)`` returns the summary lines for stdout; progress and notes
-go through ``say`` (stderr). Every check that can fail (options, the checkpoint directory, the
-data against the model's inputs, a checkpoint to resume) runs before the first step.
+``run_training(TrainOptions(...), say, progress)`` returns the summary lines for stdout; notes go
+through ``say``, progress lines (and the per-step ``Progress`` callback) only when ``progress`` is
+given (the CLI: on a terminal or with --progress). Every check that can fail (options, the data
+files, the checkpoint directory, the data against the model's inputs, a checkpoint to resume) runs
+before the first step; the files before the training graphs are built.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gradgen.errors import RunError, UsageError, warnings_said
-from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_loss_curve
+from gradgen.training.callbacks import CsvLog, History, Progress, plot_available, plot_history, plot_loss_curve
 from gradgen.training.checkpoint import FILE_NAME, check_checkpoint, load_checkpoint, save_checkpoint
 from gradgen.training.data import (
     Dataset,
@@ -27,7 +29,7 @@ from gradgen.training.data import (
 )
 from gradgen.training.exporter_constants import marked_parameter
 from gradgen.training.loss_scaling import LossScaling
-from gradgen.training.losses import LossSpec
+from gradgen.training.losses import LossSpec, cross_entropy_only
 from gradgen.training.optimizers import SGD, AdamW
 from gradgen.training.program import TrainingProgram, build_training
 from gradgen.training.schedules import Schedule
@@ -58,9 +60,9 @@ class TrainOptions:
     add_loss: Optional[str] = None
     loss_output: Optional[str] = None
     target: Optional[str] = None
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    class_axis: int = -1
+    ignore_index: Optional[int] = None  # the cross_entropy options; None: not given (-100, 0, -1)
+    label_smoothing: Optional[float] = None
+    class_axis: Optional[int] = None
     freeze: list[str] = dataclasses.field(default_factory=list)
     also_train: list[str] = dataclasses.field(default_factory=list)
     tie_weights: bool = False
@@ -102,6 +104,9 @@ def make_optimizer(o: TrainOptions) -> SGD | AdamW:
 
 
 def make_loss_spec(o: TrainOptions) -> LossSpec | None:
+    cross_entropy_only(
+        o.add_loss, "--add-loss", ignore_index=o.ignore_index, label_smoothing=o.label_smoothing, class_axis=o.class_axis
+    )
     if o.add_loss is None:
         if o.loss_output or o.target:
             raise UsageError("--loss-output and --target go with --add-loss")
@@ -114,9 +119,10 @@ def make_loss_spec(o: TrainOptions) -> LossSpec | None:
         o.add_loss,
         o.loss_output,
         target=o.target,
-        ignore_index=o.ignore_index,
-        label_smoothing=o.label_smoothing,
-        class_axis=o.class_axis,
+        ignore_index=-100 if o.ignore_index is None else o.ignore_index,
+        label_smoothing=o.label_smoothing or 0.0,
+        class_axis=-1 if o.class_axis is None else o.class_axis,
+        output_option="--loss-output",
     )
 
 
@@ -175,8 +181,9 @@ def _build(o: TrainOptions, optimizer, add_loss: LossSpec | None) -> TrainingPro
     )
 
 
-def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
-    """Train per ``o``; return the summary lines."""
+def run_training(o: TrainOptions, say: Callable[[str], None], progress: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Train per ``o``; return the summary lines. Notes go to ``say``; progress (what is being done,
+    a line per step or so) to ``progress``, none when it is None."""
     optimizer = make_optimizer(o)
     add_loss = make_loss_spec(o)
     schedule = Schedule(
@@ -186,13 +193,21 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         total_steps=o.steps if o.schedule != "constant" else None,
         min_lr=o.min_lr,
     )
+    if o.eval_every and o.eval_data is None:
+        raise UsageError("--eval-every needs --eval-data")
+    data = _open_data(o.data, "--data", say)  # a missing or unreadable file is said before any work
+    eval_data = _open_data(o.eval_data, "--eval-data", say) if o.eval_data is not None else None
     checkpoint = prepare_checkpoint_dir(o)
     directory = o.checkpoint_dir
     log_path = o.log or (directory / "log.csv" if directory else None)
     plot_path = o.plot or (directory / "loss.png" if directory else None)
     _check_writable(o, log_path, plot_path)
+    if o.plot is not None and not plot_available():  # an explicit --plot would be ignored
+        raise UsageError("--plot needs matplotlib, which is not installed (pip install 'gradgen[plot]')")
 
-    say(f"building the training graphs of {o.model}")
+    resumed = load_checkpoint(checkpoint) if o.resume and checkpoint is not None else None  # readable?
+    tell = progress or (lambda message: None)
+    tell(f"building the training graphs of {o.model}")
     with warnings_said(lambda message: say(f"note: {message}")):  # before the first step, not after the last
         program = _build(o, optimizer, add_loss)
     initializers = program.source.graph.initializers
@@ -207,20 +222,19 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
             f"{' and more' if len(scalars) > 5 else ''}; exporters store constants as initializers too: "
             "--freeze those that are not parameters"
         )
-    data = _open_data(o.data, "--data", say)
     batch_size = o.batch_size or default_batch_size(program.data_inputs)
     if batch_size is None:
         raise UsageError("pass --batch-size: the model's data inputs have no common fixed batch dimension")
     check_arrays(data, program.data_inputs, batch_size, f"--data {o.data}")
-    eval_batches = _eval_batches(o, program, batch_size, say)
+    eval_batches = _eval_batches(o, eval_data, program, batch_size, say)
     data_record = {"seed": o.seed, "batch_size": batch_size, "accumulation": o.accumulate, "samples": data.count}
 
     history = History()
     trainer = Trainer(program, lr=schedule, device=o.device, callbacks=[history])
     start = 0
-    if o.resume:
+    if resumed is not None:
         assert checkpoint is not None  # prepare_checkpoint_dir refuses --resume without a directory
-        state, meta = load_checkpoint(checkpoint)
+        state, meta = resumed
         check_checkpoint(checkpoint, meta, state, program)
         _check_same_data_order(checkpoint, meta.get("data", {}), data_record)
         if meta.get("schedule") != dataclasses.asdict(schedule):
@@ -232,7 +246,7 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         start = state.step
         if start >= o.steps:
             return [f"nothing to do: the checkpoint is at step {start}, and --steps is {o.steps}"]
-        say(f"resuming from {checkpoint} at step {start}")
+        tell(f"resuming from {checkpoint} at step {start}")
 
     def save() -> None:
         assert checkpoint is not None  # called only with --checkpoint-dir
@@ -245,12 +259,12 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
         save_checkpoint(checkpoint, program, state, extra)
 
     csv_log = CsvLog(log_path, start_step=start) if log_path else None
-    trainer.callbacks += [c for c in (csv_log, Progress(o.steps)) if c is not None]
+    trainer.callbacks += [c for c in (csv_log, Progress(o.steps) if progress else None) if c is not None]
     if checkpoint is not None:
         trainer.callbacks.append(PeriodicCheckpoint(o.checkpoint_every, save))
     batches = ShuffledBatches(data, batch_size, o.seed, start=start * o.accumulate)
     running = len(program.running_statistics_updated) // 2
-    say(
+    tell(
         f"training {len(program.params)} parameter tensor(s) with {optimizer.kind} on {trainer.runner.device}, "
         f"batch size {batch_size}"
         + (f" x {o.accumulate} micro-batches" if o.accumulate > 1 else "")
@@ -282,7 +296,9 @@ def run_training(o: TrainOptions, say: Callable[[str], None]) -> list[str]:
     seconds = time.perf_counter() - started
     if checkpoint is not None:
         save()
-    return _summary(o, history, start, seconds, trainer.runner.device, checkpoint, log_path, _plot(log_path, plot_path, say))
+    return _summary(
+        o, history, start, seconds, trainer.runner.device, checkpoint, log_path, _plot(history, log_path, plot_path, say)
+    )
 
 
 def _check_writable(o: TrainOptions, *paths: Path | None) -> None:
@@ -293,12 +309,11 @@ def _check_writable(o: TrainOptions, *paths: Path | None) -> None:
             check_output_path(path, o.model, o.data, *([o.eval_data] if o.eval_data else []))
 
 
-def _eval_batches(o: TrainOptions, program: TrainingProgram, batch_size: int, say) -> SequentialBatches | None:
-    if o.eval_data is None:
-        if o.eval_every:
-            raise UsageError("--eval-every needs --eval-data")
+def _eval_batches(
+    o: TrainOptions, data: Dataset | None, program: TrainingProgram, batch_size: int, say
+) -> SequentialBatches | None:
+    if data is None:
         return None
-    data = _open_data(o.eval_data, "--eval-data", say)
     check_arrays(data, program.data_inputs, batch_size, f"--eval-data {o.eval_data}")
     batches = sequential_batches(data, batch_size)
     count = data.count
@@ -353,12 +368,16 @@ def _rng_record(seed: int, batches_drawn: int) -> dict:
     return {"generator": "numpy.random.default_rng([seed, epoch]).permutation", "seed": seed, "batches_drawn": batches_drawn}
 
 
-def _plot(log_path: Path | None, plot_path: Path | None, say) -> Path | None:
-    if plot_path is None or log_path is None:
+def _plot(history: History, log_path: Path | None, plot_path: Path | None, say) -> Path | None:
+    """The loss curve: from the CSV log (which holds the steps before a --resume too), else from
+    this run's own history."""
+    if plot_path is None:
         return None
     if not plot_available():
         say("note: no loss curve: matplotlib is not installed (pip install 'gradgen[plot]')")
         return None
+    if log_path is None:
+        return plot_history(history, plot_path)
     return plot_loss_curve(log_path, plot_path)
 
 

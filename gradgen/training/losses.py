@@ -43,18 +43,33 @@ class LossSpec:
     ignore_index: int | None = -100
     label_smoothing: float = 0.0
     class_axis: int = -1
+    # how errors name ``output``: the option that gave it (train / build-backward --loss-output)
+    output_option: str = dataclasses.field(default="--output", compare=False)
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
             raise UsageError(f"unknown loss {self.kind!r}: choose one of {', '.join(LOSS_KINDS)}")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise UsageError(f"label smoothing {self.label_smoothing} is not in [0, 1]")
+        if not 0.0 <= self.label_smoothing < 1.0:  # at 1 the labels would not count at all (nan: refused too)
+            raise UsageError(f"label smoothing {self.label_smoothing} is not in [0, 1): it must be a number >= 0 and < 1")
         if self.kind != "cross_entropy" and self.label_smoothing:
             raise UsageError("label smoothing applies to the cross_entropy loss only")
 
     @property
     def default_target(self) -> str:
         return "labels" if self.kind == "cross_entropy" else "target"
+
+
+def cross_entropy_only(kind: str | None, loss_option: str, **given: object) -> None:
+    """Options of the cross_entropy loss (those not None) are a usage error with another loss or none:
+    they would be ignored."""
+    named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
+    if not named or kind == "cross_entropy":
+        return
+    if kind is None:
+        raise UsageError(
+            f"{named[0]} applies to an added cross_entropy loss: pass {loss_option} cross_entropy or drop {named[0]}"
+        )
+    raise UsageError(f"{named[0]} applies to the cross_entropy loss only ({loss_option} is {kind}); drop {named[0]}")
 
 
 class AddLossPass(ir.passes.InPlacePass):
@@ -79,7 +94,7 @@ class AddLossPass(ir.passes.InPlacePass):
             raise UsageError(
                 f"the {self.spec.kind} loss names no output to read: name the model output (logits, predictions) it applies to"
             )
-        output = _chosen_output(graph, self.spec.output)
+        output = _chosen_output(graph, self.spec.output, self.spec.output_option)
         builder = GraphBuilder(graph, opset)
         builder.prefix = f"gradgen_loss/{self.spec.kind}"
         target = _new_target(builder, graph, self.spec, output)
@@ -114,10 +129,10 @@ def _constants_as_nodes(graph: ir.Graph, names: list[str]) -> None:
             graph.insert_before(first, node)
 
 
-def _chosen_output(graph: ir.Graph, name: str) -> ir.Value:
+def _chosen_output(graph: ir.Graph, name: str, option: str = "--output") -> ir.Value:
     outputs = {value_name(v): v for v in graph.outputs}
     if name not in outputs:
-        raise UsageError(f"--output {name!r} is not a graph output; outputs are: {', '.join(outputs)}")
+        raise UsageError(f"{option} {name!r} is not a graph output; outputs are: {', '.join(outputs)}")
     value = outputs[name]
     if value.dtype not in _FLOAT:
         raise ModelError(f"output {name!r} has element type {value.dtype}; a loss needs float logits or predictions")

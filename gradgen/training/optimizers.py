@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -84,6 +85,10 @@ SKIP_ROLE = "skip"  # the role of loss scaling's overflow flag (a bool scalar): 
 SKIP_CONFIG = "skip_on_overflow"  # in the settings: the updates are guarded by that flag
 
 
+def _finite_at_least_0(value: float) -> bool:
+    return math.isfinite(value) and value >= 0.0
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise UsageError(message)
@@ -101,7 +106,7 @@ class SGD:
 
     def __post_init__(self):
         _check(0.0 <= self.momentum < 1.0, f"momentum {self.momentum} is not in [0, 1)")
-        _check(self.weight_decay >= 0.0, f"weight decay {self.weight_decay} is negative")
+        _check(_finite_at_least_0(self.weight_decay), f"weight decay {self.weight_decay}: must be a finite number >= 0")
         _check(not self.nesterov or self.momentum > 0, "Nesterov momentum needs a momentum > 0")
 
     @property
@@ -145,8 +150,8 @@ class AdamW:
     def __post_init__(self):
         b1, b2 = self.betas
         _check(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, f"betas {self.betas} are not both in [0, 1)")
-        _check(self.eps >= 0.0, f"eps {self.eps} is negative")
-        _check(self.weight_decay >= 0.0, f"weight decay {self.weight_decay} is negative")
+        _check(_finite_at_least_0(self.eps), f"eps {self.eps}: must be a finite number >= 0")
+        _check(_finite_at_least_0(self.weight_decay), f"weight decay {self.weight_decay}: must be a finite number >= 0")
 
     def scalars(self, e: "_Emitter") -> dict[str, ir.Value]:
         b = e.b
@@ -242,7 +247,10 @@ class OptimizerPass(ir.passes.InPlacePass):
         self, optimizer: Optimizer, params: list[str], loss: str, *, clip_norm: float | None = None, accumulation: int = 1
     ):
         super().__init__()
-        _check(clip_norm is None or clip_norm > 0, f"clip norm {clip_norm} is not > 0")
+        _check(
+            clip_norm is None or (math.isfinite(clip_norm) and clip_norm > 0),
+            f"clip norm {clip_norm}: must be a finite number > 0",
+        )
         _check(accumulation >= 1, f"gradient accumulation over {accumulation} micro-batches: need at least 1")
         self.optimizer = optimizer
         self.params = list(params)

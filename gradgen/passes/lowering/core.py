@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, graph_names
 from gradgen.errors import ModelError, UnsupportedOpsError
+from gradgen.names import node_name
 from gradgen.ops import schemas
 from gradgen.ops.schemas import normalize_domain
 from gradgen.passes.lowering.table import (
@@ -95,7 +96,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
             if node.domain in STANDARD_DOMAINS or (normalize_domain(node.domain), node.op_type, node.overload) in functions:
                 continue
             if lookup_lowering(node.domain, node.op_type) is None:
-                missing.append((normalize_domain(node.domain), node.op_type, node.name or "<unnamed>"))
+                missing.append((normalize_domain(node.domain), node.op_type, node_name(node)))
             else:
                 targets.append(node)
         if missing:

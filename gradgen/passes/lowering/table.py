@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
+from gradgen.names import node_name
 from gradgen.ops.schemas import normalize_domain
 
 MICROSOFT = "com.microsoft"
@@ -67,7 +68,7 @@ def node_input(node: ir.Node, i: int) -> ir.Value | None:
 
 
 def node_where(node: ir.Node) -> str:
-    return f"{node.op_type} node {node.name or '<unnamed>'!r}"
+    return f"{node.op_type} node {node_name(node)!r}"
 
 
 def zeros_opset(like_position: int) -> Callable[[ir.Node], int]:
