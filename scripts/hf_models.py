@@ -42,8 +42,9 @@ graph cannot say, not rounding:
 
 - an embedding's ``padding_idx`` (the pad token's row: BERT, OPT, ALBERT, ELECTRA, MobileBERT, Gemma,
   Gemma2, BART, Marian, Speech2Text, ...): PyTorch gives that row no gradient from the lookup,
-  both exporters write a plain Gather, and the random batches hold the pad token. With
-  ``padding_idx`` cleared on the PyTorch side these models train to 2e-7;
+  both exporters write a plain Gather, and the random batches hold the pad token. The dynamo
+  exporter records the option with the node and gradgen applies it (those exports train to 2e-7);
+  the legacy exporter keeps no record, so its exports train the pad row (1e-4 to 1e-3);
 - a parameter with ``requires_grad=False`` (Marian's sinusoidal position tables, Whisper's encoder
   positions) is a PARAMETER to torch.export too, so gradgen trains it (``--freeze`` keeps it: then
   Marian and Whisper train to 1e-7); the legacy exporter marks nothing, so it trains a buffer as
