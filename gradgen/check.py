@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,31 @@ from gradgen.text_table import format_table
 ELEMENTWISE_LIMIT = 64
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 _LOW_FLOAT_TYPES = _FLOAT_TYPES - {TensorProto.DOUBLE}
+
+
+def _graph_gradient_of_embeddings(proto: onnx.ModelProto) -> None:
+    """Drop PyTorch's record of an embedding's ``padding_idx`` / ``scale_grad_by_freq`` from the
+    Gathers of ``proto`` (the copy being checked), with a note. gradgen's gradient applies them as
+    PyTorch does (gradgen/grads/rules/indexing.py), which the graph's finite differences cannot
+    see: the check compares the graph's own gradient of such a lookup."""
+    from gradgen.grads.rules.indexing import FX_CALL_KEY, embedding_options_of_call
+
+    dropped = []
+    for node in proto.graph.node:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+            continue
+        for position, entry in enumerate(node.metadata_props):
+            if entry.key == FX_CALL_KEY and embedding_options_of_call(entry.value) != (None, False):
+                del node.metadata_props[position]
+                dropped.append(node.name or "Gather")
+                break
+    if dropped:
+        warnings.warn(
+            f"{len(dropped)} embedding lookup(s) ({', '.join(map(repr, dropped[:3]))}{', ...' if len(dropped) > 3 else ''}) "
+            "carry PyTorch's padding_idx / scale_grad_by_freq, which gradgen's gradient applies and finite differences "
+            "of the graph cannot see: the check compares the graph's own gradient of those lookups",
+            stacklevel=3,
+        )
 
 
 # -- a float64 copy of a model -------------------------------------------------------------------
@@ -301,6 +327,7 @@ def check_gradients(
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model)  # once: the float64 copy and the check of given inputs read it
     proto = to_float64(model)
+    _graph_gradient_of_embeddings(proto)
     forward = ir.from_proto(proto)
     graph_inputs = [name for name in value_names(forward.graph.inputs) if name not in forward.graph.initializers]
     if not random_inputs and inputs is None and graph_inputs:

@@ -43,14 +43,22 @@ def gather(g):
 _EMBEDDING_CALL = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(([^)]*)\)")
 
 
+FX_CALL_KEY = "pkg.torch.onnx.fx_node"  # the dynamo exporter's record of a node's PyTorch call
+
+
 def _fx_call(node: ir.Node) -> str:
-    return node.metadata_props.get("pkg.torch.onnx.fx_node", "")
+    return node.metadata_props.get(FX_CALL_KEY, "")
 
 
 def torch_embedding_options(node: ir.Node) -> tuple[int | None, bool]:
     """(padding_idx or None, scale_grad_by_freq) of a Gather the dynamo exporter wrote for
     ``aten.embedding``, from its ``pkg.torch.onnx.fx_node`` metadata; (None, False) for any other."""
-    match = _EMBEDDING_CALL.search(_fx_call(node))
+    return embedding_options_of_call(_fx_call(node))
+
+
+def embedding_options_of_call(fx_call: str) -> tuple[int | None, bool]:
+    """``torch_embedding_options`` from the text of a node's ``pkg.torch.onnx.fx_node`` record."""
+    match = _EMBEDDING_CALL.search(fx_call)
     if match is None:
         return None, False
     args = [a.strip() for a in match.group(1).split(",")]
