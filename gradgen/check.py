@@ -39,27 +39,29 @@ _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, Te
 _LOW_FLOAT_TYPES = _FLOAT_TYPES - {TensorProto.DOUBLE}
 
 
-def _graph_gradient_of_embeddings(proto: onnx.ModelProto) -> None:
-    """Drop PyTorch's record of an embedding's ``padding_idx`` / ``scale_grad_by_freq`` from the
-    Gathers of ``proto`` (the copy being checked), with a note. gradgen's gradient applies them as
-    PyTorch does (gradgen/grads/rules/indexing.py), which the graph's finite differences cannot
-    see: the check compares the graph's own gradient of such a lookup."""
-    from gradgen.grads.rules.indexing import FX_CALL_KEY, embedding_options_of_call
+def _graph_gradient_of_records(proto: onnx.ModelProto) -> None:
+    """Drop PyTorch's records that change a node's gradient from the graph's (an embedding's
+    ``padding_idx`` / ``scale_grad_by_freq``, a ``detach``; gradgen/grads/torch_records.py) from
+    ``proto`` (the copy being checked), with a note: gradgen's gradient follows them, as PyTorch's
+    autograd does, and the graph's finite differences cannot see them, so the check compares the
+    graph's own gradient of those nodes."""
+    from gradgen.grads.torch_records import FX_CALL_KEY, changes_the_gradient
 
     dropped = []
     for node in proto.graph.node:
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx"):
             continue
         for position, entry in enumerate(node.metadata_props):
-            if entry.key == FX_CALL_KEY and embedding_options_of_call(entry.value) != (None, False):
+            if entry.key == FX_CALL_KEY and changes_the_gradient(node.op_type, entry.value):
                 del node.metadata_props[position]
-                dropped.append(node.name or "Gather")
+                dropped.append(node.name or node.op_type)
                 break
     if dropped:
         warnings.warn(
-            f"{len(dropped)} embedding lookup(s) ({', '.join(map(repr, dropped[:3]))}{', ...' if len(dropped) > 3 else ''}) "
-            "carry PyTorch's padding_idx / scale_grad_by_freq, which gradgen's gradient applies and finite differences "
-            "of the graph cannot see: the check compares the graph's own gradient of those lookups",
+            f"{len(dropped)} node(s) ({', '.join(map(repr, dropped[:3]))}{', ...' if len(dropped) > 3 else ''}) carry "
+            "PyTorch's record of an embedding's padding_idx / scale_grad_by_freq or of a detach, which gradgen's "
+            "gradient follows and finite differences of the graph cannot see: the check compares the graph's own "
+            "gradient of those nodes",
             stacklevel=3,
         )
 
@@ -327,7 +329,7 @@ def check_gradients(
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model)  # once: the float64 copy and the check of given inputs read it
     proto = to_float64(model)
-    _graph_gradient_of_embeddings(proto)
+    _graph_gradient_of_records(proto)
     forward = ir.from_proto(proto)
     graph_inputs = [name for name in value_names(forward.graph.inputs) if name not in forward.graph.initializers]
     if not random_inputs and inputs is None and graph_inputs:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import gradgen
 from gradgen.executor import Session
-from gradgen.grads.rules.indexing import torch_embedding_options
+from gradgen.grads.torch_records import embedding_options as torch_embedding_options
 from gradgen.model_io import load_model
 
 ROWS, WIDTH = 6, 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 import onnx_ir as ir
@@ -20,6 +21,7 @@ from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
 from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
+from gradgen.grads.torch_records import is_detach, removed_detaches
 from gradgen.kernels.registry import normalize_domain
 from gradgen.names import gradient_name, node_name
 from gradgen.ops.control_flow import outer_scope_values, subgraphs
@@ -129,6 +131,7 @@ class GradientPass(ir.passes.InPlacePass):
 
         requires = _values_requiring_grad(wrt, nodes)
         active = [n for n in nodes if any(o.name in ancestors and o.name in requires for o in n.outputs)]
+        _say_torch_records(nodes, active, requires)
         rules = _rules_for(active)
         _refuse_unsupported_inputs(nodes, ancestors, requires)
 
@@ -291,6 +294,42 @@ def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value, 
     return total
 
 
+# an Identity PyTorch's exporter recorded as ``detach``: a constant to the gradient, as in PyTorch
+_DETACHED = GradRule("", "Identity", None, module=__name__)
+
+
+def _rule_of(node: ir.Node) -> GradRule | None:
+    """The gradient rule of ``node``'s op; none for a recorded ``detach`` (``torch_records``)."""
+    if node.op_type == "Identity" and is_detach(node):
+        return _DETACHED
+    return lookup_rule(node.domain, node.op_type)
+
+
+def _say_torch_records(nodes: list[ir.Node], active: list[ir.Node], requires: set[str]) -> None:
+    """Notes on what PyTorch's records change or cannot: the recorded detaches a gradient would
+    have crossed, and the active readers of a detach the exporter's optimizer removed."""
+    stopped = [n for n in nodes if is_detach(n) and any(v is not None and v.name in requires for v in n.inputs)]
+    if stopped:
+        named = ", ".join(repr(node_name(n)) for n in stopped[:4]) + (", ..." if len(stopped) > 4 else "")
+        warnings.warn(
+            f"{len(stopped)} Identity node(s) ({named}) are PyTorch's detach (the exporter's record): no gradient "
+            "flows through them, as in PyTorch",
+            stacklevel=3,
+        )
+    on_path = set(active)
+    removed = [(n, value) for n, value in removed_detaches(nodes) if n in on_path]
+    if removed:
+        named = ", ".join(f"{node_name(n)!r} (reads %{value})" for n, value in removed[:3]) + (
+            ", ..." if len(removed) > 3 else ""
+        )
+        warnings.warn(
+            f"PyTorch's program detaches values that node(s) {named} read, but the exporter's optimizer removed "
+            "the detach: the graph lets a gradient through where PyTorch's autograd does not; export with "
+            "optimize=False to keep it",
+            stacklevel=3,
+        )
+
+
 def _no_gradient_positions(rule: GradRule | None) -> frozenset[int]:
     """Input positions through which no gradient flows back (see GradRule)."""
     if rule is None:
@@ -314,7 +353,7 @@ def _ancestor_values(loss: ir.Value, nodes: list[ir.Node], differentiable_only: 
             continue
         skipped: frozenset[int] = frozenset()
         if differentiable_only:
-            rule = lookup_rule(producer.domain, producer.op_type)
+            rule = _rule_of(producer)
             if rule is not None and not rule.differentiable:
                 continue
             skipped = _no_gradient_positions(rule)
@@ -353,7 +392,7 @@ def _values_requiring_grad(wrt: list[ir.Value], nodes: list[ir.Node]) -> set[str
     """Float values reachable from the wrt tensors through differentiable inputs."""
     requires = {v.name for v in wrt}
     for node in nodes:
-        rule = lookup_rule(node.domain, node.op_type)
+        rule = _rule_of(node)
         if rule is not None and not rule.differentiable:
             continue
         nondiff = _no_gradient_positions(rule)
@@ -368,7 +407,7 @@ def _refuse_unsupported_inputs(nodes: list[ir.Node], ancestors: set[str], requir
     """A differentiated tensor that reaches an input gradgen cannot differentiate is an error."""
     offenders = []
     for node in nodes:
-        rule = lookup_rule(node.domain, node.op_type)
+        rule = _rule_of(node)
         if rule is None or not rule.unsupported_inputs or not any(o.name in ancestors for o in node.outputs):
             continue
         for i in sorted(rule.unsupported_inputs):
@@ -387,7 +426,7 @@ def _rules_for(active: list[ir.Node]) -> dict[ir.Node, GradRule]:
     refuse_non_tensor_ops(active)
     rules, missing = {}, []
     for node in active:
-        rule = lookup_rule(node.domain, node.op_type)
+        rule = _rule_of(node)
         if rule is None or not rule.differentiable:
             missing.append((normalize_domain(node.domain), node.op_type, node_name(node)))
         else:

@@ -4,7 +4,7 @@ Gather and GatherElements emit ONNX Runtime training's com.microsoft GatherGrad 
 GatherElementsGrad (note their different input orders); the others use standard ops.
 
 A Gather that PyTorch's dynamo exporter wrote for ``nn.Embedding`` / ``F.embedding`` keeps the
-call in its metadata (``pkg.torch.onnx.fx_node``), with the options the graph itself lost: the
+call in its record (gradgen/grads/torch_records.py), with the options the graph itself lost: the
 row ``padding_idx`` gets no gradient from the lookup, and ``scale_grad_by_freq`` divides each
 position's gradient by how often its index occurs in the batch. The Gather rule applies both,
 so such a model's gradients and training are PyTorch's (the legacy exporter keeps no such record).
@@ -22,6 +22,7 @@ from gradgen.builder import MICROSOFT, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.grads.rules.shape import INT64_MAX, dims_value
 from gradgen.grads.table import grad_rule, non_differentiable
+from gradgen.grads.torch_records import embedding_options, fx_arguments, fx_call, fx_name
 
 
 def _where(g) -> str:
@@ -38,49 +39,21 @@ def gather(g):
     return [g.set_type_like(dx, x)]
 
 
-# how the dynamo exporter prints the FX call of an embedding lookup: weight, indices, then the
-# optional padding_idx (normalised to a row, -1 for none), scale_grad_by_freq and sparse
-_EMBEDDING_CALL = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(([^)]*)\)")
-
-
-FX_CALL_KEY = "pkg.torch.onnx.fx_node"  # the dynamo exporter's record of a node's PyTorch call
-
-
-def _fx_call(node: ir.Node) -> str:
-    return node.metadata_props.get(FX_CALL_KEY, "")
-
-
-def torch_embedding_options(node: ir.Node) -> tuple[int | None, bool]:
-    """(padding_idx or None, scale_grad_by_freq) of a Gather the dynamo exporter wrote for
-    ``aten.embedding``, from its ``pkg.torch.onnx.fx_node`` metadata; (None, False) for any other."""
-    return embedding_options_of_call(_fx_call(node))
-
-
-def embedding_options_of_call(fx_call: str) -> tuple[int | None, bool]:
-    """``torch_embedding_options`` from the text of a node's ``pkg.torch.onnx.fx_node`` record."""
-    match = _EMBEDDING_CALL.search(fx_call)
-    if match is None:
-        return None, False
-    args = [a.strip() for a in match.group(1).split(",")]
-    padding = int(args[2]) if len(args) > 2 and re.fullmatch(r"-?\d+", args[2]) else -1
-    return (padding if padding >= 0 else None), len(args) > 3 and args[3] == "True"
-
-
 def _merged_lookup(node: ir.Node) -> bool:
     """Whether the exporter's optimizer may have merged other lookups into ``node`` (two Gathers of
     the same table and indices are one node after its common-subexpression pass, with one call's
     record): some reader the exporter recorded reads the output in more places than its own recorded
     call names this one. Then the record's options may not hold for every reader."""
-    own = re.match(r"%(\S+) :", _fx_call(node))
+    own = fx_name(node)
     if own is None or not node.outputs:
         return True
-    named = re.compile(rf"%{re.escape(own.group(1))}\b")
+    named = re.compile(rf"%{re.escape(own)}\b")
     slots: dict[ir.Node, int] = {}
     for usage in node.outputs[0].uses():
         slots[usage.node] = slots.get(usage.node, 0) + 1
     for reader, count in slots.items():
-        call = _fx_call(reader)
-        if call and len(named.findall(call.partition("](args = ")[2])) < count:
+        call = fx_call(reader)
+        if call and len(named.findall(fx_arguments(call))) < count:
             return True
     return False
 
@@ -89,7 +62,7 @@ def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
     """dY with the positions of ``padding_idx`` zeroed and, for ``scale_grad_by_freq``, each position
     divided by its index's count in the batch, as PyTorch's embedding backward does; dY itself for a
     Gather that is no recorded embedding lookup."""
-    padding, by_frequency = torch_embedding_options(g.node)
+    padding, by_frequency = embedding_options(g.node)
     if (padding is None and not by_frequency) or g.attr("axis", 0) != 0:
         return dy
     x, indices = g.x(0), g.x(1)

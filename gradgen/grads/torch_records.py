@@ -1,0 +1,90 @@
+"""What PyTorch's dynamo exporter records with each node, where the graph itself loses it.
+
+``torch.onnx.export(..., dynamo=True)`` keeps the FX call a node came from in its metadata
+(``pkg.torch.onnx.fx_node``), e.g. ``%embedding : [num_users=1] = call_function[target=
+torch.ops.aten.embedding.default](args = (%p_w, %ids, 0), kwargs = {})``. Two things PyTorch's
+autograd does that an ONNX graph cannot say survive there:
+
+- ``aten.embedding``'s ``padding_idx`` and ``scale_grad_by_freq`` (a plain Gather in the graph):
+  the Gather's gradient rule applies them (gradgen/grads/rules/indexing.py);
+- ``aten.detach`` (an Identity in the graph): no gradient flows through it; the gradient pass
+  treats such an Identity as a constant (gradgen/passes/gradient.py). The exporter's optimizer
+  removes Identities, detaches included; the readers' records still name the detached value, and
+  ``removed_detaches`` finds them, for a note.
+
+The legacy exporter records nothing: its graphs carry none of this.
+"""
+
+from __future__ import annotations
+
+import re
+
+import onnx_ir as ir
+
+FX_CALL_KEY = "pkg.torch.onnx.fx_node"
+
+# an embedding lookup's call: weight, indices, then the optional padding_idx (normalised to a row,
+# -1 for none), scale_grad_by_freq and sparse
+_EMBEDDING_CALL = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(([^)]*)\)")
+_DETACH_CALL = re.compile(r"target=torch\.ops\.aten\.detach\.default\]")
+_OWN_NAME = re.compile(r"%(\S+) :")
+# FX names a detach's result detach, detach_1, ...
+_DETACHED_ARGUMENT = re.compile(r"%(detach(?:_\d+)?)\b")
+
+
+def fx_call(node: ir.Node) -> str:
+    """The node's recorded FX call ("" where there is none)."""
+    return node.metadata_props.get(FX_CALL_KEY, "")
+
+
+def fx_name(node: ir.Node) -> str | None:
+    """The FX name of the node's recorded call (``embedding_1``), or None."""
+    match = _OWN_NAME.match(fx_call(node))
+    return match.group(1) if match else None
+
+
+def fx_arguments(call: str) -> str:
+    """The argument part of a recorded call (what follows ``](args = ``)."""
+    return call.partition("](args = ")[2]
+
+
+def embedding_options(node: ir.Node) -> tuple[int | None, bool]:
+    """(padding_idx or None, scale_grad_by_freq) of a Gather recorded as ``aten.embedding``;
+    (None, False) for any other node."""
+    return embedding_options_of_call(fx_call(node))
+
+
+def embedding_options_of_call(call: str) -> tuple[int | None, bool]:
+    """``embedding_options`` from the text of a record."""
+    match = _EMBEDDING_CALL.search(call)
+    if match is None:
+        return None, False
+    args = [a.strip() for a in match.group(1).split(",")]
+    padding = int(args[2]) if len(args) > 2 and re.fullmatch(r"-?\d+", args[2]) else -1
+    return (padding if padding >= 0 else None), len(args) > 3 and args[3] == "True"
+
+
+def changes_the_gradient(op_type: str, call: str) -> bool:
+    """Whether a node of ``op_type`` with this record gets a gradient other than its graph's: a
+    Gather recorded with embedding options, an Identity recorded as a detach."""
+    if op_type == "Gather":
+        return embedding_options_of_call(call) != (None, False)
+    return op_type == "Identity" and _DETACH_CALL.search(call) is not None
+
+
+def is_detach(node: ir.Node) -> bool:
+    """An Identity recorded as PyTorch's ``detach``: its output carries no gradient."""
+    return node.op_type == "Identity" and node.domain in ("", "ai.onnx") and _DETACH_CALL.search(fx_call(node)) is not None
+
+
+def removed_detaches(nodes: list[ir.Node]) -> list[tuple[ir.Node, str]]:
+    """(reader, detached FX value) for each node whose record reads a ``detach`` result that no
+    node of ``nodes`` computes any more: the exporter's optimizer removed that detach, so the graph
+    lets a gradient through where PyTorch's did not."""
+    defined = {name for name in map(fx_name, nodes) if name}
+    found = []
+    for node in nodes:
+        for name in _DETACHED_ARGUMENT.findall(fx_arguments(fx_call(node))):
+            if name not in defined:
+                found.append((node, name))
+    return found

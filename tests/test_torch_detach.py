@@ -1,0 +1,162 @@
+"""PyTorch's ``detach``, which the dynamo exporter writes as an Identity recorded as
+``aten.detach.default`` (gradgen/grads/torch_records.py): no gradient flows through it, as in
+PyTorch (a straight-through estimator ``y + (q - y).detach()``, a detached target); where the
+exporter's optimizer removed the Identity, the gradient is the graph's and a note says so."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gradgen
+from gradgen.check import check_gradients
+from gradgen.executor import Session
+
+X = np.array([0.3, -1.7, 2.2, 0.9])
+W = np.array([1.4, 0.6, -0.8, 2.1])
+
+
+def _call(name: str, target: str, args: str) -> str:
+    return f"%{name} : [num_users=1] = call_function[target=torch.ops.aten.{target}](args = ({args}), kwargs = {{}})"
+
+
+def _node(op: str, inputs: list[str], output: str, record: str | None = None) -> onnx.NodeProto:
+    attributes = {"keepdims": 0} if op == "ReduceSum" else {}
+    node = helper.make_node(op, inputs, [output], name=f"node_{output}", **attributes)
+    if record is not None:
+        node.metadata_props.add(key="pkg.torch.onnx.fx_node", value=record)
+    return node
+
+
+def _ste_model(with_identity: bool = True, recorded: bool = True) -> onnx.ModelProto:
+    """loss = sum(z * z) + sum(detach(y) * w), z = y + detach(round(y) - y), y = x * w: PyTorch's
+    gradient of w is 2 z x + y (the detached parts carry none)."""
+    detach = _call("detach", "detach.default", "%sub,")
+    detach_1 = _call("detach_1", "detach.default", "%y,")
+    nodes = [
+        _node("Mul", ["x", "w"], "y", _call("y", "mul.Tensor", "%x, %p_w")),
+        _node("Round", ["y"], "q", _call("q", "round.default", "%y,")),
+        _node("Sub", ["q", "y"], "sub", _call("sub", "sub.Tensor", "%q, %y")),
+    ]
+    if with_identity:
+        nodes += [_node("Identity", ["sub"], "detach", detach), _node("Identity", ["y"], "detach_1", detach_1)]
+    nodes += [
+        _node("Add", ["y", "detach" if with_identity else "sub"], "z", _call("z", "add.Tensor", "%y, %detach")),
+        _node("Mul", ["z", "z"], "zz", _call("zz", "mul.Tensor", "%z, %z")),
+        _node("ReduceSum", ["zz"], "s1", None),
+        _node("Mul", ["detach_1" if with_identity else "y", "w"], "dw", _call("dw", "mul.Tensor", "%detach_1, %p_w")),
+        _node("ReduceSum", ["dw"], "s2", None),
+        _node("Add", ["s1", "s2"], "loss", None),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(W, "w")],
+    )
+    if not recorded:  # a legacy export: no node says what PyTorch called
+        for node in graph.node:
+            del node.metadata_props[:]
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _pytorch_gradient() -> np.ndarray:
+    y = X * W
+    z = np.round(y)  # the straight-through forward value: y + (round(y) - y)
+    return 2 * z * X + y
+
+
+def _graph_gradient() -> np.ndarray:
+    """Every path open: z = y + (round(y) - y) has no gradient (round's is zero, the y's cancel),
+    and sum(y w) = sum(x w^2) gives 2 x w."""
+    return 2 * X * W
+
+
+def _build(model, **options):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = gradgen.build_backward(model, **options)
+    return Session(built.model).run({"x": X})["w_grad"], [str(w.message) for w in caught]
+
+
+def test_a_recorded_detach_stops_the_gradient_as_in_pytorch():
+    got, notes = _build(_ste_model())
+    np.testing.assert_allclose(got, _pytorch_gradient(), rtol=1e-12)
+    assert any("PyTorch's detach" in n and "'node_detach'" in n for n in notes), notes
+
+
+def test_without_the_record_the_identity_passes_the_gradient():
+    got, notes = _build(_ste_model(recorded=False))
+    np.testing.assert_allclose(got, _graph_gradient(), rtol=1e-12)
+    assert not notes
+
+
+def test_the_portable_graph_stops_it_too():
+    got, _ = _build(_ste_model(), portable=True)
+    np.testing.assert_allclose(got, _pytorch_gradient(), rtol=1e-12)
+
+
+def test_a_detach_the_optimizer_removed_is_said():
+    """The readers' records still name %detach, which no node computes: the graph's gradient,
+    and a note naming the readers and optimize=False."""
+    got, notes = _build(_ste_model(with_identity=False))
+    np.testing.assert_allclose(got, _graph_gradient(), rtol=1e-12)
+    assert any("removed the detach" in n and "'node_z' (reads %detach)" in n and "optimize=False" in n for n in notes), notes
+
+
+def test_a_parameter_reached_only_through_a_detach_is_no_default_parameter():
+    """PyTorch gives it no gradient: the default wrt leaves it out."""
+    nodes = [
+        _node("Mul", ["x", "v"], "t", _call("t", "mul.Tensor", "%x, %p_v")),
+        _node("Identity", ["t"], "detach", _call("detach", "detach.default", "%t,")),
+        _node("Mul", ["detach", "w"], "u", _call("u", "mul.Tensor", "%detach, %p_w")),
+        _node("ReduceSum", ["u"], "loss"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(W, "w"), numpy_helper.from_array(W[::-1].copy(), "v")],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert built.wrt == ["w"]
+
+
+def test_gradgen_check_compares_the_graphs_own_gradient():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check_gradients(_ste_model(), inputs={"x": X})
+    assert report.passed, report.format()
+    assert any("finite differences of the graph cannot see" in str(w.message) for w in caught)
+
+
+def test_a_dynamo_export_of_a_straight_through_estimator_gets_pytorchs_gradient():
+    torch = pytest.importorskip("torch")
+
+    class StraightThrough(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(W))
+
+        def forward(self, x):
+            y = x * self.w
+            z = y + (torch.round(y) - y).detach()
+            return (z * z).sum() + (y.detach() * self.w).sum()
+
+    module = StraightThrough()
+    x = torch.tensor(X)
+    module(x).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(module, (x,), dynamo=True, optimize=False, verbose=False).model_proto
+        built = gradgen.build_backward(proto)
+    got = Session(built.model).run({"x": X})["w_grad"]
+    np.testing.assert_allclose(got, module.w.grad.numpy(), rtol=1e-12)
