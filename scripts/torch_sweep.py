@@ -767,6 +767,21 @@ def embedding_padding_idx() -> Case:
 
 
 @case("indexing")
+def embedding_scale_grad_by_freq() -> Case:
+    emb = nn.Embedding(6, 4, padding_idx=2, scale_grad_by_freq=True)
+    ids = torch.tensor([[0, 1, 2], [3, 0, 0]])
+    return Case(Weighted(emb, (ids,)), {"ids": ids}, note="the legacy exporter keeps neither option")
+
+
+@case("elementwise")
+def straight_through_round() -> Case:
+    """A straight-through estimator: round in the forward, the identity's gradient in the backward."""
+    return fn_case(
+        lambda m, x: ((x + (torch.round(x * 3) / 3 - x).detach()) ** 2).sum() + (x.detach() * x).sum(), {"x": randn(2, 5)}
+    )
+
+
+@case("indexing")
 def embedding_bag_mean() -> Case:
     emb = nn.EmbeddingBag(6, 4, mode="mean")
     ids = torch.tensor([[0, 1, 2], [3, 0, 5]])
