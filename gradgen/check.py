@@ -40,28 +40,37 @@ _LOW_FLOAT_TYPES = _FLOAT_TYPES - {TensorProto.DOUBLE}
 
 
 def _graph_gradient_of_records(proto: onnx.ModelProto) -> None:
-    """Drop PyTorch's records that change a node's gradient from the graph's (an embedding's
-    ``padding_idx`` / ``scale_grad_by_freq``, a ``detach``; gradgen/grads/torch_records.py) from
-    ``proto`` (the copy being checked), with a note: gradgen's gradient follows them, as PyTorch's
-    autograd does, and the graph's finite differences cannot see them, so the check compares the
-    graph's own gradient of those nodes."""
+    """Set aside PyTorch's records that change a node's gradient from the graph's (an embedding's
+    ``padding_idx`` / ``scale_grad_by_freq``, a ``detach``; gradgen/grads/torch_records.py) in
+    ``proto`` (the copy being checked), in every graph and function, with a note: gradgen's gradient
+    follows them, as PyTorch's autograd does, and the graph's finite differences cannot see them, so
+    the check compares the graph's own gradient of those nodes. A record keeps its FX name (so its
+    readers' records still find it) and loses its call."""
     from gradgen.grads.torch_records import FX_CALL_KEY, changes_the_gradient
 
-    dropped = []
-    for node in proto.graph.node:
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        for position, entry in enumerate(node.metadata_props):
-            if entry.key == FX_CALL_KEY and changes_the_gradient(node.op_type, entry.value):
-                del node.metadata_props[position]
-                dropped.append(node.name or node.op_type)
-                break
-    if dropped:
+    set_aside = []
+
+    def visit(nodes) -> None:
+        for index, node in enumerate(nodes):
+            for attribute in node.attribute:
+                for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+                    visit(graph.node)
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            for entry in node.metadata_props:
+                if entry.key == FX_CALL_KEY and changes_the_gradient(node.op_type, entry.value):
+                    entry.value = entry.value.partition(" = ")[0] + " = (set aside by gradgen check)"
+                    set_aside.append(f"{node.name or f'{node.op_type}_{index}'!r} ({node.op_type})")
+
+    visit(proto.graph.node)
+    for function in proto.functions:
+        visit(function.node)
+    if set_aside:
         warnings.warn(
-            f"{len(dropped)} node(s) ({', '.join(map(repr, dropped[:3]))}{', ...' if len(dropped) > 3 else ''}) carry "
-            "PyTorch's record of an embedding's padding_idx / scale_grad_by_freq or of a detach, which gradgen's "
-            "gradient follows and finite differences of the graph cannot see: the check compares the graph's own "
-            "gradient of those nodes",
+            f"{len(set_aside)} node(s) ({', '.join(set_aside[:3])}{', ...' if len(set_aside) > 3 else ''}) carry PyTorch's "
+            "record of an embedding's padding_idx / scale_grad_by_freq (Gather) or of a detach (Identity), which "
+            "gradgen's gradient follows and finite differences of the graph cannot see: the check compares the "
+            "graph's own gradient of those nodes",
             stacklevel=3,
         )
 

@@ -160,3 +160,85 @@ def test_a_dynamo_export_of_a_straight_through_estimator_gets_pytorchs_gradient(
         built = gradgen.build_backward(proto)
     got = Session(built.model).run({"x": X})["w_grad"]
     np.testing.assert_allclose(got, module.w.grad.numpy(), rtol=1e-12)
+
+
+def test_a_removed_detach_of_a_value_without_gradient_is_no_note():
+    """The optimizer removed detach(buffer): the reader reads the buffer (no node computes it), so
+    nothing that carries a gradient took the detach's place."""
+    nodes = [
+        _node("Mul", ["x", "w"], "y", _call("y", "mul.Tensor", "%x, %p_w")),
+        _node("Mul", ["y", "b"], "yb", _call("yb", "mul.Tensor", "%y, %detach")),
+        _node("ReduceSum", ["yb"], "loss"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(W, "w"), numpy_helper.from_array(X, "b")],
+    )
+    _, notes = _build(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), wrt=["w"])
+    assert not notes
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_train_mode_batch_norm_written_in_inference_mode_is_said(training):
+    """torch 2.13's dynamo exporter writes a train-mode BatchNorm as an inference one; its record
+    still says training=True."""
+    rng = np.random.default_rng(0)
+    bn = helper.make_node("BatchNormalization", ["x4", "s", "b", "m", "v"], ["y"], name="node_bn")
+    bn.metadata_props.add(
+        key="pkg.torch.onnx.fx_node",
+        value=_call(
+            "_native_batch_norm_legit_functional",
+            "_native_batch_norm_legit_functional.default",
+            f"%x4, %p_s, %p_b, %b_m, %b_v, {training}, 0.1, 1e-05",
+        ),
+    )
+    graph = helper.make_graph(
+        [bn, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x4", TensorProto.DOUBLE, [2, 3, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(rng.standard_normal(3), n) for n in ("s", "b", "m")]
+        + [numpy_helper.from_array(rng.random(3) + 0.5, "v")],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), wrt=["s"])
+    said = [str(w.message) for w in caught if "train-mode batch norm" in str(w.message)]
+    assert bool(said) == training and (not said or "'node_bn'" in said[0]), said
+
+
+def _if_model() -> onnx.ModelProto:
+    """loss = sum(z * y), z = If(c, then: detach(y), else: y + y), y = x * w: through the then
+    branch PyTorch's gradient of w is z x (the detach stops the rest)."""
+    detach = _node("Identity", ["y"], "d", _call("detach", "detach.default", "%y,"))
+    then_branch = helper.make_graph([detach], "then", [], [helper.make_tensor_value_info("d", TensorProto.DOUBLE, [4])])
+    else_branch = helper.make_graph(
+        [helper.make_node("Add", ["y", "y"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TensorProto.DOUBLE, [4])]
+    )
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["y"]),
+        helper.make_node("If", ["c"], ["z"], then_branch=then_branch, else_branch=else_branch, name="node_if"),
+        helper.make_node("Mul", ["z", "y"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(W, "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_detach_in_a_branch_and_gradgen_check_of_it():
+    feeds = {"x": X, "c": np.array(True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = gradgen.build_backward(_if_model())
+        np.testing.assert_allclose(Session(built.model).run(feeds)["w_grad"], (X * W) * X, rtol=1e-12)
+        report = check_gradients(_if_model(), inputs=feeds)
+    assert report.passed, report.format()

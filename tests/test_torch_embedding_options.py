@@ -161,3 +161,45 @@ def test_gradgen_check_compares_the_graphs_own_gradient_of_such_a_lookup():
     notes = [str(w.message) for w in caught]
     assert any("finite differences of the graph cannot see" in n and "'node_embedding'" in n for n in notes), notes
     assert model.graph.node[0].metadata_props, "the caller's model keeps its record"
+
+
+def test_a_negative_index_of_the_pad_row_gets_nothing_either():
+    """Gather reads row -1 as the last one: with padding_idx the last row, -1 is the pad row too."""
+    model = _model(f"%p_w, %ids, {ROWS - 1}")
+    ids = np.array([[ROWS - 1, -1, 2, 0], [1, -1, 3, 2]], np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = gradgen.build_backward(model)
+    got = Session(built.model).run({"ids": ids})["W_grad"]
+    torch = pytest.importorskip("torch")
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weight = torch.tensor(inits["W"], requires_grad=True)
+    looked_up = torch.nn.functional.embedding(torch.tensor(ids % ROWS), weight, padding_idx=ROWS - 1)
+    (looked_up * torch.tensor(inits["C"])).sum().backward()
+    np.testing.assert_allclose(got, weight.grad.numpy(), rtol=1e-12, atol=1e-12)
+    assert not got[ROWS - 1].any()
+
+
+def test_a_lookup_merged_with_its_readers_keeps_the_graphs_gradient():
+    """Two lookups and their two reductions merged: the reduction is read twice by a product whose
+    record names it once; the merge is found downstream of the lookup."""
+    gather = helper.make_node("Gather", ["W", "ids"], ["embedding"], name="node_embedding")
+    gather.metadata_props.add(key="pkg.torch.onnx.fx_node", value=_call("embedding", "embedding.default](args = (%p_w, %ids, 1)"))
+    total = helper.make_node("ReduceSum", ["embedding", "last"], ["sum_1"], name="node_sum_1")
+    total.metadata_props.add(key="pkg.torch.onnx.fx_node", value=_call("sum_1", "sum.dim_IntList](args = (%embedding, [-1])"))
+    product = helper.make_node("Mul", ["sum_1", "sum_1"], ["mul"], name="node_mul")
+    product.metadata_props.add(key="pkg.torch.onnx.fx_node", value=_call("mul", "mul.Tensor](args = (%sum_1, %sum_2)"))
+    loss = helper.make_node("ReduceSum", ["mul"], ["loss"], keepdims=0)
+    graph = helper.make_graph(
+        [gather, total, product, loss],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, list(IDS.shape))],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[
+            numpy_helper.from_array(np.random.default_rng(0).standard_normal((ROWS, WIDTH)), "W"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        ],
+    )
+    got, notes = _gradient(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert len(notes) == 1 and "merged" in notes[0], notes
+    assert got[1].any(), "the graph's gradient: the pad row's share kept"

@@ -12,6 +12,10 @@ autograd does that an ONNX graph cannot say survive there:
   removes Identities, detaches included; the readers' records still name the detached value, and
   ``removed_detaches`` finds them, for a note.
 
+And one thing the exporter gets wrong that its record shows: a BatchNorm of a module in train mode
+(``aten._native_batch_norm_legit_functional(..., training=True, ...)``) written as an inference
+BatchNormalization (torch 2.13's dynamo exporter): ``trained_as_inference`` finds them, for a note.
+
 The legacy exporter records nothing: its graphs carry none of this.
 """
 
@@ -27,6 +31,11 @@ FX_CALL_KEY = "pkg.torch.onnx.fx_node"
 # -1 for none), scale_grad_by_freq and sparse
 _EMBEDDING_CALL = re.compile(r"target=torch\.ops\.aten\.embedding\.default\]\(args = \(([^)]*)\)")
 _DETACH_CALL = re.compile(r"target=torch\.ops\.aten\.detach\.default\]")
+# a batch norm call's sixth argument is ``training``
+_TRAINING_BATCH_NORM_CALL = re.compile(
+    r"target=torch\.ops\.aten\.(?:_native_batch_norm_legit_functional|_native_batch_norm_legit|native_batch_norm)"
+    r"\.default\]\(args = \((?:[^,()]+, ){5}True\b"
+)
 _OWN_NAME = re.compile(r"%(\S+) :")
 # FX names a detach's result detach, detach_1, ...
 _DETACHED_ARGUMENT = re.compile(r"%(detach(?:_\d+)?)\b")
@@ -88,3 +97,12 @@ def removed_detaches(nodes: list[ir.Node]) -> list[tuple[ir.Node, str]]:
             if name not in defined:
                 found.append((node, name))
     return found
+
+
+def trained_as_inference(node: ir.Node) -> bool:
+    """A BatchNormalization in inference mode whose record is PyTorch's train-mode batch norm: the
+    graph normalises with the running statistics where PyTorch's module used the batch's."""
+    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+        return False
+    attribute = node.attributes.get("training_mode")
+    return (attribute is None or attribute.value == 0) and _TRAINING_BATCH_NORM_CALL.search(fx_call(node)) is not None

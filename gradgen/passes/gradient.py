@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import numpy as np
@@ -21,7 +22,7 @@ from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
 from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
-from gradgen.grads.torch_records import is_detach, removed_detaches
+from gradgen.grads.torch_records import fx_arguments, fx_call, fx_name, is_detach, removed_detaches, trained_as_inference
 from gradgen.kernels.registry import normalize_domain
 from gradgen.names import gradient_name, node_name
 from gradgen.ops.control_flow import outer_scope_values, subgraphs
@@ -295,12 +296,13 @@ def _gradient_output(builder: GraphBuilder, grads: _Contributions, x: ir.Value, 
 
 
 # an Identity PyTorch's exporter recorded as ``detach``: a constant to the gradient, as in PyTorch
+# (a rule without a function is a non-differentiable op's)
 _DETACHED = GradRule("", "Identity", None, module=__name__)
 
 
 def _rule_of(node: ir.Node) -> GradRule | None:
     """The gradient rule of ``node``'s op; none for a recorded ``detach`` (``torch_records``)."""
-    if node.op_type == "Identity" and is_detach(node):
+    if is_detach(node):
         return _DETACHED
     return lookup_rule(node.domain, node.op_type)
 
@@ -316,8 +318,17 @@ def _say_torch_records(nodes: list[ir.Node], active: list[ir.Node], requires: se
             "flows through them, as in PyTorch",
             stacklevel=3,
         )
+    inference = [n for n in active if trained_as_inference(n)]
+    if inference:
+        warnings.warn(
+            f"{len(inference)} BatchNormalization node(s) ({', '.join(repr(node_name(n)) for n in inference[:3])}"
+            f"{', ...' if len(inference) > 3 else ''}) are PyTorch's train-mode batch norm (the exporter's record), "
+            "written in inference mode: they normalise with the running statistics, not the batch's, and update "
+            "none (torch.onnx.export(dynamo=True) does this); export with dynamo=False, or from a module in eval mode",
+            stacklevel=3,
+        )
     on_path = set(active)
-    removed = [(n, value) for n, value in removed_detaches(nodes) if n in on_path]
+    removed = [(n, value) for n, value in removed_detaches(nodes) if n in on_path and _reads_an_unrecorded_value(n, requires)]
     if removed:
         named = ", ".join(f"{node_name(n)!r} (reads %{value})" for n, value in removed[:3]) + (
             ", ..." if len(removed) > 3 else ""
@@ -328,6 +339,19 @@ def _say_torch_records(nodes: list[ir.Node], active: list[ir.Node], requires: se
             "optimize=False to keep it",
             stacklevel=3,
         )
+
+
+def _reads_an_unrecorded_value(reader: ir.Node, requires: set[str]) -> bool:
+    """Whether ``reader`` takes a gradient-carrying value from a node its own record does not name:
+    the value that took the removed detach's place (a detached buffer or index is no such value)."""
+    arguments = fx_arguments(fx_call(reader))
+    for value in reader.inputs:
+        if value is None or value.name not in requires or value.producer() is None:
+            continue
+        name = fx_name(value.producer())
+        if name is None or not re.search(rf"%{re.escape(name)}\b", arguments):
+            return True
+    return False
 
 
 def _no_gradient_positions(rule: GradRule | None) -> frozenset[int]:

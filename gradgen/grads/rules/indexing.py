@@ -39,22 +39,36 @@ def gather(g):
     return [g.set_type_like(dx, x)]
 
 
-def _merged_lookup(node: ir.Node) -> bool:
-    """Whether the exporter's optimizer may have merged other lookups into ``node`` (two Gathers of
-    the same table and indices are one node after its common-subexpression pass, with one call's
-    record): some reader the exporter recorded reads the output in more places than its own recorded
-    call names this one. Then the record's options may not hold for every reader."""
-    own = fx_name(node)
-    if own is None or not node.outputs:
+def _merged_lookup(node: ir.Node, backward: set[ir.Node]) -> bool:
+    """Whether the exporter's optimizer may have merged another lookup into ``node``: two Gathers
+    of the same table and indices become one node with one call's record, and so may the nodes
+    that read them (two ReduceSums of them, ...). Then some node downstream, on a float path, reads
+    a recorded node's output in more places than its own record names that node's FX value, and
+    the record's options may not hold for every path. ``backward``: the gradient nodes built so far,
+    which read forward values but are not what the exporter wrote."""
+    if fx_name(node) is None or not node.outputs:
         return True
-    named = re.compile(rf"%{re.escape(own)}\b")
-    slots: dict[ir.Node, int] = {}
-    for usage in node.outputs[0].uses():
-        slots[usage.node] = slots.get(usage.node, 0) + 1
-    for reader, count in slots.items():
-        call = fx_call(reader)
-        if call and len(named.findall(fx_arguments(call))) < count:
-            return True
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        own = fx_name(current)
+        named = re.compile(rf"%{re.escape(own)}\b") if own else None
+        for out in current.outputs:
+            if out.dtype is not None and not out.dtype.is_floating_point():
+                continue  # indices and shapes carry no gradient
+            slots: dict[ir.Node, int] = {}
+            for usage in out.uses():
+                if usage.node not in backward:
+                    slots[usage.node] = slots.get(usage.node, 0) + 1
+            for reader, count in slots.items():
+                call = fx_call(reader)
+                # a reader of the same record is another node of one PyTorch call's decomposition
+                decomposed = own is not None and fx_name(reader) == own
+                if named is not None and call and not decomposed and len(named.findall(fx_arguments(call))) < count:
+                    return True
+                if reader not in seen:
+                    seen.add(reader)
+                    stack.append(reader)
     return False
 
 
@@ -67,7 +81,7 @@ def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
         return dy
     x, indices = g.x(0), g.x(1)
     weight = repr(x.name) if x.name else "the table"
-    if _merged_lookup(g.node):
+    if _merged_lookup(g.node, g.b.node_set):
         warnings.warn(
             f"{_where(g)}: PyTorch's exporter recorded an embedding lookup of {weight} with padding_idx / "
             "scale_grad_by_freq, but its optimizer seems to have merged other lookups into this node, so the "
@@ -84,7 +98,10 @@ def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
         dy = g.op("Div", dy, g.unsqueeze(g.op("Gather", counts, indices, axis=0), [-1]))
         said.append("each position's gradient is divided by its index's count in the batch (scale_grad_by_freq)")
     if padding is not None:
-        at_padding = g.op("Equal", indices, g.const(np.array(padding, numpy_dtype_of(indices))))
+        # the pad row as Gather may name it: padding_idx, or padding_idx - rows counted from the end
+        pad = g.const(np.array([padding], numpy_dtype_of(indices)))
+        from_end = g.op("Sub", pad, g.cast_like(dims_value(g, x, 0, 1), indices))
+        at_padding = g.op("Or", g.op("Equal", indices, pad), g.op("Equal", indices, from_end))
         dy = g.op("Where", g.unsqueeze(at_padding, [-1]), g.const_like(x, 0), dy)
         said.append(f"row {padding} of {weight} gets no gradient from this lookup (padding_idx={padding})")
     warnings.warn(
