@@ -140,6 +140,7 @@ def test_gradgen_check_compares_the_graphs_own_gradient():
 
 def test_a_dynamo_export_of_a_straight_through_estimator_gets_pytorchs_gradient():
     torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")  # the dynamo exporter's dependency
 
     class StraightThrough(torch.nn.Module):
         def __init__(self) -> None:

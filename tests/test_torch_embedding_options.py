@@ -124,6 +124,7 @@ def test_what_is_read_from_the_record():
 def test_a_dynamo_export_trains_like_pytorch():
     """A real export (optimize=False), in float64: every parameter's gradient is autograd's."""
     torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")  # the dynamo exporter's dependency
 
     class Lookups(torch.nn.Module):
         def __init__(self) -> None:
