@@ -34,7 +34,9 @@ def _model(embedding_args: str, *, read_twice: bool = False) -> onnx.ModelProto:
         key="pkg.torch.onnx.fx_node", value=_call("embedding", f"embedding.default](args = ({embedding_args})")
     )
     mul = helper.make_node("Mul", ["embedding", "embedding" if read_twice else "C"], ["mul"], name="node_mul")
-    mul.metadata_props.add(key="pkg.torch.onnx.fx_node", value=_call("mul", "mul.Tensor](args = (%embedding, %embedding_1)"))
+    # read twice: the product of two lookups the optimizer merged (the record names the twin)
+    mul_args = "%embedding, %embedding_1" if read_twice else "%embedding, %c"
+    mul.metadata_props.add(key="pkg.torch.onnx.fx_node", value=_call("mul", f"mul.Tensor](args = ({mul_args})"))
     nodes = [gather, mul]
     if read_twice:
         nodes.append(helper.make_node("Mul", ["mul", "C"], ["mul_c"]))

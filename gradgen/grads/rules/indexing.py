@@ -39,36 +39,47 @@ def gather(g):
     return [g.set_type_like(dx, x)]
 
 
+_NAMED_VALUE = re.compile(r"%(\w+)")
+
+
+def _base(fx_value: str) -> str:
+    """The op an FX value is named after: ``embedding`` for ``embedding_3``."""
+    return re.sub(r"_\d+$", "", fx_value)
+
+
 def _merged_lookup(node: ir.Node, backward: set[ir.Node]) -> bool:
     """Whether the exporter's optimizer may have merged another lookup into ``node``: two Gathers
     of the same table and indices become one node with one call's record, and so may the nodes
-    that read them (two ReduceSums of them, ...). Then some node downstream, on a float path, reads
-    a recorded node's output in more places than its own record names that node's FX value, and
-    the record's options may not hold for every path. ``backward``: the gradient nodes built so far,
-    which read forward values but are not what the exporter wrote."""
-    if fx_name(node) is None or not node.outputs:
+    that read them (two ReduceSums of them, ...). A merged twin leaves a trace: a node downstream,
+    on a float path, whose record names a value of the same op as the node it reads (``%sum_2``
+    where it reads the node recorded as ``sum_1``) that no node computes any more and that is no
+    initializer. (Values the optimizer removed as no-ops, ``%alias``, ``%type_as_3``, are of other
+    ops.) ``backward``: the
+    gradient nodes built so far, which read forward values but are not what the exporter wrote."""
+    own = fx_name(node)
+    if own is None or not node.outputs or node.graph is None:
         return True
+    # computed by a node, or folded by the optimizer into an initializer of that name (BERT's
+    # position embeddings): not merged away
+    defined = {name for name in map(fx_name, node.graph) if name} | set(node.graph.initializers)
     stack, seen = [node], {node}
     while stack:
         current = stack.pop()
         own = fx_name(current)
-        named = re.compile(rf"%{re.escape(own)}\b") if own else None
         for out in current.outputs:
             if out.dtype is not None and not out.dtype.is_floating_point():
                 continue  # indices and shapes carry no gradient
-            slots: dict[ir.Node, int] = {}
             for usage in out.uses():
-                if usage.node not in backward:
-                    slots[usage.node] = slots.get(usage.node, 0) + 1
-            for reader, count in slots.items():
-                call = fx_call(reader)
-                # a reader of the same record is another node of one PyTorch call's decomposition
-                decomposed = own is not None and fx_name(reader) == own
-                if named is not None and call and not decomposed and len(named.findall(fx_arguments(call))) < count:
-                    return True
-                if reader not in seen:
-                    seen.add(reader)
-                    stack.append(reader)
+                reader = usage.node
+                if reader in backward or reader in seen:
+                    continue
+                seen.add(reader)
+                stack.append(reader)
+                if own is None or fx_name(reader) == own:
+                    continue  # no record, or another node of the same call's decomposition
+                for name in _NAMED_VALUE.findall(fx_arguments(fx_call(reader))):
+                    if name != own and name not in defined and _base(name) == _base(own):
+                        return True
     return False
 
 
