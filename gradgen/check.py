@@ -30,7 +30,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
-from gradgen.model_io import ModelLike, external_tensors_inline, load_model
+from gradgen.model_io import ModelLike, external_tensors_inline, load_model, proto_subgraphs
 from gradgen.names import unique_name, value_names
 from gradgen.text_table import format_table
 
@@ -52,9 +52,8 @@ def _graph_gradient_of_records(proto: onnx.ModelProto) -> None:
 
     def visit(nodes) -> None:
         for index, node in enumerate(nodes):
-            for attribute in node.attribute:
-                for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
-                    visit(graph.node)
+            for graph in proto_subgraphs(node):
+                visit(graph.node)
             if node.domain not in ("", "ai.onnx"):
                 continue
             for entry in node.metadata_props:
@@ -171,9 +170,8 @@ def _keep_float32_inputs(graph: onnx.GraphProto, opset: int) -> None:
     messages about it still make sense); any other value gets a Cast to float32 in front of the use.
     """
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-                _keep_float32_inputs(sub, opset)
+        for sub in proto_subgraphs(node):
+            _keep_float32_inputs(sub, opset)
     uses: dict[str, list[bool]] = {}
     for node in graph.node:
         keep = _float32_only_inputs(node.op_type, node.domain, opset)

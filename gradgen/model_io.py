@@ -127,7 +127,8 @@ def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
             )
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a NodeProto's attributes hold (an If's branches, a Loop's body)."""
     for attribute in node.attribute:
         if attribute.type == onnx.AttributeProto.GRAPH:
             yield attribute.g
@@ -163,7 +164,7 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
                     f"{where}: {label} computes {name!r}, which is already {sources[name]}; every value has one source"
                 )
             sources[name] = f"computed by {label}"
-        for subgraph in _subgraphs(node):
+        for subgraph in proto_subgraphs(node):
             _check_names(subgraph, where)
 
 

@@ -6,7 +6,8 @@ torch.ops.aten.embedding.default](args = (%p_w, %ids, 0), kwargs = {})``. Two th
 autograd does that an ONNX graph cannot say survive there:
 
 - ``aten.embedding``'s ``padding_idx`` and ``scale_grad_by_freq`` (a plain Gather in the graph):
-  the Gather's gradient rule applies them (gradgen/grads/rules/indexing.py);
+  the Gather's gradient rule applies them (gradgen/grads/rules/indexing.py), except where
+  ``merged_lookup`` finds that the exporter's optimizer merged another lookup into the node;
 - ``aten.detach`` (an Identity in the graph): no gradient flows through it; the gradient pass
   treats such an Identity as a constant (gradgen/passes/gradient.py). The exporter's optimizer
   removes Identities, detaches included; the readers' records still name the detached value, and
@@ -37,6 +38,7 @@ _TRAINING_BATCH_NORM_CALL = re.compile(
     r"\.default\]\(args = \((?:[^,()]+, ){5}True\b"
 )
 _OWN_NAME = re.compile(r"%(\S+) :")
+_NAMED_VALUE = re.compile(r"%(\w+)")
 # FX names a detach's result detach, detach_1, ...
 _DETACHED_ARGUMENT = re.compile(r"%(detach(?:_\d+)?)\b")
 
@@ -53,7 +55,8 @@ def fx_name(node: ir.Node) -> str | None:
 
 
 def fx_arguments(call: str) -> str:
-    """The argument part of a recorded call (what follows ``](args = ``)."""
+    """What a recorded call reads: what follows ``](args = ``, its positional arguments and its
+    keyword arguments."""
     return call.partition("](args = ")[2]
 
 
@@ -86,11 +89,16 @@ def is_detach(node: ir.Node) -> bool:
     return node.op_type == "Identity" and node.domain in ("", "ai.onnx") and _DETACH_CALL.search(fx_call(node)) is not None
 
 
+def defined_fx_names(nodes) -> set[str]:
+    """The FX values that nodes of ``nodes`` still compute (their records' own names)."""
+    return {name for name in map(fx_name, nodes) if name}
+
+
 def removed_detaches(nodes: list[ir.Node]) -> list[tuple[ir.Node, str]]:
     """(reader, detached FX value) for each node whose record reads a ``detach`` result that no
     node of ``nodes`` computes any more: the exporter's optimizer removed that detach, so the graph
     lets a gradient through where PyTorch's did not."""
-    defined = {name for name in map(fx_name, nodes) if name}
+    defined = defined_fx_names(nodes)
     found = []
     for node in nodes:
         for name in _DETACHED_ARGUMENT.findall(fx_arguments(fx_call(node))):
@@ -106,3 +114,44 @@ def trained_as_inference(node: ir.Node) -> bool:
         return False
     attribute = node.attributes.get("training_mode")
     return (attribute is None or attribute.value == 0) and _TRAINING_BATCH_NORM_CALL.search(fx_call(node)) is not None
+
+
+def _op_of(fx_value: str) -> str:
+    """The op an FX value is named after: ``embedding`` for ``embedding_3``."""
+    return re.sub(r"_\d+$", "", fx_value)
+
+
+def merged_lookup(node: ir.Node, skip: set[ir.Node]) -> bool:
+    """Whether the exporter's optimizer may have merged another lookup into ``node``: two Gathers
+    of the same table and indices become one node with one call's record, and so may the nodes
+    that read them (two ReduceSums of them, ...). A merged twin leaves a trace: a node downstream,
+    on a float path, whose record names a value of the same op as the node it reads (``%sum_2``
+    where it reads the node recorded as ``sum_1``) that no node computes any more and that is no
+    initializer. (Values the optimizer removed as no-ops, ``%alias``, ``%type_as_3``, are of other
+    ops.) ``skip``: nodes not to follow (the gradient nodes built so far, which read forward
+    values but are not what the exporter wrote)."""
+    own = fx_name(node)
+    if own is None or not node.outputs or node.graph is None:
+        return True
+    # computed by a node, or folded by the optimizer into an initializer of that name (BERT's
+    # position embeddings): not merged away
+    defined = defined_fx_names(node.graph) | set(node.graph.initializers)
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        own = fx_name(current)
+        for out in current.outputs:
+            if out.dtype is not None and not out.dtype.is_floating_point():
+                continue  # indices and shapes carry no gradient
+            for usage in out.uses():
+                reader = usage.node
+                if reader in skip or reader in seen:
+                    continue
+                seen.add(reader)
+                stack.append(reader)
+                if own is None or fx_name(reader) == own:
+                    continue  # no record, or another node of the same call's decomposition
+                for name in _NAMED_VALUE.findall(fx_arguments(fx_call(reader))):
+                    if name != own and name not in defined and _op_of(name) == _op_of(own):
+                        return True
+    return False

@@ -12,7 +12,6 @@ so such a model's gradients and training are PyTorch's (the legacy exporter keep
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import numpy as np
@@ -22,7 +21,7 @@ from gradgen.builder import MICROSOFT, numpy_dtype_of
 from gradgen.errors import ModelError
 from gradgen.grads.rules.shape import INT64_MAX, dims_value
 from gradgen.grads.table import grad_rule, non_differentiable
-from gradgen.grads.torch_records import embedding_options, fx_arguments, fx_call, fx_name
+from gradgen.grads.torch_records import embedding_options, merged_lookup
 
 
 def _where(g) -> str:
@@ -39,50 +38,6 @@ def gather(g):
     return [g.set_type_like(dx, x)]
 
 
-_NAMED_VALUE = re.compile(r"%(\w+)")
-
-
-def _base(fx_value: str) -> str:
-    """The op an FX value is named after: ``embedding`` for ``embedding_3``."""
-    return re.sub(r"_\d+$", "", fx_value)
-
-
-def _merged_lookup(node: ir.Node, backward: set[ir.Node]) -> bool:
-    """Whether the exporter's optimizer may have merged another lookup into ``node``: two Gathers
-    of the same table and indices become one node with one call's record, and so may the nodes
-    that read them (two ReduceSums of them, ...). A merged twin leaves a trace: a node downstream,
-    on a float path, whose record names a value of the same op as the node it reads (``%sum_2``
-    where it reads the node recorded as ``sum_1``) that no node computes any more and that is no
-    initializer. (Values the optimizer removed as no-ops, ``%alias``, ``%type_as_3``, are of other
-    ops.) ``backward``: the
-    gradient nodes built so far, which read forward values but are not what the exporter wrote."""
-    own = fx_name(node)
-    if own is None or not node.outputs or node.graph is None:
-        return True
-    # computed by a node, or folded by the optimizer into an initializer of that name (BERT's
-    # position embeddings): not merged away
-    defined = {name for name in map(fx_name, node.graph) if name} | set(node.graph.initializers)
-    stack, seen = [node], {node}
-    while stack:
-        current = stack.pop()
-        own = fx_name(current)
-        for out in current.outputs:
-            if out.dtype is not None and not out.dtype.is_floating_point():
-                continue  # indices and shapes carry no gradient
-            for usage in out.uses():
-                reader = usage.node
-                if reader in backward or reader in seen:
-                    continue
-                seen.add(reader)
-                stack.append(reader)
-                if own is None or fx_name(reader) == own:
-                    continue  # no record, or another node of the same call's decomposition
-                for name in _NAMED_VALUE.findall(fx_arguments(fx_call(reader))):
-                    if name != own and name not in defined and _base(name) == _base(own):
-                        return True
-    return False
-
-
 def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
     """dY with the positions of ``padding_idx`` zeroed and, for ``scale_grad_by_freq``, each position
     divided by its index's count in the batch, as PyTorch's embedding backward does; dY itself for a
@@ -92,7 +47,7 @@ def _as_torch_embedding_backward(g, dy: ir.Value) -> ir.Value:
         return dy
     x, indices = g.x(0), g.x(1)
     weight = repr(x.name) if x.name else "the table"
-    if _merged_lookup(g.node, g.b.node_set):
+    if merged_lookup(g.node, g.b.node_set):
         warnings.warn(
             f"{_where(g)}: PyTorch's exporter recorded an embedding lookup of {weight} with padding_idx / "
             "scale_grad_by_freq, but its optimizer seems to have merged other lookups into this node, so the "
