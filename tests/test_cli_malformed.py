@@ -17,7 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tests.test_cli import run_cli, tiny_model
 
 
-def _save(path: Path, nodes, initializers=(), inputs=None) -> Path:
+def save_loss_model(path: Path, nodes, initializers=(), inputs=None, opset: int = 17) -> Path:
+    """``nodes`` computing a float32 ``loss`` from ``inputs`` (default x, float32 (2, 3)), saved."""
     graph = helper.make_graph(
         nodes,
         "g",
@@ -25,7 +26,7 @@ def _save(path: Path, nodes, initializers=(), inputs=None) -> Path:
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
         initializer=list(initializers),
     )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
     return path
 
 
@@ -39,7 +40,7 @@ def _twice_computed(tmp: Path) -> Path:
         helper.make_node("Relu", ["x"], ["y"], name="relu"),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
     ]
-    return _save(tmp / "m.onnx", nodes, [_w()])
+    return save_loss_model(tmp / "m.onnx", nodes, [_w()])
 
 
 def _input_recomputed(tmp: Path) -> Path:
@@ -47,13 +48,13 @@ def _input_recomputed(tmp: Path) -> Path:
         helper.make_node("MatMul", ["x", "w"], ["x"]),
         helper.make_node("ReduceSum", ["x"], ["loss"], keepdims=0),
     ]
-    return _save(tmp / "m.onnx", nodes, [_w()])
+    return save_loss_model(tmp / "m.onnx", nodes, [_w()])
 
 
 def _initializer_twice(tmp: Path) -> Path:
     # ONNX Runtime silently takes the last one (here 2), the checker refuses the model
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    return _save(tmp / "m.onnx", nodes, [_w(1.0), _w(2.0)])
+    return save_loss_model(tmp / "m.onnx", nodes, [_w(1.0), _w(2.0)])
 
 
 def _cycle(tmp: Path) -> Path:
@@ -62,7 +63,7 @@ def _cycle(tmp: Path) -> Path:
         helper.make_node("Relu", ["y"], ["z"], name="relu"),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
     ]
-    return _save(tmp / "m.onnx", nodes)
+    return save_loss_model(tmp / "m.onnx", nodes)
 
 
 def _unnamed_cycle(tmp: Path) -> Path:
@@ -71,12 +72,12 @@ def _unnamed_cycle(tmp: Path) -> Path:
         helper.make_node("Relu", ["y"], ["z"]),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
     ]
-    return _save(tmp / "m.onnx", nodes)
+    return save_loss_model(tmp / "m.onnx", nodes)
 
 
 def _missing_initializer(tmp: Path) -> Path:
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    return _save(tmp / "m.onnx", nodes)
+    return save_loss_model(tmp / "m.onnx", nodes)
 
 
 def _commands(model: Path, tmp: Path) -> list[list]:
@@ -118,7 +119,7 @@ def test_an_acyclic_graph_out_of_order_still_builds(tmp_path, capsys, monkeypatc
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"),
         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
     ]
-    model = _save(tmp_path / "m.onnx", nodes, [_w()])
+    model = save_loss_model(tmp_path / "m.onnx", nodes, [_w()])
     code, out, err = run_cli(capsys, monkeypatch, "build-backward", model, "-o", tmp_path / "out.onnx")
     assert code == 0, err
     assert "w_grad" in out

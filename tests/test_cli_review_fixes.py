@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.test_cli import run_cli
+from tests.test_cli_malformed import save_loss_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "samples" / "mlp" / "model.onnx"
@@ -40,19 +41,11 @@ def cnn_data(tmp_path):
     return path
 
 
-def _save(path: Path, nodes, inputs, initializers=(), opset: int = 17) -> Path:
-    graph = helper.make_graph(
-        nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=list(initializers)
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
-    return path
-
-
 def _gather_model(tmp: Path) -> Path:
     """loss = sum(E[ids]): E the only parameter; its nodes unnamed."""
     table = numpy_helper.from_array(np.arange(15, dtype=np.float32).reshape(5, 3), "E")
     nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
-    return _save(tmp / "gather.onnx", nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])], [table])
+    return save_loss_model(tmp / "gather.onnx", nodes, [table], [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])])
 
 
 # 1. a truncated checkpoint
@@ -255,7 +248,9 @@ def test_run_time_errors_name_unnamed_nodes_as_build_backward_does(tmp_path, cap
         helper.make_node("FooBar", ["z"], ["y"]),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
     ]
-    unknown = _save(tmp_path / "unknown_op.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], [w])
+    unknown = save_loss_model(
+        tmp_path / "unknown_op.onnx", nodes, [w], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])]
+    )
     code, _, built = run_cli(capsys, monkeypatch, "build-backward", unknown, "-o", tmp_path / "u.onnx")
     assert code == 3 and "'FooBar_1'" in built
     code, _, ran = run_cli(capsys, monkeypatch, "run", unknown, "--random-inputs", "--device", "cpu")
@@ -264,7 +259,9 @@ def test_run_time_errors_name_unnamed_nodes_as_build_backward_does(tmp_path, cap
 
 def test_an_opset_beyond_onnx_is_a_model_error(tmp_path, capsys, monkeypatch):
     nodes = [helper.make_node("Relu", ["x"], ["loss"])]
-    model = _save(tmp_path / "opset99.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])], opset=99)
+    model = save_loss_model(
+        tmp_path / "opset99.onnx", nodes, inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [])], opset=99
+    )
     newest = str(onnx.defs.onnx_opset_version())
     for args in (["build-backward", model, "-o", tmp_path / "g.onnx", "--wrt-inputs"], ["run", model, "--random-inputs"]):
         code, _, err = run_cli(capsys, monkeypatch, *args)

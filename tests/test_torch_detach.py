@@ -32,6 +32,18 @@ def _node(op: str, inputs: list[str], output: str, record: str | None = None) ->
     return node
 
 
+def _loss_model(nodes, initializers: dict[str, np.ndarray], inputs=None) -> onnx.ModelProto:
+    """``nodes`` computing a float64 ``loss``, from ``inputs`` (default x, 4 float64 values)."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        inputs or [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        initializer=[numpy_helper.from_array(value, name) for name, value in initializers.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
 def _ste_model(with_identity: bool = True, recorded: bool = True) -> onnx.ModelProto:
     """loss = sum(z * z) + sum(detach(y) * w), z = y + detach(round(y) - y), y = x * w: PyTorch's
     gradient of w is 2 z x + y (the detached parts carry none)."""
@@ -52,17 +64,11 @@ def _ste_model(with_identity: bool = True, recorded: bool = True) -> onnx.ModelP
         _node("ReduceSum", ["dw"], "s2", None),
         _node("Add", ["s1", "s2"], "loss", None),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-        initializer=[numpy_helper.from_array(W, "w")],
-    )
+    model = _loss_model(nodes, {"w": W})
     if not recorded:  # a legacy export: no node says what PyTorch called
-        for node in graph.node:
+        for node in model.graph.node:
             del node.metadata_props[:]
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return model
 
 
 def _pytorch_gradient() -> np.ndarray:
@@ -117,16 +123,9 @@ def test_a_parameter_reached_only_through_a_detach_is_no_default_parameter():
         _node("Mul", ["detach", "w"], "u", _call("u", "mul.Tensor", "%detach, %p_w")),
         _node("ReduceSum", ["u"], "loss"),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-        initializer=[numpy_helper.from_array(W, "w"), numpy_helper.from_array(W[::-1].copy(), "v")],
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+        built = gradgen.build_backward(_loss_model(nodes, {"w": W, "v": W[::-1].copy()}))
     assert built.wrt == ["w"]
 
 
@@ -171,14 +170,7 @@ def test_a_removed_detach_of_a_value_without_gradient_is_no_note():
         _node("Mul", ["y", "b"], "yb", _call("yb", "mul.Tensor", "%y, %detach")),
         _node("ReduceSum", ["yb"], "loss"),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-        initializer=[numpy_helper.from_array(W, "w"), numpy_helper.from_array(X, "b")],
-    )
-    _, notes = _build(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), wrt=["w"])
+    _, notes = _build(_loss_model(nodes, {"w": W, "b": X}), wrt=["w"])
     assert not notes
 
 
@@ -196,17 +188,15 @@ def test_a_train_mode_batch_norm_written_in_inference_mode_is_said(training):
             f"%x4, %p_s, %p_b, %b_m, %b_v, {training}, 0.1, 1e-05",
         ),
     )
-    graph = helper.make_graph(
+    parameters = {n: rng.standard_normal(3) for n in ("s", "b", "m")} | {"v": rng.random(3) + 0.5}
+    model = _loss_model(
         [bn, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)],
-        "g",
+        parameters,
         [helper.make_tensor_value_info("x4", TensorProto.DOUBLE, [2, 3, 4])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-        initializer=[numpy_helper.from_array(rng.standard_normal(3), n) for n in ("s", "b", "m")]
-        + [numpy_helper.from_array(rng.random(3) + 0.5, "v")],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gradgen.build_backward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), wrt=["s"])
+        gradgen.build_backward(model, wrt=["s"])
     said = [str(w.message) for w in caught if "train-mode batch norm" in str(w.message)]
     assert bool(said) == training and (not said or "'node_bn'" in said[0]), said
 
@@ -225,14 +215,11 @@ def _if_model() -> onnx.ModelProto:
         helper.make_node("Mul", ["z", "y"], ["p"]),
         helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
-        initializer=[numpy_helper.from_array(W, "w")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4]),
+        helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+    ]
+    return _loss_model(nodes, {"w": W}, inputs)
 
 
 def test_a_detach_in_a_branch_and_gradgen_check_of_it():
