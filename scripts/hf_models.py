@@ -297,31 +297,37 @@ def mixtral() -> torch_sweep.Case:
     return _case(T.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids.clone()})
 
 
-def wav2vec2() -> torch_sweep.Case:
-    import transformers as T
+def _speech_ctc(model_class: str, config_class: str, **extra: Any) -> Callable[[], torch_sweep.Case]:
+    """A small wav2vec2-style speech encoder (``model_class`` of ``config_class``) under CTC loss."""
 
-    config = T.Wav2Vec2Config(
-        vocab_size=12,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        hidden_dropout=0,
-        attention_dropout=0,
-        activation_dropout=0,
-        feat_proj_dropout=0,
-        layerdrop=0,
-        mask_time_prob=0,
-        ctc_loss_reduction="mean",
-        pad_token_id=0,
-    )
-    labels = torch.randint(1, 12, (BATCH, 5), generator=torch.Generator().manual_seed(1))
-    return _case(T.Wav2Vec2ForCTC(config), {"input_values": _images(BATCH, 400), "labels": labels})
+    def make() -> torch_sweep.Case:
+        import transformers as T
+
+        config = getattr(T, config_class)(
+            vocab_size=12,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            conv_dim=(16, 16),
+            conv_stride=(5, 2),
+            conv_kernel=(10, 3),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4,
+            hidden_dropout=0,
+            attention_dropout=0,
+            activation_dropout=0,
+            feat_proj_dropout=0,
+            layerdrop=0,
+            mask_time_prob=0,
+            ctc_loss_reduction="mean",
+            pad_token_id=0,
+            **extra,
+        )
+        labels = torch.randint(1, 12, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+        return _case(getattr(T, model_class)(config), {"input_values": _images(BATCH, 400), "labels": labels})
+
+    return make
 
 
 class DenoisingLoss(nn.Module):
@@ -465,35 +471,6 @@ def marian() -> torch_sweep.Case:
     return _case(model, {"input_ids": _tokens(97, BATCH, SEQ), "labels": _tokens(97, BATCH, 6, seed=1)})
 
 
-def wavlm() -> torch_sweep.Case:
-    import transformers as T
-
-    config = T.WavLMConfig(
-        vocab_size=12,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        num_buckets=8,
-        max_bucket_distance=16,
-        hidden_dropout=0,
-        attention_dropout=0,
-        activation_dropout=0,
-        feat_proj_dropout=0,
-        layerdrop=0,
-        mask_time_prob=0,
-        ctc_loss_reduction="mean",
-        pad_token_id=0,
-    )
-    labels = torch.randint(1, 12, (BATCH, 5), generator=torch.Generator().manual_seed(1))
-    return _case(T.WavLMForCTC(config), {"input_values": _images(BATCH, 400), "labels": labels})
-
-
 def levit() -> torch_sweep.Case:
     """LeViT, its attention biases gathered at each call: in eval mode transformers caches them, a
     tensor of the first call's graph (a second backward fails; the legacy exporter refuses it as a
@@ -576,7 +553,7 @@ MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
     "mixtral": mixtral,
     "deberta": deberta,
     "clip": clip,
-    "wav2vec2": wav2vec2,
+    "wav2vec2": _speech_ctc("Wav2Vec2ForCTC", "Wav2Vec2Config"),
     "convnext": _vision(
         "ConvNextForImageClassification",
         "ConvNextConfig",
@@ -663,7 +640,7 @@ MODELS: dict[str, Callable[[], torch_sweep.Case]] = {
     "xlnet": xlnet,
     "marian": marian,
     "speech2text": speech2text,
-    "wavlm": wavlm,
+    "wavlm": _speech_ctc("WavLMForCTC", "WavLMConfig", num_buckets=8, max_bucket_distance=16),
     "beit": _vision(
         "BeitForImageClassification",
         "BeitConfig",
