@@ -140,10 +140,16 @@ def _graph_to_float64(graph: onnx.GraphProto) -> None:
         _node_to_float64(node)
 
 
+# Attributes that name an element type the node computes in: Cast's target, a generator's dtype,
+# Attention's softmax_precision (a float32 softmax inside a float64 check would round away the
+# finite differences).
+_TYPE_ATTRIBUTES = ("to", "dtype", "softmax_precision")
+
+
 def _node_to_float64(node: onnx.NodeProto) -> None:
     attrs = list(node.attribute)
     for attr in attrs:
-        if attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype") and attr.i in _LOW_FLOAT_TYPES:
+        if attr.type == onnx.AttributeProto.INT and attr.name in _TYPE_ATTRIBUTES and attr.i in _LOW_FLOAT_TYPES:
             attr.i = TensorProto.DOUBLE
         elif attr.type == onnx.AttributeProto.TENSOR:
             _tensor_to_float64(attr.t)
@@ -376,7 +382,7 @@ def check_gradients(
     seed_name = f"{loss_name}_grad"
     if seed_name in grad_session.input_names:  # a vector-Jacobian product: L = sum(u * y)
         cotangent = rng.uniform(0.5, 1.5, probe.shape) * rng.choice([-1.0, 1.0], probe.shape)
-        grad_feeds[seed_name] = cotangent.astype(probe.dtype)
+        grad_feeds[seed_name] = cotangent.astype(_declared_dtype(built.model, seed_name, probe.dtype))
     results = grad_session.run(grad_feeds)
 
     def objective(overrides: dict[str, np.ndarray]) -> float:
@@ -394,6 +400,15 @@ def check_gradients(
             continue
         checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol))
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
+
+
+def _declared_dtype(model: ir.Model, name: str, default: np.dtype) -> np.dtype:
+    """The element type the backward graph declares for its input ``name`` (the seed keeps the
+    float64 copy's type where a kernel computes the output in float32: LayerNormalization's Mean)."""
+    for value in model.graph.inputs:
+        if value.name == name and value.dtype is not None:
+            return value.dtype.numpy()
+    return default
 
 
 def _summary(value: np.ndarray) -> str:

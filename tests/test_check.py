@@ -415,3 +415,23 @@ def test_the_model_file_is_read_once(tmp_path, monkeypatch):
     report = check_gradients(tmp_path / "m.onnx", inputs=tmp_path / "in.npz")
     assert report.passed, report.format()
     assert reads == [tmp_path / "m.onnx"]
+
+
+def test_attention_softmax_precision_is_lifted_to_float64():
+    """A float32 softmax inside the float64 copy would round the finite differences away: the
+    check of an Attention with softmax_precision=FLOAT reported Q's and K's gradients wrong."""
+    rng = np.random.default_rng(0)
+    shape = [1, 2, 3, 4]
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], softmax_precision=TensorProto.FLOAT)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT16, shape) for n in "QKV"],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, shape)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    double = to_float64(model)
+    assert helper.get_attribute_value(double.graph.node[0].attribute[0]) == TensorProto.DOUBLE
+    feeds = {n: rng.standard_normal(shape).astype(np.float16) for n in "QKV"}
+    report = check_gradients(model, inputs=feeds, wrt_inputs=True, loss="Y")
+    assert report.passed and all(t.max_rel_err < 1e-6 for t in report.tensors), report.format()

@@ -39,6 +39,17 @@ class GradRule:
     unsupported_inputs: frozenset[int] = frozenset()
     # The module that declared the rule (gradgen.grads.rules.<family>).
     module: str = ""
+    # Outputs that depend on only some of the inputs, as {output position: input positions}
+    # (LayerNormalization's Mean and InvStdDev read X only); an output not listed depends on every
+    # input. A loss reaching the node only through such outputs asks no gradient of the others.
+    output_inputs: tuple[tuple[int, frozenset[int]], ...] = ()
+
+    def reaches(self, output: int, input: int) -> bool:
+        """Whether the node's output ``output`` depends on its input ``input``."""
+        for position, inputs in self.output_inputs:
+            if position == output:
+                return input in inputs
+        return True
 
     @property
     def differentiable(self) -> bool:
@@ -59,8 +70,11 @@ def _add(rule: GradRule) -> None:
     RULES[key] = rule
 
 
-def grad_rule(*op_types: str, domain: str = "", broadcast: bool = False, nondiff_inputs=(), unsupported_inputs=()):
-    """Register ``fn`` as the gradient rule of ``op_types``.
+def grad_rule(
+    *op_types: str, domain: str = "", broadcast: bool = False, nondiff_inputs=(), unsupported_inputs=(), output_inputs=None
+):
+    """Register ``fn`` as the gradient rule of ``op_types``; ``output_inputs``: {output position:
+    input positions} for outputs that depend on only some inputs (see GradRule).
 
     A rule returns a gradient for every input the walker asks for (``g.needs(i)``), or raises a
     ModelError saying why it cannot; returning None for a wanted input is a bug the walker reports.
@@ -77,6 +91,7 @@ def grad_rule(*op_types: str, domain: str = "", broadcast: bool = False, nondiff
                     frozenset(nondiff_inputs),
                     frozenset(unsupported_inputs),
                     fn.__module__,
+                    tuple((k, frozenset(v)) for k, v in sorted((output_inputs or {}).items())),
                 )
             )
         return fn

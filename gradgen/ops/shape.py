@@ -161,7 +161,7 @@ def depth_to_space_plan(shape: Sequence[int], blocksize, mode: str = "DCR") -> B
 
 def space_to_depth_plan(shape: Sequence[int], blocksize, mode: str = "DCR") -> BlockRearrangement:
     """SpaceToDepth of an NCHW ``shape`` as (blocked shape, permutation, output shape), as
-    ``depth_to_space_plan`` (``mode``: the attribute of opset 25)."""
+    ``depth_to_space_plan`` (``mode``: the attribute of opset 28)."""
     if len(shape) != 4:
         raise KernelError(f"SpaceToDepth needs a 4-D NCHW input, got rank {len(shape)}")
     b, c, h, w = (int(d) for d in shape)

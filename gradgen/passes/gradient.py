@@ -151,7 +151,11 @@ class GradientPass(ir.passes.InPlacePass):
                 continue
             rule = rules[node]
             wanted = [
-                v is not None and v.name in requires and i not in _no_gradient_positions(rule) for i, v in enumerate(node.inputs)
+                v is not None
+                and v.name in requires
+                and i not in _no_gradient_positions(rule)
+                and any(d is not None and rule.reaches(k, i) for k, d in enumerate(output_grads))
+                for i, v in enumerate(node.inputs)
             ]
             builder.prefix = f"{node.name or node.op_type}_Grad"
             captured = outer_scope_values(node) if subgraphs(node) else []
@@ -376,13 +380,14 @@ def _ancestor_values(loss: ir.Value, nodes: list[ir.Node], differentiable_only: 
         if producer is None:
             continue
         skipped: frozenset[int] = frozenset()
+        rule = None
         if differentiable_only:
             rule = _rule_of(producer)
             if rule is not None and not rule.differentiable:
                 continue
             skipped = _no_gradient_positions(rule)
         for i, inp in enumerate(producer.inputs):
-            if i in skipped:
+            if i in skipped or (rule is not None and not rule.reaches(value.index(), i)):
                 continue
             if inp is not None and inp.name not in seen:
                 seen.add(inp.name)

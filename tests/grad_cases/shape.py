@@ -65,6 +65,8 @@ CASES = [
     GradCase("DepthToSpace", [r(1, 8, 2, 3)], attrs={"blocksize": 2}),
     GradCase("DepthToSpace", [r(2, 8, 2, 1)], attrs={"blocksize": 2, "mode": "CRD"}, name="DepthToSpace_CRD"),
     GradCase("SpaceToDepth", [r(2, 2, 4, 6)], attrs={"blocksize": 2}),
+    # opset 28's mode: the gradient is DepthToSpace of the same mode (it used to be DCR's always)
+    GradCase("SpaceToDepth", [r(2, 2, 4, 6)], attrs={"blocksize": 2, "mode": "CRD"}, opset=28, name="SpaceToDepth_CRD"),
     GradCase("Trilu", [r(3, 4)]),
     GradCase("Trilu", [r(2, 3, 4), np.array(1, dtype=np.int64)], attrs={"upper": 0}, name="Trilu_lower_k1"),
     GradCase("Trilu", [r(4, 3), np.array(-1, dtype=np.int64)], name="Trilu_upper_k-1"),

@@ -115,7 +115,7 @@ def negative_log_likelihood_loss(g):
     return [dinput if g.needs(0) else None, None, dweights][: len(g.node.inputs)]
 
 
-@grad_rule("SoftmaxCrossEntropyLoss", nondiff_inputs=(1,))
+@grad_rule("SoftmaxCrossEntropyLoss", nondiff_inputs=(1,), output_inputs={1: (0,)})  # log_prob reads the scores only
 def softmax_cross_entropy_loss(g):
     _check_labels(g, g.x(1))
     scores = g.x(0)

@@ -69,8 +69,9 @@ def batch_norm_in_training(node: ir.Node) -> bool:
     return int(attr.value if attr is not None else default) == 1 or len(node.outputs) > 1
 
 
-@grad_rule("BatchNormalization")
-@grad_rule("BatchNormInternal", domain=MICROSOFT)
+# The running statistics read X and the old running statistic, the saved batch statistics X only.
+@grad_rule("BatchNormalization", output_inputs={1: (0, 3), 2: (0, 4)})
+@grad_rule("BatchNormInternal", domain=MICROSOFT, output_inputs={1: (0, 3), 2: (0, 4), 3: (0,), 4: (0,)})
 def batch_normalization(g):
     """BatchNormalization, and ONNX Runtime training's BatchNormInternal (training mode by default;
     its saved batch mean and inverse deviation carry gradients too)."""
@@ -280,7 +281,7 @@ def _count_like(g, x, reduced, like=None):
     return g.op("Div", g.cast_like(g.op("Size", x), like), g.cast_like(g.op("Size", reduced), like))
 
 
-@grad_rule("LayerNormalization")
+@grad_rule("LayerNormalization", output_inputs={1: (0,), 2: (0,)})  # Mean and InvStdDev read X only
 def layer_normalization(g):
     """ONNX Runtime training's LayerNormalizationGrad from the forward node's saved Mean and
     InvStdDev (added to the node when it lacks them), when scale and bias have the normalized

@@ -306,15 +306,19 @@ def _fold_border(g, dy, axis: int, b: int, e: int, mode: str):
 
 @grad_rule("SpaceToDepth")
 def space_to_depth(g):
-    return [g.op("DepthToSpace", g.dy(), blocksize=g.attr("blocksize"), mode="DCR")]
+    """A permutation, undone by DepthToSpace of the same mode (SpaceToDepth's mode: opset 28)."""
+    return [g.op("DepthToSpace", g.dy(), blocksize=g.attr("blocksize"), mode=_block_mode(g))]
+
+
+def _block_mode(g) -> str:
+    mode = g.attr("mode", "DCR")
+    return mode.decode() if isinstance(mode, bytes) else mode
 
 
 @grad_rule("DepthToSpace")
 def depth_to_space(g):
     b = g.attr("blocksize")
-    mode = g.attr("mode", "DCR")
-    if isinstance(mode, bytes):
-        mode = mode.decode()
+    mode = _block_mode(g)
     if mode == "DCR":
         return [g.op("SpaceToDepth", g.dy(), blocksize=b)]
     # CRD: x (N, C, H, W) -> (N, C/b^2, b, b, H, W) -> perm (0, 1, 4, 2, 5, 3) -> (N, C/b^2, H*b, W*b).
