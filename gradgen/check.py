@@ -30,6 +30,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
+from gradgen.executor.low_precision import is_float_dtype
 from gradgen.model_io import ModelLike, external_tensors_inline, load_model, proto_subgraphs
 from gradgen.names import unique_name, value_names
 from gradgen.text_table import format_table
@@ -161,6 +162,9 @@ def _node_to_float64(node: onnx.NodeProto) -> None:
         elif attr.type == onnx.AttributeProto.GRAPHS:
             for sub in attr.graphs:
                 _graph_to_float64(sub)
+    if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx") and not any(a.name == "value" for a in attrs):
+        # without a value it makes float32 zeros
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
     if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
         for attr in attrs:
             if attr.name in ("value_float", "value_floats"):
@@ -387,6 +391,11 @@ def check_gradients(
 
     def objective(overrides: dict[str, np.ndarray]) -> float:
         y = fd_session.run({**base, **overrides}, outputs=[loss_name])[loss_name].astype(np.float64)
+        if y.shape != probe.shape:  # OneHot's depth, Range's limits, Unique's values given as floats
+            raise RunError(
+                f"the shape of {loss_name!r} changes from {list(probe.shape)} to {list(y.shape)} when "
+                f"{', '.join(map(repr, overrides))} moves by {eps:g}: its gradient is not defined at these inputs"
+            )
         return float(np.sum(y * cotangent)) if cotangent is not None else float(np.sum(y))
 
     checks = []
@@ -525,14 +534,15 @@ def _check_given_inputs(model: ModelLike, given: Mapping[str, np.ndarray], compl
 
     def as_checked(name: str, array) -> np.ndarray:  # any float type is taken (the check converts it)
         array, want = np.asarray(array), declared.get(name)
-        return array.astype(want) if want is not None and want.kind == array.dtype.kind == "f" else array
+        return array.astype(want) if want is not None and is_float_dtype(want) and is_float_dtype(array.dtype) else array
 
     check_feeds(specs, {name: as_checked(name, array) for name, array in given.items()})
 
 
 def _as_declared_float(array: np.ndarray, dtype: ir.DataType | None) -> np.ndarray:
-    """A float input in the float type the float64 copy declares (float64, or float32 for e.g. scales)."""
-    if array.dtype.kind != "f":
+    """A float input (bfloat16 too) in the float type the float64 copy declares (float64, or float32
+    for e.g. scales)."""
+    if not is_float_dtype(array.dtype):
         return array
     want = np.dtype(dtype.numpy()) if dtype is not None and dtype.is_floating_point() else np.dtype(np.float64)
     return array.astype(want)

@@ -435,3 +435,66 @@ def test_attention_softmax_precision_is_lifted_to_float64():
     feeds = {n: rng.standard_normal(shape).astype(np.float16) for n in "QKV"}
     report = check_gradients(model, inputs=feeds, wrt_inputs=True, loss="Y")
     assert report.passed and all(t.max_rel_err < 1e-6 for t in report.tensors), report.format()
+
+
+def test_an_output_whose_shape_moves_with_a_float_input_is_one_line(tmp_path, capsys, monkeypatch):
+    """OneHot's depth given as a float: 10 - eps has another floor, so the shifted output has
+    another shape. This used to escape as a numpy broadcasting traceback."""
+    node = helper.make_node("OneHot", ["indices", "depth", "values"], ["y"], name="onehot")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("depth", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 10])],
+        initializer=[
+            numpy_helper.from_array(np.array([1, 4, 9], np.int64), "indices"),
+            numpy_helper.from_array(np.array([0.5, 2.0], np.float32), "values"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    np.savez(tmp_path / "in.npz", depth=np.array(10.0, np.float32))
+    code, out, err = run_cli(
+        capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz", "--wrt-inputs", "--loss", "y"
+    )
+    assert code == 4, out + err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: the shape of 'y' changes from [3, 10] to [3, 9] when 'depth' moves by 1e-06"), line
+
+
+def test_constant_of_shape_without_a_value_makes_float64_zeros():
+    """ConstantOfShape's default value is a float32 zero: the float64 copy of ONNX's expanded
+    LinearAttention (a Scan state started from one) added float32 to float64 and failed to run."""
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("Add", ["zeros", "x"], ["y"]),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        initializer=[numpy_helper.from_array(np.array([2], np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert Session(to_float64(model)).run({"x": np.array([1.0, 2.0])})["loss"].dtype == np.float64
+    report = check_gradients(model, inputs={"x": np.array([1.0, 2.0], np.float32)}, wrt_inputs=True)
+    assert report.passed, report.format()
+
+
+def test_bfloat16_inputs_are_taken_and_converted():
+    """A bfloat16 array (numpy kind 'V') for a bfloat16 input: refused as 'dtype bfloat16, but the
+    model declares float64' before."""
+    import ml_dtypes
+
+    nodes = [helper.make_node("Mul", ["x", "x"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.BFLOAT16, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([0.5, -1.25, 2.0], ml_dtypes.bfloat16)
+    report = check_gradients(model, inputs={"x": x}, wrt_inputs=True)
+    assert report.passed and report.tensors[0].name == "x", report.format()

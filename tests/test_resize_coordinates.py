@@ -258,3 +258,25 @@ def test_resize_10_and_upsample_keep_asymmetric_coordinates_when_upgraded(op_typ
         np.testing.assert_allclose(session.run(["loss"], {"x": x.astype(np.float32)})[0], own, rtol=1e-5)
     report = check_gradients(model, wrt_inputs=True, wrt=[], inputs={"x": x})
     assert report.passed, report.format()
+
+
+@pytest.mark.parametrize("policy", ["not_smaller", "not_larger"])
+def test_aspect_ratio_policy_gradient_with_constant_sizes(policy):
+    model = _resize_model(
+        (1, 1, 2, 4), dict(mode="nearest", axes=[2, 3], keep_aspect_ratio_policy=policy), sizes=[1, 3], loss=True
+    )
+    x = np.random.default_rng(1).standard_normal((1, 1, 2, 4)).astype(np.float32)
+    report = check_gradients(model, inputs={"x": x}, wrt_inputs=True)
+    assert report.passed and report.tensors[0].shape == (1, 1, 2, 4), report.format()
+
+
+def test_regression_aspect_ratio_policy_with_sizes_fed_at_run_time():
+    """ONNX's test_resize_downsample_sizes_nearest_not_smaller: sizes a graph input, so the rule took
+    the inferred output shape (1, 1, 2, 3) as the sizes and applied the policy to it again, giving
+    an X gradient of the output's shape. It needs constant sizes; asking is an error naming the node."""
+    model = _resize_model((1, 1, 2, 4), dict(mode="nearest", axes=[2, 3], keep_aspect_ratio_policy="not_smaller"), loss=True)
+    model.graph.node[0].input.extend(["", "", "sizes"])
+    model.graph.input.append(helper.make_tensor_value_info("sizes", TensorProto.INT64, [2]))
+    model.graph.value_info.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 2, 3]))
+    with pytest.raises(ModelError, match="'resize'.*not_smaller.*constant sizes"):
+        gradgen.build_backward(model, wrt_inputs=True)

@@ -58,6 +58,14 @@ CASES += [
     GradCase(
         "Mod", [np.array([[3.7, -3.7, 5.2], [-1.3, 2.9, 7.4]]), np.array([1.5, 2.0, -2.5])], attrs={"fmod": 1}, name="Mod_fmod"
     ),
+    # Float Mod with fmod=0 (opset 28): floor's quotient, which differs from trunc's where the signs
+    # differ (the rule used trunc's for both)
+    GradCase(
+        "Mod",
+        [np.array([[3.7, -3.7, 5.2], [-1.3, 2.9, 7.4]]), np.array([1.5, 2.0, -2.5])],
+        opset=28,
+        name="Mod_float_floor",
+    ),
 ]
 
 # Unary ops: (op, input, attrs)

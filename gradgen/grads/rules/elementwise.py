@@ -118,13 +118,17 @@ def pow_(g):
 
 @grad_rule("Mod", broadcast=True)
 def mod(g):
-    # Float Mod (fmod=1): Y = A - B * trunc(A / B). Integer Mod never carries a gradient.
+    """Float Mod: Y = A - B * trunc(A / B) with fmod=1, A - B * floor(A / B) with fmod=0 (floats
+    allowed since opset 28), so dY/dB is minus the rounded quotient. Integer Mod carries no gradient."""
     a, b, dy = g.x(0), g.x(1), g.dy()
     db = None
     if g.needs(1):
         q = g.op("Div", a, b)
-        trunc = g.op("Mul", g.op("Sign", q), g.op("Floor", g.op("Abs", q)))
-        db = g.op("Neg", g.op("Mul", dy, trunc))
+        if int(g.attr("fmod", 0)):
+            rounded = g.op("Mul", g.op("Sign", q), g.op("Floor", g.op("Abs", q)))
+        else:
+            rounded = g.op("Floor", q)
+        db = g.op("Neg", g.op("Mul", dy, rounded))
     return [dy if g.needs(0) else None, db]
 
 

@@ -329,6 +329,12 @@ def resize(g):
         sizes = folded_dims(g, g.x(3))  # e.g. Concat(Slice(Shape(X), 0, 2), [h, w]): may hold symbols
     elif has_sizes and yd is not None:
         sizes = [yd[a] for a in chosen]  # the inferred output shape (may hold symbols)
+        if as_text(g.attr("keep_aspect_ratio_policy", "stretch")) != "stretch":
+            # the output shape is the policy's rounded result; the scale it sampled with is not in it
+            raise ModelError(
+                f"{node_where(g)}: Resize with keep_aspect_ratio_policy="
+                f"{as_text(g.attr('keep_aspect_ratio_policy'))!r} needs constant sizes for its gradient"
+            )
     else:
         sizes = None
     if sizes is None and (scales is None or not np.asarray(scales).size):
