@@ -389,6 +389,23 @@ def test_a_failure_at_a_kink_says_so(tmp_path, capsys, monkeypatch):
     assert away.passed, away.format()
 
 
+def test_a_tie_shared_among_elements_is_called_a_kink():
+    """ReduceMin over three tied elements gives each a third: between the one-sided differences (0
+    and 1), not equal to either; ONNX's test_reduce_min_default_axes_keepdims_example failed without
+    the note."""
+    nodes = [helper.make_node("ReduceMin", ["x"], ["loss"], keepdims=0, name="min")]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    report = check_gradients(model, inputs={"x": np.array([1.0, 3.0, 1.0, 1.0], np.float32)}, wrt_inputs=True)
+    [tensor] = report.tensors
+    assert not tensor.passed and tensor.kink and "between them" in tensor.note, report.format()
+
+
 def test_a_wrong_gradient_is_not_called_a_kink(tmp_path, broken_mul):
     path = tmp_path / "m.onnx"
     _mul_model(path)

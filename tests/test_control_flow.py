@@ -15,7 +15,7 @@ import pytest
 
 import gradgen
 from gradgen.check import check_gradients
-from gradgen.errors import RunError
+from gradgen.errors import ModelError, RunError
 from gradgen.executor import Session
 from tests.control_flow_models import (
     dropout_model,
@@ -271,3 +271,28 @@ def test_scan_8_runs_each_batch_entry_to_its_length_and_pads_with_zeros():
     np.testing.assert_allclose(got["sT"], want_s, rtol=1e-12)
     np.testing.assert_allclose(got["ys"], want_ys, rtol=1e-12)
     assert not got["ys"][2].any() and not got["ys"][1, 2:].any()
+
+
+def test_scan_8_whose_conversion_drops_the_batch_axis_is_refused():
+    """ONNX's test_scan_sum: a Scan-8 without sequence_lens converts to opset 9+ with the batch axis
+    dropped from the graph's inputs and outputs (initial [1, 2] became [2]), so the backward graph
+    no longer took the user's inputs. Refused, naming the input and its two shapes."""
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Add", ["sum_in", "next"], ["sum_out"]), helper.make_node("Identity", ["sum_out"], ["scan_out"])],
+        "body",
+        [helper.make_tensor_value_info("sum_in", f, [2]), helper.make_tensor_value_info("next", f, [2])],
+        [helper.make_tensor_value_info("sum_out", f, [2]), helper.make_tensor_value_info("scan_out", f, [2])],
+    )
+    scan = helper.make_node("Scan", ["", "initial", "x"], ["y", "z"], body=body, num_scan_inputs=1, name="scan")
+    graph = helper.make_graph(
+        [scan],
+        "g",
+        [helper.make_tensor_value_info("initial", f, [1, 2]), helper.make_tensor_value_info("x", f, [1, 3, 2])],
+        [helper.make_tensor_value_info("y", f, [1, 2]), helper.make_tensor_value_info("z", f, [1, 3, 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    with pytest.raises(ModelError, match=r"changes the shape of 'initial' from \[1, 2\] to \[2\]"):
+        gradgen.build_backward(model, wrt_inputs=True, loss="y")

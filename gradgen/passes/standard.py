@@ -38,12 +38,42 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             raise ModelError(
                 f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
             ) from None
+        _refuse_changed_interface(proto.graph, converted.graph, opset)
         _exact_shape_reshapes(converted.graph)
         _in_training_mode(converted.graph, training_batch_norms)
         if opset < 11:  # every Resize now was an Upsample or a Resize-10
             _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def _declared_dims(value: onnx.ValueInfoProto) -> list | None:
+    tensor = value.type.tensor_type
+    if not value.type.HasField("tensor_type") or not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+
+
+def _same_dims(old: list, new: list) -> bool:
+    """Same rank, and no fixed size changed (a renamed or dropped symbol is the same shape)."""
+    return len(old) == len(new) and all(
+        not (isinstance(a, int) and isinstance(b, int) and a and b and a != b) for a, b in zip(old, new)
+    )
+
+
+def _refuse_changed_interface(before: onnx.GraphProto, after: onnx.GraphProto, opset: int) -> None:
+    """The converted graph must take and give what the user's model does: the converter turns a
+    Scan of opset 8 (with a batch axis) into opset 9's, batch axis dropped from the graph's inputs
+    and outputs, so the user's inputs would no longer fit."""
+    converted = {v.name: _declared_dims(v) for v in [*after.input, *after.output]}
+    for value in [*before.input, *before.output]:
+        old, new = _declared_dims(value), converted.get(value.name)
+        if old is not None and new is not None and not _same_dims(old, new):
+            raise ModelError(
+                f"the model's opset {opset} is below {MIN_OPSET}, and converting it to {UPGRADE_TO} changes the shape of "
+                f"{value.name!r} from {old} to {new} (a Scan below opset 9 has a batch axis): export the model at "
+                f"opset {MIN_OPSET} or later"
+            )
 
 
 def _training_batch_norms_with_three_outputs(graph: onnx.GraphProto) -> set[str]:
