@@ -14,8 +14,8 @@ Outcomes: ``pass``, ``kink`` (fails at ONNX's inputs only), ``refused`` (a one-l
 an unsupported variant, a non-finite loss, an output whose shape moves with a float input),
 ``fail`` (a wrong or non-finite gradient off the kinks too) and ``crash`` (anything else). The test
 accepts the first three, and ``fail`` only where EXPECTED_FAILURES says why. Run as a script for a
-summary (``python tests/test_backend_gradients.py [SUBSTRING ...]``); the whole sweep takes about
-25 s on one core.
+summary (``python tests/test_backend_gradients.py [--cuda] [SUBSTRING ...]``, ``--cuda``: the
+backward graphs on the GPU executor); the whole sweep takes about 25 s on one core.
 """
 
 from __future__ import annotations
@@ -145,6 +145,61 @@ def test_backend_node_gradient(test_name: str) -> None:
     assert outcome in ("pass", "kink", "refused"), f"{outcome}: {detail}"
 
 
+# ONNX Runtime's CPU provider lacks kernels these need (bfloat16 arithmetic, opsets newer than it
+# knows, Swish) or its Python binding cannot take their arrays (bfloat16, float8).
+_ORT_LACKS = ("bf16", "bfloat16", "BFLOAT16", "float8", "FLOAT8", "FLOAT4", "INT2", "INT4", "UINT2", "UINT4", "swiglu")
+
+
+def portable_on_onnxruntime(case: NodeCase) -> str:
+    """The --portable backward graph of the first float output run by ONNX Runtime against gradgen's
+    executor: "" when they agree (or gradgen refuses the build), else what differs."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    import gradgen
+    from gradgen.executor import Session
+
+    feeds, loss = _feeds(case), _losses(case)[0]
+    try:
+        built = gradgen.build_backward(case.model, wrt_inputs=True, loss=loss, portable=True)
+        proto = ir.to_proto(built.model)
+        session = Session(proto)
+        with np.errstate(all="ignore"):
+            if f"{loss}_grad" in session.input_names:
+                value = Session(case.model).run(feeds)[loss]
+                feeds[f"{loss}_grad"] = np.random.default_rng(0).uniform(-1, 1, value.shape).astype(value.dtype)
+            feeds = {k: v for k, v in feeds.items() if k in session.input_names}
+            want = session.run(feeds)
+    except GradgenError:
+        return ""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    runtime = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in runtime.get_outputs()]
+    got = dict(zip(names, runtime.run(None, {i.name: feeds[i.name] for i in runtime.get_inputs()})))
+    low = any(np.asarray(want[g]).dtype == np.float16 for g in built.gradient_names)
+    rtol, atol = (2e-2, 2e-3) if low else (1e-4, 1e-5)  # float16: ONNX Runtime rounds after every op
+    differ = []
+    for name in built.gradient_names:
+        a, b = np.asarray(want[name], np.float64), np.asarray(got[name], np.float64)
+        if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+            differ.append(name)
+    return ", ".join(differ)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test_name", [n for n in swept_names() if not any(s in n for s in _ORT_LACKS)])
+def test_portable_backward_graph_runs_on_onnxruntime(test_name: str) -> None:
+    """About 20 s for all of them; slow-marked to keep the default suite short."""
+    import onnxruntime as ort
+
+    try:
+        differ = portable_on_onnxruntime(all_cases()[test_name])
+    except ort.capi.onnxruntime_pybind11_state.NotImplemented as exc:
+        pytest.skip(f"ONNX Runtime has no kernel: {str(exc)[:200]}")
+    assert not differ, f"gradgen and ONNX Runtime differ on {differ}"
+
+
 def test_expected_failures_name_swept_tests() -> None:
     unknown = sorted(set(EXPECTED_FAILURES) - set(all_cases()))
     assert not unknown, f"EXPECTED_FAILURES names tests ONNX does not have: {unknown}"
@@ -153,12 +208,13 @@ def test_expected_failures_name_swept_tests() -> None:
 if __name__ == "__main__":  # a summary: every outcome other than a pass, and a count of each
     import time
 
-    only = sys.argv[1:]
+    device = "cuda" if "--cuda" in sys.argv else "cpu"
+    only = [a for a in sys.argv[1:] if a != "--cuda"]
     counts: dict[str, int] = {}
     start = time.perf_counter()
     names = [n for n in swept_names() if not only or any(o in n for o in only)]
     for name in names:
-        outcome, detail = sweep_one(all_cases()[name])
+        outcome, detail = sweep_one(all_cases()[name], device)
         counts[outcome] = counts.get(outcome, 0) + 1
         if outcome != "pass":
             print(f"{outcome:8s} {name}: {detail.splitlines()[-1] if detail else ''}"[:300], flush=True)
