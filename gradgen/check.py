@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
 from gradgen.executor.low_precision import is_float_dtype
-from gradgen.model_io import ModelLike, external_tensors_inline, load_model, proto_subgraphs
+from gradgen.model_io import ModelLike, copy_model, external_tensors_inline, load_model, proto_subgraphs
 from gradgen.names import unique_name, value_names
 from gradgen.text_table import format_table
 
@@ -345,7 +345,7 @@ def check_gradients(
         raise UsageError(f"eps {eps}: expected a positive step")
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model)  # once: the float64 copy and the check of given inputs read it
-    proto = to_float64(model)
+    proto = to_float64(_in_gradient_opset(model))
     _graph_gradient_of_records(proto)
     forward = ir.from_proto(proto)
     graph_inputs = [name for name in value_names(forward.graph.inputs) if name not in forward.graph.initializers]
@@ -409,6 +409,19 @@ def check_gradients(
             continue
         checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol))
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
+
+
+def _in_gradient_opset(model: ModelLike) -> ModelLike:
+    """``model`` as build-backward converts it where its opset is older than the gradient rules'
+    (before the float64 copy: the converter writes Clip-6's bounds as float32 constants)."""
+    from gradgen.passes.standard import MIN_OPSET, UpgradeOpsetPass
+
+    loaded = load_model(model)
+    if loaded.opset_imports.get("", loaded.opset_imports.get("ai.onnx", MIN_OPSET)) >= MIN_OPSET:
+        return model
+    upgraded = copy_model(loaded)
+    UpgradeOpsetPass()(upgraded)
+    return upgraded
 
 
 def _declared_dtype(model: ir.Model, name: str, default: np.dtype) -> np.dtype:

@@ -535,6 +535,28 @@ def _own_inputs(node: ir.Node) -> list[str | None]:
     return names
 
 
+# Below opset 11 ops carry attribute forms the kernels do not take (Add's and Gemm's broadcast and
+# axis of opset 6, Pad-2's pads, PRelu-6's channel slopes): such a model runs as ONNX's version
+# converter makes it, the same conversion build-backward makes (passes.standard.UpgradeOpsetPass).
+LEGACY_OPSET = 11
+
+
+def _upgraded_legacy_opset(model: ir.Model) -> ir.Model:
+    """A converted copy of a model below LEGACY_OPSET, or ``model`` itself where the conversion is
+    refused (a Scan-8 with sequence lengths, which the kernels run as it is)."""
+    from gradgen.passes.standard import UpgradeOpsetPass
+
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", LEGACY_OPSET))
+    if opset >= LEGACY_OPSET:
+        return model
+    upgraded = copy_model(model)
+    try:
+        UpgradeOpsetPass()(upgraded)
+    except ModelError:
+        return model
+    return upgraded
+
+
 def _runnable(model: ir.Model) -> ir.Model:
     """``model``, or where it calls local functions or holds sequences or optionals, one copy with
     the functions inlined and the sequences whose structure the graph fixes as the tensors they
@@ -542,9 +564,9 @@ def _runnable(model: ir.Model) -> ir.Model:
     model is not changed."""
     from gradgen.ops.non_tensor import is_non_tensor_op
 
-    runnable = model
-    if model.functions:
-        runnable = copy_model(model)
+    runnable = _upgraded_legacy_opset(model)
+    if runnable.functions:
+        runnable = copy_model(runnable) if runnable is model else runnable
         inline_functions(runnable)
     if any(is_non_tensor_op(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(runnable.graph)):
         from gradgen.passes import EvaluateConstantsPass, SequencesAsTensorsPass
