@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":  # the repository root instead of tests/, whose cuda/ would shadow the cuda package
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from gradgen.check import check_gradients  # noqa: E402
 from gradgen.errors import GradgenError  # noqa: E402
