@@ -20,6 +20,7 @@ backward graphs on the GPU executor); the whole sweep takes about 25 s on one co
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 import warnings
@@ -35,7 +36,7 @@ from gradgen.check import check_gradients  # noqa: E402
 from gradgen.errors import GradgenError  # noqa: E402
 from gradgen.grads.registry import all_rules  # noqa: E402
 from gradgen.kernels import registry  # noqa: E402
-from tests.test_backend_nodes import NodeCase, _as_array, _graph_ops, all_cases  # noqa: E402
+from tests.test_backend_nodes import NodeCase, _as_array, _graph_ops, _read_data_sets, all_cases  # noqa: E402
 
 FLOAT_TYPES = (1, 10, 11, 16)  # float, float16, double, bfloat16
 
@@ -134,6 +135,43 @@ def sweep_one(case: NodeCase, device: str = "cpu") -> tuple[str, str]:
 
 def swept_names() -> list[str]:
     return [name for name, case in sorted(all_cases().items()) if sweepable(case)]
+
+
+# ONNX's small whole-model tests, with their data: PyTorch's converted modules and operators
+# (opset 6, so they also go through the opset conversion) and a few hand-made ones
+MODEL_KINDS = ("simple", "pytorch-operator", "pytorch-converted")
+_GARBAGE = "ONNX's input data for this test is uninitialised memory (values from 1e-316 to 1e199)"
+EXPECTED_MODEL_FAILURES = {
+    "pytorch-operator/test_operator_add_broadcast": _GARBAGE,
+    "pytorch-operator/test_operator_add_size1_right_broadcast": _GARBAGE,
+    "pytorch-operator/test_operator_add_size1_singleton_broadcast": _GARBAGE,
+    "pytorch-operator/test_operator_addconstant": _GARBAGE,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def model_cases() -> dict[str, NodeCase]:
+    """ONNX's whole-model tests of MODEL_KINDS by "kind/name", where the installed onnx ships their data."""
+    import onnx
+
+    root = Path(onnx.__file__).parent / "backend" / "test" / "data"
+    cases = {}
+    for kind in MODEL_KINDS:
+        for case_dir in sorted((root / kind).glob("test_*")) if (root / kind).is_dir() else []:
+            if (case_dir / "model.onnx").exists() and any(case_dir.glob("test_data_set_*")):
+                model = onnx.load(str(case_dir / "model.onnx"))
+                data = functools.partial(_read_data_sets, case_dir, model)
+                cases[f"{kind}/{case_dir.name}"] = NodeCase(case_dir.name, model, data)
+    return cases
+
+
+@pytest.mark.parametrize("test_name", [n for n, case in model_cases().items() if sweepable(case)])
+def test_backend_model_gradient(test_name: str) -> None:
+    outcome, detail = sweep_one(model_cases()[test_name])
+    if test_name in EXPECTED_MODEL_FAILURES:
+        assert outcome == "fail", f"expected to fail ({EXPECTED_MODEL_FAILURES[test_name]}), got {outcome}: {detail}"
+        return
+    assert outcome in ("pass", "kink", "refused"), f"{outcome}: {detail}"
 
 
 @pytest.mark.parametrize("test_name", swept_names())
