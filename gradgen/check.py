@@ -327,8 +327,13 @@ def check_gradients(
     atol: float = 1e-7,
     eps: float = 1e-6,
     device: str = "cpu",
+    elementwise_limit: int = ELEMENTWISE_LIMIT,
 ) -> CheckReport:
     """Build the backward graph of ``model`` in float64 and compare it with finite differences.
+
+    Each tensor is compared along ``samples`` random directions, and element by element where it
+    has at most ``elementwise_limit`` elements (0: directions only, which a sweep over many small
+    models may prefer: a wrong gradient shows along almost every direction).
 
     ``inputs`` is a mapping or an .npz path (float arrays are converted to float64);
     ``random_inputs`` draws the inputs not given (as ``gradgen run --random-inputs`` does).
@@ -407,7 +412,7 @@ def check_gradients(
                 TensorCheck(name, x.shape, "-", float("inf"), float("inf"), 0.0, False, f"gradient shape {list(got.shape)}")
             )
             continue
-        checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol))
+        checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol, elementwise_limit))
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
 
 
@@ -416,10 +421,14 @@ def _in_gradient_opset(model: ModelLike) -> ModelLike:
     (before the float64 copy: the converter writes Clip-6's bounds as float32 constants)."""
     from gradgen.passes.standard import MIN_OPSET, UpgradeOpsetPass
 
-    loaded = load_model(model)
-    if loaded.opset_imports.get("", loaded.opset_imports.get("ai.onnx", MIN_OPSET)) >= MIN_OPSET:
+    if isinstance(model, onnx.ModelProto):  # read without deserialising the graph
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    else:
+        loaded = load_model(model)
+        opset = loaded.opset_imports.get("", loaded.opset_imports.get("ai.onnx", MIN_OPSET))
+    if opset >= MIN_OPSET:
         return model
-    upgraded = copy_model(loaded)
+    upgraded = copy_model(load_model(model))
     UpgradeOpsetPass()(upgraded)
     return upgraded
 
@@ -470,7 +479,7 @@ class _Comparison:
         return bool(gap > tol and (nearest <= slack or between))
 
 
-def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> TensorCheck:
+def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol, elementwise_limit=ELEMENTWISE_LIMIT) -> TensorCheck:
     center = objective({})
     groups, parts = [], []  # (comparisons, scale) per kind
 
@@ -487,7 +496,7 @@ def _check_tensor(name, x, grad, objective, rng, samples, eps, rtol, atol) -> Te
         scale = max(float(np.linalg.norm(grad)), max(abs(c.central) for c in directions))
         groups.append((directions, scale))
         parts.append(f"{samples} direction{'s' if samples != 1 else ''}")
-    if 0 < x.size <= ELEMENTWISE_LIMIT:
+    if 0 < x.size <= elementwise_limit:
         elements = []
         flat, analytic = x.reshape(-1), grad.reshape(-1)
         for j in range(x.size):
