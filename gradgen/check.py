@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
 from gradgen.executor.low_precision import is_float_dtype
-from gradgen.model_io import ModelLike, copy_model, external_tensors_inline, load_model, proto_subgraphs
+from gradgen.model_io import ModelLike, copy_model, default_opset, external_tensors_inline, load_model, proto_subgraphs
 from gradgen.names import unique_name, value_names
 from gradgen.text_table import format_table
 
@@ -425,7 +425,7 @@ def _in_gradient_opset(model: ModelLike) -> ModelLike:
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
     else:
         loaded = load_model(model)
-        opset = loaded.opset_imports.get("", loaded.opset_imports.get("ai.onnx", MIN_OPSET))
+        opset = default_opset(loaded, MIN_OPSET)
     if opset >= MIN_OPSET:
         return model
     upgraded = copy_model(load_model(model))

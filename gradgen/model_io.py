@@ -168,9 +168,16 @@ def _check_names(graph: onnx.GraphProto, where: str) -> None:
             _check_names(subgraph, where)
 
 
+def default_opset(model: ir.Model | ir.Graph, missing: int = 0) -> int:
+    """The opset of the default domain ("" or "ai.onnx") a model or graph imports; ``missing``
+    where it imports none."""
+    imports = model.opset_imports
+    return imports.get("", imports.get("ai.onnx", missing))
+
+
 def _checked(model: ir.Model, where: str) -> ir.Model:
     """``model`` once its graphs' names and inline tensors are consistent (``_check_graph``)."""
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    opset = default_opset(model)
     newest = onnx.defs.onnx_opset_version()
     if opset > newest:  # no schema to check its nodes against, nothing to convert it to
         raise ModelError(

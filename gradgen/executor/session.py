@@ -24,7 +24,7 @@ from gradgen.executor.cpu_program import CpuProgram, call_in_place
 from gradgen.executor.cpu_rewrites import scatter_into_sums
 from gradgen.executor.standard_forms import with_standard_forms
 from gradgen.kernels import registry
-from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
+from gradgen.model_io import ModelLike, copy_model, default_opset, inline_functions, load_model
 from gradgen.names import name_mismatch, node_name, node_names, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
@@ -546,8 +546,7 @@ def _upgraded_legacy_opset(model: ir.Model) -> ir.Model:
     refused (a Scan-8 with sequence lengths, which the kernels run as it is)."""
     from gradgen.passes.standard import UpgradeOpsetPass
 
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", LEGACY_OPSET))
-    if opset >= LEGACY_OPSET:
+    if default_opset(model, LEGACY_OPSET) >= LEGACY_OPSET:
         return model
     upgraded = copy_model(model)
     try:

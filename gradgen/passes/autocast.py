@@ -49,6 +49,7 @@ import onnx
 import onnx_ir as ir
 
 from gradgen.errors import UsageError
+from gradgen.model_io import default_opset
 from gradgen.names import unique_name
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -136,14 +137,10 @@ class AutocastPass(ir.passes.InPlacePass):
         if self.precision not in LOW_DTYPES:
             return ir.passes.PassResult(model, modified=True)
         low = LOW_DTYPES[self.precision]
-        if low == ir.DataType.BFLOAT16 and _opset(model) < BF16_OPSET and _needs_newer_opset(model, low):
+        if low == ir.DataType.BFLOAT16 and default_opset(model, 1) < BF16_OPSET and _needs_newer_opset(model, low):
             model = _convert_opset(model, BF16_OPSET)
         _Rewriter(model, low, self.placement).run()
         return ir.passes.PassResult(model, modified=True)
-
-
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
 
 
 def _schema(node: ir.Node, opset: int):
@@ -156,7 +153,7 @@ def _schema(node: ir.Node, opset: int):
 
 
 def _needs_newer_opset(model: ir.Model, low: ir.DataType) -> bool:
-    opset = _opset(model)
+    opset = default_opset(model, 1)
     for node in model.graph:
         if node.op_type in LOWER_PRECISION_OPS:
             schema = _schema(node, opset)
@@ -174,7 +171,7 @@ def _convert_opset(model: ir.Model, opset: int) -> ir.Model:
         converted = onnx.version_converter.convert_version(ir.to_proto(model), opset)
     except Exception as exc:  # noqa: BLE001 - the converter's errors are of many kinds
         warnings.warn(
-            f"bf16: the model's opset {_opset(model)} has no bfloat16 Conv / pooling / Einsum and "
+            f"bf16: the model's opset {default_opset(model, 1)} has no bfloat16 Conv / pooling / Einsum and "
             f"converting it to opset {opset} failed ({exc}); those ops run in float32",
             stacklevel=3,
         )
@@ -212,7 +209,7 @@ class _Rewriter:
     def __init__(self, model: ir.Model, low: ir.DataType, placement: dict):
         self.model = model
         self.graph = model.graph
-        self.opset = _opset(model)
+        self.opset = default_opset(model, 1)
         self.low = low
         self.placement = placement
         self.casts: dict[tuple[int, ir.DataType], ir.Value] = {}

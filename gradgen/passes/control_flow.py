@@ -25,6 +25,7 @@ import onnx_ir as ir
 from onnx_ir._cloner import Cloner
 
 from gradgen.builder import INT64_MIN, GraphBuilder
+from gradgen.model_io import default_opset
 from gradgen.ops.attributes import get_attr
 from gradgen.ops.control_flow import loop_trip_count, scan_length, subgraphs
 from gradgen.passes.rewrite import STANDARD_DOMAINS, float_constant, rewrite_nodes
@@ -63,7 +64,7 @@ class UnrollLoopsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from gradgen.passes.evaluate import EvaluateConstantsPass
 
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        opset = default_opset(model, 14)
         modified = False
         for _ in range(self.max_rounds):
             counts = {}

@@ -7,6 +7,7 @@ import onnx_ir as ir
 
 from gradgen.errors import ModelError
 from gradgen.evaluate import STANDARD_DOMAINS, ConstantEvaluator, direct_constant, foldable_op, shape_constant
+from gradgen.model_io import default_opset
 from gradgen.passes.rewrite import NodeRemoval
 
 __all__ = ["EvaluateConstantsPass", "fold_graph", "inline_constant_ifs"]
@@ -29,7 +30,7 @@ class EvaluateConstantsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from gradgen.passes.standard import ShapeInferencePass
 
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        opset = default_opset(model, 1)
         modified = False
         for round_ in range(self.max_rounds):
             changed = fold_graph(model.graph, ConstantEvaluator(opset, parameters=False))

@@ -24,6 +24,7 @@ from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
 from gradgen.grads.torch_records import fx_arguments, fx_call, fx_name, is_detach, removed_detaches, trained_as_inference
 from gradgen.kernels.registry import normalize_domain
+from gradgen.model_io import default_opset
 from gradgen.names import gradient_name, node_name
 from gradgen.ops.control_flow import outer_scope_values, subgraphs
 from gradgen.ops.non_tensor import refuse_non_tensor_ops
@@ -121,7 +122,7 @@ class GradientPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 17)
+        opset = default_opset(model, 17)
         loss = choose_loss(graph, self.spec.loss)
         nodes = list(graph)
         ancestors = _ancestor_values(loss, nodes)

@@ -11,6 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, graph_names
+from gradgen.model_io import default_opset
 
 STANDARD_DOMAINS = ("", "ai.onnx")
 
@@ -29,7 +30,7 @@ def rewrite_nodes(model: ir.Model, nodes: Sequence[ir.Node], build: BuildForm) -
     if not nodes:
         return False
     graph = model.graph
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+    opset = default_opset(model, 14)
     names = graph_names(graph)
     constants: dict = {}
     for node in nodes:

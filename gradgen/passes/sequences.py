@@ -34,6 +34,7 @@ import onnx
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of, graph_names
+from gradgen.model_io import default_opset
 from gradgen.ops.attributes import get_attr
 from gradgen.ops.non_tensor import NON_TENSOR_OPS, is_non_tensor_op
 from gradgen.passes.control_flow import BodyCopier
@@ -65,7 +66,7 @@ class SequencesAsTensorsPass(ir.passes.InPlacePass):
 
     @staticmethod
     def _rewrite(model: ir.Model) -> bool:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        opset = default_opset(model, 14)
         modified = _rewrite_graph(model.graph, opset, graph_names(model.graph), _BodyTypes(model))
         if modified:
             from gradgen.passes.standard import ShapeInferencePass

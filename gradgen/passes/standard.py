@@ -11,6 +11,7 @@ from onnx_ir.passes import common as ir_common
 from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.evaluate import RANDOM_OPS
+from gradgen.model_io import default_opset
 from gradgen.names import node_names
 from gradgen.ops.einsum import parse_equation
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
@@ -27,7 +28,7 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
     """Convert models below opset 14 to opset 17 with ONNX's version converter (in place)."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = default_opset(model)
         if opset >= MIN_OPSET:
             return ir.passes.PassResult(model, modified=False)
         proto = ir.to_proto(model)
@@ -190,7 +191,7 @@ def _types_from_schemas(model: ir.Model) -> bool:
     """Element types ONNX's inference leaves unknown (ops without an inference function, such as
     GroupNormalization-18) from the op's schema: an output typed like an input (the same type
     variable, e.g. T) takes that input's element type."""
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    opset = default_opset(model)
     modified = False
     for node in model.graph:
         outputs = [o for o in node.outputs if o.name and o.type is None]

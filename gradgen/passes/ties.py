@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, graph_names
+from gradgen.model_io import default_opset
 
 __all__ = ["TieEqualWeightsPass", "equal_transposed_initializers"]
 
@@ -96,7 +97,7 @@ class TieEqualWeightsPass(ir.passes.InPlacePass):
                     stacklevel=2,
                 )
             return ir.passes.PassResult(model, modified=False)
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14))
+        opset = default_opset(model, 14)
         names = graph_names(graph)
         for original_name, copy_name in pairs:
             original, copy = graph.initializers[original_name], graph.initializers[copy_name]

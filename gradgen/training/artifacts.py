@@ -46,7 +46,7 @@ import onnx_ir as ir
 
 from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.errors import ModelError, UsageError
-from gradgen.model_io import ModelLike, check_output_path, load_model, output_error, save_model
+from gradgen.model_io import ModelLike, check_output_path, default_opset, load_model, output_error, save_model
 from gradgen.names import value_names
 from gradgen.passes import CleanupPass, GradientSpec, Pipeline, RemoveUnusedNodesPass, UpgradeOpsetPass
 from gradgen.passes.ties import TieEqualWeightsPass
@@ -54,7 +54,6 @@ from gradgen.training.graph_edit import (
     ParamsAsInputsPass,
     gradient_outputs,
     keep_outputs,
-    opset_of,
     remove_unused_inputs,
     to_inference_mode,
 )
@@ -95,7 +94,7 @@ class TrainingArtifacts:
     def compatibility_notes(self) -> list[str]:
         """Why ONNX Runtime training 1.19.2 would refuse these models, if it would."""
         notes = []
-        opset = opset_of(self.training)
+        opset = default_opset(self.training)
         if opset > ORT_TRAINING_MAX_OPSET:
             notes.append(
                 f"the models use opset {opset}; ONNX Runtime training 1.19.2 reads opsets up to {ORT_TRAINING_MAX_OPSET}"
@@ -165,7 +164,7 @@ def generate_artifacts(
     requires = {name: values[name] for name in order if name in trainable_set}
     optimizer_model = None
     if optimizer is not None:
-        optimizer_model = _optimizer_model(optimizer, requires, opset_of(forward), clip_norm)
+        optimizer_model = _optimizer_model(optimizer, requires, default_opset(forward), clip_norm)
     ir_version = _ir_version_for_ort(forward)
     for built in (training, evaluation):
         built.ir_version = ir_version

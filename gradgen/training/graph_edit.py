@@ -12,10 +12,6 @@ from gradgen.errors import ModelError
 from gradgen.names import value_names
 
 
-def opset_of(model: ir.Model) -> int:
-    return model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
-
-
 class ParamsAsInputsPass(ir.passes.InPlacePass):
     """Turn the named initializers into graph inputs (same name, type and shape).
 

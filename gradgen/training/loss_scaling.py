@@ -43,8 +43,9 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
+from gradgen.model_io import default_opset
 from gradgen.names import value_name
-from gradgen.training.graph_edit import as_output, opset_of, scalar_input
+from gradgen.training.graph_edit import as_output, scalar_input
 from gradgen.training.optimizers import CONFIG_KEY, PARAM_KEY, READS_KEY, SKIP_CONFIG, SKIP_ROLE, WRITES_KEY
 
 LOSS_SCALING = "loss_scaling"  # the "parameter" name its states are kept under
@@ -92,7 +93,7 @@ class ScaleGradientsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        b = GraphBuilder(graph, opset_of(model))
+        b = GraphBuilder(graph, default_opset(model))
         b.prefix = "gradgen_loss_scaling"
         seed = graph.initializers.get(f"{self.loss}_grad")
         if seed is None:
@@ -131,7 +132,7 @@ class SkipOverflowPass(ir.passes.InPlacePass):
         from gradgen.training.optimizers import StateSlot
 
         graph = model.graph
-        b = GraphBuilder(graph, opset_of(model))
+        b = GraphBuilder(graph, default_opset(model))
         b.prefix = "gradgen_loss_scaling"
         inputs = {v.name: v for v in graph.inputs}
         positions = {v.name: i for i, v in enumerate(graph.outputs)}

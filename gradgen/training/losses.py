@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, dims_of
 from gradgen.errors import ModelError, UsageError
+from gradgen.model_io import default_opset
 from gradgen.names import value_name
 
 LOSS_KINDS = ("cross_entropy", "mse", "l1", "bce_with_logits")
@@ -87,7 +88,7 @@ class AddLossPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        opset = model.opset_imports.get("", None) or model.opset_imports.get("ai.onnx", 0)
+        opset = default_opset(model)
         if opset < 13:
             raise ModelError(f"adding a loss needs opset 13 or more; the model has opset {opset} (run UpgradeOpsetPass first)")
         if self.spec.output is None:

@@ -65,13 +65,13 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import UsageError
+from gradgen.model_io import default_opset
 from gradgen.names import value_name
 from gradgen.training.graph_edit import (
     as_output,
     gradient_outputs,
     keep_outputs,
     new_input,
-    opset_of,
     scalar_input,
 )
 
@@ -261,7 +261,7 @@ class OptimizerPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        b = GraphBuilder(graph, opset_of(model))
+        b = GraphBuilder(graph, default_opset(model))
         b.prefix = f"gradgen_optimizer/{self.optimizer.kind}"
         grads = gradient_outputs(graph, self.params)
         params = {v.name: v for v in graph.inputs if v.name in grads}
@@ -392,7 +392,7 @@ class AccumulateGradientsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        b = GraphBuilder(graph, opset_of(model))
+        b = GraphBuilder(graph, default_opset(model))
         b.prefix = "gradgen_accumulate"
         grads = gradient_outputs(graph, self.params)
         params = {v.name: v for v in graph.inputs if v.name in grads}

@@ -38,14 +38,14 @@ import onnx_ir as ir
 from gradgen.api import backward_pipeline, run_pipeline
 from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError, UsageError
-from gradgen.model_io import ModelLike, load_model
+from gradgen.model_io import ModelLike, default_opset, load_model
 from gradgen.names import value_name, value_names
 from gradgen.passes import CleanupPass, GradientSpec, LowerToStandardPass, Pipeline, UpgradeOpsetPass
 from gradgen.passes.autocast import AutocastPass, check_precision
 from gradgen.passes.ties import TieEqualWeightsPass
 from gradgen.training.exporter_constants import describe as describe_constants
 from gradgen.training.exporter_constants import describe_unmarked, exporter_constants, unmarked_initializers
-from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, opset_of, remove_unused_inputs, to_inference_mode
+from gradgen.training.graph_edit import ParamsAsInputsPass, keep_outputs, remove_unused_inputs, to_inference_mode
 from gradgen.training.loss_scaling import LOSS_SCALING, LossScaling, ScaleGradientsPass, SkipOverflowPass
 from gradgen.training.losses import AddLossPass, LossSpec
 from gradgen.training.optimizers import AccumulateGradientsPass, Optimizer, OptimizerPass, UpdateLayout
@@ -297,7 +297,7 @@ def updatable_running_statistics(graph: ir.Graph) -> dict[str, ir.Node]:
 def _with_running_outputs(model: ir.Model, nodes: set[ir.Node]) -> None:
     """Give each of ``nodes`` (training-mode BatchNormalization) its running_mean and running_var
     outputs, named, where the export left them out."""
-    names = GraphBuilder(model.graph, opset_of(model))
+    names = GraphBuilder(model.graph, default_opset(model))
     for node in nodes:
         if len(node.outputs) >= 3:
             continue
@@ -312,7 +312,7 @@ def _running_statistics_outputs(model: ir.Model, names: list[str]) -> dict[str, 
     holds its next value: the running output of the training-mode BatchNormalization (or the
     BatchNormInternal the gradient pass made of it) that reads it, made a graph output here."""
     graph = model.graph
-    builder = GraphBuilder(graph, opset_of(model))
+    builder = GraphBuilder(graph, default_opset(model))
     inputs = {v.name: v for v in graph.inputs}
     outputs: dict[str, str] = {}
     for name in names:

@@ -37,6 +37,7 @@ from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.table import grad_rule
+from gradgen.model_io import default_opset
 from gradgen.ops.attributes import get_attr
 from gradgen.ops.control_flow import graph_outer_values
 from gradgen.passes.control_flow import FLOAT_TYPES, rename_copied_node, scan_as_loop_refusal
@@ -218,7 +219,7 @@ def _vjp_model(
     feeds = [(mine, bind[theirs]) for mine, theirs in zip(copy.inputs, graph.inputs)]
     feeds += [(inputs[name], v) for name, v in by_name.items()]
     copy.opset_imports.update(opset_imports)
-    b = GraphBuilder(copy, copy.opset_imports.get("", copy.opset_imports.get("ai.onnx", 17)), prefix="vjp")
+    b = GraphBuilder(copy, default_opset(copy, 17), prefix="vjp")
     terms, seed_inputs = [], []
     for output, seed in zip(copy.outputs, seeds):
         if seed is None:

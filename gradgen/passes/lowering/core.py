@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from gradgen.builder import GraphBuilder, graph_names
 from gradgen.errors import ModelError, UnsupportedOpsError
+from gradgen.model_io import default_opset
 from gradgen.names import node_name
 from gradgen.ops import schemas
 from gradgen.ops.schemas import normalize_domain
@@ -64,7 +65,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=modified)
 
         need = max(lookup_lowering(n.domain, n.op_type).min_opset(n) for n in targets)
-        if _opset(model) < need:
+        if default_opset(model, 1) < need:
             _convert_opset(model, need)
             targets = self._targets(model, functions)
 
@@ -76,7 +77,7 @@ class LowerToStandardPass(ir.passes.InPlacePass):
                 schemas.check_node(node.op_type, len(node.inputs), len(node.outputs), node.attributes, node_where(node))
             builder = GraphBuilder(
                 node.graph,
-                _opset(model),
+                default_opset(model, 1),
                 names=names,
                 constants=constants.setdefault(id(node.graph), {}),
                 prefix=f"{node.name or node.op_type}/lowered",
@@ -104,14 +105,9 @@ class LowerToStandardPass(ir.passes.InPlacePass):
         return targets
 
 
-def _opset(model: ir.Model) -> int:
-    imports = model.opset_imports
-    return imports.get("", imports.get("ai.onnx", 1))
-
-
 def _convert_opset(model: ir.Model, target: int) -> None:
     """Convert the model to default-domain opset ``target`` with ONNX's version converter."""
-    current = _opset(model)
+    current = default_opset(model, 1)
     try:
         converted = onnx.version_converter.convert_version(ir.to_proto(model), target)
     except Exception as exc:  # noqa: BLE001 (the converter raises many kinds)
