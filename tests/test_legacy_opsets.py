@@ -47,3 +47,24 @@ def test_opset_6_clip_is_checked_in_float64():
     x = np.array([-1.0, -0.3, 0.2, 0.6, 2.0], np.float32)  # away from the bounds
     report = check_gradients(model, inputs={"x": x}, wrt_inputs=True)
     assert report.passed, report.format()
+
+
+def test_opset_6_prelu_slopes_are_per_channel():
+    """PRelu-6 applies a slope of C values per channel (axis 1); the converter left it to opset 7's
+    broadcasting, which aligns it with the last axis ("slope shape [3] does not broadcast to X shape
+    [2, 3, 4]", and a wrong answer where the last axis happens to have C entries too)."""
+    nodes = [helper.make_node("PRelu", ["x", "slope"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [_info("x", [2, 3, 3]), _info("slope", [3])],
+        [_info("y", [2, 3, 3])],
+        initializer=[helper.make_tensor("slope", TensorProto.FLOAT, [3], [0.1, 0.2, 0.3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
+    x = -np.ones((2, 3, 3), np.float32)
+    got = Session(model).run({"x": x})["y"]
+    np.testing.assert_allclose(got, -np.array([0.1, 0.2, 0.3], np.float32)[None, :, None] * np.ones((2, 3, 3)))
+    moved = x + 0.5 * np.arange(18, dtype=np.float32).reshape(2, 3, 3) / 18  # off the kink at 0
+    report = check_gradients(model, inputs={"x": moved}, loss="y")
+    assert report.passed and report.tensors[0].name == "slope", report.format()

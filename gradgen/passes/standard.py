@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as ir_common
@@ -12,7 +13,7 @@ from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.evaluate import RANDOM_OPS
 from gradgen.model_io import default_opset
-from gradgen.names import node_names
+from gradgen.names import node_names, unique_name
 from gradgen.ops.einsum import parse_equation
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
 from gradgen.passes.rewrite import NodeRemoval
@@ -39,6 +40,8 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             raise ModelError(
                 f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
             ) from None
+        if opset < 7:
+            _channel_slopes(converted.graph)
         _refuse_changed_interface(proto.graph, converted.graph, opset)
         _exact_shape_reshapes(converted.graph)
         _in_training_mode(converted.graph, training_batch_norms)
@@ -46,6 +49,31 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def _channel_slopes(graph: onnx.GraphProto) -> None:
+    """PRelu below opset 7 applies a 1-D slope of C values per channel (axis 1); opset 7's
+    broadcasting aligns it with the last axis, and the converter leaves it as it is. A slope
+    initializer of X's channel count, for an X of known rank above 2, is reshaped to (C, 1, ...)
+    by a Reshape in front of the PRelu (the initializer itself, maybe also a graph input, stays)."""
+    declared = {v.name: _declared_dims(v) for v in [*graph.input, *graph.value_info]}
+    initializers = {t.name: t for t in graph.initializer}
+    taken = {name for node in graph.node for name in [*node.input, *node.output]} | set(initializers)
+    nodes = []
+    for node in graph.node:
+        is_prelu = node.op_type == "PRelu" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+        x_dims = (declared.get(node.input[0]) or []) if is_prelu else []
+        slope = initializers.get(node.input[1]) if is_prelu else None
+        if slope is not None and len(slope.dims) == 1 and len(x_dims) > 2 and x_dims[1] in (slope.dims[0], None):
+            shape_name = unique_name(f"{slope.name}_channel_shape", taken)
+            per_channel = unique_name(f"{slope.name}_per_channel", taken)
+            shape = [slope.dims[0]] + [1] * (len(x_dims) - 2)
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array(shape, np.int64), shape_name))
+            nodes.append(onnx.helper.make_node("Reshape", [slope.name, shape_name], [per_channel], name=per_channel))
+            node.input[1] = per_channel
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _declared_dims(value: onnx.ValueInfoProto) -> list | None:
