@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradgen.errors import RunError, UsageError
 from gradgen.executor.low_precision import is_float_dtype
-from gradgen.model_io import ModelLike, copy_model, default_opset, external_tensors_inline, load_model, proto_subgraphs
+from gradgen.model_io import ModelLike, external_tensors_inline, load_model, proto_subgraphs
 from gradgen.names import unique_name, value_names
 from gradgen.text_table import format_table
 
@@ -419,18 +419,12 @@ def check_gradients(
 def _in_gradient_opset(model: ModelLike) -> ModelLike:
     """``model`` as build-backward converts it where its opset is older than the gradient rules'
     (before the float64 copy: the converter writes Clip-6's bounds as float32 constants)."""
-    from gradgen.passes.standard import MIN_OPSET, UpgradeOpsetPass
+    from gradgen.passes.standard import MIN_OPSET, converted_below
 
-    if isinstance(model, onnx.ModelProto):  # read without deserialising the graph
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
-    else:
-        loaded = load_model(model)
-        opset = default_opset(loaded, MIN_OPSET)
-    if opset >= MIN_OPSET:
-        return model
-    upgraded = copy_model(load_model(model))
-    UpgradeOpsetPass()(upgraded)
-    return upgraded
+    if isinstance(model, onnx.ModelProto):  # a current one is passed on without deserialising its graph
+        if next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET) >= MIN_OPSET:
+            return model
+    return converted_below(load_model(model), MIN_OPSET)
 
 
 def _declared_dtype(model: ir.Model, name: str, default: np.dtype) -> np.dtype:

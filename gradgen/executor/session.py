@@ -24,7 +24,7 @@ from gradgen.executor.cpu_program import CpuProgram, call_in_place
 from gradgen.executor.cpu_rewrites import scatter_into_sums
 from gradgen.executor.standard_forms import with_standard_forms
 from gradgen.kernels import registry
-from gradgen.model_io import ModelLike, copy_model, default_opset, inline_functions, load_model
+from gradgen.model_io import ModelLike, copy_model, inline_functions, load_model
 from gradgen.names import name_mismatch, node_name, node_names, quoted
 from gradgen.ops import schemas
 from gradgen.ops.attributes import node_attributes
@@ -544,16 +544,12 @@ LEGACY_OPSET = 11
 def _upgraded_legacy_opset(model: ir.Model) -> ir.Model:
     """A converted copy of a model below LEGACY_OPSET, or ``model`` itself where the conversion is
     refused (a Scan-8 with sequence lengths, which the kernels run as it is)."""
-    from gradgen.passes.standard import UpgradeOpsetPass
+    from gradgen.passes.standard import converted_below
 
-    if default_opset(model, LEGACY_OPSET) >= LEGACY_OPSET:
-        return model
-    upgraded = copy_model(model)
     try:
-        UpgradeOpsetPass()(upgraded)
+        return converted_below(model, LEGACY_OPSET)
     except ModelError:
         return model
-    return upgraded
 
 
 def _runnable(model: ir.Model) -> ir.Model:

@@ -89,6 +89,11 @@ def is_detach(node: ir.Node) -> bool:
     return node.op_type == "Identity" and node.domain in ("", "ai.onnx") and _DETACH_CALL.search(fx_call(node)) is not None
 
 
+def read_fx_names(node: ir.Node) -> set[str]:
+    """The FX values ``node``'s record reads (``%name`` in its call's arguments)."""
+    return set(_NAMED_VALUE.findall(fx_arguments(fx_call(node))))
+
+
 def defined_fx_names(nodes) -> set[str]:
     """The FX values that nodes of ``nodes`` still compute (their records' own names)."""
     return {name for name in map(fx_name, nodes) if name}
@@ -151,7 +156,7 @@ def merged_lookup(node: ir.Node, skip: set[ir.Node]) -> bool:
                 stack.append(reader)
                 if own is None or fx_name(reader) == own:
                     continue  # no record, or another node of the same call's decomposition
-                for name in _NAMED_VALUE.findall(fx_arguments(fx_call(reader))):
+                for name in read_fx_names(reader):
                     if name != own and name not in defined and _op_of(name) == _op_of(own):
                         return True
     return False

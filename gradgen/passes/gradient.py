@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import warnings
 
 import numpy as np
@@ -22,7 +21,7 @@ from gradgen.builder import GraphBuilder, graph_names, numpy_dtype_of
 from gradgen.errors import ModelError, UnsupportedOpsError, UsageError
 from gradgen.grads.builder import GradContext
 from gradgen.grads.registry import GradRule, lookup_rule
-from gradgen.grads.torch_records import fx_arguments, fx_call, fx_name, is_detach, removed_detaches, trained_as_inference
+from gradgen.grads.torch_records import fx_name, is_detach, read_fx_names, removed_detaches, trained_as_inference
 from gradgen.kernels.registry import normalize_domain
 from gradgen.model_io import default_opset
 from gradgen.names import gradient_name, node_name
@@ -349,12 +348,12 @@ def _say_torch_records(nodes: list[ir.Node], active: list[ir.Node], requires: se
 def _reads_an_unrecorded_value(reader: ir.Node, requires: set[str]) -> bool:
     """Whether ``reader`` takes a gradient-carrying value from a node its own record does not name:
     the value that took the removed detach's place (a detached buffer or index is no such value)."""
-    arguments = fx_arguments(fx_call(reader))
+    read = read_fx_names(reader)
     for value in reader.inputs:
         if value is None or value.name not in requires or value.producer() is None:
             continue
         name = fx_name(value.producer())
-        if name is None or not re.search(rf"%{re.escape(name)}\b", arguments):
+        if name is None or name not in read:
             return True
     return False
 

@@ -12,7 +12,7 @@ from onnx_ir.passes import common as ir_common
 from gradgen import custom_ops
 from gradgen.errors import KernelError, ModelError
 from gradgen.evaluate import RANDOM_OPS
-from gradgen.model_io import default_opset
+from gradgen.model_io import copy_model, default_opset
 from gradgen.names import node_names, unique_name
 from gradgen.ops.einsum import parse_equation
 from gradgen.ops.schemas import MICROSOFT_DOMAIN, normalize_domain
@@ -49,6 +49,16 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+def converted_below(model: ir.Model, opset: int = MIN_OPSET) -> ir.Model:
+    """``model`` itself where its default-domain opset is ``opset`` or later, else a copy converted
+    by UpgradeOpsetPass (whose ModelError says why a conversion is refused)."""
+    if default_opset(model, opset) >= opset:
+        return model
+    upgraded = copy_model(model)
+    UpgradeOpsetPass()(upgraded)
+    return upgraded
 
 
 def _channel_slopes(graph: onnx.GraphProto) -> None:
