@@ -158,11 +158,15 @@ def test_to_float64_converts_types_casts_and_constants():
 # -- inputs within each op's contract, non-finite losses, float32-only inputs, kinks ---------------
 
 
+def _model(nodes, inputs, outputs=None, initializers=(), opset=17) -> onnx.ModelProto:
+    """A one-graph model; ``outputs`` default to a float32 scalar ``loss``."""
+    outputs = outputs or [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
 def _save(path, nodes, inputs, initializers, opset=17):
-    graph = helper.make_graph(
-        nodes, "g", inputs, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=initializers
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    onnx.save(_model(nodes, inputs, initializers=initializers, opset=opset), str(path))
 
 
 def _scatter_model(path, op: str) -> None:
@@ -394,13 +398,7 @@ def test_a_tie_shared_among_elements_is_called_a_kink():
     and 1), not equal to either; ONNX's test_reduce_min_default_axes_keepdims_example failed without
     the note."""
     nodes = [helper.make_node("ReduceMin", ["x"], ["loss"], keepdims=0, name="min")]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])])
     report = check_gradients(model, inputs={"x": np.array([1.0, 3.0, 1.0, 1.0], np.float32)}, wrt_inputs=True)
     [tensor] = report.tensors
     assert not tensor.passed and tensor.kink and "between them" in tensor.note, report.format()
@@ -440,13 +438,12 @@ def test_attention_softmax_precision_is_lifted_to_float64():
     rng = np.random.default_rng(0)
     shape = [1, 2, 3, 4]
     node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], softmax_precision=TensorProto.FLOAT)
-    graph = helper.make_graph(
+    model = _model(
         [node],
-        "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT16, shape) for n in "QKV"],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, shape)],
+        opset=23,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     double = to_float64(model)
     assert helper.get_attribute_value(double.graph.node[0].attribute[0]) == TensorProto.DOUBLE
     feeds = {n: rng.standard_normal(shape).astype(np.float16) for n in "QKV"}
@@ -458,17 +455,16 @@ def test_an_output_whose_shape_moves_with_a_float_input_is_one_line(tmp_path, ca
     """OneHot's depth given as a float: 10 - eps has another floor, so the shifted output has
     another shape. This used to escape as a numpy broadcasting traceback."""
     node = helper.make_node("OneHot", ["indices", "depth", "values"], ["y"], name="onehot")
-    graph = helper.make_graph(
+    model = _model(
         [node],
-        "g",
         [helper.make_tensor_value_info("depth", TensorProto.FLOAT, [])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 10])],
-        initializer=[
+        [
             numpy_helper.from_array(np.array([1, 4, 9], np.int64), "indices"),
             numpy_helper.from_array(np.array([0.5, 2.0], np.float32), "values"),
         ],
     )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    onnx.save(model, str(tmp_path / "m.onnx"))
     np.savez(tmp_path / "in.npz", depth=np.array(10.0, np.float32))
     code, out, err = run_cli(
         capsys, monkeypatch, "check", tmp_path / "m.onnx", "--inputs", tmp_path / "in.npz", "--wrt-inputs", "--loss", "y"
@@ -486,14 +482,11 @@ def test_constant_of_shape_without_a_value_makes_float64_zeros():
         helper.make_node("Add", ["zeros", "x"], ["y"]),
         helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
     ]
-    graph = helper.make_graph(
+    model = _model(
         nodes,
-        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        initializer=[numpy_helper.from_array(np.array([2], np.int64), "shape")],
+        initializers=[numpy_helper.from_array(np.array([2], np.int64), "shape")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert Session(to_float64(model)).run({"x": np.array([1.0, 2.0])})["loss"].dtype == np.float64
     report = check_gradients(model, inputs={"x": np.array([1.0, 2.0], np.float32)}, wrt_inputs=True)
     assert report.passed, report.format()
@@ -505,13 +498,11 @@ def test_bfloat16_inputs_are_taken_and_converted():
     import ml_dtypes
 
     nodes = [helper.make_node("Mul", ["x", "x"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(
+    model = _model(
         nodes,
-        "g",
         [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3])],
         [helper.make_tensor_value_info("loss", TensorProto.BFLOAT16, [])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = np.array([0.5, -1.25, 2.0], ml_dtypes.bfloat16)
     report = check_gradients(model, inputs={"x": x}, wrt_inputs=True)
     assert report.passed and report.tensors[0].name == "x", report.format()
