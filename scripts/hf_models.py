@@ -1041,10 +1041,15 @@ def main(argv: list[str] | None = None) -> int:
             print(row(record), flush=True)
             records.append(record)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(records, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
-        )
+        write_records(args.json, records)
     return 0
+
+
+def write_records(path: str, records: list) -> None:
+    """The sweep's records as JSON (what json cannot write, as text)."""
+    Path(path).write_text(
+        json.dumps(records, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+    )
 
 
 def logging_off() -> None:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -468,11 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row(record), flush=True)
                 records.append(record)
                 if args.json:  # after every row: a long sweep keeps what it has
-                    Path(args.json).write_text(
-                        json.dumps(
-                            records, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v)
-                        )
-                    )
+                    hf_models.write_records(args.json, records)
     return 0
 
 
