@@ -132,6 +132,45 @@ def test_scan_of_a_symbolic_length_stacking_an_output_of_unknown_rank_on_a_later
         gradgen.build_backward(model, wrt_inputs=True)
 
 
+def _untyped_scan_of_a_symbolic_length() -> onnx.ModelProto:
+    """scan_model as ONNX's function bodies write it: a length known at run time only, body inputs
+    and outputs without types (ONNX infers them from the Scan's inputs), and an outer Constant the
+    body reads for Unsqueeze's axes (its MatMul's rank is known only through that constant)."""
+    model = scan_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
+    scan = model.graph.node[0]
+    body = scan.attribute[0].g
+    for value in [*body.input, *body.output]:
+        value.ClearField("type")
+    matmul = body.node[0]
+    matmul.input[0] = "s_col"
+    matmul.output[0] = "sw_col"
+    body.node.insert(0, onnx.helper.make_node("Unsqueeze", ["s_in", "axis0"], ["s_col"]))
+    body.node.insert(2, onnx.helper.make_node("Squeeze", ["sw_col", "axis0"], ["sw"]))
+    axis0 = onnx.helper.make_node("Constant", [], ["axis0"], value=onnx.numpy_helper.from_array(np.array([0], np.int64)))
+    model.graph.node.insert(0, axis0)
+    return model
+
+
+def test_scan_of_a_symbolic_length_with_untyped_body_inputs_differentiates_as_a_loop():
+    model = _untyped_scan_of_a_symbolic_length()
+    built = gradgen.build_backward(model, wrt_inputs=True)
+    assert "Loop" in {node.op_type for node in built.model.graph}
+    feeds = scan_feeds(scan_model(length=4))
+    report = check_gradients(model, inputs=feeds, wrt_inputs=True)
+    assert report.passed, report.format()
+
+
+def test_loop_of_a_run_time_length_with_untyped_body_states_is_differentiated():
+    """The body's loop-carried input takes the type of its initial value, as ONNX infers it."""
+    model = loop_model(trip_count=None)
+    body = model.graph.node[0].attribute[0].g
+    body.input[2].ClearField("type")
+    feeds = {**loop_feeds(), "M": np.array(3, dtype=np.int64)}
+    report = check_gradients(model, inputs=feeds, wrt_inputs=["x", "h0"])
+    assert report.passed, report.format()
+
+
 # -- Dropout in training mode --------------------------------------------------------------------
 
 X = np.random.default_rng(1).uniform(0.5, 1.5, (3, 5))

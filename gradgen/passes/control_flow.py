@@ -228,6 +228,25 @@ def scan_as_loop_refusal(node: ir.Node) -> str | None:
     return None
 
 
+def _body_input(b: GraphBuilder, name: str, declared: ir.Value, outer: ir.Value | None) -> ir.Value:
+    """A Loop body input standing for the Scan body's state input ``declared``, typed as it is or,
+    where the body leaves it untyped, as ``outer``, the state's initial value (as ONNX's inference
+    of Scan does): the gradient of the Loop needs its type and rank."""
+    if declared.type is not None or outer is None:
+        return ir.Value(name=b.unique(name), type=declared.type, shape=declared.shape)
+    return ir.Value(name=b.unique(name), type=outer.type, shape=ir.Shape(outer.shape) if outer.shape is not None else None)
+
+
+def _slice_shape(declared: ir.Value, sequence: ir.Value, axis: int) -> ir.Shape | None:
+    """The shape of one slice of a scan input: as the body declares it, else the sequence's
+    without the scan axis."""
+    if declared.shape is not None or sequence.shape is None:
+        return declared.shape
+    dims = list(sequence.shape)
+    del dims[axis]
+    return ir.Shape(dims)
+
+
 def _scan_as_loop(node: ir.Node, b: GraphBuilder) -> list[ir.Value | None]:
     """A Scan as a Loop of as many iterations as its first scan input is long: iteration i gathers
     slice i (n-1-i in reverse) of each scan input and runs the Scan's body; the Loop's scan
@@ -245,13 +264,14 @@ def _scan_as_loop(node: ir.Node, b: GraphBuilder) -> list[ir.Value | None]:
     inner = b.collector(prefix)
     i = ir.Value(name=inner.unique(f"{prefix}/i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     go_on = ir.Value(name=inner.unique(f"{prefix}/cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
-    states = [ir.Value(name=inner.unique(f"{prefix}/{v.name}"), type=v.type, shape=v.shape) for v in body.inputs[:num_states]]
+    states = [_body_input(inner, f"{prefix}/{v.name}", v, outer) for v, outer in zip(body.inputs[:num_states], node.inputs)]
     backwards = inner.op("Sub", b.op("Sub", count, b.scalar(1)), i) if any(in_reverse) else i
     slices = []
     for k, (x, axis, reverse) in enumerate(zip(sequences, in_axes, in_reverse)):
         element = inner.op("Gather", x, backwards if reverse else i, axis=axis)
         declared = body.inputs[num_states + k]
-        element.type, element.shape = declared.type, declared.shape
+        assert x is not None  # Scan's inputs are not optional
+        element.type, element.shape = declared.type or x.type, _slice_shape(declared, x, axis)
         slices.append(element)
     copier = BodyCopier(node, inner)
     outputs = [inner.op("Identity", go_on)] + [copier.result(v) for v in copier.iteration(0, [*states, *slices])]

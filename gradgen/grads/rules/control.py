@@ -35,6 +35,7 @@ from onnx_ir._cloner import Cloner
 
 from gradgen.builder import GraphBuilder
 from gradgen.errors import ModelError
+from gradgen.evaluate import direct_constant
 from gradgen.grads.builder import GradContext
 from gradgen.grads.table import grad_rule
 from gradgen.model_io import default_opset
@@ -79,6 +80,10 @@ def loop(g: GradContext) -> list[ir.Value | None]:
             "(shape inference could not tell it); its gradient needs it"
         )
     floats = [k for k, v in enumerate(states) if v is not None and v.dtype in FLOAT_TYPES]
+    for formal, state in zip(body.inputs[2:], states):
+        if formal.type is None and state is not None:  # untyped: its initial value's type and rank
+            formal.type = state.type
+            formal.shape = ir.Shape([None] * len(state.shape)) if state.shape is not None else None
     targets = [v for k, v in enumerate(g.captured) if g.needs_captured(k)]
     num_outputs = len(node.outputs)
     iterations, saved = _save_iterations(g, node, body)
@@ -218,7 +223,16 @@ def _vjp_model(
     copy = cloner.clone_graph(graph)
     feeds = [(mine, bind[theirs]) for mine, theirs in zip(copy.inputs, graph.inputs)]
     feeds += [(inputs[name], v) for name, v in by_name.items()]
+    wrt_names = {v.name for v in wrt_outer}
+    for name, v in by_name.items():  # constants the body reads stay constants (shape inference reads them)
+        known = direct_constant(v) if name not in wrt_names and not v.is_graph_input() else None
+        if known is not None:
+            inputs[name].const_value = ir.tensor(known)
+            copy.register_initializer(inputs[name])
+    copy.inputs.extend(v for v in inputs.values() if v.const_value is None)
     copy.opset_imports.update(opset_imports)
+    if any(output.type is None or output.shape is None for output in copy.outputs):
+        _infer_outputs(copy)
     b = GraphBuilder(copy, default_opset(copy, 17), prefix="vjp")
     terms, seed_inputs = [], []
     for output, seed in zip(copy.outputs, seeds):
@@ -240,10 +254,21 @@ def _vjp_model(
     loss.type, loss.shape = loss_type, ir.Shape([])
     copy.outputs.clear()
     copy.outputs.append(loss)
-    copy.inputs.extend(mine for mine, _ in feeds[len(graph.inputs) :])
+    copy.inputs.extend(seed_inputs)
     copy.opset_imports.setdefault("com.microsoft", 1)
     wrt = [copy.inputs[k] for k in wrt_inputs] + [inputs[v.name] for v in wrt_outer]
     return ir.Model(copy, ir_version=10), feeds, wrt, seed_inputs
+
+
+def _infer_outputs(graph: ir.Graph) -> None:
+    """Types and shapes for ``graph``'s values from its inputs' (a subgraph's own values are
+    untyped until inferred here, e.g. a Scan body whose inputs ONNX types from the Scan's)."""
+    from gradgen.passes import ShapeInferencePass
+
+    try:
+        ShapeInferencePass()(ir.Model(graph, ir_version=10))
+    except ModelError:  # the pipeline's own inference reports it with the node's name
+        pass
 
 
 def _drop_unit_products(model: ir.Model, seeds: list[ir.Value]) -> None:
