@@ -8,9 +8,11 @@ constants, which met float64 in the gradient graph)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
 from gradgen.check import check_gradients
+from gradgen.errors import ModelError
 from gradgen.executor import Session
 
 
@@ -49,15 +51,17 @@ def test_opset_6_clip_is_checked_in_float64():
     assert report.passed, report.format()
 
 
-def test_opset_6_prelu_slopes_are_per_channel():
+@pytest.mark.parametrize("x_dims", [[2, 3, 3], ["N", "C", 3]], ids=["static", "symbolic"])
+def test_opset_6_prelu_slopes_are_per_channel(x_dims):
     """PRelu-6 applies a slope of C values per channel (axis 1); the converter left it to opset 7's
     broadcasting, which aligns it with the last axis ("slope shape [3] does not broadcast to X shape
-    [2, 3, 4]", and a wrong answer where the last axis happens to have C entries too)."""
+    [2, 3, 4]", and a wrong answer where the last axis happens to have C entries too); a channel
+    count the model leaves symbolic is taken to be the slope's."""
     nodes = [helper.make_node("PRelu", ["x", "slope"], ["y"])]
     graph = helper.make_graph(
         nodes,
         "g",
-        [_info("x", [2, 3, 3]), _info("slope", [3])],
+        [_info("x", x_dims), _info("slope", [3])],
         [_info("y", [2, 3, 3])],
         initializer=[helper.make_tensor("slope", TensorProto.FLOAT, [3], [0.1, 0.2, 0.3])],
     )
@@ -68,3 +72,54 @@ def test_opset_6_prelu_slopes_are_per_channel():
     moved = x + 0.5 * np.arange(18, dtype=np.float32).reshape(2, 3, 3) / 18  # off the kink at 0
     report = check_gradients(model, inputs={"x": moved}, loss="y")
     assert report.passed and report.tensors[0].name == "slope", report.format()
+
+
+@pytest.mark.parametrize(
+    ("x_dims", "b_dims", "axis"),
+    [
+        ([2, 3, 2], [3], 1),
+        (["N", 3, 2], [3], 1),
+        (["N", 3, 2, 2], [3], 1),
+        ([2, 3, 4], [2, 3], 0),
+        ([2, 3, 4], [3, 4], 1),
+        (["N", 3, 4], [4], -1),
+    ],
+    ids=["per-channel", "per-channel, symbolic batch", "conv bias, symbolic batch", "leading", "trailing", "last axis"],
+)
+def test_opset_6_broadcast_along_an_axis_converts_and_differentiates(x_dims, b_dims, axis):
+    """Add-6 with broadcast=1 places B at ``axis`` of A. ONNX's converter asserted on a B that ends
+    before A's last axis (a per-channel bias: "Dimension 0 of input 2 does not match dimension 0
+    of input 1") and on any symbolic dim ("N Dimension is a param instead of an int"); B is now
+    unsqueezed onto A's trailing axes first, and the converter sees each symbol as a placeholder
+    number, put back after, so the model keeps taking any batch."""
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["s"], broadcast=1, axis=axis),
+        helper.make_node("Mul", ["s", "s"], ["y"]),
+    ]
+    rng = np.random.default_rng(0)
+    b = rng.standard_normal(b_dims).astype(np.float32)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [_info("x", x_dims), _info("b", b_dims)],
+        [_info("y", x_dims)],
+        initializer=[helper.make_tensor("b", TensorProto.FLOAT, b_dims, b.reshape(-1).tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
+    start = axis % len(x_dims)
+    b_aligned = b.reshape(b_dims + [1] * (len(x_dims) - start - len(b_dims)))
+    for batch in (1, 3) if isinstance(x_dims[0], str) else (x_dims[0],):
+        x = rng.standard_normal([batch, *x_dims[1:]]).astype(np.float32)
+        got = Session(model).run({"x": x})["y"]
+        np.testing.assert_allclose(got, (x + b_aligned) ** 2, rtol=1e-5)
+    report = check_gradients(model, inputs={"x": x}, loss="y", wrt_inputs=True)
+    assert report.passed and {t.name for t in report.tensors} >= {"x", "b"}, report.format()
+
+
+def test_an_old_model_the_converter_refuses_is_a_one_line_model_error_when_run():
+    """Not a kernel's TypeError about Add's ``axis`` attribute from running it unconverted."""
+    nodes = [helper.make_node("Add", ["x", "b"], ["y"], broadcast=1, axis=1)]
+    model = _model(nodes, [_info("x", [2, 3]), _info("b", [3, 4])], [_info("y", [2, 3])])
+    with pytest.raises(ModelError, match=r"^the model's opset 6 is below 14 and could not be converted to 17: ") as caught:
+        Session(model)
+    assert "\n" not in str(caught.value)

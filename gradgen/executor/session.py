@@ -542,14 +542,17 @@ LEGACY_OPSET = 11
 
 
 def _upgraded_legacy_opset(model: ir.Model) -> ir.Model:
-    """A converted copy of a model below LEGACY_OPSET, or ``model`` itself where the conversion is
-    refused (a Scan-8 with sequence lengths, which the kernels run as it is)."""
+    """A converted copy of a model below LEGACY_OPSET, or ``model`` itself where the conversion of
+    a model with a Scan is refused (a Scan-8 with sequence lengths, which the kernels run as it
+    is); any other refusal is the model's error."""
     from gradgen.passes.standard import converted_below
 
     try:
         return converted_below(model, LEGACY_OPSET)
     except ModelError:
-        return model
+        if any(node.op_type == "Scan" for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+            return model
+        raise
 
 
 def _runnable(model: ir.Model) -> ir.Model:

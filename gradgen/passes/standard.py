@@ -34,8 +34,10 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         proto = ir.to_proto(model)
         training_batch_norms = _training_batch_norms_with_three_outputs(proto.graph)
+        if opset < 7:
+            proto = _align_legacy_broadcasts(proto)
         try:
-            converted = onnx.version_converter.convert_version(proto, UPGRADE_TO)
+            converted = _convert_version(proto, UPGRADE_TO)
         except Exception as exc:
             raise ModelError(
                 f"the model's opset {opset} is below {MIN_OPSET} and could not be converted to {UPGRADE_TO}: {exc}"
@@ -49,6 +51,133 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             _asymmetric_resizes(converted.graph)
         model.graph = ir.from_proto(converted).graph
         return ir.passes.PassResult(model, modified=True)
+
+
+# Ops whose opset-1..6 forms broadcast B onto A from ``axis`` when broadcast=1
+_LEGACY_BROADCAST_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less"})
+
+
+def _align_legacy_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``proto`` where each broadcast=1 binary op with an ``axis`` has none left: where B,
+    placed at ``axis``, ends before A's last axis, it reads B through an Unsqueeze of the trailing
+    axes, and opset 7's broadcasting then lines them up. ONNX's converter asserts on such ops
+    instead (a per-channel bias: A (N, C, H, W), B (C,), axis 1: "Dimension 0 of input 2 does not
+    match dimension 0 of input 1"), and on a negative axis. Ops whose ranks inference cannot tell
+    stay as they are."""
+    legacy = [
+        node
+        for node in proto.graph.node
+        if node.op_type in _LEGACY_BROADCAST_OPS
+        and node.domain in ("", "ai.onnx")
+        and len(node.input) == 2
+        and any(a.name == "broadcast" and a.i == 1 for a in node.attribute)
+        and any(a.name == "axis" for a in node.attribute)
+    ]
+    if not legacy:
+        return proto
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # noqa: BLE001 - the converter reports what is wrong with the model
+        return proto
+    ranks = {t.name: len(t.dims) for t in inferred.graph.initializer}
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            ranks[value.name] = len(value.type.tensor_type.shape.dim)
+    aligned = onnx.ModelProto()
+    aligned.CopyFrom(proto)
+    taken = {name for node in aligned.graph.node for name in [*node.input, *node.output]} | set(ranks)
+    nodes = []
+    for node in aligned.graph.node:
+        trailing = _trailing_axes(node, ranks) if node.op_type in _LEGACY_BROADCAST_OPS else None
+        if trailing is not None and trailing >= 0:
+            if trailing:
+                rank_b = ranks[node.input[1]]
+                name = unique_name(f"{node.input[1]}_aligned", taken)
+                axes = list(range(rank_b, rank_b + trailing))
+                nodes.append(onnx.helper.make_node("Unsqueeze", [node.input[1]], [name], name=name, axes=axes))
+                node.input[1] = name
+            kept = [a for a in node.attribute if a.name != "axis"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+        nodes.append(node)
+    del aligned.graph.node[:]
+    aligned.graph.node.extend(nodes)
+    return aligned
+
+
+def _trailing_axes(node: onnx.NodeProto, ranks: dict[str, int]) -> int | None:
+    """How many of A's axes come after B's when B is placed at the node's ``axis`` (negative: B
+    does not fit; None: not a legacy broadcast along an axis, or the ranks are unknown)."""
+    attrs = {a.name: a.i for a in node.attribute}
+    rank_a, rank_b = ranks.get(node.input[0]), ranks.get(node.input[1])
+    if attrs.get("broadcast") != 1 or "axis" not in attrs or rank_a is None or rank_b is None:
+        return None
+    axis = attrs["axis"] + rank_a if attrs["axis"] < 0 else attrs["axis"]
+    return rank_a - axis - rank_b
+
+
+_PLACEHOLDER_DIM = 1_000_003  # far from any real size; the k-th symbol stands as this + 2k
+
+
+def _convert_version(proto: onnx.ModelProto, target: int) -> onnx.ModelProto:
+    """ONNX's version converter, also for models with symbolic dims (a batch "N"): its broadcast
+    adapters assert that every dim is a number, so where it refuses such a model, each symbol
+    stands as a distinct placeholder number while it converts, and the symbols are put back after.
+    Refused (the converter's own error) where the placeholders reached a constant of the graph."""
+    try:
+        return onnx.version_converter.convert_version(proto, target)
+    except Exception as exc:
+        symbols = _dim_symbols(proto.graph)
+        if not symbols:
+            raise
+        refused = exc
+    numbered = onnx.ModelProto()
+    numbered.CopyFrom(proto)
+    by_number = {_PLACEHOLDER_DIM + 2 * k: symbol for k, symbol in enumerate(symbols)}
+    by_symbol = {symbol: number for number, symbol in by_number.items()}
+    for dim in _declared_dim_protos(numbered.graph):
+        if dim.HasField("dim_param") and dim.dim_param in by_symbol:
+            dim.dim_value = by_symbol[dim.dim_param]
+    try:
+        converted = onnx.version_converter.convert_version(numbered, target)
+    except Exception:
+        raise refused from None
+    if _constants_hold(converted.graph, set(by_number)):
+        raise refused
+    for dim in _declared_dim_protos(converted.graph):
+        if dim.HasField("dim_value") and dim.dim_value in by_number:
+            dim.dim_param = by_number[dim.dim_value]
+    return converted
+
+
+def _declared_dim_protos(graph: onnx.GraphProto) -> list:
+    return [
+        dim
+        for value in [*graph.input, *graph.output, *graph.value_info]
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape")
+        for dim in value.type.tensor_type.shape.dim
+    ]
+
+
+def _dim_symbols(graph: onnx.GraphProto) -> list[str]:
+    return list(dict.fromkeys(d.dim_param for d in _declared_dim_protos(graph) if d.HasField("dim_param") and d.dim_param))
+
+
+def _constants_hold(graph: onnx.GraphProto, numbers: set[int]) -> bool:
+    """Whether an initializer or an attribute of ``graph`` (small integer tensors and int lists
+    only: where a dim would go) holds one of ``numbers``."""
+    tensors = list(graph.initializer)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                tensors.append(attribute.t)
+            if attribute.HasField("i") and attribute.i in numbers or numbers & set(attribute.ints):
+                return True
+    for tensor in tensors:
+        if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and np.prod(tensor.dims) <= 64:
+            if numbers & set(onnx.numpy_helper.to_array(tensor).reshape(-1).tolist()):
+                return True
+    return False
 
 
 def converted_below(model: ir.Model, opset: int = MIN_OPSET) -> ir.Model:
@@ -74,7 +203,8 @@ def _channel_slopes(graph: onnx.GraphProto) -> None:
         is_prelu = node.op_type == "PRelu" and node.domain in ("", "ai.onnx") and len(node.input) == 2
         x_dims = (declared.get(node.input[0]) or []) if is_prelu else []
         slope = initializers.get(node.input[1]) if is_prelu else None
-        if slope is not None and len(slope.dims) == 1 and len(x_dims) > 2 and x_dims[1] in (slope.dims[0], None):
+        one_per_channel = slope is not None and len(slope.dims) == 1 and len(x_dims) > 2
+        if one_per_channel and (not isinstance(x_dims[1], int) or x_dims[1] == slope.dims[0]):  # a symbol or None: unknown
             shape_name = unique_name(f"{slope.name}_channel_shape", taken)
             per_channel = unique_name(f"{slope.name}_per_channel", taken)
             shape = [slope.dims[0]] + [1] * (len(x_dims) - 2)
