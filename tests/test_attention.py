@@ -239,3 +239,25 @@ def test_multi_head_attention_qk_output_is_refused():
     model, feeds = _model(M, MS, [f(1, 3, 4)] * 3, ["Y", "", "", "qk"], {"num_heads": 2})
     with pytest.raises(RunError, match="qk"):
         Session(model).run(feeds)
+
+
+@pytest.mark.parametrize("layout", ["3d", "4d"])
+def test_symbolic_sizes_are_not_inferred_as_zero_and_gradients_check(layout):
+    """ONNX's inference of Attention reads a symbolic dim as 0: a 3-D V's hidden size (Y's last dim)
+    and the key length (qk_matmul_output's last dim). The backward graph then declared Y_grad
+    (B, S, 0) and refused the seed it was given; gradgen corrects those outputs' shapes."""
+    from gradgen.check import check_gradients
+
+    if layout == "3d":
+        inputs, attrs = [d(2, 3, 8), d(2, 5, 8), d(2, 5, 12)], {"q_num_heads": 2, "kv_num_heads": 2}
+    else:
+        inputs, attrs = [d(2, 2, 3, 4), d(2, 2, 5, 4), d(2, 2, 5, 6)], {}
+    model, feeds = _model(A, "", inputs, ["Y", "", "", "qk"], attrs, symbolic=True)
+    lowered = ir.serde.deserialize_model(model)
+    ShapeInferencePass()(lowered)
+    values = {v.name: v for v in lowered.graph.outputs}
+    for name in ("Y", "qk"):
+        assert 0 not in list(values[name].shape), (name, values[name].shape)
+    for loss in ("Y", "qk"):
+        report = check_gradients(model, inputs=feeds, wrt_inputs=True, loss=loss)
+        assert report.passed, report.format()

@@ -566,7 +566,7 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
     strict, conflicts = _strict_inference(proto, data_prop) if check_declared else (None, [])
     corrected: dict[str, onnx.ValueInfoProto] = {}
     # Each round settles at least the first pool (in graph order) still wrong, so this ends.
-    for _ in range(2 + sum(node.op_type in _SHAPE_RULE_OPS for node in proto.graph.node)):
+    for _ in range(2 + sum(node.op_type in (*_SHAPE_RULE_OPS, "Attention") for node in proto.graph.node)):
         if strict is not None and not corrected:
             inferred = strict
         else:
@@ -576,7 +576,7 @@ def _infer_shapes(proto: onnx.ModelProto, check_declared: bool = False) -> tuple
                 )
             except Exception as exc:
                 raise ModelError(f"ONNX shape inference failed on the model: {exc}") from None
-        fixes = _pool_shape_fixes(inferred)
+        fixes = _pool_shape_fixes(inferred) + _attention_shape_fixes(inferred)
         if not fixes:
             break
         corrected.update((info.name, info) for info in fixes)
@@ -619,7 +619,81 @@ def _declare(proto: onnx.ModelProto, infos) -> onnx.ModelProto:
     graph.value_info.extend(kept)
     outputs = {o.name for o in graph.output}
     graph.value_info.extend(info for name, info in infos.items() if name not in outputs)
+    hidden = [n for n in graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx") and set(n.output) & set(infos)]
+    for node in hidden:  # ONNX's inference would write its own shapes over the declared ones
+        node.domain = _UNINFERRED_DOMAIN
+    if hidden:
+        copy.opset_import.append(onnx.helper.make_opsetid(_UNINFERRED_DOMAIN, 1))
     return copy
+
+
+# A domain ONNX's inference knows nothing of: a node moved there keeps its outputs' declared shapes
+_UNINFERRED_DOMAIN = "gradgen.uninferred"
+
+
+def _attention_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Outputs of Attention nodes (top-level graph) whose inferred shape has a size ONNX's
+    inference read from a symbolic dim as 0: a 3-D V's hidden size (in Y's last dim) and the key
+    length (in qk_matmul_output's last dim). Declared with that dim unknown (or the sum it is, where
+    the sizes are numbers), they are kept by moving the node out of inference's sight (``_declare``)."""
+    graph = inferred.graph
+    nodes = [n for n in graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    if not nodes:
+        return []
+    types = {
+        v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output] if v.type.HasField("tensor_type")
+    }
+    for t in graph.initializer:
+        types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
+    fixes = []
+    for node in nodes:
+        wanted = _attention_output_dims(node, [_dims_or_none(types.get(name)) for name in node.input])
+        outputs = {k: name for k, name in enumerate(node.output) if name}
+        if not any(_contradicts(_dims_or_none(types.get(outputs.get(k, ""))), dims) for k, dims in wanted.items()):
+            continue
+        elem = types[node.input[0]].elem_type
+        for k, name in outputs.items():  # all of them: the node will be hidden from inference
+            if k in wanted:
+                fixes.append(onnx.helper.make_tensor_value_info(name, elem, wanted[k]))
+            elif name in types:
+                fixes.append(onnx.helper.make_value_info(name, onnx.TypeProto(tensor_type=types[name])))
+    return fixes
+
+
+def _contradicts(inferred: list | None, wanted: list) -> bool:
+    """Whether an inferred shape holds a number where ``wanted`` has another (or none)."""
+    return (
+        inferred is not None
+        and len(inferred) == len(wanted)
+        and any(isinstance(have, int) and have != want for have, want in zip(inferred, wanted))
+    )
+
+
+def _dims_or_none(tensor_type) -> list | None:
+    """A type's dims (a number, a symbol's name, or None where unknown); None without a shape."""
+    if tensor_type is None or not tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
+
+
+def _attention_output_dims(node: onnx.NodeProto, dims: list) -> dict[int, list]:
+    """What Attention's Y (0) and qk_matmul_output (3) are, by output index, from its inputs'
+    dims (see ``_dims_or_none``), where the ranks of Q and V are known and alike."""
+    q, v = dims[0], dims[2] if len(dims) > 2 else None
+    if q is None or v is None or len(q) != len(v) or len(q) not in (3, 4):
+        return {}
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    past = dims[4] if len(dims) > 4 else None
+    kv_length = v[1] if len(v) == 3 else v[2]
+    past_length = 0 if len(node.input) < 5 or not node.input[4] else (past[2] if past is not None and len(past) == 4 else None)
+    total = kv_length + past_length if isinstance(kv_length, int) and isinstance(past_length, int) else None
+    if len(q) == 4:
+        return {0: [q[0], q[1], q[2], v[3]], 3: [q[0], q[1], q[2], total]}
+    q_heads, kv_heads = attrs.get("q_num_heads"), attrs.get("kv_num_heads")
+    if not q_heads or not kv_heads:
+        return {}
+    hidden = q_heads * (v[2] // kv_heads) if isinstance(v[2], int) else None
+    return {0: [q[0], q[1], hidden], 3: [q[0], q_heads, q[1], total]}
 
 
 def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
