@@ -386,6 +386,7 @@ def check_gradients(
             f"{_describe(feeds) or 'none'}), so its gradient cannot be checked there; "
             "choose other inputs (--inputs, or another --seed or --dim)"
         )
+    _check_declared_shape(forward, loss_name, probe.shape)
     cotangent = None
     grad_feeds = dict(feeds)
     seed_name = f"{loss_name}_grad"
@@ -414,6 +415,22 @@ def check_gradients(
             continue
         checks.append(_check_tensor(name, x, got.astype(np.float64), objective, rng, samples, eps, rtol, atol, elementwise_limit))
     return CheckReport(loss_name, checks, samples, eps, rtol, atol)
+
+
+def _check_declared_shape(model: ir.Model, name: str, shape: tuple[int, ...]) -> None:
+    """A loss whose shape at these inputs differs from the static one the model declares (a
+    Compress's condition, Range's limits, drawn at random) is a RunError saying so: its backward
+    graph takes a seed of the declared shape."""
+    value = next((v for v in model.graph.outputs if v.name == name), None)
+    declared = None if value is None or value.shape is None else list(value.shape)
+    if declared is None or len(declared) != len(shape):
+        return
+    if any(isinstance(want, int) and want != have for want, have in zip(declared, shape)):
+        raise RunError(
+            f"the loss {name!r} has shape {list(shape)} at these inputs, but the model declares "
+            f"{[d if isinstance(d, int) else str(d) for d in declared]}: its shape follows the inputs' values; "
+            "pass inputs that give the declared shape (--inputs)"
+        )
 
 
 def _in_gradient_opset(model: ModelLike) -> ModelLike:

@@ -253,6 +253,8 @@ def _concrete_shape(value: ir.Value, dims: dict[str, int]) -> tuple[int, ...]:
 
 
 def _draw(rng, value: ir.Value, shape, dtype: np.dtype, dims) -> np.ndarray:
+    if dtype.kind in "fiu":  # floats too: OneHot's depth and Range's limits may be floats
+        _refuse_shape_like(value)
     if dtype.kind == "f":
         positive = any(_POSITIVE_INPUTS.get(node.op_type) == position for node, position in _consumers(value))
         # float32 and float64 are drawn in their own precision; narrower floats through float32
@@ -266,7 +268,6 @@ def _draw(rng, value: ir.Value, shape, dtype: np.dtype, dims) -> np.ndarray:
     if dtype.kind == "b":
         return rng.random(shape) < 0.5
     if dtype.kind in "iu":
-        _refuse_shape_like(value)
         distinct = _distinct_index_draw(rng, value, shape, dims)
         if distinct is not None:
             return distinct.astype(dtype)
@@ -312,6 +313,7 @@ _SHAPE_LIKE_INPUTS = {
     "TopK": {1},
     "OneHot": {1},
     "CumSum": {1},
+    "CumProd": {1},
     "Trilu": {1},
     "CenterCropPad": {1, 2},
 }
@@ -416,6 +418,8 @@ def _index_bound(value: ir.Value, shape, dims) -> np.ndarray | int | None:
         elif node.op_type in ("LSTM", "GRU", "RNN") and position == 4:  # sequence_lens: in [0, seq_length]
             steps = _dim_size(node.inputs[0], node.attributes["layout"].value if "layout" in node.attributes else 0, dims)
             bounds.append(None if steps is None else steps + 1)
+        elif node.op_type == "RoiAlign" and position == 2:  # batch_indices: an image of X
+            bounds.append(_dim_size(node.inputs[0], 0, dims))
         elif node.op_type == "TensorScatter" and position == 2:  # write_indices: the update fits after it
             bounds.append(_write_index_bound(node, dims))
     known = [b for b in bounds if b is not None and np.all(np.asarray(b) > 0)]

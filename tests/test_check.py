@@ -269,6 +269,61 @@ def test_an_integer_shape_input_is_not_drawn_at_random(tmp_path, capsys, monkeyp
     assert "'shape'" in err and "Reshape node 'reshape'" in err and "--inputs" in err
 
 
+@pytest.mark.parametrize(
+    ("op", "count_type", "extra_inputs"),
+    [("OneHot", TensorProto.FLOAT, ["vals"]), ("CumProd", TensorProto.INT64, []), ("Range", TensorProto.FLOAT, [])],
+)
+def test_a_float_or_integer_count_input_is_not_drawn_at_random(tmp_path, capsys, monkeypatch, op, count_type, extra_inputs):
+    """OneHot's depth and Range's limits may be floats, CumProd's axis an integer: drawn at random
+    they made a depth of 0 ("depth must be positive"), an axis out of range, or an output of
+    another shape than the model declares."""
+    f = TensorProto.FLOAT
+    if op == "OneHot":
+        inputs = [("idx", TensorProto.INT64, [3]), ("depth", count_type, []), ("vals", f, [2])]
+        nodes = [helper.make_node("OneHot", ["idx", "depth", "vals"], ["y"], name="node")]
+    elif op == "CumProd":
+        inputs = [("x", f, [3]), ("depth", count_type, [])]
+        nodes = [helper.make_node("CumProd", ["x", "depth"], ["y"], name="node")]
+    else:
+        inputs = [("start", f, []), ("depth", count_type, []), ("delta", f, [])]
+        nodes = [helper.make_node("Range", ["start", "depth", "delta"], ["y"], name="node")]
+    nodes.append(helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum"))
+    _save(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info(n, t, d) for n, t, d in inputs], [], opset=24)
+    code, _, err = run_cli(capsys, monkeypatch, "check", tmp_path / "m.onnx", "--random-inputs", "--wrt-inputs")
+    assert code == 2, err
+    assert f"{op} node 'node' (a shape, axes or count)" in err and "--inputs" in err
+
+
+def test_roi_align_batch_indices_are_drawn_among_the_images(tmp_path):
+    import onnx_ir as ir
+
+    from gradgen.inputs import random_feeds
+
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("RoiAlign", ["x", "rois", "batch"], ["y"], output_height=2, output_width=2)]
+    inputs = [helper.make_tensor_value_info("x", f, [3, 2, 8, 8]), helper.make_tensor_value_info("rois", f, [40, 4])]
+    inputs.append(helper.make_tensor_value_info("batch", i64, [40]))
+    model = _model(nodes, inputs, [helper.make_tensor_value_info("y", f, [40, 2, 2, 2])])
+    for seed in range(3):
+        batch = random_feeds(ir.from_proto(model), seed=seed)["batch"]
+        assert batch.min() >= 0 and batch.max() <= 2 and len(set(batch.tolist())) == 3
+
+
+def test_a_loss_whose_shape_follows_drawn_values_is_one_line_naming_it(tmp_path):
+    """Compress's condition drawn at random keeps another count of rows than the model declares;
+    the backward graph's seed has the declared shape, and check said "input 'y_grad': dimension 0
+    is 1, but the model declares 2"."""
+    from gradgen.errors import RunError
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Compress", ["x", "keep"], ["y"], axis=0)]
+    inputs = [helper.make_tensor_value_info("x", f, [6, 2]), helper.make_tensor_value_info("keep", TensorProto.BOOL, [6])]
+    model = _model(nodes, inputs, [helper.make_tensor_value_info("y", f, [2, 2])])
+    keep = np.array([True, False, True, False, True, False])
+    with pytest.raises(RunError, match=r"the loss 'y' has shape \[3, 2\] at these inputs, but the model declares \[2, 2\]"):
+        check_gradients(model, inputs={"x": np.ones((6, 2), np.float32), "keep": keep}, wrt_inputs=True, loss="y")
+
+
 def test_batchnorm_variance_is_drawn_positive(tmp_path, capsys, monkeypatch):
     names = ["x", "scale", "bias", "mean", "var"]
     shapes = [[2, 3, 4], [3], [3], [3], [3]]
