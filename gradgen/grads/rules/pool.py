@@ -341,6 +341,7 @@ def resize(g):
         raise ModelError(f"{node_where(g)}: Resize needs constant scales or sizes (or a static output shape) for its gradient")
     policy = as_text(g.attr("keep_aspect_ratio_policy", "stretch"))
     blocks = {}  # symbolic axis -> integer factor whose transpose is a block sum
+    runtime: dict[int, float | None] = {}  # axis of a size known at run time only -> its scale (None: sizes)
     if sizes is not None and policy != "stretch":
         if not is_static(xd) or not is_static(sizes):
             raise ModelError(
@@ -374,7 +375,11 @@ def resize(g):
                 shape_in.append(1), shape_out.append(1), factors.append(1.0)
                 continue
             if not isinstance(n_in, int) or not isinstance(n_out, int):
-                raise ModelError(f"{node_where(g)}: Resize needs static sizes of axis {a} for its gradient")
+                if roi is not None:
+                    raise ModelError(f"{node_where(g)}: Resize needs static sizes of axis {a} for its gradient")
+                runtime[a] = None if k is None or sizes is not None else scale_list[k]
+                shape_in.append(1), shape_out.append(1), factors.append(1.0)
+                continue
             shape_in.append(n_in), shape_out.append(n_out)
             factors.append(n_out / n_in if sizes is not None or k is None else scale_list[k])
     _warn_fractional_width(g, ctm, sizes, shape_in, shape_out, factors)
@@ -394,7 +399,32 @@ def resize(g):
         moved = dx if axis == rank - 1 else g.transpose(dx, perm)
         moved = g.reduce_sum(g.reshape(moved, [0] * (rank - 1) + [-1, s]), [rank], keepdims=0)
         dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+    for axis, scale in sorted(runtime.items()):
+        perm = list(range(rank))
+        perm[axis], perm[-1] = perm[-1], perm[axis]
+        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
+        moved = g.op("MatMul", moved, _run_time_matrix(g, x, axis, scale, attrs, dtype))
+        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
     return [dx]
+
+
+def _run_time_matrix(g, x: ir.Value, axis: int, scale: float | None, attrs: dict, dtype) -> ir.Value:
+    """The (n_out, n_in) matrix of Resize along ``axis`` where its sizes are known at run time
+    only (``F.interpolate(x, size=skip.shape[-2:])`` exported with dynamic axes): Resize is linear
+    in its input, so resizing the n_in x n_in identity along its first axis, with the node's mode
+    and coordinate attributes and the same scale (or the output's size, read from dY), gives the
+    matrix whose transpose carries dY back."""
+    work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    n_in = g.part(g.shape_of(x), axis, axis + 1)
+    square = g.op("ConstantOfShape", g.op("Concat", n_in, n_in, axis=0), value=ir.tensor(np.zeros((1,), work)))
+    eye = g.op("EyeLike", square)
+    kept = {k: v for k, v in attrs.items() if v is not None}
+    if scale is not None:
+        matrix = g.op("Resize", eye, None, g.const(np.array([scale, 1.0], np.float32)), **kept)
+    else:
+        n_out = g.part(g.shape_of(g.dy()), axis, axis + 1)
+        matrix = g.op("Resize", eye, None, None, g.op("Concat", n_out, n_in, axis=0), **kept)
+    return matrix if work == np.dtype(dtype) else g.op("Cast", matrix, to=ir.DataType.from_numpy(np.dtype(dtype)))
 
 
 def _block_factor(scale: float, attrs: dict, roi) -> int | None:
