@@ -73,11 +73,17 @@ def average_pool(g):
     kernel = attrs["kernel_shape"]
     ceil_mode = int(attrs.get("ceil_mode", 0))
     include_pad = int(attrs.get("count_include_pad", 0))
-    geometry = _window_geometry(g, attrs)
     dtype = numpy_dtype_of(x)
     ones_kernel = g.const(np.ones([1, 1, *kernel], dtype=dtype))
     x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
     dy1 = g.reshape(dy, concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
+    if _ceil_windows_at_run_time(g, attrs):
+        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]), value=_tensor(np.ones((1,), dtype=dtype)))
+        counts = _window_counts_at_run_time(g, ones, dy1, ones_kernel, attrs)
+        scale = g.op("Div", g.op("AveragePool", ones, **attrs), counts) if include_pad else g.op("Reciprocal", counts)
+        dx1 = _window_sum_transposed_at_run_time(g, g.op("Mul", dy1, scale), x1, ones_kernel, attrs)
+        return [g.reshape_like(dx1, x)]
+    geometry = _window_geometry(g, attrs)
     padded = "auto_pad" in geometry or any(geometry["pads"])
     if not padded or (include_pad and not ceil_mode):
         scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
@@ -92,6 +98,48 @@ def average_pool(g):
         scaled = g.op("Mul", dy1, scale)
     dx1 = emit_conv_grad(g, scaled, x1, ones_kernel, [True], [x1], **geometry)[0]
     return [g.reshape_like(dx1, x)]
+
+
+def _ceil_windows_at_run_time(g, attrs: dict) -> bool:
+    """Whether a pool's ceil_mode windows depend on spatial sizes known at run time only: its
+    gradient then finds them at run time (``_window_counts_at_run_time``,
+    ``_window_sum_transposed_at_run_time``) instead of as static end padding."""
+    nd = len(attrs["kernel_shape"])
+    if not int(attrs.get("ceil_mode", 0)) or as_text(attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return False
+    return not is_static((dims_of(g.x(0)) or [None] * (nd + 2))[2:])
+
+
+def _static_window_attrs(attrs: dict) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(strides, dilations, begin pads, end pads) of a pool's windows (VALID: no pads)."""
+    nd = len(attrs["kernel_shape"])
+    pads = [0] * (2 * nd) if as_text(attrs.get("auto_pad", "NOTSET")) == "VALID" else list(attrs.get("pads", [0] * (2 * nd)))
+    return list(attrs.get("strides", [1] * nd)), list(attrs.get("dilations", [1] * nd)), pads[:nd], pads[nd:]
+
+
+def _window_counts_at_run_time(g, ones, dy1, ones_kernel, attrs: dict):
+    """How many taps of each ceil_mode window lie inside the input, for spatial sizes known at run
+    time: a window sum of ones whose end padding reaches past any overhang (stride - 1 beyond the
+    explicit pads), cut to dY's windows."""
+    strides, dilations, begin, end = _static_window_attrs(attrs)
+    nd = len(strides)
+    reach = [*begin, *(e + s - 1 for e, s in zip(end, strides))]
+    counts = g.op("Conv", ones, ones_kernel, strides=strides, dilations=dilations, pads=reach)
+    spatial = list(range(2, 2 + nd))
+    return g.op("Slice", counts, g.ints([0] * nd), dims_value(g, dy1, 2), g.ints(spatial))
+
+
+def _window_sum_transposed_at_run_time(g, dy1, x1, ones_kernel, attrs: dict):
+    """The transpose of a ceil_mode window sum, for spatial sizes known at run time: ConvTranspose
+    with the begin padding only, then cut (an overhanging last window) or padded with zeros (inputs
+    no window reaches) to X's spatial sizes."""
+    strides, dilations, begin, _ = _static_window_attrs(attrs)
+    nd = len(strides)
+    full = g.op("ConvTranspose", dy1, ones_kernel, strides=strides, dilations=dilations, pads=[*begin, *[0] * nd])
+    sizes = dims_value(g, x1, 2)
+    missing = g.op("Max", g.op("Sub", sizes, dims_value(g, full, 2)), g.ints([0] * nd))
+    padded = g.op("Pad", full, concat_ints(g, [[0] * (2 + nd), [0, 0], missing]))
+    return g.op("Slice", padded, g.ints([0] * nd), sizes, g.ints(list(range(2, 2 + nd))))
 
 
 def _window_geometry(g, attrs: dict) -> dict:
@@ -163,11 +211,14 @@ def lp_pool(g):
     x, y = g.x(0), g.y()
     p = _lp_order(g)
     attrs = forward_attrs(g)
-    geometry = _window_geometry(g, attrs)
     ones_kernel = g.const(np.ones([1, 1, *attrs["kernel_shape"]], dtype=numpy_dtype_of(x)))
     x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
     dz1 = g.reshape(_lp_output_factor(g, g.dy(), y, p), concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
-    spread = g.reshape_like(emit_conv_grad(g, dz1, x1, ones_kernel, [True], [x1], **geometry)[0], x)
+    if _ceil_windows_at_run_time(g, attrs):
+        spread = g.reshape_like(_window_sum_transposed_at_run_time(g, dz1, x1, ones_kernel, attrs), x)
+    else:
+        geometry = _window_geometry(g, attrs)
+        spread = g.reshape_like(emit_conv_grad(g, dz1, x1, ones_kernel, [True], [x1], **geometry)[0], x)
     return [g.op("Mul", _lp_input_factor(g, x, p), spread)]
 
 
