@@ -83,24 +83,31 @@ def conv_transpose(g):
 
 
 def _explicit_transpose_pads(g, attrs: dict) -> dict:
-    """ConvTranspose's output_shape / SAME padding turned into explicit pads (needs static spatial dims)."""
+    """ConvTranspose's output_shape / SAME padding turned into explicit pads. SAME pads come from W
+    alone (the full result less X's size times the stride: op + (k - 1) * d + 1 - s, whatever X's
+    size); output_shape's need X's spatial dims static too."""
     x, w = g.x(0), g.x(1)
     xd, wd = dims_of(x), dims_of(w)
-    if xd is None or wd is None or not is_static(xd[2:]) or not is_static(wd[2:]):
+    with_output_shape = "output_shape" in attrs
+    if xd is None or wd is None or not is_static(wd[2:]) or (with_output_shape and not is_static(xd[2:])):
         raise ModelError(
-            f"{node_where(g)}: ConvTranspose with output_shape or auto_pad SAME_* needs static spatial "
-            "dims of X and W for its gradient"
+            f"{node_where(g)}: ConvTranspose with "
+            + (
+                "output_shape needs static spatial dims of X and W"
+                if with_output_shape
+                else "auto_pad SAME_* needs static spatial dims of W"
+            )
+            + " for its gradient"
         )
     nd = len(xd) - 2
     strides = attrs.get("strides", [1] * nd)
     dilations = attrs.get("dilations", [1] * nd)
     out_pad = attrs.get("output_padding", [0] * nd)
-    full = [s * (n - 1) + op + (k - 1) * d + 1 for s, n, op, k, d in zip(strides, xd[2:], out_pad, wd[2:], dilations)]
-    if "output_shape" in attrs:
-        out = list(attrs["output_shape"])[-nd:]
+    if with_output_shape:
+        full = [s * (n - 1) + op + (k - 1) * d + 1 for s, n, op, k, d in zip(strides, xd[2:], out_pad, wd[2:], dilations)]
+        total = [f - o for f, o in zip(full, list(attrs["output_shape"])[-nd:])]
     else:
-        out = [n * s for n, s in zip(xd[2:], strides)]
-    total = [f - o for f, o in zip(full, out)]
+        total = [op + (k - 1) * d + 1 - s for s, op, k, d in zip(strides, out_pad, wd[2:], dilations)]
     upper = as_text(attrs.get("auto_pad", "NOTSET")) == "SAME_UPPER"  # the spec: else-branch for NOTSET too
     begin = [t // 2 if upper else t - t // 2 for t in total]
     end = [t - b for t, b in zip(total, begin)]
