@@ -572,30 +572,7 @@ def _runnable(model: ir.Model) -> ir.Model:
         runnable = copy_model(runnable) if runnable is model else runnable
         EvaluateConstantsPass()(runnable)  # positions and split sizes computed from shapes
         SequencesAsTensorsPass()(runnable)
-    if _has_untyped_values(runnable.graph):
-        runnable = _typed(runnable, runnable is model)
     return runnable
-
-
-def _has_untyped_values(graph: ir.Graph) -> bool:
-    return any(value is not None and value.type is None for node in graph for value in node.inputs)
-
-
-def _typed(model: ir.Model, copy_first: bool) -> ir.Model:
-    """``model`` with the element types (and shapes) ONNX's inference finds for values it leaves
-    untyped (a hand-made or converted model without value_info): a step whose inputs are all typed
-    and not 16-bit runs as a plain call, an untyped one through the general path that checks its
-    arguments for 16-bit floats on every run (1.2 against 0.5 us a step on small tensors). A model
-    inference cannot type runs as it is."""
-    from gradgen.errors import GradgenError
-    from gradgen.passes import ShapeInferencePass
-
-    typed = copy_model(model) if copy_first else model
-    try:
-        ShapeInferencePass()(typed)
-    except (GradgenError, ir.passes.PassError):
-        return model
-    return typed
 
 
 def _checked_bindings(bindings: dict[str, str], inputs: list[str], outputs: list[str]) -> dict[str, str]:
