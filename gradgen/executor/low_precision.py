@@ -12,6 +12,8 @@ computed this way is what a tensor core with float32 accumulation computes, up t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
@@ -45,16 +47,32 @@ def declared_dtypes(node: ir.Node) -> list[np.dtype | None]:
 _LOW_SET = frozenset(LOW_PRECISION)
 
 
-def may_read_low_precision(node: ir.Node) -> bool:
+def may_read_low_precision(node: ir.Node, inferred: Mapping[str, int] | None = None) -> bool:
     """Whether an input of ``node`` can be a 16-bit float at run time: one the graph declares
-    16-bit or leaves untyped. A Session checks the arguments of only such steps (feeds are checked
-    against their declared types, and every kernel keeps the types the graph declares)."""
+    16-bit or leaves untyped (``inferred``: element types by value name for values the graph leaves
+    untyped, from ONNX's inference). A Session checks the arguments of only such steps (feeds are
+    checked against their declared types, and every kernel keeps the types the graph declares)."""
     for value in node.inputs:
         if value is None:
             continue
-        if value.dtype is None or int(value.dtype) in _ONNX_LOW:
+        dtype = int(value.dtype) if value.dtype is not None else (inferred or {}).get(value.name or "")
+        if not dtype or dtype in _ONNX_LOW:
             return True
     return False
+
+
+def inferred_element_types(model: ir.Model) -> dict[str, int]:
+    """Element types ONNX's inference gives the values of ``model``'s graph that it leaves untyped
+    (a model without value_info), by name; empty where there are none or inference fails. The
+    model is not changed."""
+    if not any(v is not None and v.type is None for node in model.graph for v in node.inputs):
+        return {}
+    from gradgen.passes.standard import inferred_element_types as infer
+
+    try:
+        return infer(model)
+    except Exception:  # noqa: BLE001 -- without them, those steps check their arguments at run time
+        return {}
 
 
 def needs_fp32(op_type: str, args: list, attributes: dict, out_dtypes: list | None) -> bool:

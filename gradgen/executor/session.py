@@ -252,6 +252,7 @@ class Session:
         if missing:
             raise UnsupportedOpsError("a CPU kernel" if self.device == "cpu" else "a CPU or CUDA kernel", missing)
         steps = []
+        inferred = low_precision.inferred_element_types(self.model)
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
             if registry.normalize_domain(node.domain) == schemas.MICROSOFT_DOMAIN and node.op_type in schemas.SCHEMAS:
@@ -280,7 +281,7 @@ class Session:
                     attributes=attrs,
                     free_after=[],
                     output_dtypes=low_precision.declared_dtypes(node),
-                    may_read_low_precision=bool(captured) or low_precision.may_read_low_precision(node),
+                    may_read_low_precision=bool(captured) or low_precision.may_read_low_precision(node, inferred),
                     foldable=self.device == "cpu" and not captured and plan_time_constant(node),
                     metadata=dict(node.metadata_props) or None,
                 )

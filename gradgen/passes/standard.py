@@ -440,6 +440,17 @@ def _static_dims(tensor_type) -> list[int] | None:
 _INFERENCE_DATA_LIMIT = 1024
 
 
+def inferred_element_types(model: ir.Model) -> dict[str, int]:
+    """The element types ONNX's inference gives the values of ``model``'s graph, by name (the
+    model is not changed; a ModelError where inference fails)."""
+    inferred, _ = _infer_shapes(_proto_without_weights(model))
+    return {
+        info.name: info.type.tensor_type.elem_type
+        for info in inferred.graph.value_info
+        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type
+    }
+
+
 def _proto_without_weights(model: ir.Model) -> onnx.ModelProto:
     """``model`` as a ModelProto in which large initializers are typed inputs without data.
 
