@@ -6,6 +6,10 @@ Usage::
     python scripts/hf_models.py [NAME ...] [--steps 20] [--ort-python PYTHON] [--json out.json]
     python scripts/hf_models.py [NAME ...] --speed [--json out.json]
     python scripts/hf_models.py [NAME ...] --bf16 [--json out.json]
+    python scripts/hf_models.py [NAME ...] --dynamic --exporters legacy,dynamo
+
+``--dynamic`` exports with a dynamic batch axis on every input and a dynamic length on token inputs
+(``dynamic_axes`` / ``Dim.AUTO``), as users export a model they train with varying shapes.
 
 Each model is a small, randomly initialised configuration of a transformers class that returns its
 own loss (GPT-2, BERT, RoBERTa, DistilBERT, Llama, Mistral, Qwen2, T5, BART, Whisper, ViT, Swin,
@@ -850,12 +854,31 @@ def cpu_speed(case: torch_sweep.Case, proto, repeats: int = 20) -> dict[str, Any
     return {"steps": len(session.steps), "ort_ms": ort_ms, "gradgen_ms": gradgen_ms, "ratio": gradgen_ms / ort_ms}
 
 
-def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> dict[str, Any]:
+def with_dynamic_axes(factory: Callable[[], torch_sweep.Case]) -> Callable[[], torch_sweep.Case]:
+    """The case exported as users export for training with varying shapes: every input's first
+    axis dynamic, and the second too for token inputs (integer, 2-D or more), each input's its own
+    symbol (labels may be shorter than the inputs)."""
+
+    def make() -> torch_sweep.Case:
+        case = factory()
+        axes = {}
+        for name, example in case.inputs.items():
+            if example.dim() >= 2 and not example.is_floating_point():
+                axes[name] = {0: "batch", 1: f"{name}_length"}
+            elif example.dim() >= 1:
+                axes[name] = {0: "batch"}
+        return dataclasses.replace(case, dynamic_axes=axes)
+
+    return make
+
+
+def run(name: str, exporter: str, steps: int, ort_python: str | None = None, dynamic: bool = False) -> dict[str, Any]:
     record: dict[str, Any] = {"model": name, "exporter": exporter}
     started = time.perf_counter()
+    factory = with_dynamic_axes(MODELS[name]) if dynamic else MODELS[name]
     try:
         if exporter != "dynamo-optimized":
-            torch_sweep.CASES[name] = ("hf", MODELS[name])
+            torch_sweep.CASES[name] = ("hf", factory)
             for dtype in (torch.float32, torch.float64):
                 with _stdout_silenced():
                     gradients = torch_sweep.run_case(name, exporter, dtype, 600)
@@ -873,7 +896,7 @@ def run(name: str, exporter: str, steps: int, ort_python: str | None = None) -> 
             if gradients["stage"] == "export":
                 return record
         torch.manual_seed(0)
-        case = MODELS[name]()
+        case = factory()
         with _stdout_silenced():
             proto = _export(case, exporter)
         options: dict[str, Any] = {"tie_weights": True, "ort_python": ort_python} if exporter == "dynamo-optimized" else {}
@@ -1009,6 +1032,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--ort-python", help="an interpreter with onnxruntime-training: also train the optimised export there")
     parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="export with a dynamic batch axis on every input and a dynamic length on token inputs",
+    )
+    parser.add_argument(
         "--bf16",
         action="store_true",
         help="instead: each model's bf16 gradients (gradgen's and PyTorch's CPU autocast) against PyTorch's fp32, per tensor",
@@ -1037,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name in args.names or list(MODELS):
         for exporter in args.exporters.split(","):
-            record = run(name, exporter, args.steps, args.ort_python)
+            record = run(name, exporter, args.steps, args.ort_python, dynamic=args.dynamic)
             print(row(record), flush=True)
             records.append(record)
     if args.json:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 import math
@@ -969,6 +970,9 @@ def export(case_: Case, exporter: str):
     if case_.dynamic_axes:
         dim = torch.export.Dim.AUTO
         dynamic_shapes = tuple({ax: dim for ax in case_.dynamic_axes.get(n, {})} or None for n in names)
+        parameters = inspect.signature(case_.module.forward).parameters.values()
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):  # forward(*args): one spec for the tuple
+            dynamic_shapes = (dynamic_shapes,)
     return dynamo_export(case_.module, args, names, dynamic_shapes)
 
 
