@@ -8,6 +8,8 @@ them; build-backward refused each of these with "... needs static sizes / spatia
   last window's overhang depends on the length, so the tap counts and the transpose's extent are
   found at run time.
 - ConvTranspose with auto_pad SAME_*: its pads depend on W alone.
+- AffineGrid of a size known at run time (``F.affine_grid(theta, x.size())``): the base grid is
+  made at run time by AffineGrid itself, which is linear in theta.
 """
 
 from __future__ import annotations
@@ -157,3 +159,29 @@ def test_conv_transpose_same_padding_on_symbolic_spatial_dims(auto_pad, strides,
         x = rng.standard_normal((1, 2, *size))
         report = check_gradients(model, inputs={"x": x}, wrt_inputs=True, wrt=["w"], loss="y")
         assert report.passed and {t.name for t in report.tensors} == {"x", "w"}, report.format()
+
+
+# -- AffineGrid ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("align_corners", [0, 1])
+@pytest.mark.parametrize("nd", [2, 3])
+def test_affine_grid_of_another_tensors_size(nd, align_corners):
+    """``F.affine_grid(theta, x.size())`` with dynamic axes: the base grid is made at run time by
+    AffineGrid itself, which is linear in theta."""
+    spatial = ["H", "W"] if nd == 2 else ["D", "H", "W"]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["size"]),
+        helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align_corners),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("theta", D, ["N", nd, nd + 1]),
+        helper.make_tensor_value_info("x", D, ["N", 1, *spatial]),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("grid", D, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    rng = np.random.default_rng(nd)
+    for sizes in ((3, 4, 5)[:nd], (2, 6, 3)[:nd]):
+        feeds = {"theta": rng.standard_normal((2, nd, nd + 1)), "x": np.zeros((2, 1, *sizes))}
+        report = check_gradients(model, inputs=feeds, wrt=["theta"], loss="grid")
+        assert report.passed, (sizes, report.format())

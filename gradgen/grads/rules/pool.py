@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import onnx_ir as ir
 
-from gradgen.builder import dims_of, is_static, numpy_dtype_of, same_dim
+from gradgen.builder import INT64_MAX, dims_of, is_static, numpy_dtype_of, same_dim
 from gradgen.errors import KernelError, ModelError
 from gradgen.grads.rules.conv import as_text, emit_conv_grad, forward_attrs, known_rank, node_where
 from gradgen.grads.rules.shape import concat_ints, dims_value, folded_const, folded_dims
@@ -280,7 +280,8 @@ def global_max_pool(g):
 @grad_rule("AffineGrid", nondiff_inputs=(1,))
 def affine_grid(g):
     """grid (N, P, nd) = base (P, nd + 1) @ theta^T: dTheta = dGrid^T @ base, per batch entry; the
-    base grid (gradgen.ops.grid_sample) is a constant of the spatial sizes, which must be static."""
+    base grid (gradgen.ops.grid_sample) is a constant of the spatial sizes where they are static,
+    else made at run time (``_run_time_base_grid``)."""
     theta = g.x(0)
     size = folded_const(g, 1)
     if size is not None:
@@ -289,10 +290,37 @@ def affine_grid(g):
         dims = dims_of(g.y())
         spatial = dims[1:-1] if dims is not None and is_static(dims[1:-1]) else None
     if spatial is None:
-        raise ModelError(f"{node_where(g)}: the gradient of theta needs the output's spatial sizes, which are not static")
+        nd = _affine_rank(g)
+        rows = g.reshape(g.dy(), [0, -1, nd])
+        return [g.op("MatMul", g.transpose(rows, [0, 2, 1]), _run_time_base_grid(g, nd)), None]
     base = affine_base_grid(spatial, g.attr("align_corners", 0), numpy_dtype_of(theta))
     rows = g.reshape(g.dy(), [0, base.shape[0], len(spatial)])
     return [g.op("MatMul", g.transpose(rows, [0, 2, 1]), g.const(base)), None]
+
+
+def _affine_rank(g) -> int:
+    """AffineGrid's spatial rank: theta is (N, nd, nd + 1), size holds N, C and nd sizes."""
+    theta, size = dims_of(g.x(0)), dims_of(g.x(1))
+    if theta is not None and len(theta) == 3 and isinstance(theta[1], int):
+        return int(theta[1])
+    if theta is not None and len(theta) == 3 and isinstance(theta[2], int):
+        return int(theta[2]) - 1
+    if size is not None and len(size) == 1 and isinstance(size[0], int):
+        return int(size[0]) - 2
+    raise ModelError(f"{node_where(g)}: the gradient of theta needs its spatial rank: theta's shape or size's length")
+
+
+def _run_time_base_grid(g, nd: int):
+    """The base grid (P, nd + 1) for spatial sizes known at run time: AffineGrid is linear in theta,
+    so the grid of the theta whose only 1 is at row 0, column k holds base[:, k] in its first
+    coordinate; one AffineGrid call over a batch of those nd + 1 thetas gives every column."""
+    dtype = numpy_dtype_of(g.x(0))
+    units = np.zeros((nd + 1, nd, nd + 1), dtype)
+    units[np.arange(nd + 1), 0, np.arange(nd + 1)] = 1
+    size = g.op("Concat", g.ints([nd + 1]), g.op("Slice", g.x(1), g.ints([1]), g.ints([INT64_MAX])), axis=0)
+    grids = g.op("AffineGrid", g.const(units), size, align_corners=int(g.attr("align_corners", 0)))
+    columns = g.reshape(g.op("Gather", grids, g.ints([0]), axis=-1), [nd + 1, -1])
+    return g.transpose(columns, [1, 0])
 
 
 @grad_rule("GridSample")
