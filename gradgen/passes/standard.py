@@ -217,10 +217,7 @@ def _channel_slopes(graph: onnx.GraphProto) -> None:
 
 
 def _declared_dims(value: onnx.ValueInfoProto) -> list | None:
-    tensor = value.type.tensor_type
-    if not value.type.HasField("tensor_type") or not tensor.HasField("shape"):
-        return None
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+    return _dims_or_none(value.type.tensor_type) if value.type.HasField("tensor_type") else None
 
 
 def _same_dims(old: list, new: list) -> bool:
@@ -651,11 +648,7 @@ def _attention_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProt
     nodes = [n for n in graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
     if not nodes:
         return []
-    types = {
-        v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output] if v.type.HasField("tensor_type")
-    }
-    for t in graph.initializer:
-        types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
+    types = _tensor_types(graph)
     fixes = []
     for node in nodes:
         wanted = _attention_output_dims(node, [_dims_or_none(types.get(name)) for name in node.input])
@@ -707,6 +700,20 @@ def _attention_output_dims(node: onnx.NodeProto, dims: list) -> dict[int, list]:
     return {0: [q[0], q[1], hidden], 3: [q[0], q_heads, q[1], total]}
 
 
+def _tensor_types(graph: onnx.GraphProto, names: set[str] | None = None) -> dict:
+    """The tensor types of ``graph``'s inputs, values, outputs and initializers by name (only those
+    of ``names`` where given: a whole-graph table can cost more than inference)."""
+    types = {
+        v.name: v.type.tensor_type
+        for v in [*graph.input, *graph.value_info, *graph.output]
+        if (names is None or v.name in names) and v.type.HasField("tensor_type")
+    }
+    for t in graph.initializer:
+        if names is None or t.name in names:
+            types[t.name] = onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
+    return types
+
+
 def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     """Outputs of pools and ConvTransposes (top-level graph) whose inferred shape differs from the
     shape gradgen's kernels produce."""
@@ -720,18 +727,7 @@ def _pool_shape_fixes(inferred: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
         return []
     # the types of these nodes' inputs and outputs only (a whole-graph table cost more than inference)
     wanted = {name for n in rule_nodes for name in [*n.input[:2], *n.output[:2]]}
-    types = {
-        v.name: v.type.tensor_type
-        for v in [*graph.input, *graph.value_info, *graph.output]
-        if v.name in wanted and v.type.HasField("tensor_type")
-    }
-    types.update(
-        {
-            t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)).tensor_type
-            for t in graph.initializer
-            if t.name in wanted
-        }
-    )
+    types = _tensor_types(graph, wanted)
     fixes = []
     for node in rule_nodes:
         static = [_static_dims(types.get(name)) for name in node.input[:2]]
