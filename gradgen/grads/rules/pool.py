@@ -77,26 +77,23 @@ def average_pool(g):
     ones_kernel = g.const(np.ones([1, 1, *kernel], dtype=dtype))
     x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
     dy1 = g.reshape(dy, concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
-    if _ceil_windows_at_run_time(g, attrs):
-        ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]), value=_tensor(np.ones((1,), dtype=dtype)))
-        counts = _window_counts_at_run_time(g, ones, dy1, ones_kernel, attrs)
-        scale = g.op("Div", g.op("AveragePool", ones, **attrs), counts) if include_pad else g.op("Reciprocal", counts)
-        dx1 = _window_sum_transposed_at_run_time(g, g.op("Mul", dy1, scale), x1, ones_kernel, attrs)
-        return [g.reshape_like(dx1, x)]
-    geometry = _window_geometry(g, attrs)
-    padded = "auto_pad" in geometry or any(geometry["pads"])
+    geometry = None if _ceil_windows_at_run_time(g, attrs) else _window_geometry(g, attrs)
+    padded = geometry is None or "auto_pad" in geometry or any(geometry["pads"])
     if not padded or (include_pad and not ceil_mode):
         scaled = g.op("Mul", dy1, g.const_like(x, 1.0 / math.prod(kernel)))
     else:
         ones = g.op("ConstantOfShape", concat_ints(g, [[1, 1], dims_value(g, x, 2)]), value=_tensor(np.ones((1,), dtype=dtype)))
-        counts = g.op("Conv", ones, ones_kernel, **geometry)  # taps inside the input, per window
+        if geometry is None:
+            counts = _window_counts_at_run_time(g, ones, dy1, ones_kernel, attrs)
+        else:
+            counts = g.op("Conv", ones, ones_kernel, **geometry)  # taps inside the input, per window
         if include_pad:
             # divisor = counts / AveragePool(ones), whatever the divisor convention at the border
             scale = g.op("Div", g.op("AveragePool", ones, **attrs), counts)
         else:
             scale = g.op("Reciprocal", counts)
         scaled = g.op("Mul", dy1, scale)
-    dx1 = emit_conv_grad(g, scaled, x1, ones_kernel, [True], [x1], **geometry)[0]
+    dx1 = _window_sum_transposed(g, scaled, x1, ones_kernel, attrs, geometry)
     return [g.reshape_like(dx1, x)]
 
 
@@ -127,6 +124,15 @@ def _window_counts_at_run_time(g, ones, dy1, ones_kernel, attrs: dict):
     counts = g.op("Conv", ones, ones_kernel, strides=strides, dilations=dilations, pads=reach)
     spatial = list(range(2, 2 + nd))
     return g.op("Slice", counts, g.ints([0] * nd), dims_value(g, dy1, 2), g.ints(spatial))
+
+
+def _window_sum_transposed(g, dy1, x1, ones_kernel, attrs: dict, geometry: dict | None):
+    """dY1 (N*C, 1, out) carried back through the window sum S of ``attrs``' windows: ConvGrad's dX
+    with a ones kernel and ``geometry`` (``_window_geometry``), or, for ceil_mode windows over
+    sizes known at run time (geometry None), ``_window_sum_transposed_at_run_time``."""
+    if geometry is None:
+        return _window_sum_transposed_at_run_time(g, dy1, x1, ones_kernel, attrs)
+    return emit_conv_grad(g, dy1, x1, ones_kernel, [True], [x1], **geometry)[0]
 
 
 def _window_sum_transposed_at_run_time(g, dy1, x1, ones_kernel, attrs: dict):
@@ -214,11 +220,8 @@ def lp_pool(g):
     ones_kernel = g.const(np.ones([1, 1, *attrs["kernel_shape"]], dtype=numpy_dtype_of(x)))
     x1 = g.reshape(x, concat_ints(g, [[-1, 1], dims_value(g, x, 2)]))
     dz1 = g.reshape(_lp_output_factor(g, g.dy(), y, p), concat_ints(g, [[-1, 1], dims_value(g, y, 2)]))
-    if _ceil_windows_at_run_time(g, attrs):
-        spread = g.reshape_like(_window_sum_transposed_at_run_time(g, dz1, x1, ones_kernel, attrs), x)
-    else:
-        geometry = _window_geometry(g, attrs)
-        spread = g.reshape_like(emit_conv_grad(g, dz1, x1, ones_kernel, [True], [x1], **geometry)[0], x)
+    geometry = None if _ceil_windows_at_run_time(g, attrs) else _window_geometry(g, attrs)
+    spread = g.reshape_like(_window_sum_transposed(g, dz1, x1, ones_kernel, attrs, geometry), x)
     return [g.op("Mul", _lp_input_factor(g, x, p), spread)]
 
 
@@ -467,24 +470,24 @@ def resize(g):
     # Outputs set to extrapolation_value (tf_crop_and_resize) have zero rows: no gradient.
     mats = resize_matrices(shape_in, shape_out, factors, attrs, roi, g.attr("axes"))
     for axis, (m, _) in sorted(mats.items()):
-        perm = list(range(rank))
-        perm[axis], perm[-1] = perm[-1], perm[axis]
-        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
-        moved = g.op("MatMul", moved, g.const(m.astype(dtype)))
-        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
-    for axis, s in sorted(blocks.items()):
-        perm = list(range(rank))
-        perm[axis], perm[-1] = perm[-1], perm[axis]
-        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
-        moved = g.reduce_sum(g.reshape(moved, [0] * (rank - 1) + [-1, s]), [rank], keepdims=0)
-        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+        dx = _along_axis(g, dx, axis, rank, lambda v, m=m: g.op("MatMul", v, g.const(m.astype(dtype))))
+    for axis, s in sorted(blocks.items()):  # output o of the block read input o // s: sum each block
+        dx = _along_axis(
+            g, dx, axis, rank, lambda v, s=s: g.reduce_sum(g.reshape(v, [0] * (rank - 1) + [-1, s]), [rank], keepdims=0)
+        )
     for axis, scale in sorted(runtime.items()):
-        perm = list(range(rank))
-        perm[axis], perm[-1] = perm[-1], perm[axis]
-        moved = dx if axis == rank - 1 else g.transpose(dx, perm)
-        moved = g.op("MatMul", moved, _run_time_matrix(g, x, axis, scale, attrs, dtype))
-        dx = moved if axis == rank - 1 else g.transpose(moved, perm)
+        matrix = _run_time_matrix(g, x, axis, scale, attrs, dtype)
+        dx = _along_axis(g, dx, axis, rank, lambda v, m=matrix: g.op("MatMul", v, m))
     return [dx]
+
+
+def _along_axis(g, value: ir.Value, axis: int, rank: int, transform) -> ir.Value:
+    """``transform`` of ``value`` with ``axis`` swapped to the last place, swapped back after."""
+    perm = list(range(rank))
+    perm[axis], perm[-1] = perm[-1], perm[axis]
+    moved = value if axis == rank - 1 else g.transpose(value, perm)
+    moved = transform(moved)
+    return moved if axis == rank - 1 else g.transpose(moved, perm)
 
 
 def _run_time_matrix(g, x: ir.Value, axis: int, scale: float | None, attrs: dict, dtype) -> ir.Value:
