@@ -61,16 +61,16 @@ def may_read_low_precision(node: ir.Node, inferred: Mapping[str, int] | None = N
     return False
 
 
-def inferred_element_types(model: ir.Model) -> dict[str, int]:
-    """Element types ONNX's inference gives the values of ``model``'s graph that it leaves untyped
-    (a model without value_info), by name; empty where there are none or inference fails. The
-    model is not changed."""
+def untyped_value_types(model: ir.Model) -> dict[str, int]:
+    """Element types ONNX's inference gives ``model``'s values, by name, where a value its nodes
+    read is untyped (a model without value_info); empty where none is or inference fails (the
+    model is not changed)."""
     if not any(v is not None and v.type is None for node in model.graph for v in node.inputs):
         return {}
-    from gradgen.passes.standard import inferred_element_types as infer
+    from gradgen.passes.standard import inferred_element_types
 
     try:
-        return infer(model)
+        return inferred_element_types(model)
     except Exception:  # noqa: BLE001 -- without them, those steps check their arguments at run time
         return {}
 

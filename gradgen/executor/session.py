@@ -253,7 +253,7 @@ class Session:
             raise UnsupportedOpsError("a CPU kernel" if self.device == "cpu" else "a CPU or CUDA kernel", missing)
         steps = []
         # the CPU only until the CUDA suite has run with it (the GPU backend's 16-bit handling)
-        inferred = low_precision.inferred_element_types(self.model) if self.device == "cpu" else {}
+        inferred = low_precision.untyped_value_types(self.model) if self.device == "cpu" else {}
         for node in _topological_order(nodes, self.graph):
             entry = registry.lookup(node.domain, node.op_type)
             if registry.normalize_domain(node.domain) == schemas.MICROSOFT_DOMAIN and node.op_type in schemas.SCHEMAS:
